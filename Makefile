@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make bench` and `make test`. Both bootstrap .venv first.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.graphrt-installed
+
+.PHONY: venv test bench plan clean
+
+venv: $(STAMP)
+
+# torch must be exactly 2.13.0 (the CPU build on disk); anything else pulls GBs of CUDA wheels.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(VPY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+bench: $(STAMP)
+	$(VPY) -m graphrt.cli bench
+
+plan: $(STAMP)
+	$(VPY) -m graphrt.cli plan
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build src/*.egg-info

@@ -1,0 +1,47 @@
+"""graphrt: one graph runtime for LLM inference engines.
+
+Run a model's forward pass and sampler as captured device graphs (CUDA Graph, Ascend ACL
+Graph, a CPU recording graph) or ahead-of-time compiled XLA executables, behind one
+interface: ``BucketPolicy`` (which shapes), ``Padder`` (pad every input safely),
+``GraphCache`` (graphs / executables by key, with statistics) and the ``ModelRunner``
+front end. ``import graphrt`` imports neither torch nor jax; names that need them load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from graphrt.buckets import BucketPolicy
+from graphrt.cache import CacheStats, GraphCache
+from graphrt.config import GraphConfig, add_cli_args, from_cli_args
+from graphrt.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode
+from graphrt.errors import (BackendUnavailableError, CacheMissError, ConfigError, GraphCaptureError,
+                            GraphrtError, InputError)
+from graphrt.inputs import InputPreparer, ModelInputs, prepare_inputs
+from graphrt.padding import Padder
+from graphrt.registry import available_backends, select_backend
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ModelRunner": "graphrt.runner",
+    "LLM": "graphrt.llm",
+    "RequestOutput": "graphrt.llm",
+    "SamplingParams": "graphrt.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'graphrt' has no attribute {name!r}")
+
+
+__all__ = [
+    "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
+    "ConfigError", "Dispatch", "Dispatcher", "GraphCache", "GraphCaptureError", "GraphConfig",
+    "GraphMode", "GraphrtError", "InputError", "InputPreparer", "LLM", "ModelInputs",
+    "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplingParams", "add_cli_args",
+    "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
+]

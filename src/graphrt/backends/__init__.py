@@ -1,0 +1,1 @@
+"""Backends: eager, cpu (recording graph), cuda, npu (ACL), xla; one file each over shared code."""

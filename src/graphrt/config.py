@@ -1,0 +1,164 @@
+"""``GraphConfig``: the flags engine authors know from vLLM and sglang-jax, validated.
+
+Graph backends (cuda, npu, cpu) read ``mode``, ``cudagraph_capture_sizes`` and
+``max_cudagraph_capture_size``; the XLA backend reads ``precompile_token_paddings``,
+``precompile_bs_paddings`` and ``disable_precompile``. ``add_cli_args`` / ``from_cli_args``
+expose every field as ``--kebab-case`` flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from graphrt import defaults
+from graphrt.buckets import BucketPolicy
+from graphrt.dispatch import Dispatcher, GraphMode
+from graphrt.errors import ConfigError
+
+
+def _sizes(name: str, values: Optional[list[int]]) -> Optional[list[int]]:
+    if values is None:
+        return None
+    if not values:
+        raise ValueError(f"{name} is empty; leave it unset for the default")
+    bad = [v for v in values if v <= 0]
+    if bad:
+        raise ValueError(f"{name} must be positive, got {bad}")
+    return sorted(set(values))
+
+
+class GraphConfig(BaseModel):
+    """Graph capture / precompile and scheduler limits, validated together."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    mode: GraphMode = Field(GraphMode.FULL_AND_PIECEWISE, description="graph mode (vLLM's cudagraph_mode)")
+    cudagraph_capture_sizes: Optional[list[int]] = Field(
+        None, description="token counts to capture; default vLLM's list up to max_cudagraph_capture_size")
+    max_cudagraph_capture_size: Optional[int] = Field(
+        None, description="largest captured size; default min(2 * max_num_seqs, 512, max_num_batched_tokens)")
+    precompile_token_paddings: Optional[list[int]] = Field(
+        None, description="XLA token buckets of prefill/mixed steps; default powers of two to max_num_batched_tokens")
+    precompile_bs_paddings: Optional[list[int]] = Field(
+        None, description="XLA batch-size buckets of decode steps; default powers of two to max_num_seqs")
+    disable_precompile: bool = Field(False, description="XLA: compile lazily instead of before serving")
+    enforce_eager: bool = Field(False, description="never capture or compile graphs; run eagerly")
+    strict: bool = Field(False, description="after warm-up, a step without a graph raises CacheMissError")
+    max_num_seqs: int = Field(defaults.DEFAULT_MAX_NUM_SEQS, gt=0, description="requests per step")
+    max_num_batched_tokens: int = Field(defaults.DEFAULT_MAX_NUM_BATCHED_TOKENS, gt=0,
+                                        description="tokens per step (the scheduler's budget)")
+    max_model_len: int = Field(defaults.DEFAULT_MAX_MODEL_LEN, gt=0, description="tokens per request")
+    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block")
+    compilation_cache_dir: Optional[str] = Field(
+        None, description="XLA persistent compilation cache directory (reused across restarts)")
+    debug_check_addresses: bool = Field(
+        False, description="verify on every replay that inputs are read from the captured buffers")
+
+    _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
+                                   "precompile_bs_paddings")(
+        classmethod(lambda cls, v, info: _sizes(info.field_name, v)))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GraphConfig":
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) exceeds max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}): every request needs a token per step")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size <= 0:
+            raise ValueError(f"max_cudagraph_capture_size must be > 0, got {self.max_cudagraph_capture_size}")
+        sizes, cap = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if sizes is not None and cap is not None and max(sizes) != cap:
+            raise ValueError(f"max_cudagraph_capture_size ({cap}) must equal the largest of "
+                             f"cudagraph_capture_sizes ({max(sizes)}); set one of them")
+        if sizes is not None and max(sizes) > self.max_num_batched_tokens:
+            raise ValueError(f"cudagraph_capture_sizes up to {max(sizes)} exceed max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}): such graphs could never run")
+        tok = self.precompile_token_paddings
+        if tok is not None and max(tok) < self.max_num_batched_tokens:
+            raise ValueError(f"precompile_token_paddings end at {max(tok)} below max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}): XLA has no eager escape, so every step "
+                             f"the scheduler can form needs a bucket; add {self.max_num_batched_tokens}")
+        bs = self.precompile_bs_paddings
+        if bs is not None and max(bs) < self.max_num_seqs:
+            raise ValueError(f"precompile_bs_paddings end at {max(bs)} below max_num_seqs "
+                             f"({self.max_num_seqs}); add {self.max_num_seqs}")
+        return self
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> "GraphConfig":
+        """Like the constructor, but raises :class:`ConfigError` with pydantic's messages."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}"
+                             for err in e.errors())
+            raise ConfigError(msgs) from None
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def capture_policy(self) -> BucketPolicy:
+        """Token buckets of graph backends (capture sizes)."""
+        if self.cudagraph_capture_sizes is not None:
+            return BucketPolicy(self.cudagraph_capture_sizes)
+        cap = self.max_cudagraph_capture_size or min(2 * self.max_num_seqs,
+                                                     defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE)
+        return BucketPolicy.vllm_default(min(cap, self.max_num_batched_tokens))
+
+    def xla_token_policy(self) -> BucketPolicy:
+        """XLA token buckets; the largest always covers ``max_num_batched_tokens``."""
+        if self.precompile_token_paddings is not None:
+            return BucketPolicy(self.precompile_token_paddings)
+        return BucketPolicy.powers_of_two(self.max_num_batched_tokens,
+                                          min_size=min(16, self.max_num_batched_tokens))
+
+    def xla_bs_policy(self) -> BucketPolicy:
+        """XLA decode batch-size buckets; the largest always covers ``max_num_seqs``."""
+        if self.precompile_bs_paddings is not None:
+            return BucketPolicy(self.precompile_bs_paddings)
+        return BucketPolicy.powers_of_two(self.max_num_seqs)
+
+    def graph_dispatcher(self, mode: GraphMode | None = None) -> Dispatcher:
+        """The dispatcher of graph backends (eager above the largest capture size)."""
+        m = GraphMode.NONE if self.enforce_eager else (mode or self.mode)
+        return Dispatcher(m, token_buckets=None if m is GraphMode.NONE else self.capture_policy(),
+                          max_num_seqs=self.max_num_seqs)
+
+    def xla_dispatcher(self) -> Dispatcher:
+        """The dispatcher of the XLA backend: decode by batch size, mixed at a fixed batch size."""
+        bs = self.xla_bs_policy()
+        return Dispatcher(GraphMode.FULL, token_buckets=self.xla_token_policy(),
+                          decode_buckets=bs, mixed_num_reqs=bs.max_size,
+                          max_num_seqs=self.max_num_seqs, eager_fallback=False, separate_decode=True)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one ``--flag`` per :class:`GraphConfig` field (defaults left to the config)."""
+    group = parser.add_argument_group("graphrt")
+    for name, info in GraphConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        ann = info.annotation
+        base = typing.get_args(ann)[0] if typing.get_origin(ann) is typing.Union else ann
+        help_text = f"{info.description} (default: {info.default if info.default is not None else 'auto'})"
+        if base is bool:
+            group.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)
+        elif typing.get_origin(base) is list:
+            group.add_argument(flag, dest=name, type=int, nargs="+", default=None, help=help_text)
+        elif base is GraphMode:
+            group.add_argument(flag, dest=name, choices=[m.value for m in GraphMode], default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, dest=name, type=base, default=None, help=help_text)
+    return parser
+
+
+def from_cli_args(args: argparse.Namespace, **overrides: Any) -> GraphConfig:
+    """Build a validated config from parsed flags; flags not given keep the defaults."""
+    values = {k: getattr(args, k) for k in GraphConfig.model_fields
+              if getattr(args, k, None) is not None}
+    values.update(overrides)
+    return GraphConfig.create(**values)

@@ -1,0 +1,52 @@
+"""Every number graphrt chooses for you, in one place.
+
+Fill values for padding, default bucket lists, limits. Change a value here and every
+module that depends on it follows.
+"""
+
+from __future__ import annotations
+
+#: Padding fill per field (see docs/padding.md). Attention backends may override the
+#: table through ``Padder(fill_values=...)``.
+PAD_FILL_VALUES: dict[str, int] = {
+    "input_ids": 0,            # any valid id: finite activations
+    "positions": 0,            # a valid rotary index
+    "slot_mapping": -1,        # KV writes skip negative slots: a padded token writes no real slot
+    "seq_lens": 0,             # a padded request attends to nothing
+    "num_computed_tokens": 0,
+    "block_table": 0,          # the null block, never handed to a request
+}
+#: query_start_loc is padded by repeating its last value (keeps it non-decreasing).
+QUERY_START_LOC_FILL = "repeat_last"
+
+#: Block 0 of every KV cache is reserved: it is the fill for unused block-table entries.
+NULL_BLOCK = 0
+
+#: vLLM's default capture sizes: [1, 2, 4] then every 8 below 256, then every 16.
+VLLM_SMALL_SIZES = (1, 2, 4)
+VLLM_STEP_BELOW_256 = 8
+VLLM_STEP_FROM_256 = 16
+VLLM_STEP_SWITCH = 256
+#: vLLM caps the default largest capture size at this many tokens.
+VLLM_DEFAULT_MAX_CAPTURE_SIZE = 512
+
+#: SGLang's default cuda-graph batch sizes: [1, 2, 4, 8, 12], every 8 up to 256, every 16
+#: up to 512, every 32 beyond.
+SGLANG_SMALL_SIZES = (1, 2, 4, 8, 12)
+SGLANG_SCHEDULE = ((16, 256, 8), (272, 511, 16), (512, None, 32))  # (start, stop inclusive, step)
+
+#: Default serving limits (vLLM's flag names).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_BLOCK_SIZE = 16
+#: Fraction of free device memory the KV cache may take when sized from a budget.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+#: Ascend ACL graph: at most this many captured graphs (2048 streams, 248 kept spare).
+ACL_MAX_CAPTURE_SIZE = 1800
+#: Ascend A3 / FFTS+ path: streams each communication group may take.
+ACL_STREAMS_PER_COMM_GROUP = 40
+
+#: Largest histogram size BucketPolicy.fit solves exactly (O(n^2 * k) dynamic programme).
+FIT_MAX_DISTINCT_SIZES = 4096

@@ -1,0 +1,87 @@
+"""The architecture facts graphrt's reference models read from a Hugging Face ``config.json``.
+
+Shared by the torch and the JAX models; numpy-free and framework-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from graphrt.errors import InputError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A decoder-only transformer as graphrt's reference models see it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_id: tuple[int, ...]
+    torch_dtype: str
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DecoderConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise InputError("architectures", f"{archs} not supported; graphrt's reference models "
+                                              f"are {list(SUPPORTED_ARCHITECTURES)}")
+        rope_params = raw.get("rope_parameters") or {}
+        for field in ("rope_scaling", "rope_parameters"):
+            rope = raw.get(field)
+            if rope and rope.get("rope_type", rope.get("type")) not in (None, "default"):
+                raise InputError(field, f"{rope} not supported (only default rotary)")
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_id=eos_ids,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> "DecoderConfig":
+        path = os.path.join(os.fspath(model_dir), "config.json")
+        if not os.path.exists(path):
+            raise InputError("model_dir", f"{model_dir!s} has no config.json")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
