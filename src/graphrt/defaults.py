@@ -50,3 +50,6 @@ ACL_STREAMS_PER_COMM_GROUP = 40
 
 #: Largest histogram size BucketPolicy.fit solves exactly (O(n^2 * k) dynamic programme).
 FIT_MAX_DISTINCT_SIZES = 4096
+
+#: KV cache budget on devices that cannot report free memory (the CPU backends).
+DEFAULT_HOST_KV_CACHE_BYTES = 256 * 2**20

@@ -40,6 +40,39 @@ class GraphMode(str, enum.Enum):
         return self in (GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
 
 
+class AttentionGraphSupport(enum.IntEnum):
+    """What an attention backend can run inside a FULL graph (vLLM's four levels)."""
+
+    NEVER = 0                        # attention must stay outside graphs
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # full graphs of single-token decode batches only
+    UNIFORM_BATCH = 2                # full graphs of uniform batches (decode, spec-decode)
+    ALWAYS = 3                       # full graphs of any batch, mixed included
+
+
+def resolve_mode(requested: GraphMode, *, attention: AttentionGraphSupport,
+                 piecewise: bool) -> tuple[GraphMode, str | None]:
+    """The best mode the backend supports at or below ``requested``; the reason if degraded."""
+    mode = GraphMode(requested)
+    if mode is GraphMode.NONE:
+        return mode, None
+    full_mixed = attention >= AttentionGraphSupport.ALWAYS
+    full_decode = attention >= AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    wanted = mode
+    if mode is GraphMode.FULL and not full_mixed:
+        mode = GraphMode.FULL_AND_PIECEWISE if full_decode else GraphMode.PIECEWISE
+    if mode in (GraphMode.FULL_AND_PIECEWISE, GraphMode.FULL_DECODE_ONLY) and not full_decode:
+        mode = GraphMode.PIECEWISE if mode is GraphMode.FULL_AND_PIECEWISE else GraphMode.NONE
+    if not piecewise:
+        if mode is GraphMode.FULL_AND_PIECEWISE:
+            mode = GraphMode.FULL if full_mixed else GraphMode.FULL_DECODE_ONLY
+        elif mode is GraphMode.PIECEWISE:
+            mode = GraphMode.NONE
+    if mode is wanted:
+        return mode, None
+    return mode, (f"graph mode {wanted.value} degraded to {mode.value}: attention supports full graphs "
+                  f"{attention.name.lower()}, piecewise capture {'available' if piecewise else 'unavailable'}")
+
+
 class RuntimeMode(str, enum.Enum):
     """How one step actually runs."""
 

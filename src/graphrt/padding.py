@@ -53,23 +53,26 @@ class Padder:
         self._max_reqs = max_num_reqs
         self._buffers: dict[str, np.ndarray] = {}
 
-    def pad(self, inputs: ModelInputs, *, num_tokens: int, num_reqs: int) -> ModelInputs:
-        """Return ``inputs`` padded to ``num_tokens`` tokens and ``num_reqs`` requests."""
+    def pad(self, inputs: ModelInputs, *, num_tokens: int, num_reqs: int,
+            out: Mapping[str, np.ndarray] | None = None) -> ModelInputs:
+        """Return ``inputs`` padded to ``num_tokens`` tokens and ``num_reqs`` requests.
+
+        ``out`` (field -> array at least as large as the target) receives the result in
+        place: a backend passes its host staging buffers so padding writes there directly.
+        """
         t, r = inputs.num_tokens, inputs.num_reqs
         if num_tokens < t:
             raise InputError("num_tokens", f"padding target {num_tokens} is below the real {t} tokens")
         if num_reqs < r:
             raise InputError("num_reqs", f"padding target {num_reqs} is below the real {r} requests")
         width = inputs.block_table.shape[1]
-        out = {
-            "input_ids": self._buffer("input_ids", (num_tokens,)),
-            "positions": self._buffer("positions", (num_tokens,)),
-            "slot_mapping": self._buffer("slot_mapping", (num_tokens,)),
-            "query_start_loc": self._buffer("query_start_loc", (num_reqs + 1,)),
-            "seq_lens": self._buffer("seq_lens", (num_reqs,)),
-            "num_computed_tokens": self._buffer("num_computed_tokens", (num_reqs,)),
-            "block_table": self._buffer("block_table", (num_reqs, width)),
-        }
+        shapes = {"input_ids": (num_tokens,), "positions": (num_tokens,), "slot_mapping": (num_tokens,),
+                  "query_start_loc": (num_reqs + 1,), "seq_lens": (num_reqs,),
+                  "num_computed_tokens": (num_reqs,), "block_table": (num_reqs, width)}
+        if out is None:
+            out = {name: self._buffer(name, shape) for name, shape in shapes.items()}
+        else:
+            out = {name: _view(name, out[name], shape) for name, shape in shapes.items()}
         for name in ("input_ids", "positions", "slot_mapping"):
             out[name][:t] = getattr(inputs, name)[:t]
             out[name][t:] = self.fill_values[name]
@@ -93,3 +96,10 @@ class Padder:
             buf = np.empty((size,) + shape[1:], dtype=_DTYPES[name])
             self._buffers[name] = buf
         return buf[:shape[0]]
+
+
+def _view(name: str, buf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The leading ``shape`` of a caller's buffer, checked."""
+    if buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
+        raise InputError(name, f"output buffer of shape {buf.shape} cannot hold {shape}")
+    return buf[:shape[0]]

@@ -1,0 +1,108 @@
+"""What every backend provides, and what the ModelRunner asks of it.
+
+A *backend* (registry name -> class) says whether it can run here and builds an
+*executor* for a model. The executor owns the device side of a step: static buffers,
+the KV cache, building (capturing or compiling) the entry for a key, and running a
+padded step. The ModelRunner does everything host-side (prepare, dispatch, pad, stats)
+the same way for every backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from graphrt.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
+from graphrt.inputs import ModelInputs
+
+
+@dataclass
+class SamplingBatch:
+    """Per-request sampling parameters of one step, as arrays (length = real requests)."""
+
+    temperature: np.ndarray        # float32; 0 = greedy
+    top_k: np.ndarray              # int64; vocabulary size where disabled
+    top_p: np.ndarray              # float32; 1.0 where disabled
+    seeds: Sequence[int | None]    # per request; None = the device RNG
+    request_ids: Sequence[int]     # identity of each request (for seeded generators)
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0.0).all())
+
+
+class Executor(abc.ABC):
+    """The device side of a ModelRunner."""
+
+    #: Whether this executor captures or compiles anything (False: every step is eager).
+    has_graphs: bool = True
+    #: What the model's attention can run inside FULL graphs.
+    attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS
+    #: Whether PIECEWISE graphs (split at attention) are available.
+    supports_piecewise: bool = False
+    #: Whether a step above the largest bucket may run eagerly.
+    eager_fallback: bool = True
+
+    vocab_size: int
+    host_buffers: Mapping[str, np.ndarray]
+
+    @abc.abstractmethod
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block takes over all layers."""
+
+    @abc.abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the KV cache (block 0 is the null block, never given to a request)."""
+
+    @abc.abstractmethod
+    def build(self, mode: RuntimeMode, key: BatchDescriptor) -> tuple[Any, int]:
+        """Capture / compile the entry for ``key``; returns (entry, bytes it holds)."""
+
+    @abc.abstractmethod
+    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: Any, padded: ModelInputs) -> Any:
+        """Run one padded step (replay ``entry``, or eagerly when it is None); returns logits rows."""
+
+    @abc.abstractmethod
+    def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch) -> np.ndarray:
+        """One token id per real request (int64)."""
+
+    def hidden_states(self, num_tokens: int) -> np.ndarray:
+        """The last step's hidden states of the first ``num_tokens`` rows (tests, debugging)."""
+        raise NotImplementedError
+
+    def logits(self, num_reqs: int) -> np.ndarray:
+        """The last step's logits of the first ``num_reqs`` requests (tests, debugging)."""
+        raise NotImplementedError
+
+    def free_request(self, request_id: int) -> None:
+        """Forget per-request state (seeded generators) of a finished request."""
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) device bytes where the device can say, for KV cache sizing."""
+        return None
+
+
+class Backend(abc.ABC):
+    """A registry entry: a device / framework pairing that can build executors."""
+
+    name: ClassVar[str]
+    framework: ClassVar[str]   # "torch" or "jax"
+
+    @classmethod
+    @abc.abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """``None`` when this backend can run here, else why not (one sentence)."""
+
+    @abc.abstractmethod
+    def load_model(self, model_dir: str, dtype: Any = None) -> Any:
+        """Load graphrt's reference model for this framework from a Hugging Face directory."""
+
+    @abc.abstractmethod
+    def create_executor(self, model: Any, config: Any) -> Executor:
+        """The executor that runs ``model`` under ``config`` on this backend's device."""
+
+    def __repr__(self) -> str:
+        return f"<graphrt backend {self.name}>"

@@ -1,0 +1,253 @@
+"""``ModelRunner``: the one front end every backend sits behind.
+
+Per step: prepare inputs (numpy, persistent buffers) -> ask the dispatcher for the key
+-> pad into the executor's staging buffers -> replay the captured graph / call the
+compiled executable / run eagerly -> logits at each request's last token -> the sampler,
+its own graph. Host-side work is identical for every backend; only the executor differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from graphrt import defaults
+from graphrt.backends.base import Backend, Executor, SamplingBatch
+from graphrt.cache import GraphCache
+from graphrt.config import GraphConfig
+from graphrt.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
+from graphrt.errors import GraphrtError, InputError
+from graphrt.inputs import InputPreparer, ModelInputs
+from graphrt.padding import Padder
+from graphrt.registry import select_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EagerFallback:
+    """Cache entry of a key whose capture failed: the step runs eagerly, for this reason."""
+
+    reason: str
+
+
+@dataclass
+class StepInfo:
+    """What the last step ran as (for tests, logs and the CLI)."""
+
+    dispatch: Dispatch
+    mode: RuntimeMode
+    key: BatchDescriptor
+    num_tokens: int
+    num_reqs: int
+    eager_reason: str | None
+    seconds: float
+
+
+class ModelRunner:
+    """Runs a model's steps on one backend with graphs / executables per bucket.
+
+    ``model`` is a Hugging Face directory (loaded with graphrt's reference models for the
+    backend's framework) or an already-built model object that follows the protocol in
+    ``docs/models.md``. The KV cache has ``num_kv_blocks`` blocks, or as many as
+    ``kv_cache_memory`` bytes (or the device's free memory) hold; block 0 is the null block.
+    """
+
+    def __init__(self, model: Any, config: GraphConfig | None = None, *,
+                 backend: str | Backend = "auto", num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, dtype: Any = None, warmup: bool = True,
+                 progress: bool = True, **config_fields: Any) -> None:
+        self.config = config if config is not None else GraphConfig.create(**config_fields)
+        if config is not None and config_fields:
+            self.config = GraphConfig.create(**{**config.model_dump(), **config_fields})
+        cfg = self.config
+        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        if isinstance(model, (str, os.PathLike)):
+            model = self.backend.load_model(os.fspath(model), dtype)
+        self.model = model
+        self.executor: Executor = self.backend.create_executor(model, cfg)
+        self.vocab_size = self.executor.vocab_size
+        self.mode, degraded = resolve_mode(cfg.mode, attention=self.executor.attention_support,
+                                           piecewise=self.executor.supports_piecewise)
+        if not self.executor.has_graphs and self.mode is not GraphMode.NONE:
+            self.mode, degraded = GraphMode.NONE, f"backend {self.backend.name} runs every step eagerly"
+        if degraded:
+            logger.info("graphrt: %s", degraded)
+        self.dispatcher = (cfg.graph_dispatcher(self.mode) if self.executor.eager_fallback
+                           else cfg.xla_dispatcher())
+        self.num_kv_blocks = self._num_kv_blocks(num_kv_blocks, kv_cache_memory)
+        self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
+        self.preparer = InputPreparer(max_num_reqs=cfg.max_num_seqs,
+                                      max_num_tokens=cfg.max_num_batched_tokens,
+                                      block_size=cfg.block_size)
+        self.padder = Padder()
+        self.cache: GraphCache = GraphCache(strict=cfg.strict)
+        self.sampler_cache: GraphCache = GraphCache(strict=False)
+        self.last_step: StepInfo | None = None
+        self.warmup_report: list[dict[str, Any]] = []
+        self.progress = progress
+        if warmup:
+            self.warmup()
+
+    # ---- setup ---------------------------------------------------------------------
+    def _num_kv_blocks(self, explicit: int | None, budget: int | None) -> int:
+        cfg = self.config
+        per_block = self.executor.kv_cache_bytes_per_block(cfg.block_size)
+        if explicit is not None:
+            if explicit < 2:
+                raise InputError("num_kv_blocks", f"needs >= 2 (block 0 is the null block), got {explicit}")
+            return int(explicit)
+        if budget is None:
+            info = self.executor.memory_info()
+            if info is not None:
+                free, total = info
+                budget = int(free - total * (1.0 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
+            else:
+                budget = defaults.DEFAULT_HOST_KV_CACHE_BYTES
+        full = cfg.max_num_seqs * cfg.max_blocks_per_req + 1
+        blocks = min(budget // per_block, full)
+        if blocks < 2:
+            raise InputError("kv_cache_memory", f"{budget} bytes hold {budget // per_block} KV blocks of "
+                                                f"{per_block} bytes; at least 2 are needed")
+        return int(blocks)
+
+    def warmup(self) -> list[dict[str, Any]]:
+        """Capture / compile every key the dispatcher can return, largest first, then seal.
+
+        Shows a progress bar and logs, per key, the seconds and bytes it took. A failed
+        capture makes that key run eagerly with a warning (strict mode: raises).
+        """
+        keys = self.dispatcher.keys()
+        sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
+        jobs: list[tuple[GraphCache, Any, RuntimeMode, Any]] = [
+            (self.cache, (m, k), m, k) for m, k in keys]
+        jobs += [(self.sampler_cache, key, RuntimeMode.FULL, key)
+                 for r in sampler_reqs for key in (("sample", r, True), ("sample", r, False))]
+        start = time.perf_counter()
+        bar = tqdm(jobs, desc=f"graphrt {self.backend.name} warm-up", unit="graph",
+                   disable=not self.progress or not jobs, leave=False)
+        for cache, cache_key, mode, key in bar:
+            bar.set_postfix_str(str(key))
+            t0 = time.perf_counter()
+            try:
+                entry, nbytes = self.executor.build(mode, key)
+            except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
+                if self.config.strict or not self.executor.eager_fallback:
+                    raise
+                from graphrt.backends.torch_graph import describe_capture_failure
+                reason = describe_capture_failure(exc)
+                logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
+                entry, nbytes = EagerFallback(reason), 0
+            cache.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
+        self.cache.seal()
+        self.sampler_cache.seal()
+        total = time.perf_counter() - start
+        self.warmup_report = self.cache.report() + self.sampler_cache.report()
+        logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %.1f MiB",
+                    self.backend.name, len(self.cache), len(self.sampler_cache), total,
+                    (self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes) / 2**20)
+        return self.warmup_report
+
+    # ---- one step ------------------------------------------------------------------
+    def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
+                num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
+                sampling: SamplingBatch | None = None) -> np.ndarray | None:
+        """Run one scheduled step; returns one sampled token per request (or None without sampling).
+
+        Bad input raises :class:`InputError` before any static buffer or the KV cache is touched.
+        """
+        t0 = time.perf_counter()
+        inputs = self.preparer.prepare(token_ids=token_ids, block_table=block_table,
+                                       req_rows=req_rows, num_computed_tokens=num_computed_tokens,
+                                       num_scheduled_tokens=num_scheduled_tokens)
+        self._check_step(inputs, block_table, sampling)
+        d = self.dispatcher.dispatch(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode)
+        mode, key, entry, eager_reason = d.mode, d.key, None, None
+        if mode is RuntimeMode.NONE:
+            eager_reason = d.reason
+        else:
+            entry = self.cache.get((mode, key), reason=f"{d.reason}, not built during warm-up")
+            if entry is None and not self.executor.eager_fallback:
+                entry = self._build_unplanned(mode, key)
+            if entry is None or isinstance(entry, EagerFallback):
+                eager_reason = entry.reason if entry is not None else f"{key} was not captured"
+                mode, key, entry = RuntimeMode.NONE, BatchDescriptor(
+                    inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode), None
+        padded_reqs = key.num_reqs if key.num_reqs is not None else inputs.num_reqs
+        padded = self.padder.pad(inputs, num_tokens=key.num_tokens, num_reqs=padded_reqs,
+                                 out=self.executor.host_buffers)
+        logits = self.executor.run(mode, key, entry, padded)
+        self.cache.record_step(real_tokens=inputs.num_tokens, padded_tokens=key.num_tokens,
+                               real_reqs=inputs.num_reqs, padded_reqs=padded_reqs,
+                               eager_reason=eager_reason)
+        tokens = None
+        if sampling is not None:
+            skey = ("sample", padded_reqs, sampling.all_greedy)
+            sentry = self.sampler_cache.get(skey) if mode is RuntimeMode.FULL else None
+            tokens = self.executor.sample(logits, inputs.num_reqs, sampling, padded_reqs=padded_reqs,
+                                          entry=None if isinstance(sentry, EagerFallback) else sentry)
+        self.last_step = StepInfo(d, mode, key, inputs.num_tokens, inputs.num_reqs, eager_reason,
+                                  time.perf_counter() - t0)
+        return tokens
+
+    def _build_unplanned(self, mode: RuntimeMode, key: BatchDescriptor) -> Any:
+        """Backends without an eager path (XLA) compile a missing key now, and say so."""
+        logger.warning("graphrt: unplanned build of %s after warm-up", key)
+        t0 = time.perf_counter()
+        entry, nbytes = self.executor.build(mode, key)
+        self.cache.put((mode, key), entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
+        return entry
+
+    def _check_step(self, inputs: ModelInputs, block_table: np.ndarray,
+                    sampling: SamplingBatch | None) -> None:
+        ids = inputs.input_ids
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+            raise InputError("token_ids", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        if inputs.block_table.shape[1] != self.config.max_blocks_per_req:
+            raise InputError("block_table", f"{inputs.block_table.shape[1]} columns; this runner was "
+                                            f"configured for {self.config.max_blocks_per_req} "
+                                            f"(max_model_len / block_size)")
+        top = int(inputs.block_table.max())
+        if top >= self.num_kv_blocks:
+            raise InputError("block_table", f"block {top} is outside the KV cache's "
+                                            f"{self.num_kv_blocks} blocks")
+        if sampling is not None and len(sampling.temperature) != inputs.num_reqs:
+            raise InputError("sampling", f"{len(sampling.temperature)} rows for {inputs.num_reqs} requests")
+
+    # ---- introspection ---------------------------------------------------------------
+    @property
+    def stats(self):
+        """Forward cache statistics (hits, misses, padding, eager steps, build cost)."""
+        return self.cache.stats
+
+    def hidden_states(self, num_tokens: int | None = None) -> np.ndarray:
+        """The last step's hidden states of its real tokens."""
+        return self.executor.hidden_states(num_tokens or self.last_step.num_tokens)
+
+    def logits(self) -> np.ndarray:
+        """The last step's logits at each real request's last token."""
+        return self.executor.logits(self.last_step.num_reqs)
+
+    def free_request(self, request_id: int) -> None:
+        """Drop per-request state (seeded sampler generators)."""
+        self.executor.free_request(request_id)
+
+
+def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
+    """Arrays of one step's :class:`~graphrt.SamplingParams`, in request order."""
+    n = len(params)
+    temperature = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
+    top_k = np.fromiter((vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params),
+                        dtype=np.int64, count=n)
+    top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
+    return SamplingBatch(temperature, top_k, top_p, [p.seed for p in params], list(request_ids))
+
+
+__all__ = ["ModelRunner", "StepInfo", "EagerFallback", "sampling_batch", "GraphrtError"]
