@@ -123,6 +123,10 @@ class ModelRunner:
         Shows a progress bar and logs, per key, the seconds and bytes it took. A failed
         capture makes that key run eagerly with a warning (strict mode: raises).
         """
+        if not self.executor.eager_fallback and self.config.disable_precompile:
+            logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use",
+                        self.backend.name)
+            return []
         keys = self.dispatcher.keys()
         sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
         jobs: list[tuple[GraphCache, Any, RuntimeMode, Any]] = [
@@ -174,7 +178,7 @@ class ModelRunner:
         else:
             entry = self.cache.get((mode, key), reason=f"{d.reason}, not built during warm-up")
             if entry is None and not self.executor.eager_fallback:
-                entry = self._build_unplanned(mode, key)
+                entry = self._build_missing(mode, key)
             if entry is None or isinstance(entry, EagerFallback):
                 eager_reason = entry.reason if entry is not None else f"{key} was not captured"
                 mode, key, entry = RuntimeMode.NONE, BatchDescriptor(
@@ -196,9 +200,10 @@ class ModelRunner:
                                   time.perf_counter() - t0)
         return tokens
 
-    def _build_unplanned(self, mode: RuntimeMode, key: BatchDescriptor) -> Any:
-        """Backends without an eager path (XLA) compile a missing key now, and say so."""
-        logger.warning("graphrt: unplanned build of %s after warm-up", key)
+    def _build_missing(self, mode: RuntimeMode, key: BatchDescriptor) -> Any:
+        """Backends without an eager path (XLA) compile a missing key now (unplanned once sealed)."""
+        if self.cache.sealed:
+            logger.warning("graphrt: unplanned build of %s after warm-up", key)
         t0 = time.perf_counter()
         entry, nbytes = self.executor.build(mode, key)
         self.cache.put((mode, key), entry, seconds=time.perf_counter() - t0, nbytes=nbytes)

@@ -1,0 +1,1 @@
+"""The embedded serving engine: scheduler and block allocator behind graphrt.LLM."""
