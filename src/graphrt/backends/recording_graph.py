@@ -16,10 +16,13 @@ a machine without an accelerator, so every graph-correctness test can run in CI:
   draw fresh numbers on every replay, as CUDA's philox offset does.
 * What would break a device graph raises :class:`GraphCaptureError` at the op that
   does it, and the capture is abandoned: host syncs (``.item()``, ``.tolist()``,
-  ``int(t)``, ``bool(t)``, printing, ``.numpy()``, ``torch.equal``), ops whose output
-  shape depends on tensor values (see :data:`DYNAMIC_SHAPE_OPS` and the conditional
-  checks for boolean-mask indexing, ``repeat_interleave`` without ``output_size`` and
-  ``one_hot`` without ``num_classes``), and nested capture.
+  ``int(t)``, ``bool(t)``, ``x[t]`` with a 0-dim ``t``, printing, ``.numpy()``,
+  ``torch.equal``; see :data:`HOST_SYNC_OPS`), ops whose output shape depends on tensor
+  values (:data:`DYNAMIC_SHAPE_OPS`, plus boolean-mask indexing, ``repeat_interleave``
+  without ``output_size`` and ``one_hot`` without ``num_classes``), and nested capture.
+  With the context manager the modes are popped at once; with bare ``capture_begin()``
+  they stay installed, passing ops through, until ``capture_end()`` (which then raises
+  again) or ``reset()``: a mode cannot remove itself from inside its own handler.
 
 Tensors created during capture stay alive as long as the graph (graph-private memory,
 reported by :attr:`RecordingGraph.captured_bytes`). A :class:`RecordingPool` groups
@@ -27,9 +30,17 @@ graphs the way a CUDA mempool handle does, but CPU graphs never share memory: ev
 graph keeps its own intermediates, so ``captured_bytes`` is an upper bound on what the
 same graph would hold on a device, where the caching allocator reuses freed blocks.
 
+Replay runs under ``torch.inference_mode`` (no autograd bookkeeping), whichever of
+``no_grad``, ``inference_mode`` or plain grad mode the capture used; under
+``inference_mode`` composite ops are decomposed so the recording is the same as under
+``no_grad``.
+
 Limits: the recorder sees aten ops only. A host read done inside an opaque custom op
 kernel, a device-to-host ``.cpu()`` copy (every tensor here is already on the CPU) and
-Python side effects during capture cannot be detected.
+Python side effects during capture cannot be detected. A few CPU kernels validate their
+input on the host where the CUDA kernel does not (``F.one_hot(x, n)`` under ``no_grad``
+checks its range with ``.item()``), so they are rejected here although a CUDA graph
+could hold them.
 """
 
 from __future__ import annotations
@@ -70,8 +81,8 @@ def _packets(entries: Iterable[tuple[str, Any]]) -> dict[Any, Any]:
 
 
 HOST_SYNC_OPS: dict[Any, str] = _packets([
-    ("_local_scalar_dense", "`.item()` / `int(t)` / `float(t)` / `bool(t)`"),
-    ("item", "`.item()`"),
+    ("_local_scalar_dense",
+     "`.item()` / `int(t)` / `float(t)` / `bool(t)` / indexing with a 0-dim tensor"),
     ("is_nonzero", "`bool(t)` / `if t:`"),
     ("equal", "`torch.equal`"),
     ("allclose", "`torch.allclose`"),
@@ -101,7 +112,8 @@ def _packet_set(*names: str) -> frozenset[Any]:
 
 
 _BOOL_INDEX_OPS = _packet_set("index", "_unsafe_index")
-_BOOL_INDEX_PUT_OPS = _packet_set("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put")
+_BOOL_INDEX_PUT_OPS = _packet_set("index_put", "index_put_", "_index_put_impl_",
+                                  "_unsafe_index_put")
 _EMPTY_OPS = _packet_set("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
                          "new_empty_strided", "_resize_output_")
 _FACTORY_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory"})
@@ -484,7 +496,7 @@ class RecordingGraph:
         self._pool._graphs.add(self)
 
     def replay(self) -> None:
-        """Re-run the captured ops on the captured tensors."""
+        """Re-run the captured ops on the captured tensors, under ``torch.inference_mode``."""
         if not self._captured:
             raise GraphCaptureError("replay() called on a RecordingGraph that has not been "
                                     "captured; capture it with recording_graph(graph) or "
@@ -556,7 +568,8 @@ class RecordingGraph:
         """Pop this capture's two modes, which must be the innermost ones."""
         assert self._modes is not None
         recorder, guard = self._modes
-        if _get_current_dispatch_mode() is not recorder or _get_current_function_mode() is not guard:
+        innermost = _get_current_dispatch_mode(), _get_current_function_mode()
+        if innermost != (recorder, guard):
             self._abandon("a mode entered during capture was still active at its end")
             raise GraphCaptureError("cannot end the capture: a TorchDispatchMode or "
                                     "TorchFunctionMode entered during capture is still active; "
