@@ -1,0 +1,218 @@
+"""``graphrt`` command line: ``graphrt <subcommand> [flags]`` (also ``python -m graphrt.cli``).
+
+Every subcommand is one entry of :data:`SUBCOMMANDS`: a help line, a function that adds
+its flags to an ``argparse`` parser and a function that runs it and returns the exit
+status. To add one, write those two functions here and add the entry.
+
+* ``plan``  -- bucket policies compared on a synthetic decode trace (padding waste, eager steps);
+* ``bench`` -- the host-side benchmarks of ``benchmarks/`` (a source checkout), then ``plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from graphrt.buckets import BucketPolicy
+from graphrt.config import GraphConfig, add_cli_args, from_cli_args
+from graphrt.errors import ConfigError
+
+
+class Subcommand(NamedTuple):
+    """One ``graphrt`` subcommand."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------------------------------- plan
+
+def decode_trace(max_num_seqs: int, num_steps: int, seed: int) -> np.ndarray:
+    """Decode batch sizes of a synthetic serving run, one per step.
+
+    A ramp up from an idle server, then steady load levels (one in each of the lower three
+    quarters of ``max_num_seqs`` and saturation at ``max_num_seqs``, with small jitter as
+    requests finish and join) joined by ramps (arrivals, drains). Seeded, so every run
+    compares policies on the same trace.
+    """
+    rng = np.random.default_rng(seed)
+    bands = np.linspace(1, max_num_seqs, 5).round().astype(np.int64)
+    levels = [int(rng.integers(lo, hi + 1)) for lo, hi in zip(bands[:-2], bands[1:-1])]
+    levels.append(max_num_seqs)
+    level = int(rng.choice(levels))
+    parts = [np.round(np.linspace(1, level, int(rng.integers(50, 200)))).astype(np.int64)]
+    total = parts[0].shape[0]
+    while total < num_steps:
+        length = int(rng.integers(50, 400))
+        if rng.random() < 0.6:
+            jitter = max(1, level // 50)
+            part = level + rng.integers(-jitter, jitter + 1, size=length)
+        else:
+            target = int(rng.choice(levels))
+            part = np.round(np.linspace(level, target, length)).astype(np.int64)
+            level = target
+        parts.append(part)
+        total += length
+    return np.clip(np.concatenate(parts)[:num_steps], 1, max_num_seqs)
+
+
+def _histogram(trace: np.ndarray) -> dict[int, int]:
+    sizes, counts = np.unique(trace, return_counts=True)
+    return {int(s): int(c) for s, c in zip(sizes, counts)}
+
+
+def _sizes_preview(policy: BucketPolicy, head: int = 5, tail: int = 3) -> str:
+    sizes = policy.sizes
+    if len(sizes) <= head + tail:
+        return " ".join(map(str, sizes))
+    return f"{' '.join(map(str, sizes[:head]))} ... {' '.join(map(str, sizes[-tail:]))}"
+
+
+def plan_policies(config: GraphConfig, counts: dict[int, int]) -> list[tuple[str, BucketPolicy]]:
+    """The compared policies: the engines' defaults up to the capture limit, and exact fits.
+
+    Fits see only the sizes within the capture limit, so every policy leaves the same
+    steps to run eagerly.
+    """
+    cap = config.capture_policy().max_size
+    vllm = BucketPolicy.vllm_default(cap)
+    policies = [("vLLM default", vllm), ("SGLang default", BucketPolicy.sglang_default(cap)),
+                ("powers of two", BucketPolicy.powers_of_two(cap))]
+    within = {n: c for n, c in counts.items() if n <= cap}
+    if within:
+        for k in dict.fromkeys((len(vllm), 16, 8)):
+            policies.append((f"fitted k={k}", BucketPolicy.fit(within, k)))
+    return policies
+
+
+def plan_table(config: GraphConfig, trace: np.ndarray) -> str:
+    """Padding of ``trace`` under each policy, and the config's own capture / XLA sizes."""
+    counts = _histogram(trace)
+    real = int(trace.sum())
+    lines = [f"Bucket plan: synthetic decode trace of {trace.shape[0]} steps, batch sizes "
+             f"{int(trace.min())}..{int(trace.max())} (mean {trace.mean():.1f}), {real} real tokens; "
+             f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}",
+             "Fitted policies are fitted on this same trace (in-sample), within the capture limit. "
+             "Eager steps run unpadded.", ""]
+    head = (f"{'policy':<16}{'buckets':>8}{'padded tokens':>15}{'waste %':>9}{'eager steps':>13}"
+            f"  sizes")
+    lines += [head, "-" * (len(head) + 30)]
+    for name, policy in plan_policies(config, counts):
+        padded = policy.padded_total(counts)
+        eager = sum(c for n, c in counts.items() if n > policy.max_size)
+        lines.append(f"{name:<16}{len(policy):>8}{padded:>15}{100 * (padded - real) / padded:>9.2f}"
+                     f"{eager:>13}  {_sizes_preview(policy)}")
+    lines += ["", "GraphConfig for these limits:"]
+    for label, policy in (("capture sizes (graph backends)", config.capture_policy()),
+                          ("XLA token paddings", config.xla_token_policy()),
+                          ("XLA batch-size paddings", config.xla_bs_policy())):
+        lines.append(f"  {label:<32}{len(policy):>4} sizes: {_sizes_preview(policy, 8, 4)}")
+    return "\n".join(lines)
+
+
+def _plan_args(parser: argparse.ArgumentParser) -> None:
+    add_cli_args(parser)
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("--steps", type=int, default=4000, help="decode steps in the synthetic trace")
+    trace.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    try:
+        config = from_cli_args(args)
+    except ConfigError as e:
+        print(f"graphrt plan: {e}", file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print("graphrt plan: --steps must be >= 1", file=sys.stderr)
+        return 2
+    print(plan_table(config, decode_trace(config.max_num_seqs, args.steps, args.seed)))
+    return 0
+
+
+# --------------------------------------------------------------------------------------- bench
+
+#: Benchmark modules of ``benchmarks/`` run by ``graphrt bench``, in order. Each has
+#: ``main(argv) -> dict``; a result with ``"all_pass": False`` fails ``--check-targets``.
+BENCHMARKS: list[str] = ["bench_inputs"]
+
+
+def benchmarks_dir() -> Path:
+    """``benchmarks/`` of the source checkout this module lives in (may not exist)."""
+    return Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load_benchmark(path: Path) -> ModuleType:
+    """Import a benchmark script by path (``benchmarks/`` is not a package)."""
+    name = f"graphrt_benchmarks.{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    parser.add_argument("--check-targets", action="store_true",
+                        help="exit 1 when a benchmark misses one of its targets")
+    _plan_args(parser)
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    directory = benchmarks_dir()
+    missing = [name for name in BENCHMARKS if not (directory / f"{name}.py").is_file()]
+    if missing:
+        print(f"graphrt bench: benchmark scripts {missing} not found under {directory}; "
+              f"they ship with the source checkout, not the installed package. Run from a clone "
+              f"(pip install -e .) or `make bench`.", file=sys.stderr)
+        return 2
+    failed = []
+    for name in BENCHMARKS:
+        print(f"=== {name} ===")
+        result = _load_benchmark(directory / f"{name}.py").main(["--quick"] if args.quick else [])
+        if isinstance(result, dict) and result.get("all_pass") is False:
+            failed.append(name)
+        print()
+    print("=== plan ===")
+    status = _plan_run(args)
+    if failed:
+        print(f"\nbenchmarks missing a target: {', '.join(failed)}")
+    return status or (1 if args.check_targets and failed else 0)
+
+
+# ---------------------------------------------------------------------------------------- main
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "plan": Subcommand("compare bucket policies on a synthetic decode trace", _plan_args, _plan_run),
+    "bench": Subcommand("run the host-side benchmarks, then print the bucket plan",
+                        _bench_args, _bench_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``graphrt`` parser, one sub-parser per entry of :data:`SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(prog="graphrt", description="graphrt command line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, command in SUBCOMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit status."""
+    args = build_parser().parse_args(argv)
+    return SUBCOMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
