@@ -139,8 +139,10 @@ class Dispatcher:
             raise ConfigError(f"graph mode {self.mode.value} needs token buckets")
         self.token_buckets = token_buckets
         if decode_buckets is None and token_buckets is not None:
-            small = [s for s in token_buckets.sizes if s <= self.max_num_seqs]
-            decode_buckets = BucketPolicy(small) if small else None
+            # Capped at max_num_seqs *including* max_num_seqs (when the token buckets reach it):
+            # a full decode batch must never fall back to eager because max_num_seqs is
+            # missing from the capture list.
+            decode_buckets = token_buckets.capped(min(self.max_num_seqs, token_buckets.max_size))
         self.decode_buckets = decode_buckets
         if mixed_num_reqs is not None and token_buckets is not None:
             if mixed_num_reqs < self.max_num_seqs:
