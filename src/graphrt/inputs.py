@@ -78,7 +78,10 @@ class InputPreparer:
     """Prepares model inputs into persistent host buffers (the fast path).
 
     ``max_num_reqs`` / ``max_num_tokens`` bound one step; the block-table width is
-    taken from the table on first use.
+    taken from the table on first use. Request-level values are copied into one int64
+    ``[4, max_num_reqs]`` buffer (computed, rows, scheduled, seq_lens) so that every bound
+    is checked with two reductions; index arithmetic is int64 (numpy's index type, so
+    gathers convert nothing) and gathers use ``mode="clip"`` on indices already validated.
     """
 
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, block_size: int) -> None:
@@ -92,17 +95,18 @@ class InputPreparer:
         self.max_num_tokens = int(max_num_tokens)
         self.block_size = int(block_size)
         t, r = self.max_num_tokens, self.max_num_reqs
-        self._arange = np.arange(t, dtype=np.int64)
-        self._starts = np.zeros(t + 1, dtype=np.int64)   # scratch: request start markers
-        self._req_idx = np.zeros(t, dtype=np.int64)      # scratch: request of each token
-        self._pos = np.zeros(t, dtype=np.int64)          # scratch: position of each token
-        self._scratch = np.zeros(t, dtype=np.int64)      # scratch: gather indices
-        self._col = np.zeros(t, dtype=np.int64)          # scratch: block-table column of each token
-        self._blk = np.zeros(t, dtype=np.int32)          # scratch: physical block of each token
-        self._rows64 = np.zeros(r, dtype=np.int64)
-        self._computed64 = np.zeros(r, dtype=np.int64)
-        self._scheduled64 = np.zeros(r, dtype=np.int64)
+        self._arange = np.arange(max(t, r + 1), dtype=np.int64)
+        self._req = np.zeros((4, r), dtype=np.int64)     # computed, rows, scheduled, seq_lens
         self._cu = np.zeros(r, dtype=np.int64)
+        self._off = np.zeros(r, dtype=np.int64)
+        self._pos = np.zeros(t, dtype=np.int64)          # scratch: position of each token
+        self._idx = np.zeros(t, dtype=np.int64)          # scratch: flat block-table indices
+        self._tok_idx = np.zeros(t, dtype=np.int64)      # scratch: flat token-table indices
+        self._row_base = np.zeros((2, r), dtype=np.int64)  # rows * width, rows * max_model_len
+        self._col = np.zeros(t, dtype=np.int64)          # scratch: block column / block offset
+        self._blk = np.zeros(t, dtype=np.int32)          # scratch: physical block of each token
+        self._row_mark = np.zeros(0, dtype=np.int64)     # last call's stamp per table row
+        self._stamp = 0
         self.input_ids = np.zeros(t, dtype=np.int32)
         self.positions = np.zeros(t, dtype=np.int32)
         self.slot_mapping = np.zeros(t, dtype=np.int64)
@@ -120,121 +124,149 @@ class InputPreparer:
             raise InputError("block_size", f"must be > 0, got {bs}")
         token_ids = _as_int_array("token_ids", token_ids, 2, np.int32)
         block_table = _as_int_array("block_table", block_table, 2, np.int32)
-        rows = _as_int_array("req_rows", req_rows, 1)
-        computed = _as_int_array("num_computed_tokens", num_computed_tokens, 1)
-        scheduled = _as_int_array("num_scheduled_tokens", num_scheduled_tokens, 1)
-        num_reqs = rows.shape[0]
-        self._check_requests(token_ids, block_table, rows, computed, scheduled, bs)
+        rows_in = _as_int_array("req_rows", req_rows, 1)
+        computed_in = _as_int_array("num_computed_tokens", num_computed_tokens, 1)
+        scheduled_in = _as_int_array("num_scheduled_tokens", num_scheduled_tokens, 1)
+        r = self._check_shapes(token_ids, block_table, rows_in, computed_in, scheduled_in)
+        req = self._req[:, :r]
+        computed, rows, scheduled, seq = req
+        computed[:] = computed_in
+        rows[:] = rows_in
+        scheduled[:] = scheduled_in
+        np.add(computed, scheduled, out=seq)
+        max_sched, max_seq = self._check_requests(token_ids, block_table, req, bs)
 
-        r = num_reqs
-        rows64, computed64, scheduled64 = self._rows64[:r], self._computed64[:r], self._scheduled64[:r]
-        rows64[:] = rows
-        computed64[:] = computed
-        scheduled64[:] = scheduled
-        cu = self._cu[:r]
-        np.cumsum(scheduled, out=cu)
-        t = int(cu[-1])
-        if t > self.max_num_tokens:
-            raise InputError("num_scheduled_tokens",
-                             f"{t} tokens in one step exceed max_num_tokens={self.max_num_tokens}")
-
-        # Request of each token: mark each request's first token, then a running sum.
-        starts = self._starts[:t]
-        starts[:] = 0
-        starts[cu[:-1]] = 1
-        req_idx = self._req_idx[:t]
-        np.cumsum(starts, out=req_idx)
-        # Position = computed tokens + offset within this step's tokens of the request.
-        pos, tmp = self._pos[:t], self._scratch[:t]
-        np.take(cu, req_idx, out=tmp)
-        np.take(scheduled64, req_idx, out=pos)
-        np.subtract(tmp, pos, out=tmp)                    # first token index of the request
-        np.subtract(self._arange[:t], tmp, out=pos)       # offset within the request
-        np.take(computed64, req_idx, out=tmp)
-        np.add(pos, tmp, out=pos)
-        # Physical block of each token: block_table[row, pos // bs].
-        width = block_table.shape[1]
-        blk = self._blk[:t]
-        np.take(rows64, req_idx, out=tmp)
-        np.multiply(tmp, width, out=tmp)
-        col = self._col[:t]
-        np.floor_divide(pos, bs, out=col)
-        np.add(tmp, col, out=tmp)
-        np.take(block_table.reshape(-1), tmp, out=blk)
-        if (blk == defaults.NULL_BLOCK).any() or (blk < 0).any():
-            bad = int(np.flatnonzero((blk == defaults.NULL_BLOCK) | (blk < 0))[0])
-            req = int(req_idx[bad])
-            raise InputError("block_table",
-                             f"request {req} (row {int(rows[req])}) position {int(pos[bad])} maps to "
-                             f"block {int(blk[bad])}: block {defaults.NULL_BLOCK} is the null block and "
-                             f"never holds a request's KV; allocate a block before scheduling the token")
+        uniform = max_sched == 1
+        width, model_len = block_table.shape[1], token_ids.shape[1]
+        row_blk, row_tok = self._row_base[0, :r], self._row_base[1, :r]
+        np.multiply(rows, width, out=row_blk)         # flat offset of each row in block_table
+        np.multiply(rows, model_len, out=row_tok)     # flat offset of each row in token_ids
+        if uniform:                        # decode: token i is request i, at position computed[i]
+            t = r
+            pos, idx, col, blk = computed, self._idx[:t], self._col[:t], self._blk[:t]
+            np.copyto(idx, row_blk)
+            tok_idx = self._tok_idx[:t]
+            np.add(row_tok, pos, out=tok_idx)
+        else:                              # spread per-request values over each request's tokens
+            cu = self._cu[:r]
+            np.cumsum(scheduled, out=cu)
+            t = int(cu[-1])
+            if t > self.max_num_tokens:
+                raise InputError("num_scheduled_tokens",
+                                 f"{t} tokens in one step exceed max_num_tokens={self.max_num_tokens}")
+            pos, col, blk = self._pos[:t], self._col[:t], self._blk[:t]
+            off = self._off[:r]            # position minus token index, per request
+            np.subtract(seq, cu, out=off)
+            arange = self._arange[:t]
+            np.add(arange, np.repeat(off, scheduled), out=pos)
+            np.add(row_tok, off, out=row_tok)
+            tok_idx = self._tok_idx[:t]
+            np.add(arange, np.repeat(row_tok, scheduled), out=tok_idx)
+            idx = np.repeat(row_blk, scheduled)   # np.repeat has no out=: one temporary per mixed step
+        pow2 = bs & (bs - 1) == 0
+        if pow2:
+            np.right_shift(pos, bs.bit_length() - 1, out=col)
+        else:
+            np.floor_divide(pos, bs, out=col)
+        np.add(idx, col, out=idx)
+        np.take(block_table.reshape(-1), idx, out=blk, mode="clip")
+        if blk.min() <= defaults.NULL_BLOCK:
+            self._raise_null_block(blk, pos, scheduled, rows)
 
         # All checks passed: write the outputs.
-        np.take(rows64, req_idx, out=tmp)
-        np.multiply(tmp, token_ids.shape[1], out=tmp)
-        np.add(tmp, pos, out=tmp)
-        np.take(token_ids.reshape(-1), tmp, out=self.input_ids[:t])
+        idx = tok_idx
+        np.take(token_ids.reshape(-1), idx, out=self.input_ids[:t], mode="clip")
         self.positions[:t] = pos
         slots = self.slot_mapping[:t]
         np.multiply(blk, bs, out=slots)
-        np.remainder(pos, bs, out=col)
+        if pow2:
+            np.bitwise_and(pos, bs - 1, out=col)
+        else:
+            np.multiply(col, bs, out=col)
+            np.subtract(pos, col, out=col)
         np.add(slots, col, out=slots)
         qsl = self.query_start_loc[:r + 1]
-        qsl[0] = 0
-        qsl[1:] = cu
-        np.add(computed, scheduled, out=self.seq_lens[:r], casting="unsafe")
+        if uniform:
+            qsl[:] = self._arange[:r + 1]
+        else:
+            qsl[0] = 0
+            qsl[1:] = cu
+        self.seq_lens[:r] = seq
         self.num_computed_tokens[:r] = computed
         if self.block_table is None or self.block_table.shape[1] != width:
             self.block_table = np.zeros((self.max_num_reqs, width), dtype=np.int32)
-        np.take(block_table, rows64, axis=0, out=self.block_table[:r])
-        max_query_len = int(scheduled.max())
+        np.take(block_table, rows, axis=0, out=self.block_table[:r], mode="clip")
         return ModelInputs(
             input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=slots,
             query_start_loc=qsl, seq_lens=self.seq_lens[:r],
             num_computed_tokens=self.num_computed_tokens[:r], block_table=self.block_table[:r],
-            num_reqs=r, num_tokens=t, max_query_len=max_query_len,
-            max_seq_len=int(self.seq_lens[:r].max()), uniform_decode=max_query_len == 1)
+            num_reqs=r, num_tokens=t, max_query_len=max_sched, max_seq_len=max_seq,
+            uniform_decode=uniform)
 
-    def _check_requests(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
-                        computed: np.ndarray, scheduled: np.ndarray, bs: int) -> None:
-        """Request-level validation; token-level checks happen on scratch buffers."""
+    def _check_shapes(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
+                      computed: np.ndarray, scheduled: np.ndarray) -> int:
+        """Batch-size and table-shape checks; returns the number of requests."""
         r = rows.shape[0]
         if r == 0:
             raise InputError("req_rows", "empty batch: schedule at least one request")
         if r > self.max_num_reqs:
             raise InputError("req_rows", f"{r} requests exceed max_num_reqs={self.max_num_reqs}")
-        for name, arr in (("num_computed_tokens", computed), ("num_scheduled_tokens", scheduled)):
-            if arr.shape[0] != r:
-                raise InputError(name, f"length {arr.shape[0]} does not match req_rows length {r}")
-        num_rows = min(token_ids.shape[0], block_table.shape[0])
+        if computed.shape[0] != r:
+            raise InputError("num_computed_tokens", f"length {computed.shape[0]} does not match "
+                                                    f"req_rows length {r}")
+        if scheduled.shape[0] != r:
+            raise InputError("num_scheduled_tokens", f"length {scheduled.shape[0]} does not match "
+                                                     f"req_rows length {r}")
         if token_ids.shape[0] != block_table.shape[0]:
             raise InputError("block_table", f"{block_table.shape[0]} rows but token_ids has "
                                             f"{token_ids.shape[0]}: both tables are indexed by req_rows")
-        if rows.min() < 0 or rows.max() >= num_rows:
+        return r
+
+    def _check_requests(self, token_ids: np.ndarray, block_table: np.ndarray, req: np.ndarray,
+                        bs: int) -> tuple[int, int]:
+        """Every request-level bound in two reductions; returns (max scheduled, max seq_len)."""
+        computed, rows, scheduled, seq = req
+        min_computed, min_row, min_sched = req[:3].min(axis=1).tolist()
+        max_row, max_sched, max_seq = req[1:].max(axis=1).tolist()
+        num_rows = token_ids.shape[0]
+        if min_row < 0 or max_row >= num_rows:
             bad = int(rows[(rows < 0) | (rows >= num_rows)][0])
             raise InputError("req_rows", f"row {bad} out of range [0, {num_rows})")
-        if np.unique(rows).shape[0] != r:
-            raise InputError("req_rows", "a row is scheduled twice in one step")
-        if scheduled.min() <= 0:
+        if min_sched <= 0:
             i = int(np.argmin(scheduled))
             raise InputError("num_scheduled_tokens",
                              f"request {i} schedules {int(scheduled[i])} tokens; must be >= 1")
-        if computed.min() < 0:
+        if min_computed < 0:
             i = int(np.argmin(computed))
             raise InputError("num_computed_tokens", f"request {i} has {int(computed[i])}; must be >= 0")
-        seq = computed.astype(np.int64) + scheduled
-        width = token_ids.shape[1]
-        if seq.max() > width:
+        if max_seq > token_ids.shape[1]:
             i = int(np.argmax(seq))
             raise InputError("num_scheduled_tokens",
-                             f"request {i} reaches {int(seq[i])} tokens, past the token table's width "
-                             f"(max_model_len={width})")
-        blocks_needed = -(-seq // bs)
-        if blocks_needed.max() > block_table.shape[1]:
-            i = int(np.argmax(blocks_needed))
+                             f"request {i} reaches {max_seq} tokens, past the token table's width "
+                             f"(max_model_len={token_ids.shape[1]})")
+        if -(-max_seq // bs) > block_table.shape[1]:
+            i = int(np.argmax(seq))
             raise InputError("block_table",
-                             f"request {i} needs {int(blocks_needed[i])} blocks of {bs} tokens but the "
+                             f"request {i} needs {-(-max_seq // bs)} blocks of {bs} tokens but the "
                              f"table has {block_table.shape[1]} columns")
+        if self._row_mark.shape[0] < num_rows:
+            self._row_mark = np.zeros(num_rows, dtype=np.int64)
+        self._stamp += 1
+        mark = self._row_mark[:num_rows]
+        mark[rows] = self._stamp
+        if np.count_nonzero(mark == self._stamp) != rows.shape[0]:
+            raise InputError("req_rows", "a row is scheduled twice in one step")
+        return max_sched, max_seq
+
+    @staticmethod
+    def _raise_null_block(blk: np.ndarray, pos: np.ndarray, scheduled: np.ndarray,
+                          rows: np.ndarray) -> None:
+        bad = int(np.flatnonzero(blk <= defaults.NULL_BLOCK)[0])
+        req = int(np.searchsorted(np.cumsum(scheduled), bad, side="right"))
+        raise InputError("block_table",
+                         f"request {req} (row {int(rows[req])}) position {int(pos[bad])} maps to "
+                         f"block {int(blk[bad])}: block {defaults.NULL_BLOCK} is the null block and "
+                         f"never holds a request's KV; allocate a block before scheduling the token")
 
 
 def prepare_inputs(*, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
