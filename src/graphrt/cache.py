@@ -9,12 +9,24 @@ miss raises :class:`~graphrt.errors.CacheMissError` naming the key and why.
 from __future__ import annotations
 
 import collections
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Iterator, TypeVar
 
 from graphrt.errors import CacheMissError
 
 E = TypeVar("E")
+
+
+def describe_key(key: Hashable) -> str:
+    """A readable key: ``FULL (decode, tokens=8, reqs=8)``, ``sampler (reqs=8, greedy)``."""
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "sample":
+        return f"sampler (reqs={key[1]}, {'greedy' if key[2] else 'random'})"
+    if isinstance(key, tuple):
+        return " ".join(describe_key(k) for k in key)
+    if isinstance(key, enum.Enum):
+        return str(key.value)
+    return str(key)
 
 
 @dataclass
@@ -105,9 +117,11 @@ class GraphCache(Generic[E]):
             return entry
         self.stats.misses += 1
         if self.strict and self.sealed:
-            known = ", ".join(str(k) for k in sorted(self._entries, key=str)[:8])
+            known = ", ".join(describe_key(k) for k in list(self._entries)[:6])
+            more = ", ..." if len(self._entries) > 6 else ""
             raise CacheMissError(key, (reason or "not built during warm-up")
-                                 + f"; {len(self._entries)} entries exist ({known}{', ...' if len(self._entries) > 8 else ''})")
+                                 + f"; {len(self._entries)} entries exist ({known}{more})",
+                                 description=describe_key(key))
         return None
 
     def seal(self) -> None:
@@ -133,5 +147,5 @@ class GraphCache(Generic[E]):
 
     def report(self) -> list[dict[str, Any]]:
         """Per key: build seconds and bytes, hits; for warm-up reports."""
-        return [{"key": str(k), "seconds": round(v.build_seconds, 4), "bytes": v.build_bytes,
+        return [{"key": describe_key(k), "seconds": round(v.build_seconds, 4), "bytes": v.build_bytes,
                  "hits": v.hits} for k, v in self.stats.per_key.items()]

@@ -5,7 +5,9 @@ its flags to an ``argparse`` parser and a function that runs it and returns the 
 status. To add one, write those two functions here and add the entry.
 
 * ``plan``  -- bucket policies compared on a synthetic decode trace (padding waste, eager steps);
-* ``bench`` -- the host-side benchmarks of ``benchmarks/`` (a source checkout), then ``plan``.
+* ``bench`` -- the host-side benchmarks of ``benchmarks/`` (a source checkout), then ``plan``;
+* ``demo``  -- generate on a small random model: backends, warm-up report, each step's
+  graph key and padding, statistics.
 """
 
 from __future__ import annotations
@@ -190,12 +192,81 @@ def _bench_run(args: argparse.Namespace) -> int:
     return status or (1 if args.check_targets and failed else 0)
 
 
+# ---------------------------------------------------------------------------------------- demo
+
+def _demo_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="auto", help="cuda, npu, xla, cpu, eager or auto")
+    parser.add_argument("--model-dir", default=None,
+                        help="a Hugging Face directory (default: a random tiny Qwen3 written to a temp dir)")
+    parser.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    add_cli_args(parser)
+
+
+def _demo_run(args: argparse.Namespace) -> int:
+    import logging
+    import tempfile
+
+    import graphrt
+    from graphrt.models.random_checkpoint import write_random_checkpoint
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("backends:")
+    for name, reason in graphrt.available_backends().items():
+        print(f"  {name:<6} {'available' if reason is None else reason}")
+    model_dir = args.model_dir or str(write_random_checkpoint(
+        tempfile.mkdtemp(prefix="graphrt-demo-"), args.arch, seed=args.seed))
+    try:
+        config = from_cli_args(args, **{k: v for k, v in (("max_num_seqs", 8), ("max_num_batched_tokens", 64),
+                                                          ("max_model_len", 256))
+                                        if getattr(args, k, None) is None})
+    except ConfigError as e:
+        print(f"graphrt demo: {e}", file=sys.stderr)
+        return 2
+    llm = graphrt.LLM(model_dir, backend=args.backend, config=config, progress=True)
+    runner = llm.runner
+    print(f"\nmodel {model_dir}\nbackend {runner.backend.name}, graph mode {runner.mode.value}, "
+          f"{runner.num_kv_blocks} KV blocks of {config.block_size} tokens")
+    print(f"\nwarm-up: {len(runner.warmup_report)} entries, largest first")
+    print(f"  {'key':<44} {'seconds':>8} {'KiB':>9}")
+    for row in runner.warmup_report:
+        print(f"  {row['key']:<44} {row['seconds']:>8.3f} {row['bytes'] / 1024:>9.1f}")
+    rng = np.random.default_rng(args.seed)
+    vocab = runner.vocab_size
+    lengths = rng.integers(1, config.max_num_batched_tokens * 2, args.num_prompts)
+    params = graphrt.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                    ignore_eos=True, seed=args.seed if args.temperature > 0 else None)
+    for n in lengths:
+        llm.add_request(rng.integers(0, vocab, int(n)).tolist(), params)
+    print(f"\n{args.num_prompts} prompts of {lengths.min()}..{lengths.max()} tokens, "
+          f"{args.max_tokens} new tokens each\n")
+    print(f"  {'step':>4} {'reqs':>4} {'tokens':>6} {'mode':<9} {'padded key':<36} {'ms':>7}  eager because")
+    step = 0
+    while llm.has_unfinished():
+        llm.step()
+        info = runner.last_step
+        print(f"  {step:>4} {info.num_reqs:>4} {info.num_tokens:>6} {info.mode.value:<9} "
+              f"{str(info.key):<36} {info.seconds * 1e3:>7.2f}  {info.eager_reason or ''}")
+        step += 1
+    stats = llm.stats
+    print("\nstatistics:")
+    for k in ("hits", "misses", "entries", "eager_steps", "real_tokens", "padded_tokens",
+              "padding_waste", "build_seconds", "build_bytes", "preemptions"):
+        print(f"  {k:<14} {stats[k]}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- main
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "plan": Subcommand("compare bucket policies on a synthetic decode trace", _plan_args, _plan_run),
     "bench": Subcommand("run the host-side benchmarks, then print the bucket plan",
                         _bench_args, _bench_run),
+    "demo": Subcommand("generate on a small random model and show what graphrt does per step",
+                       _demo_args, _demo_run),
 }
 
 

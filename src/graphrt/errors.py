@@ -25,10 +25,10 @@ class InputError(GraphrtError, ValueError):
 class CacheMissError(GraphrtError, RuntimeError):
     """Strict mode: a step needed a graph or executable that warm-up did not build."""
 
-    def __init__(self, key: object, reason: str) -> None:
+    def __init__(self, key: object, reason: str, description: str | None = None) -> None:
         self.key = key
         self.reason = reason
-        super().__init__(f"no captured graph / compiled executable for {key}: {reason}")
+        super().__init__(f"no captured graph / compiled executable for {description or key}: {reason}")
 
 
 class GraphCaptureError(GraphrtError, RuntimeError):
