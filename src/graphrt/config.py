@@ -57,6 +57,11 @@ class GraphConfig(BaseModel):
         None, description="XLA persistent compilation cache directory (reused across restarts)")
     debug_check_addresses: bool = Field(
         False, description="verify on every replay that inputs are read from the captured buffers")
+    compile_model: bool = Field(
+        False, description="torch graph backends: torch.compile the pieces between attention calls "
+                           "(static shapes, one compile per bucket) before capturing them")
+    compile_max_size: int = Field(defaults.DEFAULT_COMPILE_MAX_SIZE, gt=0,
+                                  description="largest bucket (tokens) compiled when compile_model is set")
 
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings")(

@@ -53,3 +53,29 @@ FIT_MAX_DISTINCT_SIZES = 4096
 
 #: KV cache budget on devices that cannot report free memory (the CPU backends).
 DEFAULT_HOST_KV_CACHE_BYTES = 256 * 2**20
+
+#: XLA backend: most threads compiling precompile buckets at once (one per CPU core up to
+#: this; lowering stays on the caller's thread, XLA's compile releases the GIL). Measured on
+#: 2 cores: 15 buckets in 10.1 s with one thread, 5.1 s with two (no gain while other jobs
+#: kept the second core busy; see docs/benchmarks.md).
+XLA_MAX_COMPILE_WORKERS = 8
+#: Compiles at least this long are written to the persistent compilation cache; JAX's own
+#: default (1 s) would skip every bucket of a small model.
+XLA_PERSISTENT_CACHE_MIN_COMPILE_SECONDS = 0.0
+#: Name of the XLA backend's tensor-parallel mesh axis.
+XLA_TP_AXIS = "tp"
+#: Sampler rows with a temperature below this are greedy.
+SAMPLER_MIN_TEMPERATURE = 1e-5
+#: Seed of the XLA sampler's host generator that keys requests without their own seed
+#: (None: fresh entropy per executor, like the torch device RNG).
+XLA_SAMPLER_HOST_SEED: int | None = None
+
+#: Torch graph backends: eager runs of a forward before it is captured (allocator warm-up,
+#: lazy initialisation, cuBLAS workspaces); a compiled forward gets one more (it compiles).
+CAPTURE_WARMUP_RUNS = 1
+#: ``compile_model``: largest bucket (tokens) whose pieces are compiled before capture
+#: (SGLang's default ``torch_compile_max_bs``); larger buckets are captured uncompiled.
+DEFAULT_COMPILE_MAX_SIZE = 32
+#: Ascend: environment variable and value selecting HCCL's AIV expansion mode (seed 003).
+ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
+ACL_AIV_VALUE = "AIV"

@@ -71,6 +71,7 @@ class ModelRunner:
         if isinstance(model, (str, os.PathLike)):
             model = self.backend.load_model(os.fspath(model), dtype)
         self.model = model
+        self.config = cfg = self.backend.adjust_config(cfg, model)
         self.executor: Executor = self.backend.create_executor(model, cfg)
         self.vocab_size = self.executor.vocab_size
         self.mode, degraded = resolve_mode(cfg.mode, attention=self.executor.attention_support,
@@ -134,8 +135,11 @@ class ModelRunner:
         jobs += [(self.sampler_cache, key, RuntimeMode.FULL, key)
                  for r in sampler_reqs for key in (("sample", r, True), ("sample", r, False))]
         start = time.perf_counter()
+        build_many = getattr(self.executor, "build_many", None)
+        if build_many is not None:  # executors that compile in parallel (XLA) build every key up front
+            build_many([(mode, key) for _, _, mode, key in jobs], progress=self.progress)
         bar = tqdm(jobs, desc=f"graphrt {self.backend.name} warm-up", unit="graph",
-                   disable=not self.progress or not jobs, leave=False)
+                   disable=not self.progress or not jobs or build_many is not None, leave=False)
         for cache, cache_key, mode, key in bar:
             bar.set_postfix_str(str(key))
             t0 = time.perf_counter()
@@ -148,7 +152,9 @@ class ModelRunner:
                 reason = describe_capture_failure(exc)
                 logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
                 entry, nbytes = EagerFallback(reason), 0
-            cache.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
+            seconds = getattr(entry, "build_seconds", None)
+            cache.put(cache_key, entry, seconds=time.perf_counter() - t0 if seconds is None else seconds,
+                      nbytes=nbytes)
         self.cache.seal()
         self.sampler_cache.seal()
         total = time.perf_counter() - start

@@ -104,5 +104,10 @@ class Backend(abc.ABC):
     def create_executor(self, model: Any, config: Any) -> Executor:
         """The executor that runs ``model`` under ``config`` on this backend's device."""
 
+    def adjust_config(self, config: Any, model: Any) -> Any:
+        """The config this backend runs ``model`` under (e.g. capture sizes cut to a device
+        limit, logged); called by the runner before ``create_executor``. Default: unchanged."""
+        return config
+
     def __repr__(self) -> str:
         return f"<graphrt backend {self.name}>"

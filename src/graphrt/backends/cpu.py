@@ -19,6 +19,12 @@ class CpuGraphAPI(DeviceGraphAPI):
     """The recording graph behind the device-graph API."""
 
     name = "cpu"
+    #: Inductor's CPU kernels are C++ the recorder cannot see (replay would skip them), so
+    #: ``compile_model`` uses AOTAutograd's aten graphs here: the same functionalised,
+    #: static per-bucket compiles of the pieces, recorded op by op.
+    compile_backend = "aot_eager"
+    #: Recorded graphs hold host memory only; collecting first frees nothing they need.
+    collect_before_capture = False
 
     def __init__(self) -> None:
         self._pools: list[rg.RecordingPool] = []

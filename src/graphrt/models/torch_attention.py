@@ -13,15 +13,24 @@ KV cache layout (one tensor per attention layer, allocated by the runner)::
 Slot ``s`` is row ``s``; block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``.
 The last row is a trash row: tokens with a negative slot (padding) write there and
 nothing ever reads it.
+
+The kernel is also registered as the custom op ``graphrt::paged_attention`` (it mutates
+``kv_cache``). ``PagedAttention`` calls it under ``torch.compile`` so Dynamo and Inductor
+see one opaque op with every metadata tensor as an argument, and the piecewise splitter
+(:mod:`graphrt.backends.piecewise`) cuts the model at ``PagedAttention`` modules (or at
+this op in a traced graph). Eagerly and during graph capture the kernel runs directly, so
+the CPU recording graph sees, and checks, every aten op inside it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from graphrt.dispatch import AttentionGraphSupport
 from graphrt.errors import ConfigError
 from graphrt.forward_context import get_forward_context
 
@@ -65,13 +74,86 @@ class TorchAttentionMetadata:
         return cls(slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx, int(block_size))
 
 
+def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, block_table: torch.Tensor,
+                           token_req_idx: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
+
+    ``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
+    Head counts come from the shapes; grouped-query heads share KV heads without
+    materialising repeated KV.
+    """
+    num_tokens, out_dtype = q.shape[0], q.dtype
+    hkv, d = kv_cache.shape[2], kv_cache.shape[3]
+    num_heads = q.shape[1] // d
+    groups = num_heads // hkv
+
+    trash_row = kv_cache.shape[1] - 1
+    rows = torch.where(slot_mapping < 0, trash_row, slot_mapping)
+    kv_cache[0].index_copy_(0, rows, k.reshape(num_tokens, hkv, d).to(kv_cache.dtype))
+    kv_cache[1].index_copy_(0, rows, v.reshape(num_tokens, hkv, d).to(kv_cache.dtype))
+
+    req = token_req_idx
+    bs = block_size
+    blocks = block_table.index_select(0, req).to(torch.int64)  # [T, B]
+    ctx_len = blocks.shape[1] * bs
+    offsets = torch.arange(bs, device=blocks.device, dtype=torch.int64)
+    key_rows = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_tokens, ctx_len)  # [T, L]
+
+    seq_len = seq_lens.index_select(0, req).to(torch.int64)  # [T]
+    q_end = query_start_loc.index_select(0, req + 1).to(torch.int64)
+    token_pos = seq_len - (q_end - torch.arange(num_tokens, device=req.device, dtype=torch.int64))
+    ctx_pos = torch.arange(ctx_len, device=req.device, dtype=torch.int64)
+    valid = (ctx_pos < seq_len.unsqueeze(1)) & (ctx_pos <= token_pos.unsqueeze(1))  # [T, L]
+
+    keys = kv_cache[0][key_rows]  # [T, L, Hkv, D]
+    values = torch.where(valid[:, :, None, None], kv_cache[1][key_rows], 0)
+    q = q.reshape(num_tokens, hkv, groups, d).to(kv_cache.dtype)
+    scores = torch.einsum("tkgd,tlkd->tkgl", q, keys).float() * scale
+    score_mask = valid[:, None, None, :]
+    scores = torch.where(score_mask, scores, float("-inf"))
+    probs = torch.where(score_mask, torch.softmax(scores, dim=-1), 0.0)
+    out = torch.einsum("tkgl,tlkd->tkgd", probs.to(values.dtype), values)
+    return out.reshape(num_tokens, num_heads * d).to(out_dtype)
+
+
+@torch.library.custom_op("graphrt::paged_attention", mutates_args=("kv_cache",))
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
+                    scale: float) -> torch.Tensor:
+    """``torch.ops.graphrt.paged_attention``: :func:`paged_attention_kernel` as one opaque op."""
+    return paged_attention_kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
+                                  block_table, token_req_idx, block_size, scale)
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                          seq_lens: torch.Tensor, block_table: torch.Tensor,
+                          token_req_idx: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+#: The registered op, for graph passes that look for it (the piecewise splitter).
+PAGED_ATTENTION_OP = torch.ops.graphrt.paged_attention.default
+
+
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends causally over it.
 
     ``kv_cache`` is a plain attribute (not a buffer) that the runner assigns once the
     cache is allocated. Every query token reads its request's blocks through the block
     table; grouped-query heads share KV heads without materialising repeated KV.
+
+    ``graph_support`` declares what the kernel can run inside FULL graphs (any batch: it
+    reads only device tensors); ``graphrt_attention`` marks the module as a split point
+    for PIECEWISE graphs. Attention backends with other limits set their own values.
     """
+
+    graph_support: ClassVar[AttentionGraphSupport] = AttentionGraphSupport.ALWAYS
+    graphrt_attention: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
         super().__init__()
@@ -89,34 +171,6 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("PagedAttention.kv_cache is not set: the runner must assign the KV cache")
-        num_tokens, out_dtype = q.shape[0], q.dtype
-        hkv, d = self.num_kv_heads, self.head_dim
-        groups = self.num_heads // hkv
-
-        trash_row = cache.shape[1] - 1
-        rows = torch.where(meta.slot_mapping < 0, trash_row, meta.slot_mapping)
-        cache[0].index_copy_(0, rows, k.reshape(num_tokens, hkv, d).to(cache.dtype))
-        cache[1].index_copy_(0, rows, v.reshape(num_tokens, hkv, d).to(cache.dtype))
-
-        req = meta.token_req_idx
-        bs = meta.block_size
-        blocks = meta.block_table.index_select(0, req).to(torch.int64)  # [T, B]
-        ctx_len = blocks.shape[1] * bs
-        offsets = torch.arange(bs, device=blocks.device, dtype=torch.int64)
-        key_rows = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_tokens, ctx_len)  # [T, L]
-
-        seq_len = meta.seq_lens.index_select(0, req).to(torch.int64)  # [T]
-        q_end = meta.query_start_loc.index_select(0, req + 1).to(torch.int64)
-        token_pos = seq_len - (q_end - torch.arange(num_tokens, device=req.device, dtype=torch.int64))
-        ctx_pos = torch.arange(ctx_len, device=req.device, dtype=torch.int64)
-        valid = (ctx_pos < seq_len.unsqueeze(1)) & (ctx_pos <= token_pos.unsqueeze(1))  # [T, L]
-
-        keys = cache[0][key_rows]  # [T, L, Hkv, D]
-        values = torch.where(valid[:, :, None, None], cache[1][key_rows], 0)
-        q = q.reshape(num_tokens, hkv, groups, d).to(cache.dtype)
-        scores = torch.einsum("tkgd,tlkd->tkgl", q, keys).float() * self.scale
-        score_mask = valid[:, None, None, :]
-        scores = torch.where(score_mask, scores, float("-inf"))
-        probs = torch.where(score_mask, torch.softmax(scores, dim=-1), 0.0)
-        out = torch.einsum("tkgl,tlkd->tkgd", probs.to(values.dtype), values)
-        return out.reshape(num_tokens, self.num_heads * d).to(out_dtype)
+        kernel = paged_attention if torch.compiler.is_compiling() else paged_attention_kernel
+        return kernel(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                      meta.block_table, meta.token_req_idx, meta.block_size, self.scale)

@@ -1,0 +1,348 @@
+"""The conformance suite every torch graph backend passes.
+
+Backends: ``eager`` (the reference; runs everything eagerly), ``cpu`` (recording graph),
+``npu`` (the Ascend adapter over a stand-in ``torch.npu`` built on the recording graph,
+see ``device_fakes.py``), ``cuda-sim`` (the CUDA adapter over a stand-in ``torch.cuda``)
+and ``cuda`` (a real GPU; marked ``gpu``, skipped where there is none).
+
+Each test drives a :class:`graphrt.ModelRunner` through a schedule of prefill, decode,
+mixed and above-the-largest-bucket steps and checks it against the eager backend on the
+same device: capture/replay parity, padding invisibility, KV isolation, eager fallback
+when a capture fails, strict misses, mode degradation and piecewise parity on mixed
+batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from device_fakes import FakeCuda, FakeNpu
+from graphrt import BackendUnavailableError, CacheMissError, GraphrtError, select_backend
+from graphrt.backends.cpu import CpuGraphBackend
+from graphrt.backends.cuda import CudaGraphAPI, CudaGraphBackend
+from graphrt.backends.eager import EagerBackend
+from graphrt.backends.npu import NpuGraphBackend
+from graphrt.dispatch import AttentionGraphSupport, GraphMode, RuntimeMode
+from graphrt.runner import ModelRunner
+from hf_models import tiny_hf_model_dir
+
+HAS_CUDA = torch.cuda.is_available()
+BACKENDS = ["eager", "cpu", "npu", "cuda-sim",
+            pytest.param("cuda", marks=[pytest.mark.gpu,
+                                        pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
+GRAPH_BACKENDS = BACKENDS[1:]
+
+CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block_size=4,
+              cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+ROWS, WIDTH = 4, 8  # request slots, blocks per slot (max_model_len / block_size)
+NUM_KV_BLOCKS = ROWS * WIDTH + 1
+
+# (rows, computed, scheduled): prefill, decode, mixed (a new request), decode, a single
+# decode, and a 21-token step above the largest bucket (16).
+SCHEDULE = [
+    ([0, 1, 2], [0, 0, 0], [5, 7, 3]),
+    ([0, 1, 2], [5, 7, 3], [1, 1, 1]),
+    ([0, 1, 2, 3], [6, 8, 4, 0], [1, 1, 2, 6]),
+    ([0, 1, 2, 3], [7, 9, 6, 6], [1, 1, 1, 1]),
+    ([1], [10], [1]),
+    ([0, 3], [8, 7], [12, 9]),
+]
+DECODE_STEPS = (1, 3, 4)
+MIXED_STEPS = (0, 2)
+EAGER_STEP = 5
+
+
+class SimCudaBackend(CudaGraphBackend):
+    """The CUDA adapter on the CPU: its own code, a stand-in ``torch.cuda`` namespace."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.fake = FakeCuda()
+
+    def graph_api(self) -> CudaGraphAPI:
+        return CudaGraphAPI(self.device, self.fake)
+
+
+def device_of(name: str) -> str:
+    return "cuda" if name == "cuda" else "cpu"
+
+
+def make_backend(name: str) -> Any:
+    return {"eager": lambda: EagerBackend(),
+            "cpu": lambda: CpuGraphBackend(),
+            "npu": lambda: NpuGraphBackend(device="cpu", npu=FakeNpu()),
+            "cuda-sim": SimCudaBackend,
+            "cuda": lambda: CudaGraphBackend()}[name]()
+
+
+def model_dir() -> str:
+    return str(tiny_hf_model_dir("qwen3"))
+
+
+def make_runner(name: str, model: Any = None, **overrides: Any) -> ModelRunner:
+    return ModelRunner(model if model is not None else model_dir(), backend=make_backend(name),
+                       num_kv_blocks=NUM_KV_BLOCKS, progress=False, **{**CONFIG, **overrides})
+
+
+def tables() -> tuple[np.ndarray, np.ndarray]:
+    """Token ids per slot, and each slot's own shuffled, non-null blocks."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 128, size=(ROWS, CONFIG["max_model_len"]), dtype=np.int32)
+    blocks = (rng.permutation(ROWS * WIDTH) + 1).astype(np.int32).reshape(ROWS, WIDTH)
+    return tokens, blocks
+
+
+def step_kwargs(i: int) -> dict[str, Any]:
+    tokens, blocks = tables()
+    rows, computed, scheduled = SCHEDULE[i]
+    return dict(token_ids=tokens, block_table=blocks, req_rows=np.array(rows),
+                num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
+
+
+def step_slots(i: int) -> np.ndarray:
+    """KV slots the real tokens of step ``i`` write."""
+    _, blocks = tables()
+    rows, computed, scheduled = SCHEDULE[i]
+    bs = CONFIG["block_size"]
+    pos = [np.arange(c, c + n) for c, n in zip(computed, scheduled)]
+    return np.concatenate([blocks[r, p // bs].astype(np.int64) * bs + p % bs for r, p in zip(rows, pos)])
+
+
+def run_schedule(runner: ModelRunner, steps: range | list[int] | None = None) -> list[tuple[RuntimeMode, np.ndarray]]:
+    out = []
+    for i in steps if steps is not None else range(len(SCHEDULE)):
+        runner.execute(**step_kwargs(i))
+        out.append((runner.last_step.mode, runner.logits().copy()))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference(device: str) -> tuple[list[np.ndarray], np.ndarray]:
+    """Eager logits of every schedule step and the final KV cache, on ``device``."""
+    runner = ModelRunner(model_dir(), backend=EagerBackend(device=device), num_kv_blocks=NUM_KV_BLOCKS,
+                         progress=False, **CONFIG)
+    logits = [lg for _, lg in run_schedule(runner)]
+    return logits, runner.executor.kv_cache.float().cpu().numpy()
+
+
+def assert_same(name: str, got: np.ndarray, want: np.ndarray) -> None:
+    """Bitwise where the same kernels run (CPU), close on a GPU."""
+    if device_of(name) == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_matches_eager(backend: str, mode: str) -> None:
+    runner = make_runner(backend, mode=mode)
+    want, want_kv = reference(device_of(backend))
+    results = run_schedule(runner)
+    for (ran, got), expected in zip(results, want):
+        assert_same(backend, got, expected)
+    modes = [ran for ran, _ in results]
+    assert modes[EAGER_STEP] is RuntimeMode.NONE
+    if backend == "eager":
+        assert set(modes) == {RuntimeMode.NONE}
+        return
+    graph_mode = GraphMode(mode)
+    for i in DECODE_STEPS:
+        assert modes[i] is graph_mode.decode_mode() or (
+            graph_mode is GraphMode.FULL_DECODE_ONLY and modes[i] is RuntimeMode.FULL)
+    for i in MIXED_STEPS:
+        assert modes[i] is graph_mode.mixed_mode()
+    kv = runner.executor.kv_cache.float().cpu().numpy()
+    np.testing.assert_allclose(kv[:, :, :-1], want_kv[:, :, :-1], rtol=1e-4, atol=1e-4)  # all but the trash row
+    assert runner.stats.misses == 0 and runner.stats.unplanned_builds == 0
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_piecewise_parity_on_mixed_batches(backend: str) -> None:
+    """Mixed prefill + decode batches run as pieces with eager attention, equal to eager."""
+    runner = make_runner(backend, mode="PIECEWISE")
+    want, _ = reference(device_of(backend))
+    for i in range(len(SCHEDULE) - 1):
+        runner.execute(**step_kwargs(i))
+        assert runner.last_step.mode is RuntimeMode.PIECEWISE
+        assert runner.last_step.key.num_reqs is None
+        assert_same(backend, runner.logits(), want[i])
+    report = {r["key"]: r for r in runner.executor.capture_report}
+    assert all(r["mode"] == "PIECEWISE" for r in report.values())
+    assert report["(mixed, tokens=16, reqs=any)"]["bytes"] > 0
+
+
+# ------------------------------------------------------------------------------ padding
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_is_invisible(backend: str) -> None:
+    """The same step padded to different buckets gives the same real outputs."""
+    small = make_runner(backend, mode="FULL")
+    large = make_runner(backend, mode="FULL", cudagraph_capture_sizes=[8, 16])
+    for runner in (small, large):
+        run_schedule(runner, [0])
+    small.execute(**step_kwargs(1))
+    large.execute(**step_kwargs(1))
+    if backend != "eager":
+        assert small.last_step.key.num_tokens == 4 and large.last_step.key.num_tokens == 8
+    np.testing.assert_allclose(small.logits(), large.logits(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(small.hidden_states(), large.hidden_states(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padded_tokens_never_touch_real_kv(backend: str, mode: str) -> None:
+    """Padding writes only the trash row; NaN in every unowned KV row never reaches an output."""
+    runner = make_runner(backend, mode=mode)
+    run_schedule(runner, [0])
+    kv = runner.executor.kv_cache
+    bs = CONFIG["block_size"]
+    owned = torch.zeros(kv.shape[2], dtype=torch.bool)
+    owned[torch.as_tensor(step_slots(0))] = True
+    with torch.no_grad():
+        kv[:, :, ~owned.to(kv.device)] = float("nan")
+    before = kv.clone()
+    runner.execute(**step_kwargs(1))
+    if backend != "eager":
+        assert runner.last_step.key.num_tokens == 4  # 3 real tokens + 1 padded
+    logits = runner.logits()
+    assert np.isfinite(logits).all()
+    assert_same(backend, logits, reference(device_of(backend))[0][1])
+    changed = ((kv != before) & ~(kv.isnan() & before.isnan())).flatten(3).any(-1).any(0).any(0).cpu()
+    allowed = torch.zeros_like(changed)
+    allowed[torch.as_tensor(step_slots(1))] = True
+    allowed[-1] = True  # the trash row padded tokens write into
+    assert not (changed & ~allowed).any(), torch.nonzero(changed & ~allowed).flatten().tolist()
+    assert bs > 0
+
+
+# ------------------------------------------------------------------------------ failures
+
+
+def _host_sync(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+    """A forward hook reading a device value on the host: harmless eagerly, fatal in a graph."""
+    float(output.sum())
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_failed_capture_falls_back_to_eager(backend: str, mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = make_backend(backend).load_model(model_dir())
+    model.model.layers[1].mlp.register_forward_hook(_host_sync)
+    with caplog.at_level(logging.WARNING, logger="graphrt"):
+        runner = make_runner(backend, model=model, mode=mode)
+    warnings = [r.getMessage() for r in caplog.records if "will run eagerly" in r.getMessage()]
+    assert len(warnings) == 5, warnings  # every forward bucket; the sampler graphs still capture
+    assert any(w in warnings[0] for w in ("host", "capture")), warnings[0]
+    want, _ = reference(device_of(backend))
+    for i, (ran, got) in enumerate(run_schedule(runner)):
+        assert ran is RuntimeMode.NONE
+        assert_same(backend, got, want[i])
+    assert runner.last_step.eager_reason is not None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_strict_mode(backend: str) -> None:
+    """After warm-up every covered step hits; a key warm-up never built raises CacheMissError."""
+    runner = make_runner(backend, mode="FULL_AND_PIECEWISE", strict=True)
+    run_schedule(runner)
+    assert runner.stats.misses == 0
+    assert runner.stats.eager_reasons and "above the largest" in next(iter(runner.stats.eager_reasons))
+    cold = make_runner(backend, mode="FULL", strict=True, warmup=False)
+    cold.cache.seal()
+    with pytest.raises(CacheMissError, match=r"tokens=16, reqs=4"):
+        cold.execute(**step_kwargs(0))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_debug_mode_checks_replay_addresses(backend: str) -> None:
+    runner = make_runner(backend, mode="FULL_AND_PIECEWISE", debug_check_addresses=True)
+    run_schedule(runner, [0, 1])
+    runner.executor.static["input_ids"] = runner.executor.static["input_ids"].clone()
+    with pytest.raises(GraphrtError, match="input_ids"):
+        runner.execute(**step_kwargs(2))
+
+
+# ------------------------------------------------------------------------------ modes
+
+
+@pytest.mark.parametrize(("support", "graph_mode", "decode", "mixed"), [
+    (AttentionGraphSupport.NEVER, GraphMode.PIECEWISE, RuntimeMode.PIECEWISE, RuntimeMode.PIECEWISE),
+    (AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, GraphMode.FULL_AND_PIECEWISE,
+     RuntimeMode.FULL, RuntimeMode.PIECEWISE),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mode_degrades_to_what_attention_supports(backend: str, support: AttentionGraphSupport,
+                                                  graph_mode: GraphMode, decode: RuntimeMode,
+                                                  mixed: RuntimeMode, caplog: pytest.LogCaptureFixture) -> None:
+    model = make_backend(backend).load_model(model_dir())
+    for layer in model.attention_layers():
+        layer.graph_support = support
+    with caplog.at_level(logging.INFO, logger="graphrt"):
+        runner = make_runner(backend, model=model, mode="FULL")
+    assert any("degraded" in r.getMessage() or "eagerly" in r.getMessage() for r in caplog.records)
+    if backend == "eager":
+        assert runner.mode is GraphMode.NONE
+        return
+    assert runner.mode is graph_mode
+    want, _ = reference(device_of(backend))
+    results = run_schedule(runner)
+    for i in DECODE_STEPS:
+        assert results[i][0] is decode
+    for i in MIXED_STEPS:
+        assert results[i][0] is mixed
+    for (_, got), expected in zip(results, want):
+        assert_same(backend, got, expected)
+
+
+def test_unavailable_cuda_says_why() -> None:
+    if HAS_CUDA:
+        pytest.skip("a CUDA GPU is present")
+    with pytest.raises(BackendUnavailableError, match="cuda.*(CUDA|GPU)"):
+        select_backend("cuda")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_capture_pauses_gc_and_goes_largest_first(backend: str) -> None:
+    import gc
+
+    from graphrt.backends import recording_graph
+
+    capturing = (torch.cuda.is_current_stream_capturing if backend == "cuda"
+                 else recording_graph.is_current_stream_capturing)
+    seen: list[tuple[bool, bool]] = []
+    model = make_backend(backend).load_model(model_dir())
+    model.model.register_forward_pre_hook(lambda m, a: seen.append((capturing(), gc.isenabled())))
+    runner = make_runner(backend, model=model, mode="FULL")
+    assert gc.isenabled()
+    assert {enabled for captured, enabled in seen if captured} == {False}
+    assert {enabled for captured, enabled in seen if not captured} == {True}  # warm-up runs
+    forward = [r for r in runner.executor.capture_report if "sample" not in r["key"]]
+    sizes = [int(r["key"].split("tokens=")[1].split(",")[0]) for r in forward]
+    assert sizes == sorted(sizes, reverse=True) == [16, 8, 4, 2, 1]
+    assert all(r["seconds"] > 0 for r in forward) and forward[0]["bytes"] > 0
+
+
+def test_cuda_adapter_uses_one_side_stream_and_one_pool() -> None:
+    import gc
+
+    collect = gc.collect
+    backend = SimCudaBackend()
+    runner = ModelRunner(model_dir(), backend=backend, num_kv_blocks=NUM_KV_BLOCKS, progress=False,
+                         mode="FULL_AND_PIECEWISE", **CONFIG)
+    assert gc.collect is collect  # the capture's no-op stand-in is gone again
+    graphs = [c for c in backend.fake.calls if c[0] == "graph"]
+    assert len(graphs) == len(runner.executor.capture_report) + 5 * 2  # 3 pieces per piecewise bucket
+    assert {stream for _, stream in graphs} == {"s1"}
+    assert [c for c in backend.fake.calls if c[0] == "graph_pool_handle"] == [("graph_pool_handle",)]
+    assert ("empty_cache",) not in backend.fake.calls
