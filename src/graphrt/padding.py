@@ -27,6 +27,8 @@ from graphrt.inputs import ModelInputs
 _DTYPES = {"input_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64,
            "query_start_loc": np.int32, "seq_lens": np.int32, "num_computed_tokens": np.int32,
            "block_table": np.int32}
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")
+_REQUEST_FIELDS = ("seq_lens", "num_computed_tokens", "block_table")
 
 
 class Padder:
@@ -65,24 +67,35 @@ class Padder:
             raise InputError("num_tokens", f"padding target {num_tokens} is below the real {t} tokens")
         if num_reqs < r:
             raise InputError("num_reqs", f"padding target {num_reqs} is below the real {r} requests")
-        width = inputs.block_table.shape[1]
-        shapes = {"input_ids": (num_tokens,), "positions": (num_tokens,), "slot_mapping": (num_tokens,),
-                  "query_start_loc": (num_reqs + 1,), "seq_lens": (num_reqs,),
-                  "num_computed_tokens": (num_reqs,), "block_table": (num_reqs, width)}
-        if out is None:
-            out = {name: self._buffer(name, shape) for name, shape in shapes.items()}
-        else:
-            out = {name: _view(name, out[name], shape) for name, shape in shapes.items()}
-        for name in ("input_ids", "positions", "slot_mapping"):
-            out[name][:t] = getattr(inputs, name)[:t]
-            out[name][t:] = self.fill_values[name]
-        qsl = out["query_start_loc"]
+        dst = self._targets(out, num_tokens, num_reqs, inputs.block_table.shape[1])
+        fills = self.fill_values
+        # The fills are skipped when there is nothing to pad (a step that fills its bucket).
+        for name in _TOKEN_FIELDS:
+            buf = dst[name]
+            buf[:t] = getattr(inputs, name)[:t]
+            if num_tokens > t:
+                buf[t:] = fills[name]
+        qsl = dst["query_start_loc"]
         qsl[:r + 1] = inputs.query_start_loc[:r + 1]
-        qsl[r + 1:] = qsl[r]
-        for name in ("seq_lens", "num_computed_tokens", "block_table"):
-            out[name][:r] = getattr(inputs, name)[:r]
-            out[name][r:] = self.fill_values[name]
-        return dataclasses.replace(inputs, **out)
+        for name in _REQUEST_FIELDS:
+            buf = dst[name]
+            buf[:r] = getattr(inputs, name)[:r]
+        if num_reqs > r:
+            qsl[r + 1:] = qsl[r]
+            for name in _REQUEST_FIELDS:
+                dst[name][r:] = fills[name]
+        return dataclasses.replace(inputs, **dst)
+
+    def _targets(self, out: Mapping[str, np.ndarray] | None, num_tokens: int, num_reqs: int,
+                 width: int) -> dict[str, np.ndarray]:
+        """Per field, the array of the padded length the result is written into."""
+        lengths = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
+                   "query_start_loc": num_reqs + 1, "seq_lens": num_reqs,
+                   "num_computed_tokens": num_reqs, "block_table": num_reqs}
+        if out is None:
+            return {name: self._buffer(name, (n, width) if name == "block_table" else (n,))
+                    for name, n in lengths.items()}
+        return {name: _view(name, out[name], n, width) for name, n in lengths.items()}
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the persistent buffer for ``name`` (or a fresh array when unbounded)."""
@@ -98,8 +111,9 @@ class Padder:
         return buf[:shape[0]]
 
 
-def _view(name: str, buf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """The leading ``shape`` of a caller's buffer, checked."""
-    if buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
-        raise InputError(name, f"output buffer of shape {buf.shape} cannot hold {shape}")
-    return buf[:shape[0]]
+def _view(name: str, buf: np.ndarray, n: int, width: int) -> np.ndarray:
+    """The first ``n`` rows of a caller's buffer, checked (``block_table`` rows are ``width`` wide)."""
+    trailing = (width,) if name == "block_table" else ()
+    if buf.shape[0] < n or buf.shape[1:] != trailing:
+        raise InputError(name, f"output buffer of shape {buf.shape} cannot hold {(n,) + trailing}")
+    return buf[:n]

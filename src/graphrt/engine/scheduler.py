@@ -82,6 +82,7 @@ class Scheduler:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self._budget = 0
+        self._preempted_now: set[int] = set()   # request ids preempted in the current step
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -120,15 +121,22 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
+        self._preempted_now.add(victim.request_id)
 
     def schedule(self) -> ScheduledStep:
         """The next step: continuing prefills, new prefills, then decodes, within the budgets."""
         self._budget = self.max_num_batched_tokens
+        self._preempted_now.clear()
         step: dict[int, tuple[Request, int]] = {}
         for req in [r for r in self.running if r.num_pending > 1]:
             self._schedule_running(req, step)
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.request_id in self._preempted_now:
+                # Preempted this step for want of blocks: re-admitting it now would take back
+                # the blocks and the budget the running requests need; a prefill preempting
+                # itself would then starve the decodes holding the rest forever (livelock).
+                break
             n = min(req.num_pending, self._budget)
             if not self._grow(req, n):
                 break  # admission never preempts

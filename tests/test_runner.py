@@ -1,0 +1,478 @@
+"""ModelRunner driven directly, with the engine's persistent tables built in the test.
+
+* Padding is invisible: one step padded to different buckets (cpu graphs of 8, 16 and 32
+  tokens) gives bit-identical real hidden rows, logits and KV writes; the unpadded eager
+  run (different matmul shapes) agrees to 1e-5.
+* KV isolation: a padded step changes no KV row but its real slots and the trash row,
+  even with NaN in the null block; padded rows stay finite.
+* Strict mode, eager fallback above the largest bucket, largest-first capture order.
+* The sampler: greedy, seeded sampling (reproducible, independent of the batch), top-k /
+  top-p (a hypothesis property test on ``graphrt.sampler.random_sample``).
+* Bad input raises ``InputError`` and touches neither the KV cache nor any static buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import graphrt
+from graphrt import BatchDescriptor, CacheMissError, GraphConfig, InputError, ModelRunner, RuntimeMode
+from graphrt import SamplingParams
+from graphrt.backends.base import SamplingBatch
+from graphrt.runner import sampling_batch
+from graphrt.sampler import random_sample
+from hf_models import tiny_hf_model_dir
+from runner_steps import Tables, bits, changed, greedy, same_bits, snapshot
+
+LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, block_size=4)
+CONFIG = GraphConfig.create(**LIMITS)
+VOCAB = 128
+#: Runners by name: (backend, capture sizes, graph mode). ``FULL`` pins one graph per step;
+#: ``None`` is the default mode (FULL_AND_PIECEWISE: decode steps FULL graphs, mixed steps
+#: piecewise graphs where the backend has them).
+RUNNERS = {"cpu[8]": ("cpu", [8], "FULL"), "cpu[16]": ("cpu", [16], "FULL"),
+           "cpu[32]": ("cpu", [32], "FULL"), "cpu[1,4,32]": ("cpu", [1, 4, 32], "FULL"),
+           "default[8]": ("cpu", [8], None), "default[16]": ("cpu", [16], None),
+           "default[32]": ("cpu", [32], None), "eager": ("eager", None, None)}
+#: Runners whose matmuls see at least 8 rows on every step below: the same CPU kernels, so
+#: their real rows must agree bit for bit. (On this machine oneDNN/MKL picks another kernel
+#: for 4 rows, so the 4-token bucket and the unpadded eager runs are compared with allclose.)
+BITWISE_GROUPS = (["cpu[8]", "cpu[16]", "cpu[32]"], ["default[8]", "default[16]", "default[32]"])
+CPU = [name for name, (backend, _, _) in RUNNERS.items() if backend == "cpu"]
+FULL = [name for name, (backend, _, mode) in RUNNERS.items() if mode == "FULL"]
+ATOL = RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(tiny_hf_model_dir("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return Tables(CONFIG, VOCAB, seed=0)
+
+
+def make_runner(model_dir, backend, sizes, tables, mode="FULL", **kw):
+    extra = {} if sizes is None else {"cudagraph_capture_sizes": sizes}
+    if mode is not None:
+        extra["mode"] = mode
+    return ModelRunner(model_dir, backend=backend, num_kv_blocks=tables.num_kv_blocks, progress=False,
+                       **LIMITS, **extra, **kw)
+
+
+@pytest.fixture(scope="module")
+def runners(model_dir, tables):
+    return {name: make_runner(model_dir, backend, sizes, tables, mode)
+            for name, (backend, sizes, mode) in RUNNERS.items()}
+
+
+def fill_kv(runner, seed: int = 0, poison: bool = True) -> None:
+    """Deterministic KV contents: random everywhere; NaN in the null block and the trash row."""
+    kv = runner.executor.kv_cache
+    gen = torch.Generator().manual_seed(seed)
+    kv.copy_(torch.randn(kv.shape, generator=gen, dtype=kv.dtype))
+    if poison:
+        kv[:, :, :CONFIG.block_size] = float("nan")   # block 0, the null block
+        kv[:, :, -1] = float("nan")                   # the trash row
+
+
+def changed_rows(before: torch.Tensor, after: torch.Tensor) -> np.ndarray:
+    """KV rows (slots) whose bits differ in any layer, K or V, head or lane."""
+    diff = bits(before) != bits(after)
+    return torch.nonzero(diff.any(dim=4).any(dim=3).any(dim=1).any(dim=0)).flatten().numpy()
+
+
+# (rows, computed, scheduled): two prefills; decodes + a new prefill; pure decode; two
+# chunks. At most 8 tokens, so every cpu runner replays a graph.
+STEPS = [([0, 1], [0, 0], [3, 2]),
+         ([0, 1, 2], [3, 2, 0], [1, 1, 4]),
+         ([0, 1, 2], [4, 3, 4], [1, 1, 1]),
+         ([2, 0], [5, 5], [5, 3])]
+
+
+# ---- padding is invisible ---------------------------------------------------------------
+
+def test_padding_is_invisible(runners, tables):
+    for r in runners.values():
+        fill_kv(r)
+    buckets = {name: set() for name in CPU}
+    for rows, computed, scheduled in STEPS:
+        step = tables.step(rows, computed, scheduled)
+        out = {}
+        for name, r in runners.items():
+            tokens = step.run(r, greedy(step.num_reqs))
+            out[name] = (r.hidden_states().copy(), r.logits().copy(), tokens, r.last_step)
+            assert out[name][0].shape == (step.num_tokens, 64)
+            assert out[name][1].shape == (step.num_reqs, VOCAB)
+        # Every cpu runner replayed graphs for a padded key; eager ran the real shape.
+        for name in CPU:
+            info = out[name][3]
+            assert info.mode is not RuntimeMode.NONE, f"{name}: {info.eager_reason}"
+            assert info.key.num_tokens >= step.num_tokens
+            buckets[name].add(info.key.num_tokens)
+        assert all(out[name][3].mode is RuntimeMode.FULL for name in FULL)
+        assert out["eager"][3].mode is RuntimeMode.NONE
+        assert out["eager"][3].key.num_tokens == step.num_tokens
+        ref_hidden, ref_logits, ref_tokens, _ = out["cpu[8]"]
+        for group in BITWISE_GROUPS:   # same kernels, different padding: bit for bit
+            for name in group:
+                assert np.array_equal(out[name][0], out[group[0]][0]), f"{name} vs {group[0]}: hidden rows"
+                assert np.array_equal(out[name][1], out[group[0]][1]), f"{name} vs {group[0]}: logits"
+        for name in runners:           # other shapes or kernels: equal to float32 rounding
+            np.testing.assert_allclose(out[name][0], ref_hidden, rtol=RTOL, atol=ATOL, err_msg=name)
+            np.testing.assert_allclose(out[name][1], ref_logits, rtol=RTOL, atol=ATOL, err_msg=name)
+            assert np.array_equal(out[name][2], ref_tokens), name
+        # ... and so is every KV write.
+        slots = torch.from_numpy(tables.slots(step))
+        for group in BITWISE_GROUPS:
+            ref_kv = runners[group[0]].executor.kv_cache[:, :, slots]
+            for name in group:
+                assert same_bits(runners[name].executor.kv_cache[:, :, slots], ref_kv), name
+        ref_kv = runners["cpu[8]"].executor.kv_cache[:, :, slots]
+        for name in runners:
+            torch.testing.assert_close(runners[name].executor.kv_cache[:, :, slots], ref_kv,
+                                       rtol=RTOL, atol=ATOL, msg=name)
+    # The runners of a group really padded the same steps to different buckets.
+    for group in BITWISE_GROUPS:
+        assert len({frozenset(buckets[name]) for name in group}) == len(group), buckets
+
+
+@pytest.mark.parametrize("name", CPU)
+def test_padded_step_writes_only_its_real_slots(runners, tables, name):
+    runner = runners[name]
+    fill_kv(runner, seed=1)
+    step = tables.step([3, 5, 6], [6, 2, 0], [1, 1, 5])     # 7 real tokens, 3 requests
+    before = runner.executor.kv_cache.clone()
+    step.run(runner, greedy(3))
+    info = runner.last_step
+    t = info.key.num_tokens
+    r = info.key.num_reqs if info.key.num_reqs is not None else step.num_reqs   # piecewise: real
+    assert info.mode is not RuntimeMode.NONE and t > step.num_tokens
+    after = runner.executor.kv_cache
+    real = set(tables.slots(step).tolist())
+    trash = after.shape[2] - 1
+    rows = set(changed_rows(before, after).tolist())
+    assert rows - real - {trash} == set(), f"padded step wrote KV rows {sorted(rows - real - {trash})}"
+    assert real <= rows                                   # every real token wrote its slot
+    assert trash in rows and torch.isfinite(after[:, :, trash]).all()   # padded tokens wrote the trash row
+    assert torch.isnan(after[:, :, :CONFIG.block_size]).all()           # the null block: untouched
+    ex = runner.executor
+    assert torch.isfinite(ex.hidden_out[:t]).all(), "a padded or real hidden row is not finite"
+    assert torch.isfinite(ex.logits_out[:r]).all(), "a padded or real logits row is not finite"
+    # The static buffers hold the padding rules' fill values past the real rows.
+    s = ex.static
+    assert (s["slot_mapping"][step.num_tokens:t] == -1).all()
+    assert (s["input_ids"][step.num_tokens:t] == 0).all() and (s["positions"][step.num_tokens:t] == 0).all()
+    assert (s["seq_lens"][3:r] == 0).all() and (s["block_table"][3:r] == 0).all()
+    assert (s["query_start_loc"][4:r + 1] == step.num_tokens).all()
+
+
+def test_nan_in_the_null_block_never_reaches_real_outputs(runners, tables):
+    """Real rows read unused block-table columns (the null block) and masked slots; with NaN
+    there, outputs must match a cache with zeros there."""
+    step = tables.step([0, 4], [0, 0], [5, 2])
+    results = []
+    for poison in (True, False):
+        runner = runners["cpu[16]"]
+        fill_kv(runner, seed=2, poison=poison)
+        step.run(runner)
+        results.append((runner.hidden_states().copy(), runner.logits().copy()))
+    assert np.isfinite(results[0][1]).all()
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
+# ---- strict mode, eager fallback, capture order ---------------------------------------------
+
+def test_strict_mode_raises_on_a_missing_key(model_dir, tables):
+    runner = make_runner(model_dir, "cpu", [8, 16], tables, "FULL", strict=True, warmup=False)
+    runner.cache.seal()
+    assert len(runner.cache) == 0
+    step = tables.step([0, 1], [0, 0], [3, 2])
+    before = snapshot(runner)
+    with pytest.raises(CacheMissError) as err:
+        step.run(runner, greedy(2))
+    key = (RuntimeMode.FULL, BatchDescriptor(8, 8, False))
+    assert err.value.key == key
+    message = str(err.value)   # names the key: mode, tokens, requests; and why it is missing
+    assert "FULL" in message and "tokens=8" in message and "reqs=8" in message, message
+    assert "not built during warm-up" in message
+    assert changed(before, runner) == []
+    # Above the largest bucket is not a miss: the policy says eager, strict or not.
+    big = tables.step([0, 1], [0, 0], [12, 8])
+    big.run(runner, greedy(2))
+    assert runner.last_step.mode is RuntimeMode.NONE
+    assert "above the largest token bucket (16)" in runner.last_step.eager_reason
+
+
+def test_non_strict_missing_key_runs_eagerly_and_counts_why(model_dir, tables, runners):
+    runner = make_runner(model_dir, "cpu", [8, 16], tables, "FULL", warmup=False)
+    runner.cache.seal()
+    step = tables.step([0, 1], [0, 0], [3, 2])
+    fill_kv(runner)
+    tokens = step.run(runner, greedy(2))
+    info = runner.last_step
+    assert info.mode is RuntimeMode.NONE and info.key.num_tokens == step.num_tokens
+    assert "was not captured" in info.eager_reason and "tokens=8" in info.eager_reason
+    stats = runner.stats
+    assert stats.misses == 1 and stats.eager_steps == 1
+    assert stats.eager_reasons[info.eager_reason] == 1
+    ref = runners["eager"]
+    fill_kv(ref)
+    ref_tokens = step.run(ref, greedy(2))
+    np.testing.assert_array_equal(runner.logits(), ref.logits())   # both eager, same shapes
+    np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+def test_eager_fallback_above_the_largest_bucket(runners, tables):
+    runner, ref = runners["cpu[8]"], runners["eager"]
+    eager_before = runner.stats.eager_steps
+    step = tables.step([0, 1, 2], [0, 0, 0], [5, 4, 3])     # 12 tokens > 8
+    for r in (runner, ref):
+        fill_kv(r, seed=3)
+        step.run(r, greedy(3))
+    info = runner.last_step
+    assert info.mode is RuntimeMode.NONE
+    assert info.key == BatchDescriptor(12, 3, False)
+    assert "12 tokens above the largest token bucket (8)" in info.eager_reason
+    assert runner.stats.eager_steps == eager_before + 1
+    assert runner.stats.eager_reasons[info.eager_reason] >= 1
+    np.testing.assert_array_equal(runner.logits(), ref.logits())
+
+
+def test_capture_order_is_largest_first(runners):
+    runner = runners["cpu[1,4,32]"]
+    keys = runner.cache.keys()
+    assert [k[1].num_tokens for k in keys] == [32, 4, 1]
+    assert all(k[0] is RuntimeMode.FULL for k in keys)
+    sampler_keys = runner.sampler_cache.keys()
+    assert [k[1] for k in sampler_keys] == sorted((k[1] for k in sampler_keys), reverse=True)
+    assert {k[1] for k in sampler_keys} == {8, 4, 1}
+    report = [row["key"] for row in runner.warmup_report]     # the same order, as text
+    assert len(report) == len(keys) + len(sampler_keys)
+    assert [f"tokens={n}," in row for n, row in zip((32, 4, 1), report)] == [True] * 3, report
+    assert runner.cache.sealed and runner.stats.unplanned_builds == 0
+
+
+# ---- the sampler ---------------------------------------------------------------------------
+
+SAMPLER_RUNNERS = ["cpu[8]", "eager"]
+
+
+@pytest.mark.parametrize("name", SAMPLER_RUNNERS)
+def test_greedy_is_argmax_of_logits(runners, tables, name):
+    runner = runners[name]
+    hits = runner.sampler_cache.stats.hits
+    for rows, computed, scheduled in STEPS:
+        step = tables.step(rows, computed, scheduled)
+        tokens = step.run(runner, greedy(step.num_reqs))
+        np.testing.assert_array_equal(tokens, runner.logits().argmax(axis=-1))
+    if name.startswith("cpu"):
+        assert runner.sampler_cache.stats.hits == hits + len(STEPS)   # the sampler graph ran
+
+
+def run_request(runner, tables, params: dict[int, SamplingParams], ids: dict[int, int],
+                prompt: int = 5, decodes: int = 4) -> dict[int, list[int]]:
+    """Prefill ``prompt`` tokens in every listed row, then ``decodes`` decode steps, sampling
+    each step with the rows' params; returns each request id's sampled tokens."""
+    rows = list(params)
+    out = {ids[row]: [] for row in rows}
+    runner.executor.kv_cache.zero_()
+    for i in range(decodes + 1):
+        computed = [0 if i == 0 else prompt + i - 1] * len(rows)
+        scheduled = [prompt if i == 0 else 1] * len(rows)
+        batch = sampling_batch([params[row] for row in rows], [ids[row] for row in rows], VOCAB)
+        tokens = tables.step(rows, computed, scheduled).run(runner, batch)
+        for row, tok in zip(rows, tokens):
+            out[ids[row]].append(int(tok))
+    for row in rows:
+        runner.free_request(ids[row])
+    return out
+
+
+@pytest.mark.parametrize("name", SAMPLER_RUNNERS)
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(runners, tables, name):
+    runner = runners[name]
+    seeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=1234)
+    alone = run_request(runner, tables, {0: seeded}, {0: 7})
+    again = run_request(runner, tables, {0: seeded}, {0: 99})   # another request id, same seed
+    assert again[99] == alone[7]
+    companions = {3: SamplingParams(temperature=0.7, seed=5), 0: seeded,
+                  5: SamplingParams(temperature=1.3, top_p=0.5), 6: SamplingParams()}
+    batched = run_request(runner, tables, companions, {3: 1, 0: 7, 5: 2, 6: 3})
+    assert batched[7] == alone[7]
+    others = [run_request(runner, tables, {0: SamplingParams(temperature=1.0, seed=s)}, {0: 7})[7]
+              for s in range(4)]
+    assert len({tuple(o) for o in others}) > 1, "different seeds gave the same samples"
+
+
+@pytest.mark.parametrize("name", SAMPLER_RUNNERS)
+def test_top_k_one_is_greedy_and_samples_stay_in_the_allowed_set(runners, tables, name):
+    runner = runners[name]
+    step = tables.step([0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [3, 2, 4, 1, 5])
+    top1 = [SamplingParams(temperature=1.0, top_k=1)] * 5
+    tokens = step.run(runner, sampling_batch(top1, range(5), VOCAB))
+    np.testing.assert_array_equal(tokens, runner.logits().argmax(axis=-1))
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=2.0, top_k=3),
+              SamplingParams(temperature=1.0, top_p=0.3), SamplingParams(temperature=0.5, top_k=5, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=4)]
+    for seed in range(6):
+        batch = sampling_batch([dataclasses.replace(p, seed=100 * seed + i) for i, p in enumerate(params)],
+                               range(10 + 5 * seed, 15 + 5 * seed), VOCAB)
+        tokens = step.run(runner, batch)
+        logits = runner.logits().copy()
+        for i, (tok, p) in enumerate(zip(tokens, params)):
+            allowed = allowed_tokens(logits[i], p.temperature, VOCAB if p.top_k < 0 else p.top_k, p.top_p)
+            assert allowed[tok], f"row {i}: token {tok} outside top_k={p.top_k} / top_p={p.top_p}"
+
+
+def allowed_tokens(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                   slack: float = 1e-4) -> np.ndarray:
+    """Tokens a correct top-k / top-p sampler may return (ties resolved permissively).
+
+    A token is allowed if its scaled logit is at least the k-th largest, and the
+    probability mass (over the top-k set) of tokens strictly more likely than it is below
+    ``top_p`` (plus ``slack`` for float32 cumulative sums).
+    """
+    logits = np.asarray(logits, dtype=np.float32)
+    if temperature < 1e-5:
+        return logits == logits.max()
+    scaled = logits / np.float32(max(temperature, 1e-5))
+    kth = np.sort(scaled)[::-1][min(max(top_k, 1), scaled.shape[0]) - 1]
+    in_k = scaled >= kth
+    s = scaled.astype(np.float64)
+    p = np.where(in_k, np.exp(s - s.max()), 0.0)
+    p /= p.sum()
+    greater = np.array([p[s > v].sum() for v in s])
+    return in_k & (greater < top_p + slack)
+
+
+@st.composite
+def sampler_inputs(draw):
+    n = draw(st.integers(1, 4))
+    vocab = draw(st.integers(1, 48))
+    logits = draw(hnp.arrays(np.float32, (n, vocab),
+                             elements=st.floats(-30, 30, width=32) | st.sampled_from([0.0, 1.0])))
+    temperature = draw(hnp.arrays(np.float32, (n,),
+                                  elements=st.sampled_from([0.0, 1.0]) | st.floats(0.0625, 4.0, width=32)))
+    top_k = draw(hnp.arrays(np.int64, (n,), elements=st.integers(1, vocab)))
+    top_p = draw(hnp.arrays(np.float32, (n,),
+                            elements=st.sampled_from([1.0]) | st.floats(0.015625, 1.0, width=32)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return logits, temperature, top_k, top_p, seed
+
+
+@settings(max_examples=200, deadline=None)
+@given(sampler_inputs())
+def test_random_sample_stays_inside_top_k_and_top_p(inputs):
+    logits, temperature, top_k, top_p, seed = inputs
+    n, vocab = logits.shape
+    noise = torch.empty(n, vocab).exponential_(generator=torch.Generator().manual_seed(seed))
+    out = random_sample(torch.from_numpy(logits), torch.from_numpy(temperature), torch.from_numpy(top_k),
+                        torch.from_numpy(top_p), noise)
+    assert out.shape == (n,) and out.dtype == torch.int64
+    for i in range(n):
+        allowed = allowed_tokens(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]))
+        tok = int(out[i])
+        assert 0 <= tok < vocab and allowed[tok], (
+            f"row {i}: sampled {tok} outside the allowed set {np.flatnonzero(allowed).tolist()} "
+            f"(T={temperature[i]}, top_k={top_k[i]}, top_p={top_p[i]})")
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+GOOD = ([0, 1, 2], [0, 0, 0], [3, 2, 4])
+
+
+def bad_step(tables, kind: str, num_kv_blocks: int):
+    """A step with one bad input and the field the error must name (and a fragment of its text)."""
+    step = tables.step(*GOOD)
+    sampling = greedy(3)
+    if kind == "token id out of vocabulary":
+        tokens = tables.token_ids.copy()
+        tokens[1, 1] = VOCAB
+        step.overrides["token_ids"] = tokens
+        return step, sampling, "token_ids", f"token id {VOCAB} outside the vocabulary [0, {VOCAB})"
+    if kind == "negative token id":
+        tokens = tables.token_ids.copy()
+        tokens[2, 0] = -3
+        step.overrides["token_ids"] = tokens
+        return step, sampling, "token_ids", "token id -3 outside the vocabulary"
+    if kind == "block id beyond the cache":
+        blocks = tables.block_table.copy()
+        blocks[2, 0] = num_kv_blocks
+        step.overrides["block_table"] = blocks
+        return step, sampling, "block_table", f"block {num_kv_blocks} is outside the KV cache's {num_kv_blocks} blocks"
+    if kind == "wrong block-table width":
+        step.overrides["block_table"] = tables.block_table[:, :-1].copy()
+        return step, sampling, "block_table", f"{CONFIG.max_blocks_per_req - 1} columns"
+    if kind == "null block in a scheduled slot":
+        blocks = tables.block_table.copy()
+        blocks[0, 0] = 0
+        step.overrides["block_table"] = blocks
+        return step, sampling, "block_table", "null block"
+    if kind == "sampling rows mismatch":
+        return step, greedy(2), "sampling", "2 rows for 3 requests"
+    raise AssertionError(kind)
+
+
+BAD_KINDS = ["token id out of vocabulary", "negative token id", "block id beyond the cache",
+             "wrong block-table width", "null block in a scheduled slot", "sampling rows mismatch"]
+
+
+@pytest.mark.parametrize("name", ["cpu[8]", "eager"])
+def test_bad_input_raises_and_touches_nothing(runners, tables, name):
+    runner = runners[name]
+    fill_kv(runner, seed=4, poison=False)
+    good = tables.step(*GOOD)
+    first = good.run(runner, greedy(3)), runner.logits().copy()
+    for kind in BAD_KINDS:
+        step, sampling, field, fragment = bad_step(tables, kind, runner.num_kv_blocks)
+        before = snapshot(runner)
+        with pytest.raises(InputError) as err:
+            step.run(runner, sampling)
+        assert isinstance(err.value, ValueError) and isinstance(err.value, graphrt.GraphrtError)
+        assert err.value.field == field, f"{kind}: {err.value}"
+        assert fragment in str(err.value), f"{kind}: {err.value}"
+        assert changed(before, runner) == [], f"{kind} changed {changed(before, runner)}"
+        # The runner keeps working: the good step again gives the same result.
+        tokens = good.run(runner, greedy(3))
+        np.testing.assert_array_equal(tokens, first[0])
+        np.testing.assert_array_equal(runner.logits(), first[1])
+
+
+def test_sampling_rows_must_match_even_when_all_greedy(runners, tables):
+    """SamplingBatch rows must match the step's requests even when all greedy."""
+    runner = runners["cpu[8]"]
+    step = tables.step(*GOOD)
+    batch = SamplingBatch(np.zeros(4, np.float32), np.full(4, VOCAB, np.int64), np.ones(4, np.float32),
+                          [None] * 4, [0, 1, 2, 3])
+    before = snapshot(runner)
+    with pytest.raises(InputError, match="sampling: 4 rows for 3 requests"):
+        step.run(runner, batch)
+    assert changed(before, runner) == []
+
+
+# ---- results the caller holds ----------------------------------------------------------------
+
+# A regression test: on CPU backends ``.cpu()`` is a no-op, so ``TorchExecutor.sample`` used to
+# return a view of the static ``tokens_out`` buffer and the next step overwrote a result the
+# caller still held. It now returns a copy there.
+@pytest.mark.parametrize("name", ["cpu[8]", "eager"])
+def test_execute_result_is_not_overwritten_by_the_next_step(runners, tables, name):
+    runner = runners[name]
+    first = tables.step([0, 1], [0, 0], [3, 2])
+    second = tables.step([4, 5], [0, 0], [2, 3])
+    expected_first, expected_second = first.run(runner, greedy(2)), second.run(runner, greedy(2))
+    assert not np.array_equal(expected_first, expected_second)     # the two steps sample differently
+    held = runner.execute(**first.kwargs(), sampling=greedy(2))
+    np.testing.assert_array_equal(held, expected_first)
+    runner.execute(**second.kwargs(), sampling=greedy(2))
+    np.testing.assert_array_equal(held, expected_first)             # not the second step's tokens
