@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generic, Hashable, Iterator, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
 from graphrt.errors import CacheMissError
 
@@ -108,7 +108,7 @@ class GraphCache(Generic[E]):
         self._entries[key] = entry
         self.stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
 
-    def get(self, key: Hashable, *, reason: str = "") -> E | None:
+    def get(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
         """The entry for ``key`` (a hit) or ``None`` (a miss; raises in strict mode once sealed)."""
         entry = self._entries.get(key)
         if entry is not None:
@@ -119,7 +119,8 @@ class GraphCache(Generic[E]):
         if self.strict and self.sealed:
             known = ", ".join(describe_key(k) for k in list(self._entries)[:6])
             more = ", ..." if len(self._entries) > 6 else ""
-            raise CacheMissError(key, (reason or "not built during warm-up")
+            why = reason() if callable(reason) else reason
+            raise CacheMissError(key, (why or "not built during warm-up")
                                  + f"; {len(self._entries)} entries exist ({known}{more})",
                                  description=describe_key(key))
         return None

@@ -79,3 +79,6 @@ DEFAULT_COMPILE_MAX_SIZE = 32
 #: Ascend: environment variable and value selecting HCCL's AIV expansion mode (seed 003).
 ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
 ACL_AIV_VALUE = "AIV"
+
+#: Distinct step shapes whose dispatch result the Dispatcher remembers (decode sees few).
+DISPATCH_MEMO_LIMIT = 1 << 16

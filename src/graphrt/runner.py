@@ -182,7 +182,7 @@ class ModelRunner:
         if mode is RuntimeMode.NONE:
             eager_reason = d.reason
         else:
-            entry = self.cache.get((mode, key), reason=f"{d.reason}, not built during warm-up")
+            entry = self.cache.get((mode, key), reason=lambda: f"{d.reason}, not built during warm-up")
             if entry is None and not self.executor.eager_fallback:
                 entry = self._build_missing(mode, key)
             if entry is None or isinstance(entry, EagerFallback):

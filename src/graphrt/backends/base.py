@@ -10,7 +10,7 @@ the same way for every backend.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -28,10 +28,11 @@ class SamplingBatch:
     top_p: np.ndarray              # float32; 1.0 where disabled
     seeds: Sequence[int | None]    # per request; None = the device RNG
     request_ids: Sequence[int]     # identity of each request (for seeded generators)
+    all_greedy: bool = field(init=False)
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0.0).all())
+    def __post_init__(self) -> None:
+        # Computed once: the runner and the executor both ask, on the hot path.
+        self.all_greedy = bool((self.temperature == 0.0).all())
 
 
 class Executor(abc.ABC):
