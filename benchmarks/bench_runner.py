@@ -344,8 +344,8 @@ def format_report(decode: dict[str, dict[int, dict[str, Any]]], overhead: dict[s
         lines.append(f"{name:<8}{o['execute']['median_us']:>10.1f}{o['executor']['median_us']:>10.1f}"
                      f"{o['overhead']['median_us']:>10.1f}{o['overhead']['p90_us']:>8.1f}"
                      f"{o['target_us']:>8.0f}  {'PASS' if o['pass'] else 'FAIL'}")
-    lines += ["", f"Same steps, executor.run / executor.sample stubbed (host work only, warm CPU caches; "
-                  f"informational), us"]
+    lines += ["", "Same steps, executor.run / executor.sample stubbed (host work only, warm CPU caches; "
+                  "informational), us"]
     head = f"{'backend':<8}{'overhead':>10}{'p90':>8}{'target':>8}  result"
     lines += [head, "-" * len(head)]
     for name, o in overhead.items():

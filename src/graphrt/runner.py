@@ -22,7 +22,7 @@ from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.cache import GraphCache
 from graphrt.config import GraphConfig
 from graphrt.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
-from graphrt.errors import GraphrtError, InputError
+from graphrt.errors import InputError
 from graphrt.inputs import InputPreparer, ModelInputs
 from graphrt.padding import Padder
 from graphrt.registry import select_backend
@@ -239,12 +239,12 @@ class ModelRunner:
         return self.cache.stats
 
     def hidden_states(self, num_tokens: int | None = None) -> np.ndarray:
-        """The last step's hidden states of its real tokens."""
-        return self.executor.hidden_states(num_tokens or self.last_step.num_tokens)
+        """The last step's hidden states of its real tokens (a copy: the next step reuses the buffer)."""
+        return np.array(self.executor.hidden_states(num_tokens or self.last_step.num_tokens), copy=True)
 
     def logits(self) -> np.ndarray:
-        """The last step's logits at each real request's last token."""
-        return self.executor.logits(self.last_step.num_reqs)
+        """The last step's logits at each real request's last token (a copy)."""
+        return np.array(self.executor.logits(self.last_step.num_reqs), copy=True)
 
     def free_request(self, request_id: int) -> None:
         """Drop per-request state (seeded sampler generators)."""
@@ -261,4 +261,4 @@ def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size
     return SamplingBatch(temperature, top_k, top_p, [p.seed for p in params], list(request_ids))
 
 
-__all__ = ["ModelRunner", "StepInfo", "EagerFallback", "sampling_batch", "GraphrtError"]
+__all__ = ["ModelRunner", "StepInfo", "EagerFallback", "sampling_batch"]

@@ -70,13 +70,13 @@ class Executor(abc.ABC):
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch) -> np.ndarray:
         """One token id per real request (int64)."""
 
+    @abc.abstractmethod
     def hidden_states(self, num_tokens: int) -> np.ndarray:
         """The last step's hidden states of the first ``num_tokens`` rows (tests, debugging)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def logits(self, num_reqs: int) -> np.ndarray:
         """The last step's logits of the first ``num_reqs`` requests (tests, debugging)."""
-        raise NotImplementedError
 
     def free_request(self, request_id: int) -> None:
         """Forget per-request state (seeded generators) of a finished request."""
