@@ -5,10 +5,12 @@ Two steps of a 256-request engine (max_model_len 4096, block_size 16, a 512-row 
 * ``decode`` -- every request schedules one token, computed lengths 100..4000;
 * ``mixed``  -- 8192 tokens: a few prefill chunks of hundreds of tokens, the rest decode.
 
-Three implementations compute the same outputs (checked before timing):
+Four implementations compute the same outputs (checked before timing):
 
 * ``graphrt`` -- :meth:`graphrt.InputPreparer.prepare`, one preparer reused (persistent buffers);
 * ``loop``    -- a per-request Python loop with numpy slicing, what a naive engine writes;
+* ``loop_lists`` -- a per-request loop in nano-vllm's style: Python lists extended per token
+  and per block range, converted to numpy once (the engine's lists are built untimed);
 * ``numpy``   -- plain vectorised numpy (repeat / cumsum / take), fresh arrays every call.
 
 Also times :meth:`graphrt.Padder.pad` (persistent buffers) of decode steps to their vLLM bucket.
@@ -40,8 +42,10 @@ VOCAB = 32000
 #: (step, baseline) -> minimum speed-up of graphrt over the baseline (median / median).
 TARGETS: dict[tuple[str, str], float] = {
     ("decode", "loop"): 20.0,
+    ("decode", "loop_lists"): 20.0,
     ("decode", "numpy"): 1.5,
     ("mixed", "loop"): 50.0,
+    ("mixed", "loop_lists"): 50.0,
     ("mixed", "numpy"): 1.5,
 }
 
@@ -145,6 +149,48 @@ def prepare_loop(step: Step) -> Outputs:
             "max_seq_len": max(c + n for c, n in zip(computed, scheduled))}
 
 
+def engine_lists(step: Step) -> tuple[list[list[int]], list[list[int]]]:
+    """The scheduled requests' token ids and block ids as Python lists: the state a
+    list-based engine (nano-vllm's ``Sequence``) keeps; built outside the timed region."""
+    token_lists = [step.token_ids[row].tolist() for row in step.req_rows.tolist()]
+    block_lists = [step.block_table[row].tolist() for row in step.req_rows.tolist()]
+    return token_lists, block_lists
+
+
+def prepare_loop_lists(step: Step, lists: tuple[list[list[int]], list[list[int]]]) -> Outputs:
+    """Reference in nano-vllm's style: a loop over requests that extends Python lists
+    (ids and positions per token, slots one block range at a time), converted to numpy once."""
+    token_lists, block_lists = lists
+    bs = step.block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    for tokens, blocks, c, n in zip(token_lists, block_lists, step.num_computed_tokens.tolist(),
+                                    step.num_scheduled_tokens.tolist()):
+        input_ids.extend(tokens[c:c + n])
+        positions.extend(range(c, c + n))
+        pos = c
+        while pos < c + n:
+            end = min((pos // bs + 1) * bs, c + n)
+            base = blocks[pos // bs] * bs
+            slot_mapping.extend(range(base + pos % bs, base + (end - 1) % bs + 1))
+            pos = end
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(c + n)
+    scheduled = step.num_scheduled_tokens
+    return {"input_ids": np.array(input_ids, dtype=np.int32),
+            "positions": np.array(positions, dtype=np.int32),
+            "slot_mapping": np.array(slot_mapping, dtype=np.int64),
+            "query_start_loc": np.array(query_start_loc, dtype=np.int32),
+            "seq_lens": np.array(seq_lens, dtype=np.int32),
+            "num_computed_tokens": step.num_computed_tokens.astype(np.int32),
+            "block_table": np.array(block_lists, dtype=np.int32),
+            "num_tokens": len(input_ids), "max_query_len": int(scheduled.max()),
+            "max_seq_len": max(seq_lens)}
+
+
 def prepare_numpy(step: Step) -> Outputs:
     """Baseline: vectorised numpy without persistent buffers (fresh arrays every call).
 
@@ -229,13 +275,17 @@ def summarise(ns: np.ndarray) -> dict[str, float]:
 def bench_step(step: Step, preparer: InputPreparer, iters: int, warmup: int,
                rounds: int) -> dict[str, dict[str, float]]:
     """Check the three implementations agree on ``step``, then time them."""
+    lists = engine_lists(step)
     results = {"graphrt": outputs_of(prepare_graphrt(preparer, step)),
-               "loop": prepare_loop(step), "numpy": prepare_numpy(step)}
+               "loop": prepare_loop(step), "loop_lists": prepare_loop_lists(step, lists),
+               "numpy": prepare_numpy(step)}
     check_identical(step, results)
     fns = {"graphrt": lambda: prepare_graphrt(preparer, step),
            "loop": lambda: prepare_loop(step),
+           "loop_lists": lambda: prepare_loop_lists(step, lists),
            "numpy": lambda: prepare_numpy(step)}
-    counts = {"graphrt": iters, "loop": max(rounds, iters // 10), "numpy": iters}
+    counts = {"graphrt": iters, "loop": max(rounds, iters // 10),
+              "loop_lists": max(rounds, iters // 10), "numpy": iters}
     timed = time_calls(fns, counts, warmup, rounds)
     return {name: summarise(ns) for name, ns in timed.items()}
 
