@@ -27,7 +27,7 @@ from graphrt.buckets import BucketPolicy  # noqa: E402
 from graphrt.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode  # noqa: E402
 from graphrt.errors import CacheMissError, InputError  # noqa: E402
 from graphrt.runner import ModelRunner, sampling_batch  # noqa: E402
-from hf_models import hf_logits, load_hf_model, tiny_hf_model_dir  # noqa: E402
+from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
 
 VOCAB = 128
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
@@ -420,24 +420,71 @@ def restore_compilation_cache():
     cc.reset_cache()
 
 
+def _cached_runner(cache_dir, model_dir=None, **overrides):
+    limits = {**LIMITS, **overrides}
+    return ModelRunner(str(model_dir or tiny_hf_model_dir("qwen3")), backend="xla", warmup=False,
+                       compilation_cache_dir=str(cache_dir), precompile_token_paddings=[32],
+                       precompile_bs_paddings=[1, 4], **limits)
+
+
+CACHE_KEYS = [(RuntimeMode.FULL, BatchDescriptor(1, 1, True)), (RuntimeMode.FULL, ("sample", 1, True))]
+
+
 def test_persistent_cache_is_reused(tmp_path, restore_compilation_cache):
-    d = tiny_hf_model_dir("qwen3")
-    keys = [(RuntimeMode.FULL, BatchDescriptor(1, 1, True)), (RuntimeMode.FULL, ("sample", 1, True))]
-
-    def start():
-        runner = ModelRunner(str(d), backend="xla", warmup=False, compilation_cache_dir=str(tmp_path),
-                             precompile_token_paddings=[32], precompile_bs_paddings=[1, 4], **LIMITS)
-        return runner.executor.build_many(keys)
-
-    cold = start()
+    cold = _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
     assert not any(e.persistent_cache_hit for e in cold)
-    assert any(p.name.startswith("jit_step") for p in tmp_path.iterdir())
+    assert all(e.lower_seconds > 0 for e in cold)
+    assert any(p.name.startswith("jit_step") for p in tmp_path.iterdir())        # JAX's cache
+    assert len(list((tmp_path / "graphrt-executables").rglob("*.xla"))) == 2     # graphrt's
     with CompileCounter() as counter:
-        warm = start()
-    # The forward is loaded from disk; the sampler (one module-level function) may not even
-    # reach the compiler: JAX reuses its in-memory executable. Nothing compiles from scratch.
-    assert warm[0].persistent_cache_hit
-    assert counter.compiles == counter.persistent_cache_hits >= 1, counter.names
+        warm = _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
+    # A restart deserializes both executables: no lowering, and nothing compiles from scratch.
+    assert all(e.persistent_cache_hit and e.lower_seconds == 0.0 for e in warm)
+    assert counter.compiles == counter.persistent_cache_hits, counter.names
+
+
+def test_loaded_executables_give_identical_results(tmp_path, restore_compilation_cache):
+    prompts = prompts_of([5, 3], seed=7)
+    outs = []
+    for _ in range(2):
+        runner = _cached_runner(tmp_path)
+        runner.warmup()
+        table = np.zeros((LIMITS["max_num_seqs"], LIMITS["max_model_len"]), np.int32)
+        blocks = np.zeros((LIMITS["max_num_seqs"], runner.config.max_blocks_per_req), np.int32)
+        for i, p in enumerate(prompts):
+            table[i, :len(p)] = p
+            blocks[i, :2] = [1 + 2 * i, 2 + 2 * i]
+        runner.execute(token_ids=table, block_table=blocks, req_rows=np.array([0, 1]),
+                       num_computed_tokens=np.array([0, 0]),
+                       num_scheduled_tokens=np.array([len(p) for p in prompts]))
+        outs.append((runner.logits(), runner.executor.compile_report))
+    (cold_logits, cold_report), (warm_logits, warm_report) = outs
+    assert not any(r["persistent_cache_hit"] for r in cold_report)
+    assert all(r["persistent_cache_hit"] and r["lower_s"] == 0.0 for r in warm_report)
+    np.testing.assert_array_equal(cold_logits, warm_logits)
+
+
+def test_executable_cache_never_serves_another_model_or_shape(tmp_path, restore_compilation_cache):
+    cache = tmp_path / "cache"
+    _cached_runner(cache).executor.build_many(CACHE_KEYS)
+    # A different block size changes the KV cache and the block table: a new fingerprint.
+    other = _cached_runner(cache, block_size=8, max_model_len=64).executor.build_many(CACHE_KEYS)
+    # Same shapes, another rotary base: baked into the executable, so it must not be reused.
+    theta = make_tiny_hf_model(tmp_path, "qwen3", rope_theta=12345.0)
+    third = _cached_runner(cache, model_dir=theta).executor.build_many(CACHE_KEYS)
+    for entries in (other, third):
+        assert not any(e.lower_seconds == 0.0 for e in entries)
+    assert len(list((cache / "graphrt-executables").iterdir())) == 3
+
+
+def test_unreadable_cached_executable_is_rebuilt(tmp_path, restore_compilation_cache, caplog):
+    _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
+    for f in (tmp_path / "graphrt-executables").rglob("*.xla"):
+        f.write_bytes(b"not an executable")
+    with caplog.at_level(logging.WARNING):
+        rebuilt = _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
+    assert all(e.lower_seconds > 0 for e in rebuilt)
+    assert "ignoring unreadable cached executable" in caplog.text
 
 
 # ---- flax nnx, lazy compilation ------------------------------------------------------------

@@ -49,11 +49,14 @@ else:
     from graphrt.backends import xla_sharding as shd
     from graphrt.backends.xla_batch import (BATCH_FIELDS, SAMPLING_FIELDS, SamplingMetadata, XlaBatch,
                                             batch_spec, describe_change, sampling_spec)
+    from graphrt.backends import xla_batch, xla_sampler
+    from graphrt.backends.xla_executables import ExecutableCache, executor_fingerprint
     from graphrt.backends.xla_compile import (enable_persistent_cache, install_listeners,
                                               thread_cache_hits, thread_compiles, thread_counts,
                                               thread_last_compiled)
     from graphrt.backends.xla_sampler import greedy_tokens, sample_tokens
     from graphrt.models.hf_config import DecoderConfig
+    from graphrt.models import jax_decoder
     from graphrt.models.jax_decoder import AttentionMetadata, compute_logits, forward
 
     #: The calling thread's compile counters, read directly on the hot path (one attribute load).
@@ -108,6 +111,12 @@ def _key_str(key: Hashable) -> str:
 def _as_array(value: Any) -> Any:
     """``None`` stays ``None`` (a structure change), anything else becomes an ndarray."""
     return None if value is None else np.asarray(value)
+
+
+def _spec_shapes(spec: Any) -> tuple[tuple[int, ...], ...]:
+    """Forward specs: the shape of each batch field (checked before every call)."""
+    return (tuple(tuple(getattr(spec, f).shape) for f in BATCH_FIELDS)
+            if isinstance(spec, XlaBatch) else ())
 
 
 def _is_sampler_key(key: Hashable) -> bool:
@@ -270,6 +279,7 @@ class XlaExecutor(Executor):
         self._greedy_jit = jax.jit(greedy_tokens, in_shardings=(self._repl,), out_shardings=self._repl)
         self._sample_jit = jax.jit(sample_tokens, in_shardings=(self._repl, self._repl),
                                    out_shardings=self._repl)
+        self._exec_cache = self._executable_cache(model, config)
         self._entries: dict[Hashable, XlaEntry] = {}
         self._lock = threading.Lock()
         self._sealed = False
@@ -282,6 +292,21 @@ class XlaExecutor(Executor):
         self._seed_steps: dict[int, int] = {}
         self._last_logits: jax.Array | None = None
         self._last_hidden: jax.Array | None = None
+
+    def _executable_cache(self, model: Any, config: GraphConfig) -> "ExecutableCache | None":
+        """With ``compilation_cache_dir``, serialized executables of graphrt's own JAX model.
+
+        Not for nnx modules: their code lives in the graphdef, which the fingerprint cannot
+        see, so a changed module with the same parameter shapes could load a stale executable.
+        """
+        if not config.compilation_cache_dir or not isinstance(model, (XlaModel, tuple)):
+            return None
+        import sys
+        fingerprint = executor_fingerprint(
+            modules=(jax_decoder, xla_batch, xla_sampler, shd, sys.modules[__name__]),
+            devices=list(self.mesh.devices.flat), mesh_axes=(self.mesh.axis_names, self.mesh.devices.shape),
+            parts=(self.model_config, self.weights, config.block_size, self._width, self.vocab_size))
+        return ExecutableCache(config.compilation_cache_dir, fingerprint, list(self.mesh.devices.flat))
 
     # ---- KV cache --------------------------------------------------------------------
     def _kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -334,7 +359,7 @@ class XlaExecutor(Executor):
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[XlaEntry, int]:
         """Compile the forward for a :class:`BatchDescriptor`, or the sampler for
         ``("sample", num_reqs, greedy)``; returns (entry, bytes). Already compiled: returned as is."""
-        entry = self._entries.get(key)
+        entry = self._entries.get(key) or self._load_cached(mode, key)
         if entry is None:
             entry = self._compile(key, *self._lower(mode, key))
         return entry, entry.nbytes
@@ -356,6 +381,10 @@ class XlaExecutor(Executor):
                 max_workers=workers, thread_name_prefix="graphrt-xla-compile") as pool:
             futures = []
             for mode, key in todo:
+                if self._load_cached(mode, key) is not None:
+                    bar.set_postfix_str(f"loaded {_key_str(key)}")
+                    bar.update()
+                    continue
                 bar.set_postfix_str(f"lowering {_key_str(key)}")
                 futures.append(pool.submit(self._compile, key, *self._lower(mode, key)))
             for fut in concurrent.futures.as_completed(futures):
@@ -369,18 +398,18 @@ class XlaExecutor(Executor):
                         sum(e.compile_seconds for e in built), sum(e.persistent_cache_hit for e in built))
         return [self._entries[key] for _, key in jobs]
 
-    def _lower(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, float]:
-        """(lowered computation, abstract inputs, seconds) for ``key``; strict mode refuses a
-        key that warm-up did not plan once warm-up is over."""
+    def _abstract_inputs(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
+        """(jitted function, spec, abstract arguments) of ``key``; strict mode refuses a key
+        that warm-up did not plan once warm-up is over."""
         if self.sealed:
             self._unplanned(key, self.explain_miss(key))
-        t0 = time.perf_counter()
         if _is_sampler_key(key):
             _, num_reqs, greedy = key
             logits = jax.ShapeDtypeStruct((num_reqs, self.vocab_size), jnp.float32)
-            spec = None if greedy else sampling_spec(num_reqs)
-            lowered = (self._greedy_jit.lower(logits) if greedy else self._sample_jit.lower(logits, spec))
-            return lowered, spec, time.perf_counter() - t0
+            if greedy:
+                return self._greedy_jit, None, (logits,)
+            spec = sampling_spec(num_reqs)
+            return self._sample_jit, spec, (logits, spec)
         if mode is not RuntimeMode.FULL or not isinstance(key, BatchDescriptor) or key.num_reqs is None:
             raise GraphrtError(f"the xla backend compiles whole forwards (FULL keys with a request "
                                f"count); got {mode.value} {key}")
@@ -389,18 +418,44 @@ class XlaExecutor(Executor):
                                "for the KV cache's shape)")
         spec = batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._width)
         kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
-        lowered = self._forward_jit.lower(self.weights, kv, spec)
+        return self._forward_jit, spec, (self.weights, kv, spec)
+
+    def _lower(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, float]:
+        """(lowered computation, abstract inputs, seconds) for ``key``."""
+        jitted, spec, args = self._abstract_inputs(mode, key)
+        t0 = time.perf_counter()
+        lowered = jitted.lower(*args)
         return lowered, spec, time.perf_counter() - t0
+
+    def _cache_key(self, key: Hashable) -> tuple[Any, ...]:
+        """The executable cache's key: the bucket and the KV cache's shape."""
+        return (key, tuple(self.kv_cache.shape) if self.kv_cache is not None else None)
+
+    def _load_cached(self, mode: RuntimeMode, key: Hashable) -> XlaEntry | None:
+        """The entry for ``key`` from the executable cache, skipping lowering; None on a miss."""
+        if self._exec_cache is None:
+            return None
+        _, spec, _ = self._abstract_inputs(mode, key)
+        t0 = time.perf_counter()
+        compiled = self._exec_cache.load(self._cache_key(key))
+        if compiled is None:
+            return None
+        entry = XlaEntry(compiled, key, spec, _spec_shapes(spec), 0.0, time.perf_counter() - t0,
+                         _executable_bytes(compiled), True)
+        with self._lock:
+            self._entries[key] = entry
+        logger.debug("graphrt: xla loaded %s from the executable cache", _key_str(key))
+        return entry
 
     def _compile(self, key: Hashable, lowered: Any, spec: Any, lower_seconds: float) -> XlaEntry:
         compiles, hits = thread_compiles(), thread_cache_hits()
         t0 = time.perf_counter()
         compiled = lowered.compile()
         seconds = time.perf_counter() - t0
-        shapes = (tuple(tuple(getattr(spec, f).shape) for f in BATCH_FIELDS)
-                  if isinstance(spec, XlaBatch) else ())
-        entry = XlaEntry(compiled, key, spec, shapes, lower_seconds, seconds, _executable_bytes(compiled),
-                         thread_cache_hits() > hits)
+        entry = XlaEntry(compiled, key, spec, _spec_shapes(spec), lower_seconds, seconds,
+                         _executable_bytes(compiled), thread_cache_hits() > hits)
+        if self._exec_cache is not None:
+            self._exec_cache.store(self._cache_key(key), compiled)
         with self._lock:
             self.compile_count += thread_compiles() - compiles
             self._entries[key] = entry
