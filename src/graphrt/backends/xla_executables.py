@@ -11,7 +11,8 @@ that covers everything that shapes it, so a warm start only deserializes:
 * the bucket key itself.
 
 Anything else (weights' values, requests) is an argument, not part of the executable. A
-file that fails to load is ignored and rebuilt; writes are atomic.
+file that fails to load is ignored and rebuilt; writes are atomic. An executable XLA cannot
+serialize (on CPU, one with a sort comparator may not be) is simply not cached.
 """
 
 from __future__ import annotations
@@ -109,4 +110,5 @@ class ExecutableCache:
                 f.write(data)
             os.replace(tmp, self._path(key))
         except Exception as exc:  # noqa: BLE001 - caching is an optimisation
-            logger.warning("graphrt: could not cache the executable of %s: %s", key, exc)
+            logger.info("graphrt: the executable of %s is not cached (a restart lowers it again): %s",
+                        key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
