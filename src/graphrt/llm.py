@@ -166,14 +166,22 @@ class LLM:
         return finished
 
     def _write_tables(self, step: ScheduledStep) -> None:
-        """Token ids and block ids of the scheduled requests into the persistent tables."""
+        """Write what the persistent tables lack: new token ids and newly allocated blocks.
+
+        Rows persist between steps, so a decode step writes one token per request, and a
+        row freshly (re)assigned to a request is cleared once.
+        """
         for req, n in zip(step.requests, step.num_scheduled):
             row = req.row
             end = req.num_computed_tokens + n
-            known = req.prompt_token_ids + req.output_token_ids
-            self.token_table[row, req.num_computed_tokens:end] = known[req.num_computed_tokens:end]
-            self.block_table[row, :len(req.blocks)] = req.blocks
-            self.block_table[row, len(req.blocks):] = 0
+            if req.tokens_in_row < end:
+                self.token_table[row, req.tokens_in_row:end] = req.tokens(req.tokens_in_row, end)
+                req.tokens_in_row = end
+            if req.blocks_in_row < len(req.blocks):
+                if req.blocks_in_row == 0:
+                    self.block_table[row] = 0
+                self.block_table[row, req.blocks_in_row:len(req.blocks)] = req.blocks[req.blocks_in_row:]
+                req.blocks_in_row = len(req.blocks)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         if not req.params.ignore_eos and token in self.eos_token_ids:

@@ -38,6 +38,8 @@ class Request:
     row: int = -1
     finish_reason: str | None = None
     num_preemptions: int = 0
+    tokens_in_row: int = 0   # tokens already written to the engine's token table at ``row``
+    blocks_in_row: int = 0   # blocks already written to the engine's block table at ``row``
 
     @property
     def num_tokens(self) -> int:
@@ -48,9 +50,14 @@ class Request:
         """Known tokens whose KV is not computed yet."""
         return self.num_tokens - self.num_computed_tokens
 
-    def token(self, i: int) -> int:
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Known token ids ``[start, end)`` (prompt, then generated)."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
 @dataclass
@@ -111,6 +118,7 @@ class Scheduler:
         if req.row >= 0:
             self._free_rows.append(req.row)
             req.row = -1
+        req.tokens_in_row = req.blocks_in_row = 0
 
     def _preempt(self, victim: Request) -> None:
         """Free a running request's KV; it re-prefills everything it knows later."""
