@@ -220,8 +220,12 @@ def _demo_run(args: argparse.Namespace) -> int:
     model_dir = args.model_dir or str(write_random_checkpoint(
         tempfile.mkdtemp(prefix="graphrt-demo-"), args.arch, seed=args.seed))
     try:
-        config = from_cli_args(args, **{k: v for k, v in (("max_num_seqs", 8), ("max_num_batched_tokens", 64),
-                                                          ("max_model_len", 256))
+        demo_defaults = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256}
+        if args.cudagraph_capture_sizes is None and args.max_cudagraph_capture_size is None:
+            # Capture up to the token budget so prefill steps show graphs too.
+            demo_defaults["max_cudagraph_capture_size"] = (args.max_num_batched_tokens
+                                                           or demo_defaults["max_num_batched_tokens"])
+        config = from_cli_args(args, **{k: v for k, v in demo_defaults.items()
                                         if getattr(args, k, None) is None})
     except ConfigError as e:
         print(f"graphrt demo: {e}", file=sys.stderr)
