@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from graphrt import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
-from graphrt.cache import GraphCache
+from graphrt.cache import CacheStats, GraphCache
 from graphrt.config import GraphConfig
 from graphrt.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
 from graphrt.errors import InputError
@@ -234,7 +234,7 @@ class ModelRunner:
 
     # ---- introspection ---------------------------------------------------------------
     @property
-    def stats(self):
+    def stats(self) -> CacheStats:
         """Forward cache statistics (hits, misses, padding, eager steps, build cost)."""
         return self.cache.stats
 

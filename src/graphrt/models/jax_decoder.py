@@ -151,7 +151,8 @@ def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions
     cos, sin = rotary_cos_sin(positions, config.head_dim, config.rope_theta)
     x = params["embed"][input_ids]
 
-    def step(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, Params]):
+    def step(carry: tuple[jax.Array, jax.Array],
+             xs: tuple[jax.Array, Params]) -> tuple[tuple[jax.Array, jax.Array], None]:
         x, cache = carry
         layer_idx, lp = xs
         return _layer(x, cache, layer_idx, lp, positions, cos, sin, write_rows, meta,
