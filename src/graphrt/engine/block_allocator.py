@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from graphrt import defaults
+from graphrt.errors import InputError
 
 
 class BlockAllocator:
@@ -10,7 +11,8 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
-            raise ValueError(f"need at least 2 blocks (block {defaults.NULL_BLOCK} is reserved), got {num_blocks}")
+            raise InputError("num_blocks", f"needs at least 2 blocks (block {defaults.NULL_BLOCK} is "
+                                           f"reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         # Pop from the end: low block ids go out first, which keeps tests readable.
         self._free = [b for b in range(num_blocks - 1, -1, -1) if b != defaults.NULL_BLOCK]

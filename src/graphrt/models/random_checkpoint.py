@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from graphrt.errors import InputError
+
 #: A Qwen3-shaped model small enough to capture in seconds on a CPU.
 TINY_SIZES = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -24,7 +26,7 @@ def write_random_checkpoint(path: str | os.PathLike, arch: str = "qwen3", seed: 
     from safetensors.numpy import save_file
 
     if arch not in ("qwen3", "llama"):
-        raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
+        raise InputError("arch", f"must be 'qwen3' or 'llama', got {arch!r}")
     cfg = {**TINY_SIZES, **sizes}
     h, inter, heads, kv, d = (cfg["hidden_size"], cfg["intermediate_size"],
                               cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
