@@ -71,21 +71,14 @@ EXECUTOR_STAGES = ("executor.run", "executor.sample")
 
 
 def build_model_dir(root: Path, seed: int = 0) -> Path:
-    """Save a tiny random-weight Qwen3 checkpoint (safetensors) under ``root``."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-    from transformers.utils import logging as hf_logging
+    """Save a tiny random-weight Qwen3 checkpoint (config.json + safetensors) under ``root``."""
+    from graphrt.models.random_checkpoint import write_random_checkpoint
 
-    hf_logging.disable_progress_bar()
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=HIDDEN // 4, max_position_embeddings=4 * MAX_MODEL_LEN,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    out = root / "tiny-qwen3"
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return write_random_checkpoint(root / "tiny-qwen3", "qwen3", seed=seed, vocab_size=VOCAB,
+                                   hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                   num_hidden_layers=LAYERS, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=HIDDEN // 4,
+                                   max_position_embeddings=4 * MAX_MODEL_LEN)
 
 
 class DecodeWorkload:
