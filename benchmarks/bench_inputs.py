@@ -29,6 +29,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from bench_common import summarise
+
 from graphrt import GraphConfig, InputPreparer, ModelInputs, Padder
 
 NUM_TABLE_ROWS = 512
@@ -264,12 +266,6 @@ def time_calls(fns: dict[str, Callable[[], object]], iters: dict[str, int], warm
         if gc_was_enabled:
             gc.enable()
     return {name: np.asarray(v, dtype=np.float64) for name, v in samples.items()}
-
-
-def summarise(ns: np.ndarray) -> dict[str, float]:
-    """Median and p90 in microseconds, and the sample count."""
-    return {"median_us": float(np.median(ns)) / 1e3, "p90_us": float(np.percentile(ns, 90)) / 1e3,
-            "n": int(ns.shape[0])}
 
 
 def bench_step(step: Step, preparer: InputPreparer, iters: int, warmup: int,

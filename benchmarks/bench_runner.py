@@ -34,6 +34,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from bench_common import build_model_dir, cpu_line, summarise
+
 #: Tiny model and serving limits.
 VOCAB = 256
 HIDDEN = 64
@@ -68,17 +70,6 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("executor.sample", "executor", "sample"),
 )
 EXECUTOR_STAGES = ("executor.run", "executor.sample")
-
-
-def build_model_dir(root: Path, seed: int = 0) -> Path:
-    """Save a tiny random-weight Qwen3 checkpoint (config.json + safetensors) under ``root``."""
-    from graphrt.models.random_checkpoint import write_random_checkpoint
-
-    return write_random_checkpoint(root / "tiny-qwen3", "qwen3", seed=seed, vocab_size=VOCAB,
-                                   hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                   num_hidden_layers=LAYERS, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=HIDDEN // 4,
-                                   max_position_embeddings=4 * MAX_MODEL_LEN)
 
 
 class DecodeWorkload:
@@ -182,12 +173,6 @@ def timed_section(fn: Callable[[], Any]) -> Any:
     finally:
         if enabled:
             gc.enable()
-
-
-def summarise(ns: Sequence[int] | np.ndarray) -> dict[str, float]:
-    arr = np.asarray(ns, dtype=np.float64)
-    return {"median_us": float(np.median(arr)) / 1e3, "p90_us": float(np.percentile(arr, 90)) / 1e3,
-            "n": int(arr.shape[0])}
 
 
 def bench_decode(runners: dict[str, Any], steps: int, warmup: int,
@@ -299,19 +284,8 @@ def bench_warm_host_path(runner: Any, work: DecodeWorkload, sampling: Any, steps
 
 
 def machine() -> str:
-    """CPU model and core count (``lscpu``-style), for the report."""
-    import os
-    import platform
-
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPU cores, no accelerator"
+    """CPU model and core count, for the report."""
+    return f"{cpu_line()}, no accelerator"
 
 
 def format_report(decode: dict[str, dict[int, dict[str, Any]]], overhead: dict[str, dict[str, Any]],
@@ -372,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     logging.getLogger("graphrt").setLevel(logging.WARNING)
     root = Path(tempfile.mkdtemp(prefix="graphrt-bench-runner-"))
     try:
-        model_dir = build_model_dir(root)
+        model_dir = build_model_dir(root, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS,
+                                    max_model_len=MAX_MODEL_LEN)
         runners = {name: make_runner(model_dir, name) for name in BACKENDS}
         decode = bench_decode(runners, steps, warmup)
         overhead = {name: bench_overhead(runner, steps, warmup) for name, runner in runners.items()}

@@ -40,7 +40,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -50,6 +49,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from bench_common import build_model_dir, cpu_line
 
 VOCAB = 256
 HIDDEN = 64
@@ -69,32 +70,13 @@ OVERHEAD_TARGET = 0.05
 WARM_SPEEDUP_TARGET = 5.0
 
 
-def build_model_dir(root: Path, seed: int = 0) -> Path:
-    """Save a tiny random-weight Qwen3 checkpoint (config.json + safetensors) under ``root``."""
-    from graphrt.models.random_checkpoint import write_random_checkpoint
-
-    return write_random_checkpoint(root / "tiny-qwen3", "qwen3", seed=seed, vocab_size=VOCAB,
-                                   hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                   num_hidden_layers=LAYERS, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=HIDDEN // 4,
-                                   max_position_embeddings=4 * MAX_MODEL_LEN)
-
-
 def machine() -> str:
     """CPU model, cores and JAX's devices, for the report."""
     import jax
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     devices = jax.devices()
-    return (f"{model}, {os.cpu_count()} CPU cores; jax {jax.__version__} on {len(devices)} "
-            f"{devices[0].platform} device(s), no accelerator")
+    return (f"{cpu_line()}; jax {jax.__version__} on {len(devices)} {devices[0].platform} "
+            f"device(s), no accelerator")
 
 
 # ---- (a) trace ---------------------------------------------------------------------------
@@ -371,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     root = Path(tempfile.mkdtemp(prefix="graphrt-bench-xla-"))
     trace = overhead = coldwarm = None
     try:
-        model_dir = build_model_dir(root)
+        model_dir = build_model_dir(root, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS,
+                                    max_model_len=MAX_MODEL_LEN)
         if "a" in parts or "b" in parts:
             trace = bench_trace(model_dir)
             runner = trace["graphrt"].pop("runner")

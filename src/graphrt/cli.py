@@ -178,6 +178,8 @@ def _bench_run(args: argparse.Namespace) -> int:
               f"they ship with the source checkout, not the installed package. Run from a clone "
               f"(pip install -e .) or `make bench`.", file=sys.stderr)
         return 2
+    if str(directory) not in sys.path:
+        sys.path.insert(0, str(directory))   # the scripts share benchmarks/bench_common.py
     failed = []
     for name in BENCHMARKS:
         print(f"=== {name} ===")

@@ -1,0 +1,48 @@
+"""Helpers every benchmark shares: the machine line, median / p90 summaries, a tiny model.
+
+Not a benchmark itself (``graphrt bench`` runs the scripts listed in ``graphrt.cli.BENCHMARKS``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_line() -> str:
+    """``<model>, <n> CPU cores``: how a report names this machine."""
+    return f"{cpu_model()}, {os.cpu_count()} CPU cores"
+
+
+def summarise(ns: Sequence[int] | np.ndarray) -> dict[str, float]:
+    """Median and p90 of nanosecond samples, in microseconds, and the sample count."""
+    arr = np.asarray(ns, dtype=np.float64)
+    return {"median_us": float(np.median(arr)) / 1e3, "p90_us": float(np.percentile(arr, 90)) / 1e3,
+            "n": int(arr.shape[0])}
+
+
+def build_model_dir(root: Path, *, vocab: int, hidden: int, layers: int, max_model_len: int,
+                    seed: int = 0) -> Path:
+    """Save a tiny random-weight Qwen3 checkpoint (config.json + safetensors) under ``root``."""
+    from graphrt.models.random_checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint(root / "tiny-qwen3", "qwen3", seed=seed, vocab_size=vocab,
+                                   hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=hidden // 4,
+                                   max_position_embeddings=4 * max_model_len)
