@@ -15,7 +15,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from graphrt import GraphConfig
 from graphrt.backends.base import SamplingBatch
+
+#: The engine the runner tests drive: small enough to capture quickly, with steps above the
+#: largest bucket (32 tokens) and chunked prefills (model length 64, block size 4).
+LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, block_size=4)
+CONFIG = GraphConfig.create(**LIMITS)
+#: Vocabulary of tests/hf_models.py's tiny models.
+VOCAB = 128
 
 
 class Tables:

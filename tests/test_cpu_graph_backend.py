@@ -19,14 +19,11 @@ import pytest
 import torch
 
 import graphrt
-from graphrt import GraphCaptureError, GraphConfig, GraphrtError, ModelRunner, RuntimeMode
+from graphrt import GraphCaptureError, GraphrtError, ModelRunner, RuntimeMode
 from graphrt.runner import EagerFallback
 from hf_models import tiny_hf_model_dir
-from runner_steps import Tables, greedy, random_steps
+from runner_steps import CONFIG, LIMITS, VOCAB, Tables, greedy, random_steps
 
-LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, block_size=4)
-CONFIG = GraphConfig.create(**LIMITS)
-VOCAB = 128
 SIZES = [4, 8, 16]          # steps of 17..32 tokens run eagerly (above the largest bucket)
 ATOL = RTOL = 1e-5
 

@@ -23,17 +23,14 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import graphrt
-from graphrt import BatchDescriptor, CacheMissError, GraphConfig, InputError, ModelRunner, RuntimeMode
+from graphrt import BatchDescriptor, CacheMissError, InputError, ModelRunner, RuntimeMode
 from graphrt import SamplingParams
 from graphrt.backends.base import SamplingBatch
 from graphrt.runner import sampling_batch
 from graphrt.sampler import random_sample
 from hf_models import tiny_hf_model_dir
-from runner_steps import Tables, bits, changed, greedy, same_bits, snapshot
+from runner_steps import CONFIG, LIMITS, VOCAB, Tables, bits, changed, greedy, same_bits, snapshot
 
-LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, block_size=4)
-CONFIG = GraphConfig.create(**LIMITS)
-VOCAB = 128
 #: Runners by name: (backend, capture sizes, graph mode). ``FULL`` pins one graph per step;
 #: ``None`` is the default mode (FULL_AND_PIECEWISE: decode steps FULL graphs, mixed steps
 #: piecewise graphs where the backend has them).
