@@ -212,32 +212,34 @@ def bench_decode(runners: dict[str, Any], steps: int, warmup: int,
     return results
 
 
+def timed_stages(runner: Any, work: DecodeWorkload, sampling: Any, steps: int, warmup: int,
+                 stages: Sequence[tuple[str, str, str]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per-step ``execute`` times and the samples of each stamped stage, in ns, after ``warmup``
+    steps. A stage the step does not reach (no graph lookup on ``eager``) costs 0 ns."""
+    timer = StageTimer(runner, stages)
+    try:
+        run_steps(runner, work, sampling, warmup)
+        timer.clear()
+        total = timed_section(lambda: run_steps(runner, work, sampling, steps))
+        samples = {label: np.asarray(v, dtype=np.int64) if v else np.zeros(steps, dtype=np.int64)
+                   for label, v in timer.samples.items()}
+    finally:
+        timer.remove()
+    return total, samples
+
+
 def bench_overhead(runner: Any, steps: int, warmup: int) -> dict[str, Any]:
     """Per-step (execute - executor.run - executor.sample) at batch 64, plus a stage breakdown."""
     work = DecodeWorkload(OVERHEAD_BATCH, seed=1)
     sampling = greedy_batch(runner, OVERHEAD_BATCH)
     # Pass 1: stamps only around the executor's two calls, so the overhead figure carries
     # the cost of two wrappers (a few hundred ns), not nine.
-    timer = StageTimer(runner, [s for s in STAGES if s[0] in EXECUTOR_STAGES])
-    try:
-        run_steps(runner, work, sampling, warmup)
-        timer.clear()
-        total = timed_section(lambda: run_steps(runner, work, sampling, steps))
-        core = np.asarray(timer.samples["executor.run"]) + np.asarray(timer.samples["executor.sample"])
-    finally:
-        timer.remove()
+    total, core_stages = timed_stages(runner, work, sampling, steps, warmup,
+                                      [s for s in STAGES if s[0] in EXECUTOR_STAGES])
+    core = core_stages["executor.run"] + core_stages["executor.sample"]
     overhead = total - core
     # Pass 2: every stage stamped, for the breakdown.
-    timer = StageTimer(runner, STAGES)
-    try:
-        run_steps(runner, work, sampling, warmup)
-        timer.clear()
-        total2 = timed_section(lambda: run_steps(runner, work, sampling, steps))
-        # A stage the step does not reach (no graph lookup on ``eager``) costs 0 ns.
-        stages = {label: np.asarray(v, dtype=np.int64) if v else np.zeros(steps, dtype=np.int64)
-                  for label, v in timer.samples.items()}
-    finally:
-        timer.remove()
+    total2, stages = timed_stages(runner, work, sampling, steps, warmup, STAGES)
     breakdown = stage_medians(stages, total2)
     mode, key = runner.last_step.mode.value, str(runner.last_step.key)
     warm = bench_warm_host_path(runner, work, sampling, steps, warmup)
@@ -266,15 +268,9 @@ def bench_warm_host_path(runner: Any, work: DecodeWorkload, sampling: Any, steps
     tokens = np.zeros(OVERHEAD_BATCH, dtype=np.int64)
     ex.run = lambda *args, **kwargs: logits
     ex.sample = lambda *args, **kwargs: tokens
-    timer = StageTimer(runner, STAGES)
     try:
-        run_steps(runner, work, sampling, warmup)
-        timer.clear()
-        total = timed_section(lambda: run_steps(runner, work, sampling, steps))
-        stages = {label: np.asarray(v, dtype=np.int64) if v else np.zeros(steps, dtype=np.int64)
-                  for label, v in timer.samples.items()}
+        total, stages = timed_stages(runner, work, sampling, steps, warmup, STAGES)
     finally:
-        timer.remove()
         ex.__dict__.pop("run", None)
         ex.__dict__.pop("sample", None)
     overhead = total - stages["executor.run"] - stages["executor.sample"]
