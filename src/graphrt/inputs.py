@@ -23,6 +23,11 @@ from graphrt.errors import InputError
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")
 REQUEST_FIELDS = ("seq_lens", "num_computed_tokens", "block_table")
 ARRAY_FIELDS = TOKEN_FIELDS + ("query_start_loc",) + REQUEST_FIELDS
+#: The dtype of every array field, for whoever allocates buffers for them.
+FIELD_DTYPES: dict[str, type] = {
+    "input_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64,
+    "query_start_loc": np.int32, "seq_lens": np.int32, "num_computed_tokens": np.int32,
+    "block_table": np.int32}
 
 
 @dataclass
@@ -107,12 +112,12 @@ class InputPreparer:
         self._blk = np.zeros(t, dtype=np.int32)          # scratch: physical block of each token
         self._row_mark = np.zeros(0, dtype=np.int64)     # last call's stamp per table row
         self._stamp = 0
-        self.input_ids = np.zeros(t, dtype=np.int32)
-        self.positions = np.zeros(t, dtype=np.int32)
-        self.slot_mapping = np.zeros(t, dtype=np.int64)
-        self.query_start_loc = np.zeros(r + 1, dtype=np.int32)
-        self.seq_lens = np.zeros(r, dtype=np.int32)
-        self.num_computed_tokens = np.zeros(r, dtype=np.int32)
+        self.input_ids = np.zeros(t, dtype=FIELD_DTYPES["input_ids"])
+        self.positions = np.zeros(t, dtype=FIELD_DTYPES["positions"])
+        self.slot_mapping = np.zeros(t, dtype=FIELD_DTYPES["slot_mapping"])
+        self.query_start_loc = np.zeros(r + 1, dtype=FIELD_DTYPES["query_start_loc"])
+        self.seq_lens = np.zeros(r, dtype=FIELD_DTYPES["seq_lens"])
+        self.num_computed_tokens = np.zeros(r, dtype=FIELD_DTYPES["num_computed_tokens"])
         self.block_table: np.ndarray | None = None
 
     def prepare(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
@@ -194,7 +199,7 @@ class InputPreparer:
         self.seq_lens[:r] = seq
         self.num_computed_tokens[:r] = computed
         if self.block_table is None or self.block_table.shape[1] != width:
-            self.block_table = np.zeros((self.max_num_reqs, width), dtype=np.int32)
+            self.block_table = np.zeros((self.max_num_reqs, width), dtype=FIELD_DTYPES["block_table"])
         np.take(block_table, rows, axis=0, out=self.block_table[:r], mode="clip")
         return ModelInputs(
             input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=slots,

@@ -22,13 +22,7 @@ import numpy as np
 
 from graphrt import defaults
 from graphrt.errors import ConfigError, InputError
-from graphrt.inputs import ModelInputs
-
-_DTYPES = {"input_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64,
-           "query_start_loc": np.int32, "seq_lens": np.int32, "num_computed_tokens": np.int32,
-           "block_table": np.int32}
-_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")
-_REQUEST_FIELDS = ("seq_lens", "num_computed_tokens", "block_table")
+from graphrt.inputs import FIELD_DTYPES, REQUEST_FIELDS, TOKEN_FIELDS, ModelInputs
 
 
 class Padder:
@@ -70,19 +64,19 @@ class Padder:
         dst = self._targets(out, num_tokens, num_reqs, inputs.block_table.shape[1])
         fills = self.fill_values
         # The fills are skipped when there is nothing to pad (a step that fills its bucket).
-        for name in _TOKEN_FIELDS:
+        for name in TOKEN_FIELDS:
             buf = dst[name]
             buf[:t] = getattr(inputs, name)[:t]
             if num_tokens > t:
                 buf[t:] = fills[name]
         qsl = dst["query_start_loc"]
         qsl[:r + 1] = inputs.query_start_loc[:r + 1]
-        for name in _REQUEST_FIELDS:
+        for name in REQUEST_FIELDS:
             buf = dst[name]
             buf[:r] = getattr(inputs, name)[:r]
         if num_reqs > r:
             qsl[r + 1:] = qsl[r]
-            for name in _REQUEST_FIELDS:
+            for name in REQUEST_FIELDS:
                 dst[name][r:] = fills[name]
         return dataclasses.replace(inputs, **dst)
 
@@ -100,13 +94,13 @@ class Padder:
     def _buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the persistent buffer for ``name`` (or a fresh array when unbounded)."""
         if self._max_tokens is None or self._max_reqs is None:
-            return np.empty(shape, dtype=_DTYPES[name])
+            return np.empty(shape, dtype=FIELD_DTYPES[name])
         buf = self._buffers.get(name)
         if buf is None or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
             lead = {"query_start_loc": self._max_reqs + 1, "seq_lens": self._max_reqs,
                     "num_computed_tokens": self._max_reqs, "block_table": self._max_reqs}
             size = max(lead.get(name, self._max_tokens), shape[0])
-            buf = np.empty((size,) + shape[1:], dtype=_DTYPES[name])
+            buf = np.empty((size,) + shape[1:], dtype=FIELD_DTYPES[name])
             self._buffers[name] = buf
         return buf[:shape[0]]
 

@@ -47,9 +47,8 @@ from graphrt.config import GraphConfig
 from graphrt.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
 from graphrt.errors import GraphCaptureError, GraphrtError
 from graphrt.forward_context import forward_context
-from graphrt.inputs import ModelInputs
+from graphrt.inputs import FIELD_DTYPES, ModelInputs
 from graphrt.models.torch_attention import TorchAttentionMetadata
-from graphrt.padding import _DTYPES as PAD_DTYPES
 from graphrt.sampler import greedy_sample, random_sample
 
 logger = logging.getLogger(__name__)
@@ -199,7 +198,7 @@ class TorchExecutor(Executor):
                   "query_start_loc": (max_r + 1,), "seq_lens": (max_r,),
                   "num_computed_tokens": (max_r,), "block_table": (max_r, width)}
         pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
-        self._host = {name: torch.zeros(shape, dtype=_TORCH_DTYPES[PAD_DTYPES[name]], pin_memory=pin)
+        self._host = {name: torch.zeros(shape, dtype=_TORCH_DTYPES[FIELD_DTYPES[name]], pin_memory=pin)
                       for name, shape in shapes.items()}
         self.host_buffers = {name: t.numpy() for name, t in self._host.items()}
         same = self.device.type == "cpu"
