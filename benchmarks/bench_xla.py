@@ -129,7 +129,7 @@ def run_graphrt(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_bloc
             tokens.append(out)
     keys = sorted({str(k) for _, k in runner.cache})
     report = runner.executor.compile_report
-    sampler_s = sum(r["lower_s"] + r["compile_s"] for r in report if r["key"].startswith("(sampler"))
+    sampler_s = sum(r["lower_s"] + r["compile_s"] for r in report if r["key"].startswith("sampler"))
     return {"runner": runner, "warmup_s": warmup_s, "pass_s": passes, "tokens": tokens[0],
             "compile_s": warm_counter.seconds + serve_counter.seconds, "sampler_build_s": sampler_s,
             "compiles_warmup": warm_counter.compiles, "compiles_serving": serve_counter.compiles,

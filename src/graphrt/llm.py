@@ -11,6 +11,7 @@ Warm-up (capture / precompile) happens in the constructor.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ class LLM:
                                count=len(step))
         scheduled = np.asarray(step.num_scheduled, dtype=np.int32)
         samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(step.requests, scheduled)]
-        params = [r.params if s else _UNSEEDED.get(r.params) for r, s in zip(step.requests, samples)]
+        params = [r.params if s else _without_seed(r.params) for r, s in zip(step.requests, samples)]
         batch = sampling_batch(params, [r.request_id for r in step.requests], self.runner.vocab_size)
         tokens = self.runner.execute(token_ids=self.token_table, block_table=self.block_table,
                                      req_rows=rows, num_computed_tokens=computed,
@@ -199,18 +200,10 @@ class LLM:
         return out
 
 
-class _UnseededParams:
-    """Params used for a step in which a request samples nothing (a partial prefill chunk):
+def _without_seed(params: SamplingParams) -> SamplingParams:
+    """Params for a step in which a request samples nothing (a partial prefill chunk): the
     same filters, no seed, so the request's seeded generator is not advanced."""
-
-    def get(self, params: SamplingParams) -> SamplingParams:
-        if params.seed is None:
-            return params
-        return SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                              max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, seed=None)
-
-
-_UNSEEDED = _UnseededParams()
+    return params if params.seed is None else dataclasses.replace(params, seed=None)
 
 
 def _model_config(model: Any) -> Any:

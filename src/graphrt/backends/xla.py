@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from graphrt import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
+from graphrt.cache import describe_key
 from graphrt.config import GraphConfig
 from graphrt.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
 from graphrt.errors import BackendUnavailableError, CacheMissError, ConfigError, GraphrtError, InputError
@@ -97,15 +98,9 @@ class XlaEntry:
 
     def report(self) -> dict[str, Any]:
         """One row of the per-bucket timing report."""
-        return {"key": _key_str(self.key), "lower_s": round(self.lower_seconds, 4),
+        return {"key": describe_key(self.key), "lower_s": round(self.lower_seconds, 4),
                 "compile_s": round(self.compile_seconds, 4), "bytes": self.nbytes,
                 "persistent_cache_hit": self.persistent_cache_hit}
-
-
-def _key_str(key: Hashable) -> str:
-    if isinstance(key, tuple) and key and key[0] == "sample":
-        return f"(sampler, reqs={key[1]}, {'greedy' if key[2] else 'random'})"
-    return str(key)
 
 
 def _as_array(value: Any) -> Any:
@@ -382,13 +377,13 @@ class XlaExecutor(Executor):
             futures = []
             for mode, key in todo:
                 if self._load_cached(mode, key) is not None:
-                    bar.set_postfix_str(f"loaded {_key_str(key)}")
+                    bar.set_postfix_str(f"loaded {describe_key(key)}")
                     bar.update()
                     continue
-                bar.set_postfix_str(f"lowering {_key_str(key)}")
+                bar.set_postfix_str(f"lowering {describe_key(key)}")
                 futures.append(pool.submit(self._compile, key, *self._lower(mode, key)))
             for fut in concurrent.futures.as_completed(futures):
-                bar.set_postfix_str(f"compiled {_key_str(fut.result().key)}")
+                bar.set_postfix_str(f"compiled {describe_key(fut.result().key)}")
                 bar.update()
         if todo:
             built = [self._entries[key] for _, key in todo]
@@ -444,7 +439,7 @@ class XlaExecutor(Executor):
                          _executable_bytes(compiled), True)
         with self._lock:
             self._entries[key] = entry
-        logger.debug("graphrt: xla loaded %s from the executable cache", _key_str(key))
+        logger.debug("graphrt: xla loaded %s from the executable cache", describe_key(key))
         return entry
 
     def _compile(self, key: Hashable, lowered: Any, spec: Any, lower_seconds: float) -> XlaEntry:
@@ -459,7 +454,7 @@ class XlaExecutor(Executor):
         with self._lock:
             self.compile_count += thread_compiles() - compiles
             self._entries[key] = entry
-        logger.debug("graphrt: xla compiled %s in %.3f s (lowering %.3f s)%s", _key_str(key), seconds,
+        logger.debug("graphrt: xla compiled %s in %.3f s (lowering %.3f s)%s", describe_key(key), seconds,
                      lower_seconds, " from the persistent cache" if entry.persistent_cache_hit else "")
         return entry
 
@@ -497,7 +492,7 @@ class XlaExecutor(Executor):
             self.compile_count += n
         if self.sealed:
             self._unplanned(key, f"{n} XLA compile(s) (last: {thread_last_compiled()}) while running the "
-                                 f"precompiled {what} for {_key_str(key)}: something on the hot path was "
+                                 f"precompiled {what} for {describe_key(key)}: something on the hot path was "
                                  "not precompiled (an eager jax op, or an argument whose pytree structure, "
                                  "dtype or shape differs from warm-up)")
 
