@@ -79,6 +79,10 @@ class LLM:
         """Queue one request; bad input raises InputError and changes nothing."""
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params, "prompt_token_ids")
+        return self._enqueue(prompt_token_ids, params)
+
+    def _enqueue(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Queue an already validated request."""
         req = Request(next(self._ids), [int(t) for t in prompt_token_ids], params)
         self.scheduler.add(req)
         return req.request_id
@@ -122,7 +126,7 @@ class LLM:
                 raise InputError("sampling_params", f"{len(params)} params for {len(prompts)} prompts")
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self._validate(p, sp, f"prompt_token_ids[{i}]")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self._enqueue(p, sp) for p, sp in zip(prompts, params)]
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}
         while wanted - done.keys():
