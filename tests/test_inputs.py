@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 import graphrt
 from graphrt import InputError, InputPreparer, ModelInputs, prepare_inputs
 
+#: Every test here runs on both host kernels (numba and numpy); see conftest.py.
+pytestmark = pytest.mark.usefixtures("host_kernel")
+
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -17,6 +17,9 @@ from graphrt import ConfigError, InputError, ModelInputs, Padder, prepare_inputs
 from graphrt import defaults
 from graphrt.inputs import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
 
+#: Every test here runs on both host kernels (numba and numpy); see conftest.py.
+pytestmark = pytest.mark.usefixtures("host_kernel")
+
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = {"input_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64,
           "query_start_loc": np.int32, "seq_lens": np.int32, "num_computed_tokens": np.int32,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -62,6 +62,9 @@ class GraphConfig(BaseModel):
                            "(static shapes, one compile per bucket) before capturing them")
     compile_max_size: int = Field(defaults.DEFAULT_COMPILE_MAX_SIZE, gt=0,
                                   description="largest bucket (tokens) compiled when compile_model is set")
+    host_kernel: Optional[Literal["auto", "numba", "numpy"]] = Field(
+        None, description="input preparation and padding: numba (compiled loops), numpy, or auto "
+                          "(numba when it imports); unset: $GRAPHRT_HOST_KERNEL or auto")
 
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings")(
@@ -155,6 +158,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             group.add_argument(flag, dest=name, type=int, nargs="+", default=None, help=help_text)
         elif base is GraphMode:
             group.add_argument(flag, dest=name, choices=[m.value for m in GraphMode], default=None,
+                               help=help_text)
+        elif typing.get_origin(base) is Literal:
+            group.add_argument(flag, dest=name, choices=list(typing.get_args(base)), default=None,
                                help=help_text)
         else:
             group.add_argument(flag, dest=name, type=base, default=None, help=help_text)

@@ -82,3 +82,5 @@ ACL_AIV_VALUE = "AIV"
 
 #: Distinct step shapes whose dispatch result the Dispatcher remembers (decode sees few).
 DISPATCH_MEMO_LIMIT = 1 << 16
+#: Distinct (tokens, requests) shapes whose output views an InputPreparer keeps.
+PREPARE_VIEW_MEMO_LIMIT = 1 << 12

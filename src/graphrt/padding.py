@@ -15,14 +15,17 @@ backend):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping
 
 import numpy as np
 
-from graphrt import defaults
+from graphrt import defaults, host_kernels
 from graphrt.errors import ConfigError, InputError
-from graphrt.inputs import FIELD_DTYPES, REQUEST_FIELDS, TOKEN_FIELDS, ModelInputs
+from graphrt.inputs import ARRAY_FIELDS, FIELD_DTYPES, REQUEST_FIELDS, TOKEN_FIELDS, ModelInputs
+
+#: The order of ``host_kernels._pad_step``'s ``fills`` array.
+_KERNEL_FILL_ORDER = ("input_ids", "positions", "slot_mapping", "seq_lens",
+                      "num_computed_tokens", "block_table")
 
 
 class Padder:
@@ -30,11 +33,13 @@ class Padder:
 
     With ``max_num_tokens`` / ``max_num_reqs`` given, results are views of persistent
     buffers (no allocation per step; valid until the next call). Without, each call
-    allocates.
+    allocates. ``kernel`` picks the implementation as for :class:`~graphrt.InputPreparer`
+    (``numba``: one compiled loop, ``numpy``: one slice assignment per field, ``auto``).
     """
 
     def __init__(self, fill_values: Mapping[str, int] | None = None, *,
-                 max_num_tokens: int | None = None, max_num_reqs: int | None = None) -> None:
+                 max_num_tokens: int | None = None, max_num_reqs: int | None = None,
+                 kernel: str | None = None) -> None:
         fills = dict(defaults.PAD_FILL_VALUES)
         for name, value in (fill_values or {}).items():
             if name not in fills:
@@ -45,9 +50,14 @@ class Padder:
             raise ConfigError("the slot_mapping fill must be negative: a padded token must never "
                               "write a real KV slot")
         self.fill_values: dict[str, int] = fills
+        self.kernel = host_kernels.resolve_kernel(kernel)
+        self._compiled = host_kernels.compiled("pad_step") if self.kernel == "numba" else None
+        #: The fill table as the compiled loops take it (``host_loops.fill_padding``).
+        self.kernel_fills = np.array([fills[name] for name in _KERNEL_FILL_ORDER], dtype=np.int64)
         self._max_tokens = max_num_tokens
         self._max_reqs = max_num_reqs
         self._buffers: dict[str, np.ndarray] = {}
+        self._out_views: dict[tuple[int, int, int], tuple[object, tuple[np.ndarray, ...]]] = {}
 
     def pad(self, inputs: ModelInputs, *, num_tokens: int, num_reqs: int,
             out: Mapping[str, np.ndarray] | None = None) -> ModelInputs:
@@ -57,39 +67,69 @@ class Padder:
         place: a backend passes its host staging buffers so padding writes there directly.
         """
         t, r = inputs.num_tokens, inputs.num_reqs
-        if num_tokens < t:
-            raise InputError("num_tokens", f"padding target {num_tokens} is below the real {t} tokens")
-        if num_reqs < r:
-            raise InputError("num_reqs", f"padding target {num_reqs} is below the real {r} requests")
-        dst = self._targets(out, num_tokens, num_reqs, inputs.block_table.shape[1])
+        self.check_targets(t, r, num_tokens, num_reqs)
+        dst = self.targets(out, num_tokens, num_reqs, inputs.block_table.shape[1])
+        if self._compiled is not None:
+            if not self._compiled(t, r, num_tokens, num_reqs, self.kernel_fills, inputs.input_ids,
+                                  inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
+                                  inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table,
+                                  *dst):
+                raise InputError("inputs", f"arrays shorter than num_tokens={t} / num_reqs={r}")
+        else:
+            self._pad_numpy(inputs, num_tokens, num_reqs, dst)
+        return ModelInputs(*dst, r, t, inputs.max_query_len, inputs.max_seq_len,
+                           inputs.uniform_decode)
+
+    def _pad_numpy(self, inputs: ModelInputs, num_tokens: int, num_reqs: int,
+                   dst: tuple[np.ndarray, ...]) -> None:
+        """The numpy implementation: one slice assignment per field (fills skipped when the
+        step fills its bucket)."""
+        t, r = inputs.num_tokens, inputs.num_reqs
         fills = self.fill_values
-        # The fills are skipped when there is nothing to pad (a step that fills its bucket).
+        by_name = dict(zip(ARRAY_FIELDS, dst))
         for name in TOKEN_FIELDS:
-            buf = dst[name]
+            buf = by_name[name]
             buf[:t] = getattr(inputs, name)[:t]
             if num_tokens > t:
                 buf[t:] = fills[name]
-        qsl = dst["query_start_loc"]
+        qsl = by_name["query_start_loc"]
         qsl[:r + 1] = inputs.query_start_loc[:r + 1]
         for name in REQUEST_FIELDS:
-            buf = dst[name]
-            buf[:r] = getattr(inputs, name)[:r]
+            by_name[name][:r] = getattr(inputs, name)[:r]
         if num_reqs > r:
             qsl[r + 1:] = qsl[r]
             for name in REQUEST_FIELDS:
-                dst[name][r:] = fills[name]
-        return dataclasses.replace(inputs, **dst)
+                by_name[name][r:] = fills[name]
 
-    def _targets(self, out: Mapping[str, np.ndarray] | None, num_tokens: int, num_reqs: int,
-                 width: int) -> dict[str, np.ndarray]:
-        """Per field, the array of the padded length the result is written into."""
+    @staticmethod
+    def check_targets(num_tokens: int, num_reqs: int, padded_tokens: int, padded_reqs: int) -> None:
+        """Padding never shrinks a step."""
+        if padded_tokens < num_tokens:
+            raise InputError("num_tokens", f"padding target {padded_tokens} is below the real "
+                                           f"{num_tokens} tokens")
+        if padded_reqs < num_reqs:
+            raise InputError("num_reqs", f"padding target {padded_reqs} is below the real "
+                                         f"{num_reqs} requests")
+
+    def targets(self, out: Mapping[str, np.ndarray] | None, num_tokens: int, num_reqs: int,
+                width: int) -> tuple[np.ndarray, ...]:
+        """Per field (in ``ARRAY_FIELDS`` order), the array of the padded length the result
+        is written into. Views of a caller's ``out`` are remembered per shape."""
+        if out is not None:
+            memo = self._out_views.get((num_tokens, num_reqs, width))
+            if memo is not None and memo[0] is out:
+                return memo[1]
         lengths = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
                    "query_start_loc": num_reqs + 1, "seq_lens": num_reqs,
                    "num_computed_tokens": num_reqs, "block_table": num_reqs}
         if out is None:
-            return {name: self._buffer(name, (n, width) if name == "block_table" else (n,))
-                    for name, n in lengths.items()}
-        return {name: _view(name, out[name], n, width) for name, n in lengths.items()}
+            return tuple(self._buffer(name, (lengths[name], width) if name == "block_table"
+                                      else (lengths[name],)) for name in ARRAY_FIELDS)
+        views = tuple(_view(name, out[name], lengths[name], width) for name in ARRAY_FIELDS)
+        if len(self._out_views) >= defaults.PREPARE_VIEW_MEMO_LIMIT:
+            self._out_views.clear()
+        self._out_views[(num_tokens, num_reqs, width)] = (out, views)
+        return views
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the persistent buffer for ``name`` (or a fresh array when unbounded)."""
@@ -103,7 +143,6 @@ class Padder:
             buf = np.empty((size,) + shape[1:], dtype=FIELD_DTYPES[name])
             self._buffers[name] = buf
         return buf[:shape[0]]
-
 
 def _view(name: str, buf: np.ndarray, n: int, width: int) -> np.ndarray:
     """The first ``n`` rows of a caller's buffer, checked (``block_table`` rows are ``width`` wide)."""

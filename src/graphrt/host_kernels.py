@@ -1,0 +1,89 @@
+"""Compiled host kernels: the loops behind the fast path of input preparation and padding.
+
+Every step, the engine's host does the same small jobs (seed 001): spread each request's
+schedule over its tokens, gather ids and KV slots from the engine's tables, copy block-table
+rows, pad to the bucket. numpy does each job in one call, but a step needs 25-40 of them,
+and at a few hundred requests their fixed cost (and the caches a forward evicts between
+steps) outweighs the work. Here each job is one loop compiled by numba (as vLLM does for its
+n-gram proposer): one call per step, every check before the first write.
+
+The loops are the same rules as the numpy path of :class:`graphrt.InputPreparer` and
+:class:`graphrt.Padder` (the reference they are tested against); the error messages are
+built by those classes from the codes returned here. ``kernel="auto"`` uses numba when it
+imports and numpy otherwise; ``GRAPHRT_HOST_KERNEL`` (``numba`` / ``numpy``) sets the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+from graphrt.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Names accepted by ``kernel=`` and ``GRAPHRT_HOST_KERNEL``.
+KERNELS = ("auto", "numba", "numpy")
+KERNEL_ENV = "GRAPHRT_HOST_KERNEL"
+
+# Codes returned by ``host_loops.check_step`` (and the numpy path), in the order the checks
+# are reported; the detail each carries is noted.
+E_OK = 0
+E_ROW_OUT_OF_RANGE = 1      # detail: request index
+E_SCHEDULED_NOT_POSITIVE = 2  # request index (first minimum)
+E_COMPUTED_NEGATIVE = 3     # request index (first minimum)
+E_PAST_TOKEN_TABLE = 4      # request index (first maximum of seq_lens)
+E_TABLE_TOO_NARROW = 5      # request index (first maximum of seq_lens)
+E_ROW_REPEATED = 6          # request index of the second occurrence
+E_TOO_MANY_TOKENS = 7       # total tokens
+E_NULL_BLOCK = 8            # token index in the step
+E_TOKEN_OUT_OF_VOCAB = 9    # token index in the step
+E_BLOCK_OUT_OF_CACHE = 10   # largest block id in the scheduled rows
+
+
+_compiled: dict[str, Callable[..., Any]] = {}
+_numba_error: str | None = None
+
+
+def _load() -> bool:
+    """Import :mod:`graphrt.host_loops` (compiled on first call, cached on disk); False when
+    numba does not import."""
+    global _numba_error
+    if _compiled:
+        return True
+    if _numba_error is not None:
+        return False
+    try:
+        import numba  # noqa: F401 - host_loops needs it; fail here with a clear reason
+    except Exception as exc:  # noqa: BLE001 - any import failure means "use numpy"
+        _numba_error = f"numba does not import ({type(exc).__name__}: {exc})"
+        logger.info("graphrt: %s; input preparation and padding use the numpy path", _numba_error)
+        return False
+    from graphrt import host_loops
+
+    for name in ("prepare_step", "check_step", "write_padded_step", "pad_step"):
+        _compiled[name] = getattr(host_loops, name)
+    return True
+
+
+def compiled(name: str) -> Callable[..., Any]:
+    """The compiled loop ``name`` of :mod:`graphrt.host_loops` (numba must import)."""
+    if not _load():
+        raise ConfigError(f"no compiled host kernels: {_numba_error}")
+    return _compiled[name]
+
+
+def resolve_kernel(kernel: str | None) -> str:
+    """``numba`` or ``numpy`` for a requested ``kernel`` (None: ``GRAPHRT_HOST_KERNEL`` or auto)."""
+    name = kernel if kernel is not None else os.environ.get(KERNEL_ENV, "auto")
+    if name not in KERNELS:
+        raise ConfigError(f"host kernel {name!r} is not one of {KERNELS}")
+    if name == "numpy":
+        return "numpy"
+    if _load():
+        return "numba"
+    if name == "numba":
+        raise ConfigError(f"host kernel 'numba' was asked for but {_numba_error}; "
+                          f"install numba or use kernel='numpy'")
+    return "numpy"
