@@ -15,7 +15,8 @@ Runner overhead per decode step at batch 64 = (time of ``execute``) - (time of t
 executor's forward and sampler work, ``executor.run`` + ``executor.sample``), taken per
 step from ``perf_counter_ns`` stamps around those two calls inside ``execute`` and
 reported as the median over many steps. A second, fully instrumented pass times every
-stage of ``execute`` (prepare, check, dispatch, cache lookup, pad, run, record, sample) to
+stage of ``execute`` (check, write + pad, run, record, sample; dispatch and cache lookup
+are planned once per step shape) to
 show where the host time goes. Target: the runner adds at most 50 us per decode step.
 
 Run: ``python benchmarks/bench_runner.py [--quick]`` or ``graphrt bench``.
@@ -59,14 +60,11 @@ ROUNDS = 8
 
 #: Stages of ``ModelRunner.execute`` timed by the instrumented pass: (label, owner, method).
 STAGES: tuple[tuple[str, str, str], ...] = (
-    ("prepare", "preparer", "prepare"),
-    ("check", "runner", "_check_step"),
-    ("dispatch", "dispatcher", "dispatch"),
-    ("cache.get", "cache", "get"),
-    ("pad", "padder", "pad"),
+    ("preparer.check", "preparer", "check"),
+    ("preparer.write (+ pad)", "preparer", "write"),
     ("executor.run", "executor", "run"),
     ("record_step", "cache", "record_step"),
-    ("sampler_cache.get", "sampler_cache", "get"),
+    ("sampler_cache.count", "sampler_cache", "count"),
     ("executor.sample", "executor", "sample"),
 )
 EXECUTOR_STAGES = ("executor.run", "executor.sample")

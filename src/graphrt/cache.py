@@ -87,6 +87,8 @@ class GraphCache(Generic[E]):
         self.strict = strict
         self.sealed = False
         self.stats = CacheStats()
+        #: Bumped by every change of the entries or of ``sealed`` (for callers that memoise lookups).
+        self.version = 0
         self._entries: dict[Hashable, E] = {}
 
     def __len__(self) -> int:
@@ -107,31 +109,45 @@ class GraphCache(Generic[E]):
             self.stats.unplanned_builds += 1
         self._entries[key] = entry
         self.stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
+        self.version += 1
 
     def get(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
         """The entry for ``key`` (a hit) or ``None`` (a miss; raises in strict mode once sealed)."""
         entry = self._entries.get(key)
-        if entry is not None:
-            self.stats.hits += 1
-            self.stats.per_key[key].hits += 1
-            return entry
-        self.stats.misses += 1
-        if self.strict and self.sealed:
+        self.count(key, entry is not None)
+        return entry if entry is not None else self.lookup(key, reason=reason)
+
+    def lookup(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
+        """:meth:`get` without counting (a strict miss still raises): for callers that memoise
+        the answer and count each use with :meth:`count` or :meth:`record_step`."""
+        entry = self._entries.get(key)
+        if entry is None and self.strict and self.sealed:
             known = ", ".join(describe_key(k) for k in list(self._entries)[:6])
             more = ", ..." if len(self._entries) > 6 else ""
             why = reason() if callable(reason) else reason
             raise CacheMissError(key, (why or "not built during warm-up")
                                  + f"; {len(self._entries)} entries exist ({known}{more})",
                                  description=describe_key(key))
-        return None
+        return entry
+
+    def count(self, key: Hashable, hit: bool) -> None:
+        """Count one use of ``key``: a hit (it had an entry) or a miss."""
+        if hit:
+            self.stats.hits += 1
+            self.stats.per_key[key].hits += 1
+        else:
+            self.stats.misses += 1
 
     def seal(self) -> None:
         """Warm-up is over: from now on a build is unplanned, and strict mode raises on a miss."""
         self.sealed = True
+        self.version += 1
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, real_reqs: int,
-                    padded_reqs: int, eager_reason: str | None = None) -> None:
-        """Account one step's padding (and why it ran eagerly, if it did)."""
+                    padded_reqs: int, eager_reason: str | None = None,
+                    key: Hashable | None = None, hit: bool = False) -> None:
+        """Account one step's padding (and why it ran eagerly, if it did); with ``key``, also
+        count the step's lookup of it (see :meth:`count`)."""
         s = self.stats
         s.real_tokens += real_tokens
         s.padded_tokens += padded_tokens
@@ -140,11 +156,14 @@ class GraphCache(Generic[E]):
         if eager_reason is not None:
             s.eager_steps += 1
             s.eager_reasons[eager_reason] += 1
+        if key is not None:
+            self.count(key, hit)
 
     def clear(self) -> None:
         """Drop every entry (statistics are kept)."""
         self._entries.clear()
         self.sealed = False
+        self.version += 1
 
     def report(self) -> list[dict[str, Any]]:
         """Per key: build seconds and bytes, hits; for warm-up reports."""

@@ -22,8 +22,8 @@ from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.cache import CacheStats, GraphCache
 from graphrt.config import GraphConfig
 from graphrt.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
-from graphrt.errors import InputError
-from graphrt.inputs import InputPreparer, ModelInputs
+from graphrt.errors import CacheMissError, InputError
+from graphrt.inputs import InputPreparer
 from graphrt.padding import Padder
 from graphrt.registry import select_backend
 
@@ -48,6 +48,22 @@ class StepInfo:
     num_reqs: int
     eager_reason: str | None
     seconds: float
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How every step of one real (tokens, requests, uniform) shape runs (``ModelRunner._plan``)."""
+
+    dispatch: Dispatch
+    mode: RuntimeMode
+    key: BatchDescriptor
+    entry: Any
+    eager_reason: str | None
+    padded_reqs: int
+    cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
+    hit: bool
+    sampler: dict[bool, tuple[tuple, Any, bool]]  # all_greedy -> (key, entry, hit)
+    version: int                     # cache.version + sampler_cache.version when planned
 
 
 class ModelRunner:
@@ -86,11 +102,14 @@ class ModelRunner:
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
         self.preparer = InputPreparer(max_num_reqs=cfg.max_num_seqs,
                                       max_num_tokens=cfg.max_num_batched_tokens,
-                                      block_size=cfg.block_size)
-        self.padder = Padder()
+                                      block_size=cfg.block_size, vocab_size=self.vocab_size,
+                                      num_blocks=self.num_kv_blocks,
+                                      table_width=cfg.max_blocks_per_req, kernel=cfg.host_kernel)
+        self.padder = Padder(kernel=cfg.host_kernel)
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
-        self.last_step: StepInfo | None = None
+        self._plans: dict[tuple[int, int, bool], _StepPlan] = {}
+        self._last: tuple[_StepPlan, int, int, float] | None = None
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
         if warmup:
@@ -170,41 +189,79 @@ class ModelRunner:
                 sampling: SamplingBatch | None = None) -> np.ndarray | None:
         """Run one scheduled step; returns one sampled token per request (or None without sampling).
 
-        Bad input raises :class:`InputError` before any static buffer or the KV cache is touched.
+        Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
+        the preparer checks the step, the dispatcher picks its bucket, and only then are the
+        inputs written, padded, into the executor's staging buffers.
         """
         t0 = time.perf_counter()
-        inputs = self.preparer.prepare(token_ids=token_ids, block_table=block_table,
-                                       req_rows=req_rows, num_computed_tokens=num_computed_tokens,
-                                       num_scheduled_tokens=num_scheduled_tokens)
-        self._check_step(inputs, block_table, sampling)
-        d = self.dispatcher.dispatch(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode)
-        mode, key, entry, eager_reason = d.mode, d.key, None, None
+        shape = self.preparer.check(token_ids=token_ids, block_table=block_table,
+                                    req_rows=req_rows, num_computed_tokens=num_computed_tokens,
+                                    num_scheduled_tokens=num_scheduled_tokens)
+        t, r = shape.num_tokens, shape.num_reqs
+        if sampling is not None and len(sampling.temperature) != r:
+            raise InputError("sampling", f"{len(sampling.temperature)} rows for {r} requests")
+        plan = self._plans.get((t, r, shape.uniform_decode))
+        if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
+            plan = self._plan(t, r, shape.uniform_decode)
+        key, padded_reqs = plan.key, plan.padded_reqs
+        padded = self.preparer.write(self.padder, num_tokens=key.num_tokens, num_reqs=padded_reqs,
+                                     out=self.executor.host_buffers)
+        logits = self.executor.run(plan.mode, key, plan.entry, padded)
+        self.cache.record_step(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r,
+                               padded_reqs=padded_reqs, eager_reason=plan.eager_reason,
+                               key=plan.cache_key, hit=plan.hit)
+        tokens = None
+        if sampling is not None:
+            sentry = None
+            if plan.mode is RuntimeMode.FULL:
+                skey, sentry, shit = plan.sampler[sampling.all_greedy]
+                self.sampler_cache.count(skey, shit)
+            tokens = self.executor.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sentry)
+        self._last = (plan, t, r, time.perf_counter() - t0)
+        return tokens
+
+    def _plan(self, t: int, r: int, uniform: bool) -> "_StepPlan":
+        """What every step of this real shape runs as: the dispatcher's key, the cache entry
+        (or the reason to run eagerly), the padded sizes and the sampler entries. Remembered
+        until either cache changes; each step still counts its hit or miss."""
+        d = self.dispatcher.dispatch(t, r, uniform)
+        mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
         if mode is RuntimeMode.NONE:
             eager_reason = d.reason
         else:
-            entry = self.cache.get((mode, key), reason=lambda: f"{d.reason}, not built during warm-up")
+            cache_key = (mode, key)
+            try:
+                entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
+            except CacheMissError:
+                self.cache.count(cache_key, False)
+                raise
             if entry is None and not self.executor.eager_fallback:
                 entry = self._build_missing(mode, key)
+            hit = entry is not None
             if entry is None or isinstance(entry, EagerFallback):
                 eager_reason = entry.reason if entry is not None else f"{key} was not captured"
-                mode, key, entry = RuntimeMode.NONE, BatchDescriptor(
-                    inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode), None
-        padded_reqs = key.num_reqs if key.num_reqs is not None else inputs.num_reqs
-        padded = self.padder.pad(inputs, num_tokens=key.num_tokens, num_reqs=padded_reqs,
-                                 out=self.executor.host_buffers)
-        logits = self.executor.run(mode, key, entry, padded)
-        self.cache.record_step(real_tokens=inputs.num_tokens, padded_tokens=key.num_tokens,
-                               real_reqs=inputs.num_reqs, padded_reqs=padded_reqs,
-                               eager_reason=eager_reason)
-        tokens = None
-        if sampling is not None:
-            skey = ("sample", padded_reqs, sampling.all_greedy)
-            sentry = self.sampler_cache.get(skey) if mode is RuntimeMode.FULL else None
-            tokens = self.executor.sample(logits, inputs.num_reqs, sampling, padded_reqs=padded_reqs,
-                                          entry=None if isinstance(sentry, EagerFallback) else sentry)
-        self.last_step = StepInfo(d, mode, key, inputs.num_tokens, inputs.num_reqs, eager_reason,
-                                  time.perf_counter() - t0)
-        return tokens
+                mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform), None
+        padded_reqs = key.num_reqs if key.num_reqs is not None else r
+        sampler = {}
+        for greedy in (True, False):
+            skey = ("sample", padded_reqs, greedy)
+            sentry = self.sampler_cache.lookup(skey)
+            sampler[greedy] = (skey, None if isinstance(sentry, EagerFallback) else sentry,
+                               sentry is not None)
+        plan = _StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
+                         self.cache.version + self.sampler_cache.version)
+        if len(self._plans) >= defaults.DISPATCH_MEMO_LIMIT:
+            self._plans.clear()
+        self._plans[(t, r, uniform)] = plan
+        return plan
+
+    @property
+    def last_step(self) -> StepInfo | None:
+        """What the last step ran as (built on demand: the step itself only keeps a tuple)."""
+        if self._last is None:
+            return None
+        plan, t, r, seconds = self._last
+        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds)
 
     def _build_missing(self, mode: RuntimeMode, key: BatchDescriptor) -> Any:
         """Backends without an eager path (XLA) compile a missing key now (unplanned once sealed)."""
@@ -214,23 +271,6 @@ class ModelRunner:
         entry, nbytes = self.executor.build(mode, key)
         self.cache.put((mode, key), entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
         return entry
-
-    def _check_step(self, inputs: ModelInputs, block_table: np.ndarray,
-                    sampling: SamplingBatch | None) -> None:
-        ids = inputs.input_ids
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
-            raise InputError("token_ids", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        if inputs.block_table.shape[1] != self.config.max_blocks_per_req:
-            raise InputError("block_table", f"{inputs.block_table.shape[1]} columns; this runner was "
-                                            f"configured for {self.config.max_blocks_per_req} "
-                                            f"(max_model_len / block_size)")
-        top = int(inputs.block_table.max())
-        if top >= self.num_kv_blocks:
-            raise InputError("block_table", f"block {top} is outside the KV cache's "
-                                            f"{self.num_kv_blocks} blocks")
-        if sampling is not None and len(sampling.temperature) != inputs.num_reqs:
-            raise InputError("sampling", f"{len(sampling.temperature)} rows for {inputs.num_reqs} requests")
 
     # ---- introspection ---------------------------------------------------------------
     @property
