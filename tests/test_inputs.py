@@ -595,3 +595,177 @@ def test_unallocated_block_is_always_caught(scenario, data):
     _check_error(excinfo, "block_table")
     assert np.array_equal(broken, snap)
     _assert_same_inputs(previous, previous_copy)
+
+
+# --------------------------------------------------------------------------------------
+# Runner bounds, the check / write split, and the two kernels agreeing.
+# --------------------------------------------------------------------------------------
+
+def _seed_preparer(**kw) -> InputPreparer:
+    return InputPreparer(max_num_reqs=4, max_num_tokens=16, block_size=2, **kw)
+
+
+@pytest.mark.parametrize("bad_id,expected", [(500, "token id 500 outside the vocabulary [0, 300)"),
+                                             (-1, "token id -1 outside the vocabulary")])
+def test_vocab_bound(bad_id, expected):
+    prep = _seed_preparer(vocab_size=300)
+    previous = run_preparer(prep, seed_tables(2), SEED_STEP2)
+    previous_copy = previous.copy()
+    kw = _base_kwargs()
+    kw["token_ids"] = kw["token_ids"].copy()
+    kw["token_ids"][2, 3] = bad_id          # request 2's 4th scheduled token
+    with pytest.raises(InputError) as excinfo:
+        prep.prepare(**kw)
+    _check_error(excinfo, "token_ids")
+    assert expected in str(excinfo.value) and "request 2, position 3" in str(excinfo.value)
+    _assert_same_inputs(previous, previous_copy)
+    kw["token_ids"][2, 3] = 299             # the largest id in the vocabulary is fine
+    check_seed_step1_ids = prep.prepare(**kw).input_ids.tolist()
+    assert check_seed_step1_ids[8] == 299
+
+
+def test_vocab_bound_ignores_unscheduled_positions():
+    prep = _seed_preparer(vocab_size=300)
+    kw = _base_kwargs()
+    kw["token_ids"] = kw["token_ids"].copy()
+    kw["token_ids"][0, 11] = 10**6          # past request 0's scheduled tokens
+    check_seed_step1(prep.prepare(**kw))
+
+
+def test_block_bound_covers_the_whole_scheduled_row():
+    """A block id past the KV cache anywhere in a scheduled row (attention may read any column
+    of a captured graph's static block table) is an error; in an unscheduled row it is not."""
+    prep = _seed_preparer(num_blocks=9)
+    check_seed_step1(prep.prepare(**_base_kwargs()))
+    kw = _base_kwargs()
+    kw["block_table"] = kw["block_table"].copy()
+    kw["block_table"][3, 5] = 50            # row 3 is not scheduled
+    check_seed_step1(prep.prepare(**kw))
+    kw["block_table"][1, 5] = 9             # row 1 is, in a column past its tokens
+    with pytest.raises(InputError) as excinfo:
+        prep.prepare(**kw)
+    _check_error(excinfo, "block_table")
+    assert "block 9 is outside the KV cache's 9 blocks" in str(excinfo.value)
+
+
+def test_table_width_bound():
+    prep = _seed_preparer(table_width=7)
+    with pytest.raises(InputError) as excinfo:
+        prep.prepare(**_base_kwargs())
+    _check_error(excinfo, "block_table")
+    assert "6 columns" in str(excinfo.value) and "configured for 7" in str(excinfo.value)
+
+
+def test_max_num_tokens_below_max_num_reqs_bounds_decode_steps_too():
+    prep = InputPreparer(max_num_reqs=4, max_num_tokens=2, block_size=2)
+    with pytest.raises(InputError) as excinfo:
+        run_preparer(prep, seed_tables(2), Step([0, 1, 2], [3, 2, 5], [1, 1, 1]))
+    _check_error(excinfo, "num_scheduled_tokens")
+    assert "max_num_tokens=2" in str(excinfo.value)
+
+
+def _buffers(max_tokens: int, max_reqs: int, width: int) -> dict[str, np.ndarray]:
+    """Staging buffers like a backend's, filled with a sentinel."""
+    return {name: np.full((max_reqs, width) if name == "block_table" else
+                          (max_reqs + 1 if name == "query_start_loc" else
+                           max_reqs if name in ("seq_lens", "num_computed_tokens") else max_tokens,),
+                          -77, dtype=graphrt.inputs.FIELD_DTYPES[name])
+            for name in graphrt.inputs.ARRAY_FIELDS}
+
+
+@SETTINGS
+@given(scenarios(), st.integers(0, 9), st.integers(0, 3))
+def test_check_then_write_equals_prepare_then_pad(scenario, more_tokens, more_reqs):
+    tables, (step,) = scenario
+    t, r = sum(step.scheduled), len(step.rows)
+    prep = InputPreparer(max_num_reqs=8, max_num_tokens=8 * 48, block_size=tables.block_size)
+    expected = graphrt.Padder().pad(run_preparer(prep, tables, step).copy(),
+                                    num_tokens=t + more_tokens, num_reqs=r + more_reqs)
+    rows, computed, scheduled = step.arrays()
+    shape = prep.check(token_ids=tables.token_ids, block_table=tables.block_table, req_rows=rows,
+                       num_computed_tokens=computed, num_scheduled_tokens=scheduled)
+    assert shape == (t, r, max(step.scheduled), max(c + s for c, s in zip(step.computed, step.scheduled)),
+                     max(step.scheduled) == 1)
+    out = _buffers(8 * 48 + 9, 8 + 3, tables.block_table.shape[1])
+    got = prep.write(graphrt.Padder(), num_tokens=t + more_tokens, num_reqs=r + more_reqs, out=out)
+    _assert_same_inputs(got, expected)
+    assert got.input_ids.base is out["input_ids"] or got.input_ids.base is out["input_ids"].base
+    # nothing past the bucket was written
+    assert (out["input_ids"][t + more_tokens:] == -77).all()
+    assert (out["block_table"][r + more_reqs:] == -77).all()
+
+
+def test_write_needs_a_successful_check():
+    prep = _seed_preparer()
+    with pytest.raises(graphrt.GraphrtError, match="check"):
+        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+    prep.check(**_base_kwargs())
+    bad = _base_kwargs()
+    _null_block(bad)
+    with pytest.raises(InputError):
+        prep.check(**bad)
+    with pytest.raises(graphrt.GraphrtError, match="check"):   # the failed check cleared it
+        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+
+
+def test_write_below_the_real_size_is_an_error():
+    prep = _seed_preparer()
+    prep.check(**_base_kwargs())
+    with pytest.raises(InputError) as excinfo:
+        prep.write(graphrt.Padder(), num_tokens=9, num_reqs=3)
+    _check_error(excinfo, "num_tokens")
+
+
+@pytest.mark.parametrize("case_id,mutate,field", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_both_kernels_raise_the_same_error(case_id, mutate, field):
+    if graphrt.host_kernels.resolve_kernel("auto") != "numba":
+        pytest.skip("numba does not import here")
+    messages = []
+    for kernel in ("numba", "numpy"):
+        kw = _base_kwargs()
+        mutate(kw)
+        with pytest.raises(InputError) as excinfo:
+            InputPreparer(max_num_reqs=4, max_num_tokens=16, block_size=2, kernel=kernel).prepare(**kw)
+        messages.append(str(excinfo.value))
+    assert messages[0] == messages[1]
+
+
+@SETTINGS
+@given(scenarios(), st.data())
+def test_both_kernels_agree_on_random_faults(scenario, data):
+    """Corrupt one request value or one table entry at random: both kernels give the same
+    result, or the same error."""
+    if graphrt.host_kernels.resolve_kernel("auto") != "numba":
+        pytest.skip("numba does not import here")
+    tables, (step,) = scenario
+    rows, computed, scheduled = [a.astype(np.int64) for a in step.arrays()]
+    token_ids, block_table = tables.token_ids.copy(), tables.block_table.copy()
+    target = data.draw(st.sampled_from(("rows", "computed", "scheduled", "block", "token")))
+    i = data.draw(st.integers(0, len(rows) - 1))
+    value = data.draw(st.integers(-3, 60))
+    if target == "rows":
+        rows[i] = value
+    elif target == "computed":
+        computed[i] = value
+    elif target == "scheduled":
+        scheduled[i] = value
+    elif target == "block":
+        block_table[data.draw(st.integers(0, block_table.shape[0] - 1)),
+                    data.draw(st.integers(0, block_table.shape[1] - 1))] = value
+    else:
+        token_ids[data.draw(st.integers(0, token_ids.shape[0] - 1)),
+                  data.draw(st.integers(0, token_ids.shape[1] - 1))] = value * 2000
+    results = []
+    for kernel in ("numba", "numpy"):
+        prep = InputPreparer(max_num_reqs=8, max_num_tokens=64, block_size=tables.block_size,
+                             vocab_size=50_000, num_blocks=400, kernel=kernel)
+        try:
+            results.append(prep.prepare(token_ids=token_ids, block_table=block_table, req_rows=rows,
+                                        num_computed_tokens=computed,
+                                        num_scheduled_tokens=scheduled).copy())
+        except InputError as err:
+            results.append(str(err))
+    if isinstance(results[0], str) or isinstance(results[1], str):
+        assert results[0] == results[1]
+    else:
+        _assert_same_inputs(results[0], results[1])

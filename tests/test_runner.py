@@ -473,3 +473,28 @@ def test_execute_result_is_not_overwritten_by_the_next_step(runners, tables, nam
     np.testing.assert_array_equal(held, expected_first)
     runner.execute(**second.kwargs(), sampling=greedy(2))
     np.testing.assert_array_equal(held, expected_first)             # not the second step's tokens
+
+
+# ---- the two host kernels ---------------------------------------------------------------------
+
+def test_host_kernels_agree_through_the_runner(model_dir, tables):
+    """numba and numpy input preparation feed the same staging buffers, step after step
+    (captured buckets, padding, eager steps above the largest bucket)."""
+    if graphrt.host_kernels.resolve_kernel("auto") != "numba":
+        pytest.skip("numba does not import here")
+    pair = {kernel: make_runner(model_dir, "cpu", [8], tables, mode=None, host_kernel=kernel)
+            for kernel in ("numba", "numpy")}
+    assert [r.preparer.kernel for r in pair.values()] == ["numba", "numpy"]
+    from runner_steps import random_steps
+    for step in random_steps(tables, CONFIG, num_steps=16, seed=5):
+        seen = []
+        for runner in pair.values():
+            tokens = step.run(runner, greedy(step.num_reqs))
+            staged = {name: buf.copy() for name, buf in runner.executor.host_buffers.items()}
+            seen.append((tokens, staged, runner.last_step.key, runner.logits()))
+        (tok_a, staged_a, key_a, logits_a), (tok_b, staged_b, key_b, logits_b) = seen
+        assert key_a == key_b
+        np.testing.assert_array_equal(tok_a, tok_b)
+        np.testing.assert_array_equal(logits_a, logits_b)
+        for name in staged_a:
+            np.testing.assert_array_equal(staged_a[name], staged_b[name], err_msg=name)

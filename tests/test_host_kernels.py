@@ -1,0 +1,67 @@
+"""Choosing the host kernel: numba where it imports, numpy otherwise or when asked."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import graphrt
+from graphrt import ConfigError, GraphConfig, InputPreparer, Padder, host_kernels
+from graphrt.config import add_cli_args, from_cli_args
+
+
+@pytest.fixture
+def without_numba(monkeypatch):
+    """graphrt as it behaves where numba does not import."""
+    monkeypatch.setitem(sys.modules, "numba", None)
+    monkeypatch.setattr(host_kernels, "_compiled", {})
+    monkeypatch.setattr(host_kernels, "_numba_error", None)
+    monkeypatch.delenv(host_kernels.KERNEL_ENV, raising=False)
+
+
+def test_auto_falls_back_to_numpy_without_numba(without_numba):
+    assert host_kernels.resolve_kernel("auto") == "numpy"
+    assert InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2).kernel == "numpy"
+    assert Padder().kernel == "numpy"
+
+
+def test_asking_for_numba_without_it_says_why(without_numba):
+    with pytest.raises(ConfigError, match="numba.*does not import.*kernel='numpy'"):
+        InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, kernel="numba")
+
+
+def test_unknown_kernel_is_a_config_error():
+    with pytest.raises(ConfigError, match="'fortran' is not one of"):
+        host_kernels.resolve_kernel("fortran")
+
+
+def test_environment_sets_the_default(monkeypatch):
+    monkeypatch.setenv(host_kernels.KERNEL_ENV, "numpy")
+    assert InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2).kernel == "numpy"
+    assert Padder().kernel == "numpy"
+    # an explicit choice wins over the environment
+    if host_kernels.resolve_kernel("auto") == "numba":
+        assert Padder(kernel="numba").kernel == "numba"
+
+
+def test_numba_is_the_default_where_it_imports(monkeypatch):
+    pytest.importorskip("numba")
+    monkeypatch.delenv(host_kernels.KERNEL_ENV, raising=False)
+    assert InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2).kernel == "numba"
+
+
+def test_config_field_and_flag():
+    import argparse
+
+    args = add_cli_args(argparse.ArgumentParser()).parse_args(["--host-kernel", "numpy"])
+    assert from_cli_args(args).host_kernel == "numpy"
+    assert GraphConfig().host_kernel is None
+    with pytest.raises(ConfigError, match="host_kernel"):
+        GraphConfig.create(host_kernel="cython")
+    with pytest.raises(SystemExit):
+        add_cli_args(argparse.ArgumentParser()).parse_args(["--host-kernel", "cython"])
+
+
+def test_graphrt_exports_the_module():
+    assert graphrt.host_kernels is host_kernels
