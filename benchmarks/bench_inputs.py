@@ -5,9 +5,12 @@ Two steps of a 256-request engine (max_model_len 4096, block_size 16, a 512-row 
 * ``decode`` -- every request schedules one token, computed lengths 100..4000;
 * ``mixed``  -- 8192 tokens: a few prefill chunks of hundreds of tokens, the rest decode.
 
-Four implementations compute the same outputs (checked before timing):
+Five implementations compute the same outputs (checked before timing):
 
-* ``graphrt`` -- :meth:`graphrt.InputPreparer.prepare`, one preparer reused (persistent buffers);
+* ``graphrt`` -- :meth:`graphrt.InputPreparer.prepare`, one preparer reused (persistent buffers),
+  with its default kernel (numba's compiled loops where numba imports);
+* ``gr-numpy`` -- the same preparer on its vectorised-numpy kernel (``kernel="numpy"``), for
+  reference: graphrt's fallback where numba is missing;
 * ``loop``    -- a per-request Python loop with numpy slicing, what a naive engine writes;
 * ``loop_lists`` -- a per-request loop in nano-vllm's style: Python lists extended per token
   and per block range, converted to numpy once (the engine's lists are built untimed);
@@ -268,19 +271,21 @@ def time_calls(fns: dict[str, Callable[[], object]], iters: dict[str, int], warm
     return {name: np.asarray(v, dtype=np.float64) for name, v in samples.items()}
 
 
-def bench_step(step: Step, preparer: InputPreparer, iters: int, warmup: int,
-               rounds: int) -> dict[str, dict[str, float]]:
-    """Check the three implementations agree on ``step``, then time them."""
+def bench_step(step: Step, preparer: InputPreparer, numpy_preparer: InputPreparer, iters: int,
+               warmup: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Check the implementations agree on ``step``, then time them."""
     lists = engine_lists(step)
     results = {"graphrt": outputs_of(prepare_graphrt(preparer, step)),
+               "gr-numpy": outputs_of(prepare_graphrt(numpy_preparer, step)),
                "loop": prepare_loop(step), "loop_lists": prepare_loop_lists(step, lists),
                "numpy": prepare_numpy(step)}
     check_identical(step, results)
     fns = {"graphrt": lambda: prepare_graphrt(preparer, step),
+           "gr-numpy": lambda: prepare_graphrt(numpy_preparer, step),
            "loop": lambda: prepare_loop(step),
            "loop_lists": lambda: prepare_loop_lists(step, lists),
            "numpy": lambda: prepare_numpy(step)}
-    counts = {"graphrt": iters, "loop": max(rounds, iters // 10),
+    counts = {"graphrt": iters, "gr-numpy": iters, "loop": max(rounds, iters // 10),
               "loop_lists": max(rounds, iters // 10), "numpy": iters}
     timed = time_calls(fns, counts, warmup, rounds)
     return {name: summarise(ns) for name, ns in timed.items()}
@@ -319,14 +324,16 @@ def verdicts(timings: dict[str, dict[str, dict[str, float]]]) -> list[dict[str, 
 
 
 def format_report(steps: dict[str, Step], timings: dict[str, dict[str, dict[str, float]]],
-                  targets: list[dict[str, object]], padding: list[dict[str, object]]) -> str:
+                  targets: list[dict[str, object]], padding: list[dict[str, object]],
+                  kernel: str) -> str:
     """The human-readable tables."""
-    lines = ["Input preparation, host time per step (us; median / p90 over n calls)", ""]
-    head = f"{'step':<8}{'tokens':>7}{'reqs':>6}  {'impl':<9}{'median':>10}{'p90':>10}{'n':>7}"
+    lines = [f"Input preparation, host time per step (us; median / p90 over n calls); "
+             f"graphrt kernel: {kernel}", ""]
+    head = f"{'step':<8}{'tokens':>7}{'reqs':>6}  {'impl':<11}{'median':>10}{'p90':>10}{'n':>7}"
     lines += [head, "-" * len(head)]
     for name, step in steps.items():
         for impl, s in timings[name].items():
-            lines.append(f"{name:<8}{step.num_tokens:>7}{step.num_reqs:>6}  {impl:<9}"
+            lines.append(f"{name:<8}{step.num_tokens:>7}{step.num_reqs:>6}  {impl:<11}"
                          f"{s['median_us']:>10.1f}{s['p90_us']:>10.1f}{s['n']:>7}")
     lines += ["", "Speed-up of graphrt (baseline median / graphrt median)", ""]
     head = f"{'step':<8}{'baseline':<10}{'speed-up':>10}{'target':>9}  result"
@@ -359,12 +366,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     tables = make_tables(rng)
     steps = {"decode": decode_step(rng, tables), "mixed": mixed_step(rng, tables)}
     preparer = InputPreparer(max_num_reqs=NUM_REQS, max_num_tokens=MIXED_TOKENS, block_size=BLOCK_SIZE)
-    timings = {name: bench_step(step, preparer, iters, args.warmup, args.rounds)
+    numpy_preparer = InputPreparer(max_num_reqs=NUM_REQS, max_num_tokens=MIXED_TOKENS,
+                                   block_size=BLOCK_SIZE, kernel="numpy")
+    timings = {name: bench_step(step, preparer, numpy_preparer, iters, args.warmup, args.rounds)
                for name, step in steps.items()}
     padding = bench_padding(steps["decode"], preparer, iters, args.warmup, args.rounds)
     targets = verdicts(timings)
-    print(format_report(steps, timings, targets, padding))
-    return {"timings_us": timings, "targets": targets, "padding_us": padding,
+    print(format_report(steps, timings, targets, padding, preparer.kernel))
+    return {"timings_us": timings, "targets": targets, "padding_us": padding, "kernel": preparer.kernel,
             "steps": {name: {"num_tokens": s.num_tokens, "num_reqs": s.num_reqs}
                       for name, s in steps.items()},
             "all_pass": all(row["pass"] for row in targets)}

@@ -340,12 +340,13 @@ class InputPreparer:
         np.take(block_table.reshape(-1), idx, out=blk, mode="clip")
         if blk.min() <= defaults.NULL_BLOCK:
             return host_kernels.E_NULL_BLOCK, int(np.flatnonzero(blk <= defaults.NULL_BLOCK)[0]), 0, 0
-        ids = s.ids[:t]
+        # With a bound to check, gather into scratch first: outputs stay untouched on error.
+        ids = s.ids[:t] if self.vocab_size is not None else self.input_ids[:t]
         np.take(token_ids.reshape(-1), tok_idx, out=ids, mode="clip")
         if self.vocab_size is not None and (ids.min() < 0 or ids.max() >= self.vocab_size):
             bad = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
             return host_kernels.E_TOKEN_OUT_OF_VOCAB, bad, 0, 0
-        bt_rows = s.block_rows(width)[:r]
+        bt_rows = s.block_rows(width)[:r] if self.num_blocks is not None else self.block_table[:r]
         np.take(block_table, rows, axis=0, out=bt_rows, mode="clip")
         if self.num_blocks is not None:
             top = int(bt_rows.max())
@@ -353,7 +354,10 @@ class InputPreparer:
                 return host_kernels.E_BLOCK_OUT_OF_CACHE, top, 0, 0
 
         # All checks passed: write the outputs.
-        self.input_ids[:t] = ids
+        if self.vocab_size is not None:
+            self.input_ids[:t] = ids
+        if self.num_blocks is not None:
+            self.block_table[:r] = bt_rows
         self.positions[:t] = pos
         slots = self.slot_mapping[:t]
         np.multiply(blk, bs, out=slots)
@@ -371,7 +375,6 @@ class InputPreparer:
             qsl[1:] = cu
         self.seq_lens[:r] = seq
         self.num_computed_tokens[:r] = computed
-        self.block_table[:r] = bt_rows
         return ok, t, max_sched, max_seq
 
     def _check_requests(self, token_ids: np.ndarray, block_table: np.ndarray, req: np.ndarray,
