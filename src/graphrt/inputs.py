@@ -34,7 +34,7 @@ FIELD_DTYPES: dict[str, type] = {
     "block_table": np.int32}
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelInputs:
     """One step's model inputs. Arrays may be longer than the real counts after padding.
 
@@ -149,6 +149,7 @@ class InputPreparer:
         self.seq_lens = np.zeros(r, dtype=FIELD_DTYPES["seq_lens"])
         self.num_computed_tokens = np.zeros(r, dtype=FIELD_DTYPES["num_computed_tokens"])
         self.block_table: np.ndarray | None = None
+        self._width = -1                                  # the block table's width, once seen
         self._views: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._vocab_bound = self.vocab_size if self.vocab_size is not None else 0   # 0: unchecked
         self._block_bound = self.num_blocks if self.num_blocks is not None else 0
@@ -206,8 +207,9 @@ class InputPreparer:
         if self._write_step is None:
             inputs = self._result(t, r, shape.max_query_len, shape.max_seq_len)
             return padder.pad(inputs, num_tokens=num_tokens, num_reqs=num_reqs, out=out)
-        padder.check_targets(t, r, num_tokens, num_reqs)
-        dst = padder.targets(out, num_tokens, num_reqs, args[1].shape[1])
+        if num_tokens < t or num_reqs < r:
+            padder.check_targets(t, r, num_tokens, num_reqs)
+        dst = padder.targets(out, num_tokens, num_reqs, self._width)
         self._write_step(*args, t, num_tokens, num_reqs, padder.kernel_fills, *dst)
         return ModelInputs(*dst, r, t, shape.max_query_len, shape.max_seq_len, shape.uniform_decode)
 
@@ -239,13 +241,17 @@ class InputPreparer:
             c = _as_int_array("req_rows", c, 1)
             d = _as_int_array("num_computed_tokens", d, 1)
             e = _as_int_array("num_scheduled_tokens", e, 1)
-        self._check_shapes(a, b, c, d, e)
-        width = b.shape[1]
-        if self.block_table is None or self.block_table.shape[1] != width:
+        num_rows, width = b.shape
+        r = c.shape[0]
+        if (r == 0 or r > self.max_num_reqs or d.shape[0] != r or e.shape[0] != r
+                or a.shape[0] != num_rows or (self.table_width is not None and width != self.table_width)):
+            self._raise_shape_error(a, b, c, d, e)
+        if width != self._width:
             self.block_table = np.zeros((self.max_num_reqs, width), dtype=FIELD_DTYPES["block_table"])
+            self._width = width
             self._views.clear()
-        if self._row_mark.shape[0] < a.shape[0]:
-            self._row_mark = np.zeros(a.shape[0], dtype=np.int64)
+        if num_rows > self._row_mark.shape[0]:
+            self._row_mark = np.zeros(num_rows, dtype=np.int64)
         self._stamp += 1
         return a, b, c, d, e, bs
 
@@ -260,9 +266,9 @@ class InputPreparer:
         self._views[(t, r)] = views
         return views
 
-    def _check_shapes(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
-                      computed: np.ndarray, scheduled: np.ndarray) -> int:
-        """Batch-size and table-shape checks; returns the number of requests."""
+    def _raise_shape_error(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
+                           computed: np.ndarray, scheduled: np.ndarray) -> None:
+        """The error of a failed batch-size or table-shape check."""
         r = rows.shape[0]
         if r == 0:
             raise InputError("req_rows", "empty batch: schedule at least one request")
@@ -281,12 +287,12 @@ class InputPreparer:
             raise InputError("block_table", f"{block_table.shape[1]} columns; this preparer was "
                                             f"configured for {self.table_width} "
                                             f"(max_model_len / block_size)")
-        return r
+        raise AssertionError("no shape error to report")
 
     def _prepare_numpy(self, token_ids: np.ndarray, block_table: np.ndarray, rows_in: np.ndarray,
                        computed_in: np.ndarray, scheduled_in: np.ndarray,
                        bs: int) -> tuple[int, int, int, int]:
-        """The vectorised-numpy implementation; same contract as ``host_kernels._prepare_step``.
+        """The vectorised-numpy implementation; same contract as ``host_loops.prepare_step``.
 
         Request-level values are copied into one int64 ``[4, R]`` buffer (computed, rows,
         scheduled, seq_lens) so every bound is checked with two reductions; index arithmetic

@@ -197,25 +197,27 @@ class ModelRunner:
         shape = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                     req_rows=req_rows, num_computed_tokens=num_computed_tokens,
                                     num_scheduled_tokens=num_scheduled_tokens)
-        t, r = shape.num_tokens, shape.num_reqs
+        t, r, _, _, uniform = shape
         if sampling is not None and len(sampling.temperature) != r:
             raise InputError("sampling", f"{len(sampling.temperature)} rows for {r} requests")
-        plan = self._plans.get((t, r, shape.uniform_decode))
+        plan = self._plans.get((t, r, uniform))
         if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
-            plan = self._plan(t, r, shape.uniform_decode)
+            plan = self._plan(t, r, uniform)
         key, padded_reqs = plan.key, plan.padded_reqs
         padded = self.preparer.write(self.padder, num_tokens=key.num_tokens, num_reqs=padded_reqs,
                                      out=self.executor.host_buffers)
-        logits = self.executor.run(plan.mode, key, plan.entry, padded)
+        # Statistics are counted before the forward: it evicts the host's caches (on a CPU
+        # device), and the runner's objects are still warm from checking and writing.
         self.cache.record_step(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r,
                                padded_reqs=padded_reqs, eager_reason=plan.eager_reason,
                                key=plan.cache_key, hit=plan.hit)
+        sentry = None
+        if sampling is not None and plan.mode is RuntimeMode.FULL:
+            skey, sentry, shit = plan.sampler[sampling.all_greedy]
+            self.sampler_cache.count(skey, shit)
+        logits = self.executor.run(plan.mode, key, plan.entry, padded)
         tokens = None
         if sampling is not None:
-            sentry = None
-            if plan.mode is RuntimeMode.FULL:
-                skey, sentry, shit = plan.sampler[sampling.all_greedy]
-                self.sampler_cache.count(skey, shit)
             tokens = self.executor.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sentry)
         self._last = (plan, t, r, time.perf_counter() - t0)
         return tokens
