@@ -769,3 +769,17 @@ def test_both_kernels_agree_on_random_faults(scenario, data):
         assert results[0] == results[1]
     else:
         _assert_same_inputs(results[0], results[1])
+
+
+def test_write_refuses_a_step_changed_since_check():
+    """The compiled write indexes the tables by the request arrays without bounds checks, so
+    it re-checks those bounds: a caller that edits the arrays in between gets an error."""
+    prep = _seed_preparer()
+    kw = _base_kwargs()
+    prep.check(**kw)
+    kw["num_computed_tokens"][2] = 40          # past the token table, after the check
+    if prep.kernel == "numba":
+        with pytest.raises(graphrt.GraphrtError, match="changed between"):
+            prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+    else:   # the numpy path prepared its own buffers during check(): the edit is not seen
+        check_seed_step1(prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3))

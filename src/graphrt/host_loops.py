@@ -187,11 +187,28 @@ def write_padded_step(token_ids, block_table, rows, computed, scheduled, block_s
                       padded_tokens, padded_reqs, fills, input_ids, positions, slot_mapping,
                       query_start_loc, seq_lens, num_computed, block_table_out):
     """``write_step`` then ``fill_padding``: a checked step straight into a bucket's buffers
-    (the caller checked that every output holds the padded sizes)."""
+    (the caller checked that every output holds the padded sizes). Returns False, writing
+    nothing, if the request arrays no longer pass the bounds the loops index by (changed
+    since ``check_step``)."""
+    num_rows = token_ids.shape[0]
+    model_len = token_ids.shape[1]
+    width = block_table.shape[1]
+    total = np.int64(0)
+    for i in range(rows.shape[0]):
+        row = np.int64(rows[i])
+        c = np.int64(computed[i])
+        n = np.int64(scheduled[i])
+        if (row < 0 or row >= num_rows or c < 0 or n < 1 or c + n > model_len
+                or (c + n - 1) // np.int64(block_size) >= width):
+            return False
+        total += n
+    if total != num_tokens:
+        return False
     write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
     fill_padding(num_tokens, rows.shape[0], padded_tokens, padded_reqs, fills, input_ids,
                  positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
+    return True
 
 
 @jit

@@ -199,7 +199,10 @@ class InputPreparer:
     def write(self, padder: "Padder", *, num_tokens: int, num_reqs: int,
               out: Mapping[str, np.ndarray] | None = None) -> ModelInputs:
         """Write the step of the last successful :meth:`check`, padded by ``padder`` to
-        ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would)."""
+        ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would).
+
+        The step's arrays are read again here: don't change them in between (the compiled
+        path re-checks the bounds it indexes by and raises if they no longer hold)."""
         if self._pending is None:
             raise GraphrtError("InputPreparer.write needs a successful check() of this step first")
         args, shape = self._pending
@@ -210,7 +213,10 @@ class InputPreparer:
         if num_tokens < t or num_reqs < r:
             padder.check_targets(t, r, num_tokens, num_reqs)
         dst = padder.targets(out, num_tokens, num_reqs, self._width)
-        self._write_step(*args, t, num_tokens, num_reqs, padder.kernel_fills, *dst)
+        if not self._write_step(*args, t, num_tokens, num_reqs, padder.kernel_fills, *dst):
+            self._pending = None
+            raise GraphrtError("the step's request arrays changed between InputPreparer.check() "
+                               "and write(); check the step again")
         return ModelInputs(*dst, r, t, shape.max_query_len, shape.max_seq_len, shape.uniform_decode)
 
     def _result(self, t: int, r: int, max_sched: int, max_seq: int) -> ModelInputs:
