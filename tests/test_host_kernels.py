@@ -65,3 +65,26 @@ def test_config_field_and_flag():
 
 def test_graphrt_exports_the_module():
     assert graphrt.host_kernels is host_kernels
+
+
+def test_compile_kernels_before_the_first_step():
+    """A runner's warm-up compiles the loops for the usual argument types, so the first
+    step does not wait for the JIT; the preparer works normally afterwards."""
+    import numpy as np
+
+    numpy_prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, kernel="numpy")
+    assert numpy_prep.compile_kernels(Padder(kernel="numpy")) == 0.0
+    if host_kernels.resolve_kernel("auto") != "numba":
+        pytest.skip("numba does not import here")
+    from graphrt import host_loops
+
+    prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, table_width=3, kernel="numba")
+    assert prep.compile_kernels(Padder(kernel="numba")) >= 0.0
+    for loop in (host_loops.check_step, host_loops.write_padded_step, host_loops.prepare_step):
+        types = {str(sig[2]) for sig in loop.signatures}      # req_rows' type
+        assert {"array(int32, 1d, C)", "array(int64, 1d, C)"} <= types, loop
+    got = prep.prepare(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),
+                       block_table=np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int32),
+                       req_rows=np.array([1]), num_computed_tokens=np.array([2]),
+                       num_scheduled_tokens=np.array([3]))
+    assert got.input_ids.tolist() == [8, 9, 10] and got.slot_mapping.tolist() == [8, 9, 10]

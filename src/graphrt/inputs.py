@@ -13,6 +13,7 @@ Every bad input raises :class:`~graphrt.errors.InputError` before any output is 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, NamedTuple
 
@@ -218,6 +219,27 @@ class InputPreparer:
             raise GraphrtError("the step's request arrays changed between InputPreparer.check() "
                                "and write(); check the step again")
         return ModelInputs(*dst, r, t, shape.max_query_len, shape.max_seq_len, shape.uniform_decode)
+
+    def compile_kernels(self, padder: "Padder", out: Mapping[str, np.ndarray] | None = None) -> float:
+        """Compile the numba loops now, for int32 tables and int32 / int64 request arrays (the
+        usual engine types), so the first real step does not wait for the JIT; returns the
+        seconds it took (0 on the numpy path). Compiled code is cached on disk, so later
+        processes mostly load it. ``out``: the staging buffers ``write`` will get (they
+        receive a one-token dummy step)."""
+        if self._compiled is None:
+            return 0.0
+        start = time.perf_counter()
+        width = self.table_width or 1
+        token_ids = np.zeros((1, self.block_size), dtype=np.int32)
+        block_table = np.ones((1, width), dtype=np.int32)
+        for dtype in (np.int32, np.int64):
+            step = dict(token_ids=token_ids, block_table=block_table, req_rows=np.zeros(1, dtype),
+                        num_computed_tokens=np.zeros(1, dtype), num_scheduled_tokens=np.ones(1, dtype))
+            self.prepare(**step)
+            self.check(**step)
+            self.write(padder, num_tokens=1, num_reqs=1, out=out)
+        self._pending = None
+        return time.perf_counter() - start
 
     def _result(self, t: int, r: int, max_sched: int, max_seq: int) -> ModelInputs:
         """The preparer's own buffers as this step's :class:`ModelInputs`."""

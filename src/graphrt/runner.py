@@ -147,6 +147,9 @@ class ModelRunner:
             logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use",
                         self.backend.name)
             return []
+        seconds = self.preparer.compile_kernels(self.padder, out=self.executor.host_buffers)
+        if seconds:
+            logger.info("graphrt: host kernels (%s) ready in %.2f s", self.preparer.kernel, seconds)
         keys = self.dispatcher.keys()
         sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
         jobs: list[tuple[GraphCache, Any, RuntimeMode, Any]] = [
