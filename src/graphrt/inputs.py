@@ -135,7 +135,7 @@ class InputPreparer:
         self.table_width = int(table_width) if table_width is not None else None
         self.kernel = host_kernels.resolve_kernel(kernel)
         numba = self.kernel == "numba"
-        self._compiled = host_kernels.compiled("prepare_step") if numba else None
+        self._prepare_step = host_kernels.compiled("prepare_step") if numba else None
         self._check_step = host_kernels.compiled("check_step") if numba else None
         self._write_step = host_kernels.compiled("write_padded_step") if numba else None
         self._table_dtypes = (_INT32, _INT64) if numba else (_INT32,)
@@ -154,7 +154,7 @@ class InputPreparer:
         self._views: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._vocab_bound = self.vocab_size if self.vocab_size is not None else 0   # 0: unchecked
         self._block_bound = self.num_blocks if self.num_blocks is not None else 0
-        if self._compiled is None:
+        if self._prepare_step is None:
             self._numpy = _NumpyScratch(t, r)
 
     def prepare(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
@@ -164,8 +164,8 @@ class InputPreparer:
         args = self._arguments(token_ids, block_table, req_rows, num_computed_tokens,
                                num_scheduled_tokens, block_size)
         self._pending = None
-        if self._compiled is not None:
-            code, t, max_sched, max_seq = self._compiled(
+        if self._prepare_step is not None:
+            code, t, max_sched, max_seq = self._prepare_step(
                 *args, self.max_num_tokens, self._vocab_bound, self._block_bound, self._row_mark,
                 self._stamp, self.input_ids, self.positions, self.slot_mapping,
                 self.query_start_loc, self.seq_lens, self.num_computed_tokens, self.block_table)
@@ -226,7 +226,7 @@ class InputPreparer:
         seconds it took (0 on the numpy path). Compiled code is cached on disk, so later
         processes mostly load it. ``out``: the staging buffers ``write`` will get (they
         receive a one-token dummy step)."""
-        if self._compiled is None:
+        if self._prepare_step is None:
             return 0.0
         start = time.perf_counter()
         width = self.table_width or 1
@@ -263,7 +263,7 @@ class InputPreparer:
                 and d.ndim == 1 and e.ndim == 1 and a.dtype in tables and b.dtype in tables
                 and (c.dtype is _INT32 or c.dtype is _INT64) and (d.dtype is _INT32 or d.dtype is _INT64)
                 and (e.dtype is _INT32 or e.dtype is _INT64)):    # one test on the per-step path
-            table_dtype = None if self._compiled is not None else np.int32
+            table_dtype = None if self._prepare_step is not None else np.int32
             a = _as_int_array("token_ids", a, 2, table_dtype)
             b = _as_int_array("block_table", b, 2, table_dtype)
             c = _as_int_array("req_rows", c, 1)

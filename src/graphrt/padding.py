@@ -23,7 +23,7 @@ from graphrt import defaults, host_kernels
 from graphrt.errors import ConfigError, InputError
 from graphrt.inputs import ARRAY_FIELDS, FIELD_DTYPES, REQUEST_FIELDS, TOKEN_FIELDS, ModelInputs
 
-#: The order of ``host_kernels._pad_step``'s ``fills`` array.
+#: The order of the ``fills`` array of ``host_loops.fill_padding``.
 _KERNEL_FILL_ORDER = ("input_ids", "positions", "slot_mapping", "seq_lens",
                       "num_computed_tokens", "block_table")
 
@@ -51,7 +51,7 @@ class Padder:
                               "write a real KV slot")
         self.fill_values: dict[str, int] = fills
         self.kernel = host_kernels.resolve_kernel(kernel)
-        self._compiled = host_kernels.compiled("pad_step") if self.kernel == "numba" else None
+        self._pad_step = host_kernels.compiled("pad_step") if self.kernel == "numba" else None
         #: The fill table as the compiled loops take it (``host_loops.fill_padding``).
         self.kernel_fills = np.array([fills[name] for name in _KERNEL_FILL_ORDER], dtype=np.int64)
         self._max_tokens = max_num_tokens
@@ -69,8 +69,8 @@ class Padder:
         t, r = inputs.num_tokens, inputs.num_reqs
         self.check_targets(t, r, num_tokens, num_reqs)
         dst = self.targets(out, num_tokens, num_reqs, inputs.block_table.shape[1])
-        if self._compiled is not None:
-            if not self._compiled(t, r, num_tokens, num_reqs, self.kernel_fills, inputs.input_ids,
+        if self._pad_step is not None:
+            if not self._pad_step(t, r, num_tokens, num_reqs, self.kernel_fills, inputs.input_ids,
                                   inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
                                   inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table,
                                   *dst):
