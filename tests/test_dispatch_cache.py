@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import graphrt
 from graphrt import (BatchDescriptor, BucketPolicy, CacheMissError, ConfigError, Dispatcher,
                      GraphCache, GraphConfig, GraphMode, InputError, RuntimeMode)
 
@@ -353,3 +354,25 @@ def test_cache_counters_model(ops, seal_at):
             misses += k not in stored
     s = cache.stats
     assert (s.hits, s.misses, s.entries, s.unplanned_builds) == (hits, misses, len(stored), unplanned)
+
+
+def test_lookup_and_count_account_like_get():
+    """A caller that memoises lookups (the runner) counts each use itself: the totals match
+    get()'s; a strict miss is counted once, where it raises; a hit on a key without an entry
+    is a caller's bug and says so."""
+    cache = GraphCache(strict=True)
+    k, missing = key(8, 8, True), key(16, None, False)
+    cache.put(k, "g")
+    version = cache.version
+    cache.seal()
+    assert cache.version > version
+    assert cache.lookup(k) == "g" and cache.stats.hits == 0      # lookup alone counts nothing
+    cache.count(k, True)
+    cache.record_step(real_tokens=5, padded_tokens=8, real_reqs=5, padded_reqs=8, key=k, hit=True)
+    assert cache.stats.hits == 2 and cache.stats.per_key[k].hits == 2
+    with pytest.raises(CacheMissError):
+        cache.lookup(missing)
+    assert cache.stats.misses == 1
+    with pytest.raises(graphrt.GraphrtError, match="no entry"):
+        cache.count(missing, True)
+    assert cache.stats.hits == 2

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
-from graphrt.errors import CacheMissError
+from graphrt.errors import CacheMissError, GraphrtError
 
 E = TypeVar("E")
 
@@ -113,15 +113,17 @@ class GraphCache(Generic[E]):
 
     def get(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
         """The entry for ``key`` (a hit) or ``None`` (a miss; raises in strict mode once sealed)."""
-        entry = self._entries.get(key)
+        entry = self.lookup(key, reason=reason)
         self.count(key, entry is not None)
-        return entry if entry is not None else self.lookup(key, reason=reason)
+        return entry
 
     def lookup(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
-        """:meth:`get` without counting (a strict miss still raises): for callers that memoise
-        the answer and count each use with :meth:`count` or :meth:`record_step`."""
+        """:meth:`get` without counting, for callers that memoise the answer and count each
+        use with :meth:`count` or :meth:`record_step`. A strict miss still raises, and is
+        counted here: the step it served ends with the error, so no later count comes."""
         entry = self._entries.get(key)
         if entry is None and self.strict and self.sealed:
+            self.count(key, False)
             known = ", ".join(describe_key(k) for k in list(self._entries)[:6])
             more = ", ..." if len(self._entries) > 6 else ""
             why = reason() if callable(reason) else reason
@@ -131,10 +133,13 @@ class GraphCache(Generic[E]):
         return entry
 
     def count(self, key: Hashable, hit: bool) -> None:
-        """Count one use of ``key``: a hit (it had an entry) or a miss."""
+        """Count one use of ``key``: a hit (it has an entry) or a miss."""
         if hit:
+            per_key = self.stats.per_key.get(key)
+            if per_key is None:
+                raise GraphrtError(f"GraphCache.count: a hit on {describe_key(key)}, which has no entry")
             self.stats.hits += 1
-            self.stats.per_key[key].hits += 1
+            per_key.hits += 1
         else:
             self.stats.misses += 1
 

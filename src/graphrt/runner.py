@@ -22,7 +22,7 @@ from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.cache import CacheStats, GraphCache
 from graphrt.config import GraphConfig
 from graphrt.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
-from graphrt.errors import CacheMissError, InputError
+from graphrt.errors import InputError
 from graphrt.inputs import InputPreparer
 from graphrt.padding import Padder
 from graphrt.registry import select_backend
@@ -235,11 +235,7 @@ class ModelRunner:
             eager_reason = d.reason
         else:
             cache_key = (mode, key)
-            try:
-                entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
-            except CacheMissError:
-                self.cache.count(cache_key, False)
-                raise
+            entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
             if entry is None and not self.executor.eager_fallback:
                 entry = self._build_missing(mode, key)
             hit = entry is not None
