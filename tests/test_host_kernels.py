@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-import graphrt
 from graphrt import ConfigError, GraphConfig, InputPreparer, Padder, host_kernels
 from graphrt.config import add_cli_args, from_cli_args
 
@@ -15,7 +14,7 @@ from graphrt.config import add_cli_args, from_cli_args
 def without_numba(monkeypatch):
     """graphrt as it behaves where numba does not import."""
     monkeypatch.setitem(sys.modules, "numba", None)
-    monkeypatch.setattr(host_kernels, "_compiled", {})
+    monkeypatch.setattr(host_kernels, "_loops", None)
     monkeypatch.setattr(host_kernels, "_numba_error", None)
     monkeypatch.delenv(host_kernels.KERNEL_ENV, raising=False)
 
@@ -61,10 +60,6 @@ def test_config_field_and_flag():
         GraphConfig.create(host_kernel="cython")
     with pytest.raises(SystemExit):
         add_cli_args(argparse.ArgumentParser()).parse_args(["--host-kernel", "cython"])
-
-
-def test_graphrt_exports_the_module():
-    assert graphrt.host_kernels is host_kernels
 
 
 def test_compile_kernels_before_the_first_step():

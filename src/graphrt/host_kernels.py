@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import ModuleType
 from typing import Any, Callable
 
 from graphrt.errors import ConfigError
@@ -42,15 +43,15 @@ E_TOKEN_OUT_OF_VOCAB = 9    # token index in the step
 E_BLOCK_OUT_OF_CACHE = 10   # largest block id in the scheduled rows
 
 
-_compiled: dict[str, Callable[..., Any]] = {}
+_loops: ModuleType | None = None       # graphrt.host_loops, once imported
 _numba_error: str | None = None
 
 
 def _load() -> bool:
     """Import :mod:`graphrt.host_loops` (compiled on first call, cached on disk); False when
     numba does not import."""
-    global _numba_error
-    if _compiled:
+    global _loops, _numba_error
+    if _loops is not None:
         return True
     if _numba_error is not None:
         return False
@@ -62,8 +63,7 @@ def _load() -> bool:
         return False
     from graphrt import host_loops
 
-    for name in ("prepare_step", "check_step", "write_padded_step", "pad_step"):
-        _compiled[name] = getattr(host_loops, name)
+    _loops = host_loops
     return True
 
 
@@ -71,7 +71,7 @@ def compiled(name: str) -> Callable[..., Any]:
     """The compiled loop ``name`` of :mod:`graphrt.host_loops` (numba must import)."""
     if not _load():
         raise ConfigError(f"no compiled host kernels: {_numba_error}")
-    return _compiled[name]
+    return getattr(_loops, name)
 
 
 def resolve_kernel(kernel: str | None) -> str:
