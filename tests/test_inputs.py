@@ -566,6 +566,9 @@ def test_bad_block_size(block_size):
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_num_reqs=0, max_num_tokens=4, block_size=2), "max_num_reqs"),
     (dict(max_num_reqs=4, max_num_tokens=0, block_size=2), "max_num_tokens"),
+    (dict(max_num_reqs=4, max_num_tokens=4, block_size=2, vocab_size=0), "vocab_size"),
+    (dict(max_num_reqs=4, max_num_tokens=4, block_size=2, num_blocks=-1), "num_blocks"),
+    (dict(max_num_reqs=4, max_num_tokens=4, block_size=2, table_width=0), "table_width"),
 ])
 def test_bad_preparer_limits(kwargs, field):
     with pytest.raises(InputError) as excinfo:
@@ -620,8 +623,8 @@ def test_vocab_bound(bad_id, expected):
     assert expected in str(excinfo.value) and "request 2, position 3" in str(excinfo.value)
     _assert_same_inputs(previous, previous_copy)
     kw["token_ids"][2, 3] = 299             # the largest id in the vocabulary is fine
-    check_seed_step1_ids = prep.prepare(**kw).input_ids.tolist()
-    assert check_seed_step1_ids[8] == 299
+    ids = prep.prepare(**kw).input_ids.tolist()
+    assert ids[8] == 299
 
 
 def test_vocab_bound_ignores_unscheduled_positions():

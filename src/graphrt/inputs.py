@@ -127,6 +127,10 @@ class InputPreparer:
             raise InputError("max_num_reqs", f"must be > 0, got {max_num_reqs}")
         if max_num_tokens <= 0:
             raise InputError("max_num_tokens", f"must be > 0, got {max_num_tokens}")
+        for name, bound in (("vocab_size", vocab_size), ("num_blocks", num_blocks),
+                            ("table_width", table_width)):
+            if bound is not None and bound <= 0:
+                raise InputError(name, f"must be > 0 (or None: unbounded), got {bound}")
         self.max_num_reqs = int(max_num_reqs)
         self.max_num_tokens = int(max_num_tokens)
         self.block_size = int(block_size)
