@@ -1,4 +1,5 @@
-"""Shared fixtures."""
+"""Shared fixtures: the host kernel to run a module on, and the tiny model and engine tables
+the runner tests drive."""
 
 from __future__ import annotations
 
@@ -16,3 +17,19 @@ def host_kernel(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(host_kernels.KERNEL_ENV, request.param)
         yield request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    """A tiny random Qwen3 checkpoint (tests/hf_models.py)."""
+    from hf_models import tiny_hf_model_dir
+
+    return str(tiny_hf_model_dir("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def tables():
+    """The engine tables of runner_steps.CONFIG: every row owns its own non-null blocks."""
+    from runner_steps import CONFIG, VOCAB, Tables
+
+    return Tables(CONFIG, VOCAB, seed=0)

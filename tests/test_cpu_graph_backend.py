@@ -21,21 +21,10 @@ import torch
 import graphrt
 from graphrt import GraphCaptureError, GraphrtError, ModelRunner, RuntimeMode
 from graphrt.runner import EagerFallback
-from hf_models import tiny_hf_model_dir
-from runner_steps import CONFIG, LIMITS, VOCAB, Tables, greedy, random_steps
+from runner_steps import CONFIG, LIMITS, greedy, random_steps
 
 SIZES = [4, 8, 16]          # steps of 17..32 tokens run eagerly (above the largest bucket)
 ATOL = RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_hf_model_dir("qwen3"))
-
-
-@pytest.fixture(scope="module")
-def tables():
-    return Tables(CONFIG, VOCAB, seed=0)
 
 
 def make_runner(model, backend, tables, sizes=SIZES, mode="FULL", **kw):

@@ -28,8 +28,7 @@ from graphrt import SamplingParams
 from graphrt.backends.base import SamplingBatch
 from graphrt.runner import sampling_batch
 from graphrt.sampler import random_sample
-from hf_models import tiny_hf_model_dir
-from runner_steps import CONFIG, LIMITS, VOCAB, Tables, bits, changed, greedy, same_bits, snapshot
+from runner_steps import CONFIG, LIMITS, VOCAB, bits, changed, greedy, same_bits, snapshot
 
 #: Runners by name: (backend, capture sizes, graph mode). ``FULL`` pins one graph per step;
 #: ``None`` is the default mode (FULL_AND_PIECEWISE: decode steps FULL graphs, mixed steps
@@ -45,16 +44,6 @@ BITWISE_GROUPS = (["cpu[8]", "cpu[16]", "cpu[32]"], ["default[8]", "default[16]"
 CPU = [name for name, (backend, _, _) in RUNNERS.items() if backend == "cpu"]
 FULL = [name for name, (backend, _, mode) in RUNNERS.items() if mode == "FULL"]
 ATOL = RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_hf_model_dir("qwen3"))
-
-
-@pytest.fixture(scope="module")
-def tables():
-    return Tables(CONFIG, VOCAB, seed=0)
 
 
 def make_runner(model_dir, backend, sizes, tables, mode="FULL", **kw):
