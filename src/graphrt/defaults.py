@@ -80,7 +80,7 @@ DEFAULT_COMPILE_MAX_SIZE = 32
 ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
 ACL_AIV_VALUE = "AIV"
 
-#: Distinct step shapes whose dispatch result the Dispatcher remembers (decode sees few).
-DISPATCH_MEMO_LIMIT = 1 << 16
+#: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
+STEP_PLAN_MEMO_LIMIT = 1 << 16
 #: Distinct (tokens, requests) shapes whose output views an InputPreparer keeps.
 PREPARE_VIEW_MEMO_LIMIT = 1 << 12

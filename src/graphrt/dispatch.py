@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from graphrt import defaults
 from graphrt.buckets import BucketPolicy
 from graphrt.errors import ConfigError, InputError
 
@@ -136,7 +135,6 @@ class Dispatcher:
         self.max_num_seqs = int(max_num_seqs)
         self.eager_fallback = eager_fallback
         self.mixed_num_reqs = mixed_num_reqs
-        self._memo: dict[tuple[int, int, bool], Dispatch] = {}
         if self.mode is not GraphMode.NONE and token_buckets is None:
             raise ConfigError(f"graph mode {self.mode.value} needs token buckets")
         self.token_buckets = token_buckets
@@ -152,16 +150,8 @@ class Dispatcher:
                                   f"max_num_seqs={self.max_num_seqs}")
 
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
-        """Runtime mode and padded key for a step of this real shape (memoised per shape)."""
-        shape = (num_tokens, num_reqs, uniform_decode)
-        hit = self._memo.get(shape)
-        if hit is None:
-            hit = self._dispatch(num_tokens, num_reqs, uniform_decode)
-            if len(self._memo) < defaults.DISPATCH_MEMO_LIMIT:
-                self._memo[shape] = hit
-        return hit
-
-    def _dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
+        """Runtime mode and padded key for a step of this real shape (a pure function of the
+        shape and the policies: callers on a hot path remember it, as ``ModelRunner`` does)."""
         real = BatchDescriptor(num_tokens, num_reqs, uniform_decode)
         if uniform_decode and self.separate_decode:
             b = self.decode_buckets.bucket_for(num_reqs) if self.decode_buckets else None

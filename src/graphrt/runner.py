@@ -251,7 +251,7 @@ class ModelRunner:
                                sentry is not None)
         plan = _StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
                          self.cache.version + self.sampler_cache.version)
-        if len(self._plans) >= defaults.DISPATCH_MEMO_LIMIT:
+        if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
         self._plans[(t, r, uniform)] = plan
         return plan
