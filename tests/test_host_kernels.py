@@ -75,7 +75,7 @@ def test_compile_kernels_before_the_first_step():
 
     prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, table_width=3, kernel="numba")
     assert prep.compile_kernels(Padder(kernel="numba")) >= 0.0
-    for loop in (host_loops.check_step, host_loops.write_padded_step, host_loops.prepare_step):
+    for loop in (host_loops.check_step, host_loops.write_padded_step):
         types = {str(sig[2]) for sig in loop.signatures}      # req_rows' type
         assert {"array(int32, 1d, C)", "array(int64, 1d, C)"} <= types, loop
     got = prep.prepare(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),

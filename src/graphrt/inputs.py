@@ -225,11 +225,12 @@ class InputPreparer:
         return ModelInputs(*dst, r, t, shape.max_query_len, shape.max_seq_len, shape.uniform_decode)
 
     def compile_kernels(self, padder: "Padder", out: Mapping[str, np.ndarray] | None = None) -> float:
-        """Compile the numba loops now, for int32 tables and int32 / int64 request arrays (the
-        usual engine types), so the first real step does not wait for the JIT; returns the
-        seconds it took (0 on the numpy path). Compiled code is cached on disk, so later
-        processes mostly load it. ``out``: the staging buffers ``write`` will get (they
-        receive a one-token dummy step)."""
+        """Compile the loops of :meth:`check` / :meth:`write` (a runner's path) now, for int32
+        tables and int32 / int64 request arrays (the usual engine types), so the first real
+        step does not wait for the JIT; returns the seconds it took (0 on the numpy path).
+        Compiled code is cached on disk, so later processes only load it (~0.2 s here).
+        ``out``: the staging buffers ``write`` will get (they receive a one-token dummy step).
+        :meth:`prepare`'s loop compiles on its first call."""
         if self._prepare_step is None:
             return 0.0
         start = time.perf_counter()
@@ -239,7 +240,6 @@ class InputPreparer:
         for dtype in (np.int32, np.int64):
             step = dict(token_ids=token_ids, block_table=block_table, req_rows=np.zeros(1, dtype),
                         num_computed_tokens=np.zeros(1, dtype), num_scheduled_tokens=np.ones(1, dtype))
-            self.prepare(**step)
             self.check(**step)
             self.write(padder, num_tokens=1, num_reqs=1, out=out)
         self._pending = None
