@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.graphrt-installed
 
-.PHONY: venv test bench plan clean
+.PHONY: venv test bench plan gpu-check clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,12 @@ bench: $(STAMP)
 
 plan: $(STAMP)
 	$(VPY) -m graphrt.cli plan
+
+# On a CUDA machine: the gpu tests and GPU benchmarks with that machine's own torch and JAX
+# (no .venv, nothing reinstalled), one report in .gpu-check/. On a CPU: says so, exits 0.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build src/*.egg-info

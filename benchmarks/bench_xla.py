@@ -345,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=7, help="(b) timed steps = rounds x steps per arm")
     parser.add_argument("--repeats", type=int, default=2, help="(c) cold/warm repetitions")
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions (smoke run)")
+    parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
     steps, rounds, repeats = ((max(20, args.steps // 10), 2, 1) if args.quick
@@ -372,8 +373,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for arm in ("graphrt", "jit"):
             trace[arm].pop("tokens")
     checks = [o["pass"] for o in (overhead or {}).values()] + ([coldwarm["pass"]] if coldwarm else [])
-    return {"machine": host, "trace": trace, "overhead": overhead, "cold_warm": coldwarm,
-            "all_pass": all(checks)}
+    result = {"machine": host, "trace": trace, "overhead": overhead, "cold_warm": coldwarm,
+              "all_pass": all(checks)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return result
 
 
 if __name__ == "__main__":
