@@ -51,7 +51,14 @@ class CudaGraphAPI(DeviceGraphAPI):
     def capture(self, graph: Any, pool: Any) -> Iterator[Any]:
         """``torch.cuda.graph`` on one side stream, without its per-graph collect and
         ``empty_cache`` (the executor collects once; emptying the cache before every graph
-        only makes the next capture allocate again)."""
+        only makes the next capture allocate again).
+
+        A capture the forward broke (a host sync invalidates it) makes ``capture_end``
+        raise before torch restores the stream and releases the pool (torch 2.11):
+        :meth:`_abandon` restores the stream and ends the device pool's recording; the
+        executor gives later graphs a fresh pool, since the pinned-host allocator's
+        recording has no Python call to end it. Without both, every later capture fails
+        with "already recording to mempool_id"."""
         if self._stream is None:
             self._stream = self.cuda.Stream(device=self.device)
         with _no_collect(self.cuda):
@@ -59,11 +66,26 @@ class CudaGraphAPI(DeviceGraphAPI):
             ctx.__enter__()
         try:
             yield graph
-        except BaseException as exc:
-            if not ctx.__exit__(type(exc), exc, exc.__traceback__):
+        finally:
+            try:
+                ctx.__exit__(None, None, None)
+            except BaseException:
+                self._abandon(ctx, graph, pool)
                 raise
-        else:
-            ctx.__exit__(None, None, None)
+
+    def _abandon(self, ctx: Any, graph: Any, pool: Any) -> None:
+        """Undo what a failed ``capture_end`` left behind: the side stream still current,
+        the allocator still routing the stream's allocations into ``pool``."""
+        stream_ctx = getattr(ctx, "stream_ctx", None)
+        if stream_ctx is not None and self.cuda.current_stream(self.device) == self._stream:
+            stream_ctx.__exit__(None, None, None)
+        end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end_pool is not None and self.cuda is torch.cuda:
+            with contextlib.suppress(RuntimeError):  # raises when torch already released it
+                end_pool(self.device.index if self.device.index is not None else self.cuda.current_device(),
+                         pool)
+        with contextlib.suppress(RuntimeError):
+            graph.reset()
 
     def synchronize(self) -> None:
         self.cuda.synchronize(self.device)

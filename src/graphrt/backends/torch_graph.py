@@ -451,8 +451,14 @@ class TorchExecutor(Executor):
         graph = api.new_graph()
         tasks: list[GraphTask] = []
         before = api.memory_in_use()
-        with self._gc_paused(), _capturing(api, tasks), api.capture(graph, self._pool):
-            fn()
+        try:
+            with self._gc_paused(), _capturing(api, tasks), api.capture(graph, self._pool):
+                fn()
+        except BaseException:
+            # A broken capture can leave the pool marked as recording (torch 2.11's
+            # capture_end raises before releasing it): later graphs get a fresh pool.
+            self._pool = api.new_pool()
+            raise
         api.synchronize()
         return graph, max(api.memory_in_use() - before, 0), tasks
 
