@@ -19,6 +19,7 @@ from graphrt.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, R
 from graphrt.errors import (BackendUnavailableError, CacheMissError, ConfigError, GraphCaptureError,
                             GraphrtError, InputError)
 from graphrt.inputs import InputPreparer, ModelInputs, prepare_inputs
+from graphrt.numerics import Tolerance, tolerance
 from graphrt.padding import Padder
 from graphrt.registry import available_backends, select_backend
 
@@ -43,5 +44,5 @@ __all__ = [
     "ConfigError", "Dispatch", "Dispatcher", "GraphCache", "GraphCaptureError", "GraphConfig",
     "GraphMode", "GraphrtError", "InputError", "InputPreparer", "LLM", "ModelInputs",
     "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplingParams", "add_cli_args",
-    "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
+    "Tolerance", "available_backends", "from_cli_args", "prepare_inputs", "select_backend", "tolerance",
 ]

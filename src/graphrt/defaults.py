@@ -84,3 +84,17 @@ ACL_AIV_VALUE = "AIV"
 STEP_PLAN_MEMO_LIMIT = 1 << 16
 #: Distinct (tokens, requests) shapes whose output views an InputPreparer keeps.
 PREPARE_VIEW_MEMO_LIMIT = 1 << 12
+
+#: ``graphrt.tolerance``: machine epsilon (2**-mantissa bits) of the float dtypes it knows.
+DTYPE_EPS: dict[str, float] = {"float64": 2.0**-52, "float32": 2.0**-23,
+                               "float16": 2.0**-10, "bfloat16": 2.0**-7}
+#: ``graphrt.tolerance``: a step's real outputs at two padded sizes may differ by this many
+#: eps of the accumulation dtype (float32; float64 for float64): another row count makes
+#: the CPU GEMM / GPU BLAS pick another kernel, which sums the same products in another
+#: order. Measured up to 14 eps (1.7e-6) on an AMD EPYC (MKL, every ATEN_CPU_CAPABILITY);
+#: 64 eps is 7.6e-6, within the 1e-5 the tests allowed before this bound had one home.
+TOLERANCE_ACCUMULATION_EPS = 64
+#: ... or this many eps of a low-precision output dtype (bfloat16, float16), whichever is
+#: larger: a reordered float32 sum can round to the neighbouring value of the output dtype,
+#: once per op, and those one-eps flips carry through the layers.
+TOLERANCE_ROUNDING_EPS = 4
