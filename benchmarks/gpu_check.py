@@ -243,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / ".gpu-check"), help="where the report and parts go")
     parser.add_argument("--wheels", help="folder of wheels for what the machine lacks (pydantic)")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from saved parts")
+    parser.add_argument("--timeout", type=float, help="seconds per part (default: each part's own limit)")
     args = parser.parse_args(argv)
     parts = [p for p in args.only.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -264,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"gpu-check: {problem}; bring the wheels (see the docstring) and run again")
             return 1
         for name in parts:
-            run_part(name, parts_dir, env, PART_TIMEOUT[name])
+            run_part(name, parts_dir, env, args.timeout or PART_TIMEOUT[name])
     md, ok = write_report(out, machine)
     print(md.read_text())
     print(f"gpu-check: report in {md} and {md.with_suffix('.json')}: {'ok' if ok else 'FAILED'}")
