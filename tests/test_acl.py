@@ -26,6 +26,7 @@ from graphrt.dispatch import RuntimeMode
 from graphrt.errors import ConfigError
 from graphrt.runner import ModelRunner
 from hf_models import tiny_hf_model_dir
+from parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16])
@@ -151,9 +152,12 @@ def scaled_model(backend: Any) -> torch.nn.Module:
     return model
 
 
-def run_scaled(backend: Any) -> tuple[ModelRunner, list[np.ndarray]]:
+def run_scaled(backend: Any, like: ModelRunner | None = None) -> tuple[ModelRunner, list[np.ndarray]]:
+    """Two steps through the scaled model; on an eager backend, padded as ``like`` pads them."""
     runner = ModelRunner(scaled_model(backend), backend=backend, num_kv_blocks=33, progress=False,
                          mode="FULL", **CONFIG)
+    if like is not None:
+        pad_like(runner, like)
     runner.executor.pre_replay_hooks.append(lambda padded: HOST.update(scale=host_scale(padded)))
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 128, size=(4, 32), dtype=np.int32)
@@ -173,8 +177,12 @@ def test_task_update_refreshes_host_values_baked_into_a_graph() -> None:
     npu = FakeNpu()
     HOST["scale"] = 1.0
     runner, got = run_scaled(NpuGraphBackend("cpu", npu=npu))
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+    HOST["scale"] = 1.0
+    _, same = run_scaled(EagerBackend(), like=runner)
+    for g, s, w in zip(got, same, want):
+        assert_bitwise(g, s)                  # eager at the replayed (padded) shape
+        assert_close_across_shapes(g, w)      # eager at the real shape
+        assert_same_tokens(g, w)
     calls = [c[0] for c in npu.calls]
     # capture: the graph waits on the external event, then the op is one task group
     first = calls.index("event.wait")
@@ -219,8 +227,12 @@ def test_acl_graph_replay_matches_eager_on_hardware() -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 128, size=(4, 32), dtype=np.int32)
     blocks = (np.arange(32, dtype=np.int32) + 1).reshape(4, 8)
-    for runner in (want, got):
+    same = pad_like(ModelRunner(str(tiny_hf_model_dir("qwen3")), backend=EagerBackend("npu"), num_kv_blocks=33,
+                                progress=False, **config), got)
+    for runner in (want, got, same):
         runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(3),
                        num_computed_tokens=np.zeros(3, dtype=np.int32), num_scheduled_tokens=np.array([1, 1, 1]))
-    assert got.last_step.mode is RuntimeMode.FULL
-    np.testing.assert_allclose(got.logits(), want.logits(), rtol=1e-3, atol=1e-3)
+    assert got.last_step.mode is RuntimeMode.FULL and same.last_step.key == got.last_step.key
+    assert_close_across_shapes(got.logits(), same.logits())   # the same padded shape, graph and eager
+    assert_close_across_shapes(got.logits(), want.logits())   # padded and unpadded
+    assert_same_tokens(got.logits(), want.logits())
