@@ -1,6 +1,8 @@
 """The ``cpu`` graph backend through ModelRunner: device-graph semantics on a CPU.
 
-* Replay after new inputs gives new results, equal to eager, over many varied steps.
+* Replay after new inputs gives new results, equal to eager, over many varied steps:
+  within ``graphrt.tolerance`` of the unpadded eager step, bitwise an eager step padded
+  to the same key.
 * A Python value the model reads is baked in at capture (replay ignores a later change;
   eager sees it) -- and the runner itself never depends on one.
 * A host sync (``.item()``) during capture: strict mode raises ``GraphCaptureError`` naming
@@ -21,10 +23,10 @@ import torch
 import graphrt
 from graphrt import GraphCaptureError, GraphrtError, ModelRunner, RuntimeMode
 from graphrt.runner import EagerFallback
-from runner_steps import CONFIG, LIMITS, greedy, random_steps
+from parity import assert_close_across_shapes, pad_like
+from runner_steps import CONFIG, LIMITS, greedy, random_steps, same_bits
 
 SIZES = [4, 8, 16]          # steps of 17..32 tokens run eagerly (above the largest bucket)
-ATOL = RTOL = 1e-5
 
 
 def make_runner(model, backend, tables, sizes=SIZES, mode="FULL", **kw):
@@ -46,13 +48,20 @@ def eager_runner(model_dir, tables):
     return make_runner(model_dir, "eager", tables)
 
 
-def run_and_compare(step, runner, ref):
-    """One step on both runners; real hidden rows, logits and tokens must agree."""
+def run_and_compare(step, runner, ref, twin=None):
+    """One step on both runners; real hidden rows, logits and tokens must agree (within
+    graphrt.tolerance: ``ref`` runs the unpadded step). ``twin``, an eager runner padded
+    like ``runner``, runs the same shapes and must agree bit for bit, KV cache included."""
     tokens = step.run(runner, greedy(step.num_reqs))
     ref_tokens = step.run(ref, greedy(step.num_reqs))
-    np.testing.assert_allclose(runner.hidden_states(), ref.hidden_states(), rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(runner.logits(), ref.logits(), rtol=RTOL, atol=ATOL)
+    assert_close_across_shapes(runner.hidden_states(), ref.hidden_states())
+    assert_close_across_shapes(runner.logits(), ref.logits())
     np.testing.assert_array_equal(tokens, ref_tokens)
+    if twin is not None:
+        np.testing.assert_array_equal(step.run(twin, greedy(step.num_reqs)), tokens)
+        np.testing.assert_array_equal(twin.hidden_states(), runner.hidden_states())
+        np.testing.assert_array_equal(twin.logits(), runner.logits())
+        assert same_bits(twin.executor.kv_cache, runner.executor.kv_cache)
     return runner.logits().copy()
 
 
@@ -79,11 +88,12 @@ def test_many_varied_steps_equal_eager(model_dir, tables, eager_runner, cpu_runn
     """Decodes, prefill chunks and mixed batches of 1..32 tokens (some above the largest
     bucket), through FULL graphs and through the default mode's graphs."""
     runner = cpu_runner if mode == "FULL" else make_runner(model_dir, "cpu", tables, mode=None)
-    for r in (runner, eager_runner):
+    twin = pad_like(make_runner(model_dir, "eager", tables), runner)
+    for r in (runner, eager_runner, twin):
         r.executor.kv_cache.zero_()
     modes, keys, previous = set(), set(), None
     for step in random_steps(tables, CONFIG, num_steps=40, seed=11):
-        logits = run_and_compare(step, runner, eager_runner)
+        logits = run_and_compare(step, runner, eager_runner, twin)
         modes.add(runner.last_step.mode)
         keys.add(runner.last_step.key)
         if previous is not None and previous.shape == logits.shape:
@@ -118,7 +128,7 @@ def test_python_value_changed_after_capture_is_not_seen_by_replay(cpu_runner, ea
     big.run(cpu_runner)
     assert cpu_runner.last_step.mode is RuntimeMode.NONE
     big.run(eager_runner)
-    np.testing.assert_allclose(cpu_runner.logits(), eager_runner.logits(), rtol=RTOL, atol=ATOL)
+    assert_close_across_shapes(cpu_runner.logits(), eager_runner.logits())
 
 
 # ---- a host sync during capture -------------------------------------------------------------
