@@ -8,11 +8,12 @@ STAMP  := $(VENV)/.graphrt-installed
 
 venv: $(STAMP)
 
-# torch must be exactly 2.13.0 (the CPU build on disk); anything else pulls GBs of CUDA wheels.
-$(STAMP): pyproject.toml
+# constraints.txt pins torch to the CPU build on disk (anything else pulls GBs of CUDA wheels);
+# pyproject.toml itself gives ranges, so a user's own torch is never replaced.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(VPY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt torch
+	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 test: $(STAMP)
