@@ -39,7 +39,9 @@ def assert_bitwise(got: Any, want: Any, err_msg: str = "") -> None:
 
         assert same_bits(got.cpu(), want.cpu()), f"not bitwise equal: {err_msg}"
         return
-    np.testing.assert_array_equal(got, want, err_msg=err_msg)
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    np.testing.assert_array_equal(got, want, err_msg=err_msg, strict=True)  # says where values differ
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"equal values, other bits: {err_msg}"
 
 
 def assert_close_across_shapes(got: Any, want: Any, dtype: Any = None, err_msg: str = "") -> None:
