@@ -67,7 +67,7 @@ def build_model(layers: int, seed: int) -> Any:
     import torch
 
     from graphrt.models.hf_config import DecoderConfig
-    from graphrt.models.torch_decoder import DecoderForCausalLM
+    from graphrt.models.torch.decoder import DecoderForCausalLM
 
     config = DecoderConfig(architecture="Qwen3ForCausalLM", attention_bias=False, qk_norm=True,
                            eos_token_id=(151645,), torch_dtype="bfloat16",
@@ -99,7 +99,7 @@ def decode_step(runner: Any, batch: int, context: int) -> tuple[Any, Any, Any, A
     """(mode, key, entry, padded inputs) of a decode step of ``batch`` requests at ``context``."""
     import numpy as np
 
-    from graphrt.dispatch import RuntimeMode
+    from graphrt.core.dispatch import RuntimeMode
     from graphrt.runner import EagerFallback
 
     width = context // BLOCK_SIZE
@@ -138,7 +138,7 @@ def reduce_overhead_step(runner: Any, batch: int, context: int) -> Callable[[], 
     """A step of ``torch.compile(model, mode="reduce-overhead")`` on the eager runner's buffers."""
     import torch
 
-    from graphrt.forward_context import forward_context
+    from graphrt.core.forward_context import forward_context
 
     executor = runner.executor
     model = executor.model
@@ -167,7 +167,7 @@ def reduce_overhead_step(runner: Any, batch: int, context: int) -> Callable[[], 
 def measure_decode(model_factory: Callable[[int], Any], args: argparse.Namespace) -> dict[str, dict[int, Any]]:
     """Seconds per decode step, per method and batch size (an error string where one failed)."""
     results: dict[str, dict[int, Any]] = {m: {} for m in METHODS}
-    from graphrt.backends.eager import EagerBackend
+    from graphrt.backends.torch.eager import EagerBackend
 
     runners = {
         "eager": lambda: runner_for(model_factory(1), EagerBackend(DEVICE), None, args.context),

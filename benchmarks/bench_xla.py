@@ -111,7 +111,7 @@ def _greedy(n: int) -> Any:
 
 def run_graphrt(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_blocks: int) -> dict[str, Any]:
     from graphrt import ModelRunner
-    from graphrt.backends.xla_compile import CompileCounter
+    from graphrt.backends.xla.compile import CompileCounter
 
     sampling = [_greedy(len(s["req_rows"])) for s in steps]
     runner = ModelRunner(str(model_dir), backend="xla", num_kv_blocks=num_kv_blocks, warmup=False,
@@ -141,10 +141,10 @@ def run_plain_jit(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_bl
     import jax
     import jax.numpy as jnp
 
-    from graphrt.backends.xla_compile import CompileCounter
-    from graphrt.inputs import InputPreparer
-    from graphrt.models.jax_decoder import AttentionMetadata, compute_logits, forward, init_kv_cache
-    from graphrt.models.jax_loader import load_jax_params
+    from graphrt.backends.xla.compile import CompileCounter
+    from graphrt.core.inputs import InputPreparer
+    from graphrt.models.jax.decoder import AttentionMetadata, compute_logits, forward, init_kv_cache
+    from graphrt.models.jax.loader import load_jax_params
 
     cfg, params = load_jax_params(model_dir)
 
@@ -188,8 +188,8 @@ def bench_trace(model_dir: Path) -> dict[str, Any]:
 
 # ---- (b) dispatch overhead ---------------------------------------------------------------
 def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, Any]]:
-    from graphrt.backends.xla_batch import BATCH_FIELDS, XlaBatch
-    from graphrt.dispatch import RuntimeMode
+    from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch
+    from graphrt.core.dispatch import RuntimeMode
 
     ex = runner.executor
     width = runner.config.max_blocks_per_req
@@ -249,8 +249,8 @@ def precompile_child(model_dir: str, cache_dir: str, workers: int) -> dict[str, 
     """In a fresh process: build a runner on ``cache_dir``, time its warm-up."""
     t_start = time.perf_counter()
     from graphrt import ModelRunner
-    from graphrt.backends.xla import XlaBackend
-    from graphrt.backends.xla_compile import CompileCounter
+    from graphrt.backends.xla.executor import XlaBackend
+    from graphrt.backends.xla.compile import CompileCounter
 
     runner = ModelRunner(model_dir, backend=XlaBackend(compile_workers=workers), warmup=False,
                          progress=False, compilation_cache_dir=cache_dir, **LIMITS)

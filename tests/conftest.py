@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphrt import host_kernels
+from graphrt.core import host_kernels
 
 
 @pytest.fixture(scope="module", params=("numba", "numpy"), autouse=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from graphrt.backends import recording_graph as rg
+from graphrt.backends.torch import recording_graph as rg
 
 
 class FakeStream:

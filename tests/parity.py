@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import graphrt
-from graphrt.dispatch import Dispatch, Dispatcher, RuntimeMode
+from graphrt.core.dispatch import Dispatch, Dispatcher, RuntimeMode
 
 
 def _numpy(a: Any) -> np.ndarray:

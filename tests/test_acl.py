@@ -17,13 +17,13 @@ import torch
 
 from device_fakes import FakeNpu
 from graphrt import BackendUnavailableError, GraphConfig, available_backends, select_backend
-from graphrt.backends import acl
-from graphrt.backends.cpu import CpuGraphBackend
-from graphrt.backends.eager import EagerBackend
-from graphrt.backends.npu import NpuGraphBackend, torch_npu_problem
-from graphrt.backends.torch_graph import graph_task
-from graphrt.dispatch import RuntimeMode
-from graphrt.errors import ConfigError
+from graphrt.backends.torch import acl
+from graphrt.backends.torch.cpu import CpuGraphBackend
+from graphrt.backends.torch.eager import EagerBackend
+from graphrt.backends.torch.npu import NpuGraphBackend, torch_npu_problem
+from graphrt.backends.torch.executor import graph_task
+from graphrt.core.dispatch import RuntimeMode
+from graphrt.core.errors import ConfigError
 from graphrt.runner import ModelRunner
 from hf_models import tiny_hf_model_dir
 from parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
@@ -114,7 +114,7 @@ def test_npu_is_unavailable_here_and_says_why() -> None:
 
 
 def test_importing_the_adapter_does_not_import_torch_npu() -> None:
-    import graphrt.backends.npu  # noqa: F401
+    import graphrt.backends.torch.npu  # noqa: F401
     assert "torch_npu" not in sys.modules or HAS_NPU
 
 

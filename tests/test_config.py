@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from graphrt import BucketPolicy, ConfigError, GraphConfig, GraphMode, add_cli_args, from_cli_args
-from graphrt import defaults
+from graphrt.core import defaults
 
 FIELDS = list(GraphConfig.model_fields)
 

@@ -28,11 +28,11 @@ import torch
 
 from device_fakes import FakeCuda, FakeNpu
 from graphrt import BackendUnavailableError, CacheMissError, GraphrtError, select_backend
-from graphrt.backends.cpu import CpuGraphBackend
-from graphrt.backends.cuda import CudaGraphAPI, CudaGraphBackend
-from graphrt.backends.eager import EagerBackend
-from graphrt.backends.npu import NpuGraphBackend
-from graphrt.dispatch import AttentionGraphSupport, GraphMode, RuntimeMode
+from graphrt.backends.torch.cpu import CpuGraphBackend
+from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
+from graphrt.backends.torch.eager import EagerBackend
+from graphrt.backends.torch.npu import NpuGraphBackend
+from graphrt.core.dispatch import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.runner import ModelRunner
 from hf_models import tiny_hf_model_dir
 from parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
@@ -353,7 +353,7 @@ def test_unavailable_cuda_says_why() -> None:
 def test_capture_pauses_gc_and_goes_largest_first(backend: str) -> None:
     import gc
 
-    from graphrt.backends import recording_graph
+    from graphrt.backends.torch import recording_graph
 
     capturing = (torch.cuda.is_current_stream_capturing if backend == "cuda"
                  else recording_graph.is_current_stream_capturing)

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from graphrt import ConfigError, GraphConfig, InputPreparer, Padder, host_kernels
+from graphrt import ConfigError, GraphConfig, InputPreparer, Padder
+
+from graphrt.core import host_kernels
 from graphrt.config import add_cli_args, from_cli_args
 
 
@@ -71,7 +73,7 @@ def test_compile_kernels_before_the_first_step():
     assert numpy_prep.compile_kernels(Padder(kernel="numpy")) == 0.0
     if host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
-    from graphrt import host_loops
+    from graphrt.core import host_loops
 
     prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, table_width=3, kernel="numba")
     assert prep.compile_kernels(Padder(kernel="numba")) >= 0.0

@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from graphrt.errors import InputError  # noqa: E402
-from graphrt.models.jax_decoder import (  # noqa: E402
-    AttentionMetadata, compute_logits, forward, init_kv_cache, paged_attention,
-)
-from graphrt.models.jax_loader import load_jax_params  # noqa: E402
+from graphrt.core.errors import InputError  # noqa: E402
+from graphrt.models.jax.decoder import (  # noqa: E402
+                                        AttentionMetadata, compute_logits, forward, init_kv_cache, paged_attention,
+                                        )
+from graphrt.models.jax.loader import load_jax_params  # noqa: E402
 from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
 
 # One batch shape for every forward in this file, so each config compiles once.
@@ -248,7 +248,7 @@ def test_chunked_prefill_then_decode_matches_hf(models, variant):
 
 def test_nnx_split_merge_matches_forward(models):
     nnx = pytest.importorskip("flax.nnx")
-    from graphrt.models.jax_nnx import NnxDecoder, nnx_forward
+    from graphrt.models.jax.nnx import NnxDecoder, nnx_forward
 
     _, _, cfg, params = models["qwen3"]
     ids, pos, meta, _ = make_step([(s, 0, b) for s, b in zip(SEQS, BLOCKS)])

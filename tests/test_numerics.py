@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import graphrt
-from graphrt import defaults
-from graphrt.errors import ConfigError
+from graphrt.core import defaults
+from graphrt.core.errors import ConfigError
 
 
 def test_values_follow_the_dtype() -> None:

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrt import ConfigError, InputError, ModelInputs, Padder, prepare_inputs
-from graphrt import defaults
-from graphrt.inputs import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
+from graphrt.core import defaults
+from graphrt.core.fields import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
 
 #: Every test here runs on both host kernels (numba and numpy); see conftest.py.
 pytestmark = pytest.mark.usefixtures("host_kernel")

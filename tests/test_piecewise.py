@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from graphrt.backends.cpu import CpuGraphAPI, CpuGraphBackend
-from graphrt.backends.eager import EagerBackend
-from graphrt.backends.piecewise import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
-from graphrt.dispatch import GraphMode, RuntimeMode
-from graphrt.forward_context import forward_context
-from graphrt.models.torch_attention import PagedAttention, TorchAttentionMetadata, paged_attention_kernel
+from graphrt.backends.torch.cpu import CpuGraphAPI, CpuGraphBackend
+from graphrt.backends.torch.eager import EagerBackend
+from graphrt.backends.torch.piecewise import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
+from graphrt.core.dispatch import GraphMode, RuntimeMode
+from graphrt.core.forward_context import forward_context
+from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, paged_attention_kernel
 from graphrt.runner import ModelRunner
 from hf_models import tiny_hf_model_dir
 from parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
@@ -127,9 +127,9 @@ def test_unsplittable_models_say_why(model: torch.nn.Module, why: str) -> None:
 
 
 def test_unsplittable_model_degrades_piecewise_modes(caplog: pytest.LogCaptureFixture) -> None:
-    from graphrt.backends.torch_graph import TorchExecutor
+    from graphrt.backends.torch.executor import TorchExecutor
     from graphrt.config import GraphConfig
-    from graphrt.dispatch import resolve_mode
+    from graphrt.core.dispatch import resolve_mode
     executor = TorchExecutor(Branchy(), GraphConfig.create(**CONFIG), torch.device("cpu"), CpuGraphAPI())
     with caplog.at_level(logging.INFO, logger="graphrt"):
         assert not executor.supports_piecewise

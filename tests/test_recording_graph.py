@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from graphrt.backends.recording_graph import (
-    RecordingGraph,
-    RecordingPool,
-    graph_pool_handle,
-    is_current_stream_capturing,
-    recording_graph,
-)
-from graphrt.errors import GraphCaptureError
+from graphrt.backends.torch.recording_graph import (
+                                                    RecordingGraph,
+                                                    RecordingPool,
+                                                    graph_pool_handle,
+                                                    is_current_stream_capturing,
+                                                    recording_graph,
+                                                    )
+from graphrt.core.errors import GraphCaptureError
 
 GRAD_MODES = [torch.no_grad, torch.inference_mode]
 

@@ -8,7 +8,7 @@
   even with NaN in the null block; padded rows stay finite.
 * Strict mode, eager fallback above the largest bucket, largest-first capture order.
 * The sampler: greedy, seeded sampling (reproducible, independent of the batch), top-k /
-  top-p (a hypothesis property test on ``graphrt.sampler.random_sample``).
+  top-p (a hypothesis property test on ``graphrt.backends.torch.sampler.random_sample``).
 * Bad input raises ``InputError`` and touches neither the KV cache nor any static buffer.
 """
 
@@ -28,7 +28,7 @@ from graphrt import BatchDescriptor, CacheMissError, InputError, ModelRunner, Ru
 from graphrt import SamplingParams
 from graphrt.backends.base import SamplingBatch
 from graphrt.runner import sampling_batch
-from graphrt.sampler import random_sample
+from graphrt.backends.torch.sampler import random_sample
 from parity import assert_close_across_shapes, pad_like
 from runner_steps import CONFIG, LIMITS, VOCAB, bits, changed, greedy, same_bits, snapshot
 
@@ -466,7 +466,7 @@ def test_execute_result_is_not_overwritten_by_the_next_step(runners, tables, nam
 def test_host_kernels_agree_through_the_runner(model_dir, tables):
     """numba and numpy input preparation feed the same staging buffers, step after step
     (captured buckets, padding, eager steps above the largest bucket)."""
-    if graphrt.host_kernels.resolve_kernel("auto") != "numba":
+    if graphrt.core.host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
     pair = {kernel: make_runner(model_dir, "cpu", [8], tables, mode=None, host_kernel=kernel)
             for kernel in ("numba", "numpy")}

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphrt.errors import InputError
-from graphrt.forward_context import forward_context
+from graphrt.core.errors import InputError
+from graphrt.core.forward_context import forward_context
 from graphrt.models.hf_config import DecoderConfig
-from graphrt.models.torch_attention import PagedAttention, TorchAttentionMetadata
-from graphrt.models.torch_decoder import DecoderForCausalLM
-from graphrt.models.torch_loader import load_torch_model
+from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata
+from graphrt.models.torch.decoder import DecoderForCausalLM
+from graphrt.models.torch.loader import load_torch_model
 from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir
 from parity import assert_bitwise, assert_close_across_shapes
 

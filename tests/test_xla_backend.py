@@ -19,13 +19,13 @@ jnp = pytest.importorskip("jax.numpy")
 
 import graphrt  # noqa: E402
 from graphrt import SamplingParams  # noqa: E402
-from graphrt.backends.xla import XlaBackend, XlaEntry, XlaModel  # noqa: E402
-from graphrt.backends.xla_batch import (SamplingMetadata, XlaBatch, batch_spec,  # noqa: E402
+from graphrt.backends.xla.executor import XlaBackend, XlaEntry, XlaModel  # noqa: E402
+from graphrt.backends.xla.batch import (SamplingMetadata, XlaBatch, batch_spec,  # noqa: E402
                                         describe_change, signature)
-from graphrt.backends.xla_compile import CompileCounter  # noqa: E402
-from graphrt.buckets import BucketPolicy  # noqa: E402
-from graphrt.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode  # noqa: E402
-from graphrt.errors import CacheMissError, InputError  # noqa: E402
+from graphrt.backends.xla.compile import CompileCounter  # noqa: E402
+from graphrt.core.buckets import BucketPolicy  # noqa: E402
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode  # noqa: E402
+from graphrt.core.errors import CacheMissError, InputError  # noqa: E402
 from graphrt.runner import ModelRunner, sampling_batch  # noqa: E402
 from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
 from parity import assert_close_across_shapes, assert_same_tokens  # noqa: E402
@@ -496,7 +496,7 @@ def test_unreadable_cached_executable_is_rebuilt(tmp_path, restore_compilation_c
 # ---- flax nnx, lazy compilation ------------------------------------------------------------
 def test_nnx_module_matches_params_model_with_lazy_compiles():
     pytest.importorskip("flax")
-    from graphrt.models.jax_nnx import NnxDecoder
+    from graphrt.models.jax.nnx import NnxDecoder
     backend = XlaBackend()
     model = backend.load_model(str(tiny_hf_model_dir("qwen3")))
     assert isinstance(model, XlaModel)

@@ -40,9 +40,9 @@ def _main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import graphrt
-    from graphrt.backends.xla import XlaBackend
-    from graphrt.backends.xla_compile import CompileCounter
-    from graphrt.dispatch import BatchDescriptor, RuntimeMode
+    from graphrt.backends.xla.executor import XlaBackend
+    from graphrt.backends.xla.compile import CompileCounter
+    from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
     from hf_models import hf_logits, load_hf_model, tiny_hf_model_dir
 
     rng = np.random.default_rng(0)

@@ -12,24 +12,24 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from graphrt.buckets import BucketPolicy
-from graphrt.cache import CacheStats, GraphCache
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
-from graphrt.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode
-from graphrt.errors import (BackendUnavailableError, CacheMissError, ConfigError, GraphCaptureError,
-                            GraphrtError, InputError)
-from graphrt.inputs import InputPreparer, ModelInputs, prepare_inputs
-from graphrt.numerics import Tolerance, tolerance
-from graphrt.padding import Padder
+from graphrt.core import __version__
+from graphrt.core.buckets import BucketPolicy
+from graphrt.core.cache import CacheStats, GraphCache
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode
+from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GraphCaptureError,
+                                 GraphrtError, InputError)
+from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs import InputPreparer, prepare_inputs
+from graphrt.core.numerics import Tolerance, tolerance
+from graphrt.core.padding import Padder
 from graphrt.registry import available_backends, select_backend
-
-__version__ = "0.1.0"
 
 _LAZY = {
     "ModelRunner": "graphrt.runner",
-    "LLM": "graphrt.llm",
-    "RequestOutput": "graphrt.llm",
-    "SamplingParams": "graphrt.sampling_params",
+    "LLM": "graphrt.engine.llm",
+    "RequestOutput": "graphrt.engine.llm",
+    "SamplingParams": "graphrt.engine.sampling_params",
 }
 
 
@@ -44,5 +44,6 @@ __all__ = [
     "ConfigError", "Dispatch", "Dispatcher", "GraphCache", "GraphCaptureError", "GraphConfig",
     "GraphMode", "GraphrtError", "InputError", "InputPreparer", "LLM", "ModelInputs",
     "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplingParams", "add_cli_args",
-    "Tolerance", "available_backends", "from_cli_args", "prepare_inputs", "select_backend", "tolerance",
+    "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
+    "tolerance",
 ]

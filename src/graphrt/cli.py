@@ -21,9 +21,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from graphrt.buckets import BucketPolicy
+from graphrt.core.buckets import BucketPolicy
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
-from graphrt.errors import ConfigError
+from graphrt.core.errors import ConfigError
 
 
 class Subcommand(NamedTuple):

@@ -14,10 +14,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from graphrt import defaults
-from graphrt.buckets import BucketPolicy
-from graphrt.dispatch import Dispatcher, GraphMode
-from graphrt.errors import ConfigError
+from graphrt.core import defaults
+from graphrt.core.buckets import BucketPolicy
+from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.errors import ConfigError
 
 
 def _sizes(name: str, values: Optional[list[int]]) -> Optional[list[int]]:

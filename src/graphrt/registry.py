@@ -2,7 +2,7 @@
 
 ``available_backends()`` says, for every backend, ``None`` (usable here) or why not;
 ``select_backend(name)`` returns a backend instance or raises
-:class:`~graphrt.errors.BackendUnavailableError` with that reason. Importing this module
+:class:`~graphrt.core.errors.BackendUnavailableError` with that reason. Importing this module
 imports neither torch, jax nor torch_npu.
 """
 
@@ -11,15 +11,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from graphrt.errors import BackendUnavailableError
+from graphrt.core.errors import BackendUnavailableError
 
 #: name -> "module:Class"
 BACKENDS: dict[str, str] = {
-    "cuda": "graphrt.backends.cuda:CudaGraphBackend",
-    "npu": "graphrt.backends.npu:NpuGraphBackend",
-    "cpu": "graphrt.backends.cpu:CpuGraphBackend",
-    "xla": "graphrt.backends.xla:XlaBackend",
-    "eager": "graphrt.backends.eager:EagerBackend",
+    "cuda": "graphrt.backends.torch.cuda:CudaGraphBackend",
+    "npu": "graphrt.backends.torch.npu:NpuGraphBackend",
+    "cpu": "graphrt.backends.torch.cpu:CpuGraphBackend",
+    "xla": "graphrt.backends.xla.executor:XlaBackend",
+    "eager": "graphrt.backends.torch.eager:EagerBackend",
 }
 ALIASES: dict[str, str] = {"acl": "npu", "jax": "xla"}
 #: ``select_backend("auto")`` takes the first available of these.

@@ -17,14 +17,14 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from graphrt import defaults
+from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
-from graphrt.cache import CacheStats, GraphCache
+from graphrt.core.cache import CacheStats, GraphCache
 from graphrt.config import GraphConfig
-from graphrt.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
-from graphrt.errors import InputError
-from graphrt.inputs import InputPreparer
-from graphrt.padding import Padder
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
+from graphrt.core.errors import InputError
+from graphrt.core.inputs import InputPreparer
+from graphrt.core.padding import Padder
 from graphrt.registry import select_backend
 
 logger = logging.getLogger(__name__)
@@ -170,8 +170,7 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
                 if self.config.strict or not self.executor.eager_fallback:
                     raise
-                from graphrt.backends.torch_graph import describe_capture_failure
-                reason = describe_capture_failure(exc)
+                reason = self.executor.describe_build_failure(exc)
                 logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
                 entry, nbytes = EagerFallback(reason), 0
             seconds = getattr(entry, "build_seconds", None)

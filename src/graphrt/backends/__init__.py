@@ -1,1 +1,2 @@
-"""Backends: eager, cpu (recording graph), cuda, npu (ACL), xla; one file each over shared code."""
+"""Backends: ``base`` states what every backend implements; ``torch/`` (cuda, npu, cpu,
+eager over one executor) and ``xla/`` implement it."""

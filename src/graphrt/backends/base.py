@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from graphrt.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
-from graphrt.inputs import ModelInputs
+from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
+from graphrt.core.fields import ModelInputs
 
 
 @dataclass
@@ -80,6 +80,10 @@ class Executor(abc.ABC):
 
     def free_request(self, request_id: int) -> None:
         """Forget per-request state (seeded generators) of a finished request."""
+
+    def describe_build_failure(self, exc: BaseException) -> str:
+        """Why :meth:`build` failed and what to change, for the eager-fallback warning."""
+        return f"{type(exc).__name__}: {exc}"
 
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) device bytes where the device can say, for KV cache sizing."""

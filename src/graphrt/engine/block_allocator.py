@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from graphrt import defaults
-from graphrt.errors import InputError
+from graphrt.core import defaults
+from graphrt.core.errors import InputError
 
 
 class BlockAllocator:

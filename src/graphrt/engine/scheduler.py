@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.sampling_params import SamplingParams
+from graphrt.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -9,7 +9,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from graphrt.errors import InputError
+from graphrt.core.errors import InputError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 

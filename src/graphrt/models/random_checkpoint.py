@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphrt.errors import InputError
+from graphrt.core.errors import InputError
 
 #: A Qwen3-shaped model small enough to capture in seconds on a CPU.
 TINY_SIZES = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,

@@ -1,0 +1,91 @@
+"""Ascend ACL graph limits: how many graphs the device's streams allow (seed 003).
+
+Every captured ACL graph takes streams -- in PIECEWISE mode at least one per piece -- and
+a device has 2048, of which 1800 (``defaults.ACL_MAX_CAPTURE_SIZE``) are usable for
+graphs. :func:`capture_budget` is vllm-ascend's empirical formula for the number of
+capture sizes that fit; :func:`limit_capture_sizes` applies it to a config with
+``BucketPolicy.limit_to`` (keeping the smallest and the largest size) and logs what it did.
+The ``npu`` backend calls it automatically before warm-up.
+
+Pure Python: importing this module needs neither torch nor torch_npu.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from graphrt.core import defaults
+from graphrt.config import GraphConfig
+from graphrt.core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def aiv_mode_from_env() -> bool:
+    """Whether HCCL expands collectives in AIV mode (``HCCL_OP_EXPANSION_MODE=AIV``)."""
+    return os.environ.get(defaults.ACL_AIV_ENV) == defaults.ACL_AIV_VALUE
+
+
+def capture_budget(num_hidden_layers: int, tp_size: int = 1, dp_size: int = 1,
+                   expert_parallel: bool = False, aiv_mode: bool = False, draft_layers: int = 0,
+                   *, moe: bool | None = None, max_graphs: int = defaults.ACL_MAX_CAPTURE_SIZE) -> int:
+    """Most capture sizes the ACL stream budget allows for this model and parallel layout.
+
+    Each graph needs ``num_hidden_layers + 1`` streams (plus ``draft_layers + 1`` with a
+    draft model for speculative decoding). Tensor and data parallel groups larger than one
+    are communication groups. With ``aiv_mode`` (A2, ``HCCL_OP_EXPANSION_MODE=AIV``) each
+    group, and expert parallelism, multiplies the streams per graph; a dense model's
+    all-reduce also reserves streams up front. Otherwise (HCCL's default FFTS+ / AICPU
+    expansion, as on A3) each group costs ``defaults.ACL_STREAMS_PER_COMM_GROUP`` streams
+    and two extra streams per graph. ``moe`` defaults to ``expert_parallel``.
+    Returns 0 when not even one graph fits.
+    """
+    if num_hidden_layers < 1:
+        raise ConfigError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
+    if tp_size < 1 or dp_size < 1 or draft_layers < 0:
+        raise ConfigError(f"tp_size and dp_size must be >= 1 and draft_layers >= 0, got "
+                          f"{tp_size}, {dp_size}, {draft_layers}")
+    is_moe = expert_parallel if moe is None else moe
+    per_graph = num_hidden_layers + 1
+    if draft_layers:
+        per_graph += draft_layers + 1
+    comm_groups = int(dp_size > 1) + int(tp_size > 1)
+    available = max_graphs
+    if aiv_mode:
+        factor = 1 + comm_groups + int(expert_parallel)
+        if is_moe:
+            factor += int(dp_size > 1)
+        else:
+            available -= factor * per_graph
+        return max(math.floor(available / per_graph / factor), 0)
+    available -= comm_groups * defaults.ACL_STREAMS_PER_COMM_GROUP
+    return max(math.floor(available / per_graph / (1 + comm_groups * 2)), 0)
+
+
+def limit_capture_sizes(config: GraphConfig, num_hidden_layers: int, **parallel: int | bool) -> GraphConfig:
+    """``config`` with its capture sizes cut to :func:`capture_budget`, logged either way.
+
+    ``parallel`` takes :func:`capture_budget`'s keyword arguments; ``aiv_mode`` defaults to
+    the environment. Returns ``config`` itself when the sizes already fit.
+    """
+    parallel.setdefault("aiv_mode", aiv_mode_from_env())
+    budget = capture_budget(num_hidden_layers, **parallel)
+    policy = config.capture_policy()
+    if budget < 1:
+        logger.warning("graphrt: the ACL stream budget fits no graph of a %d-layer model (%s); "
+                       "capturing only the largest size %d -- use graph mode NONE if capture "
+                       "fails", num_hidden_layers, parallel, policy.max_size)
+        budget = 1
+    if len(policy) <= budget:
+        logger.info("graphrt: ACL stream budget allows %d capture sizes for %d layers; all %d "
+                    "configured sizes fit", budget, num_hidden_layers, len(policy))
+        return config
+    limited = policy.limit_to(budget)
+    logger.info("graphrt: ACL stream budget allows %d capture sizes for %d layers (%s); "
+                "limiting %d sizes to %s", budget, num_hidden_layers,
+                ", ".join(f"{k}={v}" for k, v in parallel.items()), len(policy), list(limited.sizes))
+    fields = config.model_dump()
+    fields.update(cudagraph_capture_sizes=list(limited.sizes), max_cudagraph_capture_size=None)
+    return GraphConfig.create(**fields)

@@ -1,0 +1,33 @@
+"""What the torch backends share: loading graphrt's torch reference models and building a
+:class:`~graphrt.backends.torch.executor.TorchExecutor` over the backend's device-graph API."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from graphrt.backends.base import Backend
+from graphrt.backends.torch.executor import DeviceGraphAPI, TorchExecutor
+from graphrt.config import GraphConfig
+
+
+class TorchBackend(Backend):
+    """A torch device plus, for graph backends, its device-graph API."""
+
+    framework: ClassVar[str] = "torch"
+    device_type: ClassVar[str] = "cpu"
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = torch.device(device if device is not None else self.device_type)
+
+    def graph_api(self) -> DeviceGraphAPI | None:
+        """The device-graph API; ``None`` runs every step eagerly."""
+        return None
+
+    def load_model(self, model_dir: str, dtype: Any = None) -> torch.nn.Module:
+        from graphrt.models.torch.loader import load_torch_model
+        return load_torch_model(model_dir, dtype=dtype or torch.float32, device=self.device)
+
+    def create_executor(self, model: torch.nn.Module, config: GraphConfig) -> TorchExecutor:
+        return TorchExecutor(model, config, self.device, self.graph_api())

@@ -1,0 +1,134 @@
+"""``cuda``: CUDA Graphs (``torch.cuda.CUDAGraph``) over the shared torch graph code.
+
+Everything device-independent -- warm-up before capture, largest bucket first into one
+shared memory pool, the garbage collector paused while capturing, inputs copied into
+static buffers and outputs sliced from them, per-bucket capture time and memory, the
+debug address check, PIECEWISE splitting and ``compile_model`` -- lives in
+:mod:`graphrt.backends.torch.executor`. This adapter supplies the CUDA calls: graphs are
+captured on one dedicated side stream, memory is what the caching allocator reserves
+(graph pools included), and ``compile_model`` uses Inductor.
+
+A capture that fails (out of memory, an op that cannot be captured such as ``.item()``)
+makes that bucket run eagerly with a warning saying why and what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Iterator
+
+import torch
+
+from graphrt.backends.torch.backend import TorchBackend
+from graphrt.backends.torch.executor import DeviceGraphAPI
+
+
+class CudaGraphAPI(DeviceGraphAPI):
+    """``torch.cuda`` graphs behind the device-graph API.
+
+    ``cuda`` is the namespace providing ``CUDAGraph``, ``graph``, ``graph_pool_handle``,
+    ``Stream``, ``synchronize``, ``memory_reserved`` and ``mem_get_info``: ``torch.cuda``
+    unless a test substitutes a stand-in.
+    """
+
+    name = "cuda"
+    pin_memory = True
+    compile_backend = "inductor"
+
+    def __init__(self, device: torch.device | str = "cuda", cuda: Any = None) -> None:
+        self.cuda = torch.cuda if cuda is None else cuda
+        self.device = torch.device(device)
+        self._stream: Any = None
+
+    def new_graph(self) -> Any:
+        return self.cuda.CUDAGraph()
+
+    def new_pool(self) -> Any:
+        return self.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any) -> Iterator[Any]:
+        """``torch.cuda.graph`` on one side stream, without its per-graph collect and
+        ``empty_cache`` (the executor collects once; emptying the cache before every graph
+        only makes the next capture allocate again).
+
+        A capture the forward broke (a host sync invalidates it) makes ``capture_end``
+        raise before torch restores the stream and releases the pool (torch 2.11):
+        :meth:`_abandon` restores the stream and ends the device pool's recording; the
+        executor gives later graphs a fresh pool, since the pinned-host allocator's
+        recording has no Python call to end it. Without both, every later capture fails
+        with "already recording to mempool_id"."""
+        if self._stream is None:
+            self._stream = self.cuda.Stream(device=self.device)
+        with _no_collect(self.cuda):
+            ctx = self.cuda.graph(graph, pool=pool, stream=self._stream)
+            ctx.__enter__()
+        try:
+            yield graph
+        finally:
+            try:
+                ctx.__exit__(None, None, None)
+            except BaseException:
+                self._abandon(ctx, graph, pool)
+                raise
+
+    def _abandon(self, ctx: Any, graph: Any, pool: Any) -> None:
+        """Undo what a failed ``capture_end`` left behind: the side stream still current,
+        the allocator still routing the stream's allocations into ``pool``."""
+        stream_ctx = getattr(ctx, "stream_ctx", None)
+        if stream_ctx is not None and self.cuda.current_stream(self.device) == self._stream:
+            stream_ctx.__exit__(None, None, None)
+        end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end_pool is not None and self.cuda is torch.cuda:
+            with contextlib.suppress(RuntimeError):  # raises when torch already released it
+                end_pool(self.device.index if self.device.index is not None else self.cuda.current_device(),
+                         pool)
+        with contextlib.suppress(RuntimeError):
+            graph.reset()
+
+    def synchronize(self) -> None:
+        self.cuda.synchronize(self.device)
+
+    def memory_in_use(self) -> int:
+        """Bytes the caching allocator holds, graph pools included (what a capture adds)."""
+        return int(self.cuda.memory_reserved(self.device))
+
+    def memory_info(self) -> tuple[int, int] | None:
+        free, total = self.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+
+@contextlib.contextmanager
+def _no_collect(cuda: Any) -> Iterator[None]:
+    """Make ``gc.collect`` and ``cuda.empty_cache`` no-ops for the block."""
+    saved_collect, saved_empty = gc.collect, getattr(cuda, "empty_cache", None)
+    gc.collect = lambda *args, **kwargs: 0
+    if saved_empty is not None:
+        cuda.empty_cache = lambda: None
+    try:
+        yield
+    finally:
+        gc.collect = saved_collect
+        if saved_empty is not None:
+            cuda.empty_cache = saved_empty
+
+
+class CudaGraphBackend(TorchBackend):
+    """Torch on an NVIDIA GPU with CUDA Graphs."""
+
+    name = "cuda"
+    device_type = "cuda"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if torch.version.cuda is None:
+            return (f"this torch build ({torch.__version__}) has no CUDA support; install a CUDA "
+                    "build of torch")
+        if not torch.cuda.is_available():
+            return ("torch cannot see a CUDA GPU (torch.cuda.is_available() is False: no device, "
+                    "no driver, or CUDA_VISIBLE_DEVICES hides them)")
+        return None
+
+    def graph_api(self) -> CudaGraphAPI:
+        return CudaGraphAPI(self.device)

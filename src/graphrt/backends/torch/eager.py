@@ -1,0 +1,15 @@
+"""``eager``: the same interface with no graphs (a baseline, and the reference in tests)."""
+
+from __future__ import annotations
+
+from graphrt.backends.torch.backend import TorchBackend
+
+
+class EagerBackend(TorchBackend):
+    """Runs every step eagerly on the same static buffers the graph backends use."""
+
+    name = "eager"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None

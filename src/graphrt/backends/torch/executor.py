@@ -1,0 +1,635 @@
+"""The torch graph logic, written once over a small device-graph API.
+
+``TorchExecutor`` owns static device buffers (inputs, hidden states, logits, sampler
+state), the paged KV cache, and the captured graphs. CUDA, Ascend and the CPU recording
+graph differ only in their :class:`DeviceGraphAPI`; with no API (``eager``) every step
+runs eagerly on the same buffers.
+
+Capture follows the rules that make device graphs correct: warm-up runs first, the
+largest key first into one shared pool, garbage collection paused, dummy inputs that are
+pure padding (slot -1: no KV write, seq_len 0: attend to nothing), inputs read only from
+static buffers, and outputs written into static buffers the caller slices.
+
+* FULL keys capture the whole forward (and, separately, the sampler) as one graph.
+* PIECEWISE keys capture the pieces between attention calls per token bucket
+  (:mod:`graphrt.backends.torch.piecewise`); attention runs eagerly between them.
+* ``GraphConfig.compile_model`` hands the pieces to the device's ``torch.compile`` backend
+  (Inductor on CUDA) with each bucket's buffers as example inputs -- static shapes, one
+  compile per bucket up to ``compile_max_size`` -- before they are captured; a FULL key
+  then captures the compiled pieces and eager attention as one graph.
+
+Pre-replay hooks (:attr:`TorchExecutor.pre_replay_hooks`, and per-graph hooks registered
+with :func:`graph_task` during capture) are how attention backends refresh what a graph
+baked in: host-planned metadata written into device buffers (FlashInfer-style ``plan``),
+or, on Ascend, host-side lengths of a captured op re-issued between
+``graph_task_update_begin`` / ``graph_task_update_end``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import gc
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from graphrt.core import defaults
+from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.backends.torch.piecewise import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
+                                              split_or_reason)
+from graphrt.config import GraphConfig
+from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
+from graphrt.core.errors import GraphCaptureError, GraphrtError
+from graphrt.core.forward_context import forward_context
+from graphrt.core.fields import FIELD_DTYPES, ModelInputs
+from graphrt.models.torch.attention import TorchAttentionMetadata
+from graphrt.backends.torch.sampler import greedy_sample, random_sample
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
+
+#: A callable run before a step's forward with the padded inputs (host numpy arrays).
+PreReplayHook = Callable[[ModelInputs], None]
+
+
+@dataclass
+class GraphTask:
+    """An op captured so that a hook can refresh it before each replay of its graph.
+
+    ``handle`` and ``event`` are the device's task-group handle and the external event
+    the graph waits on (Ascend); both are None where the device has no task update.
+    """
+
+    hook: PreReplayHook
+    handle: Any = None
+    event: Any = None
+
+
+class DeviceGraphAPI(abc.ABC):
+    """The few device calls the shared graph code needs (CUDA, NPU, CPU recording)."""
+
+    name: str = ""
+    device: torch.device = torch.device("cpu")
+    #: Host staging buffers are page-locked (async host-to-device copies).
+    pin_memory: bool = False
+    #: ``torch.compile`` backend used by ``compile_model`` (None: compiling is unsupported).
+    compile_backend: str | None = "inductor"
+    #: Run the garbage collector once before the first capture (frees device memory that
+    #: dead tensors hold, so the graph pool starts from the real high-water mark).
+    collect_before_capture: bool = True
+
+    @abc.abstractmethod
+    def new_graph(self) -> Any:
+        """An empty graph object with ``replay()``."""
+
+    @abc.abstractmethod
+    def capture(self, graph: Any, pool: Any) -> ContextManager[Any]:
+        """Context manager in which the device records ``graph`` into ``pool``."""
+
+    @abc.abstractmethod
+    def new_pool(self) -> Any:
+        """A memory-pool handle shared by every graph of one executor."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    @abc.abstractmethod
+    def memory_in_use(self) -> int:
+        """Bytes held by the device allocator (or by captured graphs, on CPU)."""
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) device bytes, where known."""
+        return None
+
+    @contextlib.contextmanager
+    def task_group(self, hook: PreReplayHook, tasks: list[GraphTask]) -> Iterator[None]:
+        """Capture the enclosed ops as one refreshable task; ``hook`` runs before each replay."""
+        tasks.append(GraphTask(hook))
+        yield
+
+    def pre_replay(self, tasks: Sequence[GraphTask], hooks: Sequence[PreReplayHook],
+                   padded: ModelInputs) -> None:
+        """Run the executor's hooks, then each captured task's hook, before a replay."""
+        for hook in hooks:
+            hook(padded)
+        for task in tasks:
+            task.hook(padded)
+
+
+@dataclass
+class CapturedGraph:
+    """One captured forward or sampler, with the input addresses it was captured on."""
+
+    graph: Any
+    input_ptrs: dict[str, int]
+    tasks: list[GraphTask] = field(default_factory=list)
+    compiled: bool = False
+
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def graph_task(hook: PreReplayHook) -> Iterator[None]:
+    """Mark the enclosed op as one whose host-side arguments a graph would bake in.
+
+    While a graph is being captured, the op becomes a task of that graph and ``hook`` runs
+    before every replay of it, with the padded step inputs: on Ascend between
+    ``graph_task_update_begin`` and ``graph_task_update_end`` of the op's task group, so
+    the hook re-issues the op with fresh host values (ordered by an external event);
+    elsewhere as a plain pre-replay hook, which must then write device buffers the op
+    reads. Outside a capture it does nothing: the op runs with the current values.
+    """
+    active = getattr(_ACTIVE, "capture", None)
+    if active is None:
+        yield
+        return
+    api, tasks = active
+    with api.task_group(hook, tasks):
+        yield
+
+
+@contextlib.contextmanager
+def _capturing(api: DeviceGraphAPI, tasks: list[GraphTask]) -> Iterator[None]:
+    previous = getattr(_ACTIVE, "capture", None)
+    _ACTIVE.capture = (api, tasks)
+    try:
+        yield
+    finally:
+        _ACTIVE.capture = previous
+
+
+def attention_support(model: torch.nn.Module) -> AttentionGraphSupport:
+    """The least FULL-graph support declared by the model's attention layers."""
+    layers = model.attention_layers() if hasattr(model, "attention_layers") else []
+    levels = [AttentionGraphSupport(getattr(layer, "graph_support", AttentionGraphSupport.ALWAYS))
+              for layer in layers]
+    return min(levels, default=AttentionGraphSupport.ALWAYS)
+
+
+class TorchExecutor(Executor):
+    """Static buffers, KV cache and graphs for a torch model on one device."""
+
+    def __init__(self, model: torch.nn.Module, config: GraphConfig, device: torch.device,
+                 graph_api: DeviceGraphAPI | None) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.device = torch.device(device)
+        self.graph_api = graph_api
+        self.has_graphs = graph_api is not None
+        self.attention_support = attention_support(model)
+        #: Run before every forward (graph or eager) with the padded inputs; see :func:`graph_task`.
+        self.pre_replay_hooks: list[PreReplayHook] = []
+        #: Per built key: mode, seconds, graph bytes, whether it was compiled.
+        self.capture_report: list[dict[str, Any]] = []
+        self.vocab_size = int(model.config.vocab_size)
+        self.hidden_size = int(model.config.hidden_size)
+        self.block_size = config.block_size
+        max_t, max_r = config.max_num_batched_tokens, config.max_num_seqs
+        width = config.max_blocks_per_req
+        shapes = {"input_ids": (max_t,), "positions": (max_t,), "slot_mapping": (max_t,),
+                  "query_start_loc": (max_r + 1,), "seq_lens": (max_r,),
+                  "num_computed_tokens": (max_r,), "block_table": (max_r, width)}
+        pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
+        self._host = {name: torch.zeros(shape, dtype=_TORCH_DTYPES[FIELD_DTYPES[name]], pin_memory=pin)
+                      for name, shape in shapes.items()}
+        self.host_buffers = {name: t.numpy() for name, t in self._host.items()}
+        same = self.device.type == "cpu"
+        self.static = self._host if same else {name: t.to(self.device) for name, t in self._host.items()}
+        param_dtype = next(model.parameters()).dtype
+        self.hidden_out = torch.zeros(max_t, self.hidden_size, dtype=param_dtype, device=self.device)
+        self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
+        self._samp_host = {"temperature": torch.zeros(max_r, dtype=torch.float32, pin_memory=pin),
+                           "top_k": torch.zeros(max_r, dtype=torch.int64, pin_memory=pin),
+                           "top_p": torch.ones(max_r, dtype=torch.float32, pin_memory=pin)}
+        self._samp_np = {k: t.numpy() for k, t in self._samp_host.items()}
+        self.samp_static = (self._samp_host if same else
+                            {k: t.to(self.device) for k, t in self._samp_host.items()})
+        self._copied = None if same else _device_event(self.device)
+        self.noise = torch.ones(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
+        self.tokens_out = torch.zeros(max_r, dtype=torch.int64, device=self.device)
+        self._generators: dict[int, torch.Generator] = {}
+        self._pool = graph_api.new_pool() if graph_api is not None else None
+        self.kv_cache: torch.Tensor | None = None
+        self._split: SplitModel | None = None
+        self._split_reason: str | None = None
+        self._split_tried = False
+        self._piece_buffers: PiecewiseBuffers | None = None
+        self._compiled_pieces: dict[int, list[Callable[..., Any]]] = {}
+        self._gc_collected = False
+        note = self.compile_note()
+        if note is not None:
+            logger.warning("graphrt: compile_model is ignored: %s", note)
+
+    # ---- KV cache -------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        itemsize = next(self.model.parameters()).element_size()
+        return 2 * layers * block_size * kv_heads * head_dim * itemsize
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """One tensor [layers, 2, blocks * block_size + 1, kv_heads, head_dim]; the last row
+        of each layer is the trash row padded tokens write into."""
+        layers, kv_heads, head_dim = self.model.kv_cache_spec()
+        dtype = next(self.model.parameters()).dtype
+        self.kv_cache = torch.zeros(layers, 2, num_blocks * block_size + 1, kv_heads, head_dim,
+                                    dtype=dtype, device=self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.kv_cache = self.kv_cache[i]
+
+    def memory_info(self) -> tuple[int, int] | None:
+        return self.graph_api.memory_info() if self.graph_api is not None else None
+
+    # ---- split / compile -------------------------------------------------------------
+    @property
+    def split_model(self) -> SplitModel | None:
+        """The model split at its attention calls (None if it cannot be split; see the log)."""
+        if not self._split_tried:
+            self._split_tried = True
+            self._split, self._split_reason = split_or_reason(self.model)
+            if self._split is None:
+                logger.info("graphrt: no piecewise graphs or compiled pieces for this model: %s",
+                            self._split_reason)
+        return self._split
+
+    @property
+    def supports_piecewise(self) -> bool:  # type: ignore[override]
+        """PIECEWISE graphs need a graph API and a model that splits at its attention calls."""
+        return self.graph_api is not None and self.split_model is not None
+
+    def _compiles(self, num_tokens: int) -> bool:
+        """Whether a graph of ``num_tokens`` tokens is captured from compiled pieces."""
+        cfg = self.config
+        if not cfg.compile_model or self.graph_api is None or num_tokens > cfg.compile_max_size:
+            return False
+        if self.graph_api.compile_backend is None:
+            return False
+        return self.split_model is not None
+
+    def compile_note(self) -> str | None:
+        """Why ``compile_model`` has no effect here, or None when it works (or is off)."""
+        if not self.config.compile_model:
+            return None
+        if self.graph_api is None:
+            return "the eager backend captures no graphs, so nothing is compiled"
+        if self.graph_api.compile_backend is None:
+            return f"backend {self.graph_api.name} does not support torch.compile before capture"
+        if self.split_model is None:
+            return f"the model cannot be split at attention: {self._split_reason}"
+        return None
+
+    # ---- forward -------------------------------------------------------------------
+    def _meta(self, num_tokens: int, num_reqs: int) -> TorchAttentionMetadata:
+        s = self.static
+        return TorchAttentionMetadata.build(s["slot_mapping"][:num_tokens],
+                                            s["query_start_loc"][:num_reqs + 1],
+                                            s["seq_lens"][:num_reqs], s["block_table"][:num_reqs],
+                                            self.block_size)
+
+    def _forward(self, num_tokens: int, num_reqs: int) -> None:
+        """Run the model on the static buffers' first rows; write hidden and logits outputs.
+
+        Everything here reads tensors only, so it can be captured; the sizes are the key.
+        """
+        s = self.static
+        with forward_context(self._meta(num_tokens, num_reqs)):
+            hidden = self.model(s["input_ids"][:num_tokens], s["positions"][:num_tokens])
+        self._outputs(hidden, num_tokens, num_reqs)
+
+    def _forward_split(self, calls: Sequence[Callable[[], None]], output: torch.Tensor,
+                       num_tokens: int, num_reqs: int) -> None:
+        """The forward as the split model's step calls over the piece buffers."""
+        with forward_context(self._meta(num_tokens, num_reqs)):
+            for call in calls:
+                call()
+        self._outputs(output, num_tokens, num_reqs)
+
+    def _outputs(self, hidden: torch.Tensor, num_tokens: int, num_reqs: int) -> None:
+        self.hidden_out[:num_tokens].copy_(hidden)
+        last = (self.static["query_start_loc"][1:num_reqs + 1] - 1).clamp(min=0).long()
+        self.logits_out[:num_reqs].copy_(self.model.compute_logits(hidden.index_select(0, last)))
+
+    def _sample_into(self, num_reqs: int, greedy: bool) -> None:
+        logits = self.logits_out[:num_reqs]
+        if greedy:
+            self.tokens_out[:num_reqs].copy_(greedy_sample(logits))
+        else:
+            s = self.samp_static
+            self.tokens_out[:num_reqs].copy_(random_sample(
+                logits, s["temperature"][:num_reqs], s["top_k"][:num_reqs], s["top_p"][:num_reqs],
+                self.noise[:num_reqs]))
+
+    def _load_dummy(self, num_tokens: int, num_reqs: int) -> None:
+        """Pure padding: no KV write (slot -1), every request empty (seq_len 0)."""
+        h = self.host_buffers
+        h["input_ids"][:num_tokens] = 0
+        h["positions"][:num_tokens] = 0
+        h["slot_mapping"][:num_tokens] = -1
+        h["query_start_loc"][:num_reqs + 1] = 0
+        h["seq_lens"][:num_reqs] = 0
+        h["block_table"][:num_reqs] = 0
+        self._to_device(num_tokens, num_reqs)
+
+    def _to_device(self, num_tokens: int, num_reqs: int) -> None:
+        if self.static is self._host:
+            return
+        for name, n in (("input_ids", num_tokens), ("positions", num_tokens),
+                        ("slot_mapping", num_tokens), ("query_start_loc", num_reqs + 1),
+                        ("seq_lens", num_reqs), ("block_table", num_reqs)):
+            self.static[name][:n].copy_(self._host[name][:n], non_blocking=True)
+
+    def _input_ptrs(self) -> dict[str, int]:
+        ptrs = {name: t.data_ptr() for name, t in self.static.items()}
+        ptrs.update({f"sampler.{k}": t.data_ptr() for k, t in self.samp_static.items()})
+        ptrs["kv_cache"] = self.kv_cache.data_ptr() if self.kv_cache is not None else 0
+        return ptrs
+
+    # ---- build -----------------------------------------------------------------------
+    def build(self, mode: RuntimeMode, key: BatchDescriptor | tuple) -> tuple[Any, int]:
+        """Capture the forward for a FULL key, its pieces for a PIECEWISE key, or the
+        sampler for ("sample", reqs, greedy). Returns (entry, graph bytes)."""
+        if self.graph_api is None:
+            raise GraphrtError("the eager backend captures no graphs")
+        t0 = time.perf_counter()
+        if isinstance(key, tuple) and key and key[0] == "sample":
+            _, num_reqs, greedy = key
+            entry, nbytes = self._capture(lambda: self._sample_into(num_reqs, greedy), lambda: None)
+        elif mode is RuntimeMode.FULL:
+            entry, nbytes = self._with_compile_fallback(key, self._build_full)
+        elif mode is RuntimeMode.PIECEWISE:
+            if self.split_model is None:
+                raise GraphrtError(f"PIECEWISE graphs are unavailable: {self._split_reason}")
+            entry, nbytes = self._with_compile_fallback(key, self._build_piecewise)
+        else:
+            raise GraphrtError(f"{mode.value} graphs are not available on this backend")
+        seconds = time.perf_counter() - t0
+        self.capture_report.append({"key": str(key), "mode": mode.value, "seconds": round(seconds, 6),
+                                    "bytes": int(nbytes), "compiled": bool(entry.compiled)})
+        logger.debug("graphrt: captured %s %s in %.3f s, %d bytes%s", mode.value, key, seconds,
+                     nbytes, " (compiled)" if entry.compiled else "")
+        return entry, nbytes
+
+    def _with_compile_fallback(self, key: BatchDescriptor,
+                               build: Callable[[BatchDescriptor, bool], tuple[Any, int]]) -> tuple[Any, int]:
+        """Build from compiled pieces where configured; if compiling fails, build uncompiled."""
+        if not self._compiles(key.num_tokens):
+            return build(key, False)
+        try:
+            return build(key, True)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compile failure must not cost the graph
+            logger.warning("graphrt: torch.compile of %s, or capturing its compiled pieces, failed (%s); "
+                           "capturing it uncompiled", key, describe_capture_failure(exc))
+            self._compiled_pieces.pop(key.num_tokens, None)
+            return build(key, False)
+
+    def _build_full(self, key: BatchDescriptor, compiled: bool) -> tuple[CapturedGraph, int]:
+        num_tokens, num_reqs = key.num_tokens, key.num_reqs
+        if not compiled:
+            return self._capture(lambda: self._forward(num_tokens, num_reqs),
+                                 lambda: self._load_dummy(num_tokens, num_reqs))
+        calls, output, held = self._prepare_pieces(num_tokens, compiled=True)
+        entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs),
+                                      lambda: self._load_dummy(num_tokens, num_reqs))
+        entry.compiled = True
+        return entry, nbytes + held
+
+    def _prepare_pieces(self, num_tokens: int, compiled: bool
+                        ) -> tuple[list[Callable[[], None]], torch.Tensor, int]:
+        """Bind the split model's values at ``num_tokens`` to the persistent piece buffers.
+
+        A warm-up runs the split model on pure padding (one empty request) to learn every
+        value that crosses a cut; the values get buffer views; with ``compiled`` each piece
+        is compiled for exactly those views; then every step runs once through the buffers.
+        Returns the step calls, the output view, and the bytes of buffers newly allocated.
+        """
+        split = self.split_model
+        if self._piece_buffers is None:
+            self._piece_buffers = PiecewiseBuffers(split, self.config.capture_policy().max_size)
+        buffers = self._piece_buffers
+        held = buffers.nbytes
+        s = self.static
+        inputs = (s["input_ids"][:num_tokens], s["positions"][:num_tokens])
+        with torch.no_grad():
+            self._load_dummy(num_tokens, 1)
+            with forward_context(self._meta(num_tokens, 1)):
+                for _ in range(defaults.CAPTURE_WARMUP_RUNS):
+                    env = split.run(inputs)
+                views = buffers.bind(env, num_tokens)
+                pieces: list[Callable[..., Any]] = [step.module for step in split.pieces]
+                if compiled:
+                    pieces = self._compiled_pieces.get(num_tokens) or [
+                        compile_piece(step.module, [views[a] for a in step.args],
+                                      self.graph_api.compile_backend) for step in split.pieces]
+                    self._compiled_pieces[num_tokens] = pieces
+                calls = buffers.plan(views, pieces)
+                for call in calls:
+                    call()
+        return calls, views[split.output], buffers.nbytes - held
+
+    def _capture(self, fn: Callable[[], None], load_dummy: Callable[[], None],
+                 warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
+        with torch.no_grad():
+            load_dummy()
+            for _ in range(warmups):
+                fn()
+            graph, nbytes, tasks = self._record(fn)
+        return CapturedGraph(graph, self._input_ptrs(), tasks), nbytes
+
+    def _record(self, fn: Callable[[], None]) -> tuple[Any, int, list[GraphTask]]:
+        """Capture ``fn`` into a new graph in the shared pool; (graph, bytes it added, tasks)."""
+        api = self.graph_api
+        api.synchronize()
+        graph = api.new_graph()
+        tasks: list[GraphTask] = []
+        before = api.memory_in_use()
+        try:
+            with self._gc_paused(), _capturing(api, tasks), api.capture(graph, self._pool):
+                fn()
+        except BaseException:
+            # A broken capture can leave the pool marked as recording (torch 2.11's
+            # capture_end raises before releasing it): later graphs get a fresh pool.
+            self._pool = api.new_pool()
+            raise
+        api.synchronize()
+        return graph, max(api.memory_in_use() - before, 0), tasks
+
+    @contextlib.contextmanager
+    def _gc_paused(self) -> Iterator[None]:
+        """Keep the collector out of captures (it may free captured tensors); collect once."""
+        if not self._gc_collected and self.graph_api.collect_before_capture:
+            gc.collect()
+        self._gc_collected = True
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _build_piecewise(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
+        """Capture every piece for ``key.num_tokens`` tokens over the shared piece buffers;
+        attention stays outside the graphs and runs eagerly between them on replay."""
+        num_tokens = key.num_tokens
+        calls, output, nbytes = self._prepare_pieces(num_tokens, compiled)
+        graphs, tasks, steps = [], [], []
+        with torch.no_grad():
+            for step, call in zip(self.split_model.steps, calls):
+                if step.kind == "piece":
+                    graph, added, piece_tasks = self._record(call)
+                    graphs.append(graph)
+                    tasks += piece_tasks
+                    nbytes += added
+                    steps.append(graph.replay)
+                else:
+                    steps.append(call)
+        entry = PiecewiseEntry(num_tokens, steps, graphs, output, self._input_ptrs(), compiled, tasks)
+        return entry, nbytes
+
+    # ---- run -------------------------------------------------------------------------
+    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: Any, padded: ModelInputs) -> Any:
+        """Copy the padded step into static buffers, then replay ``entry`` or run eagerly."""
+        t, r = padded.padded_num_tokens, padded.padded_num_reqs
+        self._to_device(t, r)
+        if self._copied is not None:
+            self._copied.record()
+        if entry is None or self.graph_api is None:
+            for hook in self.pre_replay_hooks:
+                hook(padded)
+        else:
+            self.graph_api.pre_replay(entry.tasks, self.pre_replay_hooks, padded)
+        with torch.no_grad():
+            if entry is None:
+                self._forward(t, r)
+            elif isinstance(entry, PiecewiseEntry):
+                self._run_piecewise(entry, t, r)
+            else:
+                self._replay(entry)
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.logits_out[:r]
+
+    def _run_piecewise(self, entry: PiecewiseEntry, num_tokens: int, num_reqs: int) -> None:
+        """Replay each piece of the bucket, running attention eagerly on the real metadata."""
+        self._check_addresses(entry)
+        self._forward_split(entry.steps, entry.output, num_tokens, num_reqs)
+
+    def _replay(self, entry: CapturedGraph) -> None:
+        self._check_addresses(entry)
+        entry.graph.replay()
+
+    def _check_addresses(self, entry: CapturedGraph | PiecewiseEntry) -> None:
+        """Debug mode: every input the graph reads is still at its captured address."""
+        if not self.config.debug_check_addresses:
+            return
+        now = self._input_ptrs()
+        moved = [k for k, p in entry.input_ptrs.items() if now.get(k) != p]
+        if moved:
+            raise GraphrtError(f"static buffers {moved} moved since capture: a replay would read "
+                               "stale memory; never reassign executor buffers, copy into them")
+
+    def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
+               padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
+        """Fill sampler buffers and noise, replay the sampler graph (or run it eagerly)."""
+        rp = padded_reqs or num_reqs
+        greedy = sampling.all_greedy
+        if not greedy:
+            np_ = self._samp_np
+            np_["temperature"][:num_reqs] = sampling.temperature
+            np_["top_k"][:num_reqs] = sampling.top_k
+            np_["top_p"][:num_reqs] = sampling.top_p
+            np_["temperature"][num_reqs:rp] = 0.0
+            np_["top_k"][num_reqs:rp] = self.vocab_size
+            np_["top_p"][num_reqs:rp] = 1.0
+            if self.samp_static is not self._samp_host:
+                for k, t in self.samp_static.items():
+                    t[:rp].copy_(self._samp_host[k][:rp], non_blocking=True)
+            self._fill_noise(num_reqs, sampling)
+        with torch.no_grad():
+            if entry is None:
+                self._sample_into(rp, greedy)
+            else:
+                self._replay(entry)
+        tokens = self.tokens_out[:num_reqs].cpu().numpy()
+        return tokens.copy() if self.tokens_out.device.type == "cpu" else tokens  # never a view of tokens_out
+
+    def _fill_noise(self, num_reqs: int, sampling: SamplingBatch) -> None:
+        """Exp(1) noise per row: the device RNG, or the request's own seeded generator."""
+        self.noise[:num_reqs].exponential_()
+        for i, seed in enumerate(sampling.seeds):
+            if seed is None:
+                continue
+            rid = sampling.request_ids[i]
+            gen = self._generators.get(rid)
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(seed))
+                self._generators[rid] = gen
+            self.noise[i].exponential_(generator=gen)
+
+    def describe_build_failure(self, exc: BaseException) -> str:
+        return describe_capture_failure(exc)
+
+    def free_request(self, request_id: int) -> None:
+        self._generators.pop(request_id, None)
+
+    def hidden_states(self, num_tokens: int) -> np.ndarray:
+        return self.hidden_out[:num_tokens].float().cpu().numpy()
+
+    def logits(self, num_reqs: int) -> np.ndarray:
+        return self.logits_out[:num_reqs].cpu().numpy()
+
+
+def _device_event(device: torch.device) -> Any:
+    """An event marking when the staging copies of a step have run: the next step's padding
+    overwrites the page-locked staging buffers, so the host waits for it (not for the
+    replay) before returning."""
+    try:
+        return torch.Event(device=device)
+    except (RuntimeError, TypeError, AttributeError):
+        return None
+
+
+_HOST_SYNC_MARKERS = ("operation not permitted when stream is capturing",
+                      "cudaerrorstreamcaptureunsupported", "cudaerrorstreamcaptureinvalidated",
+                      "capture_status", "stream is capturing", "cudaerrorstreamcaptureimplicit")
+
+
+def _root_causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, outermost first."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def describe_capture_failure(exc: BaseException) -> str:
+    """Why a capture failed and what to change, for the eager-fallback warning."""
+    chain = _root_causes(exc)
+    texts = [(e, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) for e in chain]
+    for e, text in texts:
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower():
+            return (f"out of memory while capturing ({text}); lower max_cudagraph_capture_size, "
+                    "capture fewer sizes, or reserve less memory for the KV cache")
+    for e, text in texts:
+        if isinstance(e, GraphCaptureError):
+            return f"{text}; make the model capturable or use graph mode PIECEWISE / NONE"
+    for e, text in texts:
+        if any(marker in text.lower() for marker in _HOST_SYNC_MARKERS):
+            return (f"an op the device cannot capture ran in the forward ({text}): a host sync "
+                    "(.item(), .cpu(), .tolist(), printing), a data-dependent shape or a "
+                    "device-to-host copy; remove it from the forward, or use graph mode "
+                    "PIECEWISE (if it is in attention) or NONE")
+    e, text = texts[-1]
+    return f"{type(e).__name__}: {text}"

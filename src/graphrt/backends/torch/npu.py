@@ -1,0 +1,171 @@
+"""``npu`` (alias ``acl``): Ascend ACL graphs (``torch.npu.NPUGraph``) over the shared torch graph code.
+
+The same executor as ``cuda`` (:mod:`graphrt.backends.torch.executor`) with torch_npu's
+calls -- ``torch.npu.NPUGraph``, ``torch.npu.graph``, ``torch.npu.graph_pool_handle`` --
+plus what Ascend needs:
+
+* **Task updates.** Ascend attention kernels take host-side lengths
+  (``actual_seq_lengths``) that a captured graph bakes in. An attention backend wraps
+  such an op in :func:`graphrt.backends.torch.executor.graph_task` while capturing; the
+  adapter captures it as a task group (``graph_task_group_begin/end``) preceded by a wait
+  on a ``torch.npu.ExternalEvent``. Before each replay, on an update stream that first
+  waits for the device's current stream, each task's hook re-issues the op with the
+  step's lengths between ``graph_task_update_begin`` and ``graph_task_update_end``, then
+  records the event the graph waits on.
+* **Stream budget.** :meth:`NpuGraphBackend.adjust_config` limits the capture sizes to
+  :func:`graphrt.backends.torch.acl.capture_budget` and logs it.
+
+``compile_model`` is not supported here (seed 003: Inductor is not available for ACL
+graphs); the executor logs that and captures uncompiled.
+
+``torch_npu`` is imported lazily, only when this backend is probed or selected. Since
+torch 2.5, ``import torch`` itself imports out-of-tree device backends such as torch_npu
+through the ``torch.backends`` entry point unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` is
+set; with autoload on, a broken CANN install already surfaces at ``import torch``. With it
+off, graphrt's own import here is what loads torch_npu, and a failure becomes
+:class:`~graphrt.core.errors.BackendUnavailableError` naming the cause.
+
+This adapter has been tested against the CPU recording graph through the device-graph
+API (a stand-in ``torch.npu`` namespace), never on Ascend hardware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from typing import Any, ContextManager, Iterator, Sequence
+
+import torch
+
+from graphrt.backends.torch import acl
+from graphrt.backends.torch.backend import TorchBackend
+from graphrt.backends.torch.executor import DeviceGraphAPI, GraphTask, PreReplayHook
+from graphrt.config import GraphConfig
+from graphrt.core.dispatch import GraphMode
+from graphrt.core.fields import ModelInputs
+
+
+def import_torch_npu() -> Any:
+    """Import torch_npu and return the ``torch.npu`` namespace it installs."""
+    importlib.import_module("torch_npu")
+    return torch.npu
+
+
+def torch_npu_problem() -> str | None:
+    """Why torch_npu cannot run here (not installed, CANN missing, no device), or None."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return ("torch_npu is not installed (pip install torch-npu matching this torch; it "
+                "needs Huawei's CANN toolkit)")
+    try:
+        npu = import_torch_npu()
+    except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable"
+        return (f"torch_npu is installed but failed to import ({type(exc).__name__}: {exc}); "
+                "is CANN installed and its set_env.sh sourced?")
+    if not npu.is_available():
+        return ("torch_npu imported but no Ascend NPU is visible (torch.npu.is_available() is "
+                "False: check the driver and ASCEND_RT_VISIBLE_DEVICES)")
+    return None
+
+
+class NpuGraphAPI(DeviceGraphAPI):
+    """ACL graphs behind the device-graph API.
+
+    ``npu`` is the namespace providing ``NPUGraph``, ``graph``, ``graph_pool_handle``,
+    ``Stream``, ``current_stream``, ``stream``, ``ExternalEvent``,
+    ``graph_task_group_begin/end``, ``graph_task_update_begin/end``, ``synchronize``,
+    ``memory_reserved`` and ``mem_get_info``: ``torch.npu`` unless a test substitutes a
+    stand-in.
+    """
+
+    name = "npu"
+    pin_memory = True
+    compile_backend = None
+
+    def __init__(self, device: torch.device | str = "npu", npu: Any = None) -> None:
+        self.npu = import_torch_npu() if npu is None else npu
+        self.device = torch.device(device)
+        self._capture_stream: Any = None
+        self._update_stream: Any = None
+
+    def new_graph(self) -> Any:
+        return self.npu.NPUGraph()
+
+    def new_pool(self) -> Any:
+        return self.npu.graph_pool_handle()
+
+    def capture(self, graph: Any, pool: Any) -> ContextManager[Any]:
+        if self._capture_stream is None:
+            self._capture_stream = self.npu.Stream()
+        return self.npu.graph(graph, pool=pool, stream=self._capture_stream)
+
+    def synchronize(self) -> None:
+        self.npu.synchronize()
+
+    def memory_in_use(self) -> int:
+        return int(self.npu.memory_reserved())
+
+    def memory_info(self) -> tuple[int, int] | None:
+        free, total = self.npu.mem_get_info()
+        return int(free), int(total)
+
+    @contextlib.contextmanager
+    def task_group(self, hook: PreReplayHook, tasks: list[GraphTask]) -> Iterator[None]:
+        """Capture the enclosed op as a task group the graph starts only after ``event``."""
+        npu = self.npu
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        yield
+        handle = npu.graph_task_group_end(stream)
+        tasks.append(GraphTask(hook, handle, event))
+
+    def pre_replay(self, tasks: Sequence[GraphTask], hooks: Sequence[PreReplayHook],
+                   padded: ModelInputs) -> None:
+        """Run the executor's hooks, then refresh every captured task on the update stream."""
+        for hook in hooks:
+            hook(padded)
+        if not tasks:
+            return
+        npu = self.npu
+        if self._update_stream is None:
+            self._update_stream = npu.Stream()
+        stream = self._update_stream
+        stream.wait_stream(npu.current_stream())
+        with npu.stream(stream):
+            for task in tasks:
+                npu.graph_task_update_begin(stream, task.handle)
+                task.hook(padded)
+                npu.graph_task_update_end(stream)
+                task.event.record(stream)
+
+
+class NpuGraphBackend(TorchBackend):
+    """Torch on an Ascend NPU with ACL graphs (registry names ``npu`` and ``acl``)."""
+
+    name = "npu"
+    device_type = "npu"
+
+    def __init__(self, device: str | torch.device | None = None, npu: Any = None) -> None:
+        self._npu = npu
+        if npu is None:
+            import_torch_npu()
+        super().__init__(device)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return torch_npu_problem()
+
+    def graph_api(self) -> NpuGraphAPI:
+        return NpuGraphAPI(self.device, self._npu)
+
+    def adjust_config(self, config: GraphConfig, model: Any) -> GraphConfig:
+        """Limit the capture sizes to the ACL stream budget of this model (and log it)."""
+        if config.enforce_eager or config.mode is GraphMode.NONE:
+            return config
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        if layers is None:
+            layers = len(model.attention_layers())
+        return acl.limit_capture_sizes(config, int(layers))

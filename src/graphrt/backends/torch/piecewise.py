@@ -1,0 +1,311 @@
+"""PIECEWISE graphs: the model split at its attention calls.
+
+:class:`SplitModel` traces the model with ``torch.fx`` (attention modules are leaves),
+then cuts the graph at every attention call: ``piece 0 | attention 0 | piece 1 | ... |
+piece L``. The pieces see only token-level shapes, so one set of piece graphs per token
+bucket serves any number of requests; attention runs eagerly between them and reads the
+step's real metadata, so mixed prefill + decode batches get graphs too.
+
+A split point is a call of a module whose class sets ``graphrt_attention = True``
+(graphrt's ``PagedAttention`` does; an engine's own attention module can too), or a call
+of the registered op ``torch.ops.graphrt.paged_attention`` in the traced graph.
+
+:class:`PiecewiseBuffers` gives every value that crosses a cut a persistent buffer:
+token-major values (leading dimension = the bucket's token count) share one buffer of
+the largest bucket's size across all buckets; anything else gets a buffer per bucket. A
+captured piece reads its inputs from these buffers and copies its outputs into them
+inside the graph, so each piece's pool memory is free for the next capture, and a replay
+costs one graph launch per piece plus the eager attention calls and one copy of each
+attention output.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from graphrt.core.errors import GraphrtError
+
+PIECE = "piece"
+ATTENTION = "attention"
+
+
+class SplitError(GraphrtError):
+    """The model cannot be split at its attention calls (the message says why)."""
+
+
+def is_attention_module(module: torch.nn.Module) -> bool:
+    """Whether calls of ``module`` are split points (its class sets ``graphrt_attention``)."""
+    return bool(getattr(module, "graphrt_attention", False))
+
+
+def _attention_ops() -> tuple[Any, ...]:
+    """The registered graphrt attention op (both its packet and its default overload)."""
+    from graphrt.models.torch.attention import PAGED_ATTENTION_OP
+    return (PAGED_ATTENTION_OP, PAGED_ATTENTION_OP.overloadpacket)
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+class _AttentionLeafTracer(torch.fx.Tracer):
+    """fx tracer that keeps attention modules as single ``call_module`` nodes.
+
+    Modules with forward hooks stay whole too: tracing into them would drop the hooks,
+    while a ``call_module`` node calls the module, hooks included.
+    """
+
+    def is_leaf_module(self, module: torch.nn.Module, qualname: str) -> bool:
+        return (is_attention_module(module) or _has_hooks(module)
+                or super().is_leaf_module(module, qualname))
+
+
+@dataclass
+class Step:
+    """One call of the split model: a piece (captured per bucket) or an attention call (eager)."""
+
+    kind: str
+    module: torch.nn.Module
+    args: tuple[str, ...]
+    outs: tuple[tuple[int | None, str], ...]  # (tuple index or None for a single output, value name)
+    index: int                                  # position among the steps of its kind
+
+    def bind(self, env: dict[str, Any], result: Any) -> None:
+        """Store the call's result(s) in ``env`` under their value names."""
+        for idx, name in self.outs:
+            env[name] = result if idx is None else result[idx]
+
+
+class SplitModel:
+    """``model`` as a sequence of pieces and attention calls over named values."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        try:
+            graph = _AttentionLeafTracer().trace(model)
+        except Exception as exc:  # noqa: BLE001 - any tracing failure means "cannot split"
+            raise SplitError(f"torch.fx cannot trace {type(model).__name__}.forward "
+                             f"({type(exc).__name__}: {exc}); piecewise graphs need a traceable "
+                             "forward without Python control flow on tensor values") from exc
+        traced = torch.fx.GraphModule(model, graph)
+        roots = dict(traced.named_modules())
+        attention_ops = _attention_ops()
+
+        def is_split_point(node: torch.fx.Node) -> bool:
+            if node.op == "call_module":
+                return is_attention_module(roots[node.target])
+            return node.op == "call_function" and node.target in attention_ops
+
+        # Piece k (id 2k) holds what follows attention call k-1; attention call k has id 2k+1.
+        partition_of: dict[torch.fx.Node, int] = {}
+        count = 0
+        for node in traced.graph.nodes:
+            if is_split_point(node):
+                partition_of[node] = 2 * count + 1
+                count += 1
+            else:
+                partition_of[node] = 2 * count
+        if count == 0:
+            raise SplitError(f"{type(model).__name__} has no attention call to split at: mark the "
+                             "attention module class with graphrt_attention = True or call "
+                             "torch.ops.graphrt.paged_attention")
+
+        split = split_module(traced, model, partition_of.__getitem__)
+        self.graph_module = split
+        self.num_attention = count
+        self.inputs: tuple[str, ...] = ()
+        self.constants: dict[str, str] = {}  # value name -> attribute path (parameters, buffers)
+        self.steps: list[Step] = []
+        self.output = self._parse(split)
+
+    def _parse(self, split: torch.fx.GraphModule) -> str:
+        """Read the top-level split graph into steps; returns the output value's name."""
+        inputs, counts = [], {PIECE: 0, ATTENTION: 0}
+        output: str | None = None
+        for node in split.graph.nodes:
+            if node.op == "placeholder":
+                inputs.append(node.name)
+            elif node.op == "call_module":
+                kind = ATTENTION if int(node.target.rsplit("_", 1)[1]) % 2 else PIECE
+                getitems = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+                if getitems and len(getitems) != len(node.users):
+                    raise SplitError(f"{node.target}: output used both whole and by index")
+                outs = (tuple(sorted((u.args[1], u.name) for u in getitems)) if getitems
+                        else ((None, node.name),) if node.users else ())
+                for arg in node.args:
+                    if not isinstance(arg, torch.fx.Node):
+                        raise SplitError(f"{node.target} takes a non-value argument {arg!r}")
+                self.steps.append(Step(kind, getattr(split, node.target),
+                                       tuple(a.name for a in node.args), outs, counts[kind]))
+                counts[kind] += 1
+            elif node.op == "get_attr":
+                self.constants[node.name] = node.target
+            elif node.op == "call_function" and node.target is operator.getitem:
+                continue
+            elif node.op == "output":
+                value = node.args[0]
+                if not isinstance(value, torch.fx.Node):
+                    raise SplitError("piecewise graphs need a forward that returns one tensor")
+                output = value.name
+            else:
+                raise SplitError(f"unexpected node {node.op} {node.target} between pieces")
+        self.inputs = tuple(inputs)
+        assert output is not None
+        return output
+
+    @property
+    def pieces(self) -> list[Step]:
+        """The steps that are captured (everything between attention calls)."""
+        return [s for s in self.steps if s.kind == PIECE]
+
+    def run(self, inputs: Sequence[Any], pieces: Sequence[Callable[..., Any]] | None = None) -> dict[str, Any]:
+        """Run every step eagerly; ``pieces`` replaces the piece modules (compiled versions).
+
+        Returns every value by name; ``env[self.output]`` is the model's output.
+        """
+        env: dict[str, Any] = dict(zip(self.inputs, inputs))
+        env.update((name, _attr(self.graph_module, path)) for name, path in self.constants.items())
+        for step in self.steps:
+            fn = step.module if pieces is None or step.kind == ATTENTION else pieces[step.index]
+            step.bind(env, fn(*[env[a] for a in step.args]))
+        return env
+
+    def forward(self, *inputs: Any, pieces: Sequence[Callable[..., Any]] | None = None) -> Any:
+        """The model's output, computed through the split (for parity checks and FULL + compile)."""
+        return self.run(inputs, pieces)[self.output]
+
+
+@dataclass
+class PiecewiseEntry:
+    """The captured pieces of one token bucket and the replay plan around them."""
+
+    num_tokens: int
+    steps: list[Callable[[], None]]
+    graphs: list[Any]
+    output: torch.Tensor
+    input_ptrs: dict[str, int]
+    compiled: bool
+    tasks: list[Any] = field(default_factory=list)
+
+
+def _attr(module: torch.nn.Module, path: str) -> Any:
+    """``module``'s attribute at a dotted ``path``."""
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _run_into(fn: Callable[..., Any], args: list[Any], outs: list[tuple[int | None, Any]]) -> None:
+    """Call ``fn`` on ``args`` and copy each tensor output into its persistent buffer view."""
+    result = fn(*args)
+    for idx, dst in outs:
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(result if idx is None else result[idx])
+
+
+class PiecewiseBuffers:
+    """Persistent buffers for the values that cross cuts, shared by every token bucket."""
+
+    def __init__(self, split: SplitModel, capacity: int) -> None:
+        self.split = split
+        self.capacity = int(capacity)
+        self._shared: dict[str, torch.Tensor] = {}
+        self._own: dict[tuple[str, int], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every buffer."""
+        return sum(t.untyped_storage().nbytes() for t in self._tensors())
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        yield from self._shared.values()
+        yield from self._own.values()
+
+    def bind(self, env: dict[str, Any], num_tokens: int) -> dict[str, Any]:
+        """A buffer view for each tensor value of a warm-up ``env``; other values as they are.
+
+        The split model's inputs keep their own (static) tensors, parameters stay themselves.
+        """
+        views: dict[str, Any] = {}
+        fixed = set(self.split.inputs) | set(self.split.constants)
+        for name, value in env.items():
+            if name in fixed or not isinstance(value, torch.Tensor):
+                views[name] = value
+            else:
+                views[name] = self._view(name, value, num_tokens)
+        return views
+
+    def _view(self, name: str, value: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        shape = tuple(value.shape)
+        token_major = len(shape) >= 1 and shape[0] == num_tokens <= self.capacity
+        if token_major:
+            buf = self._shared.get(name)
+            if buf is None:
+                buf = torch.zeros((self.capacity,) + shape[1:], dtype=value.dtype, device=value.device)
+                self._shared[name] = buf
+            if buf.shape[1:] == shape[1:] and buf.dtype == value.dtype and buf.device == value.device:
+                return buf[:num_tokens]
+        own = self._own.get((name, num_tokens))
+        if own is None:
+            own = torch.zeros(shape, dtype=value.dtype, device=value.device)
+            self._own[(name, num_tokens)] = own
+        return own
+
+    def plan(self, views: dict[str, Any], pieces: Sequence[Callable[..., Any]]) -> list[Callable[[], None]]:
+        """One call per step over the bound views, in step order.
+
+        A piece call reads its inputs from the views and copies its outputs into them (the
+        copies are part of the captured graph); an attention call does the same eagerly.
+        """
+        calls: list[Callable[[], None]] = []
+        for step in self.split.steps:
+            fn = step.module if step.kind == ATTENTION else pieces[step.index]
+            args = [views[a] for a in step.args]
+            outs = [(idx, views[name]) for idx, name in step.outs]
+            calls.append(_bound(fn, args, outs))
+        return calls
+
+
+def _bound(fn: Callable[..., Any], args: list[Any], outs: list[tuple[int | None, Any]]) -> Callable[[], None]:
+    def call() -> None:
+        _run_into(fn, args, outs)
+    return call
+
+
+def compile_piece(module: torch.fx.GraphModule, args: Sequence[Any], backend: str) -> Callable[..., Any]:
+    """``module`` compiled by the ``torch.compile`` backend for exactly these arguments.
+
+    Static shapes: the compiled code is only valid for tensors laid out like ``args``
+    (one compile per bucket). Non-tensor arguments are baked in as constants. The graph
+    goes to the backend directly, as Dynamo would hand it over, so no Dynamo frame or
+    guard runs at call time (or inside a capture).
+    """
+    graph = torch.fx.Graph()
+    remap: dict[torch.fx.Node, Any] = {}
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for node, arg in zip(placeholders, args):
+        remap[node] = graph.placeholder(node.name) if isinstance(arg, torch.Tensor) else arg
+    result = graph.graph_copy(module.graph, remap)
+    single = not isinstance(result, (tuple, list))
+    graph.output((result,) if single else tuple(result))
+    gm = torch.fx.GraphModule(module, graph)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    compiled = torch._dynamo.lookup_backend(backend)(gm, tensors)
+
+    def call(*call_args: Any) -> Any:
+        out = compiled(*[a for a in call_args if isinstance(a, torch.Tensor)])
+        return out[0] if single else out
+    return call
+
+
+def split_or_reason(model: torch.nn.Module) -> tuple[SplitModel | None, str | None]:
+    """The split model, or None and why it cannot be split."""
+    try:
+        return SplitModel(model), None
+    except SplitError as exc:
+        return None, str(exc)

@@ -1,0 +1,115 @@
+"""Serialized XLA executables on disk: a restart skips lowering as well as compiling.
+
+JAX's persistent compilation cache skips the compile, but every bucket is still traced
+and lowered to find its cache key (most of a warm start for a small model). This cache
+stores each compiled executable (``jax.experimental.serialize_executable``) under a key
+that covers everything that shapes it, so a warm start only deserializes:
+
+* the fingerprint of the executor: graphrt, jax and jaxlib versions, the devices and mesh,
+  the source of every module whose functions are traced, the model config, the weights'
+  and KV cache's shapes, dtypes and shardings, and the shape-setting config fields;
+* the bucket key itself.
+
+Anything else (weights' values, requests) is an argument, not part of the executable. A
+file that fails to load is ignored and rebuilt; writes are atomic. An executable XLA cannot
+serialize (on CPU, one with a sort comparator may not be) is simply not cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any, Hashable, Iterable
+
+import jax
+
+from graphrt.core import __version__
+
+logger = logging.getLogger(__name__)
+
+#: Sub-directory of ``compilation_cache_dir`` holding graphrt's serialized executables.
+SUBDIR = "graphrt-executables"
+
+
+def _source_digest(modules: Iterable[Any]) -> str:
+    h = hashlib.sha256()
+    for module in modules:
+        path = getattr(module, "__file__", None)
+        h.update(str(getattr(module, "__name__", module)).encode())
+        if path and os.path.exists(path):
+            h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def _abstract(tree: Any) -> Any:
+    """Arrays as shape, dtype and sharding (their values are arguments, not code); every
+    other leaf (a config, a block size) by its full ``repr``, values included."""
+    def leaf(x: Any) -> str:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            return repr(x)
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        return f"{tuple(x.shape)}:{x.dtype}:{spec}"
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def executor_fingerprint(*, modules: Iterable[Any], devices: Iterable[Any], mesh_axes: Any,
+                         parts: Iterable[Any]) -> str:
+    """A digest of everything that shapes an executor's executables (see the module doc)."""
+    import jaxlib
+
+    devs = [f"{d.platform}:{getattr(d, 'device_kind', '')}:{d.id}" for d in devices]
+    h = hashlib.sha256()
+    for part in (__version__, jax.__version__, jaxlib.__version__, devs, mesh_axes,
+                 _source_digest(modules), *(_abstract(p) for p in parts)):
+        h.update(repr(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+class ExecutableCache:
+    """Compiled executables by (fingerprint, key) under ``directory``."""
+
+    def __init__(self, directory: str | os.PathLike, fingerprint: str,
+                 execution_devices: list[Any]) -> None:
+        self.root = Path(directory) / SUBDIR / fingerprint[:32]
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._devices = execution_devices
+
+    def _path(self, key: Hashable) -> Path:
+        return self.root / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".xla")
+
+    def load(self, key: Hashable) -> Any | None:
+        """The deserialized executable for ``key``, or ``None`` (absent or unreadable)."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            stored_key, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            if stored_key != repr(key):
+                return None
+            return deserialize_and_load(payload, in_tree, out_tree,
+                                        execution_devices=self._devices)
+        except Exception as exc:  # noqa: BLE001 - a bad file costs a rebuild, never a wrong result
+            logger.warning("graphrt: ignoring unreadable cached executable %s (%s)", path, exc)
+            return None
+
+    def store(self, key: Hashable, compiled: Any) -> None:
+        """Write ``compiled`` for ``key`` atomically; a failure is logged, not raised."""
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            payload, in_tree, out_tree = serialize(compiled)
+            data = pickle.dumps((repr(key), payload, in_tree, out_tree))
+            fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self._path(key))
+        except Exception as exc:  # noqa: BLE001 - caching is an optimisation
+            logger.info("graphrt: the executable of %s is not cached (a restart lowers it again): %s",
+                        key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -1,0 +1,176 @@
+"""GraphCache: captured graphs / compiled executables by key, with statistics.
+
+Backends store whatever their entry is (a torch graph with its static outputs, an XLA
+executable); the cache counts hits and misses, warm-up cost per key, real versus padded
+tokens, eager steps and their reasons, and enforces strict mode: once warm-up is over, a
+miss raises :class:`~graphrt.core.errors.CacheMissError` naming the key and why.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
+
+from graphrt.core.errors import CacheMissError, GraphrtError
+
+E = TypeVar("E")
+
+
+def describe_key(key: Hashable) -> str:
+    """A readable key: ``FULL (decode, tokens=8, reqs=8)``, ``sampler (reqs=8, greedy)``."""
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "sample":
+        return f"sampler (reqs={key[1]}, {'greedy' if key[2] else 'random'})"
+    if isinstance(key, tuple):
+        return " ".join(describe_key(k) for k in key)
+    if isinstance(key, enum.Enum):
+        return str(key.value)
+    return str(key)
+
+
+@dataclass
+class EntryStats:
+    """Cost of building one entry and how often it ran."""
+
+    build_seconds: float = 0.0
+    build_bytes: int = 0
+    hits: int = 0
+
+
+@dataclass
+class CacheStats:
+    """Counters a serving engine wants on its dashboard."""
+
+    hits: int = 0
+    misses: int = 0
+    eager_steps: int = 0
+    unplanned_builds: int = 0          # captures / compiles after warm-up
+    real_tokens: int = 0
+    padded_tokens: int = 0             # tokens actually run, padding included
+    real_reqs: int = 0
+    padded_reqs: int = 0
+    eager_reasons: collections.Counter = field(default_factory=collections.Counter)
+    per_key: dict[Hashable, EntryStats] = field(default_factory=dict)
+
+    @property
+    def entries(self) -> int:
+        return len(self.per_key)
+
+    @property
+    def build_seconds(self) -> float:
+        return sum(e.build_seconds for e in self.per_key.values())
+
+    @property
+    def build_bytes(self) -> int:
+        return sum(e.build_bytes for e in self.per_key.values())
+
+    @property
+    def padding_waste(self) -> float:
+        """Fraction of run tokens that were padding."""
+        return 0.0 if self.padded_tokens == 0 else 1.0 - self.real_tokens / self.padded_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain numbers, for logs and JSON."""
+        return {"hits": self.hits, "misses": self.misses, "entries": self.entries,
+                "eager_steps": self.eager_steps, "unplanned_builds": self.unplanned_builds,
+                "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
+                "padding_waste": round(self.padding_waste, 4),
+                "build_seconds": round(self.build_seconds, 4), "build_bytes": self.build_bytes,
+                "eager_reasons": dict(self.eager_reasons)}
+
+
+class GraphCache(Generic[E]):
+    """Entries by key. ``strict``: after :meth:`seal`, a miss raises ``CacheMissError``."""
+
+    def __init__(self, *, strict: bool = False) -> None:
+        self.strict = strict
+        self.sealed = False
+        self.stats = CacheStats()
+        #: Bumped by every change of the entries or of ``sealed`` (for callers that memoise lookups).
+        self.version = 0
+        self._entries: dict[Hashable, E] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._entries)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._entries)
+
+    def put(self, key: Hashable, entry: E, *, seconds: float = 0.0, nbytes: int = 0) -> None:
+        """Store a built entry and what it cost; after warm-up it counts as unplanned."""
+        if self.sealed:
+            self.stats.unplanned_builds += 1
+        self._entries[key] = entry
+        self.stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
+        self.version += 1
+
+    def get(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
+        """The entry for ``key`` (a hit) or ``None`` (a miss; raises in strict mode once sealed)."""
+        entry = self.lookup(key, reason=reason)
+        self.count(key, entry is not None)
+        return entry
+
+    def lookup(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
+        """:meth:`get` without counting, for callers that memoise the answer and count each
+        use with :meth:`count` or :meth:`record_step`. A strict miss still raises, and is
+        counted here: the step it served ends with the error, so no later count comes."""
+        entry = self._entries.get(key)
+        if entry is None and self.strict and self.sealed:
+            self.count(key, False)
+            known = ", ".join(describe_key(k) for k in list(self._entries)[:6])
+            more = ", ..." if len(self._entries) > 6 else ""
+            why = reason() if callable(reason) else reason
+            raise CacheMissError(key, (why or "not built during warm-up")
+                                 + f"; {len(self._entries)} entries exist ({known}{more})",
+                                 description=describe_key(key))
+        return entry
+
+    def count(self, key: Hashable, hit: bool) -> None:
+        """Count one use of ``key``: a hit (it has an entry) or a miss."""
+        if hit:
+            per_key = self.stats.per_key.get(key)
+            if per_key is None:
+                raise GraphrtError(f"GraphCache.count: a hit on {describe_key(key)}, which has no entry")
+            self.stats.hits += 1
+            per_key.hits += 1
+        else:
+            self.stats.misses += 1
+
+    def seal(self) -> None:
+        """Warm-up is over: from now on a build is unplanned, and strict mode raises on a miss."""
+        self.sealed = True
+        self.version += 1
+
+    def record_step(self, *, real_tokens: int, padded_tokens: int, real_reqs: int,
+                    padded_reqs: int, eager_reason: str | None = None,
+                    key: Hashable | None = None, hit: bool = False) -> None:
+        """Account one step's padding (and why it ran eagerly, if it did); with ``key``, also
+        count the step's lookup of it (see :meth:`count`)."""
+        s = self.stats
+        s.real_tokens += real_tokens
+        s.padded_tokens += padded_tokens
+        s.real_reqs += real_reqs
+        s.padded_reqs += padded_reqs
+        if eager_reason is not None:
+            s.eager_steps += 1
+            s.eager_reasons[eager_reason] += 1
+        if key is not None:
+            self.count(key, hit)
+
+    def clear(self) -> None:
+        """Drop every entry (statistics are kept)."""
+        self._entries.clear()
+        self.sealed = False
+        self.version += 1
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per key: build seconds and bytes, hits; for warm-up reports."""
+        return [{"key": describe_key(k), "seconds": round(v.build_seconds, 4), "bytes": v.build_bytes,
+                 "hits": v.hits} for k, v in self.stats.per_key.items()]

@@ -1,0 +1,201 @@
+"""The dispatcher: the single source of truth for "which key does this step run under".
+
+Given the graph mode and the bucket policies, it maps a step's
+:class:`BatchDescriptor` to a runtime mode (FULL graph, PIECEWISE graphs, or NONE =
+eager) and the padded key. Warm-up asks the same object for every key it can return,
+so capture / precompile and serving can never disagree.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from graphrt.core.buckets import BucketPolicy
+from graphrt.core.errors import ConfigError, InputError
+
+
+class GraphMode(str, enum.Enum):
+    """vLLM's graph modes: one for decode batches, one for mixed (prefill / chunked) batches."""
+
+    NONE = "NONE"
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
+    FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
+
+    def decode_mode(self) -> "RuntimeMode":
+        """Runtime mode of uniform-decode batches."""
+        return {GraphMode.NONE: RuntimeMode.NONE, GraphMode.PIECEWISE: RuntimeMode.PIECEWISE}.get(
+            self, RuntimeMode.FULL)
+
+    def mixed_mode(self) -> "RuntimeMode":
+        """Runtime mode of mixed / prefill batches."""
+        return {GraphMode.NONE: RuntimeMode.NONE, GraphMode.PIECEWISE: RuntimeMode.PIECEWISE,
+                GraphMode.FULL: RuntimeMode.FULL, GraphMode.FULL_DECODE_ONLY: RuntimeMode.NONE,
+                GraphMode.FULL_AND_PIECEWISE: RuntimeMode.PIECEWISE}[self]
+
+    def separate_decode_graphs(self) -> bool:
+        """Whether decode batches get their own FULL graphs keyed ``uniform_decode=True``."""
+        return self in (GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
+
+
+class AttentionGraphSupport(enum.IntEnum):
+    """What an attention backend can run inside a FULL graph (vLLM's four levels)."""
+
+    NEVER = 0                        # attention must stay outside graphs
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # full graphs of single-token decode batches only
+    UNIFORM_BATCH = 2                # full graphs of uniform batches (decode, spec-decode)
+    ALWAYS = 3                       # full graphs of any batch, mixed included
+
+
+def resolve_mode(requested: GraphMode, *, attention: AttentionGraphSupport,
+                 piecewise: bool) -> tuple[GraphMode, str | None]:
+    """The best mode the backend supports at or below ``requested``; the reason if degraded."""
+    mode = GraphMode(requested)
+    if mode is GraphMode.NONE:
+        return mode, None
+    full_mixed = attention >= AttentionGraphSupport.ALWAYS
+    full_decode = attention >= AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    wanted = mode
+    if mode is GraphMode.FULL and not full_mixed:
+        mode = GraphMode.FULL_AND_PIECEWISE if full_decode else GraphMode.PIECEWISE
+    if mode in (GraphMode.FULL_AND_PIECEWISE, GraphMode.FULL_DECODE_ONLY) and not full_decode:
+        mode = GraphMode.PIECEWISE if mode is GraphMode.FULL_AND_PIECEWISE else GraphMode.NONE
+    if not piecewise:
+        if mode is GraphMode.FULL_AND_PIECEWISE:
+            mode = GraphMode.FULL if full_mixed else GraphMode.FULL_DECODE_ONLY
+        elif mode is GraphMode.PIECEWISE:
+            mode = GraphMode.NONE
+    if mode is wanted:
+        return mode, None
+    return mode, (f"graph mode {wanted.value} degraded to {mode.value}: attention supports full graphs "
+                  f"{attention.name.lower()}, piecewise capture {'available' if piecewise else 'unavailable'}")
+
+
+class RuntimeMode(str, enum.Enum):
+    """How one step actually runs."""
+
+    NONE = "NONE"            # eagerly
+    PIECEWISE = "PIECEWISE"  # graphs between attention calls, attention eager
+    FULL = "FULL"            # one graph for the whole forward
+
+
+@dataclass(frozen=True, order=True)
+class BatchDescriptor:
+    """A step's shape; once padded, the key of a graph or executable.
+
+    ``num_reqs`` is ``None`` for PIECEWISE keys: pieces between attention calls see only
+    token-level shapes.
+    """
+
+    num_tokens: int
+    num_reqs: int | None
+    uniform_decode: bool
+
+    def __str__(self) -> str:
+        kind = "decode" if self.uniform_decode else "mixed"
+        reqs = "any" if self.num_reqs is None else self.num_reqs
+        return f"({kind}, tokens={self.num_tokens}, reqs={reqs})"
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """The dispatcher's answer for one step."""
+
+    mode: RuntimeMode
+    key: BatchDescriptor  # the padded shape to run under (the real shape when eager)
+    reason: str           # why this mode: shown in logs, statistics and CacheMissError
+
+
+class Dispatcher:
+    """Maps steps to (runtime mode, padded key).
+
+    * ``token_buckets`` -- token counts of mixed keys (graph capture sizes / XLA token paddings).
+    * ``decode_buckets`` -- batch sizes of uniform-decode keys (defaults to ``token_buckets``
+      capped at ``max_num_seqs``).
+    * ``mixed_num_reqs`` -- request count of FULL mixed keys: ``None`` means
+      ``min(padded tokens, max_num_seqs)`` (graph backends); an int fixes it (XLA's fixed
+      batch size, seed 000).
+    * ``eager_fallback`` -- graph backends run a step above the largest bucket eagerly; XLA
+      has no eager escape, so such a step is an :class:`InputError`.
+    * ``separate_decode`` -- whether uniform-decode steps get their own keys
+      ``(b, b, uniform_decode=True)``; defaults to what the mode says (XLA sets it).
+
+    A decode step above the largest decode bucket is handled as a mixed step.
+    """
+
+    def __init__(self, mode: GraphMode, *, token_buckets: BucketPolicy | None,
+                 max_num_seqs: int, decode_buckets: BucketPolicy | None = None,
+                 mixed_num_reqs: int | None = None, eager_fallback: bool = True,
+                 separate_decode: bool | None = None) -> None:
+        self.mode = GraphMode(mode)
+        self.separate_decode = (self.mode.separate_decode_graphs() if separate_decode is None
+                                else separate_decode and self.mode is not GraphMode.NONE)
+        self.max_num_seqs = int(max_num_seqs)
+        self.eager_fallback = eager_fallback
+        self.mixed_num_reqs = mixed_num_reqs
+        if self.mode is not GraphMode.NONE and token_buckets is None:
+            raise ConfigError(f"graph mode {self.mode.value} needs token buckets")
+        self.token_buckets = token_buckets
+        if decode_buckets is None and token_buckets is not None:
+            # Capped at max_num_seqs *including* max_num_seqs (when the token buckets reach it):
+            # a full decode batch must never fall back to eager because max_num_seqs is
+            # missing from the capture list.
+            decode_buckets = token_buckets.capped(min(self.max_num_seqs, token_buckets.max_size))
+        self.decode_buckets = decode_buckets
+        if mixed_num_reqs is not None and token_buckets is not None:
+            if mixed_num_reqs < self.max_num_seqs:
+                raise ConfigError(f"a fixed mixed batch size ({mixed_num_reqs}) must cover "
+                                  f"max_num_seqs={self.max_num_seqs}")
+
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
+        """Runtime mode and padded key for a step of this real shape (a pure function of the
+        shape and the policies: callers on a hot path remember it, as ``ModelRunner`` does)."""
+        real = BatchDescriptor(num_tokens, num_reqs, uniform_decode)
+        if uniform_decode and self.separate_decode:
+            b = self.decode_buckets.bucket_for(num_reqs) if self.decode_buckets else None
+            if b is not None:
+                return Dispatch(RuntimeMode.FULL, BatchDescriptor(b, b, True), "decode bucket")
+        runtime = (self.mode.decode_mode() if uniform_decode and not self.separate_decode
+                   else self.mode.mixed_mode())
+        if runtime is RuntimeMode.NONE:
+            return Dispatch(RuntimeMode.NONE, real, f"graph mode {self.mode.value} runs "
+                                                    f"{'decode' if uniform_decode else 'mixed'} steps eagerly")
+        b = self.token_buckets.bucket_for(num_tokens)
+        if b is None:
+            return self._above(real, "token", self.token_buckets)
+        if runtime is RuntimeMode.PIECEWISE:
+            return Dispatch(runtime, BatchDescriptor(b, None, False), "token bucket (piecewise)")
+        return Dispatch(runtime, BatchDescriptor(b, self._mixed_reqs(b), False), "token bucket")
+
+    def _mixed_reqs(self, padded_tokens: int) -> int:
+        if self.mixed_num_reqs is not None:
+            return self.mixed_num_reqs
+        return min(padded_tokens, self.max_num_seqs)
+
+    def _above(self, real: BatchDescriptor, which: str, policy: BucketPolicy | None) -> Dispatch:
+        largest = policy.max_size if policy is not None else 0
+        reason = f"{real.num_tokens} tokens above the largest {which} bucket ({largest})"
+        if not self.eager_fallback:
+            raise InputError("num_scheduled_tokens",
+                             f"{reason}: this backend has no eager fallback; keep steps within "
+                             "max_num_batched_tokens / max_num_seqs")
+        return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly")
+
+    def keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
+        """Every (mode, key) ``dispatch`` can return with a graph, largest first (capture order)."""
+        out: set[tuple[RuntimeMode, BatchDescriptor]] = set()
+        if self.separate_decode and self.decode_buckets is not None:
+            out.update((RuntimeMode.FULL, BatchDescriptor(b, b, True)) for b in self.decode_buckets)
+        for uniform in (False, True):
+            runtime = (self.mode.decode_mode() if uniform and not self.separate_decode
+                       else self.mode.mixed_mode())
+            if runtime is RuntimeMode.NONE or self.token_buckets is None:
+                continue
+            for b in self.token_buckets:
+                key = (BatchDescriptor(b, None, False) if runtime is RuntimeMode.PIECEWISE
+                       else BatchDescriptor(b, self._mixed_reqs(b), False))
+                out.add((runtime, key))
+        return sorted(out, key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[0].value),
+                      reverse=True)

@@ -1,0 +1,82 @@
+"""What "the same result" means for a padded step: the tolerance between two padded sizes.
+
+graphrt's padding guarantees (docs/padding.md):
+
+* the same step padded to the same bucket is bitwise the same, replayed or eager, run
+  once or twice: the same kernels run on the same rows;
+* the same step padded to two different buckets gives real outputs (hidden rows, logits,
+  KV writes) within :func:`tolerance` of each other, and the same greedy tokens: another
+  row count may select another matmul kernel, which adds the same products in another
+  order, so the last bits can differ;
+* KV slots outside the step's real slots are byte-identical, whatever the bucket.
+
+:func:`tolerance` is the one place the second bound is defined; graphrt's own tests use it
+and so can an engine's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from graphrt.core import defaults
+from graphrt.core.errors import ConfigError
+
+
+class Tolerance(NamedTuple):
+    """``rtol`` / ``atol`` for ``np.testing.assert_allclose`` or ``torch.testing.assert_close``
+    (``**tol._asdict()``)."""
+
+    rtol: float
+    atol: float
+
+
+def dtype_name(dtype: Any) -> str:
+    """``"float32"`` for ``torch.float32``, ``np.float32``, ``jnp.float32`` or ``"float32"``."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    if isinstance(dtype, str) and dtype in defaults.DTYPE_EPS:
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError as exc:
+        raise ConfigError(f"not a dtype: {dtype!r}") from exc
+
+
+def tolerance(dtype: Any = "float32") -> Tolerance:
+    """How far a step's real outputs at two padded sizes may be apart, for outputs of ``dtype``.
+
+    A different row count may make the matmul pick a different kernel (CPU GEMMs choose by
+    shape, so do GPU BLAS heuristics), which adds the same products in a different order.
+    The results then differ by rounding only, and that rounding is bounded by two terms:
+
+    * the accumulation: matmuls sum in float32 (float64 for float64 inputs), and a
+      reordered sum of K products differs by about sqrt(K) eps of that dtype, growing
+      through the layers; ``defaults.TOLERANCE_ACCUMULATION_EPS`` (64) eps of float32 is
+      7.6e-6, five times the largest difference measured between a padded and an unpadded
+      step of the test models (1.7e-6, 14 eps, on an AMD EPYC whose MKL picks other
+      kernels for other row counts);
+    * the output rounding: bfloat16 / float16 results are rounded to their own few bits
+      after each op, so a tiny accumulation difference can move an output to the
+      neighbouring representable value, and those flips carry through the layers;
+      ``defaults.TOLERANCE_ROUNDING_EPS`` (4) eps of the output dtype.
+
+    The larger term is both ``rtol`` and ``atol`` (graphrt compares normalised hidden
+    states, logits and K/V rows, whose values are O(1)): float32 7.6e-6, float16 3.9e-3,
+    bfloat16 3.1e-2, float64 1.4e-14. It is calibrated on short sums (hidden sizes of
+    hundreds, a few layers); a model thousands wide and dozens of layers deep accumulates
+    more and may need a looser bound. It is for comparisons across shapes only: at the
+    same padded shape on a CPU graphrt's results are bitwise equal.
+    """
+    name = dtype_name(dtype)
+    eps = defaults.DTYPE_EPS.get(name)
+    if eps is None:
+        raise ConfigError(f"no tolerance for dtype {name}: one of {sorted(defaults.DTYPE_EPS)}")
+    accumulation = defaults.DTYPE_EPS["float64" if name == "float64" else "float32"]
+    bound = max(defaults.TOLERANCE_ACCUMULATION_EPS * accumulation, defaults.TOLERANCE_ROUNDING_EPS * eps)
+    return Tolerance(rtol=bound, atol=bound)
+
+
+__all__ = ["Tolerance", "dtype_name", "tolerance"]

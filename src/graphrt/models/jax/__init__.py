@@ -1,0 +1,2 @@
+"""JAX reference models: the functional decoder (``decoder``), its loader (``loader``) and a
+flax nnx wrapper (``nnx``)."""

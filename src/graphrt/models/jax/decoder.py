@@ -1,0 +1,170 @@
+"""JAX reference Llama / Qwen3 decoder over a paged KV cache, jit-able with static shapes.
+
+Plain functions over the params pytree built by :mod:`graphrt.models.jax.loader`. Layers run under
+``jax.lax.scan``; the KV cache is carried through the scan and written with scatters, so a jitted
+``forward`` can donate it and update it in place.
+
+KV cache layout: ``[num_layers, 2 (k, v), num_blocks * block_size + 1, num_kv_heads, head_dim]``.
+Block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``; the last row is a trash row that
+padded tokens (negative slot) write into and that is never read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphrt.models.hf_config import DecoderConfig
+
+Params = dict[str, Any]
+
+
+class AttentionMetadata(NamedTuple):
+    """Per-step batch layout, a pytree of arrays only (static values travel separately).
+
+    ``slot_mapping`` int32 [T]: cache row each token's K/V is written to; negative = padded token.
+    ``query_start_loc`` int32 [R+1]: non-decreasing token offsets; padded requests repeat the last value.
+    ``seq_lens`` int32 [R]: tokens in the cache for each request after this step; 0 for a padded request.
+    ``block_table`` int32 [R, B]: the blocks holding each request's cache; padded entries are 0.
+    """
+
+    slot_mapping: jax.Array
+    query_start_loc: jax.Array
+    seq_lens: jax.Array
+    block_table: jax.Array
+
+
+def init_kv_cache(config: DecoderConfig, num_blocks: int, block_size: int, dtype: Any) -> jax.Array:
+    """A zeroed paged KV cache with ``num_blocks`` blocks of ``block_size`` rows plus one trash row."""
+    shape = (config.num_hidden_layers, 2, num_blocks * block_size + 1,
+             config.num_key_value_heads, config.head_dim)
+    return jnp.zeros(shape, dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and cast back before the weight (as HF)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """Default rotary tables for ``positions`` [T]: float32 cos, sin of shape [T, head_dim]."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x`` [T, heads, D] with HF's rotate_half layout (first half, second half)."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+def token_request_index(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
+    """Request index of every token: the last r with ``query_start_loc[r] <= t``, clipped to [0, R-1]."""
+    num_reqs = query_start_loc.shape[0] - 1
+    t = jnp.arange(num_tokens, dtype=query_start_loc.dtype)
+    req = jnp.searchsorted(query_start_loc, t, side="right") - 1
+    return jnp.clip(req, 0, num_reqs - 1).astype(jnp.int32)
+
+
+def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positions: jax.Array,
+                     meta: AttentionMetadata, block_size: int) -> jax.Array:
+    """Causal attention of ``q`` [T, Hq, D] over one layer's paged cache ``layer_k/v`` [rows, Hkv, D].
+
+    Token t reads its request's keys j < seq_len and j <= positions[t]; zeros where none is visible.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = layer_k.shape[1]
+    group = num_heads // num_kv_heads
+    req = token_request_index(meta.query_start_loc, num_tokens)
+    blocks = meta.block_table[req]  # [T, B]
+    ctx_len = blocks.shape[1] * block_size
+    rows = (blocks[:, :, None] * block_size + jnp.arange(block_size, dtype=blocks.dtype)).reshape(
+        num_tokens, ctx_len)
+    j = jnp.arange(ctx_len, dtype=jnp.int32)[None, :]
+    in_batch = jnp.arange(num_tokens, dtype=jnp.int32) < meta.query_start_loc[-1]
+    visible = ((j < meta.seq_lens[req][:, None]) & (j <= positions[:, None])
+               & in_batch[:, None])  # [T, S]
+    k = layer_k[rows].astype(q.dtype)  # [T, S, Hkv, D]
+    v = jnp.where(visible[:, :, None, None], layer_v[rows].astype(q.dtype), 0)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    mask = visible[:, None, None, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = (probs / jnp.where(denom > 0, denom, 1.0)).astype(v.dtype)
+    out = jnp.einsum("tkgs,tskd->tkgd", probs, v)
+    return out.reshape(num_tokens, num_heads, head_dim)
+
+
+def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, lp: Params, positions: jax.Array,
+           cos: jax.Array, sin: jax.Array, write_rows: jax.Array, meta: AttentionMetadata,
+           config: DecoderConfig, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer: write this step's K/V into layer ``layer_idx`` of the cache, then attend."""
+    num_tokens = x.shape[0]
+    d, eps = config.head_dim, config.rms_norm_eps
+    h = rms_norm(x, lp["input_norm"], eps)
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if config.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(num_tokens, config.num_attention_heads, d)
+    k = k.reshape(num_tokens, config.num_key_value_heads, d)
+    v = v.reshape(num_tokens, config.num_key_value_heads, d)
+    if config.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    kv_cache = kv_cache.at[layer_idx, 0, write_rows].set(k.astype(kv_cache.dtype))
+    kv_cache = kv_cache.at[layer_idx, 1, write_rows].set(v.astype(kv_cache.dtype))
+    layer_kv = kv_cache[layer_idx]
+    attn = paged_attention(q, layer_kv[0], layer_kv[1], positions, meta, block_size)
+    attn = attn.reshape(num_tokens, config.q_size) @ lp["wo"]
+    if config.attention_bias:
+        attn = attn + lp["bo"]
+    x = x + attn
+    h = rms_norm(x, lp["post_norm"], eps)
+    x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    return x, kv_cache
+
+
+def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions: jax.Array,
+            meta: AttentionMetadata, *, config: DecoderConfig,
+            block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Run the decoder on ``T`` flattened tokens; returns (final-normed hidden [T, H], new kv_cache).
+
+    Jit with ``static_argnames=("config", "block_size")`` and ``donate_argnames=("kv_cache",)``.
+    Padded tokens (negative slot) write only the trash row; tokens of a request with seq_len 0, or
+    past ``query_start_loc[-1]``, see no keys and get a zero attention output.
+    """
+    trash_row = kv_cache.shape[2] - 1
+    write_rows = jnp.where(meta.slot_mapping < 0, trash_row, meta.slot_mapping).astype(jnp.int32)
+    cos, sin = rotary_cos_sin(positions, config.head_dim, config.rope_theta)
+    x = params["embed"][input_ids]
+
+    def step(carry: tuple[jax.Array, jax.Array],
+             xs: tuple[jax.Array, Params]) -> tuple[tuple[jax.Array, jax.Array], None]:
+        x, cache = carry
+        layer_idx, lp = xs
+        return _layer(x, cache, layer_idx, lp, positions, cos, sin, write_rows, meta,
+                      config, block_size), None
+
+    layer_ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(step, (x, kv_cache), (layer_ids, params["layers"]))
+    return rms_norm(x, params["norm"], config.rms_norm_eps), kv_cache
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, config: DecoderConfig) -> jax.Array:
+    """Float32 logits [N, V] for final-normed ``hidden`` [N, H] (tied models use the embedding)."""
+    if config.tie_word_embeddings or "lm_head" not in params:
+        return jnp.einsum("nh,vh->nv", hidden, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("nh,hv->nv", hidden, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,0 +1,2 @@
+"""Torch reference models: paged attention (``attention``), the decoder (``decoder``) and
+its safetensors loader (``loader``)."""

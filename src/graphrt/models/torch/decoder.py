@@ -1,0 +1,229 @@
+"""Llama and Qwen3 decoders in plain torch, over graphrt's paged KV cache.
+
+The forward takes flat token batches (``input_ids [T]``, ``positions [T]``) and reads
+its attention metadata from the forward context, so one captured graph serves any
+batch of the captured size. Numerics follow Hugging Face transformers (RMSNorm in
+float32, half-split rotary, SiLU-gated MLP); q/k/v and gate/up projections are fused
+into one matmul each and filled from the separate checkpoint tensors by the loader.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphrt.core.errors import InputError
+from graphrt.models.hf_config import DecoderConfig
+from graphrt.models.torch.attention import PagedAttention
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled in the input dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(in_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) rotary embedding; cos/sin are computed per step from positions.
+
+    Computing the inverse frequencies on the fly keeps them float32 whatever dtype or
+    device the module is moved to, and costs a handful of tiny kernels per forward.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` -> ``(cos, sin)``, each float32 ``[T, head_dim // 2]``."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by position; the two halves of D form the complex pairs."""
+    cos = cos.to(x.dtype).unsqueeze(1)
+    sin = sin.to(x.dtype).unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class FusedLinear(nn.Linear):
+    """One linear layer whose output rows stack several checkpoint projections.
+
+    ``shard_sizes`` maps each shard id (``"q"``/``"k"``/``"v"`` or ``0``/``1``) to its row
+    count, in order. The weight (and bias) carry ``weight_loader`` so the loader can fill
+    one shard at a time.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str | int, int], bias: bool,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, dtype=dtype)
+        self.shard_offsets: dict[str | int, tuple[int, int]] = {}
+        start = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (start, size)
+            start += size
+        self.bind_weight_loaders()
+
+    def bind_weight_loaders(self) -> None:
+        """Attach ``weight_loader`` to the parameters (again after ``to_empty`` replaced them)."""
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int) -> None:
+        """Copy one checkpoint projection into its rows of the fused ``param``."""
+        if shard_id not in self.shard_offsets:
+            raise InputError("shard_id", f"{shard_id!r} is not one of {list(self.shard_offsets)}")
+        start, size = self.shard_offsets[shard_id]
+        expected = (size, *param.shape[1:])
+        if tuple(loaded_weight.shape) != expected:
+            raise InputError("loaded_weight", f"shard {shard_id!r} has shape {tuple(loaded_weight.shape)}, "
+                                              f"expected {expected}")
+        with torch.no_grad():
+            param.narrow(0, start, size).copy_(loaded_weight)
+
+
+class DecoderAttention(nn.Module):
+    """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention."""
+
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = FusedLinear(config.hidden_size, {"q": config.q_size, "k": config.kv_size,
+                                                         "v": config.kv_size},
+                                    bias=config.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.attn(q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v)
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {0: size, 1: size}, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = DecoderAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(config, dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*`` parameter names)."""
+
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary_emb(positions)
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Llama or Qwen3 causal LM over a paged KV cache; capturable as a device graph.
+
+    ``forward`` returns final hidden states; ``compute_logits`` is separate so the
+    runner can project only the rows it samples from.
+    """
+
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.bind_parameters()
+
+    def bind_parameters(self) -> None:
+        """Tie ``lm_head`` to ``embed_tokens`` when configured and attach fused weight loaders.
+
+        ``nn.Module.to_empty`` replaces parameter objects, dropping ties and attributes;
+        call this again after it.
+        """
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, FusedLinear):
+                module.bind_weight_loaders()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> hidden ``[T, hidden]``; metadata from the forward context."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The paged-attention modules in layer order (the runner assigns their ``kv_cache``)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)`` so the runner can size the caches."""
+        return (self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim)

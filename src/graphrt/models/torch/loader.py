@@ -1,0 +1,98 @@
+"""Load a Hugging Face Llama / Qwen3 checkpoint into :class:`DecoderForCausalLM`.
+
+The model is built on the meta device (no init cost), given uninitialised storage on
+the target device, and every parameter is then filled from the ``*.safetensors``
+files; a parameter the checkpoint does not fill is an error, as is a checkpoint
+tensor the model has no place for.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from graphrt.core.errors import InputError
+from graphrt.models.hf_config import DecoderConfig
+from graphrt.models.torch.decoder import DecoderForCausalLM, FusedLinear
+
+# Checkpoint tensors that carry no model state (old HF checkpoints saved these buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor into ``param`` after checking its shape."""
+    if tuple(loaded_weight.shape) != tuple(param.shape):
+        raise InputError("loaded_weight", f"tensor has shape {tuple(loaded_weight.shape)}, "
+                                          f"the model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded_weight)
+
+
+def _packed_target(name: str, mapping: dict[str, tuple[str, str | int]]) -> tuple[str, str | int] | None:
+    """``model.layers.0.self_attn.k_proj.weight`` -> (``...qkv_proj.weight``, ``"k"``), else None."""
+    for ckpt_part, (fused_part, shard_id) in mapping.items():
+        token = f".{ckpt_part}."
+        if token in name:
+            return name.replace(token, f".{fused_part}.", 1), shard_id
+    return None
+
+
+def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> None:
+    """Fill every parameter of ``model`` from ``model_dir/*.safetensors``.
+
+    Raises :class:`InputError` for an unknown checkpoint key, a shape mismatch, or a
+    parameter (or fused shard) that no checkpoint tensor filled.
+    """
+    files = sorted(glob.glob(os.path.join(os.fspath(model_dir), "*.safetensors")))
+    if not files:
+        raise InputError("model_dir", f"{model_dir!s} has no *.safetensors files")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.config.tie_word_embeddings
+    expected: set[tuple[str, str | int | None]] = set()
+    for module_name, module in model.named_modules():
+        shard_ids = list(module.shard_offsets) if isinstance(module, FusedLinear) else [None]
+        for name, _ in module.named_parameters(prefix=module_name, recurse=False):
+            if not (tied and name == "lm_head.weight"):
+                expected.update((name, shard_id) for shard_id in shard_ids)
+
+    loaded: set[tuple[str, str | int | None]] = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+                    continue
+                packed = _packed_target(key, model.packed_modules_mapping)
+                name, shard_id = packed if packed is not None else (key, None)
+                param = params.get(name)
+                if param is None:
+                    raise InputError("checkpoint", f"unknown key {key!r} in {os.path.basename(path)}: "
+                                                   f"the {model.config.architecture} model has no such parameter")
+                tensor = f.get_tensor(key).to(param.dtype)
+                try:
+                    if shard_id is None:
+                        default_weight_loader(param, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard_id)
+                except InputError as err:
+                    raise InputError("checkpoint", f"{key!r}: {err}") from None
+                loaded.add((name, shard_id))
+
+    missing = sorted(name + ("" if shard is None else f"[{shard}]") for name, shard in expected - loaded)
+    if missing:
+        raise InputError("checkpoint", f"{model_dir!s} is missing parameters: {missing}")
+
+
+def load_torch_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> DecoderForCausalLM:
+    """Read ``config.json`` + ``*.safetensors`` from ``model_dir`` into an eval-mode model."""
+    config = DecoderConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(config, dtype=dtype)
+    model.to_empty(device=device)
+    model.bind_parameters()
+    load_weights(model, model_dir)
+    return model.eval().requires_grad_(False)
