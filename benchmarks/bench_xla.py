@@ -189,7 +189,7 @@ def bench_trace(model_dir: Path) -> dict[str, Any]:
 # ---- (b) dispatch overhead ---------------------------------------------------------------
 def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, Any]]:
     from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch
-    from graphrt.core.dispatch import RuntimeMode
+    from graphrt.core.dispatch import RuntimeMode, SamplerKey
 
     ex = runner.executor
     width = runner.config.max_blocks_per_req
@@ -205,11 +205,11 @@ def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, 
         inputs = runner.preparer.prepare(**args)
         key = runner.dispatcher.dispatch(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode).key
         entry = runner.cache.get((RuntimeMode.FULL, key))
-        sentry = runner.sampler_cache.get(("sample", key.num_reqs, True))
+        sampler_entry = runner.sampler_cache.get(SamplerKey(key.num_reqs, True))
         padded = runner.padder.pad(inputs, num_tokens=key.num_tokens, num_reqs=key.num_reqs,
                                    out=ex.host_buffers).copy()
         host = [getattr(padded, f) for f in BATCH_FIELDS]
-        fwd, smp = entry.executable, sentry.executable
+        fwd, smp = entry.executable, sampler_entry.executable
 
         def direct() -> np.ndarray:
             b = XlaBatch(*(a.copy() for a in host), key.num_tokens, key.num_reqs, True)
@@ -218,7 +218,7 @@ def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, 
 
         def executor() -> np.ndarray:
             logits = ex.run(RuntimeMode.FULL, key, entry, padded)
-            return ex.sample(logits, batch, sampling, padded_reqs=key.num_reqs, entry=sentry)
+            return ex.sample(logits, batch, sampling, padded_reqs=key.num_reqs, entry=sampler_entry)
 
         def full() -> np.ndarray:
             return runner.execute(**args, sampling=sampling)

@@ -236,8 +236,8 @@ def test_capture_order_is_largest_first(runners):
     assert [k[1].num_tokens for k in keys] == [32, 4, 1]
     assert all(k[0] is RuntimeMode.FULL for k in keys)
     sampler_keys = runner.sampler_cache.keys()
-    assert [k[1] for k in sampler_keys] == sorted((k[1] for k in sampler_keys), reverse=True)
-    assert {k[1] for k in sampler_keys} == {8, 4, 1}
+    assert [k.num_reqs for k in sampler_keys] == sorted((k.num_reqs for k in sampler_keys), reverse=True)
+    assert {k.num_reqs for k in sampler_keys} == {8, 4, 1}
     report = [row["key"] for row in runner.warmup_report]     # the same order, as text
     assert len(report) == len(keys) + len(sampler_keys)
     assert [f"tokens={n}," in row for n, row in zip((32, 4, 1), report)] == [True] * 3, report

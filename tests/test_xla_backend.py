@@ -24,7 +24,7 @@ from graphrt.backends.xla.batch import (SamplingMetadata, XlaBatch, batch_spec, 
                                         describe_change, signature)
 from graphrt.backends.xla.compile import CompileCounter  # noqa: E402
 from graphrt.core.buckets import BucketPolicy  # noqa: E402
-from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode  # noqa: E402
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey  # noqa: E402
 from graphrt.core.errors import CacheMissError, InputError  # noqa: E402
 from graphrt.runner import ModelRunner, sampling_batch  # noqa: E402
 from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
@@ -149,7 +149,7 @@ def test_warmup_report_and_entries(qwen):
     keys = {k for _, k in runner.cache}
     assert keys == {BatchDescriptor(32, 4, False), BatchDescriptor(16, 4, False), BatchDescriptor(4, 4, True),
                     BatchDescriptor(2, 2, True), BatchDescriptor(1, 1, True)}
-    assert {k for k in runner.sampler_cache} == {("sample", r, g) for r in (1, 2, 4) for g in (True, False)}
+    assert {k for k in runner.sampler_cache} == {SamplerKey(r, g) for r in (1, 2, 4) for g in (True, False)}
     report = ex.compile_report
     assert len(report) == 11 and all(r["compile_s"] > 0 and r["lower_s"] > 0 for r in report)
     assert all(r["seconds"] > 0 for r in runner.warmup_report)
@@ -257,7 +257,7 @@ def test_strict_forced_miss_raises(qwen, monkeypatch):
     msg = str(err.value)
     assert "shape: field 'input_ids' is (24,)" in msg and "nearest" in msg
     with pytest.raises(CacheMissError, match="logits"):
-        runner.executor.build(RuntimeMode.FULL, ("sample", 3, True))
+        runner.executor.build(RuntimeMode.FULL, SamplerKey(3, True))
 
 
 _FRESH_SHAPES = itertools.count(11)
@@ -430,7 +430,7 @@ def _cached_runner(cache_dir, model_dir=None, **overrides):
                        precompile_bs_paddings=[1, 4], **limits)
 
 
-CACHE_KEYS = [(RuntimeMode.FULL, BatchDescriptor(1, 1, True)), (RuntimeMode.FULL, ("sample", 1, True))]
+CACHE_KEYS = [(RuntimeMode.FULL, BatchDescriptor(1, 1, True)), (RuntimeMode.FULL, SamplerKey(1, True))]
 
 
 def test_persistent_cache_is_reused(tmp_path, restore_compilation_cache):

@@ -16,7 +16,7 @@ from graphrt.config import GraphConfig, add_cli_args, from_cli_args
 from graphrt.core import __version__
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.cache import CacheStats, GraphCache
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode, SamplerKey
 from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GraphCaptureError,
                                  GraphrtError, InputError)
 from graphrt.core.fields import ModelInputs
@@ -43,7 +43,7 @@ __all__ = [
     "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
     "ConfigError", "Dispatch", "Dispatcher", "GraphCache", "GraphCaptureError", "GraphConfig",
     "GraphMode", "GraphrtError", "InputError", "InputPreparer", "LLM", "ModelInputs",
-    "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplingParams", "add_cli_args",
+    "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "add_cli_args",
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
     "tolerance",
 ]

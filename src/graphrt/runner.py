@@ -21,7 +21,7 @@ from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.core.cache import CacheStats, GraphCache
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, resolve_mode
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
 from graphrt.core.errors import InputError
 from graphrt.core.inputs import InputPreparer
 from graphrt.core.padding import Padder
@@ -155,7 +155,7 @@ class ModelRunner:
         jobs: list[tuple[GraphCache, Any, RuntimeMode, Any]] = [
             (self.cache, (m, k), m, k) for m, k in keys]
         jobs += [(self.sampler_cache, key, RuntimeMode.FULL, key)
-                 for r in sampler_reqs for key in (("sample", r, True), ("sample", r, False))]
+                 for r in sampler_reqs for key in (SamplerKey(r, True), SamplerKey(r, False))]
         start = time.perf_counter()
         build_many = getattr(self.executor, "build_many", None)
         if build_many is not None:  # executors that compile in parallel (XLA) build every key up front
@@ -213,14 +213,14 @@ class ModelRunner:
         self.cache.record_step(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r,
                                padded_reqs=padded_reqs, eager_reason=plan.eager_reason,
                                key=plan.cache_key, hit=plan.hit)
-        sentry = None
+        sampler_entry = None
         if sampling is not None and plan.mode is RuntimeMode.FULL:
-            skey, sentry, shit = plan.sampler[sampling.all_greedy]
-            self.sampler_cache.count(skey, shit)
+            sampler_key, sampler_entry, sampler_hit = plan.sampler[sampling.all_greedy]
+            self.sampler_cache.count(sampler_key, sampler_hit)
         logits = self.executor.run(plan.mode, key, plan.entry, padded)
         tokens = None
         if sampling is not None:
-            tokens = self.executor.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sentry)
+            tokens = self.executor.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sampler_entry)
         self._last = (plan, t, r, time.perf_counter() - t0)
         return tokens
 
@@ -244,10 +244,10 @@ class ModelRunner:
         padded_reqs = key.num_reqs if key.num_reqs is not None else r
         sampler = {}
         for greedy in (True, False):
-            skey = ("sample", padded_reqs, greedy)
-            sentry = self.sampler_cache.lookup(skey)
-            sampler[greedy] = (skey, None if isinstance(sentry, EagerFallback) else sentry,
-                               sentry is not None)
+            sampler_key = SamplerKey(padded_reqs, greedy)
+            sampler_entry = self.sampler_cache.lookup(sampler_key)
+            sampler[greedy] = (sampler_key, None if isinstance(sampler_entry, EagerFallback) else sampler_entry,
+                               sampler_entry is not None)
         plan = _StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
                          self.cache.version + self.sampler_cache.version)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:

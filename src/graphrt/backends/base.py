@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
+from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.fields import ModelInputs
 
 
@@ -59,7 +59,7 @@ class Executor(abc.ABC):
         """Allocate the KV cache (block 0 is the null block, never given to a request)."""
 
     @abc.abstractmethod
-    def build(self, mode: RuntimeMode, key: BatchDescriptor) -> tuple[Any, int]:
+    def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[Any, int]:
         """Capture / compile the entry for ``key``; returns (entry, bytes it holds)."""
 
     @abc.abstractmethod

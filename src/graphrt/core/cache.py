@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
+from graphrt.core.dispatch import SamplerKey
 from graphrt.core.errors import CacheMissError, GraphrtError
 
 E = TypeVar("E")
@@ -20,8 +21,8 @@ E = TypeVar("E")
 
 def describe_key(key: Hashable) -> str:
     """A readable key: ``FULL (decode, tokens=8, reqs=8)``, ``sampler (reqs=8, greedy)``."""
-    if isinstance(key, tuple) and len(key) == 3 and key[0] == "sample":
-        return f"sampler (reqs={key[1]}, {'greedy' if key[2] else 'random'})"
+    if isinstance(key, SamplerKey):
+        return f"sampler (reqs={key.num_reqs}, {'greedy' if key.greedy else 'random'})"
     if isinstance(key, tuple):
         return " ".join(describe_key(k) for k in key)
     if isinstance(key, enum.Enum):

@@ -76,7 +76,7 @@ CAPTURE_WARMUP_RUNS = 1
 #: ``compile_model``: largest bucket (tokens) whose pieces are compiled before capture
 #: (SGLang's default ``torch_compile_max_bs``); larger buckets are captured uncompiled.
 DEFAULT_COMPILE_MAX_SIZE = 32
-#: Ascend: environment variable and value selecting HCCL's AIV expansion mode (seed 003).
+#: Ascend: environment variable and value selecting HCCL's AIV expansion mode (vllm-ascend's ACL graph setup).
 ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
 ACL_AIV_VALUE = "AIV"
 

@@ -100,6 +100,18 @@ class BatchDescriptor:
 
 
 @dataclass(frozen=True)
+class SamplerKey:
+    """The key of a sampler graph / executable: ``num_reqs`` padded request rows, and
+    whether every row is greedy (an argmax-only sampler) or not."""
+
+    num_reqs: int
+    greedy: bool
+
+    def __str__(self) -> str:
+        return f"(sample, reqs={self.num_reqs}, {'greedy' if self.greedy else 'random'})"
+
+
+@dataclass(frozen=True)
 class Dispatch:
     """The dispatcher's answer for one step."""
 
@@ -116,7 +128,7 @@ class Dispatcher:
       capped at ``max_num_seqs``).
     * ``mixed_num_reqs`` -- request count of FULL mixed keys: ``None`` means
       ``min(padded tokens, max_num_seqs)`` (graph backends); an int fixes it (XLA's fixed
-      batch size, seed 000).
+      batch size, as sglang-jax pads it).
     * ``eager_fallback`` -- graph backends run a step above the largest bucket eagerly; XLA
       has no eager escape, so such a step is an :class:`InputError`.
     * ``separate_decode`` -- whether uniform-decode steps get their own keys

@@ -1,6 +1,6 @@
 """Compiled host kernels: the loops behind the fast path of input preparation and padding.
 
-Every step, the engine's host does the same small jobs (seed 001): spread each request's
+Every step, the engine's host does the same small jobs (vLLM's ``_prepare_inputs``): spread each request's
 schedule over its tokens, gather ids and KV slots from the engine's tables, copy block-table
 rows, pad to the bucket. numpy does each job in one call, but a step needs 25-40 of them,
 and at a few hundred requests their fixed cost (and the caches a forward evicts between

@@ -1,5 +1,5 @@
 """Input preparation: from the engine's persistent tables and this step's schedule to
-everything the model and its attention need (seed 001's worked example, vectorised).
+everything the model and its attention need (vLLM's GPU model runner's ``_prepare_inputs``, vectorised).
 
 Token level (length T = total scheduled tokens): ``input_ids``, ``positions``,
 ``slot_mapping``. Request level (length R): ``seq_lens``, ``num_computed_tokens``,
@@ -24,7 +24,7 @@ from graphrt.core.fields import FIELD_DTYPES, ModelInputs
 from graphrt.core.padding import Padder
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
-_ND = np.ndarray
+_ARRAY = np.ndarray
 
 
 class StepShape(NamedTuple):
@@ -211,8 +211,8 @@ class InputPreparer:
             raise InputError("block_size", f"must be > 0, got {bs}")
         a, b, c, d, e = token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens
         tables = self._table_dtypes
-        if not (type(a) is _ND and type(b) is _ND and type(c) is _ND and type(d) is _ND
-                and type(e) is _ND and a.ndim == 2 and b.ndim == 2 and c.ndim == 1
+        if not (type(a) is _ARRAY and type(b) is _ARRAY and type(c) is _ARRAY and type(d) is _ARRAY
+                and type(e) is _ARRAY and a.ndim == 2 and b.ndim == 2 and c.ndim == 1
                 and d.ndim == 1 and e.ndim == 1 and a.dtype in tables and b.dtype in tables
                 and (c.dtype is _INT32 or c.dtype is _INT64) and (d.dtype is _INT32 or d.dtype is _INT64)
                 and (e.dtype is _INT32 or e.dtype is _INT64)):    # one test on the per-step path

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler (seed 002's shape, vLLM's token budget).
+"""Continuous-batching scheduler (SGLang's waiting queue and running batch, vLLM's token budget).
 
 Each step: prefills first (continuing chunked prefills, then waiting requests in arrival
 order), then decodes, all within ``max_num_batched_tokens`` tokens and ``max_num_seqs``

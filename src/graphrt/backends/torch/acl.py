@@ -1,4 +1,5 @@
-"""Ascend ACL graph limits: how many graphs the device's streams allow (seed 003).
+"""Ascend ACL graph limits: how many graphs the device's streams allow (as
+vllm-ascend computes it).
 
 Every captured ACL graph takes streams -- in PIECEWISE mode at least one per piece -- and
 a device has 2048, of which 1800 (``defaults.ACL_MAX_CAPTURE_SIZE``) are usable for

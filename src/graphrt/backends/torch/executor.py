@@ -44,7 +44,7 @@ from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.torch.piecewise import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
                                               split_or_reason)
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
+from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import GraphCaptureError, GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.fields import FIELD_DTYPES, ModelInputs
@@ -352,14 +352,14 @@ class TorchExecutor(Executor):
         return ptrs
 
     # ---- build -----------------------------------------------------------------------
-    def build(self, mode: RuntimeMode, key: BatchDescriptor | tuple) -> tuple[Any, int]:
+    def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[Any, int]:
         """Capture the forward for a FULL key, its pieces for a PIECEWISE key, or the
-        sampler for ("sample", reqs, greedy). Returns (entry, graph bytes)."""
+        sampler for a :class:`SamplerKey`. Returns (entry, graph bytes)."""
         if self.graph_api is None:
             raise GraphrtError("the eager backend captures no graphs")
         t0 = time.perf_counter()
-        if isinstance(key, tuple) and key and key[0] == "sample":
-            _, num_reqs, greedy = key
+        if isinstance(key, SamplerKey):
+            num_reqs, greedy = key.num_reqs, key.greedy
             entry, nbytes = self._capture(lambda: self._sample_into(num_reqs, greedy), lambda: None)
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
@@ -540,23 +540,23 @@ class TorchExecutor(Executor):
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
         """Fill sampler buffers and noise, replay the sampler graph (or run it eagerly)."""
-        rp = padded_reqs or num_reqs
+        rows = padded_reqs or num_reqs
         greedy = sampling.all_greedy
         if not greedy:
-            np_ = self._samp_np
-            np_["temperature"][:num_reqs] = sampling.temperature
-            np_["top_k"][:num_reqs] = sampling.top_k
-            np_["top_p"][:num_reqs] = sampling.top_p
-            np_["temperature"][num_reqs:rp] = 0.0
-            np_["top_k"][num_reqs:rp] = self.vocab_size
-            np_["top_p"][num_reqs:rp] = 1.0
+            host = self._samp_np
+            host["temperature"][:num_reqs] = sampling.temperature
+            host["top_k"][:num_reqs] = sampling.top_k
+            host["top_p"][:num_reqs] = sampling.top_p
+            host["temperature"][num_reqs:rows] = 0.0
+            host["top_k"][num_reqs:rows] = self.vocab_size
+            host["top_p"][num_reqs:rows] = 1.0
             if self.samp_static is not self._samp_host:
                 for k, t in self.samp_static.items():
-                    t[:rp].copy_(self._samp_host[k][:rp], non_blocking=True)
+                    t[:rows].copy_(self._samp_host[k][:rows], non_blocking=True)
             self._fill_noise(num_reqs, sampling)
         with torch.no_grad():
             if entry is None:
-                self._sample_into(rp, greedy)
+                self._sample_into(rows, greedy)
             else:
                 self._replay(entry)
         tokens = self.tokens_out[:num_reqs].cpu().numpy()

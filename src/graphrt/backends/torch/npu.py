@@ -15,8 +15,8 @@ plus what Ascend needs:
 * **Stream budget.** :meth:`NpuGraphBackend.adjust_config` limits the capture sizes to
   :func:`graphrt.backends.torch.acl.capture_budget` and logs it.
 
-``compile_model`` is not supported here (seed 003: Inductor is not available for ACL
-graphs); the executor logs that and captures uncompiled.
+``compile_model`` is not supported here (vllm-ascend's ACL graph mode does not support
+``use_inductor``); the executor logs that and captures uncompiled.
 
 ``torch_npu`` is imported lazily, only when this backend is probed or selected. Since
 torch 2.5, ``import torch`` itself imports out-of-tree device backends such as torch_npu

@@ -1,7 +1,7 @@
 """The torch sampler: greedy, temperature, top-k and top-p, with static shapes.
 
-It runs as its own graph, separate from the forward (seed 000): its inputs are rows of
-the forward's logits buffer plus per-request temperature / top-k / top-p and a noise
+It runs as its own graph, separate from the forward (as sglang-jax jits its sampler): its inputs
+are rows of the forward's logits buffer plus per-request temperature / top-k / top-p and a noise
 buffer the runner fills (exponential noise from the device RNG, or from a request's own
 seeded generator), so the captured graph holds no RNG state and seeding is exact.
 Sampling draws ``argmax(probs / noise)`` with ``noise ~ Exp(1)``: the exponential race,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_MIN_TEMPERATURE = 1e-5
+from graphrt.core import defaults
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ def random_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
-    scaled = logits / temperature.clamp(min=_MIN_TEMPERATURE).unsqueeze(1)
+    scaled = logits / temperature.clamp(min=defaults.SAMPLER_MIN_TEMPERATURE).unsqueeze(1)
     sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
@@ -42,4 +42,4 @@ def random_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     filtered = torch.full_like(scaled, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     probs = torch.softmax(filtered, dim=-1)
     sampled = (probs / noise.clamp(min=1e-10)).argmax(dim=-1)
-    return torch.where(temperature < _MIN_TEMPERATURE, greedy, sampled)
+    return torch.where(temperature < defaults.SAMPLER_MIN_TEMPERATURE, greedy, sampled)

@@ -2,7 +2,7 @@
 
 ``XlaBatch`` (the forward's inputs) and ``SamplingMetadata`` (the sampler's) are registered
 dataclasses: the arrays are pytree leaves, the padded sizes and the step kind are static
-metadata kept apart from them (seed 000). An executable compiled for one batch accepts another
+metadata kept apart from them (sglang-jax's pytree batches). An executable compiled for one batch accepts another
 only when structure, dtypes and shapes all match; :func:`describe_change` names the field that
 differs, for ``CacheMissError`` and ``InputError`` messages.
 """

@@ -1,6 +1,6 @@
 """``xla`` (alias ``jax``): one ahead-of-time compiled XLA executable per bucket.
 
-The forward and the sampler are jitted separately (seed 000) and compiled with
+The forward and the sampler are jitted separately (as sglang-jax does) and compiled with
 ``jit(...).lower(...).compile()`` for every key the runner's XLA dispatcher can return:
 mixed / prefill steps at (the next token bucket, a fixed batch size), decode steps at (the
 next batch-size bucket, as many tokens). The KV cache is donated, so each step updates it
@@ -33,7 +33,7 @@ from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.core.cache import describe_key
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode
+from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import BackendUnavailableError, CacheMissError, ConfigError, GraphrtError, InputError
 from graphrt.core.fields import ModelInputs
 
@@ -67,7 +67,6 @@ logger = logging.getLogger(__name__)
 
 _I32 = np.dtype(np.int32)
 _U32_MASK = 0xFFFFFFFF
-SamplerKey = tuple  # ("sample", num_reqs, greedy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +114,7 @@ def _spec_shapes(spec: Any) -> tuple[tuple[int, ...], ...]:
 
 
 def _is_sampler_key(key: Hashable) -> bool:
-    return isinstance(key, tuple) and len(key) == 3 and key[0] == "sample"
+    return isinstance(key, SamplerKey)
 
 
 def _jax_dtype(dtype: Any) -> Any:
@@ -255,7 +254,7 @@ class XlaExecutor(Executor):
         sampler_reqs = sorted({k.num_reqs for k in forward_keys}, reverse=True)
         #: Every key warm-up compiles; once all exist, any further compile is unplanned.
         self.planned_keys: list[Hashable] = forward_keys + [
-            ("sample", r, greedy) for r in sampler_reqs for greedy in (True, False)]
+            SamplerKey(r, greedy) for r in sampler_reqs for greedy in (True, False)]
         max_t = max(k.num_tokens for k in forward_keys)
         max_r = max(k.num_reqs for k in forward_keys)
         width = config.max_blocks_per_req
@@ -353,7 +352,7 @@ class XlaExecutor(Executor):
     # ---- build -------------------------------------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[XlaEntry, int]:
         """Compile the forward for a :class:`BatchDescriptor`, or the sampler for
-        ``("sample", num_reqs, greedy)``; returns (entry, bytes). Already compiled: returned as is."""
+        ``SamplerKey(num_reqs, greedy)``; returns (entry, bytes). Already compiled: returned as is."""
         entry = self._entries.get(key) or self._load_cached(mode, key)
         if entry is None:
             entry = self._compile(key, *self._lower(mode, key))
@@ -399,7 +398,7 @@ class XlaExecutor(Executor):
         if self.sealed:
             self._unplanned(key, self.explain_miss(key))
         if _is_sampler_key(key):
-            _, num_reqs, greedy = key
+            num_reqs, greedy = key.num_reqs, key.greedy
             logits = jax.ShapeDtypeStruct((num_reqs, self.vocab_size), jnp.float32)
             if greedy:
                 return self._greedy_jit, None, (logits,)
@@ -461,12 +460,12 @@ class XlaExecutor(Executor):
     def explain_miss(self, key: Hashable) -> str:
         """Which compiled key is nearest to ``key`` and which input field differs from it."""
         if _is_sampler_key(key):
-            same = [k for k in self._entries if _is_sampler_key(k) and k[2] == key[2]]
+            same = [k for k in self._entries if _is_sampler_key(k) and k.greedy == key.greedy]
             if not same:
-                return f"no {'greedy' if key[2] else 'random'} sampler was compiled during warm-up"
-            near = min(same, key=lambda k: abs(k[1] - key[1]))
-            return (f"shape: field 'logits' is ({key[1]}, {self.vocab_size}); the nearest compiled "
-                    f"sampler expects ({near[1]}, {self.vocab_size})")
+                return f"no {'greedy' if key.greedy else 'random'} sampler was compiled during warm-up"
+            near = min(same, key=lambda k: abs(k.num_reqs - key.num_reqs))
+            return (f"shape: field 'logits' is ({key.num_reqs}, {self.vocab_size}); the nearest compiled "
+                    f"sampler expects ({near.num_reqs}, {self.vocab_size})")
         forward_keys = [k for k in self._entries if isinstance(k, BatchDescriptor)]
         planned = f"{len(forward_keys)} forward buckets were compiled during warm-up"
         if not isinstance(key, BatchDescriptor) or key.num_reqs is None or not forward_keys:
@@ -540,16 +539,16 @@ class XlaExecutor(Executor):
                padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
         """One token id per real request (int64), from the compiled greedy or random sampler.
 
-        ``entry`` is the runner's sampler entry for ``("sample", padded_reqs, all_greedy)``;
+        ``entry`` is the runner's sampler entry for ``SamplerKey(padded_reqs, all_greedy)``;
         without one, the executor finds (or compiles) it.
         """
         if isinstance(entry, XlaEntry):
             key = entry.key
-            rows, greedy = key[1], key[2]
+            rows, greedy = key.num_reqs, key.greedy
         else:
             rows = int(logits.shape[0]) if padded_reqs is None else int(padded_reqs)
             greedy = sampling.all_greedy
-            key = ("sample", rows, greedy)
+            key = SamplerKey(rows, greedy)
             entry = self._entry(RuntimeMode.FULL, key, entry)
         if logits.shape != (rows, self.vocab_size):
             raise InputError("logits", f"shape {tuple(logits.shape)}; the sampler for {rows} rows "
