@@ -66,19 +66,19 @@ def test_capture_budget_rejects_nonsense() -> None:
         acl.capture_budget(4, tp_size=0)
 
 
-def test_limit_capture_sizes_keeps_ends_and_logs(caplog: pytest.LogCaptureFixture) -> None:
-    config = GraphConfig.create(max_num_seqs=256)
-    assert len(config.capture_policy()) == 51
+def test_limit_policy_keeps_ends_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    policy = GraphConfig.create(max_num_seqs=256).capture_policy()
+    assert len(policy) == 51
     with caplog.at_level(logging.INFO, logger="graphrt"):
-        limited = acl.limit_capture_sizes(config, 61, tp_size=8, aiv_mode=False)
-    sizes = limited.capture_policy().sizes
+        limited = acl.limit_policy(policy, 61, tp_size=8, aiv_mode=False)
+    sizes = limited.sizes
     assert len(sizes) == acl.capture_budget(61, tp_size=8) == 9
     assert sizes[0] == 1 and sizes[-1] == 512
-    assert limited.capture_policy() == config.capture_policy().limit_to(9)
+    assert limited == policy.limit_to(9)
     assert any("limiting 51 sizes" in r.getMessage() for r in caplog.records)
     with caplog.at_level(logging.INFO, logger="graphrt"):
-        same = acl.limit_capture_sizes(config, 2)
-    assert same is config
+        same = acl.limit_policy(policy, 2)
+    assert same is policy
     assert any("all 51 configured sizes fit" in r.getMessage() for r in caplog.records)
 
 
@@ -95,7 +95,7 @@ def test_npu_backend_limits_the_capture_policy(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level(logging.INFO, logger="graphrt"):
         runner = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend=NpuGraphBackend("cpu", npu=FakeNpu()),
                              num_kv_blocks=33, progress=False, mode="FULL", **CONFIG)
-    assert runner.config.capture_policy().sizes == (1, 4, 16)
+    assert runner.dispatcher.token_buckets.sizes == (1, 4, 16)
     assert sorted(k.num_tokens for _, k in runner.dispatcher.keys()) == [1, 4, 16]
     assert any("ACL stream budget" in r.getMessage() for r in caplog.records)
 

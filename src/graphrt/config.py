@@ -130,10 +130,13 @@ class GraphConfig(BaseModel):
             return BucketPolicy(self.precompile_bs_paddings)
         return BucketPolicy.powers_of_two(self.max_num_seqs)
 
-    def graph_dispatcher(self, mode: GraphMode | None = None) -> Dispatcher:
-        """The dispatcher of graph backends (eager above the largest capture size)."""
+    def graph_dispatcher(self, mode: GraphMode | None = None,
+                         token_buckets: BucketPolicy | None = None) -> Dispatcher:
+        """The dispatcher of graph backends (eager above the largest capture size), over
+        ``token_buckets`` (default: the configured capture sizes)."""
         m = GraphMode.NONE if self.enforce_eager else (mode or self.mode)
-        return Dispatcher(m, token_buckets=None if m is GraphMode.NONE else self.capture_policy(),
+        buckets = token_buckets if token_buckets is not None else self.capture_policy()
+        return Dispatcher(m, token_buckets=None if m is GraphMode.NONE else buckets,
                           max_num_seqs=self.max_num_seqs)
 
     def xla_dispatcher(self) -> Dispatcher:

@@ -87,7 +87,6 @@ class ModelRunner:
         if isinstance(model, (str, os.PathLike)):
             model = self.backend.load_model(os.fspath(model), dtype)
         self.model = model
-        self.config = cfg = self.backend.adjust_config(cfg, model)
         self.executor: Executor = self.backend.create_executor(model, cfg)
         self.vocab_size = self.executor.vocab_size
         self.mode, degraded = resolve_mode(cfg.mode, attention=self.executor.attention_support,
@@ -96,8 +95,7 @@ class ModelRunner:
             self.mode, degraded = GraphMode.NONE, f"backend {self.backend.name} runs every step eagerly"
         if degraded:
             logger.info("graphrt: %s", degraded)
-        self.dispatcher = (cfg.graph_dispatcher(self.mode) if self.executor.eager_fallback
-                           else cfg.xla_dispatcher())
+        self.dispatcher = self.backend.dispatcher(cfg, self.mode, model)
         self.num_kv_blocks = self._num_kv_blocks(num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
         self.preparer = InputPreparer(max_num_reqs=cfg.max_num_seqs,
@@ -157,11 +155,9 @@ class ModelRunner:
         jobs += [(self.sampler_cache, key, RuntimeMode.FULL, key)
                  for r in sampler_reqs for key in (SamplerKey(r, True), SamplerKey(r, False))]
         start = time.perf_counter()
-        build_many = getattr(self.executor, "build_many", None)
-        if build_many is not None:  # executors that compile in parallel (XLA) build every key up front
-            build_many([(mode, key) for _, _, mode, key in jobs], progress=self.progress)
+        ahead = self.executor.build_many([(mode, key) for _, _, mode, key in jobs], progress=self.progress)
         bar = tqdm(jobs, desc=f"graphrt {self.backend.name} warm-up", unit="graph",
-                   disable=not self.progress or not jobs or build_many is not None, leave=False)
+                   disable=not self.progress or not jobs or ahead is not None, leave=False)
         for cache, cache_key, mode, key in bar:
             bar.set_postfix_str(str(key))
             t0 = time.perf_counter()
@@ -173,7 +169,7 @@ class ModelRunner:
                 reason = self.executor.describe_build_failure(exc)
                 logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
                 entry, nbytes = EagerFallback(reason), 0
-            seconds = getattr(entry, "build_seconds", None)
+            seconds = self.executor.build_seconds(entry)
             cache.put(cache_key, entry, seconds=time.perf_counter() - t0 if seconds is None else seconds,
                       nbytes=nbytes)
         self.cache.seal()

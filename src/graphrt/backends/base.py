@@ -15,7 +15,9 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.config import GraphConfig
+from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode,
+                                   SamplerKey)
 from graphrt.core.fields import ModelInputs
 
 
@@ -44,7 +46,9 @@ class Executor(abc.ABC):
     attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS
     #: Whether PIECEWISE graphs (split at attention) are available.
     supports_piecewise: bool = False
-    #: Whether a step above the largest bucket may run eagerly.
+    #: Whether a step may run without a built entry: eagerly above the largest bucket, or
+    #: when its capture failed. False (XLA): every step needs its executable, so the runner
+    #: compiles a missing key on demand and a failed build raises.
     eager_fallback: bool = True
 
     vocab_size: int
@@ -62,13 +66,28 @@ class Executor(abc.ABC):
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[Any, int]:
         """Capture / compile the entry for ``key``; returns (entry, bytes it holds)."""
 
+    def build_many(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]], *,
+                   progress: bool = False) -> list[Any] | None:
+        """Build every key of ``jobs`` up front, where that is faster than one at a time (XLA
+        compiles in parallel); the runner then collects each entry with :meth:`build`.
+        Returns the entries, or None when this executor builds one key at a time (default)."""
+        return None
+
+    def build_seconds(self, entry: Any) -> float | None:
+        """Seconds ``entry`` took to build, when the executor timed it itself (an entry built
+        ahead by :meth:`build_many`); None: the runner times :meth:`build`."""
+        return None
+
     @abc.abstractmethod
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: Any, padded: ModelInputs) -> Any:
         """Run one padded step (replay ``entry``, or eagerly when it is None); returns logits rows."""
 
     @abc.abstractmethod
-    def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch) -> np.ndarray:
-        """One token id per real request (int64)."""
+    def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
+               padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
+        """One token id per real request (int64): the sampler ``entry`` built for
+        ``SamplerKey(padded_reqs, sampling.all_greedy)`` replayed / called on the first
+        ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry`` is None."""
 
     @abc.abstractmethod
     def hidden_states(self, num_tokens: int) -> np.ndarray:
@@ -109,10 +128,13 @@ class Backend(abc.ABC):
     def create_executor(self, model: Any, config: Any) -> Executor:
         """The executor that runs ``model`` under ``config`` on this backend's device."""
 
-    def adjust_config(self, config: Any, model: Any) -> Any:
-        """The config this backend runs ``model`` under (e.g. capture sizes cut to a device
-        limit, logged); called by the runner before ``create_executor``. Default: unchanged."""
-        return config
+    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
+        """This backend's bucket policy, as the one dispatcher that owns its graph keys.
+
+        Default: vLLM-style capture sizes (``config.capture_policy()``), eager above the
+        largest. The ACL backend caps the sizes to its stream budget; XLA uses a token x
+        batch-size grid and never runs eagerly."""
+        return config.graph_dispatcher(mode)
 
     def __repr__(self) -> str:
         return f"<graphrt backend {self.name}>"

@@ -18,7 +18,7 @@ import math
 import os
 
 from graphrt.core import defaults
-from graphrt.config import GraphConfig
+from graphrt.core.buckets import BucketPolicy
 from graphrt.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -65,15 +65,15 @@ def capture_budget(num_hidden_layers: int, tp_size: int = 1, dp_size: int = 1,
     return max(math.floor(available / per_graph / (1 + comm_groups * 2)), 0)
 
 
-def limit_capture_sizes(config: GraphConfig, num_hidden_layers: int, **parallel: int | bool) -> GraphConfig:
-    """``config`` with its capture sizes cut to :func:`capture_budget`, logged either way.
+def limit_policy(policy: BucketPolicy, num_hidden_layers: int, **parallel: int | bool) -> BucketPolicy:
+    """``policy`` cut to :func:`capture_budget` sizes (keeping the smallest and largest),
+    logged either way.
 
     ``parallel`` takes :func:`capture_budget`'s keyword arguments; ``aiv_mode`` defaults to
-    the environment. Returns ``config`` itself when the sizes already fit.
+    the environment. Returns ``policy`` itself when its sizes already fit.
     """
     parallel.setdefault("aiv_mode", aiv_mode_from_env())
     budget = capture_budget(num_hidden_layers, **parallel)
-    policy = config.capture_policy()
     if budget < 1:
         logger.warning("graphrt: the ACL stream budget fits no graph of a %d-layer model (%s); "
                        "capturing only the largest size %d -- use graph mode NONE if capture "
@@ -82,11 +82,9 @@ def limit_capture_sizes(config: GraphConfig, num_hidden_layers: int, **parallel:
     if len(policy) <= budget:
         logger.info("graphrt: ACL stream budget allows %d capture sizes for %d layers; all %d "
                     "configured sizes fit", budget, num_hidden_layers, len(policy))
-        return config
+        return policy
     limited = policy.limit_to(budget)
     logger.info("graphrt: ACL stream budget allows %d capture sizes for %d layers (%s); "
                 "limiting %d sizes to %s", budget, num_hidden_layers,
                 ", ".join(f"{k}={v}" for k, v in parallel.items()), len(policy), list(limited.sizes))
-    fields = config.model_dump()
-    fields.update(cudagraph_capture_sizes=list(limited.sizes), max_cudagraph_capture_size=None)
-    return GraphConfig.create(**fields)
+    return limited

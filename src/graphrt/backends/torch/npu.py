@@ -12,7 +12,7 @@ plus what Ascend needs:
   waits for the device's current stream, each task's hook re-issues the op with the
   step's lengths between ``graph_task_update_begin`` and ``graph_task_update_end``, then
   records the event the graph waits on.
-* **Stream budget.** :meth:`NpuGraphBackend.adjust_config` limits the capture sizes to
+* **Stream budget.** :meth:`NpuGraphBackend.dispatcher` limits the capture sizes to
   :func:`graphrt.backends.torch.acl.capture_budget` and logs it.
 
 ``compile_model`` is not supported here (vllm-ascend's ACL graph mode does not support
@@ -42,7 +42,7 @@ from graphrt.backends.torch import acl
 from graphrt.backends.torch.backend import TorchBackend
 from graphrt.backends.torch.executor import DeviceGraphAPI, GraphTask, PreReplayHook
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import GraphMode
+from graphrt.core.dispatch import Dispatcher, GraphMode
 from graphrt.core.fields import ModelInputs
 
 
@@ -161,11 +161,11 @@ class NpuGraphBackend(TorchBackend):
     def graph_api(self) -> NpuGraphAPI:
         return NpuGraphAPI(self.device, self._npu)
 
-    def adjust_config(self, config: GraphConfig, model: Any) -> GraphConfig:
-        """Limit the capture sizes to the ACL stream budget of this model (and log it)."""
-        if config.enforce_eager or config.mode is GraphMode.NONE:
-            return config
+    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
+        """The graph dispatcher over the capture sizes that fit this model's ACL stream budget."""
+        if config.enforce_eager or mode is GraphMode.NONE:
+            return config.graph_dispatcher(mode)
         layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if layers is None:
             layers = len(model.attention_layers())
-        return acl.limit_capture_sizes(config, int(layers))
+        return config.graph_dispatcher(mode, token_buckets=acl.limit_policy(config.capture_policy(), int(layers)))

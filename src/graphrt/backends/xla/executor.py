@@ -33,7 +33,7 @@ from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.core.cache import describe_key
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey
 from graphrt.core.errors import BackendUnavailableError, CacheMissError, ConfigError, GraphrtError, InputError
 from graphrt.core.fields import ModelInputs
 
@@ -159,6 +159,11 @@ class XlaBackend(Backend):
         from graphrt.models.jax.loader import load_jax_params
         config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype))
         return XlaModel(config, params)
+
+    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
+        """The token x batch-size grid: decode by batch size, mixed steps at the largest batch
+        size; no eager path, so every covered shape has an executable."""
+        return config.xla_dispatcher()
 
     def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
         """An executor for an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or an nnx module."""
@@ -357,6 +362,9 @@ class XlaExecutor(Executor):
         if entry is None:
             entry = self._compile(key, *self._lower(mode, key))
         return entry, entry.nbytes
+
+    def build_seconds(self, entry: Any) -> float | None:
+        return entry.build_seconds
 
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, Hashable]], *, workers: int | None = None,
                    progress: bool = False) -> list[XlaEntry]:
