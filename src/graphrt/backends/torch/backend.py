@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 import torch
 
 from graphrt.backends.base import Backend
-from graphrt.backends.torch.executor import DeviceGraphAPI, TorchExecutor
+from graphrt.backends.torch.executor import TorchExecutor
+from graphrt.backends.torch.graphs import DeviceGraphAPI
 from graphrt.config import GraphConfig
 
 

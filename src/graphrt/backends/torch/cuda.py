@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from graphrt.backends.torch.backend import TorchBackend
-from graphrt.backends.torch.executor import DeviceGraphAPI
+from graphrt.backends.torch.graphs import DeviceGraphAPI
 
 
 class CudaGraphAPI(DeviceGraphAPI):

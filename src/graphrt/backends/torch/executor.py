@@ -27,14 +27,9 @@ or, on Ascend, host-side lengths of a captured op re-issued between
 
 from __future__ import annotations
 
-import abc
-import contextlib
-import gc
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -45,126 +40,17 @@ from graphrt.backends.torch.piecewise import (PiecewiseBuffers, PiecewiseEntry, 
                                               split_or_reason)
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
-from graphrt.core.errors import GraphCaptureError, GraphrtError
+from graphrt.core.errors import GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.fields import FIELD_DTYPES, ModelInputs
 from graphrt.models.torch.attention import TorchAttentionMetadata
+from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphTask, PreReplayHook,
+                                           describe_capture_failure, record)
 from graphrt.backends.torch.sampler import greedy_sample, random_sample
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
-
-#: A callable run before a step's forward with the padded inputs (host numpy arrays).
-PreReplayHook = Callable[[ModelInputs], None]
-
-
-@dataclass
-class GraphTask:
-    """An op captured so that a hook can refresh it before each replay of its graph.
-
-    ``handle`` and ``event`` are the device's task-group handle and the external event
-    the graph waits on (Ascend); both are None where the device has no task update.
-    """
-
-    hook: PreReplayHook
-    handle: Any = None
-    event: Any = None
-
-
-class DeviceGraphAPI(abc.ABC):
-    """The few device calls the shared graph code needs (CUDA, NPU, CPU recording)."""
-
-    name: str = ""
-    device: torch.device = torch.device("cpu")
-    #: Host staging buffers are page-locked (async host-to-device copies).
-    pin_memory: bool = False
-    #: ``torch.compile`` backend used by ``compile_model`` (None: compiling is unsupported).
-    compile_backend: str | None = "inductor"
-    #: Run the garbage collector once before the first capture (frees device memory that
-    #: dead tensors hold, so the graph pool starts from the real high-water mark).
-    collect_before_capture: bool = True
-
-    @abc.abstractmethod
-    def new_graph(self) -> Any:
-        """An empty graph object with ``replay()``."""
-
-    @abc.abstractmethod
-    def capture(self, graph: Any, pool: Any) -> ContextManager[Any]:
-        """Context manager in which the device records ``graph`` into ``pool``."""
-
-    @abc.abstractmethod
-    def new_pool(self) -> Any:
-        """A memory-pool handle shared by every graph of one executor."""
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (no-op on CPU)."""
-
-    @abc.abstractmethod
-    def memory_in_use(self) -> int:
-        """Bytes held by the device allocator (or by captured graphs, on CPU)."""
-
-    def memory_info(self) -> tuple[int, int] | None:
-        """(free, total) device bytes, where known."""
-        return None
-
-    @contextlib.contextmanager
-    def task_group(self, hook: PreReplayHook, tasks: list[GraphTask]) -> Iterator[None]:
-        """Capture the enclosed ops as one refreshable task; ``hook`` runs before each replay."""
-        tasks.append(GraphTask(hook))
-        yield
-
-    def pre_replay(self, tasks: Sequence[GraphTask], hooks: Sequence[PreReplayHook],
-                   padded: ModelInputs) -> None:
-        """Run the executor's hooks, then each captured task's hook, before a replay."""
-        for hook in hooks:
-            hook(padded)
-        for task in tasks:
-            task.hook(padded)
-
-
-@dataclass
-class CapturedGraph:
-    """One captured forward or sampler, with the input addresses it was captured on."""
-
-    graph: Any
-    input_ptrs: dict[str, int]
-    tasks: list[GraphTask] = field(default_factory=list)
-    compiled: bool = False
-
-
-_ACTIVE = threading.local()
-
-
-@contextlib.contextmanager
-def graph_task(hook: PreReplayHook) -> Iterator[None]:
-    """Mark the enclosed op as one whose host-side arguments a graph would bake in.
-
-    While a graph is being captured, the op becomes a task of that graph and ``hook`` runs
-    before every replay of it, with the padded step inputs: on Ascend between
-    ``graph_task_update_begin`` and ``graph_task_update_end`` of the op's task group, so
-    the hook re-issues the op with fresh host values (ordered by an external event);
-    elsewhere as a plain pre-replay hook, which must then write device buffers the op
-    reads. Outside a capture it does nothing: the op runs with the current values.
-    """
-    active = getattr(_ACTIVE, "capture", None)
-    if active is None:
-        yield
-        return
-    api, tasks = active
-    with api.task_group(hook, tasks):
-        yield
-
-
-@contextlib.contextmanager
-def _capturing(api: DeviceGraphAPI, tasks: list[GraphTask]) -> Iterator[None]:
-    previous = getattr(_ACTIVE, "capture", None)
-    _ACTIVE.capture = (api, tasks)
-    try:
-        yield
-    finally:
-        _ACTIVE.capture = previous
-
 
 def attention_support(model: torch.nn.Module) -> AttentionGraphSupport:
     """The least FULL-graph support declared by the model's attention layers."""
@@ -446,35 +332,15 @@ class TorchExecutor(Executor):
 
     def _record(self, fn: Callable[[], None]) -> tuple[Any, int, list[GraphTask]]:
         """Capture ``fn`` into a new graph in the shared pool; (graph, bytes it added, tasks)."""
-        api = self.graph_api
-        api.synchronize()
-        graph = api.new_graph()
-        tasks: list[GraphTask] = []
-        before = api.memory_in_use()
         try:
-            with self._gc_paused(), _capturing(api, tasks), api.capture(graph, self._pool):
-                fn()
+            return record(self.graph_api, self._pool, fn, collect=not self._gc_collected)
         except BaseException:
             # A broken capture can leave the pool marked as recording (torch 2.11's
             # capture_end raises before releasing it): later graphs get a fresh pool.
-            self._pool = api.new_pool()
+            self._pool = self.graph_api.new_pool()
             raise
-        api.synchronize()
-        return graph, max(api.memory_in_use() - before, 0), tasks
-
-    @contextlib.contextmanager
-    def _gc_paused(self) -> Iterator[None]:
-        """Keep the collector out of captures (it may free captured tensors); collect once."""
-        if not self._gc_collected and self.graph_api.collect_before_capture:
-            gc.collect()
-        self._gc_collected = True
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            yield
         finally:
-            if enabled:
-                gc.enable()
+            self._gc_collected = True
 
     def _build_piecewise(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
         """Capture every piece for ``key.num_tokens`` tokens over the shared piece buffers;
@@ -597,39 +463,3 @@ def _device_event(device: torch.device) -> Any:
         return torch.Event(device=device)
     except (RuntimeError, TypeError, AttributeError):
         return None
-
-
-_HOST_SYNC_MARKERS = ("operation not permitted when stream is capturing",
-                      "cudaerrorstreamcaptureunsupported", "cudaerrorstreamcaptureinvalidated",
-                      "capture_status", "stream is capturing", "cudaerrorstreamcaptureimplicit")
-
-
-def _root_causes(exc: BaseException) -> list[BaseException]:
-    """``exc`` and the exceptions it was raised from or during, outermost first."""
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return chain
-
-
-def describe_capture_failure(exc: BaseException) -> str:
-    """Why a capture failed and what to change, for the eager-fallback warning."""
-    chain = _root_causes(exc)
-    texts = [(e, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) for e in chain]
-    for e, text in texts:
-        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower():
-            return (f"out of memory while capturing ({text}); lower max_cudagraph_capture_size, "
-                    "capture fewer sizes, or reserve less memory for the KV cache")
-    for e, text in texts:
-        if isinstance(e, GraphCaptureError):
-            return f"{text}; make the model capturable or use graph mode PIECEWISE / NONE"
-    for e, text in texts:
-        if any(marker in text.lower() for marker in _HOST_SYNC_MARKERS):
-            return (f"an op the device cannot capture ran in the forward ({text}): a host sync "
-                    "(.item(), .cpu(), .tolist(), printing), a data-dependent shape or a "
-                    "device-to-host copy; remove it from the forward, or use graph mode "
-                    "PIECEWISE (if it is in attention) or NONE")
-    e, text = texts[-1]
-    return f"{type(e).__name__}: {text}"

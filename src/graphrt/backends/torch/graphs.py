@@ -1,0 +1,256 @@
+"""Torch device graphs, the small API each device supplies, and capture / replay of any
+callable per key.
+
+A device (CUDA, Ascend, the CPU recording graph) supplies a :class:`DeviceGraphAPI`: new
+graphs, a shared memory pool, a capture context. :func:`record` captures a callable with
+the rules that make device graphs correct (the device synchronised, the garbage collector
+out of the way, refreshable tasks collected). :class:`TorchGraphs` is the piece an engine
+with its own model runner takes instead of :class:`graphrt.ModelRunner`: capture a
+callable over the engine's own static buffers once per key, replay it per step (the role
+vLLM's ``CUDAGraphWrapper`` plays). :class:`~graphrt.backends.torch.executor.TorchExecutor`
+is built on the same functions.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import gc
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Generic, Hashable, Iterator, Sequence, TypeVar
+
+import torch
+
+from graphrt.core import defaults
+from graphrt.core.cache import GraphCache
+from graphrt.core.errors import GraphCaptureError, GraphrtError
+from graphrt.core.fields import ModelInputs
+
+T = TypeVar("T")
+
+#: A callable run before a step's forward with the padded inputs (host numpy arrays).
+PreReplayHook = Callable[[ModelInputs], None]
+
+
+@dataclass
+class GraphTask:
+    """An op captured so that a hook can refresh it before each replay of its graph.
+
+    ``handle`` and ``event`` are the device's task-group handle and the external event
+    the graph waits on (Ascend); both are None where the device has no task update.
+    """
+
+    hook: PreReplayHook
+    handle: Any = None
+    event: Any = None
+
+
+class DeviceGraphAPI(abc.ABC):
+    """The few device calls the shared graph code needs (CUDA, NPU, CPU recording)."""
+
+    name: str = ""
+    device: torch.device = torch.device("cpu")
+    #: Host staging buffers are page-locked (async host-to-device copies).
+    pin_memory: bool = False
+    #: ``torch.compile`` backend used by ``compile_model`` (None: compiling is unsupported).
+    compile_backend: str | None = "inductor"
+    #: Run the garbage collector once before the first capture (frees device memory that
+    #: dead tensors hold, so the graph pool starts from the real high-water mark).
+    collect_before_capture: bool = True
+
+    @abc.abstractmethod
+    def new_graph(self) -> Any:
+        """An empty graph object with ``replay()``."""
+
+    @abc.abstractmethod
+    def capture(self, graph: Any, pool: Any) -> ContextManager[Any]:
+        """Context manager in which the device records ``graph`` into ``pool``."""
+
+    @abc.abstractmethod
+    def new_pool(self) -> Any:
+        """A memory-pool handle shared by every graph of one executor."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    @abc.abstractmethod
+    def memory_in_use(self) -> int:
+        """Bytes held by the device allocator (or by captured graphs, on CPU)."""
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) device bytes, where known."""
+        return None
+
+    @contextlib.contextmanager
+    def task_group(self, hook: PreReplayHook, tasks: list[GraphTask]) -> Iterator[None]:
+        """Capture the enclosed ops as one refreshable task; ``hook`` runs before each replay."""
+        tasks.append(GraphTask(hook))
+        yield
+
+    def pre_replay(self, tasks: Sequence[GraphTask], hooks: Sequence[PreReplayHook],
+                   padded: ModelInputs) -> None:
+        """Run the executor's hooks, then each captured task's hook, before a replay."""
+        for hook in hooks:
+            hook(padded)
+        for task in tasks:
+            task.hook(padded)
+
+
+@dataclass
+class CapturedGraph:
+    """One captured forward or sampler, with the input addresses it was captured on."""
+
+    graph: Any
+    input_ptrs: dict[str, int]
+    tasks: list[GraphTask] = field(default_factory=list)
+    compiled: bool = False
+
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def graph_task(hook: PreReplayHook) -> Iterator[None]:
+    """Mark the enclosed op as one whose host-side arguments a graph would bake in.
+
+    While a graph is being captured, the op becomes a task of that graph and ``hook`` runs
+    before every replay of it, with the padded step inputs: on Ascend between
+    ``graph_task_update_begin`` and ``graph_task_update_end`` of the op's task group, so
+    the hook re-issues the op with fresh host values (ordered by an external event);
+    elsewhere as a plain pre-replay hook, which must then write device buffers the op
+    reads. Outside a capture it does nothing: the op runs with the current values.
+    """
+    active = getattr(_ACTIVE, "capture", None)
+    if active is None:
+        yield
+        return
+    api, tasks = active
+    with api.task_group(hook, tasks):
+        yield
+
+
+@contextlib.contextmanager
+def _capturing(api: DeviceGraphAPI, tasks: list[GraphTask]) -> Iterator[None]:
+    previous = getattr(_ACTIVE, "capture", None)
+    _ACTIVE.capture = (api, tasks)
+    try:
+        yield
+    finally:
+        _ACTIVE.capture = previous
+
+
+def record(api: DeviceGraphAPI, pool: Any, fn: Callable[[], Any], *,
+           collect: bool = False) -> tuple[Any, int, list[GraphTask]]:
+    """Capture ``fn`` into a new graph of ``api`` in ``pool``: (graph, bytes it added, the
+    refreshable tasks it captured). ``collect`` runs the garbage collector first (once per
+    pool is enough), which then stays off during the capture: it may free captured tensors.
+    A capture that fails raises; the caller should give later graphs a fresh pool."""
+    api.synchronize()
+    graph = api.new_graph()
+    tasks: list[GraphTask] = []
+    before = api.memory_in_use()
+    if collect and api.collect_before_capture:
+        gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with _capturing(api, tasks), api.capture(graph, pool):
+            fn()
+    finally:
+        if enabled:
+            gc.enable()
+    api.synchronize()
+    return graph, max(api.memory_in_use() - before, 0), tasks
+
+
+@dataclass
+class _Graph(Generic[T]):
+    graph: Any
+    outputs: T
+
+
+class TorchGraphs(Generic[T]):
+    """``fn(key)`` captured once per key over the caller's static buffers, then replayed.
+
+    The caller owns the buffers: before a replay it copies the step's inputs, padded to
+    the key, into the tensors ``fn`` reads, and afterwards reads the tensors ``fn`` returned
+    while it was captured (a replay refreshes them in place). Entries live in ``cache``
+    (a :class:`graphrt.GraphCache`: statistics, strict mode); every graph shares one memory
+    pool. With ``api=None`` (the ``eager`` backend) nothing is captured and ``fn`` runs.
+    """
+
+    def __init__(self, fn: Callable[[Hashable], T], api: DeviceGraphAPI | None,
+                 cache: GraphCache | None = None, *, warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> None:
+        self.fn, self.api, self.warmups = fn, api, warmups
+        self.cache: GraphCache = cache if cache is not None else GraphCache()
+        self._pool = api.new_pool() if api is not None else None
+        self._collected = False
+
+    def build(self, key: Hashable) -> T:
+        """Run ``fn(key)`` ``warmups`` times, then capture it; returns its output tensors."""
+        if self.api is None:
+            return self.fn(key)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(self.warmups):
+                self.fn(key)
+            box: list[T] = []
+            try:
+                graph, nbytes, _ = record(self.api, self._pool, lambda: box.append(self.fn(key)),
+                                          collect=not self._collected)
+            except BaseException:
+                self._pool = self.api.new_pool()
+                raise
+            finally:
+                self._collected = True
+        self.cache.put(key, _Graph(graph, box[0]), seconds=time.perf_counter() - t0, nbytes=nbytes)
+        return box[0]
+
+    def __call__(self, key: Hashable) -> T:
+        """Replay the graph of ``key`` and return its outputs (eagerly where nothing is captured)."""
+        if self.api is None:
+            with torch.no_grad():
+                return self.fn(key)
+        entry = self.cache.lookup(key, reason="not captured")
+        if entry is None:
+            raise GraphrtError(f"no graph for {key}: build it first (TorchGraphs.build)")
+        entry.graph.replay()
+        return entry.outputs
+
+
+_HOST_SYNC_MARKERS = ("operation not permitted when stream is capturing",
+                      "cudaerrorstreamcaptureunsupported", "cudaerrorstreamcaptureinvalidated",
+                      "capture_status", "stream is capturing", "cudaerrorstreamcaptureimplicit")
+
+
+def _root_causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, outermost first."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def describe_capture_failure(exc: BaseException) -> str:
+    """Why a capture failed and what to change, for the eager-fallback warning."""
+    chain = _root_causes(exc)
+    texts = [(e, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) for e in chain]
+    for e, text in texts:
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower():
+            return (f"out of memory while capturing ({text}); lower max_cudagraph_capture_size, "
+                    "capture fewer sizes, or reserve less memory for the KV cache")
+    for e, text in texts:
+        if isinstance(e, GraphCaptureError):
+            return f"{text}; make the model capturable or use graph mode PIECEWISE / NONE"
+    for e, text in texts:
+        if any(marker in text.lower() for marker in _HOST_SYNC_MARKERS):
+            return (f"an op the device cannot capture ran in the forward ({text}): a host sync "
+                    "(.item(), .cpu(), .tolist(), printing), a data-dependent shape or a "
+                    "device-to-host copy; remove it from the forward, or use graph mode "
+                    "PIECEWISE (if it is in attention) or NONE")
+    e, text = texts[-1]
+    return f"{type(e).__name__}: {text}"
