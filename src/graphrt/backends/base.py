@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
 from graphrt.config import GraphConfig
+from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode,
                                    SamplerKey)
 from graphrt.core.fields import ModelInputs
@@ -127,6 +128,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def create_executor(self, model: Any, config: Any) -> Executor:
         """The executor that runs ``model`` under ``config`` on this backend's device."""
+
+    def graphs(self, fn: Callable[..., Any], cache: GraphCache | None = None, **options: Any) -> Any:
+        """``fn`` captured / compiled once per key and run per step: the piece an engine with
+        its own model runner takes instead of the ModelRunner (``TorchGraphs`` on the torch
+        backends, ``XlaGraphs`` on XLA; docs/api.md)."""
+        raise NotImplementedError(f"backend {self.name} does not wrap callables")
 
     def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
         """This backend's bucket policy, as the one dispatcher that owns its graph keys.

@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Hashable
 
 import torch
 
 from graphrt.backends.base import Backend
 from graphrt.backends.torch.executor import TorchExecutor
-from graphrt.backends.torch.graphs import DeviceGraphAPI
+from graphrt.backends.torch.graphs import DeviceGraphAPI, TorchGraphs
 from graphrt.config import GraphConfig
+from graphrt.core.cache import GraphCache
 
 
 class TorchBackend(Backend):
@@ -29,6 +30,12 @@ class TorchBackend(Backend):
     def load_model(self, model_dir: str, dtype: Any = None) -> torch.nn.Module:
         from graphrt.models.torch.loader import load_torch_model
         return load_torch_model(model_dir, dtype=dtype or torch.float32, device=self.device)
+
+    def graphs(self, fn: Callable[[Hashable], Any], cache: GraphCache | None = None,
+               **options: Any) -> TorchGraphs:
+        """``fn(key)`` captured once per key over the caller's buffers (``warmups=`` eager
+        runs before each capture)."""
+        return TorchGraphs(fn, self.graph_api(), cache, **options)
 
     def create_executor(self, model: torch.nn.Module, config: GraphConfig) -> TorchExecutor:
         return TorchExecutor(model, config, self.device, self.graph_api())

@@ -213,7 +213,7 @@ class TorchGraphs(Generic[T]):
         if self.api is None:
             with torch.no_grad():
                 return self.fn(key)
-        entry = self.cache.lookup(key, reason="not captured")
+        entry = self.cache.get(key, reason="not captured")
         if entry is None:
             raise GraphrtError(f"no graph for {key}: build it first (TorchGraphs.build)")
         entry.graph.replay()

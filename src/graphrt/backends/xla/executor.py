@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
-from graphrt.core.cache import describe_key
+from graphrt.core.cache import GraphCache, describe_key
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey
 from graphrt.core.errors import BackendUnavailableError, CacheMissError, ConfigError, GraphrtError, InputError
@@ -52,6 +52,7 @@ else:
                                             batch_spec, describe_change, sampling_spec)
     from graphrt.backends.xla import batch as xla_batch, sampler as xla_sampler
     from graphrt.backends.xla.executables import ExecutableCache, executor_fingerprint
+    from graphrt.backends.xla.graphs import XlaGraphs
     from graphrt.backends.xla.compile import (enable_persistent_cache, install_listeners,
                                               thread_cache_hits, thread_compiles, thread_counts,
                                               thread_last_compiled)
@@ -159,6 +160,10 @@ class XlaBackend(Backend):
         from graphrt.models.jax.loader import load_jax_params
         config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype))
         return XlaModel(config, params)
+
+    def graphs(self, fn: Callable[..., Any], cache: GraphCache | None = None, **options: Any) -> XlaGraphs:
+        """``fn`` compiled ahead of time once per key (``donate_argnums=`` as for ``jax.jit``)."""
+        return XlaGraphs(fn, cache, **options)
 
     def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
         """The token x batch-size grid: decode by batch size, mixed steps at the largest batch

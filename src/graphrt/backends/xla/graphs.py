@@ -1,0 +1,49 @@
+"""Any JAX function compiled ahead of time once per key: the XLA piece an engine with its
+own model runner takes instead of :class:`graphrt.ModelRunner`.
+
+JAX is functional, so there are no static buffers to capture over: a key's shapes are the
+shapes of the arguments it is compiled for. :meth:`XlaGraphs.build` lowers and compiles
+the function for one key's example arguments; a call runs that executable, which refuses
+arguments of any other shape, so nothing ever compiles behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
+
+import jax
+
+from graphrt.core.cache import GraphCache
+from graphrt.core.errors import GraphrtError
+
+T = TypeVar("T")
+
+
+class XlaGraphs(Generic[T]):
+    """``fn`` compiled once per key (``jit(fn).lower(*args).compile()``), then called.
+
+    ``donate_argnums`` names arguments XLA may overwrite in place (a KV cache): pass the
+    returned value back in on the next call. Entries live in ``cache`` (a
+    :class:`graphrt.GraphCache`: statistics, strict mode).
+    """
+
+    def __init__(self, fn: Callable[..., T], cache: GraphCache | None = None, *,
+                 donate_argnums: Sequence[int] = ()) -> None:
+        self._jitted = jax.jit(fn, donate_argnums=tuple(donate_argnums))
+        self.cache: GraphCache = cache if cache is not None else GraphCache()
+
+    def build(self, key: Hashable, *example_args: Any) -> None:
+        """Compile ``fn`` for ``key``: ``example_args`` (arrays or ``jax.ShapeDtypeStruct``)
+        give the shapes every later call with this key must have."""
+        t0 = time.perf_counter()
+        shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), example_args)
+        executable = self._jitted.lower(*shapes).compile()
+        self.cache.put(key, executable, seconds=time.perf_counter() - t0)
+
+    def __call__(self, key: Hashable, *args: Any) -> T:
+        """Run the executable of ``key`` (a ``TypeError`` from JAX if the shapes differ)."""
+        executable = self.cache.get(key, reason="not compiled")
+        if executable is None:
+            raise GraphrtError(f"no executable for {key}: build it first (XlaGraphs.build)")
+        return executable(*args)
