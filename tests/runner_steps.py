@@ -126,11 +126,11 @@ def snapshot(runner) -> dict[str, torch.Tensor]:
     """Copies of everything a step may write on the device side: KV cache and static buffers."""
     ex = runner.executor
     out = {"kv_cache": ex.kv_cache.clone(), "hidden_out": ex.hidden_out.clone(),
-           "logits_out": ex.logits_out.clone(), "noise": ex.noise.clone(),
-           "tokens_out": ex.tokens_out.clone()}
+           "logits_out": ex.logits_out.clone(), "noise": ex.sampler.noise.clone(),
+           "tokens_out": ex.sampler.tokens.clone()}
     out.update({f"static.{k}": t.clone() for k, t in ex.static.items()})
     out.update({f"host.{k}": torch.from_numpy(a.copy()) for k, a in ex.host_buffers.items()})
-    out.update({f"sampler.{k}": t.clone() for k, t in ex.samp_static.items()})
+    out.update({f"sampler.{k}": t.clone() for k, t in ex.sampler.static.items()})
     return out
 
 

@@ -446,7 +446,7 @@ def test_sampling_rows_must_match_even_when_all_greedy(runners, tables):
 # ---- results the caller holds ----------------------------------------------------------------
 
 # A regression test: on CPU backends ``.cpu()`` is a no-op, so ``TorchExecutor.sample`` used to
-# return a view of the static ``tokens_out`` buffer and the next step overwrote a result the
+# return a view of the sampler's static ``tokens`` buffer and the next step overwrote a result the
 # caller still held. It now returns a copy there.
 @pytest.mark.parametrize("name", ["cpu[8]", "eager"])
 def test_execute_result_is_not_overwritten_by_the_next_step(runners, tables, name):

@@ -46,7 +46,7 @@ from graphrt.core.fields import FIELD_DTYPES, ModelInputs
 from graphrt.models.torch.attention import TorchAttentionMetadata
 from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphTask, PreReplayHook,
                                            describe_capture_failure, record)
-from graphrt.backends.torch.sampler import greedy_sample, random_sample
+from graphrt.backends.torch.sampler import SamplerState
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +92,8 @@ class TorchExecutor(Executor):
         param_dtype = next(model.parameters()).dtype
         self.hidden_out = torch.zeros(max_t, self.hidden_size, dtype=param_dtype, device=self.device)
         self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
-        self._samp_host = {"temperature": torch.zeros(max_r, dtype=torch.float32, pin_memory=pin),
-                           "top_k": torch.zeros(max_r, dtype=torch.int64, pin_memory=pin),
-                           "top_p": torch.ones(max_r, dtype=torch.float32, pin_memory=pin)}
-        self._samp_np = {k: t.numpy() for k, t in self._samp_host.items()}
-        self.samp_static = (self._samp_host if same else
-                            {k: t.to(self.device) for k, t in self._samp_host.items()})
+        self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin)
         self._copied = None if same else _device_event(self.device)
-        self.noise = torch.ones(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
-        self.tokens_out = torch.zeros(max_r, dtype=torch.int64, device=self.device)
-        self._generators: dict[int, torch.Generator] = {}
         self._pool = graph_api.new_pool() if graph_api is not None else None
         self.kv_cache: torch.Tensor | None = None
         self._split: SplitModel | None = None
@@ -202,16 +194,6 @@ class TorchExecutor(Executor):
         last = (self.static["query_start_loc"][1:num_reqs + 1] - 1).clamp(min=0).long()
         self.logits_out[:num_reqs].copy_(self.model.compute_logits(hidden.index_select(0, last)))
 
-    def _sample_into(self, num_reqs: int, greedy: bool) -> None:
-        logits = self.logits_out[:num_reqs]
-        if greedy:
-            self.tokens_out[:num_reqs].copy_(greedy_sample(logits))
-        else:
-            s = self.samp_static
-            self.tokens_out[:num_reqs].copy_(random_sample(
-                logits, s["temperature"][:num_reqs], s["top_k"][:num_reqs], s["top_p"][:num_reqs],
-                self.noise[:num_reqs]))
-
     def _load_dummy(self, num_tokens: int, num_reqs: int) -> None:
         """Pure padding: no KV write (slot -1), every request empty (seq_len 0)."""
         h = self.host_buffers
@@ -233,7 +215,7 @@ class TorchExecutor(Executor):
 
     def _input_ptrs(self) -> dict[str, int]:
         ptrs = {name: t.data_ptr() for name, t in self.static.items()}
-        ptrs.update({f"sampler.{k}": t.data_ptr() for k, t in self.samp_static.items()})
+        ptrs.update({f"sampler.{k}": t.data_ptr() for k, t in self.sampler.static.items()})
         ptrs["kv_cache"] = self.kv_cache.data_ptr() if self.kv_cache is not None else 0
         return ptrs
 
@@ -246,7 +228,8 @@ class TorchExecutor(Executor):
         t0 = time.perf_counter()
         if isinstance(key, SamplerKey):
             num_reqs, greedy = key.num_reqs, key.greedy
-            entry, nbytes = self._capture(lambda: self._sample_into(num_reqs, greedy), lambda: None)
+            entry, nbytes = self._capture(lambda: self.sampler.compute(self.logits_out, num_reqs, greedy),
+                                          lambda: None)
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
         elif mode is RuntimeMode.PIECEWISE:
@@ -405,48 +388,23 @@ class TorchExecutor(Executor):
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
-        """Fill sampler buffers and noise, replay the sampler graph (or run it eagerly)."""
+        """Fill the sampler's buffers, replay the sampler graph (or run it eagerly)."""
         rows = padded_reqs or num_reqs
         greedy = sampling.all_greedy
         if not greedy:
-            host = self._samp_np
-            host["temperature"][:num_reqs] = sampling.temperature
-            host["top_k"][:num_reqs] = sampling.top_k
-            host["top_p"][:num_reqs] = sampling.top_p
-            host["temperature"][num_reqs:rows] = 0.0
-            host["top_k"][num_reqs:rows] = self.vocab_size
-            host["top_p"][num_reqs:rows] = 1.0
-            if self.samp_static is not self._samp_host:
-                for k, t in self.samp_static.items():
-                    t[:rows].copy_(self._samp_host[k][:rows], non_blocking=True)
-            self._fill_noise(num_reqs, sampling)
+            self.sampler.write(sampling, num_reqs, rows)
         with torch.no_grad():
             if entry is None:
-                self._sample_into(rows, greedy)
+                self.sampler.compute(self.logits_out, rows, greedy)
             else:
                 self._replay(entry)
-        tokens = self.tokens_out[:num_reqs].cpu().numpy()
-        return tokens.copy() if self.tokens_out.device.type == "cpu" else tokens  # never a view of tokens_out
-
-    def _fill_noise(self, num_reqs: int, sampling: SamplingBatch) -> None:
-        """Exp(1) noise per row: the device RNG, or the request's own seeded generator."""
-        self.noise[:num_reqs].exponential_()
-        for i, seed in enumerate(sampling.seeds):
-            if seed is None:
-                continue
-            rid = sampling.request_ids[i]
-            gen = self._generators.get(rid)
-            if gen is None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(seed))
-                self._generators[rid] = gen
-            self.noise[i].exponential_(generator=gen)
+        return self.sampler.result(num_reqs)
 
     def describe_build_failure(self, exc: BaseException) -> str:
         return describe_capture_failure(exc)
 
     def free_request(self, request_id: int) -> None:
-        self._generators.pop(request_id, None)
+        self.sampler.free_request(request_id)
 
     def hidden_states(self, num_tokens: int) -> np.ndarray:
         return self.hidden_out[:num_tokens].float().cpu().numpy()

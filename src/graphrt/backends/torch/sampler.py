@@ -10,6 +10,9 @@ equivalent to drawing from ``probs``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from graphrt.core import defaults
@@ -43,3 +46,66 @@ def random_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     probs = torch.softmax(filtered, dim=-1)
     sampled = (probs / noise.clamp(min=1e-10)).argmax(dim=-1)
     return torch.where(temperature < defaults.SAMPLER_MIN_TEMPERATURE, greedy, sampled)
+
+
+class SamplerState:
+    """The sampler's static buffers: per-row temperature / top-k / top-p (host staging and
+    device copies), the noise, the sampled tokens, and each seeded request's generator.
+
+    :meth:`compute` reads only these buffers and a logits buffer, so a graph captures it;
+    :meth:`write` fills them for a step before the compute or its replay."""
+
+    def __init__(self, max_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self._host = {"temperature": torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
+                      "top_k": torch.zeros(max_reqs, dtype=torch.int64, pin_memory=pin_memory),
+                      "top_p": torch.ones(max_reqs, dtype=torch.float32, pin_memory=pin_memory)}
+        self._host_np = {k: t.numpy() for k, t in self._host.items()}
+        self.static = (self._host if device.type == "cpu" else
+                       {k: t.to(device) for k, t in self._host.items()})
+        self.noise = torch.ones(max_reqs, vocab_size, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def compute(self, logits: torch.Tensor, rows: int, greedy: bool) -> None:
+        """Sample ``rows`` rows of ``logits`` into :attr:`tokens` (capturable)."""
+        logits = logits[:rows]
+        if greedy:
+            self.tokens[:rows].copy_(greedy_sample(logits))
+        else:
+            s = self.static
+            self.tokens[:rows].copy_(random_sample(logits, s["temperature"][:rows], s["top_k"][:rows],
+                                                   s["top_p"][:rows], self.noise[:rows]))
+
+    def write(self, sampling: Any, num_reqs: int, rows: int) -> None:
+        """A random step's parameters into the buffers (padded rows greedy, filters off),
+        then fresh Exp(1) noise: the device RNG, or the request's own seeded generator."""
+        host = self._host_np
+        host["temperature"][:num_reqs] = sampling.temperature
+        host["top_k"][:num_reqs] = sampling.top_k
+        host["top_p"][:num_reqs] = sampling.top_p
+        host["temperature"][num_reqs:rows] = 0.0
+        host["top_k"][num_reqs:rows] = self.vocab_size
+        host["top_p"][num_reqs:rows] = 1.0
+        if self.static is not self._host:
+            for k, t in self.static.items():
+                t[:rows].copy_(self._host[k][:rows], non_blocking=True)
+        self.noise[:num_reqs].exponential_()
+        for i, seed in enumerate(sampling.seeds):
+            if seed is None:
+                continue
+            rid = sampling.request_ids[i]
+            gen = self._generators.get(rid)
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(int(seed))
+                self._generators[rid] = gen
+            self.noise[i].exponential_(generator=gen)
+
+    def result(self, num_reqs: int) -> np.ndarray:
+        """The sampled tokens of the real requests (a copy, never a view of :attr:`tokens`)."""
+        tokens = self.tokens[:num_reqs].cpu().numpy()
+        return tokens.copy() if self.tokens.device.type == "cpu" else tokens
+
+    def free_request(self, request_id: int) -> None:
+        self._generators.pop(request_id, None)
