@@ -69,9 +69,9 @@ def test_split_cuts_at_every_attention_call(arch: str) -> None:
     model = load(arch)
     split = SplitModel(model)
     layers = model.config.num_hidden_layers
-    assert [s.kind for s in split.steps] == [PIECE, ATTENTION] * layers + [PIECE]
+    assert [s.kind for s in split.calls] == [PIECE, ATTENTION] * layers + [PIECE]
     assert split.num_attention == layers and len(split.pieces) == layers + 1
-    attn = [m for s in split.steps if s.kind == ATTENTION for m in s.module.modules() if isinstance(m, PagedAttention)]
+    attn = [m for s in split.calls if s.kind == ATTENTION for m in s.module.modules() if isinstance(m, PagedAttention)]
     assert attn == model.attention_layers()  # the model's own modules (their KV caches)
     params = {p.data_ptr() for p in model.parameters()}
     assert {p.data_ptr() for p in split.graph_module.parameters()} <= params  # shared, not copied
@@ -246,7 +246,7 @@ class OpModel(torch.nn.Module):
 def test_split_at_the_registered_op() -> None:
     model = OpModel()
     split = SplitModel(model)
-    assert [s.kind for s in split.steps] == [PIECE, ATTENTION, PIECE]
+    assert [s.kind for s in split.calls] == [PIECE, ATTENTION, PIECE]
     meta, _, _ = metadata()
     x = torch.randn(6, 8)
     args = (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table, meta.token_req_idx)

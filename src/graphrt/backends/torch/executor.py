@@ -299,7 +299,7 @@ class TorchExecutor(Executor):
                         compile_piece(step.module, [views[a] for a in step.args],
                                       self.graph_api.compile_backend) for step in split.pieces]
                     self._compiled_pieces[num_tokens] = pieces
-                calls = buffers.plan(views, pieces)
+                calls = buffers.bind_calls(views, pieces)
                 for call in calls:
                     call()
         return calls, views[split.output], buffers.nbytes - held
@@ -330,18 +330,18 @@ class TorchExecutor(Executor):
         attention stays outside the graphs and runs eagerly between them on replay."""
         num_tokens = key.num_tokens
         calls, output, nbytes = self._prepare_pieces(num_tokens, compiled)
-        graphs, tasks, steps = [], [], []
+        graphs, tasks, replay_calls = [], [], []
         with torch.no_grad():
-            for step, call in zip(self.split_model.steps, calls):
-                if step.kind == "piece":
+            for split_call, call in zip(self.split_model.calls, calls):
+                if split_call.kind == "piece":
                     graph, added, piece_tasks = self._record(call)
                     graphs.append(graph)
                     tasks += piece_tasks
                     nbytes += added
-                    steps.append(graph.replay)
+                    replay_calls.append(graph.replay)
                 else:
-                    steps.append(call)
-        entry = PiecewiseEntry(num_tokens, steps, graphs, output, self._input_ptrs(), compiled, tasks)
+                    replay_calls.append(call)
+        entry = PiecewiseEntry(num_tokens, replay_calls, graphs, output, self._input_ptrs(), compiled, tasks)
         return entry, nbytes
 
     # ---- run -------------------------------------------------------------------------
@@ -370,7 +370,7 @@ class TorchExecutor(Executor):
     def _run_piecewise(self, entry: PiecewiseEntry, num_tokens: int, num_reqs: int) -> None:
         """Replay each piece of the bucket, running attention eagerly on the real metadata."""
         self._check_addresses(entry)
-        self._forward_split(entry.steps, entry.output, num_tokens, num_reqs)
+        self._forward_split(entry.calls, entry.output, num_tokens, num_reqs)
 
     def _replay(self, entry: CapturedGraph) -> None:
         self._check_addresses(entry)

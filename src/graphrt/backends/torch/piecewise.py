@@ -67,14 +67,14 @@ class _AttentionLeafTracer(torch.fx.Tracer):
 
 
 @dataclass
-class Step:
+class SplitCall:
     """One call of the split model: a piece (captured per bucket) or an attention call (eager)."""
 
     kind: str
     module: torch.nn.Module
     args: tuple[str, ...]
     outs: tuple[tuple[int | None, str], ...]  # (tuple index or None for a single output, value name)
-    index: int                                  # position among the steps of its kind
+    index: int                                  # position among the calls of its kind
 
     def bind(self, env: dict[str, Any], result: Any) -> None:
         """Store the call's result(s) in ``env`` under their value names."""
@@ -120,11 +120,11 @@ class SplitModel:
         self.num_attention = count
         self.inputs: tuple[str, ...] = ()
         self.constants: dict[str, str] = {}  # value name -> attribute path (parameters, buffers)
-        self.steps: list[Step] = []
+        self.calls: list[SplitCall] = []
         self.output = self._parse(split)
 
     def _parse(self, split: torch.fx.GraphModule) -> str:
-        """Read the top-level split graph into steps; returns the output value's name."""
+        """Read the top-level split graph into calls; returns the output value's name."""
         inputs, counts = [], {PIECE: 0, ATTENTION: 0}
         output: str | None = None
         for node in split.graph.nodes:
@@ -140,7 +140,7 @@ class SplitModel:
                 for arg in node.args:
                     if not isinstance(arg, torch.fx.Node):
                         raise SplitError(f"{node.target} takes a non-value argument {arg!r}")
-                self.steps.append(Step(kind, getattr(split, node.target),
+                self.calls.append(SplitCall(kind, getattr(split, node.target),
                                        tuple(a.name for a in node.args), outs, counts[kind]))
                 counts[kind] += 1
             elif node.op == "get_attr":
@@ -159,9 +159,9 @@ class SplitModel:
         return output
 
     @property
-    def pieces(self) -> list[Step]:
-        """The steps that are captured (everything between attention calls)."""
-        return [s for s in self.steps if s.kind == PIECE]
+    def pieces(self) -> list[SplitCall]:
+        """The calls that are captured (everything between attention calls)."""
+        return [s for s in self.calls if s.kind == PIECE]
 
     def run(self, inputs: Sequence[Any], pieces: Sequence[Callable[..., Any]] | None = None) -> dict[str, Any]:
         """Run every step eagerly; ``pieces`` replaces the piece modules (compiled versions).
@@ -170,7 +170,7 @@ class SplitModel:
         """
         env: dict[str, Any] = dict(zip(self.inputs, inputs))
         env.update((name, _attr(self.graph_module, path)) for name, path in self.constants.items())
-        for step in self.steps:
+        for step in self.calls:
             fn = step.module if pieces is None or step.kind == ATTENTION else pieces[step.index]
             step.bind(env, fn(*[env[a] for a in step.args]))
         return env
@@ -182,10 +182,10 @@ class SplitModel:
 
 @dataclass
 class PiecewiseEntry:
-    """The captured pieces of one token bucket and the replay plan around them."""
+    """The captured pieces of one token bucket and the calls that replay them, attention between."""
 
     num_tokens: int
-    steps: list[Callable[[], None]]
+    calls: list[Callable[[], None]]
     graphs: list[Any]
     output: torch.Tensor
     input_ptrs: dict[str, int]
@@ -256,14 +256,14 @@ class PiecewiseBuffers:
             self._own[(name, num_tokens)] = own
         return own
 
-    def plan(self, views: dict[str, Any], pieces: Sequence[Callable[..., Any]]) -> list[Callable[[], None]]:
-        """One call per step over the bound views, in step order.
+    def bind_calls(self, views: dict[str, Any], pieces: Sequence[Callable[..., Any]]) -> list[Callable[[], None]]:
+        """One bound call per split call over the views, in order.
 
         A piece call reads its inputs from the views and copies its outputs into them (the
         copies are part of the captured graph); an attention call does the same eagerly.
         """
         calls: list[Callable[[], None]] = []
-        for step in self.split.steps:
+        for step in self.split.calls:
             fn = step.module if step.kind == ATTENTION else pieces[step.index]
             args = [views[a] for a in step.args]
             outs = [(idx, views[name]) for idx, name in step.outs]
