@@ -230,7 +230,7 @@ def write_report(out: Path, machine: dict[str, Any]) -> tuple[Path, bool]:
 
 def revision() -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        rev = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                              text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         rev = ""
