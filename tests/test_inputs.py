@@ -774,15 +774,27 @@ def test_both_kernels_agree_on_random_faults(scenario, data):
         _assert_same_inputs(results[0], results[1])
 
 
-def test_write_refuses_a_step_changed_since_check():
+@pytest.mark.parametrize("field,index,value", [
+    ("num_computed_tokens", 2, 40),       # past the token table
+    ("num_computed_tokens", 0, -1),       # negative
+    ("req_rows", 1, 9),                   # outside the tables
+    ("num_scheduled_tokens", 1, 0),       # no token
+    ("num_scheduled_tokens", 0, 4),       # in bounds, but one token more than the bucket was chosen for
+], ids=["past-table", "negative-computed", "row-out-of-range", "zero-scheduled", "more-tokens"])
+def test_write_refuses_a_step_changed_since_check(field, index, value):
     """The compiled write indexes the tables by the request arrays without bounds checks, so
-    it re-checks those bounds: a caller that edits the arrays in between gets an error."""
+    it runs the request check again: a caller that edits the arrays in between gets an error
+    and the staging buffers stay untouched."""
     prep = _seed_preparer()
     kw = _base_kwargs()
     prep.check(**kw)
-    kw["num_computed_tokens"][2] = 40          # past the token table, after the check
+    kw[field][index] = value
+    out = _buffers(10, 3, kw["block_table"].shape[1])
+    before = {name: buf.copy() for name, buf in out.items()}
     if prep.kernel == "numba":
         with pytest.raises(graphrt.GraphrtError, match="changed between"):
-            prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+            prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)
+        for name, buf in out.items():
+            assert np.array_equal(buf, before[name]), name
     else:   # the numpy path prepared its own buffers during check(): the edit is not seen
-        check_seed_step1(prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3))
+        check_seed_step1(prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out))

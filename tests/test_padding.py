@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from graphrt import ConfigError, InputError, ModelInputs, Padder, prepare_inputs
 from graphrt.core import defaults
-from graphrt.core.fields import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
+from graphrt.core.fields import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS, buffer_shapes
 
 #: Every test here runs on both host kernels (numba and numpy); see conftest.py.
 pytestmark = pytest.mark.usefixtures("host_kernel")
@@ -274,3 +274,41 @@ def test_target_below_real_is_an_input_error(persistent, target, field):
     assert isinstance(excinfo.value, ValueError)
     assert same(inputs, before)
     assert same(previous, previous_copy)
+
+
+# --------------------------------------------------------------------------------------
+# The tables both implementations read
+# --------------------------------------------------------------------------------------
+
+def test_buffer_shapes_hold_every_padded_step():
+    """One shape table for the padder's buffers and a backend's staging buffers: T per token
+    field, R + 1 for query_start_loc, R per request field, block-table rows W wide."""
+    shapes = buffer_shapes(24, 5, 7)
+    assert list(shapes) == list(ARRAY_FIELDS)
+    assert all(shapes[name] == (24,) for name in TOKEN_FIELDS)
+    assert shapes["query_start_loc"] == (6,)
+    assert shapes["seq_lens"] == shapes["num_computed_tokens"] == (5,)
+    assert shapes["block_table"] == (5, 7)
+    out = {name: np.zeros(shape, dtype=DTYPES[name]) for name, shape in shapes.items()}
+    inputs = _seed_inputs()
+    for t, r in ((10, 3), (16, 4), (24, 5)):
+        padded = Padder().pad(inputs, num_tokens=t, num_reqs=r)
+        assert {name: getattr(padded, name).shape for name in ARRAY_FIELDS} == buffer_shapes(t, r, 6)
+    padded = Padder().pad(_seed_inputs(), num_tokens=24, num_reqs=5,
+                          out=dict(out, block_table=np.zeros((5, 6), dtype=np.int32)))
+    check_padded(inputs, padded, 24, 5)
+
+
+def test_one_rule_table_for_both_implementations():
+    """Padder.rules is the one table: a fill for every field of defaults (overrides applied),
+    query_start_loc repeating its last row; the compiled loops get the same rows."""
+    padder = Padder({"input_ids": 7})
+    assert list(padder.rules) == list(ARRAY_FIELDS)
+    for name, rule in padder.rules.items():
+        if name == "query_start_loc":
+            assert rule.repeat_last and defaults.QUERY_START_LOC_FILL == "repeat_last"
+        else:
+            assert not rule.repeat_last and rule.fill == padder.fill_values[name]
+    assert padder.rules["input_ids"].fill == 7
+    assert padder.kernel_rules.tolist() == [[*rule.level, rule.fill, int(rule.repeat_last)]
+                                           for rule in padder.rules.values()]

@@ -1,4 +1,4 @@
-"""The step's fields: which arrays a model input has, their dtypes, and :class:`ModelInputs`.
+"""The step's fields: which arrays a model input has, their dtypes and lengths, and :class:`ModelInputs`.
 
 One table for input preparation, padding, and every backend's staging buffers.
 """
@@ -7,17 +7,56 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")
-REQUEST_FIELDS = ("seq_lens", "num_computed_tokens", "block_table")
-ARRAY_FIELDS = TOKEN_FIELDS + ("query_start_loc",) + REQUEST_FIELDS
+#: A field's level: its rows as ``(per token, per request, extra)``, so a step of T tokens
+#: and R requests has ``per_token * T + per_request * R + extra`` rows of it.
+TOKEN = (1, 0, 0)          # T rows: one per scheduled token
+REQUEST = (0, 1, 0)        # R rows: one per request
+BOUNDARY = (0, 1, 1)       # R + 1 rows: each request's first token, then the total
+
+
+class Field(NamedTuple):
+    """What every consumer of a field needs: its dtype, its level, and whether each row is a
+    block-table row (one column per block) rather than one value."""
+
+    dtype: type
+    level: tuple[int, int, int]
+    per_block: bool = False
+
+
+#: Every array of a step, in the order of :class:`ModelInputs` (and of the compiled loops'
+#: arguments).
+FIELDS: dict[str, Field] = {
+    "input_ids": Field(np.int32, TOKEN),
+    "positions": Field(np.int32, TOKEN),
+    "slot_mapping": Field(np.int64, TOKEN),
+    "query_start_loc": Field(np.int32, BOUNDARY),
+    "seq_lens": Field(np.int32, REQUEST),
+    "num_computed_tokens": Field(np.int32, REQUEST),
+    "block_table": Field(np.int32, REQUEST, per_block=True),
+}
+ARRAY_FIELDS = tuple(FIELDS)
+TOKEN_FIELDS = tuple(name for name, f in FIELDS.items() if f.level == TOKEN)
+REQUEST_FIELDS = tuple(name for name, f in FIELDS.items() if f.level == REQUEST)
 #: The dtype of every array field, for whoever allocates buffers for them.
-FIELD_DTYPES: dict[str, type] = {
-    "input_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64,
-    "query_start_loc": np.int32, "seq_lens": np.int32, "num_computed_tokens": np.int32,
-    "block_table": np.int32}
+FIELD_DTYPES: dict[str, type] = {name: f.dtype for name, f in FIELDS.items()}
+
+
+def field_rows(level: tuple[int, int, int], num_tokens: int, num_reqs: int) -> int:
+    """Rows of a field of ``level`` in a step of ``num_tokens`` tokens and ``num_reqs`` requests."""
+    per_token, per_request, extra = level
+    return per_token * num_tokens + per_request * num_reqs + extra
+
+
+def buffer_shapes(max_tokens: int, max_reqs: int, table_width: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each field's buffer for steps of up to ``max_tokens`` tokens and
+    ``max_reqs`` requests, block-table rows ``table_width`` wide (a padder's persistent
+    buffers, a backend's staging buffers)."""
+    return {name: (field_rows(f.level, max_tokens, max_reqs),) + ((table_width,) if f.per_block else ())
+            for name, f in FIELDS.items()}
 
 
 @dataclass(slots=True)
@@ -59,4 +98,5 @@ class ModelInputs:
         return dataclasses.replace(self, **{f: getattr(self, f).copy() for f in ARRAY_FIELDS})
 
 
-__all__ = ["ARRAY_FIELDS", "FIELD_DTYPES", "REQUEST_FIELDS", "TOKEN_FIELDS", "ModelInputs"]
+__all__ = ["ARRAY_FIELDS", "BOUNDARY", "FIELDS", "FIELD_DTYPES", "REQUEST", "REQUEST_FIELDS", "TOKEN",
+           "TOKEN_FIELDS", "Field", "ModelInputs", "buffer_shapes", "field_rows"]

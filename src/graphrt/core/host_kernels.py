@@ -7,10 +7,11 @@ and at a few hundred requests their fixed cost (and the caches a forward evicts 
 steps) outweighs the work. Here each job is one loop compiled by numba (as vLLM does for its
 n-gram proposer): one call per step, every check before the first write.
 
-The loops are the same rules as the numpy path of :class:`graphrt.InputPreparer` and
-:class:`graphrt.Padder` (the reference they are tested against); the error messages are
-built by those classes from the codes of :mod:`graphrt.core.step_codes`. ``kernel="auto"``
-uses numba when it imports and numpy otherwise; ``GRAPHRT_HOST_KERNEL`` (``numba`` / ``numpy``) sets the default.
+The loops are the same rules as the numpy path (:mod:`graphrt.core.prepare_numpy`, and
+:class:`graphrt.Padder` applying its rule table), the reference they are tested against; the
+error messages are built by :class:`graphrt.InputPreparer` from the codes of
+:mod:`graphrt.core.step_codes`. ``kernel="auto"`` uses numba when it imports and numpy
+otherwise; ``GRAPHRT_HOST_KERNEL`` (``numba`` / ``numpy``) sets the default.
 """
 
 from __future__ import annotations

@@ -1,37 +1,43 @@
 """The numba loops behind :mod:`graphrt.core.host_kernels` (imported only where numba imports).
 
 Each function is the compiled form of one rule of input preparation or padding; the
-vectorised-numpy code in :mod:`graphrt.core.inputs` and :mod:`graphrt.core.padding` is the reference
-they are tested against. Indices are validated by ``check_step`` before any loop uses them:
-the loops run without bounds checks.
+vectorised-numpy code in :mod:`graphrt.core.prepare_numpy` and :mod:`graphrt.core.padding` is
+the reference they are tested against. Every index a loop uses is validated first, by
+``check_requests`` (the request-level bounds every loop here indexes by: ``check_step`` starts
+with it, ``write_padded_step`` runs it again), so the loops run without bounds checks.
+Padding applies the padder's rule table (``Padder.kernel_rules``): no field's fill or length
+is written here.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.extending import overload
 
-from graphrt.core import defaults
+from graphrt.core import defaults, fields
 from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_NULL_BLOCK, E_OK,
                                      E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE, E_ROW_REPEATED,
                                      E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW, E_TOKEN_OUT_OF_VOCAB,
                                      E_TOO_MANY_TOKENS)
 
-jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy")
+jit = numba.njit(cache=True, **_OPTIONS)
+
+#: :func:`graphrt.core.fields.field_rows`, compiled: the rows of a field's level in a step.
+field_rows = jit(fields.field_rows)
 
 
 @jit
-def check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
-               vocab_size, num_blocks, row_mark, stamp):
-    """Every bound of one step, writing nothing but ``row_mark`` (scratch). Returns
-    ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or ``(code, detail, 0, 0)``;
-    ``vocab_size`` / ``num_blocks`` <= 0 skip those two checks."""
+def check_requests(token_ids, block_table, rows, computed, scheduled, block_size):
+    """The request-level bounds, in one pass: every row inside the tables, every request
+    scheduling >= 1 token from a computed length >= 0, within the token table and the block
+    table. Returns ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or ``(code, detail, 0, 0)``."""
     r = rows.shape[0]
     num_rows = token_ids.shape[0]
     model_len = token_ids.shape[1]
     width = block_table.shape[1]
     bs = np.int64(block_size)
-    # ---- request-level bounds, one pass ----
     bad_row = -1
     min_sched_i = 0
     min_comp_i = 0
@@ -65,6 +71,24 @@ def check_step(token_ids, block_table, rows, computed, scheduled, block_size, ma
         return E_PAST_TOKEN_TABLE, max_seq_i, 0, 0
     if (max_seq + bs - 1) // bs > width:
         return E_TABLE_TOO_NARROW, max_seq_i, 0, 0
+    return E_OK, total, max_sched, max_seq
+
+
+@jit
+def check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
+               vocab_size, num_blocks, row_mark, stamp):
+    """Every bound of one step, writing nothing but ``row_mark`` (scratch): ``check_requests``,
+    then rows scheduled once, the token budget, and per token a block (and an id in the
+    vocabulary, a block in the cache). Returns ``(E_OK, num_tokens, max_query_len,
+    max_seq_len)`` or ``(code, detail, 0, 0)``; ``vocab_size`` / ``num_blocks`` <= 0 skip
+    those two checks."""
+    result = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
+    if result[0] != E_OK:
+        return result
+    total = result[1]
+    r = rows.shape[0]
+    width = block_table.shape[1]
+    bs = np.int64(block_size)
     for i in range(r):
         row = np.int64(rows[i])
         if row_mark[row] == stamp:
@@ -102,7 +126,7 @@ def check_step(token_ids, block_table, rows, computed, scheduled, block_size, ma
                     top = np.int64(block_table[row, col])
         if top >= num_blocks:
             return E_BLOCK_OUT_OF_CACHE, top, 0, 0
-    return E_OK, total, max_sched, max_seq
+    return result
 
 
 @jit
@@ -148,24 +172,65 @@ def write_step(token_ids, block_table, rows, computed, scheduled, block_size, in
         query_start_loc[i + 1] = k
 
 
+def copy_row(dst, i, src, j):
+    """``dst[i] = src[j]`` for one row of a field: a value, or a block-table row (compiled
+    per array rank below; numba's own array assignment is several times slower)."""
+
+
+def fill_row(dst, i, value):
+    """``dst[i] = value`` for one row of a field, as :func:`copy_row`."""
+
+
+@overload(copy_row, jit_options=_OPTIONS)
+def _copy_row(dst, i, src, j):
+    if dst.ndim == 1:
+        def impl(dst, i, src, j):
+            dst[i] = src[j]
+    else:
+        def impl(dst, i, src, j):
+            for col in range(dst.shape[1]):
+                dst[i, col] = src[j, col]
+    return impl
+
+
+@overload(fill_row, jit_options=_OPTIONS)
+def _fill_row(dst, i, value):
+    if dst.ndim == 1:
+        def impl(dst, i, value):
+            dst[i] = value
+    else:
+        def impl(dst, i, value):
+            for col in range(dst.shape[1]):
+                dst[i, col] = value
+    return impl
+
+
 @jit
-def fill_padding(num_tokens, num_reqs, padded_tokens, padded_reqs, fills, input_ids, positions,
-                 slot_mapping, query_start_loc, seq_lens, num_computed, block_table):
-    """The padding rules past the real rows: each field's fill (``fills``: ids, positions,
-    slots, seq_lens, computed, block), ``query_start_loc`` repeating its last real value."""
-    for k in range(num_tokens, padded_tokens):
-        input_ids[k] = fills[0]
-        positions[k] = fills[1]
-        slot_mapping[k] = fills[2]
-    last = query_start_loc[num_reqs]
-    for i in range(num_reqs + 1, padded_reqs + 1):
-        query_start_loc[i] = last
-    width = block_table.shape[1]
-    for i in range(num_reqs, padded_reqs):
-        seq_lens[i] = fills[3]
-        num_computed[i] = fills[4]
-        for j in range(width):
-            block_table[i, j] = fills[5]
+def pad_rows(arr, rule, num_tokens, num_reqs):
+    """One field's padding rule on its bucket-sized ``arr``: the rows past the real ones get
+    the fill, or a copy of the last real row. ``rule`` is the field's row of
+    ``Padder.kernel_rules``: its level (per token, per request, extra), fill, repeat_last."""
+    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
+    if rule[4]:
+        for i in range(real, arr.shape[0]):
+            copy_row(arr, i, arr, real - 1)
+    else:
+        for i in range(real, arr.shape[0]):
+            fill_row(arr, i, rule[3])
+
+
+@jit
+def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping,
+                 query_start_loc, seq_lens, num_computed, block_table):
+    """The padding rules (``rules``: one row per field, in ``fields.ARRAY_FIELDS`` order) on a
+    step written into bucket-sized arrays."""
+    pad_rows(input_ids, rules[0], num_tokens, num_reqs)
+    pad_rows(positions, rules[1], num_tokens, num_reqs)
+    pad_rows(slot_mapping, rules[2], num_tokens, num_reqs)
+    pad_rows(query_start_loc, rules[3], num_tokens, num_reqs)
+    pad_rows(seq_lens, rules[4], num_tokens, num_reqs)
+    pad_rows(num_computed, rules[5], num_tokens, num_reqs)
+    pad_rows(block_table, rules[6], num_tokens, num_reqs)
 
 
 @jit
@@ -184,64 +249,59 @@ def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, 
 
 @jit
 def write_padded_step(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
-                      padded_tokens, padded_reqs, fills, input_ids, positions, slot_mapping,
-                      query_start_loc, seq_lens, num_computed, block_table_out):
-    """``write_step`` then ``fill_padding``: a checked step straight into a bucket's buffers
-    (the caller checked that every output holds the padded sizes). Returns False, writing
-    nothing, if the request arrays no longer pass the bounds the loops index by (changed
-    since ``check_step``)."""
-    num_rows = token_ids.shape[0]
-    model_len = token_ids.shape[1]
-    width = block_table.shape[1]
-    total = np.int64(0)
-    for i in range(rows.shape[0]):
-        row = np.int64(rows[i])
-        c = np.int64(computed[i])
-        n = np.int64(scheduled[i])
-        if (row < 0 or row >= num_rows or c < 0 or n < 1 or c + n > model_len
-                or (c + n - 1) // np.int64(block_size) >= width):
-            return False
-        total += n
-    if total != num_tokens:
+                      rules, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                      num_computed, block_table_out):
+    """``write_step`` then ``fill_padding``: a checked step of ``num_tokens`` tokens straight
+    into a bucket's buffers (the caller checked that they hold the step). The loops index by
+    the request arrays, so ``check_requests`` runs again first: returns False, writing
+    nothing, if the step no longer passes it or no longer has ``num_tokens`` tokens (it
+    changed since ``check_step``)."""
+    result = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
+    if result[0] != E_OK or result[1] != num_tokens:
         return False
     write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
-    fill_padding(num_tokens, rows.shape[0], padded_tokens, padded_reqs, fills, input_ids,
-                 positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
+    fill_padding(num_tokens, rows.shape[0], rules, input_ids, positions, slot_mapping,
+                 query_start_loc, seq_lens, num_computed, block_table_out)
     return True
 
 
 @jit
-def pad_step(num_tokens, num_reqs, padded_tokens, padded_reqs, fills,
-             input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed,
-             block_table, o_input_ids, o_positions, o_slot_mapping, o_query_start_loc,
-             o_seq_lens, o_num_computed, o_block_table):
-    """Copy the real rows of prepared inputs, then ``fill_padding``. Returns False, writing
-    nothing, when an input is shorter than the real counts or an output shorter than the
-    padded ones."""
-    t = num_tokens
-    r = num_reqs
-    width = block_table.shape[1]
-    if (input_ids.shape[0] < t or positions.shape[0] < t or slot_mapping.shape[0] < t
-            or query_start_loc.shape[0] < r + 1 or seq_lens.shape[0] < r
-            or num_computed.shape[0] < r or block_table.shape[0] < r
-            or o_input_ids.shape[0] < padded_tokens or o_positions.shape[0] < padded_tokens
-            or o_slot_mapping.shape[0] < padded_tokens
-            or o_query_start_loc.shape[0] < padded_reqs + 1 or o_seq_lens.shape[0] < padded_reqs
-            or o_num_computed.shape[0] < padded_reqs or o_block_table.shape[0] < padded_reqs
-            or o_block_table.shape[1] != width):
+def holds(src, dst, rule, num_tokens, num_reqs):
+    """Whether ``src`` has a field's real rows and ``dst`` room for them, rows equally wide."""
+    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
+    return src.shape[0] >= real and dst.shape[0] >= real and src.shape[1:] == dst.shape[1:]
+
+
+@jit
+def copy_rows(src, dst, rule, num_tokens, num_reqs):
+    """A field's real rows from ``src`` into ``dst``."""
+    for i in range(field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)):
+        copy_row(dst, i, src, i)
+
+
+@jit
+def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, query_start_loc,
+             seq_lens, num_computed, block_table, o_input_ids, o_positions, o_slot_mapping,
+             o_query_start_loc, o_seq_lens, o_num_computed, o_block_table):
+    """Copy the real rows of prepared inputs into bucket-sized outputs, then ``fill_padding``.
+    Returns False, writing nothing, when an input is shorter than the real counts or an
+    output is."""
+    if not (holds(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)
+            and holds(positions, o_positions, rules[1], num_tokens, num_reqs)
+            and holds(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
+            and holds(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
+            and holds(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
+            and holds(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
+            and holds(block_table, o_block_table, rules[6], num_tokens, num_reqs)):
         return False
-    for k in range(t):
-        o_input_ids[k] = input_ids[k]
-        o_positions[k] = positions[k]
-        o_slot_mapping[k] = slot_mapping[k]
-    for i in range(r + 1):
-        o_query_start_loc[i] = query_start_loc[i]
-    for i in range(r):
-        o_seq_lens[i] = seq_lens[i]
-        o_num_computed[i] = num_computed[i]
-        for j in range(width):
-            o_block_table[i, j] = block_table[i, j]
-    fill_padding(t, r, padded_tokens, padded_reqs, fills, o_input_ids, o_positions,
-                 o_slot_mapping, o_query_start_loc, o_seq_lens, o_num_computed, o_block_table)
+    copy_rows(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)
+    copy_rows(positions, o_positions, rules[1], num_tokens, num_reqs)
+    copy_rows(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
+    copy_rows(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
+    copy_rows(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
+    copy_rows(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
+    copy_rows(block_table, o_block_table, rules[6], num_tokens, num_reqs)
+    fill_padding(num_tokens, num_reqs, rules, o_input_ids, o_positions, o_slot_mapping,
+                 o_query_start_loc, o_seq_lens, o_num_computed, o_block_table)
     return True

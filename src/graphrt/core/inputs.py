@@ -8,6 +8,9 @@ Token level (length T = total scheduled tokens): ``input_ids``, ``positions``,
 ``InputPreparer`` writes into persistent buffers (no allocation per step, results valid
 until the next call); ``prepare_inputs`` is the allocating convenience with the same values.
 Every bad input raises :class:`~graphrt.core.errors.InputError` before any output is written.
+This module is the front: argument checks, the choice of implementation (the compiled loops
+of :mod:`graphrt.core.host_loops`, or :mod:`graphrt.core.prepare_numpy`), and the error
+messages for the codes both return.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import numpy as np
 from graphrt.core import defaults, host_kernels
 from graphrt.core import step_codes as codes
 from graphrt.core.errors import GraphrtError, InputError
-from graphrt.core.fields import FIELD_DTYPES, ModelInputs
+from graphrt.core.fields import FIELD_DTYPES, ModelInputs, buffer_shapes
 from graphrt.core.padding import Padder
+from graphrt.core.prepare_numpy import NumpyPrepare
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _ARRAY = np.ndarray
@@ -87,28 +91,30 @@ class InputPreparer:
         self.num_blocks = int(num_blocks) if num_blocks is not None else None
         self.table_width = int(table_width) if table_width is not None else None
         self.kernel = host_kernels.resolve_kernel(kernel)
+        t, r = self.max_num_tokens, self.max_num_reqs
         numba = self.kernel == "numba"
-        self._prepare_step = host_kernels.compiled("prepare_step") if numba else None
+        # check + write in one call, the same contract on both paths; the numpy path has no
+        # separate check / padded write (it prepares in check() and pads in write()).
+        self._prepare_step = host_kernels.compiled("prepare_step") if numba else NumpyPrepare(t, r)
         self._check_step = host_kernels.compiled("check_step") if numba else None
         self._write_step = host_kernels.compiled("write_padded_step") if numba else None
         self._table_dtypes = (_INT32, _INT64) if numba else (_INT32,)
         self._pending: tuple[tuple, StepShape] | None = None
-        t, r = self.max_num_tokens, self.max_num_reqs
         self._row_mark = np.zeros(0, dtype=np.int64)     # last call's stamp per table row
         self._stamp = 0
-        self.input_ids = np.zeros(t, dtype=FIELD_DTYPES["input_ids"])
-        self.positions = np.zeros(t, dtype=FIELD_DTYPES["positions"])
-        self.slot_mapping = np.zeros(t, dtype=FIELD_DTYPES["slot_mapping"])
-        self.query_start_loc = np.zeros(r + 1, dtype=FIELD_DTYPES["query_start_loc"])
-        self.seq_lens = np.zeros(r, dtype=FIELD_DTYPES["seq_lens"])
-        self.num_computed_tokens = np.zeros(r, dtype=FIELD_DTYPES["num_computed_tokens"])
-        self.block_table: np.ndarray | None = None
+        shapes = buffer_shapes(t, r, 0)
+        self.input_ids = np.zeros(shapes["input_ids"], dtype=FIELD_DTYPES["input_ids"])
+        self.positions = np.zeros(shapes["positions"], dtype=FIELD_DTYPES["positions"])
+        self.slot_mapping = np.zeros(shapes["slot_mapping"], dtype=FIELD_DTYPES["slot_mapping"])
+        self.query_start_loc = np.zeros(shapes["query_start_loc"], dtype=FIELD_DTYPES["query_start_loc"])
+        self.seq_lens = np.zeros(shapes["seq_lens"], dtype=FIELD_DTYPES["seq_lens"])
+        self.num_computed_tokens = np.zeros(shapes["num_computed_tokens"],
+                                            dtype=FIELD_DTYPES["num_computed_tokens"])
+        self.block_table: np.ndarray | None = None       # allocated once the table's width is seen
         self._width = -1                                  # the block table's width, once seen
         self._views: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._vocab_bound = self.vocab_size if self.vocab_size is not None else 0   # 0: unchecked
         self._block_bound = self.num_blocks if self.num_blocks is not None else 0
-        if self._prepare_step is None:
-            self._numpy = _NumpyScratch(t, r)
 
     def prepare(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
@@ -117,13 +123,7 @@ class InputPreparer:
         args = self._arguments(token_ids, block_table, req_rows, num_computed_tokens,
                                num_scheduled_tokens, block_size)
         self._pending = None
-        if self._prepare_step is not None:
-            code, t, max_sched, max_seq = self._prepare_step(
-                *args, self.max_num_tokens, self._vocab_bound, self._block_bound, self._row_mark,
-                self._stamp, self.input_ids, self.positions, self.slot_mapping,
-                self.query_start_loc, self.seq_lens, self.num_computed_tokens, self.block_table)
-        else:
-            code, t, max_sched, max_seq = self._prepare_numpy(*args)
+        code, t, max_sched, max_seq = self._prepare(args)
         if code != codes.E_OK:
             raise self._step_error(code, t, *args)
         return self._result(t, args[2].shape[0], max_sched, max_seq)
@@ -143,7 +143,7 @@ class InputPreparer:
                 *args, self.max_num_tokens, self._vocab_bound, self._block_bound, self._row_mark,
                 self._stamp)
         else:
-            code, t, max_sched, max_seq = self._prepare_numpy(*args)
+            code, t, max_sched, max_seq = self._prepare(args)
         if code != codes.E_OK:
             raise self._step_error(code, t, *args)
         shape = StepShape(t, args[2].shape[0], max_sched, max_seq, max_sched == 1)
@@ -156,7 +156,8 @@ class InputPreparer:
         ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would).
 
         The step's arrays are read again here: don't change them in between (the compiled
-        path re-checks the bounds it indexes by and raises if they no longer hold)."""
+        path runs the request check of :meth:`check` again, ``host_loops.check_requests``, and
+        raises, writing nothing, if the step no longer passes it)."""
         if self._pending is None:
             raise GraphrtError("InputPreparer.write needs a successful check() of this step first")
         args, shape = self._pending
@@ -167,7 +168,7 @@ class InputPreparer:
         if num_tokens < t or num_reqs < r:
             padder.check_targets(t, r, num_tokens, num_reqs)
         dst = padder.targets(out, num_tokens, num_reqs, self._width)
-        if not self._write_step(*args, t, num_tokens, num_reqs, padder.kernel_fills, *dst):
+        if not self._write_step(*args, t, padder.kernel_rules, *dst):
             self._pending = None
             raise GraphrtError("the step's request arrays changed between InputPreparer.check() "
                                "and write(); check the step again")
@@ -180,7 +181,7 @@ class InputPreparer:
         Compiled code is cached on disk, so later processes only load it (~0.2 s here).
         ``out``: the staging buffers ``write`` will get (they receive a one-token dummy step).
         :meth:`prepare`'s loop compiles on its first call."""
-        if self._prepare_step is None:
+        if self._check_step is None:
             return 0.0
         start = time.perf_counter()
         width = self.table_width or 1
@@ -193,6 +194,14 @@ class InputPreparer:
             self.write(padder, num_tokens=1, num_reqs=1, out=out)
         self._pending = None
         return time.perf_counter() - start
+
+    def _prepare(self, args: tuple) -> tuple[int, int, int, int]:
+        """Check the step and, when it passes, write it into the preparer's own buffers:
+        ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or ``(code, detail, 0, 0)``."""
+        return self._prepare_step(*args, self.max_num_tokens, self._vocab_bound, self._block_bound,
+                                  self._row_mark, self._stamp, self.input_ids, self.positions,
+                                  self.slot_mapping, self.query_start_loc, self.seq_lens,
+                                  self.num_computed_tokens, self.block_table)
 
     def _result(self, t: int, r: int, max_sched: int, max_seq: int) -> ModelInputs:
         """The preparer's own buffers as this step's :class:`ModelInputs`."""
@@ -216,7 +225,7 @@ class InputPreparer:
                 and d.ndim == 1 and e.ndim == 1 and a.dtype in tables and b.dtype in tables
                 and (c.dtype is _INT32 or c.dtype is _INT64) and (d.dtype is _INT32 or d.dtype is _INT64)
                 and (e.dtype is _INT32 or e.dtype is _INT64)):    # one test on the per-step path
-            table_dtype = None if self._prepare_step is not None else np.int32
+            table_dtype = None if self._check_step is not None else np.int32
             a = _as_int_array("token_ids", a, 2, table_dtype)
             b = _as_int_array("block_table", b, 2, table_dtype)
             c = _as_int_array("req_rows", c, 1)
@@ -228,7 +237,8 @@ class InputPreparer:
                 or a.shape[0] != num_rows or (self.table_width is not None and width != self.table_width)):
             self._raise_shape_error(a, b, c, d, e)
         if width != self._width:
-            self.block_table = np.zeros((self.max_num_reqs, width), dtype=FIELD_DTYPES["block_table"])
+            shape = buffer_shapes(self.max_num_tokens, self.max_num_reqs, width)["block_table"]
+            self.block_table = np.zeros(shape, dtype=FIELD_DTYPES["block_table"])
             self._width = width
             self._views.clear()
         if num_rows > self._row_mark.shape[0]:
@@ -269,126 +279,6 @@ class InputPreparer:
                                             f"configured for {self.table_width} "
                                             f"(max_model_len / block_size)")
         raise AssertionError("no shape error to report")
-
-    def _prepare_numpy(self, token_ids: np.ndarray, block_table: np.ndarray, rows_in: np.ndarray,
-                       computed_in: np.ndarray, scheduled_in: np.ndarray,
-                       bs: int) -> tuple[int, int, int, int]:
-        """The vectorised-numpy implementation; same contract as ``host_loops.prepare_step``.
-
-        Request-level values are copied into one int64 ``[4, R]`` buffer (computed, rows,
-        scheduled, seq_lens) so every bound is checked with two reductions; index arithmetic
-        is int64 (numpy's index type) and gathers use ``mode="clip"`` on validated indices.
-        """
-        ok = codes.E_OK
-        s = self._numpy
-        r = rows_in.shape[0]
-        req = s.req[:, :r]
-        computed, rows, scheduled, seq = req
-        computed[:] = computed_in
-        rows[:] = rows_in
-        scheduled[:] = scheduled_in
-        np.add(computed, scheduled, out=seq)
-        code, detail, max_sched, max_seq = self._check_requests(token_ids, block_table, req, bs)
-        if code != ok:
-            return code, detail, 0, 0
-        width, model_len = block_table.shape[1], token_ids.shape[1]
-        row_blk, row_tok = s.row_base[0, :r], s.row_base[1, :r]
-        np.multiply(rows, width, out=row_blk)         # flat offset of each row in block_table
-        np.multiply(rows, model_len, out=row_tok)     # flat offset of each row in token_ids
-        if max_sched == 1:                 # decode: token i is request i, at position computed[i]
-            t = r
-            if t > self.max_num_tokens:
-                return codes.E_TOO_MANY_TOKENS, t, 0, 0
-            pos, idx, col, blk = computed, s.idx[:t], s.col[:t], s.blk[:t]
-            np.copyto(idx, row_blk)
-            tok_idx = s.tok_idx[:t]
-            np.add(row_tok, pos, out=tok_idx)
-        else:                              # spread per-request values over each request's tokens
-            cu = s.cu[:r]
-            np.cumsum(scheduled, out=cu)
-            t = int(cu[-1])
-            if t > self.max_num_tokens:
-                return codes.E_TOO_MANY_TOKENS, t, 0, 0
-            pos, col, blk = s.pos[:t], s.col[:t], s.blk[:t]
-            off = s.off[:r]                # position minus token index, per request
-            np.subtract(seq, cu, out=off)
-            arange = s.arange[:t]
-            np.add(arange, np.repeat(off, scheduled), out=pos)
-            np.add(row_tok, off, out=row_tok)
-            tok_idx = s.tok_idx[:t]
-            np.add(arange, np.repeat(row_tok, scheduled), out=tok_idx)
-            idx = np.repeat(row_blk, scheduled)   # np.repeat has no out=: one temporary per mixed step
-        pow2 = bs & (bs - 1) == 0
-        if pow2:
-            np.right_shift(pos, bs.bit_length() - 1, out=col)
-        else:
-            np.floor_divide(pos, bs, out=col)
-        np.add(idx, col, out=idx)
-        np.take(block_table.reshape(-1), idx, out=blk, mode="clip")
-        if blk.min() <= defaults.NULL_BLOCK:
-            return codes.E_NULL_BLOCK, int(np.flatnonzero(blk <= defaults.NULL_BLOCK)[0]), 0, 0
-        # With a bound to check, gather into scratch first: outputs stay untouched on error.
-        ids = s.ids[:t] if self.vocab_size is not None else self.input_ids[:t]
-        np.take(token_ids.reshape(-1), tok_idx, out=ids, mode="clip")
-        if self.vocab_size is not None and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            bad = int(np.flatnonzero((ids < 0) | (ids >= self.vocab_size))[0])
-            return codes.E_TOKEN_OUT_OF_VOCAB, bad, 0, 0
-        bt_rows = s.block_rows(width)[:r] if self.num_blocks is not None else self.block_table[:r]
-        np.take(block_table, rows, axis=0, out=bt_rows, mode="clip")
-        if self.num_blocks is not None:
-            top = int(bt_rows.max())
-            if top >= self.num_blocks:
-                return codes.E_BLOCK_OUT_OF_CACHE, top, 0, 0
-
-        # All checks passed: write the outputs.
-        if self.vocab_size is not None:
-            self.input_ids[:t] = ids
-        if self.num_blocks is not None:
-            self.block_table[:r] = bt_rows
-        self.positions[:t] = pos
-        slots = self.slot_mapping[:t]
-        np.multiply(blk, bs, out=slots)
-        if pow2:
-            np.bitwise_and(pos, bs - 1, out=col)
-        else:
-            np.multiply(col, bs, out=col)
-            np.subtract(pos, col, out=col)
-        np.add(slots, col, out=slots)
-        qsl = self.query_start_loc[:r + 1]
-        if max_sched == 1:
-            qsl[:] = s.arange[:r + 1]
-        else:
-            qsl[0] = 0
-            qsl[1:] = cu
-        self.seq_lens[:r] = seq
-        self.num_computed_tokens[:r] = computed
-        return ok, t, max_sched, max_seq
-
-    def _check_requests(self, token_ids: np.ndarray, block_table: np.ndarray, req: np.ndarray,
-                        bs: int) -> tuple[int, int, int, int]:
-        """Every request-level bound in two reductions and a stamp pass:
-        ``(code, detail, max_query_len, max_seq_len)``."""
-        computed, rows, scheduled, seq = req
-        min_computed, min_row, min_sched = req[:3].min(axis=1).tolist()
-        max_row, max_sched, max_seq = req[1:].max(axis=1).tolist()
-        num_rows = token_ids.shape[0]
-        if min_row < 0 or max_row >= num_rows:
-            return codes.E_ROW_OUT_OF_RANGE, int(np.flatnonzero((rows < 0) | (rows >= num_rows))[0]), 0, 0
-        if min_sched <= 0:
-            return codes.E_SCHEDULED_NOT_POSITIVE, int(np.argmin(scheduled)), 0, 0
-        if min_computed < 0:
-            return codes.E_COMPUTED_NEGATIVE, int(np.argmin(computed)), 0, 0
-        if max_seq > token_ids.shape[1]:
-            return codes.E_PAST_TOKEN_TABLE, int(np.argmax(seq)), 0, 0
-        if -(-max_seq // bs) > block_table.shape[1]:
-            return codes.E_TABLE_TOO_NARROW, int(np.argmax(seq)), 0, 0
-        mark = self._row_mark[:num_rows]
-        mark[rows] = self._stamp
-        if np.count_nonzero(mark == self._stamp) != rows.shape[0]:
-            repeat = np.ones(rows.shape[0], dtype=bool)
-            repeat[np.unique(rows, return_index=True)[1]] = False
-            return codes.E_ROW_REPEATED, int(np.flatnonzero(repeat)[0]), 0, 0
-        return codes.E_OK, 0, max_sched, max_seq
 
     def _step_error(self, code: int, detail: int, token_ids: np.ndarray, block_table: np.ndarray,
                     rows: np.ndarray, computed: np.ndarray, scheduled: np.ndarray,
@@ -437,32 +327,6 @@ class InputPreparer:
                                            f"vocabulary [0, {self.vocab_size}) (request {req}, "
                                            f"position {pos})")
         raise AssertionError(f"unknown host-kernel code {code}")
-
-
-class _NumpyScratch:
-    """Persistent scratch buffers of the numpy path (the compiled path needs none)."""
-
-    def __init__(self, max_num_tokens: int, max_num_reqs: int) -> None:
-        t, r = max_num_tokens, max_num_reqs
-        self.max_num_reqs = r
-        self.arange = np.arange(max(t, r + 1), dtype=np.int64)
-        self.req = np.zeros((4, r), dtype=np.int64)      # computed, rows, scheduled, seq_lens
-        self.cu = np.zeros(r, dtype=np.int64)
-        self.off = np.zeros(r, dtype=np.int64)
-        self.pos = np.zeros(t, dtype=np.int64)           # position of each token
-        self.idx = np.zeros(t, dtype=np.int64)           # flat block-table indices
-        self.tok_idx = np.zeros(t, dtype=np.int64)       # flat token-table indices
-        self.row_base = np.zeros((2, r), dtype=np.int64)  # rows * width, rows * max_model_len
-        self.col = np.zeros(t, dtype=np.int64)           # block column / block offset
-        self.blk = np.zeros(t, dtype=np.int32)           # physical block of each token
-        self.ids = np.zeros(t, dtype=np.int32)           # gathered token ids, checked before output
-        self._rows = np.zeros((r, 0), dtype=np.int32)    # gathered block-table rows
-
-    def block_rows(self, width: int) -> np.ndarray:
-        """Scratch for the scheduled block-table rows (reallocated when the width changes)."""
-        if self._rows.shape[1] != width:
-            self._rows = np.zeros((self.max_num_reqs, width), dtype=np.int32)
-        return self._rows
 
 
 def prepare_inputs(*, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,

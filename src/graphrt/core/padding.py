@@ -1,7 +1,7 @@
 """Padding: every model input grown to a bucket's (tokens, requests) with safe fill values.
 
-The rules (one table, ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention
-backend):
+The rules (one table, :func:`pad_rules`: each field's level from ``graphrt.core.fields``, its
+fill from ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention backend):
 
 * token level -- ``input_ids`` 0 and ``positions`` 0 (valid, finite), ``slot_mapping`` -1:
   a padded token never writes a real KV slot (attention stores skip negative slots);
@@ -15,17 +15,34 @@ backend):
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
 from graphrt.core import defaults, host_kernels
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, REQUEST_FIELDS, TOKEN_FIELDS, ModelInputs
+from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
 
-#: The order of the ``fills`` array of ``host_loops.fill_padding``.
-_KERNEL_FILL_ORDER = ("input_ids", "positions", "slot_mapping", "seq_lens",
-                      "num_computed_tokens", "block_table")
+#: The fill that is not a value: repeat the field's last real row (``defaults.QUERY_START_LOC_FILL``).
+REPEAT_LAST = "repeat_last"
+
+
+class PadRule(NamedTuple):
+    """How one field is padded: the rows past the real ones of its ``level`` (see
+    ``fields.field_rows``) get ``fill``, or with ``repeat_last`` a copy of the last real row."""
+
+    level: tuple[int, int, int]
+    fill: int
+    repeat_last: bool
+
+
+def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
+    """The padding rule of every field, in ``ARRAY_FIELDS`` order, for a table of fill values
+    (``query_start_loc`` takes ``defaults.QUERY_START_LOC_FILL``). Both implementations, the
+    numpy one here and the compiled ``host_loops.fill_padding``, apply exactly this table."""
+    fills = {**fill_values, "query_start_loc": defaults.QUERY_START_LOC_FILL}
+    return {name: PadRule(FIELDS[name].level, 0, True) if fills[name] == REPEAT_LAST
+            else PadRule(FIELDS[name].level, int(fills[name]), False) for name in ARRAY_FIELDS}
 
 
 class Padder:
@@ -50,14 +67,18 @@ class Padder:
             raise ConfigError("the slot_mapping fill must be negative: a padded token must never "
                               "write a real KV slot")
         self.fill_values: dict[str, int] = fills
+        #: Every field's padding rule (:func:`pad_rules`), in ``ARRAY_FIELDS`` order.
+        self.rules: dict[str, PadRule] = pad_rules(fills)
+        #: The same table as the compiled loops take it: one row per field, (level, fill, repeat_last).
+        self.kernel_rules = np.array([(*rule.level, rule.fill, rule.repeat_last)
+                                      for rule in self.rules.values()], dtype=np.int64)
+        self._rule_list = tuple(self.rules.values())
         self.kernel = host_kernels.resolve_kernel(kernel)
         self._pad_step = host_kernels.compiled("pad_step") if self.kernel == "numba" else None
-        #: The fill table as the compiled loops take it (``host_loops.fill_padding``).
-        self.kernel_fills = np.array([fills[name] for name in _KERNEL_FILL_ORDER], dtype=np.int64)
         self._max_tokens = max_num_tokens
         self._max_reqs = max_num_reqs
         self._buffers: dict[str, np.ndarray] = {}
-        self._out_views: dict[tuple[int, int, int], tuple[object, tuple[np.ndarray, ...]]] = {}
+        self._views: dict[tuple[int, int, int], tuple[object, tuple[np.ndarray, ...]]] = {}
 
     def pad(self, inputs: ModelInputs, *, num_tokens: int, num_reqs: int,
             out: Mapping[str, np.ndarray] | None = None) -> ModelInputs:
@@ -70,36 +91,26 @@ class Padder:
         self.check_targets(t, r, num_tokens, num_reqs)
         dst = self.targets(out, num_tokens, num_reqs, inputs.block_table.shape[1])
         if self._pad_step is not None:
-            if not self._pad_step(t, r, num_tokens, num_reqs, self.kernel_fills, inputs.input_ids,
-                                  inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
-                                  inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table,
-                                  *dst):
+            if not self._pad_step(t, r, self.kernel_rules, inputs.input_ids, inputs.positions,
+                                  inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
+                                  inputs.num_computed_tokens, inputs.block_table, *dst):
                 raise InputError("inputs", f"arrays shorter than num_tokens={t} / num_reqs={r}")
         else:
-            self._pad_numpy(inputs, num_tokens, num_reqs, dst)
+            self._pad_numpy(inputs, dst)
         return ModelInputs(*dst, r, t, inputs.max_query_len, inputs.max_seq_len,
                            inputs.uniform_decode)
 
-    def _pad_numpy(self, inputs: ModelInputs, num_tokens: int, num_reqs: int,
-                   dst: tuple[np.ndarray, ...]) -> None:
-        """The numpy implementation: one slice assignment per field (fills skipped when the
-        step fills its bucket)."""
+    def _pad_numpy(self, inputs: ModelInputs, dst: tuple[np.ndarray, ...]) -> None:
+        """The numpy implementation of :attr:`rules`: per field, one slice assignment of the
+        real rows and one of the fill (skipped when the step fills its bucket)."""
         t, r = inputs.num_tokens, inputs.num_reqs
-        fills = self.fill_values
-        by_name = dict(zip(ARRAY_FIELDS, dst))
-        for name in TOKEN_FIELDS:
-            buf = by_name[name]
-            buf[:t] = getattr(inputs, name)[:t]
-            if num_tokens > t:
-                buf[t:] = fills[name]
-        qsl = by_name["query_start_loc"]
-        qsl[:r + 1] = inputs.query_start_loc[:r + 1]
-        for name in REQUEST_FIELDS:
-            by_name[name][:r] = getattr(inputs, name)[:r]
-        if num_reqs > r:
-            qsl[r + 1:] = qsl[r]
-            for name in REQUEST_FIELDS:
-                by_name[name][r:] = fills[name]
+        sources = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
+                   inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table)
+        for src, buf, (level, fill, repeat_last) in zip(sources, dst, self._rule_list):
+            real = field_rows(level, t, r)
+            buf[:real] = src[:real]
+            if buf.shape[0] > real:
+                buf[real:] = buf[real - 1] if repeat_last else fill
 
     @staticmethod
     def check_targets(num_tokens: int, num_reqs: int, padded_tokens: int, padded_reqs: int) -> None:
@@ -114,39 +125,38 @@ class Padder:
     def targets(self, out: Mapping[str, np.ndarray] | None, num_tokens: int, num_reqs: int,
                 width: int) -> tuple[np.ndarray, ...]:
         """Per field (in ``ARRAY_FIELDS`` order), the array of the padded length the result
-        is written into. Views of a caller's ``out`` are remembered per shape."""
+        is written into: views of a caller's ``out`` or of the persistent buffers,
+        remembered per shape, or fresh arrays when the padder is unbounded."""
+        key = (num_tokens, num_reqs, width)
+        memo = self._views.get(key)
+        if memo is not None and memo[0] is out:
+            return memo[1]
+        shapes = buffer_shapes(num_tokens, num_reqs, width)
         if out is not None:
-            memo = self._out_views.get((num_tokens, num_reqs, width))
-            if memo is not None and memo[0] is out:
-                return memo[1]
-        lengths = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
-                   "query_start_loc": num_reqs + 1, "seq_lens": num_reqs,
-                   "num_computed_tokens": num_reqs, "block_table": num_reqs}
-        if out is None:
-            return tuple(self._buffer(name, (lengths[name], width) if name == "block_table"
-                                      else (lengths[name],)) for name in ARRAY_FIELDS)
-        views = tuple(_view(name, out[name], lengths[name], width) for name in ARRAY_FIELDS)
-        if len(self._out_views) >= defaults.PREPARE_VIEW_MEMO_LIMIT:
-            self._out_views.clear()
-        self._out_views[(num_tokens, num_reqs, width)] = (out, views)
+            views = tuple(_view(name, out[name], shapes[name]) for name in ARRAY_FIELDS)
+        elif self._max_tokens is None or self._max_reqs is None:
+            return tuple(np.empty(shapes[name], dtype=FIELD_DTYPES[name]) for name in ARRAY_FIELDS)
+        else:
+            views = tuple(self._buffer(name, shapes[name]) for name in ARRAY_FIELDS)
+        if len(self._views) >= defaults.PREPARE_VIEW_MEMO_LIMIT:
+            self._views.clear()
+        self._views[key] = (out, views)
         return views
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A view of the persistent buffer for ``name`` (or a fresh array when unbounded)."""
-        if self._max_tokens is None or self._max_reqs is None:
-            return np.empty(shape, dtype=FIELD_DTYPES[name])
+        """A view of the persistent buffer for ``name``, grown past the padder's limits when
+        a target needs it (remembered views of the old buffer are dropped then)."""
         buf = self._buffers.get(name)
         if buf is None or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
-            lead = {"query_start_loc": self._max_reqs + 1, "seq_lens": self._max_reqs,
-                    "num_computed_tokens": self._max_reqs, "block_table": self._max_reqs}
-            size = max(lead.get(name, self._max_tokens), shape[0])
-            buf = np.empty((size,) + shape[1:], dtype=FIELD_DTYPES[name])
+            limit = buffer_shapes(self._max_tokens, self._max_reqs, 0)[name][0]
+            buf = np.empty((max(limit, shape[0]),) + shape[1:], dtype=FIELD_DTYPES[name])
             self._buffers[name] = buf
+            self._views.clear()
         return buf[:shape[0]]
 
-def _view(name: str, buf: np.ndarray, n: int, width: int) -> np.ndarray:
-    """The first ``n`` rows of a caller's buffer, checked (``block_table`` rows are ``width`` wide)."""
-    trailing = (width,) if name == "block_table" else ()
-    if buf.shape[0] < n or buf.shape[1:] != trailing:
-        raise InputError(name, f"output buffer of shape {buf.shape} cannot hold {(n,) + trailing}")
-    return buf[:n]
+
+def _view(name: str, buf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The first ``shape[0]`` rows of a caller's buffer, checked to hold ``shape``."""
+    if buf.shape[0] < shape[0] or buf.shape[1:] != shape[1:]:
+        raise InputError(name, f"output buffer of shape {buf.shape} cannot hold {shape}")
+    return buf[:shape[0]]

@@ -1,9 +1,10 @@
 """What a step check found: the codes the compiled loops (``host_loops``) and the numpy path
-of :class:`graphrt.InputPreparer` both return, and the preparer turns into an
+(``prepare_numpy``) both return, and the preparer turns into an
 :class:`~graphrt.InputError` naming the field. numpy-free and numba-free, so either side
 imports it."""
 
-# In the order the checks are reported; the detail each carries is noted.
+# In the order the checks are reported; the detail each carries is noted. Codes 1-5 are the
+# request-level bounds every loop indexes by (``check_requests``), the rest the step's.
 E_OK = 0
 E_ROW_OUT_OF_RANGE = 1      # detail: request index
 E_SCHEDULED_NOT_POSITIVE = 2  # request index (first minimum)
