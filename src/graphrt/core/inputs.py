@@ -123,7 +123,10 @@ class InputPreparer:
         args = self._arguments(token_ids, block_table, req_rows, num_computed_tokens,
                                num_scheduled_tokens, block_size)
         self._pending = None
-        code, t, max_sched, max_seq = self._prepare(args)
+        code, t, max_sched, max_seq = self._prepare_step(
+            *args, self.max_num_tokens, self._vocab_bound, self._block_bound, self._row_mark,
+            self._stamp, self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+            self.seq_lens, self.num_computed_tokens, self.block_table)
         if code != codes.E_OK:
             raise self._step_error(code, t, *args)
         return self._result(t, args[2].shape[0], max_sched, max_seq)
@@ -142,8 +145,11 @@ class InputPreparer:
             code, t, max_sched, max_seq = self._check_step(
                 *args, self.max_num_tokens, self._vocab_bound, self._block_bound, self._row_mark,
                 self._stamp)
-        else:
-            code, t, max_sched, max_seq = self._prepare(args)
+        else:     # the numpy path prepares into the preparer's buffers now, pads in write()
+            code, t, max_sched, max_seq = self._prepare_step(
+                *args, self.max_num_tokens, self._vocab_bound, self._block_bound, self._row_mark,
+                self._stamp, self.input_ids, self.positions, self.slot_mapping,
+                self.query_start_loc, self.seq_lens, self.num_computed_tokens, self.block_table)
         if code != codes.E_OK:
             raise self._step_error(code, t, *args)
         shape = StepShape(t, args[2].shape[0], max_sched, max_seq, max_sched == 1)
@@ -194,14 +200,6 @@ class InputPreparer:
             self.write(padder, num_tokens=1, num_reqs=1, out=out)
         self._pending = None
         return time.perf_counter() - start
-
-    def _prepare(self, args: tuple) -> tuple[int, int, int, int]:
-        """Check the step and, when it passes, write it into the preparer's own buffers:
-        ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or ``(code, detail, 0, 0)``."""
-        return self._prepare_step(*args, self.max_num_tokens, self._vocab_bound, self._block_bound,
-                                  self._row_mark, self._stamp, self.input_ids, self.positions,
-                                  self.slot_mapping, self.query_start_loc, self.seq_lens,
-                                  self.num_computed_tokens, self.block_table)
 
     def _result(self, t: int, r: int, max_sched: int, max_seq: int) -> ModelInputs:
         """The preparer's own buffers as this step's :class:`ModelInputs`."""
