@@ -42,7 +42,7 @@ from graphrt.config import GraphConfig
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import GraphrtError
 from graphrt.core.forward_context import forward_context
-from graphrt.core.fields import FIELD_DTYPES, ModelInputs
+from graphrt.core.fields import FIELD_DTYPES, ModelInputs, buffer_shapes
 from graphrt.models.torch.attention import TorchAttentionMetadata
 from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphTask, PreReplayHook,
                                            describe_capture_failure, record)
@@ -80,9 +80,7 @@ class TorchExecutor(Executor):
         self.block_size = config.block_size
         max_t, max_r = config.max_num_batched_tokens, config.max_num_seqs
         width = config.max_blocks_per_req
-        shapes = {"input_ids": (max_t,), "positions": (max_t,), "slot_mapping": (max_t,),
-                  "query_start_loc": (max_r + 1,), "seq_lens": (max_r,),
-                  "num_computed_tokens": (max_r,), "block_table": (max_r, width)}
+        shapes = buffer_shapes(max_t, max_r, width)
         pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
         self._host = {name: torch.zeros(shape, dtype=_TORCH_DTYPES[FIELD_DTYPES[name]], pin_memory=pin)
                       for name, shape in shapes.items()}
