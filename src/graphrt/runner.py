@@ -96,6 +96,7 @@ class ModelRunner:
         if degraded:
             logger.info("graphrt: %s", degraded)
         self.dispatcher = self.backend.dispatcher(cfg, self.mode, model)
+        self.executor.expect_keys([key for _, key in self._build_keys()])
         self.num_kv_blocks = self._num_kv_blocks(num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
         self.preparer = InputPreparer(max_num_reqs=cfg.max_num_seqs,
@@ -135,6 +136,14 @@ class ModelRunner:
                                                 f"{per_block} bytes; at least 2 are needed")
         return int(blocks)
 
+    def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
+        """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
+        sampler for each request count a FULL key can have."""
+        keys = self.dispatcher.keys()
+        sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
+        return list(keys) + [(RuntimeMode.FULL, SamplerKey(r, greedy))
+                             for r in sampler_reqs for greedy in (True, False)]
+
     def warmup(self) -> list[dict[str, Any]]:
         """Capture / compile every key the dispatcher can return, largest first, then seal.
 
@@ -148,12 +157,9 @@ class ModelRunner:
         seconds = self.preparer.compile_kernels(self.padder, out=self.executor.host_buffers)
         if seconds:
             logger.info("graphrt: host kernels (%s) ready in %.2f s", self.preparer.kernel, seconds)
-        keys = self.dispatcher.keys()
-        sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
         jobs: list[tuple[GraphCache, Any, RuntimeMode, Any]] = [
-            (self.cache, (m, k), m, k) for m, k in keys]
-        jobs += [(self.sampler_cache, key, RuntimeMode.FULL, key)
-                 for r in sampler_reqs for key in (SamplerKey(r, True), SamplerKey(r, False))]
+            (self.sampler_cache, key, mode, key) if isinstance(key, SamplerKey)
+            else (self.cache, (mode, key), mode, key) for mode, key in self._build_keys()]
         start = time.perf_counter()
         ahead = self.executor.build_many([(mode, key) for _, _, mode, key in jobs], progress=self.progress)
         bar = tqdm(jobs, desc=f"graphrt {self.backend.name} warm-up", unit="graph",

@@ -67,6 +67,12 @@ class Executor(abc.ABC):
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[Any, int]:
         """Capture / compile the entry for ``key``; returns (entry, bytes it holds)."""
 
+    def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
+        """Every key the runner will build (its dispatcher's keys and their samplers), told once
+        when the dispatcher is made, before any build. An executor that keeps compile bookkeeping
+        of its own (XLA: unplanned compiles after warm-up) learns its planned keys here instead of
+        building a second dispatcher. Default: nothing to do."""
+
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]], *,
                    progress: bool = False) -> list[Any] | None:
         """Build every key of ``jobs`` up front, where that is faster than one at a time (XLA
