@@ -128,7 +128,7 @@ def run_graphrt(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_bloc
             passes.append(time.perf_counter() - t0)
             tokens.append(out)
     keys = sorted({str(k) for _, k in runner.cache})
-    report = runner.executor.compile_report
+    report = runner.executor.compiled.report()
     sampler_s = sum(r["lower_s"] + r["compile_s"] for r in report if r["key"].startswith("sampler"))
     return {"runner": runner, "warmup_s": warmup_s, "pass_s": passes, "tokens": tokens[0],
             "compile_s": warm_counter.seconds + serve_counter.seconds, "sampler_build_s": sampler_s,
@@ -249,7 +249,7 @@ def precompile_child(model_dir: str, cache_dir: str, workers: int) -> dict[str, 
     """In a fresh process: build a runner on ``cache_dir``, time its warm-up."""
     t_start = time.perf_counter()
     from graphrt import ModelRunner
-    from graphrt.backends.xla.executor import XlaBackend
+    from graphrt.backends.xla.backend import XlaBackend
     from graphrt.backends.xla.compile import CompileCounter
 
     runner = ModelRunner(model_dir, backend=XlaBackend(compile_workers=workers), warmup=False,
@@ -258,7 +258,7 @@ def precompile_child(model_dir: str, cache_dir: str, workers: int) -> dict[str, 
         t0 = time.perf_counter()
         runner.warmup()
         warmup_s = time.perf_counter() - t0
-    report = runner.executor.compile_report
+    report = runner.executor.compiled.report()
     return {"warmup_s": warmup_s, "process_s": time.perf_counter() - t_start, "workers": workers,
             "executables": len(report), "compiles": counter.compiles,
             "persistent_cache_hits": counter.persistent_cache_hits,

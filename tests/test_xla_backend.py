@@ -19,7 +19,9 @@ jnp = pytest.importorskip("jax.numpy")
 
 import graphrt  # noqa: E402
 from graphrt import SamplingParams  # noqa: E402
-from graphrt.backends.xla.executor import XlaBackend, XlaEntry, XlaModel  # noqa: E402
+from graphrt.backends.xla.backend import XlaBackend  # noqa: E402
+from graphrt.backends.xla.compile_cache import XlaEntry  # noqa: E402
+from graphrt.backends.xla.programs import XlaModel  # noqa: E402
 from graphrt.backends.xla.batch import (SamplingMetadata, XlaBatch, batch_spec,  # noqa: E402
                                         describe_change, signature)
 from graphrt.backends.xla.compile import CompileCounter  # noqa: E402
@@ -145,16 +147,23 @@ def test_llm_greedy_parity_with_transformers(engine, request):
 def test_warmup_report_and_entries(qwen):
     runner = qwen[0].runner
     ex = runner.executor
-    assert not ex.eager_fallback and ex.has_graphs and ex.sealed
+    assert not ex.eager_fallback and ex.has_graphs and ex.compiled.sealed
     keys = {k for _, k in runner.cache}
     assert keys == {BatchDescriptor(32, 4, False), BatchDescriptor(16, 4, False), BatchDescriptor(4, 4, True),
                     BatchDescriptor(2, 2, True), BatchDescriptor(1, 1, True)}
     assert {k for k in runner.sampler_cache} == {SamplerKey(r, g) for r in (1, 2, 4) for g in (True, False)}
-    report = ex.compile_report
+    report = ex.compiled.report()
     assert len(report) == 11 and all(r["compile_s"] > 0 and r["lower_s"] > 0 for r in report)
     assert all(r["seconds"] > 0 for r in runner.warmup_report)
     # Host buffers cover the largest token bucket and the fixed mixed batch size.
     assert ex.host_buffers["input_ids"].shape == (32,) and ex.host_buffers["block_table"].shape == (4, 16)
+
+
+def test_planned_keys_come_from_the_runners_dispatcher(qwen):
+    runner = qwen[0].runner
+    forward = {k for _, k in runner.dispatcher.keys()}
+    assert runner.executor.compiled.planned_keys == forward | set(runner.sampler_cache)
+    assert forward == {k for _, k in runner.cache}
 
 
 # ---- padding ----------------------------------------------------------------------------
@@ -209,7 +218,7 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
     d = Driver(llm.runner)
     rng = np.random.default_rng(4)
     ex = llm.runner.executor
-    compiled_before = ex.compile_count
+    compiled_before = ex.compiled.compile_count
     with CompileCounter() as counter:
         for rnd in range(3):
             lengths = rng.integers(1, 20, size=4)
@@ -230,7 +239,7 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
                 rows = list(range(width))
                 d.step({r: 1 for r in rows}, {rows[-1]: SamplingParams(temperature=1.0, seed=7)})
     assert counter.compiles == 0, counter.names
-    assert ex.compile_count == compiled_before and ex.unplanned_compiles == 0
+    assert ex.compiled.compile_count == compiled_before and ex.compiled.unplanned_compiles == 0
     assert llm.runner.stats.unplanned_builds == 0
 
 
@@ -293,17 +302,17 @@ def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch
     monkeypatch.setattr(runner, "dispatcher", _dispatcher_with_extra_bucket(runner))
     d = Driver(runner)
     d.add(0, prompts_of((20,), seed=6)[0])
-    builds, unplanned = runner.stats.unplanned_builds, ex.unplanned_compiles
+    builds, unplanned = runner.stats.unplanned_builds, ex.compiled.unplanned_compiles
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 20})
     assert runner.last_step.key == BatchDescriptor(24, 4, False)
     check_logits(hf, d, [0])
-    assert runner.stats.unplanned_builds == builds + 1 and ex.unplanned_compiles == unplanned + 1
+    assert runner.stats.unplanned_builds == builds + 1 and ex.compiled.unplanned_compiles == unplanned + 1
     assert "input_ids" in caplog.text and "(24,)" in caplog.text
     _leaky(runner.cache.get((RuntimeMode.FULL, BatchDescriptor(2, 2, True))), monkeypatch)
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 1})
-    assert ex.unplanned_compiles == unplanned + 2 and "hot path" in caplog.text
+    assert ex.compiled.unplanned_compiles == unplanned + 2 and "hot path" in caplog.text
     check_logits(hf, d, [0])
 
 
@@ -446,6 +455,13 @@ def test_persistent_cache_is_reused(tmp_path, restore_compilation_cache):
     assert counter.compiles == counter.persistent_cache_hits, counter.names
 
 
+def test_unplanned_build_with_the_executable_store_counts_once(tmp_path, restore_compilation_cache):
+    ex = _cached_runner(tmp_path).executor
+    ex.compiled.seal()
+    ex.build(RuntimeMode.FULL, SamplerKey(1, True))   # not on disk: looked up there, then compiled
+    assert ex.compiled.unplanned_compiles == 1
+
+
 def test_loaded_executables_give_identical_results(tmp_path, restore_compilation_cache):
     prompts = prompts_of([5, 3], seed=7)
     outs = []
@@ -460,7 +476,7 @@ def test_loaded_executables_give_identical_results(tmp_path, restore_compilation
         runner.execute(token_ids=table, block_table=blocks, req_rows=np.array([0, 1]),
                        num_computed_tokens=np.array([0, 0]),
                        num_scheduled_tokens=np.array([len(p) for p in prompts]))
-        outs.append((runner.logits(), runner.executor.compile_report))
+        outs.append((runner.logits(), runner.executor.compiled.report()))
     (cold_logits, cold_report), (warm_logits, warm_report) = outs
     assert not any(r["persistent_cache_hit"] for r in cold_report)
     # Every forward is deserialized; a sampler whose executable XLA cannot serialize (a sort
@@ -505,14 +521,14 @@ def test_nnx_module_matches_params_model_with_lazy_compiles():
     for m in (model, module):
         runner = ModelRunner(m, backend=backend, disable_precompile=True, precompile_token_paddings=[16, 32],
                              precompile_bs_paddings=[1, 4], progress=False, **LIMITS)
-        assert runner.executor.compile_report == [] and not runner.cache.sealed
+        assert runner.executor.compiled.report() == [] and not runner.cache.sealed
         d = Driver(runner)
         d.add(0, [3, 1, 4, 1, 5, 9, 2, 6])
         d.step({0: 8})
         first = runner.logits()[0]
         d.step({0: 1})
         outs.append((first, runner.logits()[0], d.seqs[0]))
-        assert len(runner.executor.compile_report) == 4 and runner.executor.unplanned_compiles == 0
+        assert len(runner.executor.compiled.report()) == 4 and runner.executor.compiled.unplanned_compiles == 0
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
     assert outs[0][2] == outs[1][2]

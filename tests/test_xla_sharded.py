@@ -40,7 +40,7 @@ def _main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import graphrt
-    from graphrt.backends.xla.executor import XlaBackend
+    from graphrt.backends.xla.backend import XlaBackend
     from graphrt.backends.xla.compile import CompileCounter
     from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
     from hf_models import hf_logits, load_hf_model, tiny_hf_model_dir

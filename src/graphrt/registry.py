@@ -18,7 +18,7 @@ BACKENDS: dict[str, str] = {
     "cuda": "graphrt.backends.torch.cuda:CudaGraphBackend",
     "npu": "graphrt.backends.torch.npu:NpuGraphBackend",
     "cpu": "graphrt.backends.torch.cpu:CpuGraphBackend",
-    "xla": "graphrt.backends.xla.executor:XlaBackend",
+    "xla": "graphrt.backends.xla.backend:XlaBackend",
     "eager": "graphrt.backends.torch.eager:EagerBackend",
 }
 ALIASES: dict[str, str] = {"acl": "npu", "jax": "xla"}

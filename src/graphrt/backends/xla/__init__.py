@@ -1,3 +1,5 @@
-"""The XLA backend (``executor``): one precompiled executable per bucket, with its batch
-padding (``batch``), compile accounting (``compile``), on-disk executables
-(``executables``), sampler (``sampler``) and mesh sharding (``sharding``)."""
+"""The XLA backend (``backend``): one precompiled executable per bucket. Its parts: the
+jitted programs (``programs``), the executor (``executor``), its compile bookkeeping
+(``compile_cache``), batch pytrees (``batch``), compile accounting (``compile``), on-disk
+executables (``executables``), any function compiled per key (``graphs``), the sampler
+(``sampler``) and mesh sharding (``sharding``)."""

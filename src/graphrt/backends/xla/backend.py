@@ -1,0 +1,96 @@
+"""``xla`` (alias ``jax``): one ahead-of-time compiled XLA executable per bucket.
+
+The backend's pieces: its dispatcher is the token x batch-size grid
+(``GraphConfig.xla_dispatcher()``: mixed / prefill steps at the next token bucket and a fixed
+batch size, decode steps at the next batch-size bucket; no eager path); the padder is the
+shared :class:`graphrt.Padder`; the runner's :class:`graphrt.GraphCache` holds the entries.
+Its own parts: :class:`XlaPrograms` (the jitted forward and samplers, ``programs.py``), the
+:class:`XlaExecutor` (``executor.py``) and its compile bookkeeping (``compile_cache.py``).
+This module imports without jax, so the registry can say why the backend is unavailable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from graphrt.backends.base import Backend
+from graphrt.config import GraphConfig
+from graphrt.core import defaults
+from graphrt.core.cache import GraphCache
+from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.errors import BackendUnavailableError
+
+try:
+    import jax.numpy as jnp
+except ImportError as _exc:  # pragma: no cover - exercised only without jax
+    _IMPORT_ERROR: str | None = str(_exc)
+else:
+    _IMPORT_ERROR = None
+    from jax.sharding import Mesh
+
+    from graphrt.backends.xla import sharding as shd
+    from graphrt.backends.xla.executor import XlaExecutor
+    from graphrt.backends.xla.graphs import XlaGraphs
+    from graphrt.backends.xla.programs import XlaModel, XlaPrograms
+
+
+def _jax_dtype(dtype: Any) -> Any:
+    """A jnp dtype from a jnp / numpy dtype or scalar type, its name, or a torch dtype."""
+    if dtype is None:
+        return jnp.dtype(jnp.float32)
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        return jnp.dtype(str(dtype).removeprefix("torch."))
+
+
+class XlaBackend(Backend):
+    """JAX / XLA on the default platform (CPU, GPU, TPU), optionally tensor-parallel.
+
+    ``tp_size`` builds a 1-D mesh over the first devices; ``mesh`` (axis ``"tp"``) is used
+    as given. ``dtype`` is the weights' dtype for :meth:`load_model` (default float32).
+    ``compile_workers`` threads compile buckets in parallel during :meth:`XlaExecutor.build_many`
+    (default: one per CPU core, at most ``defaults.XLA_MAX_COMPILE_WORKERS``).
+    """
+
+    name = "xla"
+    framework = "jax"
+
+    def __init__(self, tp_size: int = 1, mesh: "Mesh | None" = None, dtype: Any = None,
+                 compile_workers: int | None = None) -> None:
+        if _IMPORT_ERROR is not None:
+            raise BackendUnavailableError(f"the xla backend needs jax: {_IMPORT_ERROR}")
+        self.mesh = mesh if mesh is not None else shd.make_mesh(tp_size)
+        self.tp_size = shd.mesh_size(self.mesh)
+        self.dtype = dtype
+        self.compile_workers = compile_workers or min(os.cpu_count() or 1, defaults.XLA_MAX_COMPILE_WORKERS)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if _IMPORT_ERROR is not None:
+            return f"jax cannot be imported: {_IMPORT_ERROR}"
+        return None
+
+    def load_model(self, model_dir: str, dtype: Any = None) -> "XlaModel":
+        """The JAX reference Llama / Qwen3 of a Hugging Face directory."""
+        from graphrt.models.jax.loader import load_jax_params
+        config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype))
+        return XlaModel(config, params)
+
+    def graphs(self, fn: Callable[..., Any], cache: GraphCache | None = None, **options: Any) -> "XlaGraphs":
+        """``fn`` compiled ahead of time once per key (``donate_argnums=`` as for ``jax.jit``)."""
+        return XlaGraphs(fn, cache, **options)
+
+    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
+        """The token x batch-size grid: decode by batch size, mixed steps at the largest batch
+        size; no eager path, so every covered shape has an executable."""
+        return config.xla_dispatcher()
+
+    def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
+        """An executor for an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or an nnx module."""
+        programs = XlaPrograms(model, config.block_size, self.mesh)
+        return XlaExecutor(programs, config, compile_workers=self.compile_workers)
+
+
+__all__ = ["XlaBackend"]

@@ -1,0 +1,121 @@
+"""The model as XLA runs it: the step function of each kind of model, and the jitted forward
+and samplers placed on a mesh.
+
+:class:`XlaPrograms` turns an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or a
+flax nnx module into three ``jax.jit`` functions with explicit shardings -- the forward of
+one padded step (the KV cache donated) and the greedy and random samplers -- plus the
+weights on the mesh. It compiles nothing: the executor lowers and compiles these per key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from graphrt.backends.xla import sharding as shd
+from graphrt.backends.xla.batch import XlaBatch
+from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens
+from graphrt.core.errors import ConfigError, InputError
+from graphrt.models.hf_config import DecoderConfig
+from graphrt.models.jax.decoder import AttentionMetadata, compute_logits, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaModel:
+    """graphrt's JAX reference decoder: its config and params pytree (``jax_loader`` layout)."""
+
+    config: DecoderConfig
+    params: dict[str, Any]
+
+
+def _make_step(run_model: Callable[..., Any]) -> Callable[..., Any]:
+    def step(weights: Any, kv_cache: jax.Array, batch: XlaBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Forward of one padded step: (logits at each request's last token, hidden, new KV cache)."""
+        meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
+                                 batch.block_table)
+        last = jnp.maximum(batch.query_start_loc[1:] - 1, 0)
+        return run_model(weights, kv_cache, batch, meta, last)
+    return step
+
+
+def model_program(model: Any, block_size: int) -> tuple[DecoderConfig, Any, Callable[..., Any]]:
+    """(decoder config, weights pytree, step function) for every kind of model accepted."""
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], DecoderConfig):
+        model = XlaModel(*model)
+    if isinstance(model, XlaModel):
+        cfg = model.config
+
+        def run_model(params: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
+                      last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            hidden, kv_cache = forward(params, kv_cache, batch.input_ids, batch.positions, meta,
+                                       config=cfg, block_size=block_size)
+            return compute_logits(params, hidden[last], config=cfg), hidden, kv_cache
+
+        return cfg, model.params, _make_step(run_model)
+    try:
+        from flax import nnx
+    except ImportError:
+        nnx = None
+    if nnx is not None and isinstance(model, nnx.Module):
+        cfg = getattr(model, "config", None)
+        if not isinstance(cfg, DecoderConfig):
+            raise InputError("model", "an nnx module needs a `config` attribute (a DecoderConfig) for "
+                                      "the KV cache layout and the vocabulary size")
+        own = getattr(model, "block_size", block_size)
+        if own != block_size:
+            raise ConfigError(f"the nnx module was built for block_size={own}, the config says {block_size}")
+        graphdef, state = nnx.split(model)
+
+        def run_nnx(state: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
+                    last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            module = nnx.merge(graphdef, state)
+            hidden, kv_cache = module(kv_cache, batch.input_ids, batch.positions, meta)
+            return module.compute_logits(hidden[last]), hidden, kv_cache
+
+        return cfg, state, _make_step(run_nnx)
+    raise InputError("model", f"{type(model).__name__} is not a model the xla backend runs: pass "
+                              "XlaBackend.load_model(...)'s XlaModel, a (DecoderConfig, params) pair, "
+                              "or a flax nnx.Module with __call__(kv_cache, input_ids, positions, meta) "
+                              "and compute_logits(hidden)")
+
+
+class XlaPrograms:
+    """One model's jitted forward and samplers on ``mesh``, and its weights placed there.
+
+    ``forward(weights, kv_cache, batch)`` donates the KV cache; ``greedy(logits)`` and
+    ``sample(logits, metadata)`` are the samplers. ``own_code`` is False for an nnx module,
+    whose code lives in its graphdef (the on-disk executable store cannot fingerprint it).
+    """
+
+    def __init__(self, model: Any, block_size: int, mesh: Mesh) -> None:
+        self.model_config, weights, step = model_program(model, block_size)
+        self.mesh = mesh
+        self.tp_size = shd.mesh_size(mesh)
+        shd.check_tp(self.model_config, self.tp_size)
+        self.own_code = isinstance(model, (XlaModel, tuple))
+        self.replicated = shd.replicated(mesh)
+        self.kv_sharding = shd.kv_cache_sharding(mesh, self.model_config)
+        weight_shardings = shd.weight_shardings(weights, mesh, self.model_config)
+        self.weights = jax.device_put(weights, weight_shardings)
+        self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype)
+        repl = self.replicated
+        self.forward = jax.jit(step, donate_argnums=(1,), in_shardings=(weight_shardings, self.kv_sharding, repl),
+                               out_shardings=(repl, repl, self.kv_sharding))
+        self.greedy = jax.jit(greedy_tokens, in_shardings=(repl,), out_shardings=repl)
+        self.sample = jax.jit(sample_tokens, in_shardings=(repl, repl), out_shardings=repl)
+
+    def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` (the last row: trash)."""
+        c = self.model_config
+        return (c.num_hidden_layers, 2, num_blocks * block_size + 1, c.num_key_value_heads, c.head_dim)
+
+    def zeros_kv_cache(self, shape: tuple[int, ...]) -> jax.Array:
+        """A zeroed KV cache of ``shape``, laid out over the mesh as the forward expects it."""
+        return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)()
+
+
+__all__ = ["XlaModel", "XlaPrograms", "model_program"]
