@@ -4,9 +4,9 @@ vllm-ascend computes it).
 Every captured ACL graph takes streams -- in PIECEWISE mode at least one per piece -- and
 a device has 2048, of which 1800 (``defaults.ACL_MAX_CAPTURE_SIZE``) are usable for
 graphs. :func:`capture_budget` is vllm-ascend's empirical formula for the number of
-capture sizes that fit; :func:`limit_capture_sizes` applies it to a config with
+capture sizes that fit; :func:`limit_policy` cuts a bucket policy to it with
 ``BucketPolicy.limit_to`` (keeping the smallest and the largest size) and logs what it did.
-The ``npu`` backend calls it automatically before warm-up.
+The ``npu`` backend's dispatcher is built over the limited policy.
 
 Pure Python: importing this module needs neither torch nor torch_npu.
 """
