@@ -44,8 +44,8 @@ from graphrt.core.errors import GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.fields import FIELD_DTYPES, ModelInputs, buffer_shapes
 from graphrt.models.torch.attention import TorchAttentionMetadata
-from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphTask, PreReplayHook,
-                                           describe_capture_failure, record)
+from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphPool, PreReplayHook,
+                                           describe_capture_failure)
 from graphrt.backends.torch.sampler import SamplerState
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,13 @@ class TorchExecutor(Executor):
         self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin)
         self._copied = None if same else _device_event(self.device)
-        self._pool = graph_api.new_pool() if graph_api is not None else None
+        self.pool = GraphPool(graph_api) if graph_api is not None else None
         self.kv_cache: torch.Tensor | None = None
         self._split: SplitModel | None = None
         self._split_reason: str | None = None
         self._split_tried = False
         self._piece_buffers: PiecewiseBuffers | None = None
         self._compiled_pieces: dict[int, list[Callable[..., Any]]] = {}
-        self._gc_collected = False
         note = self.compile_note()
         if note is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
@@ -308,20 +307,8 @@ class TorchExecutor(Executor):
             load_dummy()
             for _ in range(warmups):
                 fn()
-            graph, nbytes, tasks = self._record(fn)
+            graph, nbytes, tasks = self.pool.record(fn)
         return CapturedGraph(graph, self._input_ptrs(), tasks), nbytes
-
-    def _record(self, fn: Callable[[], None]) -> tuple[Any, int, list[GraphTask]]:
-        """Capture ``fn`` into a new graph in the shared pool; (graph, bytes it added, tasks)."""
-        try:
-            return record(self.graph_api, self._pool, fn, collect=not self._gc_collected)
-        except BaseException:
-            # A broken capture can leave the pool marked as recording (torch 2.11's
-            # capture_end raises before releasing it): later graphs get a fresh pool.
-            self._pool = self.graph_api.new_pool()
-            raise
-        finally:
-            self._gc_collected = True
 
     def _build_piecewise(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
         """Capture every piece for ``key.num_tokens`` tokens over the shared piece buffers;
@@ -332,7 +319,7 @@ class TorchExecutor(Executor):
         with torch.no_grad():
             for split_call, call in zip(self.split_model.calls, calls):
                 if split_call.kind == "piece":
-                    graph, added, piece_tasks = self._record(call)
+                    graph, added, piece_tasks = self.pool.record(call)
                     graphs.append(graph)
                     tasks += piece_tasks
                     nbytes += added

@@ -165,6 +165,29 @@ def record(api: DeviceGraphAPI, pool: Any, fn: Callable[[], Any], *,
     return graph, max(api.memory_in_use() - before, 0), tasks
 
 
+class GraphPool:
+    """One memory pool that every graph captured through it shares, and capture into it.
+
+    The garbage collector runs once, before the first capture. A capture that fails can
+    leave the pool marked as recording (torch 2.11's ``capture_end`` raises before it
+    releases the pool), so later graphs go to a fresh pool."""
+
+    def __init__(self, api: DeviceGraphAPI) -> None:
+        self.api = api
+        self.handle = api.new_pool()
+        self._collected = False
+
+    def record(self, fn: Callable[[], Any]) -> tuple[Any, int, list[GraphTask]]:
+        """:func:`record` ``fn`` into this pool: (graph, bytes it added, refreshable tasks)."""
+        try:
+            return record(self.api, self.handle, fn, collect=not self._collected)
+        except BaseException:
+            self.handle = self.api.new_pool()
+            raise
+        finally:
+            self._collected = True
+
+
 @dataclass
 class _Graph(Generic[T]):
     graph: Any
@@ -185,8 +208,7 @@ class TorchGraphs(Generic[T]):
                  cache: GraphCache | None = None, *, warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> None:
         self.fn, self.api, self.warmups = fn, api, warmups
         self.cache: GraphCache = cache if cache is not None else GraphCache()
-        self._pool = api.new_pool() if api is not None else None
-        self._collected = False
+        self.pool = GraphPool(api) if api is not None else None
 
     def build(self, key: Hashable) -> T:
         """Run ``fn(key)`` ``warmups`` times, then capture it; returns its output tensors."""
@@ -197,14 +219,7 @@ class TorchGraphs(Generic[T]):
             for _ in range(self.warmups):
                 self.fn(key)
             box: list[T] = []
-            try:
-                graph, nbytes, _ = record(self.api, self._pool, lambda: box.append(self.fn(key)),
-                                          collect=not self._collected)
-            except BaseException:
-                self._pool = self.api.new_pool()
-                raise
-            finally:
-                self._collected = True
+            graph, nbytes, _ = self.pool.record(lambda: box.append(self.fn(key)))
         self.cache.put(key, _Graph(graph, box[0]), seconds=time.perf_counter() - t0, nbytes=nbytes)
         return box[0]
 
