@@ -10,6 +10,10 @@ captured on one dedicated side stream, memory is what the caching allocator rese
 
 A capture that fails (out of memory, an op that cannot be captured such as ``.item()``)
 makes that bucket run eagerly with a warning saying why and what to change.
+
+Pieces: the shared dispatcher (the capture sizes), :class:`graphrt.Padder` and
+:class:`graphrt.GraphCache`;
+its own :class:`CudaGraphAPI`.
 """
 
 from __future__ import annotations

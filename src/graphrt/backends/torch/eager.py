@@ -1,4 +1,8 @@
-"""``eager``: the same interface with no graphs (a baseline, and the reference in tests)."""
+"""``eager``: the same interface with no graphs (a baseline, and the reference in tests).
+
+Pieces: the shared dispatcher (every key runs eagerly), :class:`graphrt.Padder` and
+:class:`graphrt.GraphCache`; no device-graph API.
+"""
 
 from __future__ import annotations
 

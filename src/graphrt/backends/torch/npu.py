@@ -27,6 +27,9 @@ off, graphrt's own import here is what loads torch_npu, and a failure becomes
 
 This adapter has been tested against the CPU recording graph through the device-graph
 API (a stand-in ``torch.npu`` namespace), never on Ascend hardware.
+
+Pieces: its own dispatcher (the capture sizes cut to the stream budget), the shared
+:class:`graphrt.Padder` and :class:`graphrt.GraphCache`; its own :class:`NpuGraphAPI`.
 """
 
 from __future__ import annotations
