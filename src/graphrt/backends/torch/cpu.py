@@ -6,8 +6,7 @@ reproduces what makes device graphs hard -- baked-in Python values, static addre
 host sync while capturing -- so every graph-correctness test runs in CI on a CPU.
 
 Pieces: the shared dispatcher (the capture sizes), :class:`graphrt.Padder` and
-:class:`graphrt.GraphCache`;
-its own :class:`CpuGraphAPI` over the recording graph.
+:class:`graphrt.GraphCache`; its own :class:`CpuGraphAPI` over the recording graph.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ A capture that fails (out of memory, an op that cannot be captured such as ``.it
 makes that bucket run eagerly with a warning saying why and what to change.
 
 Pieces: the shared dispatcher (the capture sizes), :class:`graphrt.Padder` and
-:class:`graphrt.GraphCache`;
-its own :class:`CudaGraphAPI`.
+:class:`graphrt.GraphCache`; its own :class:`CudaGraphAPI`.
 """
 
 from __future__ import annotations
