@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphrt
-from graphrt.core.errors import CacheMissError
+from graphrt.core.errors import CacheMissError, InputError
 
 API = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
@@ -69,8 +69,10 @@ def test_xla_graphs_refuse_other_shapes_and_unbuilt_keys() -> None:
     graphs.build("four", np.zeros(4, np.float32))
     graphs.cache.seal()
     assert np.array_equal(graphs("four", jnp.arange(4.0)), np.arange(4.0) * 2.0)
-    with pytest.raises(TypeError):
+    with pytest.raises(InputError, match=r"args\[0\].*float32\[4\].*float32\[5\]"):
         graphs("four", np.zeros(5, np.float32))
+    with pytest.raises(InputError, match=r"args\[0\].*float32\[4\].*int32\[4\]"):
+        graphs("four", np.zeros(4, np.int32))
     with pytest.raises(CacheMissError):
         graphs("five", np.zeros(5, np.float32))
     assert graphs.cache.stats.entries == 1

@@ -62,7 +62,7 @@ class _StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    sampler: dict[bool, tuple[tuple, Any, bool]]  # all_greedy -> (key, entry, hit)
+    sampler: dict[bool, tuple[SamplerKey, Any, bool]]  # all_greedy -> (key, entry, hit)
     version: int                     # cache.version + sampler_cache.version when planned
 
 

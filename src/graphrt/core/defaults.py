@@ -16,8 +16,10 @@ PAD_FILL_VALUES: dict[str, int] = {
     "num_computed_tokens": 0,
     "block_table": 0,          # the null block, never handed to a request
 }
+#: A padding fill that is not a value: the field's last real row is repeated.
+PAD_REPEAT_LAST = "repeat_last"
 #: query_start_loc is padded by repeating its last value (keeps it non-decreasing).
-QUERY_START_LOC_FILL = "repeat_last"
+QUERY_START_LOC_FILL = PAD_REPEAT_LAST
 
 #: Block 0 of every KV cache is reserved: it is the fill for unused block-table entries.
 NULL_BLOCK = 0

@@ -132,8 +132,9 @@ def check_step(token_ids, block_table, rows, computed, scheduled, block_size, ma
 @jit
 def write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out):
-    """Write one checked step's inputs (as vLLM's ``_prepare_inputs``): ids, positions and slots per token, one
-    block at a time; query_start_loc, seq_lens, computed and block-table rows per request."""
+    """Write one checked step's inputs (as vLLM's ``_prepare_inputs``): ids, positions and
+    slots per token, one block at a time; query_start_loc, seq_lens, computed and block-table
+    rows per request."""
     r = rows.shape[0]
     width = block_table.shape[1]
     bs = np.int64(block_size)

@@ -23,9 +23,6 @@ from graphrt.core import defaults, host_kernels
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
 
-#: The fill that is not a value: repeat the field's last real row (``defaults.QUERY_START_LOC_FILL``).
-REPEAT_LAST = "repeat_last"
-
 
 class PadRule(NamedTuple):
     """How one field is padded: the rows past the real ones of its ``level`` (see
@@ -41,7 +38,7 @@ def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
     (``query_start_loc`` takes ``defaults.QUERY_START_LOC_FILL``). Both implementations, the
     numpy one here and the compiled ``host_loops.fill_padding``, apply exactly this table."""
     fills = {**fill_values, "query_start_loc": defaults.QUERY_START_LOC_FILL}
-    return {name: PadRule(FIELDS[name].level, 0, True) if fills[name] == REPEAT_LAST
+    return {name: PadRule(FIELDS[name].level, 0, True) if fills[name] == defaults.PAD_REPEAT_LAST
             else PadRule(FIELDS[name].level, int(fills[name]), False) for name in ARRAY_FIELDS}
 
 

@@ -58,9 +58,9 @@ class CudaGraphAPI(DeviceGraphAPI):
 
         A capture the forward broke (a host sync invalidates it) makes ``capture_end``
         raise before torch restores the stream and releases the pool (torch 2.11):
-        :meth:`_abandon` restores the stream and ends the device pool's recording; the
-        executor gives later graphs a fresh pool, since the pinned-host allocator's
-        recording has no Python call to end it. Without both, every later capture fails
+        :meth:`_abandon` restores the stream and ends the device pool's recording;
+        :class:`~graphrt.backends.torch.graphs.GraphPool` gives later graphs a fresh pool,
+        since the pinned-host allocator's recording has no Python call to end it. Without both, every later capture fails
         with "already recording to mempool_id"."""
         if self._stream is None:
             self._stream = self.cuda.Stream(device=self.device)

@@ -290,11 +290,11 @@ class TorchExecutor(Executor):
                 for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                     env = split.run(inputs)
                 views = buffers.bind(env, num_tokens)
-                pieces: list[Callable[..., Any]] = [step.module for step in split.pieces]
+                pieces: list[Callable[..., Any]] = [piece.module for piece in split.pieces]
                 if compiled:
                     pieces = self._compiled_pieces.get(num_tokens) or [
-                        compile_piece(step.module, [views[a] for a in step.args],
-                                      self.graph_api.compile_backend) for step in split.pieces]
+                        compile_piece(piece.module, [views[a] for a in piece.args],
+                                      self.graph_api.compile_backend) for piece in split.pieces]
                     self._compiled_pieces[num_tokens] = pieces
                 calls = buffers.bind_calls(views, pieces)
                 for call in calls:
@@ -303,11 +303,8 @@ class TorchExecutor(Executor):
 
     def _capture(self, fn: Callable[[], None], load_dummy: Callable[[], None],
                  warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
-        with torch.no_grad():
-            load_dummy()
-            for _ in range(warmups):
-                fn()
-            graph, nbytes, tasks = self.pool.record(fn)
+        load_dummy()
+        graph, nbytes, tasks = self.pool.capture(fn, warmups)
         return CapturedGraph(graph, self._input_ptrs(), tasks), nbytes
 
     def _build_piecewise(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:

@@ -177,6 +177,14 @@ class GraphPool:
         self.handle = api.new_pool()
         self._collected = False
 
+    def capture(self, fn: Callable[[], Any], warmups: int) -> tuple[Any, int, list[GraphTask]]:
+        """Run ``fn`` ``warmups`` times eagerly (lazy initialisation, allocator warm-up), then
+        :meth:`record` it, all without autograd."""
+        with torch.no_grad():
+            for _ in range(warmups):
+                fn()
+            return self.record(fn)
+
     def record(self, fn: Callable[[], Any]) -> tuple[Any, int, list[GraphTask]]:
         """:func:`record` ``fn`` into this pool: (graph, bytes it added, refreshable tasks)."""
         try:
@@ -213,15 +221,13 @@ class TorchGraphs(Generic[T]):
     def build(self, key: Hashable) -> T:
         """Run ``fn(key)`` ``warmups`` times, then capture it; returns its output tensors."""
         if self.api is None:
-            return self.fn(key)
+            with torch.no_grad():
+                return self.fn(key)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            for _ in range(self.warmups):
-                self.fn(key)
-            box: list[T] = []
-            graph, nbytes, _ = self.pool.record(lambda: box.append(self.fn(key)))
-        self.cache.put(key, _Graph(graph, box[0]), seconds=time.perf_counter() - t0, nbytes=nbytes)
-        return box[0]
+        outputs: list[T] = []
+        graph, nbytes, _ = self.pool.capture(lambda: outputs.append(self.fn(key)), self.warmups)
+        self.cache.put(key, _Graph(graph, outputs[-1]), seconds=time.perf_counter() - t0, nbytes=nbytes)
+        return outputs[-1]
 
     def __call__(self, key: Hashable) -> T:
         """Replay the graph of ``key`` and return its outputs (eagerly where nothing is captured)."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 import jax
 
 from graphrt.core.cache import GraphCache
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import GraphrtError, InputError
 
 T = TypeVar("T")
 
@@ -39,11 +39,30 @@ class XlaGraphs(Generic[T]):
         t0 = time.perf_counter()
         shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), example_args)
         executable = self._jitted.lower(*shapes).compile()
-        self.cache.put(key, executable, seconds=time.perf_counter() - t0)
+        self.cache.put(key, (executable, shapes), seconds=time.perf_counter() - t0)
 
     def __call__(self, key: Hashable, *args: Any) -> T:
-        """Run the executable of ``key`` (a ``TypeError`` from JAX if the shapes differ)."""
-        executable = self.cache.get(key, reason="not compiled")
-        if executable is None:
+        """Run the executable of ``key``; arguments of other shapes or dtypes than it was built
+        for raise :class:`~graphrt.InputError` naming the first that differs."""
+        entry = self.cache.get(key, reason="not compiled")
+        if entry is None:
             raise GraphrtError(f"no executable for {key}: build it first (XlaGraphs.build)")
-        return executable(*args)
+        executable, shapes = entry
+        try:
+            return executable(*args)
+        except TypeError as exc:
+            raise _mismatch(key, shapes, args) from exc
+
+
+def _mismatch(key: Hashable, shapes: Any, args: Any) -> Exception:
+    """The :class:`InputError` for arguments the executable of ``key`` refused."""
+    want, _ = jax.tree_util.tree_flatten_with_path(shapes)
+    got = jax.tree_util.tree_leaves(args)
+    if len(got) != len(want):
+        return InputError("args", f"{key} was built for {len(want)} arrays, got {len(got)}")
+    for (path, spec), arg in zip(want, got):
+        shape, dtype = tuple(getattr(arg, "shape", ())), getattr(arg, "dtype", type(arg))
+        if shape != spec.shape or jax.dtypes.canonicalize_dtype(dtype) != spec.dtype:
+            return InputError(f"args{jax.tree_util.keystr(path)}",
+                              f"{key} was built for {spec.dtype}{list(spec.shape)}, got {dtype}{list(shape)}")
+    return InputError("args", f"{key}'s executable refused the arguments")
