@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -38,8 +38,13 @@ class SamplingBatch:
         self.all_greedy = bool((self.temperature == 0.0).all())
 
 
-class Executor(abc.ABC):
-    """The device side of a ModelRunner."""
+#: What one backend builds per key: a captured graph, a compiled executable, ...
+EntryT = TypeVar("EntryT")
+
+
+class Executor(abc.ABC, Generic[EntryT]):
+    """The device side of a ModelRunner, building and running entries of type ``EntryT``
+    (``TorchExecutor``: captured graphs; ``XlaExecutor``: compiled executables)."""
 
     #: Whether this executor captures or compiles anything (False: every step is eager).
     has_graphs: bool = True
@@ -64,7 +69,7 @@ class Executor(abc.ABC):
         """Allocate the KV cache (block 0 is the null block, never given to a request)."""
 
     @abc.abstractmethod
-    def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[Any, int]:
+    def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[EntryT, int]:
         """Capture / compile the entry for ``key``; returns (entry, bytes it holds)."""
 
     def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
@@ -74,24 +79,24 @@ class Executor(abc.ABC):
         building a second dispatcher. Default: nothing to do."""
 
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]], *,
-                   progress: bool = False) -> list[Any] | None:
+                   progress: bool = False) -> list[EntryT] | None:
         """Build every key of ``jobs`` up front, where that is faster than one at a time (XLA
         compiles in parallel); the runner then collects each entry with :meth:`build`.
         Returns the entries, or None when this executor builds one key at a time (default)."""
         return None
 
-    def build_seconds(self, entry: Any) -> float | None:
+    def build_seconds(self, entry: EntryT) -> float | None:
         """Seconds ``entry`` took to build, when the executor timed it itself (an entry built
         ahead by :meth:`build_many`); None: the runner times :meth:`build`."""
         return None
 
     @abc.abstractmethod
-    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: Any, padded: ModelInputs) -> Any:
+    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: EntryT | None, padded: ModelInputs) -> Any:
         """Run one padded step (replay ``entry``, or eagerly when it is None); returns logits rows."""
 
     @abc.abstractmethod
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
+               padded_reqs: int | None = None, entry: EntryT | None = None) -> np.ndarray:
         """One token id per real request (int64): the sampler ``entry`` built for
         ``SamplerKey(padded_reqs, sampling.all_greedy)`` replayed / called on the first
         ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry`` is None."""

@@ -60,7 +60,11 @@ def attention_support(model: torch.nn.Module) -> AttentionGraphSupport:
     return min(levels, default=AttentionGraphSupport.ALWAYS)
 
 
-class TorchExecutor(Executor):
+#: What a TorchExecutor captures per key: one graph (FULL, sampler) or a bucket's pieces.
+TorchEntry = CapturedGraph | PiecewiseEntry
+
+
+class TorchExecutor(Executor[TorchEntry]):
     """Static buffers, KV cache and graphs for a torch model on one device."""
 
     def __init__(self, model: torch.nn.Module, config: GraphConfig, device: torch.device,
@@ -217,7 +221,7 @@ class TorchExecutor(Executor):
         return ptrs
 
     # ---- build -----------------------------------------------------------------------
-    def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[Any, int]:
+    def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[TorchEntry, int]:
         """Capture the forward for a FULL key, its pieces for a PIECEWISE key, or the
         sampler for a :class:`SamplerKey`. Returns (entry, graph bytes)."""
         if self.graph_api is None:
@@ -327,7 +331,8 @@ class TorchExecutor(Executor):
         return entry, nbytes
 
     # ---- run -------------------------------------------------------------------------
-    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: Any, padded: ModelInputs) -> Any:
+    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,
+            padded: ModelInputs) -> torch.Tensor:
         """Copy the padded step into static buffers, then replay ``entry`` or run eagerly."""
         t, r = padded.padded_num_tokens, padded.padded_num_reqs
         self._to_device(t, r)
@@ -369,7 +374,7 @@ class TorchExecutor(Executor):
                                "stale memory; never reassign executor buffers, copy into them")
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
+               padded_reqs: int | None = None, entry: CapturedGraph | None = None) -> np.ndarray:
         """Fill the sampler's buffers, replay the sampler graph (or run it eagerly)."""
         rows = padded_reqs or num_reqs
         greedy = sampling.all_greedy
