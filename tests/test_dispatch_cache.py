@@ -267,7 +267,7 @@ def test_cache_hits_misses_entries():
     assert s.build_seconds == 2.0 and s.build_bytes == 4000
     assert s.unplanned_builds == 0
     report = {r["key"]: r for r in cache.report()}
-    assert report[str(k1)] == {"key": str(k1), "seconds": 0.5, "bytes": 1000, "hits": 2}
+    assert report[str(k1)] == {"key": str(k1), "seconds": 0.5, "bytes": 1000, "hits": 2, "failed": None}
     d = s.as_dict()
     assert (d["hits"], d["misses"], d["entries"], d["build_bytes"]) == (3, 1, 2, 4000)
 

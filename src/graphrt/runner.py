@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -19,22 +20,15 @@ from tqdm.auto import tqdm
 
 from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
-from graphrt.core.cache import CacheStats, GraphCache
+from graphrt.core.cache import CacheStats, EagerFallback, GraphCache, describe_key
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
-from graphrt.core.errors import InputError
+from graphrt.core.errors import GraphCaptureError, InputError
 from graphrt.core.inputs import InputPreparer
 from graphrt.core.padding import Padder
 from graphrt.registry import select_backend
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EagerFallback:
-    """Cache entry of a key whose capture failed: the step runs eagerly, for this reason."""
-
-    reason: str
 
 
 @dataclass
@@ -62,7 +56,7 @@ class _StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    sampler: dict[bool, tuple[SamplerKey, Any, bool]]  # all_greedy -> (key, entry, hit)
+    sampler: dict[bool, tuple[SamplerKey, Any, bool, str | None]]  # all_greedy -> (key, entry, hit, eager reason)
     version: int                     # cache.version + sampler_cache.version when planned
 
 
@@ -73,6 +67,10 @@ class ModelRunner:
     backend's framework) or an already-built model object that follows the protocol in
     ``docs/models.md``. The KV cache has ``num_kv_blocks`` blocks, or as many as
     ``kv_cache_memory`` bytes (or the device's free memory) hold; block 0 is the null block.
+
+    Threads: :meth:`execute` serializes its callers (one lock; each caller gets its own
+    step's tokens), but :meth:`logits`, :meth:`hidden_states` and :attr:`last_step` describe
+    whichever step ran last, so read them from the thread that drives the runner.
     """
 
     def __init__(self, model: Any, config: GraphConfig | None = None, *,
@@ -109,6 +107,7 @@ class ModelRunner:
         self.sampler_cache: GraphCache = GraphCache(strict=False)
         self._plans: dict[tuple[int, int, bool], _StepPlan] = {}
         self._last: tuple[_StepPlan, int, int, float] | None = None
+        self._lock = threading.Lock()
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
         if warmup:
@@ -148,7 +147,9 @@ class ModelRunner:
         """Capture / compile every key the dispatcher can return, largest first, then seal.
 
         Shows a progress bar and logs, per key, the seconds and bytes it took. A failed
-        capture makes that key run eagerly with a warning (strict mode: raises).
+        capture makes that key run eagerly with a warning, counted in the cache's
+        ``stats.failed_builds`` and named in the report; in strict mode, and on backends that
+        cannot run a step eagerly (XLA), it raises :class:`GraphCaptureError` with the reason.
         """
         if not self.executor.eager_fallback and self.config.disable_precompile:
             logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use",
@@ -161,7 +162,10 @@ class ModelRunner:
             (self.sampler_cache, key, mode, key) if isinstance(key, SamplerKey)
             else (self.cache, (mode, key), mode, key) for mode, key in self._build_keys()]
         start = time.perf_counter()
-        ahead = self.executor.build_many([(mode, key) for _, _, mode, key in jobs], progress=self.progress)
+        try:
+            ahead = self.executor.build_many([(mode, key) for _, _, mode, key in jobs], progress=self.progress)
+        except Exception as exc:  # noqa: BLE001 - said once, with the reason, like a single build
+            raise GraphCaptureError(f"building ahead failed: {self.executor.describe_build_failure(exc)}") from exc
         bar = tqdm(jobs, desc=f"graphrt {self.backend.name} warm-up", unit="graph",
                    disable=not self.progress or not jobs or ahead is not None, leave=False)
         for cache, cache_key, mode, key in bar:
@@ -170,11 +174,12 @@ class ModelRunner:
             try:
                 entry, nbytes = self.executor.build(mode, key)
             except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
-                if self.config.strict or not self.executor.eager_fallback:
-                    raise
                 reason = self.executor.describe_build_failure(exc)
+                if self.config.strict or not self.executor.eager_fallback:
+                    raise GraphCaptureError(f"building {describe_key(key)} failed: {reason}") from exc
                 logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
-                entry, nbytes = EagerFallback(reason), 0
+                cache.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)
+                continue
             seconds = self.executor.build_seconds(entry)
             cache.put(cache_key, entry, seconds=time.perf_counter() - t0 if seconds is None else seconds,
                       nbytes=nbytes)
@@ -182,9 +187,11 @@ class ModelRunner:
         self.sampler_cache.seal()
         total = time.perf_counter() - start
         self.warmup_report = self.cache.report() + self.sampler_cache.report()
-        logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %.1f MiB",
+        failed = self.cache.stats.failed_builds + self.sampler_cache.stats.failed_builds
+        logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %.1f MiB%s",
                     self.backend.name, len(self.cache), len(self.sampler_cache), total,
-                    (self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes) / 2**20)
+                    (self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes) / 2**20,
+                    f"; {failed} failed and run eagerly" if failed else "")
         return self.warmup_report
 
     # ---- one step ------------------------------------------------------------------
@@ -195,8 +202,16 @@ class ModelRunner:
 
         Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
         the preparer checks the step, the dispatcher picks its bucket, and only then are the
-        inputs written, padded, into the executor's staging buffers.
+        inputs written, padded, into the executor's staging buffers. Calls from several
+        threads run one at a time.
         """
+        with self._lock:
+            return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
+                                 num_scheduled_tokens, sampling)
+
+    def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
+                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
+                 sampling: SamplingBatch | None) -> np.ndarray | None:
         t0 = time.perf_counter()
         shape = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                     req_rows=req_rows, num_computed_tokens=num_computed_tokens,
@@ -217,8 +232,13 @@ class ModelRunner:
                                key=plan.cache_key, hit=plan.hit)
         sampler_entry = None
         if sampling is not None and plan.mode is RuntimeMode.FULL:
-            sampler_key, sampler_entry, sampler_hit = plan.sampler[sampling.all_greedy]
-            self.sampler_cache.count(sampler_key, sampler_hit)
+            sampler_key, sampler_entry, sampler_hit, sampler_eager = plan.sampler[sampling.all_greedy]
+            if sampler_eager is None:
+                self.sampler_cache.count(sampler_key, sampler_hit)
+            else:
+                self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=r,
+                                               padded_reqs=padded_reqs, eager_reason=sampler_eager,
+                                               key=sampler_key, hit=False)
         logits = self.executor.run(plan.mode, key, plan.entry, padded)
         tokens = None
         if sampling is not None:
@@ -239,8 +259,8 @@ class ModelRunner:
             entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
             if entry is None and not self.executor.eager_fallback:
                 entry = self._build_missing(mode, key)
-            hit = entry is not None
-            if entry is None or isinstance(entry, EagerFallback):
+            hit = entry is not None and not isinstance(entry, EagerFallback)
+            if not hit:
                 eager_reason = entry.reason if entry is not None else f"{key} was not captured"
                 mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform), None
         padded_reqs = key.num_reqs if key.num_reqs is not None else r
@@ -248,8 +268,10 @@ class ModelRunner:
         for greedy in (True, False):
             sampler_key = SamplerKey(padded_reqs, greedy)
             sampler_entry = self.sampler_cache.lookup(sampler_key)
-            sampler[greedy] = (sampler_key, None if isinstance(sampler_entry, EagerFallback) else sampler_entry,
-                               sampler_entry is not None)
+            if isinstance(sampler_entry, EagerFallback):
+                sampler[greedy] = (sampler_key, None, False, f"sampler capture failed: {sampler_entry.reason}")
+            else:
+                sampler[greedy] = (sampler_key, sampler_entry, sampler_entry is not None, None)
         plan = _StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
                          self.cache.version + self.sampler_cache.version)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
@@ -279,6 +301,12 @@ class ModelRunner:
     def stats(self) -> CacheStats:
         """Forward cache statistics (hits, misses, padding, eager steps, build cost)."""
         return self.cache.stats
+
+    @property
+    def sampler_stats(self) -> CacheStats:
+        """Sampler graph statistics: hits, and steps whose sampler ran eagerly (its capture
+        failed: ``eager_steps`` and ``eager_reasons``)."""
+        return self.sampler_cache.stats
 
     def hidden_states(self, num_tokens: int | None = None) -> np.ndarray:
         """The last step's hidden states of its real tokens (a copy: the next step reuses the buffer)."""

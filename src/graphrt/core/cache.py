@@ -19,6 +19,13 @@ from graphrt.core.errors import CacheMissError, GraphrtError
 E = TypeVar("E")
 
 
+@dataclass(frozen=True)
+class EagerFallback:
+    """Cache entry of a key whose capture failed: the step runs eagerly, for this reason."""
+
+    reason: str
+
+
 def describe_key(key: Hashable) -> str:
     """A readable key: ``FULL (decode, tokens=8, reqs=8)``, ``sampler (reqs=8, greedy)``."""
     if isinstance(key, SamplerKey):
@@ -37,6 +44,7 @@ class EntryStats:
     build_seconds: float = 0.0
     build_bytes: int = 0
     hits: int = 0
+    failed: str | None = None          # why its build failed (it runs eagerly), else None
 
 
 @dataclass
@@ -47,6 +55,7 @@ class CacheStats:
     misses: int = 0
     eager_steps: int = 0
     unplanned_builds: int = 0          # captures / compiles after warm-up
+    failed_builds: int = 0             # keys whose capture failed (they run eagerly)
     real_tokens: int = 0
     padded_tokens: int = 0             # tokens actually run, padding included
     real_reqs: int = 0
@@ -75,6 +84,7 @@ class CacheStats:
         """Plain numbers, for logs and JSON."""
         return {"hits": self.hits, "misses": self.misses, "entries": self.entries,
                 "eager_steps": self.eager_steps, "unplanned_builds": self.unplanned_builds,
+                "failed_builds": self.failed_builds,
                 "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
                 "padding_waste": round(self.padding_waste, 4),
                 "build_seconds": round(self.build_seconds, 4), "build_bytes": self.build_bytes,
@@ -111,6 +121,16 @@ class GraphCache(Generic[E]):
         self._entries[key] = entry
         self.stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
         self.version += 1
+
+    def put_failed(self, key: Hashable, reason: str, *, seconds: float = 0.0) -> EagerFallback:
+        """Record that ``key``'s build failed: its entry is an :class:`EagerFallback` (the step
+        runs eagerly, counted as a miss with this reason), and the report and
+        ``stats.failed_builds`` show it."""
+        entry = EagerFallback(reason)
+        self.put(key, entry, seconds=seconds)  # type: ignore[arg-type]
+        self.stats.per_key[key].failed = reason
+        self.stats.failed_builds += 1
+        return entry
 
     def get(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
         """The entry for ``key`` (a hit) or ``None`` (a miss; raises in strict mode once sealed)."""
@@ -172,6 +192,7 @@ class GraphCache(Generic[E]):
         self.version += 1
 
     def report(self) -> list[dict[str, Any]]:
-        """Per key: build seconds and bytes, hits; for warm-up reports."""
+        """Per key: build seconds and bytes, hits, and why its build failed (None: it did not);
+        for warm-up reports."""
         return [{"key": describe_key(k), "seconds": round(v.build_seconds, 4), "bytes": v.build_bytes,
-                 "hits": v.hits} for k, v in self.stats.per_key.items()]
+                 "hits": v.hits, "failed": v.failed} for k, v in self.stats.per_key.items()]
