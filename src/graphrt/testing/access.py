@@ -1,0 +1,141 @@
+"""What the properties read and write on the device side, for torch and XLA executors alike.
+
+Every helper takes a :class:`~graphrt.ModelRunner` and works on both kinds of executor
+graphrt ships: torch (``executor.kv_cache`` a ``torch.Tensor``; static buffers in
+``executor.static``) and XLA (``executor.kv_cache`` a ``jax.Array``; no static device
+buffers). torch and jax are imported only when a runner of that framework is seen.
+A backend of your own that keeps its KV cache elsewhere needs only :func:`kv_values`,
+:func:`set_kv` and :func:`kv_bits` adapted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_INT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    """A device array as a host numpy array of the same dtype (bfloat16 as ml_dtypes / float32)."""
+    if _is_torch(value):
+        import torch
+
+        t = value.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16).copy()   # bits; see _bits
+        return t.numpy().copy()
+    return np.array(value, copy=True)
+
+
+def _bits(value: Any) -> np.ndarray:
+    """The array's bits as unsigned integers (NaN equals NaN, -0 differs from 0)."""
+    arr = np.ascontiguousarray(_to_numpy(value))
+    return arr.view(_INT_OF_SIZE[arr.dtype.itemsize]) if arr.dtype.kind in "fcV" else arr
+
+
+def _values(value: Any) -> np.ndarray:
+    """The array's values as float32 on the host."""
+    if _is_torch(value):
+        return value.detach().float().cpu().numpy()
+    return np.asarray(value).astype(np.float32)
+
+
+def kv_values(runner: Any) -> np.ndarray:
+    """The KV cache as float32 ``[layers, 2, slots + 1, kv_heads, head_dim]`` (last row: trash)."""
+    return _values(runner.executor.kv_cache)
+
+
+def kv_bits(runner: Any) -> np.ndarray:
+    """The KV cache's bits, same shape as :func:`kv_values` (for byte-exact comparisons)."""
+    return _bits(runner.executor.kv_cache)
+
+
+def set_kv(runner: Any, values: np.ndarray) -> None:
+    """Overwrite the whole KV cache with ``values`` (float32, cast to the cache's dtype), in place
+    for torch; for XLA a new array with the old one's sharding (the executables take it)."""
+    ex = runner.executor
+    kv = ex.kv_cache
+    if _is_torch(kv):
+        import torch
+
+        with torch.no_grad():
+            kv.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(kv.dtype))
+        return
+    import jax
+    import jax.numpy as jnp
+
+    ex.kv_cache = jax.device_put(jnp.asarray(values, dtype=kv.dtype), kv.sharding)
+
+
+def kv_dtype(runner: Any) -> str:
+    """The KV cache's dtype name (``float32``, ``bfloat16``, ...), for :func:`graphrt.tolerance`."""
+    return str(runner.executor.kv_cache.dtype).removeprefix("torch.")
+
+
+def on_cpu(runner: Any) -> bool:
+    """Whether the executor runs on a CPU (same-shape results are then compared bit for bit)."""
+    ex = runner.executor
+    device = getattr(ex, "device", None)
+    if device is not None:
+        return getattr(device, "type", str(device)) == "cpu"
+    kv = ex.kv_cache
+    return all(d.platform == "cpu" for d in kv.devices()) if hasattr(kv, "devices") else True
+
+
+def device_state(runner: Any) -> dict[str, np.ndarray]:
+    """Bits of everything a step may write: the KV cache, the host staging buffers and, on torch
+    executors, the static device buffers, output buffers and sampler state."""
+    ex = runner.executor
+    out = {"kv_cache": kv_bits(runner)}
+    out.update({f"host.{name}": np.array(buf, copy=True) for name, buf in ex.host_buffers.items()})
+    static = getattr(ex, "static", None)
+    if static is not None:
+        out.update({f"static.{name}": _bits(t) for name, t in static.items()})
+    for name in ("hidden_out", "logits_out"):
+        if getattr(ex, name, None) is not None:
+            out[name] = _bits(getattr(ex, name))
+    sampler = getattr(ex, "sampler", None)
+    for name, t in (getattr(sampler, "static", None) or {}).items():
+        out[f"sampler.{name}"] = _bits(t)
+    return out
+
+
+def changed(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> list[str]:
+    """Names of :func:`device_state` entries whose bits differ."""
+    return [k for k in before if before[k].shape != after[k].shape or not np.array_equal(before[k], after[k])]
+
+
+def addresses(runner: Any) -> dict[str, int] | None:
+    """Device addresses of every buffer a captured graph reads or writes (torch executors), or
+    None where the backend has no static buffers (XLA: arrays are immutable, the cache donated)."""
+    ex = runner.executor
+    static = getattr(ex, "static", None)
+    if static is None or not _is_torch(ex.kv_cache):
+        return None
+    out = {name: t.data_ptr() for name, t in static.items()}
+    sampler = getattr(ex, "sampler", None)
+    out.update({f"sampler.{k}": t.data_ptr() for k, t in (getattr(sampler, "static", None) or {}).items()})
+    out["kv_cache"] = ex.kv_cache.data_ptr()
+    for name in ("hidden_out", "logits_out"):
+        out[name] = getattr(ex, name).data_ptr()
+    return out
+
+
+def build_count(runner: Any) -> int:
+    """Captures / compiles the executor has done so far (torch: its capture report; XLA: its
+    compile counter, which also sees compiles no cache lookup caused)."""
+    ex = runner.executor
+    compiled = getattr(ex, "compiled", None)
+    if compiled is not None and hasattr(compiled, "compile_count"):
+        return int(compiled.compile_count)
+    return len(getattr(ex, "capture_report", ()))
+
+
+__all__ = ["addresses", "build_count", "changed", "device_state", "kv_bits", "kv_dtype", "kv_values",
+           "on_cpu", "set_kv"]

@@ -1,0 +1,188 @@
+"""The conformance suite: every property of :mod:`graphrt.testing.properties`, N examples each.
+
+Two ways to run it, the same checks either way:
+
+* ``graphrt conformance --model DIR --backend cpu [--examples N] [--mode FULL]`` (the CLI
+  calls :func:`run_conformance`), one line per property;
+* ``pytest --pyargs graphrt.testing.conformance --graphrt-model DIR --graphrt-backend cpu``:
+  one test per property below, with the options of :mod:`graphrt.testing.plugin` (loaded by
+  its ``pytest11`` entry point, or ``-p graphrt.testing.plugin``).
+
+``--model`` is a Hugging Face directory, or ``package.module:function`` naming a
+zero-argument function that returns a fresh model following docs/models.md (your own model,
+with your own attention). Needs ``hypothesis``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from graphrt.testing.properties import PROPERTIES
+from graphrt.testing.runners import RunnerFactory, can_run_unpadded
+
+#: Examples per property when none is given.
+DEFAULT_EXAMPLES = 100
+
+
+@dataclass
+class Result:
+    """One property's outcome."""
+
+    name: str
+    examples: int                 # examples run, shrinking included
+    seconds: float
+    error: str | None = None      # the shrunk failure's message
+    counterexample: str | None = None
+    note: str | None = None       # why the property has nothing to check on this backend
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None
+
+    def line(self) -> str:
+        """``PASS kv_isolated  100 examples  3.1 s`` (and, on failure, the counterexample)."""
+        status = "PASS" if self.passed else "FAIL"
+        text = f"{status} {self.name:<28} {self.examples:>5} examples {self.seconds:>7.1f} s"
+        if self.note:
+            text += f"  ({self.note})"
+        if not self.passed:
+            text += f"\n  {self.error}\n  counterexample (shrunk):\n    " + \
+                (self.counterexample or "").replace("\n", "\n    ")
+        return text
+
+
+def load_model(spec: str) -> str | Callable[[], Any]:
+    """A model directory as it is, or ``module:function`` imported (a model builder)."""
+    import importlib
+    import os
+
+    if os.path.exists(spec) or ":" not in spec:
+        return spec
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
+    from graphrt.testing import access
+
+    runner = factory()
+    if name == "replay_matches_eager" and not can_run_unpadded(runner):
+        return f"not applicable: backend {runner.backend.name} has no eager path"
+    if name == "addresses_stable" and access.addresses(runner) is None:
+        return f"not applicable: backend {runner.backend.name} has no static device buffers"
+    return None
+
+
+def strategy_for(kind: str, factory: RunnerFactory) -> Any:
+    """The strategy of a property's ``kind`` ("step", "bad", "trace") for ``factory``'s runners."""
+    from graphrt.testing import strategies
+
+    args = factory.strategy_args()
+    return {"step": strategies.steps, "bad": strategies.bad_steps, "trace": strategies.traces}[kind](**args)
+
+
+def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EXAMPLES, *,
+                   seed: int = 0) -> Result:
+    """Run property ``name`` on ``examples`` drawn examples; a failure is shrunk and reported."""
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    fn, kind = PROPERTIES[name]
+    start = time.perf_counter()
+    note = _not_applicable(name, factory)
+    state: dict[str, Any] = {"runs": 0, "failing": None}
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=examples, deadline=None, database=None, verbosity=Verbosity.quiet,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
+              phases=(Phase.explicit, Phase.generate, Phase.shrink))
+    @given(strategy_for(kind, factory))
+    def check(example: Any) -> None:
+        state["runs"] += 1
+        try:
+            fn(factory, example)
+        except BaseException:
+            state["failing"] = example
+            raise
+
+    error = counterexample = None
+    try:
+        check()
+    except AssertionError as exc:
+        error = str(exc).strip().replace("\n", "\n  ")
+        failing = state["failing"]
+        counterexample = "\n".join(repr(s) for s in failing) if isinstance(failing, list) else repr(failing)
+    return Result(name, state["runs"], time.perf_counter() - start, error, counterexample, note)
+
+
+def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any = "cpu", *,
+                    examples: int = DEFAULT_EXAMPLES, mode: str | None = None,
+                    properties: Sequence[str] | None = None, seed: int = 0,
+                    factory: RunnerFactory | None = None, report: Callable[[str], None] | None = print,
+                    **config_fields: Any) -> list[Result]:
+    """Every property (or ``properties``) on ``model`` and ``backend``, ``examples`` each;
+    ``report`` gets one line per property as it finishes. ``factory`` replaces model / backend /
+    config (build it yourself for other limits, a KV block count or a dtype)."""
+    if factory is None:
+        if model is None:
+            raise ValueError("give a model (directory or builder) or a factory")
+        if mode is not None:
+            config_fields["mode"] = mode
+        factory = RunnerFactory(load_model(model) if isinstance(model, str) else model, backend, **config_fields)
+    names = list(properties) if properties is not None else list(PROPERTIES)
+    unknown = [n for n in names if n not in PROPERTIES]
+    if unknown:
+        raise ValueError(f"unknown properties {unknown}; known: {list(PROPERTIES)}")
+    results = []
+    for name in names:
+        result = check_property(name, factory, examples, seed=seed)
+        results.append(result)
+        if report is not None:
+            report(result.line())
+    return results
+
+
+# ------------------------------------------------------------------------------ pytest entry
+# Collected by ``pytest --pyargs graphrt.testing.conformance``; the fixtures come from
+# graphrt.testing.plugin (its options: --graphrt-model, --graphrt-backend, --graphrt-mode,
+# --graphrt-examples).
+
+def _pytest_check(name: str, factory: RunnerFactory, examples: int) -> None:
+    import pytest
+
+    result = check_property(name, factory, examples)
+    if not result.passed:
+        pytest.fail(result.line(), pytrace=False)
+
+
+def test_padding_invisible(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
+    _pytest_check("padding_invisible", graphrt_factory, graphrt_examples)
+
+
+def test_kv_isolated(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
+    _pytest_check("kv_isolated", graphrt_factory, graphrt_examples)
+
+
+def test_replay_matches_eager(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
+    _pytest_check("replay_matches_eager", graphrt_factory, graphrt_examples)
+
+
+def test_no_build_after_warmup(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
+    _pytest_check("no_build_after_warmup", graphrt_factory, graphrt_examples)
+
+
+def test_bad_input_rejected(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
+    _pytest_check("bad_input_rejected", graphrt_factory, graphrt_examples)
+
+
+def test_addresses_stable(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
+    _pytest_check("addresses_stable", graphrt_factory, graphrt_examples)
+
+
+def test_lifetime_matches_reference(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
+    _pytest_check("lifetime_matches_reference", graphrt_factory, graphrt_examples)
+
+
+__all__ = ["DEFAULT_EXAMPLES", "Result", "check_property", "load_model", "run_conformance", "strategy_for"]

@@ -1,0 +1,273 @@
+"""The properties every backend, model and attention kernel under graphrt must have.
+
+Each property is a function ``property(factory, example)``: ``factory`` a runner factory
+(:mod:`graphrt.testing.runners`: ``factory(**overrides)`` returns a warmed-up, reused
+:class:`~graphrt.ModelRunner`), ``example`` a :class:`~graphrt.testing.step.Step` (or what its
+strategy draws). It returns nothing and raises an ``AssertionError`` that says what broke.
+
+Every example starts from the same runner history -- a scrub step over every request slot,
+then seeded KV contents -- so a backend with state of its own fails the same way when
+hypothesis replays an example to shrink it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
+from graphrt.core.errors import InputError
+from graphrt.core.numerics import tolerance
+from graphrt.testing import access
+from graphrt.testing.runners import (Outputs, can_run_unpadded, covering_keys, greedy, plant_kv, run_at,
+                                     run_runner)
+from graphrt.testing.step import BadStep, Step
+
+Factory = Callable[..., Any]
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+def scrub(runner: Any) -> None:
+    """Run the same step on ``runner`` before every example: one token in each request slot
+    (row ``i`` in block ``i + 1``), so state a backend keeps across steps is the same each time."""
+    cfg = runner.config
+    n = cfg.max_num_seqs
+    table = np.zeros((n, cfg.max_blocks_per_req), np.int32)
+    table[:, 0] = np.arange(1, n + 1)
+    runner.execute(token_ids=np.zeros((n, cfg.max_model_len), np.int32), block_table=table,
+                   req_rows=np.arange(n, dtype=np.int32), num_computed_tokens=np.zeros(n, np.int32),
+                   num_scheduled_tokens=np.ones(n, np.int32))
+
+
+def _start(factory: Factory, step: Step, *, nan_unused: bool = False) -> tuple[Any, np.ndarray]:
+    runner = factory()
+    scrub(runner)
+    return runner, plant_kv(runner, step, nan_unused=nan_unused)
+
+
+def _tol(runner: Any) -> tuple[float, float]:
+    tol = tolerance(access.kv_dtype(runner))
+    return tol.rtol, tol.atol
+
+
+def _close(runner: Any, got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Within ``graphrt.tolerance`` of the model's dtype (the same step at another shape)."""
+    rtol, atol = _tol(runner)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+
+
+def _same_shape(runner: Any, got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """The same step at the same padded shape: bit for bit on a CPU, within tolerance elsewhere."""
+    if not access.on_cpu(runner):
+        _close(runner, got, want, what)
+        return
+    if got.shape != want.shape or not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+        np.testing.assert_array_equal(got, want, err_msg=f"{what} (not bitwise equal)", strict=True)
+        raise AssertionError(f"{what}: equal values but other bits (e.g. -0.0 against 0.0)")
+
+
+def _same_tokens(runner: Any, got: np.ndarray, want_logits: np.ndarray, what: str) -> None:
+    """Greedy tokens equal, except where the reference's best two logits are within tolerance."""
+    rtol, atol = _tol(runner)
+    top2 = np.sort(want_logits, axis=-1)[:, -2:] if want_logits.shape[-1] > 1 else None
+    for i, token in enumerate(np.asarray(got)):
+        best = int(want_logits[i].argmax())
+        if token == best:
+            continue
+        tie = top2 is not None and top2[i, 1] - top2[i, 0] <= atol + rtol * abs(top2[i, 1])
+        if not tie:
+            raise AssertionError(f"{what}: request {i} sampled token {int(token)}, the reference's greedy "
+                                 f"token is {best}")
+
+
+def _finite(out: Outputs, step: Step) -> None:
+    bad_rows = np.flatnonzero(~np.isfinite(out.padded_hidden).all(axis=-1))
+    if bad_rows.size:
+        which = "padded" if bad_rows.min() >= step.num_tokens else "real"
+        raise AssertionError(f"{out.how}: hidden rows {bad_rows.tolist()} are not finite ({which} rows; "
+                             f"the step has {step.num_tokens} real tokens)")
+    bad_reqs = np.flatnonzero(~np.isfinite(out.padded_logits).all(axis=-1))
+    if bad_reqs.size:
+        raise AssertionError(f"{out.how}: logits of requests {bad_reqs.tolist()} are not finite "
+                             f"(the step has {step.num_reqs} real requests)")
+
+
+# ------------------------------------------------------------------------------- properties
+
+def padding_invisible(factory: Factory, step: Step) -> None:
+    """The step run by the runner, padded to every bucket that covers it, and (where the
+    backend runs eagerly) unpadded: the same greedy tokens; logits, real hidden rows and the
+    KV written at its real slots within ``graphrt.tolerance``."""
+    runner, planted = _start(factory, step)
+    got = [run_runner(runner, step)]
+    keys: list[BatchDescriptor | None] = [None] if can_run_unpadded(runner) else []
+    for key in keys + covering_keys(runner, step):
+        access.set_kv(runner, planted)
+        got.append(run_at(runner, step, key))
+    ref = got[1] if len(got) > 1 else got[0]
+    slots = step.write_slots()
+    for out in got:
+        what = f"padding is visible: {out.how} against {ref.how}"
+        if out.tokens is not None:
+            _same_tokens(runner, out.tokens, ref.logits, what)
+        _same_tokens(runner, out.logits.argmax(-1), ref.logits, what)
+        _close(runner, out.logits, ref.logits, f"{what}: logits")
+        _close(runner, out.hidden, ref.hidden, f"{what}: hidden rows of the real tokens")
+        _close(runner, out.kv[:, :, slots], ref.kv[:, :, slots], f"{what}: KV written at the real slots")
+
+
+def kv_isolated(factory: Factory, step: Step) -> None:
+    """With NaN in every KV slot the step does not read: the step changes no byte of the KV
+    cache outside its real slots (the trash row aside), every row it computes -- padded ones
+    included -- is finite, and real outputs equal those of a run with numbers there instead.
+    Checked on the runner's own path and padded to its largest covering buckets."""
+    runner, planted = _start(factory, step, nan_unused=True)
+    clean = np.nan_to_num(planted, nan=0.0)
+    keys = covering_keys(runner, step)
+    chosen: list[BatchDescriptor | None] = [None]
+    if keys:
+        chosen.append(max(keys, key=lambda k: (k.num_tokens, k.num_reqs or 0)))
+        chosen.append(max(keys, key=lambda k: (k.num_reqs or 0, k.num_tokens)))
+    allowed = np.zeros(planted.shape[2], dtype=bool)
+    allowed[step.write_slots()] = True
+    allowed[-1] = True                                   # the trash row padded tokens write
+    for key in dict.fromkeys(chosen):
+        runs = []
+        for values in (planted, clean):
+            access.set_kv(runner, values)
+            before = access.kv_bits(runner)
+            out = run_runner(runner, step) if key is None else run_at(runner, step, key)
+            after = access.kv_bits(runner)
+            touched = (before != after).reshape(before.shape[0], before.shape[1], before.shape[2], -1)
+            foreign = np.flatnonzero(touched.any(axis=(0, 1, 3)) & ~allowed)
+            if foreign.size:
+                raise AssertionError(f"KV isolation: {out.how} wrote KV slots {foreign.tolist()[:8]} outside the "
+                                     f"step's real slots {sorted(step.write_slots().tolist())} and the trash row "
+                                     f"{planted.shape[2] - 1}")
+            written = np.flatnonzero(touched.any(axis=(0, 1, 3)))
+            broken = written[~np.isfinite(out.kv[:, :, written]).all(axis=(0, 1, 3, 4))]
+            if broken.size:
+                raise AssertionError(f"KV isolation: {out.how} wrote non-finite K/V into slots {broken.tolist()[:8]} "
+                                     f"(the trash row is {planted.shape[2] - 1})")
+            _finite(out, step)
+            runs.append(out)
+        nan_run, clean_run = runs
+        what = f"NaN in unused KV slots reached real outputs ({nan_run.how})"
+        _same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
+        _same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
+
+
+def replay_matches_eager(factory: Factory, step: Step) -> None:
+    """The runner's replay equals the step run eagerly at the same padded shape: logits, real
+    hidden rows and the whole KV cache bit for bit on a CPU (within tolerance on a GPU).
+    Backends without an eager path (XLA) have nothing to compare and pass."""
+    runner, planted = _start(factory, step)
+    if not can_run_unpadded(runner):
+        return
+    replay = run_runner(runner, step)
+    access.set_kv(runner, planted)
+    eager = run_at(runner, step, runner.last_step.key)
+    what = f"replay differs from eager at the same shape: {replay.how} against {eager.how}"
+    _same_shape(runner, replay.logits, eager.logits, f"{what}: logits")
+    _same_shape(runner, replay.hidden, eager.hidden, f"{what}: hidden rows")
+    _same_shape(runner, replay.kv, eager.kv, f"{what}: KV cache")
+
+
+def no_build_after_warmup(factory: Factory, step: Step) -> None:
+    """A step the bucket policy covers runs a graph / executable built during warm-up: no
+    capture or compile, no miss, no failed build, and not eager where the runner has graphs."""
+    runner, _ = _start(factory, step)
+    fwd, smp = runner.stats, runner.sampler_stats
+    before = (access.build_count(runner), fwd.misses, fwd.unplanned_builds, fwd.failed_builds, fwd.entries,
+              smp.misses, smp.unplanned_builds, smp.entries)
+    run_runner(runner, step)
+    info = runner.last_step
+    after = (access.build_count(runner), fwd.misses, fwd.unplanned_builds, fwd.failed_builds, fwd.entries,
+             smp.misses, smp.unplanned_builds, smp.entries)
+    names = ("captures/compiles", "misses", "unplanned builds", "failed builds", "entries",
+             "sampler misses", "sampler unplanned builds", "sampler entries")
+    grew = [f"{n} {b} -> {a}" for n, b, a in zip(names, before, after) if a != b]
+    if grew:
+        raise AssertionError(f"built after warm-up for {info.mode.value} {info.key}: {', '.join(grew)}")
+    if runner.executor.has_graphs and runner.dispatcher.keys() and covering_keys(runner, step) \
+            and info.mode is RuntimeMode.NONE:
+        raise AssertionError(f"a covered step ran eagerly: {info.eager_reason}")
+
+
+def bad_input_rejected(factory: Factory, bad: BadStep) -> None:
+    """A step breaking one bound raises :class:`~graphrt.InputError` naming the field, and
+    changes nothing: KV cache, staging and static buffers, outputs, sampler state."""
+    runner = factory()
+    scrub(runner)
+    before = access.device_state(runner)
+    step = bad.step
+    rows = bad.sampling_rows
+    sampling = greedy(rows, runner.vocab_size) if rows is not None else None
+    try:
+        runner.execute(**step.kwargs(), sampling=sampling)
+    except InputError as err:
+        if err.field != bad.field:
+            raise AssertionError(f"{bad.kind}: InputError names {err.field!r}, expected {bad.field!r}: {err}")
+    except Exception as err:  # noqa: BLE001 - any other exception is the finding
+        raise AssertionError(f"{bad.kind}: raised {type(err).__name__} instead of an InputError naming "
+                             f"{bad.field!r}: {err}") from err
+    else:
+        raise AssertionError(f"{bad.kind}: accepted; expected an InputError naming {bad.field!r}")
+    moved = access.changed(before, access.device_state(runner))
+    if moved:
+        raise AssertionError(f"{bad.kind}: rejected, but it changed {moved}")
+
+
+def addresses_stable(factory: Factory, step: Step) -> None:
+    """Every buffer a captured graph reads stays at its address across replays (torch
+    backends; XLA has no static device buffers and passes)."""
+    runner, _ = _start(factory, step)
+    first = access.addresses(runner)
+    if first is None:
+        return
+    run_runner(runner, step)
+    run_runner(runner, step)
+    now = access.addresses(runner)
+    moved = sorted(k for k in first if now.get(k) != first[k])
+    if moved:
+        raise AssertionError(f"static buffers moved between replays: {moved}")
+    info = runner.last_step
+    entry = runner.cache.lookup((info.mode, info.key)) if info.mode is not RuntimeMode.NONE else None
+    recorded = getattr(entry, "input_ptrs", None) or {}
+    stale = sorted(k for k, p in recorded.items() if k in now and now[k] != p)
+    if stale:
+        raise AssertionError(f"{info.mode.value} {info.key} was captured reading {stale} at other addresses")
+
+
+def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
+    """A few requests' whole lifetimes through the runner (each step reading the KV earlier
+    steps wrote) equal the same steps run unpadded, or at the smallest covering bucket where
+    the backend cannot run eagerly: the same greedy tokens, logits within tolerance."""
+    if not trace:
+        return
+    runner, planted = _start(factory, trace[0])
+    got = [run_runner(runner, step) for step in trace]
+    access.set_kv(runner, planted)
+    eager = can_run_unpadded(runner)
+    for i, (step, out) in enumerate(zip(trace, got)):
+        ref = run_at(runner, step, None if eager else covering_keys(runner, step)[0])
+        what = f"step {i} of {len(trace)} of the lifetime: {out.how} against {ref.how}"
+        _same_tokens(runner, out.tokens, ref.logits, what)
+        _close(runner, out.logits, ref.logits, f"{what}: logits")
+
+
+#: Every property, by name, with the strategy kind it takes ("step", "bad", "trace").
+PROPERTIES: dict[str, tuple[Callable[[Factory, Any], None], str]] = {
+    "padding_invisible": (padding_invisible, "step"),
+    "kv_isolated": (kv_isolated, "step"),
+    "replay_matches_eager": (replay_matches_eager, "step"),
+    "no_build_after_warmup": (no_build_after_warmup, "step"),
+    "bad_input_rejected": (bad_input_rejected, "bad"),
+    "addresses_stable": (addresses_stable, "step"),
+    "lifetime_matches_reference": (lifetime_matches_reference, "trace"),
+}
+
+__all__ = ["PROPERTIES", "addresses_stable", "bad_input_rejected", "kv_isolated", "lifetime_matches_reference",
+           "no_build_after_warmup", "padding_invisible", "replay_matches_eager", "scrub"]

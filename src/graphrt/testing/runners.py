@@ -1,0 +1,175 @@
+"""Runner factories and the ways the properties run one step.
+
+A *runner factory* is any callable ``factory(**overrides) -> ModelRunner`` (overrides are
+:class:`~graphrt.GraphConfig` fields) that returns a warmed-up runner and, called again with
+the same overrides, the same runner: building one captures or compiles every bucket, so the
+properties reuse runners across examples and plant the KV contents they need before each.
+:class:`RunnerFactory` is one for a model directory or a model builder and a backend.
+
+Each property runs a step in up to three ways, all on the factory's runner:
+
+* :func:`run_runner` -- ``runner.execute`` (dispatch, pad, replay / call the executable, sample);
+* :func:`run_at` -- the same step padded to a chosen key, run eagerly at that shape
+  (``executor.run`` with no entry) where the backend can run eagerly, else by that key's
+  executable (XLA): the same-shape reference of a replay, and the other buckets of a step;
+* :func:`covering_keys` -- every key of the runner's bucket policy that can hold the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from graphrt.config import GraphConfig
+from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode
+from graphrt.testing import access
+from graphrt.testing.step import Step
+
+#: Limits of the runners the conformance suite builds: small enough to warm up in seconds,
+#: with chunked prefills (model length 64 over blocks of 4) and buckets up to the token budget.
+KIT_LIMITS: dict[str, Any] = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                                  block_size=4, max_cudagraph_capture_size=32)
+
+
+class RunnerFactory:
+    """Warmed-up runners of one model on one backend, one per distinct set of overrides.
+
+    ``model`` is a Hugging Face directory (graphrt's reference model for the backend's
+    framework) or a zero-argument callable returning a fresh model object that follows
+    docs/models.md (runners must not share a model: each assigns its attention layers a KV
+    cache). ``config_fields`` default to :data:`KIT_LIMITS`; ``num_kv_blocks`` to one block
+    table row of blocks per request slot, plus the null block.
+    """
+
+    def __init__(self, model: str | Callable[[], Any], backend: Any = "cpu", *,
+                 num_kv_blocks: int | None = None, dtype: Any = None, **config_fields: Any) -> None:
+        self.model = model
+        self.backend = backend
+        self.dtype = dtype
+        self.config = GraphConfig.create(**{**KIT_LIMITS, **config_fields})
+        self.num_kv_blocks = (num_kv_blocks if num_kv_blocks is not None
+                              else self.config.max_num_seqs * self.config.max_blocks_per_req + 1)
+        self._runners: dict[tuple, Any] = {}
+
+    def __call__(self, **overrides: Any) -> Any:
+        """The runner for ``overrides`` (built and warmed up on first use)."""
+        key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+        runner = self._runners.get(key)
+        if runner is None:
+            from graphrt.registry import select_backend
+            from graphrt.runner import ModelRunner
+
+            backend = select_backend(self.backend) if isinstance(self.backend, str) else self.backend
+            model = self.model if isinstance(self.model, str) else self.model()
+            config = GraphConfig.create(**{**self.config.model_dump(), **overrides})
+            runner = ModelRunner(model, config, backend=backend, num_kv_blocks=self.num_kv_blocks,
+                                 dtype=self.dtype, progress=False)
+            self._runners[key] = runner
+        return runner
+
+    def strategy_args(self) -> dict[str, Any]:
+        """Keyword arguments of the strategies for this factory's runners."""
+        return dict(config=self.config, num_kv_blocks=self.num_kv_blocks, vocab_size=self().vocab_size)
+
+
+def greedy(num_reqs: int, vocab_size: int) -> Any:
+    """A greedy :class:`~graphrt.backends.base.SamplingBatch` of ``num_reqs`` rows."""
+    from graphrt.engine.sampling_params import SamplingParams
+    from graphrt.runner import sampling_batch
+
+    return sampling_batch([SamplingParams(temperature=0.0)] * num_reqs, list(range(num_reqs)), vocab_size)
+
+
+@dataclass
+class Outputs:
+    """One run of a step: real rows, and every row the padded shape computed."""
+
+    how: str                      # "runner (FULL (mixed, tokens=8, reqs=4))", "eager at ...", ...
+    key: BatchDescriptor          # the padded shape it ran at
+    logits: np.ndarray            # [R, vocab] float32
+    hidden: np.ndarray            # [T, hidden] float32
+    padded_logits: np.ndarray     # [R_pad, vocab]: padded request rows included
+    padded_hidden: np.ndarray     # [T_pad, hidden]
+    kv: np.ndarray                # the KV cache afterwards, float32
+    tokens: np.ndarray | None = None   # sampled (greedy) tokens, runner runs only
+
+
+def _collect(runner: Any, how: str, key: BatchDescriptor, t: int, r: int, tokens: Any = None) -> Outputs:
+    ex = runner.executor
+    t_pad, r_pad = key.num_tokens, key.num_reqs if key.num_reqs is not None else r
+    padded_hidden = np.asarray(ex.hidden_states(t_pad), dtype=np.float32)
+    padded_logits = np.asarray(ex.logits(r_pad), dtype=np.float32)
+    return Outputs(how, key, padded_logits[:r].copy(), padded_hidden[:t].copy(), padded_logits.copy(),
+                   padded_hidden.copy(), access.kv_values(runner),
+                   None if tokens is None else np.asarray(tokens).copy())
+
+
+def run_runner(runner: Any, step: Step) -> Outputs:
+    """``runner.execute`` of ``step`` with greedy sampling."""
+    tokens = runner.execute(**step.kwargs(), sampling=greedy(step.num_reqs, runner.vocab_size))
+    info = runner.last_step
+    return _collect(runner, f"runner ({info.mode.value} {info.key})", info.key, step.num_tokens,
+                    step.num_reqs, tokens)
+
+
+def run_at(runner: Any, step: Step, key: BatchDescriptor | None) -> Outputs:
+    """``step`` padded to ``key`` (None: unpadded) and run eagerly at that shape, or by the
+    key's executable on a backend without an eager path."""
+    t, r = step.num_tokens, step.num_reqs
+    runner.preparer.check(**step.kwargs())
+    if key is None:
+        key = BatchDescriptor(t, r, step.uniform_decode)
+    padded = runner.preparer.write(runner.padder, num_tokens=key.num_tokens,
+                                   num_reqs=key.num_reqs if key.num_reqs is not None else r,
+                                   out=runner.executor.host_buffers)
+    ex = runner.executor
+    if ex.eager_fallback:
+        ex.run(RuntimeMode.NONE, key, None, padded)
+        how = f"eager at {key}"
+    else:
+        ex.run(RuntimeMode.FULL, key, None, padded)
+        how = f"executable of {key}"
+    return _collect(runner, how, key, t, r)
+
+
+def can_run_unpadded(runner: Any) -> bool:
+    """Whether :func:`run_at` can run a step at its own shape (an eager path)."""
+    return bool(runner.executor.eager_fallback)
+
+
+def bucket_keys(runner: Any) -> list[BatchDescriptor]:
+    """The runner's bucket keys; on a backend without graphs (``eager``), the keys a graph
+    backend would capture for its config, so padding is still exercised."""
+    keys = [key for _, key in runner.dispatcher.keys()]
+    if not keys:
+        keys = [key for _, key in runner.config.graph_dispatcher(GraphMode.FULL_AND_PIECEWISE).keys()]
+    return keys
+
+
+def covering_keys(runner: Any, step: Step) -> list[BatchDescriptor]:
+    """Every bucket key that can hold ``step``, smallest first: enough tokens and requests, and
+    a decode key only for a decode step (a decode executable assumes one token per request)."""
+    t, r, uniform = step.num_tokens, step.num_reqs, step.uniform_decode
+    keys = {k for k in bucket_keys(runner)
+            if k.num_tokens >= t and (k.num_reqs is None or k.num_reqs >= r) and (uniform or not k.uniform_decode)}
+    return sorted(keys, key=lambda k: (k.num_tokens, k.num_reqs or 0, k.uniform_decode))
+
+
+def plant_kv(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray:
+    """Seeded values in every KV slot; with ``nan_unused`` NaN in every slot the step's real
+    tokens never read (the null block, other requests' and stale blocks, the trash row).
+    Returns the planted values (float32)."""
+    shape = access.kv_values(runner).shape
+    values = np.random.default_rng(step.seed).standard_normal(shape).astype(np.float32)
+    if nan_unused:
+        used = np.zeros(shape[2], dtype=bool)
+        used[step.read_slots()] = True
+        values[:, :, ~used] = np.nan
+    access.set_kv(runner, values)
+    return values
+
+
+__all__ = ["KIT_LIMITS", "Outputs", "RunnerFactory", "bucket_keys", "can_run_unpadded", "covering_keys",
+           "greedy", "plant_kv", "run_at", "run_runner"]

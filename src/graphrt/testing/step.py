@@ -1,0 +1,111 @@
+"""One scheduler step over an engine's persistent tables, as the kit draws and runs it.
+
+numpy only: a :class:`Step` is what ``ModelRunner.execute`` takes (the token-id table, the
+block table, and per request its table row, computed tokens and scheduled tokens), plus the
+slot arithmetic the properties need, written independently of graphrt's input preparation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Step:
+    """One ``ModelRunner.execute`` call: persistent tables and this step's schedule.
+
+    ``token_ids [rows, max_model_len]`` and ``block_table [rows, max_blocks_per_req]`` are the
+    engine's tables (one row per request slot); request ``i`` is table row ``req_rows[i]`` with
+    ``num_computed_tokens[i]`` tokens already in the KV cache and ``num_scheduled_tokens[i]``
+    new ones. ``seed`` seeds the KV contents the properties plant before running it.
+    """
+
+    token_ids: np.ndarray
+    block_table: np.ndarray
+    req_rows: np.ndarray
+    num_computed_tokens: np.ndarray
+    num_scheduled_tokens: np.ndarray
+    block_size: int
+    seed: int = 0
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.req_rows.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.asarray(self.num_scheduled_tokens, dtype=np.int64).sum())
+
+    @property
+    def uniform_decode(self) -> bool:
+        """Every request schedules exactly one token."""
+        return bool((np.asarray(self.num_scheduled_tokens) == 1).all())
+
+    def kwargs(self) -> dict[str, Any]:
+        """The arguments of ``ModelRunner.execute`` (without ``sampling``)."""
+        args = dict(token_ids=self.token_ids, block_table=self.block_table, req_rows=self.req_rows,
+                    num_computed_tokens=self.num_computed_tokens,
+                    num_scheduled_tokens=self.num_scheduled_tokens)
+        args.update(self.overrides)
+        return args
+
+    def _slots(self, start_of: Any, end_of: Any) -> np.ndarray:
+        bs = self.block_size
+        out = [np.zeros(0, dtype=np.int64)]
+        for i, row in enumerate(self.req_rows):
+            pos = np.arange(int(start_of(i)), int(end_of(i)), dtype=np.int64)
+            out.append(self.block_table[int(row), pos // bs].astype(np.int64) * bs + pos % bs)
+        return np.concatenate(out)
+
+    def write_slots(self) -> np.ndarray:
+        """KV slots the step's real tokens write: positions computed .. computed + scheduled."""
+        c, n = self.num_computed_tokens, self.num_scheduled_tokens
+        return self._slots(lambda i: c[i], lambda i: int(c[i]) + int(n[i]))
+
+    def read_slots(self) -> np.ndarray:
+        """KV slots the step's real tokens may attend to: positions 0 .. seq_len of each request."""
+        c, n = self.num_computed_tokens, self.num_scheduled_tokens
+        return self._slots(lambda i: 0, lambda i: int(c[i]) + int(n[i]))
+
+    def describe(self) -> str:
+        """A readable one-request-per-line account (the counterexample the kit prints)."""
+        lines = [f"Step: {self.num_reqs} request(s), {self.num_tokens} token(s), block_size "
+                 f"{self.block_size}, KV seed {self.seed}"]
+        for i, row in enumerate(self.req_rows):
+            c, n = int(self.num_computed_tokens[i]), int(self.num_scheduled_tokens[i])
+            need = -(-(c + n) // self.block_size)
+            blocks = self.block_table[int(row)].tolist()
+            kind = "decode" if n == 1 and c > 0 else ("prefix hit" if c > 0 else "prefill")
+            lines.append(f"  request {i}: row {int(row)}, computed {c}, scheduled {n} ({kind}); "
+                         f"blocks {blocks[:need]} then {blocks[need:]}; "
+                         f"token ids {self.token_ids[int(row), c:c + n].tolist()}")
+        for name, value in self.overrides.items():
+            lines.append(f"  override {name}: {np.asarray(value).tolist() if np.ndim(value) < 2 else '(table)'}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+@dataclass(eq=False)
+class BadStep:
+    """A step that breaks exactly one bound: the :class:`InputError` must name ``field``.
+
+    ``kind`` says which bound (e.g. ``"block id beyond the KV cache"``); ``sampling_rows`` is
+    set when the bad part is the sampling batch (its row count), else None.
+    """
+
+    step: Step
+    field: str
+    kind: str
+    sampling_rows: int | None = None
+
+    def __repr__(self) -> str:
+        return f"BadStep({self.kind}; the error must name {self.field!r})\n{self.step.describe()}"
+
+
+__all__ = ["BadStep", "Step"]

@@ -1,0 +1,250 @@
+"""Hypothesis strategies for scheduler steps over an engine's persistent tables.
+
+* :func:`steps` -- valid steps bounded by a :class:`~graphrt.GraphConfig`: prefills, chunked
+  prefills, prefix hits (tokens already computed at a request's first schedule), decodes and
+  mixed batches, table rows in any order, block tables whose requests share full prefix blocks
+  and whose unused columns hold the null block or stale ids of other requests.
+* :func:`bad_steps` -- a valid step with exactly one bound broken, and the field the
+  :class:`~graphrt.InputError` must name.
+* :func:`traces` -- every step of a few requests' lifetimes: chunked prefill, then decodes,
+  with the block table growing as the requests need blocks.
+
+Everything shrinks towards one request with one token at position 0, in table row 0, with
+null tails and no shared blocks: counterexamples come out small. Needs ``hypothesis``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from hypothesis import strategies as st
+
+from graphrt.config import GraphConfig
+from graphrt.core import defaults
+from graphrt.testing.step import BadStep, Step
+
+_I32 = np.int32
+
+
+def _check_room(config: GraphConfig, num_kv_blocks: int, num_rows: int) -> None:
+    need = config.max_num_seqs * config.max_blocks_per_req + 1
+    if num_kv_blocks < need:
+        raise ValueError(f"num_kv_blocks={num_kv_blocks}: the strategies give every scheduled request "
+                         f"its own blocks, so they need max_num_seqs * max_blocks_per_req + 1 = {need}")
+    if num_rows < config.max_num_seqs:
+        raise ValueError(f"num_rows={num_rows} is below max_num_seqs={config.max_num_seqs}")
+
+
+def _table(draw: Callable[[Any], Any], config: GraphConfig, num_kv_blocks: int, num_rows: int,
+           rows: Sequence[int], computed: Sequence[int], scheduled: Sequence[int],
+           rng: np.random.Generator) -> np.ndarray:
+    """A block table whose scheduled rows cover their positions with distinct blocks; full
+    prefix blocks may be shared with an earlier request (prefix caching); columns past a
+    request's need hold the null block or stale ids; unscheduled rows hold stale ids."""
+    bs, width = config.block_size, config.max_blocks_per_req
+    table = rng.integers(1, num_kv_blocks, size=(num_rows, width)).astype(_I32)   # stale everywhere
+    pool = list(draw(st.permutations(range(1, num_kv_blocks))))
+    full: list[tuple[int, int]] = []           # (row, full computed blocks) of earlier requests
+    for row, c, n in zip(rows, computed, scheduled):
+        need = -(-(c + n) // bs)
+        for col in range(need):
+            donors = [r for r, f in full if f > col] if col < c // bs else []
+            if donors and draw(st.booleans()):
+                table[row, col] = table[draw(st.sampled_from(donors)), col]
+            else:
+                table[row, col] = pool.pop()
+        if draw(st.sampled_from(("null", "stale"))) == "null":
+            table[row, need:] = defaults.NULL_BLOCK
+        full.append((row, c // bs))
+    return table
+
+
+def _schedule(draw: Callable[[Any], Any], config: GraphConfig, num_rows: int
+              ) -> tuple[list[int], list[int], list[int]]:
+    budget, model_len = config.max_num_batched_tokens, config.max_model_len
+    r = draw(st.integers(1, min(config.max_num_seqs, budget, num_rows)))
+    rows = draw(st.lists(st.integers(0, num_rows - 1), min_size=r, max_size=r, unique=True))
+    decode = draw(st.booleans())
+    computed, scheduled, left = [], [], budget
+    for i in range(r):
+        n = 1 if decode else draw(st.integers(1, min(model_len, left - (r - i - 1))))
+        computed.append(draw(st.integers(0, model_len - n)))
+        scheduled.append(n)
+        left -= n
+    return rows, computed, scheduled
+
+
+def _make(draw: Callable[[Any], Any], config: GraphConfig, num_kv_blocks: int, vocab_size: int,
+          num_rows: int, rows: Sequence[int], computed: Sequence[int], scheduled: Sequence[int]) -> Step:
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab_size, size=(num_rows, config.max_model_len)).astype(_I32)
+    table = _table(draw, config, num_kv_blocks, num_rows, rows, computed, scheduled, rng)
+    return Step(tokens, table, np.asarray(rows, _I32), np.asarray(computed, _I32),
+                np.asarray(scheduled, _I32), config.block_size, seed)
+
+
+def steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int,
+          num_rows: int | None = None) -> st.SearchStrategy[Step]:
+    """Valid steps for a runner of ``config`` with ``num_kv_blocks`` KV blocks and a model of
+    ``vocab_size`` tokens, over tables of ``num_rows`` rows (default ``max_num_seqs + 2``)."""
+    rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
+    _check_room(config, num_kv_blocks, rows_)
+
+    @st.composite
+    def draw_step(draw: Callable[[Any], Any]) -> Step:
+        rows, computed, scheduled = _schedule(draw, config, rows_)
+        return _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled)
+
+    return draw_step()
+
+
+# ---------------------------------------------------------------------------------- bad steps
+
+def _bad(kind: str, field: str, step: Step, *, sampling_rows: int | None = None, **changes: Any) -> BadStep:
+    step.overrides.update(changes)
+    return BadStep(step, field, kind, sampling_rows)
+
+
+def _break(draw: Callable[[Any], Any], kind: str, step: Step, config: GraphConfig,
+           num_kv_blocks: int, vocab_size: int) -> BadStep:
+    """``step`` with the bound ``kind`` broken (the field each check of core/inputs.py names)."""
+    i = draw(st.integers(0, step.num_reqs - 1))
+    rows, c, n = step.req_rows.copy(), step.num_computed_tokens.copy(), step.num_scheduled_tokens.copy()
+    row, bs = int(rows[i]), step.block_size
+    if kind == "row outside the tables":
+        rows[i] = draw(st.sampled_from((step.token_ids.shape[0], -1)))
+        return _bad(kind, "req_rows", step, req_rows=rows)
+    if kind == "row scheduled twice":
+        rows[(i + 1) % step.num_reqs] = rows[i]
+        return _bad(kind, "req_rows", step, req_rows=rows)
+    if kind == "empty batch":
+        empty = np.zeros(0, _I32)
+        return _bad(kind, "req_rows", step, req_rows=empty, num_computed_tokens=empty, num_scheduled_tokens=empty)
+    if kind == "lengths differ":
+        field = draw(st.sampled_from(("num_computed_tokens", "num_scheduled_tokens")))
+        value = np.append(c, 0) if field == "num_computed_tokens" else np.append(n, 1)
+        return _bad(kind, field, step, **{field: value.astype(_I32)})
+    if kind == "no token scheduled":
+        n[i] = draw(st.integers(-2, 0))
+        return _bad(kind, "num_scheduled_tokens", step, num_scheduled_tokens=n)
+    if kind == "negative computed tokens":
+        c[i] = draw(st.integers(-3, -1))
+        return _bad(kind, "num_computed_tokens", step, num_computed_tokens=c)
+    if kind == "past the model length":
+        c[i] = config.max_model_len - int(n[i]) + draw(st.integers(1, 3))
+        return _bad(kind, "num_scheduled_tokens", step, num_computed_tokens=c)
+    if kind == "null block under a scheduled token":
+        table = step.block_table.copy()
+        table[row, draw(st.integers(int(c[i]) // bs, (int(c[i]) + int(n[i]) - 1) // bs))] = defaults.NULL_BLOCK
+        return _bad(kind, "block_table", step, block_table=table)
+    if kind == "block id beyond the KV cache":
+        table = step.block_table.copy()
+        table[row, draw(st.integers(0, table.shape[1] - 1))] = num_kv_blocks + draw(st.integers(0, 3))
+        return _bad(kind, "block_table", step, block_table=table)
+    if kind == "block table of the wrong width":
+        return _bad(kind, "block_table", step, block_table=np.ascontiguousarray(step.block_table[:, :-1]))
+    if kind == "tables with different row counts":
+        return _bad(kind, "block_table", step, block_table=np.ascontiguousarray(step.block_table[:-1]))
+    if kind == "token id outside the vocabulary":
+        tokens = step.token_ids.copy()
+        tokens[row, draw(st.integers(int(c[i]), int(c[i]) + int(n[i]) - 1))] = draw(
+            st.sampled_from((vocab_size, -1)))
+        return _bad(kind, "token_ids", step, token_ids=tokens)
+    if kind == "non-integer array":
+        field = draw(st.sampled_from(("req_rows", "num_computed_tokens", "num_scheduled_tokens")))
+        return _bad(kind, field, step, **{field: step.kwargs()[field].astype(np.float32)})
+    if kind == "sampling rows differ":
+        return _bad(kind, "sampling", step, sampling_rows=step.num_reqs + draw(st.sampled_from((1, -1))))
+    raise AssertionError(kind)
+
+
+#: Every bound :func:`bad_steps` breaks (one per example).
+BAD_KINDS = ("row outside the tables", "row scheduled twice", "empty batch", "lengths differ",
+             "no token scheduled", "negative computed tokens", "past the model length",
+             "null block under a scheduled token", "block id beyond the KV cache",
+             "block table of the wrong width", "tables with different row counts",
+             "token id outside the vocabulary", "non-integer array", "sampling rows differ")
+
+
+def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int,
+              num_rows: int | None = None, kinds: Sequence[str] = BAD_KINDS) -> st.SearchStrategy[BadStep]:
+    """Steps that break exactly one bound (one of ``kinds``), each with the field its
+    :class:`~graphrt.InputError` must name. Arguments as for :func:`steps`."""
+    rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
+    _check_room(config, num_kv_blocks, rows_)
+    unknown = set(kinds) - set(BAD_KINDS)
+    if unknown:
+        raise ValueError(f"unknown bad-step kinds {sorted(unknown)}; known: {BAD_KINDS}")
+
+    @st.composite
+    def draw_bad(draw: Callable[[Any], Any]) -> BadStep:
+        kind = draw(st.sampled_from(list(kinds)))
+        rows, computed, scheduled = _schedule(draw, config, rows_)
+        if kind == "row scheduled twice" and len(rows) < 2:
+            rows, computed, scheduled = rows + [(rows[0] + 1) % rows_], computed + [0], scheduled + [1]
+            if sum(scheduled) > config.max_num_batched_tokens:
+                scheduled[0] -= 1
+                if scheduled[0] < 1:          # a one-token budget: no two requests fit
+                    kind = "row outside the tables"
+                    rows, computed, scheduled = rows[:1], computed[:1], [1]
+        step = _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled)
+        return _break(draw, kind, step, config, num_kv_blocks, vocab_size)
+
+    return draw_bad()
+
+
+# -------------------------------------------------------------------------------------- traces
+
+def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
+           max_requests: int = 3, max_decodes: int = 4) -> st.SearchStrategy[list[Step]]:
+    """The steps of up to ``max_requests`` requests' whole lifetimes, in order: each request
+    joins at some step with a prompt (maybe a prefix hit: tokens already computed), prefills
+    it in chunks within the token budget, then decodes up to ``max_decodes`` tokens. Blocks
+    are allocated as a request first needs them, so the block table grows over the trace;
+    each step holds the table as it was then."""
+    rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
+    _check_room(config, num_kv_blocks, rows_)
+    bs, model_len = config.block_size, config.max_model_len
+
+    @st.composite
+    def draw_trace(draw: Callable[[Any], Any]) -> list[Step]:
+        k = draw(st.integers(1, min(max_requests, config.max_num_seqs)))
+        rows = draw(st.lists(st.integers(0, rows_ - 1), min_size=k, max_size=k, unique=True))
+        seed = draw(st.integers(0, 2**16))
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, vocab_size, size=(rows_, model_len)).astype(_I32)
+        table = np.zeros((rows_, config.max_blocks_per_req), _I32)
+        pool = list(draw(st.permutations(range(1, num_kv_blocks))))
+        reqs = []
+        for row in rows:
+            decodes = draw(st.integers(0, max_decodes))
+            prompt = draw(st.integers(1, model_len - decodes))
+            reqs.append(dict(row=row, join=draw(st.integers(0, 2)), done=draw(st.integers(0, prompt - 1)),
+                             prompt=prompt, end=prompt + decodes,
+                             chunk=draw(st.integers(1, config.max_num_batched_tokens))))
+        out: list[Step] = []
+        t = 0
+        while any(q["done"] < q["end"] for q in reqs):
+            batch, left = [], config.max_num_batched_tokens
+            for q in reqs:
+                if q["join"] > t or q["done"] >= q["end"] or left == 0:
+                    continue
+                n = min(q["chunk"], q["prompt"] - q["done"], left) if q["done"] < q["prompt"] else 1
+                for col in range((q["done"] + n - 1) // bs + 1):   # a prefix hit's blocks too
+                    if table[q["row"], col] == defaults.NULL_BLOCK:
+                        table[q["row"], col] = pool.pop()
+                batch.append((q["row"], q["done"], n))
+                q["done"] += n
+                left -= n
+            t += 1
+            if batch:
+                r, c, n = (np.asarray(v, _I32) for v in zip(*batch))
+                out.append(Step(tokens, table.copy(), r, c, n, bs, seed + t))
+        return out
+
+    return draw_trace()
+
+
+__all__ = ["BAD_KINDS", "bad_steps", "steps", "traces"]
