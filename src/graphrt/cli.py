@@ -7,7 +7,9 @@ status. To add one, write those two functions here and add the entry.
 * ``plan``  -- bucket policies compared on a synthetic decode trace (padding waste, eager steps);
 * ``bench`` -- the host-side benchmarks of ``benchmarks/`` (a source checkout), then ``plan``;
 * ``demo``  -- generate on a small random model: backends, warm-up report, each step's
-  graph key and padding, statistics.
+  graph key and padding, statistics;
+* ``conformance`` -- the properties of :mod:`graphrt.testing` on a model and backend, one
+  line per property (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -265,6 +267,46 @@ def _demo_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------- conformance
+
+def _conformance_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="a Hugging Face directory, or module:function returning a fresh model "
+                             "that follows docs/models.md")
+    parser.add_argument("--backend", default="cpu", help="backend name (cpu, eager, xla, cuda, npu, ...)")
+    parser.add_argument("--examples", type=int, default=None,
+                        help="examples per property (default: graphrt.testing.conformance.DEFAULT_EXAMPLES)")
+    parser.add_argument("--property", dest="properties", action="append", default=None,
+                        help="run only this property (repeatable)")
+    parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
+    add_cli_args(parser)
+
+
+def _conformance_run(args: argparse.Namespace) -> int:
+    from graphrt.config import GraphConfig
+    from graphrt.testing.conformance import DEFAULT_EXAMPLES, load_model, run_conformance
+    from graphrt.testing.runners import RunnerFactory
+
+    fields = {k: getattr(args, k) for k in GraphConfig.model_fields if getattr(args, k, None) is not None}
+    try:
+        factory = RunnerFactory(load_model(args.model), args.backend, **fields)
+    except ConfigError as e:
+        print(f"graphrt conformance: {e}", file=sys.stderr)
+        return 2
+    examples = DEFAULT_EXAMPLES if args.examples is None else args.examples
+    print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property")
+    try:
+        results = run_conformance(factory=factory, examples=examples, properties=args.properties,
+                                  seed=args.seed)
+    except ValueError as e:
+        print(f"graphrt conformance: {e}", file=sys.stderr)
+        return 2
+    failed = [r.name for r in results if not r.passed]
+    print(f"{len(results) - len(failed)} of {len(results)} properties hold"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
 # ---------------------------------------------------------------------------------------- main
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -273,6 +315,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         _bench_args, _bench_run),
     "demo": Subcommand("generate on a small random model and show what graphrt does per step",
                        _demo_args, _demo_run),
+    "conformance": Subcommand("run graphrt.testing's padding and graph conformance properties on a model "
+                              "and backend", _conformance_args, _conformance_run),
 }
 
 

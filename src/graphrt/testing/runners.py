@@ -28,9 +28,9 @@ from graphrt.testing import access
 from graphrt.testing.step import Step
 
 #: Limits of the runners the conformance suite builds: small enough to warm up in seconds,
-#: with chunked prefills (model length 64 over blocks of 4) and buckets up to the token budget.
-KIT_LIMITS: dict[str, Any] = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-                                  block_size=4, max_cudagraph_capture_size=32)
+#: with chunked prefills (model length 64 over blocks of 4). Unless capture sizes are given,
+#: graph backends capture up to the token budget, so every step the strategies draw is covered.
+KIT_LIMITS: dict[str, Any] = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
 
 
 class RunnerFactory:
@@ -48,7 +48,10 @@ class RunnerFactory:
         self.model = model
         self.backend = backend
         self.dtype = dtype
-        self.config = GraphConfig.create(**{**KIT_LIMITS, **config_fields})
+        fields = {**KIT_LIMITS, **config_fields}
+        if fields.get("cudagraph_capture_sizes") is None and fields.get("max_cudagraph_capture_size") is None:
+            fields["max_cudagraph_capture_size"] = fields["max_num_batched_tokens"]
+        self.config = GraphConfig.create(**fields)
         self.num_kv_blocks = (num_kv_blocks if num_kv_blocks is not None
                               else self.config.max_num_seqs * self.config.max_blocks_per_req + 1)
         self._runners: dict[tuple, Any] = {}
