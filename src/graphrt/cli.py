@@ -279,12 +279,14 @@ def _conformance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--property", dest="properties", action="append", default=None,
                         help="run only this property (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads while it runs (default 1: the kit's steps are small)")
     add_cli_args(parser)
 
 
 def _conformance_run(args: argparse.Namespace) -> int:
     from graphrt.config import GraphConfig
-    from graphrt.testing.conformance import DEFAULT_EXAMPLES, load_model, run_conformance
+    from graphrt.testing.conformance import DEFAULT_EXAMPLES, DEFAULT_THREADS, load_model, run_conformance
     from graphrt.testing.runners import RunnerFactory
 
     fields = {k: getattr(args, k) for k in GraphConfig.model_fields if getattr(args, k, None) is not None}
@@ -297,7 +299,7 @@ def _conformance_run(args: argparse.Namespace) -> int:
     print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property")
     try:
         results = run_conformance(factory=factory, examples=examples, properties=args.properties,
-                                  seed=args.seed)
+                                  seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads)
     except ValueError as e:
         print(f"graphrt conformance: {e}", file=sys.stderr)
         return 2

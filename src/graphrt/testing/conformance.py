@@ -15,15 +15,18 @@ with your own attention). Needs ``hypothesis``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from graphrt.testing.properties import PROPERTIES
 from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 
 #: Examples per property when none is given.
 DEFAULT_EXAMPLES = 100
+#: torch intra-op threads while the suite runs (see :func:`torch_threads`).
+DEFAULT_THREADS = 1
 
 
 @dataclass
@@ -54,14 +57,24 @@ class Result:
 
 
 def load_model(spec: str) -> str | Callable[[], Any]:
-    """A model directory as it is, or ``module:function`` imported (a model builder)."""
+    """A model directory as it is, or a model builder: ``package.module:function`` (imported)
+    or ``path/to/file.py:function`` (loaded from the file)."""
     import importlib
+    import importlib.util
     import os
 
     if os.path.exists(spec) or ":" not in spec:
         return spec
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"cannot load a model builder from {where}")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
 
 
 def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
@@ -117,14 +130,33 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
     return Result(name, state["runs"], time.perf_counter() - start, error, counterexample, note)
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for the block (None: left alone). The kit's
+    steps are small: on a CPU a second thread mostly waits, and on a busy machine it can make a
+    step many times slower."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any = "cpu", *,
                     examples: int = DEFAULT_EXAMPLES, mode: str | None = None,
                     properties: Sequence[str] | None = None, seed: int = 0,
                     factory: RunnerFactory | None = None, report: Callable[[str], None] | None = print,
-                    **config_fields: Any) -> list[Result]:
+                    threads: int | None = DEFAULT_THREADS, **config_fields: Any) -> list[Result]:
     """Every property (or ``properties``) on ``model`` and ``backend``, ``examples`` each;
-    ``report`` gets one line per property as it finishes. ``factory`` replaces model / backend /
-    config (build it yourself for other limits, a KV block count or a dtype)."""
+    ``report`` gets one line per property as it finishes (and one for the warm-up). ``factory``
+    replaces model / backend / config (build it yourself for other limits, a KV block count or
+    a dtype). ``threads``: torch intra-op threads meanwhile (None: as they are)."""
     if factory is None:
         if model is None:
             raise ValueError("give a model (directory or builder) or a factory")
@@ -135,13 +167,28 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
     unknown = [n for n in names if n not in PROPERTIES]
     if unknown:
         raise ValueError(f"unknown properties {unknown}; known: {list(PROPERTIES)}")
+    framework = getattr(factory.backend, "framework", None) or _framework(factory.backend)
     results = []
-    for name in names:
-        result = check_property(name, factory, examples, seed=seed)
-        results.append(result)
+    with torch_threads(threads if framework == "torch" else None):
+        start = time.perf_counter()
+        runner = factory()
         if report is not None:
-            report(result.line())
+            report(f"warm-up: {runner.backend.name}, graph mode {runner.mode.value}, "
+                   f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s")
+        for name in names:
+            result = check_property(name, factory, examples, seed=seed)
+            results.append(result)
+            if report is not None:
+                report(result.line())
     return results
+
+
+def _framework(backend: Any) -> str:
+    """The framework of a backend given by name, without importing it (``auto``: torch)."""
+    from graphrt.registry import ALIASES, BACKENDS
+
+    name = ALIASES.get(str(backend), str(backend))
+    return "jax" if ".xla." in BACKENDS.get(name, "") else "torch"
 
 
 # ------------------------------------------------------------------------------ pytest entry

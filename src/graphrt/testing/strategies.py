@@ -133,11 +133,20 @@ def _break(draw: Callable[[Any], Any], kind: str, step: Step, config: GraphConfi
         c[i] = draw(st.integers(-3, -1))
         return _bad(kind, "num_computed_tokens", step, num_computed_tokens=c)
     if kind == "past the model length":
-        c[i] = config.max_model_len - int(n[i]) + draw(st.integers(1, 3))
-        return _bad(kind, "num_scheduled_tokens", step, num_computed_tokens=c)
-    if kind == "null block under a scheduled token":
+        if n[i] >= 2 and draw(st.booleans()):     # the scheduled tokens run past the token table
+            c[i] = config.max_model_len - int(n[i]) + draw(st.integers(1, int(n[i]) - 1))
+            return _bad(kind, "num_scheduled_tokens", step, num_computed_tokens=c)
+        c[i] = config.max_model_len + draw(st.integers(0, 2))   # nothing left to schedule
+        return _bad(kind, "num_computed_tokens", step, num_computed_tokens=c)
+    if kind == "overflowing value":
+        field = draw(st.sampled_from(("req_rows", "num_computed_tokens", "num_scheduled_tokens")))
+        value = step.kwargs()[field].astype(np.int64)
+        value[i] = draw(st.sampled_from((2**31, 2**62, 2**63 - 1)))
+        return _bad(kind, field, step, **{field: value})
+    if kind == "null block in a column attention reads":
         table = step.block_table.copy()
-        table[row, draw(st.integers(int(c[i]) // bs, (int(c[i]) + int(n[i]) - 1) // bs))] = defaults.NULL_BLOCK
+        table[row, draw(st.integers(0, (int(c[i]) + int(n[i]) - 1) // bs))] = draw(
+            st.sampled_from((defaults.NULL_BLOCK, -1)))
         return _bad(kind, "block_table", step, block_table=table)
     if kind == "block id beyond the KV cache":
         table = step.block_table.copy()
@@ -163,7 +172,7 @@ def _break(draw: Callable[[Any], Any], kind: str, step: Step, config: GraphConfi
 #: Every bound :func:`bad_steps` breaks (one per example).
 BAD_KINDS = ("row outside the tables", "row scheduled twice", "empty batch", "lengths differ",
              "no token scheduled", "negative computed tokens", "past the model length",
-             "null block under a scheduled token", "block id beyond the KV cache",
+             "overflowing value", "null block in a column attention reads", "block id beyond the KV cache",
              "block table of the wrong width", "tables with different row counts",
              "token id outside the vocabulary", "non-integer array", "sampling rows differ")
 
