@@ -65,8 +65,9 @@ def test_config_field_and_flag():
 
 
 def test_compile_kernels_before_the_first_step():
-    """A runner's warm-up compiles the loops for the usual argument types, so the first
-    step does not wait for the JIT; the preparer works normally afterwards."""
+    """A runner's warm-up compiles the loops for every table variant the preparer passes them
+    (int32 / int64 token and block tables; request arrays always int32), so no step waits for
+    the JIT; the preparer works normally afterwards."""
     import numpy as np
 
     numpy_prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, kernel="numpy")
@@ -77,11 +78,33 @@ def test_compile_kernels_before_the_first_step():
 
     prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, table_width=3, kernel="numba")
     assert prep.compile_kernels(Padder(kernel="numba")) >= 0.0
+    tables = {f"array({a}, 2d, C)" for a in ("int32", "int64")}
     for loop in (host_loops.check_step, host_loops.write_padded_step):
-        types = {str(sig[2]) for sig in loop.signatures}      # req_rows' type
-        assert {"array(int32, 1d, C)", "array(int64, 1d, C)"} <= types, loop
+        signatures = {tuple(str(t) for t in sig[:5]) for sig in loop.signatures}
+        assert {(a, b) + ("array(int32, 1d, C)",) * 3 for a in tables for b in tables} <= signatures, loop
     got = prep.prepare(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),
                        block_table=np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int32),
                        req_rows=np.array([1]), num_computed_tokens=np.array([2]),
                        num_scheduled_tokens=np.array([3]))
     assert got.input_ids.tolist() == [8, 9, 10] and got.slot_mapping.tolist() == [8, 9, 10]
+
+
+def test_canonical_flags_are_numpys_own():
+    """``CANONICAL_FLAGS`` (the per-step test of an array the loops take as it is) agrees with
+    numpy's named flags, for arrays that have them and arrays that lack each one."""
+    import numpy as np
+
+    ok = np.zeros((3, 4), dtype=np.int32)
+    read_only = ok.copy()
+    read_only.flags.writeable = False
+    unaligned = np.frombuffer(bytearray(49), dtype=np.uint8)[1:].view(np.int32).reshape(3, 4)
+    for arr in (ok, read_only, unaligned, np.asfortranarray(ok), ok[:, ::2], ok[::2]):
+        flags = arr.flags
+        expected = flags.c_contiguous and flags.writeable and flags.aligned
+        assert (flags.num & host_kernels.CANONICAL_FLAGS == host_kernels.CANONICAL_FLAGS) == expected
+    assert host_kernels.table_variant(ok) is None
+    assert "read-only" in host_kernels.table_variant(read_only)
+    assert "aligned" in host_kernels.table_variant(unaligned)
+    assert "Fortran" in host_kernels.table_variant(np.asfortranarray(ok))
+    assert "strided" in host_kernels.table_variant(ok[:, ::2])
+    assert "dtype" in host_kernels.table_variant(ok.astype(">i4"))

@@ -24,6 +24,10 @@ from graphrt import InputError, InputPreparer, ModelInputs, prepare_inputs
 #: Every test here runs on both host kernels (numba and numpy); see conftest.py.
 pytestmark = pytest.mark.usefixtures("host_kernel")
 
+#: Extreme integers: the ends of int32 / uint32 / int64 and their neighbours.
+EXTREMES = (-2**63, -2**63 + 1, -2**32, -2**31 - 1, -2**31, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+            2**62, 2**63 - 2, 2**63 - 1)
+
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -577,16 +581,17 @@ def test_bad_preparer_limits(kwargs, field):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.data())
-def test_unallocated_block_is_always_caught(scenario, data):
-    """Zero out one block a scheduled token needs: InputError on block_table, nothing written."""
+@given(scenarios(), st.data(), st.sampled_from((0, -1, -100_000)))
+def test_unallocated_block_is_always_caught(scenario, data, bad):
+    """Put a null or negative id in one block column the step's attention reads (a computed
+    column or a scheduled one): InputError on block_table naming the row and column, nothing
+    written."""
     tables, (step,) = scenario
-    needed = sorted({(row, pos // tables.block_size)
-                     for row, c, s in zip(step.rows, step.computed, step.scheduled)
-                     for pos in range(c, c + s)})
+    needed = sorted({(row, col) for row, c, s in zip(step.rows, step.computed, step.scheduled)
+                     for col in range(-(-(c + s) // tables.block_size))})
     row, col = data.draw(st.sampled_from(needed))
     broken = tables.block_table.copy()
-    broken[row, col] = 0
+    broken[row, col] = bad
     snap = broken.copy()
     prep = InputPreparer(max_num_reqs=8, max_num_tokens=8 * 48, block_size=tables.block_size)
     previous = run_preparer(prep, tables, step)
@@ -596,8 +601,69 @@ def test_unallocated_block_is_always_caught(scenario, data):
         prep.prepare(token_ids=tables.token_ids, block_table=broken, req_rows=rows,
                      num_computed_tokens=computed, num_scheduled_tokens=scheduled)
     _check_error(excinfo, "block_table")
+    assert f"(row {row}) column {col} holds block {bad}" in str(excinfo.value)
     assert np.array_equal(broken, snap)
     _assert_same_inputs(previous, previous_copy)
+
+
+@pytest.mark.parametrize("bad", [0, -1, -100_000])
+def test_a_decode_reads_every_computed_column(bad):
+    """The issue-15 repro at the preparer: a decode of a row whose computed block column 0
+    is null or negative (the scheduled token is in column 1, which is fine)."""
+    prep = _seed_preparer(num_blocks=9)
+    kw = _base_kwargs()
+    kw["block_table"] = kw["block_table"].copy()
+    kw["block_table"][2, 0] = bad
+    kw.update(req_rows=np.array([2], np.int32), num_computed_tokens=np.array([4], np.int32),
+              num_scheduled_tokens=np.array([1], np.int32))
+    with pytest.raises(InputError) as excinfo:
+        prep.prepare(**kw)
+    _check_error(excinfo, "block_table")
+    assert f"request 0 (row 2) column 0 holds block {bad}" in str(excinfo.value)
+    assert "null block" in str(excinfo.value)
+    # columns past the request's tokens are not read: a -1 there (an engine's "unused") is fine
+    kw["block_table"][2, 0] = 4
+    kw["block_table"][2, 4:] = -1
+    assert prep.prepare(**kw).slot_mapping.tolist() == [12]
+
+
+def test_a_computed_length_past_the_table_names_num_computed_tokens():
+    kw = _base_kwargs()
+    kw["num_computed_tokens"] = np.array([0, 12, 0], np.int32)
+    with pytest.raises(InputError) as excinfo:
+        _seed_preparer().prepare(**kw)
+    _check_error(excinfo, "num_computed_tokens")
+    assert "request 1 has 12 computed tokens" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_tables_the_loops_have_no_variant_for(strict, caplog):
+    """A Fortran-ordered, strided, read-only or int16 table: copied (one warning per kind) or,
+    strict, refused naming the field and what to pass. Request arrays of any form are fine."""
+    prep = _seed_preparer(strict=strict)
+    base = _base_kwargs()
+    wide = np.zeros((4, 12), np.int32)
+    wide[:, ::2] = base["block_table"]
+    read_only = base["token_ids"].copy()
+    read_only.flags.writeable = False
+    for field, value in (("block_table", np.asfortranarray(base["block_table"])),
+                         ("block_table", wide[:, ::2]), ("token_ids", read_only),
+                         ("block_table", base["block_table"].astype(np.int16))):
+        kw = {**base, field: value}
+        if strict:
+            with pytest.raises(InputError) as excinfo:
+                prep.prepare(**kw)
+            _check_error(excinfo, field)
+            assert "strict" in str(excinfo.value) and f"np.array({field}, dtype=np.int32" in str(excinfo.value)
+        else:
+            with caplog.at_level("WARNING", logger="graphrt"):
+                check_seed_step1(prep.prepare(**kw))
+                check_seed_step1(prep.prepare(**kw))
+    assert len(caplog.records) == (0 if strict else 4)
+    for dtype in (np.int64, np.uint16, np.uint64):       # request arrays: converted, never refused
+        kw = {**base, "req_rows": base["req_rows"].astype(dtype),
+              "num_computed_tokens": base["num_computed_tokens"][::-1][::-1].astype(dtype)}
+        check_seed_step1(prep.prepare(**kw))
 
 
 # --------------------------------------------------------------------------------------
@@ -736,8 +802,8 @@ def test_both_kernels_raise_the_same_error(case_id, mutate, field):
 @SETTINGS
 @given(scenarios(), st.data())
 def test_both_kernels_agree_on_random_faults(scenario, data):
-    """Corrupt one request value or one table entry at random: both kernels give the same
-    result, or the same error."""
+    """Corrupt one request value or one table entry at random (small values, and the ends of
+    int32 / int64 and their neighbours): both kernels give the same result, or the same error."""
     if graphrt.core.host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
     tables, (step,) = scenario
@@ -745,7 +811,11 @@ def test_both_kernels_agree_on_random_faults(scenario, data):
     token_ids, block_table = tables.token_ids.copy(), tables.block_table.copy()
     target = data.draw(st.sampled_from(("rows", "computed", "scheduled", "block", "token")))
     i = data.draw(st.integers(0, len(rows) - 1))
-    value = data.draw(st.integers(-3, 60))
+    value = data.draw(st.one_of(st.integers(-3, 60), st.sampled_from(EXTREMES)))
+    if not -2**31 <= value * 2000 < 2**31:            # the ends of int64 / int32, and around them
+        token_ids, block_table = token_ids.astype(np.int64), block_table.astype(np.int64)
+    if value in EXTREMES and target == "token":
+        value = int(value / 2000)                     # value * 2000 below stays in int64
     if target == "rows":
         rows[i] = value
     elif target == "computed":

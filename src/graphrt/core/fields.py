@@ -43,6 +43,10 @@ TOKEN_FIELDS = tuple(name for name, f in FIELDS.items() if f.level == TOKEN)
 REQUEST_FIELDS = tuple(name for name, f in FIELDS.items() if f.level == REQUEST)
 #: The dtype of every array field, for whoever allocates buffers for them.
 FIELD_DTYPES: dict[str, type] = {name: f.dtype for name, f in FIELDS.items()}
+#: The largest position, token id, block id or count a step's int32 fields hold. The host
+#: checks bound every input by it first (each request value clamped to
+#: [-INDEX_MAX - 1, INDEX_MAX] before any sum or product), so no check can overflow.
+INDEX_MAX = int(np.iinfo(np.int32).max)
 
 
 def field_rows(level: tuple[int, int, int], num_tokens: int, num_reqs: int) -> int:
@@ -98,5 +102,5 @@ class ModelInputs:
         return dataclasses.replace(self, **{f: getattr(self, f).copy() for f in ARRAY_FIELDS})
 
 
-__all__ = ["ARRAY_FIELDS", "BOUNDARY", "FIELDS", "FIELD_DTYPES", "REQUEST", "REQUEST_FIELDS", "TOKEN",
+__all__ = ["ARRAY_FIELDS", "BOUNDARY", "FIELDS", "FIELD_DTYPES", "INDEX_MAX", "REQUEST", "REQUEST_FIELDS", "TOKEN",
            "TOKEN_FIELDS", "Field", "ModelInputs", "buffer_shapes", "field_rows"]

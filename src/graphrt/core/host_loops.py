@@ -4,7 +4,8 @@ Each function is the compiled form of one rule of input preparation or padding; 
 vectorised-numpy code in :mod:`graphrt.core.prepare_numpy` and :mod:`graphrt.core.padding` is
 the reference they are tested against. Every index a loop uses is validated first, by
 ``check_requests`` (the request-level bounds every loop here indexes by: ``check_step`` starts
-with it, ``write_padded_step`` runs it again), so the loops run without bounds checks.
+with it, ``write_padded_step`` runs it again), so the loops run without bounds checks; it
+clamps each request value to the int32 range before any sum, so no bound overflows.
 Padding applies the padder's rule table (``Padder.kernel_rules``): no field's fill or length
 is written here.
 """
@@ -16,16 +17,43 @@ import numpy as np
 from numba.extending import overload
 
 from graphrt.core import defaults, fields
-from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_NULL_BLOCK, E_OK,
-                                     E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE, E_ROW_REPEATED,
-                                     E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW, E_TOKEN_OUT_OF_VOCAB,
-                                     E_TOO_MANY_TOKENS)
+from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
+                                     E_NULL_BLOCK, E_OK, E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE,
+                                     E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW,
+                                     E_TOKEN_OUT_OF_VOCAB, E_TOO_MANY_TOKENS)
 
 _OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy")
 jit = numba.njit(cache=True, **_OPTIONS)
 
 #: :func:`graphrt.core.fields.field_rows`, compiled: the rows of a field's level in a step.
 field_rows = jit(fields.field_rows)
+
+_LOW = -fields.INDEX_MAX - 1
+_HIGH = fields.INDEX_MAX
+
+
+@jit
+def clamp(x):
+    """``x`` as int64, bounded to the int32 range: every request value passes here before
+    it is summed, so no check overflows (see ``step_codes``)."""
+    return min(max(np.int64(x), np.int64(_LOW)), np.int64(_HIGH))
+
+
+@jit
+def clamp_copy(src, out, k):
+    """``out[k, i] = clamp(src[i])``: an int64 request array into row ``k`` of the preparer's
+    int32 request buffer, the form the loops take (one compiled variant: the preparer calls it
+    for C-contiguous int64 arrays only, with its whole buffer)."""
+    for i in range(src.shape[0]):
+        out[k, i] = clamp(src[i])
+
+
+@jit
+def clamp_requests(rows, computed, scheduled, out):
+    """``clamp_copy`` of all three request arrays in one call (when all are int64)."""
+    clamp_copy(rows, out, 0)
+    clamp_copy(computed, out, 1)
+    clamp_copy(scheduled, out, 2)
 
 
 @jit
@@ -41,32 +69,39 @@ def check_requests(token_ids, block_table, rows, computed, scheduled, block_size
     bad_row = -1
     min_sched_i = 0
     min_comp_i = 0
+    max_comp_i = 0
     max_seq_i = 0
-    max_sched = np.int64(0)
-    max_seq = np.int64(0)
+    min_sched = np.int64(_HIGH)
+    min_comp = np.int64(_HIGH)
+    max_comp = np.int64(_LOW)
+    max_sched = np.int64(_LOW)
+    max_seq = np.int64(2 * _LOW)
     total = np.int64(0)
     for i in range(r):
         row = np.int64(rows[i])
-        c = np.int64(computed[i])
-        n = np.int64(scheduled[i])
+        c = clamp(computed[i])
+        n = clamp(scheduled[i])
         if bad_row < 0 and (row < 0 or row >= num_rows):
             bad_row = i
-        if n < np.int64(scheduled[min_sched_i]):
-            min_sched_i = i
-        if c < np.int64(computed[min_comp_i]):
-            min_comp_i = i
+        if n < min_sched:
+            min_sched, min_sched_i = n, i
+        if c < min_comp:
+            min_comp, min_comp_i = c, i
+        if c > max_comp:
+            max_comp, max_comp_i = c, i
         if n > max_sched:
             max_sched = n
-        if c + n > max_seq or i == 0:
-            max_seq = c + n
-            max_seq_i = i
+        if c + n > max_seq:
+            max_seq, max_seq_i = c + n, i
         total += n
     if bad_row >= 0:
         return E_ROW_OUT_OF_RANGE, bad_row, 0, 0
-    if np.int64(scheduled[min_sched_i]) <= 0:
+    if min_sched <= 0:
         return E_SCHEDULED_NOT_POSITIVE, min_sched_i, 0, 0
-    if np.int64(computed[min_comp_i]) < 0:
+    if min_comp < 0:
         return E_COMPUTED_NEGATIVE, min_comp_i, 0, 0
+    if max_comp >= model_len:
+        return E_COMPUTED_PAST_TABLE, max_comp_i, 0, 0
     if max_seq > model_len:
         return E_PAST_TOKEN_TABLE, max_seq_i, 0, 0
     if (max_seq + bs - 1) // bs > width:
@@ -78,10 +113,12 @@ def check_requests(token_ids, block_table, rows, computed, scheduled, block_size
 def check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
                vocab_size, num_blocks, row_mark, stamp):
     """Every bound of one step, writing nothing but ``row_mark`` (scratch): ``check_requests``,
-    then rows scheduled once, the token budget, and per token a block (and an id in the
-    vocabulary, a block in the cache). Returns ``(E_OK, num_tokens, max_query_len,
-    max_seq_len)`` or ``(code, detail, 0, 0)``; ``vocab_size`` / ``num_blocks`` <= 0 skip
-    those two checks."""
+    then rows scheduled once, the token budget, a block id in [1, num_blocks) in every
+    column the step's attention reads ([0, ceil(seq_len / block_size)) of each scheduled row)
+    and none >= num_blocks anywhere in those rows, and every scheduled token id in
+    [0, vocab_size). Returns ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or
+    ``(code, detail, 0, 0)``. The bounds must be > 0 (the preparer passes the int32 range
+    when it has none)."""
     result = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
     if result[0] != E_OK:
         return result
@@ -96,36 +133,40 @@ def check_step(token_ids, block_table, rows, computed, scheduled, block_size, ma
         row_mark[row] = stamp
     if total > max_tokens:
         return E_TOO_MANY_TOKENS, total, 0, 0
-    # ---- token-level bounds: every scheduled position has a block (and an id in the vocab) ----
+    # ---- block ids, per scheduled row: min over the columns attention reads, max over all
+    # (a captured graph's static block table may be read anywhere); two plain loops in the
+    # table's own dtype, which LLVM vectorises ----
+    high_i = -1
+    for i in range(r):
+        row = np.int64(rows[i])
+        used = (np.int64(computed[i]) + np.int64(scheduled[i]) + bs - 1) // bs   # >= 1
+        lo = block_table[row, 0]
+        for col in range(used):
+            b = block_table[row, col]
+            if b < lo:
+                lo = b
+        if lo <= defaults.NULL_BLOCK:
+            return E_NULL_BLOCK, i, 0, 0
+        hi = block_table[row, 0]
+        for col in range(width):
+            b = block_table[row, col]
+            if b > hi:
+                hi = b
+        if high_i < 0 and hi >= num_blocks:
+            high_i = i
+    # ---- token ids: every scheduled position's id in the vocabulary ----
     k = np.int64(0)
     for i in range(r):
         row = np.int64(rows[i])
         c = np.int64(computed[i])
         end = c + np.int64(scheduled[i])
-        for col in range(c // bs, (end - 1) // bs + 1):
-            if block_table[row, col] <= defaults.NULL_BLOCK:
-                return E_NULL_BLOCK, k + max(col * bs - c, 0), 0, 0
+        for q in range(c, end):
+            tok = np.int64(token_ids[row, q])
+            if tok < 0 or tok >= vocab_size:
+                return E_TOKEN_OUT_OF_VOCAB, k + q - c, 0, 0
         k += end - c
-    if vocab_size > 0:
-        k = 0
-        for i in range(r):
-            row = np.int64(rows[i])
-            c = np.int64(computed[i])
-            end = c + np.int64(scheduled[i])
-            for q in range(c, end):
-                tok = token_ids[row, q]
-                if tok < 0 or tok >= vocab_size:
-                    return E_TOKEN_OUT_OF_VOCAB, k + q - c, 0, 0
-            k += end - c
-    if num_blocks > 0:
-        top = np.int64(block_table[np.int64(rows[0]), 0])
-        for i in range(r):
-            row = np.int64(rows[i])
-            for col in range(width):
-                if block_table[row, col] > top:
-                    top = np.int64(block_table[row, col])
-        if top >= num_blocks:
-            return E_BLOCK_OUT_OF_CACHE, top, 0, 0
+    if high_i >= 0:
+        return E_BLOCK_OUT_OF_CACHE, high_i, 0, 0
     return result
 
 

@@ -8,13 +8,15 @@ Token level (length T = total scheduled tokens): ``input_ids``, ``positions``,
 ``InputPreparer`` writes into persistent buffers (no allocation per step, results valid
 until the next call); ``prepare_inputs`` is the allocating convenience with the same values.
 Every bad input raises :class:`~graphrt.core.errors.InputError` before any output is written.
-This module is the front: argument checks, the choice of implementation (the compiled loops
-of :mod:`graphrt.core.host_loops`, or :mod:`graphrt.core.prepare_numpy`), and the error
-messages for the codes both return.
+This module is the front: argument checks, the one form both implementations take the
+step's arrays in (the compiled loops' variants, :mod:`graphrt.core.host_kernels`), the choice
+of implementation (the compiled loops of :mod:`graphrt.core.host_loops`, or
+:mod:`graphrt.core.prepare_numpy`), and the error messages for the codes both return.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Mapping, NamedTuple
 
@@ -23,12 +25,18 @@ import numpy as np
 from graphrt.core import defaults, host_kernels
 from graphrt.core import step_codes as codes
 from graphrt.core.errors import GraphrtError, InputError
-from graphrt.core.fields import FIELD_DTYPES, ModelInputs, buffer_shapes
+from graphrt.core.fields import FIELD_DTYPES, INDEX_MAX, ModelInputs, buffer_shapes
+from graphrt.core.host_kernels import RequestArrays, as_int_array
 from graphrt.core.padding import Padder
 from graphrt.core.prepare_numpy import NumpyPrepare
 
+logger = logging.getLogger(__name__)
+
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _ARRAY = np.ndarray
+_FLAGS = host_kernels.CANONICAL_FLAGS
+#: Bound of token ids / block ids without a vocabulary / KV cache: the int32 outputs' range.
+_ID_LIMIT = INDEX_MAX + 1
 
 
 class StepShape(NamedTuple):
@@ -41,41 +49,41 @@ class StepShape(NamedTuple):
     uniform_decode: bool
 
 
-def _as_int_array(name: str, value: object, ndim: int, dtype: type | None = None) -> np.ndarray:
-    """Check shape and integer dtype; int32 / int64 pass as they are, other integers are
-    converted to ``dtype`` (int64 when None); with ``dtype`` given, anything else is too."""
-    arr = value if type(value) is np.ndarray else np.asarray(value)
-    if arr.ndim != ndim:
-        raise InputError(name, f"expected a {ndim}-d integer array, got shape {arr.shape}")
-    dt = arr.dtype
-    if dtype is None and (dt is _INT64 or dt is _INT32):   # the per-step fast path
-        return arr
-    if dt.kind not in "iu":
-        raise InputError(name, f"expected integers, got dtype {dt}")
-    if dtype is not None:
-        return arr if dt == dtype else arr.astype(dtype)
-    return arr if dt == _INT32 or dt == _INT64 else arr.astype(np.int64)
+def _check_block_size(bs: int) -> int:
+    """A block size in [1, INDEX_MAX] (slots are block * block_size + offset, in int64)."""
+    if bs <= 0:
+        raise InputError("block_size", f"must be > 0, got {bs}")
+    if bs > INDEX_MAX:
+        raise InputError("block_size", f"must be <= {INDEX_MAX} (positions are int32), got {bs}")
+    return bs
 
 
 class InputPreparer:
     """Prepares model inputs into persistent host buffers (the fast path).
 
     ``max_num_reqs`` / ``max_num_tokens`` bound one step; the block-table width is taken
-    from the table on first use. ``vocab_size`` / ``num_blocks``, when given, also bound
-    every scheduled token id and every block id in the scheduled rows (a runner passes its
-    model's vocabulary and its KV cache's size); ``table_width`` fixes the block table's
-    number of columns.
+    from the table on first use. ``vocab_size`` / ``num_blocks``, when given, bound every
+    scheduled token id and every block id in the scheduled rows (a runner passes its
+    model's vocabulary and its KV cache's size; without them the int32 outputs' range bounds
+    them); ``table_width`` fixes the block table's number of columns. Every block-table
+    column a scheduled request's attention reads ([0, ceil(seq_len / block_size))) must hold a
+    block id >= 1 (block 0 is the null block).
 
     ``kernel`` picks the implementation: ``numba`` (one compiled loop per step, see
     :mod:`graphrt.core.host_kernels`), ``numpy`` (vectorised numpy, the reference) or ``auto``
-    (numba when it imports). Both give identical results and raise identical errors.
+    (numba when it imports). Both give identical results and raise identical errors, and
+    accept the same arrays: request arrays of any integer dtype and layout (copied as int32
+    into persistent buffers unless they are int32 already), tables of int32 or int64,
+    C-contiguous, writeable (the variants :meth:`compile_kernels` compiles). Any other table
+    is copied to that form every step with a one-time warning, or with ``strict`` refused with
+    an :class:`InputError` naming the field and what to pass, so nothing compiles after warm-up.
     """
 
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, block_size: int,
                  vocab_size: int | None = None, num_blocks: int | None = None,
-                 table_width: int | None = None, kernel: str | None = None) -> None:
-        if block_size <= 0:
-            raise InputError("block_size", f"must be > 0, got {block_size}")
+                 table_width: int | None = None, kernel: str | None = None,
+                 strict: bool = False) -> None:
+        _check_block_size(block_size)
         if max_num_reqs <= 0:
             raise InputError("max_num_reqs", f"must be > 0, got {max_num_reqs}")
         if max_num_tokens <= 0:
@@ -90,6 +98,7 @@ class InputPreparer:
         self.vocab_size = int(vocab_size) if vocab_size is not None else None
         self.num_blocks = int(num_blocks) if num_blocks is not None else None
         self.table_width = int(table_width) if table_width is not None else None
+        self.strict = bool(strict)
         self.kernel = host_kernels.resolve_kernel(kernel)
         t, r = self.max_num_tokens, self.max_num_reqs
         numba = self.kernel == "numba"
@@ -98,10 +107,11 @@ class InputPreparer:
         self._prepare_step = host_kernels.compiled("prepare_step") if numba else NumpyPrepare(t, r)
         self._check_step = host_kernels.compiled("check_step") if numba else None
         self._write_step = host_kernels.compiled("write_padded_step") if numba else None
-        self._table_dtypes = (_INT32, _INT64) if numba else (_INT32,)
         self._pending: tuple[tuple, StepShape] | None = None
         self._row_mark = np.zeros(0, dtype=np.int64)     # last call's stamp per table row
         self._stamp = 0
+        self._requests = RequestArrays(r, numba=numba)    # request arrays, as the loops take them
+        self._warned: set[tuple[str, str]] = set()
         shapes = buffer_shapes(t, r, 0)
         self.input_ids = np.zeros(shapes["input_ids"], dtype=FIELD_DTYPES["input_ids"])
         self.positions = np.zeros(shapes["positions"], dtype=FIELD_DTYPES["positions"])
@@ -113,22 +123,22 @@ class InputPreparer:
         self.block_table: np.ndarray | None = None       # allocated once the table's width is seen
         self._width = -1                                  # the block table's width, once seen
         self._views: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-        self._vocab_bound = self.vocab_size if self.vocab_size is not None else 0   # 0: unchecked
-        self._block_bound = self.num_blocks if self.num_blocks is not None else 0
+        self._vocab_bound = min(self.vocab_size or _ID_LIMIT, _ID_LIMIT)
+        self._block_bound = min(self.num_blocks or _ID_LIMIT, _ID_LIMIT)
 
     def prepare(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                 block_size: int | None = None) -> ModelInputs:
         """Compute one step's inputs. Outputs are views of persistent buffers."""
-        args = self._arguments(token_ids, block_table, req_rows, num_computed_tokens,
-                               num_scheduled_tokens, block_size)
+        raw = (token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens)
+        args = self._arguments(*raw, block_size)
         self._pending = None
         code, t, max_sched, max_seq = self._prepare_step(
             *args, self.max_num_tokens, self._vocab_bound, self._block_bound, self._row_mark,
             self._stamp, self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
             self.seq_lens, self.num_computed_tokens, self.block_table)
         if code != codes.E_OK:
-            raise self._step_error(code, t, *args)
+            raise self._step_error(code, t, args[5], *raw)
         return self._result(t, args[2].shape[0], max_sched, max_seq)
 
     def check(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
@@ -138,8 +148,8 @@ class InputPreparer:
         caller can pick a bucket before anything is written; :meth:`write` then writes it,
         padded, straight into the bucket's buffers. (The numpy path prepares here, into the
         preparer's own buffers, and pads in :meth:`write`.)"""
-        args = self._arguments(token_ids, block_table, req_rows, num_computed_tokens,
-                               num_scheduled_tokens, block_size)
+        raw = (token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens)
+        args = self._arguments(*raw, block_size)
         self._pending = None
         if self._check_step is not None:
             code, t, max_sched, max_seq = self._check_step(
@@ -151,7 +161,7 @@ class InputPreparer:
                 self._stamp, self.input_ids, self.positions, self.slot_mapping,
                 self.query_start_loc, self.seq_lens, self.num_computed_tokens, self.block_table)
         if code != codes.E_OK:
-            raise self._step_error(code, t, *args)
+            raise self._step_error(code, t, args[5], *raw)
         shape = StepShape(t, args[2].shape[0], max_sched, max_seq, max_sched == 1)
         self._pending = (args, shape)
         return shape
@@ -161,7 +171,7 @@ class InputPreparer:
         """Write the step of the last successful :meth:`check`, padded by ``padder`` to
         ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would).
 
-        The step's arrays are read again here: don't change them in between (the compiled
+        The step's tables are read again here: don't change them in between (the compiled
         path runs the request check of :meth:`check` again, ``host_loops.check_requests``, and
         raises, writing nothing, if the step no longer passes it)."""
         if self._pending is None:
@@ -181,23 +191,25 @@ class InputPreparer:
         return ModelInputs(*dst, r, t, shape.max_query_len, shape.max_seq_len, shape.uniform_decode)
 
     def compile_kernels(self, padder: Padder, out: Mapping[str, np.ndarray] | None = None) -> float:
-        """Compile the loops of :meth:`check` / :meth:`write` (a runner's path) now, for int32
-        tables and int32 / int64 request arrays (the usual engine types), so the first real
-        step does not wait for the JIT; returns the seconds it took (0 on the numpy path).
-        Compiled code is cached on disk, so later processes only load it (~0.2 s here).
-        ``out``: the staging buffers ``write`` will get (they receive a one-token dummy step).
-        :meth:`prepare`'s loop compiles on its first call."""
+        """Compile the loops of :meth:`check` / :meth:`write` (a runner's path) now, for every
+        table variant the preparer passes them (token and block tables each int32 or int64;
+        request arrays always reach them as int32, int64 ones through ``clamp_copy``), so no
+        step waits for the JIT and strict mode never compiles; returns the seconds it took (0 on the numpy path). Compiled code
+        is cached on disk, so later processes only load it. ``out``: the staging buffers
+        ``write`` will get (they receive a one-token dummy step). :meth:`prepare`'s loop
+        compiles on its first call."""
         if self._check_step is None:
             return 0.0
         start = time.perf_counter()
         width = self.table_width or 1
-        token_ids = np.zeros((1, self.block_size), dtype=np.int32)
-        block_table = np.ones((1, width), dtype=np.int32)
-        for dtype in (np.int32, np.int64):
-            step = dict(token_ids=token_ids, block_table=block_table, req_rows=np.zeros(1, dtype),
-                        num_computed_tokens=np.zeros(1, dtype), num_scheduled_tokens=np.ones(1, dtype))
-            self.check(**step)
-            self.write(padder, num_tokens=1, num_reqs=1, out=out)
+        for token_dtype in host_kernels.TABLE_DTYPES:
+            for block_dtype in host_kernels.TABLE_DTYPES:      # (request arrays: int64 -> int32 too)
+                self.check(token_ids=np.zeros((1, self.block_size), dtype=token_dtype),
+                           block_table=np.ones((1, width), dtype=block_dtype),
+                           req_rows=np.zeros(1, token_dtype), num_computed_tokens=np.zeros(1, token_dtype),
+                           num_scheduled_tokens=np.ones(1, token_dtype))
+                self.write(padder, num_tokens=1, num_reqs=1, out=out)
+        self._requests.compile()
         self._pending = None
         return time.perf_counter() - start
 
@@ -211,28 +223,25 @@ class InputPreparer:
     def _arguments(self, token_ids: object, block_table: object, req_rows: object,
                    num_computed_tokens: object, num_scheduled_tokens: object,
                    block_size: int | None) -> tuple:
-        """The step's arrays, checked (and converted where needed) for the kernel in use;
-        sizes the persistent scratch for the tables and stamps this call."""
-        bs = self.block_size if block_size is None else int(block_size)
-        if bs <= 0:
-            raise InputError("block_size", f"must be > 0, got {bs}")
+        """The step's arrays in the one form both implementations take (tables int32 / int64
+        C-contiguous, request arrays int32: see :mod:`graphrt.core.host_kernels`); sizes the
+        persistent scratch for the tables and stamps this call."""
+        bs = self.block_size if block_size is None else _check_block_size(int(block_size))
         a, b, c, d, e = token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens
-        tables = self._table_dtypes
-        if not (type(a) is _ARRAY and type(b) is _ARRAY and type(c) is _ARRAY and type(d) is _ARRAY
-                and type(e) is _ARRAY and a.ndim == 2 and b.ndim == 2 and c.ndim == 1
-                and d.ndim == 1 and e.ndim == 1 and a.dtype in tables and b.dtype in tables
-                and (c.dtype is _INT32 or c.dtype is _INT64) and (d.dtype is _INT32 or d.dtype is _INT64)
-                and (e.dtype is _INT32 or e.dtype is _INT64)):    # one test on the per-step path
-            table_dtype = None if self._check_step is not None else np.int32
-            a = _as_int_array("token_ids", a, 2, table_dtype)
-            b = _as_int_array("block_table", b, 2, table_dtype)
-            c = _as_int_array("req_rows", c, 1)
-            d = _as_int_array("num_computed_tokens", d, 1)
-            e = _as_int_array("num_scheduled_tokens", e, 1)
+        if not (type(a) is _ARRAY and type(b) is _ARRAY and a.ndim == 2 and b.ndim == 2
+                and (a.dtype is _INT32 or a.dtype is _INT64) and (b.dtype is _INT32 or b.dtype is _INT64)
+                and a.flags.num & _FLAGS == _FLAGS and b.flags.num & _FLAGS == _FLAGS):
+            a, b = self._table("token_ids", a), self._table("block_table", b)
+        if not (type(c) is _ARRAY and type(d) is _ARRAY and type(e) is _ARRAY and c.ndim == 1
+                and d.ndim == 1 and e.ndim == 1 and c.dtype is _INT32 and d.dtype is _INT32
+                and e.dtype is _INT32 and c.flags.num & _FLAGS == _FLAGS
+                and d.flags.num & _FLAGS == _FLAGS and e.flags.num & _FLAGS == _FLAGS):
+            c, d, e = self._requests.convert(c, d, e)
         num_rows, width = b.shape
         r = c.shape[0]
         if (r == 0 or r > self.max_num_reqs or d.shape[0] != r or e.shape[0] != r
-                or a.shape[0] != num_rows or (self.table_width is not None and width != self.table_width)):
+                or a.shape[0] != num_rows or (self.table_width is not None and width != self.table_width)
+                or num_rows >= INDEX_MAX or a.shape[1] >= INDEX_MAX):
             self._raise_shape_error(a, b, c, d, e)
         if width != self._width:
             shape = buffer_shapes(self.max_num_tokens, self.max_num_reqs, width)["block_table"]
@@ -243,6 +252,24 @@ class InputPreparer:
             self._row_mark = np.zeros(num_rows, dtype=np.int64)
         self._stamp += 1
         return a, b, c, d, e, bs
+
+    def _table(self, name: str, value: object) -> np.ndarray:
+        """A table the loops have a compiled variant for: ``value`` itself, or (not strict)
+        a converted copy with a one-time warning; strict mode raises instead."""
+        arr = as_int_array(name, value, 2)
+        why = host_kernels.table_variant(arr)
+        if why is None:
+            return arr
+        if self.strict:
+            raise InputError(name, f"{why}; strict mode runs only the host-kernel variants compiled "
+                                   f"at warm-up: pass a C-contiguous, writeable int32 or int64 array, "
+                                   f"e.g. np.array({name}, dtype=np.int32, order='C') (better: keep "
+                                   f"the engine's table in that form)")
+        if (name, why) not in self._warned:
+            self._warned.add((name, why))
+            logger.warning("graphrt: %s %s: copied to a C-contiguous int32 / int64 array on every "
+                           "step (strict mode refuses it); pass one in that form instead", name, why)
+        return host_kernels.canonical_table(arr)
 
     def _step_views(self, t: int, r: int) -> tuple[np.ndarray, ...]:
         """The output buffers' views for ``t`` tokens and ``r`` requests (remembered: a
@@ -276,14 +303,29 @@ class InputPreparer:
             raise InputError("block_table", f"{block_table.shape[1]} columns; this preparer was "
                                             f"configured for {self.table_width} "
                                             f"(max_model_len / block_size)")
+        if max(token_ids.shape) >= INDEX_MAX:
+            raise InputError("token_ids", f"shape {token_ids.shape}: rows and max_model_len must be "
+                                          f"below {INDEX_MAX} (positions and rows are int32)")
         raise AssertionError("no shape error to report")
 
-    def _step_error(self, code: int, detail: int, token_ids: np.ndarray, block_table: np.ndarray,
-                    rows: np.ndarray, computed: np.ndarray, scheduled: np.ndarray,
-                    bs: int) -> InputError:
-        """The :class:`InputError` for a failed check (``code``, ``detail`` as in step_codes)."""
+    def _step_error(self, code: int, detail: int, bs: int, *raw: object) -> InputError:
+        """The :class:`InputError` for a failed check (``code``, ``detail`` as in step_codes),
+        its values read from the caller's own arrays ``raw`` (not the clamped copies)."""
+        token_ids, block_table, rows, computed, scheduled = (np.asarray(x) for x in raw)
         k = codes
         i = int(detail)
+        if code == k.E_TOO_MANY_TOKENS:
+            return InputError("num_scheduled_tokens",
+                              f"{i} tokens in one step exceed max_num_tokens={self.max_num_tokens}")
+        if code == k.E_TOKEN_OUT_OF_VOCAB:    # ``detail``: the token's index in the step
+            req = int(np.searchsorted(np.cumsum(np.asarray(scheduled, dtype=np.int64)), i, side="right"))
+            row = int(rows[req])
+            pos = int(computed[req]) + i - (int(np.asarray(scheduled[:req], dtype=np.int64).sum()))
+            vocab = (f"the vocabulary [0, {self.vocab_size})" if self.vocab_size == self._vocab_bound
+                     else f"[0, {self._vocab_bound}): input_ids are int32")
+            return InputError("token_ids", f"token id {int(token_ids[row, pos])} outside {vocab} "
+                                           f"(request {req}, position {pos})")
+        # The rest: ``detail`` is a request index.
         if code == k.E_ROW_OUT_OF_RANGE:
             return InputError("req_rows", f"row {int(rows[i])} out of range [0, {token_ids.shape[0]})")
         if code == k.E_SCHEDULED_NOT_POSITIVE:
@@ -291,39 +333,38 @@ class InputPreparer:
                               f"request {i} schedules {int(scheduled[i])} tokens; must be >= 1")
         if code == k.E_COMPUTED_NEGATIVE:
             return InputError("num_computed_tokens", f"request {i} has {int(computed[i])}; must be >= 0")
-        seq = int(computed[i]) + int(scheduled[i]) if code in (k.E_PAST_TOKEN_TABLE,
-                                                                k.E_TABLE_TOO_NARROW) else 0
+        c, n, model_len = int(computed[i]), int(scheduled[i]), token_ids.shape[1]
+        if code == k.E_COMPUTED_PAST_TABLE:
+            return InputError("num_computed_tokens",
+                              f"request {i} has {c} computed tokens, at or past the end of the token "
+                              f"table (max_model_len={model_len}): no position is left to schedule")
         if code == k.E_PAST_TOKEN_TABLE:
             return InputError("num_scheduled_tokens",
-                              f"request {i} reaches {seq} tokens, past the token table's width "
-                              f"(max_model_len={token_ids.shape[1]})")
+                              f"request {i} schedules {n} tokens after {c}: {c + n} tokens, past the "
+                              f"token table's width (max_model_len={model_len})")
         if code == k.E_TABLE_TOO_NARROW:
             return InputError("block_table",
-                              f"request {i} needs {-(-seq // bs)} blocks of {bs} tokens but the "
+                              f"request {i} needs {-(-(c + n) // bs)} blocks of {bs} tokens but the "
                               f"table has {block_table.shape[1]} columns")
         if code == k.E_ROW_REPEATED:
             return InputError("req_rows", f"row {int(rows[i])} is scheduled twice in one step "
                                           f"(request {i})")
-        if code == k.E_TOO_MANY_TOKENS:
-            return InputError("num_scheduled_tokens",
-                              f"{i} tokens in one step exceed max_num_tokens={self.max_num_tokens}")
-        if code == k.E_BLOCK_OUT_OF_CACHE:
-            return InputError("block_table", f"block {i} is outside the KV cache's "
-                                              f"{self.num_blocks} blocks")
-        # Token-level codes: ``detail`` is the token's index in the step.
-        req = int(np.searchsorted(np.cumsum(np.asarray(scheduled, dtype=np.int64)), i, side="right"))
-        row = int(rows[req])
-        pos = int(computed[req]) + i - (int(np.asarray(scheduled[:req], dtype=np.int64).sum()))
-        if code == k.E_NULL_BLOCK:
-            blk = int(block_table[row, pos // bs])
-            return InputError("block_table",
-                              f"request {req} (row {row}) position {pos} maps to block {blk}: block "
-                              f"{defaults.NULL_BLOCK} is the null block and never holds a request's "
-                              f"KV; allocate a block before scheduling the token")
-        if code == k.E_TOKEN_OUT_OF_VOCAB:
-            return InputError("token_ids", f"token id {int(token_ids[row, pos])} outside the "
-                                           f"vocabulary [0, {self.vocab_size}) (request {req}, "
-                                           f"position {pos})")
+        if code in (k.E_NULL_BLOCK, k.E_BLOCK_OUT_OF_CACHE):
+            row = int(rows[i])
+            used = -(-(c + n) // bs)
+            if code == k.E_NULL_BLOCK:
+                col = int(np.flatnonzero(block_table[row, :used] <= defaults.NULL_BLOCK)[0])
+                return InputError("block_table",
+                                  f"request {i} (row {row}) column {col} holds block "
+                                  f"{int(block_table[row, col])}: its attention reads columns "
+                                  f"[0, {used}) ({c + n} tokens), each a block id >= 1 (block "
+                                  f"{defaults.NULL_BLOCK} is the null block and never holds a "
+                                  f"request's KV); allocate the blocks before scheduling the tokens")
+            col = int(np.flatnonzero(block_table[row] >= self._block_bound)[0])
+            where = (f"the KV cache's {self.num_blocks} blocks" if self.num_blocks == self._block_bound
+                     else f"[1, {self._block_bound}): block_table is int32")
+            return InputError("block_table", f"block {int(block_table[row, col])} is outside {where} "
+                                             f"(request {i}, row {row}, column {col})")
         raise AssertionError(f"unknown host-kernel code {code}")
 
 
@@ -331,11 +372,16 @@ def prepare_inputs(*, token_ids: np.ndarray, block_table: np.ndarray, req_rows: 
                    num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                    block_size: int, kernel: str | None = None) -> ModelInputs:
     """Allocating convenience over :class:`InputPreparer`; the returned arrays are owned."""
-    scheduled = _as_int_array("num_scheduled_tokens", num_scheduled_tokens, 1)
-    rows = _as_int_array("req_rows", req_rows, 1)
+    tokens = as_int_array("token_ids", token_ids, 2)
+    scheduled = as_int_array("num_scheduled_tokens", num_scheduled_tokens, 1)
+    rows = as_int_array("req_rows", req_rows, 1)
+    # Sized by what a valid step can hold (no request past the token table), not by the
+    # schedule: a hostile count must not allocate.
+    counts = np.minimum(scheduled, tokens.shape[1]) if scheduled.dtype.kind == "u" else \
+        np.clip(scheduled, 0, tokens.shape[1])
     preparer = InputPreparer(max_num_reqs=max(int(rows.shape[0]), 1),
-                             max_num_tokens=max(int(scheduled.clip(min=0).sum()), 1),
+                             max_num_tokens=max(int(counts.sum(dtype=np.int64)), 1),
                              block_size=block_size, kernel=kernel)
-    return preparer.prepare(token_ids=token_ids, block_table=block_table, req_rows=rows,
+    return preparer.prepare(token_ids=tokens, block_table=block_table, req_rows=rows,
                             num_computed_tokens=num_computed_tokens,
                             num_scheduled_tokens=scheduled)

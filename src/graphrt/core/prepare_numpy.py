@@ -13,6 +13,7 @@ import numpy as np
 
 from graphrt.core import defaults
 from graphrt.core import step_codes as codes
+from graphrt.core.fields import INDEX_MAX
 
 _Result = tuple[int, int, int, int]
 
@@ -21,26 +22,31 @@ class NumpyPrepare:
     """``host_loops.prepare_step`` in vectorised numpy, with its own persistent scratch.
 
     Request-level values are copied into one int64 ``[4, R]`` buffer (computed, rows,
-    scheduled, seq_lens) so every request bound is checked with two reductions; index
+    scheduled, seq_lens), clamped to the int32 range first as the compiled loops do (so no
+    sum overflows), and every request bound is checked with a few reductions; index
     arithmetic is int64 (numpy's index type) and gathers use ``mode="clip"`` on validated
-    indices. Tables must be int32 (the gathers write int32 scratch).
+    indices. Tables are int32 or int64, C-contiguous; values read from them are checked in
+    scratch of their own dtype before anything is narrowed into the int32 outputs.
     """
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int) -> None:
         t, r = max_num_tokens, max_num_reqs
+        self.max_num_tokens = t
         self.max_num_reqs = r
         self.arange = np.arange(max(t, r + 1), dtype=np.int64)
         self.req = np.zeros((4, r), dtype=np.int64)      # computed, rows, scheduled, seq_lens
         self.cu = np.zeros(r, dtype=np.int64)
         self.off = np.zeros(r, dtype=np.int64)
+        self.first = np.zeros(r, dtype=np.int64)         # each row's first column holding a null block
+        self.read = np.zeros(r, dtype=bool)
+        self.hit = np.zeros(r, dtype=bool)
         self.pos = np.zeros(t, dtype=np.int64)           # position of each token
         self.idx = np.zeros(t, dtype=np.int64)           # flat block-table indices
         self.tok_idx = np.zeros(t, dtype=np.int64)       # flat token-table indices
         self.row_base = np.zeros((2, r), dtype=np.int64)  # rows * width, rows * max_model_len
         self.col = np.zeros(t, dtype=np.int64)           # block column / block offset
-        self.blk = np.zeros(t, dtype=np.int32)           # physical block of each token
-        self.ids = np.zeros(t, dtype=np.int32)           # gathered token ids, checked before output
-        self._rows = np.zeros((r, 0), dtype=np.int32)    # gathered block-table rows
+        self._scratch_key: tuple | None = None
+        self._scratch: tuple[np.ndarray, ...] = ()
 
     def __call__(self, token_ids: np.ndarray, block_table: np.ndarray, rows_in: np.ndarray,
                  computed_in: np.ndarray, scheduled_in: np.ndarray, bs: int, max_tokens: int,
@@ -50,7 +56,7 @@ class NumpyPrepare:
                  block_table_out: np.ndarray) -> _Result:
         """Check one step and, when every check passes, write it into the outputs:
         ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or ``(code, detail, 0, 0)`` with
-        nothing written. ``vocab_size`` / ``num_blocks`` <= 0 skip those two checks."""
+        nothing written. ``vocab_size`` / ``num_blocks`` must be > 0."""
         ok = codes.E_OK
         r = rows_in.shape[0]
         req = self.req[:, :r]
@@ -59,7 +65,14 @@ class NumpyPrepare:
         rows[:] = rows_in
         scheduled[:] = scheduled_in
         np.add(computed, scheduled, out=seq)
-        code, detail, max_sched, max_seq = self.check_requests(token_ids, block_table, req, bs)
+        lows, highs = req.min(axis=1).tolist(), req.max(axis=1).tolist()
+        if min(lows[:3]) < -INDEX_MAX - 1 or max(highs[:3]) > INDEX_MAX:   # bound each operand to
+            head = req[:3]                           # the int32 range first, as the loops do: then
+            np.maximum(head, -INDEX_MAX - 1, out=head)   # no sum overflows (seq may have)
+            np.minimum(head, INDEX_MAX, out=head)
+            np.add(computed, scheduled, out=seq)
+            lows, highs = req.min(axis=1).tolist(), req.max(axis=1).tolist()
+        code, detail, max_sched, max_seq = self.check_requests(token_ids, block_table, req, bs, lows, highs)
         if code != ok:
             return code, detail, 0, 0
         mark = row_mark[:token_ids.shape[0]]
@@ -76,7 +89,7 @@ class NumpyPrepare:
             t = r
             if t > max_tokens:
                 return codes.E_TOO_MANY_TOKENS, t, 0, 0
-            pos, idx, col, blk = computed, self.idx[:t], self.col[:t], self.blk[:t]
+            pos, idx, col = computed, self.idx[:t], self.col[:t]
             np.copyto(idx, row_blk)
             tok_idx = self.tok_idx[:t]
             np.add(row_tok, pos, out=tok_idx)
@@ -86,7 +99,7 @@ class NumpyPrepare:
             t = int(cu[-1])
             if t > max_tokens:
                 return codes.E_TOO_MANY_TOKENS, t, 0, 0
-            pos, col, blk = self.pos[:t], self.col[:t], self.blk[:t]
+            pos, col = self.pos[:t], self.col[:t]
             off = self.off[:r]             # position minus token index, per request
             np.subtract(seq, cu, out=off)
             arange = self.arange[:t]
@@ -95,6 +108,20 @@ class NumpyPrepare:
             tok_idx = self.tok_idx[:t]
             np.add(arange, np.repeat(row_tok, scheduled), out=tok_idx)
             idx = np.repeat(row_blk, scheduled)   # np.repeat has no out=: one temporary per mixed step
+        # Block ids of the scheduled rows, in scratch of the table's dtype.
+        bt_rows, low, ids, blk = self.scratch(token_ids.dtype, block_table.dtype, width)
+        bt_rows, ids, blk = bt_rows[:r], ids[:t], blk[:t]
+        np.take(block_table, rows, axis=0, out=bt_rows, mode="clip")
+        bad = self.first_null_block(bt_rows, low[:r], seq, bs)
+        if bad >= 0:
+            return codes.E_NULL_BLOCK, bad, 0, 0
+        np.take(token_ids.reshape(-1), tok_idx, out=ids, mode="clip")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            return codes.E_TOKEN_OUT_OF_VOCAB, int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0]), 0, 0
+        if bt_rows.max() >= num_blocks:
+            return codes.E_BLOCK_OUT_OF_CACHE, int(np.flatnonzero((bt_rows >= num_blocks).any(axis=1))[0]), 0, 0
+
+        # All checks passed: write the outputs.
         pow2 = bs & (bs - 1) == 0
         if pow2:
             np.right_shift(pos, bs.bit_length() - 1, out=col)
@@ -102,29 +129,11 @@ class NumpyPrepare:
             np.floor_divide(pos, bs, out=col)
         np.add(idx, col, out=idx)
         np.take(block_table.reshape(-1), idx, out=blk, mode="clip")
-        if blk.min() <= defaults.NULL_BLOCK:
-            return codes.E_NULL_BLOCK, int(np.flatnonzero(blk <= defaults.NULL_BLOCK)[0]), 0, 0
-        # With a bound to check, gather into scratch first: outputs stay untouched on error.
-        ids = self.ids[:t] if vocab_size > 0 else input_ids[:t]
-        np.take(token_ids.reshape(-1), tok_idx, out=ids, mode="clip")
-        if vocab_size > 0 and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
-            return codes.E_TOKEN_OUT_OF_VOCAB, bad, 0, 0
-        bt_rows = self.block_rows(width)[:r] if num_blocks > 0 else block_table_out[:r]
-        np.take(block_table, rows, axis=0, out=bt_rows, mode="clip")
-        if num_blocks > 0:
-            top = int(bt_rows.max())
-            if top >= num_blocks:
-                return codes.E_BLOCK_OUT_OF_CACHE, top, 0, 0
-
-        # All checks passed: write the outputs.
-        if vocab_size > 0:
-            input_ids[:t] = ids
-        if num_blocks > 0:
-            block_table_out[:r] = bt_rows
+        input_ids[:t] = ids
+        block_table_out[:r] = bt_rows
         positions[:t] = pos
         slots = slot_mapping[:t]
-        np.multiply(blk, bs, out=slots)
+        np.multiply(blk, bs, out=slots, dtype=np.int64)
         if pow2:
             np.bitwise_and(pos, bs - 1, out=col)
         else:
@@ -142,28 +151,51 @@ class NumpyPrepare:
         return ok, t, max_sched, max_seq
 
     @staticmethod
-    def check_requests(token_ids: np.ndarray, block_table: np.ndarray, req: np.ndarray,
-                       bs: int) -> _Result:
-        """``host_loops.check_requests`` in two reductions over ``req`` (computed, rows,
-        scheduled, seq_lens): ``(E_OK, 0, max_query_len, max_seq_len)`` or ``(code, detail, 0, 0)``."""
+    def check_requests(token_ids: np.ndarray, block_table: np.ndarray, req: np.ndarray, bs: int,
+                       lows: list[int], highs: list[int]) -> _Result:
+        """``host_loops.check_requests`` over ``req`` (computed, rows, scheduled, seq_lens;
+        clamped) and the minimum / maximum of each of its rows: ``(E_OK, 0, max_query_len,
+        max_seq_len)`` or ``(code, detail, 0, 0)``."""
         computed, rows, scheduled, seq = req
-        min_computed, min_row, min_sched = req[:3].min(axis=1).tolist()
-        max_row, max_sched, max_seq = req[1:].max(axis=1).tolist()
-        num_rows = token_ids.shape[0]
+        min_computed, min_row, min_sched, _ = lows
+        max_computed, max_row, max_sched, max_seq = highs
+        num_rows, model_len = token_ids.shape
         if min_row < 0 or max_row >= num_rows:
             return codes.E_ROW_OUT_OF_RANGE, int(np.flatnonzero((rows < 0) | (rows >= num_rows))[0]), 0, 0
         if min_sched <= 0:
             return codes.E_SCHEDULED_NOT_POSITIVE, int(np.argmin(scheduled)), 0, 0
         if min_computed < 0:
             return codes.E_COMPUTED_NEGATIVE, int(np.argmin(computed)), 0, 0
-        if max_seq > token_ids.shape[1]:
+        if max_computed >= model_len:
+            return codes.E_COMPUTED_PAST_TABLE, int(np.argmax(computed)), 0, 0
+        if max_seq > model_len:
             return codes.E_PAST_TOKEN_TABLE, int(np.argmax(seq)), 0, 0
         if -(-max_seq // bs) > block_table.shape[1]:
             return codes.E_TABLE_TOO_NARROW, int(np.argmax(seq)), 0, 0
         return codes.E_OK, 0, max_sched, max_seq
 
-    def block_rows(self, width: int) -> np.ndarray:
-        """Scratch for the scheduled block-table rows (reallocated when the width changes)."""
-        if self._rows.shape[1] != width:
-            self._rows = np.zeros((self.max_num_reqs, width), dtype=np.int32)
-        return self._rows
+    def first_null_block(self, bt_rows: np.ndarray, low: np.ndarray, seq: np.ndarray, bs: int) -> int:
+        """The first request whose attention reads a block id <= the null block (columns
+        [0, ceil(seq_len / bs)) of its row), or -1: each row's first such column (argmax
+        stops there; 0 where there is none) must be past the columns it reads. ``low``:
+        bool scratch shaped like ``bt_rows``."""
+        r = bt_rows.shape[0]
+        first, read, hit = self.first[:r], self.read[:r], self.hit[:r]
+        np.less_equal(bt_rows, defaults.NULL_BLOCK, out=low)
+        np.argmax(low, axis=1, out=first)
+        np.multiply(first, bs, out=first)
+        np.less(first, seq, out=read)              # column first is read: first * bs < seq_len
+        np.logical_or(first, low[:, 0], out=hit)   # ... and holds one (argmax 0: maybe none)
+        np.logical_and(hit, read, out=hit)
+        return int(np.argmax(hit)) if hit.any() else -1
+
+    def scratch(self, token_dtype: np.dtype, block_dtype: np.dtype, width: int) -> tuple[np.ndarray, ...]:
+        """Persistent scratch for tables of these dtypes and width (reallocated when they
+        change): block-table rows and a bool mask [R, width], token ids and blocks [T]."""
+        key = (token_dtype, block_dtype, width)
+        if self._scratch_key != key:
+            r, t = self.max_num_reqs, self.max_num_tokens
+            self._scratch = (np.zeros((r, width), block_dtype), np.zeros((r, width), bool),
+                             np.zeros(t, token_dtype), np.zeros(t, block_dtype))
+            self._scratch_key = key
+        return self._scratch
