@@ -101,7 +101,8 @@ class ModelRunner:
                                       max_num_tokens=cfg.max_num_batched_tokens,
                                       block_size=cfg.block_size, vocab_size=self.vocab_size,
                                       num_blocks=self.num_kv_blocks,
-                                      table_width=cfg.max_blocks_per_req, kernel=cfg.host_kernel)
+                                      table_width=cfg.max_blocks_per_req, kernel=cfg.host_kernel,
+                                      strict=cfg.strict)
         self.padder = Padder(kernel=cfg.host_kernel)
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
