@@ -815,7 +815,7 @@ def test_both_kernels_agree_on_random_faults(scenario, data):
     if not -2**31 <= value * 2000 < 2**31:            # the ends of int64 / int32, and around them
         token_ids, block_table = token_ids.astype(np.int64), block_table.astype(np.int64)
     if value in EXTREMES and target == "token":
-        value = int(value / 2000)                     # value * 2000 below stays in int64
+        value = -(-value // 2000) if value < 0 else value // 2000   # value * 2000 stays in int64
     if target == "rows":
         rows[i] = value
     elif target == "computed":
