@@ -169,6 +169,17 @@ def test_the_pytest_entry_runs_the_suite(capsys: pytest.CaptureFixture[str]) -> 
     assert "2 passed" in out, out
 
 
+def test_the_docs_example_model_passes(tmp_path) -> None:
+    """docs/testing.md's user-written model and attention, run as the page says."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text()
+    code = text.split("## A complete example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_model.py").write_text(code)
+    results = run_conformance(f"{tmp_path / 'my_model.py'}:build", "cpu", examples=3, report=None)
+    assert [r.name for r in results if not r.passed] == [], [r.line() for r in results]
+
+
 def test_import_graphrt_stays_free_of_the_kit() -> None:
     code = ("import sys, graphrt; heavy = {'hypothesis', 'pytest', 'torch', 'jax', 'graphrt.testing'}; "
             "print(sorted(heavy & set(sys.modules)))")
