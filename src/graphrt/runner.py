@@ -218,8 +218,8 @@ class ModelRunner:
                                     req_rows=req_rows, num_computed_tokens=num_computed_tokens,
                                     num_scheduled_tokens=num_scheduled_tokens)
         t, r, _, _, uniform = shape
-        if sampling is not None and len(sampling.temperature) != r:
-            raise InputError("sampling", f"{len(sampling.temperature)} rows for {r} requests")
+        if sampling is not None:
+            sampling.check_rows(r)
         plan = self._plans.get((t, r, uniform))
         if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
             plan = self._plan(t, r, uniform)
@@ -323,13 +323,16 @@ class ModelRunner:
 
 
 def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
-    """Arrays of one step's :class:`~graphrt.SamplingParams`, in request order."""
-    n = len(params)
-    temperature = np.fromiter((p.temperature for p in params), dtype=np.float32, count=n)
-    top_k = np.fromiter((vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params),
-                        dtype=np.int64, count=n)
-    top_p = np.fromiter((p.top_p for p in params), dtype=np.float32, count=n)
-    return SamplingBatch(temperature, top_k, top_p, [p.seed for p in params], list(request_ids))
+    """Arrays of one step's :class:`~graphrt.SamplingParams` (which checked their own fields),
+    in request order; a disabled top_k, or one above ``vocab_size``, becomes ``vocab_size``.
+    The batch checks every row again (``InputError`` naming the field and the row)."""
+    try:
+        columns = (np.array([p.temperature for p in params], np.float32),
+                   np.array([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], np.int64),
+                   np.array([p.top_p for p in params], np.float32))
+    except (TypeError, ValueError, OverflowError):   # not SamplingParams: the batch names the bad row
+        columns = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
+    return SamplingBatch(*columns, [p.seed for p in params], list(request_ids))
 
 
 __all__ = ["ModelRunner", "StepInfo", "EagerFallback", "sampling_batch"]

@@ -10,7 +10,6 @@ the same way for every backend.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -20,22 +19,7 @@ from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode,
                                    SamplerKey)
 from graphrt.core.fields import ModelInputs
-
-
-@dataclass
-class SamplingBatch:
-    """Per-request sampling parameters of one step, as arrays (length = real requests)."""
-
-    temperature: np.ndarray        # float32; 0 = greedy
-    top_k: np.ndarray              # int64; vocabulary size where disabled
-    top_p: np.ndarray              # float32; 1.0 where disabled
-    seeds: Sequence[int | None]    # per request; None = the device RNG
-    request_ids: Sequence[int]     # identity of each request (for seeded generators)
-    all_greedy: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        # Computed once: the runner and the executor both ask, on the hot path.
-        self.all_greedy = bool((self.temperature == 0.0).all())
+from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
 
 
 #: What one backend builds per key: a captured graph, a compiled executable, ...

@@ -100,3 +100,15 @@ TOLERANCE_ACCUMULATION_EPS = 64
 #: larger: a reordered float32 sum can round to the neighbouring value of the output dtype,
 #: once per op, and those one-eps flips carry through the layers.
 TOLERANCE_ROUNDING_EPS = 4
+
+#: Sampling seeds are integers in [0, SAMPLING_SEED_LIMIT): 64 bits, the XLA sampler's whole
+#: threefry2x32 key (two 32-bit halves), a CUDA Philox seed, and the key of the numpy Philox
+#: generator the torch sampler draws a CPU request's noise from. No seed is truncated or wrapped.
+SAMPLING_SEED_LIMIT = 2**64
+#: Largest top_k: the XLA sampler holds top_k as int32. Any value at or above the vocabulary
+#: keeps every token; a SamplingBatch stores -1 (disabled) as this value.
+SAMPLING_MAX_TOP_K = 2**31 - 1
+#: A SamplingBatch takes the min / max of its columns as Python lists (``tolist``, ``min``,
+#: ``max``) up to this many rows, with two numpy reductions above: each numpy call costs about
+#: 1 us whatever the size, the lists ~40 ns a value (measured on a 2-core x86 VM).
+SAMPLING_CHECK_LIST_ROWS = 16

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphrt.core.errors import InputError
+from graphrt.core import sampling as rules
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Greedy when ``temperature == 0``; otherwise temperature, top-k and top-p sampling.
 
-    ``top_k=-1`` and ``top_p=1.0`` disable those filters. ``seed`` makes the request's
-    samples reproducible whatever else is in its batch.
+    ``top_k=-1`` and ``top_p=1.0`` disable those filters. ``seed`` (an integer in
+    ``[0, 2**64)``) makes the request's samples reproducible whatever else is in its batch.
+    Every field is checked at construction by the rules a step's ``SamplingBatch`` uses
+    (:mod:`graphrt.core.sampling`); a bad one raises ``InputError`` naming it. Fields are
+    stored as Python ``float`` / ``int`` / ``bool``.
     """
 
     temperature: float = 0.0
@@ -23,14 +26,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InputError("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise InputError("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise InputError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        rules.TEMPERATURE.check(self.temperature)
+        rules.TOP_P.check(self.top_p)
+        rules.TOP_K.check(self.top_k)
+        normalised = {"temperature": float(self.temperature), "top_p": float(self.top_p),
+                      "top_k": int(self.top_k), "max_tokens": rules.max_tokens(self.max_tokens),
+                      "ignore_eos": rules.flag(self.ignore_eos, "ignore_eos"), "seed": rules.seed(self.seed)}
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,264 @@
+"""Sampling parameters: one rule per field, in one place.
+
+``SamplingParams`` (one request's scalars, :mod:`graphrt.engine.sampling_params`) and
+:class:`SamplingBatch` (a step's arrays, what the runner and every executor read) both check
+their fields with the rules below, so whatever one accepts the other accepts. A bad value
+raises :class:`~graphrt.core.errors.InputError` naming the field (and, in a batch, the row)
+at construction, before any device work.
+
+* ``temperature``: a real number, finite as float32, ``>= 0`` (0: greedy).
+* ``top_p``: a real number in ``(0, 1]`` (1: no top-p filter); NaN is refused.
+* ``top_k``: an integer, ``-1`` (no top-k filter) or in ``[1, SAMPLING_MAX_TOP_K]``.
+* ``seed``: None (the device RNG) or an integer in ``[0, SAMPLING_SEED_LIMIT)`` (64 bits).
+* ``max_tokens``: an integer ``>= 1``; ``ignore_eos``: a bool (``SamplingParams`` only).
+* A batch: every field 1-D with one row per request; a seeded row's request id an integer.
+
+Bools, strings and other objects are refused where a number is expected (a bool is not a
+number here). A batch is built once per step, so it checks its three numeric columns by
+their min and max (as Python lists up to ``SAMPLING_CHECK_LIST_ROWS`` rows, else two numpy
+reductions over the concatenated columns): a few microseconds whatever the batch size. Single
+values are looked at only when a bound fails, to name the bad row (or accept a -1 top_k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NoReturn, Sequence
+
+import numpy as np
+
+from graphrt.core import defaults
+from graphrt.core.errors import InputError
+
+#: ``top_k`` that disables the top-k filter.
+TOP_K_DISABLED = -1
+
+_INF = float("inf")
+_INT64 = np.iinfo(np.int64)
+_SEED = f"None or an integer in [0, 2**{defaults.SAMPLING_SEED_LIMIT.bit_length() - 1})"
+
+
+def _is_integer(value: Any) -> bool:
+    """A Python or numpy integer that is not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds (for messages)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _reject(name: str, rule: str, shown: Any, ok: Any) -> NoReturn:
+    """Raise for the first value of ``shown`` where ``ok`` is False (a scalar: for itself)."""
+    shown = np.asarray(shown)
+    if shown.ndim == 0:
+        raise InputError(name, f"must be {rule}, got {_plain(shown[()])!r}")
+    row = int(np.flatnonzero(~np.asarray(ok, bool))[0])
+    raise InputError(f"{name}[{row}]", f"must be {rule}, got {_plain(shown[row])!r}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One numeric field's rule: the values it accepts, as an exact per-value test
+    (``rows_ok``) and as a test on a column's (min, max) that implies every value passes
+    (``bounds_ok``; the batch's fast path, which falls back on ``rows_ok`` when it fails)."""
+
+    field: str
+    noun: str                                          # "real number" or "integer"
+    kinds: str                                         # numpy dtype kinds accepted
+    dtype: type                                        # stored as (float32 / int64)
+    text: str                                          # the range, for messages
+    rows_ok: Callable[[np.ndarray], np.ndarray]
+    bounds_ok: Callable[[float, float], bool]
+
+    def array(self, value: Any, ndim: int = 0, name: str | None = None) -> np.ndarray:
+        """``value`` as an ``ndim``-D array of an accepted kind, floats as float32 (values
+        beyond float32 become inf), integers not yet converted; the type is checked, not
+        the range. Bools, strings, objects and ragged nesting raise."""
+        if type(value) is np.ndarray and value.dtype == self.dtype and value.ndim == ndim:
+            return value   # the hot path: a batch column already of its dtype
+        name = name or self.field
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError):
+            raise InputError(name, f"must be a {self.noun}{'' if ndim == 0 else ' per request'}, "
+                                   f"got {value!r}") from None
+        if arr.ndim != ndim:
+            raise InputError(name, f"must be a {self.noun}, got {value!r}" if ndim == 0 else
+                             f"must be 1-D (one value per request), got shape {arr.shape}")
+        if arr.dtype.kind == "O" and arr.size and all(_is_integer(v) for v in arr.flat):
+            # Python ints beyond int64: real numbers (inf in float32), or out of range.
+            fits = np.reshape([_INT64.min <= v <= _INT64.max for v in arr.flat], arr.shape)
+            if self.dtype is np.float32:
+                arr = np.reshape([float(v) if f else _INF * v for v, f in zip(arr.flat, fits.flat)], arr.shape)
+            elif fits.all():
+                arr = arr.astype(np.int64)
+            else:
+                _reject(name, self.text, value if ndim == 0 else arr, fits)
+        if arr.dtype.kind not in self.kinds:
+            if ndim == 0:
+                raise InputError(name, f"must be a {self.noun}, got {value!r}")
+            raise InputError(name, f"must hold {self.noun}s, got an array of {arr.dtype}")
+        if self.dtype is np.float32 and arr.dtype != np.float32:
+            with np.errstate(over="ignore"):
+                arr = arr.astype(np.float32)
+        return arr
+
+    def check(self, value: Any, ndim: int = 0, name: str | None = None) -> np.ndarray:
+        """``value`` checked value by value and stored as this rule's dtype."""
+        arr = self.array(value, ndim, name)
+        if arr.size:
+            ok = self.rows_ok(arr)
+            if not ok.all():
+                _reject(name or self.field, self.text, value if ndim == 0 else arr, ok)
+        return arr if arr.dtype == self.dtype else arr.astype(self.dtype)
+
+
+TEMPERATURE = Rule("temperature", "real number", "fiu", np.float32, "finite in float32 and >= 0 (0: greedy)",
+                   rows_ok=lambda t: (t >= 0.0) & (t < _INF),        # NaN fails both
+                   bounds_ok=lambda lo, hi: lo >= 0.0 and hi < _INF)
+TOP_P = Rule("top_p", "real number", "fiu", np.float32, "in (0, 1] (1: no top-p filter)",
+             rows_ok=lambda p: (p > 0.0) & (p <= 1.0),
+             bounds_ok=lambda lo, hi: lo > 0.0 and hi <= 1.0)
+TOP_K = Rule("top_k", "integer", "iu", np.int64, f"-1 (disabled) or in [1, {defaults.SAMPLING_MAX_TOP_K}]",
+             rows_ok=lambda k: ((k >= 1) & (k <= defaults.SAMPLING_MAX_TOP_K)) | (k == TOP_K_DISABLED),
+             bounds_ok=lambda lo, hi: lo >= 1 and hi <= defaults.SAMPLING_MAX_TOP_K)
+
+
+def seed(value: Any, name: str = "seed") -> int | None:
+    """``value`` as a Python int in [0, SAMPLING_SEED_LIMIT), or None."""
+    if value is None:
+        return None
+    if _is_integer(value) and 0 <= value < defaults.SAMPLING_SEED_LIMIT:
+        return int(value)
+    raise InputError(name, f"must be {_SEED}, got {value!r}")
+
+
+def max_tokens(value: Any, name: str = "max_tokens") -> int:
+    """``value`` as a Python int >= 1."""
+    if not _is_integer(value):
+        raise InputError(name, f"must be an integer, got {value!r}")
+    if value < 1:
+        raise InputError(name, f"must be >= 1, got {value!r}")
+    return int(value)
+
+
+def flag(value: Any, name: str) -> bool:
+    """``value`` as a bool (a Python or numpy bool; not a number or a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(name, f"must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _rows(values: Any, name: str, n: int) -> None:
+    """``values`` holds one entry per request."""
+    try:
+        got = len(values)
+    except TypeError:
+        raise InputError(name, f"must be a sequence, one entry per request, got {values!r}") from None
+    if got != n:
+        raise InputError(name, f"{got} rows, but temperature has {n}")
+
+
+def _seeds(seeds: list, request_ids: Sequence[Any]) -> None:
+    """Check a batch's ``seeds`` (a list, some not None), normalising them in place to Python
+    ints, and that each seeded row's request id is an integer."""
+    given = [s for s in seeds if s is not None]
+    if (set(map(type, given)) == {int} and min(given) >= 0 and max(given) < defaults.SAMPLING_SEED_LIMIT
+            and set(map(type, request_ids)) == {int}):
+        return   # plain Python ints, as sampling_batch passes them
+    for i, s in enumerate(seeds):
+        if s is not None:
+            seeds[i] = seed(s, f"seeds[{i}]")
+            if not _is_integer(request_ids[i]):
+                raise InputError(f"request_ids[{i}]", "a seeded row's request id must be an integer, "
+                                 f"got {request_ids[i]!r}")
+
+
+_min_at, _max_at = np.minimum.reduceat, np.maximum.reduceat
+_NAN = float("nan")
+
+
+def _bounds(t: np.ndarray, p: np.ndarray, k: np.ndarray) -> tuple[list, list]:
+    """Each column's (min, max), as lists; NaN where a float column holds NaN (or, below
+    ``SAMPLING_CHECK_LIST_ROWS`` rows, any non-finite value: every rule refuses those, and a
+    failed bound only sends a column to its exact check)."""
+    n = len(t)
+    if n <= defaults.SAMPLING_CHECK_LIST_ROWS:   # a numpy call costs ~1 us: lists are cheaper
+        tl, pl, kl = t.tolist(), p.tolist(), k.tolist()
+        lo, hi = [min(tl), min(pl), min(kl)], [max(tl), max(pl), max(kl)]
+        for i, col in enumerate((tl, pl)):
+            total = sum(col)
+            if not total - total == 0.0:   # NaN or +-inf among them (min / max miss NaN)
+                lo[i] = hi[i] = _NAN
+        return lo, hi
+    # Two reductions over the three columns (NaN propagates; float64 holds float32 exactly
+    # and orders int64 / uint64 correctly around the bounds).
+    cols = np.concatenate((t, p, k), dtype=np.float64)
+    return _min_at(cols, (0, n, 2 * n)).tolist(), _max_at(cols, (0, n, 2 * n)).tolist()
+
+
+@dataclass(frozen=True, eq=False, init=False)
+class SamplingBatch:
+    """Per-request sampling parameters of one step, as arrays (one row per real request).
+
+    Checked at construction by the rules of :mod:`graphrt.core.sampling` (the ones
+    ``SamplingParams`` uses); a bad field raises ``InputError`` naming it and its row. Fields
+    are normalised (float32 / int64 arrays; seeds as Python ints), and a ``top_k`` of -1 is
+    stored as ``SAMPLING_MAX_TOP_K``: at least the vocabulary, no filter. The batch is frozen,
+    but an array already of its dtype is kept, not copied: change none after construction.
+    """
+
+    temperature: np.ndarray        # float32; 0 = greedy
+    top_k: np.ndarray              # int64; the vocabulary size or more where disabled
+    top_p: np.ndarray              # float32; 1.0 where disabled
+    seeds: Sequence[int | None]    # per request; None = the device RNG
+    request_ids: Sequence[int]     # identity of each request (for seeded generators)
+    all_greedy: bool = field(init=False)
+    num_reqs: int = field(init=False)
+
+    def __init__(self, temperature: Any, top_k: Any, top_p: Any, seeds: Sequence[Any],
+                 request_ids: Sequence[Any]) -> None:
+        t = TEMPERATURE.array(temperature, ndim=1)
+        n = len(t)
+        p = TOP_P.array(top_p, ndim=1)
+        _rows(p, "top_p", n)
+        k = TOP_K.array(top_k, ndim=1)
+        _rows(k, "top_k", n)
+        _rows(seeds, "seeds", n)
+        _rows(request_ids, "request_ids", n)
+        greedy = True
+        if n:
+            lo, hi = _bounds(t, p, k)
+            for i, (rule, arr) in enumerate(((TEMPERATURE, t), (TOP_P, p), (TOP_K, k))):
+                if not rule.bounds_ok(lo[i], hi[i]):
+                    rule.check(arr, ndim=1)   # raises naming the first bad row (or all pass: -1)
+            greedy = hi[0] == 0.0
+            if k.dtype != np.int64:
+                k = k.astype(np.int64)   # in range: checked above
+            if lo[2] < 1:   # -1 (disabled): every token
+                k = np.where(k == TOP_K_DISABLED, defaults.SAMPLING_MAX_TOP_K, k)
+        seeds = list(seeds)
+        try:
+            unseeded = seeds.count(None)
+        except ValueError:   # an element whose == is an array: not a seed
+            unseeded = -1
+        if unseeded != n:
+            _seeds(seeds, request_ids)
+        setattr_ = object.__setattr__   # frozen: each field is set once, here
+        setattr_(self, "temperature", t)
+        setattr_(self, "top_k", k)
+        setattr_(self, "top_p", p)
+        setattr_(self, "seeds", seeds)
+        setattr_(self, "request_ids", request_ids)
+        setattr_(self, "all_greedy", greedy)   # computed once: runner and executor both ask
+        setattr_(self, "num_reqs", n)
+
+    def check_rows(self, num_reqs: int) -> None:
+        """Refuse this batch for a step of ``num_reqs`` requests unless it has one row each."""
+        if self.num_reqs != num_reqs:
+            raise InputError("sampling", f"{self.num_reqs} rows for {num_reqs} requests")
+
+
+__all__ = ["SamplingBatch", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
+           "flag"]
