@@ -65,7 +65,12 @@ class SamplerState:
                        {k: t.to(device) for k, t in self._host.items()})
         self.noise = torch.ones(max_reqs, vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
-        self._generators: dict[int, torch.Generator] = {}
+        # A seeded request's noise comes from its own generator, keyed by all 64 bits of its
+        # seed. torch's CPU generator (mt19937) keeps only the low 32, so on a CPU device the
+        # noise is drawn by numpy's Philox (128-bit key) straight into this buffer; other
+        # devices' torch generators (CUDA's Philox) take a 64-bit seed whole.
+        self._host_noise = self.noise.numpy() if device.type == "cpu" else None
+        self._generators: dict[int, torch.Generator | np.random.Generator] = {}
 
     def compute(self, logits: torch.Tensor, rows: int, greedy: bool) -> None:
         """Sample ``rows`` rows of ``logits`` into :attr:`tokens` (capturable)."""
@@ -97,10 +102,20 @@ class SamplerState:
             rid = sampling.request_ids[i]
             gen = self._generators.get(rid)
             if gen is None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(int(seed))
-                self._generators[rid] = gen
-            self.noise[i].exponential_(generator=gen)
+                gen = self._generators[rid] = self._seeded_generator(seed)
+            if self._host_noise is not None:
+                gen.standard_exponential(dtype=np.float32, out=self._host_noise[i])
+            else:
+                self.noise[i].exponential_(generator=gen)
+
+    def _seeded_generator(self, seed: int) -> torch.Generator | np.random.Generator:
+        """A generator whose stream depends on every bit of ``seed`` (a SamplingBatch has
+        checked it is an integer in [0, 2**64))."""
+        if self._host_noise is not None:
+            return np.random.Generator(np.random.Philox(key=seed))
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
 
     def result(self, num_reqs: int) -> np.ndarray:
         """The sampled tokens of the real requests (a copy, never a view of :attr:`tokens`)."""

@@ -268,7 +268,11 @@ class XlaExecutor(Executor):
     def sampling_metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:
         """The sampling metadata of one step, as host copies the executable transfers: padded
         rows greedy, unseeded rows keyed from the host generator, seeded rows by their seed and
-        their own step counter (which this advances)."""
+        their own step counter (which this advances).
+
+        A seed's threefry key is its low and high 32-bit halves: the batch holds seeds in
+        [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling`), so no value is
+        truncated into these uint32 / int32 buffers."""
         h, n = self._samp_host, num_reqs
         h["temperature"][:n] = sampling.temperature
         h["temperature"][n:rows] = 0.0
@@ -286,8 +290,7 @@ class XlaExecutor(Executor):
             rid = sampling.request_ids[i]
             step = self._seed_steps.get(rid, 0)
             self._seed_steps[rid] = step + 1
-            seed = int(seed)
-            seeds[i, 0], seeds[i, 1], steps[i] = seed & _U32_MASK, (seed >> 32) & _U32_MASK, step
+            seeds[i, 0], seeds[i, 1], steps[i] = seed & _U32_MASK, seed >> 32, step
         return SamplingMetadata(*(h[f][:rows].copy() for f in SAMPLING_FIELDS))
 
     def free_request(self, request_id: int) -> None:
