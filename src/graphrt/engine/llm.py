@@ -88,17 +88,27 @@ class LLM:
         return req.request_id
 
     def _validate(self, prompt: Sequence[int], params: SamplingParams, where: str) -> None:
+        """Refuse a request before it is queued: params not a SamplingParams (which checked
+        its own fields), a prompt that is not a flat sequence of integer token ids, or one
+        that cannot fit. Raises InputError naming ``where``."""
         cfg = self.config
         if not isinstance(params, SamplingParams):
             raise InputError("sampling_params", f"expected graphrt.SamplingParams, got {type(params).__name__}")
-        if len(prompt) == 0:
+        try:
+            ids = np.asarray(prompt)
+        except (ValueError, TypeError):   # ragged nesting
+            raise InputError(where, "must be a flat sequence of integer token ids, got a ragged "
+                                    "nested sequence") from None
+        if ids.ndim != 1:
+            raise InputError(where, "must be a flat sequence of integer token ids, got "
+                                    + (f"{ids.ndim}-D nested sequences" if ids.ndim > 1 else repr(prompt)))
+        if len(ids) == 0:
             raise InputError(where, "empty prompt: at least one token is needed")
-        if len(prompt) >= cfg.max_model_len:
-            raise InputError(where, f"prompt of {len(prompt)} tokens leaves no room to generate within "
-                                    f"max_model_len={cfg.max_model_len}")
-        ids = np.asarray(prompt)
         if ids.dtype.kind not in "iu":
             raise InputError(where, f"token ids must be integers, got {ids.dtype}")
+        if len(ids) >= cfg.max_model_len:
+            raise InputError(where, f"prompt of {len(ids)} tokens leaves no room to generate within "
+                                    f"max_model_len={cfg.max_model_len}")
         vocab = self.runner.vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
             bad = int(ids[(ids < 0) | (ids >= vocab)][0])
