@@ -37,3 +37,30 @@ class GraphCaptureError(GraphrtError, RuntimeError):
 
 class ConfigError(GraphrtError, ValueError):
     """An invalid combination of configuration values."""
+
+
+class KVCacheLostError(GraphrtError, RuntimeError):
+    """A step failed after its executable had consumed the donated KV cache (XLA).
+
+    The executor has already re-created the cache, zeroed, so the next step runs; but the KV
+    of every request computed so far is gone. ``request_ids`` names the requests that held KV
+    when an engine (``graphrt.LLM``) caught it -- it recomputes them -- and is empty when the
+    error comes straight from ``ModelRunner.execute``: then every request is affected.
+    """
+
+    def __init__(self, message: str, request_ids: tuple[int, ...] = ()) -> None:
+        self.request_ids = tuple(request_ids)
+        super().__init__(message)
+
+
+class GenerationError(GraphrtError, RuntimeError):
+    """``LLM.generate`` failed: some of its requests failed and the rest were aborted.
+
+    ``outputs`` has one ``RequestOutput`` per prompt, in prompt order: requests that finished
+    before the failure keep their reason ("stop" / "length"), failed ones say "error" and
+    aborted ones "abort" (each with ``error`` saying why). ``__cause__`` is the first fault.
+    """
+
+    def __init__(self, message: str, outputs: list) -> None:
+        self.outputs = outputs
+        super().__init__(message)

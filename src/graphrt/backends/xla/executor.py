@@ -34,7 +34,7 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
-from graphrt.core.errors import ConfigError, GraphrtError, InputError
+from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class XlaExecutor(Executor):
     attention_support = AttentionGraphSupport.ALWAYS
     supports_piecewise = False
     eager_fallback = False
+    #: How many times a failed step's lost KV cache was re-created (engines compare it to learn
+    #: that every request's KV is gone; see :meth:`recover_kv_cache`).
+    kv_cache_resets = 0
 
     def __init__(self, programs: XlaPrograms, config: GraphConfig, *, compile_workers: int = 1) -> None:
         install_listeners()
@@ -111,6 +114,37 @@ class XlaExecutor(Executor):
         shape = self.programs.kv_shape(num_blocks, block_size)
         self.compiled.set_kv_shape(shape)
         self.kv_cache = self.programs.zeros_kv_cache(shape)
+        self._kv_shape = shape
+
+    def recover_kv_cache(self) -> bool:
+        """After a failed step: if the KV cache was consumed (donated to a call that then
+        failed), deleted or holds an execution error, re-create it zeroed and return True.
+        Blocks on the cache, so it is for failure paths only, never the hot path."""
+        if not self._kv_cache_lost(self.kv_cache):
+            return False
+        self._reset_kv_cache()
+        return True
+
+    @staticmethod
+    def _kv_cache_lost(kv: jax.Array | None) -> bool:
+        if kv is None:
+            return False        # never allocated: nothing to recover
+        if kv.is_deleted():
+            return True
+        try:
+            kv.block_until_ready()  # an asynchronous execution error surfaces here
+        except Exception:  # noqa: BLE001 - any error means the buffer is unusable
+            return True
+        return False
+
+    def _reset_kv_cache(self) -> None:
+        """A zeroed cache of the allocated shape in place of a lost one (executables stay valid)."""
+        self.kv_cache = None
+        self._last_logits = self._last_hidden = None
+        self.kv_cache = self.programs.zeros_kv_cache(self._kv_shape)
+        self.kv_cache_resets += 1
+        logger.warning("graphrt: the xla KV cache was lost in a failed step and re-created zeroed; "
+                       "every request's computed KV is gone")
 
     def memory_info(self) -> tuple[int, int] | None:
         stats = [d.memory_stats() for d in self.mesh.devices.flat]
@@ -233,11 +267,29 @@ class XlaExecutor(Executor):
                          padded.query_start_loc.copy(), padded.seq_lens.copy(), padded.block_table.copy(),
                          spec.num_tokens, spec.num_reqs, spec.uniform_decode)
         before = _compiles.compiles
-        logits, hidden, self.kv_cache = entry.executable(self.weights, self.kv_cache, batch)
+        kv = self.kv_cache
+        try:
+            logits, hidden, self.kv_cache = entry.executable(self.weights, kv, batch)
+        except BaseException as exc:
+            self._after_failed_run(kv, exc)
+            raise
         if _compiles.compiles != before:
             self.compiled.compiled_while_running(before, key, "forward")
         self._last_logits, self._last_hidden = logits, hidden
         return logits
+
+    def _after_failed_run(self, kv: jax.Array | None, exc: BaseException) -> None:
+        """The executable raised: if it had consumed the donated cache, re-create the cache and
+        raise :class:`KVCacheLostError` (``exc`` as its cause; a ``KeyboardInterrupt`` or other
+        non-``Exception`` is re-raised as it is, after the cache is re-created)."""
+        if not self._kv_cache_lost(kv):
+            return              # raised before consuming anything: the cache is intact
+        self._reset_kv_cache()
+        if isinstance(exc, Exception):
+            raise KVCacheLostError(f"the step failed after the KV cache was donated to it "
+                                   f"({type(exc).__name__}: {exc}); the cache was re-created zeroed, so "
+                                   f"the KV of every request computed so far is lost and must be "
+                                   f"recomputed") from exc
 
     # ---- sample ------------------------------------------------------------------------
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
