@@ -35,10 +35,19 @@ class BlockAllocator:
         self._used.update(out)
         return out
 
+    @property
+    def num_used(self) -> int:
+        """Blocks handed out and not yet returned (0 once every request has finished)."""
+        return len(self._used)
+
     def free(self, blocks: list[int]) -> None:
-        """Return blocks; freeing a block twice or the null block is a bug and raises."""
+        """Return blocks; freeing a block twice or the null block is a bug and raises, and then
+        frees none of them (a half-done free would leak or double-free on the next attempt)."""
+        bad = [b for b in blocks if b not in self._used]
+        if bad:
+            raise ValueError(f"block {bad[0]} is not allocated")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks {blocks} free a block twice: it is not allocated the second time")
         for b in blocks:
-            if b not in self._used:
-                raise ValueError(f"block {b} is not allocated")
             self._used.remove(b)
             self._free.append(b)

@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.num_recomputed = 0    # requests requeued because their KV was lost
         self._budget = 0
         self._preempted_now: set[int] = set()   # request ids preempted in the current step
 
@@ -176,8 +177,25 @@ class Scheduler:
         self._budget -= n
 
     def finish(self, req: Request, reason: str) -> None:
-        """Mark ``req`` finished and release its rows and blocks."""
+        """Mark ``req`` finished -- running or still waiting (an abort) -- and release its row
+        and blocks. Finishing a finished request does nothing."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self.running.remove(req)
         self._release(req)
+
+    def requeue(self, requests: list[Request]) -> None:
+        """Requests whose computed KV was lost (not for want of blocks): free their blocks and
+        rows and recompute them first, in their current order, like a preemption."""
+        for req in reversed(requests):
+            self.running.remove(req)
+            self._release(req)
+            req.status = Status.WAITING
+            req.num_computed_tokens = 0
+            self.waiting.appendleft(req)
+        self.num_recomputed += len(requests)
