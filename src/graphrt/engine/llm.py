@@ -7,6 +7,13 @@ It makes the library usable end to end and is how the parity tests drive real mo
     outs[0].token_ids
 
 Warm-up (capture / precompile) happens in the constructor.
+
+Faults: a step that raises finishes the requests it ran with ``finish_reason="error"`` (and
+frees their blocks); ``generate`` then aborts the rest of its own requests and raises
+:class:`~graphrt.core.errors.GenerationError` carrying every one of its outputs. A lost XLA KV
+cache is re-created and the requests that held KV are recomputed. Threads: one lock
+serializes ``add_request`` / ``step`` / ``abort_request`` and each step of ``generate``, so
+concurrent ``generate`` calls batch together; each call gets exactly its own outputs.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -23,7 +31,7 @@ from graphrt.core import defaults
 from graphrt.config import GraphConfig
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
-from graphrt.core.errors import InputError
+from graphrt.core.errors import GenerationError, GraphrtError, InputError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams
 
@@ -37,7 +45,11 @@ class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS), "length" (max_tokens or max_model_len)
+    #: "stop" (EOS), "length" (max_tokens or max_model_len), "error" (a step it ran in failed)
+    #: or "abort" (aborted: ``abort_request``, or its ``generate`` call failed).
+    finish_reason: str
+    #: Why, for "error" and "abort" (the exception's type and message); None otherwise.
+    error: str | None = None
 
 
 class LLM:
@@ -72,19 +84,44 @@ class LLM:
         self.token_table = np.zeros((cfg.max_num_seqs, cfg.max_model_len), dtype=np.int32)
         self.block_table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), dtype=np.int32)
         self._ids = itertools.count()
-        self._finished: list[Request] = []
+        self._lock = threading.RLock()      # serializes every caller (see the module docstring)
+        self._requests: dict[int, Request] = {}              # unfinished requests by id
+        self._owners: dict[int, int | None] = {}             # request id -> generate call (None: step API)
+        self._outbox: dict[int | None, dict[int, RequestOutput]] = {None: {}}  # finished, undelivered
+        self._call_faults: dict[int, BaseException] = {}    # generate call -> first fault of its requests
+        self._calls = itertools.count()
+        self._faults: dict[int, BaseException] = {}         # failed request id -> its fault, undelivered
+        self._kv_resets_seen = getattr(self.runner.executor, "kv_cache_resets", 0)
+        self.num_step_faults = 0            # faults contained by finishing requests with "error"
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue one request; bad input raises InputError and changes nothing."""
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params, "prompt_token_ids")
-        return self._enqueue(prompt_token_ids, params)
+        with self._lock:
+            return self._enqueue(prompt_token_ids, params, None)
 
-    def _enqueue(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        """Queue an already validated request."""
+    def abort_request(self, request_id: int) -> RequestOutput | None:
+        """Abort an unfinished request and free its blocks; returns its output (finish_reason
+        "abort"), or None if no such request is unfinished. A ``generate`` call that owns it
+        returns that output in its place; ``step()`` does not return it again."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                return None
+            owner = self._owners.pop(request_id, None)
+            out = self._finish(req, "abort", "aborted by abort_request()")
+            if owner is not None and owner in self._outbox:
+                self._outbox[owner][request_id] = out
+            return out
+
+    def _enqueue(self, prompt_token_ids: Sequence[int], params: SamplingParams, owner: int | None) -> int:
+        """Queue an already validated request for ``owner`` (a generate call; None: the step API)."""
         req = Request(next(self._ids), [int(t) for t in prompt_token_ids], params)
         self.scheduler.add(req)
+        self._requests[req.request_id] = req
+        self._owners[req.request_id] = owner
         return req.request_id
 
     def _validate(self, prompt: Sequence[int], params: SamplingParams, where: str) -> None:
@@ -136,26 +173,102 @@ class LLM:
                 raise InputError("sampling_params", f"{len(params)} params for {len(prompts)} prompts")
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self._validate(p, sp, f"prompt_token_ids[{i}]")
-        ids = [self._enqueue(p, sp) for p, sp in zip(prompts, params)]
-        wanted = set(ids)
-        done: dict[int, RequestOutput] = {}
-        while wanted - done.keys():
-            for out in self.step():
-                if out.request_id in wanted:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+        with self._lock:
+            call = next(self._calls)
+            ids = [self._enqueue(p, sp, call) for p, sp in zip(prompts, params)]
+            mine = self._outbox[call] = {}
+        try:
+            while True:
+                with self._lock:    # one step at a time; other callers' steps run ours too
+                    if len(mine) == len(ids) or call in self._call_faults:
+                        break
+                    self._deliver(self._step())
+        except BaseException as exc:
+            outs, _ = self._close_call(call, ids, prompts, f"aborted: generate() failed: {exc!r}")
+            if not isinstance(exc, Exception):
+                raise
+            raise GenerationError(f"generate() failed and aborted its unfinished requests: {exc!r}",
+                                  outs) from exc
+        outs, fault = self._close_call(call, ids, prompts, "aborted: another request of its generate() "
+                                                           "call failed")
+        if fault is not None:
+            failed = sum(o.finish_reason == "error" for o in outs)
+            raise GenerationError(f"generate(): {failed} of {len(ids)} requests failed in a step "
+                                  f"({type(fault).__name__}: {fault}); the unfinished rest were aborted",
+                                  outs) from fault
+        return outs
+
+    def _close_call(self, call: int, ids: list[int], prompts: list[Sequence[int]], why: str
+                    ) -> tuple[list[RequestOutput], BaseException | None]:
+        """A generate call's outputs in prompt order and its first fault; its requests that are
+        still unfinished are aborted (blocks freed), with ``why`` as their error."""
+        with self._lock:
+            mine = self._outbox.pop(call, {})
+            fault = self._call_faults.pop(call, None)
+            outs = []
+            for rid, prompt in zip(ids, prompts):
+                out = mine.get(rid)
+                if out is None:
+                    self._owners.pop(rid, None)
+                    req = self._requests.get(rid)
+                    out = (self._finish(req, "abort", why) if req is not None else
+                           RequestOutput(rid, [int(t) for t in prompt], [], "abort", why))
+                outs.append(out)
+            return outs, fault
 
     # ---- the loop ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether any request is queued or running, or a step-API output awaits ``step()``."""
+        with self._lock:
+            return self.scheduler.has_unfinished() or bool(self._outbox[None])
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the requests that finished in it."""
+        """Schedule and run one step; returns the ``add_request`` requests that finished since
+        the last call (in this step, or in one a concurrent ``generate`` ran), failed ones with
+        finish_reason "error". Requests of ``generate`` calls are kept for those calls.
+
+        Raises only if scheduling itself failed: then nothing ran and every request is still
+        queued, consistent, for the next step.
+        """
+        with self._lock:
+            self._deliver(self._step())
+            box = self._outbox[None]
+            outs = list(box.values())
+            box.clear()
+            return outs
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """File finished outputs under their owners (a generate call, or None: the step API)."""
+        for out in outs:
+            owner = self._owners.pop(out.request_id, _NO_OWNER)
+            fault = self._faults.pop(out.request_id, None)
+            box = self._outbox.get(owner)
+            if box is None:
+                continue    # aborted or its call is gone: nobody waits for it
+            box[out.request_id] = out
+            if fault is not None and owner is not None:
+                self._call_faults.setdefault(owner, fault)
+
+    def _step(self) -> list[RequestOutput]:
+        """One step (the lock held): every request that finished in it, whoever owns it."""
         step = self.scheduler.schedule()
         if not step.requests:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
             return []
+        try:
+            tokens, samples = self._run(step)
+        except Exception as exc:  # noqa: BLE001 - any fault finishes the step's requests, never wedges
+            return self._fail(step.requests, exc)
+        except BaseException:
+            # KeyboardInterrupt and kin: the step's requests stay queued; their progress was
+            # not advanced, so the next step recomputes the same tokens (the KV too if lost).
+            self._recover_kv(None, [])
+            raise
+        return self._apply(step, tokens, samples)
+
+    def _run(self, step: ScheduledStep) -> tuple[np.ndarray, list[bool]]:
+        """Write the tables and run the step: (one token per request, which requests sampled)."""
         self._write_tables(step)
         rows = np.fromiter((r.row for r in step.requests), dtype=np.int32, count=len(step))
         computed = np.fromiter((r.num_computed_tokens for r in step.requests), dtype=np.int32,
@@ -167,18 +280,70 @@ class LLM:
         tokens = self.runner.execute(token_ids=self.token_table, block_table=self.block_table,
                                      req_rows=rows, num_computed_tokens=computed,
                                      num_scheduled_tokens=scheduled, sampling=batch)
+        if tokens is None or len(tokens) != len(step):
+            raise GraphrtError(f"the runner returned {None if tokens is None else len(tokens)} tokens "
+                               f"for a step of {len(step)} requests")
+        return tokens, samples
+
+    def _apply(self, step: ScheduledStep, tokens: np.ndarray, samples: list[bool]) -> list[RequestOutput]:
+        """Advance each request by its step; a request whose update fails finishes with "error"."""
         finished = []
         for req, n, sampled, tok in zip(step.requests, step.num_scheduled, samples, tokens):
-            req.num_computed_tokens += n
-            if sampled:
-                req.output_token_ids.append(int(tok))
-                reason = self._stop_reason(req, int(tok))
-                if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    self.runner.free_request(req.request_id)
-                    finished.append(RequestOutput(req.request_id, req.prompt_token_ids,
-                                                  list(req.output_token_ids), reason))
+            if req.status is Status.FINISHED:
+                continue    # aborted during the step (from within it: the lock is re-entrant)
+            try:
+                req.num_computed_tokens += n
+                if sampled:
+                    token = int(tok)
+                    req.output_token_ids.append(token)
+                    reason = self._stop_reason(req, token)
+                    if reason is not None:
+                        finished.append(self._finish(req, reason))
+            except Exception as exc:  # noqa: BLE001 - contained to this request
+                finished.extend(self._fail([req], exc))
         return finished
+
+    def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
+        """Finish a failed step's requests with "error" (their blocks freed), then recover a
+        KV cache the fault lost: the requests that held KV in it are recomputed."""
+        self.num_step_faults += 1
+        why = f"{type(exc).__name__}: {exc}"
+        logger.warning("graphrt: a step of request(s) %s failed; they finish with an error: %s",
+                       [r.request_id for r in requests], why, exc_info=exc)
+        outs = [self._finish(r, "error", why) for r in requests if r.request_id in self._requests]
+        self._faults.update((o.request_id, exc) for o in outs)
+        self._recover_kv(exc, [o.request_id for o in outs])
+        return outs
+
+    def _recover_kv(self, exc: BaseException | None, failed: list[int]) -> None:
+        """If the fault consumed the KV cache (XLA donation), have it re-created and requeue
+        every running request for recompute, like a preemption; ``exc`` learns who lost KV."""
+        executor = self.runner.executor
+        recover = getattr(executor, "recover_kv_cache", None)
+        if recover is not None:
+            recover()
+        resets = getattr(executor, "kv_cache_resets", 0)
+        if resets == self._kv_resets_seen and not isinstance(exc, KVCacheLostError):
+            return
+        self._kv_resets_seen = resets
+        lost = list(self.scheduler.running)
+        self.scheduler.requeue(lost)
+        if isinstance(exc, KVCacheLostError):
+            exc.request_ids = tuple(failed) + tuple(r.request_id for r in lost)
+        logger.warning("graphrt: the KV cache was lost; requests %s are recomputed",
+                       [r.request_id for r in lost])
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        """Finish ``req`` (running or waiting): free its row, blocks and runner state."""
+        self.scheduler.finish(req, reason)
+        try:
+            self.runner.free_request(req.request_id)
+        except Exception:  # noqa: BLE001 - the request is finished either way
+            logger.warning("graphrt: freeing the runner state of request %d failed", req.request_id,
+                           exc_info=True)
+        self._requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             reason, error)
 
     def _write_tables(self, step: ScheduledStep) -> None:
         """Write what the persistent tables lack: new token ids and newly allocated blocks.
@@ -208,10 +373,17 @@ class LLM:
     @property
     def stats(self) -> dict[str, Any]:
         """Runner cache statistics plus scheduler counters."""
-        out = self.runner.stats.as_dict()
-        out["preemptions"] = self.scheduler.num_preemptions
-        out["kv_blocks"] = self.runner.num_kv_blocks
-        return out
+        with self._lock:
+            out = self.runner.stats.as_dict()
+            out["preemptions"] = self.scheduler.num_preemptions
+            out["kv_blocks"] = self.runner.num_kv_blocks
+            out["step_faults"] = self.num_step_faults
+            out["kv_cache_resets"] = getattr(self.runner.executor, "kv_cache_resets", 0)
+            out["recomputed"] = self.scheduler.num_recomputed
+            return out
+
+
+_NO_OWNER = object()   # a request id with no owner left (aborted): its output is dropped
 
 
 def _without_seed(params: SamplingParams) -> SamplingParams:
