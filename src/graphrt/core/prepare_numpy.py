@@ -39,7 +39,6 @@ class NumpyPrepare:
         self.off = np.zeros(r, dtype=np.int64)
         self.first = np.zeros(r, dtype=np.int64)         # each row's first column holding a null block
         self.read = np.zeros(r, dtype=bool)
-        self.hit = np.zeros(r, dtype=bool)
         self.pos = np.zeros(t, dtype=np.int64)           # position of each token
         self.idx = np.zeros(t, dtype=np.int64)           # flat block-table indices
         self.tok_idx = np.zeros(t, dtype=np.int64)       # flat token-table indices
@@ -176,26 +175,25 @@ class NumpyPrepare:
 
     def first_null_block(self, bt_rows: np.ndarray, low: np.ndarray, seq: np.ndarray, bs: int) -> int:
         """The first request whose attention reads a block id <= the null block (columns
-        [0, ceil(seq_len / bs)) of its row), or -1: each row's first such column (argmax
-        stops there; 0 where there is none) must be past the columns it reads. ``low``:
-        bool scratch shaped like ``bt_rows``."""
-        r = bt_rows.shape[0]
-        first, read, hit = self.first[:r], self.read[:r], self.hit[:r]
-        np.less_equal(bt_rows, defaults.NULL_BLOCK, out=low)
+        [0, ceil(seq_len / bs)) of its row), or -1. ``low``: bool scratch one column wider
+        than ``bt_rows`` whose last column is always True, so each row's first null column
+        (argmax) exists; the request reads it when ``column * bs < seq_len``."""
+        r, width = bt_rows.shape
+        first, read = self.first[:r], self.read[:r]
+        np.less_equal(bt_rows, defaults.NULL_BLOCK, out=low[:, :width])
         np.argmax(low, axis=1, out=first)
         np.multiply(first, bs, out=first)
-        np.less(first, seq, out=read)              # column first is read: first * bs < seq_len
-        np.logical_or(first, low[:, 0], out=hit)   # ... and holds one (argmax 0: maybe none)
-        np.logical_and(hit, read, out=hit)
-        return int(np.argmax(hit)) if hit.any() else -1
+        np.less(first, seq, out=read)
+        return int(np.argmax(read)) if read.any() else -1
 
     def scratch(self, token_dtype: np.dtype, block_dtype: np.dtype, width: int) -> tuple[np.ndarray, ...]:
         """Persistent scratch for tables of these dtypes and width (reallocated when they
-        change): block-table rows and a bool mask [R, width], token ids and blocks [T]."""
+        change): block-table rows [R, width], a bool mask one column wider (for
+        ``first_null_block``), token ids and blocks [T]."""
         key = (token_dtype, block_dtype, width)
         if self._scratch_key != key:
             r, t = self.max_num_reqs, self.max_num_tokens
-            self._scratch = (np.zeros((r, width), block_dtype), np.zeros((r, width), bool),
+            self._scratch = (np.zeros((r, width), block_dtype), np.ones((r, width + 1), bool),
                              np.zeros(t, token_dtype), np.zeros(t, block_dtype))
             self._scratch_key = key
         return self._scratch
