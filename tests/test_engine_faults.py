@@ -86,7 +86,7 @@ def inject(mp: pytest.MonkeyPatch, llm: graphrt.LLM, stage: str, fault: Fault) -
         mp.setattr(llm, "_write_tables", fault.wrap(llm._write_tables))
     elif stage == "before_forward":
         mp.setattr(runner, "execute", fault.wrap(runner.execute))
-    elif stage == "forward" and hasattr(executor, "recover_kv_cache"):
+    elif stage == "forward" and runner.backend.name == "xla":
         fault.after = True               # the executable has consumed the donated KV cache
         for entry in forward_entries(llm):
             mp.setattr(entry, "executable", fault.wrap(entry.executable))

@@ -321,6 +321,17 @@ class ModelRunner:
         """Drop per-request state (seeded sampler generators)."""
         self.executor.free_request(request_id)
 
+    def recover_kv_cache(self) -> bool:
+        """After a failed :meth:`execute`: True when the failure lost the KV cache and it was
+        re-created zeroed (XLA donation), so every request's KV must be recomputed."""
+        with self._lock:
+            return self.executor.recover_kv_cache()
+
+    @property
+    def kv_cache_resets(self) -> int:
+        """How many times a failed step's lost KV cache was re-created."""
+        return self.executor.kv_cache_resets
+
 
 def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
     """Arrays of one step's :class:`~graphrt.SamplingParams` (which checked their own fields),

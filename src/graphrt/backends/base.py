@@ -43,6 +43,8 @@ class Executor(abc.ABC, Generic[EntryT]):
 
     vocab_size: int
     host_buffers: Mapping[str, np.ndarray]
+    #: How many times :meth:`recover_kv_cache` re-created a lost KV cache.
+    kv_cache_resets: int = 0
 
     @abc.abstractmethod
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -95,6 +97,12 @@ class Executor(abc.ABC, Generic[EntryT]):
 
     def free_request(self, request_id: int) -> None:
         """Forget per-request state (seeded generators) of a finished request."""
+
+    def recover_kv_cache(self) -> bool:
+        """After a failed step: re-create the KV cache if the failure lost it (XLA: the step
+        had consumed the donated cache) and return True; every request's KV is then gone.
+        Default: a failed step cannot lose the cache (it is written in place)."""
+        return False
 
     def describe_build_failure(self, exc: BaseException) -> str:
         """Why :meth:`build` failed and what to change, for the eager-fallback warning."""

@@ -91,7 +91,7 @@ class LLM:
         self._call_faults: dict[int, BaseException] = {}    # generate call -> first fault of its requests
         self._calls = itertools.count()
         self._faults: dict[int, BaseException] = {}         # failed request id -> its fault, undelivered
-        self._kv_resets_seen = getattr(self.runner.executor, "kv_cache_resets", 0)
+        self._kv_resets_seen = self.runner.kv_cache_resets
         self.num_step_faults = 0            # faults contained by finishing requests with "error"
 
     # ---- requests ------------------------------------------------------------------
@@ -318,11 +318,8 @@ class LLM:
     def _recover_kv(self, exc: BaseException | None, failed: list[int]) -> None:
         """If the fault consumed the KV cache (XLA donation), have it re-created and requeue
         every running request for recompute, like a preemption; ``exc`` learns who lost KV."""
-        executor = self.runner.executor
-        recover = getattr(executor, "recover_kv_cache", None)
-        if recover is not None:
-            recover()
-        resets = getattr(executor, "kv_cache_resets", 0)
+        self.runner.recover_kv_cache()
+        resets = self.runner.kv_cache_resets
         if resets == self._kv_resets_seen and not isinstance(exc, KVCacheLostError):
             return
         self._kv_resets_seen = resets
@@ -378,7 +375,9 @@ class LLM:
             out["preemptions"] = self.scheduler.num_preemptions
             out["kv_blocks"] = self.runner.num_kv_blocks
             out["step_faults"] = self.num_step_faults
-            out["kv_cache_resets"] = getattr(self.runner.executor, "kv_cache_resets", 0)
+            out["kv_cache_resets"] = self.runner.kv_cache_resets
+            out["sampler_eager_steps"] = self.runner.sampler_stats.eager_steps
+            out["sampler_failed_builds"] = self.runner.sampler_stats.failed_builds
             out["recomputed"] = self.scheduler.num_recomputed
             return out
 

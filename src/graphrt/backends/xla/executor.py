@@ -51,16 +51,13 @@ def _as_array(value: Any) -> Any:
     return None if value is None else np.asarray(value)
 
 
-class XlaExecutor(Executor):
+class XlaExecutor(Executor[XlaEntry]):
     """Host staging buffers, the donated KV cache and the compiled executables of one model."""
 
     has_graphs = True
     attention_support = AttentionGraphSupport.ALWAYS
     supports_piecewise = False
     eager_fallback = False
-    #: How many times a failed step's lost KV cache was re-created (engines compare it to learn
-    #: that every request's KV is gone; see :meth:`recover_kv_cache`).
-    kv_cache_resets = 0
 
     def __init__(self, programs: XlaPrograms, config: GraphConfig, *, compile_workers: int = 1) -> None:
         install_listeners()
@@ -168,7 +165,7 @@ class XlaExecutor(Executor):
                 entry = self.compiled.compile(key, lowered, spec, seconds)
         return entry, entry.nbytes
 
-    def build_seconds(self, entry: Any) -> float | None:
+    def build_seconds(self, entry: XlaEntry) -> float | None:
         return entry.build_seconds
 
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, Hashable]], *, workers: int | None = None,
@@ -251,7 +248,8 @@ class XlaExecutor(Executor):
                                uniform_decode=entry.spec.uniform_decode)
                 raise InputError(name, f"{describe_change(entry.spec, got)} (executable for {entry.key})")
 
-    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: Any, padded: ModelInputs) -> jax.Array:
+    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: XlaEntry | None,
+            padded: ModelInputs) -> jax.Array:
         """Run the executable for ``key`` on the padded step; returns device logits ``[R_pad, V]``.
 
         The executable gets host copies of the padded rows and transfers them itself (JAX's
@@ -293,7 +291,7 @@ class XlaExecutor(Executor):
 
     # ---- sample ------------------------------------------------------------------------
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
+               padded_reqs: int | None = None, entry: XlaEntry | None = None) -> np.ndarray:
         """One token id per real request (int64), from the compiled greedy or random sampler.
 
         ``entry`` is the runner's sampler entry for ``SamplerKey(padded_reqs, all_greedy)``;
