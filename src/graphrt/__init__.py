@@ -17,8 +17,8 @@ from graphrt.core import __version__
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.cache import CacheStats, GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode, SamplerKey
-from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GraphCaptureError,
-                                 GraphrtError, InputError)
+from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GenerationError,
+                                 GraphCaptureError, GraphrtError, InputError, KVCacheLostError)
 from graphrt.core.fields import ModelInputs
 from graphrt.core.inputs import InputPreparer, prepare_inputs
 from graphrt.core.numerics import Tolerance, tolerance
@@ -41,8 +41,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
-    "ConfigError", "Dispatch", "Dispatcher", "GraphCache", "GraphCaptureError", "GraphConfig",
-    "GraphMode", "GraphrtError", "InputError", "InputPreparer", "LLM", "ModelInputs",
+    "ConfigError", "Dispatch", "Dispatcher", "GenerationError", "GraphCache", "GraphCaptureError",
+    "GraphConfig", "GraphMode", "GraphrtError", "InputError", "InputPreparer", "KVCacheLostError", "LLM",
+    "ModelInputs",
     "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "add_cli_args",
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
     "tolerance",
