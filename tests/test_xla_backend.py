@@ -153,7 +153,10 @@ def test_warmup_report_and_entries(qwen):
                     BatchDescriptor(2, 2, True), BatchDescriptor(1, 1, True)}
     assert {k for k in runner.sampler_cache} == {SamplerKey(r, g) for r in (1, 2, 4) for g in (True, False)}
     report = ex.compiled.report()
-    assert len(report) == 11 and all(r["compile_s"] > 0 and r["lower_s"] > 0 for r in report)
+    # Every entry was lowered here; a compile may take ~0 s when another test in this process
+    # already compiled the identical program (JAX's in-memory cache), so only the total is > 0.
+    assert len(report) == 11 and all(r["lower_s"] > 0 and r["compile_s"] >= 0 for r in report)
+    assert sum(r["compile_s"] for r in report) > 0
     assert all(r["seconds"] > 0 for r in runner.warmup_report)
     # Host buffers cover the largest token bucket and the fixed mixed batch size.
     assert ex.host_buffers["input_ids"].shape == (32,) and ex.host_buffers["block_table"].shape == (4, 16)
