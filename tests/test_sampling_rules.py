@@ -333,3 +333,14 @@ def test_bad_prompt_shape_or_type_names_the_prompt(llm, kind):
     assert err.value.field == "prompt_token_ids", str(err.value)
     out = llm.generate([[5, 6, 7]], params)               # the engine keeps serving
     assert len(out[0].token_ids) == 2
+
+
+def test_seeded_rows_need_distinct_request_ids():
+    """Each seeded request has its own generator, keyed by its id: two seeded rows with one id
+    would share (and advance twice) one generator. Unseeded rows may repeat ids."""
+    n = 3
+    args = (np.ones(n, np.float32), np.full(n, -1), np.ones(n, np.float32))
+    with pytest.raises(InputError, match=r"request_ids: request id 7 is on two seeded rows"):
+        SamplingBatch(*args, [1, None, 2], [7, 8, 7])
+    SamplingBatch(*args, [None, None, None], [7, 7, 7])
+    SamplingBatch(*args, [1, None, None], [7, 7, 7])

@@ -162,8 +162,15 @@ def _rows(values: Any, name: str, n: int) -> None:
 
 def _seeds(seeds: list, request_ids: Sequence[Any]) -> None:
     """Check a batch's ``seeds`` (a list, some not None), normalising them in place to Python
-    ints, and that each seeded row's request id is an integer."""
+    ints, and that each seeded row's request id is an integer, different from every other
+    seeded row's (each seeded request has its own generator: a repeated id would share one)."""
     given = [s for s in seeds if s is not None]
+    ids = [r for r, s in zip(request_ids, seeds) if s is not None]
+    if len(ids) > 1 and len(set(ids)) != len(ids):
+        seen: set = set()
+        dup = next(r for r in ids if r in seen or seen.add(r))
+        raise InputError("request_ids", f"request id {dup!r} is on two seeded rows; each seeded request "
+                                        "has its own generator, so its id must be unique in the batch")
     if (set(map(type, given)) == {int} and min(given) >= 0 and max(given) < defaults.SAMPLING_SEED_LIMIT
             and set(map(type, request_ids)) == {int}):
         return   # plain Python ints, as sampling_batch passes them
