@@ -254,7 +254,7 @@ class LLM:
         step = self.scheduler.schedule()
         if not step.requests:
             if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress: a request cannot fit in the KV cache")
+                raise GraphrtError("scheduler made no progress: a request cannot fit in the KV cache")
             return []
         try:
             tokens, samples = self._run(step)
