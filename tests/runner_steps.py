@@ -122,18 +122,6 @@ def greedy(n: int) -> SamplingBatch:
                          np.ones(n, np.float32), [None] * n, list(range(n)))
 
 
-def snapshot(runner) -> dict[str, torch.Tensor]:
-    """Copies of everything a step may write on the device side: KV cache and static buffers."""
-    ex = runner.executor
-    out = {"kv_cache": ex.kv_cache.clone(), "hidden_out": ex.hidden_out.clone(),
-           "logits_out": ex.logits_out.clone(), "noise": ex.sampler.noise.clone(),
-           "tokens_out": ex.sampler.tokens.clone()}
-    out.update({f"static.{k}": t.clone() for k, t in ex.static.items()})
-    out.update({f"host.{k}": torch.from_numpy(a.copy()) for k, a in ex.host_buffers.items()})
-    out.update({f"sampler.{k}": t.clone() for k, t in ex.sampler.static.items()})
-    return out
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits (NaNs compare equal to themselves)."""
     t = t.contiguous()
@@ -144,9 +132,3 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def changed(before: dict[str, torch.Tensor], runner) -> list[str]:
-    """Names of the snapshot entries that differ now (bit for bit)."""
-    now = snapshot(runner)
-    return [k for k in before if not same_bits(before[k], now[k])]

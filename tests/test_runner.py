@@ -30,7 +30,11 @@ from graphrt.backends.base import SamplingBatch
 from graphrt.runner import sampling_batch
 from graphrt.backends.torch.sampler import random_sample
 from parity import assert_close_across_shapes, pad_like
-from runner_steps import CONFIG, LIMITS, VOCAB, bits, changed, greedy, same_bits, snapshot
+from graphrt.testing import access
+from graphrt.testing.properties import bad_input_rejected
+from graphrt.testing.step import BadStep
+from graphrt.testing.step import Step as KitStep
+from runner_steps import CONFIG, LIMITS, VOCAB, greedy
 
 #: Runners by name: (backend, capture sizes, graph mode). ``FULL`` pins one graph per step;
 #: ``None`` is the default mode (FULL_AND_PIECEWISE: decode steps FULL graphs, mixed steps
@@ -69,10 +73,10 @@ def fill_kv(runner, seed: int = 0, poison: bool = True) -> None:
         kv[:, :, -1] = float("nan")                   # the trash row
 
 
-def changed_rows(before: torch.Tensor, after: torch.Tensor) -> np.ndarray:
-    """KV rows (slots) whose bits differ in any layer, K or V, head or lane."""
-    diff = bits(before) != bits(after)
-    return torch.nonzero(diff.any(dim=4).any(dim=3).any(dim=1).any(dim=0)).flatten().numpy()
+def changed_rows(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """KV rows (slots) whose bits (:func:`graphrt.testing.access.kv_bits`) differ in any
+    layer, K or V, head or lane."""
+    return np.flatnonzero((before != after).any(axis=(0, 1, 3, 4)))
 
 
 # (rows, computed, scheduled): two prefills; decodes + a new prefill; pure decode; two
@@ -115,7 +119,7 @@ def test_padding_is_invisible(model_dir, runners, tables):
             assert np.array_equal(out[name][0], twin.hidden_states()), f"{name}: hidden rows"
             assert np.array_equal(out[name][1], twin.logits()), f"{name}: logits"
             assert np.array_equal(out[name][2], tokens), f"{name}: tokens"
-            assert same_bits(runners[name].executor.kv_cache, twin.executor.kv_cache), f"{name}: KV cache"
+            assert np.array_equal(access.kv_bits(runners[name]), access.kv_bits(twin)), f"{name}: KV cache"
         ref_hidden, ref_logits, ref_tokens, _ = out["cpu[8]"]
         ref_kv = runners["cpu[8]"].executor.kv_cache[:, :, slots]
         for name in runners:           # other shapes, maybe other kernels: equal to float32 rounding
@@ -133,7 +137,7 @@ def test_padded_step_writes_only_its_real_slots(runners, tables, name):
     runner = runners[name]
     fill_kv(runner, seed=1)
     step = tables.step([3, 5, 6], [6, 2, 0], [1, 1, 5])     # 7 real tokens, 3 requests
-    before = runner.executor.kv_cache.clone()
+    before = access.kv_bits(runner)
     step.run(runner, greedy(3))
     info = runner.last_step
     t = info.key.num_tokens
@@ -142,7 +146,7 @@ def test_padded_step_writes_only_its_real_slots(runners, tables, name):
     after = runner.executor.kv_cache
     real = set(tables.slots(step).tolist())
     trash = after.shape[2] - 1
-    rows = set(changed_rows(before, after).tolist())
+    rows = set(changed_rows(before, access.kv_bits(runner)).tolist())
     assert rows - real - {trash} == set(), f"padded step wrote KV rows {sorted(rows - real - {trash})}"
     assert real <= rows                                   # every real token wrote its slot
     assert trash in rows and torch.isfinite(after[:, :, trash]).all()   # padded tokens wrote the trash row
@@ -179,7 +183,7 @@ def test_strict_mode_raises_on_a_missing_key(model_dir, tables):
     runner.cache.seal()
     assert len(runner.cache) == 0
     step = tables.step([0, 1], [0, 0], [3, 2])
-    before = snapshot(runner)
+    before = access.device_state(runner)
     with pytest.raises(CacheMissError) as err:
         step.run(runner, greedy(2))
     key = (RuntimeMode.FULL, BatchDescriptor(8, 8, False))
@@ -187,7 +191,7 @@ def test_strict_mode_raises_on_a_missing_key(model_dir, tables):
     message = str(err.value)   # names the key: mode, tokens, requests; and why it is missing
     assert "FULL" in message and "tokens=8" in message and "reqs=8" in message, message
     assert "not built during warm-up" in message
-    assert changed(before, runner) == []
+    assert access.changed(before, access.device_state(runner)) == []
     # Above the largest bucket is not a miss: the policy says eager, strict or not.
     big = tables.step([0, 1], [0, 0], [12, 8])
     big.run(runner, greedy(2))
@@ -374,35 +378,37 @@ def test_random_sample_stays_inside_top_k_and_top_p(inputs):
 GOOD = ([0, 1, 2], [0, 0, 0], [3, 2, 4])
 
 
-def bad_step(tables, kind: str, num_kv_blocks: int):
-    """A step with one bad input and the field the error must name (and a fragment of its text)."""
-    step = tables.step(*GOOD)
-    sampling = greedy(3)
+def bad_step(tables, kind: str, num_kv_blocks: int) -> BadStep:
+    """GOOD with one bad input, as the kit's :class:`BadStep`: the field the error must name
+    and a fragment of its text."""
+    step = KitStep(tables.token_ids, tables.block_table, *(np.asarray(v, np.int32) for v in GOOD),
+                   CONFIG.block_size)
     if kind == "token id out of vocabulary":
         tokens = tables.token_ids.copy()
         tokens[1, 1] = VOCAB
         step.overrides["token_ids"] = tokens
-        return step, sampling, "token_ids", f"token id {VOCAB} outside the vocabulary [0, {VOCAB})"
+        return BadStep(step, "token_ids", kind, message=f"token id {VOCAB} outside the vocabulary [0, {VOCAB})")
     if kind == "negative token id":
         tokens = tables.token_ids.copy()
         tokens[2, 0] = -3
         step.overrides["token_ids"] = tokens
-        return step, sampling, "token_ids", "token id -3 outside the vocabulary"
+        return BadStep(step, "token_ids", kind, message="token id -3 outside the vocabulary")
     if kind == "block id beyond the cache":
         blocks = tables.block_table.copy()
         blocks[2, 0] = num_kv_blocks
         step.overrides["block_table"] = blocks
-        return step, sampling, "block_table", f"block {num_kv_blocks} is outside the KV cache's {num_kv_blocks} blocks"
+        return BadStep(step, "block_table", kind,
+                       message=f"block {num_kv_blocks} is outside the KV cache's {num_kv_blocks} blocks")
     if kind == "wrong block-table width":
         step.overrides["block_table"] = tables.block_table[:, :-1].copy()
-        return step, sampling, "block_table", f"{CONFIG.max_blocks_per_req - 1} columns"
+        return BadStep(step, "block_table", kind, message=f"{CONFIG.max_blocks_per_req - 1} columns")
     if kind == "null block in a scheduled slot":
         blocks = tables.block_table.copy()
         blocks[0, 0] = 0
         step.overrides["block_table"] = blocks
-        return step, sampling, "block_table", "null block"
+        return BadStep(step, "block_table", kind, message="null block")
     if kind == "sampling rows mismatch":
-        return step, greedy(2), "sampling", "2 rows for 3 requests"
+        return BadStep(step, "sampling", kind, sampling_rows=2, message="2 rows for 3 requests")
     raise AssertionError(kind)
 
 
@@ -412,20 +418,16 @@ BAD_KINDS = ["token id out of vocabulary", "negative token id", "block id beyond
 
 @pytest.mark.parametrize("name", ["cpu[8]", "eager"])
 def test_bad_input_raises_and_touches_nothing(runners, tables, name):
+    """Each bad step through the kit's ``bad_input_rejected`` (an InputError naming the field
+    and saying what is wrong, nothing on the device or host side changed), then the runner
+    keeps working: the good step again gives the same result."""
+    assert issubclass(InputError, ValueError) and issubclass(InputError, graphrt.GraphrtError)
     runner = runners[name]
     fill_kv(runner, seed=4, poison=False)
     good = tables.step(*GOOD)
     first = good.run(runner, greedy(3)), runner.logits().copy()
     for kind in BAD_KINDS:
-        step, sampling, field, fragment = bad_step(tables, kind, runner.num_kv_blocks)
-        before = snapshot(runner)
-        with pytest.raises(InputError) as err:
-            step.run(runner, sampling)
-        assert isinstance(err.value, ValueError) and isinstance(err.value, graphrt.GraphrtError)
-        assert err.value.field == field, f"{kind}: {err.value}"
-        assert fragment in str(err.value), f"{kind}: {err.value}"
-        assert changed(before, runner) == [], f"{kind} changed {changed(before, runner)}"
-        # The runner keeps working: the good step again gives the same result.
+        bad_input_rejected(lambda: runner, bad_step(tables, kind, runner.num_kv_blocks))
         tokens = good.run(runner, greedy(3))
         np.testing.assert_array_equal(tokens, first[0])
         np.testing.assert_array_equal(runner.logits(), first[1])
@@ -437,10 +439,10 @@ def test_sampling_rows_must_match_even_when_all_greedy(runners, tables):
     step = tables.step(*GOOD)
     batch = SamplingBatch(np.zeros(4, np.float32), np.full(4, VOCAB, np.int64), np.ones(4, np.float32),
                           [None] * 4, [0, 1, 2, 3])
-    before = snapshot(runner)
+    before = access.device_state(runner)
     with pytest.raises(InputError, match="sampling: 4 rows for 3 requests"):
         step.run(runner, batch)
-    assert changed(before, runner) == []
+    assert access.changed(before, access.device_state(runner)) == []
 
 
 # ---- results the caller holds ----------------------------------------------------------------

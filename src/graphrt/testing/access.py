@@ -90,7 +90,8 @@ def on_cpu(runner: Any) -> bool:
 
 def device_state(runner: Any) -> dict[str, np.ndarray]:
     """Bits of everything a step may write: the KV cache, the host staging buffers and, on torch
-    executors, the static device buffers, output buffers and sampler state."""
+    executors, the static device buffers, output buffers and sampler state (its parameter
+    buffers, noise and sampled tokens)."""
     ex = runner.executor
     out = {"kv_cache": kv_bits(runner)}
     out.update({f"host.{name}": np.array(buf, copy=True) for name, buf in ex.host_buffers.items()})
@@ -103,6 +104,9 @@ def device_state(runner: Any) -> dict[str, np.ndarray]:
     sampler = getattr(ex, "sampler", None)
     for name, t in (getattr(sampler, "static", None) or {}).items():
         out[f"sampler.{name}"] = _bits(t)
+    for name in ("noise", "tokens"):              # the sampler's noise and sampled-token buffers
+        if getattr(sampler, name, None) is not None:
+            out[f"sampler.{name}"] = _bits(getattr(sampler, name))
     return out
 
 

@@ -204,19 +204,25 @@ def no_build_after_warmup(factory: Factory, step: Step) -> None:
 
 
 def bad_input_rejected(factory: Factory, bad: BadStep) -> None:
-    """A step breaking one bound raises :class:`~graphrt.InputError` naming the field, and
-    changes nothing: KV cache, staging and static buffers, outputs, sampler state."""
+    """A step breaking one bound raises :class:`~graphrt.InputError` naming the field (and
+    saying ``bad.message`` where given), and changes nothing: KV cache, staging and static
+    buffers, outputs, sampler state. The step comes with a greedy sampling batch (of
+    ``bad.sampling_rows`` rows, else one row per request), so sampling is rejected too."""
     runner = factory()
     scrub(runner)
     before = access.device_state(runner)
     step = bad.step
     rows = bad.sampling_rows
+    if rows is None:
+        rows = int(np.asarray(step.kwargs()["req_rows"]).shape[0]) or None
     sampling = greedy(rows, runner.vocab_size) if rows is not None else None
     try:
         runner.execute(**step.kwargs(), sampling=sampling)
     except InputError as err:
         if err.field != bad.field:
             raise AssertionError(f"{bad.kind}: InputError names {err.field!r}, expected {bad.field!r}: {err}")
+        if bad.message is not None and bad.message not in str(err):
+            raise AssertionError(f"{bad.kind}: InputError does not say {bad.message!r}: {err}")
     except Exception as err:  # noqa: BLE001 - any other exception is the finding
         raise AssertionError(f"{bad.kind}: raised {type(err).__name__} instead of an InputError naming "
                              f"{bad.field!r}: {err}") from err

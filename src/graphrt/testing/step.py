@@ -96,13 +96,16 @@ class BadStep:
     """A step that breaks exactly one bound: the :class:`InputError` must name ``field``.
 
     ``kind`` says which bound (e.g. ``"block id beyond the KV cache"``); ``sampling_rows`` is
-    set when the bad part is the sampling batch (its row count), else None.
+    set when the bad part is the sampling batch (its row count), else None (the step is run
+    with a greedy batch of its own row count); ``message``, when set, is a fragment the
+    error's text must contain.
     """
 
     step: Step
     field: str
     kind: str
     sampling_rows: int | None = None
+    message: str | None = None
 
     def __repr__(self) -> str:
         return f"BadStep({self.kind}; the error must name {self.field!r})\n{self.step.describe()}"
