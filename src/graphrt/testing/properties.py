@@ -126,7 +126,8 @@ def padding_invisible(factory: Factory, step: Step) -> None:
 
 
 def kv_isolated(factory: Factory, step: Step) -> None:
-    """With NaN in every KV slot the step does not read: the step changes no byte of the KV
+    """With NaN in every KV slot the step does not read and in the slots it writes (stored
+    before they are read): the step changes no byte of the KV
     cache outside its real slots (the trash row aside), every row it computes -- padded ones
     included -- is finite, and real outputs equal those of a run with numbers there instead.
     Checked on the runner's own path and padded to its largest covering buckets."""

@@ -162,13 +162,15 @@ def covering_keys(runner: Any, step: Step) -> list[BatchDescriptor]:
 
 def plant_kv(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray:
     """Seeded values in every KV slot; with ``nan_unused`` NaN in every slot the step's real
-    tokens never read (the null block, other requests' and stale blocks, the trash row).
+    tokens never read (the null block, other requests' and stale blocks, the trash row) and
+    in the slots they write (a kernel must store a token's K/V before attention reads it).
     Returns the planted values (float32)."""
     shape = access.kv_values(runner).shape
     values = np.random.default_rng(step.seed).standard_normal(shape).astype(np.float32)
     if nan_unused:
         used = np.zeros(shape[2], dtype=bool)
         used[step.read_slots()] = True
+        used[step.write_slots()] = False
         values[:, :, ~used] = np.nan
     access.set_kv(runner, values)
     return values
