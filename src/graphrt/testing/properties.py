@@ -128,7 +128,8 @@ def padding_invisible(factory: Factory, step: Step) -> None:
 def kv_isolated(factory: Factory, step: Step) -> None:
     """With NaN in every KV slot the step does not read and in the slots it writes (stored
     before they are read): the step changes no byte of the KV
-    cache outside its real slots (the trash row aside), every row it computes -- padded ones
+    cache outside its real slots (the trash row aside) and writes every real slot, every row
+    it computes -- padded ones
     included -- is finite, and real outputs equal those of a run with numbers there instead.
     Checked on the runner's own path and padded to its largest covering buckets."""
     runner, planted = _start(factory, step, nan_unused=True)
@@ -155,6 +156,11 @@ def kv_isolated(factory: Factory, step: Step) -> None:
                                      f"step's real slots {sorted(step.write_slots().tolist())} and the trash row "
                                      f"{planted.shape[2] - 1}")
             written = np.flatnonzero(touched.any(axis=(0, 1, 3)))
+            if values is planted:                # NaN was there: a real token's store changes it
+                unwritten = np.setdiff1d(step.write_slots(), written)
+                if unwritten.size:
+                    raise AssertionError(f"KV isolation: {out.how} did not write the real slots "
+                                         f"{unwritten.tolist()[:8]} of the step's tokens")
             broken = written[~np.isfinite(out.kv[:, :, written]).all(axis=(0, 1, 3, 4))]
             if broken.size:
                 raise AssertionError(f"KV isolation: {out.how} wrote non-finite K/V into slots {broken.tolist()[:8]} "
