@@ -2,10 +2,11 @@
 
 * It passes on graphrt's reference Qwen3 on ``cpu``, ``eager`` and ``xla`` (few examples here;
   ``graphrt conformance`` runs as many as asked).
-* It catches three padding bugs planted in the reference model's attention, each with a
+* It catches padding and KV bugs planted in the reference model's attention, each with a
   shrunk counterexample of at most 3 requests: a -1 slot used as a Python index (writes the
   last real KV slot), padded rows that come out NaN, and stale block-table rows read by
-  attention (a plan buffer that keeps padded requests' rows from an earlier step).
+  attention (a plan buffer that keeps padded requests' rows from an earlier step); and
+  attention that reads a token's own slot before storing its K/V.
 * Its entry points: the CLI, the pytest plugin; ``import graphrt`` stays free of it.
 """
 
@@ -108,6 +109,22 @@ class StalePlan(PagedAttention):
                                       meta.block_size, self.scale)
 
 
+class ReadBeforeStore(PagedAttention):
+    """Attends first and stores the step's K/V afterwards: a token reads whatever its own
+    slot held before the step (the kit plants NaN there)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_forward_context()
+        cache, t = self.kv_cache, q.shape[0]
+        nowhere = torch.full_like(meta.slot_mapping, -1)
+        out = paged_attention_kernel(q, k, v, cache, nowhere, meta.query_start_loc, meta.seq_lens,
+                                     meta.block_table, meta.token_req_idx, meta.block_size, self.scale)
+        real = meta.slot_mapping >= 0
+        cache[0, meta.slot_mapping[real]] = k.reshape(t, cache.shape[2], cache.shape[3])[real].to(cache.dtype)
+        cache[1, meta.slot_mapping[real]] = v.reshape(t, cache.shape[2], cache.shape[3])[real].to(cache.dtype)
+        return out
+
+
 def planted(attention: type[PagedAttention]) -> torch.nn.Module:
     """graphrt's reference Qwen3 with ``attention`` in every layer."""
     model = load_torch_model(model_dir(), dtype=torch.float32, device="cpu")
@@ -121,6 +138,7 @@ PLANTED = {
     "negative slot as index": (NegativeSlotAsIndex, "kv_isolated", "outside the step's real slots"),
     "padded rows NaN": (UnguardedSoftmax, "kv_isolated", "finite"),
     "stale block-table rows": (StalePlan, "kv_isolated", "finite"),
+    "read before store": (ReadBeforeStore, "kv_isolated", "finite"),
 }
 
 
