@@ -55,7 +55,7 @@ def test_failed_sampler_capture_is_counted_and_reported(model_dir, tables, monke
     tokens = step.run(runner, greedy(2))
     assert runner.last_step.mode is RuntimeMode.FULL                  # the forward replayed
     assert runner.sampler_stats.hits == before                          # no hit on a failed key
-    assert runner.sampler_stats.eager_steps == 1
+    assert runner.sampler_stats.eager_steps == 1 and runner.sampler_stats.real_reqs == 2
     [reason] = runner.sampler_stats.eager_reasons
     assert "sampler capture failed" in reason and "stream is capturing" in reason
     np.testing.assert_array_equal(tokens, runner.logits().argmax(-1))   # and the tokens are right
@@ -84,6 +84,17 @@ def test_failed_forward_capture_is_a_miss_not_a_hit(model_dir, tables, monkeypat
     tables.step([0], [0], [5]).run(runner, greedy(1))
     assert runner.last_step.mode is RuntimeMode.NONE and "out of graph memory" in runner.last_step.eager_reason
     assert (runner.stats.hits, runner.stats.misses, runner.stats.eager_steps) == (0, 1, 1)
+    assert runner.sampler_stats.hits + runner.sampler_stats.misses == 0   # no graph sampler on an eager step
+
+
+def test_sampler_statistics_count_every_graph_step(model_dir, tables):
+    """A replayed sampler counts its step's requests, as one whose capture failed does."""
+    runner = make_runner(model_dir, tables)
+    tables.step([0, 1], [0, 0], [2, 1]).run(runner, greedy(2))
+    s = runner.sampler_stats
+    assert runner.last_step.mode is RuntimeMode.FULL
+    assert (s.hits, s.misses, s.eager_steps, s.real_reqs) == (1, 0, 0, 2)
+    assert s.padded_reqs == runner.last_step.key.num_reqs
 
 
 def _disjoint_workloads(config, tables, steps: int):

@@ -56,7 +56,7 @@ class _StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    sampler: dict[bool, tuple[SamplerKey, Any, bool, str | None]]  # all_greedy -> (key, entry, hit, eager reason)
+    sampler: dict[bool, tuple[SamplerKey, Any, str | None]]  # all_greedy -> (key, entry or None, eager reason)
     version: int                     # cache.version + sampler_cache.version when planned
 
 
@@ -233,13 +233,10 @@ class ModelRunner:
                                key=plan.cache_key, hit=plan.hit)
         sampler_entry = None
         if sampling is not None and plan.mode is RuntimeMode.FULL:
-            sampler_key, sampler_entry, sampler_hit, sampler_eager = plan.sampler[sampling.all_greedy]
-            if sampler_eager is None:
-                self.sampler_cache.count(sampler_key, sampler_hit)
-            else:
-                self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=r,
-                                               padded_reqs=padded_reqs, eager_reason=sampler_eager,
-                                               key=sampler_key, hit=False)
+            sampler_key, sampler_entry, sampler_eager = plan.sampler[sampling.all_greedy]
+            self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=r, padded_reqs=padded_reqs,
+                                           eager_reason=sampler_eager, key=sampler_key,
+                                           hit=sampler_entry is not None)
         logits = self.executor.run(plan.mode, key, plan.entry, padded)
         tokens = None
         if sampling is not None:
@@ -270,9 +267,9 @@ class ModelRunner:
             sampler_key = SamplerKey(padded_reqs, greedy)
             sampler_entry = self.sampler_cache.lookup(sampler_key)
             if isinstance(sampler_entry, EagerFallback):
-                sampler[greedy] = (sampler_key, None, False, f"sampler capture failed: {sampler_entry.reason}")
+                sampler[greedy] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
             else:
-                sampler[greedy] = (sampler_key, sampler_entry, sampler_entry is not None, None)
+                sampler[greedy] = (sampler_key, sampler_entry, None)
         plan = _StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
                          self.cache.version + self.sampler_cache.version)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
