@@ -20,8 +20,8 @@ from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
 from graphrt.core.errors import InputError
 from graphrt.core.numerics import tolerance
 from graphrt.testing import access
-from graphrt.testing.runners import (Outputs, can_run_unpadded, covering_keys, greedy, plant_kv, run_at,
-                                     run_runner)
+from graphrt.testing.runners import (Outputs, built_entry, can_run_unpadded, covering_keys, greedy, plant_kv,
+                                     replay_at, run_at, run_runner)
 from graphrt.testing.step import BadStep, Step
 
 Factory = Callable[..., Any]
@@ -97,22 +97,26 @@ def _finite(out: Outputs, step: Step) -> None:
 # ------------------------------------------------------------------------------- properties
 
 def padding_invisible(factory: Factory, step: Step) -> None:
-    """The step run by the runner, padded to every bucket that covers it, and (where the
-    backend runs eagerly) unpadded: the same greedy tokens; logits, real hidden rows and the
-    KV written at its real slots within ``graphrt.tolerance``."""
+    """The step run by the runner; padded to every bucket that covers it and run by the graph
+    or executable warm-up built for that bucket (eagerly at the padded shape where none was
+    built); and, where the backend runs eagerly, unpadded: the same greedy tokens; logits,
+    real hidden rows and the KV written at its real slots within ``graphrt.tolerance``."""
     runner, planted = _start(factory, step)
     got = [run_runner(runner, step)]
     eager = can_run_unpadded(runner)
-    keys: list[BatchDescriptor | None] = [None] if eager else []
+    runs: list[tuple[Callable[..., Outputs], BatchDescriptor | None]] = [(run_at, None)] if eager else []
     shapes = set()
     for key in covering_keys(runner, step):
+        if built_entry(runner, key) is not None:
+            runs.append((replay_at, key))
+            continue
         shape = (key.num_tokens, key.num_reqs or step.num_reqs, key.uniform_decode and not eager)
         if shape not in shapes:        # run eagerly, keys of one padded shape are one run
             shapes.add(shape)
-            keys.append(key)
-    for key in keys:
+            runs.append((run_at, key))
+    for run, key in runs:
         access.set_kv(runner, planted)
-        got.append(run_at(runner, step, key))
+        got.append(run(runner, step, key))
     ref = got[1] if len(got) > 1 else got[0]
     slots = step.write_slots()
     for out in got:

@@ -11,8 +11,11 @@ Each property runs a step in up to three ways, all on the factory's runner:
 * :func:`run_runner` -- ``runner.execute`` (dispatch, pad, replay / call the executable, sample);
 * :func:`run_at` -- the same step padded to a chosen key, run eagerly at that shape
   (``executor.run`` with no entry) where the backend can run eagerly, else by that key's
-  executable (XLA): the same-shape reference of a replay, and the other buckets of a step;
-* :func:`covering_keys` -- every key of the runner's bucket policy that can hold the step.
+  executable (XLA): the same-shape reference of a replay;
+* :func:`replay_at` -- the same step padded to a chosen key and run by the graph or executable
+  warm-up built for that key, though the runner would pick a smaller one: a step's other buckets.
+
+:func:`covering_keys` lists every key of the runner's bucket policy that can hold a step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from graphrt.config import GraphConfig
+from graphrt.core.cache import EagerFallback
 from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode
 from graphrt.testing import access
 from graphrt.testing.step import Step
@@ -117,16 +121,21 @@ def run_runner(runner: Any, step: Step) -> Outputs:
                     step.num_reqs, tokens)
 
 
+def _write(runner: Any, step: Step, key: BatchDescriptor) -> Any:
+    """``step``'s inputs, padded to ``key``, in the executor's host buffers."""
+    runner.preparer.check(**step.kwargs())
+    r = key.num_reqs if key.num_reqs is not None else step.num_reqs
+    return runner.preparer.write(runner.padder, num_tokens=key.num_tokens, num_reqs=r,
+                                 out=runner.executor.host_buffers)
+
+
 def run_at(runner: Any, step: Step, key: BatchDescriptor | None) -> Outputs:
     """``step`` padded to ``key`` (None: unpadded) and run eagerly at that shape, or by the
     key's executable on a backend without an eager path."""
     t, r = step.num_tokens, step.num_reqs
-    runner.preparer.check(**step.kwargs())
     if key is None:
         key = BatchDescriptor(t, r, step.uniform_decode)
-    padded = runner.preparer.write(runner.padder, num_tokens=key.num_tokens,
-                                   num_reqs=key.num_reqs if key.num_reqs is not None else r,
-                                   out=runner.executor.host_buffers)
+    padded = _write(runner, step, key)
     ex = runner.executor
     if ex.eager_fallback:
         ex.run(RuntimeMode.NONE, key, None, padded)
@@ -135,6 +144,29 @@ def run_at(runner: Any, step: Step, key: BatchDescriptor | None) -> Outputs:
         ex.run(RuntimeMode.FULL, key, None, padded)
         how = f"executable of {key}"
     return _collect(runner, how, key, t, r)
+
+
+def built_entry(runner: Any, key: BatchDescriptor) -> tuple[RuntimeMode, Any] | None:
+    """The mode and graph / executable warm-up built for ``key`` (None if none was, or its
+    capture failed)."""
+    for mode in (RuntimeMode.FULL, RuntimeMode.PIECEWISE):
+        if (mode, key) in runner.cache:
+            entry = runner.cache.lookup((mode, key))
+            if not isinstance(entry, EagerFallback):
+                return mode, entry
+    return None
+
+
+def replay_at(runner: Any, step: Step, key: BatchDescriptor) -> Outputs:
+    """``step`` padded to ``key`` and run by the graph or executable built for ``key``
+    (:func:`built_entry` must find one), whichever key the runner itself would pick."""
+    built = built_entry(runner, key)
+    if built is None:
+        raise ValueError(f"no graph or executable was built for {key}")
+    mode, entry = built
+    padded = _write(runner, step, key)
+    runner.executor.run(mode, key, entry, padded)
+    return _collect(runner, f"replay of {mode.value} {key}", key, step.num_tokens, step.num_reqs)
 
 
 def can_run_unpadded(runner: Any) -> bool:
@@ -176,5 +208,5 @@ def plant_kv(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray:
     return values
 
 
-__all__ = ["KIT_LIMITS", "Outputs", "RunnerFactory", "bucket_keys", "can_run_unpadded", "covering_keys",
-           "greedy", "plant_kv", "run_at", "run_runner"]
+__all__ = ["KIT_LIMITS", "Outputs", "RunnerFactory", "bucket_keys", "built_entry", "can_run_unpadded",
+           "covering_keys", "greedy", "plant_kv", "replay_at", "run_at", "run_runner"]
