@@ -2,14 +2,14 @@
 
 ``Tables`` holds what an engine keeps between steps -- a token-id table and a block table,
 one row per request slot -- with every row owning its own shuffled, non-null blocks, so
-any step over any rows is valid. ``Step`` is one call's arguments; ``random_steps`` makes a
-varied workload (prefill chunks, decodes, mixed batches, steps above a bucket) with
+any step over any rows is valid. ``Step`` is one call's arguments: the kit's
+:class:`graphrt.testing.step.Step` (its slot arithmetic is the kit's), runnable in one call.
+``random_steps`` makes a varied, deterministic workload (prefill chunks, decodes, mixed batches, steps above a bucket) with
 positions that advance like a real engine's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 
 from graphrt import GraphConfig
 from graphrt.backends.base import SamplingBatch
+from graphrt.testing.step import Step as KitStep
 
 #: The engine the runner tests drive: small enough to capture quickly, with steps above the
 #: largest bucket (32 tokens) and chunked prefills (model length 64, block size 4).
@@ -42,42 +43,16 @@ class Tables:
         """Blocks a runner needs for every row's blocks (plus the null block 0)."""
         return int(self.block_table.size) + 1
 
-    def step(self, rows, computed, scheduled) -> "Step":
-        return Step(self, np.asarray(rows, dtype=np.int32), np.asarray(computed, dtype=np.int32),
-                    np.asarray(scheduled, dtype=np.int32))
-
-    def slots(self, step: "Step") -> np.ndarray:
-        """KV slots the step's real tokens write (computed independently of graphrt)."""
-        out = []
-        for row, c, n in zip(step.rows, step.computed, step.scheduled):
-            pos = np.arange(c, c + n)
-            out.append(self.block_table[row, pos // self.block_size].astype(np.int64) * self.block_size
-                       + pos % self.block_size)
-        return np.concatenate(out)
+    def step(self, rows, computed, scheduled, seed: int = 0) -> "Step":
+        """Requests at table ``rows`` with ``computed`` tokens in the KV cache and ``scheduled``
+        new ones (``seed`` seeds the KV contents the kit's properties plant)."""
+        return Step(self.token_ids, self.block_table, np.asarray(rows, dtype=np.int32),
+                    np.asarray(computed, dtype=np.int32), np.asarray(scheduled, dtype=np.int32),
+                    self.block_size, seed)
 
 
-@dataclass
-class Step:
-    tables: Tables
-    rows: np.ndarray
-    computed: np.ndarray
-    scheduled: np.ndarray
-    overrides: dict = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.scheduled.sum())
-
-    @property
-    def num_reqs(self) -> int:
-        return int(self.rows.shape[0])
-
-    def kwargs(self) -> dict:
-        args = dict(token_ids=self.tables.token_ids, block_table=self.tables.block_table,
-                    req_rows=self.rows, num_computed_tokens=self.computed,
-                    num_scheduled_tokens=self.scheduled)
-        args.update(self.overrides)
-        return args
+class Step(KitStep):
+    """The kit's step over :class:`Tables`, runnable in one call."""
 
     def run(self, runner, sampling: SamplingBatch | None = None):
         """``runner.execute`` of this step; the sampled tokens copied (the runner's array is

@@ -104,7 +104,7 @@ def _disjoint_workloads(config, tables, steps: int):
     for part, seed in ((0, 11), (1, 12)):
         work = []
         for step in random_steps(tables, config.model_copy(update={"max_num_seqs": half}), steps, seed):
-            step.rows = step.rows + part * half
+            step.req_rows = step.req_rows + part * half
             work.append(step)
         out.append(work)
     return out
