@@ -1,21 +1,20 @@
 """Padding: every field grown to a bucket with safe fill values, the real prefix untouched.
 
-Inputs come from ``prepare_inputs`` over hypothesis-generated valid schedules; targets
-are any sizes at or above the real ones.
+Inputs come from ``prepare_inputs`` over valid steps drawn by ``graphrt.testing``'s ``steps``
+strategy; targets are any sizes at or above the real ones.
 """
 
 from __future__ import annotations
-
-import random
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphrt import ConfigError, InputError, ModelInputs, Padder, prepare_inputs
+from graphrt import ConfigError, GraphConfig, InputError, ModelInputs, Padder, prepare_inputs
 from graphrt.core import defaults
 from graphrt.core.fields import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS, buffer_shapes
+from graphrt.testing.strategies import steps
 
 #: Every test here runs on both host kernels (numba and numpy); see conftest.py.
 pytestmark = pytest.mark.usefixtures("host_kernel")
@@ -33,33 +32,18 @@ SCALARS = ("num_reqs", "num_tokens", "max_query_len", "max_seq_len", "uniform_de
 
 @st.composite
 def prepared(draw) -> ModelInputs:
-    """``prepare_inputs`` over a valid random schedule (any mix of prefill / decode / chunks)."""
-    num_rows = draw(st.integers(1, 8))
+    """``prepare_inputs`` over a step the kit's ``steps`` strategy draws (any mix of prefill,
+    chunks, prefix hits and decodes over a shared, stale or null-tailed block table) for a
+    drawn config, its block table sometimes wider than the model length needs."""
     block_size = draw(st.sampled_from((1, 2, 4, 5, 16)))
-    max_len = draw(st.integers(1, 40))
-    order = draw(st.permutations(range(num_rows)))
-    rows = list(order[:draw(st.integers(1, num_rows))])
-    computed, scheduled = [], []
-    for _ in rows:
-        c = draw(st.integers(0, max_len - 1))
-        s = 1 if draw(st.booleans()) else draw(st.integers(1, max_len - c))
-        computed.append(c)
-        scheduled.append(s)
-    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    width = -(-max_len // block_size) + draw(st.integers(0, 2))
-    need = {row: -(-(c + s) // block_size) for row, c, s in zip(rows, computed, scheduled)}
-    pool = list(range(1, sum(need.values()) + 1 + rng.randrange(20)))
-    rng.shuffle(pool)
-    table = np.zeros((num_rows, width), dtype=np.int32)
-    for row, n in need.items():
-        table[row, :n] = [pool.pop() for _ in range(n)]
-    token_ids = np.array([[rng.randrange(1, 1000) for _ in range(max_len)]
-                          for _ in range(num_rows)], dtype=np.int32)
-    return prepare_inputs(token_ids=token_ids, block_table=table,
-                          req_rows=np.array(rows, dtype=np.int32),
-                          num_computed_tokens=np.array(computed, dtype=np.int32),
-                          num_scheduled_tokens=np.array(scheduled, dtype=np.int32),
-                          block_size=block_size)
+    max_num_seqs = draw(st.integers(1, 8))
+    config = GraphConfig.create(max_num_seqs=max_num_seqs, block_size=block_size,
+                                max_model_len=draw(st.integers(1, 40)),
+                                max_num_batched_tokens=draw(st.integers(max_num_seqs, 8 * 40)))
+    blocks = config.max_num_seqs * config.max_blocks_per_req + 1 + draw(st.integers(0, 20))
+    step = draw(steps(config, num_kv_blocks=blocks, vocab_size=1000))
+    table = np.pad(step.block_table, ((0, 0), (0, draw(st.integers(0, 2)))))
+    return prepare_inputs(**{**step.kwargs(), "block_table": table}, block_size=block_size)
 
 
 @st.composite
