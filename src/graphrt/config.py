@@ -62,6 +62,9 @@ class GraphConfig(BaseModel):
                            "(static shapes, one compile per bucket) before capturing them")
     compile_max_size: int = Field(defaults.DEFAULT_COMPILE_MAX_SIZE, gt=0,
                                   description="largest bucket (tokens) compiled when compile_model is set")
+    num_speculative_tokens: int = Field(
+        0, ge=0, description="draft tokens verified per request in a decode step (vLLM's num_speculative_tokens): "
+                             "decode graphs hold 1 + k tokens per request")
     host_kernel: Optional[Literal["auto", "numba", "numpy"]] = Field(
         None, description="input preparation and padding: numba (compiled loops), numpy, or auto "
                           "(numba when it imports); unset: $GRAPHRT_HOST_KERNEL or auto")
@@ -89,6 +92,10 @@ class GraphConfig(BaseModel):
             raise ValueError(f"precompile_token_paddings end at {max(tok)} below max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}): XLA has no eager escape, so every step "
                              f"the scheduler can form needs a bucket; add {self.max_num_batched_tokens}")
+        if self.decode_query_len > self.max_num_batched_tokens:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: a decode step of one request "
+                             f"verifies {self.decode_query_len} tokens, above max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens})")
         bs = self.precompile_bs_paddings
         if bs is not None and max(bs) < self.max_num_seqs:
             raise ValueError(f"precompile_bs_paddings end at {max(bs)} below max_num_seqs "
@@ -108,6 +115,16 @@ class GraphConfig(BaseModel):
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def decode_query_len(self) -> int:
+        """Tokens each request schedules in a uniform decode step: 1 + num_speculative_tokens."""
+        return 1 + self.num_speculative_tokens
+
+    @property
+    def max_decode_batch(self) -> int:
+        """The most requests one uniform decode step can hold within the token budget."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens // self.decode_query_len)
 
     def capture_policy(self) -> BucketPolicy:
         """Token buckets of graph backends (capture sizes)."""
@@ -137,14 +154,17 @@ class GraphConfig(BaseModel):
         m = GraphMode.NONE if self.enforce_eager else (mode or self.mode)
         buckets = token_buckets if token_buckets is not None else self.capture_policy()
         return Dispatcher(m, token_buckets=None if m is GraphMode.NONE else buckets,
-                          max_num_seqs=self.max_num_seqs)
+                          max_num_seqs=self.max_num_seqs, decode_query_len=self.decode_query_len)
 
     def xla_dispatcher(self) -> Dispatcher:
-        """The dispatcher of the XLA backend: decode by batch size, mixed at a fixed batch size."""
+        """The dispatcher of the XLA backend: decode by batch size (up to the largest decode batch
+        the token budget holds), mixed at a fixed batch size."""
         bs = self.xla_bs_policy()
+        fits = bs.max_size * self.decode_query_len <= self.max_num_batched_tokens
         return Dispatcher(GraphMode.FULL, token_buckets=self.xla_token_policy(),
-                          decode_buckets=bs, mixed_num_reqs=bs.max_size,
-                          max_num_seqs=self.max_num_seqs, eager_fallback=False, separate_decode=True)
+                          decode_buckets=bs if fits else bs.capped(self.max_decode_batch), mixed_num_reqs=bs.max_size,
+                          max_num_seqs=self.max_num_seqs, eager_fallback=False, separate_decode=True,
+                          decode_query_len=self.decode_query_len)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

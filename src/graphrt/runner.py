@@ -102,7 +102,7 @@ class ModelRunner:
                                       block_size=cfg.block_size, vocab_size=self.vocab_size,
                                       num_blocks=self.num_kv_blocks,
                                       table_width=cfg.max_blocks_per_req, kernel=cfg.host_kernel,
-                                      strict=cfg.strict)
+                                      strict=cfg.strict, decode_query_len=cfg.decode_query_len)
         self.padder = Padder(kernel=cfg.host_kernel)
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
@@ -313,6 +313,15 @@ class ModelRunner:
     def logits(self) -> np.ndarray:
         """The last step's logits at each real request's last token (a copy)."""
         return np.array(self.executor.logits(self.last_step.num_reqs), copy=True)
+
+    def position_logits(self) -> np.ndarray:
+        """With ``num_speculative_tokens = k > 0``: the last step's logits at each real
+        request's last ``1 + k`` scheduled positions, ``[R, 1 + k, V]`` (a copy). In a
+        verification step (every request scheduled its last token and ``k`` drafts), row ``j``
+        is the target's distribution for the token after position ``j``: draft ``j + 1`` is
+        accepted when it is what row ``j`` samples. Rows before a request's first scheduled
+        token are unspecified."""
+        return np.array(self.executor.position_logits(self.last_step.num_reqs), copy=True)
 
     def free_request(self, request_id: int) -> None:
         """Drop per-request state (seeded sampler generators)."""

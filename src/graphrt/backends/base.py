@@ -95,6 +95,13 @@ class Executor(abc.ABC, Generic[EntryT]):
     def logits(self, num_reqs: int) -> np.ndarray:
         """The last step's logits of the first ``num_reqs`` requests (tests, debugging)."""
 
+    @abc.abstractmethod
+    def position_logits(self, num_reqs: int) -> np.ndarray:
+        """With ``num_speculative_tokens = k > 0``: the last step's logits at each of the first
+        ``num_reqs`` requests' last ``1 + k`` scheduled positions, ``[num_reqs, 1 + k, V]``
+        (what draft verification compares; rows before a request's first scheduled token are
+        unspecified). Raises :class:`GraphrtError` when ``k == 0``."""
+
     def free_request(self, request_id: int) -> None:
         """Forget per-request state (seeded generators) of a finished request."""
 

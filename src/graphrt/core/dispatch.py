@@ -132,7 +132,13 @@ class Dispatcher:
     * ``eager_fallback`` -- graph backends run a step above the largest bucket eagerly; XLA
       has no eager escape, so such a step is an :class:`InputError`.
     * ``separate_decode`` -- whether uniform-decode steps get their own keys
-      ``(b, b, uniform_decode=True)``; defaults to what the mode says (XLA sets it).
+      ``(b * q, b, uniform_decode=True)``; defaults to what the mode says (XLA sets it).
+    * ``decode_query_len`` -- ``q``, the tokens every request of a uniform-decode step
+      schedules: 1, or ``1 + num_speculative_tokens`` when verifying drafts (vLLM's
+      ``uniform_decode_query_len``). Decode keys hold ``b`` requests and ``b * q`` tokens, so
+      their token counts are multiples of ``q``; the default decode buckets are the token
+      buckets divided by ``q``, always including the largest decode batch the token buckets
+      hold (``min(max_num_seqs, largest token bucket // q)``).
 
     A decode step above the largest decode bucket is handled as a mixed step.
     """
@@ -140,8 +146,11 @@ class Dispatcher:
     def __init__(self, mode: GraphMode, *, token_buckets: BucketPolicy | None,
                  max_num_seqs: int, decode_buckets: BucketPolicy | None = None,
                  mixed_num_reqs: int | None = None, eager_fallback: bool = True,
-                 separate_decode: bool | None = None) -> None:
+                 separate_decode: bool | None = None, decode_query_len: int = 1) -> None:
         self.mode = GraphMode(mode)
+        if decode_query_len < 1:
+            raise ConfigError(f"decode_query_len must be >= 1, got {decode_query_len}")
+        self.decode_query_len = q = int(decode_query_len)
         self.separate_decode = (self.mode.separate_decode_graphs() if separate_decode is None
                                 else separate_decode and self.mode is not GraphMode.NONE)
         self.max_num_seqs = int(max_num_seqs)
@@ -151,10 +160,12 @@ class Dispatcher:
             raise ConfigError(f"graph mode {self.mode.value} needs token buckets")
         self.token_buckets = token_buckets
         if decode_buckets is None and token_buckets is not None:
-            # Capped at max_num_seqs *including* max_num_seqs (when the token buckets reach it):
-            # a full decode batch must never fall back to eager because max_num_seqs is
-            # missing from the capture list.
-            decode_buckets = token_buckets.capped(min(self.max_num_seqs, token_buckets.max_size))
+            # Capped at the largest decode batch *including* it (max_num_seqs when the token
+            # buckets reach it): a full decode batch must never fall back to eager because its
+            # size is missing from the capture list or off the grid of multiples of q.
+            top = min(self.max_num_seqs, token_buckets.max_size // q)
+            sizes = [b for b in (s // q for s in token_buckets) if b >= 1]
+            decode_buckets = BucketPolicy(sizes + [top]).capped(top) if top >= 1 else None
         self.decode_buckets = decode_buckets
         if mixed_num_reqs is not None and token_buckets is not None:
             if mixed_num_reqs < self.max_num_seqs:
@@ -168,7 +179,8 @@ class Dispatcher:
         if uniform_decode and self.separate_decode:
             b = self.decode_buckets.bucket_for(num_reqs) if self.decode_buckets else None
             if b is not None:
-                return Dispatch(RuntimeMode.FULL, BatchDescriptor(b, b, True), "decode bucket")
+                return Dispatch(RuntimeMode.FULL, BatchDescriptor(b * self.decode_query_len, b, True),
+                                "decode bucket")
         runtime = (self.mode.decode_mode() if uniform_decode and not self.separate_decode
                    else self.mode.mixed_mode())
         if runtime is RuntimeMode.NONE:
@@ -199,7 +211,8 @@ class Dispatcher:
         """Every (mode, key) ``dispatch`` can return with a graph, largest first (capture order)."""
         out: set[tuple[RuntimeMode, BatchDescriptor]] = set()
         if self.separate_decode and self.decode_buckets is not None:
-            out.update((RuntimeMode.FULL, BatchDescriptor(b, b, True)) for b in self.decode_buckets)
+            q = self.decode_query_len
+            out.update((RuntimeMode.FULL, BatchDescriptor(b * q, b, True)) for b in self.decode_buckets)
         for uniform in (False, True):
             runtime = (self.mode.decode_mode() if uniform and not self.separate_decode
                        else self.mode.mixed_mode())

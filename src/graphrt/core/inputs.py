@@ -67,7 +67,9 @@ class InputPreparer:
     model's vocabulary and its KV cache's size; without them the int32 outputs' range bounds
     them); ``table_width`` fixes the block table's number of columns. Every block-table
     column a scheduled request's attention reads ([0, ceil(seq_len / block_size))) must hold a
-    block id >= 1 (block 0 is the null block).
+    block id >= 1 (block 0 is the null block). ``decode_query_len`` is the tokens per request
+    of a uniform decode step (1, or 1 + num_speculative_tokens): a step is ``uniform_decode``
+    when every request schedules exactly that many.
 
     ``kernel`` picks the implementation: ``numba`` (one compiled loop per step, see
     :mod:`graphrt.core.host_kernels`), ``numpy`` (vectorised numpy, the reference) or ``auto``
@@ -82,8 +84,10 @@ class InputPreparer:
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, block_size: int,
                  vocab_size: int | None = None, num_blocks: int | None = None,
                  table_width: int | None = None, kernel: str | None = None,
-                 strict: bool = False) -> None:
+                 strict: bool = False, decode_query_len: int = 1) -> None:
         _check_block_size(block_size)
+        if decode_query_len < 1:
+            raise InputError("decode_query_len", f"must be >= 1, got {decode_query_len}")
         if max_num_reqs <= 0:
             raise InputError("max_num_reqs", f"must be > 0, got {max_num_reqs}")
         if max_num_tokens <= 0:
@@ -99,6 +103,7 @@ class InputPreparer:
         self.num_blocks = int(num_blocks) if num_blocks is not None else None
         self.table_width = int(table_width) if table_width is not None else None
         self.strict = bool(strict)
+        self.decode_query_len = int(decode_query_len)
         self.kernel = host_kernels.resolve_kernel(kernel)
         t, r = self.max_num_tokens, self.max_num_reqs
         numba = self.kernel == "numba"
@@ -162,7 +167,8 @@ class InputPreparer:
                 self.query_start_loc, self.seq_lens, self.num_computed_tokens, self.block_table)
         if code != codes.E_OK:
             raise self._step_error(code, t, args[5], *raw)
-        shape = StepShape(t, args[2].shape[0], max_sched, max_seq, max_sched == 1)
+        r = args[2].shape[0]
+        shape = StepShape(t, r, max_sched, max_seq, self._uniform(t, r, max_sched))
         self._pending = (args, shape)
         return shape
 
@@ -218,7 +224,13 @@ class InputPreparer:
         views = self._views.get((t, r))
         if views is None:
             views = self._step_views(t, r)
-        return ModelInputs(*views, r, t, max_sched, max_seq, max_sched == 1)
+        return ModelInputs(*views, r, t, max_sched, max_seq, self._uniform(t, r, max_sched))
+
+    def _uniform(self, t: int, r: int, max_sched: int) -> bool:
+        """Every request schedules exactly ``decode_query_len`` tokens (each schedules >= 1, so
+        the largest being q and the total r * q means all are q)."""
+        q = self.decode_query_len
+        return max_sched == q and t == r * q
 
     def _arguments(self, token_ids: object, block_table: object, req_rows: object,
                    num_computed_tokens: object, num_scheduled_tokens: object,

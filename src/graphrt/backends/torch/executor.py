@@ -94,6 +94,11 @@ class TorchExecutor(Executor[TorchEntry]):
         param_dtype = next(model.parameters()).dtype
         self.hidden_out = torch.zeros(max_t, self.hidden_size, dtype=param_dtype, device=self.device)
         self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
+        q = config.decode_query_len
+        # Speculative decoding: logits at each request's last q positions (drafts verified).
+        self.position_logits_out = (torch.zeros(max_r, q, self.vocab_size, dtype=torch.float32, device=self.device)
+                                    if q > 1 else None)
+        self._position_offsets = torch.arange(-q, 0, device=self.device)
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin)
         self._copied = None if same else _device_event(self.device)
         self.pool = GraphPool(graph_api) if graph_api is not None else None
@@ -192,8 +197,15 @@ class TorchExecutor(Executor[TorchEntry]):
 
     def _outputs(self, hidden: torch.Tensor, num_tokens: int, num_reqs: int) -> None:
         self.hidden_out[:num_tokens].copy_(hidden)
-        last = (self.static["query_start_loc"][1:num_reqs + 1] - 1).clamp(min=0).long()
-        self.logits_out[:num_reqs].copy_(self.model.compute_logits(hidden.index_select(0, last)))
+        ends = self.static["query_start_loc"][1:num_reqs + 1]
+        if self.position_logits_out is None:
+            last = (ends - 1).clamp(min=0).long()
+            self.logits_out[:num_reqs].copy_(self.model.compute_logits(hidden.index_select(0, last)))
+            return
+        rows = (ends.unsqueeze(1) + self._position_offsets).clamp(min=0).long().flatten()
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).view(num_reqs, -1, self.vocab_size)
+        self.position_logits_out[:num_reqs].copy_(logits)
+        self.logits_out[:num_reqs].copy_(logits[:, -1])
 
     def _load_dummy(self, num_tokens: int, num_reqs: int) -> None:
         """Pure padding: no KV write (slot -1), every request empty (seq_len 0)."""
@@ -398,6 +410,11 @@ class TorchExecutor(Executor[TorchEntry]):
 
     def logits(self, num_reqs: int) -> np.ndarray:
         return self.logits_out[:num_reqs].cpu().numpy()
+
+    def position_logits(self, num_reqs: int) -> np.ndarray:
+        if self.position_logits_out is None:
+            raise GraphrtError("position logits need num_speculative_tokens > 0")
+        return self.position_logits_out[:num_reqs].cpu().numpy()
 
 
 def _device_event(device: torch.device) -> Any:

@@ -89,7 +89,7 @@ class XlaBackend(Backend):
 
     def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
         """An executor for an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or an nnx module."""
-        programs = XlaPrograms(model, config.block_size, self.mesh)
+        programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len)
         return XlaExecutor(programs, config, compile_workers=self.compile_workers)
 
 

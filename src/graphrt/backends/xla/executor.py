@@ -89,6 +89,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self._rng = np.random.default_rng(defaults.XLA_SAMPLER_HOST_SEED)
         self._seed_steps: dict[int, int] = {}
         self._last_logits: jax.Array | None = None
+        self._last_positions: jax.Array | None = None
         self._last_hidden: jax.Array | None = None
 
     def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
@@ -137,7 +138,7 @@ class XlaExecutor(Executor[XlaEntry]):
     def _reset_kv_cache(self) -> None:
         """A zeroed cache of the allocated shape in place of a lost one (executables stay valid)."""
         self.kv_cache = None
-        self._last_logits = self._last_hidden = None
+        self._last_logits = self._last_hidden = self._last_positions = None
         self.kv_cache = self.programs.zeros_kv_cache(self._kv_shape)
         self.kv_cache_resets += 1
         logger.warning("graphrt: the xla KV cache was lost in a failed step and re-created zeroed; "
@@ -267,13 +268,14 @@ class XlaExecutor(Executor[XlaEntry]):
         before = _compiles.compiles
         kv = self.kv_cache
         try:
-            logits, hidden, self.kv_cache = entry.executable(self.weights, kv, batch)
+            logits, hidden, self.kv_cache, *positions = entry.executable(self.weights, kv, batch)
         except BaseException as exc:
             self._after_failed_run(kv, exc)
             raise
         if _compiles.compiles != before:
             self.compiled.compiled_while_running(before, key, "forward")
         self._last_logits, self._last_hidden = logits, hidden
+        self._last_positions = positions[0] if positions else None
         return logits
 
     def _after_failed_run(self, kv: jax.Array | None, exc: BaseException) -> None:
@@ -352,6 +354,11 @@ class XlaExecutor(Executor[XlaEntry]):
 
     def logits(self, num_reqs: int) -> np.ndarray:
         return np.asarray(self._last_logits)[:num_reqs]
+
+    def position_logits(self, num_reqs: int) -> np.ndarray:
+        if self.programs.decode_query_len == 1:
+            raise GraphrtError("position logits need num_speculative_tokens > 0")
+        return np.asarray(self._last_positions)[:num_reqs]
 
 
 __all__ = ["XlaExecutor"]

@@ -32,17 +32,27 @@ class XlaModel:
     params: dict[str, Any]
 
 
-def _make_step(run_model: Callable[..., Any]) -> Callable[..., Any]:
-    def step(weights: Any, kv_cache: jax.Array, batch: XlaBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Forward of one padded step: (logits at each request's last token, hidden, new KV cache)."""
+def _make_step(run_model: Callable[..., Any], decode_query_len: int) -> Callable[..., Any]:
+    q = decode_query_len
+
+    def step(weights: Any, kv_cache: jax.Array, batch: XlaBatch) -> tuple[jax.Array, ...]:
+        """Forward of one padded step: (logits at each request's last token, hidden, new KV
+        cache) and, with ``q = decode_query_len > 1``, the logits at each request's last ``q``
+        positions ``[R, q, V]`` (speculative decoding verifies drafts on them)."""
         meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
                                  batch.block_table)
-        last = jnp.maximum(batch.query_start_loc[1:] - 1, 0)
-        return run_model(weights, kv_cache, batch, meta, last)
+        ends = batch.query_start_loc[1:]
+        if q == 1:
+            return run_model(weights, kv_cache, batch, meta, jnp.maximum(ends - 1, 0))
+        rows = jnp.maximum(ends[:, None] + jnp.arange(-q, 0), 0).reshape(-1)
+        logits, hidden, kv_cache = run_model(weights, kv_cache, batch, meta, rows)
+        logits = logits.reshape(ends.shape[0], q, -1)
+        return logits[:, -1], hidden, kv_cache, logits
     return step
 
 
-def model_program(model: Any, block_size: int) -> tuple[DecoderConfig, Any, Callable[..., Any]]:
+def model_program(model: Any, block_size: int,
+                  decode_query_len: int = 1) -> tuple[DecoderConfig, Any, Callable[..., Any]]:
     """(decoder config, weights pytree, step function) for every kind of model accepted."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], DecoderConfig):
         model = XlaModel(*model)
@@ -55,7 +65,7 @@ def model_program(model: Any, block_size: int) -> tuple[DecoderConfig, Any, Call
                                        config=cfg, block_size=block_size)
             return compute_logits(params, hidden[last], config=cfg), hidden, kv_cache
 
-        return cfg, model.params, _make_step(run_model)
+        return cfg, model.params, _make_step(run_model, decode_query_len)
     try:
         from flax import nnx
     except ImportError:
@@ -76,7 +86,7 @@ def model_program(model: Any, block_size: int) -> tuple[DecoderConfig, Any, Call
             hidden, kv_cache = module(kv_cache, batch.input_ids, batch.positions, meta)
             return module.compute_logits(hidden[last]), hidden, kv_cache
 
-        return cfg, state, _make_step(run_nnx)
+        return cfg, state, _make_step(run_nnx, decode_query_len)
     raise InputError("model", f"{type(model).__name__} is not a model the xla backend runs: pass "
                               "XlaBackend.load_model(...)'s XlaModel, a (DecoderConfig, params) pair, "
                               "or a flax nnx.Module with __call__(kv_cache, input_ids, positions, meta) "
@@ -86,13 +96,15 @@ def model_program(model: Any, block_size: int) -> tuple[DecoderConfig, Any, Call
 class XlaPrograms:
     """One model's jitted forward and samplers on ``mesh``, and its weights placed there.
 
-    ``forward(weights, kv_cache, batch)`` donates the KV cache; ``greedy(logits)`` and
+    ``forward(weights, kv_cache, batch)`` donates the KV cache (with ``decode_query_len > 1``
+    it also returns each request's position logits); ``greedy(logits)`` and
     ``sample(logits, metadata)`` are the samplers. ``own_code`` is False for an nnx module,
     whose code lives in its graphdef (the on-disk executable store cannot fingerprint it).
     """
 
-    def __init__(self, model: Any, block_size: int, mesh: Mesh) -> None:
-        self.model_config, weights, step = model_program(model, block_size)
+    def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1) -> None:
+        self.model_config, weights, step = model_program(model, block_size, decode_query_len)
+        self.decode_query_len = decode_query_len
         self.mesh = mesh
         self.tp_size = shd.mesh_size(mesh)
         shd.check_tp(self.model_config, self.tp_size)
@@ -104,7 +116,7 @@ class XlaPrograms:
         self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype)
         repl = self.replicated
         self.forward = jax.jit(step, donate_argnums=(1,), in_shardings=(weight_shardings, self.kv_sharding, repl),
-                               out_shardings=(repl, repl, self.kv_sharding))
+                               out_shardings=(repl, repl, self.kv_sharding) + ((repl,) if decode_query_len > 1 else ()))
         self.greedy = jax.jit(greedy_tokens, in_shardings=(repl,), out_shardings=repl)
         self.sample = jax.jit(sample_tokens, in_shardings=(repl, repl), out_shardings=repl)
 
