@@ -112,3 +112,26 @@ SAMPLING_MAX_TOP_K = 2**31 - 1
 #: ``max``) up to this many rows, with two numpy reductions above: each numpy call costs about
 #: 1 us whatever the size, the lists ~40 ns a value (measured on a 2-core x86 VM).
 SAMPLING_CHECK_LIST_ROWS = 16
+
+#: graphrt.LLM: the prefix cache (vLLM's ``enable_prefix_caching``) is on unless turned off.
+DEFAULT_ENABLE_PREFIX_CACHING = True
+#: graphrt.LLM: the order waiting requests are admitted in (SGLang's ``schedule_policy``).
+DEFAULT_SCHEDULE_POLICY = "fcfs"
+#: Admission's KV estimate (SGLang's ``schedule_conservativeness``): 0 admits a request while
+#: the blocks of this step's chunk are free (running requests preempt the newest when short);
+#: c > 0 also requires its remaining input plus c * min(max_tokens, clip) estimated output to
+#: fit the free KV after every running request's own c-scaled estimate.
+DEFAULT_SCHEDULE_CONSERVATIVENESS = 0.0
+#: The output estimate of that budget is clipped at this many tokens (SGLang's
+#: CLIP_MAX_NEW_TOKENS_ESTIMATION): a huge max_tokens must not make admission refuse everything.
+CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
+#: "lpm" sorts by prefix match only while at most this many requests wait (SGLang: the
+#: matching costs a tree walk per request per step), and serves first-come-first-served above.
+LPM_MAX_WAITING = 128
+#: "lpm" in-batch prefix sharing (SGLang's thresholds, in tokens): a waiting request that
+#: matches at most CHECK tokens of the cache but at least DEPRIORITIZE tokens of a request
+#: ahead of it in the queue waits, so that it finds the prefix cached one step later.
+IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
+IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
+#: Seed of the "random" schedule policy's generator (reproducible orders).
+SCHEDULE_RANDOM_SEED = 0

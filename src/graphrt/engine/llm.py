@@ -6,7 +6,9 @@ It makes the library usable end to end and is how the parity tests drive real mo
     outs = llm.generate([[1, 2, 3]], graphrt.SamplingParams(max_tokens=8))
     outs[0].token_ids
 
-Warm-up (capture / precompile) happens in the constructor.
+Warm-up (capture / precompile) happens in the constructor. The prefix cache
+(``enable_prefix_caching``, on by default) lets a request start from the KV of its longest
+cached full-block prefix; ``schedule_policy`` orders the waiting queue (docs/api.md).
 
 Faults: a step that raises finishes the requests it ran with ``finish_reason="error"`` (and
 frees their blocks); ``generate`` then aborts the rest of its own requests and raises
@@ -30,7 +32,10 @@ import numpy as np
 from graphrt.core import defaults
 from graphrt.config import GraphConfig
 from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
+from graphrt.engine.tables import write_step_tables
+from graphrt.engine.validation import validate_request
 from graphrt.core.errors import GenerationError, GraphrtError, InputError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams
@@ -50,15 +55,27 @@ class RequestOutput:
     finish_reason: str
     #: Why, for "error" and "abort" (the exception's type and message); None otherwise.
     error: str | None = None
+    #: Tokens whose KV came from the prefix cache instead of being computed (all admissions).
+    num_cached_tokens: int = 0
 
 
 class LLM:
-    """Continuous batching over a :class:`ModelRunner`."""
+    """Continuous batching over a :class:`ModelRunner`, with a prefix cache and schedule policies.
+
+    ``enable_prefix_caching`` (default on): finished and running requests' full computed KV
+    blocks stay cached in a radix tree and are shared, by reference, with later requests of
+    the same prefix. ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or
+    "dfs-weight". ``schedule_conservativeness`` (default 0): > 0 makes admission reserve KV
+    for estimated outputs (see :class:`~graphrt.engine.scheduler.Scheduler`).
+    """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  block_size: int = defaults.DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  strict: bool = False, dtype: Any = None, progress: bool = False,
+                 enable_prefix_caching: bool = defaults.DEFAULT_ENABLE_PREFIX_CACHING,
+                 schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
+                 schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
@@ -78,9 +95,12 @@ class LLM:
         cfg = self.config
         self.eos_token_ids = frozenset(_model_eos(model))
         self.allocator = BlockAllocator(self.runner.num_kv_blocks)
+        self.prefix_cache = PrefixCache(cfg.block_size, self.allocator) if enable_prefix_caching else None
         self.scheduler = Scheduler(max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   block_size=cfg.block_size, allocator=self.allocator)
+                                   block_size=cfg.block_size, allocator=self.allocator,
+                                   prefix_cache=self.prefix_cache, schedule_policy=schedule_policy,
+                                   schedule_conservativeness=schedule_conservativeness)
         self.token_table = np.zeros((cfg.max_num_seqs, cfg.max_model_len), dtype=np.int32)
         self.block_table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), dtype=np.int32)
         self._ids = itertools.count()
@@ -125,36 +145,9 @@ class LLM:
         return req.request_id
 
     def _validate(self, prompt: Sequence[int], params: SamplingParams, where: str) -> None:
-        """Refuse a request before it is queued: params not a SamplingParams (which checked
-        its own fields), a prompt that is not a flat sequence of integer token ids, or one
-        that cannot fit. Raises InputError naming ``where``."""
-        cfg = self.config
-        if not isinstance(params, SamplingParams):
-            raise InputError("sampling_params", f"expected graphrt.SamplingParams, got {type(params).__name__}")
-        try:
-            ids = np.asarray(prompt)
-        except (ValueError, TypeError):   # ragged nesting
-            raise InputError(where, "must be a flat sequence of integer token ids, got a ragged "
-                                    "nested sequence") from None
-        if ids.ndim != 1:
-            raise InputError(where, "must be a flat sequence of integer token ids, got "
-                                    + (f"{ids.ndim}-D nested sequences" if ids.ndim > 1 else repr(prompt)))
-        if len(ids) == 0:
-            raise InputError(where, "empty prompt: at least one token is needed")
-        if ids.dtype.kind not in "iu":
-            raise InputError(where, f"token ids must be integers, got {ids.dtype}")
-        if len(ids) >= cfg.max_model_len:
-            raise InputError(where, f"prompt of {len(ids)} tokens leaves no room to generate within "
-                                    f"max_model_len={cfg.max_model_len}")
-        vocab = self.runner.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            raise InputError(where, f"token id {bad} outside the vocabulary [0, {vocab})")
-        total = min(len(prompt) + params.max_tokens, cfg.max_model_len)
-        blocks = -(-total // cfg.block_size)
-        if blocks > self.allocator.capacity:
-            raise InputError(where, f"needs {blocks} KV blocks for {total} tokens but the cache holds "
-                                    f"{self.allocator.capacity}; lower max_tokens or add KV blocks")
+        """Refuse a request before it is queued (``validation.validate_request``)."""
+        validate_request(prompt, params, where, config=self.config, vocab_size=self.runner.vocab_size,
+                         kv_capacity=self.allocator.capacity)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -251,6 +244,8 @@ class LLM:
 
     def _step(self) -> list[RequestOutput]:
         """One step (the lock held): every request that finished in it, whoever owns it."""
+        if self.runner.kv_cache_resets != self._kv_resets_seen:
+            self._recover_kv(None, [])    # re-created outside a step: cached KV is gone too
         step = self.scheduler.schedule()
         if not step.requests:
             if self.scheduler.has_unfinished():
@@ -293,12 +288,15 @@ class LLM:
                 continue    # aborted during the step (from within it: the lock is re-entrant)
             try:
                 req.num_computed_tokens += n
+                reason = None
                 if sampled:
                     token = int(tok)
                     req.output_token_ids.append(token)
                     reason = self._stop_reason(req, token)
                     if reason is not None:
                         finished.append(self._finish(req, reason))
+                if reason is None:
+                    self.scheduler.cache_computed(req)   # its new full blocks, for others to share
             except Exception as exc:  # noqa: BLE001 - contained to this request
                 finished.extend(self._fail([req], exc))
         return finished
@@ -325,6 +323,7 @@ class LLM:
         self._kv_resets_seen = resets
         lost = list(self.scheduler.running)
         self.scheduler.requeue(lost)
+        self.scheduler.reset_prefix_cache()     # the cached KV went with the cache
         if isinstance(exc, KVCacheLostError):
             exc.request_ids = tuple(failed) + tuple(r.request_id for r in lost)
         logger.warning("graphrt: the KV cache was lost; requests %s are recomputed",
@@ -340,25 +339,11 @@ class LLM:
                            exc_info=True)
         self._requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                             reason, error)
+                             reason, error, req.num_cached_tokens)
 
     def _write_tables(self, step: ScheduledStep) -> None:
-        """Write what the persistent tables lack: new token ids and newly allocated blocks.
-
-        Rows persist between steps, so a decode step writes one token per request, and a
-        row freshly (re)assigned to a request is cleared once.
-        """
-        for req, n in zip(step.requests, step.num_scheduled):
-            row = req.row
-            end = req.num_computed_tokens + n
-            if req.tokens_in_row < end:
-                self.token_table[row, req.tokens_in_row:end] = req.tokens(req.tokens_in_row, end)
-                req.tokens_in_row = end
-            if req.blocks_in_row < len(req.blocks):
-                if req.blocks_in_row == 0:
-                    self.block_table[row] = 0
-                self.block_table[row, req.blocks_in_row:len(req.blocks)] = req.blocks[req.blocks_in_row:]
-                req.blocks_in_row = len(req.blocks)
+        """Write the step's new token ids and blocks into the persistent tables."""
+        write_step_tables(self.token_table, self.block_table, step)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         if not req.params.ignore_eos and token in self.eos_token_ids:
@@ -379,7 +364,17 @@ class LLM:
             out["sampler_eager_steps"] = self.runner.sampler_stats.eager_steps
             out["sampler_failed_builds"] = self.runner.sampler_stats.failed_builds
             out["recomputed"] = self.scheduler.num_recomputed
+            out["prefill_tokens"] = self.scheduler.num_prefill_tokens
+            out["decode_tokens"] = self.scheduler.num_decode_tokens
+            out["prefix_cache_hit_tokens"] = self.scheduler.num_cached_tokens
+            out["prefix_cache_blocks"] = self.allocator.num_cached
+            out["prefix_cache_evictions"] = self.prefix_cache.num_evicted if self.prefix_cache else 0
             return out
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's name); blocks running requests hold stay theirs."""
+        with self._lock:
+            self.scheduler.reset_prefix_cache()
 
 
 _NO_OWNER = object()   # a request id with no owner left (aborted): its output is dropped

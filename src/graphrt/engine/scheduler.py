@@ -1,21 +1,29 @@
 """Continuous-batching scheduler (SGLang's waiting queue and running batch, vLLM's token budget).
 
-Each step: prefills first (continuing chunked prefills, then waiting requests in arrival
-order), then decodes, all within ``max_num_batched_tokens`` tokens and ``max_num_seqs``
-requests. A prompt longer than the remaining budget is prefilled in chunks. When a
-running request needs a block and none is free, the most recently admitted request is
-preempted: its blocks are freed and it is recomputed later (its generated tokens become
-part of what it re-prefills).
+Each step: prefills first (continuing chunked prefills, then waiting requests in the order
+of the schedule policy), then decodes, all within ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` requests. Admission (SGLang's ``PrefillAdder``) takes waiting requests while
+the token budget, the request slots and the KV blocks allow -- with
+``schedule_conservativeness`` > 0 also the estimated total KV -- and prefills the last one
+admitted in chunks if it does not fit the budget. With a prefix cache a request starts from
+its longest cached full-block prefix. When a running request needs a block and none is
+free, the most recently admitted request is preempted: its blocks are freed and it is
+recomputed later (its generated tokens become part of what it re-prefills).
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import math
 from dataclasses import dataclass, field
 
+from graphrt.core import defaults
+from graphrt.core.errors import InputError
 from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.prefix_cache import Match, Node, PrefixCache, block_keys
 from graphrt.engine.sampling_params import SamplingParams
+from graphrt.engine.schedule_policy import SchedulePolicy
 
 
 class Status(enum.Enum):
@@ -40,6 +48,15 @@ class Request:
     num_preemptions: int = 0
     tokens_in_row: int = 0   # tokens already written to the engine's token table at ``row``
     blocks_in_row: int = 0   # blocks already written to the engine's block table at ``row``
+    num_cached_tokens: int = 0   # tokens whose KV came from the prefix cache, all admissions
+    # Prefix cache bookkeeping: keys of the full blocks known so far, the tree node of the
+    # last of this request's blocks that the tree holds (and its epoch), how many of its
+    # blocks that is, and whether its blocks stay private (the tree was reset under it).
+    block_keys: list[bytes] = field(default_factory=list, repr=False)
+    cache_node: Node | None = field(default=None, repr=False)
+    cache_epoch: int = -1
+    cached_blocks: int = 0
+    cache_private: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -76,20 +93,35 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Waiting queue, running batch, token budget, chunked prefill, preemption."""
+    """Waiting queue, running batch, token budget, chunked prefill, preemption, prefix cache."""
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
-                 allocator: BlockAllocator) -> None:
+                 allocator: BlockAllocator, prefix_cache: PrefixCache | None = None,
+                 schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
+                 schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
+                 clip_max_new_tokens: int = defaults.CLIP_MAX_NEW_TOKENS_ESTIMATION,
+                 seed: int | None = defaults.SCHEDULE_RANDOM_SEED) -> None:
+        if not (schedule_conservativeness >= 0 and math.isfinite(schedule_conservativeness)):
+            raise InputError("schedule_conservativeness", f"must be a finite number >= 0, got "
+                                                          f"{schedule_conservativeness!r}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self.policy = SchedulePolicy(schedule_policy, prefix_cache, seed=seed)
+        self.conservativeness = float(schedule_conservativeness)
+        self.clip_max_new_tokens = clip_max_new_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self.num_recomputed = 0    # requests requeued because their KV was lost
+        self.num_cached_tokens = 0     # tokens admitted from the prefix cache
+        self.num_prefill_tokens = 0    # tokens scheduled other than one-token decodes
+        self.num_decode_tokens = 0
         self._budget = 0
+        self._rem_kv: int | None = None      # admission's estimated KV tokens left (c > 0)
         self._preempted_now: set[int] = set()   # request ids preempted in the current step
 
     def add(self, request: Request) -> None:
@@ -113,18 +145,69 @@ class Scheduler:
         req.blocks.extend(got)
         return True
 
-    def _release(self, req: Request) -> None:
+    # ---- prefix cache ---------------------------------------------------------------
+    def keys(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The keys of ``req``'s first ``num_blocks`` full blocks (computed once, kept)."""
+        have = len(req.block_keys)
+        if have < num_blocks:
+            bs = self.block_size
+            req.block_keys.extend(block_keys(req.tokens(have * bs, num_blocks * bs), bs, num_blocks - have))
+        return req.block_keys[:num_blocks]
+
+    def match(self, req: Request, touch: bool = False) -> Match:
+        """``req``'s longest cached prefix (capped: its last token is always computed)."""
+        cache = self.prefix_cache
+        assert cache is not None
+        return cache.match_keys(self.keys(req, cache.max_match_blocks(req.num_tokens)), touch=touch)
+
+    def cache_computed(self, req: Request) -> None:
+        """Insert ``req``'s newly full, computed blocks into the prefix cache (SGLang's
+        cache_unfinished_req): later requests can share them while it still runs. Where the
+        tree already had a block for the same tokens, ``req`` takes the tree's block and frees
+        its own copy (its block-table row is rewritten before its next step)."""
+        cache = self.prefix_cache
+        if cache is None or req.cache_private:
+            return
+        full = req.num_computed_tokens // self.block_size
+        start = req.cached_blocks
+        if full <= start:
+            return
+        if req.cache_node is None or req.cache_epoch != cache.epoch:
+            req.cache_private = True     # the tree was reset under it: its blocks stay its own
+            return
+        node, path = cache.insert(req.cache_node, self.keys(req, full)[start:], req.blocks[start:full])
+        swaps = [(i, b) for i, b in enumerate(path, start) if b != req.blocks[i]]
+        if swaps:
+            self.allocator.share([b for _, b in swaps])
+            self.allocator.free([req.blocks[i] for i, _ in swaps])
+            for i, b in swaps:
+                req.blocks[i] = b
+            req.blocks_in_row = 0       # rewrite the whole row
+        req.cache_node, req.cached_blocks = node, full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the KV contents are gone, or a caller asked)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+
+    # ---- releasing ------------------------------------------------------------------
+    def _release(self, req: Request, *, cache: bool) -> None:
+        """Free ``req``'s row and its block references; ``cache``: its computed full blocks
+        stay cached (its KV is valid)."""
+        if cache:
+            self.cache_computed(req)
         self.allocator.free(req.blocks)
         req.blocks = []
         if req.row >= 0:
             self._free_rows.append(req.row)
             req.row = -1
         req.tokens_in_row = req.blocks_in_row = 0
+        req.cache_node, req.cached_blocks, req.cache_private = None, 0, False
 
     def _preempt(self, victim: Request) -> None:
         """Free a running request's KV; it re-prefills everything it knows later."""
         self.running.remove(victim)
-        self._release(victim)
+        self._release(victim, cache=True)
         victim.status = Status.WAITING
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -132,6 +215,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self._preempted_now.add(victim.request_id)
 
+    # ---- scheduling -----------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         """The next step: continuing prefills, new prefills, then decodes, within the budgets."""
         self._budget = self.max_num_batched_tokens
@@ -139,25 +223,89 @@ class Scheduler:
         step: dict[int, tuple[Request, int]] = {}
         for req in [r for r in self.running if r.num_pending > 1]:
             self._schedule_running(req, step)
-        while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.request_id in self._preempted_now:
-                # Preempted this step for want of blocks: re-admitting it now would take back
-                # the blocks and the budget the running requests need; a prefill preempting
-                # itself would then starve the decodes holding the rest forever (livelock).
-                break
-            n = min(req.num_pending, self._budget)
-            if not self._grow(req, n):
-                break  # admission never preempts
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            req.row = self._free_rows.pop()
-            self.running.append(req)
-            step[req.request_id] = (req, n)
-            self._budget -= n
+        # A request preempted this step goes back to the front of the queue. Admitting
+        # anything now would take back the blocks and the budget the running requests need;
+        # a prefill preempting itself would then starve the decodes holding the rest (livelock).
+        if self.waiting and self._budget > 0 and not self._preempted_now:
+            self._admit(step)
         for req in [r for r in self.running if r.num_pending == 1 and r.request_id not in step]:
             self._schedule_running(req, step)
+        for req, n in step.values():
+            if n == 1 and req.num_pending == 1 and req.output_token_ids:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += n
         return ScheduledStep([r for r, _ in step.values()], [n for _, n in step.values()])
+
+    def _admit(self, step: dict[int, tuple[Request, int]]) -> None:
+        """Admit waiting requests in policy order while the budgets allow (PrefillAdder)."""
+        fcfs = self.policy.active == "fcfs"
+        order = self.waiting if fcfs else self.policy.order(self.waiting, self.match, self.keys)
+        self._rem_kv = self._remaining_kv() if self.conservativeness > 0 else None
+        admitted: list[Request] = []
+        for req in order:
+            if self._budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            n = self._admit_one(req)
+            if n is None:
+                break  # admission never preempts
+            admitted.append(req)
+            step[req.request_id] = (req, n)
+            self._budget -= n
+        if fcfs:
+            for _ in admitted:
+                self.waiting.popleft()
+        elif admitted:
+            ids = {r.request_id for r in admitted}
+            self.waiting = collections.deque(r for r in self.waiting if r.request_id not in ids)
+
+    def _estimate_out(self, req: Request) -> int:
+        """Output tokens admission reserves for ``req``: c * min(max_tokens left, clip)."""
+        left = max(req.params.max_tokens - len(req.output_token_ids), 0)
+        return math.ceil(self.conservativeness * min(left, self.clip_max_new_tokens))
+
+    def _remaining_kv(self) -> int:
+        """Free KV tokens (cached idle blocks included) less the running requests' estimates."""
+        rem = self.allocator.num_free * self.block_size
+        for r in self.running:
+            rem -= max(r.num_tokens + self._estimate_out(r) - len(r.blocks) * self.block_size, 0)
+        return rem
+
+    def _admit_one(self, req: Request) -> int | None:
+        """Start ``req`` from its cached prefix with its first chunk; None if it cannot run now
+        (then it holds nothing)."""
+        match = self.match(req, touch=True) if self.prefix_cache is not None else None
+        cached = match.num_blocks * self.block_size if match is not None else 0
+        extend = req.num_tokens - cached
+        if self._rem_kv is not None:
+            need = -(-extend // self.block_size) * self.block_size + self._estimate_out(req)
+            if need > self._rem_kv and self.running:
+                return None   # with nothing running, the head runs whatever the estimate
+            self._rem_kv -= need
+        n = min(extend, self._budget)
+        shared = match.blocks if match is not None else []
+        self.allocator.share(shared)
+        req.blocks, req.num_computed_tokens = list(shared), cached
+        try:
+            ok = self._grow(req, n)
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            if not ok:
+                self.allocator.free(req.blocks)
+                req.blocks, req.num_computed_tokens = [], 0
+        if not ok:
+            return None
+        if match is not None:
+            req.cache_node, req.cache_epoch = match.node, self.prefix_cache.epoch
+            req.cached_blocks, req.cache_private = match.num_blocks, False
+        req.num_cached_tokens += cached
+        self.num_cached_tokens += cached
+        req.status = Status.RUNNING
+        req.row = self._free_rows.pop()
+        self.running.append(req)
+        return n
 
     def _schedule_running(self, req: Request, step: dict[int, tuple[Request, int]]) -> None:
         """Give a running request its tokens, preempting the newest requests for blocks."""
@@ -178,7 +326,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark ``req`` finished -- running or still waiting (an abort) -- and release its row
-        and blocks. Finishing a finished request does nothing."""
+        and blocks; its computed full blocks stay in the prefix cache unless it failed
+        ("error": its KV is not trusted). Finishing a finished request does nothing."""
         if req.status is Status.FINISHED:
             return
         if req.status is Status.RUNNING:
@@ -187,14 +336,15 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self._release(req)
+        self._release(req, cache=reason != "error")
 
     def requeue(self, requests: list[Request]) -> None:
         """Requests whose computed KV was lost (not for want of blocks): free their blocks and
-        rows and recompute them first, in their current order, like a preemption."""
+        rows and recompute them first, in their current order, like a preemption. Nothing of
+        theirs is cached; the caller resets the prefix cache (its KV is gone too)."""
         for req in reversed(requests):
             self.running.remove(req)
-            self._release(req)
+            self._release(req, cache=False)
             req.status = Status.WAITING
             req.num_computed_tokens = 0
             self.waiting.appendleft(req)

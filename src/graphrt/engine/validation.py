@@ -1,0 +1,44 @@
+"""Refusing a request before it is queued (``graphrt.LLM``'s prompt and params checks)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from graphrt.config import GraphConfig
+from graphrt.core.errors import InputError
+from graphrt.engine.sampling_params import SamplingParams
+
+
+def validate_request(prompt: Sequence[int], params: SamplingParams, where: str, *, config: GraphConfig,
+                     vocab_size: int, kv_capacity: int) -> None:
+    """Refuse a request before it is queued: params not a SamplingParams (which checked its
+    own fields), a prompt that is not a flat sequence of integer token ids, or one that
+    cannot fit (``max_model_len``, ``kv_capacity`` blocks). Raises InputError naming ``where``."""
+    cfg = config
+    if not isinstance(params, SamplingParams):
+        raise InputError("sampling_params", f"expected graphrt.SamplingParams, got {type(params).__name__}")
+    try:
+        ids = np.asarray(prompt)
+    except (ValueError, TypeError):   # ragged nesting
+        raise InputError(where, "must be a flat sequence of integer token ids, got a ragged "
+                                "nested sequence") from None
+    if ids.ndim != 1:
+        raise InputError(where, "must be a flat sequence of integer token ids, got "
+                                + (f"{ids.ndim}-D nested sequences" if ids.ndim > 1 else repr(prompt)))
+    if len(ids) == 0:
+        raise InputError(where, "empty prompt: at least one token is needed")
+    if ids.dtype.kind not in "iu":
+        raise InputError(where, f"token ids must be integers, got {ids.dtype}")
+    if len(ids) >= cfg.max_model_len:
+        raise InputError(where, f"prompt of {len(ids)} tokens leaves no room to generate within "
+                                f"max_model_len={cfg.max_model_len}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise InputError(where, f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    total = min(len(prompt) + params.max_tokens, cfg.max_model_len)
+    blocks = -(-total // cfg.block_size)
+    if blocks > kv_capacity:
+        raise InputError(where, f"needs {blocks} KV blocks for {total} tokens but the cache holds "
+                                f"{kv_capacity}; lower max_tokens or add KV blocks")
