@@ -24,6 +24,7 @@ from graphrt.core.cache import CacheStats, EagerFallback, GraphCache, describe_k
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
 from graphrt.core.errors import GraphCaptureError, InputError
+from graphrt.core.graph_memory import GraphMemory, estimate_graph_memory, kv_blocks_after_graphs
 from graphrt.core.inputs import InputPreparer
 from graphrt.core.padding import Padder
 from graphrt.registry import select_backend
@@ -116,24 +117,34 @@ class ModelRunner:
 
     # ---- setup ---------------------------------------------------------------------
     def _num_kv_blocks(self, explicit: int | None, budget: int | None) -> int:
+        """KV blocks: ``explicit``, or what the budget (given, or the device's free memory) holds
+        once the graphs' estimated memory and its margin are out of it (``self.graph_memory``)."""
         cfg = self.config
         per_block = self.executor.kv_cache_bytes_per_block(cfg.block_size)
+        jobs = self._build_keys()
+        self.graph_memory = GraphMemory(num_keys=len(jobs), reason="num_kv_blocks given")
         if explicit is not None:
             if explicit < 2:
                 raise InputError("num_kv_blocks", f"needs >= 2 (block 0 is the null block), got {explicit}")
             return int(explicit)
-        if budget is None:
-            info = self.executor.memory_info()
-            if info is not None:
+        full = cfg.max_num_seqs * cfg.max_blocks_per_req + 1
+        info = self.executor.memory_info() if budget is None else None
+        if budget is None and info is None:
+            budget = defaults.DEFAULT_HOST_KV_CACHE_BYTES
+            self.graph_memory.reason = "the default host KV size is no memory budget"
+        else:   # a memory budget the graphs share with the KV cache
+            if budget is None:
                 free, total = info
                 budget = int(free - total * (1.0 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
-            else:
-                budget = defaults.DEFAULT_HOST_KV_CACHE_BYTES
-        full = cfg.max_num_seqs * cfg.max_blocks_per_req + 1
+            self.graph_memory = estimate_graph_memory(jobs, self.executor.measure_graph_memory)
+            logger.info("graphrt: %s", self.graph_memory.summary())
+            if self.graph_memory.deducted:
+                return kv_blocks_after_graphs(budget, per_block, full, self.graph_memory)
         blocks = min(budget // per_block, full)
         if blocks < 2:
             raise InputError("kv_cache_memory", f"{budget} bytes hold {budget // per_block} KV blocks of "
                                                 f"{per_block} bytes; at least 2 are needed")
+        self.graph_memory.budget, self.graph_memory.kv_bytes = budget, int(blocks) * per_block
         return int(blocks)
 
     def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
@@ -193,6 +204,8 @@ class ModelRunner:
                     self.backend.name, len(self.cache), len(self.sampler_cache), total,
                     (self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes) / 2**20,
                     f"; {failed} failed and run eagerly" if failed else "")
+        self.graph_memory.actual = self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes
+        logger.info("graphrt: %s", self.graph_memory.summary())
         return self.warmup_report
 
     # ---- one step ------------------------------------------------------------------

@@ -119,6 +119,14 @@ class Executor(abc.ABC, Generic[EntryT]):
         """(free, total) device bytes where the device can say, for KV cache sizing."""
         return None
 
+    def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]
+                             ) -> tuple[dict[Any, int], str | None]:
+        """Before the KV cache is allocated: build ``jobs`` in order (largest first) into a
+        throwaway pool, return the bytes each added (by key, in that order) and free them all;
+        or ``({}, why not)`` where this executor cannot (then nothing is deducted from the KV
+        budget for graphs, and the runner logs the reason). Default: it cannot."""
+        return {}, f"{type(self).__name__} cannot build entries before its KV cache exists"
+
 
 class Backend(abc.ABC):
     """A registry entry: a device / framework pairing that can build executors."""

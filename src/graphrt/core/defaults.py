@@ -53,8 +53,21 @@ ACL_STREAMS_PER_COMM_GROUP = 40
 #: Largest histogram size BucketPolicy.fit solves exactly (O(n^2 * k) dynamic programme).
 FIT_MAX_DISTINCT_SIZES = 4096
 
-#: KV cache budget on devices that cannot report free memory (the CPU backends).
+#: KV cache budget on devices that cannot report free memory (the CPU backends). A KV size,
+#: not a device budget: graph memory is deducted only from a given ``kv_cache_memory`` or
+#: from the device's free memory.
 DEFAULT_HOST_KV_CACHE_BYTES = 256 * 2**20
+#: Graph memory in the KV budget (core/graph_memory.py): keys captured per family (the
+#: largest, the smallest, evenly spaced between) before the KV cache is sized; the rest are
+#: extrapolated along a line through them.
+GRAPH_MEMORY_SAMPLES_PER_FAMILY = 3
+#: ... and this fraction of the estimate is kept out of the KV cache on top of it, for what
+#: the line misses (allocator fragmentation, a key that allocates more than its neighbours).
+#: vLLM's misses ran both ways -- 3x over (#45178: a linear sum over a shared pool), 3.6x
+#: under (#51590: per-mode deltas of one shared pool, two samples per mode); measuring the
+#: samples in one warm-up-order span removes both causes, so the margin covers the residue
+#: only; the runner logs estimate against actual after warm-up to check it.
+GRAPH_MEMORY_MARGIN = 0.10
 
 #: XLA backend: most threads compiling precompile buckets at once (one per CPU core up to
 #: this; lowering stays on the caller's thread, XLA's compile releases the GIL). Measured on

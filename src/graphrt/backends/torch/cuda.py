@@ -101,6 +101,11 @@ class CudaGraphAPI(DeviceGraphAPI):
         free, total = self.cuda.mem_get_info(self.device)
         return int(free), int(total)
 
+    def release_memory(self) -> None:
+        """``torch.cuda.empty_cache``: reserved blocks of dropped graph pools go back to the device."""
+        self.synchronize()
+        self.cuda.empty_cache()
+
 
 @contextlib.contextmanager
 def _no_collect(cuda: Any) -> Iterator[None]:

@@ -131,6 +131,11 @@ class TorchExecutor(Executor[TorchEntry]):
     def memory_info(self) -> tuple[int, int] | None:
         return self.graph_api.memory_info() if self.graph_api is not None else None
 
+    def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Any]]) -> tuple[dict[Any, int], str | None]:
+        """Capture ``jobs`` into a throwaway pool before the KV cache exists (backends/torch/graph_memory.py)."""
+        from graphrt.backends.torch.graph_memory import measure_graph_memory
+        return measure_graph_memory(self, jobs)
+
     # ---- split / compile -------------------------------------------------------------
     @property
     def split_model(self) -> SplitModel | None:

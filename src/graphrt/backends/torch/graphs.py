@@ -83,6 +83,10 @@ class DeviceGraphAPI(abc.ABC):
         """(free, total) device bytes, where known."""
         return None
 
+    def release_memory(self) -> None:
+        """Hand memory of dropped graphs back to the device (the caching allocator's
+        ``empty_cache``), so that what they held counts as free again. No-op by default."""
+
     @contextlib.contextmanager
     def task_group(self, hook: PreReplayHook, tasks: list[GraphTask]) -> Iterator[None]:
         """Capture the enclosed ops as one refreshable task; ``hook`` runs before each replay."""

@@ -112,6 +112,13 @@ class NpuGraphAPI(DeviceGraphAPI):
         free, total = self.npu.mem_get_info()
         return int(free), int(total)
 
+    def release_memory(self) -> None:
+        """``torch.npu.empty_cache`` (where the namespace has it): dropped graph pools go back."""
+        self.synchronize()
+        empty = getattr(self.npu, "empty_cache", None)
+        if empty is not None:
+            empty()
+
     @contextlib.contextmanager
     def task_group(self, hook: PreReplayHook, tasks: list[GraphTask]) -> Iterator[None]:
         """Capture the enclosed op as a task group the graph starts only after ``event``."""

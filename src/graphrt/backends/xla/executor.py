@@ -151,6 +151,13 @@ class XlaExecutor(Executor[XlaEntry]):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         return int(free), int(min(s["bytes_limit"] for s in stats))
 
+    def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> tuple[dict[Any, int], str | None]:
+        """XLA cannot: each executable is compiled against the KV cache's shape, unknown until
+        the cache is sized. The code and scratch bytes XLA reports per executable (warm-up's
+        ``bytes``) are compared after warm-up, not deducted."""
+        return {}, ("xla compiles each executable against the KV cache's shape, unknown before it "
+                    "is sized; executables' code and scratch bytes are reported after warm-up")
+
     # ---- build -------------------------------------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[XlaEntry, int]:
         """Compile the forward for a :class:`BatchDescriptor`, or the sampler for

@@ -1,0 +1,179 @@
+"""Graph memory in the KV budget: which keys to capture before the KV cache exists, how their
+bytes extrapolate to every key, and what is left for the KV cache.
+
+The rule (docs/backends.md, "Graph memory in the KV budget"):
+
+1. **Families.** Keys whose bytes grow along one size share a family: forward keys by
+   (runtime mode, uniform decode), sized by tokens; sampler keys by greedy / random, sized by
+   request rows.
+2. **Samples.** Per family, the largest, the smallest and the middle key (by size; at most
+   ``defaults.GRAPH_MEMORY_SAMPLES_PER_FAMILY``; every key of a smaller family). They are
+   captured in warm-up order (largest first, one pool, one span), so what one graph leaves
+   for the next -- a shared pool's high-water mark, buffers the first capture allocates -- is
+   measured once, as it will be at warm-up (vLLM #51590 under-estimated by summing per-mode
+   deltas of graphs that share a pool).
+3. **Extrapolation.** The span's first capture counts as measured and is no point of the
+   line: its bytes include the pool itself. Every other unsampled key gets the piecewise
+   linear interpolation, over size, of its family's other samples' bytes (what each added
+   to a pool that already held a larger graph), extended beyond them along the nearest
+   segment and never below 0. A shared pool's marginal bytes per graph stay small and the
+   line keeps them small (vLLM #45178 multiplied the second graph's bytes by the number of
+   graphs and lost two thirds of its KV cache); graphs that keep their own memory (the CPU
+   recording graph) grow linearly with their size, which the line follows.
+4. **Margin.** ``ceil(estimate * defaults.GRAPH_MEMORY_MARGIN)`` more is kept out of the KV
+   cache for what the line misses (fragmentation, a key that allocates more than its
+   neighbours). After warm-up the runner logs the estimate against the bytes actually built.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+from graphrt.core import defaults
+from graphrt.core.cache import describe_key
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.errors import ConfigError
+
+#: One build job: (runtime mode, key), as the runner's warm-up lists them (largest first).
+Job = tuple[RuntimeMode, Any]
+
+
+def family(job: Job) -> tuple[Hashable, int]:
+    """(family, size) of a job: forward keys by (mode, uniform decode) sized by tokens,
+    sampler keys by greedy / random sized by request rows."""
+    mode, key = job
+    if isinstance(key, SamplerKey):
+        return ("sampler", key.greedy), key.num_reqs
+    if isinstance(key, BatchDescriptor):
+        return (mode, key.uniform_decode), key.num_tokens
+    raise TypeError(f"graph memory: unknown key type {type(key).__name__}")
+
+
+def choose_samples(jobs: Sequence[Job], per_family: int = defaults.GRAPH_MEMORY_SAMPLES_PER_FAMILY
+                   ) -> list[Job]:
+    """The jobs to capture before the KV cache: per family the largest, the smallest and the
+    middle ones (up to ``per_family``), returned in the order of ``jobs`` (warm-up order)."""
+    groups: dict[Hashable, list[tuple[int, int]]] = {}
+    for i, job in enumerate(jobs):
+        fam, size = family(job)
+        groups.setdefault(fam, []).append((size, i))
+    chosen: set[int] = set()
+    for members in groups.values():
+        members.sort()
+        n = len(members)
+        if n <= per_family:
+            chosen.update(i for _, i in members)
+            continue
+        picks = {0, n - 1} if per_family >= 2 else {n - 1}
+        extra = per_family - len(picks)
+        for k in range(1, extra + 1):    # evenly spaced between the ends; one: the middle
+            picks.add(round(k * (n - 1) / (extra + 1)))
+        chosen.update(members[p][1] for p in picks)
+    return [job for i, job in enumerate(jobs) if i in chosen]
+
+
+def _interpolate(points: list[tuple[int, int]], size: int) -> Fraction:
+    """Piecewise-linear in ``size`` through ``points`` (sorted by distinct size), extended
+    along the end segments, never below 0; exact (a rational number of bytes)."""
+    if len(points) == 1:
+        return Fraction(points[0][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if size <= x1:
+            break
+    return max(Fraction(0), y0 + Fraction(y1 - y0, x1 - x0) * (size - x0))
+
+
+def extrapolate(jobs: Sequence[Job], measured: dict[Any, int]) -> int:
+    """Estimated bytes of building every job: each sampled key's measured bytes, plus, per
+    unsampled key, its family's line (module docstring, point 3). ``measured`` maps keys to
+    bytes in capture order; its first key is the span's first capture, no point of a line
+    unless it is its family's only sample."""
+    first = next(iter(measured), None)
+    lines: dict[Hashable, dict[int, int]] = {}
+    for job in jobs:
+        if job[1] in measured:
+            fam, size = family(job)
+            lines.setdefault(fam, {})[size] = measured[job[1]]
+    for job in jobs:   # the first capture is a point only where nothing else is
+        if job[1] == first:
+            fam, size = family(job)
+            if len(lines[fam]) > 1:
+                del lines[fam][size]
+    total = Fraction(0)
+    for job in jobs:
+        if job[1] in measured:
+            total += measured[job[1]]
+        else:
+            points = sorted(lines.get(family(job)[0], {}).items())
+            total += _interpolate(points, family(job)[1]) if points else 0
+    return math.ceil(total)
+
+
+@dataclass
+class GraphMemory:
+    """Graph memory against the KV budget: the estimate made before the KV cache was
+    allocated, and the bytes every build actually took, known after warm-up."""
+
+    estimate: int = 0                  # bytes, extrapolated over every key
+    margin: int = 0                    # bytes kept out of the KV cache on top of the estimate
+    num_keys: int = 0                  # keys warm-up builds
+    sampled: dict[str, int] = field(default_factory=dict)   # key (as the warm-up report names it) -> bytes
+    budget: int | None = None          # the KV budget before graphs (None: blocks given)
+    kv_bytes: int | None = None        # what the KV cache got
+    actual: int | None = None          # bytes of every entry built at warm-up (None: not yet)
+    reason: str | None = None          # why nothing was deducted, where nothing was
+
+    @property
+    def deducted(self) -> int:
+        """Bytes taken out of the KV budget for graphs: the estimate plus the margin."""
+        return self.estimate + self.margin
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain numbers, for logs, JSON and an engine's stats."""
+        return {"estimate": self.estimate, "margin": self.margin, "actual": self.actual,
+                "num_keys": self.num_keys, "sampled": dict(self.sampled), "budget": self.budget,
+                "kv_bytes": self.kv_bytes, "reason": self.reason}
+
+    def summary(self) -> str:
+        """One line: estimate (+ margin) against actual, or why nothing was estimated."""
+        actual = "not built yet" if self.actual is None else f"{self.actual / 2**20:.2f} MiB actual"
+        if self.reason is not None:
+            return f"graph memory: not deducted from the KV budget ({self.reason}); {actual}"
+        ratio = "" if not self.actual else f", estimate / actual {self.estimate / self.actual:.2f}"
+        return (f"graph memory: {self.estimate / 2**20:.2f} MiB estimated from {len(self.sampled)} of "
+                f"{self.num_keys} keys (+ {self.margin / 2**20:.2f} MiB margin), {actual}{ratio}")
+
+
+def kv_blocks_after_graphs(budget: int, per_block: int, full: int, graphs: GraphMemory) -> int:
+    """KV blocks that ``budget`` bytes hold once ``graphs.deducted`` is taken out (at most
+    ``full``); raises :class:`ConfigError` naming the numbers when fewer than 2 remain (the
+    null block and one block of one request)."""
+    left = budget - graphs.deducted
+    blocks = min(max(left, 0) // per_block, full)
+    if blocks < 2:
+        raise ConfigError(
+            f"kv_cache_memory: {budget} bytes leave {left} for the KV cache after {graphs.estimate} bytes "
+            f"of graphs (estimated from {len(graphs.sampled)} of {graphs.num_keys} keys) and a "
+            f"{graphs.margin}-byte margin; one request needs 2 KV blocks of {per_block} bytes "
+            f"({2 * per_block}): raise the budget or capture fewer sizes")
+    graphs.budget, graphs.kv_bytes = budget, int(blocks) * per_block
+    return int(blocks)
+
+
+def estimate_graph_memory(jobs: Sequence[Job], measure: Callable[[Sequence[Job]], tuple[dict[Any, int], str | None]]
+             ) -> GraphMemory:
+    """Choose the samples of ``jobs``, ``measure`` them (bytes per key in capture order, or
+    ({}, why not)), extrapolate, and add the margin."""
+    if not jobs:
+        return GraphMemory(reason="no keys to build (graph mode NONE or an eager backend)")
+    samples = choose_samples(jobs)
+    measured, reason = measure(samples)
+    if reason is not None:
+        return GraphMemory(num_keys=len(jobs), reason=reason)
+    total = extrapolate(jobs, measured)
+    names = {key: describe_key(key if isinstance(key, SamplerKey) else (mode, key)) for mode, key in samples}
+    return GraphMemory(estimate=total, margin=int(math.ceil(total * defaults.GRAPH_MEMORY_MARGIN)),
+                       num_keys=len(jobs), sampled={names[k]: int(v) for k, v in measured.items()})
