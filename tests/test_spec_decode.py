@@ -177,3 +177,15 @@ def test_position_logits_need_speculative_tokens():
     execute(r, tokens, blocks, [0], [0], [3])
     with pytest.raises(Exception, match="num_speculative_tokens > 0"):
         r.position_logits()
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
+def test_the_kit_holds_with_speculative_decode_steps(mode):
+    """graphrt.testing's properties with k = 2: its decode steps schedule 3 tokens per
+    request, so padding, KV isolation and warm-up coverage are checked on verification keys."""
+    from graphrt.testing.conformance import run_conformance
+
+    results = run_conformance(str(tiny_hf_model_dir("qwen3")), "cpu", examples=15, mode=mode, report=None,
+                              num_speculative_tokens=K,
+                              properties=["padding_invisible", "kv_isolated", "no_build_after_warmup"])
+    assert all(r.passed for r in results), [r.line() for r in results]

@@ -185,8 +185,11 @@ def bucket_keys(runner: Any) -> list[BatchDescriptor]:
 
 def covering_keys(runner: Any, step: Step) -> list[BatchDescriptor]:
     """Every bucket key that can hold ``step``, smallest first: enough tokens and requests, and
-    a decode key only for a decode step (a decode executable assumes one token per request)."""
-    t, r, uniform = step.num_tokens, step.num_reqs, step.uniform_decode
+    a decode key only for a decode step (every request schedules the config's
+    ``decode_query_len`` tokens: one, or 1 + k drafts with speculative decoding)."""
+    t, r = step.num_tokens, step.num_reqs
+    q = runner.config.decode_query_len
+    uniform = bool((np.asarray(step.num_scheduled_tokens) == q).all())
     keys = {k for k in bucket_keys(runner)
             if k.num_tokens >= t and (k.num_reqs is None or k.num_reqs >= r) and (uniform or not k.uniform_decode)}
     return sorted(keys, key=lambda k: (k.num_tokens, k.num_reqs or 0, k.uniform_decode))

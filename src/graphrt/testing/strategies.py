@@ -1,8 +1,8 @@
 """Hypothesis strategies for scheduler steps over an engine's persistent tables.
 
 * :func:`steps` -- valid steps bounded by a :class:`~graphrt.GraphConfig`: prefills, chunked
-  prefills, prefix hits (tokens already computed at a request's first schedule), decodes and
-  mixed batches, table rows in any order, block tables whose requests share full prefix blocks
+  prefills, prefix hits (tokens already computed at a request's first schedule), decodes
+  (``1 + num_speculative_tokens`` tokens per request: drafts verified) and mixed batches, table rows in any order, block tables whose requests share full prefix blocks
   and whose unused columns hold the null block or stale ids of other requests.
 * :func:`bad_steps` -- a valid step with exactly one bound broken, and the field the
   :class:`~graphrt.InputError` must name.
@@ -62,13 +62,13 @@ def _table(draw: Callable[[Any], Any], config: GraphConfig, num_kv_blocks: int, 
 
 def _schedule(draw: Callable[[Any], Any], config: GraphConfig, num_rows: int
               ) -> tuple[list[int], list[int], list[int]]:
-    budget, model_len = config.max_num_batched_tokens, config.max_model_len
-    r = draw(st.integers(1, min(config.max_num_seqs, budget, num_rows)))
+    budget, model_len, q = config.max_num_batched_tokens, config.max_model_len, config.decode_query_len
+    decode = draw(st.booleans()) and q <= model_len
+    r = draw(st.integers(1, min(config.max_num_seqs, budget // q if decode else budget, num_rows)))
     rows = draw(st.lists(st.integers(0, num_rows - 1), min_size=r, max_size=r, unique=True))
-    decode = draw(st.booleans())
     computed, scheduled, left = [], [], budget
     for i in range(r):
-        n = 1 if decode else draw(st.integers(1, min(model_len, left - (r - i - 1))))
+        n = q if decode else draw(st.integers(1, min(model_len, left - (r - i - 1))))
         computed.append(draw(st.integers(0, model_len - n)))
         scheduled.append(n)
         left -= n
