@@ -261,9 +261,14 @@ def _demo_run(args: argparse.Namespace) -> int:
         step += 1
     stats = llm.stats
     print("\nstatistics:")
-    for k in ("hits", "misses", "entries", "eager_steps", "real_tokens", "padded_tokens",
+    for k in ("hits", "misses", "entries", "eager_steps", "eager_tokens", "real_tokens", "padded_tokens",
               "padding_waste", "build_seconds", "build_bytes", "preemptions"):
         print(f"  {k:<14} {stats[k]}")
+    print("  eager by cause (steps / tokens):")
+    for cause, n in stats["eager_by_cause"].items():
+        print(f"    {cause:<22} {n['steps']:>5} / {n['tokens']}")
+    print(f"  {runner.stats.summary()}")
+    print(f"  {runner.graph_memory.summary()}")
     return 0
 
 

@@ -23,6 +23,7 @@ from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.core.cache import CacheStats, EagerFallback, GraphCache, describe_key
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
+from graphrt.core.eager import EagerCause, dispatch_cause
 from graphrt.core.errors import GraphCaptureError, InputError
 from graphrt.core.graph_memory import GraphMemory, estimate_graph_memory, kv_blocks_after_graphs
 from graphrt.core.inputs import InputPreparer
@@ -43,6 +44,7 @@ class StepInfo:
     num_reqs: int
     eager_reason: str | None
     seconds: float
+    eager_cause: EagerCause | None = None   # why it ran eagerly, grouped (None: it did not)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class _StepPlan:
     hit: bool
     sampler: dict[bool, tuple[SamplerKey, Any, str | None]]  # all_greedy -> (key, entry or None, eager reason)
     version: int                     # cache.version + sampler_cache.version when planned
+    eager_cause: EagerCause | None = None
 
 
 class ModelRunner:
@@ -243,12 +246,13 @@ class ModelRunner:
         # device), and the runner's objects are still warm from checking and writing.
         self.cache.record_step(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r,
                                padded_reqs=padded_reqs, eager_reason=plan.eager_reason,
-                               key=plan.cache_key, hit=plan.hit)
+                               eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
         sampler_entry = None
         if sampling is not None and plan.mode is RuntimeMode.FULL:
             sampler_key, sampler_entry, sampler_eager = plan.sampler[sampling.all_greedy]
             self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=r, padded_reqs=padded_reqs,
-                                           eager_reason=sampler_eager, key=sampler_key,
+                                           eager_reason=sampler_eager, eager_cause=EagerCause.CAPTURE_FAILED,
+                                           key=sampler_key,
                                            hit=sampler_entry is not None)
         logits = self.executor.run(plan.mode, key, plan.entry, padded)
         tokens = None
@@ -263,8 +267,10 @@ class ModelRunner:
         until either cache changes; each step still counts its hit or miss."""
         d = self.dispatcher.dispatch(t, r, uniform)
         mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
+        eager_cause = None
         if mode is RuntimeMode.NONE:
             eager_reason = d.reason
+            eager_cause = dispatch_cause(self.dispatcher, d, uniform)
         else:
             cache_key = (mode, key)
             entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
@@ -273,6 +279,7 @@ class ModelRunner:
             hit = entry is not None and not isinstance(entry, EagerFallback)
             if not hit:
                 eager_reason = entry.reason if entry is not None else f"{key} was not captured"
+                eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
                 mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform), None
         padded_reqs = key.num_reqs if key.num_reqs is not None else r
         sampler = {}
@@ -284,7 +291,7 @@ class ModelRunner:
             else:
                 sampler[greedy] = (sampler_key, sampler_entry, None)
         plan = _StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
-                         self.cache.version + self.sampler_cache.version)
+                         self.cache.version + self.sampler_cache.version, eager_cause)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
         self._plans[(t, r, uniform)] = plan
@@ -296,7 +303,7 @@ class ModelRunner:
         if self._last is None:
             return None
         plan, t, r, seconds = self._last
-        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds)
+        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause)
 
     def _build_missing(self, mode: RuntimeMode, key: BatchDescriptor) -> Any:
         """Backends without an eager path (XLA) compile a missing key now (unplanned once sealed)."""

@@ -2,7 +2,8 @@
 
 Backends store whatever their entry is (a torch graph with its static outputs, an XLA
 executable); the cache counts hits and misses, warm-up cost per key, real versus padded
-tokens, eager steps and their reasons, and enforces strict mode: once warm-up is over, a
+tokens, eager steps and tokens by cause (:class:`~graphrt.core.eager.EagerCause`) and their
+reasons, and enforces strict mode: once warm-up is over, a
 miss raises :class:`~graphrt.core.errors.CacheMissError` naming the key and why.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
 from graphrt.core.dispatch import SamplerKey
+from graphrt.core.eager import EagerCause, EagerCount, new_eager_counts
 from graphrt.core.errors import CacheMissError, GraphrtError
 
 E = TypeVar("E")
@@ -54,6 +56,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     eager_steps: int = 0
+    eager_tokens: int = 0              # real tokens of the eager steps
     unplanned_builds: int = 0          # captures / compiles after warm-up
     failed_builds: int = 0             # keys whose capture failed (they run eagerly)
     real_tokens: int = 0
@@ -61,6 +64,8 @@ class CacheStats:
     real_reqs: int = 0
     padded_reqs: int = 0
     eager_reasons: collections.Counter = field(default_factory=collections.Counter)
+    #: Eager steps and their tokens per cause (every cause present, zero until it happens).
+    eager_by_cause: dict[EagerCause, EagerCount] = field(default_factory=new_eager_counts)
     per_key: dict[Hashable, EntryStats] = field(default_factory=dict)
 
     @property
@@ -83,12 +88,22 @@ class CacheStats:
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers, for logs and JSON."""
         return {"hits": self.hits, "misses": self.misses, "entries": self.entries,
-                "eager_steps": self.eager_steps, "unplanned_builds": self.unplanned_builds,
+                "eager_steps": self.eager_steps, "eager_tokens": self.eager_tokens,
+                "eager_by_cause": {c.value: {"steps": n.steps, "tokens": n.tokens}
+                                   for c, n in self.eager_by_cause.items()},
+                "unplanned_builds": self.unplanned_builds,
                 "failed_builds": self.failed_builds,
                 "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
                 "padding_waste": round(self.padding_waste, 4),
                 "build_seconds": round(self.build_seconds, 4), "build_bytes": self.build_bytes,
                 "eager_reasons": dict(self.eager_reasons)}
+
+    def summary(self) -> str:
+        """One line for an engine's log: hits, misses, eager steps / tokens by cause, padding."""
+        causes = ", ".join(f"{c.value} {n.steps}/{n.tokens}" for c, n in self.eager_by_cause.items() if n.steps)
+        eager = f"eager {self.eager_steps} steps / {self.eager_tokens} tokens" + (f" ({causes})" if causes else "")
+        return (f"hits {self.hits}, misses {self.misses}, {eager}, "
+                f"padding waste {100 * self.padding_waste:.1f}%")
 
 
 class GraphCache(Generic[E]):
@@ -171,9 +186,11 @@ class GraphCache(Generic[E]):
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, real_reqs: int,
                     padded_reqs: int, eager_reason: str | None = None,
+                    eager_cause: EagerCause | None = None,
                     key: Hashable | None = None, hit: bool = False) -> None:
-        """Account one step's padding (and why it ran eagerly, if it did); with ``key``, also
-        count the step's lookup of it (see :meth:`count`)."""
+        """Account one step's padding (and, if it ran eagerly, why: ``eager_reason`` in words,
+        ``eager_cause`` its :class:`EagerCause`, a miss when not given; its real tokens count as
+        eager); with ``key``, also count the step's lookup of it (see :meth:`count`)."""
         s = self.stats
         s.real_tokens += real_tokens
         s.padded_tokens += padded_tokens
@@ -181,7 +198,11 @@ class GraphCache(Generic[E]):
         s.padded_reqs += padded_reqs
         if eager_reason is not None:
             s.eager_steps += 1
+            s.eager_tokens += real_tokens
             s.eager_reasons[eager_reason] += 1
+            by_cause = s.eager_by_cause[eager_cause or EagerCause.MISS]
+            by_cause.steps += 1
+            by_cause.tokens += real_tokens
         if key is not None:
             self.count(key, hit)
 
