@@ -2,7 +2,7 @@
 the PrefillAdder-style budget of ``Scheduler.schedule``.
 
 Orders: fcfs keeps arrival order; lof puts the largest ``max_tokens`` first (ties in arrival
-order); random is a seeded permutation; lpm puts the longest cached prefix first and defers
+order); random is a seeded permutation; lpm puts the longest cached prefix first and holds back
 a request that shares an uncached prefix with one ahead of it; dfs-weight walks the tree
 heaviest subtree first, deeper matches before their ancestors'. Cache-aware policies without
 a cache, and lpm with a long queue, serve fcfs.
@@ -90,7 +90,7 @@ def test_lpm_defers_requests_that_share_an_uncached_prefix_with_one_ahead():
     queue = [req(0, shared + [1]), req(1, [9] * 5), req(2, shared + [2]), req(3, shared[:36] + [3]),
              req(4, [8] * 12)]
     # 2 and 3 match >= 32 tokens of 0 (ahead of them): they wait; 0 computes the prefix.
-    assert order(sched, queue) == [0, 1, 4, 2, 3]
+    assert order(sched, queue) == [0, 1, 4]
     assert defaults.IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD == 32
     # A cached prefix longer than the check threshold is no reason to wait: plain lpm order.
     cache_prefix(sched, shared)
@@ -161,6 +161,23 @@ def test_admission_starts_from_the_cached_prefix():
     assert step.num_scheduled == [2, 2]
     assert r0.blocks[:3] == r1.blocks[:3] and all(sched.allocator.refcount(b) == 2 for b in r0.blocks[:3])
     assert sched.num_cached_tokens == 28 and (r0.num_cached_tokens, r1.num_cached_tokens) == (16, 12)
+
+
+def test_lpm_computes_a_shared_uncached_prefix_once():
+    sched = scheduler("lpm", max_num_batched_tokens=256)
+    shared = list(range(40, 80))
+    for i in range(4):
+        sched.add(req(i, shared + [i + 1] * 3))
+    sched.add(req(4, [9] * 6))
+    first = sched.schedule()
+    assert [r.request_id for r in first.requests] == [0, 4]       # 1..3 wait for 0's prefix
+    for r, n in zip(first.requests, first.num_scheduled):
+        r.num_computed_tokens += n
+        sched.cache_computed(r)
+    second = sched.schedule()
+    waiting = [r for r in second.requests if r.request_id in (1, 2, 3)]
+    assert [r.num_computed_tokens for r in waiting] == [40, 40, 40]    # the prefix, cached
+    assert sched.num_cached_tokens == 120
 
 
 def test_the_kv_estimate_budget_with_conservativeness():

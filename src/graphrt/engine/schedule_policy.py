@@ -10,15 +10,17 @@ Cache-agnostic:
 Cache-aware (need the prefix cache; without it they serve ``fcfs``, as SGLang does):
 
 * ``lpm`` -- longest prefix match first. A request whose own cache match is short but which
-  shares a prefix with a request ahead of it in the queue is deprioritised for this step
-  (SGLang's in-batch prefix caching): the first computes the prefix, the rest find it cached.
-  Above ``LPM_MAX_WAITING`` waiting requests it serves ``fcfs`` (matching every one per
-  step would cost too much).
+  shares a prefix with a request ahead of it in the queue is held back for this step
+  (SGLang's in-batch prefix check, whose stated aim is to "schedule only one of them"; SGLang
+  sorts such requests last, graphrt leaves them out of this step): the first computes the
+  prefix, the rest find it cached a step later. Above ``LPM_MAX_WAITING`` waiting requests it
+  serves ``fcfs`` (matching every one per step would cost too much).
 * ``dfs-weight`` -- group by where each request's match ends in the tree and walk the tree
   depth first, heaviest subtree (most waiting requests) first, deeper matches before their
   ancestors' requests: requests sharing a prefix run together while it is cached.
 
-Every order is a permutation of the queue and is stable: equal keys keep arrival order.
+Every order is a permutation of the queue (``lpm`` without the requests it holds back) and
+is stable: equal keys keep arrival order.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class SchedulePolicy:
         self._rng = random.Random(seed)
 
     def order(self, waiting: Sequence[Any], match: Matcher, keys: Keys) -> list[Any]:
-        """The requests of ``waiting`` in the order admission should try them."""
+        """The requests of ``waiting`` admission should try this step, in order."""
         policy = self.active
         if policy == "lpm" and len(waiting) > defaults.LPM_MAX_WAITING:
             policy = "fcfs"
@@ -89,7 +91,7 @@ class SchedulePolicy:
                 continue
             for key in ks[depth:]:
                 level = level.setdefault(key, {})
-        ranked = sorted(range(len(waiting)), key=lambda i: (i in later, -matches[i].num_blocks))
+        ranked = sorted((i for i in range(len(waiting)) if i not in later), key=lambda i: -matches[i].num_blocks)
         return [waiting[i] for i in ranked]
 
     def _dfs_weight(self, waiting: Sequence[Any], matches: list[Match]) -> list[Any]:
