@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import graphrt
-from graphrt.core.dispatch import Dispatch, Dispatcher, RuntimeMode
+from graphrt.core.dispatch import Dispatch, Dispatcher, GraphMode, RuntimeMode
 
 
 def _numpy(a: Any) -> np.ndarray:
@@ -61,6 +61,8 @@ def assert_same_tokens(got_logits: Any, want_logits: Any, err_msg: str = "") -> 
 
 class PaddedEagerDispatcher:
     """Dispatches like ``inner`` but runs every step eagerly at the key ``inner`` returns."""
+
+    mode = GraphMode.NONE      # every step eager by design: counted under the graph-mode cause
 
     def __init__(self, inner: Dispatcher) -> None:
         self.inner = inner
