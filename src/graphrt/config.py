@@ -60,6 +60,10 @@ class GraphConfig(BaseModel):
     compile_model: bool = Field(
         False, description="torch graph backends: torch.compile the pieces between attention calls "
                            "(static shapes, one compile per bucket) before capturing them")
+    piecewise_capture: Literal["auto", "fx", "breakable"] = Field(
+        "auto", description="how PIECEWISE graphs are captured: fx (split the traced model at attention), "
+                            "breakable (capture the forward once, breaking at each attention call; no tracing), "
+                            "or auto (fx when the model traces, else breakable)")
     compile_max_size: int = Field(defaults.DEFAULT_COMPILE_MAX_SIZE, gt=0,
                                   description="largest bucket (tokens) compiled when compile_model is set")
     num_speculative_tokens: int = Field(

@@ -36,6 +36,7 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.backends.torch.breakable import capture_breakable
 from graphrt.backends.torch.piecewise import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
                                               split_or_reason)
 from graphrt.config import GraphConfig
@@ -149,14 +150,30 @@ class TorchExecutor(Executor[TorchEntry]):
         return self._split
 
     @property
+    def piecewise_capture(self) -> str | None:
+        """How PIECEWISE graphs are captured here: ``fx`` (the split model), ``breakable``
+        (:mod:`graphrt.backends.torch.breakable`), or None (no graph API, or neither works)."""
+        choice = self.config.piecewise_capture
+        if self.graph_api is None:
+            return None
+        if choice != "breakable" and self.split_model is not None:
+            return "fx"
+        if choice != "fx" and list(getattr(self.model, "attention_layers", list)()):
+            return "breakable"
+        return None
+
+    @property
     def supports_piecewise(self) -> bool:  # type: ignore[override]
-        """PIECEWISE graphs need a graph API and a model that splits at its attention calls."""
-        return self.graph_api is not None and self.split_model is not None
+        """PIECEWISE graphs need a graph API and a model that splits at its attention calls
+        (fx) or declares them (breakable)."""
+        return self.piecewise_capture is not None
 
     def _compiles(self, num_tokens: int) -> bool:
         """Whether a graph of ``num_tokens`` tokens is captured from compiled pieces."""
         cfg = self.config
         if not cfg.compile_model or self.graph_api is None or num_tokens > cfg.compile_max_size:
+            return False
+        if cfg.piecewise_capture == "breakable":
             return False
         if self.graph_api.compile_backend is None:
             return False
@@ -170,6 +187,8 @@ class TorchExecutor(Executor[TorchEntry]):
             return "the eager backend captures no graphs, so nothing is compiled"
         if self.graph_api.compile_backend is None:
             return f"backend {self.graph_api.name} does not support torch.compile before capture"
+        if self.config.piecewise_capture == "breakable":
+            return "piecewise_capture=breakable captures without torch.compile, which needs the fx split"
         if self.split_model is None:
             return f"the model cannot be split at attention: {self._split_reason}"
         return None
@@ -251,9 +270,12 @@ class TorchExecutor(Executor[TorchEntry]):
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
         elif mode is RuntimeMode.PIECEWISE:
-            if self.split_model is None:
+            if self.piecewise_capture is None:
                 raise GraphrtError(f"PIECEWISE graphs are unavailable: {self._split_reason}")
-            entry, nbytes = self._with_compile_fallback(key, self._build_piecewise)
+            if self.piecewise_capture == "breakable":
+                entry, nbytes = self._build_breakable(key)
+            else:
+                entry, nbytes = self._with_compile_fallback(key, self._build_piecewise)
         else:
             raise GraphrtError(f"{mode.value} graphs are not available on this backend")
         seconds = time.perf_counter() - t0
@@ -346,6 +368,22 @@ class TorchExecutor(Executor[TorchEntry]):
                     replay_calls.append(call)
         entry = PiecewiseEntry(num_tokens, replay_calls, graphs, output, self._input_ptrs(), compiled, tasks)
         return entry, nbytes
+
+    def _build_breakable(self, key: BatchDescriptor) -> tuple[PiecewiseEntry, int]:
+        """Capture the forward for ``key.num_tokens`` tokens broken at each attention call
+        (:func:`capture_breakable`); replayed like the fx pieces, attention eager between."""
+        t, s = key.num_tokens, self.static
+
+        def forward() -> torch.Tensor:
+            return self.model(s["input_ids"][:t], s["positions"][:t])
+
+        self._load_dummy(t, 1)
+        with torch.no_grad(), forward_context(self._meta(t, 1)):
+            for _ in range(defaults.CAPTURE_WARMUP_RUNS):
+                forward()
+            calls, graphs, output, nbytes, tasks = capture_breakable(self.pool, forward,
+                                                                     list(self.model.attention_layers()))
+        return PiecewiseEntry(t, calls, graphs, output, self._input_ptrs(), False, tasks), nbytes
 
     # ---- run -------------------------------------------------------------------------
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,
