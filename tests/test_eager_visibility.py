@@ -105,6 +105,7 @@ def test_llm_stats_and_the_demo_show_the_causes(model_dir, capsys):
     stats = llm.stats
     assert stats["eager_by_cause"]["mode"] == {"steps": stats["eager_steps"], "tokens": stats["eager_tokens"]}
     assert stats["eager_tokens"] == stats["real_tokens"] > 0
+    assert stats["graph_memory"]["estimate"] == 0 and stats["graph_memory"]["reason"]
     assert main(["demo", "--backend", "eager", "--num-prompts", "2", "--max-tokens", "2",
                  "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]) == 0
     out = capsys.readouterr().out

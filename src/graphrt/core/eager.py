@@ -42,13 +42,14 @@ def new_eager_counts() -> dict[EagerCause, EagerCount]:
 def dispatch_cause(dispatcher: Dispatcher, d: Dispatch, uniform_decode: bool) -> EagerCause:
     """Why the dispatcher sent a step eager (``d.mode`` is NONE): its graph mode does not cover
     the step, or the step is above the largest bucket that would have covered it. Mirrors
-    :meth:`Dispatcher.dispatch`: decode steps above the largest decode bucket count as above."""
+    :meth:`Dispatcher.dispatch`: decode steps above the largest decode bucket count as above.
+    A stand-in dispatcher without a graph ``mode`` counts as the mode's choice."""
     if d.mode is not RuntimeMode.NONE:
         raise ValueError(f"dispatch_cause: the step runs {d.mode.value}, not eagerly")
-    mode = dispatcher.mode
+    mode = getattr(dispatcher, "mode", GraphMode.NONE)
     if mode is GraphMode.NONE:
         return EagerCause.MODE
-    if uniform_decode and dispatcher.separate_decode:
+    if uniform_decode and getattr(dispatcher, "separate_decode", False):
         return EagerCause.ABOVE_LARGEST_BUCKET   # no decode bucket held it (else it had a graph)
     runtime = mode.decode_mode() if uniform_decode else mode.mixed_mode()
     return EagerCause.MODE if runtime is RuntimeMode.NONE else EagerCause.ABOVE_LARGEST_BUCKET

@@ -361,6 +361,7 @@ class LLM:
             out["kv_blocks"] = self.runner.num_kv_blocks
             out["step_faults"] = self.num_step_faults
             out["kv_cache_resets"] = self.runner.kv_cache_resets
+            out["graph_memory"] = self.runner.graph_memory.as_dict()
             out["sampler_eager_steps"] = self.runner.sampler_stats.eager_steps
             out["sampler_failed_builds"] = self.runner.sampler_stats.failed_builds
             out["recomputed"] = self.scheduler.num_recomputed
