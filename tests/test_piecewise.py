@@ -144,7 +144,7 @@ def test_unsplittable_model_degrades_piecewise_modes(caplog: pytest.LogCaptureFi
 
 def test_token_buckets_share_one_set_of_piece_buffers() -> None:
     r = runner(CpuGraphBackend(), mode="PIECEWISE")
-    buffers = r.executor._piece_buffers
+    buffers = r.executor.pieces.buffers
     assert buffers is not None and buffers.capacity == 16
     assert not buffers._own  # every crossing value is token-major
     report = {x["key"]: x["bytes"] for x in r.executor.capture_report}
@@ -180,7 +180,7 @@ def test_compile_model_compiles_buckets_up_to_the_maximum(mode: str) -> None:
     compiled = {x["key"]: x["compiled"] for x in r.executor.capture_report if "sample" not in x["key"]}
     assert [c for _, c in sorted(compiled.items(), key=lambda kv: int(kv[0].split("tokens=")[1].split(",")[0]))] \
         == [True, True, False]
-    assert sorted(r.executor._compiled_pieces) == [2, 4]
+    assert sorted(r.executor.pieces.compiled) == [2, 4]
     for (_, g), (_, w) in zip(run(r), want):
         assert_close_across_shapes(g, w)   # compiled kernels, padded: graphrt.tolerance of eager
         assert_same_tokens(g, w)

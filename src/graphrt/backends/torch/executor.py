@@ -36,9 +36,8 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch.breakable import capture_breakable
-from graphrt.backends.torch.piecewise import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
-                                              split_or_reason)
+from graphrt.backends.torch.pieces import Pieces
+from graphrt.backends.torch.piecewise import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import GraphrtError
@@ -104,11 +103,7 @@ class TorchExecutor(Executor[TorchEntry]):
         self._copied = None if same else _device_event(self.device)
         self.pool = GraphPool(graph_api) if graph_api is not None else None
         self.kv_cache: torch.Tensor | None = None
-        self._split: SplitModel | None = None
-        self._split_reason: str | None = None
-        self._split_tried = False
-        self._piece_buffers: PiecewiseBuffers | None = None
-        self._compiled_pieces: dict[int, list[Callable[..., Any]]] = {}
+        self.pieces = Pieces(self)
         note = self.compile_note()
         if note is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
@@ -137,61 +132,26 @@ class TorchExecutor(Executor[TorchEntry]):
         from graphrt.backends.torch.graph_memory import measure_graph_memory
         return measure_graph_memory(self, jobs)
 
-    # ---- split / compile -------------------------------------------------------------
+    # ---- split / compile (graphrt.backends.torch.pieces) ------------------------------
     @property
     def split_model(self) -> SplitModel | None:
         """The model split at its attention calls (None if it cannot be split; see the log)."""
-        if not self._split_tried:
-            self._split_tried = True
-            self._split, self._split_reason = split_or_reason(self.model)
-            if self._split is None:
-                logger.info("graphrt: no piecewise graphs or compiled pieces for this model: %s",
-                            self._split_reason)
-        return self._split
+        return self.pieces.split_model
 
     @property
     def piecewise_capture(self) -> str | None:
-        """How PIECEWISE graphs are captured here: ``fx`` (the split model), ``breakable``
-        (:mod:`graphrt.backends.torch.breakable`), or None (no graph API, or neither works)."""
-        choice = self.config.piecewise_capture
-        if self.graph_api is None:
-            return None
-        if choice != "breakable" and self.split_model is not None:
-            return "fx"
-        if choice != "fx" and list(getattr(self.model, "attention_layers", list)()):
-            return "breakable"
-        return None
+        """How PIECEWISE graphs are captured here: ``fx``, ``breakable`` or None (neither works)."""
+        return self.pieces.capture
 
     @property
     def supports_piecewise(self) -> bool:  # type: ignore[override]
         """PIECEWISE graphs need a graph API and a model that splits at its attention calls
         (fx) or declares them (breakable)."""
-        return self.piecewise_capture is not None
-
-    def _compiles(self, num_tokens: int) -> bool:
-        """Whether a graph of ``num_tokens`` tokens is captured from compiled pieces."""
-        cfg = self.config
-        if not cfg.compile_model or self.graph_api is None or num_tokens > cfg.compile_max_size:
-            return False
-        if cfg.piecewise_capture == "breakable":
-            return False
-        if self.graph_api.compile_backend is None:
-            return False
-        return self.split_model is not None
+        return self.pieces.capture is not None
 
     def compile_note(self) -> str | None:
         """Why ``compile_model`` has no effect here, or None when it works (or is off)."""
-        if not self.config.compile_model:
-            return None
-        if self.graph_api is None:
-            return "the eager backend captures no graphs, so nothing is compiled"
-        if self.graph_api.compile_backend is None:
-            return f"backend {self.graph_api.name} does not support torch.compile before capture"
-        if self.config.piecewise_capture == "breakable":
-            return "piecewise_capture=breakable captures without torch.compile, which needs the fx split"
-        if self.split_model is None:
-            return f"the model cannot be split at attention: {self._split_reason}"
-        return None
+        return self.pieces.compile_note()
 
     # ---- forward -------------------------------------------------------------------
     def _meta(self, num_tokens: int, num_reqs: int) -> TorchAttentionMetadata:
@@ -270,12 +230,9 @@ class TorchExecutor(Executor[TorchEntry]):
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
         elif mode is RuntimeMode.PIECEWISE:
-            if self.piecewise_capture is None:
-                raise GraphrtError(f"PIECEWISE graphs are unavailable: {self._split_reason}")
-            if self.piecewise_capture == "breakable":
-                entry, nbytes = self._build_breakable(key)
-            else:
-                entry, nbytes = self._with_compile_fallback(key, self._build_piecewise)
+            if self.pieces.capture is None:
+                raise GraphrtError(f"PIECEWISE graphs are unavailable: {self.pieces.split_reason}")
+            entry, nbytes = self._with_compile_fallback(key, self.pieces.build)
         else:
             raise GraphrtError(f"{mode.value} graphs are not available on this backend")
         seconds = time.perf_counter() - t0
@@ -288,7 +245,7 @@ class TorchExecutor(Executor[TorchEntry]):
     def _with_compile_fallback(self, key: BatchDescriptor,
                                build: Callable[[BatchDescriptor, bool], tuple[Any, int]]) -> tuple[Any, int]:
         """Build from compiled pieces where configured; if compiling fails, build uncompiled."""
-        if not self._compiles(key.num_tokens):
+        if not self.pieces.compiles(key.num_tokens):
             return build(key, False)
         try:
             return build(key, True)
@@ -297,7 +254,7 @@ class TorchExecutor(Executor[TorchEntry]):
         except Exception as exc:  # noqa: BLE001 - a compile failure must not cost the graph
             logger.warning("graphrt: torch.compile of %s, or capturing its compiled pieces, failed (%s); "
                            "capturing it uncompiled", key, describe_capture_failure(exc))
-            self._compiled_pieces.pop(key.num_tokens, None)
+            self.pieces.compiled.pop(key.num_tokens, None)
             return build(key, False)
 
     def _build_full(self, key: BatchDescriptor, compiled: bool) -> tuple[CapturedGraph, int]:
@@ -305,85 +262,17 @@ class TorchExecutor(Executor[TorchEntry]):
         if not compiled:
             return self._capture(lambda: self._forward(num_tokens, num_reqs),
                                  lambda: self._load_dummy(num_tokens, num_reqs))
-        calls, output, held = self._prepare_pieces(num_tokens, compiled=True)
+        calls, output, held = self.pieces.prepare(num_tokens, compiled=True)
         entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs),
                                       lambda: self._load_dummy(num_tokens, num_reqs))
         entry.compiled = True
         return entry, nbytes + held
-
-    def _prepare_pieces(self, num_tokens: int, compiled: bool
-                        ) -> tuple[list[Callable[[], None]], torch.Tensor, int]:
-        """Bind the split model's values at ``num_tokens`` to the persistent piece buffers.
-
-        A warm-up runs the split model on pure padding (one empty request) to learn every
-        value that crosses a cut; the values get buffer views; with ``compiled`` each piece
-        is compiled for exactly those views; then every step runs once through the buffers.
-        Returns the step calls, the output view, and the bytes of buffers newly allocated.
-        """
-        split = self.split_model
-        if self._piece_buffers is None:
-            self._piece_buffers = PiecewiseBuffers(split, self.config.capture_policy().max_size)
-        buffers = self._piece_buffers
-        held = buffers.nbytes
-        s = self.static
-        inputs = (s["input_ids"][:num_tokens], s["positions"][:num_tokens])
-        with torch.no_grad():
-            self._load_dummy(num_tokens, 1)
-            with forward_context(self._meta(num_tokens, 1)):
-                for _ in range(defaults.CAPTURE_WARMUP_RUNS):
-                    env = split.run(inputs)
-                views = buffers.bind(env, num_tokens)
-                pieces: list[Callable[..., Any]] = [piece.module for piece in split.pieces]
-                if compiled:
-                    pieces = self._compiled_pieces.get(num_tokens) or [
-                        compile_piece(piece.module, [views[a] for a in piece.args],
-                                      self.graph_api.compile_backend) for piece in split.pieces]
-                    self._compiled_pieces[num_tokens] = pieces
-                calls = buffers.bind_calls(views, pieces)
-                for call in calls:
-                    call()
-        return calls, views[split.output], buffers.nbytes - held
 
     def _capture(self, fn: Callable[[], None], load_dummy: Callable[[], None],
                  warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
         load_dummy()
         graph, nbytes, tasks = self.pool.capture(fn, warmups)
         return CapturedGraph(graph, self._input_ptrs(), tasks), nbytes
-
-    def _build_piecewise(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
-        """Capture every piece for ``key.num_tokens`` tokens over the shared piece buffers;
-        attention stays outside the graphs and runs eagerly between them on replay."""
-        num_tokens = key.num_tokens
-        calls, output, nbytes = self._prepare_pieces(num_tokens, compiled)
-        graphs, tasks, replay_calls = [], [], []
-        with torch.no_grad():
-            for split_call, call in zip(self.split_model.calls, calls):
-                if split_call.kind == "piece":
-                    graph, added, piece_tasks = self.pool.record(call)
-                    graphs.append(graph)
-                    tasks += piece_tasks
-                    nbytes += added
-                    replay_calls.append(graph.replay)
-                else:
-                    replay_calls.append(call)
-        entry = PiecewiseEntry(num_tokens, replay_calls, graphs, output, self._input_ptrs(), compiled, tasks)
-        return entry, nbytes
-
-    def _build_breakable(self, key: BatchDescriptor) -> tuple[PiecewiseEntry, int]:
-        """Capture the forward for ``key.num_tokens`` tokens broken at each attention call
-        (:func:`capture_breakable`); replayed like the fx pieces, attention eager between."""
-        t, s = key.num_tokens, self.static
-
-        def forward() -> torch.Tensor:
-            return self.model(s["input_ids"][:t], s["positions"][:t])
-
-        self._load_dummy(t, 1)
-        with torch.no_grad(), forward_context(self._meta(t, 1)):
-            for _ in range(defaults.CAPTURE_WARMUP_RUNS):
-                forward()
-            calls, graphs, output, nbytes, tasks = capture_breakable(self.pool, forward,
-                                                                     list(self.model.attention_layers()))
-        return PiecewiseEntry(t, calls, graphs, output, self._input_ptrs(), False, tasks), nbytes
 
     # ---- run -------------------------------------------------------------------------
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,

@@ -57,8 +57,7 @@ def _drop_samples(executor: Any, report_len: int) -> None:
     """Forget everything the samples made, so that warm-up builds (and measures) it again."""
     del executor.capture_report[report_len:]
     executor.pool = GraphPool(executor.graph_api)
-    executor._piece_buffers = None
-    executor._compiled_pieces.clear()
+    executor.pieces.reset()
     for layer in executor.model.attention_layers():
         layer.kv_cache = None
     executor.kv_cache = None

@@ -1,0 +1,165 @@
+"""The pieces of a :class:`~graphrt.backends.torch.executor.TorchExecutor`'s forward.
+
+PIECEWISE keys replay graphs between attention calls; ``compile_model`` compiles the same
+pieces before a key is captured. This module owns how the executor gets them:
+
+* the fx split (:class:`~graphrt.backends.torch.piecewise.SplitModel`), traced lazily, once;
+* per token bucket, the persistent buffers its cut values live in and, with
+  ``compile_model``, the compiled pieces;
+* PIECEWISE entries, captured from the fx pieces or by breakable capture
+  (:mod:`graphrt.backends.torch.breakable`), as ``GraphConfig.piecewise_capture`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from graphrt.backends.torch.breakable import capture_breakable
+from graphrt.backends.torch.piecewise import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
+                                              split_or_reason)
+from graphrt.core import defaults
+from graphrt.core.dispatch import BatchDescriptor
+from graphrt.core.forward_context import forward_context
+
+if TYPE_CHECKING:
+    from graphrt.backends.torch.executor import TorchExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class Pieces:
+    """The split model, piece buffers, compiled pieces and PIECEWISE capture of one executor."""
+
+    def __init__(self, executor: "TorchExecutor") -> None:
+        self.ex = executor
+        self._split: SplitModel | None = None
+        self.split_reason: str | None = None
+        self._split_tried = False
+        self.buffers: PiecewiseBuffers | None = None
+        self.compiled: dict[int, list[Callable[..., Any]]] = {}
+
+    @property
+    def split_model(self) -> SplitModel | None:
+        """The model split at its attention calls (None if it cannot be split; see the log)."""
+        if not self._split_tried:
+            self._split_tried = True
+            self._split, self.split_reason = split_or_reason(self.ex.model)
+            if self._split is None:
+                logger.info("graphrt: no fx-split pieces for this model: %s", self.split_reason)
+        return self._split
+
+    @property
+    def capture(self) -> str | None:
+        """How PIECEWISE graphs are captured: ``fx`` (the split model), ``breakable``, or None
+        (no graph API, or neither works for this model)."""
+        choice = self.ex.config.piecewise_capture
+        if self.ex.graph_api is None:
+            return None
+        if choice != "breakable" and self.split_model is not None:
+            return "fx"
+        if choice != "fx" and list(getattr(self.ex.model, "attention_layers", list)()):
+            return "breakable"
+        return None
+
+    def compiles(self, num_tokens: int) -> bool:
+        """Whether a graph of ``num_tokens`` tokens is captured from compiled pieces."""
+        return self.compile_note() is None and self.ex.config.compile_model \
+            and num_tokens <= self.ex.config.compile_max_size
+
+    def compile_note(self) -> str | None:
+        """Why ``compile_model`` has no effect here, or None when it works (or is off)."""
+        cfg, api = self.ex.config, self.ex.graph_api
+        if not cfg.compile_model:
+            return None
+        if api is None:
+            return "the eager backend captures no graphs, so nothing is compiled"
+        if api.compile_backend is None:
+            return f"backend {api.name} does not support torch.compile before capture"
+        if cfg.piecewise_capture == "breakable":
+            return "piecewise_capture=breakable captures without torch.compile, which needs the fx split"
+        if self.split_model is None:
+            return f"the model cannot be split at attention: {self.split_reason}"
+        return None
+
+    def reset(self) -> None:
+        """Forget the piece buffers and compiled pieces (graph-memory samples drop them)."""
+        self.buffers = None
+        self.compiled.clear()
+
+    def prepare(self, num_tokens: int, compiled: bool) -> tuple[list[Callable[[], None]], torch.Tensor, int]:
+        """Bind the split model's values at ``num_tokens`` to the persistent piece buffers.
+
+        A warm-up runs the split model on pure padding (one empty request) to learn every
+        value that crosses a cut; the values get buffer views; with ``compiled`` each piece
+        is compiled for exactly those views; then every step runs once through the buffers.
+        Returns the step calls, the output view, and the bytes of buffers newly allocated.
+        """
+        ex, split = self.ex, self.split_model
+        if self.buffers is None:
+            self.buffers = PiecewiseBuffers(split, ex.config.capture_policy().max_size)
+        buffers = self.buffers
+        held = buffers.nbytes
+        inputs = (ex.static["input_ids"][:num_tokens], ex.static["positions"][:num_tokens])
+        with torch.no_grad():
+            ex._load_dummy(num_tokens, 1)
+            with forward_context(ex._meta(num_tokens, 1)):
+                for _ in range(defaults.CAPTURE_WARMUP_RUNS):
+                    env = split.run(inputs)
+                views = buffers.bind(env, num_tokens)
+                pieces: list[Callable[..., Any]] = [piece.module for piece in split.pieces]
+                if compiled:
+                    pieces = self.compiled.get(num_tokens) or [
+                        compile_piece(piece.module, [views[a] for a in piece.args],
+                                      ex.graph_api.compile_backend) for piece in split.pieces]
+                    self.compiled[num_tokens] = pieces
+                calls = buffers.bind_calls(views, pieces)
+                for call in calls:
+                    call()
+        return calls, views[split.output], buffers.nbytes - held
+
+    def build(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
+        """The PIECEWISE entry of ``key.num_tokens`` tokens, captured the configured way."""
+        if self.capture == "breakable":
+            return self._build_breakable(key)
+        return self._build_fx(key, compiled)
+
+    def _build_fx(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
+        """Capture every fx piece over the shared piece buffers; attention stays outside the
+        graphs and runs eagerly between them on replay."""
+        ex, num_tokens = self.ex, key.num_tokens
+        calls, output, nbytes = self.prepare(num_tokens, compiled)
+        graphs, tasks, replay_calls = [], [], []
+        with torch.no_grad():
+            for split_call, call in zip(self.split_model.calls, calls):
+                if split_call.kind == "piece":
+                    graph, added, piece_tasks = ex.pool.record(call)
+                    graphs.append(graph)
+                    tasks += piece_tasks
+                    nbytes += added
+                    replay_calls.append(graph.replay)
+                else:
+                    replay_calls.append(call)
+        return PiecewiseEntry(num_tokens, replay_calls, graphs, output, ex._input_ptrs(), compiled, tasks), nbytes
+
+    def _build_breakable(self, key: BatchDescriptor) -> tuple[PiecewiseEntry, int]:
+        """Capture the forward broken at each attention call (:func:`capture_breakable`);
+        replayed like the fx pieces, attention eager between."""
+        ex, t = self.ex, key.num_tokens
+        static = ex.static
+
+        def forward() -> torch.Tensor:
+            return ex.model(static["input_ids"][:t], static["positions"][:t])
+
+        ex._load_dummy(t, 1)
+        with torch.no_grad(), forward_context(ex._meta(t, 1)):
+            for _ in range(defaults.CAPTURE_WARMUP_RUNS):
+                forward()
+            calls, graphs, output, nbytes, tasks = capture_breakable(ex.pool, forward,
+                                                                     list(ex.model.attention_layers()))
+        return PiecewiseEntry(t, calls, graphs, output, ex._input_ptrs(), False, tasks), nbytes
+
+
+__all__ = ["Pieces"]
