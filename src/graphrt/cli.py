@@ -145,7 +145,7 @@ def _plan_run(args: argparse.Namespace) -> int:
 
 #: Benchmark modules of ``benchmarks/`` run by ``graphrt bench``, in order. Each has
 #: ``main(argv) -> dict``; a result with ``"all_pass": False`` fails ``--check-targets``.
-BENCHMARKS: list[str] = ["bench_inputs", "bench_runner", "bench_xla", "bench_cuda"]
+BENCHMARKS: list[str] = ["bench_inputs", "bench_runner", "bench_xla", "bench_cuda", "bench_prefix_cache"]
 
 
 def benchmarks_dir() -> Path:
@@ -208,6 +208,30 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     add_cli_args(parser)
+    add_engine_args(parser)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """graphrt.LLM's scheduling flags (vLLM's and SGLang's names); ``engine_kwargs`` reads them."""
+    from graphrt.core import defaults
+    from graphrt.engine.schedule_policy import POLICIES
+
+    group = parser.add_argument_group("engine")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.DEFAULT_ENABLE_PREFIX_CACHING,
+                       help="share the KV of cached full-block prompt prefixes between requests")
+    group.add_argument("--schedule-policy", choices=POLICIES, default=defaults.DEFAULT_SCHEDULE_POLICY,
+                       help="order in which waiting requests are admitted")
+    group.add_argument("--schedule-conservativeness", type=float,
+                       default=defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
+                       help="> 0: admit only while estimated KV (input + clipped max_tokens) fits")
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The graphrt.LLM keywords of the flags ``add_engine_args`` added."""
+    return {"enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
+            "schedule_conservativeness": args.schedule_conservativeness}
 
 
 def _demo_run(args: argparse.Namespace) -> int:
@@ -234,7 +258,7 @@ def _demo_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"graphrt demo: {e}", file=sys.stderr)
         return 2
-    llm = graphrt.LLM(model_dir, backend=args.backend, config=config, progress=True)
+    llm = graphrt.LLM(model_dir, backend=args.backend, config=config, progress=True, **engine_kwargs(args))
     runner = llm.runner
     print(f"\nmodel {model_dir}\nbackend {runner.backend.name}, graph mode {runner.mode.value}, "
           f"{runner.num_kv_blocks} KV blocks of {config.block_size} tokens")
