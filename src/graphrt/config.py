@@ -55,6 +55,10 @@ class GraphConfig(BaseModel):
     block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block")
     compilation_cache_dir: Optional[str] = Field(
         None, description="XLA persistent compilation cache directory (reused across restarts)")
+    check_baked_values: bool = Field(
+        False, description="torch graph backends: record each FULL key's forward under two steps it holds and "
+                           "report host values the graph bakes in that differ (always on in strict mode, "
+                           "where such a key fails its capture)")
     debug_check_addresses: bool = Field(
         False, description="verify on every replay that inputs are read from the captured buffers")
     compile_model: bool = Field(
@@ -72,6 +76,16 @@ class GraphConfig(BaseModel):
     host_kernel: Optional[Literal["auto", "numba", "numpy"]] = Field(
         None, description="input preparation and padding: numba (compiled loops), numpy, or auto "
                           "(numba when it imports); unset: $GRAPHRT_HOST_KERNEL or auto")
+    enable_lora: Optional[bool] = Field(
+        None, description="LoRA adapters (vLLM's enable_lora); alone it means max_loras=1; unset: on when "
+                          "max_loras > 0")
+    max_loras: int = Field(defaults.DEFAULT_MAX_LORAS, ge=0,
+                           description="LoRA adapter slots, the most distinct adapters in one step (vLLM's "
+                                       "max_loras); 0: LoRA off. Keys get an adapter-count dimension: 0, 1, 2, 4, "
+                                       "..., max_loras")
+    max_lora_rank: int = Field(defaults.DEFAULT_MAX_LORA_RANK, gt=0,
+                               description="rank of every adapter slot (vLLM's max_lora_rank); lower ranks are "
+                                           "zero-padded")
 
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings")(
@@ -104,7 +118,26 @@ class GraphConfig(BaseModel):
         if bs is not None and max(bs) < self.max_num_seqs:
             raise ValueError(f"precompile_bs_paddings end at {max(bs)} below max_num_seqs "
                              f"({self.max_num_seqs}); add {self.max_num_seqs}")
+        if self.enable_lora is not None and self.enable_lora != (self.max_loras > 0):
+            raise ValueError(f"enable_lora={self.enable_lora} contradicts max_loras={self.max_loras}: "
+                             "LoRA is on exactly when max_loras > 0")
+        if self.max_loras > self.max_num_seqs:
+            raise ValueError(f"max_loras ({self.max_loras}) exceeds max_num_seqs ({self.max_num_seqs}): "
+                             "a step runs at most one adapter per request")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_default(cls, data: Any) -> Any:
+        """``enable_lora=True`` without ``max_loras`` means vLLM's default of one slot."""
+        if isinstance(data, dict) and data.get("enable_lora") and data.get("max_loras") is None:
+            data = {**data, "max_loras": defaults.DEFAULT_MAX_LORAS_WHEN_ENABLED}
+        return data
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether steps may run LoRA adapters (``max_loras > 0``)."""
+        return self.max_loras > 0
 
     @classmethod
     def create(cls, **kwargs: Any) -> "GraphConfig":
@@ -158,7 +191,8 @@ class GraphConfig(BaseModel):
         m = GraphMode.NONE if self.enforce_eager else (mode or self.mode)
         buckets = token_buckets if token_buckets is not None else self.capture_policy()
         return Dispatcher(m, token_buckets=None if m is GraphMode.NONE else buckets,
-                          max_num_seqs=self.max_num_seqs, decode_query_len=self.decode_query_len)
+                          max_num_seqs=self.max_num_seqs, decode_query_len=self.decode_query_len,
+                          max_loras=self.max_loras)
 
     def xla_dispatcher(self) -> Dispatcher:
         """The dispatcher of the XLA backend: decode by batch size (up to the largest decode batch

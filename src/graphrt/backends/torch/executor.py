@@ -36,11 +36,12 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.backends.torch.baked import BakedReport, check_key
 from graphrt.backends.torch.pieces import Pieces
 from graphrt.backends.torch.piecewise import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import GraphCaptureError, GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.fields import FIELD_DTYPES, ModelInputs, buffer_shapes
 from graphrt.models.torch.attention import TorchAttentionMetadata
@@ -223,12 +224,14 @@ class TorchExecutor(Executor[TorchEntry]):
         if self.graph_api is None:
             raise GraphrtError("the eager backend captures no graphs")
         t0 = time.perf_counter()
+        baked = None
         if isinstance(key, SamplerKey):
             num_reqs, greedy = key.num_reqs, key.greedy
             entry, nbytes = self._capture(lambda: self.sampler.compute(self.logits_out, num_reqs, greedy),
                                           lambda: None)
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
+            baked = self._check_baked(key)
         elif mode is RuntimeMode.PIECEWISE:
             if self.pieces.capture is None:
                 raise GraphrtError(f"PIECEWISE graphs are unavailable: {self.pieces.split_reason}")
@@ -238,9 +241,27 @@ class TorchExecutor(Executor[TorchEntry]):
         seconds = time.perf_counter() - t0
         self.capture_report.append({"key": str(key), "mode": mode.value, "seconds": round(seconds, 6),
                                     "bytes": int(nbytes), "compiled": bool(entry.compiled)})
+        if baked is not None:
+            self.capture_report[-1].update(baked=baked.num_values, varying=baked.varying)
         logger.debug("graphrt: captured %s %s in %.3f s, %d bytes%s", mode.value, key, seconds,
                      nbytes, " (compiled)" if entry.compiled else "")
         return entry, nbytes
+
+    def _check_baked(self, key: BatchDescriptor) -> BakedReport | None:
+        """With ``check_baked_values`` or ``strict``: the host values ``key``'s forward bakes in
+        (:mod:`graphrt.backends.torch.baked`); values that differ between two steps the key
+        holds fail the capture in strict mode and are logged otherwise."""
+        if not (self.config.check_baked_values or self.config.strict):
+            return None
+        report = check_key(self, key)
+        if not report.complete:
+            message = (f"{key}: the captured forward bakes in host values that differ between steps "
+                       f"under this key -- {'; '.join(report.varying)}. Make them part of the key or "
+                       f"refresh them in a pre-replay hook (docs/backends.md, complete keys)")
+            if self.config.strict:
+                raise GraphCaptureError(message)
+            logger.warning("graphrt: %s", message)
+        return report
 
     def _with_compile_fallback(self, key: BatchDescriptor,
                                build: Callable[[BatchDescriptor, bool], tuple[Any, int]]) -> tuple[Any, int]:

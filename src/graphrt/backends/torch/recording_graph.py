@@ -443,6 +443,14 @@ class RecordingGraph:
         """Bytes of the storages allocated during capture that the graph keeps alive."""
         return self._captured_bytes
 
+    def baked_values(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """Per recorded op, its name and the host numbers baked into its arguments (ints,
+        floats, bools: sizes, dims, scalars, slice bounds). A replay uses exactly these, so a
+        number that came from one step's data and not from the graph's key is stale later."""
+        return [(str(func), tuple(v for v in tree_leaves((args, kwargs))
+                                  if isinstance(v, (bool, int, float))))
+                for func, args, kwargs, _ in self._records]
+
     def pool(self) -> RecordingPool:
         """The pool this graph was captured into, to pass to another graph's capture."""
         if not self._captured or self._pool is None:

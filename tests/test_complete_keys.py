@@ -1,0 +1,123 @@
+"""Complete keys: a captured forward must not bake in host values that depend on a step's data.
+
+The planted bug is transformers' #45323 in small: an attention backend whose pre-replay hook
+plans from the step's longest sequence on the host and passes that number to a kernel as a
+Python scalar. A graph replays the number it was captured with, so later steps under the same
+key compute with a stale value. The recording graph sees every number baked into the
+captured ops; graphrt records each FULL key's forward under two steps it holds and compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from graphrt import GraphCaptureError, ModelRunner, RuntimeMode
+from graphrt.backends.torch.cpu import CpuGraphBackend
+from graphrt.backends.torch.eager import EagerBackend
+from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
+from hf_models import tiny_hf_model_dir
+from parity import assert_bitwise, pad_like
+
+LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4,
+              cudagraph_capture_sizes=[4, 8, 16], mode="FULL")
+TOKENS = np.random.default_rng(3).integers(0, 128, size=(4, 32), dtype=np.int32)
+BLOCKS = (np.arange(32, dtype=np.int32) + 1).reshape(4, 8)
+
+
+def planned_model(device_value: bool) -> tuple[torch.nn.Module, Any]:
+    """The reference Qwen3 whose attention output is scaled by a number planned on the host
+    from the step (its longest sequence): as a Python scalar (baked into the graph), or written
+    into a device tensor the graph reads (refreshed before every replay). Returns the model
+    and the pre-replay hook that plans."""
+    model = CpuGraphBackend().load_model(str(tiny_hf_model_dir("qwen3")))
+    plan = {"scale": 1.0, "tensor": torch.ones(())}
+
+    def hook(inputs: Any) -> None:
+        plan["scale"] = 1.0 + inputs.max_seq_len / 64.0
+        plan["tensor"].fill_(plan["scale"])
+
+    for layer in model.attention_layers():
+        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _orig: Any = layer.forward) -> torch.Tensor:
+            out = _orig(q, k, v)
+            return out * (plan["tensor"] if device_value else plan["scale"])
+        layer.forward = forward
+    return model, hook
+
+
+def runner_with(model: torch.nn.Module, hook: Any, backend: Any = None, **overrides: Any) -> ModelRunner:
+    r = ModelRunner(model, backend=backend or CpuGraphBackend(), num_kv_blocks=33, progress=False, warmup=False,
+                    **{**LIMITS, **overrides})
+    r.executor.pre_replay_hooks.append(hook)
+    if r.executor.has_graphs:
+        r.warmup()
+    return r
+
+
+def forward_entries(r: ModelRunner) -> list[dict[str, Any]]:
+    """The capture report's FULL forward keys (sampler graphs are FULL too, and not checked)."""
+    return [e for e in r.executor.capture_report if e["mode"] == "FULL" and not e["key"].startswith("(sample")]
+
+
+def steps(r: ModelRunner) -> list[np.ndarray]:
+    """A prefill then two decodes (seq lens grow: the planned scale changes every step)."""
+    out = []
+    for computed, scheduled in (([0, 0], [5, 3]), ([5, 3], [1, 1]), ([6, 4], [1, 1])):
+        r.execute(token_ids=TOKENS, block_table=BLOCKS, req_rows=np.array([0, 1]),
+                  num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
+        assert r.last_step.mode is RuntimeMode.FULL or not r.executor.has_graphs
+        out.append(r.logits())
+    return out
+
+
+def test_graphrts_own_forward_is_complete_in_strict_mode():
+    r = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="cpu", num_kv_blocks=33, progress=False,
+                    strict=True, **LIMITS)
+    full = forward_entries(r)
+    assert len(full) == 3 and all(e["baked"] > 0 and e["varying"] == [] for e in full), full
+
+
+def test_a_baked_host_value_is_reported_and_is_really_stale(caplog: pytest.LogCaptureFixture):
+    model, hook = planned_model(device_value=False)
+    with caplog.at_level("WARNING", logger="graphrt"):
+        r = runner_with(model, hook, check_baked_values=True)
+    varying = [e for e in r.executor.capture_report if e.get("varying")]
+    assert len(varying) == len(forward_entries(r)) == 3
+    assert any("aten.mul" in v and "under a busy step" in v for v in varying[0]["varying"]), varying[0]
+    assert "bakes in host values" in caplog.text
+    # Why it matters: the replays used the scale planned at capture, eager uses each step's.
+    eager_model, eager_hook = planned_model(device_value=False)
+    eager = pad_like(runner_with(eager_model, eager_hook, backend=EagerBackend()), r)
+    got, want = steps(r), steps(eager)
+    assert not np.allclose(got[-1], want[-1], atol=1e-3)
+
+
+def test_strict_mode_fails_the_capture_naming_the_key_and_the_op():
+    model, hook = planned_model(device_value=False)
+    with pytest.raises(GraphCaptureError, match=r"tokens=16.*aten\.mul"):
+        runner_with(model, hook, strict=True)
+
+
+def test_the_same_plan_through_a_device_buffer_is_complete_and_replays_right():
+    model, hook = planned_model(device_value=True)
+    r = runner_with(model, hook, strict=True)
+    assert all(e["varying"] == [] for e in forward_entries(r))
+    eager_model, eager_hook = planned_model(device_value=True)
+    eager = pad_like(runner_with(eager_model, eager_hook, backend=EagerBackend()), r)
+    for i, (got, want) in enumerate(zip(steps(r), steps(eager))):
+        assert_bitwise(got, want, f"step {i}")
+
+
+def test_recording_graph_lists_the_numbers_each_op_bakes():
+    x = torch.arange(6.0)
+    g = RecordingGraph()
+    with recording_graph(g):
+        y = x[1:4] * 2.5
+        y.add_(x.sum(), alpha=3)
+    names = [op for op, _ in g.baked_values()]
+    values = dict(g.baked_values())
+    assert any("slice" in n for n in names) and any(v == (2.5,) for v in values.values())
+    assert (3,) in values.values()
