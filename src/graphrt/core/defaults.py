@@ -95,6 +95,17 @@ DEFAULT_COMPILE_MAX_SIZE = 32
 ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
 ACL_AIV_VALUE = "AIV"
 
+#: LoRA (vLLM's names): adapters resident at once, 0 = LoRA off; the rank of every adapter
+#: slot (an adapter of a lower rank is zero-padded to it); ``enable_lora`` alone gives
+#: vLLM's default of one adapter slot.
+DEFAULT_MAX_LORAS = 0
+DEFAULT_MAX_LORA_RANK = 16
+DEFAULT_MAX_LORAS_WHEN_ENABLED = 1
+#: A request's or token's adapter slot when it runs without an adapter.
+NO_LORA = -1
+#: Fill of the adapter-group table past a step's active adapters: a slot no token holds.
+LORA_GROUP_PAD = -2
+
 #: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
 STEP_PLAN_MEMO_LIMIT = 1 << 16
 #: Distinct (tokens, requests) shapes whose output views an InputPreparer keeps.

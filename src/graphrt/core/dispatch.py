@@ -9,10 +9,11 @@ so capture / precompile and serving can never disagree.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.errors import ConfigError, InputError
+from graphrt.core.lora import lora_buckets
 
 
 class GraphMode(str, enum.Enum):
@@ -86,17 +87,20 @@ class BatchDescriptor:
     """A step's shape; once padded, the key of a graph or executable.
 
     ``num_reqs`` is ``None`` for PIECEWISE keys: pieces between attention calls see only
-    token-level shapes.
+    token-level shapes. ``num_loras`` is the step's distinct LoRA adapters, bucketed in a key
+    (0: none; always 0 with LoRA off), shown only when nonzero.
     """
 
     num_tokens: int
     num_reqs: int | None
     uniform_decode: bool
+    num_loras: int = 0
 
     def __str__(self) -> str:
         kind = "decode" if self.uniform_decode else "mixed"
         reqs = "any" if self.num_reqs is None else self.num_reqs
-        return f"({kind}, tokens={self.num_tokens}, reqs={reqs})"
+        loras = f", loras={self.num_loras}" if self.num_loras else ""
+        return f"({kind}, tokens={self.num_tokens}, reqs={reqs}{loras})"
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,10 @@ class Dispatcher:
       their token counts are multiples of ``q``; the default decode buckets are the token
       buckets divided by ``q``, always including the largest decode batch the token buckets
       hold (``min(max_num_seqs, largest token bucket // q)``).
+    * ``max_loras`` -- LoRA adapter slots (0: LoRA off). Every key then exists once per adapter
+      count bucket -- 0 and :func:`~graphrt.core.lora.lora_buckets` (1, 2, 4, ..., max_loras) --
+      and a step with ``n`` distinct adapters runs under the smallest bucket ``>= n`` (0 only
+      when ``n`` is 0), so steps with and without adapters never share a graph.
 
     A decode step above the largest decode bucket is handled as a mixed step.
     """
@@ -146,8 +154,12 @@ class Dispatcher:
     def __init__(self, mode: GraphMode, *, token_buckets: BucketPolicy | None,
                  max_num_seqs: int, decode_buckets: BucketPolicy | None = None,
                  mixed_num_reqs: int | None = None, eager_fallback: bool = True,
-                 separate_decode: bool | None = None, decode_query_len: int = 1) -> None:
+                 separate_decode: bool | None = None, decode_query_len: int = 1, max_loras: int = 0) -> None:
         self.mode = GraphMode(mode)
+        if max_loras < 0:
+            raise ConfigError(f"max_loras must be >= 0, got {max_loras}")
+        self.max_loras = int(max_loras)
+        self.lora_buckets = lora_buckets(self.max_loras)
         if decode_query_len < 1:
             raise ConfigError(f"decode_query_len must be >= 1, got {decode_query_len}")
         self.decode_query_len = q = int(decode_query_len)
@@ -172,14 +184,16 @@ class Dispatcher:
                 raise ConfigError(f"a fixed mixed batch size ({mixed_num_reqs}) must cover "
                                   f"max_num_seqs={self.max_num_seqs}")
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
-        """Runtime mode and padded key for a step of this real shape (a pure function of the
-        shape and the policies: callers on a hot path remember it, as ``ModelRunner`` does)."""
-        real = BatchDescriptor(num_tokens, num_reqs, uniform_decode)
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0) -> Dispatch:
+        """Runtime mode and padded key for a step of this real shape with ``num_loras`` distinct
+        adapters (a pure function of the shape and the policies: callers on a hot path remember
+        it, as ``ModelRunner`` does)."""
+        real = BatchDescriptor(num_tokens, num_reqs, uniform_decode, num_loras)
+        n = self.lora_bucket(num_loras) if num_loras else 0
         if uniform_decode and self.separate_decode:
             b = self.decode_buckets.bucket_for(num_reqs) if self.decode_buckets else None
             if b is not None:
-                return Dispatch(RuntimeMode.FULL, BatchDescriptor(b * self.decode_query_len, b, True),
+                return Dispatch(RuntimeMode.FULL, BatchDescriptor(b * self.decode_query_len, b, True, n),
                                 "decode bucket")
         runtime = (self.mode.decode_mode() if uniform_decode and not self.separate_decode
                    else self.mode.mixed_mode())
@@ -190,8 +204,17 @@ class Dispatcher:
         if b is None:
             return self._above(real, "token", self.token_buckets)
         if runtime is RuntimeMode.PIECEWISE:
-            return Dispatch(runtime, BatchDescriptor(b, None, False), "token bucket (piecewise)")
-        return Dispatch(runtime, BatchDescriptor(b, self._mixed_reqs(b), False), "token bucket")
+            return Dispatch(runtime, BatchDescriptor(b, None, False, n), "token bucket (piecewise)")
+        return Dispatch(runtime, BatchDescriptor(b, self._mixed_reqs(b), False, n), "token bucket")
+
+    def lora_bucket(self, num_loras: int) -> int:
+        """The adapter count of the key a step with ``num_loras`` distinct adapters runs under."""
+        if num_loras == 0:
+            return 0
+        if self.lora_buckets is None or not 0 < num_loras <= self.max_loras:
+            raise InputError("lora_ids", f"{num_loras} distinct adapters in one step; at most max_loras="
+                                         f"{self.max_loras} can run together")
+        return self.lora_buckets.bucket_for(num_loras)
 
     def _mixed_reqs(self, padded_tokens: int) -> int:
         if self.mixed_num_reqs is not None:
@@ -222,5 +245,7 @@ class Dispatcher:
                 key = (BatchDescriptor(b, None, False) if runtime is RuntimeMode.PIECEWISE
                        else BatchDescriptor(b, self._mixed_reqs(b), False))
                 out.add((runtime, key))
-        return sorted(out, key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[0].value),
+        if self.lora_buckets is not None:
+            out |= {(m, replace(k, num_loras=n)) for m, k in out for n in self.lora_buckets}
+        return sorted(out, key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[1].num_loras, mk[0].value),
                       reverse=True)

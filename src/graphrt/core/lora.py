@@ -1,0 +1,129 @@
+"""LoRA adapters in a step, host side: each request's adapter slot, checked; how many
+distinct adapters the step runs (the key's ``num_loras``, bucketed by the dispatcher); and
+the two small tables a captured graph reads (written into the executor's staging buffers):
+
+* ``lora_index`` ``[T]`` -- each token's adapter slot, ``NO_LORA`` (-1) for a token of a
+  request without an adapter and for every padded token;
+* ``lora_groups`` ``[max_loras]`` -- the step's active slots in ascending order, then
+  ``LORA_GROUP_PAD`` (a slot no token holds). A graph of key ``num_loras = n`` applies the
+  first ``n`` groups, each to the tokens whose slot is the group's.
+
+Everything is checked before anything is written: a bad ``lora_ids`` raises
+:class:`~graphrt.core.errors.InputError` naming the field (and the row), like the step's
+other inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from graphrt.core import defaults
+from graphrt.core.buckets import BucketPolicy
+from graphrt.core.errors import InputError
+
+NO_LORA = defaults.NO_LORA
+LORA_GROUP_PAD = defaults.LORA_GROUP_PAD
+#: The staging buffers a LoRA-capable executor exposes (``Executor.lora.host_buffers``).
+LORA_INDEX, LORA_GROUPS = "lora_index", "lora_groups"
+
+
+def lora_buckets(max_loras: int) -> BucketPolicy | None:
+    """The adapter counts keys are captured for besides 0: powers of two, then ``max_loras``
+    (as vLLM's ``cudagraph_specialize_lora``, which counts the no-adapter group too); None
+    when LoRA is off."""
+    return BucketPolicy.powers_of_two(max_loras) if max_loras > 0 else None
+
+
+def _as_ids(lora_ids: Any, num_reqs: int) -> np.ndarray:
+    """``lora_ids`` as a 1-D integer array (None entries of a list become ``NO_LORA``)."""
+    if type(lora_ids) is np.ndarray and lora_ids.dtype.kind in "iu" and lora_ids.ndim == 1:
+        arr = lora_ids
+    else:
+        if isinstance(lora_ids, (list, tuple)) and any(v is None for v in lora_ids):
+            lora_ids = [NO_LORA if v is None else v for v in lora_ids]
+        try:
+            arr = np.asarray(lora_ids)
+        except (TypeError, ValueError):
+            raise InputError("lora_ids", f"must be one adapter slot per request, got {lora_ids!r}") from None
+        if arr.ndim != 1:
+            raise InputError("lora_ids", f"must be 1-D (one adapter slot per request), got shape {arr.shape}")
+        if arr.dtype.kind == "O" and arr.size and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                                      for v in arr):
+            if not all(-(2**63) <= v < 2**63 for v in arr):
+                bad = next(i for i, v in enumerate(arr) if not -(2**63) <= v < 2**63)
+                raise InputError(f"lora_ids[{bad}]", f"must be -1 (no adapter) or a slot, got {arr[bad]!r}")
+            arr = arr.astype(np.int64)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InputError("lora_ids", f"must hold integer slots (-1 or None: no adapter), "
+                                         f"got an array of {arr.dtype}")
+    if arr.shape[0] != num_reqs:
+        raise InputError("lora_ids", f"{arr.shape[0]} rows for {num_reqs} requests")
+    return arr
+
+
+class LoraInputs:
+    """A runner's LoRA host state: checks a step's ``lora_ids`` against the slots and what is
+    loaded in them, counts its adapters, and writes its tables (persistent scratch buffers,
+    so a step allocates no buffer)."""
+
+    def __init__(self, max_loras: int, max_num_reqs: int, host_buffers: Mapping[str, np.ndarray],
+                 loaded: np.ndarray) -> None:
+        if max_loras <= 0:
+            raise InputError("max_loras", f"LoraInputs needs max_loras > 0, got {max_loras}")
+        self.max_loras = int(max_loras)
+        self.index = host_buffers[LORA_INDEX]
+        self.groups = host_buffers[LORA_GROUPS]
+        self.loaded = loaded                                   # bool [max_loras], the executor's
+        self._seen = np.zeros(self.max_loras + 1, dtype=bool)  # [0]: no adapter, [1 + s]: slot s
+        self._shifted = np.zeros(max_num_reqs, dtype=np.int64)
+
+    def check(self, lora_ids: Any, num_reqs: int) -> tuple[np.ndarray | None, int]:
+        """``(ids, active adapters)`` of a step of ``num_reqs`` requests; ``(None, 0)`` for
+        ``lora_ids=None``. Raises :class:`InputError` naming ``lora_ids`` (and the row) for a
+        wrong shape or type, a slot outside ``[-1, max_loras)``, or a slot with no adapter."""
+        if lora_ids is None:
+            return None, 0
+        ids = _as_ids(lora_ids, num_reqs)
+        if not num_reqs:
+            return ids, 0
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < NO_LORA or hi >= self.max_loras:
+            ok = (ids >= NO_LORA) & (ids < self.max_loras)
+            row = int(np.flatnonzero(~ok)[0])
+            raise InputError(f"lora_ids[{row}]", f"must be -1 (no adapter) or a slot in [0, {self.max_loras}) "
+                                                 f"(max_loras), got {int(ids[row])}")
+        if hi < 0:
+            return ids, 0
+        shifted = self._shifted[:num_reqs]
+        np.add(ids, 1, out=shifted)
+        seen = self._seen
+        seen[:] = False
+        seen[shifted] = True
+        empty = seen[1:] & ~self.loaded
+        if empty.any():
+            slot = int(np.flatnonzero(empty)[0])
+            row = int(np.flatnonzero(ids == slot)[0])
+            raise InputError(f"lora_ids[{row}]", f"slot {slot} holds no adapter: load_lora({slot}, ...) first")
+        return ids, int(np.count_nonzero(seen[1:]))
+
+    def write(self, ids: np.ndarray, num_scheduled_tokens: np.ndarray, num_tokens: int,
+              padded_tokens: int) -> None:
+        """Write the tables of the step ``check`` last accepted: each of its ``num_tokens``
+        tokens' slot (the rest up to ``padded_tokens`` ``NO_LORA``) and its active slots."""
+        index = self.index
+        index[:num_tokens] = np.repeat(ids, num_scheduled_tokens)
+        index[num_tokens:padded_tokens] = NO_LORA
+        active = np.flatnonzero(self._seen[1:])
+        self.groups[:active.shape[0]] = active
+        self.groups[active.shape[0]:] = LORA_GROUP_PAD
+
+
+def lora_off(lora_ids: Any) -> InputError:
+    """The error for adapters passed to a runner built without LoRA."""
+    return InputError("lora_ids", f"LoRA is off (max_loras=0), got {lora_ids!r}: build the runner with "
+                                  "max_loras > 0, or pass lora_ids=None")
+
+
+__all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "NO_LORA", "lora_buckets", "lora_off"]
