@@ -203,3 +203,27 @@ def test_the_kv_estimate_budget_with_conservativeness():
     with pytest.raises(InputError, match="schedule_conservativeness"):
         Scheduler(max_num_seqs=1, max_num_batched_tokens=1, block_size=1, allocator=BlockAllocator(2),
                   schedule_conservativeness=float("nan"))
+
+
+def test_llm_with_conservativeness_avoids_the_preemptions_of_optimistic_admission(tmp_path):
+    """tests/test_llm_parity.py's preemption workload: optimistic admission (c = 0, the
+    default) preempts; with c = 1 admission reserves each request's estimated output and
+    nothing is preempted. Greedy tokens are the same either way."""
+    import numpy as np
+
+    import graphrt
+    from graphrt.models.random_checkpoint import write_random_checkpoint
+
+    model = write_random_checkpoint(tmp_path / "qwen3", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, max_position_embeddings=256)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 128, n).tolist() for n in (18, 22, 26, 30, 20, 24, 28, 19)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs = {}
+    for c in (0.0, 1.0):
+        llm = graphrt.LLM(str(model), backend="eager", max_num_seqs=4, max_num_batched_tokens=32,
+                          max_model_len=64, block_size=4, num_kv_blocks=14, schedule_conservativeness=c)
+        runs[c] = ([o.token_ids for o in llm.generate(prompts, params)], llm.stats["preemptions"])
+    assert runs[0.0][1] > 0 and runs[1.0][1] == 0
+    assert runs[0.0][0] == runs[1.0][0]
