@@ -17,7 +17,7 @@ different op sequence, mean the key is incomplete.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,9 +25,6 @@ import torch
 from graphrt.backends.torch import recording_graph as rg
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.fields import ModelInputs
-
-if TYPE_CHECKING:
-    from graphrt.backends.torch.executor import TorchExecutor
 
 #: Differences listed in a report (the count is always complete).
 MAX_LISTED = 8
@@ -45,7 +42,7 @@ class BakedReport:
         return not self.varying
 
 
-def _dummy(executor: "TorchExecutor", t: int, r: int, busy: bool) -> ModelInputs:
+def _dummy(executor: Any, t: int, r: int, busy: bool) -> ModelInputs:
     """Host inputs of a step of ``t`` tokens and ``r`` requests that writes no KV slot: pure
     padding, or (``busy``) every request with tokens and the longest sequences allowed,
     reading the null block."""
@@ -73,7 +70,7 @@ def _dummy(executor: "TorchExecutor", t: int, r: int, busy: bool) -> ModelInputs
                        h["block_table"][:r], r, n, int(counts.max()), max_len, False)
 
 
-def _record(executor: "TorchExecutor", key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
+def _record(executor: Any, key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
     t, r = key.num_tokens, key.num_reqs
     inputs = _dummy(executor, t, r, busy)
     for hook in executor.pre_replay_hooks:
@@ -86,7 +83,7 @@ def _record(executor: "TorchExecutor", key: BatchDescriptor, busy: bool) -> list
     return values
 
 
-def check_key(executor: "TorchExecutor", key: BatchDescriptor) -> BakedReport:
+def check_key(executor: Any, key: BatchDescriptor) -> BakedReport:
     """Record ``key``'s forward under two steps it holds and list the host values that differ."""
     quiet, busy = _record(executor, key, False), _record(executor, key, True)
     executor._load_dummy(key.num_tokens, key.num_reqs)

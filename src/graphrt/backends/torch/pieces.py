@@ -13,7 +13,7 @@ pieces before a key is captured. This module owns how the executor gets them:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -24,16 +24,13 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.forward_context import forward_context
 
-if TYPE_CHECKING:
-    from graphrt.backends.torch.executor import TorchExecutor
-
 logger = logging.getLogger(__name__)
 
 
 class Pieces:
     """The split model, piece buffers, compiled pieces and PIECEWISE capture of one executor."""
 
-    def __init__(self, executor: "TorchExecutor") -> None:
+    def __init__(self, executor: Any) -> None:
         self.ex = executor
         self._split: SplitModel | None = None
         self.split_reason: str | None = None
