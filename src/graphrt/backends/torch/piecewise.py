@@ -58,11 +58,13 @@ class _AttentionLeafTracer(torch.fx.Tracer):
     """fx tracer that keeps attention modules as single ``call_module`` nodes.
 
     Modules with forward hooks stay whole too: tracing into them would drop the hooks,
-    while a ``call_module`` node calls the module, hooks included.
+    while a ``call_module`` node calls the module, hooks included. So do modules whose class
+    sets ``graphrt_fx_leaf`` (a LoRA linear: its forward reads the key's adapter count when
+    each bucket's pieces are captured, instead of once at trace time).
     """
 
     def is_leaf_module(self, module: torch.nn.Module, qualname: str) -> bool:
-        return (is_attention_module(module) or _has_hooks(module)
+        return (is_attention_module(module) or _has_hooks(module) or getattr(module, "graphrt_fx_leaf", False)
                 or super().is_leaf_module(module, qualname))
 
 

@@ -9,6 +9,8 @@ into one matmul each and filled from the separate checkpoint tensors by the load
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -192,6 +194,8 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    #: Linear children that take LoRA adapters when ``max_loras > 0`` (models/torch/lora.py).
+    lora_target_modules: ClassVar[tuple[str, ...]] = ("o_proj",)
 
     def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
