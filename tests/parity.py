@@ -67,8 +67,8 @@ class PaddedEagerDispatcher:
     def __init__(self, inner: Dispatcher) -> None:
         self.inner = inner
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> Dispatch:
-        d = self.inner.dispatch(num_tokens, num_reqs, uniform_decode)
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0) -> Dispatch:
+        d = self.inner.dispatch(num_tokens, num_reqs, uniform_decode, num_loras)
         return dataclasses.replace(d, mode=RuntimeMode.NONE, reason=f"{d.reason}; eager at the padded key")
 
     def keys(self) -> list:

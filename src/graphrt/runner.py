@@ -24,9 +24,10 @@ from graphrt.core.cache import CacheStats, EagerFallback, GraphCache, describe_k
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
 from graphrt.core.eager import EagerCause, dispatch_cause
-from graphrt.core.errors import GraphCaptureError, InputError
+from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
 from graphrt.core.graph_memory import GraphMemory, estimate_graph_memory, kv_blocks_after_graphs
 from graphrt.core.inputs import InputPreparer
+from graphrt.core.lora import LoraInputs, LoraMethods, lora_off
 from graphrt.core.padding import Padder
 from graphrt.registry import select_backend
 
@@ -64,7 +65,7 @@ class _StepPlan:
     eager_cause: EagerCause | None = None
 
 
-class ModelRunner:
+class ModelRunner(LoraMethods):
     """Runs a model's steps on one backend with graphs / executables per bucket.
 
     ``model`` is a Hugging Face directory (loaded with graphrt's reference models for the
@@ -108,9 +109,13 @@ class ModelRunner:
                                       table_width=cfg.max_blocks_per_req, kernel=cfg.host_kernel,
                                       strict=cfg.strict, decode_query_len=cfg.decode_query_len)
         self.padder = Padder(kernel=cfg.host_kernel)
+        slots = self.executor.lora
+        if cfg.max_loras and slots is None:
+            raise ConfigError(f"max_loras={cfg.max_loras}: backend {self.backend.name} has no LoRA support")
+        self._lora = LoraInputs(cfg.max_loras, cfg.max_num_seqs, slots.host_buffers, slots.loaded) if slots else None
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
-        self._plans: dict[tuple[int, int, bool], _StepPlan] = {}
+        self._plans: dict[tuple[int, int, bool, int], _StepPlan] = {}   # (tokens, reqs, uniform, adapters)
         self._last: tuple[_StepPlan, int, int, float] | None = None
         self._lock = threading.Lock()
         self.warmup_report: list[dict[str, Any]] = []
@@ -214,8 +219,9 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------
     def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                sampling: SamplingBatch | None = None) -> np.ndarray | None:
+                sampling: SamplingBatch | None = None, lora_ids: Any = None) -> np.ndarray | None:
         """Run one scheduled step; returns one sampled token per request (or None without sampling).
+        ``lora_ids``: each request's LoRA adapter slot (-1 or None: none; needs ``max_loras > 0``).
 
         Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
         the preparer checks the step, the dispatcher picks its bucket, and only then are the
@@ -224,11 +230,11 @@ class ModelRunner:
         """
         with self._lock:
             return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                 num_scheduled_tokens, sampling)
+                                 num_scheduled_tokens, sampling, lora_ids)
 
     def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                  num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                 sampling: SamplingBatch | None) -> np.ndarray | None:
+                 sampling: SamplingBatch | None, lora_ids: Any = None) -> np.ndarray | None:
         t0 = time.perf_counter()
         shape = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                     req_rows=req_rows, num_computed_tokens=num_computed_tokens,
@@ -236,12 +242,19 @@ class ModelRunner:
         t, r, _, _, uniform = shape
         if sampling is not None:
             sampling.check_rows(r)
-        plan = self._plans.get((t, r, uniform))
+        ids, n = None, 0
+        if lora_ids is not None or self._lora is not None:
+            if self._lora is None:
+                raise lora_off()
+            ids, n = self._lora.check(lora_ids, r)
+        plan = self._plans.get((t, r, uniform, n))
         if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
-            plan = self._plan(t, r, uniform)
+            plan = self._plan(t, r, uniform, n)
         key, padded_reqs = plan.key, plan.padded_reqs
         padded = self.preparer.write(self.padder, num_tokens=key.num_tokens, num_reqs=padded_reqs,
                                      out=self.executor.host_buffers)
+        if n:
+            self._lora.write(ids, num_scheduled_tokens, t, key.num_tokens)
         # Statistics are counted before the forward: it evicts the host's caches (on a CPU
         # device), and the runner's objects are still warm from checking and writing.
         self.cache.record_step(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r,
@@ -261,11 +274,11 @@ class ModelRunner:
         self._last = (plan, t, r, time.perf_counter() - t0)
         return tokens
 
-    def _plan(self, t: int, r: int, uniform: bool) -> "_StepPlan":
-        """What every step of this real shape runs as: the dispatcher's key, the cache entry
-        (or the reason to run eagerly), the padded sizes and the sampler entries. Remembered
-        until either cache changes; each step still counts its hit or miss."""
-        d = self.dispatcher.dispatch(t, r, uniform)
+    def _plan(self, t: int, r: int, uniform: bool, n: int = 0) -> "_StepPlan":
+        """What every step of this real shape (and ``n`` LoRA adapters) runs as: the dispatcher's
+        key, the cache entry (or the reason to run eagerly), the padded sizes and the sampler
+        entries. Remembered until either cache changes; each step still counts its hit or miss."""
+        d = self.dispatcher.dispatch(t, r, uniform, n) if n else self.dispatcher.dispatch(t, r, uniform)
         mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
         eager_cause = None
         if mode is RuntimeMode.NONE:
@@ -280,7 +293,7 @@ class ModelRunner:
             if not hit:
                 eager_reason = entry.reason if entry is not None else f"{key} was not captured"
                 eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
-                mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform), None
+                mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
         padded_reqs = key.num_reqs if key.num_reqs is not None else r
         sampler = {}
         for greedy in (True, False):
@@ -294,7 +307,7 @@ class ModelRunner:
                          self.cache.version + self.sampler_cache.version, eager_cause)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
-        self._plans[(t, r, uniform)] = plan
+        self._plans[(t, r, uniform, n)] = plan
         return plan
 
     @property

@@ -26,6 +26,30 @@ from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only),
 EntryT = TypeVar("EntryT")
 
 
+class LoraSlots(abc.ABC):
+    """An executor's LoRA adapters (``GraphConfig.max_loras > 0``): ``max_loras`` slots of
+    persistent stacked weights that captured graphs read, and the staging buffers of a step's
+    LoRA tables (``host_buffers``: ``lora_index`` per token, ``lora_groups`` per active adapter;
+    graphrt.core.lora writes them, the executor copies them with the step)."""
+
+    max_loras: int
+    host_buffers: Mapping[str, np.ndarray]
+    #: bool per slot: whether an adapter is loaded there (the runner refuses steps naming an empty slot).
+    loaded: np.ndarray
+
+    @abc.abstractmethod
+    def targets(self) -> dict[str, tuple[int, int]]:
+        """The LoRA-capable modules by name, each as ``(in_features, out_features)``."""
+
+    @abc.abstractmethod
+    def load(self, slot: int, weights: Mapping[str, tuple[Any, Any]], scale: float = 1.0) -> None:
+        """Copy an adapter into ``slot`` (never reallocating: captured graphs see it)."""
+
+    @abc.abstractmethod
+    def remove(self, slot: int) -> bool:
+        """Empty ``slot``; False when it held nothing."""
+
+
 class Executor(abc.ABC, Generic[EntryT]):
     """The device side of a ModelRunner, building and running entries of type ``EntryT``
     (``TorchExecutor``: captured graphs; ``XlaExecutor``: compiled executables)."""
@@ -45,6 +69,8 @@ class Executor(abc.ABC, Generic[EntryT]):
     host_buffers: Mapping[str, np.ndarray]
     #: How many times :meth:`recover_kv_cache` re-created a lost KV cache.
     kv_cache_resets: int = 0
+    #: LoRA adapter slots where ``max_loras > 0`` and this executor supports them, else None.
+    lora: LoraSlots | None = None
 
     @abc.abstractmethod
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

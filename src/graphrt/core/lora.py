@@ -120,10 +120,40 @@ class LoraInputs:
         self.groups[active.shape[0]:] = LORA_GROUP_PAD
 
 
-def lora_off(lora_ids: Any) -> InputError:
-    """The error for adapters passed to a runner built without LoRA."""
-    return InputError("lora_ids", f"LoRA is off (max_loras=0), got {lora_ids!r}: build the runner with "
-                                  "max_loras > 0, or pass lora_ids=None")
+class LoraMethods:
+    """``ModelRunner``'s LoRA API, over its ``executor.lora`` slots and its step lock."""
+
+    executor: Any
+    _lock: Any
+
+    def load_lora(self, slot: int, weights: Mapping[str, tuple[Any, Any]], scale: float = 1.0) -> None:
+        """Copy an adapter into ``slot`` of the persistent stacks (graphs captured before see it):
+        ``weights`` maps names of :meth:`lora_targets` to ``(lora_a [rank, in], lora_b [out, rank])``
+        (PEFT's layout), ``scale`` is PEFT's ``alpha / rank``. Every value is checked first:
+        ``InputError`` names the bad field and nothing is copied."""
+        with self._lock:
+            self._lora_slots().load(slot, weights, scale)
+
+    def remove_lora(self, slot: int) -> bool:
+        """Empty ``slot`` (steps naming it are refused until it is loaded again); False if it was empty."""
+        with self._lock:
+            return self._lora_slots().remove(slot)
+
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """The LoRA-capable modules by name, as ``(in_features, out_features)``."""
+        return self._lora_slots().targets()
+
+    def _lora_slots(self) -> Any:
+        if self.executor.lora is None:
+            raise lora_off("slot")
+        return self.executor.lora
 
 
-__all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "NO_LORA", "lora_buckets", "lora_off"]
+def lora_off(field: str = "lora_ids") -> InputError:
+    """The error for adapters passed to (or loaded into) a runner built without LoRA."""
+    hint = ", or pass lora_ids=None" if field == "lora_ids" else ""
+    return InputError(field, f"LoRA is off (max_loras=0): build the runner with max_loras > 0{hint}")
+
+
+__all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "LoraMethods", "NO_LORA", "lora_buckets",
+           "lora_off"]

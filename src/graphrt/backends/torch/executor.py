@@ -37,6 +37,7 @@ import torch
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.torch.baked import BakedReport, check_key
+from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.pieces import Pieces
 from graphrt.backends.torch.piecewise import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
@@ -104,6 +105,8 @@ class TorchExecutor(Executor[TorchEntry]):
         self._copied = None if same else _device_event(self.device)
         self.pool = GraphPool(graph_api) if graph_api is not None else None
         self.kv_cache: torch.Tensor | None = None
+        # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
+        self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
         self.pieces = Pieces(self)
         note = self.compile_note()
         if note is not None:
@@ -224,6 +227,8 @@ class TorchExecutor(Executor[TorchEntry]):
         if self.graph_api is None:
             raise GraphrtError("the eager backend captures no graphs")
         t0 = time.perf_counter()
+        if self.lora is not None:
+            self.lora.use_key(key)
         baked = None
         if isinstance(key, SamplerKey):
             num_reqs, greedy = key.num_reqs, key.greedy
@@ -301,6 +306,8 @@ class TorchExecutor(Executor[TorchEntry]):
         """Copy the padded step into static buffers, then replay ``entry`` or run eagerly."""
         t, r = padded.padded_num_tokens, padded.padded_num_reqs
         self._to_device(t, r)
+        if self.lora is not None:
+            self.lora.before_step(key, t)
         if self._copied is not None:
             self._copied.record()
         if entry is None or self.graph_api is None:

@@ -19,7 +19,7 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import Dispatcher, GraphMode
-from graphrt.core.errors import BackendUnavailableError
+from graphrt.core.errors import BackendUnavailableError, ConfigError
 
 try:
     import jax.numpy as jnp
@@ -88,7 +88,12 @@ class XlaBackend(Backend):
         return config.xla_dispatcher()
 
     def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
-        """An executor for an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or an nnx module."""
+        """An executor for an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or an nnx module.
+        LoRA (``max_loras > 0``) is refused with :class:`ConfigError`."""
+        if config.max_loras > 0:
+            raise ConfigError(f"max_loras={config.max_loras}: the xla backend has no LoRA support (its "
+                              "executables take no adapter tables and the JAX reference model has no "
+                              "LoRA-capable layer); use a torch backend (cuda, npu, cpu, eager) or max_loras=0")
         programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len)
         return XlaExecutor(programs, config, compile_workers=self.compile_workers)
 
