@@ -140,11 +140,13 @@ def check_step(sched: Scheduler, step, w: Workload) -> None:
         assert r.blocks == [] and r.row == -1 and r.status is Status.WAITING
 
 
-def drive(w: Workload, max_steps: int = 2000) -> tuple[Scheduler, dict[int, Request], int]:
-    """Run the workload to completion with a fake runner: each sampled token is a counter."""
+def drive(w: Workload, max_steps: int = 2000, conservativeness: float = 0.0
+          ) -> tuple[Scheduler, dict[int, Request], int]:
+    """Run the workload to completion with a fake runner: each sampled token is a counter.
+    ``conservativeness`` 0 admits without the KV estimate, so short caches preempt."""
     alloc = BlockAllocator(w.num_blocks)
     sched = Scheduler(max_num_seqs=w.max_num_seqs, max_num_batched_tokens=w.max_num_batched_tokens,
-                      block_size=w.block_size, allocator=alloc)
+                      block_size=w.block_size, allocator=alloc, schedule_conservativeness=conservativeness)
     pending = sorted(((arr, i, p, m) for i, (p, m, arr) in enumerate(w.requests)))
     reqs: dict[int, Request] = {}
     step_no = preempted_seen = 0
@@ -175,9 +177,9 @@ def drive(w: Workload, max_steps: int = 2000) -> tuple[Scheduler, dict[int, Requ
 
 
 @settings(max_examples=150, deadline=None)
-@given(workloads())
-def test_scheduler_invariants_and_every_request_finishes(w):
-    sched, reqs, _ = drive(w)
+@given(workloads(), st.sampled_from([0.0, 1.0]))
+def test_scheduler_invariants_and_every_request_finishes(w, conservativeness):
+    sched, reqs, _ = drive(w, conservativeness=conservativeness)
     assert all(r.status is Status.FINISHED and r.finish_reason == "length" for r in reqs.values())
     assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs.values())
     assert sched.allocator.num_free == sched.allocator.capacity      # every block came back
@@ -309,7 +311,8 @@ def test_in_flight_requests_continue_after_a_bad_add_request(llm, reference):
 def test_llm_finishes_a_workload_that_used_to_livelock():
     """The scheduler livelock above, through graphrt.LLM (bounded: a regression fails, not hangs)."""
     llm = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", max_num_seqs=2,
-                      max_num_batched_tokens=2, max_model_len=64, block_size=1, num_kv_blocks=32)
+                      max_num_batched_tokens=2, max_model_len=64, block_size=1, num_kv_blocks=32,
+                      schedule_conservativeness=0.0)
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (4, 1, 3)]
     ids = [llm.add_request(p, sp) for p, sp in zip([[5], [6], list(range(3, 31))], params)]
     done = {}

@@ -135,7 +135,10 @@ def qwen3_hf():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_preemption_keeps_tokens_exact(backend, qwen3_hf):
     prompts = make_prompts(PREEMPT_LENGTHS, seed=1)
-    llm = make_llm(tiny_hf_model_dir("qwen3"), backend, num_kv_blocks=PREEMPT_KV_BLOCKS)
+    # Admission without the KV estimate (schedule_conservativeness 0), so that running
+    # requests outgrow the cache and preempt; the default estimate avoids exactly that.
+    llm = make_llm(tiny_hf_model_dir("qwen3"), backend, num_kv_blocks=PREEMPT_KV_BLOCKS,
+                   schedule_conservativeness=0.0)
     outputs = llm.generate(prompts, GREEDY)
     assert llm.stats["preemptions"] > 0
     assert llm.stats["kv_blocks"] == PREEMPT_KV_BLOCKS

@@ -351,7 +351,8 @@ def test_greedy_tokens_identical_with_and_without_the_prefix_cache(backend):
 def test_eviction_and_preemption_under_pressure_keep_tokens_exact():
     prompts = [p for s in (1, 2) for p in prompts_with_shared_prefixes(seed=s)]
     ref = tokens(make_llm("eager", enable_prefix_caching=False).generate(prompts, GREEDY))
-    llm = make_llm("eager", num_kv_blocks=20)       # 19 usable blocks of 4 tokens
+    # 19 usable blocks of 4 tokens; admission without the KV estimate, so requests preempt
+    llm = make_llm("eager", num_kv_blocks=20, schedule_conservativeness=0.0)
     with pytest.MonkeyPatch.context() as mp:
         WriteGuard(mp, llm)
         assert tokens(llm.generate(prompts, GREEDY)) == ref

@@ -145,7 +145,7 @@ DEFAULT_SCHEDULE_POLICY = "fcfs"
 #: the blocks of this step's chunk are free (running requests preempt the newest when short);
 #: c > 0 also requires its remaining input plus c * min(max_tokens, clip) estimated output to
 #: fit the free KV after every running request's own c-scaled estimate.
-DEFAULT_SCHEDULE_CONSERVATIVENESS = 0.0
+DEFAULT_SCHEDULE_CONSERVATIVENESS = 1.0
 #: The output estimate of that budget is clipped at this many tokens (SGLang's
 #: CLIP_MAX_NEW_TOKENS_ESTIMATION): a huge max_tokens must not make admission refuse everything.
 CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096

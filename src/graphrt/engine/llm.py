@@ -65,8 +65,8 @@ class LLM:
     ``enable_prefix_caching`` (default on): finished and running requests' full computed KV
     blocks stay cached in a radix tree and are shared, by reference, with later requests of
     the same prefix. ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or
-    "dfs-weight". ``schedule_conservativeness`` (default 0): > 0 makes admission reserve KV
-    for estimated outputs (see :class:`~graphrt.engine.scheduler.Scheduler`).
+    "dfs-weight". ``schedule_conservativeness`` (default 1, as in SGLang): admission reserves
+    KV for estimated outputs, scaled by it (0: admit without the estimate) (see :class:`~graphrt.engine.scheduler.Scheduler`).
     """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
