@@ -6,7 +6,7 @@ adapters -- or with different adapter counts -- never replay the same graph.
   and a hypothesis property over random adapter assignments: the key's bucket covers the
   step's distinct adapters and is 0 only when there are none.
 * End to end on the tiny Qwen3 (LoRA on ``o_proj``): a graph runner (``cpu``: FULL decode graphs,
-  PIECEWISE fx pieces) is bitwise its eager twin at the same padded shapes, logits and KV; each
+  PIECEWISE fx pieces; breakable pieces too) is bitwise its eager twin at the same padded shapes, logits and KV; each
   request with an adapter matches a model with that adapter merged into the weight (within
   ``graphrt.tolerance``); a request without one is bitwise the base model's; adapters loaded
   (or replaced) after capture are what the replays apply.
@@ -99,9 +99,10 @@ def test_config_flags():
 
 def test_xla_refuses_lora():
     pytest.importorskip("jax")
-    with pytest.raises(ConfigError, match="xla backend has no LoRA support"):
-        ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="xla", progress=False, num_kv_blocks=8,
-                    max_loras=1, **LIMITS)
+    from graphrt import select_backend
+
+    with pytest.raises(ConfigError, match="xla backend has no LoRA support"):   # before the model is read
+        select_backend("xla").create_executor(None, GraphConfig.create(max_loras=1, **LIMITS))
 
 
 # ------------------------------------------------------------------------- end to end
@@ -203,6 +204,23 @@ def test_adapters_through_graphs_equal_eager_and_the_merged_weights():
     assert graph.remove_lora(0) and not graph.remove_lora(0)
     with pytest.raises(InputError, match=r"lora_ids\[0\].*slot 0 holds no adapter"):
         step(graph, tokens, blocks, computed, [1, 1, 1], [0, -1, -1])
+
+
+def test_breakable_pieces_apply_adapters_as_eager():
+    """PIECEWISE captured the breakable way (no fx): the LoRA ops run inside the pieces."""
+    tokens, blocks = tables()
+    graph = runner("cpu", max_loras=MAX_LORAS, max_lora_rank=RANK, mode="PIECEWISE", piecewise_capture="breakable")
+    eager = pad_like(runner("eager", max_loras=MAX_LORAS, max_lora_rank=RANK), graph)
+    for r in (graph, eager):
+        for slot, weights in ADAPTERS.items():
+            r.load_lora(slot, weights, scale=SCALE)
+    for lora_ids, computed, scheduled in (([0, -1, 1], [0, 0, 0], [p - 2 for p in PROMPTS]),
+                                          ([1, -1], [p - 2 for p in PROMPTS[:2]], [1, 1])):
+        got = step(graph, tokens, blocks, computed, scheduled, lora_ids)
+        assert graph.last_step.mode is RuntimeMode.PIECEWISE and graph.executor.piecewise_capture == "breakable"
+        assert_bitwise(got, step(eager, tokens, blocks, computed, scheduled, lora_ids), str(graph.last_step.key))
+        assert_bitwise(graph.executor.kv_cache, eager.executor.kv_cache, "KV")
+    assert graph.last_step.key.num_loras == 1 and graph.stats.misses == 0
 
 
 def test_max_loras_zero_leaves_the_model_as_it_was():
