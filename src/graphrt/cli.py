@@ -225,13 +225,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--schedule-conservativeness", type=float,
                        default=defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
                        help="> 0: admit only while estimated KV (input + clipped max_tokens) fits")
+    group.add_argument("--decode-log-interval", type=int, default=defaults.DEFAULT_DECODE_LOG_INTERVAL,
+                       help="log a 'Decode batch.' line every this many decode steps")
     return parser
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The graphrt.LLM keywords of the flags ``add_engine_args`` added."""
     return {"enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
-            "schedule_conservativeness": args.schedule_conservativeness}
+            "schedule_conservativeness": args.schedule_conservativeness,
+            "decode_log_interval": args.decode_log_interval}
 
 
 def _demo_run(args: argparse.Namespace) -> int:

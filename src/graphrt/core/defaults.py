@@ -137,6 +137,8 @@ SAMPLING_MAX_TOP_K = 2**31 - 1
 #: 1 us whatever the size, the lists ~40 ns a value (measured on a 2-core x86 VM).
 SAMPLING_CHECK_LIST_ROWS = 16
 
+#: graphrt.LLM logs a decode line every this many decode steps (SGLang's ``decode_log_interval``).
+DEFAULT_DECODE_LOG_INTERVAL = 40
 #: graphrt.LLM: the prefix cache (vLLM's ``enable_prefix_caching``) is on unless turned off.
 DEFAULT_ENABLE_PREFIX_CACHING = True
 #: graphrt.LLM: the order waiting requests are admitted in (SGLang's ``schedule_policy``).

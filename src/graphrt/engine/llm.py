@@ -32,6 +32,7 @@ import numpy as np
 from graphrt.core import defaults
 from graphrt.config import GraphConfig
 from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.metrics import EngineMetrics
 from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
 from graphrt.engine.tables import write_step_tables
@@ -66,7 +67,10 @@ class LLM:
     blocks stay cached in a radix tree and are shared, by reference, with later requests of
     the same prefix. ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or
     "dfs-weight". ``schedule_conservativeness`` (default 1, as in SGLang): admission reserves
-    KV for estimated outputs, scaled by it (0: admit without the estimate) (see :class:`~graphrt.engine.scheduler.Scheduler`).
+    KV for estimated outputs, scaled by it (0: admit without the estimate; see
+    :class:`~graphrt.engine.scheduler.Scheduler`). SGLang's prefill and decode log lines (every
+    ``decode_log_interval`` decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps
+    their numbers.
     """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
@@ -76,6 +80,7 @@ class LLM:
                  enable_prefix_caching: bool = defaults.DEFAULT_ENABLE_PREFIX_CACHING,
                  schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
                  schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
+                 decode_log_interval: int = defaults.DEFAULT_DECODE_LOG_INTERVAL,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
@@ -101,6 +106,8 @@ class LLM:
                                    block_size=cfg.block_size, allocator=self.allocator,
                                    prefix_cache=self.prefix_cache, schedule_policy=schedule_policy,
                                    schedule_conservativeness=schedule_conservativeness)
+        self.metrics = EngineMetrics(backend=self.runner.backend.name, block_size=cfg.block_size,
+                                     capacity_blocks=self.allocator.capacity, decode_log_interval=decode_log_interval)
         self.token_table = np.zeros((cfg.max_num_seqs, cfg.max_model_len), dtype=np.int32)
         self.block_table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), dtype=np.int32)
         self._ids = itertools.count()
@@ -251,6 +258,7 @@ class LLM:
             if self.scheduler.has_unfinished():
                 raise GraphrtError("scheduler made no progress: a request cannot fit in the KV cache")
             return []
+        self.metrics.observe(step)
         try:
             tokens, samples = self._run(step)
         except Exception as exc:  # noqa: BLE001 - any fault finishes the step's requests, never wedges
@@ -260,7 +268,9 @@ class LLM:
             # not advanced, so the next step recomputes the same tokens (the KV too if lost).
             self._recover_kv(None, [])
             raise
-        return self._apply(step, tokens, samples)
+        finished = self._apply(step, tokens, samples)
+        self.metrics.record(self.scheduler, self.runner)
+        return finished
 
     def _run(self, step: ScheduledStep) -> tuple[np.ndarray, list[bool]]:
         """Write the tables and run the step: (one token per request, which requests sampled)."""
@@ -358,6 +368,7 @@ class LLM:
         with self._lock:
             out = self.runner.stats.as_dict()
             out["preemptions"] = self.scheduler.num_preemptions
+            out["log_lines"] = self.metrics.as_dict()
             out["kv_blocks"] = self.runner.num_kv_blocks
             out["step_faults"] = self.num_step_faults
             out["kv_cache_resets"] = self.runner.kv_cache_resets

@@ -1,0 +1,139 @@
+"""The engine's log lines, as SGLang's scheduler prints them, and the numbers behind them.
+
+Per step with prefill work a ``Prefill batch.`` line; every ``decode_log_interval`` steps
+with decode work a ``Decode batch.`` line that also says whether the last step replayed a
+graph (and on which backend) and how many steps and tokens ran eagerly since the last decode
+line, by cause. Both go to the ``graphrt.engine`` logger at INFO, and the same numbers stay in
+:class:`EngineMetrics` (``llm.metrics``) for an engine's own dashboard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from graphrt.core.dispatch import RuntimeMode
+
+logger = logging.getLogger("graphrt.engine")
+
+
+@dataclass
+class PrefillLine:
+    """One prefill batch: requests with prefill work, their tokens, tokens the prefix cache
+    supplied at admission, KV usage, running and waiting requests."""
+
+    new_seq: int
+    new_token: int
+    cached_token: int
+    token_usage: float
+    running_req: int
+    queue_req: int
+
+    def __str__(self) -> str:
+        return (f"Prefill batch. #new-seq: {self.new_seq}, #new-token: {self.new_token}, "
+                f"#cached-token: {self.cached_token}, token usage: {self.token_usage:.2f}, "
+                f"#running-req: {self.running_req}, #queue-req: {self.queue_req}")
+
+
+@dataclass
+class DecodeLine:
+    """The state after a decode step, and rates since the previous decode line."""
+
+    running_req: int
+    token: int
+    token_usage: float
+    graph: bool
+    backend: str
+    gen_throughput: float
+    queue_req: int
+    eager_steps: int
+    eager_tokens: int
+    eager_causes: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        causes = ", ".join(f"{c} {s}/{t}" for c, (s, t) in self.eager_causes.items())
+        return (f"Decode batch. #running-req: {self.running_req}, #token: {self.token}, "
+                f"token usage: {self.token_usage:.2f}, graph: {self.graph} ({self.backend}), "
+                f"gen throughput (token/s): {self.gen_throughput:.2f}, #queue-req: {self.queue_req}, "
+                f"eager since last: {self.eager_steps} steps / {self.eager_tokens} tokens"
+                + (f" ({causes})" if causes else ""))
+
+
+class EngineMetrics:
+    """Counts what each step did and logs SGLang's prefill and decode lines."""
+
+    def __init__(self, *, backend: str, block_size: int, capacity_blocks: int, decode_log_interval: int) -> None:
+        self.backend = backend
+        self.block_size = block_size
+        self.capacity_blocks = max(capacity_blocks, 1)
+        self.decode_log_interval = max(int(decode_log_interval), 1)
+        self.last_prefill: PrefillLine | None = None
+        self.last_decode: DecodeLine | None = None
+        self.num_prefill_lines = self.num_decode_lines = 0
+        self._decode_steps = 0              # decode steps since the last decode line
+        self._decode_tokens = 0             # tokens sampled by decodes since then
+        self._since = time.perf_counter()
+        self._eager_mark: dict[str, tuple[int, int]] = {}
+        self._cached_seen = 0
+        self._step: tuple[int, int, int] = (0, 0, 0)   # this step: prefill requests, prefill tokens, decodes
+
+    def observe(self, step: Any) -> None:
+        """Classify a scheduled step (before it runs): prefill requests and tokens, decodes."""
+        seqs = tokens = decodes = 0
+        for req, n in zip(step.requests, step.num_scheduled):
+            if n == 1 and req.num_pending == 1 and req.output_token_ids:
+                decodes += 1
+            else:
+                seqs += 1
+                tokens += n
+        self._step = (seqs, tokens, decodes)
+
+    def record(self, scheduler: Any, runner: Any) -> None:
+        """After a step ran: log the prefill line if it had prefill work, and every
+        ``decode_log_interval`` decode steps the decode line."""
+        seqs, tokens, decodes = self._step
+        used = scheduler.allocator.num_used
+        usage = used / self.capacity_blocks
+        cached = scheduler.num_cached_tokens - self._cached_seen
+        self._cached_seen = scheduler.num_cached_tokens
+        if seqs:
+            self.last_prefill = PrefillLine(seqs, tokens, cached, usage, len(scheduler.running), len(scheduler.waiting))
+            self.num_prefill_lines += 1
+            logger.info("%s", self.last_prefill)
+        if not decodes:
+            return
+        self._decode_steps += 1
+        self._decode_tokens += decodes
+        if self._decode_steps < self.decode_log_interval:
+            return
+        now = time.perf_counter()
+        eager = self._eager_delta(runner.stats)
+        info = runner.last_step
+        self.last_decode = DecodeLine(
+            len(scheduler.running), used * self.block_size, usage,
+            info is not None and info.mode is not RuntimeMode.NONE, self.backend,
+            self._decode_tokens / max(now - self._since, 1e-9), len(scheduler.waiting),
+            sum(s for s, _ in eager.values()), sum(t for _, t in eager.values()), eager)
+        self.num_decode_lines += 1
+        logger.info("%s", self.last_decode)
+        self._decode_steps = self._decode_tokens = 0
+        self._since = now
+
+    def _eager_delta(self, stats: Any) -> dict[str, tuple[int, int]]:
+        """Eager steps / tokens per cause since the previous decode line (causes with any)."""
+        now = {cause.value: (count.steps, count.tokens) for cause, count in stats.eager_by_cause.items()}
+        delta = {c: (s - self._eager_mark.get(c, (0, 0))[0], t - self._eager_mark.get(c, (0, 0))[1])
+                 for c, (s, t) in now.items()}
+        self._eager_mark = now
+        return {c: v for c, v in delta.items() if v[0]}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The last lines' numbers and how many of each were logged."""
+        return {"prefill": asdict(self.last_prefill) if self.last_prefill else None,
+                "decode": asdict(self.last_decode) if self.last_decode else None,
+                "prefill_lines": self.num_prefill_lines, "decode_lines": self.num_decode_lines}
+
+
+__all__ = ["DecodeLine", "EngineMetrics", "PrefillLine"]
