@@ -86,6 +86,19 @@ def test_the_key_bucket_covers_the_step_adapters(max_loras, data):
         assert got.key.num_loras in (0, *d.lora_buckets)
 
 
+def test_graph_memory_samples_every_adapter_count():
+    """The KV budget's estimate (core/graph_memory.py) lines up keys of one adapter count only:
+    a LoRA graph holds more than the graph of its size without adapters."""
+    from graphrt.core.graph_memory import choose_samples, extrapolate
+
+    jobs = GraphConfig.create(**LIMITS, max_loras=2).graph_dispatcher().keys()
+    samples = choose_samples(jobs)
+    assert {k.num_loras for _, k in samples} == {0, 1, 2}
+    cost = {0: 100, 1: 150, 2: 200}                # bytes per token by adapter count
+    measured = {k: cost[k.num_loras] * k.num_tokens for _, k in samples}
+    assert extrapolate(jobs, measured) == sum(cost[k.num_loras] * k.num_tokens for _, k in jobs)
+
+
 def test_config_flags():
     assert GraphConfig.create(**LIMITS, enable_lora=True).max_loras == 1     # vLLM's default
     cfg = GraphConfig.create(**LIMITS, max_loras=2, max_lora_rank=8)

@@ -42,12 +42,15 @@ Job = tuple[RuntimeMode, Any]
 
 
 def family(job: Job) -> tuple[Hashable, int]:
-    """(family, size) of a job: forward keys by (mode, uniform decode) sized by tokens,
-    sampler keys by greedy / random sized by request rows."""
+    """(family, size) of a job: forward keys by (mode, uniform decode) -- and their LoRA
+    adapter count when nonzero: a LoRA graph holds more than its size's graph without --
+    sized by tokens, sampler keys by greedy / random sized by request rows."""
     mode, key = job
     if isinstance(key, SamplerKey):
         return ("sampler", key.greedy), key.num_reqs
     if isinstance(key, BatchDescriptor):
+        if key.num_loras:
+            return (mode, key.uniform_decode, key.num_loras), key.num_tokens
         return (mode, key.uniform_decode), key.num_tokens
     raise TypeError(f"graph memory: unknown key type {type(key).__name__}")
 
