@@ -20,7 +20,6 @@ concurrent ``generate`` calls batch together; each call gets exactly its own out
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -39,7 +38,8 @@ from graphrt.engine.tables import write_step_tables
 from graphrt.engine.validation import validate_request
 from graphrt.core.errors import GenerationError, GraphrtError, InputError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
-from graphrt.engine.sampling_params import SamplingParams
+from graphrt.engine.sampling_params import SamplingParams, without_seed
+from graphrt.models.hf_config import model_eos_token_ids, model_max_len
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class LLM:
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
         if isinstance(model, str) or hasattr(model, "__fspath__"):
             model = backend_obj.load_model(str(model), dtype)
-        model_len = _model_max_len(model)
+        model_len = model_max_len(model)
         if max_model_len is None:
             max_model_len = min(model_len or defaults.DEFAULT_MAX_MODEL_LEN, defaults.DEFAULT_MAX_MODEL_LEN)
         if config is None:
@@ -98,7 +98,7 @@ class LLM:
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
                                   progress=progress)
         cfg = self.config
-        self.eos_token_ids = frozenset(_model_eos(model))
+        self.eos_token_ids = frozenset(model_eos_token_ids(model))
         self.allocator = BlockAllocator(self.runner.num_kv_blocks)
         self.prefix_cache = PrefixCache(cfg.block_size, self.allocator) if enable_prefix_caching else None
         self.scheduler = Scheduler(max_num_seqs=cfg.max_num_seqs,
@@ -280,7 +280,7 @@ class LLM:
                                count=len(step))
         scheduled = np.asarray(step.num_scheduled, dtype=np.int32)
         samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(step.requests, scheduled)]
-        params = [r.params if s else _without_seed(r.params) for r, s in zip(step.requests, samples)]
+        params = [r.params if s else without_seed(r.params) for r, s in zip(step.requests, samples)]
         batch = sampling_batch(params, [r.request_id for r in step.requests], self.runner.vocab_size)
         tokens = self.runner.execute(token_ids=self.token_table, block_table=self.block_table,
                                      req_rows=rows, num_computed_tokens=computed,
@@ -390,26 +390,6 @@ class LLM:
 
 
 _NO_OWNER = object()   # a request id with no owner left (aborted): its output is dropped
-
-
-def _without_seed(params: SamplingParams) -> SamplingParams:
-    """Params for a step in which a request samples nothing (a partial prefill chunk): the
-    same filters, no seed, so the request's seeded generator is not advanced."""
-    return params if params.seed is None else dataclasses.replace(params, seed=None)
-
-
-def _model_config(model: Any) -> Any:
-    return getattr(model, "config", None)
-
-
-def _model_max_len(model: Any) -> int | None:
-    cfg = _model_config(model)
-    return getattr(cfg, "max_position_embeddings", None)
-
-
-def _model_eos(model: Any) -> tuple[int, ...]:
-    cfg = _model_config(model)
-    return tuple(getattr(cfg, "eos_token_id", ()) or ())
 
 
 __all__ = ["LLM", "RequestOutput", "Status"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from graphrt.core import sampling as rules
@@ -38,3 +39,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def without_seed(params: SamplingParams) -> SamplingParams:
+    """Params for a step in which a request samples nothing (a partial prefill chunk): the
+    same filters, no seed, so the request's seeded generator is not advanced."""
+    return params if params.seed is None else dataclasses.replace(params, seed=None)

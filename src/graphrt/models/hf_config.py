@@ -85,3 +85,13 @@ class DecoderConfig:
             raise InputError("model_dir", f"{model_dir!s} has no config.json")
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
+
+
+def model_max_len(model: object) -> int | None:
+    """A loaded model's ``config.max_position_embeddings`` (None if it has no such config)."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def model_eos_token_ids(model: object) -> tuple[int, ...]:
+    """A loaded model's ``config.eos_token_id`` as a tuple (empty if it has none)."""
+    return tuple(getattr(getattr(model, "config", None), "eos_token_id", ()) or ())
