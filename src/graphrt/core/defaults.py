@@ -161,3 +161,39 @@ IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
 #: Seed of the "random" schedule policy's generator (reproducible orders).
 SCHEDULE_RANDOM_SEED = 0
+#: graphrt.LLM's watchdog (SGLang's ``watchdog_timeout`` and its default, in seconds): a forward
+#: (one ``runner.execute``) still running after this long fails its step with WatchdogTimeout,
+#: after every thread's stack is logged. None or 0: no watchdog thread at all.
+DEFAULT_WATCHDOG_TIMEOUT = 300.0
+#: What a firing watchdog does after logging: "raise" (the step fails; the engine refuses to
+#: step until ``llm.watchdog.reset()``) or "kill" (SIGKILL its own process, as SGLang does).
+DEFAULT_WATCHDOG_ACTION = "raise"
+#: The watchdog thread wakes this often (at most; timeout / 2 for shorter timeouts) to notice a
+#: new forward -- arming one only stores a timestamp -- then sleeps until its deadline.
+WATCHDOG_POLL_INTERVAL = 1.0
+#: close() waits this long for the watchdog thread to end (it is a daemon thread either way).
+WATCHDOG_JOIN_TIMEOUT = 5.0
+
+#: Tensor-parallel step channel (graphrt.core.step_channel): data bytes of the shared-memory
+#: segment (a 256-request step with a 512-column block table is about 0.6 MiB), arrays per
+#: step, and how long rank 0 / a worker waits for the other side before calling it dead.
+STEP_CHANNEL_BYTES = 8 << 20
+STEP_CHANNEL_MAX_ARRAYS = 16
+STEP_CHANNEL_TIMEOUT_S = 30.0
+
+#: graphrt.DataParallelLLM: worker processes (SGLang's ``--data-parallel-size``; 1 there means
+#: no DP) and how requests are spread over them (SGLang's ``--load-balance-method`` and default).
+DEFAULT_DATA_PARALLEL_SIZE = 2
+DEFAULT_LOAD_BALANCE_METHOD = "round_robin"
+#: ... the environment variable a worker's ``device_ids`` entry is written to.
+DP_DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
+#: ... seconds: for every worker to load its model and warm up; for workers to stop after
+#: close() asks them (then terminate, then kill, each waited this long); for stats replies.
+DP_WORKER_START_TIMEOUT_S = 600.0
+DP_WORKER_JOIN_TIMEOUT_S = 10.0
+DP_WORKER_KILL_TIMEOUT_S = 5.0
+DP_STATS_TIMEOUT_S = 30.0
+#: ... seconds ``step()`` waits for an output by default, and the longest single wait on the
+#: workers' pipes (a dead worker is seen at once through its process sentinel regardless).
+DP_STEP_WAIT_S = 0.05
+DP_POLL_INTERVAL_S = 0.1
