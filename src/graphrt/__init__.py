@@ -18,7 +18,8 @@ from graphrt.core.buckets import BucketPolicy
 from graphrt.core.cache import CacheStats, GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode, SamplerKey
 from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GenerationError,
-                                 GraphCaptureError, GraphrtError, InputError, KVCacheLostError)
+                                 GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
+                                 WatchdogTimeout)
 from graphrt.core.fields import ModelInputs
 from graphrt.core.inputs import InputPreparer, prepare_inputs
 from graphrt.core.numerics import Tolerance, tolerance
@@ -46,5 +47,5 @@ __all__ = [
     "ModelInputs",
     "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "add_cli_args",
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
-    "tolerance",
+    "tolerance", "WatchdogTimeout",
 ]

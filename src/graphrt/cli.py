@@ -215,6 +215,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """graphrt.LLM's scheduling flags (vLLM's and SGLang's names); ``engine_kwargs`` reads them."""
     from graphrt.core import defaults
     from graphrt.engine.schedule_policy import POLICIES
+    from graphrt.engine.watchdog import ACTIONS
 
     group = parser.add_argument_group("engine")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -227,6 +228,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="> 0: admit only while estimated KV (input + clipped max_tokens) fits")
     group.add_argument("--decode-log-interval", type=int, default=defaults.DEFAULT_DECODE_LOG_INTERVAL,
                        help="log a 'Decode batch.' line every this many decode steps")
+    group.add_argument("--watchdog-timeout", type=float, default=defaults.DEFAULT_WATCHDOG_TIMEOUT,
+                       help="fail a forward still running after this many seconds (0: no watchdog)")
+    group.add_argument("--watchdog-action", choices=ACTIONS, default=defaults.DEFAULT_WATCHDOG_ACTION,
+                       help="after logging every thread's stack: raise in the engine, or kill the process")
     return parser
 
 
@@ -234,7 +239,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The graphrt.LLM keywords of the flags ``add_engine_args`` added."""
     return {"enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
             "schedule_conservativeness": args.schedule_conservativeness,
-            "decode_log_interval": args.decode_log_interval}
+            "decode_log_interval": args.decode_log_interval,
+            "watchdog_timeout": args.watchdog_timeout, "watchdog_action": args.watchdog_action}
 
 
 def _demo_run(args: argparse.Namespace) -> int:

@@ -64,3 +64,18 @@ class GenerationError(GraphrtError, RuntimeError):
     def __init__(self, message: str, outputs: list) -> None:
         self.outputs = outputs
         super().__init__(message)
+
+
+class WatchdogTimeout(GraphrtError, RuntimeError):
+    """``graphrt.LLM``'s watchdog: a forward did not finish within ``watchdog_timeout``.
+
+    The message names the step (requests, tokens) and the key it dispatched to; every
+    thread's stack went to the log at ERROR. The engine refuses to step (raising this again)
+    until ``llm.watchdog.reset()``. ``step`` describes the step, ``elapsed`` is how long its
+    forward had run when the watchdog fired (seconds).
+    """
+
+    def __init__(self, message: str, step: str = "", elapsed: float = 0.0) -> None:
+        self.step = step
+        self.elapsed = elapsed
+        super().__init__(message)

@@ -36,6 +36,7 @@ from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
 from graphrt.engine.tables import write_step_tables
 from graphrt.engine.validation import validate_request
+from graphrt.engine.watchdog import engine_watchdog
 from graphrt.core.errors import GenerationError, GraphrtError, InputError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams, without_seed
@@ -70,7 +71,7 @@ class LLM:
     KV for estimated outputs, scaled by it (0: admit without the estimate; see
     :class:`~graphrt.engine.scheduler.Scheduler`). SGLang's prefill and decode log lines (every
     ``decode_log_interval`` decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps
-    their numbers.
+    their numbers. ``watchdog_timeout`` (s; None / 0: off) fails a hung forward (docs/api.md).
     """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
@@ -81,6 +82,8 @@ class LLM:
                  schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
                  schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
                  decode_log_interval: int = defaults.DEFAULT_DECODE_LOG_INTERVAL,
+                 watchdog_timeout: float | None = defaults.DEFAULT_WATCHDOG_TIMEOUT,
+                 watchdog_action: str = defaults.DEFAULT_WATCHDOG_ACTION,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
@@ -120,6 +123,7 @@ class LLM:
         self._faults: dict[int, BaseException] = {}         # failed request id -> its fault, undelivered
         self._kv_resets_seen = self.runner.kv_cache_resets
         self.num_step_faults = 0            # faults contained by finishing requests with "error"
+        self.watchdog = engine_watchdog(self.runner, watchdog_timeout, watchdog_action, owner=self, lock=self._lock)
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -251,6 +255,7 @@ class LLM:
 
     def _step(self) -> list[RequestOutput]:
         """One step (the lock held): every request that finished in it, whoever owns it."""
+        self.watchdog.check()               # refused after a watchdog timeout until reset()
         if self.runner.kv_cache_resets != self._kv_resets_seen:
             self._recover_kv(None, [])    # re-created outside a step: cached KV is gone too
         step = self.scheduler.schedule()
@@ -282,9 +287,13 @@ class LLM:
         samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(step.requests, scheduled)]
         params = [r.params if s else without_seed(r.params) for r, s in zip(step.requests, samples)]
         batch = sampling_batch(params, [r.request_id for r in step.requests], self.runner.vocab_size)
-        tokens = self.runner.execute(token_ids=self.token_table, block_table=self.block_table,
-                                     req_rows=rows, num_computed_tokens=computed,
-                                     num_scheduled_tokens=scheduled, sampling=batch)
+        self.watchdog.arm(step)
+        try:
+            tokens = self.runner.execute(token_ids=self.token_table, block_table=self.block_table,
+                                         req_rows=rows, num_computed_tokens=computed,
+                                         num_scheduled_tokens=scheduled, sampling=batch)
+        finally:
+            self.watchdog.disarm()          # raises WatchdogTimeout if it fired for this forward
         if tokens is None or len(tokens) != len(step):
             raise GraphrtError(f"the runner returned {None if tokens is None else len(tokens)} tokens "
                                f"for a step of {len(step)} requests")
@@ -387,6 +396,10 @@ class LLM:
         """Forget every cached prefix (vLLM's name); blocks running requests hold stay theirs."""
         with self._lock:
             self.scheduler.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the watchdog thread (idempotent; also done when the engine is collected)."""
+        self.watchdog.close()
 
 
 _NO_OWNER = object()   # a request id with no owner left (aborted): its output is dropped

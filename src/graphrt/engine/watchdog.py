@@ -1,0 +1,292 @@
+"""The engine's watchdog (SGLang's ``watchdog_timeout``): a forward that does not finish in time.
+
+``graphrt.LLM`` arms the watchdog around each forward (one ``runner.execute`` call) and
+disarms it after; arming stores a monotonic timestamp, a counter and the step, disarming
+clears a flag under an uncontended lock. One daemon thread polls (every
+``defaults.WATCHDOG_POLL_INTERVAL`` s, or timeout / 2 if shorter) and, once it has seen a
+forward start, sleeps until that forward's deadline. When the deadline passes with the same
+forward still running, it
+
+1. logs at ERROR, through :mod:`logging` (logger ``graphrt.engine.watchdog``), the step's
+   shape (requests, tokens, uniform decode or mixed), the key and runtime mode the runner's
+   dispatcher gives that shape, and every thread's stack (``sys._current_frames``);
+2. with ``action="raise"`` (the default: a library must not kill its host), raises
+   :class:`~graphrt.core.errors.WatchdogTimeout` in the stepping thread with
+   ``PyThreadState_SetAsyncExc``; the step then fails like any step fault (its requests
+   finish with ``finish_reason="error"``) and the engine refuses further steps until
+   :meth:`Watchdog.reset`; with ``action="kill"``, SIGKILLs its own process, as SGLang does.
+
+The limit: an asynchronous exception is raised when the thread next runs Python bytecode. A
+forward hung inside one C call (an NCCL collective, a device synchronize, a lock) raises only
+once that call returns -- possibly never; the log dump still happens. A C call that holds the
+GIL while it hangs stops the watchdog thread too (nothing is logged): that needs
+``faulthandler.dump_traceback_later`` or an outside process, which a library cannot own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, Callable
+
+from graphrt.core import defaults
+from graphrt.core.errors import ConfigError, GraphrtError, WatchdogTimeout
+
+logger = logging.getLogger(__name__)
+
+#: What a firing watchdog does after logging (``watchdog_action``).
+ACTIONS = ("raise", "kill")
+
+
+class Watchdog:
+    """One daemon thread watching the forwards that :meth:`arm` / :meth:`disarm` bracket.
+
+    ``describe(context)`` (called on the watchdog thread, only when it fires) says what the
+    forward armed with ``context`` was running. ``lock``: the engine's lock, which a stepping
+    thread holds; :meth:`reset` takes it, so it cannot succeed while the timed-out forward
+    has not returned.
+    """
+
+    enabled = True
+
+    def __init__(self, timeout: float, *, action: str = defaults.DEFAULT_WATCHDOG_ACTION,
+                 describe: Callable[[Any], str] = repr, lock: Any = None,
+                 poll_interval: float | None = None, name: str = "graphrt-watchdog") -> None:
+        check_watchdog_args(timeout, action)
+        if not timeout:
+            raise ConfigError("Watchdog: watchdog_timeout must be > 0 (None / 0 means no watchdog)")
+        self.timeout = float(timeout)
+        self.action = action
+        self.poll_interval = (min(defaults.WATCHDOG_POLL_INTERVAL, self.timeout / 2)
+                              if poll_interval is None else float(poll_interval))
+        self.error: WatchdogTimeout | None = None   # set when it fires; cleared by reset()
+        self.num_fires = 0
+        self._describe = describe
+        self._engine_lock = lock
+        self._lock = threading.Lock()   # a fire's decision + injection vs. disarm
+        self._armed = False
+        self._count = 0                 # forwards armed so far
+        self._fired = -1                # the count of the forward it fired for
+        self._started = 0.0
+        self._target = 0                # the stepping thread's ident
+        self._context: Any = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- the stepping thread ---------------------------------------------------------
+    def arm(self, context: Any) -> None:
+        """A forward starts on this thread; ``context`` is what a dump describes."""
+        self._context = context
+        self._target = threading.get_ident()
+        self._count += 1
+        self._started = time.monotonic()
+        self._armed = True
+
+    def disarm(self) -> None:
+        """The forward returned (or raised). If the watchdog fired for it, raise its
+        :class:`WatchdogTimeout` here (any exception still pending is dropped first), so the
+        step fails whatever the forward did with the injected exception."""
+        self._armed = False
+        with self._lock:    # a fire in progress completes first; none can start after this
+            if self._fired != self._count or self.error is None:
+                return
+            _set_async_exc(threading.get_ident(), None)
+        raise self.error
+
+    def check(self) -> None:
+        """Refuse to step after a fire that was not :meth:`reset`: the engine's state is unknown."""
+        if self.error is not None:
+            raise WatchdogTimeout(f"graphrt: the engine refuses to step after a watchdog timeout; call "
+                                  f"llm.watchdog.reset() once the hang is understood, or close it "
+                                  f"(the timeout: {self.error})", self.error.step, self.error.elapsed)
+
+    # ---- the user ----------------------------------------------------------------------
+    def reset(self, timeout: float = 1.0) -> None:
+        """Let the engine step again after a fire. Waits up to ``timeout`` s for the engine's
+        lock: if the timed-out forward is still hung (inside a C call), this raises
+        :class:`GraphrtError` and the engine stays refused -- it cannot be recovered in-process."""
+        lock = self._engine_lock
+        if lock is not None and not lock.acquire(timeout=timeout):
+            raise GraphrtError("watchdog reset: the timed-out forward still holds the engine (hung "
+                               "inside a C call?); this engine cannot be recovered in this process")
+        try:
+            self.error = None
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def close(self) -> None:
+        """Stop and join the thread (idempotent; also run when the engine is collected)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(defaults.WATCHDOG_JOIN_TIMEOUT)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the watchdog thread -----------------------------------------------------------
+    def _watch(self) -> None:
+        stop = self._stop
+        while not stop.is_set():
+            if not self._armed:
+                stop.wait(self.poll_interval)
+                continue
+            count = self._count
+            left = self._started + self.timeout - time.monotonic()
+            if left > 0:
+                stop.wait(left)             # the deadline of the forward it saw (or a newer one's)
+            elif self._fired == count:
+                stop.wait(self.poll_interval)   # fired already; that forward has not returned yet
+            else:
+                try:
+                    self._fire(count)
+                except Exception:  # noqa: BLE001 - the watchdog must outlive a failed dump
+                    logger.exception("graphrt watchdog: firing failed")
+                    self._fired = count
+
+    def _fire(self, count: int) -> None:
+        """Dump and log (before deciding: the stacks are the hang's), then, if the same forward
+        still runs, raise in its thread (or kill the process)."""
+        elapsed = time.monotonic() - self._started
+        try:
+            step = self._describe(self._context)
+        except Exception as exc:  # noqa: BLE001 - a description is best effort
+            step = f"(describing the step failed: {exc!r})"
+        message = (f"graphrt watchdog: a forward has not finished after {elapsed:.2f} s "
+                   f"(watchdog_timeout={self.timeout:g} s): {step}")
+        logger.error("%s; action=%s. Every thread's stack (the forward runs in thread %d):\n%s",
+                     message, self.action, self._target, thread_stacks(self._target))
+        if self.action == "kill":
+            _kill_own_process()
+        with self._lock:
+            if not (self._armed and self._count == count):
+                logger.error("graphrt watchdog: that forward returned after all; nothing raised")
+                return
+            self.error = WatchdogTimeout(message, step, elapsed)
+            self._fired = count
+            self.num_fires += 1
+            injected = _set_async_exc(self._target, _injectable(message, step, elapsed))
+        if not injected:
+            logger.error("graphrt watchdog: could not raise in thread %d; the step fails when its "
+                         "forward returns", self._target)
+
+
+class NoWatchdog:
+    """``watchdog_timeout`` None or 0: no thread; arming, disarming and checking do nothing."""
+
+    enabled = False
+    timeout = None
+    action = None
+    error = None
+    num_fires = 0
+    alive = False
+
+    def arm(self, context: Any) -> None:
+        pass
+
+    def disarm(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def reset(self, timeout: float = 1.0) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def check_watchdog_args(timeout: float | None, action: str) -> None:
+    """Refuse a bad ``watchdog_timeout`` / ``watchdog_action`` (ConfigError naming it)."""
+    if action not in ACTIONS:
+        raise ConfigError(f"watchdog_action={action!r}: expected one of {ACTIONS}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout < 0):
+        raise ConfigError(f"watchdog_timeout={timeout!r}: expected seconds > 0, or None / 0 for none")
+
+
+def engine_watchdog(runner: Any, timeout: float | None, action: str, *, owner: Any,
+                    lock: Any) -> Watchdog | NoWatchdog:
+    """``graphrt.LLM``'s watchdog over ``runner``: stopped by ``owner.close()`` or when ``owner``
+    is garbage collected (the thread holds no reference to it)."""
+    check_watchdog_args(timeout, action)
+    if not timeout:
+        return NoWatchdog()
+    dog = Watchdog(timeout, action=action, describe=functools.partial(describe_step, runner), lock=lock)
+    weakref.finalize(owner, dog.close)
+    return dog
+
+
+def describe_step(runner: Any, step: Any) -> str:
+    """A scheduled step's shape, and the mode and key the runner's dispatcher gives it."""
+    sched = [int(n) for n in step.num_scheduled]
+    t, r = sum(sched), len(sched)
+    q = runner.config.decode_query_len
+    uniform = bool(sched) and max(sched) == q and t == r * q
+    ids = [req.request_id for req in step.requests]
+    shape = (f"step of {r} request(s) {ids if r <= 16 else ids[:16] + ['...']}, {t} token(s), "
+             f"{'uniform decode' if uniform else 'mixed'}")
+    try:
+        d = runner.dispatcher.dispatch(t, r, uniform)
+    except Exception as exc:  # noqa: BLE001 - the shape alone still helps
+        return f"{shape}; dispatching it failed: {exc!r}"
+    return (f"{shape}; backend {runner.backend.name}, dispatched to mode {d.mode.name} "
+            f"key {d.key} ({d.reason})")
+
+
+def thread_stacks(target: int | None = None) -> str:
+    """Every thread's stack, named, the ``target`` thread marked (for a log record)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        mark = "  <- the timed-out forward" if ident == target else ""
+        parts.append(f"Thread {names.get(ident, '?')!r} (ident {ident}){mark}, most recent call last:\n"
+                     + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+def _injectable(message: str, step: str, elapsed: float) -> type[WatchdogTimeout]:
+    """A WatchdogTimeout subclass CPython can instantiate without arguments (an asynchronous
+    exception is a class) that still carries this fire's message."""
+    def __init__(self: WatchdogTimeout, *args: Any) -> None:
+        WatchdogTimeout.__init__(self, *(args or (message, step, elapsed)))
+    return type("WatchdogTimeout", (WatchdogTimeout,), {"__init__": __init__,
+                                                        "__module__": WatchdogTimeout.__module__})
+
+
+def _set_async_exc(ident: int, exc_type: type[BaseException] | None) -> bool:
+    """Raise ``exc_type`` in thread ``ident`` at its next bytecode (None: drop a pending one)."""
+    try:
+        set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    except AttributeError:          # not CPython
+        return False
+    arg = None if exc_type is None else ctypes.py_object(exc_type)
+    return set_async_exc(ctypes.c_ulong(ident), arg) == 1
+
+
+def _kill_own_process() -> None:
+    """SGLang's crash: flush the log handlers, then SIGKILL this process (os._exit without it)."""
+    for handler in logging.getLogger().handlers + logger.handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - dying anyway
+            pass
+    if hasattr(signal, "SIGKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+__all__ = ["ACTIONS", "NoWatchdog", "Watchdog", "check_watchdog_args", "describe_step",
+           "engine_watchdog", "thread_stacks"]
