@@ -1,8 +1,8 @@
 """Breakable capture (``piecewise_capture="breakable"``): PIECEWISE graphs captured by running
 the forward once and breaking at each attention call, with no torch.fx.
 
-* Parity with the fx path and with eager, in PIECEWISE and FULL_AND_PIECEWISE, on every torch
-  graph backend this machine runs (``cpu`` recording graph, the Ascend and CUDA adapters over
+* Parity with the fx path and with eager, in PIECEWISE and FULL_AND_PIECEWISE on every torch
+  graph backend this machine runs, and in FULL / FULL_DECODE_ONLY on cpu (``cpu`` recording graph, the Ascend and CUDA adapters over
   stand-ins): the same schedule, replay bit-identical to eager at the padded shape and to the
   fx pieces, unpadded eager within ``graphrt.tolerance``.
 * A model torch.fx cannot trace (Python control flow on a shape) gets PIECEWISE graphs with
@@ -33,6 +33,15 @@ GRAPH_BACKENDS = [b for b in BACKENDS if b not in ("eager",)]
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_breakable_equals_fx_and_eager(backend: str, mode: str) -> None:
+    check_parity(backend, mode)
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY"])
+def test_breakable_changes_nothing_in_modes_without_pieces(mode: str) -> None:
+    check_parity("cpu", mode)
+
+
+def check_parity(backend: str, mode: str) -> None:
     breakable = make_runner(backend, mode=mode, piecewise_capture="breakable")
     fx = make_runner(backend, mode=mode, piecewise_capture="fx")
     assert breakable.executor.piecewise_capture == "breakable" and fx.executor.piecewise_capture == "fx"
@@ -42,7 +51,7 @@ def test_breakable_equals_fx_and_eager(backend: str, mode: str) -> None:
     for i, ((ran, logits), (fx_ran, fx_logits)) in enumerate(zip(got, want)):
         assert ran is fx_ran, (i, ran, fx_ran)
         if i in MIXED_STEPS:
-            assert ran is RuntimeMode.PIECEWISE
+            assert ran is GraphMode(mode).mixed_mode()
         if backend != "cuda":
             assert_bitwise(logits, fx_logits, f"step {i}: breakable against fx")
             assert_bitwise(logits, same[i], f"step {i}: breakable against eager at its padded shape")
@@ -50,7 +59,7 @@ def test_breakable_equals_fx_and_eager(backend: str, mode: str) -> None:
     if backend != "cuda":
         assert_bitwise(breakable.executor.kv_cache, eager.executor.kv_cache, "KV cache")
     report = [r for r in breakable.executor.capture_report if r["mode"] == "PIECEWISE"]
-    assert report and all(r["bytes"] > 0 for r in report)
+    assert all(r["bytes"] > 0 for r in report) and bool(report) == ("PIECEWISE" in mode)
 
 
 def untraceable_model() -> torch.nn.Module:
