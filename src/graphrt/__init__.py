@@ -29,6 +29,7 @@ from graphrt.registry import available_backends, select_backend
 _LAZY = {
     "ModelRunner": "graphrt.runner",
     "LLM": "graphrt.engine.llm",
+    "DataParallelLLM": "graphrt.engine.data_parallel",
     "RequestOutput": "graphrt.engine.llm",
     "SamplingParams": "graphrt.engine.sampling_params",
 }
@@ -42,6 +43,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
+    "DataParallelLLM",
     "ConfigError", "Dispatch", "Dispatcher", "GenerationError", "GraphCache", "GraphCaptureError",
     "GraphConfig", "GraphMode", "GraphrtError", "InputError", "InputPreparer", "KVCacheLostError", "LLM",
     "ModelInputs",
