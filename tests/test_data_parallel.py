@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -163,6 +165,27 @@ def test_stats_per_worker(round_robin):
         assert w["rank"] == rank and w["alive"]
         assert w["engine"]["waiting"] == 0 and w["engine"]["running"] == 0
         assert w["engine"]["decode_tokens"] > 0        # the worker's own LLM.stats
+
+
+def test_concurrent_generate_calls_each_get_their_own_outputs(round_robin, reference):
+    results: dict[int, list] = {}
+
+    def call(k: int) -> None:
+        results[k] = round_robin.generate(PROMPTS[k::2], PARAMS[k::2])
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for k in (0, 1):
+        assert [o.token_ids for o in results[k]] == reference[k::2]
+
+
+def test_a_worker_that_fails_to_start_raises_naming_it(tmp_path):
+    with pytest.raises(GraphrtError, match=r"(?s)worker 0 \(pid \d+\) failed to start.*config.json") as err:
+        graphrt.DataParallelLLM(tmp_path, data_parallel_size=1, backend="eager")
+    assert gone(int(re.search(r"pid (\d+)", str(err.value)).group(1)))
 
 
 def test_a_killed_worker_raises_naming_it(shortest_queue):

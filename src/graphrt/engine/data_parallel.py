@@ -367,10 +367,11 @@ class DataParallelLLM:
             w.fault = msg[1]
 
     def _mark_dead(self, w: _Worker) -> None:
-        w.process.join(defaults.DP_POLL_INTERVAL_S)     # its exit code, if it is ending
+        w.process.join(defaults.DP_WORKER_KILL_TIMEOUT_S)   # its pipe closed: it is ending
         code = w.process.exitcode
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
                f"exited with code {code}" if code is not None else "closed its pipe")
+        how = how if w.info is not None else f"failed to start ({how})"
         lost = f"; its unfinished requests {sorted(w.in_flight)} are lost" if w.in_flight else ""
         why = f"; its traceback:\n{w.fault}" if w.fault else ""
         w.dead = GraphrtError(f"{w.name} {how}{lost}{why}")
