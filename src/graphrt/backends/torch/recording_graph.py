@@ -13,7 +13,10 @@ a machine without an accelerator, so every graph-correctness test can run in CI:
   overload when one exists and reproduces the op bit for bit, else compute and
   ``copy_``); views and metadata-only ops are not re-run, since the captured view
   already aliases its base; in-place ops re-run on their captured arguments; RNG ops
-  draw fresh numbers on every replay, as CUDA's philox offset does.
+  draw fresh numbers on every replay, as CUDA's philox offset does. Functional collectives
+  (``torch.distributed._functional_collectives``, over gloo on a CPU) are re-issued and waited
+  for on every replay, so a captured all-reduce reads each replay's new values; collectives
+  through the process-group API (``dist.all_reduce``) are refused at capture.
 * What would break a device graph raises :class:`GraphCaptureError` at the op that
   does it, and the capture is abandoned: host syncs (``.item()``, ``.tolist()``,
   ``int(t)``, ``bool(t)``, ``x[t]`` with a 0-dim ``t``, printing, ``.numpy()``,
@@ -155,6 +158,11 @@ def _capture_violation(func: Any, args: tuple, kwargs: dict) -> str | None:
             return _dynamic_shape_message(
                 f"`torch.repeat_interleave` with tensor repeats and no output_size ({func})",
                 "pass output_size=N")
+    if func.namespace == "c10d":
+        return (f"a torch.distributed collective through the process-group API ({func}) inside a "
+                "capture: its Work handle is waited on outside the graph, so a replay would use a "
+                "result it never waited for. Use torch.distributed._functional_collectives "
+                "(all_reduce(x, 'sum', group) etc.), which graphs record and replay")
     if packet is _aten.one_hot:
         num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
         if num_classes < 0:
@@ -266,6 +274,23 @@ def _copy_step(func: Any, args: tuple, kwargs: dict,
     return run_many, (), {}
 
 
+def _collective_step(func: Any, args: tuple, kwargs: dict, leaves: list[Any],
+                     fresh: list[tuple[int, torch.Tensor]]) -> _Step:
+    """A functional collective (``torch.distributed._functional_collectives``): re-issue it,
+    wait for its result (the recorded ``wait_tensor`` waited on the capture's, which replay
+    does not re-run), then copy the new outputs into the captured ones."""
+    op, wait = _fast(func), _fast(torch.ops._c10d_functional.wait_tensor.default)
+    tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+
+    def run() -> None:
+        result = tree_leaves(op(*args, **kwargs))
+        for i in tensors:
+            wait(result[i])
+        for index, captured in fresh:
+            captured.copy_(result[index])
+    return run, (), {}
+
+
 def _out_step(func: Any, args: tuple, kwargs: dict, out: Any,
               leaves: list[Any]) -> _Step | None:
     """A replay step writing through ``func``'s ``.out`` overload, if it reproduces ``func``.
@@ -309,6 +334,8 @@ def _plan(func: Any, args: tuple, kwargs: dict, out: Any, leaves: list[Any],
     """
     if func.overloadpacket in _EMPTY_OPS or torch.Tag.inplace_view in func.tags:
         return None
+    if func.namespace == "_c10d_functional" and func.overloadpacket.__name__ != "wait_tensor":
+        return _collective_step(func, args, kwargs, leaves, fresh)
     mutates = any(a.alias_info is not None and a.alias_info.is_write
                   for a in func._schema.arguments)
     if mutates:
