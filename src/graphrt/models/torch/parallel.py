@@ -120,7 +120,8 @@ class _Parallel(nn.Module):
             param.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
-        raise NotImplementedError
+        """Copy this rank's slice of ``loaded_weight`` into ``param``; every layer defines it."""
+        raise NotImplementedError(f"{type(self).__name__} defines no weight_loader")
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
