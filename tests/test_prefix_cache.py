@@ -202,14 +202,21 @@ def run_fake(sched: Scheduler, stream: list[tuple[list[int], int, int]], kv_slot
 
 
 @st.composite
+def shared_prefix_stream(draw, tokens, *, prefix: int, suffix: int, requests: int, max_tokens: int,
+                         arrival: int) -> list[tuple[list[int], int, int]]:
+    """1 to ``requests`` (prompt, max_tokens, arrival step): each prompt one of up to three
+    shared prefixes (up to ``prefix`` tokens) plus a distinct suffix of 1 to ``suffix``."""
+    prefixes = draw(st.lists(st.lists(tokens, max_size=prefix), min_size=1, max_size=3))
+    return [(draw(st.sampled_from(prefixes)) + draw(st.lists(tokens, min_size=1, max_size=suffix)),
+             draw(st.integers(1, max_tokens)), draw(st.integers(0, arrival)))
+            for _ in range(draw(st.integers(1, requests)))]
+
+
+@st.composite
 def fake_workloads(draw):
     bs = draw(st.sampled_from([1, 2, 4]))
-    tokens = st.integers(0, FAKE_VOCAB - 1)
-    prefixes = draw(st.lists(st.lists(tokens, max_size=16), min_size=1, max_size=3))
-    stream = []
-    for _ in range(draw(st.integers(1, 12))):
-        prompt = draw(st.sampled_from(prefixes)) + draw(st.lists(tokens, min_size=1, max_size=8))
-        stream.append((prompt, draw(st.integers(1, 5)), draw(st.integers(0, 8))))
+    stream = draw(shared_prefix_stream(st.integers(0, FAKE_VOCAB - 1), prefix=16, suffix=8, requests=12,
+                                       max_tokens=5, arrival=8))
     need = max(-(-(len(p) + m) // bs) for p, m, _ in stream)
     seqs = draw(st.integers(1, 4))
     limits = dict(max_num_seqs=seqs, max_num_batched_tokens=draw(st.integers(seqs, 32)), block_size=bs)
@@ -407,12 +414,8 @@ def llm_pair():
 
 @st.composite
 def llm_streams(draw):
-    tok = st.integers(3, VOCAB - 1)
-    prefixes = draw(st.lists(st.lists(tok, max_size=14), min_size=1, max_size=3))
-    stream = []
-    for _ in range(draw(st.integers(1, 8))):
-        prompt = draw(st.sampled_from(prefixes)) + draw(st.lists(tok, min_size=1, max_size=6))
-        stream.append((prompt, draw(st.integers(1, 4)), draw(st.integers(0, 4))))
+    stream = draw(shared_prefix_stream(st.integers(3, VOCAB - 1), prefix=14, suffix=6, requests=8,
+                                       max_tokens=4, arrival=4))
     return stream, draw(st.sampled_from(POLICIES))
 
 

@@ -6,14 +6,12 @@ bit for bit; the KV-head rule splits or replicates; weight loaders read only the
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from gloo_ranks import run_ranks
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.models.torch.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                            QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -106,54 +104,35 @@ def _compare(got: dict, tag: str) -> list[str]:
     return failures
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(rank: int) -> list[str]:
+    """This rank's mismatches against the unsharded layers: eagerly, then replayed twice."""
     import torch.distributed as dist
 
     from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        layers = _build(rank, 2, dist.group.WORLD)
-        gen = torch.Generator().manual_seed(1)                 # the same inputs on both ranks
-        x, inter = torch.randn(TOKENS, HIDDEN, generator=gen), torch.randn(TOKENS, INTER, generator=gen)
-        ids = torch.tensor([0, VOCAB - 1, 18, 19, 7], dtype=torch.int64)   # both halves and the last id
-        with torch.no_grad():
-            failures = _compare(_outputs(layers, x, inter, ids, rank, 2), "eager")
-            graph = RecordingGraph()
-            with recording_graph(graph):
-                captured = _outputs(layers, x, inter, ids, rank, 2)
-                outs = {name: out.clone() for name, (out, _) in captured.items()}
-            for step in range(2):
-                x.copy_(torch.randn(TOKENS, HIDDEN, generator=gen))
-                inter.copy_(torch.randn(TOKENS, INTER, generator=gen))
-                ids.copy_(torch.randint(0, VOCAB, (TOKENS,), generator=gen))
-                graph.replay()
-                want = _outputs(layers, x, inter, ids, rank, 2)
-                failures += _compare({name: (outs[name], want[name][1]) for name in outs}, f"replay {step}")
-        results.put((rank, failures))
-    except BaseException as err:                               # report, do not hang the parent
-        results.put((rank, [f"rank {rank} raised {err!r}"]))
-        raise
-    finally:
-        dist.destroy_process_group()
+    layers = _build(rank, 2, dist.group.WORLD)
+    gen = torch.Generator().manual_seed(1)                 # the same inputs on both ranks
+    x, inter = torch.randn(TOKENS, HIDDEN, generator=gen), torch.randn(TOKENS, INTER, generator=gen)
+    ids = torch.tensor([0, VOCAB - 1, 18, 19, 7], dtype=torch.int64)   # both halves and the last id
+    with torch.no_grad():
+        failures = _compare(_outputs(layers, x, inter, ids, rank, 2), "eager")
+        graph = RecordingGraph()
+        with recording_graph(graph):
+            captured = _outputs(layers, x, inter, ids, rank, 2)
+            outs = {name: out.clone() for name, (out, _) in captured.items()}
+        for step in range(2):
+            x.copy_(torch.randn(TOKENS, HIDDEN, generator=gen))
+            inter.copy_(torch.randn(TOKENS, INTER, generator=gen))
+            ids.copy_(torch.randint(0, VOCAB, (TOKENS,), generator=gen))
+            graph.replay()
+            want = _outputs(layers, x, inter, ids, rank, 2)
+            failures += _compare({name: (outs[name], want[name][1]) for name in outs}, f"replay {step}")
+    return failures
 
 
 def test_two_gloo_ranks_match_the_unsharded_layers_eagerly_and_replayed():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, port, results)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
+    got = run_ranks(_rank)
     assert got[0] == [] and got[1] == [], "\n".join(got[0] + got[1])
-    assert all(p.exitcode == 0 for p in procs)
 
 
 def test_one_rank_is_the_plain_layers_bit_for_bit():

@@ -42,7 +42,7 @@ from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, Inpu
 from graphrt.engine.dp_worker import worker_main
 from graphrt.engine.llm import RequestOutput
 from graphrt.engine.sampling_params import SamplingParams
-from graphrt.engine.validation import validate_request
+from graphrt.engine.validation import params_per_prompt, validate_request
 
 #: SGLang's ``--load-balance-method`` values that graphrt implements.
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
@@ -180,12 +180,7 @@ class DataParallelLLM:
         wait: past it a ``GraphrtError`` names the workers still owing outputs.
         """
         prompts = list(prompt_token_ids)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise InputError("sampling_params", f"{len(params)} params for {len(prompts)} prompts")
+        params = params_per_prompt(prompts, sampling_params)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self._validate(p, sp, f"prompt_token_ids[{i}]")
         with self._lock:

@@ -35,9 +35,9 @@ from graphrt.engine.metrics import EngineMetrics
 from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
 from graphrt.engine.tables import write_step_tables
-from graphrt.engine.validation import validate_request
+from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog
-from graphrt.core.errors import GenerationError, GraphrtError, InputError, KVCacheLostError
+from graphrt.core.errors import GenerationError, GraphrtError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams, without_seed
 from graphrt.models.hf_config import model_eos_token_ids, model_max_len
@@ -169,12 +169,7 @@ class LLM:
         (naming its index) and leaves the engine serving as before.
         """
         prompts = list(prompt_token_ids)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise InputError("sampling_params", f"{len(params)} params for {len(prompts)} prompts")
+        params = params_per_prompt(prompts, sampling_params)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self._validate(p, sp, f"prompt_token_ids[{i}]")
         with self._lock:

@@ -11,6 +11,18 @@ from graphrt.core.errors import InputError
 from graphrt.engine.sampling_params import SamplingParams
 
 
+def params_per_prompt(prompts: Sequence[Sequence[int]],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+    """One SamplingParams per prompt: ``None`` (the defaults) or one object for all, or a
+    sequence of exactly one per prompt (else InputError naming ``sampling_params``)."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * len(prompts)
+    params = list(sampling_params)
+    if len(params) != len(prompts):
+        raise InputError("sampling_params", f"{len(params)} params for {len(prompts)} prompts")
+    return params
+
+
 def validate_request(prompt: Sequence[int], params: SamplingParams, where: str, *, config: GraphConfig,
                      vocab_size: int, kv_capacity: int) -> None:
     """Refuse a request before it is queued: params not a SamplingParams (which checked its
