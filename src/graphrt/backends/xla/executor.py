@@ -90,6 +90,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self._seed_steps: dict[int, int] = {}
         self._last_logits: jax.Array | None = None
         self._last_positions: jax.Array | None = None
+        self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
         self._last_hidden: jax.Array | None = None
 
     def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
@@ -275,14 +276,17 @@ class XlaExecutor(Executor[XlaEntry]):
         before = _compiles.compiles
         kv = self.kv_cache
         try:
-            logits, hidden, self.kv_cache, *positions = entry.executable(self.weights, kv, batch)
+            out = entry.executable(self.weights, kv, batch)
+            if self._with_positions:
+                logits, hidden, self.kv_cache, self._last_positions = out
+            else:
+                logits, hidden, self.kv_cache = out
         except BaseException as exc:
             self._after_failed_run(kv, exc)
             raise
         if _compiles.compiles != before:
             self.compiled.compiled_while_running(before, key, "forward")
         self._last_logits, self._last_hidden = logits, hidden
-        self._last_positions = positions[0] if positions else None
         return logits
 
     def _after_failed_run(self, kv: jax.Array | None, exc: BaseException) -> None:
@@ -363,7 +367,7 @@ class XlaExecutor(Executor[XlaEntry]):
         return np.asarray(self._last_logits)[:num_reqs]
 
     def position_logits(self, num_reqs: int) -> np.ndarray:
-        if self.programs.decode_query_len == 1:
+        if not self._with_positions:
             raise GraphrtError("position logits need num_speculative_tokens > 0")
         return np.asarray(self._last_positions)[:num_reqs]
 
