@@ -121,3 +121,17 @@ def test_recording_graph_lists_the_numbers_each_op_bakes():
     values = dict(g.baked_values())
     assert any("slice" in n for n in names) and any(v == (2.5,) for v in values.values())
     assert (3,) in values.values()
+
+
+def test_each_key_is_checked_once_when_graph_memory_is_sampled_first(monkeypatch: pytest.MonkeyPatch):
+    """Sizing the KV cache from a budget captures sample keys before warm-up; warm-up checks
+    every FULL key, so the samples are not checked too."""
+    from graphrt.backends.torch import executor as torch_executor
+
+    checked = []
+    real = torch_executor.check_key
+    monkeypatch.setattr(torch_executor, "check_key", lambda ex, key: (checked.append(key), real(ex, key))[1])
+    r = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="cpu", kv_cache_memory=64 << 20, progress=False,
+                    strict=True, **LIMITS)
+    assert r.graph_memory.deducted and r.graph_memory.sampled
+    assert sorted(map(str, checked)) == sorted(e["key"] for e in forward_entries(r))

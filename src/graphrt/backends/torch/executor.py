@@ -108,6 +108,9 @@ class TorchExecutor(Executor[TorchEntry]):
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
         self.pieces = Pieces(self)
+        #: Check the host values each FULL capture bakes in (off while graph memory is sampled:
+        #: warm-up captures, and checks, the same keys again).
+        self.check_baked = config.check_baked_values or config.strict
         note = self.compile_note()
         if note is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
@@ -256,7 +259,7 @@ class TorchExecutor(Executor[TorchEntry]):
         """With ``check_baked_values`` or ``strict``: the host values ``key``'s forward bakes in
         (:mod:`graphrt.backends.torch.baked`); values that differ between two steps the key
         holds fail the capture in strict mode and are logged otherwise."""
-        if not (self.config.check_baked_values or self.config.strict):
+        if not self.check_baked:
             return None
         report = check_key(self, key)
         if not report.complete:
