@@ -169,29 +169,33 @@ def test_a_hang_inside_one_c_call_raises_once_the_call_returns(monkeypatch, capl
 
 
 def test_no_watchdog_thread_when_disabled_and_identical_tokens_when_enabled(reference):
-    before = len(watchdog_threads())
+    # Sets, not counts: engines of earlier tests may be collected (their threads ending) meanwhile.
+    def new_threads() -> set[threading.Thread]:
+        return set(watchdog_threads()) - before
+
+    before = set(watchdog_threads())
     for off in (None, 0):
         llm = make(watchdog_timeout=off)
-        assert isinstance(llm.watchdog, NoWatchdog) and len(watchdog_threads()) == before
+        assert isinstance(llm.watchdog, NoWatchdog) and not new_threads()
         if off is None:
             assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         llm.close()
     llm = make()                                 # the default: SGLang's 300 s
     assert isinstance(llm.watchdog, Watchdog) and llm.watchdog.timeout == 300.0
-    assert len(watchdog_threads()) == before + 1
+    (thread,) = new_threads()
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.watchdog.num_fires == 0 and llm.watchdog._count > 0
     llm.close()
     llm.close()                                  # idempotent
-    assert len(watchdog_threads()) == before
+    assert not thread.is_alive() and not new_threads()
     llm = make(watchdog_timeout=10)
-    assert len(watchdog_threads()) == before + 1
+    (thread,) = new_threads()
     del llm
     gc.collect()
     deadline = time.monotonic() + 5
-    while len(watchdog_threads()) > before and time.monotonic() < deadline:
+    while thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(watchdog_threads()) == before     # the engine's collection joined it
+    assert not thread.is_alive() and not new_threads()   # the engine's collection joined it
 
 
 @pytest.mark.parametrize("kwargs", [dict(watchdog_action="explode"), dict(watchdog_timeout=-1.0),
