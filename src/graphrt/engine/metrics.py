@@ -80,15 +80,9 @@ class EngineMetrics:
         self._step: tuple[int, int, int] = (0, 0, 0)   # this step: prefill requests, prefill tokens, decodes
 
     def observe(self, step: Any) -> None:
-        """Classify a scheduled step (before it runs): prefill requests and tokens, decodes."""
-        seqs = tokens = decodes = 0
-        for req, n in zip(step.requests, step.num_scheduled):
-            if n == 1 and req.num_pending == 1 and req.output_token_ids:
-                decodes += 1
-            else:
-                seqs += 1
-                tokens += n
-        self._step = (seqs, tokens, decodes)
+        """Note a scheduled step's prefill requests and tokens and its decodes (the scheduler
+        classified them) before it runs."""
+        self._step = (step.num_prefill_reqs, step.num_prefill_tokens, step.num_decodes)
 
     def record(self, scheduler: Any, runner: Any) -> None:
         """After a step ran: log the prefill line if it had prefill work, and every

@@ -79,10 +79,15 @@ class Request:
 
 @dataclass
 class ScheduledStep:
-    """The requests of one step and how many tokens each computes."""
+    """The requests of one step and how many tokens each computes; of them, the one-token
+    decodes of requests that have generated before, and the rest (prefill work: new
+    requests, chunks, recomputation) with their tokens."""
 
     requests: list[Request]
     num_scheduled: list[int]
+    num_decodes: int = 0
+    num_prefill_reqs: int = 0
+    num_prefill_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -230,12 +235,16 @@ class Scheduler:
             self._admit(step)
         for req in [r for r in self.running if r.num_pending == 1 and r.request_id not in step]:
             self._schedule_running(req, step)
+        out = ScheduledStep([r for r, _ in step.values()], [n for _, n in step.values()])
         for req, n in step.values():
             if n == 1 and req.num_pending == 1 and req.output_token_ids:
-                self.num_decode_tokens += 1
+                out.num_decodes += 1
             else:
-                self.num_prefill_tokens += n
-        return ScheduledStep([r for r, _ in step.values()], [n for _, n in step.values()])
+                out.num_prefill_reqs += 1
+                out.num_prefill_tokens += n
+        self.num_decode_tokens += out.num_decodes
+        self.num_prefill_tokens += out.num_prefill_tokens
+        return out
 
     def _admit(self, step: dict[int, tuple[Request, int]]) -> None:
         """Admit waiting requests in policy order while the budgets allow (PrefillAdder)."""
