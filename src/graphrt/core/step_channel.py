@@ -69,7 +69,6 @@ class StepChannel:
         self._shm, self.spec, self.reader = shm, spec, reader
         words = _FIXED + _PER_ARRAY * spec.max_arrays
         self._header = np.ndarray((words,), dtype=np.int64, buffer=shm.buf)
-        self._acks = np.ndarray((spec.num_readers,), dtype=np.int64, buffer=shm.buf, offset=words * 8)
         self._ack_words = shm.buf[words * 8:(words + spec.num_readers) * 8].cast("q")
         self._data_start = -(-(words + spec.num_readers) * 8 // _ALIGN) * _ALIGN
         self._seq = 0
@@ -87,7 +86,8 @@ class StepChannel:
                            tuple(ctx.Semaphore(0) for _ in range(num_readers)))
         channel = cls(shm, spec, None)
         channel._header[:] = 0
-        channel._acks[:] = 0
+        for i in range(num_readers):
+            channel._ack_words[i] = 0
         return channel
 
     @classmethod
@@ -132,7 +132,7 @@ class StepChannel:
         deadline = time.monotonic() + timeout
         while min(self._ack_words) != self._seq:
             if time.monotonic() > deadline:
-                late = np.flatnonzero(self._acks != self._seq).tolist()
+                late = [i for i, seq in enumerate(self._ack_words) if seq != self._seq]
                 raise GraphrtError(f"step channel: workers {late} did not read step {self._seq} within "
                                    f"{timeout} s (dead or hung)")
             time.sleep(0)
@@ -168,7 +168,7 @@ class StepChannel:
     def close(self) -> None:
         """Detach this process from the segment (every process, once)."""
         self._ack_words.release()
-        self._header = self._acks = None   # type: ignore[assignment] - views must go before the buffer
+        self._header = None   # type: ignore[assignment] - views must go before the buffer
         self._shm.close()
 
     def unlink(self) -> None:
