@@ -72,3 +72,13 @@ def test_the_decode_line_shows_steps_that_ran_eagerly_and_why(caplog: pytest.Log
     assert any("mode" in (d[9] or "") for d in decode)                  # mixed steps, FULL_DECODE_ONLY
     total = llm.runner.stats.eager_by_cause
     assert sum(int(d[7]) for d in decode) <= sum(c.steps for c in total.values())
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_a_bad_decode_log_interval_is_refused_naming_it(bad):
+    from graphrt import InputError
+    from graphrt.engine.metrics import EngineMetrics
+
+    with pytest.raises(InputError) as err:
+        EngineMetrics(backend="cpu", block_size=4, capacity_blocks=8, decode_log_interval=bad)
+    assert err.value.field == "decode_log_interval"

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from graphrt import GraphrtError
+from graphrt import GraphrtError, InputError
 from graphrt.core.step_channel import StepChannel
 
 DTYPES = [np.int32, np.int64, np.float32, np.uint8, np.bool_]
@@ -72,6 +72,15 @@ def test_rank0_waits_for_every_worker_before_overwriting():
         writer.unlink()
 
 
+@pytest.mark.parametrize("field,kwargs", [("num_readers", dict(num_readers=0)),
+                                          ("capacity", dict(num_readers=1, capacity=-5)),
+                                          ("max_arrays", dict(num_readers=1, max_arrays=0))])
+def test_bad_channel_sizes_are_refused_naming_the_field(field, kwargs):
+    with pytest.raises(InputError) as err:
+        StepChannel.create(**kwargs)
+    assert err.value.field == field
+
+
 def test_bad_sends_are_refused_and_a_silent_writer_times_out():
     writer = StepChannel.create(1, capacity=64, max_arrays=2)
     reader = StepChannel.attach(writer.spec, 0)
@@ -82,6 +91,9 @@ def test_bad_sends_are_refused_and_a_silent_writer_times_out():
             writer.send(0, [np.zeros(1)] * 3)
         with pytest.raises(Exception, match="cannot be sent"):
             writer.send(0, [np.zeros(2, np.complex64)])
+        with pytest.raises(InputError, match="method") as err:
+            writer.send(-1, [])
+        assert err.value.field == "method"
         with pytest.raises(GraphrtError, match="no step from rank 0"):
             reader.receive(timeout=0.05)
     finally:

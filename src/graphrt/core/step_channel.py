@@ -77,8 +77,9 @@ class StepChannel:
     def create(cls, num_readers: int, capacity: int = defaults.STEP_CHANNEL_BYTES,
                max_arrays: int = defaults.STEP_CHANNEL_MAX_ARRAYS, ctx: Any = None) -> "StepChannel":
         """Rank 0: a new segment of ``capacity`` data bytes for ``num_readers`` workers."""
-        if num_readers < 1:
-            raise InputError("num_readers", f"must be >= 1, got {num_readers}")
+        for name, value in (("num_readers", num_readers), ("capacity", capacity), ("max_arrays", max_arrays)):
+            if not isinstance(value, int) or value < 1:
+                raise InputError(name, f"must be an integer >= 1, got {value!r}")
         ctx = ctx or mp.get_context("spawn")
         head = (_FIXED + _PER_ARRAY * max_arrays + num_readers) * 8
         shm = shared_memory.SharedMemory(create=True, size=-(-head // _ALIGN) * _ALIGN + capacity)
@@ -102,6 +103,8 @@ class StepChannel:
         """Write one step (``method`` code and arrays) and wake every reader."""
         if self.reader is not None:
             raise GraphrtError("send() is rank 0's; this channel was attached as a reader")
+        if not isinstance(method, int) or not 0 <= method < 2**63:
+            raise InputError("method", f"must be an integer in [0, 2**63), got {method!r}")
         if len(arrays) > self.spec.max_arrays:
             raise InputError("arrays", f"{len(arrays)} arrays, the channel holds {self.spec.max_arrays}")
         self._wait_acks(timeout)

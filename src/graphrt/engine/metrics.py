@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from graphrt.core.dispatch import RuntimeMode
+from graphrt.core.errors import InputError
 
 logger = logging.getLogger("graphrt.engine")
 
@@ -68,7 +69,9 @@ class EngineMetrics:
         self.backend = backend
         self.block_size = block_size
         self.capacity_blocks = max(capacity_blocks, 1)
-        self.decode_log_interval = max(int(decode_log_interval), 1)
+        if isinstance(decode_log_interval, bool) or not isinstance(decode_log_interval, int) or decode_log_interval < 1:
+            raise InputError("decode_log_interval", f"must be an integer >= 1 (decode steps), got {decode_log_interval!r}")
+        self.decode_log_interval = decode_log_interval
         self.last_prefill: PrefillLine | None = None
         self.last_decode: DecodeLine | None = None
         self.num_prefill_lines = self.num_decode_lines = 0
