@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 import graphrt
-from graphrt.core.dispatch import Dispatch, Dispatcher, GraphMode, RuntimeMode
+from graphrt.core.dispatch import Dispatch, Dispatcher, RuntimeMode
+from graphrt.core.eager import EagerCause
 
 
 def _numpy(a: Any) -> np.ndarray:
@@ -62,14 +63,13 @@ def assert_same_tokens(got_logits: Any, want_logits: Any, err_msg: str = "") -> 
 class PaddedEagerDispatcher:
     """Dispatches like ``inner`` but runs every step eagerly at the key ``inner`` returns."""
 
-    mode = GraphMode.NONE      # every step eager by design: counted under the graph-mode cause
-
     def __init__(self, inner: Dispatcher) -> None:
         self.inner = inner
 
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0) -> Dispatch:
         d = self.inner.dispatch(num_tokens, num_reqs, uniform_decode, num_loras)
-        return dataclasses.replace(d, mode=RuntimeMode.NONE, reason=f"{d.reason}; eager at the padded key")
+        return dataclasses.replace(d, mode=RuntimeMode.NONE, reason=f"{d.reason}; eager at the padded key",
+                                   cause=EagerCause.MODE)    # every step eager by design
 
     def keys(self) -> list:
         return []

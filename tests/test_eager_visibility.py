@@ -115,3 +115,17 @@ def test_llm_stats_and_the_demo_show_the_causes(model_dir, capsys):
     assert re.search(r"^\s+above_largest_bucket\s+0 / 0$", out, flags=re.M)
     assert f"eager {steps} steps / {tokens} tokens (mode {steps}/{tokens})" in out
     assert "graph memory: not deducted" in out
+
+
+def test_the_dispatcher_names_the_cause_of_each_eager_step():
+    from graphrt.core.buckets import BucketPolicy
+    from graphrt.core.dispatch import Dispatcher, GraphMode
+
+    decode_only = Dispatcher(GraphMode.FULL_DECODE_ONLY, token_buckets=BucketPolicy([1, 2, 4]), max_num_seqs=8)
+    assert decode_only.dispatch(3, 3, True).cause is None                         # a decode graph
+    assert decode_only.dispatch(6, 2, False).cause is EagerCause.MODE             # mixed: the mode's choice
+    assert decode_only.dispatch(6, 6, True).cause is EagerCause.ABOVE_LARGEST_BUCKET  # no decode bucket held it
+    full = Dispatcher(GraphMode.FULL, token_buckets=BucketPolicy([1, 2, 4]), max_num_seqs=8)
+    assert full.dispatch(9, 2, False).cause is EagerCause.ABOVE_LARGEST_BUCKET
+    assert Dispatcher(GraphMode.NONE, token_buckets=None, max_num_seqs=8).dispatch(1, 1, True).cause \
+        is EagerCause.MODE

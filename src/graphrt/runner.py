@@ -23,7 +23,7 @@ from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.core.cache import CacheStats, EagerFallback, GraphCache, describe_key
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
-from graphrt.core.eager import EagerCause, dispatch_cause
+from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
 from graphrt.core.graph_memory import GraphMemory, estimate_graph_memory, kv_blocks_after_graphs
 from graphrt.core.inputs import InputPreparer
@@ -283,7 +283,7 @@ class ModelRunner(LoraMethods):
         eager_cause = None
         if mode is RuntimeMode.NONE:
             eager_reason = d.reason
-            eager_cause = dispatch_cause(self.dispatcher, d, uniform)
+            eager_cause = d.cause or EagerCause.MODE    # a dispatcher that says eager, not why
         else:
             cache_key = (mode, key)
             entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from graphrt.core.buckets import BucketPolicy
+from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.lora import lora_buckets
 
@@ -122,6 +123,7 @@ class Dispatch:
     mode: RuntimeMode
     key: BatchDescriptor  # the padded shape to run under (the real shape when eager)
     reason: str           # why this mode: shown in logs, statistics and CacheMissError
+    cause: EagerCause | None = None   # when eager: the counted cause (mode, above the largest bucket)
 
 
 class Dispatcher:
@@ -198,8 +200,12 @@ class Dispatcher:
         runtime = (self.mode.decode_mode() if uniform_decode and not self.separate_decode
                    else self.mode.mixed_mode())
         if runtime is RuntimeMode.NONE:
+            # A decode step no decode bucket held is above the largest bucket, whatever the
+            # mixed mode then says; otherwise the mode itself runs it eagerly.
+            above = uniform_decode and self.separate_decode
             return Dispatch(RuntimeMode.NONE, real, f"graph mode {self.mode.value} runs "
-                                                    f"{'decode' if uniform_decode else 'mixed'} steps eagerly")
+                                                    f"{'decode' if uniform_decode else 'mixed'} steps eagerly",
+                            EagerCause.ABOVE_LARGEST_BUCKET if above else EagerCause.MODE)
         b = self.token_buckets.bucket_for(num_tokens)
         if b is None:
             return self._above(real, "token", self.token_buckets)
@@ -228,7 +234,7 @@ class Dispatcher:
             raise InputError("num_scheduled_tokens",
                              f"{reason}: this backend has no eager fallback; keep steps within "
                              "max_num_batched_tokens / max_num_seqs")
-        return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly")
+        return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly", EagerCause.ABOVE_LARGEST_BUCKET)
 
     def keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
         """Every (mode, key) ``dispatch`` can return with a graph, largest first (capture order)."""

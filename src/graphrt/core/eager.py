@@ -1,7 +1,9 @@
 """Why a step ran eagerly: the causes, in one place, and the per-cause counters.
 
 Every eager step is counted under exactly one :class:`EagerCause`, with the real tokens it
-ran (``CacheStats.eager_by_cause``); the free-text reason stays in ``eager_reasons``.
+ran (``CacheStats.eager_by_cause``); the free-text reason stays in ``eager_reasons``. The
+dispatcher names the cause of the steps it sends eager (``Dispatch.cause``); the runner, of
+those whose key has no graph.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from graphrt.core.dispatch import Dispatch, Dispatcher, GraphMode, RuntimeMode
 
 
 class EagerCause(str, enum.Enum):
@@ -37,19 +38,3 @@ class EagerCount:
 def new_eager_counts() -> dict[EagerCause, EagerCount]:
     """One zeroed counter per cause, made once per cache (the hot path only adds to them)."""
     return {cause: EagerCount() for cause in EagerCause}
-
-
-def dispatch_cause(dispatcher: Dispatcher, d: Dispatch, uniform_decode: bool) -> EagerCause:
-    """Why the dispatcher sent a step eager (``d.mode`` is NONE): its graph mode does not cover
-    the step, or the step is above the largest bucket that would have covered it. Mirrors
-    :meth:`Dispatcher.dispatch`: decode steps above the largest decode bucket count as above.
-    A stand-in dispatcher without a graph ``mode`` counts as the mode's choice."""
-    if d.mode is not RuntimeMode.NONE:
-        raise ValueError(f"dispatch_cause: the step runs {d.mode.value}, not eagerly")
-    mode = getattr(dispatcher, "mode", GraphMode.NONE)
-    if mode is GraphMode.NONE:
-        return EagerCause.MODE
-    if uniform_decode and getattr(dispatcher, "separate_decode", False):
-        return EagerCause.ABOVE_LARGEST_BUCKET   # no decode bucket held it (else it had a graph)
-    runtime = mode.decode_mode() if uniform_decode else mode.mixed_mode()
-    return EagerCause.MODE if runtime is RuntimeMode.NONE else EagerCause.ABOVE_LARGEST_BUCKET
