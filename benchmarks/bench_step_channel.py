@@ -58,10 +58,10 @@ def bench_shm(steps: int, warmup: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     channel = StepChannel.create(1, ctx=ctx)
     worker = ctx.Process(target=_shm_worker, args=(channel.spec, steps + warmup))
-    worker.start()
     arrays = step_arrays()
     send_ns, trip_ns = [], []
     try:
+        worker.start()
         for i in range(steps + warmup):
             t0 = time.perf_counter_ns()
             channel.send(1, arrays, timeout=60)
@@ -73,7 +73,8 @@ def bench_shm(steps: int, warmup: int) -> dict[str, Any]:
                 send_ns.append(t1 - t0)
                 trip_ns.append(t2 - t0)
     finally:
-        worker.join(timeout=60)
+        if worker.pid is not None:
+            worker.join(timeout=60)
         channel.close()
         channel.unlink()
     return {"send": summarise(send_ns), "round_trip": summarise(trip_ns)}

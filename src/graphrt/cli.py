@@ -154,8 +154,10 @@ def benchmarks_dir() -> Path:
 
 
 def _load_benchmark(path: Path) -> ModuleType:
-    """Import a benchmark script by path (``benchmarks/`` is not a package)."""
-    name = f"graphrt_benchmarks.{path.stem}"
+    """Import a benchmark script by path (``benchmarks/`` is not a package) under its own name,
+    as the scripts import each other (``bench_common``): with ``benchmarks/`` on ``sys.path`` a
+    spawned worker process can import the module a benchmark's worker function lives in."""
+    name = path.stem
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
