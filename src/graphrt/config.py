@@ -86,6 +86,10 @@ class GraphConfig(BaseModel):
     max_lora_rank: int = Field(defaults.DEFAULT_MAX_LORA_RANK, gt=0,
                                description="rank of every adapter slot (vLLM's max_lora_rank); lower ranks are "
                                            "zero-padded")
+    tensor_parallel_size: int = Field(
+        defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
+        description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "
+                    "docs/distributed.md); 1: unsharded")
 
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings")(

@@ -181,6 +181,11 @@ STEP_CHANNEL_BYTES = 8 << 20
 STEP_CHANNEL_MAX_ARRAYS = 16
 STEP_CHANNEL_TIMEOUT_S = 30.0
 
+#: Tensor parallelism of the torch backends (vLLM's ``tensor_parallel_size``): the ranks each
+#: model is sharded over (models/torch/parallel.py); 1 runs the unsharded model and needs no
+#: process group.
+DEFAULT_TENSOR_PARALLEL_SIZE = 1
+
 #: graphrt.DataParallelLLM: worker processes (SGLang's ``--data-parallel-size``; 1 there means
 #: no DP) and how requests are spread over them (SGLang's ``--load-balance-method`` and default).
 DEFAULT_DATA_PARALLEL_SIZE = 2
