@@ -112,7 +112,8 @@ class _Parallel(nn.Module):
         if self.tp_size == 1:
             return x
         import torch.distributed._functional_collectives as fc
-        return _waited(fc.all_gather_tensor(x.contiguous(), x.dim() - 1, self._group()))
+        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor    # the latter: older torch
+        return _waited(gather(x.contiguous(), x.dim() - 1, self._group()))
 
     def bind_weight_loaders(self) -> None:
         """Attach ``weight_loader`` to this module's own parameters (again after ``to_empty``)."""
