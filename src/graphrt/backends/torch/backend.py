@@ -27,9 +27,14 @@ class TorchBackend(Backend):
         """The device-graph API; ``None`` runs every step eagerly."""
         return None
 
-    def load_model(self, model_dir: str, dtype: Any = None) -> torch.nn.Module:
+    def load_model(self, model_dir: str, dtype: Any = None, *, tp_rank: int = 0, tp_size: int = 1,
+                   group: Any = None) -> torch.nn.Module:
+        """graphrt's torch decoder from a Hugging Face directory on this backend's device;
+        ``tp_size > 1`` loads rank ``tp_rank``'s shard over the process group ``group``
+        (``None``: the default group), reading only its slices of the checkpoint."""
         from graphrt.models.torch.loader import load_torch_model
-        return load_torch_model(model_dir, dtype=dtype or torch.float32, device=self.device)
+        return load_torch_model(model_dir, dtype=dtype or torch.float32, device=self.device,
+                                tp_rank=tp_rank, tp_size=tp_size, group=group)
 
     def graphs(self, fn: Callable[[Hashable], Any], cache: GraphCache | None = None,
                **options: Any) -> TorchGraphs:

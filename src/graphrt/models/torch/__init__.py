@@ -1,2 +1,3 @@
-"""Torch reference models: paged attention (``attention``), the decoder (``decoder``) and
-its safetensors loader (``loader``)."""
+"""Torch reference models: paged attention (``attention``), the decoder (``decoder``), its
+safetensors loader (``loader``), the tensor-parallel layers a sharded decoder is built from
+(``parallel``) and LoRA (``lora``)."""

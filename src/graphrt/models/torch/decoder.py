@@ -5,19 +5,28 @@ its attention metadata from the forward context, so one captured graph serves an
 batch of the captured size. Numerics follow Hugging Face transformers (RMSNorm in
 float32, half-split rotary, SiLU-gated MLP); q/k/v and gate/up projections are fused
 into one matmul each and filled from the separate checkpoint tensors by the loader.
+
+Tensor parallelism (``tp_size > 1``): each rank builds its shard from
+:mod:`graphrt.models.torch.parallel` -- column-parallel q/k/v and gate/up, row-parallel o and
+down (all-reduced), a vocabulary-parallel embedding and LM head -- and holds its own query
+and KV heads (:func:`~graphrt.models.torch.parallel.kv_head_shard`). With ``tp_size == 1``
+the model is built from the plain layers below, exactly as without tensor parallelism.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrt.core.errors import InputError
+from graphrt.core.errors import ConfigError, InputError
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch.attention import PagedAttention
+from graphrt.models.torch.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                           RowParallelLinear, TPGroup, VocabParallelEmbedding,
+                                           kv_head_shard)
 
 
 class RMSNorm(nn.Module):
@@ -86,10 +95,13 @@ class FusedLinear(nn.Linear):
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int) -> None:
-        """Copy one checkpoint projection into its rows of the fused ``param``."""
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
+        """Copy one checkpoint projection (a tensor or a safetensors slice, read whole) into
+        its rows of the fused ``param``."""
         if shard_id not in self.shard_offsets:
             raise InputError("shard_id", f"{shard_id!r} is not one of {list(self.shard_offsets)}")
+        if not isinstance(loaded_weight, torch.Tensor):
+            loaded_weight = loaded_weight[:]
         start, size = self.shard_offsets[shard_id]
         expected = (size, *param.shape[1:])
         if tuple(loaded_weight.shape) != expected:
@@ -100,19 +112,28 @@ class FusedLinear(nn.Linear):
 
 
 class DecoderAttention(nn.Module):
-    """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention."""
+    """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention.
 
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+    Sharded (``tp.size > 1``), the rank projects and attends with its own query and KV heads
+    and the row-parallel ``o_proj`` all-reduces the heads' contributions.
+    """
+
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.qkv_proj = FusedLinear(config.hidden_size, {"q": config.q_size, "k": config.kv_size,
-                                                         "v": config.kv_size},
-                                    bias=config.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype)
+        bias = config.attention_bias
+        if tp.size == 1:
+            self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+            self.q_size, self.kv_size = config.q_size, config.kv_size
+            self.qkv_proj = FusedLinear(config.hidden_size, {"q": config.q_size, "k": config.kv_size,
+                                                             "v": config.kv_size}, bias=bias, dtype=dtype)
+            self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=bias, dtype=dtype)
+        else:
+            self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                              config.num_key_value_heads, bias, *tp, dtype=dtype)
+            self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+            self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+            self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias, *tp, dtype=dtype)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
@@ -134,13 +155,18 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul; sharded, each
+    rank holds a slice of the intermediate features and ``down`` all-reduces."""
 
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {0: size, 1: size}, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False, dtype=dtype)
+        size, hidden = config.intermediate_size, config.hidden_size
+        if tp.size == 1:
+            self.gate_up_proj = FusedLinear(hidden, {0: size, 1: size}, bias=False, dtype=dtype)
+            self.down_proj = nn.Linear(size, hidden, bias=False, dtype=dtype)
+        else:
+            self.gate_up_proj = MergedColumnParallelLinear(hidden, [size, size], False, *tp, dtype=dtype)
+            self.down_proj = RowParallelLinear(size, hidden, False, *tp, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -150,12 +176,12 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = DecoderAttention(config, dtype)
+        self.self_attn = DecoderAttention(config, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(config, dtype)
+        self.mlp = GatedMLP(config, dtype, tp)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
@@ -165,10 +191,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.*`` parameter names)."""
 
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, *tp, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
@@ -185,6 +214,11 @@ class DecoderForCausalLM(nn.Module):
 
     ``forward`` returns final hidden states; ``compute_logits`` is separate so the
     runner can project only the rows it samples from.
+
+    ``tp_rank`` / ``tp_size`` / ``group`` build rank ``tp_rank``'s shard of a tensor-parallel
+    model over ``group`` (a ``torch.distributed`` process group; ``None``: the default group,
+    needed only once the forward runs). Every rank returns the full hidden states and
+    logits; ``kv_cache_spec`` gives this rank's KV heads, so its cache holds only those.
     """
 
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -197,15 +231,27 @@ class DecoderForCausalLM(nn.Module):
     #: Linear children that take LoRA adapters when ``max_loras > 0`` (models/torch/lora.py).
     lora_target_modules: ClassVar[tuple[str, ...]] = ("o_proj",)
 
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32, tp_rank: int = 0,
+                 tp_size: int = 1, group: Any = None) -> None:
         super().__init__()
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tensor-parallel rank {tp_rank} of {tp_size}: need tp_size >= 1 and "
+                              f"0 <= tp_rank < tp_size")
         self.config = config
-        self.model = DecoderModel(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        #: KV heads this rank holds (all of them unsharded).
+        self.num_kv_heads = kv_head_shard(config.num_key_value_heads, tp_rank, tp_size)[1]
+        tp = TPGroup(tp_rank, tp_size, group)
+        self.model = DecoderModel(config, dtype, tp)
+        if tp_size == 1:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, *tp, dtype=dtype)
         self.bind_parameters()
 
     def bind_parameters(self) -> None:
-        """Tie ``lm_head`` to ``embed_tokens`` when configured and attach fused weight loaders.
+        """Tie ``lm_head`` to ``embed_tokens`` when configured (sharded: the two share the
+        rank's vocabulary rows) and attach the fused and sharded layers' weight loaders.
 
         ``nn.Module.to_empty`` replaces parameter objects, dropping ties and attributes;
         call this again after it.
@@ -213,15 +259,16 @@ class DecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for module in self.modules():
-            if isinstance(module, FusedLinear):
-                module.bind_weight_loaders()
+            bind = getattr(module, "bind_weight_loaders", None)
+            if bind is not None:
+                bind()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids [T]``, ``positions [T]`` -> hidden ``[T, hidden]``; metadata from the forward context."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]`` (sharded: gathered on every rank)."""
         return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[PagedAttention]:
@@ -229,5 +276,6 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads, head_dim)`` so the runner can size the caches."""
-        return (self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim)
+        """``(num_layers, num_kv_heads, head_dim)`` so the runner can size the caches; sharded,
+        this rank's KV heads (a replicated head counts once per rank that holds it)."""
+        return (self.config.num_hidden_layers, self.num_kv_heads, self.config.head_dim)

@@ -4,12 +4,17 @@ The model is built on the meta device (no init cost), given uninitialised storag
 the target device, and every parameter is then filled from the ``*.safetensors``
 files; a parameter the checkpoint does not fill is an error, as is a checkpoint
 tensor the model has no place for.
+
+A tensor-parallel rank's model (``tp_size > 1``) loads its shard: every sharded parameter's
+``weight_loader`` gets the safetensors slice (``get_slice``) and reads only the rank's rows or
+columns from the file; replicated parameters (the norms) are read whole.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -17,7 +22,7 @@ from torch import nn
 
 from graphrt.core.errors import InputError
 from graphrt.models.hf_config import DecoderConfig
-from graphrt.models.torch.decoder import DecoderForCausalLM, FusedLinear
+from graphrt.models.torch.decoder import DecoderForCausalLM
 
 # Checkpoint tensors that carry no model state (old HF checkpoints saved these buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -42,7 +47,8 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, str | int]]) -> tupl
 
 
 def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> None:
-    """Fill every parameter of ``model`` from ``model_dir/*.safetensors``.
+    """Fill every parameter of ``model`` from ``model_dir/*.safetensors``; a sharded model
+    (built with ``tp_rank`` / ``tp_size``) reads only its rank's slices.
 
     Raises :class:`InputError` for an unknown checkpoint key, a shape mismatch, or a
     parameter (or fused shard) that no checkpoint tensor filled.
@@ -54,7 +60,7 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
     tied = model.config.tie_word_embeddings
     expected: set[tuple[str, str | int | None]] = set()
     for module_name, module in model.named_modules():
-        shard_ids = list(module.shard_offsets) if isinstance(module, FusedLinear) else [None]
+        shard_ids = list(getattr(module, "shard_offsets", None) or [None])
         for name, _ in module.named_parameters(prefix=module_name, recurse=False):
             if not (tied and name == "lm_head.weight"):
                 expected.update((name, shard_id) for shard_id in shard_ids)
@@ -71,12 +77,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
                 if param is None:
                     raise InputError("checkpoint", f"unknown key {key!r} in {os.path.basename(path)}: "
                                                    f"the {model.config.architecture} model has no such parameter")
-                tensor = f.get_tensor(key).to(param.dtype)
                 try:
-                    if shard_id is None:
-                        default_weight_loader(param, tensor)
-                    else:
-                        param.weight_loader(param, tensor, shard_id)
+                    _load_one(param, f, key, shard_id)
                 except InputError as err:
                     raise InputError("checkpoint", f"{key!r}: {err}") from None
                 loaded.add((name, shard_id))
@@ -86,12 +88,26 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
         raise InputError("checkpoint", f"{model_dir!s} is missing parameters: {missing}")
 
 
+def _load_one(param: nn.Parameter, f: Any, key: str, shard_id: str | int | None) -> None:
+    """Fill ``param`` (or its fused shard ``shard_id``) from checkpoint tensor ``key`` of the
+    open file ``f``: through its ``weight_loader`` from a slice, else whole."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        default_weight_loader(param, f.get_tensor(key).to(param.dtype))
+    elif shard_id is None:
+        loader(param, f.get_slice(key))
+    else:
+        loader(param, f.get_slice(key), shard_id)
+
+
 def load_torch_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu") -> DecoderForCausalLM:
-    """Read ``config.json`` + ``*.safetensors`` from ``model_dir`` into an eval-mode model."""
+                     device: str | torch.device = "cpu", tp_rank: int = 0, tp_size: int = 1,
+                     group: Any = None) -> DecoderForCausalLM:
+    """Read ``config.json`` + ``*.safetensors`` from ``model_dir`` into an eval-mode model;
+    with ``tp_size > 1``, rank ``tp_rank``'s shard over ``group`` (see :class:`DecoderForCausalLM`)."""
     config = DecoderConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = DecoderForCausalLM(config, dtype=dtype)
+        model = DecoderForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, group=group)
     model.to_empty(device=device)
     model.bind_parameters()
     load_weights(model, model_dir)

@@ -78,7 +78,12 @@ class LoRALinear(nn.Linear):
 def enable_lora(model: nn.Module, state: LoraState, max_loras: int, max_rank: int) -> dict[str, LoRALinear]:
     """Swap every ``nn.Linear`` child named in ``model.lora_target_modules`` for a
     :class:`LoRALinear` over the same weights reading ``state``; returns them by module name.
-    Raises :class:`ConfigError` when the model declares no such module."""
+    Raises :class:`ConfigError` when the model declares no such module, or is a tensor-parallel
+    shard (its adapters would have to be sharded like the layers they adapt; not built)."""
+    tp_size = getattr(model, "tp_size", 1)
+    if tp_size > 1:
+        raise ConfigError(f"max_loras > 0 with tensor_parallel_size {tp_size}: LoRA adapters run on "
+                          "unsharded models only (tensor_parallel_size 1)")
     names = tuple(getattr(model, "lora_target_modules", ()))
     layers: dict[str, LoRALinear] = {}
     for prefix, module in list(model.named_modules()):

@@ -26,13 +26,22 @@ again after it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.errors import ConfigError, InputError
+
+
+class TPGroup(NamedTuple):
+    """This rank's place in a tensor-parallel group, in the layers' argument order
+    (``*tp`` fills ``tp_rank, tp_size, group``); the default is unsharded."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -299,4 +308,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
-           "RowParallelLinear", "VocabParallelEmbedding", "divide", "kv_head_replicas", "kv_head_shard"]
+           "RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "divide", "kv_head_replicas", "kv_head_shard"]
