@@ -323,10 +323,12 @@ def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch
 def test_pytree_stability(qwen):
     runner = qwen[0].runner
     ex = runner.executor
-    # Every forward executable takes (weights, kv cache, batch) with the same batch structure.
+    # Every forward executable takes (weights, kv cache, batch, future tokens, future rows) with
+    # the same batch structure.
     for (_, key), entry in ((k, runner.cache.get(k)) for k in list(runner.cache)):
         spec = batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, runner.config.max_blocks_per_req)
-        assert entry.executable.in_tree == jax.tree.structure(((ex.weights, ex.kv_cache, spec), {}))
+        leaf = np.zeros(1)
+        assert entry.executable.in_tree == jax.tree.structure(((ex.weights, ex.kv_cache, spec, leaf, leaf), {}))
     # Sampling metadata has one structure whether rows are seeded, unseeded or mixed.
     kinds = [[None] * 3, [1, 2, 3], [None, 5, None]]
     sigs = {signature(ex.sampling_metadata(3, 4, sampling_batch(

@@ -64,6 +64,11 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: when its capture failed. False (XLA): every step needs its executable, so the runner
     #: compiles a missing key on demand and a failed build raises.
     eager_fallback: bool = True
+    #: Whether :meth:`run` and :meth:`sample` return before the device finishes (XLA). Such an
+    #: executor also takes ``run(..., future=(rows, tokens))`` (future tokens resolved on the
+    #: device), ``sample(..., wait=False)`` (the device tokens) and ``fetch_tokens(tokens, n)``;
+    #: the runner resolves future tokens on the host for the others (core/future_tokens.py).
+    async_execution: bool = False
 
     vocab_size: int
     host_buffers: Mapping[str, np.ndarray]

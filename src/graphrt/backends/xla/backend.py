@@ -94,7 +94,8 @@ class XlaBackend(Backend):
             raise ConfigError(f"max_loras={config.max_loras}: the xla backend has no LoRA support (its "
                               "executables take no adapter tables and the JAX reference model has no "
                               "LoRA-capable layer); use a torch backend (cuda, npu, cpu, eager) or max_loras=0")
-        programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len)
+        programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len,
+                               max_reqs=config.xla_bs_policy().max_size)
         return XlaExecutor(programs, config, compile_workers=self.compile_workers)
 
 

@@ -55,6 +55,7 @@ class XlaExecutor(Executor[XlaEntry]):
     """Host staging buffers, the donated KV cache and the compiled executables of one model."""
 
     has_graphs = True
+    async_execution = True          # executables are dispatched; the host waits only for tokens
     attention_support = AttentionGraphSupport.ALWAYS
     supports_piecewise = False
     eager_fallback = False
@@ -79,6 +80,13 @@ class XlaExecutor(Executor[XlaEntry]):
         # One staging buffer per field (core's shape table), int32 as every executable takes them.
         self.host_buffers = {name: np.zeros(shape, np.int32)
                              for name, shape in buffer_shapes(max_t, max_r, self._width).items()}
+        if programs.max_reqs < max_r:
+            raise ConfigError(f"the xla programs pad sampled tokens to {programs.max_reqs} rows; the "
+                              f"config's largest batch is {max_r} (build XlaPrograms with max_reqs={max_r})")
+        self._max_r = max_r
+        #: No future tokens: every request keeps its host id (``run(future=None)``).
+        self._no_future = jax.device_put(np.zeros(programs.max_reqs, np.int32), programs.replicated)
+        self._no_future_rows = np.full(max_r, -1, np.int32)
         self._samp_host = {"temperature": np.zeros(max_r, np.float32),
                            "top_k": np.zeros(max_r, np.int32), "top_p": np.ones(max_r, np.float32),
                            "seeds": np.zeros((max_r, 2), np.uint32), "steps": np.zeros(max_r, np.uint32)}
@@ -231,7 +239,9 @@ class XlaExecutor(Executor[XlaEntry]):
                                "for the KV cache's shape)")
         spec = batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._width)
         kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
-        return self.programs.forward, spec, (self.weights, kv, spec)
+        future = (jax.ShapeDtypeStruct((self.programs.max_reqs,), jnp.int32),
+                  jax.ShapeDtypeStruct((key.num_reqs,), jnp.int32))
+        return self.programs.forward, spec, (self.weights, kv, spec, *future)
 
     @staticmethod
     def _lower(jitted: Any, args: tuple[Any, ...]) -> tuple[Any, float]:
@@ -258,14 +268,16 @@ class XlaExecutor(Executor[XlaEntry]):
                 raise InputError(name, f"{describe_change(entry.spec, got)} (executable for {entry.key})")
 
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: XlaEntry | None,
-            padded: ModelInputs) -> jax.Array:
+            padded: ModelInputs, future: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
         """Run the executable for ``key`` on the padded step; returns device logits ``[R_pad, V]``.
 
         The executable gets host copies of the padded rows and transfers them itself (JAX's
         C++ argument path: a quarter of the cost of a Python ``jax.device_put`` of six arrays).
         Copies, because on CPU JAX aliases numpy arguments and reads them asynchronously, while
         the runner rewrites its host buffers on the next step. The KV cache is donated and
-        replaced by the executable's updated one.
+        replaced by the executable's updated one. ``future``: ``(rows [R] int32, tokens)`` --
+        the real requests whose last token is ``tokens[row]`` (a previous step's sampler output,
+        still on the device; -1: none), resolved inside the executable.
         """
         entry = self._entry(mode, key, entry)
         self._check_inputs(entry, padded)
@@ -273,10 +285,14 @@ class XlaExecutor(Executor[XlaEntry]):
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
                          padded.query_start_loc.copy(), padded.seq_lens.copy(), padded.block_table.copy(),
                          spec.num_tokens, spec.num_reqs, spec.uniform_decode)
+        rows, tokens = self._no_future_rows[:spec.num_reqs].copy(), self._no_future
+        if future is not None:
+            real, tokens = future
+            rows[:len(real)] = real
         before = _compiles.compiles
         kv = self.kv_cache
         try:
-            out = entry.executable(self.weights, kv, batch)
+            out = entry.executable(self.weights, kv, batch, tokens, rows)
             if self._with_positions:
                 logits, hidden, self.kv_cache, self._last_positions = out
             else:
@@ -304,11 +320,15 @@ class XlaExecutor(Executor[XlaEntry]):
 
     # ---- sample ------------------------------------------------------------------------
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: XlaEntry | None = None) -> np.ndarray:
+               padded_reqs: int | None = None, entry: XlaEntry | None = None,
+               wait: bool = True) -> np.ndarray | jax.Array:
         """One token id per real request (int64), from the compiled greedy or random sampler.
 
         ``entry`` is the runner's sampler entry for ``SamplerKey(padded_reqs, all_greedy)``;
-        without one, the executor finds (or compiles) it.
+        without one, the executor finds (or compiles) it. ``wait=False`` returns the sampler's
+        device output instead, without waiting for it: ``[max_reqs]`` int32, the real requests'
+        tokens first (:meth:`fetch_tokens` reads them; the next forward can take it as its
+        future tokens).
         """
         if isinstance(entry, XlaEntry):
             key = entry.key
@@ -323,10 +343,16 @@ class XlaExecutor(Executor[XlaEntry]):
                                        f"expects ({rows}, {self.vocab_size})")
         args = (logits,) if greedy else (logits, self.sampling_metadata(num_reqs, rows, sampling))
         before = _compiles.compiles
-        tokens = np.asarray(entry.executable(*args))
+        tokens = entry.executable(*args)
         if _compiles.compiles != before:
             self.compiled.compiled_while_running(before, key, "sampler")
-        return tokens[:num_reqs].astype(np.int64)
+        return self.fetch_tokens(tokens, num_reqs) if wait else tokens
+
+    @staticmethod
+    def fetch_tokens(tokens: jax.Array, num_reqs: int) -> np.ndarray:
+        """The first ``num_reqs`` tokens of a sampler's device output, on the host (int64);
+        waits for the device (an asynchronous execution error surfaces here)."""
+        return np.asarray(tokens)[:num_reqs].astype(np.int64)
 
     def sampling_metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:
         """The sampling metadata of one step, as host copies the executable transfers: padded

@@ -32,13 +32,42 @@ class XlaModel:
     params: dict[str, Any]
 
 
+def resolve_future_tokens(batch: XlaBatch, future_tokens: jax.Array, future_rows: jax.Array) -> XlaBatch:
+    """``batch`` with each request's last scheduled token replaced by ``future_tokens[row]``
+    where its ``future_rows`` entry is a row >= 0 (-1: keep the id the host wrote).
+
+    This is how an overlapped engine feeds step n's sampled tokens to step n + 1 without
+    waiting for them on the host: ``future_tokens`` is step n's sampler output, still on the
+    device. Rows that keep their id scatter out of bounds and are dropped, so padded requests
+    (query length 0, sharing their neighbour's end) never touch a real token."""
+    num_tokens = batch.input_ids.shape[0]
+    ends = batch.query_start_loc[1:]
+    where = jnp.where(future_rows >= 0, ends - 1, num_tokens)
+    values = future_tokens[jnp.maximum(future_rows, 0)]
+    return dataclasses.replace(batch, input_ids=batch.input_ids.at[where].set(values, mode="drop"))
+
+
+def padded_tokens(sampler: Callable[..., jax.Array], rows: int) -> Callable[..., jax.Array]:
+    """``sampler`` with its ``[R]`` tokens padded with zeros to ``[rows]``: one shape for every
+    sampler key, so the next step's forward takes them as its future tokens."""
+    def sample(*args: Any) -> jax.Array:
+        tokens = sampler(*args)
+        return jnp.zeros((rows,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+    sample.__name__ = getattr(sampler, "__name__", "sample")
+    return sample
+
+
 def _make_step(run_model: Callable[..., Any], decode_query_len: int) -> Callable[..., Any]:
     q = decode_query_len
 
-    def step(weights: Any, kv_cache: jax.Array, batch: XlaBatch) -> tuple[jax.Array, ...]:
+    def step(weights: Any, kv_cache: jax.Array, batch: XlaBatch, future_tokens: jax.Array,
+             future_rows: jax.Array) -> tuple[jax.Array, ...]:
         """Forward of one padded step: (logits at each request's last token, hidden, new KV
         cache) and, with ``q = decode_query_len > 1``, the logits at each request's last ``q``
-        positions ``[R, q, V]`` (speculative decoding verifies drafts on them)."""
+        positions ``[R, q, V]`` (speculative decoding verifies drafts on them). Requests whose
+        ``future_rows`` entry is >= 0 first take their last token from ``future_tokens``
+        (:func:`resolve_future_tokens`)."""
+        batch = resolve_future_tokens(batch, future_tokens, future_rows)
         meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
                                  batch.block_table)
         ends = batch.query_start_loc[1:]
@@ -96,15 +125,19 @@ def model_program(model: Any, block_size: int,
 class XlaPrograms:
     """One model's jitted forward and samplers on ``mesh``, and its weights placed there.
 
-    ``forward(weights, kv_cache, batch)`` donates the KV cache (with ``decode_query_len > 1``
-    it also returns each request's position logits); ``greedy(logits)`` and
-    ``sample(logits, metadata)`` are the samplers. ``own_code`` is False for an nnx module,
-    whose code lives in its graphdef (the on-disk executable store cannot fingerprint it).
+    ``forward(weights, kv_cache, batch, future_tokens, future_rows)`` donates the KV cache
+    (with ``decode_query_len > 1`` it also returns each request's position logits);
+    ``greedy(logits)`` and ``sample(logits, metadata)`` are the samplers, whose tokens come
+    padded to ``max_reqs`` rows (the forward's ``future_tokens``). ``own_code`` is False for an
+    nnx module, whose code lives in its graphdef (the on-disk executable store cannot
+    fingerprint it).
     """
 
-    def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1) -> None:
+    def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1,
+                 max_reqs: int = 1) -> None:
         self.model_config, weights, step = model_program(model, block_size, decode_query_len)
         self.decode_query_len = decode_query_len
+        self.max_reqs = int(max_reqs)
         self.mesh = mesh
         self.tp_size = shd.mesh_size(mesh)
         shd.check_tp(self.model_config, self.tp_size)
@@ -115,10 +148,12 @@ class XlaPrograms:
         self.weights = jax.device_put(weights, weight_shardings)
         self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype)
         repl = self.replicated
-        self.forward = jax.jit(step, donate_argnums=(1,), in_shardings=(weight_shardings, self.kv_sharding, repl),
+        self.forward = jax.jit(step, donate_argnums=(1,),
+                               in_shardings=(weight_shardings, self.kv_sharding, repl, repl, repl),
                                out_shardings=(repl, repl, self.kv_sharding) + ((repl,) if decode_query_len > 1 else ()))
-        self.greedy = jax.jit(greedy_tokens, in_shardings=(repl,), out_shardings=repl)
-        self.sample = jax.jit(sample_tokens, in_shardings=(repl, repl), out_shardings=repl)
+        self.greedy = jax.jit(padded_tokens(greedy_tokens, self.max_reqs), in_shardings=(repl,), out_shardings=repl)
+        self.sample = jax.jit(padded_tokens(sample_tokens, self.max_reqs), in_shardings=(repl, repl),
+                              out_shardings=repl)
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` (the last row: trash)."""
@@ -130,4 +165,4 @@ class XlaPrograms:
         return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)()
 
 
-__all__ = ["XlaModel", "XlaPrograms", "model_program"]
+__all__ = ["XlaModel", "XlaPrograms", "model_program", "padded_tokens", "resolve_future_tokens"]
