@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -25,10 +25,12 @@ from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
+from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import GraphMemory, estimate_graph_memory, kv_blocks_after_graphs
 from graphrt.core.inputs import InputPreparer
 from graphrt.core.lora import LoraInputs, LoraMethods, lora_off
 from graphrt.core.padding import Padder
+from graphrt.core.sampling import sampling_batch
 from graphrt.registry import select_backend
 
 logger = logging.getLogger(__name__)
@@ -117,6 +119,7 @@ class ModelRunner(LoraMethods):
         self.sampler_cache: GraphCache = GraphCache(strict=False)
         self._plans: dict[tuple[int, int, bool, int], _StepPlan] = {}   # (tokens, reqs, uniform, adapters)
         self._last: tuple[_StepPlan, int, int, float] | None = None
+        self._futures = FutureTokens(on_device=self.executor.async_execution)
         self._lock = threading.Lock()
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
@@ -219,9 +222,11 @@ class ModelRunner(LoraMethods):
     # ---- one step ------------------------------------------------------------------
     def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                sampling: SamplingBatch | None = None, lora_ids: Any = None) -> np.ndarray | None:
+                sampling: SamplingBatch | None = None, lora_ids: Any = None,
+                future_rows: Any = None) -> np.ndarray | None:
         """Run one scheduled step; returns one sampled token per request (or None without sampling).
         ``lora_ids``: each request's LoRA adapter slot (-1 or None: none; needs ``max_loras > 0``).
+        ``future_rows``: see :meth:`execute_async`.
 
         Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
         the preparer checks the step, the dispatcher picks its bucket, and only then are the
@@ -229,12 +234,31 @@ class ModelRunner(LoraMethods):
         threads run one at a time.
         """
         with self._lock:
+            pending = self._execute(token_ids, block_table, req_rows, num_computed_tokens,
+                                    num_scheduled_tokens, sampling, lora_ids, future_rows)
+            return None if pending is None else pending.result()
+
+    def execute_async(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
+                      num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
+                      sampling: SamplingBatch, lora_ids: Any = None, future_rows: Any = None) -> PendingTokens:
+        """:meth:`execute` without waiting for the device: the step's sampled tokens come as a
+        :class:`~graphrt.core.future_tokens.PendingTokens` whose ``result()`` waits for them.
+
+        ``future_rows`` (one int per request, -1: none) lets this step read the tokens of the
+        previous sampled step before the host has them: request ``i``'s last scheduled token
+        is replaced by that step's token at row ``future_rows[i]`` (the table may hold any valid
+        id there). Backends that dispatch asynchronously (``executor.async_execution``: XLA)
+        resolve it on the device and return at once; the others run the step to the end first.
+        """
+        if sampling is None:
+            raise InputError("sampling", "execute_async returns sampled tokens: pass a SamplingBatch")
+        with self._lock:
             return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                 num_scheduled_tokens, sampling, lora_ids)
+                                 num_scheduled_tokens, sampling, lora_ids, future_rows)
 
     def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                  num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                 sampling: SamplingBatch | None, lora_ids: Any = None) -> np.ndarray | None:
+                 sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any) -> PendingTokens | None:
         t0 = time.perf_counter()
         shape = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                     req_rows=req_rows, num_computed_tokens=num_computed_tokens,
@@ -242,6 +266,7 @@ class ModelRunner(LoraMethods):
         t, r, _, _, uniform = shape
         if sampling is not None:
             sampling.check_rows(r)
+        future_rows = self._futures.check(future_rows, r)
         ids, n = None, 0
         if lora_ids is not None or self._lora is not None:
             if self._lora is None:
@@ -255,6 +280,9 @@ class ModelRunner(LoraMethods):
                                      out=self.executor.host_buffers)
         if n:
             self._lora.write(ids, num_scheduled_tokens, t, key.num_tokens)
+        future = (None if future_rows is None else
+                  self._futures.apply(future_rows, padded.input_ids, padded.query_start_loc))
+        self._futures.clear()       # until this step's tokens are recorded: a failed step has none
         # Statistics are counted before the forward: it evicts the host's caches (on a CPU
         # device), and the runner's objects are still warm from checking and writing.
         self.cache.record_step(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r,
@@ -267,12 +295,20 @@ class ModelRunner(LoraMethods):
                                            eager_reason=sampler_eager, eager_cause=EagerCause.CAPTURE_FAILED,
                                            key=sampler_key,
                                            hit=sampler_entry is not None)
-        logits = self.executor.run(plan.mode, key, plan.entry, padded)
-        tokens = None
-        if sampling is not None:
-            tokens = self.executor.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sampler_entry)
+        ex = self.executor
+        logits = ex.run(plan.mode, key, plan.entry, padded, future=future) if future else \
+            ex.run(plan.mode, key, plan.entry, padded)
+        pending = None
+        if sampling is not None and ex.async_execution:
+            out = ex.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sampler_entry, wait=False)
+            pending = PendingTokens(lambda: ex.fetch_tokens(out, r))
+            self._futures.record(out, r, pending)
+        elif sampling is not None:
+            pending = PendingTokens(tokens=ex.sample(logits, r, sampling, padded_reqs=padded_reqs,
+                                                     entry=sampler_entry))
+            self._futures.record(pending.result(), r, pending)
         self._last = (plan, t, r, time.perf_counter() - t0)
-        return tokens
+        return pending
 
     def _plan(self, t: int, r: int, uniform: bool, n: int = 0) -> "_StepPlan":
         """What every step of this real shape (and ``n`` LoRA adapters) runs as: the dispatcher's
@@ -370,19 +406,6 @@ class ModelRunner(LoraMethods):
     def kv_cache_resets(self) -> int:
         """How many times a failed step's lost KV cache was re-created."""
         return self.executor.kv_cache_resets
-
-
-def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
-    """Arrays of one step's :class:`~graphrt.SamplingParams` (which checked their own fields),
-    in request order; a disabled top_k, or one above ``vocab_size``, becomes ``vocab_size``.
-    The batch checks every row again (``InputError`` naming the field and the row)."""
-    try:
-        columns = (np.array([p.temperature for p in params], np.float32),
-                   np.array([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], np.int64),
-                   np.array([p.top_p for p in params], np.float32))
-    except (TypeError, ValueError, OverflowError):   # not SamplingParams: the batch names the bad row
-        columns = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
-    return SamplingBatch(*columns, [p.seed for p in params], list(request_ids))
 
 
 __all__ = ["ModelRunner", "StepInfo", "EagerFallback", "sampling_batch"]

@@ -267,5 +267,18 @@ class SamplingBatch:
             raise InputError("sampling", f"{self.num_reqs} rows for {num_reqs} requests")
 
 
-__all__ = ["SamplingBatch", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
+def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
+    """Arrays of one step's :class:`~graphrt.SamplingParams` (which checked their own fields),
+    in request order; a disabled top_k, or one above ``vocab_size``, becomes ``vocab_size``.
+    The batch checks every row again (``InputError`` naming the field and the row)."""
+    try:
+        columns = (np.array([p.temperature for p in params], np.float32),
+                   np.array([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], np.int64),
+                   np.array([p.top_p for p in params], np.float32))
+    except (TypeError, ValueError, OverflowError):   # not SamplingParams: the batch names the bad row
+        columns = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
+    return SamplingBatch(*columns, [p.seed for p in params], list(request_ids))
+
+
+__all__ = ["SamplingBatch", "sampling_batch", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
            "flag"]

@@ -1,0 +1,99 @@
+"""Future tokens: step n + 1 reads step n's sampled tokens before the host has them.
+
+An overlapped engine (seed 002's ``event_loop_overlap``) schedules and prepares step n + 1
+while the device still runs step n. A request that samples in step n decodes that token in
+step n + 1, so its id is not known when step n + 1's inputs are written: the engine writes
+any valid id there and names, per request, the row of step n whose sampled token replaces
+the request's last scheduled token (``future_rows``; -1: none). On an asynchronous backend
+(XLA) the replacement happens inside the next executable, from the sampler's device output;
+on a synchronous one the tokens are already on the host and are written into the padded
+``input_ids`` before the step is copied to the device. Either way the step computes exactly
+what it would have with the real id in the table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from graphrt.core.errors import InputError
+
+
+class PendingTokens:
+    """One step's sampled tokens (int64 ``[R]``), possibly still being computed.
+
+    :meth:`result` waits for them (once; an asynchronous execution error surfaces there and
+    again on each further call) and returns the same array afterwards."""
+
+    __slots__ = ("_fetch", "_tokens")
+
+    def __init__(self, fetch: Callable[[], np.ndarray] | None = None, tokens: np.ndarray | None = None) -> None:
+        if (fetch is None) == (tokens is None):
+            raise ValueError("PendingTokens takes either fetch or tokens")
+        self._fetch, self._tokens = fetch, tokens
+
+    def done(self) -> bool:
+        """Whether the tokens are on the host already (``result`` will not wait)."""
+        return self._tokens is not None
+
+    def result(self) -> np.ndarray:
+        """The tokens, waiting for the device if it has not finished the step."""
+        if self._tokens is None:
+            self._tokens = self._fetch()
+            self._fetch = None
+        return self._tokens
+
+
+class FutureTokens:
+    """The last sampled step's tokens, as the source of the next step's ``future_rows``.
+
+    ``on_device``: the backend resolves future tokens inside its executable
+    (:meth:`apply` returns what it needs); otherwise :meth:`apply` writes them on the host.
+    """
+
+    def __init__(self, on_device: bool) -> None:
+        self.on_device = on_device
+        self._source: Any = None          # the sampler's output (device array or host tokens)
+        self._pending: PendingTokens | None = None
+        self._num_reqs = 0
+
+    def record(self, source: Any, num_reqs: int, pending: PendingTokens) -> None:
+        """The step just launched sampled ``num_reqs`` tokens: the next step may refer to them."""
+        self._source, self._num_reqs, self._pending = source, int(num_reqs), pending
+
+    def clear(self) -> None:
+        """No sampled step to refer to (a step without sampling, or one that failed)."""
+        self._source, self._pending, self._num_reqs = None, None, 0
+
+    def check(self, future_rows: Any, num_reqs: int) -> np.ndarray | None:
+        """``future_rows`` as int32 ``[num_reqs]``, each -1 or a row of the last sampled step;
+        :class:`InputError` naming the field otherwise (nothing is written before this)."""
+        if future_rows is None:
+            return None
+        rows = np.asarray(future_rows)
+        if rows.shape != (num_reqs,) or rows.dtype.kind not in "iu":
+            raise InputError("future_rows", f"needs one integer per request ({num_reqs}), got "
+                                            f"{rows.dtype} {rows.shape}")
+        if num_reqs and (rows.min() < -1 or rows.max() >= self._num_reqs):
+            bad = int(np.flatnonzero((rows < -1) | (rows >= self._num_reqs))[0])
+            src = (f"the last sampled step had {self._num_reqs} requests" if self._pending is not None
+                   else "no sampled step precedes this one")
+            raise InputError("future_rows", f"row {bad} refers to {int(rows[bad])}; each entry is -1 or a "
+                                            f"request row of the previous sampled step ({src})")
+        return rows.astype(np.int32, copy=False)
+
+    def apply(self, rows: np.ndarray, input_ids: np.ndarray, query_start_loc: np.ndarray) -> tuple[np.ndarray, Any] | None:
+        """Resolve the checked ``rows`` for a step whose padded inputs were just written: on the
+        device, ``(rows, source)`` for the executor; on the host, the tokens are written at each
+        such request's last scheduled position of ``input_ids`` and None is returned."""
+        if self.on_device:
+            return rows, self._source
+        take = rows >= 0
+        if take.any():
+            ends = query_start_loc[1:len(rows) + 1] - 1
+            input_ids[ends[take]] = self._pending.result()[rows[take]]
+        return None
+
+
+__all__ = ["FutureTokens", "PendingTokens"]
