@@ -77,6 +77,11 @@ def forward_entries(llm: graphrt.LLM) -> list[Any]:
             if isinstance(k, BatchDescriptor) and compiled.get(k) is not None]
 
 
+def step_method(llm: graphrt.LLM) -> str:
+    """The runner method the engine's steps call: xla overlaps its steps (execute_async)."""
+    return "execute_async" if llm.overlap else "execute"
+
+
 def inject(mp: pytest.MonkeyPatch, llm: graphrt.LLM, stage: str, fault: Fault) -> None:
     """Make ``fault`` fire at ``stage`` of the engine's steps."""
     runner, executor = llm.runner, llm.runner.executor
@@ -85,7 +90,7 @@ def inject(mp: pytest.MonkeyPatch, llm: graphrt.LLM, stage: str, fault: Fault) -
     elif stage == "tables":
         mp.setattr(llm, "_write_tables", fault.wrap(llm._write_tables))
     elif stage == "before_forward":
-        mp.setattr(runner, "execute", fault.wrap(runner.execute))
+        mp.setattr(runner, step_method(llm), fault.wrap(getattr(runner, step_method(llm))))
     elif stage == "forward" and runner.backend.name == "xla":
         fault.after = True               # the executable has consumed the donated KV cache
         for entry in forward_entries(llm):
@@ -173,13 +178,13 @@ def test_a_poisoned_request_does_not_poison_later_calls(engine):
     """Repro: a request whose step always fails stayed queued, so every later generate() raised."""
     llm, ref = engine
     with pytest.MonkeyPatch.context() as mp:
-        execute = llm.runner.execute
+        execute = getattr(llm.runner, step_method(llm))
 
         def poisoned(**kwargs):
             if 1234 in kwargs["sampling"].seeds:
                 raise InjectedFault("poisoned request in the step")
             return execute(**kwargs)
-        mp.setattr(llm.runner, "execute", poisoned)
+        mp.setattr(llm.runner, step_method(llm), poisoned)
         with pytest.raises(GenerationError, match="poisoned request") as err:
             llm.generate([MORE[0], PROMPTS[0]], [GREEDY, POISON])
         assert err.value.outputs[1].finish_reason == "error"
@@ -204,18 +209,18 @@ def test_a_failed_generate_leaves_no_orphans_for_the_next_call(engine):
     to completion and threw their outputs away."""
     llm, ref = engine
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm.runner, "execute", Fault(9).wrap(llm.runner.execute))
+        mp.setattr(llm.runner, step_method(llm), Fault(9).wrap(getattr(llm.runner, step_method(llm))))
         with pytest.raises(GenerationError):
             llm.generate(PROMPTS, GREEDY)
     assert_clean(llm)
     seen: set[int] = set()
     with pytest.MonkeyPatch.context() as mp:
-        execute = llm.runner.execute
+        execute = getattr(llm.runner, step_method(llm))
 
         def recording(**kwargs):
             seen.update(kwargs["sampling"].request_ids)
             return execute(**kwargs)
-        mp.setattr(llm.runner, "execute", recording)
+        mp.setattr(llm.runner, step_method(llm), recording)
         outs = llm.generate(MORE, GREEDY)
     assert seen == {o.request_id for o in outs}, "the next call ran requests that were not its own"
     assert [o.token_ids for o in outs] == [ref[tuple(p)] for p in MORE]
@@ -264,7 +269,7 @@ def test_a_generate_request_aborted_mid_call_comes_back_as_aborted(engine):
     steps: list[list[int]] = []
     aborted = []
     with pytest.MonkeyPatch.context() as mp:
-        execute = llm.runner.execute
+        execute = getattr(llm.runner, step_method(llm))
 
         def aborting(**kwargs):             # during step 2, abort the call's first request
             steps.append(list(kwargs["sampling"].request_ids))
@@ -272,7 +277,7 @@ def test_a_generate_request_aborted_mid_call_comes_back_as_aborted(engine):
             if len(steps) == 2:
                 aborted.append(llm.abort_request(min(steps[0])))
             return tokens
-        mp.setattr(llm.runner, "execute", aborting)
+        mp.setattr(llm.runner, step_method(llm), aborting)
         outs = llm.generate(MORE, GREEDY)
     assert aborted[0].finish_reason == "abort" and aborted[0].request_id in steps[1]
     assert outs[0] == aborted[0] and outs[0].error == "aborted by abort_request()"

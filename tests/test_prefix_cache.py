@@ -291,13 +291,15 @@ def make_llm(backend: str, **kw) -> graphrt.LLM:
 
 
 class WriteGuard:
-    """Wraps the runner's execute: no real token of a step may write a block that is shared or
-    cached (read from the step's own block table and the allocator)."""
+    """Wraps the runner's execute (execute_async where the engine overlaps its steps): no real
+    token of a step may write a block that is shared or cached when it is launched (read from
+    the step's own block table and the allocator)."""
 
     def __init__(self, mp: pytest.MonkeyPatch, llm: graphrt.LLM) -> None:
         self.llm, self.steps, self.shared_reads = llm, 0, 0
-        self._execute = llm.runner.execute
-        mp.setattr(llm.runner, "execute", self)
+        name = "execute_async" if llm.overlap else "execute"
+        self._execute = getattr(llm.runner, name)
+        mp.setattr(llm.runner, name, self)
 
     def __call__(self, **kw):
         alloc, bs = self.llm.allocator, self.llm.config.block_size

@@ -165,6 +165,9 @@ SCHEDULE_RANDOM_SEED = 0
 #: (one ``runner.execute``) still running after this long fails its step with WatchdogTimeout,
 #: after every thread's stack is logged. None or 0: no watchdog thread at all.
 DEFAULT_WATCHDOG_TIMEOUT = 300.0
+#: SGLang's ``disable_overlap_schedule``: False schedules step n + 1 while the device runs step n
+#: on backends that dispatch asynchronously (xla); the others always run the plain loop.
+DEFAULT_DISABLE_OVERLAP_SCHEDULE = False
 #: What a firing watchdog does after logging: "raise" (the step fails; the engine refuses to
 #: step until ``llm.watchdog.reset()``) or "kill" (SIGKILL its own process, as SGLang does).
 DEFAULT_WATCHDOG_ACTION = "raise"

@@ -31,7 +31,8 @@ import numpy as np
 from graphrt.core import defaults
 from graphrt.config import GraphConfig
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.metrics import EngineMetrics
+from graphrt.engine.metrics import EngineMetrics, engine_stats
+from graphrt.engine.overlap import Launched, OverlapLoop, drop_unresolved, overlap_enabled
 from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
 from graphrt.engine.tables import write_step_tables
@@ -61,7 +62,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-class LLM:
+class LLM(OverlapLoop):
     """Continuous batching over a :class:`ModelRunner`, with a prefix cache and schedule policies.
 
     ``enable_prefix_caching`` (default on): finished and running requests' full computed KV
@@ -72,6 +73,9 @@ class LLM:
     :class:`~graphrt.engine.scheduler.Scheduler`). SGLang's prefill and decode log lines (every
     ``decode_log_interval`` decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps
     their numbers. ``watchdog_timeout`` (s; None / 0: off) fails a hung forward (docs/api.md).
+    Overlap scheduling (SGLang's, on unless ``disable_overlap_schedule``) prepares each step
+    while the device runs the previous one, on backends that dispatch asynchronously (xla);
+    the others run the plain loop (engine/overlap.py).
     """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
@@ -84,6 +88,7 @@ class LLM:
                  decode_log_interval: int = defaults.DEFAULT_DECODE_LOG_INTERVAL,
                  watchdog_timeout: float | None = defaults.DEFAULT_WATCHDOG_TIMEOUT,
                  watchdog_action: str = defaults.DEFAULT_WATCHDOG_ACTION,
+                 disable_overlap_schedule: bool = defaults.DEFAULT_DISABLE_OVERLAP_SCHEDULE,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
@@ -124,6 +129,8 @@ class LLM:
         self._kv_resets_seen = self.runner.kv_cache_resets
         self.num_step_faults = 0            # faults contained by finishing requests with "error"
         self.watchdog = engine_watchdog(self.runner, watchdog_timeout, watchdog_action, owner=self, lock=self._lock)
+        self.overlap = overlap_enabled(self.runner, disable_overlap_schedule)
+        self._inflight: list[Launched] = []         # launched, unresolved steps (overlap)
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -219,7 +226,7 @@ class LLM:
     def has_unfinished(self) -> bool:
         """Whether any request is queued or running, or a step-API output awaits ``step()``."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._outbox[None])
+            return self.scheduler.has_unfinished() or bool(self._outbox[None]) or self._inflight_live()
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the ``add_request`` requests that finished since
@@ -250,6 +257,8 @@ class LLM:
 
     def _step(self) -> list[RequestOutput]:
         """One step (the lock held): every request that finished in it, whoever owns it."""
+        if self.overlap:
+            return self._step_overlapped()
         self.watchdog.check()               # refused after a watchdog timeout until reset()
         if self.runner.kv_cache_resets != self._kv_resets_seen:
             self._recover_kv(None, [])    # re-created outside a step: cached KV is gone too
@@ -280,19 +289,22 @@ class LLM:
                                count=len(step))
         scheduled = np.asarray(step.num_scheduled, dtype=np.int32)
         samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(step.requests, scheduled)]
-        params = [r.params if s else without_seed(r.params) for r, s in zip(step.requests, samples)]
-        batch = sampling_batch(params, [r.request_id for r in step.requests], self.runner.vocab_size)
         self.watchdog.arm(step)
         try:
             tokens = self.runner.execute(token_ids=self.token_table, block_table=self.block_table,
-                                         req_rows=rows, num_computed_tokens=computed,
-                                         num_scheduled_tokens=scheduled, sampling=batch)
+                                         req_rows=rows, num_computed_tokens=computed, num_scheduled_tokens=scheduled,
+                                         sampling=self._sampling(step.requests, samples))
         finally:
             self.watchdog.disarm()          # raises WatchdogTimeout if it fired for this forward
         if tokens is None or len(tokens) != len(step):
             raise GraphrtError(f"the runner returned {None if tokens is None else len(tokens)} tokens "
                                f"for a step of {len(step)} requests")
         return tokens, samples
+
+    def _sampling(self, requests: list[Request], samples: list[bool]) -> Any:
+        """The step's sampling batch; a request that does not sample keeps its seed's stream."""
+        params = [r.params if s else without_seed(r.params) for r, s in zip(requests, samples)]
+        return sampling_batch(params, [r.request_id for r in requests], self.runner.vocab_size)
 
     def _apply(self, step: ScheduledStep, tokens: np.ndarray, samples: list[bool]) -> list[RequestOutput]:
         """Advance each request by its step; a request whose update fails finishes with "error"."""
@@ -337,6 +349,9 @@ class LLM:
         self._kv_resets_seen = resets
         lost = list(self.scheduler.running)
         self.scheduler.requeue(lost)
+        self._inflight = []                     # their KV went with the cache: recomputed too
+        for req in lost + list(self.scheduler.waiting):
+            drop_unresolved(req)
         self.scheduler.reset_prefix_cache()     # the cached KV went with the cache
         if isinstance(exc, KVCacheLostError):
             exc.request_ids = tuple(failed) + tuple(r.request_id for r in lost)
@@ -352,40 +367,28 @@ class LLM:
             logger.warning("graphrt: freeing the runner state of request %d failed", req.request_id,
                            exc_info=True)
         self._requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+        known = len(req.output_token_ids) - req.num_unresolved     # placeholders are not output
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids[:known],
                              reason, error, req.num_cached_tokens)
 
     def _write_tables(self, step: ScheduledStep) -> None:
         """Write the step's new token ids and blocks into the persistent tables."""
         write_step_tables(self.token_table, self.block_table, step)
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _stop_reason(self, req: Request, token: int, generated: int | None = None) -> str | None:
+        """Why ``req`` stops at ``token``, its ``generated``-th output (default: its last), or None."""
         if not req.params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        generated = len(req.output_token_ids) if generated is None else generated
+        if generated >= req.params.max_tokens or len(req.prompt_token_ids) + generated >= self.config.max_model_len:
             return "length"
         return None
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Runner cache statistics plus scheduler counters."""
+        """Runner cache statistics plus scheduler counters (:func:`~graphrt.engine.metrics.engine_stats`)."""
         with self._lock:
-            out = self.runner.stats.as_dict()
-            out["preemptions"] = self.scheduler.num_preemptions
-            out["log_lines"] = self.metrics.as_dict()
-            out["kv_blocks"] = self.runner.num_kv_blocks
-            out["step_faults"] = self.num_step_faults
-            out["kv_cache_resets"] = self.runner.kv_cache_resets
-            out["graph_memory"] = self.runner.graph_memory.as_dict()
-            out["sampler_eager_steps"] = self.runner.sampler_stats.eager_steps
-            out["sampler_failed_builds"] = self.runner.sampler_stats.failed_builds
-            out["recomputed"] = self.scheduler.num_recomputed
-            out["prefill_tokens"] = self.scheduler.num_prefill_tokens
-            out["decode_tokens"] = self.scheduler.num_decode_tokens
-            out["prefix_cache_hit_tokens"] = self.scheduler.num_cached_tokens
-            out["prefix_cache_blocks"] = self.allocator.num_cached
-            out["prefix_cache_evictions"] = self.prefix_cache.num_evicted if self.prefix_cache else 0
-            return out
+            return engine_stats(self)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's name); blocks running requests hold stay theirs."""

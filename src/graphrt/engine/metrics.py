@@ -132,5 +132,22 @@ class EngineMetrics:
                 "decode": asdict(self.last_decode) if self.last_decode else None,
                 "prefill_lines": self.num_prefill_lines, "decode_lines": self.num_decode_lines}
 
+def engine_stats(llm: Any) -> dict[str, Any]:
+    """``graphrt.LLM.stats``: its runner's cache statistics, the scheduler's and the prefix
+    cache's counters, fault counts, graph memory and the log lines' numbers."""
+    runner, scheduler = llm.runner, llm.scheduler
+    out = runner.stats.as_dict()
+    out.update(preemptions=scheduler.num_preemptions, log_lines=llm.metrics.as_dict(),
+               kv_blocks=runner.num_kv_blocks, step_faults=llm.num_step_faults,
+               kv_cache_resets=runner.kv_cache_resets, graph_memory=runner.graph_memory.as_dict(),
+               sampler_eager_steps=runner.sampler_stats.eager_steps,
+               sampler_failed_builds=runner.sampler_stats.failed_builds,
+               recomputed=scheduler.num_recomputed, prefill_tokens=scheduler.num_prefill_tokens,
+               decode_tokens=scheduler.num_decode_tokens, prefix_cache_hit_tokens=scheduler.num_cached_tokens,
+               prefix_cache_blocks=llm.allocator.num_cached,
+               prefix_cache_evictions=llm.prefix_cache.num_evicted if llm.prefix_cache else 0,
+               overlap=llm.overlap)
+    return out
 
-__all__ = ["DecodeLine", "EngineMetrics", "PrefillLine"]
+
+__all__ = ["engine_stats", "DecodeLine", "EngineMetrics", "PrefillLine"]

@@ -57,6 +57,12 @@ class Request:
     cache_epoch: int = -1
     cached_blocks: int = 0
     cache_private: bool = False
+    # Overlap scheduling (engine/overlap.py): trailing generated tokens not known yet (their
+    # ids are placeholders), the row of the in-flight step that samples the newest of them,
+    # and whether its launched tokens already reach its length limit (it is not scheduled).
+    num_unresolved: int = 0
+    future_row: int = -1
+    retiring: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -318,7 +324,7 @@ class Scheduler:
 
     def _schedule_running(self, req: Request, step: dict[int, tuple[Request, int]]) -> None:
         """Give a running request its tokens, preempting the newest requests for blocks."""
-        if self._budget == 0 or req.status is not Status.RUNNING:
+        if self._budget == 0 or req.status is not Status.RUNNING or req.retiring:
             return
         n = min(req.num_pending, self._budget)
         while not self._grow(req, n):

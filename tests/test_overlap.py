@@ -1,0 +1,173 @@
+"""Overlap scheduling (issue 13): step n + 1 is scheduled and launched before step n's tokens
+are on the host, and the tokens come out exactly as the plain loop's.
+
+The xla engine overlaps (its executables are dispatched asynchronously); one engine serves
+both loops here -- ``llm.overlap`` is switched between generate calls, with nothing in
+flight -- so the comparison runs the same executables on the same shapes. The runner-level
+tests check future tokens on the device (xla) and on the host (cpu graphs).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import graphrt
+from graphrt import SamplingParams
+from graphrt.core.errors import InputError
+from graphrt.core.sampling import sampling_batch
+from hf_models import tiny_hf_model_dir
+
+VOCAB = 128
+MODEL = dict(arch="qwen3", vocab_size=VOCAB)
+#: Prompts up to 70 tokens against a 32-token budget (chunked prefill); 40 blocks of 4 tokens
+#: for 8 requests with no admission estimate (preemption).
+LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96, block_size=4,
+              num_kv_blocks=40, schedule_conservativeness=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm() -> graphrt.LLM:
+    pytest.importorskip("jax")
+    engine = graphrt.LLM(str(tiny_hf_model_dir(**MODEL)), backend="xla", **LIMITS)
+    assert engine.overlap, "the xla backend dispatches asynchronously: overlap is on by default"
+    return engine
+
+
+class FutureSpy:
+    """Counts the launched steps and the requests whose last token was a future token."""
+
+    def __init__(self, mp: pytest.MonkeyPatch, llm: graphrt.LLM) -> None:
+        self.steps = self.futures = 0
+        self._launch = llm.runner.execute_async
+        mp.setattr(llm.runner, "execute_async", self)
+
+    def __call__(self, **kw):
+        self.steps += 1
+        if kw.get("future_rows") is not None:
+            self.futures += int((np.asarray(kw["future_rows"]) >= 0).sum())
+        return self._launch(**kw)
+
+
+def generate(llm: graphrt.LLM, overlap: bool, prompts, params) -> list[tuple[list[int], str]]:
+    """One generate call from an empty prefix cache with the loop chosen; nothing stays in flight."""
+    assert not llm.has_unfinished()
+    llm.overlap = overlap
+    llm.reset_prefix_cache()
+    outs = llm.generate(prompts, params)
+    assert not llm.has_unfinished() and llm.allocator.num_used == 0
+    return [(o.token_ids, o.finish_reason) for o in outs]
+
+
+def workload(seed: int, n: int = 16) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts sharing prefixes (the prefix cache), some longer than the budget, mixed
+    lengths and stops, a few seeded random samplers."""
+    rng = np.random.default_rng(seed)
+    stems = [rng.integers(3, VOCAB, 24).tolist() for _ in range(3)]
+    prompts, params = [], []
+    for i in range(n):
+        tail = rng.integers(3, VOCAB, int(rng.integers(1, 47))).tolist()
+        prompts.append((stems[i % 3] if i % 4 else []) + tail)
+        sampled = i % 5 == 0
+        params.append(SamplingParams(max_tokens=int(rng.integers(1, 25)), ignore_eos=bool(i % 3 == 0),
+                                     temperature=0.8 if sampled else 0.0, seed=1000 + i if sampled else None))
+    return prompts, params
+
+
+def test_overlap_gives_the_plain_loops_tokens_with_eos_preemption_chunks_and_the_prefix_cache(llm):
+    prompts, params = workload(seed=0)
+    probe = generate(llm, False, prompts, params)
+    counts = collections.Counter(t for toks, _ in probe for t in toks)
+    eos = llm.eos_token_ids
+    llm.eos_token_ids = frozenset({counts.most_common(1)[0][0]})   # a token the model does emit
+    try:
+        before = llm.stats
+        ref = generate(llm, False, prompts, params)
+        middle = llm.stats
+        with pytest.MonkeyPatch.context() as mp:
+            spy = FutureSpy(mp, llm)
+            got = generate(llm, True, prompts, params)
+        after = llm.stats
+    finally:
+        llm.eos_token_ids = eos
+    assert got == ref
+    reasons = collections.Counter(r for _, r in ref)
+    assert reasons["stop"] > 0 and reasons["length"] > 0, reasons
+    assert spy.steps > 0 and spy.futures > 0, "no step read a future token"
+    for a, b in ((before, middle), (middle, after)):      # both loops preempted and hit the cache
+        assert b["preemptions"] > a["preemptions"]
+        assert b["prefix_cache_hit_tokens"] > a["prefix_cache_hit_tokens"]
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 12))
+def test_overlap_equals_the_plain_loop_on_random_streams(llm, seed, n):
+    prompts, params = workload(seed, n)
+    assert generate(llm, True, prompts, params) == generate(llm, False, prompts, params)
+
+
+def test_a_synchronous_backend_runs_the_plain_loop_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="graphrt"):
+        engine = graphrt.LLM(str(tiny_hf_model_dir(**MODEL)), backend="eager", max_num_seqs=2,
+                             max_num_batched_tokens=16, max_model_len=32, num_kv_blocks=8)
+    assert not engine.overlap
+    assert "overlap scheduling needs a backend that dispatches asynchronously" in caplog.text
+    quiet = graphrt.LLM(engine.runner.model, backend="eager", max_num_seqs=2, max_num_batched_tokens=16,
+                        max_model_len=32, num_kv_blocks=8, disable_overlap_schedule=True)
+    assert not quiet.overlap
+
+
+# ---- the runner: future rows ------------------------------------------------------------
+def future_rows_check(runner: graphrt.ModelRunner) -> None:
+    """Two requests prefilled and decoded twice over: once with their real tokens in the table,
+    once with placeholders (0) and ``future_rows``. Same shapes, so bit for bit the same."""
+    width = runner.config.max_blocks_per_req
+    tok = np.zeros((4, runner.config.max_model_len), np.int32)
+    blocks = np.zeros((4, width), np.int32)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    for pair in ((0, 1), (2, 3)):
+        for row, p in zip(pair, prompts):
+            tok[row, :len(p)] = p
+            blocks[row, :2] = [1 + 2 * row, 2 + 2 * row]
+    lens = np.array([len(p) for p in prompts], np.int32)
+    greedy = sampling_batch([SamplingParams()] * 2, [0, 1], runner.vocab_size)
+
+    def step(rows, computed, scheduled, run=runner.execute, **kw):
+        return run(token_ids=tok, block_table=blocks, req_rows=np.array(rows, np.int32),
+                   num_computed_tokens=np.asarray(computed, np.int32),
+                   num_scheduled_tokens=np.asarray(scheduled, np.int32), sampling=greedy, **kw)
+
+    first = step([0, 1], [0, 0], lens)
+    tok[[0, 1], lens] = first
+    second = step([0, 1], lens, [1, 1])
+    want = runner.logits()
+    pending = step([2, 3], [0, 0], lens, run=runner.execute_async)
+    with pytest.raises(InputError, match="future_rows"):
+        step([2, 3], lens, [1, 1], future_rows=[0, 2])        # the last step had 2 requests
+    with pytest.raises(InputError, match="future_rows"):
+        step([2, 3], lens, [1, 1], future_rows=[0])
+    pending = step([2, 3], [0, 0], lens, run=runner.execute_async)     # the refusals ran nothing
+    tok[2, lens[0]] = first[0]                                  # one real id, one placeholder
+    later = step([2, 3], lens, [1, 1], run=runner.execute_async, future_rows=[-1, 1])
+    assert pending.result().tolist() == first.tolist()
+    assert later.result().tolist() == second.tolist()
+    np.testing.assert_array_equal(runner.logits(), want)
+    assert tok[3, lens[1]] == 0, "the table keeps its placeholder: the future token never went there"
+
+
+def test_future_rows_resolve_on_the_device(llm):
+    future_rows_check(llm.runner)
+    llm.reset_prefix_cache()    # the check wrote blocks 1-8; nothing cached may refer to them
+
+
+def test_future_rows_resolve_on_the_host_for_a_synchronous_backend():
+    runner = graphrt.ModelRunner(str(tiny_hf_model_dir(**MODEL)), backend="cpu", max_num_seqs=4,
+                                 max_num_batched_tokens=16, max_model_len=32, num_kv_blocks=12,
+                                 cudagraph_capture_sizes=[2, 4, 8, 16], progress=False)
+    assert not runner.executor.async_execution
+    future_rows_check(runner)
+    assert runner.last_step.mode is not graphrt.RuntimeMode.NONE, "the decode replayed a graph"
