@@ -34,3 +34,13 @@ def test_bad_flags_are_rejected(capsys):
     assert "max_num_seqs" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--mode", "SOMETIMES"])
+
+
+def test_engine_flags_reach_the_engine_and_the_data_parallel_demo_is_wired():
+    from graphrt.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["demo", "--disable-overlap-schedule", "--data-parallel-size", "2",
+                                      "--load-balance-method", "shortest_queue"])
+    assert engine_kwargs(args)["disable_overlap_schedule"] is True
+    assert (args.data_parallel_size, args.load_balance_method) == (2, "shortest_queue")
+    assert engine_kwargs(build_parser().parse_args(["demo"]))["disable_overlap_schedule"] is False
