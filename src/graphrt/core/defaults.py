@@ -183,6 +183,27 @@ WATCHDOG_JOIN_TIMEOUT = 5.0
 STEP_CHANNEL_BYTES = 8 << 20
 STEP_CHANNEL_MAX_ARRAYS = 16
 STEP_CHANNEL_TIMEOUT_S = 30.0
+#: Tensor-parallel workers driven by rank 0 (backends/torch/tensor_parallel.py). A worker that
+#: dies is seen at once (its process sentinel, the collective's closed connection); one that
+#: hangs is seen when a collective or a step-channel wait exceeds TP_TIMEOUT_S -- the process
+#: group's timeout, long enough for the ranks to drift apart while each compiles a bucket.
+TP_TIMEOUT_S = 300.0
+#: ... seconds for every worker to start, load its shard and build its executor.
+TP_WORKER_START_TIMEOUT_S = 600.0
+#: ... close() waits this long for workers to exit after the shutdown call, then terminates,
+#: then kills, waiting this long after each.
+TP_WORKER_JOIN_TIMEOUT_S = 10.0
+#: ... an idle worker checks that rank 0 is alive this often (seconds).
+TP_WORKER_POLL_S = 1.0
+#: ... after a failed collective, how long rank 0 waits for a worker's exit to show before
+#: calling the others hung.
+TP_FAULT_GRACE_S = 1.0
+#: ... how workers start: "forkserver" (Linux: torch is imported once, in the fork server, so
+#: later engines' workers start in milliseconds) or "spawn" (where forkserver is missing).
+TP_WORKER_START_METHOD = "forkserver"
+#: ... the gloo control group's timeout: under torchrun idle workers wait on it for rank 0's
+#: next call, for as long as the engine lives (rank 0 exiting ends the wait at once).
+TP_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
 #: Tensor parallelism of the torch backends (vLLM's ``tensor_parallel_size``): the ranks each
 #: model is sharded over (models/torch/parallel.py); 1 runs the unsharded model and needs no

@@ -7,7 +7,7 @@ from typing import Any, Callable, ClassVar, Hashable
 
 import torch
 
-from graphrt.backends.base import Backend
+from graphrt.backends.base import Backend, Executor
 from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.backends.torch.graphs import DeviceGraphAPI, TorchGraphs
 from graphrt.config import GraphConfig
@@ -31,10 +31,13 @@ class TorchBackend(Backend):
                    group: Any = None) -> torch.nn.Module:
         """graphrt's torch decoder from a Hugging Face directory on this backend's device;
         ``tp_size > 1`` loads rank ``tp_rank``'s shard over the process group ``group``
-        (``None``: the default group), reading only its slices of the checkpoint."""
+        (``None``: the default group), reading only its slices of the checkpoint. The model
+        remembers ``source_dir``: a tensor-parallel executor given it loads the shards from there."""
         from graphrt.models.torch.loader import load_torch_model
-        return load_torch_model(model_dir, dtype=dtype or torch.float32, device=self.device,
-                                tp_rank=tp_rank, tp_size=tp_size, group=group)
+        model = load_torch_model(model_dir, dtype=dtype or torch.float32, device=self.device,
+                                 tp_rank=tp_rank, tp_size=tp_size, group=group)
+        model.source_dir = model_dir
+        return model
 
     def graphs(self, fn: Callable[[Hashable], Any], cache: GraphCache | None = None,
                **options: Any) -> TorchGraphs:
@@ -42,5 +45,12 @@ class TorchBackend(Backend):
         runs before each capture)."""
         return TorchGraphs(fn, self.graph_api(), cache, **options)
 
-    def create_executor(self, model: torch.nn.Module, config: GraphConfig) -> TorchExecutor:
+    def create_executor(self, model: Any, config: GraphConfig, dtype: Any = None) -> Executor:
+        """A :class:`TorchExecutor` for ``model``; with ``config.tensor_parallel_size > 1`` the
+        ranks are started (or joined, under torchrun) and each loads its shard of ``model`` --
+        a directory (read as ``dtype``), or a model this backend loaded from one
+        (:mod:`graphrt.backends.torch.tensor_parallel`)."""
+        if config.tensor_parallel_size > 1:
+            from graphrt.backends.torch.tensor_parallel import start_tensor_parallel
+            return start_tensor_parallel(self, model, config, dtype)
         return TorchExecutor(model, config, self.device, self.graph_api())

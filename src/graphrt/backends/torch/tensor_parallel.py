@@ -1,0 +1,285 @@
+"""Tensor parallelism for the torch backends: rank 0's executor, driving its workers.
+
+``TorchBackend.create_executor`` returns a :class:`TensorParallelExecutor` when
+``config.tensor_parallel_size > 1``. It is an ordinary :class:`~graphrt.backends.base.Executor`
+to the runner: rank 0 prepares, dispatches and pads each step once, as with one device, and
+the executor sends every call that must happen on all ranks in lockstep to the workers before
+running it on its own :class:`~graphrt.backends.torch.executor.TorchExecutor` (rank 0's shard):
+
+* ``allocate_kv_cache`` -- rank 0 decided the block count; every rank allocates its heads;
+* ``build(mode, key)`` -- the same keys in the same order (a capture runs the collectives);
+  a capture that fails on any rank makes that key eager on every rank;
+* ``run(mode, key, entry, padded)`` -- an int64 row (the key as ints, whether rank 0 runs it
+  eagerly, the step's counts) and the seven padded host arrays, raw, through the step channel;
+  each worker replays its own entry for the key, or runs eagerly exactly when rank 0 does;
+* ``recover_kv_cache``, ``measure_graph_memory``, ``memory_info`` (the least free memory of
+  any rank) and shutdown.
+
+Sampling, logits and hidden states are rank 0's alone (the LM head all-gathers the logits).
+A fault -- a worker that exits, a collective that fails or times out -- raises
+:class:`~graphrt.core.errors.GraphrtError` naming the rank and the call, and stops every rank;
+later calls raise the same error. ``close()`` (also at exit) stops the workers and leaves no
+process or shared-memory segment behind. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.backends.torch import tp_protocol as p
+from graphrt.backends.torch.executor import TorchEntry, TorchExecutor
+from graphrt.backends.torch.tp_ranks import JoinedRanks, Ranks, SpawnedRanks
+from graphrt.config import GraphConfig
+from graphrt.core import defaults
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError
+from graphrt.core.fields import ARRAY_FIELDS, ModelInputs
+
+logger = logging.getLogger(__name__)
+
+
+def model_source(model: Any, dtype: Any, tp_size: int) -> tuple[str, Any]:
+    """The checkpoint directory and dtype every rank loads its shard from: a directory, or a
+    model graphrt's torch loader built unsharded from one (``graphrt.LLM`` loads it first)."""
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model), dtype or torch.float32
+    source = getattr(model, "source_dir", None)
+    if source is not None and getattr(model, "tp_size", 1) == 1:
+        logger.info("graphrt: tensor_parallel_size=%d: every rank loads its shard from %s (the unsharded "
+                    "model passed in is not used)", tp_size, source)
+        return source, next(model.parameters()).dtype
+    raise ConfigError(f"tensor_parallel_size={tp_size} needs the model as a Hugging Face directory, so "
+                      f"that each rank loads only its own shard; got a built {type(model).__name__}")
+
+
+def start_tensor_parallel(backend: Any, model: Any, config: GraphConfig, dtype: Any = None) -> "TensorParallelExecutor":
+    """Start (or, under torchrun, join) ``config.tensor_parallel_size`` ranks of ``model`` on
+    ``backend`` (a :class:`~graphrt.backends.torch.backend.TorchBackend`); rank 0 loads its
+    shard while the workers start, and returns once every rank has built its executor."""
+    tp = config.tensor_parallel_size
+    if config.max_loras:
+        raise ConfigError(f"max_loras={config.max_loras} with tensor_parallel_size={tp}: LoRA adapters "
+                          "run on unsharded models only")
+    model_dir, dtype = model_source(model, dtype, tp)
+    cls = type(backend)
+    setup = p.WorkerSetup(f"{cls.__module__}:{cls.__qualname__}", backend.device.type, backend.device.index,
+                          model_dir, dtype, config.model_dump(), tp, defaults.TP_TIMEOUT_S,
+                          torch.get_num_threads(), dict(os.environ))
+    ranks: Ranks = JoinedRanks(setup) if dist.is_initialized() else SpawnedRanks(setup)
+    try:
+        shard = backend.load_model(model_dir, dtype, tp_rank=0, tp_size=tp)
+        local = TorchExecutor(shard, config, backend.device, backend.graph_api())
+        ranks.connect()
+        executor = TensorParallelExecutor(local, ranks)
+        executor._agree(0, "start-up (loading the shards)", timeout=defaults.TP_WORKER_START_TIMEOUT_S,
+                        fatal=True)
+        ranks.ready = True
+    except BaseException:
+        ranks.close()
+        raise
+    return executor
+
+
+class TensorParallelExecutor(Executor[TorchEntry]):
+    """Rank 0's :class:`TorchExecutor` plus its workers, as one executor (see the module doc)."""
+
+    eager_fallback = True
+    async_execution = False
+    lora = None
+
+    def __init__(self, local: TorchExecutor, ranks: Ranks) -> None:
+        self.local, self.ranks = local, ranks
+        self.model = local.model
+        self.has_graphs = local.has_graphs
+        self.attention_support = local.attention_support
+        self.vocab_size = local.vocab_size
+        self.host_buffers = local.host_buffers
+        self.tp_size = ranks.setup.tp_size
+        self.steps = 0
+        self._key_row = np.zeros(p.KEY_WORDS, dtype=np.int64)
+        self._run_row = np.zeros(p.RUN_WORDS, dtype=np.int64)
+        self._run_arrays: list[Any] = [self._run_row] + [None] * len(ARRAY_FIELDS)
+        self._closer = weakref.finalize(self, ranks.close)
+
+    # ---- what stays on rank 0 ----------------------------------------------------------
+    @property
+    def supports_piecewise(self) -> bool:  # type: ignore[override]
+        return self.local.supports_piecewise
+
+    @property
+    def kv_cache_resets(self) -> int:  # type: ignore[override]
+        return self.local.kv_cache_resets
+
+    @property
+    def pre_replay_hooks(self) -> list[Any]:
+        """Rank 0's hooks (a worker's executor has its own)."""
+        return self.local.pre_replay_hooks
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of a block on one rank (its own KV heads): every rank holds the same count."""
+        return self.local.kv_cache_bytes_per_block(block_size)
+
+    def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
+        self.local.expect_keys(keys)
+
+    def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
+               padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
+        """Rank 0 samples alone: its logits rows are the gathered, full-vocabulary ones."""
+        return self.local.sample(logits, num_reqs, sampling, padded_reqs=padded_reqs, entry=entry)
+
+    def hidden_states(self, num_tokens: int) -> np.ndarray:
+        return self.local.hidden_states(num_tokens)
+
+    def logits(self, num_reqs: int) -> np.ndarray:
+        return self.local.logits(num_reqs)
+
+    def position_logits(self, num_reqs: int) -> np.ndarray:
+        return self.local.position_logits(num_reqs)
+
+    def free_request(self, request_id: int) -> None:
+        self.local.free_request(request_id)
+
+    def describe_build_failure(self, exc: BaseException) -> str:
+        return self.local.describe_build_failure(exc)
+
+    # ---- what every rank does ----------------------------------------------------------
+    def _send(self, method: int, arrays: list[np.ndarray], doing: Any) -> None:
+        """Send one call; a fault raises the error naming the rank and stops every rank."""
+        self.ranks.check()
+        try:
+            self.ranks.send(method, arrays)
+        except Exception as exc:  # noqa: BLE001 - a failed send is a fault, named
+            raise self._fail(doing, exc) from exc
+
+    def _doing(self, doing: Any) -> str:
+        if isinstance(doing, str):
+            return doing
+        method, key = doing
+        if method == p.RUN:
+            return f"step {self.steps} (run {key})"
+        return f"{p.METHOD_NAMES[method]} {key}"
+
+    def _fail(self, doing: Any, exc: BaseException | None) -> GraphrtError:
+        error = self.ranks.fault(self._doing(doing), exc)
+        logger.error("graphrt: %s; stopping every tensor-parallel rank", error)
+        self.close()
+        return error
+
+    def _agree(self, status: int, doing: Any, a: int = 0, b: int = 0, *, timeout: float | None = None,
+               fatal: bool = False) -> list[tuple[int, int, int]]:
+        """Every rank's ``(status, a, b)`` for the call just made; with ``fatal`` a rank that
+        failed is a fault."""
+        try:
+            self.ranks.wait(self.ranks.agreement.start(status, a, b), timeout)
+        except Exception as exc:  # noqa: BLE001 - a worker exited, hung or the group failed
+            raise self._fail(doing, exc) from exc
+        rows = self.ranks.agreement.rows()
+        if fatal and any(row[0] for row in rows):
+            failed = [rank for rank, row in enumerate(rows) if row[0]]
+            raise self._fail(doing, GraphrtError(f"ranks {failed} failed"))
+        return rows
+
+    def _everywhere(self, method: int, words: Sequence[int], doing: str, call: Any) -> Any:
+        """Send ``method``, run ``call`` on rank 0, agree; a failure anywhere stops every rank."""
+        row = np.asarray(words, dtype=np.int64)
+        self._send(method, [row], doing)
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - rank 0 failed: the workers are told, then stopped
+            self._agree(1, doing)
+            raise self._fail(doing, exc) from exc
+        except BaseException as exc:    # KeyboardInterrupt: the ranks are out of step for good
+            self._fail(doing, exc)
+            raise
+        self._agree(0, doing, *(result if method == p.MEMORY else ()), fatal=True)
+        return result
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Rank 0 decided ``num_blocks``; every rank allocates that many blocks of its heads."""
+        self._everywhere(p.ALLOCATE, (num_blocks, block_size), f"allocate_kv_cache ({num_blocks} blocks)",
+                         lambda: self.local.allocate_kv_cache(num_blocks, block_size))
+
+    def recover_kv_cache(self) -> bool:
+        """Nothing to recover after a fault (the next step raises it); else every rank's."""
+        if self.ranks.fault_error is not None or self.ranks.closed:
+            return False
+        return self._everywhere(p.RECOVER, (), "recover_kv_cache", self.local.recover_kv_cache)
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """The least free (and total) device memory of any rank."""
+        if self.local.memory_info() is None:
+            return None
+        self._everywhere(p.MEMORY, (), "memory_info", self.local.memory_info)
+        rows = self.ranks.agreement.rows()
+        return min(row[1] for row in rows), min(row[2] for row in rows)
+
+    def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Any]]) -> tuple[dict[Any, int], str | None]:
+        """Every rank captures the samples (their collectives need all ranks); rank 0's bytes count."""
+        words: list[int] = []
+        for mode, key in jobs:
+            row = self._key_row
+            if isinstance(key, SamplerKey):
+                row[:] = (p.MODE_CODE[mode], key.num_reqs, -1, key.greedy, 0)
+            else:
+                p.encode_key(row, mode, key)
+            words += [int(isinstance(key, SamplerKey))] + row.tolist()
+        return self._everywhere(p.MEASURE, words, "measure_graph_memory",
+                                lambda: self.local.measure_graph_memory(jobs))
+
+    def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[TorchEntry, int]:
+        """Samplers are rank 0's; a forward key is captured on every rank, and fails (runs
+        eagerly everywhere) when any rank's capture failed."""
+        if isinstance(key, SamplerKey):
+            return self.local.build(mode, key)
+        p.encode_key(self._key_row, mode, key)
+        self._send(p.BUILD, [self._key_row], (p.BUILD, key))
+        try:
+            entry, nbytes = self.local.build(mode, key)
+        except Exception:
+            self._agree(1, (p.BUILD, key))
+            raise
+        except BaseException as exc:    # KeyboardInterrupt: the ranks are out of step for good
+            self._fail((p.BUILD, key), exc)
+            raise
+        rows = self._agree(0, (p.BUILD, key))
+        failed = [rank for rank, row in enumerate(rows) if row[0]]
+        if failed:
+            raise GraphCaptureError(f"capturing {key} failed on tensor-parallel rank(s) {failed} (see their "
+                                    "log); it runs eagerly on every rank")
+        return entry, nbytes
+
+    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,
+            padded: ModelInputs) -> torch.Tensor:
+        """Send the padded step to the workers, then run it here; the collectives meet inside."""
+        self.steps += 1
+        row, arrays = self._run_row, self._run_arrays
+        p.encode_key(row, mode, key)
+        row[p.RUN_EAGER] = entry is None
+        row[p.RUN_NUM_REQS], row[p.RUN_NUM_TOKENS] = padded.num_reqs, padded.num_tokens
+        row[p.RUN_MAX_QUERY], row[p.RUN_MAX_SEQ] = padded.max_query_len, padded.max_seq_len
+        row[p.RUN_UNIFORM], row[p.RUN_STEP] = padded.uniform_decode, self.steps
+        for i, name in enumerate(ARRAY_FIELDS, 1):
+            arrays[i] = getattr(padded, name)
+        self._send(p.RUN, arrays, (p.RUN, key))
+        try:
+            return self.local.run(mode, key, entry, padded)
+        except Exception as exc:  # noqa: BLE001 - a collective failed, or rank 0's forward did
+            raise self._fail((p.RUN, key), exc) from exc
+        except BaseException as exc:    # KeyboardInterrupt: the ranks are out of step for good
+            self._fail((p.RUN, key), exc)
+            raise
+
+    def close(self) -> None:
+        """Stop the workers, release the channel and the process group (idempotent)."""
+        self._closer()
+
+
+__all__ = ["TensorParallelExecutor", "model_source", "start_tensor_parallel"]

@@ -1,0 +1,181 @@
+"""What rank 0 and its tensor-parallel workers say to each other.
+
+Rank 0 (:mod:`graphrt.backends.torch.tensor_parallel`) sends every call that must run on all
+ranks in lockstep as a method code and raw int64 / int32 arrays; workers
+(:mod:`graphrt.backends.torch.tp_worker`) follow. This module holds what both sides share:
+
+* the method codes and the layout of each call's int64 argument row (no pickle per call);
+* :class:`WorkerSetup`, what a worker starts from (pickled once, at start-up);
+* :class:`Agreement`, every rank's status for one call gathered on the gloo control group
+  (a build that failed on any rank runs eagerly on all of them);
+* :class:`BroadcastChannel`, the step channel's ``send`` / ``receive`` over gloo broadcasts,
+  for ranks that share no memory (``torchrun``, several nodes).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from graphrt.core import defaults
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
+from graphrt.core.errors import InputError
+
+#: Method codes (StepChannel's ``method``).
+ALLOCATE, BUILD, RUN, RECOVER, SHUTDOWN, MEASURE, MEMORY = range(1, 8)
+METHOD_NAMES = {ALLOCATE: "allocate_kv_cache", BUILD: "build", RUN: "run", RECOVER: "recover_kv_cache",
+                SHUTDOWN: "shutdown", MEASURE: "measure_graph_memory", MEMORY: "memory_info"}
+
+MODES = (RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL)
+MODE_CODE = {mode: code for code, mode in enumerate(MODES)}
+#: A key as ints: mode code, num_tokens, num_reqs (-1: None), uniform_decode, num_loras.
+KEY_WORDS = 5
+#: RUN's argument row: the key, then whether rank 0 runs it eagerly, the padded step's real
+#: counts and flags (ModelInputs), and the step number; then the seven padded arrays follow.
+RUN_EAGER, RUN_NUM_REQS, RUN_NUM_TOKENS, RUN_MAX_QUERY, RUN_MAX_SEQ, RUN_UNIFORM, RUN_STEP = range(KEY_WORDS, 12)
+RUN_WORDS = 12
+
+#: The process-group backend of each torch device type.
+GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def encode_key(row: np.ndarray, mode: RuntimeMode, key: BatchDescriptor) -> None:
+    """Write ``(mode, key)`` into the first :data:`KEY_WORDS` words of ``row``."""
+    row[0] = MODE_CODE[mode]
+    row[1] = key.num_tokens
+    row[2] = -1 if key.num_reqs is None else key.num_reqs
+    row[3] = key.uniform_decode
+    row[4] = key.num_loras
+
+
+def decode_key(words: Sequence[int]) -> tuple[RuntimeMode, BatchDescriptor]:
+    """The ``(mode, key)`` :func:`encode_key` wrote."""
+    mode, tokens, reqs, uniform, loras = (int(w) for w in words[:KEY_WORDS])
+    return MODES[mode], BatchDescriptor(tokens, None if reqs < 0 else reqs, bool(uniform), loras)
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """Everything a worker rank needs to load its shard and build its executor (pickled once)."""
+
+    backend: str                 # "module:Class" of rank 0's TorchBackend
+    device_type: str
+    device_index: int | None     # rank 0's; rank r uses index + r
+    model_dir: str
+    dtype: Any                   # a torch.dtype
+    config: dict[str, Any]       # GraphConfig.model_dump()
+    tp_size: int
+    timeout: float               # the process group's timeout (defaults.TP_TIMEOUT_S)
+    num_threads: int             # torch intra-op threads, as rank 0's
+    env: dict[str, str] | None = None   # rank 0's environment (spawned workers take it over)
+
+    def device(self, rank: int) -> torch.device:
+        """Rank ``rank``'s device: the same CPU, or the accelerator ``index + rank``."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, (self.device_index or 0) + rank)
+
+
+def free_port() -> int:
+    """A free localhost TCP port for the spawned ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def control_group() -> Any:
+    """A gloo group over every rank (a collective call: every rank makes it, in the same order)
+    for agreements and the torchrun step broadcasts; its long timeout lets idle workers wait."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=defaults.TP_CONTROL_TIMEOUT_S))
+
+
+class Agreement:
+    """Each rank's ``(status, a, b)`` for one call, all-gathered on the control group."""
+
+    def __init__(self, group: Any, size: int) -> None:
+        self.group = group
+        self._mine = torch.zeros(3, dtype=torch.int64)
+        self._all = [torch.zeros(3, dtype=torch.int64) for _ in range(size)]
+
+    def start(self, status: int, a: int = 0, b: int = 0) -> Any:
+        """Begin the gather of this rank's row; returns the ``Work`` to wait on."""
+        self._mine[0], self._mine[1], self._mine[2] = status, a, b
+        return dist.all_gather(self._all, self._mine, group=self.group, async_op=True)
+
+    def rows(self) -> list[tuple[int, int, int]]:
+        """Every rank's row, by rank (after the work completed)."""
+        return [tuple(int(v) for v in t.tolist()) for t in self._all]   # type: ignore[misc]
+
+
+_DTYPES = (np.int32, np.int64, np.float32, np.uint8)
+_CODE = {np.dtype(d): i for i, d in enumerate(_DTYPES)}
+_FIXED, _PER_ARRAY, _MAX_DIMS, _ALIGN = 3, 8, 4, 64
+
+
+class BroadcastChannel:
+    """``StepChannel``'s ``send`` / ``receive`` as two gloo broadcasts from rank 0 -- a fixed
+    int64 header, then the arrays' bytes -- into persistent buffers: the transport of ranks
+    that share no memory (torchrun). ``receive`` returns views valid until the next one."""
+
+    def __init__(self, group: Any, capacity: int = defaults.STEP_CHANNEL_BYTES,
+                 max_arrays: int = defaults.STEP_CHANNEL_MAX_ARRAYS) -> None:
+        self.group, self.capacity, self.max_arrays = group, capacity, max_arrays
+        self._header = torch.zeros(_FIXED + _PER_ARRAY * max_arrays, dtype=torch.int64)
+        self._data = torch.zeros(capacity, dtype=torch.uint8)
+        self._h, self._d = self._header.numpy(), self._data.numpy()
+
+    def send(self, method: int, arrays: Sequence[np.ndarray], timeout: float = defaults.TP_TIMEOUT_S) -> None:
+        """Broadcast one call (rank 0)."""
+        if len(arrays) > self.max_arrays:
+            raise InputError("arrays", f"{len(arrays)} arrays, the channel holds {self.max_arrays}")
+        h, offset = self._h, 0
+        h[1], h[2] = method, len(arrays)
+        for i, a in enumerate(arrays):
+            n, base = a.nbytes, _FIXED + _PER_ARRAY * i
+            if offset + n > self.capacity or a.dtype not in _CODE or a.ndim > _MAX_DIMS:
+                raise InputError("arrays", f"array {i} ({a.dtype}, {a.shape}) cannot be sent")
+            h[base], h[base + 1] = _CODE[a.dtype], a.ndim
+            h[base + 2:base + 2 + a.ndim] = a.shape
+            h[base + 6], h[base + 7] = offset, n
+            self._d[offset:offset + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            offset += -(-n // _ALIGN) * _ALIGN
+        h[0] = offset
+        wait = timedelta(seconds=timeout)
+        dist.broadcast(self._header, 0, group=self.group, async_op=True).wait(wait)
+        if offset:
+            dist.broadcast(self._data[:offset], 0, group=self.group, async_op=True).wait(wait)
+
+    def receive(self, timeout: float | None = None, copy: bool = True) -> tuple[int, list[np.ndarray]]:
+        """Wait for rank 0's next call (a worker): ``(method, arrays)``."""
+        dist.broadcast(self._header, 0, group=self.group)
+        h = self._h
+        if h[0]:
+            dist.broadcast(self._data[:int(h[0])], 0, group=self.group)
+        out = []
+        for i in range(int(h[2])):
+            base = _FIXED + _PER_ARRAY * i
+            dtype, ndim, offset, n = _DTYPES[int(h[base])], int(h[base + 1]), int(h[base + 6]), int(h[base + 7])
+            shape = tuple(int(d) for d in h[base + 2:base + 2 + ndim])
+            view = self._d[offset:offset + n].view(dtype).reshape(shape)
+            out.append(view.copy() if copy else view)
+        return int(h[1]), out
+
+    def acknowledge(self) -> None:
+        """Nothing to do: a broadcast is received once it returns."""
+
+    def close(self) -> None:
+        """Nothing to release (the group belongs to the process group)."""
+
+    def unlink(self) -> None:
+        """Nothing to remove."""
+
+
+__all__ = ["ALLOCATE", "Agreement", "BUILD", "BroadcastChannel", "GROUP_BACKENDS", "MEASURE", "MEMORY",
+           "METHOD_NAMES", "RECOVER", "RUN", "RUN_WORDS", "SHUTDOWN", "WorkerSetup", "control_group",
+           "decode_key", "encode_key", "free_port"]

@@ -1,0 +1,296 @@
+"""Rank 0's side of its tensor-parallel workers: starting or joining them, waiting on them,
+naming the one that failed, and stopping them.
+
+* :class:`SpawnedRanks` -- rank 0 starts ``tp_size - 1`` worker processes itself
+  (``defaults.TP_WORKER_START_METHOD``), creates the process group on a free localhost port
+  and talks to them through the shared-memory :class:`~graphrt.core.step_channel.StepChannel`.
+  It sees their processes: a worker that exits is named with its exit code and the error it
+  reported, one that hangs by the call it had not read or not finished (a shared counter).
+* :class:`JoinedRanks` -- ``torch.distributed`` was initialised by whoever launched the ranks
+  (``torchrun``); ranks 1.. run :func:`graphrt.backends.torch.tp_worker.serve`, and calls go
+  as gloo broadcasts. Rank 0 cannot see their processes: a failure names the call only.
+
+Both gather every rank's status for a call on a gloo control group (:class:`Agreement`) and
+wait for it with a deadline, watching the workers meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from graphrt.backends.torch import tp_protocol as p
+from graphrt.core import defaults
+from graphrt.core.errors import ConfigError, GraphrtError
+from graphrt.core.step_channel import StepChannel
+
+logger = logging.getLogger(__name__)
+
+#: Whether a live SpawnedRanks of this process owns the default process group.
+_OWNED_GROUP = [False]
+
+
+class Ranks:
+    """What the tensor-parallel executor needs of its workers, however they were started."""
+
+    channel: Any
+    agreement: p.Agreement
+    timeout: float
+    calls = 0                            # calls sent so far (the workers count the same)
+    ready = False                        # every rank built its executor
+    fault_error: GraphrtError | None = None
+    closed = False
+
+    def check(self) -> None:
+        """Raise the fault already seen (a fresh error with its message), or refuse calls after close()."""
+        if self.fault_error is not None:
+            raise GraphrtError(str(self.fault_error))
+        if self.closed:
+            raise GraphrtError("the tensor-parallel executor is closed")
+
+    def send(self, method: int, arrays: list[np.ndarray]) -> None:
+        """One call to every worker."""
+        self.calls += 1
+        self.channel.send(method, arrays, timeout=self.timeout)
+
+    def wait(self, work: Any, timeout: float | None = None) -> None:
+        """Wait for a control-group collective; a failure or the deadline raises."""
+        work.wait(timedelta(seconds=timeout or self.timeout))
+
+    def fault(self, doing: str, exc: BaseException | None) -> GraphrtError:
+        """The error that names what failed during ``doing``; remembered for later calls."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop the workers and release what rank 0 holds (idempotent)."""
+        raise NotImplementedError
+
+
+class SpawnedRanks(Ranks):
+    """Worker processes rank 0 started, on this machine."""
+
+    def __init__(self, setup: p.WorkerSetup) -> None:
+        from graphrt.backends.torch.tp_worker import spawned_worker
+
+        method = defaults.TP_WORKER_START_METHOD
+        if method not in mp.get_all_start_methods():
+            method = "spawn"
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload(["graphrt.backends.torch.tp_worker"])
+        self.setup, self.timeout = setup, setup.timeout
+        self.port = p.free_port()
+        self.channel = StepChannel.create(setup.tp_size - 1, ctx=ctx)
+        self._counters = ctx.RawArray("q", 2 * setup.tp_size)
+        self.counters = np.frombuffer(self._counters, dtype=np.int64).reshape(setup.tp_size, 2)
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.errors: dict[int, str] = {}
+        self.started: set[int] = set()
+        self.group = False
+        for rank in range(1, setup.tp_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=spawned_worker, name=f"graphrt-tp-rank{rank}", daemon=True,
+                               args=(setup, rank, self.port, self.channel.spec, writer, self._counters))
+            proc.start()
+            writer.close()
+            self.procs.append(proc)
+            self.conns.append(reader)
+
+    def connect(self) -> None:
+        """Wait until every worker started, then form the process group and the control group."""
+        deadline = time.monotonic() + defaults.TP_WORKER_START_TIMEOUT_S
+        while len(self.started) < len(self.procs):
+            self._read_messages()
+            if self._exited() or self.errors:
+                raise self.fault("start-up", None)
+            if time.monotonic() > deadline:
+                raise self.fault("start-up", TimeoutError(f"no start within {defaults.TP_WORKER_START_TIMEOUT_S} s"))
+            wait_any(self.conns + [proc.sentinel for proc in self.procs], timeout=defaults.TP_WORKER_POLL_S)
+        device = self.setup.device(0)
+        dist.init_process_group(p.GROUP_BACKENDS[device.type], init_method=f"tcp://127.0.0.1:{self.port}",
+                                rank=0, world_size=self.setup.tp_size, timeout=timedelta(seconds=self.timeout))
+        self.group = _OWNED_GROUP[0] = True
+        self.agreement = p.Agreement(p.control_group(), self.setup.tp_size)
+        if p.GROUP_BACKENDS[device.type] != "gloo":
+            threading.Thread(target=self._abort_on_exit, name="graphrt-tp-watch", daemon=True).start()
+
+    def _abort_on_exit(self) -> None:
+        """nccl / hccl wait on a dead peer until their timeout: when a worker exits while the
+        engine runs, abort the group so rank 0's collective returns with an error at once."""
+        wait_any([proc.sentinel for proc in self.procs])
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if self.closed or abort is None:
+            return
+        try:
+            abort()
+        except Exception as exc:  # noqa: BLE001 - the collective's own timeout still applies
+            logger.warning("graphrt: aborting the tensor-parallel group failed: %s", exc)
+
+    def _read_messages(self) -> None:
+        for conn in self.conns:
+            try:
+                while conn.poll():
+                    message = conn.recv()
+                    if message[0] == "started":
+                        self.started.add(message[1])
+                    else:
+                        self.errors[message[1]] = message[2]
+            except (EOFError, OSError):
+                continue
+
+    def _exited(self) -> list[tuple[int, int]]:
+        return [(rank, proc.exitcode) for rank, proc in enumerate(self.procs, 1) if proc.exitcode is not None]
+
+    def send(self, method: int, arrays: list[np.ndarray]) -> None:
+        """One call to every worker, refused at once when one has exited."""
+        for proc in self.procs:
+            if proc.exitcode is not None:
+                raise GraphrtError("a worker had exited")
+        super().send(method, arrays)
+
+    def wait(self, work: Any, timeout: float | None = None) -> None:
+        """Poll the collective, waking early when a worker exits."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        sentinels = [proc.sentinel for proc in self.procs]
+        while not work.is_completed():
+            if self._exited():
+                raise GraphrtError("a worker exited")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer within {timeout or self.timeout} s")
+            wait_any(sentinels, timeout=0.002)
+        work.wait()
+
+    def fault(self, doing: str, exc: BaseException | None) -> GraphrtError:
+        """Name the worker that exited (code, signal, its error) or fell behind (call not read /
+        not finished); wait ``TP_FAULT_GRACE_S`` for an exit to show first."""
+        if self.fault_error is not None:
+            return self.fault_error
+        if not self._exited():
+            wait_any([proc.sentinel for proc in self.procs], timeout=defaults.TP_FAULT_GRACE_S)
+        self._read_messages()
+        parts = []
+        for rank, code in self._exited():
+            name = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
+            error = self.errors.get(rank, "").strip().splitlines()
+            parts.append(f"tensor-parallel worker rank {rank} exited with code {code}{name}"
+                         + (f" ({error[0]})" if error else ""))
+        if not parts:
+            for rank in range(1, self.setup.tp_size):
+                read, done = (int(v) for v in self.counters[rank])
+                if read < self.calls:
+                    parts.append(f"tensor-parallel worker rank {rank} is alive but did not read the call "
+                                 f"(hung or stopped)")
+                elif done < self.calls:
+                    parts.append(f"tensor-parallel worker rank {rank} is alive but did not finish the call "
+                                 f"(hung in its forward or a collective)")
+        if not parts:
+            parts.append("every tensor-parallel worker is alive and finished its part; rank 0 failed")
+        text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
+        cause = "" if exc is None else f": {type(exc).__name__}" + (f": {text}" if text else "")
+        self.fault_error = GraphrtError(f"{'; '.join(parts)} during {doing}{cause}")
+        return self.fault_error
+
+    def close(self) -> None:
+        """The shutdown call and a join when healthy; then terminate, then kill, whoever is left;
+        then drop the channel (segment unlinked) and the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        healthy = self.fault_error is None and self.group and not self._exited()
+        if healthy:
+            try:
+                self.channel.send(p.SHUTDOWN, [], timeout=defaults.TP_WORKER_JOIN_TIMEOUT_S)
+            except GraphrtError:
+                healthy = False
+        if healthy:
+            _join(self.procs, defaults.TP_WORKER_JOIN_TIMEOUT_S)
+        for action, seconds in (("terminate", defaults.TP_FAULT_GRACE_S), ("kill", defaults.TP_WORKER_JOIN_TIMEOUT_S)):
+            alive = [proc for proc in self.procs if proc.exitcode is None]
+            for proc in alive:
+                getattr(proc, action)()
+            _join(alive, seconds)
+        for conn in self.conns:
+            conn.close()
+        self.channel.close()
+        self.channel.unlink()
+        self.channel = None           # its semaphores' names go with the last reference
+        if self.group:
+            _destroy_group()
+            self.group = _OWNED_GROUP[0] = False
+        left = [proc.pid for proc in self.procs if proc.exitcode is None]
+        if left:
+            logger.error("graphrt: tensor-parallel workers %s did not exit", left)
+
+
+class JoinedRanks(Ranks):
+    """Ranks launched by someone else (torchrun): rank 0 of the initialised default group."""
+
+    def __init__(self, setup: p.WorkerSetup) -> None:
+        if _OWNED_GROUP[0]:
+            raise ConfigError("another tensor-parallel engine of this process holds the process group; "
+                              "close it first (one tensor-parallel engine per process)")
+        size, rank = dist.get_world_size(), dist.get_rank()
+        if size != setup.tp_size or rank != 0:
+            raise ConfigError(f"torch.distributed is initialised with {size} ranks (this is rank {rank}); "
+                              f"tensor_parallel_size={setup.tp_size} needs exactly that many, the engine on "
+                              "rank 0 and graphrt.backends.torch.tp_worker.serve() on the others")
+        self.setup, self.timeout = setup, setup.timeout
+        group = p.control_group()
+        dist.broadcast_object_list([setup], 0, group=group)
+        self.channel = p.BroadcastChannel(group)
+        self.agreement = p.Agreement(group, size)
+
+    def connect(self) -> None:
+        """Nothing to wait for: the setup went out with the constructor."""
+
+    def fault(self, doing: str, exc: BaseException | None) -> GraphrtError:
+        if self.fault_error is None:
+            self.fault_error = GraphrtError(
+                f"a tensor-parallel call failed during {doing} ({type(exc).__name__}: {exc}); the ranks were "
+                "launched outside graphrt (torchrun), so rank 0 cannot see which one: see their logs")
+        return self.fault_error
+
+    def close(self) -> None:
+        """Send the shutdown call (workers that still follow return from ``serve()``) and drop
+        the control group; the default group stays its launcher's. Before the ranks were
+        ready, rank 0 first joins the start-up agreement as failed."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.ready and self.fault_error is None:
+                self.wait(self.agreement.start(1), defaults.TP_WORKER_JOIN_TIMEOUT_S)
+            self.channel.send(p.SHUTDOWN, [], timeout=defaults.TP_WORKER_JOIN_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - closing anyway
+            logger.warning("graphrt: the tensor-parallel shutdown call failed: %s", exc)
+        dist.destroy_process_group(self.agreement.group)
+
+
+def _join(procs: list[Any], seconds: float) -> None:
+    """Join ``procs`` within ``seconds`` in all."""
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+
+
+def _destroy_group() -> None:
+    """Tear the default group down (abort where a dead peer could make destroy wait)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - nothing more to release
+        logger.warning("graphrt: destroying the tensor-parallel process group failed: %s", exc)
+
+
+__all__ = ["JoinedRanks", "Ranks", "SpawnedRanks"]
