@@ -172,10 +172,12 @@ class NpuGraphBackend(TorchBackend):
         return NpuGraphAPI(self.device, self._npu)
 
     def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
-        """The graph dispatcher over the capture sizes that fit this model's ACL stream budget."""
+        """The graph dispatcher over the capture sizes that fit this model's ACL stream budget
+        (a tensor-parallel group, ``tensor_parallel_size > 1``, costs streams too)."""
         if config.enforce_eager or mode is GraphMode.NONE:
             return config.graph_dispatcher(mode)
         layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if layers is None:
             layers = len(model.attention_layers())
-        return config.graph_dispatcher(mode, token_buckets=acl.limit_policy(config.capture_policy(), int(layers)))
+        policy = acl.limit_policy(config.capture_policy(), int(layers), tp_size=config.tensor_parallel_size)
+        return config.graph_dispatcher(mode, token_buckets=policy)
