@@ -89,10 +89,15 @@ class ModelRunner(LoraMethods):
             self.config = GraphConfig.create(**{**config.model_dump(), **config_fields})
         cfg = self.config
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
-        if isinstance(model, (str, os.PathLike)):
+        tp = cfg.tensor_parallel_size
+        if tp > 1 and self.backend.framework != "torch":
+            raise ConfigError(f"tensor_parallel_size={tp}: backend {self.backend.name} does not shard (torch ones do)")
+        if isinstance(model, (str, os.PathLike)) and tp == 1:
             model = self.backend.load_model(os.fspath(model), dtype)
-        self.model = model
-        self.executor: Executor = self.backend.create_executor(model, cfg)
+        # tensor_parallel_size > 1: the backend starts the worker ranks, each loads its own shard
+        self.executor: Executor = (self.backend.create_executor(model, cfg) if tp == 1 else
+                                   self.backend.create_executor(model, cfg, dtype=dtype))
+        self.model = model = self.executor.model if tp > 1 else model
         self.vocab_size = self.executor.vocab_size
         self.mode, degraded = resolve_mode(cfg.mode, attention=self.executor.attention_support,
                                            piecewise=self.executor.supports_piecewise)
@@ -406,6 +411,16 @@ class ModelRunner(LoraMethods):
     def kv_cache_resets(self) -> int:
         """How many times a failed step's lost KV cache was re-created."""
         return self.executor.kv_cache_resets
+
+    def close(self) -> None:
+        """Stop what the executor started (tensor-parallel workers; docs/distributed.md). Idempotent."""
+        getattr(self.executor, "close", lambda: None)()
+
+    def __enter__(self) -> "ModelRunner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 __all__ = ["ModelRunner", "StepInfo", "EagerFallback", "sampling_batch"]

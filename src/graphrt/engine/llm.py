@@ -398,6 +398,7 @@ class LLM(OverlapLoop):
     def close(self) -> None:
         """Stop the watchdog thread (idempotent; also done when the engine is collected)."""
         self.watchdog.close()
+        self.runner.close()
 
 
 _NO_OWNER = object()   # a request id with no owner left (aborted): its output is dropped
