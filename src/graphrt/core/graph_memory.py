@@ -27,6 +27,7 @@ The rule (docs/backends.md, "Graph memory in the KV budget"):
 
 from __future__ import annotations
 
+import logging
 import math
 from fractions import Fraction
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ from typing import Any, Callable, Hashable, Sequence
 from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
-from graphrt.core.errors import ConfigError
+from graphrt.core.errors import ConfigError, InputError
+
+logger = logging.getLogger(__name__)
 
 #: One build job: (runtime mode, key), as the runner's warm-up lists them (largest first).
 Job = tuple[RuntimeMode, Any]
@@ -180,3 +183,35 @@ def estimate_graph_memory(jobs: Sequence[Job], measure: Callable[[Sequence[Job]]
     names = {key: describe_key(key if isinstance(key, SamplerKey) else (mode, key)) for mode, key in samples}
     return GraphMemory(estimate=total, margin=int(math.ceil(total * defaults.GRAPH_MEMORY_MARGIN)),
                        num_keys=len(jobs), sampled={names[k]: int(v) for k, v in measured.items()})
+
+def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int | None,
+                  budget: int | None) -> tuple[int, GraphMemory]:
+    """(KV blocks, graph memory) of a runner: ``explicit`` blocks, or what the budget (given, or
+    the device's free memory) holds once the graphs' estimated memory and its margin are out
+    of it. Without a budget (a host device) the default host KV size is used and nothing is
+    deducted."""
+    per_block = executor.kv_cache_bytes_per_block(config.block_size)
+    memory = GraphMemory(num_keys=len(jobs), reason="num_kv_blocks given")
+    if explicit is not None:
+        if explicit < 2:
+            raise InputError("num_kv_blocks", f"needs >= 2 (block 0 is the null block), got {explicit}")
+        return int(explicit), memory
+    full = config.max_num_seqs * config.max_blocks_per_req + 1
+    info = executor.memory_info() if budget is None else None
+    if budget is None and info is None:
+        budget = defaults.DEFAULT_HOST_KV_CACHE_BYTES
+        memory.reason = "the default host KV size is no memory budget"
+    else:   # a memory budget the graphs share with the KV cache
+        if budget is None:
+            free, total = info
+            budget = int(free - total * (1.0 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
+        memory = estimate_graph_memory(jobs, executor.measure_graph_memory)
+        logger.info("graphrt: %s", memory.summary())
+        if memory.deducted:
+            return kv_blocks_after_graphs(budget, per_block, full, memory), memory
+    blocks = min(budget // per_block, full)
+    if blocks < 2:
+        raise InputError("kv_cache_memory", f"{budget} bytes hold {budget // per_block} KV blocks of "
+                                            f"{per_block} bytes; at least 2 are needed")
+    memory.budget, memory.kv_bytes = budget, int(blocks) * per_block
+    return int(blocks), memory
