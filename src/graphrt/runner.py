@@ -26,8 +26,9 @@ from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeM
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
-from graphrt.core.graph_memory import GraphMemory, estimate_graph_memory, kv_blocks_after_graphs
+from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.inputs import InputPreparer
+from graphrt.core.dp_agreement import DataParallelMethods, StepAgreement
 from graphrt.core.lora import LoraInputs, LoraMethods, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
@@ -67,13 +68,16 @@ class _StepPlan:
     eager_cause: EagerCause | None = None
 
 
-class ModelRunner(LoraMethods):
+class ModelRunner(LoraMethods, DataParallelMethods):
     """Runs a model's steps on one backend with graphs / executables per bucket.
 
     ``model`` is a Hugging Face directory (loaded with graphrt's reference models for the
     backend's framework) or an already-built model object that follows the protocol in
     ``docs/models.md``. The KV cache has ``num_kv_blocks`` blocks, or as many as
     ``kv_cache_memory`` bytes (or the device's free memory) hold; block 0 is the null block.
+
+    ``step_agreement``: data-parallel ranks that step together agree on each step's bucket, and
+    a rank with no work calls :meth:`execute_dummy` (docs/distributed.md).
 
     Threads: :meth:`execute` serializes its callers (one lock; each caller gets its own
     step's tokens), but :meth:`logits`, :meth:`hidden_states` and :attr:`last_step` describe
@@ -83,7 +87,8 @@ class ModelRunner(LoraMethods):
     def __init__(self, model: Any, config: GraphConfig | None = None, *,
                  backend: str | Backend = "auto", num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, dtype: Any = None, warmup: bool = True,
-                 progress: bool = True, **config_fields: Any) -> None:
+                 progress: bool = True, step_agreement: StepAgreement | None = None,
+                 **config_fields: Any) -> None:
         self.config = config if config is not None else GraphConfig.create(**config_fields)
         if config is not None and config_fields:
             self.config = GraphConfig.create(**{**config.model_dump(), **config_fields})
@@ -107,7 +112,8 @@ class ModelRunner(LoraMethods):
             logger.info("graphrt: %s", degraded)
         self.dispatcher = self.backend.dispatcher(cfg, self.mode, model)
         self.executor.expect_keys([key for _, key in self._build_keys()])
-        self.num_kv_blocks = self._num_kv_blocks(num_kv_blocks, kv_cache_memory)
+        self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self._build_keys(),
+                                                              num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
         self.preparer = InputPreparer(max_num_reqs=cfg.max_num_seqs,
                                       max_num_tokens=cfg.max_num_batched_tokens,
@@ -126,43 +132,13 @@ class ModelRunner(LoraMethods):
         self._last: tuple[_StepPlan, int, int, float] | None = None
         self._futures = FutureTokens(on_device=self.executor.async_execution)
         self._lock = threading.Lock()
+        self.step_agreement = step_agreement     # data-parallel ranks stepping together (core/dp_agreement.py)
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
         if warmup:
             self.warmup()
 
     # ---- setup ---------------------------------------------------------------------
-    def _num_kv_blocks(self, explicit: int | None, budget: int | None) -> int:
-        """KV blocks: ``explicit``, or what the budget (given, or the device's free memory) holds
-        once the graphs' estimated memory and its margin are out of it (``self.graph_memory``)."""
-        cfg = self.config
-        per_block = self.executor.kv_cache_bytes_per_block(cfg.block_size)
-        jobs = self._build_keys()
-        self.graph_memory = GraphMemory(num_keys=len(jobs), reason="num_kv_blocks given")
-        if explicit is not None:
-            if explicit < 2:
-                raise InputError("num_kv_blocks", f"needs >= 2 (block 0 is the null block), got {explicit}")
-            return int(explicit)
-        full = cfg.max_num_seqs * cfg.max_blocks_per_req + 1
-        info = self.executor.memory_info() if budget is None else None
-        if budget is None and info is None:
-            budget = defaults.DEFAULT_HOST_KV_CACHE_BYTES
-            self.graph_memory.reason = "the default host KV size is no memory budget"
-        else:   # a memory budget the graphs share with the KV cache
-            if budget is None:
-                free, total = info
-                budget = int(free - total * (1.0 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
-            self.graph_memory = estimate_graph_memory(jobs, self.executor.measure_graph_memory)
-            logger.info("graphrt: %s", self.graph_memory.summary())
-            if self.graph_memory.deducted:
-                return kv_blocks_after_graphs(budget, per_block, full, self.graph_memory)
-        blocks = min(budget // per_block, full)
-        if blocks < 2:
-            raise InputError("kv_cache_memory", f"{budget} bytes hold {budget // per_block} KV blocks of "
-                                                f"{per_block} bytes; at least 2 are needed")
-        self.graph_memory.budget, self.graph_memory.kv_bytes = budget, int(blocks) * per_block
-        return int(blocks)
-
     def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
         """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
         sampler for each request count a FULL key can have."""
@@ -277,13 +253,14 @@ class ModelRunner(LoraMethods):
             if self._lora is None:
                 raise lora_off()
             ids, n = self._lora.check(lora_ids, r)
-        plan = self._plans.get((t, r, uniform, n))
+        agreed = self._agreed_shape(t, r, uniform, n, ids)   # data-parallel ranks: one key for all
+        plan = self._plans.get(agreed[:4])
         if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
-            plan = self._plan(t, r, uniform, n)
-        key, padded_reqs = plan.key, plan.padded_reqs
+            plan = self._plan(*agreed[:4])
+        key, padded_reqs, ids = plan.key, plan.padded_reqs, agreed[4]
         padded = self.preparer.write(self.padder, num_tokens=key.num_tokens, num_reqs=padded_reqs,
                                      out=self.executor.host_buffers)
-        if n:
+        if agreed[3]:
             self._lora.write(ids, num_scheduled_tokens, t, key.num_tokens)
         future = (None if future_rows is None else
                   self._futures.apply(future_rows, padded.input_ids, padded.query_start_loc))

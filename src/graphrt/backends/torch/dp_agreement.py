@@ -1,0 +1,39 @@
+"""The torch step agreement of data-parallel ranks: one all-reduce of four integers per step.
+
+See :mod:`graphrt.core.dp_agreement` for why ranks that step together agree on a step's
+shape. The collective runs on the group it is given; a gloo (CPU) group keeps it off the
+device stream, as SGLang's and vLLM's DP metadata all-reduces do, and an NCCL group gets a
+device tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class TorchStepAgreement:
+    """``agree(tokens, requests, uniform, adapters)`` -> the maxima over ``group`` (uniform
+    only if every rank's step is a uniform decode)."""
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("TorchStepAgreement needs torch.distributed initialised (the DP group)")
+        self.group = group
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        self._values = torch.zeros(4, dtype=torch.int64, device=device)    # one buffer, every step
+        self._host = torch.zeros(4, dtype=torch.int64)
+
+    def agree(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int
+              ) -> tuple[int, int, bool, int]:
+        host = self._host
+        host[0], host[1], host[2], host[3] = num_tokens, num_reqs, 0 if uniform_decode else 1, num_loras
+        self._values.copy_(host)
+        dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=self.group)
+        t, r, mixed, n = self._values.tolist()
+        return int(t), int(r), not mixed, int(n)
+
+
+__all__ = ["TorchStepAgreement"]
