@@ -52,8 +52,13 @@ def make_prompts(lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[list
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread per rank: two ranks on two cores, not four threads."""
+def fork_server_and_one_thread():
+    """One intra-op thread per rank: two ranks on two cores, not four threads. The fork server
+    the workers start from is started first, so that its imports overlap the checkpoint builds."""
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(["graphrt.backends.torch.tp_worker"])
+    forkserver.ensure_running()
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -135,7 +140,7 @@ def test_four_ranks_replicate_kv_heads():
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def _launched_rank(rank: int, port: int, results) -> None:
+def _launched_rank(rank: int, port: int, model_dir: str, results) -> None:
     """A rank of a group launched outside graphrt (as torchrun would): rank 0 builds the
     engine, rank 1 runs ``serve()`` until rank 0 closes it."""
     import torch.distributed as dist
@@ -148,7 +153,7 @@ def _launched_rank(rank: int, port: int, results) -> None:
             serve()
             results.put((rank, None))
             return
-        llm = graphrt.LLM(str(tiny_hf_model_dir("llama")), backend="eager", tensor_parallel_size=2, **ENGINE)
+        llm = graphrt.LLM(model_dir, backend="eager", tensor_parallel_size=2, **ENGINE)
         outs = llm.generate(make_prompts((5, 40, 12), seed=3), GREEDY)
         llm.close()
         results.put((rank, [o.token_ids for o in outs]))
@@ -160,11 +165,11 @@ def _launched_rank(rank: int, port: int, results) -> None:
 
 
 def test_joins_a_group_launched_elsewhere():
-    want = graphrt.LLM(str(tiny_hf_model_dir("llama")), backend="eager", **ENGINE).generate(
-        make_prompts((5, 40, 12), seed=3), GREEDY)
+    model_dir = str(tiny_hf_model_dir("llama"))   # built here: a child would build its own copy
+    want = graphrt.LLM(model_dir, backend="eager", **ENGINE).generate(make_prompts((5, 40, 12), seed=3), GREEDY)
     ctx = mp.get_context("forkserver")            # torch already imported there: a fast start
     port, results = free_port(), ctx.Queue()
-    procs = [ctx.Process(target=_launched_rank, args=(rank, port, results)) for rank in range(2)]
+    procs = [ctx.Process(target=_launched_rank, args=(rank, port, model_dir, results)) for rank in range(2)]
     for proc in procs:
         proc.start()
     got = dict(results.get(timeout=120) for _ in procs)
