@@ -20,6 +20,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -161,7 +162,8 @@ def spawned_worker(setup: p.WorkerSetup, rank: int, port: int, spec: ChannelSpec
                    counters: Any) -> None:
     """Process target of worker ``rank``, started by rank 0: join the group on ``port``, load
     the shard, follow the step channel; an error is sent to rank 0 through ``conn`` and ends
-    the process with exit code 1."""
+    the process with exit code 1. Ctrl-C is rank 0's to handle: it stops the workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if setup.env is not None:
         os.environ.clear()
         os.environ.update(setup.env)
