@@ -102,7 +102,7 @@ CASES = [("eager", "qwen3", ()), ("eager", "llama", (("tie_word_embeddings", Tru
 
 
 @pytest.mark.parametrize("backend,arch,overrides", CASES, ids=[f"{b}-{a}{'-tied' * bool(o)}" for b, a, o in CASES])
-def test_tp2_equals_tp1(backend, arch, overrides):
+def test_tp2_equals_tp1(backend, arch, overrides, monkeypatch):
     model_dir = str(tiny_hf_model_dir(arch, **dict(overrides)))
     prompts = make_prompts()
     reference = graphrt.LLM(model_dir, backend=backend, **ENGINE)
@@ -110,7 +110,12 @@ def test_tp2_equals_tp1(backend, arch, overrides):
     assert reference.stats["preemptions"] > 0
     reference.close()
 
+    from graphrt.backends.torch.backend import TorchBackend
+    loads = []
+    load = TorchBackend.load_model
+    monkeypatch.setattr(TorchBackend, "load_model", lambda self, *a, **kw: loads.append(kw) or load(self, *a, **kw))
     llm = graphrt.LLM(model_dir, backend=backend, tensor_parallel_size=2, **ENGINE)
+    assert [kw.get("tp_size", 1) for kw in loads] == [2], "rank 0 loaded more than its shard"
     pids, names = handles(llm.runner.executor)
     tokens, logits = drive(llm, prompts)
     stats = llm.stats

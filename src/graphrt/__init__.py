@@ -30,7 +30,7 @@ _LAZY = {
     "ModelRunner": "graphrt.runner",
     "LLM": "graphrt.engine.llm",
     "DataParallelLLM": "graphrt.engine.data_parallel",
-    "RequestOutput": "graphrt.engine.llm",
+    "RequestOutput": "graphrt.engine.outputs",
     "SamplingParams": "graphrt.engine.sampling_params",
 }
 

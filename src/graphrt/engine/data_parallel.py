@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, InputError
 from graphrt.engine.dp_worker import worker_main
-from graphrt.engine.llm import RequestOutput
+from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.engine.validation import params_per_prompt, validate_request
 

@@ -19,7 +19,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from graphrt.engine.llm import RequestOutput
+from graphrt.engine.outputs import RequestOutput
 
 
 def read_requests(requests: Connection, inbox: "queue.Queue[tuple]") -> None:

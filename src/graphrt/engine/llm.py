@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -32,6 +31,7 @@ from graphrt.core import defaults
 from graphrt.config import GraphConfig
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.metrics import EngineMetrics, engine_stats
+from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.overlap import Launched, OverlapLoop, drop_unresolved, overlap_enabled
 from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
@@ -41,25 +41,9 @@ from graphrt.engine.watchdog import engine_watchdog
 from graphrt.core.errors import GenerationError, GraphrtError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams, without_seed
-from graphrt.models.hf_config import model_eos_token_ids, model_max_len
+from graphrt.models.hf_config import DecoderConfig, model_eos_token_ids, model_max_len
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """A finished request: its prompt, the generated ids only, and why it stopped."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    #: "stop" (EOS), "length" (max_tokens or max_model_len), "error" (a step it ran in failed)
-    #: or "abort" (aborted: ``abort_request``, or its ``generate`` call failed).
-    finish_reason: str
-    #: Why, for "error" and "abort" (the exception's type and message); None otherwise.
-    error: str | None = None
-    #: Tokens whose KV came from the prefix cache instead of being computed (all admissions).
-    num_cached_tokens: int = 0
 
 
 class LLM(OverlapLoop):
@@ -92,9 +76,11 @@ class LLM(OverlapLoop):
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
-        if isinstance(model, str) or hasattr(model, "__fspath__"):
-            model = backend_obj.load_model(str(model), dtype)
-        model_len = model_max_len(model)
+        tp = config.tensor_parallel_size if config is not None else graph_fields.get("tensor_parallel_size", 1)
+        if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
+            model = str(model) if tp > 1 else backend_obj.load_model(str(model), dtype)
+        model_len = (DecoderConfig.from_dir(model).max_position_embeddings if isinstance(model, str)
+                     else model_max_len(model))
         if max_model_len is None:
             max_model_len = min(model_len or defaults.DEFAULT_MAX_MODEL_LEN, defaults.DEFAULT_MAX_MODEL_LEN)
         if config is None:
@@ -104,9 +90,9 @@ class LLM(OverlapLoop):
                                         strict=strict, **graph_fields)
         self.config = config
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
-                                  progress=progress)
+                                  dtype=dtype, progress=progress)
         cfg = self.config
-        self.eos_token_ids = frozenset(model_eos_token_ids(model))
+        self.eos_token_ids = frozenset(model_eos_token_ids(self.runner.model))
         self.allocator = BlockAllocator(self.runner.num_kv_blocks)
         self.prefix_cache = PrefixCache(cfg.block_size, self.allocator) if enable_prefix_caching else None
         self.scheduler = Scheduler(max_num_seqs=cfg.max_num_seqs,
@@ -396,9 +382,16 @@ class LLM(OverlapLoop):
             self.scheduler.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the watchdog thread (idempotent; also done when the engine is collected)."""
+        """Stop the watchdog thread and the runner's tensor-parallel workers (idempotent; also
+        done when the engine is collected)."""
         self.watchdog.close()
         self.runner.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 _NO_OWNER = object()   # a request id with no owner left (aborted): its output is dropped
