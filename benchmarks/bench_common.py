@@ -5,10 +5,13 @@ Not a benchmark itself (``graphrt bench`` runs the scripts listed in ``graphrt.c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -46,3 +49,20 @@ def build_model_dir(root: Path, *, vocab: int, hidden: int, layers: int, max_mod
                                    num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=hidden // 4,
                                    max_position_embeddings=4 * max_model_len)
+
+
+@contextlib.contextmanager
+def tiny_model_dir(prefix: str, **sizes: int) -> Iterator[Path]:
+    """A tiny random Qwen3 (``build_model_dir(root, **sizes)``) in a temporary directory that is
+    removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield build_model_dir(root, **sizes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def print_checks(checks: dict[str, bool]) -> bool:
+    """Print one PASS / FAIL line per check; whether all passed."""
+    print("\n" + "\n".join(f"{'PASS' if ok else 'FAIL'}  {label}" for label, ok in checks.items()))
+    return all(checks.values())

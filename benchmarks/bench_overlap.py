@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from bench_common import build_model_dir, cpu_line
+from bench_common import cpu_line, print_checks, tiny_model_dir
 
 #: The workload: requests, prompt tokens, generated tokens.
 NUM_REQUESTS = 64
@@ -114,21 +112,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rounds = 2 if args.quick else max(1, args.rounds)
 
     logging.getLogger("graphrt").setLevel(logging.WARNING)
-    root = Path(tempfile.mkdtemp(prefix="graphrt-bench-overlap-"))
-    try:
-        model_dir = build_model_dir(root, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, max_model_len=MAX_MODEL_LEN)
+    with tiny_model_dir("graphrt-bench-overlap-", vocab=VOCAB, hidden=HIDDEN, layers=LAYERS,
+                        max_model_len=MAX_MODEL_LEN) as model_dir:
         res = bench(model_dir, rounds)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     host = f"{cpu_line()}, no accelerator"
     print(format_report(res, rounds, host))
     reduction = 1 - res["overlap"]["step_ms"] / res["plain loop"]["step_ms"]
     checks = {"identical greedy tokens": res["overlap"]["tokens"] == res["plain loop"]["tokens"],
               f"step time >= {TARGET_REDUCTION:.0%} lower with overlap": reduction >= TARGET_REDUCTION}
-    print("\n" + "\n".join(f"{'PASS' if ok else 'FAIL'}  {label}" for label, ok in checks.items()))
     return {"machine": host, "rounds": rounds, "reduction": reduction, "checks": checks,
             "modes": {k: {f: v for f, v in r.items() if f != "tokens"} for k, r in res.items()},
-            "all_pass": all(checks.values())}
+            "all_pass": print_checks(checks)}
 
 
 if __name__ == "__main__":

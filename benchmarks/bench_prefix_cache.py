@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from bench_common import build_model_dir, cpu_line
+from bench_common import cpu_line, print_checks, tiny_model_dir
 
 #: The workload (the issue's): requests, shared prefix, distinct suffix, generated tokens.
 NUM_REQUESTS = 64
@@ -132,13 +130,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rounds = 1 if args.quick else max(1, args.rounds)
 
     logging.getLogger("graphrt").setLevel(logging.WARNING)
-    root = Path(tempfile.mkdtemp(prefix="graphrt-bench-prefix-"))
-    try:
-        model_dir = build_model_dir(root, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS,
-                                    max_model_len=MAX_MODEL_LEN)
+    with tiny_model_dir("graphrt-bench-prefix-", vocab=VOCAB, hidden=HIDDEN, layers=LAYERS,
+                        max_model_len=MAX_MODEL_LEN) as model_dir:
         res = bench(model_dir, args.backend, rounds)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     host = f"{cpu_line()}, no accelerator"
     print(format_report(res, args.backend, rounds, host))
     names = list(MODES)
@@ -149,10 +143,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     checks = {"identical greedy tokens": identical,
               f"prefill tokens >= {TARGET_PREFILL_RATIO:g}x fewer": ratio >= TARGET_PREFILL_RATIO,
               f"end to end >= {TARGET_SPEEDUP:g}x faster": speedup >= TARGET_SPEEDUP}
-    print("\n" + "\n".join(f"{'PASS' if ok else 'FAIL'}  {label}" for label, ok in checks.items()))
     return {"machine": host, "backend": args.backend, "rounds": rounds,
             "modes": {k: {f: v for f, v in r.items() if f != "tokens"} for k, r in res.items()},
-            "prefill_ratio": ratio, "speedup": speedup, "checks": checks, "all_pass": all(checks.values())}
+            "prefill_ratio": ratio, "speedup": speedup, "checks": checks, "all_pass": print_checks(checks)}
 
 
 if __name__ == "__main__":

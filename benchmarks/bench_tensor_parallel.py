@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from bench_common import build_model_dir, cpu_line
+from bench_common import cpu_line, print_checks, tiny_model_dir
 
 NUM_REQUESTS = 16
 PROMPT_LEN = 16
@@ -111,26 +109,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cores = os.cpu_count() or 1
 
     logging.getLogger("graphrt").setLevel(logging.WARNING)
-    root = Path(tempfile.mkdtemp(prefix="graphrt-bench-tp-"))
     rows = []
-    try:
-        model_dir = build_model_dir(root, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS,
-                                    max_model_len=ENGINE["max_model_len"])
+    with tiny_model_dir("graphrt-bench-tp-", vocab=VOCAB, hidden=HIDDEN, layers=LAYERS,
+                        max_model_len=ENGINE["max_model_len"]) as model_dir:
         for backend in backends:
             for tp, threads in ((1, cores), (1, 1), (2, 1)):
                 rows.append(bench(model_dir, backend, tp, threads, rounds))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     load = os.getloadavg()[0]
     host = f"{cpu_line()}, no accelerator, load average {load:.1f} before the report"
     print(format_report(rows, rounds, host))
     checks = {f"{b}: TP=2 greedy tokens == TP=1's": all(
         r["tokens"] == rows[[x["backend"] for x in rows].index(b)]["tokens"] for r in rows if r["backend"] == b)
         for b in backends}
-    print("\n" + "\n".join(f"{'PASS' if ok else 'FAIL'}  {label}" for label, ok in checks.items()))
     return {"machine": host, "rounds": rounds, "checks": checks,
             "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
-            "all_pass": all(checks.values())}
+            "all_pass": print_checks(checks)}
 
 
 if __name__ == "__main__":
