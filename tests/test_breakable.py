@@ -32,8 +32,8 @@ GRAPH_BACKENDS = [b for b in BACKENDS if b not in ("eager",)]
 
 #: Both modes on cpu; the device adapters (stand-ins), whose capture calls are what differs,
 #: in PIECEWISE -- FULL_AND_PIECEWISE adds nothing breakable-specific there.
-PARITY = [(b, m) for b in GRAPH_BACKENDS for m in ("PIECEWISE", "FULL_AND_PIECEWISE")
-          if b == "cpu" or m == "PIECEWISE"]
+PARITY = [pytest.param(*b.values, m, marks=b.marks) if hasattr(b, "values") else (b, m)
+          for b in GRAPH_BACKENDS for m in ("PIECEWISE", "FULL_AND_PIECEWISE") if b == "cpu" or m == "PIECEWISE"]
 
 
 @pytest.mark.parametrize("backend,mode", PARITY)
