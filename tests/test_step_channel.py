@@ -5,6 +5,9 @@ memory (seed 004's shared-memory broadcast, without pickle).
 * Flow control: rank 0 never overwrites a step a worker has not read; a worker that died
   makes rank 0 raise a GraphrtError naming it within the timeout, not hang.
 * Nothing is left behind: no segment in /dev/shm, no child process.
+* Steady steps reuse last step's layout: over sequences of steps whose arrays stay, change
+  in part, change shape or dtype, appear or go, every reader gets exactly the arrays sent
+  (copies or views), a reader that attaches later and one that polls or sleeps included.
 """
 
 from __future__ import annotations
@@ -156,3 +159,86 @@ def test_a_dead_worker_is_named_within_the_timeout():
         writer.close()
         writer.unlink()
     assert not shm_exists(writer.spec.name) and os.getpid() and not mp.active_children()
+
+
+def _next_step(data, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The step after ``arrays``: each array kept, changed in a few elements, reshaped,
+    retyped or replaced; sometimes one more array or one fewer."""
+    out = []
+    for a in arrays:
+        how = data.draw(st.sampled_from(["same", "same", "partial", "partial", "shape", "dtype", "view"]))
+        if how == "same":
+            out.append(a)
+        elif how == "partial":
+            b = a.copy()
+            flat = b.reshape(-1)
+            if flat.size:
+                for i in data.draw(st.lists(st.integers(0, flat.size - 1), max_size=4)):
+                    flat[i] = ~flat[i] if b.dtype == np.bool_ else (1 if flat[i] != 1 else 2)
+            out.append(b)
+        elif how == "shape":
+            out.append(data.draw(_big_arrays(a.dtype)))
+        elif how == "dtype":
+            dtype = data.draw(st.sampled_from([d for d in DTYPES if np.dtype(d) != a.dtype]))
+            small = a if a.dtype == np.bool_ else np.nan_to_num(a, nan=0, posinf=1, neginf=-1) % 100
+            out.append(small.astype(dtype))
+        else:                                        # not contiguous, or not aligned for uint64
+            out.append(a[::-1] if a.ndim else a)
+    if data.draw(st.booleans()) and len(out) < 5:
+        out.append(data.draw(_big_arrays(data.draw(st.sampled_from(DTYPES)))))
+    elif data.draw(st.booleans()) and out:
+        out.pop(data.draw(st.integers(0, len(out) - 1)))
+    return out
+
+
+def _big_arrays(dtype):
+    return hnp.arrays(dtype, hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=12))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_steps_that_change_in_part_shape_or_dtype_arrive_exactly(data):
+    steps = [data.draw(st.lists(st.sampled_from(DTYPES).flatmap(_big_arrays), min_size=1, max_size=4))]
+    for _ in range(5):
+        steps.append(_next_step(data, steps[-1]))
+    writer = StepChannel.create(2, capacity=1 << 17)
+    readers = [StepChannel.attach(writer.spec, i) for i in range(2)]
+    try:
+        for method, arrays in enumerate(steps):
+            writer.send(method, arrays)
+            for k, reader in enumerate(readers):
+                got_method, got = reader.receive(timeout=5, copy=bool(k), spin=0.001 * k)
+                assert got_method == method and len(got) == len(arrays)
+                for a, b in zip(arrays, got):
+                    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+                if not k:
+                    reader.acknowledge()
+    finally:
+        for r in readers:
+            r.close()
+        writer.close()
+        writer.unlink()
+
+
+def test_a_steady_step_reuses_the_layout_and_a_late_reader_sees_it_all():
+    writer = StepChannel.create(1, capacity=1 << 20)
+    table = np.arange(256 * 128, dtype=np.int32).reshape(256, 128)
+    try:
+        reader = StepChannel.attach(writer.spec, 0)
+        writer.send(1, [table])
+        reader.receive(timeout=5)
+        reader.close()
+        slots = writer._slots
+        table[[3, 200], [0, 127]] = -1
+        writer.send(2, [table])                       # same dtype and shape: same layout
+        assert writer._slots is slots
+        late = StepChannel.attach(writer.spec, 0)     # attached after the first step
+        method, got = late.receive(timeout=5)
+        assert method == 2 and np.array_equal(got[0], table)
+        writer.send(3, [table[:, :64]])               # a new shape: a new layout, strided
+        method, got = late.receive(timeout=5)
+        assert method == 3 and np.array_equal(got[0], table[:, :64]) and writer._slots is not slots
+        late.close()
+    finally:
+        writer.close()
+        writer.unlink()

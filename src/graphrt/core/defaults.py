@@ -183,6 +183,11 @@ WATCHDOG_JOIN_TIMEOUT = 5.0
 STEP_CHANNEL_BYTES = 8 << 20
 STEP_CHANNEL_MAX_ARRAYS = 16
 STEP_CHANNEL_TIMEOUT_S = 30.0
+#: ``StepChannel.receive(spin=...)``'s default: how long a reader polls for the next step
+#: (yielding its core) before it sleeps on its semaphore. Off: on the 2-core VM polling made
+#: rank 0's send cheaper (the post is an atomic add, not a wake-up) but the worker got each
+#: step later (docs/benchmarks.md); a host with spare cores may want ~0.002.
+STEP_CHANNEL_SPIN_S = 0.0
 #: Tensor-parallel workers driven by rank 0 (backends/torch/tensor_parallel.py). A worker that
 #: dies is seen at once (its process sentinel, the collective's closed connection); one that
 #: hangs is seen when a collective or a step-channel wait exceeds TP_TIMEOUT_S -- the process

@@ -14,6 +14,13 @@ path is one ``memcpy`` per array, no pickle.
   until every reader acknowledged the previous step before it overwrites the segment
   (normally at once: the workers read before they run the forward). Waits have a timeout, so
   a dead worker gives :class:`~graphrt.core.errors.GraphrtError`, never a hang.
+* Steady steps: while a step's arrays have last step's dtypes and shapes (a decode loop in
+  one bucket), they keep last step's places and header entries, so a send is the copies,
+  the method and sequence words, and the wake-ups -- no layout, no header packing.
+* Wake-ups: a reader first polls its semaphore (``STEP_CHANNEL_SPIN_S``) and only then
+  sleeps on it. Rank 0's ``release`` of a semaphore nobody sleeps on is an atomic add; waking
+  a sleeping reader is a system call and an interrupt to the reader's core, about 20 us of
+  the send on the 2-core VM (docs/benchmarks.md).
 * ``close()`` in every process, ``unlink()`` once in rank 0: no segment is left in /dev/shm.
   Workers spawned by rank 0 share its resource tracker, so an attach there registers nothing
   new; rank 0's unlink is the one that counts.
@@ -42,7 +49,6 @@ _ALIGN = 64
 #: Header int64 words: seq, method, number of arrays, then per array: code, ndim, 4 dims, offset, nbytes.
 _FIXED, _PER_ARRAY, _MAX_DIMS = 3, 8, 4
 _PAD = [(0,) * (_MAX_DIMS - d) for d in range(_MAX_DIMS + 1)]
-_SEQ = struct.Struct("<q")
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,6 +78,8 @@ class StepChannel:
         self._ack_words = shm.buf[words * 8:(words + spec.num_readers) * 8].cast("q")
         self._data_start = -(-(words + spec.num_readers) * 8 // _ALIGN) * _ALIGN
         self._seq = 0
+        #: Per array of the last step (rank 0): see ``_layout``.
+        self._slots: list[Any] = []
 
     @classmethod
     def create(cls, num_readers: int, capacity: int = defaults.STEP_CHANNEL_BYTES,
@@ -108,10 +116,34 @@ class StepChannel:
         if len(arrays) > self.spec.max_arrays:
             raise InputError("arrays", f"{len(arrays)} arrays, the channel holds {self.spec.max_arrays}")
         self._wait_acks(timeout)
-        buf, data, capacity = self._shm.buf, self._data_start, self.spec.capacity
+        slots, steady = self._slots, len(self._slots) == len(arrays)
+        if steady:                         # last step's dtypes and shapes: its places and header
+            for a, (dtype, shape, seg) in zip(arrays, slots):
+                if a.shape != shape or a.dtype != dtype:
+                    steady = False
+                    break
+                seg[...] = a
+        if not steady:                     # (what was copied is copied again; no reader is reading)
+            self._slots = []               # a layout that fails leaves none to reuse
+            slots = self._slots = self._layout(method, arrays)
+            for a, (_, _, seg) in zip(arrays, slots):
+                seg[...] = a
+        self._seq += 1
+        h = self._header
+        h[1] = method
+        h[0] = self._seq                   # written last: readers trust the step from here
+        for wake in self.spec.wakeups:
+            wake.release()
+
+    def _layout(self, method: int, arrays: Sequence[np.ndarray]) -> list[Any]:
+        """Check ``arrays``, lay them out in the segment and write their header entries (a
+        step whose dtypes and shapes are last step's keeps last step's). Returns per array
+        ``(dtype, shape, its place in the segment as an array)``."""
+        capacity, buf = self.spec.capacity, self._shm.buf
         entries: list[int] = []
+        slots = []
         offset = 0
-        for i, a in enumerate(arrays):
+        for i, a in enumerate(arrays):                 # every check before the first write
             code = _CODE.get(a.dtype)
             if code is None or a.ndim > _MAX_DIMS:
                 raise InputError("arrays", f"array {i}: dtype {a.dtype} / {a.ndim} dims cannot be sent")
@@ -119,15 +151,11 @@ class StepChannel:
             if offset + n > capacity:
                 raise InputError("arrays", f"{offset + n} bytes do not fit the channel's {capacity}")
             entries += (code, a.ndim, *a.shape, *_PAD[a.ndim], offset, n)
-            if n:
-                c = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-                buf[data + offset:data + offset + n] = memoryview(c).cast("B")
+            start = self._data_start + offset
+            slots.append((a.dtype, a.shape, np.ndarray(a.shape, a.dtype, buffer=buf, offset=start)))
             offset += -(-n // _ALIGN) * _ALIGN
-        self._seq += 1
         _struct(len(arrays)).pack_into(buf, 8, method, len(arrays), *entries)
-        _SEQ.pack_into(buf, 0, self._seq)    # written last: readers trust the step from here
-        for wake in self.spec.wakeups:
-            wake.release()
+        return slots
 
     def _wait_acks(self, timeout: float) -> None:
         if self._seq == 0 or min(self._ack_words) == self._seq:
@@ -141,14 +169,26 @@ class StepChannel:
             time.sleep(0)
 
     # ---- reader ----------------------------------------------------------------------
-    def receive(self, timeout: float | None = None, copy: bool = True) -> tuple[int, list[np.ndarray]]:
+    def receive(self, timeout: float | None = None, copy: bool = True,
+                spin: float = defaults.STEP_CHANNEL_SPIN_S) -> tuple[int, list[np.ndarray]]:
         """Wait for the next step: ``(method, arrays)``. ``copy=False`` returns views of the
         segment, valid until this reader's next ``receive``. Raises :class:`GraphrtError` on
-        timeout."""
+        timeout. The first ``spin`` seconds of the wait poll the wake-up (yielding the core
+        between polls) instead of sleeping on it: rank 0's ``release`` of a semaphore nobody
+        sleeps on is an atomic add, while waking a sleeping reader is a system call and an
+        interrupt to its core."""
         if self.reader is None:
             raise GraphrtError("receive() is a worker's; this channel is rank 0's")
-        if not self.spec.wakeups[self.reader].acquire(timeout=timeout):
-            raise GraphrtError(f"step channel: no step from rank 0 within {timeout} s")
+        wake = self.spec.wakeups[self.reader]
+        got = wake.acquire(False)
+        if not got:
+            spin = spin if timeout is None else min(spin, timeout)
+            deadline = time.monotonic() + spin
+            while not got and time.monotonic() < deadline:
+                time.sleep(0)
+                got = wake.acquire(False)
+            if not got and not wake.acquire(timeout=None if timeout is None else timeout - spin):
+                raise GraphrtError(f"step channel: no step from rank 0 within {timeout} s")
         h, buf = self._header, self._shm.buf
         self._seq = int(h[0])
         method, count = int(h[1]), int(h[2])
@@ -171,6 +211,7 @@ class StepChannel:
     def close(self) -> None:
         """Detach this process from the segment (every process, once)."""
         self._ack_words.release()
+        self._slots = []
         self._header = None   # type: ignore[assignment] - views must go before the buffer
         self._shm.close()
 
