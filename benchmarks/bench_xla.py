@@ -188,6 +188,8 @@ def bench_trace(model_dir: Path) -> dict[str, Any]:
 
 # ---- (b) dispatch overhead ---------------------------------------------------------------
 def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, Any]]:
+    import jax
+
     from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch
     from graphrt.core.dispatch import RuntimeMode, SamplerKey
 
@@ -210,10 +212,13 @@ def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, 
                                    out=ex.host_buffers).copy()
         host = [getattr(padded, f) for f in BATCH_FIELDS]
         fwd, smp = entry.executable, sampler_entry.executable
+        # No future tokens: a zero token row on the device, and -1 (keep the id) for each request.
+        no_tokens = jax.device_put(np.zeros(ex.programs.max_reqs, np.int32), ex.programs.replicated)
+        no_rows = np.full(key.num_reqs, -1, np.int32)
 
         def direct() -> np.ndarray:
             b = XlaBatch(*(a.copy() for a in host), key.num_tokens, key.num_reqs, True)
-            logits, _, ex.kv_cache = fwd(ex.weights, ex.kv_cache, b)
+            logits, _, ex.kv_cache = fwd(ex.weights, ex.kv_cache, b, no_tokens, no_rows)
             return np.asarray(smp(logits))[:batch].astype(np.int64)
 
         def executor() -> np.ndarray:
