@@ -284,11 +284,11 @@ class ModelRunner(LoraMethods, DataParallelMethods):
         if sampling is not None and ex.async_execution:
             out = ex.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sampler_entry, wait=False)
             pending = PendingTokens(lambda: ex.fetch_tokens(out, r))
-            self._futures.record(out, r, pending)
+            self._futures.record(out, r)
         elif sampling is not None:
-            pending = PendingTokens(tokens=ex.sample(logits, r, sampling, padded_reqs=padded_reqs,
-                                                     entry=sampler_entry))
-            self._futures.record(pending.result(), r, pending)
+            tokens = ex.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sampler_entry)
+            pending = PendingTokens(tokens=tokens)
+            self._futures.record(tokens, r)
         self._last = (plan, t, r, time.perf_counter() - t0)
         return pending
 

@@ -54,17 +54,17 @@ class FutureTokens:
 
     def __init__(self, on_device: bool) -> None:
         self.on_device = on_device
-        self._source: Any = None          # the sampler's output (device array or host tokens)
-        self._pending: PendingTokens | None = None
+        self._source: Any = None    # the sampler's output: its device array, or the host tokens
         self._num_reqs = 0
 
-    def record(self, source: Any, num_reqs: int, pending: PendingTokens) -> None:
-        """The step just launched sampled ``num_reqs`` tokens: the next step may refer to them."""
-        self._source, self._num_reqs, self._pending = source, int(num_reqs), pending
+    def record(self, source: Any, num_reqs: int) -> None:
+        """The step just launched sampled ``num_reqs`` tokens (``source``: the device output on
+        the device, the tokens on the host): the next step may refer to them."""
+        self._source, self._num_reqs = source, int(num_reqs)
 
     def clear(self) -> None:
         """No sampled step to refer to (a step without sampling, or one that failed)."""
-        self._source, self._pending, self._num_reqs = None, None, 0
+        self._source, self._num_reqs = None, 0
 
     def check(self, future_rows: Any, num_reqs: int) -> np.ndarray | None:
         """``future_rows`` as int32 ``[num_reqs]``, each -1 or a row of the last sampled step;
@@ -77,7 +77,7 @@ class FutureTokens:
                                             f"{rows.dtype} {rows.shape}")
         if num_reqs and (rows.min() < -1 or rows.max() >= self._num_reqs):
             bad = int(np.flatnonzero((rows < -1) | (rows >= self._num_reqs))[0])
-            src = (f"the last sampled step had {self._num_reqs} requests" if self._pending is not None
+            src = (f"the last sampled step had {self._num_reqs} requests" if self._source is not None
                    else "no sampled step precedes this one")
             raise InputError("future_rows", f"row {bad} refers to {int(rows[bad])}; each entry is -1 or a "
                                             f"request row of the previous sampled step ({src})")
@@ -92,7 +92,7 @@ class FutureTokens:
         take = rows >= 0
         if take.any():
             ends = query_start_loc[1:len(rows) + 1] - 1
-            input_ids[ends[take]] = self._pending.result()[rows[take]]
+            input_ids[ends[take]] = self._source[rows[take]]
         return None
 
 

@@ -83,7 +83,6 @@ class XlaExecutor(Executor[XlaEntry]):
         if programs.max_reqs < max_r:
             raise ConfigError(f"the xla programs pad sampled tokens to {programs.max_reqs} rows; the "
                               f"config's largest batch is {max_r} (build XlaPrograms with max_reqs={max_r})")
-        self._max_r = max_r
         #: No future tokens: every request keeps its host id (``run(future=None)``).
         self._no_future = jax.device_put(np.zeros(programs.max_reqs, np.int32), programs.replicated)
         self._no_future_rows = np.full(max_r, -1, np.int32)
