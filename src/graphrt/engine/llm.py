@@ -243,11 +243,11 @@ class LLM(OverlapLoop):
 
     def _step(self) -> list[RequestOutput]:
         """One step (the lock held): every request that finished in it, whoever owns it."""
-        if self.overlap:
-            return self._step_overlapped()
         self.watchdog.check()               # refused after a watchdog timeout until reset()
         if self.runner.kv_cache_resets != self._kv_resets_seen:
             self._recover_kv(None, [])    # re-created outside a step: cached KV is gone too
+        if self.overlap:
+            return self._step_overlapped()
         step = self.scheduler.schedule()
         if not step.requests:
             if self.scheduler.has_unfinished():
@@ -269,17 +269,10 @@ class LLM(OverlapLoop):
 
     def _run(self, step: ScheduledStep) -> tuple[np.ndarray, list[bool]]:
         """Write the tables and run the step: (one token per request, which requests sampled)."""
-        self._write_tables(step)
-        rows = np.fromiter((r.row for r in step.requests), dtype=np.int32, count=len(step))
-        computed = np.fromiter((r.num_computed_tokens for r in step.requests), dtype=np.int32,
-                               count=len(step))
-        scheduled = np.asarray(step.num_scheduled, dtype=np.int32)
-        samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(step.requests, scheduled)]
+        inputs, samples = self._step_inputs(step)
         self.watchdog.arm(step)
         try:
-            tokens = self.runner.execute(token_ids=self.token_table, block_table=self.block_table,
-                                         req_rows=rows, num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                                         sampling=self._sampling(step.requests, samples))
+            tokens = self.runner.execute(**inputs)
         finally:
             self.watchdog.disarm()          # raises WatchdogTimeout if it fired for this forward
         if tokens is None or len(tokens) != len(step):
@@ -287,10 +280,19 @@ class LLM(OverlapLoop):
                                f"for a step of {len(step)} requests")
         return tokens, samples
 
-    def _sampling(self, requests: list[Request], samples: list[bool]) -> Any:
-        """The step's sampling batch; a request that does not sample keeps its seed's stream."""
-        params = [r.params if s else without_seed(r.params) for r, s in zip(requests, samples)]
-        return sampling_batch(params, [r.request_id for r in requests], self.runner.vocab_size)
+    def _step_inputs(self, step: ScheduledStep) -> tuple[dict[str, Any], list[bool]]:
+        """Write the step's tables; (the runner's arguments for it, which requests sample). A
+        request that does not sample keeps its seed's stream (``without_seed``)."""
+        self._write_tables(step)
+        reqs = step.requests
+        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=len(reqs))
+        scheduled = np.asarray(step.num_scheduled, dtype=np.int32)
+        samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(reqs, step.num_scheduled)]
+        params = [r.params if s else without_seed(r.params) for r, s in zip(reqs, samples)]
+        return {"token_ids": self.token_table, "block_table": self.block_table,
+                "req_rows": np.fromiter((r.row for r in reqs), dtype=np.int32, count=len(reqs)),
+                "num_computed_tokens": computed, "num_scheduled_tokens": scheduled,
+                "sampling": sampling_batch(params, [r.request_id for r in reqs], self.runner.vocab_size)}, samples
 
     def _apply(self, step: ScheduledStep, tokens: np.ndarray, samples: list[bool]) -> list[RequestOutput]:
         """Advance each request by its step; a request whose update fails finishes with "error"."""

@@ -79,10 +79,7 @@ class OverlapLoop:
 
     def _step_overlapped(self) -> list[Any]:
         """Schedule and launch the next step, then resolve the previous one; returns the
-        requests that finished (the lock held)."""
-        self.watchdog.check()
-        if self.runner.kv_cache_resets != self._kv_resets_seen:
-            self._recover_kv(None, [])
+        requests that finished (the lock held; ``_step`` checked the watchdog and the KV cache)."""
         finished: list[Any] = []
         while len(self._inflight) > 1:      # an interrupted resolve left two: the plan needs one
             finished.extend(self._resolve_oldest())
@@ -120,21 +117,13 @@ class OverlapLoop:
 
     def _launch(self, step: ScheduledStep) -> Launched:
         """Write the tables, launch the step, and advance its requests optimistically."""
-        self._write_tables(step)
+        inputs, samples = self._step_inputs(step)
         reqs = step.requests
-        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=len(reqs))
-        scheduled = np.asarray(step.num_scheduled, dtype=np.int32)
-        ends = computed + scheduled
-        samples = [int(e) == r.num_tokens for r, e in zip(reqs, ends)]
         future = [r.future_row if r.num_unresolved and s else -1 for r, s in zip(reqs, samples)]
         self.watchdog.arm(step)
         try:
             pending = self.runner.execute_async(
-                token_ids=self.token_table, block_table=self.block_table,
-                req_rows=np.fromiter((r.row for r in reqs), dtype=np.int32, count=len(reqs)),
-                num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                sampling=self._sampling(reqs, samples),
-                future_rows=np.asarray(future, dtype=np.int32) if max(future) >= 0 else None)
+                **inputs, future_rows=np.asarray(future, dtype=np.int32) if max(future) >= 0 else None)
         finally:
             self.watchdog.disarm()
         limit = self.config.max_model_len
