@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import time
 from typing import Any, Sequence
 
@@ -183,10 +182,10 @@ def _gloo(rank: int, port: int, steps: int, warmup: int, out: Any) -> None:
 
 
 def bench_gloo(steps: int, warmup: int) -> dict[str, Any]:
+    from graphrt.backends.torch.tp_protocol import free_port
+
     ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = ctx.Queue()
     procs = [ctx.Process(target=_gloo, args=(rank, port, steps, warmup, out)) for rank in (0, 1)]
     for p in procs:

@@ -8,10 +8,11 @@ raises is reported with its error instead of leaving the others (and the test) w
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from graphrt.backends.torch.tp_protocol import free_port
 
 
 def _rank(fn: Callable[[int], Any], rank: int, world_size: int, port: int, results: Any) -> None:
@@ -30,9 +31,7 @@ def _rank(fn: Callable[[int], Any], rank: int, world_size: int, port: int, resul
 def run_ranks(fn: Callable[[int], Any], world_size: int = 2, timeout: float = 120.0) -> dict[int, Any]:
     """``{rank: fn(rank)}`` from ``world_size`` gloo ranks; raises AssertionError naming any
     rank that raised, and checks every process exited cleanly."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(fn, rank, world_size, port, results)) for rank in range(world_size)]
