@@ -100,3 +100,10 @@ def test_execute_dummy_needs_an_agreement():
     runner = graphrt.ModelRunner(str(tiny_hf_model_dir(**MODEL)), **{**RUNNER, "backend": "eager"})
     with pytest.raises(ConfigError, match="step_agreement"):
         runner.execute_dummy()
+
+
+def test_the_torch_agreement_needs_a_process_group():
+    from graphrt.backends.torch.dp_agreement import TorchStepAgreement
+
+    with pytest.raises(ConfigError, match="init_process_group"):
+        TorchStepAgreement()

@@ -171,3 +171,17 @@ def test_future_rows_resolve_on_the_host_for_a_synchronous_backend():
     assert not runner.executor.async_execution
     future_rows_check(runner)
     assert runner.last_step.mode is not graphrt.RuntimeMode.NONE, "the decode replayed a graph"
+
+
+def test_bad_overlap_flags_and_pending_tokens_are_refused():
+    from graphrt.core.errors import ConfigError
+    from graphrt.core.future_tokens import PendingTokens
+    from graphrt.engine.overlap import overlap_enabled
+
+    with pytest.raises(ConfigError, match="disable_overlap_schedule"):
+        overlap_enabled(None, "yes")
+    with pytest.raises(InputError, match="exactly one"):
+        PendingTokens()
+    with pytest.raises(InputError, match="exactly one"):
+        PendingTokens(lambda: np.zeros(1), np.zeros(1))
+    assert PendingTokens(tokens=np.arange(3)).result().tolist() == [0, 1, 2]

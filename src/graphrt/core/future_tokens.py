@@ -30,7 +30,7 @@ class PendingTokens:
 
     def __init__(self, fetch: Callable[[], np.ndarray] | None = None, tokens: np.ndarray | None = None) -> None:
         if (fetch is None) == (tokens is None):
-            raise ValueError("PendingTokens takes either fetch or tokens")
+            raise InputError("tokens", "PendingTokens takes exactly one of fetch and tokens")
         self._fetch, self._tokens = fetch, tokens
 
     def done(self) -> bool:

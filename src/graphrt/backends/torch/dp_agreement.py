@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from graphrt.core.errors import ConfigError
+
 
 class TorchStepAgreement:
     """``agree(tokens, requests, uniform, adapters)`` -> the maxima over ``group`` (uniform
@@ -20,7 +22,8 @@ class TorchStepAgreement:
 
     def __init__(self, group: Any = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("TorchStepAgreement needs torch.distributed initialised (the DP group)")
+            raise ConfigError("TorchStepAgreement needs torch.distributed initialised: init_process_group "
+                              "first, then pass the data-parallel group (a gloo group keeps it off the GPU)")
         self.group = group
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         self._values = torch.zeros(4, dtype=torch.int64, device=device)    # one buffer, every step
