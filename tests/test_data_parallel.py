@@ -127,7 +127,9 @@ def test_shortest_queue_sends_to_the_less_loaded_worker(shortest_queue):
         got += dp.step()
     queues = [w["queue_length"] for w in dp.stats["workers"]]
     assert queues[busy] == 1 and queues[free] == 0, "the long request finished too soon"
-    third = dp.add_request([9], SamplingParams(max_tokens=1, ignore_eos=True))
+    # third runs long too, so both queues hold one request when fourth arrives (a one-token
+    # third could finish first and leave worker 1 idle again: a race, not the policy).
+    third = dp.add_request([9], SamplingParams(max_tokens=200, ignore_eos=True))
     fourth = dp.add_request([10], SamplingParams(max_tokens=1, ignore_eos=True))
     assert dp.worker_of(third) == free          # round robin would have chosen worker 0
     assert dp.worker_of(fourth) == 0            # 1 and 1: the lower rank
