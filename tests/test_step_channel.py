@@ -242,3 +242,17 @@ def test_a_steady_step_reuses_the_layout_and_a_late_reader_sees_it_all():
     finally:
         writer.close()
         writer.unlink()
+
+
+@pytest.mark.parametrize("device_type, polls", [("cuda", True), ("npu", True), ("cpu", False)])
+def test_workers_on_accelerators_poll_and_cpu_workers_sleep(device_type, polls):
+    """A worker on an accelerator polls for rank 0's next step (its host core idles while the
+    device runs the forward); a CPU worker sleeps at once, leaving the cores to the forwards."""
+    from graphrt.backends.torch.tp_protocol import WorkerSetup
+    from graphrt.backends.torch.tp_worker import Follower
+    from graphrt.core import defaults
+
+    setup = WorkerSetup("m:C", device_type, None, "/nowhere", None, {}, 2, 1.0, 1)
+    spin = Follower(setup, 1, channel=None, agreement=None).spin
+    assert spin == (defaults.TP_WORKER_SPIN_S if polls else defaults.STEP_CHANNEL_SPIN_S)
+    assert (spin > 0) == polls

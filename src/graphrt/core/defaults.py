@@ -184,10 +184,15 @@ STEP_CHANNEL_BYTES = 8 << 20
 STEP_CHANNEL_MAX_ARRAYS = 16
 STEP_CHANNEL_TIMEOUT_S = 30.0
 #: ``StepChannel.receive(spin=...)``'s default: how long a reader polls for the next step
-#: (yielding its core) before it sleeps on its semaphore. Off: on the 2-core VM polling made
-#: rank 0's send cheaper (the post is an atomic add, not a wake-up) but the worker got each
-#: step later (docs/benchmarks.md); a host with spare cores may want ~0.002.
+#: (``os.sched_yield`` between polls) before it sleeps on its semaphore. Polled, rank 0's post
+#: is an atomic add; asleep, it is a system call plus an interrupt to the reader's core, and the
+#: reader gets the step later (docs/benchmarks.md). A plain reader sleeps at once ...
 STEP_CHANNEL_SPIN_S = 0.0
+#: ... a tensor-parallel worker on an accelerator polls this long after each call: the forward
+#: runs on the device, so its host core is idle between steps (vLLM's shared-memory readers poll
+#: too). Workers on the CPU (``cpu``, ``eager``) use STEP_CHANNEL_SPIN_S: their forwards run on
+#: the host's cores, which a polling worker would take from the other ranks.
+TP_WORKER_SPIN_S = 0.05
 #: Tensor-parallel workers driven by rank 0 (backends/torch/tensor_parallel.py). A worker that
 #: dies is seen at once (its process sentinel, the collective's closed connection); one that
 #: hangs is seen when a collective or a step-channel wait exceeds TP_TIMEOUT_S -- the process

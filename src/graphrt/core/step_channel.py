@@ -17,10 +17,12 @@ path is one ``memcpy`` per array, no pickle.
 * Steady steps: while a step's arrays have last step's dtypes and shapes (a decode loop in
   one bucket), they keep last step's places and header entries, so a send is the copies,
   the method and sequence words, and the wake-ups -- no layout, no header packing.
-* Wake-ups: a reader first polls its semaphore (``STEP_CHANNEL_SPIN_S``) and only then
-  sleeps on it. Rank 0's ``release`` of a semaphore nobody sleeps on is an atomic add; waking
-  a sleeping reader is a system call and an interrupt to the reader's core, about 20 us of
-  the send on the 2-core VM (docs/benchmarks.md).
+* Wake-ups: a reader first polls its semaphore for ``spin`` seconds (``os.sched_yield``
+  between polls) and only then sleeps on it. Rank 0's ``release`` of a semaphore nobody sleeps
+  on is an atomic add; waking a sleeping reader is a system call and an interrupt to the
+  reader's core, 10-25 us of the send on the 2-core VM, and the reader gets the step later
+  (docs/benchmarks.md). Tensor-parallel workers on an accelerator poll
+  (``defaults.TP_WORKER_SPIN_S``); plain readers and CPU workers sleep at once.
 * ``close()`` in every process, ``unlink()`` once in rank 0: no segment is left in /dev/shm.
   Workers spawned by rank 0 share its resource tracker, so an attach there registers nothing
   new; rank 0's unlink is the one that counts.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import os
 import struct
 import time
 from dataclasses import dataclass
@@ -166,15 +169,16 @@ class StepChannel:
                 late = [i for i, seq in enumerate(self._ack_words) if seq != self._seq]
                 raise GraphrtError(f"step channel: workers {late} did not read step {self._seq} within "
                                    f"{timeout} s (dead or hung)")
-            time.sleep(0)
+            os.sched_yield()
 
     # ---- reader ----------------------------------------------------------------------
     def receive(self, timeout: float | None = None, copy: bool = True,
                 spin: float = defaults.STEP_CHANNEL_SPIN_S) -> tuple[int, list[np.ndarray]]:
         """Wait for the next step: ``(method, arrays)``. ``copy=False`` returns views of the
         segment, valid until this reader's next ``receive``. Raises :class:`GraphrtError` on
-        timeout. The first ``spin`` seconds of the wait poll the wake-up (yielding the core
-        between polls) instead of sleeping on it: rank 0's ``release`` of a semaphore nobody
+        timeout. The first ``spin`` seconds of the wait poll the wake-up (``os.sched_yield``
+        between polls: ``time.sleep(0)`` would sleep out the timer slack, ~50 us) instead of
+        sleeping on it: rank 0's ``release`` of a semaphore nobody
         sleeps on is an atomic add, while waking a sleeping reader is a system call and an
         interrupt to its core."""
         if self.reader is None:
@@ -185,7 +189,7 @@ class StepChannel:
             spin = spin if timeout is None else min(spin, timeout)
             deadline = time.monotonic() + spin
             while not got and time.monotonic() < deadline:
-                time.sleep(0)
+                os.sched_yield()
                 got = wake.acquire(False)
             if not got and not wake.acquire(timeout=None if timeout is None else timeout - spin):
                 raise GraphrtError(f"step channel: no step from rank 0 within {timeout} s")

@@ -151,8 +151,10 @@ class BroadcastChannel:
         if offset:
             dist.broadcast(self._data[:offset], 0, group=self.group, async_op=True).wait(wait)
 
-    def receive(self, timeout: float | None = None, copy: bool = True) -> tuple[int, list[np.ndarray]]:
-        """Wait for rank 0's next call (a worker): ``(method, arrays)``."""
+    def receive(self, timeout: float | None = None, copy: bool = True,
+                spin: float = 0.0) -> tuple[int, list[np.ndarray]]:
+        """Wait for rank 0's next call (a worker): ``(method, arrays)``. ``spin`` is
+        ``StepChannel``'s and unused: a broadcast has no wake-up to poll."""
         dist.broadcast(self._header, 0, group=self.group)
         h = self._h
         if h[0]:

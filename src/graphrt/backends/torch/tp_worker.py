@@ -49,6 +49,8 @@ class Follower:
         self.setup, self.rank, self.channel, self.agreement = setup, rank, channel, agreement
         self.counters, self.parent = counters, parent
         self.calls = 0
+        #: How long to poll for rank 0's next call before sleeping (defaults.TP_WORKER_SPIN_S).
+        self.spin = defaults.STEP_CHANNEL_SPIN_S if setup.device_type == "cpu" else defaults.TP_WORKER_SPIN_S
         self.executor: TorchExecutor | None = None
         self.entries: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
@@ -83,10 +85,10 @@ class Follower:
 
     def _next(self) -> tuple[int, list[np.ndarray]]:
         if self.parent is None:
-            return self.channel.receive(copy=False)
+            return self.channel.receive(copy=False, spin=self.spin)
         while True:
             try:
-                return self.channel.receive(timeout=defaults.TP_WORKER_POLL_S, copy=False)
+                return self.channel.receive(timeout=defaults.TP_WORKER_POLL_S, copy=False, spin=self.spin)
             except GraphrtError:
                 if not self.parent.is_alive():
                     raise GraphrtError(f"tensor-parallel worker rank {self.rank}: rank 0 is gone") from None
