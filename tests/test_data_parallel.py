@@ -216,11 +216,11 @@ def test_close_leaves_no_child_processes(round_robin):
         round_robin.generate([[5]])
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill"])
-def test_workers_do_not_outlive_their_front(how, model_dir, tmp_path):
+def test_workers_do_not_outlive_their_front(model_dir, tmp_path):
     """A front nobody closed: interpreter exit stops its workers (the atexit hook runs before
     multiprocessing would join its non-daemonic workers); a front killed outright leaves
-    workers that see their pipe close and exit."""
+    workers that see their pipe close and exit. Both fronts run at once (each starts in
+    seconds)."""
     script = tmp_path / "front.py"
     script.write_text(
         "import sys, time, graphrt\n"
@@ -230,17 +230,21 @@ def test_workers_do_not_outlive_their_front(how, model_dir, tmp_path):
         "    print(dp.stats['workers'][0]['pid'], flush=True)\n"
         "    if sys.argv[1] == 'sigkill':\n"
         "        time.sleep(120)\n")
-    front = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+    fronts = {how: subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+              for how in ("exit", "sigkill")}
+    pids = {}
     try:
-        pid = int(front.stdout.readline())
-        if how == "sigkill":
-            front.kill()
-        assert front.wait(timeout=60) == (0 if how == "exit" else -signal.SIGKILL)
+        for how, front in fronts.items():
+            pids[how] = int(front.stdout.readline())
+        fronts["sigkill"].kill()
+        codes = {how: front.wait(timeout=60) for how, front in fronts.items()}
+        assert codes == {"exit": 0, "sigkill": -signal.SIGKILL}
     finally:
-        front.kill()
-        front.wait()
-        front.stdout.close()
+        for front in fronts.values():
+            front.kill()
+            front.wait()
+            front.stdout.close()
     deadline = time.monotonic() + 5.0
-    while not gone(pid) and time.monotonic() < deadline:
+    while not all(gone(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gone(pid)
+    assert {how: gone(pid) for how, pid in pids.items()} == {"exit": True, "sigkill": True}
