@@ -256,3 +256,54 @@ def test_workers_on_accelerators_poll_and_cpu_workers_sleep(device_type, polls):
     spin = Follower(setup, 1, channel=None, agreement=None).spin
     assert spin == (defaults.TP_WORKER_SPIN_S if polls else defaults.STEP_CHANNEL_SPIN_S)
     assert (spin > 0) == polls
+
+
+def test_resident_buffers_are_shared_guarded_by_acks_and_outlive_close():
+    """Resident buffers: rank 0 writes a step into them and sends only a small row; the reader
+    sees the values; ``wait_acks`` returns only once the reader acknowledged, and names it when
+    it does not; an array kept past ``close()`` stays valid and nothing is left in /dev/shm."""
+    layout = {"ids": ((8,), np.int32), "table": ((4, 3), np.int64)}
+    writer = StepChannel.create(1, capacity=256, resident=layout)
+    reader = StepChannel.attach(writer.spec, 0)
+    assert {k: (v.shape, v.dtype) for k, v in reader.resident.items()} == {
+        k: (shape, np.dtype(dtype)) for k, (shape, dtype) in layout.items()}
+    for step in range(1, 4):
+        writer.wait_acks(timeout=1)
+        writer.resident["ids"][:] = np.arange(8) * step
+        writer.resident["table"][:] = -step
+        writer.send(7, [np.array([step], np.int64)])
+        with pytest.raises(GraphrtError, match=r"workers \[0\]"):
+            writer.wait_acks(timeout=0.05)       # the reader has not read this step yet
+        method, (row,) = reader.receive(timeout=1, copy=False)
+        assert (method, int(row[0])) == (7, step)
+        assert np.array_equal(reader.resident["ids"], np.arange(8) * step)
+        assert (reader.resident["table"] == -step).all()
+        reader.acknowledge()
+    writer.wait_acks(timeout=1)
+    kept = writer.resident["table"]
+    reader.close()
+    writer.close()
+    writer.unlink()
+    assert not Path("/dev/shm", writer.spec.name).exists()
+    assert (kept == -3).all()
+    kept[:] = 5                                  # still mapped, still writable
+
+
+def test_a_broadcast_channel_holds_the_largest_step_of_a_large_engine():
+    """Ranks launched elsewhere broadcast every array: the channel is sized from the config (a
+    1024-request engine with 128k-token sequences pads a 32 MiB block table)."""
+    from graphrt import GraphConfig
+    from graphrt.backends.torch.tp_protocol import WorkerSetup
+    from graphrt.core import defaults
+    from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+
+    def setup(**kw):
+        return WorkerSetup("m:C", "cpu", None, "/nowhere", None, GraphConfig.create(**kw).model_dump(), 2, 1.0, 1)
+
+    assert setup(max_num_seqs=4, max_model_len=64, block_size=4).step_bytes() == defaults.STEP_CHANNEL_BYTES
+    big = dict(max_num_seqs=1024, max_model_len=131072, block_size=16, max_num_batched_tokens=8192)
+    c = GraphConfig.create(**big)
+    shapes = buffer_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_blocks_per_req)
+    need = sum(int(np.prod(s)) * np.dtype(FIELD_DTYPES[n]).itemsize for n, s in shapes.items())
+    assert need > defaults.STEP_CHANNEL_BYTES
+    assert setup(**big).step_bytes() >= need

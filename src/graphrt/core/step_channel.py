@@ -23,6 +23,13 @@ path is one ``memcpy`` per array, no pickle.
   reader's core, 10-25 us of the send on the 2-core VM, and the reader gets the step later
   (docs/benchmarks.md). Tensor-parallel workers on an accelerator poll
   (``defaults.TP_WORKER_SPIN_S``); plain readers and CPU workers sleep at once.
+* Resident buffers: ``create(..., resident={name: (shape, dtype)})`` adds fixed arrays after the
+  step area, the same on every side (``channel.resident``). Rank 0 prepares its steps straight
+  into them, so a step's send is a few header words and a small array, not a copy of every
+  input: the readers copy what they need out of them. Rank 0 may write them again only once
+  every reader acknowledged the last step (``wait_acks``). They live in a mapping of their
+  own, which stays until the last array over it is gone (an executor may hold them past
+  ``close()``).
 * ``close()`` in every process, ``unlink()`` once in rank 0: no segment is left in /dev/shm.
   Workers spawned by rank 0 share its resource tracker, so an attach there registers nothing
   new; rank 0's unlink is the one that counts.
@@ -33,13 +40,14 @@ numpy and the standard library only.
 from __future__ import annotations
 
 import functools
+import mmap
 import multiprocessing as mp
 import os
 import struct
 import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -69,6 +77,8 @@ class ChannelSpec:
     num_readers: int
     max_arrays: int
     wakeups: tuple[Any, ...]      # one multiprocessing semaphore per reader
+    #: Resident buffers: (name, shape, dtype string, offset from the segment's start).
+    resident: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
 
 
 class StepChannel:
@@ -83,19 +93,29 @@ class StepChannel:
         self._seq = 0
         #: Per array of the last step (rank 0): see ``_layout``.
         self._slots: list[Any] = []
+        #: The resident buffers by name (see the module doc), on every side.
+        self.resident: dict[str, np.ndarray] = _resident(shm, spec)
 
     @classmethod
     def create(cls, num_readers: int, capacity: int = defaults.STEP_CHANNEL_BYTES,
-               max_arrays: int = defaults.STEP_CHANNEL_MAX_ARRAYS, ctx: Any = None) -> "StepChannel":
-        """Rank 0: a new segment of ``capacity`` data bytes for ``num_readers`` workers."""
+               max_arrays: int = defaults.STEP_CHANNEL_MAX_ARRAYS, ctx: Any = None,
+               resident: Mapping[str, tuple[tuple[int, ...], Any]] | None = None) -> "StepChannel":
+        """Rank 0: a new segment of ``capacity`` data bytes for ``num_readers`` workers, plus
+        the ``resident`` buffers (name to shape and dtype), zeroed."""
         for name, value in (("num_readers", num_readers), ("capacity", capacity), ("max_arrays", max_arrays)):
             if not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be an integer >= 1, got {value!r}")
         ctx = ctx or mp.get_context("spawn")
         head = (_FIXED + _PER_ARRAY * max_arrays + num_readers) * 8
-        shm = shared_memory.SharedMemory(create=True, size=-(-head // _ALIGN) * _ALIGN + capacity)
+        offset = -(-head // _ALIGN) * _ALIGN + capacity
+        layout = []
+        for name, (shape, dtype) in (resident or {}).items():
+            dtype = np.dtype(dtype)
+            layout.append((name, tuple(int(d) for d in shape), dtype.str, offset))
+            offset += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+        shm = shared_memory.SharedMemory(create=True, size=offset)
         spec = ChannelSpec(shm.name, capacity, num_readers, max_arrays,
-                           tuple(ctx.Semaphore(0) for _ in range(num_readers)))
+                           tuple(ctx.Semaphore(0) for _ in range(num_readers)), tuple(layout))
         channel = cls(shm, spec, None)
         channel._header[:] = 0
         for i in range(num_readers):
@@ -118,7 +138,7 @@ class StepChannel:
             raise InputError("method", f"must be an integer in [0, 2**63), got {method!r}")
         if len(arrays) > self.spec.max_arrays:
             raise InputError("arrays", f"{len(arrays)} arrays, the channel holds {self.spec.max_arrays}")
-        self._wait_acks(timeout)
+        self.wait_acks(timeout)
         slots, steady = self._slots, len(self._slots) == len(arrays)
         if steady:                         # last step's dtypes and shapes: its places and header
             for a, (dtype, shape, seg) in zip(arrays, slots):
@@ -160,7 +180,9 @@ class StepChannel:
         _struct(len(arrays)).pack_into(buf, 8, method, len(arrays), *entries)
         return slots
 
-    def _wait_acks(self, timeout: float) -> None:
+    def wait_acks(self, timeout: float = defaults.STEP_CHANNEL_TIMEOUT_S) -> None:
+        """Rank 0: return once every reader acknowledged the last step (it may then write the
+        resident buffers); raises :class:`GraphrtError` after ``timeout`` seconds."""
         if self._seq == 0 or min(self._ack_words) == self._seq:
             return
         deadline = time.monotonic() + timeout
@@ -216,12 +238,24 @@ class StepChannel:
         """Detach this process from the segment (every process, once)."""
         self._ack_words.release()
         self._slots = []
+        self.resident = {}                 # (the mapping goes with the last array over it)
         self._header = None   # type: ignore[assignment] - views must go before the buffer
         self._shm.close()
 
     def unlink(self) -> None:
         """Remove the segment from the system (rank 0, once, after the workers closed)."""
         self._shm.unlink()
+
+
+def _resident(shm: shared_memory.SharedMemory, spec: ChannelSpec) -> dict[str, np.ndarray]:
+    """Arrays over the spec's resident layout, in a mapping of the segment of their own: it is
+    unmapped only once the last of them is gone, so ``close()`` never waits for an executor
+    that still holds one (a view of ``shm.buf`` would make ``shm.close()`` fail)."""
+    if not spec.resident:
+        return {}
+    mapping = mmap.mmap(shm._fd, shm.size)     # the descriptor SharedMemory keeps open (POSIX)
+    return {name: np.ndarray(shape, np.dtype(dtype), buffer=mapping, offset=offset)
+            for name, shape, dtype, offset in spec.resident}
 
 
 __all__ = ["ChannelSpec", "StepChannel"]

@@ -70,7 +70,9 @@ class TorchExecutor(Executor[TorchEntry]):
     """Static buffers, KV cache and graphs for a torch model on one device."""
 
     def __init__(self, model: torch.nn.Module, config: GraphConfig, device: torch.device,
-                 graph_api: DeviceGraphAPI | None) -> None:
+                 graph_api: DeviceGraphAPI | None, host_arrays: dict[str, np.ndarray] | None = None) -> None:
+        """``host_arrays``: staging buffers to use instead of allocating them (one per field, of
+        ``buffer_shapes``'s shape; tensor parallelism's step-channel buffers)."""
         self.model = model.eval()
         self.config = config
         self.device = torch.device(device)
@@ -88,8 +90,9 @@ class TorchExecutor(Executor[TorchEntry]):
         width = config.max_blocks_per_req
         shapes = buffer_shapes(max_t, max_r, width)
         pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
-        self._host = {name: torch.zeros(shape, dtype=_TORCH_DTYPES[FIELD_DTYPES[name]], pin_memory=pin)
-                      for name, shape in shapes.items()}
+        self._host = ({name: torch.from_numpy(host_arrays[name]) for name in shapes} if host_arrays is not None else
+                      {name: torch.zeros(shape, dtype=_TORCH_DTYPES[FIELD_DTYPES[name]], pin_memory=pin)
+                       for name, shape in shapes.items()})
         self.host_buffers = {name: t.numpy() for name, t in self._host.items()}
         same = self.device.type == "cpu"
         self.static = self._host if same else {name: t.to(self.device) for name, t in self._host.items()}

@@ -10,8 +10,12 @@ running it on its own :class:`~graphrt.backends.torch.executor.TorchExecutor` (r
 * ``build(mode, key)`` -- the same keys in the same order (a capture runs the collectives);
   a capture that fails on any rank makes that key eager on every rank;
 * ``run(mode, key, entry, padded)`` -- an int64 row (the key as ints, whether rank 0 runs it
-  eagerly, the step's counts) and the seven padded host arrays, raw, through the step channel;
-  each worker replays its own entry for the key, or runs eagerly exactly when rank 0 does;
+  eagerly, the step's counts) through the step channel. Rank 0's staging buffers, into which
+  the runner prepares and pads each step, are the channel's resident buffers, so the seven
+  padded arrays are not copied to be sent: each worker copies them out, acknowledges, and
+  replays its own entry for the key, or runs eagerly exactly when rank 0 does. Rank 0 writes
+  the buffers again only after every worker acknowledged. (Ranks launched elsewhere share no
+  memory: the arrays follow the row in the broadcast.)
 * ``recover_kv_cache``, ``measure_graph_memory``, ``memory_info`` (the least free memory of
   any rank) and shutdown.
 
@@ -41,7 +45,7 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError
-from graphrt.core.fields import ARRAY_FIELDS, ModelInputs
+from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +77,15 @@ def start_tensor_parallel(backend: Any, model: Any, config: GraphConfig, dtype: 
     setup = p.WorkerSetup(f"{cls.__module__}:{cls.__qualname__}", backend.device.type, backend.device.index,
                           model_dir, dtype, config.model_dump(), tp, defaults.TP_TIMEOUT_S,
                           torch.get_num_threads(), dict(os.environ))
-    ranks: Ranks = JoinedRanks(setup) if dist.is_initialized() else SpawnedRanks(setup)
+    shapes = buffer_shapes(config.max_num_batched_tokens, config.max_num_seqs, config.max_blocks_per_req)
+    resident = {name: (shape, FIELD_DTYPES[name]) for name, shape in shapes.items()}
+    ranks: Ranks = JoinedRanks(setup) if dist.is_initialized() else SpawnedRanks(setup, resident)
     try:
         shard = backend.load_model(model_dir, dtype, tp_rank=0, tp_size=tp)
-        local = TorchExecutor(shard, config, backend.device, backend.graph_api())
+        host = ranks.channel.resident or None
+        if host is not None and backend.device.type == "cuda":
+            _pin(host)
+        local = TorchExecutor(shard, config, backend.device, backend.graph_api(), host_arrays=host)
         ranks.connect()
         executor = TensorParallelExecutor(local, ranks)
         executor._agree(0, "start-up (loading the shards)", timeout=defaults.TP_WORKER_START_TIMEOUT_S,
@@ -86,6 +95,19 @@ def start_tensor_parallel(backend: Any, model: Any, config: GraphConfig, dtype: 
         ranks.close()
         raise
     return executor
+
+
+def _pin(buffers: dict[str, np.ndarray]) -> None:
+    """Page-lock the resident buffers for CUDA's host-to-device copies, as the executor's own
+    staging buffers are (pinned memory); where that fails they stay pageable, which is slower
+    to copy from but correct."""
+    arrays = sorted(buffers.values(), key=lambda a: a.ctypes.data)
+    start = arrays[0].ctypes.data
+    size = arrays[-1].ctypes.data + arrays[-1].nbytes - start
+    err = torch.cuda.cudart().cudaHostRegister(start, size, 0)
+    if int(err) != 0:
+        logger.warning("tensor parallel: could not pin the step channel's buffers (cudaHostRegister error %s); "
+                       "host-to-device copies use pageable memory", err)
 
 
 class TensorParallelExecutor(Executor[TorchEntry]):
@@ -106,7 +128,11 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         self.steps = 0
         self._key_row = np.zeros(p.KEY_WORDS, dtype=np.int64)
         self._run_row = np.zeros(p.RUN_WORDS, dtype=np.int64)
+        #: Whether the step's arrays wait in the channel's resident buffers (spawned workers);
+        #: a step padded elsewhere than in them sends its arrays after the row.
+        self._resident = bool(ranks.channel.resident)
         self._run_arrays: list[Any] = [self._run_row] + [None] * len(ARRAY_FIELDS)
+        self._row_only = [self._run_row]
         self._closer = weakref.finalize(self, ranks.close)
 
     # ---- what stays on rank 0 ----------------------------------------------------------
@@ -266,11 +292,20 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         row[p.RUN_NUM_REQS], row[p.RUN_NUM_TOKENS] = padded.num_reqs, padded.num_tokens
         row[p.RUN_MAX_QUERY], row[p.RUN_MAX_SEQ] = padded.max_query_len, padded.max_seq_len
         row[p.RUN_UNIFORM], row[p.RUN_STEP] = padded.uniform_decode, self.steps
-        for i, name in enumerate(ARRAY_FIELDS, 1):
-            arrays[i] = getattr(padded, name)
+        row[p.RUN_PADDED_TOKENS], row[p.RUN_PADDED_REQS] = padded.padded_num_tokens, padded.padded_num_reqs
+        host = self.host_buffers
+        if self._resident and all(getattr(padded, name).base is host[name] for name in ARRAY_FIELDS):
+            arrays = self._row_only            # the step is in the resident buffers already
+        else:
+            for i, name in enumerate(ARRAY_FIELDS, 1):
+                arrays[i] = getattr(padded, name)
         self._send(p.RUN, arrays, (p.RUN, key))
         try:
-            return self.local.run(mode, key, entry, padded)
+            logits = self.local.run(mode, key, entry, padded)
+            # Every worker copied the step out before its forward met rank 0's in a collective,
+            # so this returns at once; the runner may then write the next step into the buffers.
+            self.ranks.channel.wait_acks(self.ranks.timeout)
+            return logits
         except Exception as exc:  # noqa: BLE001 - a collective failed, or rank 0's forward did
             raise self._fail((p.RUN, key), exc) from exc
         except BaseException as exc:    # KeyboardInterrupt: the ranks are out of step for good

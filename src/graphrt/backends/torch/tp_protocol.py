@@ -23,9 +23,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
 from graphrt.core.errors import InputError
+from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
 
 #: Method codes (StepChannel's ``method``).
 ALLOCATE, BUILD, RUN, RECOVER, SHUTDOWN, MEASURE, MEMORY = range(1, 8)
@@ -37,9 +39,12 @@ MODE_CODE = {mode: code for code, mode in enumerate(MODES)}
 #: A key as ints: mode code, num_tokens, num_reqs (-1: None), uniform_decode, num_loras.
 KEY_WORDS = 5
 #: RUN's argument row: the key, then whether rank 0 runs it eagerly, the padded step's real
-#: counts and flags (ModelInputs), and the step number; then the seven padded arrays follow.
-RUN_EAGER, RUN_NUM_REQS, RUN_NUM_TOKENS, RUN_MAX_QUERY, RUN_MAX_SEQ, RUN_UNIFORM, RUN_STEP = range(KEY_WORDS, 12)
-RUN_WORDS = 12
+#: counts and flags (ModelInputs), the step number, and the padded array lengths. The seven
+#: padded arrays follow the row, or (spawned workers) wait in the step channel's resident
+#: buffers, where rank 0 prepared them.
+(RUN_EAGER, RUN_NUM_REQS, RUN_NUM_TOKENS, RUN_MAX_QUERY, RUN_MAX_SEQ, RUN_UNIFORM, RUN_STEP,
+ RUN_PADDED_TOKENS, RUN_PADDED_REQS) = range(KEY_WORDS, 14)
+RUN_WORDS = 14
 
 #: The process-group backend of each torch device type.
 GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -74,6 +79,15 @@ class WorkerSetup:
     timeout: float               # the process group's timeout (defaults.TP_TIMEOUT_S)
     num_threads: int             # torch intra-op threads, as rank 0's
     env: dict[str, str] | None = None   # rank 0's environment (spawned workers take it over)
+
+    def step_bytes(self) -> int:
+        """Data bytes a broadcast channel needs for this engine's largest padded step (every
+        field's staging buffer, aligned), and at least ``STEP_CHANNEL_BYTES``."""
+        c = GraphConfig.create(**self.config)
+        shapes = buffer_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_blocks_per_req)
+        need = sum(-(-int(np.prod(shape)) * np.dtype(FIELD_DTYPES[name]).itemsize // _ALIGN) * _ALIGN
+                   for name, shape in shapes.items())
+        return max(defaults.STEP_CHANNEL_BYTES, need + _ALIGN * (len(shapes) + 1))
 
     def device(self, rank: int) -> torch.device:
         """Rank ``rank``'s device: the same CPU, or the accelerator ``index + rank``."""
@@ -129,6 +143,8 @@ class BroadcastChannel:
         self._header = torch.zeros(_FIXED + _PER_ARRAY * max_arrays, dtype=torch.int64)
         self._data = torch.zeros(capacity, dtype=torch.uint8)
         self._h, self._d = self._header.numpy(), self._data.numpy()
+        #: No resident buffers: ranks that share no memory get every array in the broadcast.
+        self.resident: dict[str, np.ndarray] = {}
 
     def send(self, method: int, arrays: Sequence[np.ndarray], timeout: float = defaults.TP_TIMEOUT_S) -> None:
         """Broadcast one call (rank 0)."""
@@ -170,6 +186,9 @@ class BroadcastChannel:
 
     def acknowledge(self) -> None:
         """Nothing to do: a broadcast is received once it returns."""
+
+    def wait_acks(self, timeout: float | None = None) -> None:
+        """Nothing to wait for: a broadcast has no resident buffers to overwrite."""
 
     def close(self) -> None:
         """Nothing to release (the group belongs to the process group)."""

@@ -78,7 +78,10 @@ class Ranks:
 class SpawnedRanks(Ranks):
     """Worker processes rank 0 started, on this machine."""
 
-    def __init__(self, setup: p.WorkerSetup) -> None:
+    def __init__(self, setup: p.WorkerSetup,
+                 resident: dict[str, tuple[tuple[int, ...], Any]] | None = None) -> None:
+        """Start ``setup.tp_size - 1`` workers; ``resident``: the step channel's resident
+        buffers (rank 0's staging buffers, name to shape and dtype)."""
         from graphrt.backends.torch.tp_worker import spawned_worker
 
         method = defaults.TP_WORKER_START_METHOD
@@ -89,7 +92,7 @@ class SpawnedRanks(Ranks):
             ctx.set_forkserver_preload(["graphrt.backends.torch.tp_worker"])
         self.setup, self.timeout = setup, setup.timeout
         self.port = p.free_port()
-        self.channel = StepChannel.create(setup.tp_size - 1, ctx=ctx)
+        self.channel = StepChannel.create(setup.tp_size - 1, ctx=ctx, resident=resident)
         self._counters = ctx.RawArray("q", 2 * setup.tp_size)
         self.counters = np.frombuffer(self._counters, dtype=np.int64).reshape(setup.tp_size, 2)
         self.procs: list[Any] = []
@@ -247,7 +250,7 @@ class JoinedRanks(Ranks):
         self.setup, self.timeout = setup, setup.timeout
         group = p.control_group()
         dist.broadcast_object_list([setup], 0, group=group)
-        self.channel = p.BroadcastChannel(group)
+        self.channel = p.BroadcastChannel(group, capacity=setup.step_bytes())
         self.agreement = p.Agreement(group, size)
 
     def connect(self) -> None:

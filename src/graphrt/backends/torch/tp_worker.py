@@ -35,7 +35,7 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError
-from graphrt.core.fields import ARRAY_FIELDS, ModelInputs
+from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
 from graphrt.core.step_channel import ChannelSpec, StepChannel
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,10 @@ class Follower:
         ex = self.executor
         words = arrays[0].tolist()
         host, views = ex.host_buffers, []
+        if len(arrays) == 1:                # the arrays wait in rank 0's resident buffers
+            t, r = words[p.RUN_PADDED_TOKENS], words[p.RUN_PADDED_REQS]
+            resident = self.channel.resident
+            arrays = arrays + [resident[name][:field_rows(FIELDS[name].level, t, r)] for name in ARRAY_FIELDS]
         for name, src in zip(ARRAY_FIELDS, arrays[1:]):
             dst = host[name][:len(src)]
             dst[...] = src
@@ -215,7 +219,8 @@ def serve() -> None:
     if setup.device_type != "cpu":             # rank r's device is device_index + r: LOCAL_RANK here
         setup = dataclasses.replace(setup, device_index=local - rank)
     _configure(setup, rank)
-    follower = Follower(setup, rank, p.BroadcastChannel(group), p.Agreement(group, size))
+    channel = p.BroadcastChannel(group, capacity=setup.step_bytes())
+    follower = Follower(setup, rank, channel, p.Agreement(group, size))
     try:
         follower.start()
         follower.loop()
