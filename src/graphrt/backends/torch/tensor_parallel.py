@@ -83,9 +83,10 @@ def start_tensor_parallel(backend: Any, model: Any, config: GraphConfig, dtype: 
     try:
         shard = backend.load_model(model_dir, dtype, tp_rank=0, tp_size=tp)
         host = ranks.channel.resident or None
-        if host is not None and backend.device.type == "cuda":
-            _pin(host)
+        pinned = _pin(host) if host is not None and backend.device.type == "cuda" else None
         local = TorchExecutor(shard, config, backend.device, backend.graph_api(), host_arrays=host)
+        if pinned is not None:                  # unpinned when the executor over them goes
+            weakref.finalize(local, torch.cuda.cudart().cudaHostUnregister, pinned)
         ranks.connect()
         executor = TensorParallelExecutor(local, ranks)
         executor._agree(0, "start-up (loading the shards)", timeout=defaults.TP_WORKER_START_TIMEOUT_S,
@@ -97,10 +98,10 @@ def start_tensor_parallel(backend: Any, model: Any, config: GraphConfig, dtype: 
     return executor
 
 
-def _pin(buffers: dict[str, np.ndarray]) -> None:
+def _pin(buffers: dict[str, np.ndarray]) -> int | None:
     """Page-lock the resident buffers for CUDA's host-to-device copies, as the executor's own
-    staging buffers are (pinned memory); where that fails they stay pageable, which is slower
-    to copy from but correct."""
+    staging buffers are (pinned memory), and return the address registered; where that fails
+    they stay pageable, which is slower to copy from but correct (None)."""
     arrays = sorted(buffers.values(), key=lambda a: a.ctypes.data)
     start = arrays[0].ctypes.data
     size = arrays[-1].ctypes.data + arrays[-1].nbytes - start
@@ -108,6 +109,8 @@ def _pin(buffers: dict[str, np.ndarray]) -> None:
     if int(err) != 0:
         logger.warning("tensor parallel: could not pin the step channel's buffers (cudaHostRegister error %s); "
                        "host-to-device copies use pageable memory", err)
+        return None
+    return start
 
 
 class TensorParallelExecutor(Executor[TorchEntry]):
