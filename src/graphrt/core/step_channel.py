@@ -20,7 +20,7 @@ path is one ``memcpy`` per array, no pickle.
 * Wake-ups: a reader first polls its semaphore for ``spin`` seconds (``os.sched_yield``
   between polls) and only then sleeps on it. Rank 0's ``release`` of a semaphore nobody sleeps
   on is an atomic add; waking a sleeping reader is a system call and an interrupt to the
-  reader's core, 10-25 us of the send on the 2-core VM, and the reader gets the step later
+  reader's core, 11-33 us of the send on the 2-core VM, and the reader gets the step later
   (docs/benchmarks.md). Tensor-parallel workers on an accelerator poll
   (``defaults.TP_WORKER_SPIN_S``); plain readers and CPU workers sleep at once.
 * Resident buffers: ``create(..., resident={name: (shape, dtype)})`` adds fixed arrays after the
