@@ -33,8 +33,9 @@ import torch
 import graphrt
 from graphrt import ConfigError, GraphConfig, GraphMode, GraphrtError, ModelRunner, SamplingParams, tolerance
 from graphrt.backends.torch import acl
-from graphrt.backends.torch.tp_protocol import free_port
+from graphrt.backends.torch.tp_protocol import RUN, free_port
 from graphrt.core import defaults
+from graphrt.core.fields import ARRAY_FIELDS
 from hf_models import tiny_hf_model_dir
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
@@ -137,12 +138,22 @@ def test_four_ranks_replicate_kv_heads():
     config = dict(ENGINE, num_kv_blocks=None)
     want = graphrt.LLM(model_dir, backend="eager", **config).generate(prompts, GREEDY)
     llm = graphrt.LLM(model_dir, backend="eager", tensor_parallel_size=4, **config)
-    pids, names = handles(llm.runner.executor)
+    executor = llm.runner.executor
+    pids, names = handles(executor)
+    sent = []
+    send = executor.ranks.send
+    executor.ranks.send = lambda method, arrays: sent.append((method, len(arrays))) or send(method, arrays)
     got = llm.generate(prompts, GREEDY)
+    # A step not prepared in the resident buffers goes with its arrays: the same tokens.
+    executor._resident = False
+    again = llm.generate(prompts[:1], GREEDY)
     assert llm.runner.model.num_kv_heads == 1 and len(pids) == 3
     llm.close()
     assert_released(pids, names)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert again[0].token_ids == want[0].token_ids
+    runs = [n for method, n in sent if method == RUN]
+    assert runs[0] == 1 and runs[-1] == 1 + len(ARRAY_FIELDS), runs     # row only, then row + arrays
 
 
 def _launched_rank(rank: int, port: int, model_dir: str, results) -> None:
