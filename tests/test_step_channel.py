@@ -307,3 +307,37 @@ def test_a_broadcast_channel_holds_the_largest_step_of_a_large_engine():
     need = sum(int(np.prod(s)) * np.dtype(FIELD_DTYPES[n]).itemsize for n, s in shapes.items())
     assert need > defaults.STEP_CHANNEL_BYTES
     assert setup(**big).step_bytes() >= need
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+def test_resident_buffers_pin_for_cuda_copies_and_unpin():
+    """Rank 0 on cuda page-locks the resident buffers (its staging buffers): tensors over them
+    are pinned, a non-blocking host-to-device copy carries the values, and unregistering works."""
+    import torch
+
+    from graphrt.backends.torch.tensor_parallel import _pin
+
+    layout = {"ids": ((4096,), np.int32), "table": ((64, 128), np.int32)}
+    channel = StepChannel.create(1, capacity=256, resident=layout)
+    try:
+        address = _pin(channel.resident)
+        assert address is not None
+        host = {name: torch.from_numpy(a) for name, a in channel.resident.items()}
+        assert all(t.is_pinned() for t in host.values())
+        channel.resident["ids"][:] = np.arange(4096)
+        channel.resident["table"][:] = 7
+        device = {name: t.to("cuda", non_blocking=True) for name, t in host.items()}
+        torch.cuda.synchronize()
+        assert torch.equal(device["ids"].cpu(), torch.arange(4096, dtype=torch.int32))
+        assert bool((device["table"] == 7).all())
+        assert int(torch.cuda.cudart().cudaHostUnregister(address)) == 0
+    finally:
+        channel.close()
+        channel.unlink()
