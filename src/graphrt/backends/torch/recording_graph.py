@@ -9,23 +9,12 @@ a machine without an accelerator, so every graph-correctness test can run in CI:
   value read before capture) are baked in exactly as captured.
 * Replay re-executes the recorded ops, in order, on the same tensors. Values copied
   into the input tensors before a replay give new results in the same output tensors.
-  Ops that return new tensors write into the captured outputs (through their ``.out``
-  overload when one exists and reproduces the op bit for bit, else compute and
-  ``copy_``); views and metadata-only ops are not re-run, since the captured view
-  already aliases its base; in-place ops re-run on their captured arguments; RNG ops
-  draw fresh numbers on every replay, as CUDA's philox offset does. Functional collectives
-  (``torch.distributed._functional_collectives``, over gloo on a CPU) are re-issued and waited
-  for on every replay, so a captured all-reduce reads each replay's new values; collectives
-  through the process-group API (``dist.all_reduce``) are refused at capture.
-* What would break a device graph raises :class:`GraphCaptureError` at the op that
-  does it, and the capture is abandoned: host syncs (``.item()``, ``.tolist()``,
-  ``int(t)``, ``bool(t)``, ``x[t]`` with a 0-dim ``t``, printing, ``.numpy()``,
-  ``torch.equal``; see :data:`HOST_SYNC_OPS`), ops whose output shape depends on tensor
-  values (:data:`DYNAMIC_SHAPE_OPS`, plus boolean-mask indexing, ``repeat_interleave``
-  without ``output_size`` and ``one_hot`` without ``num_classes``), and nested capture.
-  With the context manager the modes are popped at once; with bare ``capture_begin()``
-  they stay installed, passing ops through, until ``capture_end()`` (which then raises
-  again) or ``reset()``: a mode cannot remove itself from inside its own handler.
+* What would break a device graph (host syncs, value-dependent shapes, process-group
+  collectives, nested capture) raises :class:`GraphCaptureError` at the op that does
+  it, and the capture is abandoned. With the context manager the modes are popped at
+  once; with bare ``capture_begin()`` they stay installed, passing ops through, until
+  ``capture_end()`` (which then raises again) or ``reset()``: a mode cannot remove itself
+  from inside its own handler.
 
 Tensors created during capture stay alive as long as the graph (graph-private memory,
 reported by :attr:`RecordingGraph.captured_bytes`). A :class:`RecordingPool` groups
@@ -45,8 +34,11 @@ input on the host where the CUDA kernel does not (``F.one_hot(x, n)`` under ``no
 checks its range with ``.item()``), so they are rejected here although a CUDA graph
 could hold them.
 
-Which ops a capture refuses, and how each recorded op is replayed, live in
-:mod:`graphrt.backends.torch.recording_ops`; this module is the graph, its modes and its pool.
+Which ops a capture refuses (:data:`HOST_SYNC_OPS`, :data:`DYNAMIC_SHAPE_OPS` and the
+argument patterns around them), and how each recorded op is replayed (not at all for views,
+in place, through its ``.out`` overload, recomputed and copied, or a collective re-issued),
+live in :mod:`graphrt.backends.torch.recording_ops`; this module is the graph, its modes and
+its pool.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ each recorded op is replayed.
   methods that read values on the host without always reaching an aten op.
 * :func:`plan_step`: decided once per op at capture -- not re-run (views, metadata-only ops),
   re-run in place (ops that mutate their arguments), re-run through the ``.out`` overload into
-  the captured outputs (when it reproduces the op bit for bit), recomputed and copied, or a
+  the captured outputs (when it reproduces the op bit for bit), recomputed and copied (RNG
+  ops always are, so each replay draws fresh numbers as CUDA's philox offset does), or a
   functional collective re-issued and waited for.
 
 Kept apart from :mod:`graphrt.backends.torch.recording_graph` (the graph object, its modes and
@@ -74,7 +75,6 @@ DYNAMIC_SHAPE_OPS: dict[Any, tuple[str, str]] = _packets([
 """Ops whose output shape always depends on tensor values: (what, fixed-size alternative)."""
 
 
-
 def _packet_set(*names: str) -> frozenset[Any]:
     """The aten op packets of these names that exist in this torch build."""
     return frozenset(_packets((name, None) for name in names))
@@ -89,6 +89,7 @@ _FACTORY_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory"})
 
 
 def host_sync_message(what: str) -> str:
+    """The capture error for ``what``, an operation that reads a device value on the host."""
     return (f"{what} reads a device value on the host during capture; a captured graph "
             "would bake in the value seen at capture time (and a device graph cannot "
             "contain a host sync at all). Keep the value on the device (tensor ops, "
@@ -155,6 +156,7 @@ TENSOR_HOST_READS: dict[Any, str] = {
 
 
 def storage_key(t: torch.Tensor) -> int:
+    """The storage behind ``t``, shared by its views: its data pointer, else ``id(t)``."""
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
@@ -291,7 +293,7 @@ def _out_step(func: Any, args: tuple, kwargs: dict, out: Any,
 
 
 def plan_step(func: Any, args: tuple, kwargs: dict, out: Any, leaves: list[Any],
-          fresh: list[tuple[int, torch.Tensor]]) -> ReplayStep | None:
+              fresh: list[tuple[int, torch.Tensor]]) -> ReplayStep | None:
     """Decide once, at capture, what replaying this op means; None when nothing.
 
     ``leaves`` are the op's flattened outputs and ``fresh`` the (index, tensor) pairs of
