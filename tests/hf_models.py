@@ -11,6 +11,7 @@ Public helpers:
 * :func:`tiny_hf_model_dir` - a shared, process-cached checkpoint directory; read-only.
 * :func:`make_tiny_hf_model` - a private copy under a caller's directory, free to edit.
 * :func:`load_hf_model` / :func:`hf_logits` - the float32 eager HF model as a reference.
+* :func:`random_prompts` - seeded prompts of given lengths, without the special token ids.
 
 Defaults: vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16,
 intermediate 128, float32. ``arch="qwen3-tied"`` is Qwen3 with
@@ -25,8 +26,9 @@ import math
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
 ARCHS = ("qwen3", "qwen3-tied", "llama")
@@ -46,6 +48,18 @@ _DEFAULTS: dict[str, Any] = dict(
     eos_token_id=2,
     tie_word_embeddings=False,
 )
+
+#: The first ordinary token id: 0 is padding, 1 BOS, 2 EOS (``_DEFAULTS``), kept out of prompts
+#: so that nothing depends on them.
+FIRST_ORDINARY_ID = 3
+
+
+def random_prompts(lengths: Iterable[int], seed: int, vocab: int = _DEFAULTS["vocab_size"]) -> list[list[int]]:
+    """One prompt per length, ids drawn from ``[FIRST_ORDINARY_ID, vocab)`` by a generator
+    seeded with ``seed`` (the same prompts on every run and machine)."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(FIRST_ORDINARY_ID, vocab, size=n)] for n in lengths]
+
 
 _CACHE_ROOT: Path | None = None
 

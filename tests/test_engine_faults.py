@@ -23,7 +23,7 @@ import graphrt
 from graphrt import SamplingParams
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import GenerationError, KVCacheLostError
-from hf_models import tiny_hf_model_dir
+from hf_models import random_prompts, tiny_hf_model_dir
 
 #: Not the other test files' 128: an xla engine here compiles other samplers than theirs, so
 #: JAX's in-process compile cache does not make their compiles look free (test_xla_backend).
@@ -37,14 +37,9 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 POISON = SamplingParams(max_tokens=6, ignore_eos=True, seed=1234)   # the fake runner fails on it
 
 
-def prompts_of(lengths, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in lengths]
-
-
 #: Twelve prompts, two longer than the token budget (chunked prefill), and five more.
-PROMPTS = prompts_of((3, 9, 1, 17, 5, 33, 2, 12, 7, 20, 4, 40), seed=1)
-MORE = prompts_of((6, 1, 35, 11, 4), seed=2)
+PROMPTS = random_prompts((3, 9, 1, 17, 5, 33, 2, 12, 7, 20, 4, 40), seed=1, vocab=VOCAB)
+MORE = random_prompts((6, 1, 35, 11, 4), seed=2, vocab=VOCAB)
 
 
 class InjectedFault(RuntimeError):

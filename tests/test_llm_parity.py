@@ -10,16 +10,14 @@ and ``cpu`` == ``eager`` token for token.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import graphrt
 from graphrt import SamplingParams
-from hf_models import hf_logits, load_hf_model, tiny_hf_model_dir
+from hf_models import hf_logits, load_hf_model, random_prompts, tiny_hf_model_dir
 
 ARCHS = ("qwen3", "qwen3-tied", "llama")
 BACKENDS = ("eager", "cpu")
-VOCAB = 128                       # tests/hf_models.py default
 MAX_NUM_SEQS = 4
 MAX_NUM_BATCHED_TOKENS = 32
 MAX_MODEL_LEN = 64
@@ -33,13 +31,7 @@ TIE_TOLERANCE = 1e-4
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def make_prompts(lengths, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    # Token 2 is the checkpoints' EOS; keep it out of prompts so nothing depends on it.
-    return [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in lengths]
-
-
-PROMPTS = make_prompts(PROMPT_LENGTHS, seed=0)
+PROMPTS = random_prompts(PROMPT_LENGTHS, seed=0)
 
 
 def make_llm(model_dir, backend: str, **overrides) -> graphrt.LLM:
@@ -134,7 +126,7 @@ def qwen3_hf():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_preemption_keeps_tokens_exact(backend, qwen3_hf):
-    prompts = make_prompts(PREEMPT_LENGTHS, seed=1)
+    prompts = random_prompts(PREEMPT_LENGTHS, seed=1)
     # Admission without the KV estimate (schedule_conservativeness 0), so that running
     # requests outgrow the cache and preempt; the default estimate avoids exactly that.
     llm = make_llm(tiny_hf_model_dir("qwen3"), backend, num_kv_blocks=PREEMPT_KV_BLOCKS,
@@ -186,7 +178,7 @@ def test_eos_stops_unless_ignored(eos_case, backend):
 
 def test_max_tokens_and_max_model_len_give_length():
     llm = make_llm(tiny_hf_model_dir("qwen3"), "eager")
-    long_prompt = make_prompts([MAX_MODEL_LEN - 4], seed=3)[0]
+    long_prompt = random_prompts([MAX_MODEL_LEN - 4], seed=3)[0]
     outs = llm.generate([PROMPTS[2], PROMPTS[5], long_prompt],
                         [SamplingParams(max_tokens=1, ignore_eos=True),
                          SamplingParams(max_tokens=3, ignore_eos=True),

@@ -36,7 +36,7 @@ from graphrt.backends.torch import acl
 from graphrt.backends.torch.tp_protocol import RUN, free_port
 from graphrt.core import defaults
 from graphrt.core.fields import ARRAY_FIELDS
-from hf_models import tiny_hf_model_dir
+from hf_models import random_prompts, tiny_hf_model_dir
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
               cudagraph_capture_sizes=[4, 32], num_kv_blocks=20, schedule_conservativeness=0.0)
@@ -45,11 +45,6 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block
 LENGTHS = (3, 40, 11, 57, 25, 30, 19, 7)
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 TOL = tolerance("float32")
-
-
-def make_prompts(lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, 128, size=n)] for n in lengths]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -105,7 +100,7 @@ CASES = [("eager", "qwen3", ()), ("eager", "llama", (("tie_word_embeddings", Tru
 @pytest.mark.parametrize("backend,arch,overrides", CASES, ids=[f"{b}-{a}{'-tied' * bool(o)}" for b, a, o in CASES])
 def test_tp2_equals_tp1(backend, arch, overrides, monkeypatch):
     model_dir = str(tiny_hf_model_dir(arch, **dict(overrides)))
-    prompts = make_prompts()
+    prompts = random_prompts(LENGTHS, seed=0)
     reference = graphrt.LLM(model_dir, backend=backend, **ENGINE)
     ref_tokens, ref_logits = drive(reference, prompts)
     assert reference.stats["preemptions"] > 0
@@ -134,7 +129,7 @@ def test_tp2_equals_tp1(backend, arch, overrides, monkeypatch):
 
 def test_four_ranks_replicate_kv_heads():
     model_dir = str(tiny_hf_model_dir("qwen3"))       # 2 KV heads over 4 ranks: 0, 0, 1, 1
-    prompts = make_prompts((9, 40, 5, 22), seed=2)
+    prompts = random_prompts((9, 40, 5, 22), seed=2)
     config = dict(ENGINE, num_kv_blocks=None)
     want = graphrt.LLM(model_dir, backend="eager", **config).generate(prompts, GREEDY)
     llm = graphrt.LLM(model_dir, backend="eager", tensor_parallel_size=4, **config)
@@ -170,7 +165,7 @@ def _launched_rank(rank: int, port: int, model_dir: str, results) -> None:
             results.put((rank, None))
             return
         llm = graphrt.LLM(model_dir, backend="eager", tensor_parallel_size=2, **ENGINE)
-        outs = llm.generate(make_prompts((5, 40, 12), seed=3), GREEDY)
+        outs = llm.generate(random_prompts((5, 40, 12), seed=3), GREEDY)
         llm.close()
         results.put((rank, [o.token_ids for o in outs]))
     except BaseException as exc:
@@ -182,7 +177,7 @@ def _launched_rank(rank: int, port: int, model_dir: str, results) -> None:
 
 def test_joins_a_group_launched_elsewhere():
     model_dir = str(tiny_hf_model_dir("llama"))   # built here: a child would build its own copy
-    want = graphrt.LLM(model_dir, backend="eager", **ENGINE).generate(make_prompts((5, 40, 12), seed=3), GREEDY)
+    want = graphrt.LLM(model_dir, backend="eager", **ENGINE).generate(random_prompts((5, 40, 12), seed=3), GREEDY)
     ctx = mp.get_context("forkserver")            # torch already imported there: a fast start
     port, results = free_port(), ctx.Queue()
     procs = [ctx.Process(target=_launched_rank, args=(rank, port, model_dir, results)) for rank in range(2)]
@@ -202,12 +197,12 @@ def test_failed_worker_is_named_and_every_rank_stops(monkeypatch, sig):
     monkeypatch.setattr(defaults, "TP_FAULT_GRACE_S", 0.3)
     llm = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2, **ENGINE)
     pids, names = handles(llm.runner.executor)
-    first = llm.generate(make_prompts((6, 9)), GREEDY)
+    first = llm.generate(random_prompts((6, 9), seed=0), GREEDY)
     assert all(o.finish_reason == "length" for o in first)
     steps = llm.runner.executor.steps
     os.kill(pids[0], sig)
     try:
-        llm.add_request(make_prompts((7,))[0], GREEDY)
+        llm.add_request(random_prompts((7,), seed=0)[0], GREEDY)
         start = time.monotonic()
         (out,) = llm.step()
         elapsed = time.monotonic() - start

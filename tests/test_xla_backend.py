@@ -29,7 +29,7 @@ from graphrt.core.buckets import BucketPolicy  # noqa: E402
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey  # noqa: E402
 from graphrt.core.errors import CacheMissError, InputError  # noqa: E402
 from graphrt.runner import ModelRunner, sampling_batch  # noqa: E402
-from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
+from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, random_prompts, tiny_hf_model_dir  # noqa: E402
 from parity import assert_close_across_shapes, assert_same_tokens  # noqa: E402
 
 VOCAB = 128
@@ -37,11 +37,6 @@ LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block
 TOKEN_PADDINGS = [16, 32]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 ATOL = 1e-4
-
-
-def prompts_of(lengths, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +130,7 @@ def test_registry_and_options():
 def test_llm_greedy_parity_with_transformers(engine, request):
     """Chunked prefill (45 > 32 tokens), more prompts than slots, decode at every bucket."""
     llm, hf = request.getfixturevalue(engine)
-    prompts = prompts_of((1, 3, 8, 13, 45, 21), seed=1)
+    prompts = random_prompts((1, 3, 8, 13, 45, 21), seed=1)
     with CompileCounter() as counter:
         outputs = llm.generate(prompts, GREEDY)
     assert_greedy_parity(hf, outputs, prompts)
@@ -174,11 +169,11 @@ def test_padding_is_invisible_and_writes_no_real_slot(qwen):
     llm, hf = qwen
     d = Driver(llm.runner)
     ex = llm.runner.executor
-    p, q = prompts_of((10, 15), seed=2)
+    p, q = random_prompts((10, 15), seed=2)
     d.add(0, p)
     d.add(1, p)
     d.add(2, q)
-    d.add(3, prompts_of((3,), seed=3)[0])
+    d.add(3, random_prompts((3,), seed=3)[0])
     kv_before = np.asarray(ex.kv_cache)
     d.step({0: 10})                                   # 10 tokens -> bucket (16, 4)
     assert llm.runner.last_step.key == BatchDescriptor(16, 4, False)
@@ -226,7 +221,7 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
         for rnd in range(3):
             lengths = rng.integers(1, 20, size=4)
             for r in range(4):
-                d.add(r, prompts_of((int(lengths[r]),), seed=100 + 4 * rnd + r)[0])
+                d.add(r, random_prompts((int(lengths[r]),), seed=100 + 4 * rnd + r)[0])
             pending = {r: int(lengths[r]) for r in range(4)}
             while pending:                            # chunked prefill within the 32-token budget
                 sched, budget = {}, 32
@@ -259,7 +254,7 @@ def test_strict_forced_miss_raises(qwen, monkeypatch):
     runner = qwen[0].runner
     monkeypatch.setattr(runner, "dispatcher", _dispatcher_with_extra_bucket(runner))
     d = Driver(runner)
-    d.add(0, prompts_of((20,), seed=5)[0])
+    d.add(0, random_prompts((20,), seed=5)[0])
     with CompileCounter() as counter, pytest.raises(CacheMissError) as err:
         d.step({0: 20})                               # -> (24, 4): never compiled
     assert err.value.key == (RuntimeMode.FULL, BatchDescriptor(24, 4, False))
@@ -304,7 +299,7 @@ def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch
     ex = runner.executor
     monkeypatch.setattr(runner, "dispatcher", _dispatcher_with_extra_bucket(runner))
     d = Driver(runner)
-    d.add(0, prompts_of((20,), seed=6)[0])
+    d.add(0, random_prompts((20,), seed=6)[0])
     builds, unplanned = runner.stats.unplanned_builds, ex.compiled.unplanned_compiles
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 20})
@@ -356,7 +351,7 @@ def test_bad_input_is_an_input_error_and_touches_nothing(qwen):
     runner = qwen[0].runner
     ex = runner.executor
     d = Driver(runner)
-    d.add(0, prompts_of((33,), seed=7)[0])
+    d.add(0, random_prompts((33,), seed=7)[0])
     kv = ex.kv_cache
     with CompileCounter() as counter:
         with pytest.raises(InputError, match="max_num"):          # oversized step: never a compile
@@ -396,13 +391,13 @@ def test_bad_input_is_an_input_error_and_touches_nothing(qwen):
 def test_seeded_sampling_is_reproducible_and_filters_hold(qwen):
     runner = qwen[0].runner
     seeded = SamplingParams(temperature=1.5, seed=1234)
-    prompt = prompts_of((6,), seed=8)[0]
+    prompt = random_prompts((6,), seed=8)[0]
 
     def run(companions: int) -> list[int]:
         d = Driver(runner)
         d.add(0, prompt)
         for r in range(1, companions + 1):
-            d.add(r, prompts_of((4 + r,), seed=20 + r)[0])
+            d.add(r, random_prompts((4 + r,), seed=20 + r)[0])
         d.step({r: len(d.seqs[r]) for r in range(companions + 1)}, {0: seeded})
         for _ in range(4):
             d.step({r: 1 for r in range(companions + 1)},
@@ -468,7 +463,7 @@ def test_unplanned_build_with_the_executable_store_counts_once(tmp_path, restore
 
 
 def test_loaded_executables_give_identical_results(tmp_path, restore_compilation_cache):
-    prompts = prompts_of([5, 3], seed=7)
+    prompts = random_prompts([5, 3], seed=7)
     outs = []
     for _ in range(2):
         runner = _cached_runner(tmp_path)
