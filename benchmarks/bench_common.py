@@ -1,4 +1,5 @@
-"""Helpers every benchmark shares: the machine line, median / p90 summaries, a tiny model.
+"""Helpers every benchmark shares: the machine line, median / p90 summaries, a tiny model and
+its prompts.
 
 Not a benchmark itself (``graphrt bench`` runs the scripts listed in ``graphrt.cli.BENCHMARKS``).
 """
@@ -60,6 +61,13 @@ def tiny_model_dir(prefix: str, **sizes: int) -> Iterator[Path]:
         yield build_model_dir(root, **sizes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` ids drawn from ``[3, vocab)`` (the lowest ids left out, as
+    special tokens usually sit there), seeded: every run and arm gets the same prompts."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, length).tolist() for _ in range(count)]
 
 
 def print_checks(checks: dict[str, bool]) -> bool:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench_common import cpu_line, print_checks, tiny_model_dir
+from bench_common import cpu_line, print_checks, random_prompts, tiny_model_dir
 
 #: The workload: requests, prompt tokens, generated tokens.
 NUM_REQUESTS = 64
@@ -45,8 +45,7 @@ TARGET_REDUCTION = 0.15
 
 
 def workload(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, VOCAB, PROMPT_LEN).tolist() for _ in range(NUM_REQUESTS)]
+    return random_prompts(NUM_REQUESTS, PROMPT_LEN, VOCAB, seed)
 
 
 def run_once(llm: Any, overlap: bool, prompts: list[list[int]]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bench_common import cpu_line, print_checks, tiny_model_dir
+from bench_common import cpu_line, print_checks, random_prompts, tiny_model_dir
 
 NUM_REQUESTS = 16
 PROMPT_LEN = 16
@@ -39,8 +39,7 @@ ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=64, blo
 
 
 def workload(seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, VOCAB, PROMPT_LEN).tolist() for _ in range(NUM_REQUESTS)]
+    return random_prompts(NUM_REQUESTS, PROMPT_LEN, VOCAB, seed)
 
 
 def run_round(llm: Any, prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
