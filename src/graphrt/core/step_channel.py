@@ -56,16 +56,55 @@ from graphrt.core.errors import GraphrtError, InputError
 
 _DTYPES = (np.int32, np.int64, np.float32, np.float16, np.uint8, np.bool_, np.float64, np.int16)
 _CODE = {np.dtype(d): i for i, d in enumerate(_DTYPES)}
-_ALIGN = 64
+ALIGN = 64
 #: Header int64 words: seq, method, number of arrays, then per array: code, ndim, 4 dims, offset, nbytes.
-_FIXED, _PER_ARRAY, _MAX_DIMS = 3, 8, 4
+HEADER_WORDS, ENTRY_WORDS, _MAX_DIMS = 3, 8, 4
 _PAD = [(0,) * (_MAX_DIMS - d) for d in range(_MAX_DIMS + 1)]
+
+
+def aligned_nbytes(shape: Sequence[int], dtype: Any) -> int:
+    """Bytes an array of ``shape`` and ``dtype`` takes in a channel (a multiple of 64)."""
+    return -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+
+
+def pack_entries(arrays: Sequence[np.ndarray], capacity: int) -> tuple[list[int], list[int], int]:
+    """Check ``arrays`` and lay them out in ``capacity`` data bytes, before anything is written:
+    their header entry words (per array: dtype code, ndim, 4 dims, offset, nbytes), each one's
+    byte offset, and the bytes used. Raises :class:`InputError` naming what does not fit. The
+    step channel and the broadcast channel of launched ranks share this format."""
+    entries: list[int] = []
+    offsets = []
+    offset = 0
+    for i, a in enumerate(arrays):
+        code = _CODE.get(a.dtype)
+        if code is None or a.ndim > _MAX_DIMS:
+            raise InputError("arrays", f"array {i}: dtype {a.dtype} / {a.ndim} dims cannot be sent")
+        n = a.nbytes
+        if offset + n > capacity:
+            raise InputError("arrays", f"{offset + n} bytes do not fit the channel's {capacity}")
+        entries += (code, a.ndim, *a.shape, *_PAD[a.ndim], offset, n)
+        offsets.append(offset)
+        offset += -(-n // ALIGN) * ALIGN
+    return entries, offsets, offset
+
+
+def unpack_arrays(header: np.ndarray, buf: Any, data_start: int, copy: bool) -> list[np.ndarray]:
+    """The arrays a header describes (their count in word 2, :func:`pack_entries`'s entries
+    from word 3), as views of ``buf`` whose data begins at ``data_start``, or copies."""
+    out = []
+    for i in range(int(header[2])):
+        base = HEADER_WORDS + ENTRY_WORDS * i
+        code, ndim = int(header[base]), int(header[base + 1])
+        shape = tuple(int(d) for d in header[base + 2:base + 2 + ndim])
+        view = np.ndarray(shape, _DTYPES[code], buffer=buf, offset=data_start + int(header[base + 6]))
+        out.append(view.copy() if copy else view)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
 def _struct(count: int) -> struct.Struct:
     """The header after the sequence number for ``count`` arrays: method, count, entries."""
-    return struct.Struct(f"<{2 + _PER_ARRAY * count}q")
+    return struct.Struct(f"<{2 + ENTRY_WORDS * count}q")
 
 
 @dataclass(frozen=True)
@@ -86,10 +125,10 @@ class StepChannel:
 
     def __init__(self, shm: shared_memory.SharedMemory, spec: ChannelSpec, reader: int | None) -> None:
         self._shm, self.spec, self.reader = shm, spec, reader
-        words = _FIXED + _PER_ARRAY * spec.max_arrays
+        words = HEADER_WORDS + ENTRY_WORDS * spec.max_arrays
         self._header = np.ndarray((words,), dtype=np.int64, buffer=shm.buf)
         self._ack_words = shm.buf[words * 8:(words + spec.num_readers) * 8].cast("q")
-        self._data_start = -(-(words + spec.num_readers) * 8 // _ALIGN) * _ALIGN
+        self._data_start = -(-(words + spec.num_readers) * 8 // ALIGN) * ALIGN
         self._seq = 0
         #: Per array of the last step (rank 0): see ``_layout``.
         self._slots: list[Any] = []
@@ -106,13 +145,12 @@ class StepChannel:
             if not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be an integer >= 1, got {value!r}")
         ctx = ctx or mp.get_context("spawn")
-        head = (_FIXED + _PER_ARRAY * max_arrays + num_readers) * 8
-        offset = -(-head // _ALIGN) * _ALIGN + capacity
+        head = (HEADER_WORDS + ENTRY_WORDS * max_arrays + num_readers) * 8
+        offset = -(-head // ALIGN) * ALIGN + capacity
         layout = []
         for name, (shape, dtype) in (resident or {}).items():
-            dtype = np.dtype(dtype)
-            layout.append((name, tuple(int(d) for d in shape), dtype.str, offset))
-            offset += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+            layout.append((name, tuple(int(d) for d in shape), np.dtype(dtype).str, offset))
+            offset += aligned_nbytes(shape, dtype)
         shm = shared_memory.SharedMemory(create=True, size=offset)
         spec = ChannelSpec(shm.name, capacity, num_readers, max_arrays,
                            tuple(ctx.Semaphore(0) for _ in range(num_readers)), tuple(layout))
@@ -162,21 +200,10 @@ class StepChannel:
         """Check ``arrays``, lay them out in the segment and write their header entries (a
         step whose dtypes and shapes are last step's keeps last step's). Returns per array
         ``(dtype, shape, its place in the segment as an array)``."""
-        capacity, buf = self.spec.capacity, self._shm.buf
-        entries: list[int] = []
-        slots = []
-        offset = 0
-        for i, a in enumerate(arrays):                 # every check before the first write
-            code = _CODE.get(a.dtype)
-            if code is None or a.ndim > _MAX_DIMS:
-                raise InputError("arrays", f"array {i}: dtype {a.dtype} / {a.ndim} dims cannot be sent")
-            n = a.nbytes
-            if offset + n > capacity:
-                raise InputError("arrays", f"{offset + n} bytes do not fit the channel's {capacity}")
-            entries += (code, a.ndim, *a.shape, *_PAD[a.ndim], offset, n)
-            start = self._data_start + offset
-            slots.append((a.dtype, a.shape, np.ndarray(a.shape, a.dtype, buffer=buf, offset=start)))
-            offset += -(-n // _ALIGN) * _ALIGN
+        buf = self._shm.buf
+        entries, offsets, _ = pack_entries(arrays, self.spec.capacity)
+        slots = [(a.dtype, a.shape, np.ndarray(a.shape, a.dtype, buffer=buf, offset=self._data_start + offset))
+                 for a, offset in zip(arrays, offsets)]
         _struct(len(arrays)).pack_into(buf, 8, method, len(arrays), *entries)
         return slots
 
@@ -215,16 +242,10 @@ class StepChannel:
                 got = wake.acquire(False)
             if not got and not wake.acquire(timeout=None if timeout is None else timeout - spin):
                 raise GraphrtError(f"step channel: no step from rank 0 within {timeout} s")
-        h, buf = self._header, self._shm.buf
+        h = self._header
         self._seq = int(h[0])
-        method, count = int(h[1]), int(h[2])
-        out = []
-        for i in range(count):
-            base = _FIXED + _PER_ARRAY * i
-            code, ndim = int(h[base]), int(h[base + 1])
-            shape = tuple(int(d) for d in h[base + 2:base + 2 + ndim])
-            view = np.ndarray(shape, _DTYPES[code], buffer=buf, offset=self._data_start + int(h[base + 6]))
-            out.append(view.copy() if copy else view)
+        method = int(h[1])
+        out = unpack_arrays(h, self._shm.buf, self._data_start, copy)
         if copy:
             self.acknowledge()
         return method, out
@@ -258,4 +279,5 @@ def _resident(shm: shared_memory.SharedMemory, spec: ChannelSpec) -> dict[str, n
             for name, shape, dtype, offset in spec.resident}
 
 
-__all__ = ["ChannelSpec", "StepChannel"]
+__all__ = ["ALIGN", "ChannelSpec", "ENTRY_WORDS", "HEADER_WORDS", "StepChannel", "aligned_nbytes", "pack_entries",
+           "unpack_arrays"]

@@ -28,6 +28,8 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
 from graphrt.core.errors import InputError
 from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+from graphrt.core.step_channel import (ALIGN, ENTRY_WORDS, HEADER_WORDS, aligned_nbytes, pack_entries,
+                                       unpack_arrays)
 
 #: Method codes (StepChannel's ``method``).
 ALLOCATE, BUILD, RUN, RECOVER, SHUTDOWN, MEASURE, MEMORY = range(1, 8)
@@ -85,9 +87,8 @@ class WorkerSetup:
         field's staging buffer, aligned), and at least ``STEP_CHANNEL_BYTES``."""
         c = GraphConfig.create(**self.config)
         shapes = buffer_shapes(c.max_num_batched_tokens, c.max_num_seqs, c.max_blocks_per_req)
-        need = sum(-(-int(np.prod(shape)) * np.dtype(FIELD_DTYPES[name]).itemsize // _ALIGN) * _ALIGN
-                   for name, shape in shapes.items())
-        return max(defaults.STEP_CHANNEL_BYTES, need + _ALIGN * (len(shapes) + 1))
+        need = sum(aligned_nbytes(shape, FIELD_DTYPES[name]) for name, shape in shapes.items())
+        return max(defaults.STEP_CHANNEL_BYTES, need + ALIGN * (len(shapes) + 1))
 
     def device(self, rank: int) -> torch.device:
         """Rank ``rank``'s device: the same CPU, or the accelerator ``index + rank``."""
@@ -127,20 +128,16 @@ class Agreement:
         return [tuple(int(v) for v in t.tolist()) for t in self._all]   # type: ignore[misc]
 
 
-_DTYPES = (np.int32, np.int64, np.float32, np.uint8)
-_CODE = {np.dtype(d): i for i, d in enumerate(_DTYPES)}
-_FIXED, _PER_ARRAY, _MAX_DIMS, _ALIGN = 3, 8, 4, 64
-
-
 class BroadcastChannel:
     """``StepChannel``'s ``send`` / ``receive`` as two gloo broadcasts from rank 0 -- a fixed
-    int64 header, then the arrays' bytes -- into persistent buffers: the transport of ranks
-    that share no memory (torchrun). ``receive`` returns views valid until the next one."""
+    int64 header (the step channel's entries; word 0 the bytes that follow), then the arrays'
+    bytes -- into persistent buffers: the transport of ranks that share no memory (torchrun).
+    ``receive`` returns views valid until the next one."""
 
     def __init__(self, group: Any, capacity: int = defaults.STEP_CHANNEL_BYTES,
                  max_arrays: int = defaults.STEP_CHANNEL_MAX_ARRAYS) -> None:
         self.group, self.capacity, self.max_arrays = group, capacity, max_arrays
-        self._header = torch.zeros(_FIXED + _PER_ARRAY * max_arrays, dtype=torch.int64)
+        self._header = torch.zeros(HEADER_WORDS + ENTRY_WORDS * max_arrays, dtype=torch.int64)
         self._data = torch.zeros(capacity, dtype=torch.uint8)
         self._h, self._d = self._header.numpy(), self._data.numpy()
         #: No resident buffers: ranks that share no memory get every array in the broadcast.
@@ -150,22 +147,16 @@ class BroadcastChannel:
         """Broadcast one call (rank 0)."""
         if len(arrays) > self.max_arrays:
             raise InputError("arrays", f"{len(arrays)} arrays, the channel holds {self.max_arrays}")
-        h, offset = self._h, 0
-        h[1], h[2] = method, len(arrays)
-        for i, a in enumerate(arrays):
-            n, base = a.nbytes, _FIXED + _PER_ARRAY * i
-            if offset + n > self.capacity or a.dtype not in _CODE or a.ndim > _MAX_DIMS:
-                raise InputError("arrays", f"array {i} ({a.dtype}, {a.shape}) cannot be sent")
-            h[base], h[base + 1] = _CODE[a.dtype], a.ndim
-            h[base + 2:base + 2 + a.ndim] = a.shape
-            h[base + 6], h[base + 7] = offset, n
-            self._d[offset:offset + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            offset += -(-n // _ALIGN) * _ALIGN
-        h[0] = offset
+        entries, offsets, used = pack_entries(arrays, self.capacity)
+        h = self._h
+        h[0], h[1], h[2] = used, method, len(arrays)
+        h[HEADER_WORDS:HEADER_WORDS + len(entries)] = entries
+        for a, offset in zip(arrays, offsets):
+            self._d[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         wait = timedelta(seconds=timeout)
         dist.broadcast(self._header, 0, group=self.group, async_op=True).wait(wait)
-        if offset:
-            dist.broadcast(self._data[:offset], 0, group=self.group, async_op=True).wait(wait)
+        if used:
+            dist.broadcast(self._data[:used], 0, group=self.group, async_op=True).wait(wait)
 
     def receive(self, timeout: float | None = None, copy: bool = True,
                 spin: float = 0.0) -> tuple[int, list[np.ndarray]]:
@@ -175,14 +166,7 @@ class BroadcastChannel:
         h = self._h
         if h[0]:
             dist.broadcast(self._data[:int(h[0])], 0, group=self.group)
-        out = []
-        for i in range(int(h[2])):
-            base = _FIXED + _PER_ARRAY * i
-            dtype, ndim, offset, n = _DTYPES[int(h[base])], int(h[base + 1]), int(h[base + 6]), int(h[base + 7])
-            shape = tuple(int(d) for d in h[base + 2:base + 2 + ndim])
-            view = self._d[offset:offset + n].view(dtype).reshape(shape)
-            out.append(view.copy() if copy else view)
-        return int(h[1]), out
+        return int(h[1]), unpack_arrays(h, self._d, 0, copy)
 
     def acknowledge(self) -> None:
         """Nothing to do: a broadcast is received once it returns."""
