@@ -341,3 +341,11 @@ def test_resident_buffers_pin_for_cuda_copies_and_unpin():
     finally:
         channel.close()
         channel.unlink()
+
+
+@pytest.mark.parametrize("layout", [{"x": ((4, -1), np.int32)}, {"x": ((4,), np.complex64)}, {"x": ((2.5,), np.int32)}])
+def test_bad_resident_layouts_are_refused_naming_the_field(layout):
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(InputError, match="resident.*'x'"):
+        StepChannel.create(1, resident=layout)
+    assert set(os.listdir("/dev/shm")) <= before

@@ -149,6 +149,9 @@ class StepChannel:
         offset = -(-head // ALIGN) * ALIGN + capacity
         layout = []
         for name, (shape, dtype) in (resident or {}).items():
+            if np.dtype(dtype) not in _CODE or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+                raise InputError("resident", f"{name!r}: shape {shape} / dtype {np.dtype(dtype)} cannot be held "
+                                 f"(non-negative int dims; dtypes {[np.dtype(d).name for d in _DTYPES]})")
             layout.append((name, tuple(int(d) for d in shape), np.dtype(dtype).str, offset))
             offset += aligned_nbytes(shape, dtype)
         shm = shared_memory.SharedMemory(create=True, size=offset)
