@@ -7,6 +7,9 @@
   a bucket and the unpadded step): within :func:`graphrt.tolerance` of the dtype, since
   another row count may pick another matmul kernel; :func:`assert_same_tokens` for the
   greedy tokens.
+* :func:`assert_close_across_reductions` -- the same computation with its sums in another
+  order (tensor parallelism's all-reduce, data-parallel ranks): within
+  :func:`graphrt.reduction_tolerance`, which scales with the values' magnitude.
 * :func:`pad_like` -- an eager runner that pads every step to the key a graph runner would
   use, so a replay has an eager reference of exactly its own shape.
 
@@ -52,6 +55,17 @@ def assert_close_across_shapes(got: Any, want: Any, dtype: Any = None, err_msg: 
         dtype = got.dtype
     tol = graphrt.tolerance(dtype)
     np.testing.assert_allclose(_numpy(got), _numpy(want), rtol=tol.rtol, atol=tol.atol, err_msg=err_msg)
+
+
+def assert_close_across_reductions(got: Any, want: Any, *, width: int, dtype: Any = None,
+                                   err_msg: str = "") -> None:
+    """Within ``graphrt.reduction_tolerance`` (scaled by the largest ``|want|`` and the reduced
+    ``width``): for the same computation with its sums in another order -- tensor-parallel
+    ranks, a sharded model, data-parallel ranks at other shapes."""
+    got, want = _numpy(got), _numpy(want)
+    tol = graphrt.reduction_tolerance(dtype if dtype is not None else got.dtype,
+                                      magnitude=float(np.abs(want).max(initial=0.0)), width=width)
+    np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol, err_msg=err_msg)
 
 
 def assert_same_tokens(got_logits: Any, want_logits: Any, err_msg: str = "") -> None:

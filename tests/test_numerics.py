@@ -56,3 +56,39 @@ def test_bounds_a_reordered_float32_sum() -> None:
     np.testing.assert_allclose(blocked, forward, **tol._asdict())
     assert not np.array_equal(blocked, forward)
     assert not np.allclose(forward * (1 + 1e-3), forward, **tol._asdict())
+
+
+def test_reduction_tolerance_scales_with_the_values_summed() -> None:
+    """Issue 26's fresh-clone failure: a tensor-parallel logit of 0.00536245 against the single
+    device's 0.00537151 (9.06e-6 apart) in a row reaching 20 is a reordering, not a bug: outside
+    ``tolerance`` (7.63e-6), inside ``reduction_tolerance``; a real error of 1e-3 is not."""
+    got, want = np.array([0.00536245, 20.0], np.float32), np.array([0.00537151, 20.0], np.float32)
+    plain = graphrt.tolerance("float32")
+    assert not np.allclose(got, want, rtol=plain.rtol, atol=plain.atol)
+    tol = graphrt.reduction_tolerance("float32", magnitude=float(np.abs(want).max()), width=64)
+    np.testing.assert_allclose(got, want, **tol._asdict())
+    assert not np.allclose(want + np.array([1e-3, 0], np.float32), want, **tol._asdict())
+    assert tol.rtol == plain.rtol and tol.atol == pytest.approx(20 * plain.atol)
+    # O(1) values keep the plain bound; a wider reduction widens it by sqrt(width / calibration)
+    assert graphrt.reduction_tolerance("float32", magnitude=0.5) == plain
+    wide = graphrt.reduction_tolerance("float32", magnitude=1.0, width=4 * defaults.TOLERANCE_CALIBRATION_WIDTH)
+    assert wide.atol == pytest.approx(2 * plain.atol)
+    assert graphrt.reduction_tolerance("bfloat16", magnitude=2.0).atol == 2 * graphrt.tolerance("bfloat16").atol
+
+
+@pytest.mark.parametrize("bad", [dict(magnitude=float("nan")), dict(magnitude=-1.0), dict(magnitude=1.0, width=0)])
+def test_reduction_tolerance_refuses_nonsense(bad: dict) -> None:
+    with pytest.raises(ConfigError, match="reduction_tolerance"):
+        graphrt.reduction_tolerance("float32", **bad)
+
+
+def test_reordered_wide_sums_stay_within_the_reduction_bound() -> None:
+    """A tensor-parallel row: each of 4 ranks sums its quarter of a 1024-wide product, then the
+    partial sums are added; the result differs from the one-device sum within the bound."""
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((32, 1024), dtype=np.float32), rng.standard_normal((1024, 512), dtype=np.float32)
+    w *= 8 / np.sqrt(1024)                      # outputs reaching ~30, like a logit row
+    whole = x @ w
+    parts = sum(x[:, r * 256:(r + 1) * 256] @ w[r * 256:(r + 1) * 256] for r in (3, 1, 0, 2))
+    tol = graphrt.reduction_tolerance(np.float32, magnitude=float(np.abs(whole).max()), width=1024)
+    np.testing.assert_allclose(parts, whole, **tol._asdict())

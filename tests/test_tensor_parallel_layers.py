@@ -94,11 +94,11 @@ def _outputs(layers: dict, x: torch.Tensor, inter: torch.Tensor, ids: torch.Tens
 
 
 def _compare(got: dict, tag: str) -> list[str]:
-    from graphrt import tolerance
+    from parity import assert_close_across_reductions
     failures = []
     for name, (out, want) in got.items():
         try:
-            torch.testing.assert_close(out, want, **tolerance("float32")._asdict())
+            assert_close_across_reductions(out, want, width=max(HIDDEN, INTER))
         except AssertionError as err:
             failures.append(f"{tag} {name}: {err}")
     return failures

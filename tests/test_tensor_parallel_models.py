@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from gloo_ranks import run_ranks
-from graphrt import ConfigError, GraphConfig, add_cli_args, from_cli_args, tolerance
+from graphrt import ConfigError, GraphConfig, add_cli_args, from_cli_args
 from graphrt.core.forward_context import forward_context
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch import loader as loader_module
@@ -23,8 +23,11 @@ from graphrt.models.torch.decoder import DecoderForCausalLM, FusedLinear
 from graphrt.models.torch.loader import load_torch_model
 from graphrt.models.torch.parallel import kv_head_shard
 from hf_models import tiny_hf_model_dir
+from parity import assert_close_across_reductions
 from test_torch_models import BLOCK_SIZE, alloc_caches, assign_blocks, make_step, random_tokens, run
 
+#: The models' hidden size: the width the ranks' partial sums reduce over.
+HIDDEN = 64
 # name -> (arch, overrides); every one has 4 query heads over 2 KV heads, hidden 64, 2 layers.
 VARIANTS = {
     "qwen3": ("qwen3", {}),
@@ -137,16 +140,15 @@ def sharded() -> tuple[dict, dict]:
 
 
 def _check(sharded: tuple[dict, dict], tp_size: int) -> None:
-    """Every rank's logits allclose to the unsharded model's (graphrt.tolerance: the ranks'
-    partial sums add in another order), and no rank failed a check."""
+    """Every rank's logits allclose to the unsharded model's (graphrt.reduction_tolerance: the
+    ranks' partial sums add in another order), and no rank failed a check."""
     got, reference = sharded
     failures = [f for rank in sorted(got) for f in got[rank][tp_size][1]]
-    tol = tolerance("float32")._asdict()
     for name, steps in reference.items():
         for step, ref in enumerate(steps):
             for rank in sorted(got):
                 try:
-                    torch.testing.assert_close(torch.from_numpy(got[rank][tp_size][0][name][step]), ref, **tol)
+                    assert_close_across_reductions(got[rank][tp_size][0][name][step], ref, width=HIDDEN)
                 except AssertionError as err:
                     failures.append(f"tp {tp_size} rank {rank} {name} step {step}: {err}")
     assert not failures, "\n".join(failures)

@@ -22,7 +22,7 @@ from graphrt.core.errors import (BackendUnavailableError, CacheMissError, Config
                                  WatchdogTimeout)
 from graphrt.core.fields import ModelInputs
 from graphrt.core.inputs import InputPreparer, prepare_inputs
-from graphrt.core.numerics import Tolerance, tolerance
+from graphrt.core.numerics import Tolerance, reduction_tolerance, tolerance
 from graphrt.core.padding import Padder
 from graphrt.registry import available_backends, select_backend
 
@@ -49,5 +49,5 @@ __all__ = [
     "ModelInputs",
     "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "add_cli_args",
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
-    "tolerance", "WatchdogTimeout",
+    "tolerance", "reduction_tolerance", "WatchdogTimeout",
 ]

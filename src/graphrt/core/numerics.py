@@ -16,6 +16,7 @@ and so can an engine's.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -79,4 +80,32 @@ def tolerance(dtype: Any = "float32") -> Tolerance:
     return Tolerance(rtol=bound, atol=bound)
 
 
-__all__ = ["Tolerance", "dtype_name", "tolerance"]
+def reduction_tolerance(dtype: Any = "float32", *, magnitude: float,
+                        width: int = defaults.TOLERANCE_CALIBRATION_WIDTH) -> Tolerance:
+    """How far outputs of the same computation with its reductions in another order may be
+    apart: tensor parallelism (each rank sums its shard, then the all-reduce adds the
+    partial sums), a sharded XLA matmul, or data-parallel ranks padding to other shapes.
+
+    A reordered sum rounds relative to the terms it adds, not to its result, so an output
+    near 0 in a row whose other outputs reach ``magnitude`` can move by about eps times
+    ``magnitude`` (issue 26: a logit of 0.0054 moved by 9.1e-6 in a row reaching 20, over
+    :func:`tolerance`'s 7.6e-6). The bound is therefore :func:`tolerance` of ``dtype`` for
+    ``rtol``, and for ``atol`` the same bound scaled by the magnitude of the compared values
+    (at least 1: :func:`tolerance` already covers O(1) values) and by
+    ``sqrt(width / TOLERANCE_CALIBRATION_WIDTH)`` for a reduction wider than the ones
+    :func:`tolerance` was calibrated on (``width``: the reduced dimension, e.g. the hidden
+    size; at most the calibration width counts as it).
+
+    ``magnitude`` is the largest absolute value of the reference (per row or per step, as
+    the caller compares).
+    """
+    if not np.isfinite(magnitude) or magnitude < 0:
+        raise ConfigError(f"reduction_tolerance: magnitude must be finite and >= 0, got {magnitude!r}")
+    if int(width) <= 0:
+        raise ConfigError(f"reduction_tolerance: width must be > 0, got {width!r}")
+    base = tolerance(dtype)
+    widen = math.sqrt(max(int(width), defaults.TOLERANCE_CALIBRATION_WIDTH) / defaults.TOLERANCE_CALIBRATION_WIDTH)
+    return Tolerance(rtol=base.rtol, atol=base.atol * max(1.0, float(magnitude)) * widen)
+
+
+__all__ = ["Tolerance", "dtype_name", "reduction_tolerance", "tolerance"]
