@@ -69,6 +69,10 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: device), ``sample(..., wait=False)`` (the device tokens) and ``fetch_tokens(tokens, n)``;
     #: the runner resolves future tokens on the host for the others (core/future_tokens.py).
     async_execution: bool = False
+    #: Whether the entries it builds share one memory pool that reuses freed blocks (a device
+    #: caching allocator), so that an entry built after a larger one adds only what it keeps;
+    #: the graph-memory estimate does not draw a line through such entries' bytes.
+    graphs_share_memory: bool = False
 
     vocab_size: int
     host_buffers: Mapping[str, np.ndarray]

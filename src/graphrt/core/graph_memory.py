@@ -16,10 +16,13 @@ The rule (docs/backends.md, "Graph memory in the KV budget"):
    line: its bytes include the pool itself. Every other unsampled key gets the piecewise
    linear interpolation, over size, of its family's other samples' bytes (what each added
    to a pool that already held a larger graph), extended beyond them along the nearest
-   segment and never below 0. A shared pool's marginal bytes per graph stay small and the
-   line keeps them small (vLLM #45178 multiplied the second graph's bytes by the number of
-   graphs and lost two thirds of its KV cache); graphs that keep their own memory (the CPU
-   recording graph) grow linearly with their size, which the line follows.
+   segment and never below 0: graphs that keep their own memory (the CPU recording graph)
+   grow linearly with their size, which the line follows. In a shared pool (a device caching
+   allocator: CUDA, NPU) a graph captured after a larger one reuses its freed blocks and adds
+   what it keeps, in whole allocator segments: an unsampled key gets the smaller of its two
+   neighbouring samples' bytes, not a line through two segment-sized steps (vLLM #45178
+   multiplied the second graph's bytes by the number of graphs and lost two thirds of its KV
+   cache).
 4. **Margin.** ``ceil(estimate * defaults.GRAPH_MEMORY_MARGIN)`` more is kept out of the KV
    cache for what the line misses (fragmentation, a key that allocates more than its
    neighbours). After warm-up the runner logs the estimate against the bytes actually built.
@@ -92,11 +95,24 @@ def _interpolate(points: list[tuple[int, int]], size: int) -> Fraction:
     return max(Fraction(0), y0 + Fraction(y1 - y0, x1 - x0) * (size - x0))
 
 
-def extrapolate(jobs: Sequence[Job], measured: dict[Any, int]) -> int:
+def _lower_envelope(points: list[tuple[int, int]], size: int) -> int:
+    """The smaller bytes of the two samples around ``size`` (the nearest one beyond the ends)."""
+    below = [y for x, y in points if x <= size]
+    above = [y for x, y in points if x >= size]
+    near = [ys[i] for ys, i in ((below, -1), (above, 0)) if ys]
+    return min(near)
+
+
+def extrapolate(jobs: Sequence[Job], measured: dict[Any, int], shared_pool: bool = False) -> int:
     """Estimated bytes of building every job: each sampled key's measured bytes, plus, per
-    unsampled key, its family's line (module docstring, point 3). ``measured`` maps keys to
-    bytes in capture order; its first key is the span's first capture, no point of a line
-    unless it is its family's only sample."""
+    unsampled key, its family's line (module docstring, point 3) -- or, in a ``shared_pool``
+    (a caching allocator whose graphs reuse each other's freed blocks), the smaller of the
+    bytes its two neighbouring samples added: a graph captured after a larger one adds only
+    what it keeps, and what the samples add comes in the allocator's segments (2 or 20 MiB
+    on CUDA, 0 for most graphs), so a line through two of them multiplies one segment by
+    every key in between (105 MiB estimated against 4.5 MiB built on an H200). ``measured``
+    maps keys to bytes in capture order; its first key is the span's first capture, no point
+    of a line unless it is its family's only sample."""
     first = next(iter(measured), None)
     lines: dict[Hashable, dict[int, int]] = {}
     for job in jobs:
@@ -114,7 +130,10 @@ def extrapolate(jobs: Sequence[Job], measured: dict[Any, int]) -> int:
             total += measured[job[1]]
         else:
             points = sorted(lines.get(family(job)[0], {}).items())
-            total += _interpolate(points, family(job)[1]) if points else 0
+            if not points:
+                continue
+            size = family(job)[1]
+            total += _lower_envelope(points, size) if shared_pool else _interpolate(points, size)
     return math.ceil(total)
 
 
@@ -169,17 +188,17 @@ def kv_blocks_after_graphs(budget: int, per_block: int, full: int, graphs: Graph
     return int(blocks)
 
 
-def estimate_graph_memory(jobs: Sequence[Job], measure: Callable[[Sequence[Job]], tuple[dict[Any, int], str | None]]
-             ) -> GraphMemory:
+def estimate_graph_memory(jobs: Sequence[Job], measure: Callable[[Sequence[Job]], tuple[dict[Any, int], str | None]],
+                          shared_pool: bool = False) -> GraphMemory:
     """Choose the samples of ``jobs``, ``measure`` them (bytes per key in capture order, or
-    ({}, why not)), extrapolate, and add the margin."""
+    ({}, why not)), extrapolate (``shared_pool``: see :func:`extrapolate`), and add the margin."""
     if not jobs:
         return GraphMemory(reason="no keys to build (graph mode NONE or an eager backend)")
     samples = choose_samples(jobs)
     measured, reason = measure(samples)
     if reason is not None:
         return GraphMemory(num_keys=len(jobs), reason=reason)
-    total = extrapolate(jobs, measured)
+    total = extrapolate(jobs, measured, shared_pool)
     names = {key: describe_key(key if isinstance(key, SamplerKey) else (mode, key)) for mode, key in samples}
     return GraphMemory(estimate=total, margin=int(math.ceil(total * defaults.GRAPH_MEMORY_MARGIN)),
                        num_keys=len(jobs), sampled={names[k]: int(v) for k, v in measured.items()})
@@ -205,7 +224,7 @@ def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int
         if budget is None:
             free, total = info
             budget = int(free - total * (1.0 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
-        memory = estimate_graph_memory(jobs, executor.measure_graph_memory)
+        memory = estimate_graph_memory(jobs, executor.measure_graph_memory, executor.graphs_share_memory)
         logger.info("graphrt: %s", memory.summary())
         if memory.deducted:
             return kv_blocks_after_graphs(budget, per_block, full, memory), memory

@@ -78,6 +78,7 @@ class TorchExecutor(Executor[TorchEntry]):
         self.device = torch.device(device)
         self.graph_api = graph_api
         self.has_graphs = graph_api is not None
+        self.graphs_share_memory = graph_api is not None and graph_api.graphs_share_memory
         self.attention_support = attention_support(model)
         #: Run before every forward (graph or eager) with the padded inputs; see :func:`graph_task`.
         self.pre_replay_hooks: list[PreReplayHook] = []

@@ -59,6 +59,11 @@ class DeviceGraphAPI(abc.ABC):
     #: Run the garbage collector once before the first capture (frees device memory that
     #: dead tensors hold, so the graph pool starts from the real high-water mark).
     collect_before_capture: bool = True
+    #: Whether graphs of one pool reuse each other's freed memory (a device caching allocator:
+    #: CUDA, NPU), so a graph captured after a larger one adds only what it keeps (and the
+    #: allocator's segment rounding); False where every graph keeps its own intermediates (the
+    #: CPU recording graph). The graph-memory estimate extrapolates differently for each.
+    graphs_share_memory: bool = False
 
     @abc.abstractmethod
     def new_graph(self) -> Any:

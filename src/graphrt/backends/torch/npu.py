@@ -84,6 +84,7 @@ class NpuGraphAPI(DeviceGraphAPI):
     name = "npu"
     pin_memory = True
     compile_backend = None
+    graphs_share_memory = True
 
     def __init__(self, device: torch.device | str = "npu", npu: Any = None) -> None:
         self.npu = import_torch_npu() if npu is None else npu
