@@ -100,7 +100,7 @@ def decode_step(runner: Any, batch: int, context: int) -> tuple[Any, Any, Any, A
     import numpy as np
 
     from graphrt.core.dispatch import RuntimeMode
-    from graphrt.runner import EagerFallback
+    from graphrt.runner import FailedBuild
 
     width = context // BLOCK_SIZE
     tables = np.tile(np.arange(1, width + 1, dtype=np.int32), (MAX_NUM_SEQS, 1))
@@ -112,7 +112,7 @@ def decode_step(runner: Any, batch: int, context: int) -> tuple[Any, Any, Any, A
     mode, key, entry = d.mode, d.key, None
     if mode is not RuntimeMode.NONE:
         entry = runner.cache.get((mode, key))
-        if entry is None or isinstance(entry, EagerFallback):
+        if entry is None or isinstance(entry, FailedBuild):
             raise RuntimeError(f"{key} has no graph ({getattr(entry, 'reason', 'not captured')})")
     padded = runner.padder.pad(inputs, num_tokens=key.num_tokens,
                                num_reqs=key.num_reqs if key.num_reqs is not None else inputs.num_reqs,
@@ -156,8 +156,8 @@ def reduce_overhead_step(runner: Any, batch: int, context: int) -> Callable[[], 
     static = executor.static
 
     def step() -> Any:
-        executor._to_device(t, r)
-        with torch.no_grad(), forward_context(executor._meta(t, r)):
+        executor.to_device(t, r)
+        with torch.no_grad(), forward_context(executor.metadata(t, r)):
             hidden = compiled(static["input_ids"][:t], static["positions"][:t])
             last = (static["query_start_loc"][1:r + 1] - 1).long()
             return model.compute_logits(hidden.index_select(0, last))

@@ -22,7 +22,7 @@ import torch
 
 import graphrt
 from graphrt import GraphCaptureError, GraphrtError, ModelRunner, RuntimeMode
-from graphrt.runner import EagerFallback
+from graphrt.runner import FailedBuild
 from parity import assert_close_across_shapes, pad_like
 from runner_steps import CONFIG, LIMITS, greedy, random_steps, same_bits
 
@@ -174,10 +174,10 @@ def test_item_during_capture_falls_back_to_eager_with_a_warning(model_dir, table
     assert len(warnings) == 2 and all("failed, it will run eagerly" in w and "`.item()`" in w
                                       for w in warnings), warnings
     entries = [runner.cache.get(k) for k in runner.cache.keys()]
-    assert len(entries) == 2 and all(isinstance(e, EagerFallback) for e in entries)
+    assert len(entries) == 2 and all(isinstance(e, FailedBuild) for e in entries)
     assert all("`.item()`" in e.reason for e in entries)
     # The sampler does not call the model: its graphs captured fine.
-    assert not any(isinstance(runner.sampler_cache.get(k), EagerFallback) for k in runner.sampler_cache.keys())
+    assert not any(isinstance(runner.sampler_cache.get(k), FailedBuild) for k in runner.sampler_cache.keys())
     for r in (runner, eager_runner):
         r.executor.kv_cache.zero_()
     for step in [tables.step([0, 1], [0, 0], [3, 2]), tables.step([0, 1], [3, 2], [1, 1])]:

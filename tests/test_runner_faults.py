@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from graphrt import GraphCaptureError, ModelRunner, RuntimeMode
-from graphrt.core.cache import EagerFallback
+from graphrt.core.cache import FailedBuild
 from graphrt.core.dispatch import SamplerKey
 from runner_steps import LIMITS, Tables, VOCAB, greedy, random_steps
 
@@ -49,7 +49,7 @@ def test_failed_sampler_capture_is_counted_and_reported(model_dir, tables, monke
     assert failed and all(r["key"].startswith("sampler") for r in failed)
     assert all("stream is capturing" in r["failed"] for r in failed)
     assert runner.sampler_stats.failed_builds == len(failed) and runner.stats.failed_builds == 0
-    assert all(isinstance(runner.sampler_cache.lookup(k), EagerFallback) for k in runner.sampler_cache.keys())
+    assert all(isinstance(runner.sampler_cache.lookup(k), FailedBuild) for k in runner.sampler_cache.keys())
     before = runner.sampler_stats.hits
     step = tables.step([0, 1], [0, 0], [3, 2])
     tokens = step.run(runner, greedy(2))

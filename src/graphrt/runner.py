@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
-from graphrt.core.cache import CacheStats, EagerFallback, GraphCache, describe_key
+from graphrt.core.cache import CacheStats, FailedBuild, GraphCache, describe_key
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
 from graphrt.core.eager import EagerCause
@@ -28,8 +28,9 @@ from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.inputs import InputPreparer
-from graphrt.core.dp_agreement import DataParallelMethods, StepAgreement
-from graphrt.core.lora import LoraInputs, LoraMethods, lora_off
+from graphrt.core.dp_agreement import DataParallelStep, DispatchShape, StepAgreement
+from graphrt.core.fields import ModelInputs
+from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
 from graphrt.registry import select_backend
@@ -68,7 +69,7 @@ class _StepPlan:
     eager_cause: EagerCause | None = None
 
 
-class ModelRunner(LoraMethods, DataParallelMethods):
+class ModelRunner:
     """Runs a model's steps on one backend with graphs / executables per bucket.
 
     ``model`` is a Hugging Face directory (loaded with graphrt's reference models for the
@@ -78,6 +79,10 @@ class ModelRunner(LoraMethods, DataParallelMethods):
 
     ``step_agreement``: data-parallel ranks that step together agree on each step's bucket, and
     a rank with no work calls :meth:`execute_dummy` (docs/distributed.md).
+
+    Features are objects it holds: ``lora`` (:class:`~graphrt.core.lora.RunnerLora`, with
+    ``max_loras > 0``) and ``data_parallel`` (:class:`~graphrt.core.dp_agreement.DataParallelStep`,
+    with ``step_agreement``); None when off.
 
     Threads: :meth:`execute` serializes its callers (one lock; each caller gets its own
     step's tokens), but :meth:`logits`, :meth:`hidden_states` and :attr:`last_step` describe
@@ -125,14 +130,14 @@ class ModelRunner(LoraMethods, DataParallelMethods):
         slots = self.executor.lora
         if cfg.max_loras and slots is None:
             raise ConfigError(f"max_loras={cfg.max_loras}: backend {self.backend.name} has no LoRA support")
-        self._lora = LoraInputs(cfg.max_loras, cfg.max_num_seqs, slots.host_buffers, slots.loaded) if slots else None
+        self._lock = threading.Lock()
+        self.lora = RunnerLora(slots, cfg.max_loras, cfg.max_num_seqs, self._lock) if slots is not None else None
+        self.data_parallel = DataParallelStep(step_agreement, self.lora) if step_agreement is not None else None
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
-        self._plans: dict[tuple[int, int, bool, int], _StepPlan] = {}   # (tokens, reqs, uniform, adapters)
+        self._plans: dict[DispatchShape, _StepPlan] = {}
         self._last: tuple[_StepPlan, int, int, float] | None = None
         self._futures = FutureTokens(on_device=self.executor.async_execution)
-        self._lock = threading.Lock()
-        self.step_agreement = step_agreement     # data-parallel ranks stepping together (core/dp_agreement.py)
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
         if warmup:
@@ -240,62 +245,92 @@ class ModelRunner(LoraMethods, DataParallelMethods):
     def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                  num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                  sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any) -> PendingTokens | None:
+        """Check, dispatch, write, run and sample one step (the lock held)."""
         t0 = time.perf_counter()
-        shape = self.preparer.check(token_ids=token_ids, block_table=block_table,
-                                    req_rows=req_rows, num_computed_tokens=num_computed_tokens,
-                                    num_scheduled_tokens=num_scheduled_tokens)
-        t, r, _, _, uniform = shape
+        step = self.preparer.check(token_ids=token_ids, block_table=block_table,
+                                   req_rows=req_rows, num_computed_tokens=num_computed_tokens,
+                                   num_scheduled_tokens=num_scheduled_tokens)
+        t, r = step.num_tokens, step.num_reqs
         if sampling is not None:
             sampling.check_rows(r)
         future_rows = self._futures.check(future_rows, r)
         ids, n = None, 0
-        if lora_ids is not None or self._lora is not None:
-            if self._lora is None:
+        if lora_ids is not None or self.lora is not None:
+            if self.lora is None:
                 raise lora_off()
-            ids, n = self._lora.check(lora_ids, r)
-        agreed = self._agreed_shape(t, r, uniform, n, ids)   # data-parallel ranks: one key for all
-        plan = self._plans.get(agreed[:4])
-        if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
-            plan = self._plan(*agreed[:4])
-        key, padded_reqs, ids = plan.key, plan.padded_reqs, agreed[4]
-        padded = self.preparer.write(self.padder, num_tokens=key.num_tokens, num_reqs=padded_reqs,
+            ids, n = self.lora.check(lora_ids, r)
+        shape = DispatchShape(t, r, step.uniform_decode, n)
+        if self.data_parallel is not None:          # one key for every rank of the group
+            shape, ids = self.data_parallel.agree(shape, ids)
+        plan = self._plan(shape)
+        padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
                                      out=self.executor.host_buffers)
-        if agreed[3]:
-            self._lora.write(ids, num_scheduled_tokens, t, key.num_tokens)
+        if shape.num_loras:
+            self.lora.write(ids, num_scheduled_tokens, t, plan.key.num_tokens)
         future = (None if future_rows is None else
                   self._futures.apply(future_rows, padded.input_ids, padded.query_start_loc))
         self._futures.clear()       # until this step's tokens are recorded: a failed step has none
-        # Statistics are counted before the forward: it evicts the host's caches (on a CPU
-        # device), and the runner's objects are still warm from checking and writing.
-        self.cache.record_step(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r,
-                               padded_reqs=padded_reqs, eager_reason=plan.eager_reason,
-                               eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
-        sampler_entry = None
-        if sampling is not None and plan.mode is RuntimeMode.FULL:
-            sampler_key, sampler_entry, sampler_eager = plan.sampler[sampling.all_greedy]
-            self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=r, padded_reqs=padded_reqs,
-                                           eager_reason=sampler_eager, eager_cause=EagerCause.CAPTURE_FAILED,
-                                           key=sampler_key,
-                                           hit=sampler_entry is not None)
-        ex = self.executor
-        logits = ex.run(plan.mode, key, plan.entry, padded, future=future) if future else \
-            ex.run(plan.mode, key, plan.entry, padded)
+        logits = self._run(plan, padded, t, r, future, sampled=sampling is not None, greedy=sampling is not None
+                           and sampling.all_greedy)
         pending = None
-        if sampling is not None and ex.async_execution:
-            out = ex.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sampler_entry, wait=False)
-            pending = PendingTokens(lambda: ex.fetch_tokens(out, r))
+        if sampling is not None:
+            ex = self.executor
+            entry = plan.sampler[sampling.all_greedy][1]
+            if ex.async_execution:
+                out = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry, wait=False)
+                pending = PendingTokens(lambda: ex.fetch_tokens(out, r))
+            else:
+                out = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry)
+                pending = PendingTokens(tokens=out)
             self._futures.record(out, r)
-        elif sampling is not None:
-            tokens = ex.sample(logits, r, sampling, padded_reqs=padded_reqs, entry=sampler_entry)
-            pending = PendingTokens(tokens=tokens)
-            self._futures.record(tokens, r)
         self._last = (plan, t, r, time.perf_counter() - t0)
         return pending
 
-    def _plan(self, t: int, r: int, uniform: bool, n: int = 0) -> "_StepPlan":
-        """What every step of this real shape (and ``n`` LoRA adapters) runs as: the dispatcher's
-        key, the cache entry (or the reason to run eagerly), the padded sizes and the sampler
-        entries. Remembered until either cache changes; each step still counts its hit or miss."""
+    def _run(self, plan: "_StepPlan", padded: ModelInputs, real_tokens: int, real_reqs: int,
+             future: Any = None, *, sampled: bool = False, greedy: bool = False) -> Any:
+        """Count the step in the statistics, then run ``plan`` on the written ``padded`` step
+        (every step, real or a data-parallel dummy, goes through here). Statistics are counted
+        before the forward: it evicts the host's caches (on a CPU device), and the runner's
+        objects are still warm from checking and writing."""
+        self.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
+                               padded_reqs=plan.padded_reqs, eager_reason=plan.eager_reason,
+                               eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
+        if sampled and plan.mode is RuntimeMode.FULL:
+            sampler_key, entry, eager = plan.sampler[greedy]
+            self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
+                                           padded_reqs=plan.padded_reqs, eager_reason=eager,
+                                           eager_cause=EagerCause.CAPTURE_FAILED, key=sampler_key,
+                                           hit=entry is not None)
+        if future is not None:
+            return self.executor.run(plan.mode, plan.key, plan.entry, padded, future=future)
+        return self.executor.run(plan.mode, plan.key, plan.entry, padded)
+
+    def execute_dummy(self) -> None:
+        """Join a step with nothing scheduled on this rank (data-parallel ranks that step
+        together, ``step_agreement``): agree, then run the agreed bucket on padding only (no
+        KV slot written, nothing sampled). Nothing runs when no rank has work."""
+        if self.data_parallel is None:
+            raise ConfigError("execute_dummy needs a ModelRunner built with step_agreement= "
+                              "(data-parallel ranks that step together)")
+        with self._lock:
+            shape = self.data_parallel.agree_idle()
+            if shape is None:
+                return
+            plan = self._plan(shape)
+            padded = self.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self.executor.host_buffers)
+            if self.lora is not None:
+                self.lora.write_padding(plan.key.num_tokens)
+            self._run(plan, padded, 0, 0)
+            self._last = (plan, 0, 0, 0.0)
+
+    def _plan(self, shape: DispatchShape) -> "_StepPlan":
+        """What every step of this dispatch shape runs as: the dispatcher's key, the cache entry
+        (or the reason to run eagerly), the padded sizes and the sampler entries. Remembered
+        until either cache changes; each step still counts its hit or miss."""
+        plan = self._plans.get(shape)
+        if plan is not None and plan.version == self.cache.version + self.sampler_cache.version:
+            return plan
+        t, r, uniform, n = shape
         d = self.dispatcher.dispatch(t, r, uniform, n) if n else self.dispatcher.dispatch(t, r, uniform)
         mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
         eager_cause = None
@@ -307,7 +342,7 @@ class ModelRunner(LoraMethods, DataParallelMethods):
             entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
             if entry is None and not self.executor.eager_fallback:
                 entry = self._build_missing(mode, key)
-            hit = entry is not None and not isinstance(entry, EagerFallback)
+            hit = entry is not None and not isinstance(entry, FailedBuild)
             if not hit:
                 eager_reason = entry.reason if entry is not None else f"{key} was not captured"
                 eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
@@ -317,7 +352,7 @@ class ModelRunner(LoraMethods, DataParallelMethods):
         for greedy in (True, False):
             sampler_key = SamplerKey(padded_reqs, greedy)
             sampler_entry = self.sampler_cache.lookup(sampler_key)
-            if isinstance(sampler_entry, EagerFallback):
+            if isinstance(sampler_entry, FailedBuild):
                 sampler[greedy] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
             else:
                 sampler[greedy] = (sampler_key, sampler_entry, None)
@@ -325,7 +360,7 @@ class ModelRunner(LoraMethods, DataParallelMethods):
                          self.cache.version + self.sampler_cache.version, eager_cause)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
-        self._plans[(t, r, uniform, n)] = plan
+        self._plans[shape] = plan
         return plan
 
     @property
@@ -374,6 +409,26 @@ class ModelRunner(LoraMethods, DataParallelMethods):
         token are unspecified."""
         return np.array(self.executor.position_logits(self.last_step.num_reqs), copy=True)
 
+    def load_lora(self, slot: int, weights: Any, scale: float = 1.0) -> None:
+        """Copy an adapter into ``slot`` of the persistent stacks (graphs captured before see it):
+        ``weights`` maps names of :meth:`lora_targets` to ``(lora_a [rank, in], lora_b [out, rank])``
+        (PEFT's layout), ``scale`` is PEFT's ``alpha / rank``. Every value is checked first:
+        ``InputError`` names the bad field and nothing is copied."""
+        self._require_lora().load(slot, weights, scale)
+
+    def remove_lora(self, slot: int) -> bool:
+        """Empty ``slot`` (steps naming it are refused until it is loaded again); False if it was empty."""
+        return self._require_lora().remove(slot)
+
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """The LoRA-capable modules by name, as ``(in_features, out_features)``."""
+        return self._require_lora().targets()
+
+    def _require_lora(self) -> RunnerLora:
+        if self.lora is None:
+            raise lora_off("slot")
+        return self.lora
+
     def free_request(self, request_id: int) -> None:
         """Drop per-request state (seeded sampler generators)."""
         self.executor.free_request(request_id)
@@ -391,7 +446,7 @@ class ModelRunner(LoraMethods, DataParallelMethods):
 
     def close(self) -> None:
         """Stop what the executor started (tensor-parallel workers; docs/distributed.md). Idempotent."""
-        getattr(self.executor, "close", lambda: None)()
+        self.executor.close()
 
     def __enter__(self) -> "ModelRunner":
         return self
@@ -400,4 +455,4 @@ class ModelRunner(LoraMethods, DataParallelMethods):
         self.close()
 
 
-__all__ = ["ModelRunner", "StepInfo", "EagerFallback", "sampling_batch"]
+__all__ = ["ModelRunner", "StepInfo", "FailedBuild", "sampling_batch"]

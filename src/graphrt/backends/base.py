@@ -64,9 +64,8 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: when its capture failed. False (XLA): every step needs its executable, so the runner
     #: compiles a missing key on demand and a failed build raises.
     eager_fallback: bool = True
-    #: Whether :meth:`run` and :meth:`sample` return before the device finishes (XLA). Such an
-    #: executor also takes ``run(..., future=(rows, tokens))`` (future tokens resolved on the
-    #: device), ``sample(..., wait=False)`` (the device tokens) and ``fetch_tokens(tokens, n)``;
+    #: Whether :meth:`run` and :meth:`sample` return before the device finishes (XLA): such an
+    #: executor resolves ``run(..., future=)`` on the device and honours ``sample(..., wait=False)``;
     #: the runner resolves future tokens on the host for the others (core/future_tokens.py).
     async_execution: bool = False
     #: Whether the entries it builds share one memory pool that reuses freed blocks (a device
@@ -74,6 +73,8 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: the graph-memory estimate does not draw a line through such entries' bytes.
     graphs_share_memory: bool = False
 
+    #: The model the executor runs (rank 0's shard under tensor parallelism).
+    model: Any
     vocab_size: int
     host_buffers: Mapping[str, np.ndarray]
     #: How many times :meth:`recover_kv_cache` re-created a lost KV cache.
@@ -112,15 +113,29 @@ class Executor(abc.ABC, Generic[EntryT]):
         return None
 
     @abc.abstractmethod
-    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: EntryT | None, padded: ModelInputs) -> Any:
-        """Run one padded step (replay ``entry``, or eagerly when it is None); returns logits rows."""
+    def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: EntryT | None, padded: ModelInputs,
+            future: Any = None) -> Any:
+        """Run one padded step (replay ``entry``, or eagerly when it is None); returns logits rows.
+        ``future`` (``async_execution`` executors only; None otherwise): ``(rows, tokens)`` of
+        the previous step, whose tokens replace each such request's last input id on the device."""
 
     @abc.abstractmethod
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: EntryT | None = None) -> np.ndarray:
+               padded_reqs: int | None = None, entry: EntryT | None = None, wait: bool = True) -> Any:
         """One token id per real request (int64): the sampler ``entry`` built for
         ``SamplerKey(padded_reqs, sampling.all_greedy)`` replayed / called on the first
-        ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry`` is None."""
+        ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry`` is None. With
+        ``wait=False`` (``async_execution`` executors) the device's tokens, for
+        :meth:`fetch_tokens`; synchronous executors always return the host tokens."""
+
+    def fetch_tokens(self, tokens: Any, num_reqs: int) -> np.ndarray:
+        """The first ``num_reqs`` of :meth:`sample`'s ``wait=False`` output, on the host (int64),
+        waiting for the device. Default (synchronous executors): they are already there."""
+        return np.asarray(tokens)[:num_reqs]
+
+    def close(self) -> None:
+        """Release what the executor started (tensor-parallel workers, their shared memory).
+        Idempotent; default: nothing to release."""
 
     @abc.abstractmethod
     def hidden_states(self, num_tokens: int) -> np.ndarray:

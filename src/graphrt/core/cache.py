@@ -22,8 +22,9 @@ E = TypeVar("E")
 
 
 @dataclass(frozen=True)
-class EagerFallback:
-    """Cache entry of a key whose capture failed: the step runs eagerly, for this reason."""
+class FailedBuild:
+    """Cache entry of a key whose build (capture / compile) failed: steps of that key run
+    eagerly, and ``reason`` says why."""
 
     reason: str
 
@@ -137,11 +138,11 @@ class GraphCache(Generic[E]):
         self.stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
         self.version += 1
 
-    def put_failed(self, key: Hashable, reason: str, *, seconds: float = 0.0) -> EagerFallback:
-        """Record that ``key``'s build failed: its entry is an :class:`EagerFallback` (the step
+    def put_failed(self, key: Hashable, reason: str, *, seconds: float = 0.0) -> FailedBuild:
+        """Record that ``key``'s build failed: its entry is a :class:`FailedBuild` (the step
         runs eagerly, counted as a miss with this reason), and the report and
         ``stats.failed_builds`` show it."""
-        entry = EagerFallback(reason)
+        entry = FailedBuild(reason)
         self.put(key, entry, seconds=seconds)  # type: ignore[arg-type]
         self.stats.per_key[key].failed = reason
         self.stats.failed_builds += 1

@@ -81,6 +81,10 @@ XLA_PERSISTENT_CACHE_MIN_COMPILE_SECONDS = 0.0
 XLA_TP_AXIS = "tp"
 #: Sampler rows with a temperature below this are greedy.
 SAMPLER_MIN_TEMPERATURE = 1e-5
+#: A padded sampler row (request rows past a step's real ones): greedy, no top-k / top-p
+#: filter (its top_k is the vocabulary size). Its token is discarded.
+SAMPLER_PAD_TEMPERATURE = 0.0
+SAMPLER_PAD_TOP_P = 1.0
 #: Seed of the XLA sampler's host generator that keys requests without their own seed
 #: (None: fresh entropy per executor, like the torch device RNG).
 XLA_SAMPLER_HOST_SEED: int | None = None

@@ -120,33 +120,48 @@ class LoraInputs:
         self.groups[active.shape[0]:] = LORA_GROUP_PAD
 
 
-class LoraMethods:
-    """``ModelRunner``'s LoRA API, over its ``executor.lora`` slots and its step lock."""
+class RunnerLora:
+    """A runner's LoRA feature, held as an object: the executor's adapter ``slots`` (loaded
+    and emptied under the runner's step ``lock``, so no step reads a half-copied adapter) and
+    each step's adapter tables (:class:`LoraInputs`)."""
 
-    executor: Any
-    _lock: Any
+    def __init__(self, slots: Any, max_loras: int, max_num_reqs: int, lock: Any) -> None:
+        self.slots = slots
+        self.inputs = LoraInputs(max_loras, max_num_reqs, slots.host_buffers, slots.loaded)
+        self._lock = lock
+        self._none = np.zeros(0, np.int32)
 
-    def load_lora(self, slot: int, weights: Mapping[str, tuple[Any, Any]], scale: float = 1.0) -> None:
-        """Copy an adapter into ``slot`` of the persistent stacks (graphs captured before see it):
-        ``weights`` maps names of :meth:`lora_targets` to ``(lora_a [rank, in], lora_b [out, rank])``
-        (PEFT's layout), ``scale`` is PEFT's ``alpha / rank``. Every value is checked first:
-        ``InputError`` names the bad field and nothing is copied."""
+    def load(self, slot: int, weights: Mapping[str, tuple[Any, Any]], scale: float = 1.0) -> None:
+        """Copy an adapter into ``slot`` (``ModelRunner.load_lora``)."""
         with self._lock:
-            self._lora_slots().load(slot, weights, scale)
+            self.slots.load(slot, weights, scale)
 
-    def remove_lora(self, slot: int) -> bool:
-        """Empty ``slot`` (steps naming it are refused until it is loaded again); False if it was empty."""
+    def remove(self, slot: int) -> bool:
+        """Empty ``slot``; False if it held nothing (``ModelRunner.remove_lora``)."""
         with self._lock:
-            return self._lora_slots().remove(slot)
+            return self.slots.remove(slot)
 
-    def lora_targets(self) -> dict[str, tuple[int, int]]:
+    def targets(self) -> dict[str, tuple[int, int]]:
         """The LoRA-capable modules by name, as ``(in_features, out_features)``."""
-        return self._lora_slots().targets()
+        return self.slots.targets()
 
-    def _lora_slots(self) -> Any:
-        if self.executor.lora is None:
-            raise lora_off("slot")
-        return self.executor.lora
+    def check(self, lora_ids: Any, num_reqs: int) -> tuple[np.ndarray | None, int]:
+        """A step's adapter ids and its distinct adapters (:meth:`LoraInputs.check`)."""
+        return self.inputs.check(lora_ids, num_reqs)
+
+    def no_adapters(self, num_reqs: int) -> np.ndarray:
+        """Ids of ``num_reqs`` requests without an adapter, checked (a data-parallel rank whose
+        key has adapter slots from another rank's step)."""
+        return self.inputs.check(np.full(num_reqs, NO_LORA, np.int32), num_reqs)[0]
+
+    def write(self, ids: np.ndarray, num_scheduled_tokens: np.ndarray, num_tokens: int,
+              padded_tokens: int) -> None:
+        """Write the checked step's tables (:meth:`LoraInputs.write`)."""
+        self.inputs.write(ids, num_scheduled_tokens, num_tokens, padded_tokens)
+
+    def write_padding(self, padded_tokens: int) -> None:
+        """Tables of a step of padding only: no token has an adapter."""
+        self.inputs.write(self.inputs.check(self._none, 0)[0], self._none, 0, padded_tokens)
 
 
 def lora_off(field: str = "lora_ids") -> InputError:
@@ -155,5 +170,5 @@ def lora_off(field: str = "lora_ids") -> InputError:
     return InputError(field, f"LoRA is off (max_loras=0): build the runner with max_loras > 0{hint}")
 
 
-__all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "LoraMethods", "NO_LORA", "lora_buckets",
+__all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "NO_LORA", "RunnerLora", "lora_buckets",
            "lora_off"]

@@ -42,6 +42,16 @@ def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
             else PadRule(FIELDS[name].level, int(fills[name]), False) for name in ARRAY_FIELDS}
 
 
+def empty_step(table_width: int) -> ModelInputs:
+    """A step of no request and no token: padded, it is pure padding (every fill of the
+    rules), the input of a capture's warm-up and of a data-parallel rank with no work."""
+    def empty(name: str, *shape: int) -> np.ndarray:
+        return np.zeros(shape, FIELD_DTYPES[name])
+    return ModelInputs(empty("input_ids", 0), empty("positions", 0), empty("slot_mapping", 0),
+                       empty("query_start_loc", 1), empty("seq_lens", 0), empty("num_computed_tokens", 0),
+                       empty("block_table", 0, table_width), 0, 0, 0, 0, True)
+
+
 class Padder:
     """Pads :class:`ModelInputs` to a bucket.
 
@@ -76,6 +86,7 @@ class Padder:
         self._max_reqs = max_num_reqs
         self._buffers: dict[str, np.ndarray] = {}
         self._views: dict[tuple[int, int, int], tuple[object, tuple[np.ndarray, ...]]] = {}
+        self._empty: dict[int, ModelInputs] = {}
 
     def pad(self, inputs: ModelInputs, *, num_tokens: int, num_reqs: int,
             out: Mapping[str, np.ndarray] | None = None) -> ModelInputs:
@@ -96,6 +107,15 @@ class Padder:
             self._pad_numpy(inputs, dst)
         return ModelInputs(*dst, r, t, inputs.max_query_len, inputs.max_seq_len,
                            inputs.uniform_decode)
+
+    def pad_empty(self, num_tokens: int, num_reqs: int, out: Mapping[str, np.ndarray]) -> ModelInputs:
+        """A step of pure padding, ``num_tokens`` tokens and ``num_reqs`` requests, written into
+        ``out`` (no KV slot written, every request attends to nothing)."""
+        width = out["block_table"].shape[1]
+        empty = self._empty.get(width)
+        if empty is None:
+            empty = self._empty[width] = empty_step(width)
+        return self.pad(empty, num_tokens=num_tokens, num_reqs=num_reqs, out=out)
 
     def _pad_numpy(self, inputs: ModelInputs, dst: tuple[np.ndarray, ...]) -> None:
         """The numpy implementation of :attr:`rules`: per field, one slice assignment of the

@@ -23,7 +23,7 @@ values are looked at only when a bound fails, to name the bad row (or accept a -
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
@@ -267,6 +267,21 @@ class SamplingBatch:
             raise InputError("sampling", f"{self.num_reqs} rows for {num_reqs} requests")
 
 
+def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab_size: int,
+                        out: Mapping[str, np.ndarray]) -> None:
+    """Write a step's ``num_reqs`` rows of temperature / top-k / top-p into ``out`` (a
+    backend's sampler staging buffers), and rows ``num_reqs..rows`` as padding: greedy, no
+    filter (``defaults.SAMPLER_PAD_TEMPERATURE``, top_k ``vocab_size``,
+    ``defaults.SAMPLER_PAD_TOP_P``). Every backend pads its sampler rows through here."""
+    temperature, top_k, top_p = out["temperature"], out["top_k"], out["top_p"]
+    temperature[:num_reqs] = sampling.temperature
+    top_k[:num_reqs] = sampling.top_k
+    top_p[:num_reqs] = sampling.top_p
+    temperature[num_reqs:rows] = defaults.SAMPLER_PAD_TEMPERATURE
+    top_k[num_reqs:rows] = vocab_size
+    top_p[num_reqs:rows] = defaults.SAMPLER_PAD_TOP_P
+
+
 def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
     """Arrays of one step's :class:`~graphrt.SamplingParams` (which checked their own fields),
     in request order; a disabled top_k, or one above ``vocab_size``, becomes ``vocab_size``.
@@ -280,5 +295,5 @@ def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size
     return SamplingBatch(*columns, [p.seed for p in params], list(request_ids))
 
 
-__all__ = ["SamplingBatch", "sampling_batch", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
+__all__ = ["SamplingBatch", "sampling_batch", "write_sampling_rows", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
            "flag"]

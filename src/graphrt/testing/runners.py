@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from graphrt.config import GraphConfig
-from graphrt.core.cache import EagerFallback
+from graphrt.core.cache import FailedBuild
 from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode
 from graphrt.testing import access
 from graphrt.testing.step import Step
@@ -152,7 +152,7 @@ def built_entry(runner: Any, key: BatchDescriptor) -> tuple[RuntimeMode, Any] | 
     for mode in (RuntimeMode.FULL, RuntimeMode.PIECEWISE):
         if (mode, key) in runner.cache:
             entry = runner.cache.lookup((mode, key))
-            if not isinstance(entry, EagerFallback):
+            if not isinstance(entry, FailedBuild):
                 return mode, entry
     return None
 

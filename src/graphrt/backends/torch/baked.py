@@ -47,11 +47,9 @@ def _dummy(executor: Any, t: int, r: int, busy: bool) -> ModelInputs:
     padding, or (``busy``) every request with tokens and the longest sequences allowed,
     reading the null block."""
     h = executor.host_buffers
-    executor._load_dummy(t, r)
+    padding = executor.load_dummy(t, r)
     if not busy:
-        return ModelInputs(h["input_ids"][:t], h["positions"][:t], h["slot_mapping"][:t],
-                           h["query_start_loc"][:r + 1], h["seq_lens"][:r], h["num_computed_tokens"][:r],
-                           h["block_table"][:r], 0, 0, 0, 0, False)
+        return padding
     max_len = executor.config.max_model_len
     counts = np.full(r, t // r, dtype=np.int64)
     counts[: t % r] += 1
@@ -64,7 +62,7 @@ def _dummy(executor: Any, t: int, r: int, busy: bool) -> ModelInputs:
     h["num_computed_tokens"][:r] = computed
     h["positions"][:n] = np.repeat(computed, counts) + np.arange(n) - np.repeat(ends - counts, counts)
     h["input_ids"][:n] = np.arange(n) % max(executor.vocab_size, 1)
-    executor._to_device(t, r)
+    executor.to_device(t, r)
     return ModelInputs(h["input_ids"][:t], h["positions"][:t], h["slot_mapping"][:t],
                        h["query_start_loc"][:r + 1], h["seq_lens"][:r], h["num_computed_tokens"][:r],
                        h["block_table"][:r], r, n, int(counts.max()), max_len, False)
@@ -77,7 +75,7 @@ def _record(executor: Any, key: BatchDescriptor, busy: bool) -> list[tuple[str, 
         hook(inputs)
     graph = rg.RecordingGraph()
     with torch.no_grad(), rg.recording_graph(graph):
-        executor._forward(t, r)
+        executor.forward(t, r)
     values = graph.baked_values()
     graph.reset()
     return values
@@ -86,7 +84,7 @@ def _record(executor: Any, key: BatchDescriptor, busy: bool) -> list[tuple[str, 
 def check_key(executor: Any, key: BatchDescriptor) -> BakedReport:
     """Record ``key``'s forward under two steps it holds and list the host values that differ."""
     quiet, busy = _record(executor, key, False), _record(executor, key, True)
-    executor._load_dummy(key.num_tokens, key.num_reqs)
+    executor.load_dummy(key.num_tokens, key.num_reqs)
     report = BakedReport(sum(len(values) for _, values in quiet))
     if [op for op, _ in quiet] != [op for op, _ in busy]:
         first = next(i for i, (a, b) in enumerate(zip(quiet + [("", ())], busy + [("", ())])) if a[0] != b[0])

@@ -44,7 +44,8 @@ from graphrt.config import GraphConfig
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import GraphCaptureError, GraphrtError
 from graphrt.core.forward_context import forward_context
-from graphrt.core.fields import FIELD_DTYPES, ModelInputs, buffer_shapes
+from graphrt.core.fields import FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
+from graphrt.core.padding import Padder
 from graphrt.models.torch.attention import TorchAttentionMetadata
 from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphPool, PreReplayHook,
                                            describe_capture_failure)
@@ -97,6 +98,8 @@ class TorchExecutor(Executor[TorchEntry]):
         self.host_buffers = {name: t.numpy() for name, t in self._host.items()}
         same = self.device.type == "cpu"
         self.static = self._host if same else {name: t.to(self.device) for name, t in self._host.items()}
+        self._levels = tuple((name, FIELDS[name].level) for name in shapes)
+        self._dummy_padder = Padder(kernel="numpy")     # the default fills: pure padding
         param_dtype = next(model.parameters()).dtype
         self.hidden_out = torch.zeros(max_t, self.hidden_size, dtype=param_dtype, device=self.device)
         self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
@@ -165,27 +168,28 @@ class TorchExecutor(Executor[TorchEntry]):
         return self.pieces.compile_note()
 
     # ---- forward -------------------------------------------------------------------
-    def _meta(self, num_tokens: int, num_reqs: int) -> TorchAttentionMetadata:
+    def metadata(self, num_tokens: int, num_reqs: int) -> TorchAttentionMetadata:
+        """The attention metadata of the static buffers' first ``num_tokens`` / ``num_reqs`` rows."""
         s = self.static
         return TorchAttentionMetadata.build(s["slot_mapping"][:num_tokens],
                                             s["query_start_loc"][:num_reqs + 1],
                                             s["seq_lens"][:num_reqs], s["block_table"][:num_reqs],
                                             self.block_size)
 
-    def _forward(self, num_tokens: int, num_reqs: int) -> None:
+    def forward(self, num_tokens: int, num_reqs: int) -> None:
         """Run the model on the static buffers' first rows; write hidden and logits outputs.
 
         Everything here reads tensors only, so it can be captured; the sizes are the key.
         """
         s = self.static
-        with forward_context(self._meta(num_tokens, num_reqs)):
+        with forward_context(self.metadata(num_tokens, num_reqs)):
             hidden = self.model(s["input_ids"][:num_tokens], s["positions"][:num_tokens])
         self._outputs(hidden, num_tokens, num_reqs)
 
     def _forward_split(self, calls: Sequence[Callable[[], None]], output: torch.Tensor,
                        num_tokens: int, num_reqs: int) -> None:
         """The forward as the split model's step calls over the piece buffers."""
-        with forward_context(self._meta(num_tokens, num_reqs)):
+        with forward_context(self.metadata(num_tokens, num_reqs)):
             for call in calls:
                 call()
         self._outputs(output, num_tokens, num_reqs)
@@ -202,26 +206,23 @@ class TorchExecutor(Executor[TorchEntry]):
         self.position_logits_out[:num_reqs].copy_(logits)
         self.logits_out[:num_reqs].copy_(logits[:, -1])
 
-    def _load_dummy(self, num_tokens: int, num_reqs: int) -> None:
-        """Pure padding: no KV write (slot -1), every request empty (seq_len 0)."""
-        h = self.host_buffers
-        h["input_ids"][:num_tokens] = 0
-        h["positions"][:num_tokens] = 0
-        h["slot_mapping"][:num_tokens] = -1
-        h["query_start_loc"][:num_reqs + 1] = 0
-        h["seq_lens"][:num_reqs] = 0
-        h["block_table"][:num_reqs] = 0
-        self._to_device(num_tokens, num_reqs)
+    def load_dummy(self, num_tokens: int, num_reqs: int) -> ModelInputs:
+        """Pure padding (the padder's fills: no KV write, every request empty) in the static
+        buffers: what captures and warm-ups run on."""
+        padded = self._dummy_padder.pad_empty(num_tokens, num_reqs, self.host_buffers)
+        self.to_device(num_tokens, num_reqs)
+        return padded
 
-    def _to_device(self, num_tokens: int, num_reqs: int) -> None:
+    def to_device(self, num_tokens: int, num_reqs: int) -> None:
+        """Copy a step's rows of every field (``fields.field_rows``) from the host staging
+        buffers into the static device buffers (nothing to do on a CPU device)."""
         if self.static is self._host:
             return
-        for name, n in (("input_ids", num_tokens), ("positions", num_tokens),
-                        ("slot_mapping", num_tokens), ("query_start_loc", num_reqs + 1),
-                        ("seq_lens", num_reqs), ("block_table", num_reqs)):
+        for name, level in self._levels:
+            n = field_rows(level, num_tokens, num_reqs)
             self.static[name][:n].copy_(self._host[name][:n], non_blocking=True)
 
-    def _input_ptrs(self) -> dict[str, int]:
+    def input_ptrs(self) -> dict[str, int]:
         ptrs = {name: t.data_ptr() for name, t in self.static.items()}
         ptrs.update({f"sampler.{k}": t.data_ptr() for k, t in self.sampler.static.items()})
         ptrs["kv_cache"] = self.kv_cache.data_ptr() if self.kv_cache is not None else 0
@@ -293,11 +294,11 @@ class TorchExecutor(Executor[TorchEntry]):
     def _build_full(self, key: BatchDescriptor, compiled: bool) -> tuple[CapturedGraph, int]:
         num_tokens, num_reqs = key.num_tokens, key.num_reqs
         if not compiled:
-            return self._capture(lambda: self._forward(num_tokens, num_reqs),
-                                 lambda: self._load_dummy(num_tokens, num_reqs))
+            return self._capture(lambda: self.forward(num_tokens, num_reqs),
+                                 lambda: self.load_dummy(num_tokens, num_reqs))
         calls, output, held = self.pieces.prepare(num_tokens, compiled=True)
         entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs),
-                                      lambda: self._load_dummy(num_tokens, num_reqs))
+                                      lambda: self.load_dummy(num_tokens, num_reqs))
         entry.compiled = True
         return entry, nbytes + held
 
@@ -305,14 +306,15 @@ class TorchExecutor(Executor[TorchEntry]):
                  warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
         load_dummy()
         graph, nbytes, tasks = self.pool.capture(fn, warmups)
-        return CapturedGraph(graph, self._input_ptrs(), tasks), nbytes
+        return CapturedGraph(graph, self.input_ptrs(), tasks), nbytes
 
     # ---- run -------------------------------------------------------------------------
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,
-            padded: ModelInputs) -> torch.Tensor:
-        """Copy the padded step into static buffers, then replay ``entry`` or run eagerly."""
+            padded: ModelInputs, future: Any = None) -> torch.Tensor:
+        """Copy the padded step into static buffers, then replay ``entry`` or run eagerly (a
+        synchronous executor: the runner resolves future tokens on the host, ``future`` is None)."""
         t, r = padded.padded_num_tokens, padded.padded_num_reqs
-        self._to_device(t, r)
+        self.to_device(t, r)
         if self.lora is not None:
             self.lora.before_step(key, t)
         if self._copied is not None:
@@ -324,7 +326,7 @@ class TorchExecutor(Executor[TorchEntry]):
             self.graph_api.pre_replay(entry.tasks, self.pre_replay_hooks, padded)
         with torch.no_grad():
             if entry is None:
-                self._forward(t, r)
+                self.forward(t, r)
             elif isinstance(entry, PiecewiseEntry):
                 self._run_piecewise(entry, t, r)
             else:
@@ -346,14 +348,14 @@ class TorchExecutor(Executor[TorchEntry]):
         """Debug mode: every input the graph reads is still at its captured address."""
         if not self.config.debug_check_addresses:
             return
-        now = self._input_ptrs()
+        now = self.input_ptrs()
         moved = [k for k, p in entry.input_ptrs.items() if now.get(k) != p]
         if moved:
             raise GraphrtError(f"static buffers {moved} moved since capture: a replay would read "
                                "stale memory; never reassign executor buffers, copy into them")
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: CapturedGraph | None = None) -> np.ndarray:
+               padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True) -> np.ndarray:
         """Fill the sampler's buffers, replay the sampler graph (or run it eagerly)."""
         rows = padded_reqs or num_reqs
         greedy = sampling.all_greedy

@@ -101,8 +101,8 @@ class Pieces:
         held = buffers.nbytes
         inputs = (ex.static["input_ids"][:num_tokens], ex.static["positions"][:num_tokens])
         with torch.no_grad():
-            ex._load_dummy(num_tokens, 1)
-            with forward_context(ex._meta(num_tokens, 1)):
+            ex.load_dummy(num_tokens, 1)
+            with forward_context(ex.metadata(num_tokens, 1)):
                 for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                     env = split.run(inputs)
                 views = buffers.bind(env, num_tokens)
@@ -139,7 +139,7 @@ class Pieces:
                     replay_calls.append(graph.replay)
                 else:
                     replay_calls.append(call)
-        return PiecewiseEntry(num_tokens, replay_calls, graphs, output, ex._input_ptrs(), compiled, tasks), nbytes
+        return PiecewiseEntry(num_tokens, replay_calls, graphs, output, ex.input_ptrs(), compiled, tasks), nbytes
 
     def _build_breakable(self, key: BatchDescriptor) -> tuple[PiecewiseEntry, int]:
         """Capture the forward broken at each attention call (:func:`capture_breakable`);
@@ -150,13 +150,13 @@ class Pieces:
         def forward() -> torch.Tensor:
             return ex.model(static["input_ids"][:t], static["positions"][:t])
 
-        ex._load_dummy(t, 1)
-        with torch.no_grad(), forward_context(ex._meta(t, 1)):
+        ex.load_dummy(t, 1)
+        with torch.no_grad(), forward_context(ex.metadata(t, 1)):
             for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                 forward()
             calls, graphs, output, nbytes, tasks = capture_breakable(ex.pool, forward,
                                                                      list(ex.model.attention_layers()))
-        return PiecewiseEntry(t, calls, graphs, output, ex._input_ptrs(), False, tasks), nbytes
+        return PiecewiseEntry(t, calls, graphs, output, ex.input_ptrs(), False, tasks), nbytes
 
 
 __all__ = ["Pieces"]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from graphrt.core import defaults
+from graphrt.core.sampling import write_sampling_rows
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -85,13 +86,7 @@ class SamplerState:
     def write(self, sampling: Any, num_reqs: int, rows: int) -> None:
         """A random step's parameters into the buffers (padded rows greedy, filters off),
         then fresh Exp(1) noise: the device RNG, or the request's own seeded generator."""
-        host = self._host_np
-        host["temperature"][:num_reqs] = sampling.temperature
-        host["top_k"][:num_reqs] = sampling.top_k
-        host["top_p"][:num_reqs] = sampling.top_p
-        host["temperature"][num_reqs:rows] = 0.0
-        host["top_k"][num_reqs:rows] = self.vocab_size
-        host["top_p"][num_reqs:rows] = 1.0
+        write_sampling_rows(sampling, num_reqs, rows, self.vocab_size, self._host_np)
         if self.static is not self._host:
             for k, t in self.static.items():
                 t[:rows].copy_(self._host[k][:rows], non_blocking=True)

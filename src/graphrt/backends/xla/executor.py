@@ -36,6 +36,7 @@ from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
+from graphrt.core.sampling import write_sampling_rows
 
 logger = logging.getLogger(__name__)
 
@@ -362,12 +363,7 @@ class XlaExecutor(Executor[XlaEntry]):
         [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling`), so no value is
         truncated into these uint32 / int32 buffers."""
         h, n = self._samp_host, num_reqs
-        h["temperature"][:n] = sampling.temperature
-        h["temperature"][n:rows] = 0.0
-        h["top_k"][:n] = sampling.top_k
-        h["top_k"][n:rows] = self.vocab_size
-        h["top_p"][:n] = sampling.top_p
-        h["top_p"][n:rows] = 1.0
+        write_sampling_rows(sampling, n, rows, self.vocab_size, h)
         seeds, steps = h["seeds"], h["steps"]
         seeds[:n] = self._rng.integers(0, 2**32, size=(n, 2), dtype=np.uint32)
         seeds[n:rows] = 0
