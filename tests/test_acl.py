@@ -1,4 +1,4 @@
-"""Ascend: the stream budget (seed 003), the npu backend's availability, and ACL task updates.
+"""Ascend: the ACL graph stream budget, the npu backend's availability, and ACL task updates.
 
 The adapter runs here against a stand-in ``torch.npu`` over the CPU recording graph
 (``device_fakes.FakeNpu``); the test marked ``npu`` needs real hardware and is skipped
@@ -37,7 +37,7 @@ HAS_NPU = torch_npu_problem() is None
 
 
 @pytest.mark.parametrize(("kwargs", "expected"), [
-    # seed 003's worked examples use 1920 streams: A2 with AIV, a dense model reserves its
+    # the stream budget's worked examples use 1920 streams: A2 with AIV, a dense model reserves its
     # all-reduce streams up front: floor((1920 - 2 * 49) / 49 / 2) = 18 ...
     (dict(num_hidden_layers=48, tp_size=4, aiv_mode=True, max_graphs=1920), 18),
     # ... an MoE model does not: floor(1920 / 49 / 2) = 19

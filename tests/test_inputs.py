@@ -1,6 +1,6 @@
 """Input preparation: ``prepare_inputs`` / ``InputPreparer`` against a per-token reference.
 
-The reference below loops over requests and tokens exactly as seed 001 describes it;
+The reference below loops over requests and tokens exactly as vLLM's input preparation describes it;
 the library is vectorised. Every field is compared, for hypothesis-generated schedules
 of every kind (prefill, chunked prefill, prefix hits, decode, mixed), for rows out of
 order and non-contiguous, and for a persistent preparer reused across steps of

@@ -1,5 +1,5 @@
 """graphrt.core.step_channel: rank 0 sends a step's arrays to its workers through shared
-memory (seed 004's shared-memory broadcast, without pickle).
+memory (nano-vllm's shared-memory broadcast, without pickle).
 
 * Any arrays round-trip exactly (hypothesis), in one process and across spawned processes.
 * Flow control: rank 0 never overwrites a step a worker has not read; a worker that died

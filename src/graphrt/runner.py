@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
@@ -34,6 +33,7 @@ from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
 from graphrt.registry import select_backend
+from graphrt.warmup import build_every_key, warmup_keys
 
 logger = logging.getLogger(__name__)
 
@@ -145,12 +145,8 @@ class ModelRunner:
 
     # ---- setup ---------------------------------------------------------------------
     def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
-        """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
-        sampler for each request count a FULL key can have."""
-        keys = self.dispatcher.keys()
-        sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
-        return list(keys) + [(RuntimeMode.FULL, SamplerKey(r, greedy))
-                             for r in sampler_reqs for greedy in (True, False)]
+        """Every key warm-up builds, largest first (:func:`graphrt.warmup.warmup_keys`)."""
+        return warmup_keys(self.dispatcher)
 
     def warmup(self) -> list[dict[str, Any]]:
         """Capture / compile every key the dispatcher can return, largest first, then seal.
@@ -167,34 +163,8 @@ class ModelRunner:
         seconds = self.preparer.compile_kernels(self.padder, out=self.executor.host_buffers)
         if seconds:
             logger.info("graphrt: host kernels (%s) ready in %.2f s", self.preparer.kernel, seconds)
-        jobs: list[tuple[GraphCache, Any, RuntimeMode, Any]] = [
-            (self.sampler_cache, key, mode, key) if isinstance(key, SamplerKey)
-            else (self.cache, (mode, key), mode, key) for mode, key in self._build_keys()]
-        start = time.perf_counter()
-        try:
-            ahead = self.executor.build_many([(mode, key) for _, _, mode, key in jobs], progress=self.progress)
-        except Exception as exc:  # noqa: BLE001 - said once, with the reason, like a single build
-            raise GraphCaptureError(f"building ahead failed: {self.executor.describe_build_failure(exc)}") from exc
-        bar = tqdm(jobs, desc=f"graphrt {self.backend.name} warm-up", unit="graph",
-                   disable=not self.progress or not jobs or ahead is not None, leave=False)
-        for cache, cache_key, mode, key in bar:
-            bar.set_postfix_str(str(key))
-            t0 = time.perf_counter()
-            try:
-                entry, nbytes = self.executor.build(mode, key)
-            except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
-                reason = self.executor.describe_build_failure(exc)
-                if self.config.strict or not self.executor.eager_fallback:
-                    raise GraphCaptureError(f"building {describe_key(key)} failed: {reason}") from exc
-                logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
-                cache.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)
-                continue
-            seconds = self.executor.build_seconds(entry)
-            cache.put(cache_key, entry, seconds=time.perf_counter() - t0 if seconds is None else seconds,
-                      nbytes=nbytes)
-        self.cache.seal()
-        self.sampler_cache.seal()
-        total = time.perf_counter() - start
+        total = build_every_key(self.executor, self._build_keys(), self.cache, self.sampler_cache,
+                                strict=self.config.strict, progress=self.progress, label=self.backend.name)
         self.warmup_report = self.cache.report() + self.sampler_cache.report()
         failed = self.cache.stats.failed_builds + self.sampler_cache.stats.failed_builds
         logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %.1f MiB%s",

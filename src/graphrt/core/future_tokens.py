@@ -1,6 +1,6 @@
 """Future tokens: step n + 1 reads step n's sampled tokens before the host has them.
 
-An overlapped engine (seed 002's ``event_loop_overlap``) schedules and prepares step n + 1
+An overlapped engine (SGLang's ``event_loop_overlap``) schedules and prepares step n + 1
 while the device still runs step n. A request that samples in step n decodes that token in
 step n + 1, so its id is not known when step n + 1's inputs are written: the engine writes
 any valid id there and names, per request, the row of step n whose sampled token replaces

@@ -1,4 +1,4 @@
-"""Overlap scheduling (seed 002's ``event_loop_overlap``) for :class:`graphrt.LLM`.
+"""Overlap scheduling (SGLang's ``event_loop_overlap``) for :class:`graphrt.LLM`.
 
 One overlapped step: schedule step n + 1 and launch it (``runner.execute_async``) while the
 device still runs step n, then wait for step n's tokens and process them. The host's

@@ -1,4 +1,4 @@
-"""Schedule policies: the order in which waiting requests are offered to admission (seed 002).
+"""Schedule policies: the order in which waiting requests are offered to admission (SGLang's policies).
 
 Cache-agnostic:
 

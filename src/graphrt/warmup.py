@@ -1,0 +1,68 @@
+"""Warm-up: every key a runner's dispatcher can return, built (captured / compiled) ahead of
+serving, largest first, into the runner's caches; then the caches are sealed.
+
+A failed build makes its key run eagerly, with a warning saying why (the cache keeps a
+:class:`~graphrt.core.cache.FailedBuild` for it and counts it); in strict mode, or on a
+backend with no eager path (XLA), it raises :class:`~graphrt.core.errors.GraphCaptureError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from graphrt.backends.base import Executor
+from graphrt.core.cache import GraphCache, describe_key
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, RuntimeMode, SamplerKey
+from graphrt.core.errors import GraphCaptureError
+
+logger = logging.getLogger(__name__)
+
+Job = tuple[RuntimeMode, BatchDescriptor | SamplerKey]
+
+
+def warmup_keys(dispatcher: Dispatcher) -> list[Job]:
+    """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
+    sampler for each request count a FULL key can have."""
+    keys = dispatcher.keys()
+    sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
+    return list(keys) + [(RuntimeMode.FULL, SamplerKey(r, greedy)) for r in sampler_reqs for greedy in (True, False)]
+
+
+def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, sampler_cache: GraphCache, *,
+                    strict: bool, progress: bool, label: str) -> float:
+    """Build ``jobs`` in order into ``cache`` (forward keys, as ``(mode, key)``) and
+    ``sampler_cache`` (sampler keys), then seal both; returns the seconds it took. Executors
+    that build faster all at once (XLA's parallel compiles) do so first (``build_many``)."""
+    entries = [(sampler_cache, key, mode, key) if isinstance(key, SamplerKey) else (cache, (mode, key), mode, key)
+               for mode, key in jobs]
+    start = time.perf_counter()
+    try:
+        ahead = executor.build_many(list(jobs), progress=progress)
+    except Exception as exc:  # noqa: BLE001 - said once, with the reason, like a single build
+        raise GraphCaptureError(f"building ahead failed: {executor.describe_build_failure(exc)}") from exc
+    bar = tqdm(entries, desc=f"graphrt {label} warm-up", unit="graph",
+               disable=not progress or not entries or ahead is not None, leave=False)
+    for target, cache_key, mode, key in bar:
+        bar.set_postfix_str(str(key))
+        t0 = time.perf_counter()
+        try:
+            entry, nbytes = executor.build(mode, key)
+        except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
+            reason = executor.describe_build_failure(exc)
+            if strict or not executor.eager_fallback:
+                raise GraphCaptureError(f"building {describe_key(key)} failed: {reason}") from exc
+            logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
+            target.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)
+            continue
+        seconds = executor.build_seconds(entry)
+        target.put(cache_key, entry, seconds=time.perf_counter() - t0 if seconds is None else seconds, nbytes=nbytes)
+    cache.seal()
+    sampler_cache.seal()
+    return time.perf_counter() - start
+
+
+__all__ = ["build_every_key", "warmup_keys"]
