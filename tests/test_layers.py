@@ -102,3 +102,75 @@ def test_a_planted_cycle_and_an_upward_import_are_caught(monkeypatch: pytest.Mon
         test_imports_point_down("graphrt.core.cache")
     with pytest.raises(pytest.fail.Exception, match="import cycle"):
         test_no_import_cycles()
+
+
+# ---- private attributes stay in their module ----------------------------------------------
+
+def private_names(tree: ast.AST) -> set[str]:
+    """``_name``s a module defines: functions, classes, assignments (``_x = ...``,
+    ``self._x = ...``, class attributes), arguments excluded."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        names.add(leaf.id)
+                    elif isinstance(leaf, ast.Attribute):
+                        names.add(leaf.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+DEFINED = {name: private_names(tree) for name, tree in TREES.items()}
+
+
+def owner_group(name: str) -> str:
+    """Modules of one backend package may share private state; elsewhere a module is alone."""
+    for package in ("graphrt.backends.torch", "graphrt.backends.xla"):
+        if name.startswith(package + "."):
+            return package
+    return name
+
+
+def foreign_private_reads(name: str, tree: ast.AST) -> list[str]:
+    """Reads in ``name`` of a private attribute (``x._y``, x not self / cls) or import of a
+    private name that only other graphrt modules, outside its backend package, define."""
+    mine = DEFINED[name]
+    others = {n for other, defined in DEFINED.items() if owner_group(other) != owner_group(name) for n in defined}
+    own_group = {n for other, defined in DEFINED.items() if owner_group(other) == owner_group(name) for n in defined}
+    found = []
+    for node in ast.walk(tree):
+        attr = None
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                continue
+            attr = node.attr
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("graphrt"):
+            for alias in node.names:
+                if (alias.name.startswith("_") and not alias.name.startswith("__")
+                        and owner_group(node.module) != owner_group(name)):
+                    found.append(f"line {node.lineno}: imports {alias.name} from {node.module}")
+            continue
+        if attr is not None and attr in others and attr not in mine and attr not in own_group:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_reads_another_modules_private_attributes(name: str) -> None:
+    found = foreign_private_reads(name, TREES[name])
+    assert not found, f"{name} reads private attributes of other modules: {found}"
+
+
+def test_a_planted_private_read_is_caught() -> None:
+    """The check can fail: the runner reaching into the executor's private staging dict."""
+    planted = ast.parse("def f(runner):\n    return runner.executor._host\n")
+    assert foreign_private_reads("graphrt.runner", planted) == ["line 2: runner.executor._host"]
+    same_package = ast.parse("def f(ex):\n    return ex._host\n")
+    assert foreign_private_reads("graphrt.backends.torch.pieces", same_package) == []

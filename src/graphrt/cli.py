@@ -26,7 +26,7 @@ import numpy as np
 from graphrt.core.buckets import BucketPolicy
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
 from graphrt.core.errors import ConfigError
-from graphrt.cli_demo import _demo_args, _demo_run, add_engine_args, engine_kwargs
+from graphrt.cli_demo import demo_args, demo_run, add_engine_args, engine_kwargs
 
 
 class Subcommand(NamedTuple):
@@ -249,7 +249,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "bench": Subcommand("run the host-side benchmarks, then print the bucket plan",
                         _bench_args, _bench_run),
     "demo": Subcommand("generate on a small random model and show what graphrt does per step",
-                       _demo_args, _demo_run),
+                       demo_args, demo_run),
     "conformance": Subcommand("run graphrt.testing's padding and graph conformance properties on a model "
                               "and backend", _conformance_args, _conformance_run),
 }

@@ -17,7 +17,8 @@ from graphrt.config import add_cli_args, from_cli_args
 from graphrt.core.errors import ConfigError
 
 
-def _demo_args(parser: argparse.ArgumentParser) -> None:
+def demo_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``graphrt demo``."""
     parser.add_argument("--backend", default="auto", help="cuda, npu, xla, cpu, eager or auto")
     parser.add_argument("--model-dir", default=None,
                         help="a Hugging Face directory (default: a random tiny Qwen3 written to a temp dir)")
@@ -69,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "disable_overlap_schedule": args.disable_overlap_schedule}
 
 
-def _demo_run(args: argparse.Namespace) -> int:
+def demo_run(args: argparse.Namespace) -> int:
+    """``graphrt demo``: a few generated steps on a tiny model, with what each step ran as."""
     import logging
     import tempfile
 
@@ -154,4 +156,4 @@ def _demo_data_parallel(args: argparse.Namespace, model_dir: str, config: Any) -
     return 0
 
 
-__all__ = ["add_engine_args", "engine_kwargs"]
+__all__ = ["add_engine_args", "demo_args", "demo_run", "engine_kwargs"]
