@@ -237,6 +237,19 @@ def test_every_decode_batch_within_limits_gets_a_full_graph(c, mode, data):
     assert r <= res.key.num_reqs <= c.max_num_seqs
 
 
+def test_dispatch_returns_only_what_the_key_set_holds():
+    """The key set is data: dispatch pads a step to its candidate keys and returns one only if
+    the set holds it, so a key dropped from the set is never dispatched (eager instead)."""
+    d = GraphConfig(max_num_seqs=8, max_num_batched_tokens=64).graph_dispatcher(GraphMode.FULL_AND_PIECEWISE)
+    decode, mixed = d.dispatch(5, 5, True), d.dispatch(11, 3, False)
+    assert (decode.mode, mixed.mode) == (RuntimeMode.FULL, RuntimeMode.PIECEWISE)
+    assert {(decode.mode, decode.key), (mixed.mode, mixed.key)} <= set(d.keys())
+    del d._keys[decode.key], d._keys[mixed.key]
+    assert (decode.mode, decode.key) not in d.keys()
+    assert d.dispatch(5, 5, True).key != decode.key          # padded as a mixed step instead
+    assert d.dispatch(11, 3, False).mode is RuntimeMode.NONE
+
+
 def test_decode_at_max_num_seqs_not_in_capture_list():
     c = GraphConfig(max_num_seqs=100, max_num_batched_tokens=2048, mode="FULL_DECODE_ONLY")
     assert 100 not in c.capture_policy()

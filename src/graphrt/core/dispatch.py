@@ -9,7 +9,7 @@ so capture / precompile and serving can never disagree.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.eager import EagerCause
@@ -127,7 +127,12 @@ class Dispatch:
 
 
 class Dispatcher:
-    """Maps steps to (runtime mode, padded key).
+    """Maps steps to (runtime mode, padded key) by looking them up in its key set.
+
+    The key set is built once, from the mode and the bucket policies, and is data:
+    :meth:`keys` lists it (warm-up builds exactly those), and :meth:`dispatch` pads a step to
+    its candidate keys and returns the first one the set holds -- so every key a step can
+    run under is one warm-up built, by construction.
 
     * ``token_buckets`` -- token counts of mixed keys (graph capture sizes / XLA token paddings).
     * ``decode_buckets`` -- batch sizes of uniform-decode keys (defaults to ``token_buckets``
@@ -185,20 +190,48 @@ class Dispatcher:
             if mixed_num_reqs < self.max_num_seqs:
                 raise ConfigError(f"a fixed mixed batch size ({mixed_num_reqs}) must cover "
                                   f"max_num_seqs={self.max_num_seqs}")
+        #: The runtime mode of mixed steps, and of uniform steps without keys of their own.
+        self._mixed = self.mode.mixed_mode()
+        self._uniform = self._mixed if self.separate_decode else self.mode.decode_mode()
+        #: The key set: every key dispatch can return, with the mode it runs in.
+        self._keys: dict[BatchDescriptor, RuntimeMode] = self._key_set()
+
+    def _key_set(self) -> dict[BatchDescriptor, RuntimeMode]:
+        """Every (key, mode) the policies give: the decode keys, the mixed (and uniform-as-mixed)
+        keys of each token bucket, each once per adapter-count bucket."""
+        keys: dict[BatchDescriptor, RuntimeMode] = {}
+        adapters = [0] + (list(self.lora_buckets) if self.lora_buckets is not None else [])
+        if self.separate_decode and self.decode_buckets is not None:
+            q = self.decode_query_len
+            keys.update((BatchDescriptor(b * q, b, True, n), RuntimeMode.FULL)
+                        for b in self.decode_buckets for n in adapters)
+        for runtime in {self._mixed, self._uniform} - {RuntimeMode.NONE}:
+            for b in self.token_buckets or ():
+                keys.update((self._token_key(runtime, b, n), runtime) for n in adapters)
+        return keys
+
+    def _token_key(self, runtime: RuntimeMode, tokens: int, num_loras: int) -> BatchDescriptor:
+        """The key of a token bucket: PIECEWISE keys see tokens only; FULL ones a request count."""
+        if runtime is RuntimeMode.PIECEWISE:
+            return BatchDescriptor(tokens, None, False, num_loras)
+        reqs = self.mixed_num_reqs if self.mixed_num_reqs is not None else min(tokens, self.max_num_seqs)
+        return BatchDescriptor(tokens, reqs, False, num_loras)
 
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0) -> Dispatch:
         """Runtime mode and padded key for a step of this real shape with ``num_loras`` distinct
-        adapters (a pure function of the shape and the policies: callers on a hot path remember
-        it, as ``ModelRunner`` does)."""
-        real = BatchDescriptor(num_tokens, num_reqs, uniform_decode, num_loras)
+        adapters: the first of its candidate keys (its decode bucket, then its token bucket)
+        the key set holds, else eager with the reason (a pure function of the shape: callers
+        on a hot path remember it, as ``ModelRunner`` does)."""
         n = self.lora_bucket(num_loras) if num_loras else 0
-        if uniform_decode and self.separate_decode:
-            b = self.decode_buckets.bucket_for(num_reqs) if self.decode_buckets else None
+        keys = self._keys
+        if uniform_decode and self.separate_decode and self.decode_buckets is not None:
+            b = self.decode_buckets.bucket_for(num_reqs)
             if b is not None:
-                return Dispatch(RuntimeMode.FULL, BatchDescriptor(b * self.decode_query_len, b, True, n),
-                                "decode bucket")
-        runtime = (self.mode.decode_mode() if uniform_decode and not self.separate_decode
-                   else self.mode.mixed_mode())
+                key = BatchDescriptor(b * self.decode_query_len, b, True, n)
+                if key in keys:
+                    return Dispatch(RuntimeMode.FULL, key, "decode bucket")
+        runtime = self._uniform if uniform_decode else self._mixed
+        real = BatchDescriptor(num_tokens, num_reqs, uniform_decode, num_loras)
         if runtime is RuntimeMode.NONE:
             # A decode step no decode bucket held is above the largest bucket, whatever the
             # mixed mode then says; otherwise the mode itself runs it eagerly.
@@ -207,11 +240,11 @@ class Dispatcher:
                                                     f"{'decode' if uniform_decode else 'mixed'} steps eagerly",
                             EagerCause.ABOVE_LARGEST_BUCKET if above else EagerCause.MODE)
         b = self.token_buckets.bucket_for(num_tokens)
-        if b is None:
+        key = self._token_key(runtime, b, n) if b is not None else None
+        if key is None or keys.get(key) is not runtime:
             return self._above(real, "token", self.token_buckets)
-        if runtime is RuntimeMode.PIECEWISE:
-            return Dispatch(runtime, BatchDescriptor(b, None, False, n), "token bucket (piecewise)")
-        return Dispatch(runtime, BatchDescriptor(b, self._mixed_reqs(b), False, n), "token bucket")
+        reason = "token bucket (piecewise)" if runtime is RuntimeMode.PIECEWISE else "token bucket"
+        return Dispatch(runtime, key, reason)
 
     def lora_bucket(self, num_loras: int) -> int:
         """The adapter count of the key a step with ``num_loras`` distinct adapters runs under."""
@@ -221,11 +254,6 @@ class Dispatcher:
             raise InputError("lora_ids", f"{num_loras} distinct adapters in one step; at most max_loras="
                                          f"{self.max_loras} can run together")
         return self.lora_buckets.bucket_for(num_loras)
-
-    def _mixed_reqs(self, padded_tokens: int) -> int:
-        if self.mixed_num_reqs is not None:
-            return self.mixed_num_reqs
-        return min(padded_tokens, self.max_num_seqs)
 
     def _above(self, real: BatchDescriptor, which: str, policy: BucketPolicy | None) -> Dispatch:
         largest = policy.max_size if policy is not None else 0
@@ -237,21 +265,8 @@ class Dispatcher:
         return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly", EagerCause.ABOVE_LARGEST_BUCKET)
 
     def keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
-        """Every (mode, key) ``dispatch`` can return with a graph, largest first (capture order)."""
-        out: set[tuple[RuntimeMode, BatchDescriptor]] = set()
-        if self.separate_decode and self.decode_buckets is not None:
-            q = self.decode_query_len
-            out.update((RuntimeMode.FULL, BatchDescriptor(b * q, b, True)) for b in self.decode_buckets)
-        for uniform in (False, True):
-            runtime = (self.mode.decode_mode() if uniform and not self.separate_decode
-                       else self.mode.mixed_mode())
-            if runtime is RuntimeMode.NONE or self.token_buckets is None:
-                continue
-            for b in self.token_buckets:
-                key = (BatchDescriptor(b, None, False) if runtime is RuntimeMode.PIECEWISE
-                       else BatchDescriptor(b, self._mixed_reqs(b), False))
-                out.add((runtime, key))
-        if self.lora_buckets is not None:
-            out |= {(m, replace(k, num_loras=n)) for m, k in out for n in self.lora_buckets}
-        return sorted(out, key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[1].num_loras, mk[0].value),
+        """The key set: every (mode, key) ``dispatch`` can return with a graph, largest first
+        (capture order)."""
+        return sorted(((mode, key) for key, mode in self._keys.items()),
+                      key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[1].num_loras, mk[0].value),
                       reverse=True)
