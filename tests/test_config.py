@@ -126,7 +126,9 @@ def test_policies_cover_the_limits(lim):
     assert c.xla_token_policy().max_size >= tokens
     assert c.xla_bs_policy().max_size >= seqs
     cap = c.capture_policy()
-    assert cap.max_size == min(2 * seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE, tokens)
+    # vLLM's min(2 * max_num_seqs, 512), but never below max_num_seqs: the configured largest
+    # decode batch always has a graph (issue 26)
+    assert cap.max_size == min(max(min(2 * seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE), seqs), tokens)
     assert cap.max_size <= tokens
     assert cap == BucketPolicy.vllm_default(cap.max_size)
 

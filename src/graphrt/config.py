@@ -38,9 +38,11 @@ class GraphConfig(BaseModel):
 
     mode: GraphMode = Field(GraphMode.FULL_AND_PIECEWISE, description="graph mode (vLLM's cudagraph_mode)")
     cudagraph_capture_sizes: Optional[list[int]] = Field(
-        None, description="token counts to capture; default vLLM's list up to max_cudagraph_capture_size")
+        None, description="token counts to capture; default vLLM's list up to max_cudagraph_capture_size, in "
+                          "multiples of 1 + num_speculative_tokens")
     max_cudagraph_capture_size: Optional[int] = Field(
-        None, description="largest captured size; default min(2 * max_num_seqs, 512, max_num_batched_tokens)")
+        None, description="largest captured size; default (1 + num_speculative_tokens) * max(max_num_seqs, "
+                          "min(2 * max_num_seqs, 512)), at most max_num_batched_tokens")
     precompile_token_paddings: Optional[list[int]] = Field(
         None, description="XLA token buckets of prefill/mixed steps; default powers of two to max_num_batched_tokens")
     precompile_bs_paddings: Optional[list[int]] = Field(
@@ -168,12 +170,25 @@ class GraphConfig(BaseModel):
         return min(self.max_num_seqs, self.max_num_batched_tokens // self.decode_query_len)
 
     def capture_policy(self) -> BucketPolicy:
-        """Token buckets of graph backends (capture sizes)."""
+        """Token buckets of graph backends (capture sizes).
+
+        Unset, they are vLLM's sizes counted in requests and multiplied by the decode query
+        length ``q = 1 + num_speculative_tokens`` (vLLM scales its default largest size by
+        ``q``): every size is a multiple of ``q``, so each is a decode batch exactly. The
+        requests go up to ``min(2 * max_num_seqs, 512)``, and never below ``max_num_seqs``:
+        the largest decode batch the token budget holds (:attr:`max_decode_batch`) always has
+        a FULL graph. ``max_cudagraph_capture_size`` alone sets the largest size in tokens."""
         if self.cudagraph_capture_sizes is not None:
             return BucketPolicy(self.cudagraph_capture_sizes)
-        cap = self.max_cudagraph_capture_size or min(2 * self.max_num_seqs,
-                                                     defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE)
-        return BucketPolicy.vllm_default(min(cap, self.max_num_batched_tokens))
+        q, tokens = self.decode_query_len, self.max_num_batched_tokens
+        if self.max_cudagraph_capture_size is not None:
+            cap = min(self.max_cudagraph_capture_size, tokens)
+        else:
+            reqs = max(min(2 * self.max_num_seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE), self.max_num_seqs)
+            cap = min(q * reqs, tokens)
+        if cap < q:      # smaller than one decode request: no grid of multiples to keep
+            return BucketPolicy.vllm_default(cap)
+        return BucketPolicy([q * s for s in BucketPolicy.vllm_default(cap // q)] + [cap])
 
     def xla_token_policy(self) -> BucketPolicy:
         """XLA token buckets; the largest always covers ``max_num_batched_tokens``."""

@@ -29,7 +29,9 @@ VLLM_SMALL_SIZES = (1, 2, 4)
 VLLM_STEP_BELOW_256 = 8
 VLLM_STEP_FROM_256 = 16
 VLLM_STEP_SWITCH = 256
-#: vLLM caps the default largest capture size at this many tokens.
+#: vLLM caps the default largest capture size at this many tokens (times 1 + num_speculative_tokens
+#: with speculative decoding: decode requests, not tokens); graphrt never caps it below max_num_seqs,
+#: so the configured largest decode batch always has a FULL graph.
 VLLM_DEFAULT_MAX_CAPTURE_SIZE = 512
 
 #: SGLang's default cuda-graph batch sizes: [1, 2, 4, 8, 12], every 8 up to 256, every 16
