@@ -189,6 +189,10 @@ WATCHDOG_JOIN_TIMEOUT = 5.0
 STEP_CHANNEL_BYTES = 8 << 20
 STEP_CHANNEL_MAX_ARRAYS = 16
 STEP_CHANNEL_TIMEOUT_S = 30.0
+#: ... the most readers one channel takes: each costs a named semaphore (a file in /dev/shm and a
+#: mapping of its own), and a channel's readers are one host's tensor-parallel workers -- far
+#: fewer than this, which stays far below the semaphores and mappings a process may hold.
+STEP_CHANNEL_MAX_READERS = 1024
 #: ``StepChannel.receive(spin=...)``'s default: how long a reader polls for the next step
 #: (``os.sched_yield`` between polls) before it sleeps on its semaphore. Polled, rank 0's post
 #: is an atomic add; asleep, it is a system call plus an interrupt to the reader's core, and the
@@ -242,3 +246,8 @@ DP_STATS_TIMEOUT_S = 30.0
 #: workers' pipes (a dead worker is seen at once through its process sentinel regardless).
 DP_STEP_WAIT_S = 0.05
 DP_POLL_INTERVAL_S = 0.1
+
+#: Memory bounds checked before allocating (graphrt.core.memory_bounds): where shared-memory
+#: segments live (a tmpfs), and the bytes assumed where the system cannot report its RAM.
+SHARED_MEMORY_DIR = "/dev/shm"
+UNKNOWN_MEMORY_BYTES = 2**40
