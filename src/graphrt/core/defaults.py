@@ -113,6 +113,15 @@ STEP_PLAN_MEMO_LIMIT = 1 << 16
 #: Distinct (tokens, requests) shapes whose output views an InputPreparer keeps.
 PREPARE_VIEW_MEMO_LIMIT = 1 << 12
 
+#: The weights' dtype (``dtype=`` of graphrt.LLM, ModelRunner and the backends' load_model): the
+#: names users write (vLLM's ``--dtype`` choices, torch's and numpy's spellings; case-insensitive)
+#: and the dtype each means; "auto" is the checkpoint's ``torch_dtype``; unset, this default.
+MODEL_DTYPE_NAMES: dict[str, str] = {"float32": "float32", "float": "float32", "fp32": "float32",
+                                     "float16": "float16", "half": "float16", "fp16": "float16",
+                                     "bfloat16": "bfloat16", "bf16": "bfloat16",
+                                     "float64": "float64", "double": "float64", "fp64": "float64"}
+DEFAULT_MODEL_DTYPE = "float32"
+
 #: ``graphrt.tolerance``: machine epsilon (2**-mantissa bits) of the float dtypes it knows.
 DTYPE_EPS: dict[str, float] = {"float64": 2.0**-52, "float32": 2.0**-23,
                                "float16": 2.0**-10, "bfloat16": 2.0**-7}

@@ -35,6 +35,32 @@ class Need:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What a model's allocations scale with, as a backend reads it off a loaded model: the KV
+    cache per token, static and activation buffers per token / request, LoRA slots per rank."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int            # bytes of one weight / KV / activation element
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    lora_features: int = 0   # in + out features summed over the LoRA-capable linears of every layer
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes of one token slot over every layer (keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """A lower bound on a forward's live activations per token: the residual stream and a
+        normed copy (2 x hidden) and the gated MLP's gate / up / product (3 x intermediate)."""
+        return self.itemsize * (2 * self.hidden_size + 3 * self.intermediate_size)
+
+
 def physical_memory_bytes() -> int:
     """Total physical RAM of this machine; ``defaults.UNKNOWN_MEMORY_BYTES`` where the system
     cannot say."""
@@ -77,4 +103,4 @@ def check_needs(needs: Sequence[Need], available: int, where: str) -> None:
                       f"({_size(available)}) of {where}: lower {worst.field}")
 
 
-__all__ = ["Need", "check_needs", "physical_memory_bytes", "shared_memory_bytes"]
+__all__ = ["ModelShape", "Need", "check_needs", "physical_memory_bytes", "shared_memory_bytes"]
