@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,6 +78,16 @@ INVALID = [
     (dict(bogus_flag=1), ["bogus_flag"]),
     (dict(mode="SOMETIMES"), ["mode", "FULL_AND_PIECEWISE"]),
     (dict(max_num_seqs="many"), ["max_num_seqs", "integer"]),
+    # issue 26: XLA paddings no step can use (mixed steps padded to 2**24 requests ran out of memory)
+    (dict(max_num_seqs=4, precompile_bs_paddings=[4, 2**24]), ["precompile_bs_paddings", "16777216",
+                                                               "max_num_seqs (4)"]),
+    (dict(precompile_token_paddings=[16, 8192, 2**30]), ["precompile_token_paddings", "1073741824",
+                                                         "max_num_batched_tokens (8192)"]),
+    # issue 26: every boolean strict (enable_prefix_caching="yes" was accepted by the engine)
+    *[(dict(**{flag: value}), [flag, "valid boolean"])
+      for flag in ("disable_precompile", "enforce_eager", "strict", "check_baked_values", "debug_check_addresses",
+                   "compile_model", "enable_lora", "allow_long_max_model_len")
+      for value in ("yes", "no", 1, 0)],
 ]
 
 
@@ -105,6 +116,47 @@ def test_assignment_is_validated():
         c.max_num_batched_tokens = 8          # now below max_num_seqs=256
 
 
+def test_paddings_above_the_one_covering_the_limit_are_refused_but_one_covering_padding_is_kept():
+    c = GraphConfig.create(max_num_seqs=6, max_num_batched_tokens=100, precompile_bs_paddings=[1, 2, 8],
+                           precompile_token_paddings=[16, 64, 128])
+    assert c.xla_dispatcher().mixed_num_reqs == 8 and c.xla_token_policy().max_size == 128
+    with pytest.raises(ConfigError, match=r"precompile_bs_paddings: \[16\] above 8"):
+        GraphConfig.create(max_num_seqs=6, max_num_batched_tokens=100, precompile_bs_paddings=[1, 8, 16])
+
+
+@pytest.mark.parametrize("value", ["yes", "no", "true", 1, 0, None, np.bool_(True)])
+def test_engine_flags_are_as_strict_as_the_configs(value):
+    """graphrt.LLM's and ModelRunner's boolean keywords go through check_flags: refused exactly
+    where GraphConfig refuses the same value for one of its own flags."""
+    from graphrt.config import check_flags
+
+    with pytest.raises(ConfigError, match="enable_prefix_caching: Input should be a valid boolean"):
+        check_flags(enable_prefix_caching=value)
+    with pytest.raises(ConfigError, match="strict: Input should be a valid boolean"):
+        GraphConfig.create(strict=value)
+
+
+def test_booleans_stay_booleans():
+    from graphrt.config import check_flags
+
+    check_flags(a=True, b=False)
+    c = GraphConfig.create(strict=True, enforce_eager=False, enable_lora=True, allow_long_max_model_len=True)
+    assert (c.strict, c.enforce_eager, c.enable_lora, c.allow_long_max_model_len) == (True, False, True, True)
+
+
+def test_max_model_len_above_the_models_positions_needs_the_explicit_override(caplog):
+    """issue 26: max_model_len=4096 on a model of 512 positions was accepted silently."""
+    with pytest.raises(ConfigError, match=r"max_model_len: 4096 exceeds the model's max_position_embeddings \(512\)"
+                                          r".*allow_long_max_model_len"):
+        GraphConfig.create(max_model_len=4096).check_model_len(512)
+    GraphConfig.create(max_model_len=4096, allow_long_max_model_len=True).check_model_len(512)
+    GraphConfig.create(max_model_len=512).check_model_len(512)
+    GraphConfig.create(max_model_len=4096).check_model_len(None)          # a model that does not say
+    with caplog.at_level("INFO", logger="graphrt"):
+        GraphConfig.create().check_model_len(512)                          # the default was never asked for
+    assert "max_model_len defaults to 4096" in caplog.text
+
+
 def test_mode_accepts_strings_and_enums():
     assert GraphConfig(mode="PIECEWISE").mode is GraphMode.PIECEWISE
     assert GraphConfig(mode=GraphMode.FULL).mode is GraphMode.FULL
@@ -126,7 +178,9 @@ def test_policies_cover_the_limits(lim):
     assert c.xla_token_policy().max_size >= tokens
     assert c.xla_bs_policy().max_size >= seqs
     cap = c.capture_policy()
-    assert cap.max_size == min(2 * seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE, tokens)
+    # vLLM's min(2 * max_num_seqs, 512), but never below max_num_seqs: the configured largest
+    # decode batch always has a graph (issue 26)
+    assert cap.max_size == min(max(min(2 * seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE), seqs), tokens)
     assert cap.max_size <= tokens
     assert cap == BucketPolicy.vllm_default(cap.max_size)
 

@@ -85,6 +85,47 @@ def test_config_rejects_a_query_len_above_the_token_budget():
     assert max(k.num_reqs for _, k in cfg.xla_dispatcher().keys() if k.uniform_decode) == 4
 
 
+UNIFORM_MODES = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
+
+
+def test_the_configured_largest_decode_batch_is_captured_by_default():
+    """Issue 26: 12 requests verifying 2 drafts each (36 tokens) had no FULL key; 8 was the largest."""
+    cfg = GraphConfig.create(max_num_seqs=12, max_num_batched_tokens=96, max_model_len=256,
+                             num_speculative_tokens=2)
+    assert cfg.max_decode_batch == 12
+    assert all(s % 3 == 0 for s in cfg.capture_policy())          # multiples of 1 + k
+    for mode in UNIFORM_MODES:
+        d = cfg.graph_dispatcher(mode)
+        got = d.dispatch(36, 12, True)
+        assert got.mode is RuntimeMode.FULL and (got.mode, got.key) in d.keys(), (mode, got)
+    decode = {k.num_reqs for _, k in cfg.graph_dispatcher(GraphMode.FULL_AND_PIECEWISE).keys() if k.uniform_decode}
+    assert decode == {1, 2, 4, 8, 12}
+
+
+def _decode_limits():
+    """(max_num_seqs, k, max_num_batched_tokens): the token budget holds at least one decode request."""
+    return st.tuples(st.integers(1, 640), st.integers(0, 6)).flatmap(
+        lambda sk: st.tuples(st.just(sk[0]), st.just(sk[1]),
+                             st.integers(max(sk[0], 1 + sk[1]), max(sk[0], 1 + sk[1]) * 8)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_decode_limits())
+def test_every_decode_batch_up_to_the_largest_has_a_full_graph_by_default(limits):
+    """Default capture sizes: every uniform decode step of 1 .. max_decode_batch requests runs a
+    FULL graph warm-up built (no eager, no PIECEWISE), in every mode with uniform keys and on XLA."""
+    seqs, k, tokens = limits
+    cfg = GraphConfig.create(max_num_seqs=seqs, max_num_batched_tokens=tokens, num_speculative_tokens=k)
+    q, top = 1 + k, cfg.max_decode_batch
+    assert top == min(seqs, tokens // q) >= 1
+    for d in [cfg.graph_dispatcher(m) for m in UNIFORM_MODES] + [cfg.xla_dispatcher()]:
+        built = set(d.keys())                 # what warm-up captures / compiles
+        for r in range(1, top + 1):
+            got = d.dispatch(r * q, r, True)
+            assert got.mode is RuntimeMode.FULL and (got.mode, got.key) in built, (d.mode, r, got)
+            assert got.key.num_tokens >= r * q and (got.key.num_reqs or r) >= r
+
+
 # ------------------------------------------------------------------------------- parity
 
 def tables() -> tuple[np.ndarray, np.ndarray]:

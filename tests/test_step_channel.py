@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from graphrt import GraphrtError, InputError
+from graphrt import ConfigError, GraphrtError, InputError
 from graphrt.core.step_channel import StepChannel
 
 DTYPES = [np.int32, np.int64, np.float32, np.uint8, np.bool_]
@@ -103,6 +103,101 @@ def test_bad_sends_are_refused_and_a_silent_writer_times_out():
         reader.close()
         writer.close()
         writer.unlink()
+
+
+def test_sends_that_are_not_sequences_of_arrays_are_input_errors():
+    """Issue 26: send(1, [[1, 2, 3]]) raised AttributeError: 'list' object has no attribute 'dtype'."""
+    writer = StepChannel.create(1, capacity=1 << 12)
+    try:
+        for arrays, word in (([[1, 2, 3]], "array 0.*list"), ([np.zeros(2), 5], "array 1.*int"),
+                             (np.zeros(3), "sequence.*ndarray"), (None, "sequence.*NoneType")):
+            with pytest.raises(InputError, match=word) as err:
+                writer.send(1, arrays)
+            assert err.value.field == "arrays"
+        writer.send(1, [np.zeros(2)])                 # a steady step with a list in it is refused too
+        with pytest.raises(InputError, match="array 0"):
+            writer.send(1, [[1.0, 2.0]])
+    finally:
+        writer.close()
+        writer.unlink()
+
+
+class _Recorder:
+    """What ``StepChannel.create`` makes in /dev/shm -- each segment and each semaphore, by name
+    -- and, optionally, where the system refuses: the ``fail_semaphore``-th semaphore, the
+    segment, or the resident buffers' mapping. Names are recorded, not /dev/shm compared before
+    and after: other processes on the machine make and remove their own entries meanwhile."""
+
+    def __init__(self, monkeypatch, fail: str | None = None, fail_semaphore: int = 2) -> None:
+        from graphrt.core import step_channel as sc
+
+        self.names: list[str] = []
+        self.spawn, self.fail, self.fail_semaphore, self.made = mp.get_context("spawn"), fail, fail_semaphore, 0
+        recorder, real = self, sc.shared_memory.SharedMemory
+
+        class Recorded(real):
+            def __init__(self, name=None, create=False, size=0):
+                if create and recorder.fail == "segment":
+                    raise OSError(12, "Cannot allocate memory")
+                super().__init__(name, create, size)
+                if create:
+                    recorder.names.append(self._name.lstrip("/"))
+
+        def resident(shm, spec, real_resident=sc._resident):
+            if recorder.fail == "resident mapping":
+                raise OSError(12, "Cannot allocate memory")
+            return real_resident(shm, spec)
+
+        monkeypatch.setattr(sc.shared_memory, "SharedMemory", Recorded)
+        monkeypatch.setattr(sc, "_resident", resident)
+
+    def Semaphore(self, value: int):  # noqa: N802 - multiprocessing's name
+        if self.fail == "semaphore" and self.made == self.fail_semaphore:
+            raise OSError(24, "Too many open files")
+        self.made += 1
+        sem = self.spawn.Semaphore(value)
+        self.names.append("sem." + sem._semlock.name.lstrip("/"))
+        return sem
+
+    def left(self) -> list[str]:
+        """The recorded names still in /dev/shm."""
+        return [n for n in self.names if Path("/dev/shm", n).exists()]
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("capacity", dict(capacity=2**50)),
+    ("resident", dict(resident={"big": ((2**47,), np.int64)})),         # 2**50 bytes
+    ("resident", dict(resident={"wide": ((2**40, 2**40), np.uint8)})),  # past int64: no wrap to 0
+    ("max_arrays", dict(max_arrays=10**9)),
+    ("num_readers", dict(num_readers=10**6)),
+])
+def test_sizes_past_memory_are_config_errors_before_anything_exists(field, kwargs, monkeypatch):
+    """Issue 26: these raised OSError ENOMEM naming no argument, and num_readers=10**6 leaked the
+    segment when its semaphores failed."""
+    rec = _Recorder(monkeypatch)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(ConfigError, match=rf"^{field}: .*(bytes|readers)"):
+        StepChannel.create(**{"num_readers": 1, "ctx": rec, **kwargs})
+    assert rec.names == [] and rec.made == 0                  # nothing was made at all
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("psm_")
+                and Path("/dev/shm", n).stat().st_size >= 2**40]
+
+
+@pytest.mark.parametrize("where", ["semaphore", "segment", "resident mapping"])
+def test_a_failed_create_leaves_no_segment_and_no_semaphore(where, monkeypatch):
+    rec = _Recorder(monkeypatch, fail=where)
+    with pytest.raises(GraphrtError, match="all removed, no segment left") as err:
+        StepChannel.create(3, capacity=1 << 12, ctx=rec, resident={"x": ((8,), np.int32)})
+    assert isinstance(err.value.__cause__, OSError)
+    assert rec.made == (2 if where == "semaphore" else 3)
+    assert len(rec.names) == rec.made + (where == "resident mapping")   # the segment existed there
+    assert rec.left() == [], rec.left()          # no psm_* segment, no sem.mp-* semaphore
+    rec.fail = None
+    ok = StepChannel.create(3, capacity=1 << 12, ctx=rec)      # the next one works
+    ok.close()
+    ok.unlink()
+    del ok
+    assert rec.left() == []
 
 
 def _worker(spec, reader: int, steps: int, results) -> None:

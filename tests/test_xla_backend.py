@@ -126,6 +126,21 @@ def test_registry_and_options():
         XlaBackend(tp_size=len(jax.devices()) + 1)
 
 
+def test_paddings_no_step_can_use_are_refused_before_anything_compiles(monkeypatch):
+    """Issue 26: precompile_bs_paddings=[4, 2**24] with max_num_seqs=4 was accepted, and every
+    prefill was padded to 2**24 requests (an 8 GiB OOM at the first step)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the executor was created before the ConfigError")
+
+    monkeypatch.setattr(XlaBackend, "create_executor", refuse)
+    d = str(tiny_hf_model_dir("qwen3"))
+    for make in (lambda **kw: graphrt.LLM(d, backend="xla", **kw), lambda **kw: ModelRunner(d, backend="xla", **kw)):
+        with pytest.raises(graphrt.ConfigError, match=r"^precompile_bs_paddings: \[16777216\] above 4"):
+            make(**{**LIMITS, "precompile_bs_paddings": [4, 2**24]})
+        with pytest.raises(graphrt.ConfigError, match=r"^precompile_token_paddings: \[1073741824\] above 32"):
+            make(**{**LIMITS, "precompile_token_paddings": [16, 32, 2**30]})
+
+
 @pytest.mark.parametrize("engine", ["qwen", "llama"])
 def test_llm_greedy_parity_with_transformers(engine, request):
     """Chunked prefill (45 > 32 tokens), more prompts than slots, decode at every bucket."""

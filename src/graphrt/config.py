@@ -9,6 +9,7 @@ expose every field as ``--kebab-case`` flags.
 from __future__ import annotations
 
 import argparse
+import logging
 import typing
 from typing import Any, Literal, Optional
 
@@ -18,6 +19,8 @@ from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher, GraphMode
 from graphrt.core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def _sizes(name: str, values: Optional[list[int]]) -> Optional[list[int]]:
@@ -31,6 +34,37 @@ def _sizes(name: str, values: Optional[list[int]]) -> Optional[list[int]]:
     return sorted(set(values))
 
 
+def check_flags(**flags: Any) -> None:
+    """Refuse a boolean keyword that is not a bool, as strictly as GraphConfig's own flags
+    (``"yes"``, ``"no"``, 0, 1 and None are not booleans): ConfigError naming it. graphrt.LLM's
+    and ModelRunner's keywords go through here."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: Input should be a valid boolean, got {value!r}")
+
+
+def _describe(err: Any) -> str:
+    """One pydantic error as ``field: what, got value``; a check of several fields (whose
+    message names them) as its message alone."""
+    if not err["loc"]:
+        return err["msg"].removeprefix("Value error, ")
+    got = f", got {err['input']!r}" if err["type"] in ("bool_type", "int_type", "int_parsing") else ""
+    return f"{'.'.join(map(str, err['loc']))}: {err['msg']}{got}"
+
+
+def _refuse_unusable(name: str, values: Optional[list[int]], limit: str, bound: int, cost: str) -> None:
+    """XLA paddings past the first one that covers ``bound`` can never be used by a step, yet
+    each costs an executable (``cost``): ``precompile_bs_paddings=[4, 2**24]`` with
+    ``max_num_seqs=4`` padded every prefill to 2**24 requests and ran out of memory."""
+    if values is None:
+        return
+    cover = min(v for v in values if v >= bound)
+    unused = [v for v in values if v > cover]
+    if unused:
+        raise ValueError(f"{name}: {unused} above {cover}, the first padding that covers {limit} ({bound}): "
+                         f"no step can use them and {cost}; drop them")
+
+
 class GraphConfig(BaseModel):
     """Graph capture / precompile and scheduler limits, validated together."""
 
@@ -38,31 +72,37 @@ class GraphConfig(BaseModel):
 
     mode: GraphMode = Field(GraphMode.FULL_AND_PIECEWISE, description="graph mode (vLLM's cudagraph_mode)")
     cudagraph_capture_sizes: Optional[list[int]] = Field(
-        None, description="token counts to capture; default vLLM's list up to max_cudagraph_capture_size")
+        None, description="token counts to capture; default vLLM's list up to max_cudagraph_capture_size, in "
+                          "multiples of 1 + num_speculative_tokens")
     max_cudagraph_capture_size: Optional[int] = Field(
-        None, description="largest captured size; default min(2 * max_num_seqs, 512, max_num_batched_tokens)")
+        None, description="largest captured size; default (1 + num_speculative_tokens) * max(max_num_seqs, "
+                          "min(2 * max_num_seqs, 512)), at most max_num_batched_tokens")
     precompile_token_paddings: Optional[list[int]] = Field(
         None, description="XLA token buckets of prefill/mixed steps; default powers of two to max_num_batched_tokens")
     precompile_bs_paddings: Optional[list[int]] = Field(
         None, description="XLA batch-size buckets of decode steps; default powers of two to max_num_seqs")
-    disable_precompile: bool = Field(False, description="XLA: compile lazily instead of before serving")
-    enforce_eager: bool = Field(False, description="never capture or compile graphs; run eagerly")
-    strict: bool = Field(False, description="after warm-up, a step without a graph raises CacheMissError")
+    disable_precompile: bool = Field(False, strict=True, description="XLA: compile lazily instead of before serving")
+    enforce_eager: bool = Field(False, strict=True, description="never capture or compile graphs; run eagerly")
+    strict: bool = Field(False, strict=True, description="after warm-up, a step without a graph raises CacheMissError")
     max_num_seqs: int = Field(defaults.DEFAULT_MAX_NUM_SEQS, gt=0, description="requests per step")
     max_num_batched_tokens: int = Field(defaults.DEFAULT_MAX_NUM_BATCHED_TOKENS, gt=0,
                                         description="tokens per step (the scheduler's budget)")
     max_model_len: int = Field(defaults.DEFAULT_MAX_MODEL_LEN, gt=0, description="tokens per request")
+    allow_long_max_model_len: bool = Field(
+        False, strict=True, description="accept a max_model_len above the model's max_position_embeddings "
+                                        "(vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions past it are outside "
+                                        "what the model was trained on")
     block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block")
     compilation_cache_dir: Optional[str] = Field(
         None, description="XLA persistent compilation cache directory (reused across restarts)")
     check_baked_values: bool = Field(
-        False, description="torch graph backends: record each FULL key's forward under two steps it holds and "
+        False, strict=True, description="torch graph backends: record each FULL key's forward under two steps it holds and "
                            "report host values the graph bakes in that differ (always on in strict mode, "
                            "where such a key fails its capture)")
     debug_check_addresses: bool = Field(
-        False, description="verify on every replay that inputs are read from the captured buffers")
+        False, strict=True, description="verify on every replay that inputs are read from the captured buffers")
     compile_model: bool = Field(
-        False, description="torch graph backends: torch.compile the pieces between attention calls "
+        False, strict=True, description="torch graph backends: torch.compile the pieces between attention calls "
                            "(static shapes, one compile per bucket) before capturing them")
     piecewise_capture: Literal["auto", "fx", "breakable"] = Field(
         "auto", description="how PIECEWISE graphs are captured: fx (split the traced model at attention), "
@@ -77,7 +117,7 @@ class GraphConfig(BaseModel):
         None, description="input preparation and padding: numba (compiled loops), numpy, or auto "
                           "(numba when it imports); unset: $GRAPHRT_HOST_KERNEL or auto")
     enable_lora: Optional[bool] = Field(
-        None, description="LoRA adapters (vLLM's enable_lora); alone it means max_loras=1; unset: on when "
+        None, strict=True, description="LoRA adapters (vLLM's enable_lora); alone it means max_loras=1; unset: on when "
                           "max_loras > 0")
     max_loras: int = Field(defaults.DEFAULT_MAX_LORAS, ge=0,
                            description="LoRA adapter slots, the most distinct adapters in one step (vLLM's "
@@ -122,6 +162,10 @@ class GraphConfig(BaseModel):
         if bs is not None and max(bs) < self.max_num_seqs:
             raise ValueError(f"precompile_bs_paddings end at {max(bs)} below max_num_seqs "
                              f"({self.max_num_seqs}); add {self.max_num_seqs}")
+        _refuse_unusable("precompile_token_paddings", tok, "max_num_batched_tokens", self.max_num_batched_tokens,
+                         "each is compiled at that many tokens")
+        _refuse_unusable("precompile_bs_paddings", bs, "max_num_seqs", self.max_num_seqs,
+                         "the largest is the batch size every mixed step is padded to")
         if self.enable_lora is not None and self.enable_lora != (self.max_loras > 0):
             raise ValueError(f"enable_lora={self.enable_lora} contradicts max_loras={self.max_loras}: "
                              "LoRA is on exactly when max_loras > 0")
@@ -138,6 +182,21 @@ class GraphConfig(BaseModel):
             data = {**data, "max_loras": defaults.DEFAULT_MAX_LORAS_WHEN_ENABLED}
         return data
 
+    def check_model_len(self, model_len: int | None) -> None:
+        """Refuse a ``max_model_len`` above the model's ``max_position_embeddings`` (``model_len``;
+        None: unknown) unless ``allow_long_max_model_len`` (vLLM refuses too, unless overridden):
+        positions past it were never trained. A max_model_len left at its default is only
+        logged: it was never asked for."""
+        if model_len is None or self.max_model_len <= model_len or self.allow_long_max_model_len:
+            return
+        if "max_model_len" not in self.model_fields_set:
+            logger.info("graphrt: max_model_len defaults to %d, above the model's max_position_embeddings (%d); "
+                        "set max_model_len", self.max_model_len, model_len)
+            return
+        raise ConfigError(f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                          f"({model_len}), positions it was never trained on; lower it, or set "
+                          "allow_long_max_model_len=True (--allow-long-max-model-len) to run past it anyway")
+
     @property
     def lora_enabled(self) -> bool:
         """Whether steps may run LoRA adapters (``max_loras > 0``)."""
@@ -149,9 +208,7 @@ class GraphConfig(BaseModel):
         try:
             return cls(**kwargs)
         except ValidationError as e:
-            msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}"
-                             for err in e.errors())
-            raise ConfigError(msgs) from None
+            raise ConfigError("; ".join(map(_describe, e.errors()))) from None
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -168,12 +225,28 @@ class GraphConfig(BaseModel):
         return min(self.max_num_seqs, self.max_num_batched_tokens // self.decode_query_len)
 
     def capture_policy(self) -> BucketPolicy:
-        """Token buckets of graph backends (capture sizes)."""
+        """Token buckets of graph backends (capture sizes).
+
+        Unset, they are vLLM's sizes counted in requests and multiplied by the decode query
+        length ``q = 1 + num_speculative_tokens`` (vLLM scales its default largest size by
+        ``q``): every size is a multiple of ``q``, so each is a decode batch exactly. The
+        requests go up to ``min(2 * max_num_seqs, 512)``, and never below ``max_num_seqs``:
+        the largest decode batch the token budget holds (:attr:`max_decode_batch`) always has
+        a FULL graph. ``max_cudagraph_capture_size`` alone sets the largest size in tokens."""
         if self.cudagraph_capture_sizes is not None:
             return BucketPolicy(self.cudagraph_capture_sizes)
-        cap = self.max_cudagraph_capture_size or min(2 * self.max_num_seqs,
-                                                     defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE)
-        return BucketPolicy.vllm_default(min(cap, self.max_num_batched_tokens))
+        q, tokens = self.decode_query_len, self.max_num_batched_tokens
+        cap = min(tokens, self.max_cudagraph_capture_size or self.default_capture_tokens)
+        if cap < q:      # smaller than one decode request: no grid of multiples to keep
+            return BucketPolicy.vllm_default(cap)
+        return BucketPolicy([q * s for s in BucketPolicy.vllm_default(cap // q)] + [cap])
+
+    @property
+    def default_capture_tokens(self) -> int:
+        """The largest default capture size before the token budget caps it: ``1 + k`` tokens
+        times ``max(min(2 * max_num_seqs, 512), max_num_seqs)`` requests."""
+        reqs = max(min(2 * self.max_num_seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE), self.max_num_seqs)
+        return self.decode_query_len * reqs
 
     def xla_token_policy(self) -> BucketPolicy:
         """XLA token buckets; the largest always covers ``max_num_batched_tokens``."""

@@ -20,7 +20,8 @@ import numpy as np
 from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.core.cache import CacheStats, FailedBuild, GraphCache, describe_key
-from graphrt.config import GraphConfig
+from graphrt.backends.preflight import check_before_loading, check_memory
+from graphrt.config import GraphConfig, check_flags
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
@@ -94,16 +95,15 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, dtype: Any = None, warmup: bool = True,
                  progress: bool = True, step_agreement: StepAgreement | None = None,
                  **config_fields: Any) -> None:
-        self.config = config if config is not None else GraphConfig.create(**config_fields)
-        if config is not None and config_fields:
-            self.config = GraphConfig.create(**{**config.model_dump(), **config_fields})
-        cfg = self.config
+        fields = {**(config.model_dump(exclude_unset=True) if config is not None else {}), **config_fields}
+        self.config = cfg = config if config is not None and not config_fields else GraphConfig.create(**fields)
+        check_flags(warmup=warmup, progress=progress)
         self.backend = select_backend(backend) if isinstance(backend, str) else backend
         tp = cfg.tensor_parallel_size
-        if tp > 1 and self.backend.framework != "torch":
-            raise ConfigError(f"tensor_parallel_size={tp}: backend {self.backend.name} does not shard (torch ones do)")
+        dtype = check_before_loading(self.backend, model, cfg, dtype)   # sharding, dtype, max_model_len
         if isinstance(model, (str, os.PathLike)) and tp == 1:
             model = self.backend.load_model(os.fspath(model), dtype)
+        check_memory(self.backend, model, cfg, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory)
         # tensor_parallel_size > 1: the backend starts the worker ranks, each loads its own shard
         self.executor: Executor = (self.backend.create_executor(model, cfg) if tp == 1 else
                                    self.backend.create_executor(model, cfg, dtype=dtype))

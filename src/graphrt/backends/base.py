@@ -19,6 +19,7 @@ from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode,
                                    SamplerKey)
 from graphrt.core.fields import ModelInputs
+from graphrt.core.memory_bounds import ModelShape
 from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
 
 
@@ -202,6 +203,18 @@ class Backend(abc.ABC):
         its own model runner takes instead of the ModelRunner (``TorchGraphs`` on the torch
         backends, ``XlaGraphs`` on XLA; docs/api.md)."""
         raise NotImplementedError(f"backend {self.name} does not wrap callables")
+
+    def model_shape(self, model: Any) -> ModelShape | None:
+        """What ``model``'s allocations scale with (KV heads, widths, element size, LoRA-capable
+        features), read before the executor allocates anything, so that a size past memory is a
+        ConfigError first (backends/preflight.py). Default: None, the backend cannot tell; then
+        only the host tables are checked."""
+        return None
+
+    def device_memory_bytes(self) -> int | None:
+        """Total memory of the device this backend allocates on; None when that is the host's
+        RAM (default)."""
+        return None
 
     def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
         """This backend's bucket policy, as the one dispatcher that owns its graph keys.

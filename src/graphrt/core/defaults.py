@@ -29,7 +29,9 @@ VLLM_SMALL_SIZES = (1, 2, 4)
 VLLM_STEP_BELOW_256 = 8
 VLLM_STEP_FROM_256 = 16
 VLLM_STEP_SWITCH = 256
-#: vLLM caps the default largest capture size at this many tokens.
+#: vLLM caps the default largest capture size at this many tokens (times 1 + num_speculative_tokens
+#: with speculative decoding: decode requests, not tokens); graphrt never caps it below max_num_seqs,
+#: so the configured largest decode batch always has a FULL graph.
 VLLM_DEFAULT_MAX_CAPTURE_SIZE = 512
 
 #: SGLang's default cuda-graph batch sizes: [1, 2, 4, 8, 12], every 8 up to 256, every 16
@@ -115,6 +117,15 @@ STEP_PLAN_MEMO_LIMIT = 1 << 16
 #: Distinct (tokens, requests) shapes whose output views an InputPreparer keeps.
 PREPARE_VIEW_MEMO_LIMIT = 1 << 12
 
+#: The weights' dtype (``dtype=`` of graphrt.LLM, ModelRunner and the backends' load_model): the
+#: names users write (vLLM's ``--dtype`` choices, torch's and numpy's spellings; case-insensitive)
+#: and the dtype each means; "auto" is the checkpoint's ``torch_dtype``; unset, this default.
+MODEL_DTYPE_NAMES: dict[str, str] = {"float32": "float32", "float": "float32", "fp32": "float32",
+                                     "float16": "float16", "half": "float16", "fp16": "float16",
+                                     "bfloat16": "bfloat16", "bf16": "bfloat16",
+                                     "float64": "float64", "double": "float64", "fp64": "float64"}
+DEFAULT_MODEL_DTYPE = "float32"
+
 #: ``graphrt.tolerance``: machine epsilon (2**-mantissa bits) of the float dtypes it knows.
 DTYPE_EPS: dict[str, float] = {"float64": 2.0**-52, "float32": 2.0**-23,
                                "float16": 2.0**-10, "bfloat16": 2.0**-7}
@@ -191,6 +202,10 @@ WATCHDOG_JOIN_TIMEOUT = 5.0
 STEP_CHANNEL_BYTES = 8 << 20
 STEP_CHANNEL_MAX_ARRAYS = 16
 STEP_CHANNEL_TIMEOUT_S = 30.0
+#: ... the most readers one channel takes: each costs a named semaphore (a file in /dev/shm and a
+#: mapping of its own), and a channel's readers are one host's tensor-parallel workers -- far
+#: fewer than this, which stays far below the semaphores and mappings a process may hold.
+STEP_CHANNEL_MAX_READERS = 1024
 #: ``StepChannel.receive(spin=...)``'s default: how long a reader polls for the next step
 #: (``os.sched_yield`` between polls) before it sleeps on its semaphore. Polled, rank 0's post
 #: is an atomic add; asleep, it is a system call plus an interrupt to the reader's core, and the
@@ -244,3 +259,8 @@ DP_STATS_TIMEOUT_S = 30.0
 #: workers' pipes (a dead worker is seen at once through its process sentinel regardless).
 DP_STEP_WAIT_S = 0.05
 DP_POLL_INTERVAL_S = 0.1
+
+#: Memory bounds checked before allocating (graphrt.core.memory_bounds): where shared-memory
+#: segments live (a tmpfs), and the bytes assumed where the system cannot report its RAM.
+SHARED_MEMORY_DIR = "/dev/shm"
+UNKNOWN_MEMORY_BYTES = 2**40

@@ -30,6 +30,10 @@ path is one ``memcpy`` per array, no pickle.
   every reader acknowledged the last step (``wait_acks``). They live in a mapping of their
   own, which stays until the last array over it is gone (an executor may hold them past
   ``close()``).
+* Bounds first: ``create`` checks ``num_readers`` against ``defaults.STEP_CHANNEL_MAX_READERS``
+  and the segment's bytes against the shared memory the system has (``ConfigError`` naming the
+  argument) before it makes anything, and a failure after that (a semaphore, the segment)
+  removes what it made; ``send`` refuses anything but a sequence of numpy arrays (``InputError``).
 * ``close()`` in every process, ``unlink()`` once in rank 0: no segment is left in /dev/shm.
   Workers spawned by rank 0 share its resource tracker, so an attach there registers nothing
   new; rank 0's unlink is the one that counts.
@@ -40,11 +44,14 @@ numpy and the standard library only.
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import multiprocessing as mp
 import os
 import struct
 import time
+import traceback
+from collections import abc
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any, Mapping, Sequence
@@ -52,7 +59,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from graphrt.core import defaults
-from graphrt.core.errors import GraphrtError, InputError
+from graphrt.core.errors import ConfigError, GraphrtError, InputError
+from graphrt.core.memory_bounds import Need, check_needs, shared_memory_bytes
 
 _DTYPES = (np.int32, np.int64, np.float32, np.float16, np.uint8, np.bool_, np.float64, np.int16)
 _CODE = {np.dtype(d): i for i, d in enumerate(_DTYPES)}
@@ -63,8 +71,19 @@ _PAD = [(0,) * (_MAX_DIMS - d) for d in range(_MAX_DIMS + 1)]
 
 
 def aligned_nbytes(shape: Sequence[int], dtype: Any) -> int:
-    """Bytes an array of ``shape`` and ``dtype`` takes in a channel (a multiple of 64)."""
-    return -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+    """Bytes an array of ``shape`` and ``dtype`` takes in a channel (a multiple of 64; exact
+    Python integers, so a huge shape is a huge size, never an int64 wrapped past 2**63)."""
+    return -(-math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+
+
+def check_arrays(arrays: Any) -> None:
+    """Refuse ``arrays`` that is not a sequence of numpy arrays (or numpy scalars, 0-d), naming
+    the first that is not (:class:`InputError` on ``arrays``), before anything is written."""
+    if not isinstance(arrays, (list, tuple)) and not isinstance(arrays, abc.Sequence):
+        raise InputError("arrays", f"must be a sequence of numpy arrays, got {type(arrays).__name__}")
+    for i, a in enumerate(arrays):
+        if not isinstance(a, (np.ndarray, np.generic)):
+            raise InputError("arrays", f"array {i}: must be a numpy array, got {type(a).__name__}")
 
 
 def pack_entries(arrays: Sequence[np.ndarray], capacity: int) -> tuple[list[int], list[int], int]:
@@ -72,6 +91,7 @@ def pack_entries(arrays: Sequence[np.ndarray], capacity: int) -> tuple[list[int]
     their header entry words (per array: dtype code, ndim, 4 dims, offset, nbytes), each one's
     byte offset, and the bytes used. Raises :class:`InputError` naming what does not fit. The
     step channel and the broadcast channel of launched ranks share this format."""
+    check_arrays(arrays)
     entries: list[int] = []
     offsets = []
     offset = 0
@@ -140,28 +160,57 @@ class StepChannel:
                max_arrays: int = defaults.STEP_CHANNEL_MAX_ARRAYS, ctx: Any = None,
                resident: Mapping[str, tuple[tuple[int, ...], Any]] | None = None) -> "StepChannel":
         """Rank 0: a new segment of ``capacity`` data bytes for ``num_readers`` workers, plus
-        the ``resident`` buffers (name to shape and dtype), zeroed."""
+        the ``resident`` buffers (name to shape and dtype), zeroed.
+
+        Every bound is checked before anything exists: ``num_readers`` at most
+        ``defaults.STEP_CHANNEL_MAX_READERS``, and the segment's bytes (header, data, resident
+        buffers) within the shared memory the system has (:class:`ConfigError` naming the
+        argument). A failure after that -- a semaphore or the segment the system refuses --
+        leaves nothing behind: the semaphores made so far and the segment are removed."""
         for name, value in (("num_readers", num_readers), ("capacity", capacity), ("max_arrays", max_arrays)):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be an integer >= 1, got {value!r}")
-        ctx = ctx or mp.get_context("spawn")
+        if num_readers > defaults.STEP_CHANNEL_MAX_READERS:
+            raise ConfigError(f"num_readers: {num_readers} readers, above the {defaults.STEP_CHANNEL_MAX_READERS} "
+                              "a step channel takes (defaults.STEP_CHANNEL_MAX_READERS; one semaphore each)")
         head = (HEADER_WORDS + ENTRY_WORDS * max_arrays + num_readers) * 8
-        offset = -(-head // ALIGN) * ALIGN + capacity
-        layout = []
-        for name, (shape, dtype) in (resident or {}).items():
-            if np.dtype(dtype) not in _CODE or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
-                raise InputError("resident", f"{name!r}: shape {shape} / dtype {np.dtype(dtype)} cannot be held "
-                                 f"(non-negative int dims; dtypes {[np.dtype(d).name for d in _DTYPES]})")
-            layout.append((name, tuple(int(d) for d in shape), np.dtype(dtype).str, offset))
-            offset += aligned_nbytes(shape, dtype)
-        shm = shared_memory.SharedMemory(create=True, size=offset)
-        spec = ChannelSpec(shm.name, capacity, num_readers, max_arrays,
-                           tuple(ctx.Semaphore(0) for _ in range(num_readers)), tuple(layout))
-        channel = cls(shm, spec, None)
-        channel._header[:] = 0
-        for i in range(num_readers):
-            channel._ack_words[i] = 0
-        return channel
+        start = -(-head // ALIGN) * ALIGN
+        offset = start + capacity
+        layout, needs = [], [Need("max_arrays", "step channel header", start), Need("capacity", "step data", capacity)]
+        for name, shape, dtype in _resident_items(resident):
+            nbytes = aligned_nbytes(shape, dtype)
+            layout.append((name, shape, np.dtype(dtype).str, offset))
+            needs.append(Need("resident", f"resident buffer {name!r}", nbytes))
+            offset += nbytes
+        check_needs(needs, shared_memory_bytes(), f"shared memory ({defaults.SHARED_MEMORY_DIR} free, at most "
+                                                  "physical RAM)")
+        wakeups: list[Any] = []
+        shm = spec = channel = None
+        try:
+            ctx = ctx or mp.get_context("spawn")
+            for _ in range(num_readers):
+                wakeups.append(ctx.Semaphore(0))
+            shm = shared_memory.SharedMemory(create=True, size=offset)
+            spec = ChannelSpec(shm.name, capacity, num_readers, max_arrays, tuple(wakeups), tuple(layout))
+            channel = cls(shm, spec, None)
+            channel._header[:] = 0
+            for i in range(num_readers):
+                channel._ack_words[i] = 0
+            return channel
+        except BaseException as exc:
+            # Nothing left behind: the frames of the failure (which may hold the channel and its
+            # semaphores) drop their locals, the semaphores go with their last reference (each
+            # unlinks its name), and the segment is unlinked.
+            traceback.clear_frames(exc.__traceback__)
+            made = len(wakeups)
+            wakeups.clear()
+            spec = channel = None
+            _remove_segment(shm)
+            if isinstance(exc, OSError):
+                what = "wake-up semaphore" if made < num_readers else "shared-memory segment"
+                raise GraphrtError(f"step channel: the system refused a {what} ({made} of num_readers="
+                                   f"{num_readers} semaphores made, all removed, no segment left): {exc}") from exc
+            raise
 
     @classmethod
     def attach(cls, spec: ChannelSpec, reader: int) -> "StepChannel":
@@ -177,6 +226,7 @@ class StepChannel:
             raise GraphrtError("send() is rank 0's; this channel was attached as a reader")
         if not isinstance(method, int) or not 0 <= method < 2**63:
             raise InputError("method", f"must be an integer in [0, 2**63), got {method!r}")
+        check_arrays(arrays)
         if len(arrays) > self.spec.max_arrays:
             raise InputError("arrays", f"{len(arrays)} arrays, the channel holds {self.spec.max_arrays}")
         self.wait_acks(timeout)
@@ -271,6 +321,38 @@ class StepChannel:
         self._shm.unlink()
 
 
+def _resident_items(resident: Mapping[str, tuple[tuple[int, ...], Any]] | None
+                    ) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """``create``'s resident layout checked: (name, shape of Python ints, dtype) per buffer, or
+    :class:`InputError` naming ``resident`` and the buffer."""
+    out = []
+    for name, value in (resident or {}).items():
+        try:
+            shape, dtype = value
+            dtype = np.dtype(dtype)
+            ok = dtype in _CODE and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
+                                        for d in shape)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InputError("resident", f"{name!r}: {value!r} cannot be held (a shape of non-negative int dims "
+                                         f"and one of the dtypes {[np.dtype(d).name for d in _DTYPES]})")
+        out.append((name, tuple(int(d) for d in shape), dtype))
+    return out
+
+
+def _remove_segment(shm: shared_memory.SharedMemory | None) -> None:
+    """Unlink a segment ``create`` made before it failed (closed first where nothing still
+    views it; the name goes either way, so /dev/shm holds nothing)."""
+    if shm is None:
+        return
+    try:
+        shm.close()
+    except BufferError:    # a view survived; the mapping goes with it, the name goes now
+        pass
+    shm.unlink()
+
+
 def _resident(shm: shared_memory.SharedMemory, spec: ChannelSpec) -> dict[str, np.ndarray]:
     """Arrays over the spec's resident layout, in a mapping of the segment of their own: it is
     unmapped only once the last of them is gone, so ``close()`` never waits for an executor
@@ -282,5 +364,5 @@ def _resident(shm: shared_memory.SharedMemory, spec: ChannelSpec) -> dict[str, n
             for name, shape, dtype, offset in spec.resident}
 
 
-__all__ = ["ALIGN", "ChannelSpec", "ENTRY_WORDS", "HEADER_WORDS", "StepChannel", "aligned_nbytes", "pack_entries",
-           "unpack_arrays"]
+__all__ = ["ALIGN", "ChannelSpec", "ENTRY_WORDS", "HEADER_WORDS", "StepChannel", "aligned_nbytes", "check_arrays",
+           "pack_entries", "unpack_arrays"]

@@ -28,7 +28,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from graphrt.core import defaults
-from graphrt.config import GraphConfig
+from graphrt.backends.preflight import check_before_loading
+from graphrt.config import GraphConfig, check_flags
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.metrics import EngineMetrics, engine_stats
 from graphrt.engine.outputs import RequestOutput
@@ -36,12 +37,12 @@ from graphrt.engine.overlap import Launched, OverlapLoop, drop_unresolved, overl
 from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
 from graphrt.engine.tables import write_step_tables
-from graphrt.engine.validation import params_per_prompt, validate_request
-from graphrt.engine.watchdog import engine_watchdog
+from graphrt.engine.validation import engine_config, params_per_prompt, validate_request
+from graphrt.engine.watchdog import check_watchdog_args, engine_watchdog
 from graphrt.core.errors import GenerationError, GraphrtError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams, without_seed
-from graphrt.models.hf_config import DecoderConfig, model_eos_token_ids, model_max_len
+from graphrt.models.hf_config import model_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +76,17 @@ class LLM(OverlapLoop):
                  disable_overlap_schedule: bool = defaults.DEFAULT_DISABLE_OVERLAP_SCHEDULE,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
+        # Every setting is checked before anything is loaded or allocated (engine/validation.py).
+        check_flags(enable_prefix_caching=enable_prefix_caching, disable_overlap_schedule=disable_overlap_schedule,
+                    progress=progress)
+        check_watchdog_args(watchdog_timeout, watchdog_action)
+        self.config = config = engine_config(model, config, max_model_len, max_num_seqs=max_num_seqs, strict=strict,
+                                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                             **graph_fields)
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
-        tp = config.tensor_parallel_size if config is not None else graph_fields.get("tensor_parallel_size", 1)
+        dtype = check_before_loading(backend_obj, model, config, dtype)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
-            model = str(model) if tp > 1 else backend_obj.load_model(str(model), dtype)
-        model_len = (DecoderConfig.from_dir(model).max_position_embeddings if isinstance(model, str)
-                     else model_max_len(model))
-        if max_model_len is None:
-            max_model_len = min(model_len or defaults.DEFAULT_MAX_MODEL_LEN, defaults.DEFAULT_MAX_MODEL_LEN)
-        if config is None:
-            config = GraphConfig.create(max_num_seqs=max_num_seqs,
-                                        max_num_batched_tokens=max_num_batched_tokens,
-                                        max_model_len=max_model_len, block_size=block_size,
-                                        strict=strict, **graph_fields)
-        self.config = config
+            model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(str(model), dtype)
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
                                   dtype=dtype, progress=progress)
         cfg = self.config

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from graphrt.core.errors import ConfigError, GraphrtError
+from graphrt.config import check_flags
+from graphrt.core.errors import GraphrtError
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.engine.scheduler import Request, ScheduledStep, Status
 
@@ -55,8 +56,7 @@ class Launched:
 def overlap_enabled(runner: Any, disable_overlap_schedule: bool) -> bool:
     """Whether the engine overlaps its steps: asked for, and the backend dispatches
     asynchronously (on the others it would wait for every step anyway; said once, at INFO)."""
-    if not isinstance(disable_overlap_schedule, bool):
-        raise ConfigError(f"disable_overlap_schedule must be True or False, got {disable_overlap_schedule!r}")
+    check_flags(disable_overlap_schedule=disable_overlap_schedule)
     if disable_overlap_schedule:
         return False
     if not runner.executor.async_execution:

@@ -1,14 +1,32 @@
-"""Refusing a request before it is queued (``graphrt.LLM``'s prompt and params checks)."""
+"""Refusing what graphrt.LLM cannot run before it does anything: its configuration before the
+model is loaded (:func:`engine_config`), a request before it is queued (prompt and params)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from graphrt.backends.preflight import check_engine
 from graphrt.config import GraphConfig
+from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.engine.sampling_params import SamplingParams
+from graphrt.models.hf_config import DecoderConfig, model_max_len
+
+
+def engine_config(model: Any, config: GraphConfig | None, max_model_len: int | None, **fields: Any) -> GraphConfig:
+    """graphrt.LLM's config, checked before anything is loaded: ``config`` as given, else one of
+    ``fields`` whose ``max_model_len`` defaults to the model's ``max_position_embeddings`` (at
+    most ``defaults.DEFAULT_MAX_MODEL_LEN``); the engine's host tables within physical RAM."""
+    if config is None:
+        if max_model_len is None:
+            path = isinstance(model, str) or hasattr(model, "__fspath__")
+            model_len = DecoderConfig.from_dir(model).max_position_embeddings if path else model_max_len(model)
+            max_model_len = min(model_len or defaults.DEFAULT_MAX_MODEL_LEN, defaults.DEFAULT_MAX_MODEL_LEN)
+        config = GraphConfig.create(max_model_len=max_model_len, **fields)
+    check_engine(config)
+    return config
 
 
 def params_per_prompt(prompts: Sequence[Sequence[int]],

@@ -12,6 +12,8 @@ from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.backends.torch.graphs import DeviceGraphAPI, TorchGraphs
 from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
+from graphrt.core.dtypes import model_dtype
+from graphrt.core.memory_bounds import ModelShape
 
 
 class TorchBackend(Backend):
@@ -29,15 +31,47 @@ class TorchBackend(Backend):
 
     def load_model(self, model_dir: str, dtype: Any = None, *, tp_rank: int = 0, tp_size: int = 1,
                    group: Any = None) -> torch.nn.Module:
-        """graphrt's torch decoder from a Hugging Face directory on this backend's device;
+        """graphrt's torch decoder from a Hugging Face directory on this backend's device, its
+        weights in ``dtype`` (a torch dtype or a name: "bfloat16", "half", "auto" for the
+        checkpoint's, ...; :func:`~graphrt.core.dtypes.model_dtype`; default float32);
         ``tp_size > 1`` loads rank ``tp_rank``'s shard over the process group ``group``
         (``None``: the default group), reading only its slices of the checkpoint. The model
         remembers ``source_dir``: a tensor-parallel executor given it loads the shards from there."""
+        from graphrt.models.hf_config import DecoderConfig
         from graphrt.models.torch.loader import load_torch_model
-        model = load_torch_model(model_dir, dtype=dtype or torch.float32, device=self.device,
+        name = model_dtype(dtype, DecoderConfig.from_dir(model_dir).torch_dtype)   # "bf16", "auto", torch.half...
+        model = load_torch_model(model_dir, dtype=getattr(torch, name), device=self.device,
                                  tp_rank=tp_rank, tp_size=tp_size, group=group)
         model.source_dir = model_dir
         return model
+
+    def model_shape(self, model: Any) -> ModelShape | None:
+        """The shape of a model that follows docs/models.md (``kv_cache_spec()``, ``config``'s
+        widths, its parameters' element size; LoRA: the ``lora_target_modules`` linears); None
+        for a path (tensor-parallel ranks load their own shards) or a model that does not say
+        (the executor names what it lacks)."""
+        cfg = getattr(model, "config", None)
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "kv_cache_spec") or cfg is None:
+            return None
+        param = next(model.parameters(), None)
+        if param is None:
+            return None
+        layers, kv_heads, head_dim = model.kv_cache_spec()
+        targets = set(getattr(model, "lora_target_modules", ()))
+        lora = sum(child.in_features + child.out_features for module in model.modules()
+                   for name, child in module.named_children() if name in targets and isinstance(child, torch.nn.Linear))
+        return ModelShape(int(layers), int(kv_heads), int(head_dim), param.element_size(),
+                          int(cfg.hidden_size), int(getattr(cfg, "intermediate_size", 0)), int(cfg.vocab_size), lora)
+
+    def device_memory_bytes(self) -> int | None:
+        """The device's total memory (its graph API's, else torch.cuda's); None on the CPU."""
+        if self.device.type == "cpu":
+            return None
+        api = self.graph_api()
+        info = api.memory_info() if api is not None else None
+        if info is None and self.device.type == "cuda":
+            info = torch.cuda.mem_get_info(self.device)
+        return None if info is None else int(info[1])
 
     def graphs(self, fn: Callable[[Hashable], Any], cache: GraphCache | None = None,
                **options: Any) -> TorchGraphs:

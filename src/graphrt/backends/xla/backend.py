@@ -19,9 +19,12 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.dtypes import model_dtype
 from graphrt.core.errors import BackendUnavailableError, ConfigError
+from graphrt.core.memory_bounds import ModelShape
 
 try:
+    import jax
     import jax.numpy as jnp
 except ImportError as _exc:  # pragma: no cover - exercised only without jax
     _IMPORT_ERROR: str | None = str(_exc)
@@ -35,14 +38,11 @@ else:
     from graphrt.backends.xla.programs import XlaModel, XlaPrograms
 
 
-def _jax_dtype(dtype: Any) -> Any:
-    """A jnp dtype from a jnp / numpy dtype or scalar type, its name, or a torch dtype."""
-    if dtype is None:
-        return jnp.dtype(jnp.float32)
-    try:
-        return jnp.dtype(dtype)
-    except TypeError:
-        return jnp.dtype(str(dtype).removeprefix("torch."))
+def _jax_dtype(dtype: Any, model_dir: str) -> Any:
+    """A jnp dtype from a jnp / numpy / torch dtype or a name ("bfloat16", "half", "auto" for the
+    checkpoint's; :func:`~graphrt.core.dtypes.model_dtype`); None is float32."""
+    from graphrt.models.hf_config import DecoderConfig
+    return jnp.dtype(model_dtype(dtype, DecoderConfig.from_dir(model_dir).torch_dtype))
 
 
 class XlaBackend(Backend):
@@ -75,8 +75,31 @@ class XlaBackend(Backend):
     def load_model(self, model_dir: str, dtype: Any = None) -> "XlaModel":
         """The JAX reference Llama / Qwen3 of a Hugging Face directory."""
         from graphrt.models.jax.loader import load_jax_params
-        config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype))
+        config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype, model_dir))
         return XlaModel(config, params)
+
+    def model_shape(self, model: Any) -> ModelShape | None:
+        """The shape of an :class:`XlaModel` or a ``(DecoderConfig, params)`` pair, the whole
+        model's (its shards together); None for anything else."""
+        pair = (model.config, model.params) if isinstance(model, XlaModel) else model
+        if not (isinstance(pair, tuple) and len(pair) == 2 and hasattr(pair[0], "num_key_value_heads")):
+            return None
+        cfg, params = pair
+        leaves = jax.tree_util.tree_leaves(params)
+        itemsize = jnp.dtype(leaves[0].dtype).itemsize if leaves else 4
+        return ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, itemsize, cfg.hidden_size,
+                          cfg.intermediate_size, cfg.vocab_size)
+
+    def device_memory_bytes(self) -> int | None:
+        """The mesh devices' memory together (``memory_stats()['bytes_limit']``); None where a
+        device does not say (the CPU: its memory is the host's)."""
+        total = 0
+        for device in self.mesh.devices.flat:
+            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+            if not stats or "bytes_limit" not in stats:
+                return None
+            total += int(stats["bytes_limit"])
+        return total
 
     def graphs(self, fn: Callable[..., Any], cache: GraphCache | None = None, **options: Any) -> "XlaGraphs":
         """``fn`` compiled ahead of time once per key (``donate_argnums=`` as for ``jax.jit``)."""

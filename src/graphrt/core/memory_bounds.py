@@ -1,0 +1,106 @@
+"""What a setting will allocate, checked against what the machine has before anything is allocated.
+
+A size far past memory (``num_kv_blocks=10**9``, ``max_model_len=10**9``, a step channel of
+``2**50`` bytes) used to end in a raw allocator error -- a numpy ``MemoryError`` after seconds of
+allocation, ``OSError: [Errno 12]``, a device OOM -- naming no setting. Each allocation is
+described instead as a :class:`Need` (the setting that sizes it, what it is, its bytes), and
+:func:`check_needs` refuses the lot with a :class:`ConfigError` naming the setting behind the
+largest need, the bytes it implies and what is available, before the first allocation.
+
+The bound is the memory the allocation lands in: the host's physical RAM
+(:func:`physical_memory_bytes`), the free space of ``/dev/shm`` for shared memory, or the
+device's total memory (its backend says). It refuses what cannot fit at all; it is no
+estimate of everything a process holds.
+
+numpy-free; the standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from graphrt.core import defaults
+from graphrt.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Need:
+    """One allocation graphrt will make: the setting that sizes it (named in the error), what
+    it is, and its bytes."""
+
+    field: str
+    what: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a model's allocations scale with, as a backend reads it off a loaded model: the KV
+    cache per token, static and activation buffers per token / request, LoRA slots per rank."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int            # bytes of one weight / KV / activation element
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    lora_features: int = 0   # in + out features summed over the LoRA-capable linears of every layer
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes of one token slot over every layer (keys and values)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        """A lower bound on a forward's live activations per token: the residual stream and a
+        normed copy (2 x hidden) and the gated MLP's gate / up / product (3 x intermediate)."""
+        return self.itemsize * (2 * self.hidden_size + 3 * self.intermediate_size)
+
+
+def physical_memory_bytes() -> int:
+    """Total physical RAM of this machine; ``defaults.UNKNOWN_MEMORY_BYTES`` where the system
+    cannot say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return defaults.UNKNOWN_MEMORY_BYTES
+
+
+def shared_memory_bytes(path: str = defaults.SHARED_MEMORY_DIR) -> int:
+    """Bytes a new shared-memory segment can take: the free space of ``path`` (a tmpfs whose
+    pages are RAM; touching a page past it is SIGBUS, not an error), at most physical RAM."""
+    ram = physical_memory_bytes()
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return ram
+    return min(ram, int(st.f_bavail) * int(st.f_frsize))
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def check_needs(needs: Sequence[Need], available: int, where: str) -> None:
+    """Refuse ``needs`` whose bytes together exceed ``available`` (the memory ``where`` names):
+    :class:`ConfigError` naming the setting of the largest need first, its bytes, the total and
+    what is available."""
+    total = sum(n.nbytes for n in needs)
+    if total <= available:
+        return
+    ranked = sorted((n for n in needs if n.nbytes), key=lambda n: n.nbytes, reverse=True)
+    worst = ranked[0]
+    parts = "; ".join(f"{n.what} ({n.field}) {_size(n.nbytes)}" for n in ranked)
+    raise ConfigError(f"{worst.field}: implies {worst.nbytes} bytes ({_size(worst.nbytes)}) of {worst.what}; "
+                      f"with the rest {total} bytes ({parts}), above the {available} bytes "
+                      f"({_size(available)}) of {where}: lower {worst.field}")
+
+
+__all__ = ["ModelShape", "Need", "check_needs", "physical_memory_bytes", "shared_memory_bytes"]
