@@ -83,7 +83,7 @@ def inject(mp: pytest.MonkeyPatch, llm: graphrt.LLM, stage: str, fault: Fault) -
     if stage == "schedule":
         mp.setattr(llm.allocator, "allocate", fault.wrap(llm.allocator.allocate))
     elif stage == "tables":
-        mp.setattr(llm, "_write_tables", fault.wrap(llm._write_tables))
+        mp.setattr(llm.loop, "_step_inputs", fault.wrap(llm.loop._step_inputs))   # writes the tables
     elif stage == "before_forward":
         mp.setattr(runner, step_method(llm), fault.wrap(getattr(runner, step_method(llm))))
     elif stage == "forward" and runner.backend.name == "xla":
@@ -96,7 +96,7 @@ def inject(mp: pytest.MonkeyPatch, llm: graphrt.LLM, stage: str, fault: Fault) -
     elif stage == "sampler":
         mp.setattr(executor, "sample", fault.wrap(executor.sample))
     elif stage == "after_sampling":
-        mp.setattr(llm, "_stop_reason", fault.wrap(llm._stop_reason))
+        mp.setattr(llm.loop, "_stop_reason", fault.wrap(llm.loop._stop_reason))
     else:
         raise ValueError(stage)
 
@@ -122,7 +122,7 @@ def assert_clean(llm: graphrt.LLM) -> None:
     assert not llm.has_unfinished()
     assert not llm.scheduler.running and not llm.scheduler.waiting
     assert llm.allocator.num_used == 0 and llm.allocator.num_free == llm.allocator.capacity
-    assert not llm._requests and not llm._owners
+    assert not llm.loop.requests and not llm._owners
 
 
 def assert_serves(llm: graphrt.LLM, ref: dict) -> None:

@@ -176,7 +176,7 @@ def test_future_rows_resolve_on_the_host_for_a_synchronous_backend():
 def test_bad_overlap_flags_and_pending_tokens_are_refused():
     from graphrt.core.errors import ConfigError
     from graphrt.core.future_tokens import PendingTokens
-    from graphrt.engine.overlap import overlap_enabled
+    from graphrt.engine.loop import overlap_enabled
 
     with pytest.raises(ConfigError, match="disable_overlap_schedule"):
         overlap_enabled(None, "yes")

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import find
+from hypothesis import find, settings
 
 from graphrt.core.forward_context import get_forward_context
 from graphrt.models.torch.attention import PagedAttention, paged_attention_kernel
@@ -158,7 +158,9 @@ def test_a_planted_bug_is_caught_and_shrunk(bug: str) -> None:
 def test_steps_shrink_to_few_requests_and_tokens() -> None:
     factory = RunnerFactory(model_dir(), "eager")
     args = dict(config=factory.config, num_kv_blocks=factory.num_kv_blocks, vocab_size=128)
-    two = find(steps(**args), lambda s: s.num_reqs >= 2)
+    # No example database: a saved example from an earlier run would be the start of the
+    # shrink, which may then stop short of the minimal step.
+    two = find(steps(**args), lambda s: s.num_reqs >= 2, settings=settings(database=None))
     assert two.num_reqs == 2 and two.num_tokens == 2 and two.num_computed_tokens.tolist() == [0, 0]
     assert two.req_rows.tolist() == [0, 1] and (two.block_table[two.req_rows, 1:] == 0).all()
 

@@ -54,7 +54,7 @@ def reference() -> list[list[int]]:
 
 
 def assert_clean(llm: graphrt.LLM) -> None:
-    assert not llm.has_unfinished() and not llm._requests
+    assert not llm.has_unfinished() and not llm.loop.requests
     assert llm.allocator.num_used == 0
 
 

@@ -138,6 +138,7 @@ class ModelRunner:
         self._plans: dict[DispatchShape, _StepPlan] = {}
         self._last: tuple[_StepPlan, int, int, float] | None = None
         self._futures = FutureTokens(on_device=self.executor.async_execution)
+        self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
         if warmup:
@@ -190,9 +191,8 @@ class ModelRunner:
         threads run one at a time.
         """
         with self._lock:
-            pending = self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                    num_scheduled_tokens, sampling, lora_ids, future_rows)
-            return None if pending is None else pending.result()
+            return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
+                                 num_scheduled_tokens, sampling, lora_ids, future_rows)
 
     def execute_async(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                       num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
@@ -209,21 +209,29 @@ class ModelRunner:
         if sampling is None:
             raise InputError("sampling", "execute_async returns sampled tokens: pass a SamplingBatch")
         with self._lock:
-            return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                 num_scheduled_tokens, sampling, lora_ids, future_rows)
+            out = self._execute(token_ids, block_table, req_rows, num_computed_tokens,
+                                num_scheduled_tokens, sampling, lora_ids, future_rows, wait=False)
+            num_reqs = self._last[2]
+        if not self.executor.async_execution:
+            return PendingTokens(tokens=out)
+        ex = self.executor
+        return PendingTokens(lambda: ex.fetch_tokens(out, num_reqs))
 
     def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                  num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                 sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any) -> PendingTokens | None:
-        """Check, dispatch, write, run and sample one step (the lock held)."""
+                 sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any, wait: bool = True) -> Any:
+        """Check, dispatch, write, run and sample one step (the lock held): the host tokens, or
+        with ``wait=False`` on an asynchronous backend the sampler's device output; None
+        without ``sampling``."""
         t0 = time.perf_counter()
         step = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                    req_rows=req_rows, num_computed_tokens=num_computed_tokens,
                                    num_scheduled_tokens=num_scheduled_tokens)
         t, r = step.num_tokens, step.num_reqs
-        if sampling is not None:
-            sampling.check_rows(r)
-        future_rows = self._futures.check(future_rows, r)
+        if sampling is not None and sampling.num_reqs != r:
+            raise InputError("sampling", f"{sampling.num_reqs} rows for {r} requests")
+        if future_rows is not None:
+            future_rows = self._futures.check(future_rows, r, self._sampled)
         ids, n = None, 0
         if lora_ids is not None or self.lora is not None:
             if self.lora is None:
@@ -238,23 +246,21 @@ class ModelRunner:
         if shape.num_loras:
             self.lora.write(ids, num_scheduled_tokens, t, plan.key.num_tokens)
         future = (None if future_rows is None else
-                  self._futures.apply(future_rows, padded.input_ids, padded.query_start_loc))
-        self._futures.clear()       # until this step's tokens are recorded: a failed step has none
-        logits = self._run(plan, padded, t, r, future, sampled=sampling is not None, greedy=sampling is not None
-                           and sampling.all_greedy)
-        pending = None
-        if sampling is not None:
-            ex = self.executor
+                  self._futures.apply(future_rows, self._sampled, padded.input_ids, padded.query_start_loc))
+        self._sampled = None        # until this step's tokens are: a failed step has none
+        sampled = sampling is not None
+        logits = self._run(plan, padded, t, r, future, sampled=sampled, greedy=sampled and sampling.all_greedy)
+        out = None
+        if sampled:
             entry = plan.sampler[sampling.all_greedy][1]
-            if ex.async_execution:
-                out = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry, wait=False)
-                pending = PendingTokens(lambda: ex.fetch_tokens(out, r))
+            if wait or not self.executor.async_execution:
+                out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry)
             else:
-                out = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry)
-                pending = PendingTokens(tokens=out)
-            self._futures.record(out, r)
+                out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
+                                           wait=False)
+            self._sampled = (out, r)
         self._last = (plan, t, r, time.perf_counter() - t0)
-        return pending
+        return out
 
     def _run(self, plan: "_StepPlan", padded: ModelInputs, real_tokens: int, real_reqs: int,
              future: Any = None, *, sampled: bool = False, greedy: bool = False) -> Any:

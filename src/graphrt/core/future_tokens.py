@@ -46,53 +46,44 @@ class PendingTokens:
 
 
 class FutureTokens:
-    """The last sampled step's tokens, as the source of the next step's ``future_rows``.
+    """The rules of ``future_rows``: checked against the last sampled step, and resolved.
 
-    ``on_device``: the backend resolves future tokens inside its executable
-    (:meth:`apply` returns what it needs); otherwise :meth:`apply` writes them on the host.
+    The runner keeps the last sampled step (``last``: the sampler's output -- its device array
+    on an ``on_device`` backend, which resolves future tokens inside its executable, else the
+    host tokens -- and its request count; None when the last step sampled nothing or failed)
+    and passes it in; nothing here runs for a step without ``future_rows``.
     """
 
     def __init__(self, on_device: bool) -> None:
         self.on_device = on_device
-        self._source: Any = None    # the sampler's output: its device array, or the host tokens
-        self._num_reqs = 0
 
-    def record(self, source: Any, num_reqs: int) -> None:
-        """The step just launched sampled ``num_reqs`` tokens (``source``: the device output on
-        the device, the tokens on the host): the next step may refer to them."""
-        self._source, self._num_reqs = source, int(num_reqs)
-
-    def clear(self) -> None:
-        """No sampled step to refer to (a step without sampling, or one that failed)."""
-        self._source, self._num_reqs = None, 0
-
-    def check(self, future_rows: Any, num_reqs: int) -> np.ndarray | None:
+    def check(self, future_rows: Any, num_reqs: int, last: tuple[Any, int] | None) -> np.ndarray:
         """``future_rows`` as int32 ``[num_reqs]``, each -1 or a row of the last sampled step;
         :class:`InputError` naming the field otherwise (nothing is written before this)."""
-        if future_rows is None:
-            return None
         rows = np.asarray(future_rows)
         if rows.shape != (num_reqs,) or rows.dtype.kind not in "iu":
             raise InputError("future_rows", f"needs one integer per request ({num_reqs}), got "
                                             f"{rows.dtype} {rows.shape}")
-        if num_reqs and (rows.min() < -1 or rows.max() >= self._num_reqs):
-            bad = int(np.flatnonzero((rows < -1) | (rows >= self._num_reqs))[0])
-            src = (f"the last sampled step had {self._num_reqs} requests" if self._source is not None
+        sampled = last[1] if last is not None else 0
+        if num_reqs and (rows.min() < -1 or rows.max() >= sampled):
+            bad = int(np.flatnonzero((rows < -1) | (rows >= sampled))[0])
+            src = (f"the last sampled step had {sampled} requests" if last is not None
                    else "no sampled step precedes this one")
             raise InputError("future_rows", f"row {bad} refers to {int(rows[bad])}; each entry is -1 or a "
                                             f"request row of the previous sampled step ({src})")
         return rows.astype(np.int32, copy=False)
 
-    def apply(self, rows: np.ndarray, input_ids: np.ndarray, query_start_loc: np.ndarray) -> tuple[np.ndarray, Any] | None:
+    def apply(self, rows: np.ndarray, last: tuple[Any, int], input_ids: np.ndarray,
+              query_start_loc: np.ndarray) -> tuple[np.ndarray, Any] | None:
         """Resolve the checked ``rows`` for a step whose padded inputs were just written: on the
         device, ``(rows, source)`` for the executor; on the host, the tokens are written at each
         such request's last scheduled position of ``input_ids`` and None is returned."""
         if self.on_device:
-            return rows, self._source
+            return rows, last[0]
         take = rows >= 0
         if take.any():
             ends = query_start_loc[1:len(rows) + 1] - 1
-            input_ids[ends[take]] = self._source[rows[take]]
+            input_ids[ends[take]] = last[0][rows[take]]
         return None
 
 

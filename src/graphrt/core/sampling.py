@@ -261,11 +261,6 @@ class SamplingBatch:
         setattr_(self, "all_greedy", greedy)   # computed once: runner and executor both ask
         setattr_(self, "num_reqs", n)
 
-    def check_rows(self, num_reqs: int) -> None:
-        """Refuse this batch for a step of ``num_reqs`` requests unless it has one row each."""
-        if self.num_reqs != num_reqs:
-            raise InputError("sampling", f"{self.num_reqs} rows for {num_reqs} requests")
-
 
 def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab_size: int,
                         out: Mapping[str, np.ndarray]) -> None:

@@ -25,7 +25,6 @@ import logging
 import threading
 from typing import Any, Sequence
 
-import numpy as np
 
 from graphrt.core import defaults
 from graphrt.backends.preflight import check_before_loading
@@ -33,21 +32,20 @@ from graphrt.config import GraphConfig, check_flags
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.metrics import EngineMetrics, engine_stats
 from graphrt.engine.outputs import RequestOutput
-from graphrt.engine.overlap import Launched, OverlapLoop, drop_unresolved, overlap_enabled
+from graphrt.engine.loop import StepLoop, overlap_enabled
 from graphrt.engine.prefix_cache import PrefixCache
-from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
-from graphrt.engine.tables import write_step_tables
+from graphrt.engine.scheduler import Request, Scheduler
 from graphrt.engine.validation import engine_config, params_per_prompt, validate_request
 from graphrt.engine.watchdog import check_watchdog_args, engine_watchdog
-from graphrt.core.errors import GenerationError, GraphrtError, KVCacheLostError
-from graphrt.runner import ModelRunner, sampling_batch
-from graphrt.engine.sampling_params import SamplingParams, without_seed
+from graphrt.core.errors import GenerationError
+from graphrt.runner import ModelRunner
+from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
 
-class LLM(OverlapLoop):
+class LLM:
     """Continuous batching over a :class:`ModelRunner`, with a prefix cache and schedule policies.
 
     ``enable_prefix_caching`` (default on): finished and running requests' full computed KV
@@ -58,9 +56,11 @@ class LLM(OverlapLoop):
     :class:`~graphrt.engine.scheduler.Scheduler`). SGLang's prefill and decode log lines (every
     ``decode_log_interval`` decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps
     their numbers. ``watchdog_timeout`` (s; None / 0: off) fails a hung forward (docs/api.md).
-    Overlap scheduling (SGLang's, on unless ``disable_overlap_schedule``) prepares each step
-    while the device runs the previous one, on backends that dispatch asynchronously (xla);
-    the others run the plain loop (engine/overlap.py).
+    One loop runs every step: schedule and launch a step, then resolve launched steps until
+    at most ``depth`` are in flight. Depth 1 is overlap scheduling (SGLang's, on unless
+    ``disable_overlap_schedule``, on backends that dispatch asynchronously: xla): the next
+    step is prepared while the device runs the previous one (engine/loop.py says what
+    makes it exact). Depth 0 is the plain loop: launch, then resolve at once.
     """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
@@ -90,7 +90,6 @@ class LLM(OverlapLoop):
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
                                   dtype=dtype, progress=progress)
         cfg = self.config
-        self.eos_token_ids = frozenset(model_eos_token_ids(self.runner.model))
         self.allocator = BlockAllocator(self.runner.num_kv_blocks)
         self.prefix_cache = PrefixCache(cfg.block_size, self.allocator) if enable_prefix_caching else None
         self.scheduler = Scheduler(max_num_seqs=cfg.max_num_seqs,
@@ -100,21 +99,18 @@ class LLM(OverlapLoop):
                                    schedule_conservativeness=schedule_conservativeness)
         self.metrics = EngineMetrics(backend=self.runner.backend.name, block_size=cfg.block_size,
                                      capacity_blocks=self.allocator.capacity, decode_log_interval=decode_log_interval)
-        self.token_table = np.zeros((cfg.max_num_seqs, cfg.max_model_len), dtype=np.int32)
-        self.block_table = np.zeros((cfg.max_num_seqs, cfg.max_blocks_per_req), dtype=np.int32)
         self._ids = itertools.count()
         self._lock = threading.RLock()      # serializes every caller (see the module docstring)
-        self._requests: dict[int, Request] = {}              # unfinished requests by id
         self._owners: dict[int, int | None] = {}             # request id -> generate call (None: step API)
         self._outbox: dict[int | None, dict[int, RequestOutput]] = {None: {}}  # finished, undelivered
         self._call_faults: dict[int, BaseException] = {}    # generate call -> first fault of its requests
         self._calls = itertools.count()
-        self._faults: dict[int, BaseException] = {}         # failed request id -> its fault, undelivered
-        self._kv_resets_seen = self.runner.kv_cache_resets
-        self.num_step_faults = 0            # faults contained by finishing requests with "error"
         self.watchdog = engine_watchdog(self.runner, watchdog_timeout, watchdog_action, owner=self, lock=self._lock)
-        self.overlap = overlap_enabled(self.runner, disable_overlap_schedule)
-        self._inflight: list[Launched] = []         # launched, unresolved steps (overlap)
+        #: Every step: schedule, launch, resolve (depth 1: overlapped, depth 0: plain).
+        self.loop = StepLoop(runner=self.runner, scheduler=self.scheduler, config=cfg,
+                             eos_token_ids=frozenset(model_eos_token_ids(self.runner.model)), metrics=self.metrics,
+                             watchdog=self.watchdog, depth=1 if overlap_enabled(self.runner, disable_overlap_schedule)
+                             else 0)
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -129,11 +125,11 @@ class LLM(OverlapLoop):
         "abort"), or None if no such request is unfinished. A ``generate`` call that owns it
         returns that output in its place; ``step()`` does not return it again."""
         with self._lock:
-            req = self._requests.get(request_id)
+            req = self.loop.requests.get(request_id)
             if req is None:
                 return None
             owner = self._owners.pop(request_id, None)
-            out = self._finish(req, "abort", "aborted by abort_request()")
+            out = self.loop.finish(req, "abort", "aborted by abort_request()")
             if owner is not None and owner in self._outbox:
                 self._outbox[owner][request_id] = out
             return out
@@ -141,8 +137,7 @@ class LLM(OverlapLoop):
     def _enqueue(self, prompt_token_ids: Sequence[int], params: SamplingParams, owner: int | None) -> int:
         """Queue an already validated request for ``owner`` (a generate call; None: the step API)."""
         req = Request(next(self._ids), [int(t) for t in prompt_token_ids], params)
-        self.scheduler.add(req)
-        self._requests[req.request_id] = req
+        self.loop.add(req)
         self._owners[req.request_id] = owner
         return req.request_id
 
@@ -172,7 +167,7 @@ class LLM(OverlapLoop):
                 with self._lock:    # one step at a time; other callers' steps run ours too
                     if len(mine) == len(ids) or call in self._call_faults:
                         break
-                    self._deliver(self._step())
+                    self._deliver(self.loop.step())
         except BaseException as exc:
             outs, _ = self._close_call(call, ids, prompts, f"aborted: generate() failed: {exc!r}")
             if not isinstance(exc, Exception):
@@ -200,8 +195,8 @@ class LLM(OverlapLoop):
                 out = mine.get(rid)
                 if out is None:
                     self._owners.pop(rid, None)
-                    req = self._requests.get(rid)
-                    out = (self._finish(req, "abort", why) if req is not None else
+                    req = self.loop.requests.get(rid)
+                    out = (self.loop.finish(req, "abort", why) if req is not None else
                            RequestOutput(rid, [int(t) for t in prompt], [], "abort", why))
                 outs.append(out)
             return outs, fault
@@ -210,7 +205,7 @@ class LLM(OverlapLoop):
     def has_unfinished(self) -> bool:
         """Whether any request is queued or running, or a step-API output awaits ``step()``."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._outbox[None]) or self._inflight_live()
+            return self.loop.busy() or bool(self._outbox[None])
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the ``add_request`` requests that finished since
@@ -221,7 +216,7 @@ class LLM(OverlapLoop):
         queued, consistent, for the next step.
         """
         with self._lock:
-            self._deliver(self._step())
+            self._deliver(self.loop.step())
             box = self._outbox[None]
             outs = list(box.values())
             box.clear()
@@ -231,7 +226,7 @@ class LLM(OverlapLoop):
         """File finished outputs under their owners (a generate call, or None: the step API)."""
         for out in outs:
             owner = self._owners.pop(out.request_id, _NO_OWNER)
-            fault = self._faults.pop(out.request_id, None)
+            fault = self.loop.faults.pop(out.request_id, None)
             box = self._outbox.get(owner)
             if box is None:
                 continue    # aborted or its call is gone: nobody waits for it
@@ -239,136 +234,24 @@ class LLM(OverlapLoop):
             if fault is not None and owner is not None:
                 self._call_faults.setdefault(owner, fault)
 
-    def _step(self) -> list[RequestOutput]:
-        """One step (the lock held): every request that finished in it, whoever owns it."""
-        self.watchdog.check()               # refused after a watchdog timeout until reset()
-        if self.runner.kv_cache_resets != self._kv_resets_seen:
-            self._recover_kv(None, [])    # re-created outside a step: cached KV is gone too
-        if self.overlap:
-            return self._step_overlapped()
-        step = self.scheduler.schedule()
-        if not step.requests:
-            if self.scheduler.has_unfinished():
-                raise GraphrtError("scheduler made no progress: a request cannot fit in the KV cache")
-            return []
-        self.metrics.observe(step)
-        try:
-            tokens, samples = self._run(step)
-        except Exception as exc:  # noqa: BLE001 - any fault finishes the step's requests, never wedges
-            return self._fail(step.requests, exc)
-        except BaseException:
-            # KeyboardInterrupt and kin: the step's requests stay queued; their progress was
-            # not advanced, so the next step recomputes the same tokens (the KV too if lost).
-            self._recover_kv(None, [])
-            raise
-        finished = self._apply(step, tokens, samples)
-        self.metrics.record(self.scheduler, self.runner)
-        return finished
+    @property
+    def overlap(self) -> bool:
+        """Whether steps overlap (the loop's depth is 1); settable, between steps, to compare."""
+        return self.loop.depth > 0
 
-    def _run(self, step: ScheduledStep) -> tuple[np.ndarray, list[bool]]:
-        """Write the tables and run the step: (one token per request, which requests sampled)."""
-        inputs, samples = self._step_inputs(step)
-        self.watchdog.arm(step)
-        try:
-            tokens = self.runner.execute(**inputs)
-        finally:
-            self.watchdog.disarm()          # raises WatchdogTimeout if it fired for this forward
-        if tokens is None or len(tokens) != len(step):
-            raise GraphrtError(f"the runner returned {None if tokens is None else len(tokens)} tokens "
-                               f"for a step of {len(step)} requests")
-        return tokens, samples
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        check_flags(overlap=value)
+        self.loop.depth = 1 if value else 0
 
-    def _step_inputs(self, step: ScheduledStep) -> tuple[dict[str, Any], list[bool]]:
-        """Write the step's tables; (the runner's arguments for it, which requests sample). A
-        request that does not sample keeps its seed's stream (``without_seed``)."""
-        self._write_tables(step)
-        reqs = step.requests
-        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=len(reqs))
-        scheduled = np.asarray(step.num_scheduled, dtype=np.int32)
-        samples = [r.num_computed_tokens + n == r.num_tokens for r, n in zip(reqs, step.num_scheduled)]
-        params = [r.params if s else without_seed(r.params) for r, s in zip(reqs, samples)]
-        return {"token_ids": self.token_table, "block_table": self.block_table,
-                "req_rows": np.fromiter((r.row for r in reqs), dtype=np.int32, count=len(reqs)),
-                "num_computed_tokens": computed, "num_scheduled_tokens": scheduled,
-                "sampling": sampling_batch(params, [r.request_id for r in reqs], self.runner.vocab_size)}, samples
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that stop a request (unless its params ignore EOS)."""
+        return self.loop.eos_token_ids
 
-    def _apply(self, step: ScheduledStep, tokens: np.ndarray, samples: list[bool]) -> list[RequestOutput]:
-        """Advance each request by its step; a request whose update fails finishes with "error"."""
-        finished = []
-        for req, n, sampled, tok in zip(step.requests, step.num_scheduled, samples, tokens):
-            if req.status is Status.FINISHED:
-                continue    # aborted during the step (from within it: the lock is re-entrant)
-            try:
-                req.num_computed_tokens += n
-                reason = None
-                if sampled:
-                    token = int(tok)
-                    req.output_token_ids.append(token)
-                    reason = self._stop_reason(req, token)
-                    if reason is not None:
-                        finished.append(self._finish(req, reason))
-                if reason is None:
-                    self.scheduler.cache_computed(req)   # its new full blocks, for others to share
-            except Exception as exc:  # noqa: BLE001 - contained to this request
-                finished.extend(self._fail([req], exc))
-        return finished
-
-    def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
-        """Finish a failed step's requests with "error" (their blocks freed), then recover a
-        KV cache the fault lost: the requests that held KV in it are recomputed."""
-        self.num_step_faults += 1
-        why = f"{type(exc).__name__}: {exc}"
-        logger.warning("graphrt: a step of request(s) %s failed; they finish with an error: %s",
-                       [r.request_id for r in requests], why, exc_info=exc)
-        outs = [self._finish(r, "error", why) for r in requests if r.request_id in self._requests]
-        self._faults.update((o.request_id, exc) for o in outs)
-        self._recover_kv(exc, [o.request_id for o in outs])
-        return outs
-
-    def _recover_kv(self, exc: BaseException | None, failed: list[int]) -> None:
-        """If the fault consumed the KV cache (XLA donation), have it re-created and requeue
-        every running request for recompute, like a preemption; ``exc`` learns who lost KV."""
-        self.runner.recover_kv_cache()
-        resets = self.runner.kv_cache_resets
-        if resets == self._kv_resets_seen and not isinstance(exc, KVCacheLostError):
-            return
-        self._kv_resets_seen = resets
-        lost = list(self.scheduler.running)
-        self.scheduler.requeue(lost)
-        self._inflight = []                     # their KV went with the cache: recomputed too
-        for req in lost + list(self.scheduler.waiting):
-            drop_unresolved(req)
-        self.scheduler.reset_prefix_cache()     # the cached KV went with the cache
-        if isinstance(exc, KVCacheLostError):
-            exc.request_ids = tuple(failed) + tuple(r.request_id for r in lost)
-        logger.warning("graphrt: the KV cache was lost; requests %s are recomputed",
-                       [r.request_id for r in lost])
-
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
-        """Finish ``req`` (running or waiting): free its row, blocks and runner state."""
-        self.scheduler.finish(req, reason)
-        try:
-            self.runner.free_request(req.request_id)
-        except Exception:  # noqa: BLE001 - the request is finished either way
-            logger.warning("graphrt: freeing the runner state of request %d failed", req.request_id,
-                           exc_info=True)
-        self._requests.pop(req.request_id, None)
-        known = len(req.output_token_ids) - req.num_unresolved     # placeholders are not output
-        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids[:known],
-                             reason, error, req.num_cached_tokens)
-
-    def _write_tables(self, step: ScheduledStep) -> None:
-        """Write the step's new token ids and blocks into the persistent tables."""
-        write_step_tables(self.token_table, self.block_table, step)
-
-    def _stop_reason(self, req: Request, token: int, generated: int | None = None) -> str | None:
-        """Why ``req`` stops at ``token``, its ``generated``-th output (default: its last), or None."""
-        if not req.params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        generated = len(req.output_token_ids) if generated is None else generated
-        if generated >= req.params.max_tokens or len(req.prompt_token_ids) + generated >= self.config.max_model_len:
-            return "length"
-        return None
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.loop.eos_token_ids = frozenset(ids)
 
     @property
     def stats(self) -> dict[str, Any]:

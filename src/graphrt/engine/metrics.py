@@ -75,47 +75,41 @@ class EngineMetrics:
         self.last_prefill: PrefillLine | None = None
         self.last_decode: DecodeLine | None = None
         self.num_prefill_lines = self.num_decode_lines = 0
-        self._decode_steps = 0              # decode steps since the last decode line
-        self._decode_tokens = 0             # tokens sampled by decodes since then
+        #: The scheduler's decode-step count at which the next decode line is due.
+        self.next_decode_line = decode_log_interval
+        self._decode_tokens_mark = 0        # the scheduler's decode tokens at the last decode line
         self._since = time.perf_counter()
         self._eager_mark: dict[str, tuple[int, int]] = {}
         self._cached_seen = 0
-        self._step: tuple[int, int, int] = (0, 0, 0)   # this step: prefill requests, prefill tokens, decodes
 
-    def observe(self, step: Any) -> None:
-        """Note a scheduled step's prefill requests and tokens and its decodes (the scheduler
-        classified them) before it runs."""
-        self._step = (step.num_prefill_reqs, step.num_prefill_tokens, step.num_decodes)
-
-    def record(self, scheduler: Any, runner: Any) -> None:
-        """After a step ran: log the prefill line if it had prefill work, and every
-        ``decode_log_interval`` decode steps the decode line."""
-        seqs, tokens, decodes = self._step
+    def record(self, step: Any, scheduler: Any, runner: Any) -> None:
+        """After a step ran: log the prefill line if it had prefill work, and the decode line
+        once ``decode_log_interval`` decode steps ran since the last one (the scheduler counts
+        them). The engine calls this only when one of the two is due."""
         used = scheduler.allocator.num_used
         usage = used / self.capacity_blocks
-        cached = scheduler.num_cached_tokens - self._cached_seen
-        self._cached_seen = scheduler.num_cached_tokens
-        if seqs:
-            self.last_prefill = PrefillLine(seqs, tokens, cached, usage, len(scheduler.running), len(scheduler.waiting))
+        if step.num_prefill_reqs:
+            cached = scheduler.num_cached_tokens - self._cached_seen
+            self._cached_seen = scheduler.num_cached_tokens
+            self.last_prefill = PrefillLine(step.num_prefill_reqs, step.num_prefill_tokens, cached, usage,
+                                            len(scheduler.running), len(scheduler.waiting))
             self.num_prefill_lines += 1
             logger.info("%s", self.last_prefill)
-        if not decodes:
-            return
-        self._decode_steps += 1
-        self._decode_tokens += decodes
-        if self._decode_steps < self.decode_log_interval:
+        if scheduler.num_decode_steps < self.next_decode_line:
             return
         now = time.perf_counter()
         eager = self._eager_delta(runner.stats)
         info = runner.last_step
+        tokens = scheduler.num_decode_tokens - self._decode_tokens_mark
         self.last_decode = DecodeLine(
             len(scheduler.running), used * self.block_size, usage,
             info is not None and info.mode is not RuntimeMode.NONE, self.backend,
-            self._decode_tokens / max(now - self._since, 1e-9), len(scheduler.waiting),
+            tokens / max(now - self._since, 1e-9), len(scheduler.waiting),
             sum(s for s, _ in eager.values()), sum(t for _, t in eager.values()), eager)
         self.num_decode_lines += 1
         logger.info("%s", self.last_decode)
-        self._decode_steps = self._decode_tokens = 0
+        self.next_decode_line = scheduler.num_decode_steps + self.decode_log_interval
+        self._decode_tokens_mark = scheduler.num_decode_tokens
         self._since = now
 
     def _eager_delta(self, stats: Any) -> dict[str, tuple[int, int]]:
@@ -138,7 +132,7 @@ def engine_stats(llm: Any) -> dict[str, Any]:
     runner, scheduler = llm.runner, llm.scheduler
     out = runner.stats.as_dict()
     out.update(preemptions=scheduler.num_preemptions, log_lines=llm.metrics.as_dict(),
-               kv_blocks=runner.num_kv_blocks, step_faults=llm.num_step_faults,
+               kv_blocks=runner.num_kv_blocks, step_faults=llm.loop.num_step_faults,
                kv_cache_resets=runner.kv_cache_resets, graph_memory=runner.graph_memory.as_dict(),
                sampler_eager_steps=runner.sampler_stats.eager_steps,
                sampler_failed_builds=runner.sampler_stats.failed_builds,

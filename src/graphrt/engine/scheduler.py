@@ -57,7 +57,7 @@ class Request:
     cache_epoch: int = -1
     cached_blocks: int = 0
     cache_private: bool = False
-    # Overlap scheduling (engine/overlap.py): trailing generated tokens not known yet (their
+    # Overlap scheduling (engine/loop.py): trailing generated tokens not known yet (their
     # ids are placeholders), the row of the in-flight step that samples the newest of them,
     # and whether its launched tokens already reach its length limit (it is not scheduled).
     num_unresolved: int = 0
@@ -131,6 +131,7 @@ class Scheduler:
         self.num_cached_tokens = 0     # tokens admitted from the prefix cache
         self.num_prefill_tokens = 0    # tokens scheduled other than one-token decodes
         self.num_decode_tokens = 0
+        self.num_decode_steps = 0      # steps with one-token decodes (the engine's decode log lines)
         self._budget = 0
         self._rem_kv: int | None = None      # admission's estimated KV tokens left (c > 0)
         self._preempted_now: set[int] = set()   # request ids preempted in the current step
@@ -141,14 +142,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_for(self, req: Request, num_new: int) -> int:
-        """Additional blocks ``req`` needs to hold ``num_new`` more tokens."""
-        total = -(-(req.num_computed_tokens + num_new) // self.block_size)
-        return max(total - len(req.blocks), 0)
-
     def _grow(self, req: Request, num_new: int) -> bool:
-        extra = self._blocks_for(req, num_new)
-        if extra == 0:
+        """Give ``req`` the blocks it lacks to hold ``num_new`` more tokens; False if none are free."""
+        extra = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.blocks)
+        if extra <= 0:
             return True
         got = self.allocator.allocate(extra)
         if got is None:
@@ -232,23 +229,32 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         self._preempted_now.clear()
         step: dict[int, tuple[Request, int]] = {}
-        for req in [r for r in self.running if r.num_pending > 1]:
-            self._schedule_running(req, step)
+        decodes = []
+        for req in list(self.running):          # continuing prefills first; decodes after admission
+            pending = req.num_tokens - req.num_computed_tokens
+            if pending > 1:
+                self._schedule_running(req, step)
+            elif pending == 1:
+                decodes.append(req)
         # A request preempted this step goes back to the front of the queue. Admitting
         # anything now would take back the blocks and the budget the running requests need;
         # a prefill preempting itself would then starve the decodes holding the rest (livelock).
         if self.waiting and self._budget > 0 and not self._preempted_now:
             self._admit(step)
-        for req in [r for r in self.running if r.num_pending == 1 and r.request_id not in step]:
-            self._schedule_running(req, step)
-        out = ScheduledStep([r for r, _ in step.values()], [n for _, n in step.values()])
+        for req in decodes:
+            if req.request_id not in step:
+                self._schedule_running(req, step)
+        out = ScheduledStep([], [])
         for req, n in step.values():
-            if n == 1 and req.num_pending == 1 and req.output_token_ids:
+            out.requests.append(req)
+            out.num_scheduled.append(n)
+            if n == 1 and req.num_computed_tokens + 1 == req.num_tokens and req.output_token_ids:
                 out.num_decodes += 1
             else:
                 out.num_prefill_reqs += 1
                 out.num_prefill_tokens += n
         self.num_decode_tokens += out.num_decodes
+        self.num_decode_steps += out.num_decodes > 0
         self.num_prefill_tokens += out.num_prefill_tokens
         return out
 
@@ -326,7 +332,7 @@ class Scheduler:
         """Give a running request its tokens, preempting the newest requests for blocks."""
         if self._budget == 0 or req.status is not Status.RUNNING or req.retiring:
             return
-        n = min(req.num_pending, self._budget)
+        n = min(req.num_tokens - req.num_computed_tokens, self._budget)
         while not self._grow(req, n):
             victim = self.running[-1]
             taken = step.pop(victim.request_id, None)
@@ -335,7 +341,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is req:
                 return
-            n = min(req.num_pending, self._budget)
+            n = min(req.num_tokens - req.num_computed_tokens, self._budget)
         step[req.request_id] = (req, n)
         self._budget -= n
 

@@ -313,41 +313,34 @@ class TorchExecutor(Executor[TorchEntry]):
             padded: ModelInputs, future: Any = None) -> torch.Tensor:
         """Copy the padded step into static buffers, then replay ``entry`` or run eagerly (a
         synchronous executor: the runner resolves future tokens on the host, ``future`` is None)."""
-        t, r = padded.padded_num_tokens, padded.padded_num_reqs
+        t, r = len(padded.input_ids), len(padded.seq_lens)
         self.to_device(t, r)
         if self.lora is not None:
             self.lora.before_step(key, t)
         if self._copied is not None:
             self._copied.record()
-        if entry is None or self.graph_api is None:
-            for hook in self.pre_replay_hooks:
-                hook(padded)
-        else:
-            self.graph_api.pre_replay(entry.tasks, self.pre_replay_hooks, padded)
+        tasks = entry.tasks if entry is not None and self.graph_api is not None else ()
+        if self.pre_replay_hooks or tasks:
+            if tasks:
+                self.graph_api.pre_replay(tasks, self.pre_replay_hooks, padded)
+            else:
+                for hook in self.pre_replay_hooks:
+                    hook(padded)
+        if entry is not None and self.config.debug_check_addresses:
+            self._check_addresses(entry)
         with torch.no_grad():
             if entry is None:
                 self.forward(t, r)
             elif isinstance(entry, PiecewiseEntry):
-                self._run_piecewise(entry, t, r)
+                self._forward_split(entry.calls, entry.output, t, r)
             else:
-                self._replay(entry)
+                entry.graph.replay()
         if self._copied is not None:
             self._copied.synchronize()
         return self.logits_out[:r]
 
-    def _run_piecewise(self, entry: PiecewiseEntry, num_tokens: int, num_reqs: int) -> None:
-        """Replay each piece of the bucket, running attention eagerly on the real metadata."""
-        self._check_addresses(entry)
-        self._forward_split(entry.calls, entry.output, num_tokens, num_reqs)
-
-    def _replay(self, entry: CapturedGraph) -> None:
-        self._check_addresses(entry)
-        entry.graph.replay()
-
     def _check_addresses(self, entry: CapturedGraph | PiecewiseEntry) -> None:
         """Debug mode: every input the graph reads is still at its captured address."""
-        if not self.config.debug_check_addresses:
-            return
         now = self.input_ptrs()
         moved = [k for k, p in entry.input_ptrs.items() if now.get(k) != p]
         if moved:
@@ -356,17 +349,22 @@ class TorchExecutor(Executor[TorchEntry]):
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True) -> np.ndarray:
-        """Fill the sampler's buffers, replay the sampler graph (or run it eagerly)."""
+        """Fill the sampler's buffers, replay the sampler graph (or run it eagerly); the real
+        requests' tokens, a host copy (never a view of the device buffer)."""
         rows = padded_reqs or num_reqs
         greedy = sampling.all_greedy
+        sampler = self.sampler
         if not greedy:
-            self.sampler.write(sampling, num_reqs, rows)
+            sampler.write(sampling, num_reqs, rows)
         with torch.no_grad():
             if entry is None:
-                self.sampler.compute(self.logits_out, rows, greedy)
+                sampler.compute(self.logits_out, rows, greedy)
             else:
-                self._replay(entry)
-        return self.sampler.result(num_reqs)
+                if self.config.debug_check_addresses:
+                    self._check_addresses(entry)
+                entry.graph.replay()
+        tokens = sampler.tokens[:num_reqs].cpu().numpy()
+        return tokens.copy() if sampler.tokens.device.type == "cpu" else tokens
 
     def describe_build_failure(self, exc: BaseException) -> str:
         return describe_capture_failure(exc)

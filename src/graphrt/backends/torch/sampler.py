@@ -112,10 +112,5 @@ class SamplerState:
         gen.manual_seed(seed)
         return gen
 
-    def result(self, num_reqs: int) -> np.ndarray:
-        """The sampled tokens of the real requests (a copy, never a view of :attr:`tokens`)."""
-        tokens = self.tokens[:num_reqs].cpu().numpy()
-        return tokens.copy() if self.tokens.device.type == "cpu" else tokens
-
     def free_request(self, request_id: int) -> None:
         self._generators.pop(request_id, None)

@@ -1,0 +1,316 @@
+"""The engine loop of :class:`graphrt.LLM`: one loop for every step, plain or overlapped.
+
+A step: schedule, launch (write the tables, run the step on the runner, advance its requests
+optimistically), then resolve launched steps until at most ``depth`` stay in flight. Depth 0
+is the plain loop (launch, then resolve at once; vLLM v1's batch queue of size 1); depth 1
+is overlap scheduling (SGLang's ``event_loop_overlap``): step n + 1 is scheduled and launched
+(``runner.execute_async``) while the device still runs step n, whose tokens are resolved
+after.
+
+What makes overlap exact:
+
+* **Optimistic progress.** Launching a step advances each request's computed tokens at once,
+  and a request that samples gets a placeholder token (id 0, counted in ``num_unresolved``),
+  so the scheduler plans the next step as if the token were known.
+* **Future tokens.** A request that decodes its unresolved token in step n + 1 names the
+  row of step n that sampled it (``future_rows``); the backend substitutes the sampled id
+  on the device before the forward reads it (:mod:`graphrt.core.future_tokens`).
+* **Known finishes.** A request whose launched tokens reach ``max_tokens`` or
+  ``max_model_len`` is ``retiring``: the scheduler skips it, so batches are the plain loop's.
+  A request that samples EOS is known only when its step resolves; it has then been
+  scheduled once more, and that step's token for it is dropped.
+* **The prefix cache only sees resolved tokens.** Unresolved tokens are always a request's
+  last ones and lie beyond its computed tokens whenever blocks are cached, so no block
+  key covers a placeholder; cached blocks whose KV an in-flight step still writes are only
+  read by later steps, which the device runs after it.
+* **Faults.** A failed launch fails its requests; a failed resolve fails the step's requests,
+  and if the KV cache was lost the in-flight step is dropped and every running request is
+  recomputed without its placeholders.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from graphrt.config import GraphConfig, check_flags
+from graphrt.core.errors import GraphrtError, KVCacheLostError
+from graphrt.core.future_tokens import PendingTokens
+from graphrt.engine.metrics import EngineMetrics
+from graphrt.engine.outputs import RequestOutput
+from graphrt.engine.sampling_params import without_seed
+from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
+from graphrt.runner import ModelRunner, SamplingBatch, sampling_batch
+
+logger = logging.getLogger("graphrt.engine.llm")
+
+#: The id written for a token that is not known yet (any id in the vocabulary would do).
+PLACEHOLDER_TOKEN = 0
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step launched but not yet resolved: its requests, whether each samples, and its
+    tokens (run synchronously) or the handle that waits for them (launched asynchronously)."""
+
+    step: ScheduledStep
+    samples: list[bool]
+    tokens: np.ndarray | None
+    pending: PendingTokens | None
+
+
+def overlap_enabled(runner: Any, disable_overlap_schedule: bool) -> bool:
+    """Whether the engine overlaps its steps: asked for, and the backend dispatches
+    asynchronously (on the others it would wait for every step anyway; said once, at INFO)."""
+    check_flags(disable_overlap_schedule=disable_overlap_schedule)
+    if disable_overlap_schedule:
+        return False
+    if not runner.executor.async_execution:
+        logger.info("graphrt: overlap scheduling needs a backend that dispatches asynchronously; "
+                    "%s runs each step to the end, so the engine runs the plain loop", runner.backend.name)
+        return False
+    return True
+
+
+def drop_unresolved(req: Request) -> None:
+    """Forget ``req``'s placeholder tokens (its KV is recomputed; they are recomputed too)."""
+    if req.num_unresolved:
+        del req.output_token_ids[-req.num_unresolved:]
+    req.num_unresolved, req.future_row, req.retiring = 0, -1, False
+
+
+class StepLoop:
+    """Schedules, launches and resolves :class:`graphrt.LLM`'s steps and finishes its requests.
+
+    It owns the unfinished requests (``requests``), the persistent token and block tables the
+    runner reads, the steps in flight, and each failed request's fault until it is delivered
+    (``faults``). ``lock`` is the engine's, held by every caller of :meth:`step`."""
+
+    def __init__(self, *, runner: ModelRunner, scheduler: Scheduler, config: GraphConfig,
+                 eos_token_ids: frozenset[int], metrics: EngineMetrics, watchdog: Any, depth: int) -> None:
+        self.runner, self.scheduler, self.config = runner, scheduler, config
+        self.eos_token_ids, self.metrics, self.watchdog = eos_token_ids, metrics, watchdog
+        self.depth = depth                          # launched steps left unresolved after a step
+        self.token_table = np.zeros((config.max_num_seqs, config.max_model_len), dtype=np.int32)
+        self.block_table = np.zeros((config.max_num_seqs, config.max_blocks_per_req), dtype=np.int32)
+        self.requests: dict[int, Request] = {}              # unfinished requests by id
+        self.faults: dict[int, BaseException] = {}          # failed request id -> its fault, undelivered
+        self.num_step_faults = 0            # faults contained by finishing requests with "error"
+        self.inflight: list[Launched] = []                  # launched, unresolved steps, oldest first
+        self._kv_resets_seen = runner.executor.kv_cache_resets
+        # The runner's per-request arrays, persistent; the last sampling batch and whom it was for.
+        self._req_arrays = np.zeros((3, config.max_num_seqs), dtype=np.int32)   # rows, computed, scheduled
+        self._batch: SamplingBatch | None = None
+        self._batch_for: list[int] = []         # request id per row, ~id where it does not sample
+
+    def add(self, req: Request) -> None:
+        """Queue a validated request."""
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+
+    def busy(self) -> bool:
+        """Whether any request is queued or running, or a launched step holds one."""
+        return self.scheduler.has_unfinished() or any(
+            r.status is not Status.FINISHED for s in self.inflight for r in s.step.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """One step (the lock held): schedule and launch the next step, then resolve launched
+        steps until ``depth`` stay in flight (none when nothing new was launched); every
+        request that finished, whoever owns it.
+
+        A step whose launch fails finishes its requests with an error; KeyboardInterrupt and
+        kin leave them queued, unadvanced (the next step recomputes the same tokens, and the
+        KV too if it was lost), and a resolve they interrupt is completed by the next step."""
+        self.watchdog.check()               # refused after a watchdog timeout until reset()
+        if self.runner.executor.kv_cache_resets != self._kv_resets_seen:
+            self._recover_kv(None, [])      # re-created outside a step: cached KV is gone too
+        finished: list[RequestOutput] = []
+        inflight = self.inflight            # cleared in place, never replaced
+        while len(inflight) > self.depth:   # an interrupted resolve left one more
+            finished.extend(self._resolve(inflight[0]))
+        step = self.scheduler.schedule()
+        keep = self.depth
+        if step.requests:
+            try:
+                inflight.append(self._launch(step))
+            except Exception as exc:  # noqa: BLE001 - any fault finishes the step's requests, never wedges
+                finished.extend(self._fail(step.requests, exc))
+            except BaseException:
+                self._recover_kv(None, [])
+                raise
+        elif not inflight:
+            if self.scheduler.has_unfinished():
+                raise GraphrtError("scheduler made no progress: a request cannot fit in the KV cache")
+            return finished
+        else:
+            keep = 0                        # nothing new to overlap with: drain
+        while len(inflight) > keep:
+            finished.extend(self._resolve(inflight[0]))
+        if step.num_prefill_reqs or self.scheduler.num_decode_steps >= self.metrics.next_decode_line:
+            self.metrics.record(step, self.scheduler, self.runner)     # a log line is due
+        return finished
+
+    def _launch(self, step: ScheduledStep) -> Launched:
+        """Write the step's inputs, run it (depth 0) or launch it (depth 1), and advance its
+        requests optimistically: each computed its tokens, each that samples has a placeholder
+        token until :meth:`_resolve` puts the sampled one in its place."""
+        inputs, samples = self._step_inputs(step)
+        reqs = step.requests
+        tokens = pending = None
+        self.watchdog.arm(step)
+        try:
+            if self.depth:
+                future = np.full(len(reqs), -1, dtype=np.int32)
+                for i, (req, sampled) in enumerate(zip(reqs, samples)):
+                    if req.num_unresolved and sampled:
+                        future[i] = req.future_row
+                pending = self.runner.execute_async(**inputs, future_rows=future if future.max() >= 0 else None)
+            else:
+                tokens = self.runner.execute(**inputs)
+        finally:
+            self.watchdog.disarm()          # raises WatchdogTimeout if it fired for this forward
+        limit = self.config.max_model_len
+        for i, (req, n, sampled) in enumerate(zip(reqs, step.num_scheduled, samples)):
+            req.num_computed_tokens += n
+            if sampled:
+                req.output_token_ids.append(PLACEHOLDER_TOKEN)
+                req.num_unresolved += 1
+                req.future_row = i
+                req.retiring = len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= limit
+        return Launched(step, samples, tokens, pending)
+
+    def _step_inputs(self, step: ScheduledStep) -> tuple[dict[str, Any], list[bool]]:
+        """Write what the persistent tables lack for ``step`` (new token ids, new blocks; a row
+        freshly given to a request is cleared once) and fill the runner's request arrays;
+        returns the runner's arguments and which requests sample. The sampling batch is the
+        last one while the same requests sample (a request that does not sample keeps its
+        seed's stream: ``without_seed``)."""
+        reqs = step.requests
+        n = len(reqs)
+        arrays = self._req_arrays[:, :n]
+        rows, computed, scheduled = arrays
+        token_table, block_table = self.token_table, self.block_table
+        samples: list[bool] = []
+        batch_for: list[int] = []
+        for i, (req, num) in enumerate(zip(reqs, step.num_scheduled)):
+            row, end = req.row, req.num_computed_tokens + num
+            rows[i], computed[i], scheduled[i] = row, req.num_computed_tokens, num
+            if req.tokens_in_row < end:
+                token_table[row, req.tokens_in_row:end] = req.tokens(req.tokens_in_row, end)
+                req.tokens_in_row = end
+            if req.blocks_in_row < len(req.blocks):
+                if req.blocks_in_row == 0:
+                    block_table[row] = 0
+                block_table[row, req.blocks_in_row:len(req.blocks)] = req.blocks[req.blocks_in_row:]
+                req.blocks_in_row = len(req.blocks)
+            sampled = end == req.num_tokens
+            samples.append(sampled)
+            batch_for.append(req.request_id if sampled else ~req.request_id)
+        if batch_for != self._batch_for:
+            params = [r.params if s else without_seed(r.params) for r, s in zip(reqs, samples)]
+            self._batch = sampling_batch(params, [r.request_id for r in reqs], self.runner.vocab_size)
+            self._batch_for = batch_for
+        return {"token_ids": token_table, "block_table": block_table, "req_rows": rows,
+                "num_computed_tokens": computed, "num_scheduled_tokens": scheduled, "sampling": self._batch}, samples
+
+    def _resolve(self, launched: Launched) -> list[RequestOutput]:
+        """Wait for the oldest launched step's tokens (if it was launched asynchronously) and put
+        them in place of its placeholders; returns the requests it finished. It stays in flight
+        if waiting is interrupted; a fault fails the step's unfinished requests."""
+        step = launched.step
+        tokens = launched.tokens
+        if tokens is None and launched.pending is not None:
+            self.watchdog.arm(step)
+            try:
+                tokens = launched.pending.result()
+            except Exception as exc:  # noqa: BLE001 - the step's requests fail, like a failed run
+                self.inflight.remove(launched)
+                return self._fail([r for r in step.requests if r.status is not Status.FINISHED], exc)
+            finally:
+                self.watchdog.disarm()
+        self.inflight.remove(launched)      # resolved: out of flight
+        if tokens is None or len(tokens) != len(step.requests):
+            return self._fail(step.requests, GraphrtError(
+                f"the runner returned {None if tokens is None else len(tokens)} tokens for a step of "
+                f"{len(step.requests)} requests"))
+        finished: list[RequestOutput] = []
+        for req, sampled, tok in zip(step.requests, launched.samples, tokens):
+            if req.status is Status.FINISHED:
+                continue    # finished (EOS one step earlier, aborted, failed): its token is dropped
+            try:
+                if sampled:
+                    index = len(req.output_token_ids) - req.num_unresolved
+                    token = int(tok)
+                    req.output_token_ids[index] = token
+                    req.num_unresolved -= 1
+                    position = len(req.prompt_token_ids) + index
+                    if req.row >= 0 and position < req.tokens_in_row:
+                        self.token_table[req.row, position] = token
+                    reason = self._stop_reason(req, token, index + 1)
+                    if reason is not None:
+                        finished.append(self.finish(req, reason))
+                        continue
+                if req.status is Status.RUNNING:
+                    self.scheduler.cache_computed(req)   # its new full blocks, for others to share
+            except Exception as exc:  # noqa: BLE001 - contained to this request
+                finished.extend(self._fail([req], exc))
+        return finished
+
+    def _stop_reason(self, req: Request, token: int, generated: int | None = None) -> str | None:
+        """Why ``req`` stops at ``token``, its ``generated``-th output (default: its last), or None."""
+        if not req.params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        generated = len(req.output_token_ids) if generated is None else generated
+        if generated >= req.params.max_tokens or len(req.prompt_token_ids) + generated >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        """Finish ``req`` (running or waiting): free its row, blocks and runner state."""
+        self.scheduler.finish(req, reason)
+        try:
+            self.runner.free_request(req.request_id)
+        except Exception:  # noqa: BLE001 - the request is finished either way
+            logger.warning("graphrt: freeing the runner state of request %d failed", req.request_id,
+                           exc_info=True)
+        self.requests.pop(req.request_id, None)
+        known = len(req.output_token_ids) - req.num_unresolved     # placeholders are not output
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids[:known],
+                             reason, error, req.num_cached_tokens)
+
+    def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
+        """Finish a failed step's requests with "error" (their blocks freed), then recover a
+        KV cache the fault lost: the requests that held KV in it are recomputed."""
+        self.num_step_faults += 1
+        why = f"{type(exc).__name__}: {exc}"
+        logger.warning("graphrt: a step of request(s) %s failed; they finish with an error: %s",
+                       [r.request_id for r in requests], why, exc_info=exc)
+        outs = [self.finish(r, "error", why) for r in requests if r.request_id in self.requests]
+        self.faults.update((o.request_id, exc) for o in outs)
+        self._recover_kv(exc, [o.request_id for o in outs])
+        return outs
+
+    def _recover_kv(self, exc: BaseException | None, failed: list[int]) -> None:
+        """If the fault consumed the KV cache (XLA donation), have it re-created and requeue
+        every running request for recompute, like a preemption; ``exc`` learns who lost KV."""
+        self.runner.recover_kv_cache()
+        resets = self.runner.kv_cache_resets
+        if resets == self._kv_resets_seen and not isinstance(exc, KVCacheLostError):
+            return
+        self._kv_resets_seen = resets
+        lost = list(self.scheduler.running)
+        self.scheduler.requeue(lost)
+        self.inflight.clear()                   # their KV went with the cache: recomputed too
+        for req in lost + list(self.scheduler.waiting):
+            drop_unresolved(req)
+        self.scheduler.reset_prefix_cache()     # the cached KV went with the cache
+        if isinstance(exc, KVCacheLostError):
+            exc.request_ids = tuple(failed) + tuple(r.request_id for r in lost)
+        logger.warning("graphrt: the KV cache was lost; requests %s are recomputed",
+                       [r.request_id for r in lost])
+
+
+__all__ = ["Launched", "PLACEHOLDER_TOKEN", "StepLoop", "drop_unresolved", "overlap_enabled"]
