@@ -86,14 +86,14 @@ def _interpret_while_testing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @interpreted
-@settings(SLOW_OK, max_examples=40)
+@settings(SLOW_OK, max_examples=30)
 @given(spec=FLOAT_STEPS)
 def test_interpret_float_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cpu")
 
 
 @interpreted
-@settings(SLOW_OK, max_examples=20)
+@settings(SLOW_OK, max_examples=15)
 @given(spec=FP8_STEPS)
 def test_interpret_fp8_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cpu")

@@ -181,7 +181,7 @@ def plan_attention(num_tokens: int, num_reqs: int, num_kv_heads: int, groups: in
     rows = DECODE_ROWS if decode else (PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS_WIDE)
     block_m = max(rows, groups_pad)
     block_q = block_m // groups_pad
-    itemsize = torch.empty((), dtype=dot_dtype).element_size()
+    itemsize = dot_dtype.itemsize
     tile_n = min(MAX_TILE_KEYS, max(MIN_TILE_KEYS, _prev_pow2(KV_TILE_BYTES // (head_dim * itemsize))))
     if num_splits is None:
         num_splits = 1
@@ -221,14 +221,14 @@ def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], consts: d
             launch: tuple[int, int]) -> None:
     """Launch; if this GPU runs out of resources for ``launch``, use ``FALLBACK_LAUNCH`` from
     then on for the same constants (found at the first, eager call, before any capture)."""
-    key = (id(kernel), tuple(sorted((k, str(v)) for k, v in consts.items())))
-    warps, stages = _LAUNCH_FALLBACKS.get(key, launch)
+    key = (id(kernel), tuple(sorted((k, str(v)) for k, v in consts.items()))) if _LAUNCH_FALLBACKS else None
+    warps, stages = _LAUNCH_FALLBACKS.get(key, launch) if key else launch
     try:
         kernel[grid](*args, **consts, num_warps=warps, num_stages=stages)
     except triton.runtime.errors.OutOfResources:
         if (warps, stages) == FALLBACK_LAUNCH:
             raise
-        _LAUNCH_FALLBACKS[key] = FALLBACK_LAUNCH
+        _LAUNCH_FALLBACKS[(id(kernel), tuple(sorted((k, str(v)) for k, v in consts.items())))] = FALLBACK_LAUNCH
         kernel[grid](*args, **consts, num_warps=FALLBACK_LAUNCH[0], num_stages=FALLBACK_LAUNCH[1])
 
 
