@@ -28,8 +28,12 @@ Targets (issue 4): batch 1 at least 3x faster than eager; no slower than reduce-
 at any batch size; replay overhead within 2 % of bare replay; 51 sizes captured in
 under 10 s.
 
-Run: ``python benchmarks/bench_cuda.py [--quick] [--json out.json]``. Without a CUDA GPU
-it says so and exits with status 0.
+The attention kernel is graphrt's default on CUDA (Triton where it runs, else the reference;
+``models/torch/attention.py``); ``--attention reference|triton`` sets ``GRAPHRT_ATTENTION`` to
+compare both, and the first line of the output names the kernel used.
+
+Run: ``python benchmarks/bench_cuda.py [--quick] [--attention KERNEL] [--json out.json]``.
+Without a CUDA GPU it says so and exits with status 0.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -237,6 +242,19 @@ def measure_capture(model: Any, args: argparse.Namespace) -> dict[str, Any]:
             "eager_fallbacks": len(runner.cache) - len(forward)}
 
 
+def attention_kernel_used(choice: str | None) -> str:
+    """Set ``GRAPHRT_ATTENTION`` to ``choice`` (if given); the kernel graphrt's attention then runs
+    for this model on the GPU, and why."""
+    import torch
+
+    from graphrt.models.torch.attention import ATTENTION_ENV, choose_attention_kernel
+
+    if choice:
+        os.environ[ATTENTION_ENV] = choice
+    kernel, reason = choose_attention_kernel(DEVICE, QWEN3_0_6B["head_dim"], torch.bfloat16, torch.bfloat16)
+    return f"{kernel} ({reason})"
+
+
 def fmt_ms(value: Any) -> str:
     return f"{value * 1e3:.3f}" if isinstance(value, float) else str(value)[:60]
 
@@ -244,7 +262,7 @@ def fmt_ms(value: Any) -> str:
 def table(results: dict[str, Any], capture: dict[str, Any], device: str, args: argparse.Namespace) -> str:
     """The Markdown tables for docs/benchmarks.md."""
     lines = [f"Device: {device}; torch {args.torch_version}; {args.layers} layers, bf16, context "
-             f"{args.context}, mean of {args.iters} steps.", "",
+             f"{args.context}, mean of {args.iters} steps; attention kernel: {args.attention_used}.", "",
              "Decode step time, ms (lower is better)", "",
              "| batch | " + " | ".join(METHODS) + " | speed-up vs eager (FULL) |",
              "|---:|" + "---:|" * len(METHODS) + "---:|"]
@@ -302,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--skip-capture", action="store_true", help="skip the 51-size capture measurement")
     parser.add_argument("--quick", action="store_true", help="4 layers, 20 steps: a smoke run")
+    parser.add_argument("--attention", choices=("auto", "reference", "triton"),
+                        help="graphrt's attention kernel (sets GRAPHRT_ATTENTION; default: as set, else auto)")
     parser.add_argument("--json", help="also write the raw numbers to this file")
     args = parser.parse_args(argv)
     try:
@@ -319,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"batches must be <= {MAX_NUM_SEQS} and --context a multiple of {BLOCK_SIZE}")
     logging.basicConfig(level=logging.WARNING)
     args.torch_version = torch.__version__
+    args.attention_used = attention_kernel_used(args.attention)
+    print(f"bench_cuda: attention kernel: {args.attention_used}", flush=True)
     device = torch.cuda.get_device_name()
     factory = lambda seed: build_model(args.layers, seed)  # noqa: E731 - one fresh model per runner
     capture = {} if args.skip_capture else measure_capture(factory(0), args)
@@ -327,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(results, capture, device, args)
     print(text)
     if args.json:
-        raw = {"device": device, "torch": args.torch_version, "capture": capture,
+        raw = {"device": device, "torch": args.torch_version, "attention": args.attention_used, "capture": capture,
                "decode_seconds": {m: {str(b): v for b, v in results[m].items()} for m in METHODS},
                "overhead_seconds": {str(b): v for b, v in results["_overhead"].items()}}
         with open(args.json, "w") as f:

@@ -4,6 +4,7 @@ Runs these parts with the machine's own torch and JAX (it never installs either)
 its own process:
 
 * ``tests``      -- the ``gpu``-marked tests (``pytest -m gpu``);
+* ``attention``  -- ``benchmarks/bench_attention.py``: paged attention alone, reference against Triton;
 * ``cuda-quick`` -- ``benchmarks/bench_cuda.py --quick``, a smoke run (4 layers, 20 steps);
 * ``cuda``       -- ``benchmarks/bench_cuda.py``, the full run (Qwen3-0.6B shape, 28 layers);
 * ``xla``        -- ``benchmarks/bench_xla.py`` with JAX on the GPU.
@@ -37,9 +38,9 @@ from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-PARTS = ("tests", "cuda-quick", "cuda", "xla")
+PARTS = ("tests", "attention", "cuda-quick", "cuda", "xla")
 #: Seconds each part may run before it is stopped and reported as timed out.
-PART_TIMEOUT = {"tests": 600, "cuda-quick": 300, "cuda": 900, "xla": 600}
+PART_TIMEOUT = {"tests": 600, "attention": 600, "cuda-quick": 300, "cuda": 900, "xla": 600}
 #: Characters of a part's output kept in its record (the tables are at the end).
 OUTPUT_TAIL = 6000
 
@@ -121,6 +122,7 @@ def part_command(name: str, parts_dir: Path) -> list[str]:
     return {
         "tests": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                   f"--junitxml={parts_dir / 'tests.xml'}", "tests"],
+        "attention": [py, str(BENCH / "bench_attention.py"), "--json", str(parts_dir / "attention.data.json")],
         "cuda-quick": [py, str(BENCH / "bench_cuda.py"), "--quick", "--json", str(parts_dir / "cuda-quick.data.json")],
         "cuda": [py, str(BENCH / "bench_cuda.py"), "--json", str(parts_dir / "cuda.data.json")],
         "xla": [py, str(BENCH / "bench_xla.py"), "--json", str(parts_dir / "xla.data.json")],

@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 #: Layer of each package or module, lowest first; a module may import its own layer or below.
 LAYERS = {"graphrt.core": 0, "graphrt.config": 1, "graphrt.models": 2, "graphrt.backends": 3,
           "graphrt.registry": 4, "graphrt.warmup": 5, "graphrt.runner": 5, "graphrt.engine": 6, "graphrt.cli": 7, "graphrt.testing": 7, "graphrt": 7}
-FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "torch_npu", "safetensors", "transformers"}
+FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "torch_npu", "safetensors", "transformers", "triton"}
 
 
 def module_name(path: Path) -> str:

@@ -108,4 +108,22 @@ def reduction_tolerance(dtype: Any = "float32", *, magnitude: float,
     return Tolerance(rtol=base.rtol, atol=base.atol * max(1.0, float(magnitude)) * widen)
 
 
-__all__ = ["Tolerance", "dtype_name", "reduction_tolerance", "tolerance"]
+def kv_quantization_tolerance(kv_dtype: Any, *, magnitude: float) -> Tolerance:
+    """How far attention over an fp8 KV cache may be from attention over the same values
+    unquantized: each stored K/V value is off by up to half an fp8 eps (relatively), V's error
+    carries straight into the output and K's into the softmax weights. The bound is
+    ``defaults.KV_QUANTIZATION_TOLERANCE_EPS`` eps of ``kv_dtype`` (``defaults.FP8_DTYPE_EPS``)
+    for ``rtol``, times ``max(1, magnitude)`` (the reference's largest absolute value) for
+    ``atol``; it is far looser than :func:`tolerance`, which compares the same stored bytes.
+    """
+    name = dtype_name(kv_dtype)
+    eps = defaults.FP8_DTYPE_EPS.get(name)
+    if eps is None:
+        raise ConfigError(f"no KV quantization tolerance for {name}: one of {sorted(defaults.FP8_DTYPE_EPS)}")
+    if not np.isfinite(magnitude) or magnitude < 0:
+        raise ConfigError(f"kv_quantization_tolerance: magnitude must be finite and >= 0, got {magnitude!r}")
+    bound = defaults.KV_QUANTIZATION_TOLERANCE_EPS * eps
+    return Tolerance(rtol=bound, atol=bound * max(1.0, float(magnitude)))
+
+
+__all__ = ["Tolerance", "dtype_name", "kv_quantization_tolerance", "reduction_tolerance", "tolerance"]

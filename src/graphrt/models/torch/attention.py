@@ -20,12 +20,27 @@ see one opaque op with every metadata tensor as an argument, and the piecewise s
 (:mod:`graphrt.backends.torch.piecewise`) cuts the model at ``PagedAttention`` modules (or at
 this op in a traced graph). Eagerly and during graph capture the kernel runs directly, so
 the CPU recording graph sees, and checks, every aten op inside it.
+
+Which kernel runs: the op and ``PagedAttention`` call :func:`run_paged_attention`, which picks
+the Triton kernel (:mod:`graphrt.models.torch.triton_attention`) for CUDA tensors where triton
+imports and takes the head size and dtypes, and this reference otherwise. The environment
+variable ``GRAPHRT_ATTENTION`` (read at every call, so set it before warm-up / capture)
+overrides that: ``reference`` always runs the reference, ``triton`` requires Triton and raises
+``ConfigError`` saying why where it cannot run; ``auto`` (or unset) is the default above.
+:func:`choose_attention_kernel` says which kernel a call would get, and why.
+
+Options of both kernels: ``sliding_window`` (a token at position ``p`` attends to positions
+``p - sliding_window + 1 .. p``; None / 0: no window) and, for fp8 caches
+(``torch.float8_e4m3fn`` / ``float8_e5m2``), per-tensor ``k_scale`` / ``v_scale``
+(:mod:`graphrt.models.torch.kv_quant`: stored = value / scale, read = stored * scale).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +48,13 @@ from torch import nn
 from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError
 from graphrt.core.forward_context import get_forward_context
+from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, read_kv_rows, write_kv_rows
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable choosing the kernel: ``auto`` (default), ``reference`` or ``triton``.
+ATTENTION_ENV = "GRAPHRT_ATTENTION"
+ATTENTION_CHOICES = ("auto", "reference", "triton")
 
 
 @dataclass
@@ -77,22 +99,28 @@ class TorchAttentionMetadata:
 def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_table: torch.Tensor,
-                           token_req_idx: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                           token_req_idx: torch.Tensor, block_size: int, scale: float,
+                           sliding_window: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
     ``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
     Head counts come from the shapes; grouped-query heads share KV heads without
-    materialising repeated KV.
+    materialising repeated KV. A float cache computes in its own dtype; an fp8 cache is
+    dequantized (``k_scale`` / ``v_scale``) to float32.
     """
     num_tokens, out_dtype = q.shape[0], q.dtype
     hkv, d = kv_cache.shape[2], kv_cache.shape[3]
     num_heads = q.shape[1] // d
     groups = num_heads // hkv
+    fp8 = is_fp8(kv_cache.dtype)
+    k_scale, v_scale = (k_scale, v_scale) if fp8 else (1.0, 1.0)
+    compute = torch.float32 if fp8 else kv_cache.dtype
 
     trash_row = kv_cache.shape[1] - 1
     rows = torch.where(slot_mapping < 0, trash_row, slot_mapping)
-    kv_cache[0].index_copy_(0, rows, k.reshape(num_tokens, hkv, d).to(kv_cache.dtype))
-    kv_cache[1].index_copy_(0, rows, v.reshape(num_tokens, hkv, d).to(kv_cache.dtype))
+    write_kv_rows(kv_cache[0], rows, quantize_kv(k.reshape(num_tokens, hkv, d), kv_cache.dtype, k_scale))
+    write_kv_rows(kv_cache[1], rows, quantize_kv(v.reshape(num_tokens, hkv, d), kv_cache.dtype, v_scale))
 
     req = token_req_idx
     bs = block_size
@@ -106,10 +134,13 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     token_pos = seq_len - (q_end - torch.arange(num_tokens, device=req.device, dtype=torch.int64))
     ctx_pos = torch.arange(ctx_len, device=req.device, dtype=torch.int64)
     valid = (ctx_pos < seq_len.unsqueeze(1)) & (ctx_pos <= token_pos.unsqueeze(1))  # [T, L]
+    if sliding_window:
+        valid = valid & (ctx_pos > token_pos.unsqueeze(1) - int(sliding_window))
 
-    keys = kv_cache[0][key_rows]  # [T, L, Hkv, D]
-    values = torch.where(valid[:, :, None, None], kv_cache[1][key_rows], 0)
-    q = q.reshape(num_tokens, hkv, groups, d).to(kv_cache.dtype)
+    keys = dequantize_kv(read_kv_rows(kv_cache[0], key_rows), compute, k_scale)  # [T, L, Hkv, D]
+    values = torch.where(valid[:, :, None, None],
+                         dequantize_kv(read_kv_rows(kv_cache[1], key_rows), compute, v_scale), 0)
+    q = q.reshape(num_tokens, hkv, groups, d).to(compute)
     scores = torch.einsum("tkgd,tlkd->tkgl", q, keys).float() * scale
     score_mask = valid[:, None, None, :]
     scores = torch.where(score_mask, scores, float("-inf"))
@@ -118,21 +149,75 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     return out.reshape(num_tokens, num_heads * d).to(out_dtype)
 
 
+class AttentionChoice(NamedTuple):
+    """Which kernel graphrt's attention runs for a call (``"triton"`` or ``"reference"``), and why."""
+
+    kernel: str
+    reason: str
+
+
+_LOGGED_FALLBACKS: set[str] = set()
+
+
+def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: torch.dtype,
+                            cache_dtype: torch.dtype) -> AttentionChoice:
+    """The kernel :func:`run_paged_attention` uses for these tensors under ``GRAPHRT_ATTENTION``
+    (module docstring); raises ``ConfigError`` for an unknown value, or for ``triton`` where it
+    cannot run."""
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in ATTENTION_CHOICES:
+        raise ConfigError(f"{ATTENTION_ENV}={choice!r}: expected one of {ATTENTION_CHOICES}")
+    if choice == "reference":
+        return AttentionChoice("reference", f"{ATTENTION_ENV}=reference")
+    device = torch.device(device)
+    if choice == "auto" and device.type != "cuda":
+        return AttentionChoice("reference", f"tensors on {device.type}; Triton is the default on cuda only")
+    from graphrt.models.torch import triton_attention
+
+    problem = (triton_attention.triton_unavailable_reason(device)
+               or triton_attention.triton_config_problem(head_dim, q_dtype, cache_dtype, device))
+    if problem is None:
+        return AttentionChoice("triton", f"{ATTENTION_ENV}={choice}, Triton runs on {device.type}")
+    if choice == "triton":
+        raise ConfigError(f"{ATTENTION_ENV}=triton, but the Triton kernel cannot run: {problem}")
+    if problem not in _LOGGED_FALLBACKS:
+        _LOGGED_FALLBACKS.add(problem)
+        logger.warning("paged attention on %s uses the reference kernel: %s", device, problem)
+    return AttentionChoice("reference", problem)
+
+
+def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int, scale: float,
+                        sliding_window: int | None = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
+    """:func:`paged_attention_kernel`'s contract, run by the kernel :func:`choose_attention_kernel` picks."""
+    choice = choose_attention_kernel(q.device, kv_cache.shape[-1], q.dtype, kv_cache.dtype)
+    if choice.kernel == "triton":
+        from graphrt.models.torch.triton_attention import triton_paged_attention as kernel
+    else:
+        kernel = paged_attention_kernel
+    return kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx,
+                  block_size, scale, sliding_window, k_scale, v_scale)
+
+
 @torch.library.custom_op("graphrt::paged_attention", mutates_args=("kv_cache",))
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
-                    scale: float) -> torch.Tensor:
-    """``torch.ops.graphrt.paged_attention``: :func:`paged_attention_kernel` as one opaque op."""
-    return paged_attention_kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens,
-                                  block_table, token_req_idx, block_size, scale)
+                    scale: float, sliding_window: int = 0, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """``torch.ops.graphrt.paged_attention``: :func:`run_paged_attention` as one opaque op."""
+    return run_paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
+                               token_req_idx, block_size, scale, sliding_window, k_scale, v_scale)
 
 
 @paged_attention.register_fake
 def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                           seq_lens: torch.Tensor, block_table: torch.Tensor,
-                          token_req_idx: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                          token_req_idx: torch.Tensor, block_size: int, scale: float,
+                          sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -155,14 +240,19 @@ class PagedAttention(nn.Module):
     graph_support: ClassVar[AttentionGraphSupport] = AttentionGraphSupport.ALWAYS
     graphrt_attention: ClassVar[bool] = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ConfigError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window < 0:
+            raise ConfigError(f"sliding_window must be None or >= 0, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = int(sliding_window or 0)
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -171,6 +261,7 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("PagedAttention.kv_cache is not set: the runner must assign the KV cache")
-        kernel = paged_attention if torch.compiler.is_compiling() else paged_attention_kernel
+        kernel = paged_attention if torch.compiler.is_compiling() else run_paged_attention
         return kernel(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                      meta.block_table, meta.token_req_idx, meta.block_size, self.scale)
+                      meta.block_table, meta.token_req_idx, meta.block_size, self.scale,
+                      self.sliding_window, self.k_scale, self.v_scale)
