@@ -49,7 +49,17 @@ class CudaGraphAPI(DeviceGraphAPI):
         return self.cuda.CUDAGraph()
 
     def new_pool(self) -> Any:
+        """A new pool handle. The first one also makes the capture stream (and primes it, see
+        :meth:`_prime`): long before any capture is measured."""
+        self._capture_stream()
         return self.cuda.graph_pool_handle()
+
+    def _capture_stream(self) -> Any:
+        """The one side stream every graph is captured on, made (and primed) on first use."""
+        if self._stream is None:
+            self._stream = self.cuda.Stream(device=self.device)
+            self._prime(self._stream)
+        return self._stream
 
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: Any) -> Iterator[Any]:
@@ -63,11 +73,9 @@ class CudaGraphAPI(DeviceGraphAPI):
         :class:`~graphrt.backends.torch.graphs.GraphPool` gives later graphs a fresh pool,
         since the pinned-host allocator's recording has no Python call to end it. Without both, every later capture fails
         with "already recording to mempool_id"."""
-        if self._stream is None:
-            self._stream = self.cuda.Stream(device=self.device)
-            self._prime(self._stream)
+        stream = self._capture_stream()
         with _no_collect(self.cuda):
-            ctx = self.cuda.graph(graph, pool=pool, stream=self._stream)
+            ctx = self.cuda.graph(graph, pool=pool, stream=stream)
             ctx.__enter__()
         try:
             yield graph
@@ -85,8 +93,9 @@ class CudaGraphAPI(DeviceGraphAPI):
         the stream's first matmul (32 MiB on Hopper). Allocated inside the first capture, it
         lands in that graph's pool, counts as that graph's bytes and stays there for the life
         of the process: the graph-memory samples then measured 38 MiB for a key that took
-        under 5 MiB at warm-up (H200, 2026-11-26). Allocated here, it is ordinary memory that
-        neither the samples nor warm-up count."""
+        2.4 MiB at warm-up (H200, 2026-11-26). Allocated here -- when the first pool is made,
+        before any capture's bytes are counted -- it is ordinary memory that neither the
+        samples nor warm-up count."""
         if self.cuda is not torch.cuda:
             return
         with self.cuda.stream(stream):

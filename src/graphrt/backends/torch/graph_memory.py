@@ -1,7 +1,9 @@
 """Graph memory measured before the KV cache exists, on every torch graph device.
 
 :func:`measure_graph_memory` is :meth:`TorchExecutor.measure_graph_memory`: it captures
-sample keys exactly as warm-up will (same builds, largest first, one fresh pool) against a
+sample keys exactly as warm-up will (same builds, largest first, one fresh pool, every graph
+kept until the last is measured -- a CUDA pool whose graphs are all gone is released, and the
+next capture would pay a fresh segment that warm-up never pays) against a
 throwaway two-block KV cache, records the bytes each capture added -- what the device
 counts: ``torch.cuda`` / ``torch.npu`` reserved memory, the CPU recording graph's captured
 bytes -- and then drops every graph, the pool, the piecewise buffers and compiled pieces it
@@ -38,6 +40,7 @@ def measure_graph_memory(executor: Any, jobs: Sequence[tuple[RuntimeMode, Any]]
     executor.allocate_kv_cache(SAMPLE_KV_BLOCKS, executor.block_size)
     executor.pool = GraphPool(api)
     measured: dict[Any, int] = {}
+    entries: list[Any] = []     # kept until every sample is measured, as warm-up keeps its graphs
     check_baked, executor.check_baked = executor.check_baked, False   # warm-up checks these keys
     try:
         for mode, key in jobs:
@@ -48,9 +51,10 @@ def measure_graph_memory(executor: Any, jobs: Sequence[tuple[RuntimeMode, Any]]
                             describe_key(key), describe_capture_failure(exc))
                 entry, nbytes = None, 0
             measured[key] = int(nbytes)
-            del entry
+            entries.append(entry)
     finally:
         executor.check_baked = check_baked
+        entries.clear()
         _drop_samples(executor, report_len)
     return measured, None
 
