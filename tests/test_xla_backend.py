@@ -20,6 +20,7 @@ jnp = pytest.importorskip("jax.numpy")
 import graphrt  # noqa: E402
 from graphrt import SamplingParams  # noqa: E402
 from graphrt.backends.xla.backend import XlaBackend  # noqa: E402
+from graphrt.backends.xla.buckets import XlaBuckets  # noqa: E402
 from graphrt.backends.xla.compile_cache import XlaEntry  # noqa: E402
 from graphrt.backends.xla.programs import XlaModel  # noqa: E402
 from graphrt.backends.xla.batch import (SamplingMetadata, XlaBatch, batch_spec,  # noqa: E402
@@ -170,6 +171,10 @@ def test_warmup_report_and_entries(qwen):
     assert all(r["seconds"] > 0 for r in runner.warmup_report)
     # Host buffers cover the largest token bucket and the fixed mixed batch size.
     assert ex.host_buffers["input_ids"].shape == (32,) and ex.host_buffers["block_table"].shape == (4, 16)
+    # XLA's largest batch size is one number: the grid's, the dispatcher's mixed batch, the
+    # programs' sampled rows and the staging buffers' request rows.
+    assert XlaBuckets.from_config(runner.config).max_reqs == runner.dispatcher.mixed_num_reqs == 4
+    assert ex.programs.max_reqs == ex.host_buffers["seq_lens"].shape[0] == 4
 
 
 def test_planned_keys_come_from_the_runners_dispatcher(qwen):
@@ -259,9 +264,9 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
 # ---- strict mode -------------------------------------------------------------------------
 def _dispatcher_with_extra_bucket(runner: ModelRunner) -> Dispatcher:
     cfg = runner.config
-    bs = cfg.xla_bs_policy()
-    return Dispatcher(GraphMode.FULL, token_buckets=BucketPolicy(TOKEN_PADDINGS + [24]), decode_buckets=bs,
-                      mixed_num_reqs=bs.max_size, max_num_seqs=cfg.max_num_seqs, eager_fallback=False,
+    grid = XlaBuckets.from_config(cfg)
+    return Dispatcher(GraphMode.FULL, token_buckets=BucketPolicy(TOKEN_PADDINGS + [24]), decode_buckets=grid.decode,
+                      mixed_num_reqs=grid.max_reqs, max_num_seqs=cfg.max_num_seqs, eager_fallback=False,
                       separate_decode=True)
 
 

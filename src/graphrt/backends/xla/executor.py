@@ -27,6 +27,7 @@ from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.batch import (BATCH_FIELDS, SAMPLING_FIELDS, SamplingMetadata, XlaBatch, batch_spec,
                                         describe_change, sampling_spec)
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
 from graphrt.backends.xla.compile_cache import XlaCompileCache, XlaEntry, executable_store
 from graphrt.backends.xla.programs import XlaPrograms
@@ -61,7 +62,8 @@ class XlaExecutor(Executor[XlaEntry]):
     supports_piecewise = False
     eager_fallback = False
 
-    def __init__(self, programs: XlaPrograms, config: GraphConfig, *, compile_workers: int = 1) -> None:
+    def __init__(self, programs: XlaPrograms, config: GraphConfig, buckets: XlaBuckets, *,
+                 compile_workers: int = 1) -> None:
         install_listeners()
         if config.compilation_cache_dir:
             enable_persistent_cache(config.compilation_cache_dir)
@@ -76,8 +78,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self.dtype = programs.dtype
         self._width = config.max_blocks_per_req
         # Sized for the largest key of the grid: a decode key (b, b) or a mixed key (t, largest b).
-        max_r = config.xla_bs_policy().max_size
-        max_t = max(config.xla_token_policy().max_size, max_r)
+        max_t, max_r = buckets.max_tokens, buckets.max_reqs
         # One staging buffer per field (core's shape table), int32 as every executable takes them.
         self.host_buffers = {name: np.zeros(shape, np.int32)
                              for name, shape in buffer_shapes(max_t, max_r, self._width).items()}
