@@ -346,7 +346,7 @@ def test_pytree_stability(qwen):
         assert entry.executable.in_tree == jax.tree.structure(((ex.weights, ex.kv_cache, spec, leaf, leaf), {}))
     # Sampling metadata has one structure whether rows are seeded, unseeded or mixed.
     kinds = [[None] * 3, [1, 2, 3], [None, 5, None]]
-    sigs = {signature(ex.sampling_metadata(3, 4, sampling_batch(
+    sigs = {signature(ex.sampling_rows.metadata(3, 4, sampling_batch(
         [SamplingParams(temperature=1.0, seed=s) for s in seeds], [900 + i for i in range(3)], VOCAB)))
         for seeds in kinds}
     assert len(sigs) == 1

@@ -25,19 +25,17 @@ from tqdm.auto import tqdm
 
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.xla import sharding as shd
-from graphrt.backends.xla.batch import (BATCH_FIELDS, SAMPLING_FIELDS, SamplingMetadata, XlaBatch, batch_spec,
-                                        describe_change, sampling_spec)
+from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change, sampling_spec
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
 from graphrt.backends.xla.compile_cache import XlaCompileCache, XlaEntry, executable_store
 from graphrt.backends.xla.programs import XlaPrograms
+from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.config import GraphConfig
-from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
-from graphrt.core.sampling import write_sampling_rows
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +43,6 @@ logger = logging.getLogger(__name__)
 _compiles = thread_counts()
 
 _I32 = np.dtype(np.int32)
-_U32_MASK = 0xFFFFFFFF
 
 
 def _as_array(value: Any) -> Any:
@@ -88,15 +85,12 @@ class XlaExecutor(Executor[XlaEntry]):
         #: No future tokens: every request keeps its host id (``run(future=None)``).
         self._no_future = jax.device_put(np.zeros(programs.max_reqs, np.int32), programs.replicated)
         self._no_future_rows = np.full(max_r, -1, np.int32)
-        self._samp_host = {"temperature": np.zeros(max_r, np.float32),
-                           "top_k": np.zeros(max_r, np.int32), "top_p": np.ones(max_r, np.float32),
-                           "seeds": np.zeros((max_r, 2), np.uint32), "steps": np.zeros(max_r, np.uint32)}
+        #: The random sampler's host rows, generator and seeded requests' step counters.
+        self.sampling_rows = SamplingRows(max_r, self.vocab_size)
         #: Every executable, the planned keys, the compile counters and strict mode.
         self.compiled = XlaCompileCache(strict=config.strict, vocab_size=self.vocab_size,
                                         table_width=self._width, store=executable_store(programs, config))
         self.kv_cache: jax.Array | None = None
-        self._rng = np.random.default_rng(defaults.XLA_SAMPLER_HOST_SEED)
-        self._seed_steps: dict[int, int] = {}
         self._last_logits: jax.Array | None = None
         self._last_positions: jax.Array | None = None
         self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
@@ -342,7 +336,7 @@ class XlaExecutor(Executor[XlaEntry]):
         if logits.shape != (rows, self.vocab_size):
             raise InputError("logits", f"shape {tuple(logits.shape)}; the sampler for {rows} rows "
                                        f"expects ({rows}, {self.vocab_size})")
-        args = (logits,) if greedy else (logits, self.sampling_metadata(num_reqs, rows, sampling))
+        args = (logits,) if greedy else (logits, self.sampling_rows.metadata(num_reqs, rows, sampling))
         before = _compiles.compiles
         tokens = entry.executable(*args)
         if _compiles.compiles != before:
@@ -355,31 +349,8 @@ class XlaExecutor(Executor[XlaEntry]):
         waits for the device (an asynchronous execution error surfaces here)."""
         return np.asarray(tokens)[:num_reqs].astype(np.int64)
 
-    def sampling_metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:
-        """The sampling metadata of one step, as host copies the executable transfers: padded
-        rows greedy, unseeded rows keyed from the host generator, seeded rows by their seed and
-        their own step counter (which this advances).
-
-        A seed's threefry key is its low and high 32-bit halves: the batch holds seeds in
-        [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling`), so no value is
-        truncated into these uint32 / int32 buffers."""
-        h, n = self._samp_host, num_reqs
-        write_sampling_rows(sampling, n, rows, self.vocab_size, h)
-        seeds, steps = h["seeds"], h["steps"]
-        seeds[:n] = self._rng.integers(0, 2**32, size=(n, 2), dtype=np.uint32)
-        seeds[n:rows] = 0
-        steps[:rows] = 0
-        for i, seed in enumerate(sampling.seeds):
-            if seed is None:
-                continue
-            rid = sampling.request_ids[i]
-            step = self._seed_steps.get(rid, 0)
-            self._seed_steps[rid] = step + 1
-            seeds[i, 0], seeds[i, 1], steps[i] = seed & _U32_MASK, seed >> 32, step
-        return SamplingMetadata(*(h[f][:rows].copy() for f in SAMPLING_FIELDS))
-
     def free_request(self, request_id: int) -> None:
-        self._seed_steps.pop(request_id, None)
+        self.sampling_rows.free(request_id)
 
     # ---- introspection -----------------------------------------------------------------
     def hidden_states(self, num_tokens: int) -> np.ndarray:
