@@ -21,7 +21,7 @@ import graphrt  # noqa: E402
 from graphrt import SamplingParams  # noqa: E402
 from graphrt.backends.xla.backend import XlaBackend  # noqa: E402
 from graphrt.backends.xla.buckets import XlaBuckets  # noqa: E402
-from graphrt.backends.xla.compile_cache import XlaEntry  # noqa: E402
+from graphrt.backends.xla.entries import XlaEntry  # noqa: E402
 from graphrt.backends.xla.programs import XlaModel  # noqa: E402
 from graphrt.backends.xla.batch import (SamplingMetadata, XlaBatch, batch_spec,  # noqa: E402
                                         describe_change, signature)

@@ -12,88 +12,28 @@ what a compile after warm-up means.
 * the on-disk executable store (:mod:`graphrt.backends.xla.executables`), read before a key
   is lowered and written after it is compiled.
 
+The entries are :class:`~graphrt.backends.xla.entries.XlaEntry`.
+
 It does not own the keys (the runner's dispatcher), lowering (the executor: it knows the KV
 cache and the weights) or the step statistics (the runner's ``GraphCache``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import sys
 import threading
 import time
 from typing import Any, Hashable, Iterable
 
-from graphrt.backends.xla import batch as xla_batch, sampler as xla_sampler, sharding as shd
-from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change
+from graphrt.backends.xla.batch import batch_spec, describe_change
 from graphrt.backends.xla.compile import thread_cache_hits, thread_compiles, thread_last_compiled
-from graphrt.backends.xla.executables import ExecutableCache, executor_fingerprint
-from graphrt.backends.xla.programs import XlaPrograms
-from graphrt.config import GraphConfig
+from graphrt.backends.xla.entries import XlaEntry
+from graphrt.backends.xla.executables import ExecutableCache
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import CacheMissError
-from graphrt.models.jax import decoder as jax_decoder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class XlaEntry:
-    """One compiled executable with what it expects and what it cost."""
-
-    executable: Any                      # jax.stages.Compiled
-    key: Hashable
-    spec: Any                            # abstract inputs: XlaBatch / SamplingMetadata / None (greedy)
-    shapes: tuple[tuple[int, ...], ...]  # forward keys: the shape of each BATCH_FIELDS entry
-    lower_seconds: float
-    compile_seconds: float
-    nbytes: int
-    persistent_cache_hit: bool
-
-    @property
-    def build_seconds(self) -> float:
-        """Lowering plus compiling, on the thread that did each."""
-        return self.lower_seconds + self.compile_seconds
-
-    def report(self) -> dict[str, Any]:
-        """One row of the per-bucket timing report."""
-        return {"key": describe_key(self.key), "lower_s": round(self.lower_seconds, 4),
-                "compile_s": round(self.compile_seconds, 4), "bytes": self.nbytes,
-                "persistent_cache_hit": self.persistent_cache_hit}
-
-
-def _spec_shapes(spec: Any) -> tuple[tuple[int, ...], ...]:
-    """Forward specs: the shape of each batch field (checked before every call)."""
-    return (tuple(tuple(getattr(spec, f).shape) for f in BATCH_FIELDS)
-            if isinstance(spec, XlaBatch) else ())
-
-
-def _executable_bytes(compiled: Any) -> int:
-    """Device bytes an executable holds beyond its arguments (code and scratch), where XLA says."""
-    try:
-        stats = compiled.memory_analysis()
-        return int(stats.generated_code_size_in_bytes + stats.temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 - some platforms do not implement memory analysis
-        return 0
-
-
-def executable_store(programs: XlaPrograms, config: GraphConfig) -> ExecutableCache | None:
-    """With ``compilation_cache_dir``, the on-disk store of graphrt's own model's executables.
-
-    Not for nnx modules: their code lives in the graphdef, which the fingerprint cannot
-    see, so a changed module with the same parameter shapes could load a stale executable.
-    """
-    if not config.compilation_cache_dir or not programs.own_code:
-        return None
-    mesh = programs.mesh
-    fingerprint = executor_fingerprint(
-        modules=(jax_decoder, xla_batch, xla_sampler, shd, sys.modules[XlaPrograms.__module__]),
-        devices=list(mesh.devices.flat), mesh_axes=(mesh.axis_names, mesh.devices.shape),
-        parts=(programs.model_config, programs.weights, config.block_size, config.max_blocks_per_req,
-               int(programs.model_config.vocab_size), programs.decode_query_len, programs.max_reqs))
-    return ExecutableCache(config.compilation_cache_dir, fingerprint, list(mesh.devices.flat))
 
 
 class XlaCompileCache:
@@ -180,8 +120,7 @@ class XlaCompileCache:
         compiled = self.store.load((key, self._kv_shape))
         if compiled is None:
             return None
-        entry = XlaEntry(compiled, key, spec, _spec_shapes(spec), 0.0, time.perf_counter() - t0,
-                         _executable_bytes(compiled), True)
+        entry = XlaEntry.of(compiled, key, spec, 0.0, time.perf_counter() - t0, True)
         with self._lock:
             self._entries[key] = entry
         logger.debug("graphrt: xla loaded %s from the executable cache", describe_key(key))
@@ -193,8 +132,7 @@ class XlaCompileCache:
         t0 = time.perf_counter()
         compiled = lowered.compile()
         seconds = time.perf_counter() - t0
-        entry = XlaEntry(compiled, key, spec, _spec_shapes(spec), lower_seconds, seconds,
-                         _executable_bytes(compiled), thread_cache_hits() > hits)
+        entry = XlaEntry.of(compiled, key, spec, lower_seconds, seconds, thread_cache_hits() > hits)
         if self.store is not None:
             self.store.store((key, self._kv_shape), compiled)
         with self._lock:
@@ -246,4 +184,4 @@ class XlaCompileCache:
         logger.warning("graphrt: unplanned XLA compile after warm-up: %s", reason)
 
 
-__all__ = ["XlaCompileCache", "XlaEntry", "executable_store"]
+__all__ = ["XlaCompileCache"]

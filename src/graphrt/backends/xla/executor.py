@@ -28,7 +28,9 @@ from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change, sampling_spec
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
-from graphrt.backends.xla.compile_cache import XlaCompileCache, XlaEntry, executable_store
+from graphrt.backends.xla.compile_cache import XlaCompileCache
+from graphrt.backends.xla.entries import XlaEntry
+from graphrt.backends.xla.executables import executable_store
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.config import GraphConfig
