@@ -6,7 +6,7 @@ next token bucket and a fixed batch size, decode steps at the next batch-size bu
 path); the padder is the shared :class:`graphrt.Padder`; the runner's :class:`graphrt.GraphCache`
 holds the entries.
 Its own parts: :class:`XlaPrograms` (the jitted forward and samplers, ``programs.py``), the
-:class:`XlaExecutor` (``executor.py``) and its compile bookkeeping (``compile_cache.py``).
+:class:`XlaExecutor` (``executor.py``) and its compile bookkeeping (``compile_ledger.py``).
 This module imports without jax, so the registry can say why the backend is unavailable.
 """
 

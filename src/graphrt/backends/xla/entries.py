@@ -1,5 +1,8 @@
 """What the XLA executor builds per key: one compiled executable with what it expects and what
-it cost (:class:`XlaEntry`).
+it cost (:class:`XlaEntry`), and the per-bucket timing report over the runner's caches.
+
+Entries live in the runner's :class:`~graphrt.core.cache.GraphCache` (forward keys) and
+sampler cache, as captured graphs do on the torch backends; the executor keeps none.
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ import dataclasses
 from typing import Any, Hashable
 
 from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch
-from graphrt.core.cache import describe_key
+from graphrt.core.cache import GraphCache, describe_key
 
 
 @dataclasses.dataclass
@@ -55,4 +58,11 @@ def _executable_bytes(compiled: Any) -> int:
         return 0
 
 
-__all__ = ["XlaEntry"]
+def compile_report(*caches: GraphCache) -> list[dict[str, Any]]:
+    """Per XLA entry of ``caches`` (a runner's ``cache`` and ``sampler_cache``): lowering and
+    compile seconds, bytes, and whether it came from a persistent cache."""
+    entries = (cache.lookup(key) for cache in caches for key in cache)
+    return [entry.report() for entry in entries if isinstance(entry, XlaEntry)]
+
+
+__all__ = ["XlaEntry", "compile_report"]
