@@ -499,6 +499,9 @@ def test_loaded_executables_give_identical_results(tmp_path, restore_compilation
     for _ in range(2):
         runner = _cached_runner(tmp_path)
         runner.warmup()
+        with CompileCounter() as again:               # the caches hold every key: nothing twice
+            runner.warmup()
+        assert again.compiles == 0 and runner.executor.compiles.unplanned_compiles == 0
         table = np.zeros((LIMITS["max_num_seqs"], LIMITS["max_model_len"]), np.int32)
         blocks = np.zeros((LIMITS["max_num_seqs"], runner.config.max_blocks_per_req), np.int32)
         for i, p in enumerate(prompts):
@@ -561,6 +564,8 @@ def test_nnx_module_matches_params_model_with_lazy_compiles():
         outs.append((first, runner.logits()[0], d.seqs[0]))
         assert len(compile_report(runner.cache, runner.sampler_cache)) == 4
         assert runner.executor.compiles.unplanned_compiles == 0 and not runner.executor.compiles.sealed
+        # Each sampler compiled on first use is in the runner's sampler cache: a hit, as a forward.
+        assert len(runner.sampler_cache) == 2 and (runner.sampler_stats.hits, runner.sampler_stats.misses) == (2, 0)
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
     assert outs[0][2] == outs[1][2]
