@@ -406,6 +406,9 @@ def test_bad_input_is_an_input_error_and_touches_nothing(qwen):
         holed.seq_lens = None
         with pytest.raises(InputError, match="pytree structure"):
             ex.run(RuntimeMode.FULL, key, entry, holed)
+        with pytest.raises(graphrt.GraphrtError, match="no executable for"):   # no eager path, no store
+            ex.run(RuntimeMode.FULL, key, None, runner.padder.pad(inputs, num_tokens=16, num_reqs=4,
+                                                                  out=ex.host_buffers))
         with pytest.raises(InputError, match="logits"):
             ex.sample(np.zeros((3, VOCAB), np.float32), 3, sampling_batch([GREEDY] * 3, [1, 2, 3], VOCAB),
                       padded_reqs=4)
