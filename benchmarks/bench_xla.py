@@ -112,6 +112,7 @@ def _greedy(n: int) -> Any:
 def run_graphrt(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_blocks: int) -> dict[str, Any]:
     from graphrt import ModelRunner
     from graphrt.backends.xla.compile import CompileCounter
+    from graphrt.backends.xla.entries import compile_report
 
     sampling = [_greedy(len(s["req_rows"])) for s in steps]
     runner = ModelRunner(str(model_dir), backend="xla", num_kv_blocks=num_kv_blocks, warmup=False,
@@ -128,7 +129,7 @@ def run_graphrt(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_bloc
             passes.append(time.perf_counter() - t0)
             tokens.append(out)
     keys = sorted({str(k) for _, k in runner.cache})
-    report = runner.executor.compiled.report()
+    report = compile_report(runner.cache, runner.sampler_cache)
     sampler_s = sum(r["lower_s"] + r["compile_s"] for r in report if r["key"].startswith("sampler"))
     return {"runner": runner, "warmup_s": warmup_s, "pass_s": passes, "tokens": tokens[0],
             "compile_s": warm_counter.seconds + serve_counter.seconds, "sampler_build_s": sampler_s,
@@ -256,6 +257,7 @@ def precompile_child(model_dir: str, cache_dir: str, workers: int) -> dict[str, 
     from graphrt import ModelRunner
     from graphrt.backends.xla.backend import XlaBackend
     from graphrt.backends.xla.compile import CompileCounter
+    from graphrt.backends.xla.entries import compile_report
 
     runner = ModelRunner(model_dir, backend=XlaBackend(compile_workers=workers), warmup=False,
                          progress=False, compilation_cache_dir=cache_dir, **LIMITS)
@@ -263,7 +265,7 @@ def precompile_child(model_dir: str, cache_dir: str, workers: int) -> dict[str, 
         t0 = time.perf_counter()
         runner.warmup()
         warmup_s = time.perf_counter() - t0
-    report = runner.executor.compiled.report()
+    report = compile_report(runner.cache, runner.sampler_cache)
     return {"warmup_s": warmup_s, "process_s": time.perf_counter() - t_start, "workers": workers,
             "executables": len(report), "compiles": counter.compiles,
             "persistent_cache_hits": counter.persistent_cache_hits,

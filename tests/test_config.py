@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from graphrt import BucketPolicy, ConfigError, GraphConfig, GraphMode, add_cli_args, from_cli_args
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core import defaults
 
 FIELDS = list(GraphConfig.model_fields)
@@ -34,8 +35,9 @@ def test_defaults():
     # capture sizes: vLLM's list up to min(2 * 256, 512, 8192) = 512
     assert c.capture_policy() == BucketPolicy.vllm_default(512)
     assert len(c.capture_policy()) == 51
-    assert c.xla_token_policy() == BucketPolicy.powers_of_two(8192, min_size=16)
-    assert c.xla_bs_policy() == BucketPolicy.powers_of_two(256)
+    xla = XlaBuckets.from_config(c)
+    assert xla.tokens == BucketPolicy.powers_of_two(8192, min_size=16)
+    assert xla.batch_sizes == xla.decode == BucketPolicy.powers_of_two(256) and xla.max_reqs == 256
     assert GraphConfig.create() == c
 
 
@@ -119,7 +121,8 @@ def test_assignment_is_validated():
 def test_paddings_above_the_one_covering_the_limit_are_refused_but_one_covering_padding_is_kept():
     c = GraphConfig.create(max_num_seqs=6, max_num_batched_tokens=100, precompile_bs_paddings=[1, 2, 8],
                            precompile_token_paddings=[16, 64, 128])
-    assert c.xla_dispatcher().mixed_num_reqs == 8 and c.xla_token_policy().max_size == 128
+    xla = XlaBuckets.from_config(c)
+    assert xla.dispatcher().mixed_num_reqs == xla.max_reqs == 8 and xla.tokens.max_size == 128
     with pytest.raises(ConfigError, match=r"precompile_bs_paddings: \[16\] above 8"):
         GraphConfig.create(max_num_seqs=6, max_num_batched_tokens=100, precompile_bs_paddings=[1, 8, 16])
 
@@ -175,8 +178,9 @@ limits = st.integers(1, 1024).flatmap(
 def test_policies_cover_the_limits(lim):
     seqs, tokens = lim
     c = GraphConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens)
-    assert c.xla_token_policy().max_size >= tokens
-    assert c.xla_bs_policy().max_size >= seqs
+    xla = XlaBuckets.from_config(c)
+    assert xla.tokens.max_size >= tokens
+    assert xla.batch_sizes.max_size == xla.max_reqs >= seqs
     cap = c.capture_policy()
     # vLLM's min(2 * max_num_seqs, 512), but never below max_num_seqs: the configured largest
     # decode batch always has a graph (issue 26)
@@ -194,8 +198,9 @@ def test_explicit_paddings_are_used(lim, data):
     cap = data.draw(st.lists(st.integers(1, tokens), min_size=1, max_size=6))
     c = GraphConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, precompile_token_paddings=tok,
                     precompile_bs_paddings=bs, cudagraph_capture_sizes=cap)
-    assert list(c.xla_token_policy()) == tok
-    assert list(c.xla_bs_policy()) == bs
+    xla = XlaBuckets.from_config(c)
+    assert list(xla.tokens) == tok
+    assert list(xla.batch_sizes) == bs and xla.max_reqs == max(bs)
     assert list(c.capture_policy()) == sorted(set(cap))
 
 
@@ -213,8 +218,9 @@ def test_dispatchers_follow_the_config():
     assert c.graph_dispatcher(GraphMode.PIECEWISE).mode is GraphMode.PIECEWISE
     eager = GraphConfig(enforce_eager=True).graph_dispatcher()
     assert eager.mode is GraphMode.NONE and eager.keys() == []
-    x = c.xla_dispatcher()
-    assert x.token_buckets == c.xla_token_policy() and x.decode_buckets == c.xla_bs_policy()
+    xla = XlaBuckets.from_config(c)
+    x = xla.dispatcher()
+    assert x.token_buckets == xla.tokens and x.decode_buckets == xla.batch_sizes
     assert x.eager_fallback is False
 
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphrt
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt import (BatchDescriptor, BucketPolicy, CacheMissError, ConfigError, Dispatcher,
                      GraphCache, GraphConfig, GraphMode, InputError, RuntimeMode)
 
@@ -126,7 +127,7 @@ def test_batch_descriptor_str():
 
 def test_xla_dispatcher():
     c = GraphConfig(max_num_seqs=8, max_num_batched_tokens=64)
-    d = c.xla_dispatcher()
+    d = XlaBuckets.from_config(c).dispatcher()
     r = d.dispatch(3, 3, True)
     assert (r.mode, r.key) == (RuntimeMode.FULL, key(4, 4, True))
     r = d.dispatch(20, 3, False)
@@ -169,7 +170,7 @@ def step_shapes(draw, seqs: int, tokens: int):
 @settings(max_examples=200, deadline=None)
 @given(xla_setups(), st.data())
 def test_xla_never_eager_and_keys_are_warm(c, data):
-    d = c.xla_dispatcher()
+    d = XlaBuckets.from_config(c).dispatcher()
     keys = set(d.keys())
     for _ in range(5):
         t, r, u = data.draw(step_shapes(c.max_num_seqs, c.max_num_batched_tokens))

@@ -21,7 +21,6 @@ import pytest
 
 import graphrt
 from graphrt import SamplingParams
-from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import GenerationError, KVCacheLostError
 from hf_models import random_prompts, tiny_hf_model_dir
 
@@ -66,10 +65,9 @@ class Fault:
 
 
 def forward_entries(llm: graphrt.LLM) -> list[Any]:
-    """The xla engine's compiled forward executables (XlaEntry objects)."""
-    compiled = llm.runner.executor.compiled
-    return [compiled.get(k) for k in compiled.planned_keys
-            if isinstance(k, BatchDescriptor) and compiled.get(k) is not None]
+    """The xla engine's compiled forward executables (XlaEntry objects, in the runner's cache)."""
+    cache = llm.runner.cache
+    return [cache.lookup(k) for k in cache]
 
 
 def step_method(llm: graphrt.LLM) -> str:

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrt import ConfigError, GraphConfig, ModelRunner, RuntimeMode
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode
 from graphrt.core.inputs import InputPreparer
@@ -82,7 +83,7 @@ def test_config_rejects_a_query_len_above_the_token_budget():
         GraphConfig.create(max_num_seqs=2, max_num_batched_tokens=8, num_speculative_tokens=8)
     cfg = GraphConfig.create(max_num_seqs=8, max_num_batched_tokens=16, num_speculative_tokens=3)
     assert (cfg.decode_query_len, cfg.max_decode_batch) == (4, 4)
-    assert max(k.num_reqs for _, k in cfg.xla_dispatcher().keys() if k.uniform_decode) == 4
+    assert max(k.num_reqs for _, k in XlaBuckets.from_config(cfg).dispatcher().keys() if k.uniform_decode) == 4
 
 
 UNIFORM_MODES = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
@@ -118,7 +119,7 @@ def test_every_decode_batch_up_to_the_largest_has_a_full_graph_by_default(limits
     cfg = GraphConfig.create(max_num_seqs=seqs, max_num_batched_tokens=tokens, num_speculative_tokens=k)
     q, top = 1 + k, cfg.max_decode_batch
     assert top == min(seqs, tokens // q) >= 1
-    for d in [cfg.graph_dispatcher(m) for m in UNIFORM_MODES] + [cfg.xla_dispatcher()]:
+    for d in [cfg.graph_dispatcher(m) for m in UNIFORM_MODES] + [XlaBuckets.from_config(cfg).dispatcher()]:
         built = set(d.keys())                 # what warm-up captures / compiles
         for r in range(1, top + 1):
             got = d.dispatch(r * q, r, True)

@@ -20,7 +20,8 @@ jnp = pytest.importorskip("jax.numpy")
 import graphrt  # noqa: E402
 from graphrt import SamplingParams  # noqa: E402
 from graphrt.backends.xla.backend import XlaBackend  # noqa: E402
-from graphrt.backends.xla.compile_cache import XlaEntry  # noqa: E402
+from graphrt.backends.xla.buckets import XlaBuckets  # noqa: E402
+from graphrt.backends.xla.entries import XlaEntry, compile_report  # noqa: E402
 from graphrt.backends.xla.programs import XlaModel  # noqa: E402
 from graphrt.backends.xla.batch import (SamplingMetadata, XlaBatch, batch_spec,  # noqa: E402
                                         describe_change, signature)
@@ -157,12 +158,12 @@ def test_llm_greedy_parity_with_transformers(engine, request):
 def test_warmup_report_and_entries(qwen):
     runner = qwen[0].runner
     ex = runner.executor
-    assert not ex.eager_fallback and ex.has_graphs and ex.compiled.sealed
+    assert not ex.eager_fallback and ex.has_graphs and ex.compiles.sealed
     keys = {k for _, k in runner.cache}
     assert keys == {BatchDescriptor(32, 4, False), BatchDescriptor(16, 4, False), BatchDescriptor(4, 4, True),
                     BatchDescriptor(2, 2, True), BatchDescriptor(1, 1, True)}
     assert {k for k in runner.sampler_cache} == {SamplerKey(r, g) for r in (1, 2, 4) for g in (True, False)}
-    report = ex.compiled.report()
+    report = compile_report(runner.cache, runner.sampler_cache)
     # Every entry was lowered here; a compile may take ~0 s when another test in this process
     # already compiled the identical program (JAX's in-memory cache), so only the total is > 0.
     assert len(report) == 11 and all(r["lower_s"] > 0 and r["compile_s"] >= 0 for r in report)
@@ -170,13 +171,23 @@ def test_warmup_report_and_entries(qwen):
     assert all(r["seconds"] > 0 for r in runner.warmup_report)
     # Host buffers cover the largest token bucket and the fixed mixed batch size.
     assert ex.host_buffers["input_ids"].shape == (32,) and ex.host_buffers["block_table"].shape == (4, 16)
+    # XLA's largest batch size is one number: the grid's, the dispatcher's mixed batch, the
+    # programs' sampled rows and the staging buffers' request rows.
+    assert XlaBuckets.from_config(runner.config).max_reqs == runner.dispatcher.mixed_num_reqs == 4
+    assert ex.programs.max_reqs == ex.host_buffers["seq_lens"].shape[0] == 4
 
 
-def test_planned_keys_come_from_the_runners_dispatcher(qwen):
+def test_planned_keys_are_warmups_from_the_runners_dispatcher(qwen):
     runner = qwen[0].runner
     forward = {k for _, k in runner.dispatcher.keys()}
-    assert runner.executor.compiled.planned_keys == forward | set(runner.sampler_cache)
+    assert runner.executor.compiles.planned_keys == forward | set(runner.sampler_cache)
     assert forward == {k for _, k in runner.cache}
+    # One entry store: the runner's caches hold every executable; the executor keeps only keys.
+    assert runner.executor.compiles.compiled_keys == forward | set(runner.sampler_cache)
+    assert all(isinstance(runner.cache.lookup(k), XlaEntry) for k in runner.cache)
+    held = [x for v in vars(runner.executor.compiles).values() if isinstance(v, (dict, set, frozenset))
+            for x in (v.values() if isinstance(v, dict) else v)]
+    assert held and not any(isinstance(x, XlaEntry) for x in held)
 
 
 # ---- padding ----------------------------------------------------------------------------
@@ -231,7 +242,7 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
     d = Driver(llm.runner)
     rng = np.random.default_rng(4)
     ex = llm.runner.executor
-    compiled_before = ex.compiled.compile_count
+    compiled_before = ex.compiles.compile_count
     with CompileCounter() as counter:
         for rnd in range(3):
             lengths = rng.integers(1, 20, size=4)
@@ -252,16 +263,16 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
                 rows = list(range(width))
                 d.step({r: 1 for r in rows}, {rows[-1]: SamplingParams(temperature=1.0, seed=7)})
     assert counter.compiles == 0, counter.names
-    assert ex.compiled.compile_count == compiled_before and ex.compiled.unplanned_compiles == 0
+    assert ex.compiles.compile_count == compiled_before and ex.compiles.unplanned_compiles == 0
     assert llm.runner.stats.unplanned_builds == 0
 
 
 # ---- strict mode -------------------------------------------------------------------------
 def _dispatcher_with_extra_bucket(runner: ModelRunner) -> Dispatcher:
     cfg = runner.config
-    bs = cfg.xla_bs_policy()
-    return Dispatcher(GraphMode.FULL, token_buckets=BucketPolicy(TOKEN_PADDINGS + [24]), decode_buckets=bs,
-                      mixed_num_reqs=bs.max_size, max_num_seqs=cfg.max_num_seqs, eager_fallback=False,
+    grid = XlaBuckets.from_config(cfg)
+    return Dispatcher(GraphMode.FULL, token_buckets=BucketPolicy(TOKEN_PADDINGS + [24]), decode_buckets=grid.decode,
+                      mixed_num_reqs=grid.max_reqs, max_num_seqs=cfg.max_num_seqs, eager_fallback=False,
                       separate_decode=True)
 
 
@@ -315,17 +326,17 @@ def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch
     monkeypatch.setattr(runner, "dispatcher", _dispatcher_with_extra_bucket(runner))
     d = Driver(runner)
     d.add(0, random_prompts((20,), seed=6)[0])
-    builds, unplanned = runner.stats.unplanned_builds, ex.compiled.unplanned_compiles
+    builds, unplanned = runner.stats.unplanned_builds, ex.compiles.unplanned_compiles
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 20})
     assert runner.last_step.key == BatchDescriptor(24, 4, False)
     check_logits(hf, d, [0])
-    assert runner.stats.unplanned_builds == builds + 1 and ex.compiled.unplanned_compiles == unplanned + 1
+    assert runner.stats.unplanned_builds == builds + 1 and ex.compiles.unplanned_compiles == unplanned + 1
     assert "input_ids" in caplog.text and "(24,)" in caplog.text
     _leaky(runner.cache.get((RuntimeMode.FULL, BatchDescriptor(2, 2, True))), monkeypatch)
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 1})
-    assert ex.compiled.unplanned_compiles == unplanned + 2 and "hot path" in caplog.text
+    assert ex.compiles.unplanned_compiles == unplanned + 2 and "hot path" in caplog.text
     check_logits(hf, d, [0])
 
 
@@ -341,7 +352,7 @@ def test_pytree_stability(qwen):
         assert entry.executable.in_tree == jax.tree.structure(((ex.weights, ex.kv_cache, spec, leaf, leaf), {}))
     # Sampling metadata has one structure whether rows are seeded, unseeded or mixed.
     kinds = [[None] * 3, [1, 2, 3], [None, 5, None]]
-    sigs = {signature(ex.sampling_metadata(3, 4, sampling_batch(
+    sigs = {signature(ex.sampling_rows.metadata(3, 4, sampling_batch(
         [SamplingParams(temperature=1.0, seed=s) for s in seeds], [900 + i for i in range(3)], VOCAB)))
         for seeds in kinds}
     assert len(sigs) == 1
@@ -395,6 +406,9 @@ def test_bad_input_is_an_input_error_and_touches_nothing(qwen):
         holed.seq_lens = None
         with pytest.raises(InputError, match="pytree structure"):
             ex.run(RuntimeMode.FULL, key, entry, holed)
+        with pytest.raises(graphrt.GraphrtError, match="no executable for"):   # no eager path, no store
+            ex.run(RuntimeMode.FULL, key, None, runner.padder.pad(inputs, num_tokens=16, num_reqs=4,
+                                                                  out=ex.host_buffers))
         with pytest.raises(InputError, match="logits"):
             ex.sample(np.zeros((3, VOCAB), np.float32), 3, sampling_batch([GREEDY] * 3, [1, 2, 3], VOCAB),
                       padded_reqs=4)
@@ -457,14 +471,19 @@ def _cached_runner(cache_dir, model_dir=None, **overrides):
 CACHE_KEYS = [(RuntimeMode.FULL, BatchDescriptor(1, 1, True)), (RuntimeMode.FULL, SamplerKey(1, True))]
 
 
+def _build_ahead(runner):
+    """The entries ``build_many`` (warm-up's parallel compile) returns for ``CACHE_KEYS``."""
+    return [built.entry for built in runner.executor.build_many(CACHE_KEYS)]
+
+
 def test_persistent_cache_is_reused(tmp_path, restore_compilation_cache):
-    cold = _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
+    cold = _build_ahead(_cached_runner(tmp_path))
     assert not any(e.persistent_cache_hit for e in cold)
     assert all(e.lower_seconds > 0 for e in cold)
     assert any(p.name.startswith("jit_step") for p in tmp_path.iterdir())        # JAX's cache
     assert len(list((tmp_path / "graphrt-executables").rglob("*.xla"))) == 2     # graphrt's
     with CompileCounter() as counter:
-        warm = _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
+        warm = _build_ahead(_cached_runner(tmp_path))
     # A restart deserializes both executables: no lowering, and nothing compiles from scratch.
     assert all(e.persistent_cache_hit and e.lower_seconds == 0.0 for e in warm)
     assert counter.compiles == counter.persistent_cache_hits, counter.names
@@ -472,9 +491,9 @@ def test_persistent_cache_is_reused(tmp_path, restore_compilation_cache):
 
 def test_unplanned_build_with_the_executable_store_counts_once(tmp_path, restore_compilation_cache):
     ex = _cached_runner(tmp_path).executor
-    ex.compiled.seal()
+    ex.compiles.seal()
     ex.build(RuntimeMode.FULL, SamplerKey(1, True))   # not on disk: looked up there, then compiled
-    assert ex.compiled.unplanned_compiles == 1
+    assert ex.compiles.unplanned_compiles == 1
 
 
 def test_loaded_executables_give_identical_results(tmp_path, restore_compilation_cache):
@@ -483,6 +502,9 @@ def test_loaded_executables_give_identical_results(tmp_path, restore_compilation
     for _ in range(2):
         runner = _cached_runner(tmp_path)
         runner.warmup()
+        with CompileCounter() as again:               # the caches hold every key: nothing twice
+            runner.warmup()
+        assert again.compiles == 0 and runner.executor.compiles.unplanned_compiles == 0
         table = np.zeros((LIMITS["max_num_seqs"], LIMITS["max_model_len"]), np.int32)
         blocks = np.zeros((LIMITS["max_num_seqs"], runner.config.max_blocks_per_req), np.int32)
         for i, p in enumerate(prompts):
@@ -491,7 +513,7 @@ def test_loaded_executables_give_identical_results(tmp_path, restore_compilation
         runner.execute(token_ids=table, block_table=blocks, req_rows=np.array([0, 1]),
                        num_computed_tokens=np.array([0, 0]),
                        num_scheduled_tokens=np.array([len(p) for p in prompts]))
-        outs.append((runner.logits(), runner.executor.compiled.report()))
+        outs.append((runner.logits(), compile_report(runner.cache, runner.sampler_cache)))
     (cold_logits, cold_report), (warm_logits, warm_report) = outs
     assert not any(r["persistent_cache_hit"] for r in cold_report)
     # Every forward is deserialized; a sampler whose executable XLA cannot serialize (a sort
@@ -503,23 +525,23 @@ def test_loaded_executables_give_identical_results(tmp_path, restore_compilation
 
 def test_executable_cache_never_serves_another_model_or_shape(tmp_path, restore_compilation_cache):
     cache = tmp_path / "cache"
-    _cached_runner(cache).executor.build_many(CACHE_KEYS)
+    _build_ahead(_cached_runner(cache))
     # A different block size changes the KV cache and the block table: a new fingerprint.
-    other = _cached_runner(cache, block_size=8, max_model_len=64).executor.build_many(CACHE_KEYS)
+    other = _build_ahead(_cached_runner(cache, block_size=8, max_model_len=64))
     # Same shapes, another rotary base: baked into the executable, so it must not be reused.
     theta = make_tiny_hf_model(tmp_path, "qwen3", rope_theta=12345.0)
-    third = _cached_runner(cache, model_dir=theta).executor.build_many(CACHE_KEYS)
+    third = _build_ahead(_cached_runner(cache, model_dir=theta))
     for entries in (other, third):
         assert not any(e.lower_seconds == 0.0 for e in entries)
     assert len(list((cache / "graphrt-executables").iterdir())) == 3
 
 
 def test_unreadable_cached_executable_is_rebuilt(tmp_path, restore_compilation_cache, caplog):
-    _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
+    _build_ahead(_cached_runner(tmp_path))
     for f in (tmp_path / "graphrt-executables").rglob("*.xla"):
         f.write_bytes(b"not an executable")
     with caplog.at_level(logging.WARNING):
-        rebuilt = _cached_runner(tmp_path).executor.build_many(CACHE_KEYS)
+        rebuilt = _build_ahead(_cached_runner(tmp_path))
     assert all(e.lower_seconds > 0 for e in rebuilt)
     assert "ignoring unreadable cached executable" in caplog.text
 
@@ -536,14 +558,17 @@ def test_nnx_module_matches_params_model_with_lazy_compiles():
     for m in (model, module):
         runner = ModelRunner(m, backend=backend, disable_precompile=True, precompile_token_paddings=[16, 32],
                              precompile_bs_paddings=[1, 4], progress=False, **LIMITS)
-        assert runner.executor.compiled.report() == [] and not runner.cache.sealed
+        assert compile_report(runner.cache, runner.sampler_cache) == [] and not runner.cache.sealed
         d = Driver(runner)
         d.add(0, [3, 1, 4, 1, 5, 9, 2, 6])
         d.step({0: 8})
         first = runner.logits()[0]
         d.step({0: 1})
         outs.append((first, runner.logits()[0], d.seqs[0]))
-        assert len(runner.executor.compiled.report()) == 4 and runner.executor.compiled.unplanned_compiles == 0
+        assert len(compile_report(runner.cache, runner.sampler_cache)) == 4
+        assert runner.executor.compiles.unplanned_compiles == 0 and not runner.executor.compiles.sealed
+        # Each sampler compiled on first use is in the runner's sampler cache: a hit, as a forward.
+        assert len(runner.sampler_cache) == 2 and (runner.sampler_stats.hits, runner.sampler_stats.misses) == (2, 0)
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
     assert outs[0][2] == outs[1][2]

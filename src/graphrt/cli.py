@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core.buckets import BucketPolicy
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
 from graphrt.core.errors import ConfigError
@@ -115,9 +116,9 @@ def plan_table(config: GraphConfig, trace: np.ndarray) -> str:
         lines.append(f"{name:<16}{len(policy):>8}{padded:>15}{100 * (padded - real) / padded:>9.2f}"
                      f"{eager:>13}  {_sizes_preview(policy)}")
     lines += ["", "GraphConfig for these limits:"]
+    xla = XlaBuckets.from_config(config)
     for label, policy in (("capture sizes (graph backends)", config.capture_policy()),
-                          ("XLA token paddings", config.xla_token_policy()),
-                          ("XLA batch-size paddings", config.xla_bs_policy())):
+                          ("XLA token paddings", xla.tokens), ("XLA batch-size paddings", xla.batch_sizes)):
         lines.append(f"  {label:<32}{len(policy):>4} sizes: {_sizes_preview(policy, 8, 4)}")
     return "\n".join(lines)
 

@@ -2,7 +2,8 @@
 
 Graph backends (cuda, npu, cpu) read ``mode``, ``cudagraph_capture_sizes`` and
 ``max_cudagraph_capture_size``; the XLA backend reads ``precompile_token_paddings``,
-``precompile_bs_paddings`` and ``disable_precompile``. ``add_cli_args`` / ``from_cli_args``
+``precompile_bs_paddings`` and ``disable_precompile`` (its bucket grid is built in
+``backends/xla/buckets.py``; here the flags are validated). ``add_cli_args`` / ``from_cli_args``
 expose every field as ``--kebab-case`` flags.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import typing
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -52,13 +53,24 @@ def _describe(err: Any) -> str:
     return f"{'.'.join(map(str, err['loc']))}: {err['msg']}{got}"
 
 
-def _refuse_unusable(name: str, values: Optional[list[int]], limit: str, bound: int, cost: str) -> None:
-    """XLA paddings past the first one that covers ``bound`` can never be used by a step, yet
-    each costs an executable (``cost``): ``precompile_bs_paddings=[4, 2**24]`` with
+def covering_padding(sizes: Optional[Sequence[int]], bound: int) -> Optional[int]:
+    """The padding a step at the limit ``bound`` runs at: the first of ``sizes`` >= ``bound``;
+    ``bound`` itself when ``sizes`` is unset (the default paddings end there); None when none
+    covers it. Of ``precompile_bs_paddings`` and ``max_num_seqs`` it is XLA's largest batch size
+    (every mixed step's batch), of the token paddings and ``max_num_batched_tokens`` its largest
+    token bucket: validation below and ``backends/xla/buckets.py`` both take them from here."""
+    if sizes is None:
+        return bound
+    return min((s for s in sizes if s >= bound), default=None)
+
+
+def _refuse_unusable(name: str, values: Optional[list[int]], cover: int, limit: str, bound: int,
+                     cost: str) -> None:
+    """XLA paddings past ``cover``, the first one that covers ``bound``, can never be used by a
+    step, yet each costs an executable (``cost``): ``precompile_bs_paddings=[4, 2**24]`` with
     ``max_num_seqs=4`` padded every prefill to 2**24 requests and ran out of memory."""
     if values is None:
         return
-    cover = min(v for v in values if v >= bound)
     unused = [v for v in values if v > cover]
     if unused:
         raise ValueError(f"{name}: {unused} above {cover}, the first padding that covers {limit} ({bound}): "
@@ -149,8 +161,9 @@ class GraphConfig(BaseModel):
         if sizes is not None and max(sizes) > self.max_num_batched_tokens:
             raise ValueError(f"cudagraph_capture_sizes up to {max(sizes)} exceed max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}): such graphs could never run")
-        tok = self.precompile_token_paddings
-        if tok is not None and max(tok) < self.max_num_batched_tokens:
+        tok, top_tokens = self.precompile_token_paddings, covering_padding(self.precompile_token_paddings,
+                                                                           self.max_num_batched_tokens)
+        if top_tokens is None:
             raise ValueError(f"precompile_token_paddings end at {max(tok)} below max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}): XLA has no eager escape, so every step "
                              f"the scheduler can form needs a bucket; add {self.max_num_batched_tokens}")
@@ -158,13 +171,13 @@ class GraphConfig(BaseModel):
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: a decode step of one request "
                              f"verifies {self.decode_query_len} tokens, above max_num_batched_tokens "
                              f"({self.max_num_batched_tokens})")
-        bs = self.precompile_bs_paddings
-        if bs is not None and max(bs) < self.max_num_seqs:
+        bs, max_reqs = self.precompile_bs_paddings, covering_padding(self.precompile_bs_paddings, self.max_num_seqs)
+        if max_reqs is None:
             raise ValueError(f"precompile_bs_paddings end at {max(bs)} below max_num_seqs "
                              f"({self.max_num_seqs}); add {self.max_num_seqs}")
-        _refuse_unusable("precompile_token_paddings", tok, "max_num_batched_tokens", self.max_num_batched_tokens,
-                         "each is compiled at that many tokens")
-        _refuse_unusable("precompile_bs_paddings", bs, "max_num_seqs", self.max_num_seqs,
+        _refuse_unusable("precompile_token_paddings", tok, top_tokens, "max_num_batched_tokens",
+                         self.max_num_batched_tokens, "each is compiled at that many tokens")
+        _refuse_unusable("precompile_bs_paddings", bs, max_reqs, "max_num_seqs", self.max_num_seqs,
                          "the largest is the batch size every mixed step is padded to")
         if self.enable_lora is not None and self.enable_lora != (self.max_loras > 0):
             raise ValueError(f"enable_lora={self.enable_lora} contradicts max_loras={self.max_loras}: "
@@ -248,19 +261,6 @@ class GraphConfig(BaseModel):
         reqs = max(min(2 * self.max_num_seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE), self.max_num_seqs)
         return self.decode_query_len * reqs
 
-    def xla_token_policy(self) -> BucketPolicy:
-        """XLA token buckets; the largest always covers ``max_num_batched_tokens``."""
-        if self.precompile_token_paddings is not None:
-            return BucketPolicy(self.precompile_token_paddings)
-        return BucketPolicy.powers_of_two(self.max_num_batched_tokens,
-                                          min_size=min(16, self.max_num_batched_tokens))
-
-    def xla_bs_policy(self) -> BucketPolicy:
-        """XLA decode batch-size buckets; the largest always covers ``max_num_seqs``."""
-        if self.precompile_bs_paddings is not None:
-            return BucketPolicy(self.precompile_bs_paddings)
-        return BucketPolicy.powers_of_two(self.max_num_seqs)
-
     def graph_dispatcher(self, mode: GraphMode | None = None,
                          token_buckets: BucketPolicy | None = None) -> Dispatcher:
         """The dispatcher of graph backends (eager above the largest capture size), over
@@ -270,16 +270,6 @@ class GraphConfig(BaseModel):
         return Dispatcher(m, token_buckets=None if m is GraphMode.NONE else buckets,
                           max_num_seqs=self.max_num_seqs, decode_query_len=self.decode_query_len,
                           max_loras=self.max_loras)
-
-    def xla_dispatcher(self) -> Dispatcher:
-        """The dispatcher of the XLA backend: decode by batch size (up to the largest decode batch
-        the token budget holds), mixed at a fixed batch size."""
-        bs = self.xla_bs_policy()
-        fits = bs.max_size * self.decode_query_len <= self.max_num_batched_tokens
-        return Dispatcher(GraphMode.FULL, token_buckets=self.xla_token_policy(),
-                          decode_buckets=bs if fits else bs.capped(self.max_decode_batch), mixed_num_reqs=bs.max_size,
-                          max_num_seqs=self.max_num_seqs, eager_fallback=False, separate_decode=True,
-                          decode_query_len=self.decode_query_len)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -116,7 +116,6 @@ class ModelRunner:
         if degraded:
             logger.info("graphrt: %s", degraded)
         self.dispatcher = self.backend.dispatcher(cfg, self.mode, model)
-        self.executor.expect_keys([key for _, key in self._build_keys()])
         self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self._build_keys(),
                                                               num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
@@ -273,6 +272,9 @@ class ModelRunner:
                                eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
         if sampled and plan.mode is RuntimeMode.FULL:
             sampler_key, entry, eager = plan.sampler[greedy]
+            if entry is None and not self.executor.eager_fallback:     # no eager sampler: build it now
+                entry = self._build_missing(self.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
+                plan.sampler[greedy] = (sampler_key, entry, None)
             self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
                                            padded_reqs=plan.padded_reqs, eager_reason=eager,
                                            eager_cause=EagerCause.CAPTURE_FAILED, key=sampler_key,
@@ -317,7 +319,7 @@ class ModelRunner:
             cache_key = (mode, key)
             entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
             if entry is None and not self.executor.eager_fallback:
-                entry = self._build_missing(mode, key)
+                entry = self._build_missing(self.cache, cache_key, mode, key)
             hit = entry is not None and not isinstance(entry, FailedBuild)
             if not hit:
                 eager_reason = entry.reason if entry is not None else f"{key} was not captured"
@@ -347,13 +349,14 @@ class ModelRunner:
         plan, t, r, seconds = self._last
         return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause)
 
-    def _build_missing(self, mode: RuntimeMode, key: BatchDescriptor) -> Any:
-        """Backends without an eager path (XLA) compile a missing key now (unplanned once sealed)."""
-        if self.cache.sealed:
+    def _build_missing(self, cache: GraphCache, cache_key: Any, mode: RuntimeMode,
+                       key: BatchDescriptor | SamplerKey) -> Any:
+        """Without an eager path (XLA), build a missing forward / sampler key into ``cache`` now."""
+        if cache.sealed:
             logger.warning("graphrt: unplanned build of %s after warm-up", key)
         t0 = time.perf_counter()
         entry, nbytes = self.executor.build(mode, key)
-        self.cache.put((mode, key), entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
+        cache.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
         return entry
 
     # ---- introspection ---------------------------------------------------------------

@@ -36,16 +36,24 @@ def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, 
                     strict: bool, progress: bool, label: str) -> float:
     """Build ``jobs`` in order into ``cache`` (forward keys, as ``(mode, key)``) and
     ``sampler_cache`` (sampler keys), then seal both; returns the seconds it took. Executors
-    that build faster all at once (XLA's parallel compiles) do so first (``build_many``)."""
+    that build faster all at once (XLA's parallel compiles) get, through ``build_many``, the
+    keys the caches still lack (a second warm-up compiles nothing again); the others build
+    every key here, one at a time."""
     entries = [(sampler_cache, key, mode, key) if isinstance(key, SamplerKey) else (cache, (mode, key), mode, key)
                for mode, key in jobs]
+    missing = [(target, cache_key, mode, key) for target, cache_key, mode, key in entries
+               if cache_key not in target]
     start = time.perf_counter()
     try:
-        ahead = executor.build_many(list(jobs), progress=progress)
+        ahead = executor.build_many([(mode, key) for _, _, mode, key in missing], progress=progress)
     except Exception as exc:  # noqa: BLE001 - said once, with the reason, like a single build
         raise GraphCaptureError(f"building ahead failed: {executor.describe_build_failure(exc)}") from exc
-    bar = tqdm(entries, desc=f"graphrt {label} warm-up", unit="graph",
-               disable=not progress or not entries or ahead is not None, leave=False)
+    if ahead is not None:
+        for (target, cache_key, _, _), built in zip(missing, ahead):
+            target.put(cache_key, built.entry, seconds=built.seconds, nbytes=built.nbytes)
+        entries = []
+    bar = tqdm(entries, desc=f"graphrt {label} warm-up", unit="graph", disable=not progress or not entries,
+               leave=False)
     for target, cache_key, mode, key in bar:
         bar.set_postfix_str(str(key))
         t0 = time.perf_counter()
@@ -58,8 +66,7 @@ def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, 
             logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
             target.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)
             continue
-        seconds = executor.build_seconds(entry)
-        target.put(cache_key, entry, seconds=time.perf_counter() - t0 if seconds is None else seconds, nbytes=nbytes)
+        target.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
     cache.seal()
     sampler_cache.seal()
     return time.perf_counter() - start

@@ -10,6 +10,7 @@ the same way for every backend.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -25,6 +26,16 @@ from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only),
 
 #: What one backend builds per key: a captured graph, a compiled executable, ...
 EntryT = TypeVar("EntryT")
+
+
+@dataclass(frozen=True)
+class Built(Generic[EntryT]):
+    """One entry :meth:`Executor.build_many` built ahead: the entry, the bytes it holds and the
+    seconds it took (timed by the executor: its builds overlap, so the runner cannot)."""
+
+    entry: EntryT
+    nbytes: int
+    seconds: float
 
 
 class LoraSlots(abc.ABC):
@@ -63,7 +74,7 @@ class Executor(abc.ABC, Generic[EntryT]):
     supports_piecewise: bool = False
     #: Whether a step may run without a built entry: eagerly above the largest bucket, or
     #: when its capture failed. False (XLA): every step needs its executable, so the runner
-    #: compiles a missing key on demand and a failed build raises.
+    #: compiles a missing key (forward or sampler) on demand and a failed build raises.
     eager_fallback: bool = True
     #: Whether :meth:`run` and :meth:`sample` return before the device finishes (XLA): such an
     #: executor resolves ``run(..., future=)`` on the device and honours ``sample(..., wait=False)``;
@@ -95,28 +106,20 @@ class Executor(abc.ABC, Generic[EntryT]):
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[EntryT, int]:
         """Capture / compile the entry for ``key``; returns (entry, bytes it holds)."""
 
-    def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
-        """Every key the runner will build (its dispatcher's keys and their samplers), told once
-        when the dispatcher is made, before any build. An executor that keeps compile bookkeeping
-        of its own (XLA: unplanned compiles after warm-up) learns its planned keys here instead of
-        building a second dispatcher. Default: nothing to do."""
-
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]], *,
-                   progress: bool = False) -> list[EntryT] | None:
-        """Build every key of ``jobs`` up front, where that is faster than one at a time (XLA
-        compiles in parallel); the runner then collects each entry with :meth:`build`.
-        Returns the entries, or None when this executor builds one key at a time (default)."""
-        return None
-
-    def build_seconds(self, entry: EntryT) -> float | None:
-        """Seconds ``entry`` took to build, when the executor timed it itself (an entry built
-        ahead by :meth:`build_many`); None: the runner times :meth:`build`."""
+                   progress: bool = False) -> list[Built[EntryT]] | None:
+        """Warm-up's plan: build every key of ``jobs`` up front, where that is faster than one at
+        a time (XLA compiles in parallel), and return one :class:`Built` per job, in order; the
+        runner stores them. An executor that keeps compile bookkeeping of its own (XLA: which
+        compiles are unplanned) takes ``jobs`` as its planned keys. Default: None, this
+        executor builds one key at a time and the runner calls :meth:`build` per job."""
         return None
 
     @abc.abstractmethod
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: EntryT | None, padded: ModelInputs,
             future: Any = None) -> Any:
-        """Run one padded step (replay ``entry``, or eagerly when it is None); returns logits rows.
+        """Run one padded step (replay ``entry``, or eagerly when it is None: ``eager_fallback``
+        executors only, the others need the entry); returns logits rows.
         ``future`` (``async_execution`` executors only; None otherwise): ``(rows, tokens)`` of
         the previous step, whose tokens replace each such request's last input id on the device."""
 
@@ -125,7 +128,8 @@ class Executor(abc.ABC, Generic[EntryT]):
                padded_reqs: int | None = None, entry: EntryT | None = None, wait: bool = True) -> Any:
         """One token id per real request (int64): the sampler ``entry`` built for
         ``SamplerKey(padded_reqs, sampling.all_greedy)`` replayed / called on the first
-        ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry`` is None. With
+        ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry`` is None
+        (``eager_fallback`` executors only; for the others the runner builds it first). With
         ``wait=False`` (``async_execution`` executors) the device's tokens, for
         :meth:`fetch_tokens`; synchronous executors always return the host tokens."""
 

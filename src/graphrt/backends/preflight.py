@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import GraphMode
@@ -77,7 +78,7 @@ def _largest_graph(config: GraphConfig, xla: bool) -> tuple[int, str]:
     """Tokens of the largest graph / executable warm-up builds, and the field that set them."""
     if xla:
         field = "precompile_token_paddings" if config.precompile_token_paddings else "max_num_batched_tokens"
-        return config.xla_token_policy().max_size, field
+        return XlaBuckets.from_config(config).tokens.max_size, field
     if config.enforce_eager or config.mode is GraphMode.NONE:
         return 0, ""
     largest = config.capture_policy().max_size
@@ -93,9 +94,10 @@ def runner_needs(backend: Any, model: Any, config: GraphConfig, *, num_kv_blocks
     """(host needs, device needs) of a ModelRunner of ``model`` on ``backend``: no device needs
     where the backend cannot read the model's shape (``Backend.model_shape``)."""
     cfg, xla = config, backend.framework == "jax"
-    rows = cfg.xla_bs_policy().max_size if xla else cfg.max_num_seqs
+    grid = XlaBuckets.from_config(cfg) if xla else None
+    rows = grid.max_reqs if grid is not None else cfg.max_num_seqs
     steps = cfg.max_num_batched_tokens
-    tokens = max(steps, cfg.xla_token_policy().max_size) if xla else steps
+    tokens = max(steps, grid.tokens.max_size) if grid is not None else steps
     host = _host_tables(cfg, rows, tokens)
     shape = backend.model_shape(model)
     if shape is None:

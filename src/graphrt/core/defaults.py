@@ -71,6 +71,9 @@ GRAPH_MEMORY_SAMPLES_PER_FAMILY = 3
 #: only; the runner logs estimate against actual after warm-up to check it.
 GRAPH_MEMORY_MARGIN = 0.10
 
+#: XLA backend: the smallest default token padding (the default paddings are powers of two
+#: from here up to ``max_num_batched_tokens``; sglang-jax starts its token paddings at 16 too).
+XLA_MIN_TOKEN_PADDING = 16
 #: XLA backend: most threads compiling precompile buckets at once (one per CPU core up to
 #: this; lowering stays on the caller's thread, XLA's compile releases the GIL). Measured on
 #: 2 cores: 15 buckets in 10.1 s with one thread, 5.1 s with two (no gain while other jobs

@@ -135,9 +135,9 @@ def build_count(runner: Any) -> int:
     """Captures / compiles the executor has done so far (torch: its capture report; XLA: its
     compile counter, which also sees compiles no cache lookup caused)."""
     ex = runner.executor
-    compiled = getattr(ex, "compiled", None)
-    if compiled is not None and hasattr(compiled, "compile_count"):
-        return int(compiled.compile_count)
+    compiles = getattr(ex, "compiles", None)
+    if compiles is not None and hasattr(compiles, "compile_count"):
+        return int(compiles.compile_count)
     return len(getattr(ex, "capture_report", ()))
 
 

@@ -141,7 +141,9 @@ def run_at(runner: Any, step: Step, key: BatchDescriptor | None) -> Outputs:
         ex.run(RuntimeMode.NONE, key, None, padded)
         how = f"eager at {key}"
     else:
-        ex.run(RuntimeMode.FULL, key, None, padded)
+        built = built_entry(runner, key)     # the runner's executable for the key, else one built now
+        entry = built[1] if built is not None else ex.build(RuntimeMode.FULL, key)[0]
+        ex.run(RuntimeMode.FULL, key, entry, padded)
         how = f"executable of {key}"
     return _collect(runner, how, key, t, r)
 

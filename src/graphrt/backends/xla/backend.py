@@ -1,11 +1,12 @@
 """``xla`` (alias ``jax``): one ahead-of-time compiled XLA executable per bucket.
 
-The backend's pieces: its dispatcher is the token x batch-size grid
-(``GraphConfig.xla_dispatcher()``: mixed / prefill steps at the next token bucket and a fixed
-batch size, decode steps at the next batch-size bucket; no eager path); the padder is the
-shared :class:`graphrt.Padder`; the runner's :class:`graphrt.GraphCache` holds the entries.
+The backend's pieces: its dispatcher is the token x batch-size grid of
+:class:`~graphrt.backends.xla.buckets.XlaBuckets` (``buckets.py``: mixed / prefill steps at the
+next token bucket and a fixed batch size, decode steps at the next batch-size bucket; no eager
+path); the padder is the shared :class:`graphrt.Padder`; the runner's :class:`graphrt.GraphCache`
+holds the entries.
 Its own parts: :class:`XlaPrograms` (the jitted forward and samplers, ``programs.py``), the
-:class:`XlaExecutor` (``executor.py``) and its compile bookkeeping (``compile_cache.py``).
+:class:`XlaExecutor` (``executor.py``) and its compile bookkeeping (``compile_ledger.py``).
 This module imports without jax, so the registry can say why the backend is unavailable.
 """
 
@@ -15,6 +16,7 @@ import os
 from typing import Any, Callable
 
 from graphrt.backends.base import Backend
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.cache import GraphCache
@@ -106,9 +108,9 @@ class XlaBackend(Backend):
         return XlaGraphs(fn, cache, **options)
 
     def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
-        """The token x batch-size grid: decode by batch size, mixed steps at the largest batch
-        size; no eager path, so every covered shape has an executable."""
-        return config.xla_dispatcher()
+        """The token x batch-size grid (:class:`XlaBuckets`): decode by batch size, mixed steps
+        at the largest batch size; no eager path, so every covered shape has an executable."""
+        return XlaBuckets.from_config(config).dispatcher()
 
     def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
         """An executor for an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or an nnx module.
@@ -117,9 +119,10 @@ class XlaBackend(Backend):
             raise ConfigError(f"max_loras={config.max_loras}: the xla backend has no LoRA support (its "
                               "executables take no adapter tables and the JAX reference model has no "
                               "LoRA-capable layer); use a torch backend (cuda, npu, cpu, eager) or max_loras=0")
+        buckets = XlaBuckets.from_config(config)
         programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len,
-                               max_reqs=config.xla_bs_policy().max_size)
-        return XlaExecutor(programs, config, compile_workers=self.compile_workers)
+                               max_reqs=buckets.max_reqs)
+        return XlaExecutor(programs, config, buckets, compile_workers=self.compile_workers)
 
 
 __all__ = ["XlaBackend"]

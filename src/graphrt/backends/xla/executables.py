@@ -21,13 +21,18 @@ import hashlib
 import logging
 import os
 import pickle
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Hashable, Iterable
 
 import jax
 
+from graphrt.backends.xla import batch as xla_batch, sampler as xla_sampler, sharding as shd
+from graphrt.backends.xla.programs import XlaPrograms
+from graphrt.config import GraphConfig
 from graphrt.core import __version__
+from graphrt.models.jax import decoder as jax_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -113,3 +118,20 @@ class ExecutableCache:
         except Exception as exc:  # noqa: BLE001 - caching is an optimisation
             logger.info("graphrt: the executable of %s is not cached (a restart lowers it again): %s",
                         key, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def executable_store(programs: XlaPrograms, config: GraphConfig) -> ExecutableCache | None:
+    """With ``compilation_cache_dir``, the on-disk store of graphrt's own model's executables.
+
+    Not for nnx modules: their code lives in the graphdef, which the fingerprint cannot
+    see, so a changed module with the same parameter shapes could load a stale executable.
+    """
+    if not config.compilation_cache_dir or not programs.own_code:
+        return None
+    mesh = programs.mesh
+    fingerprint = executor_fingerprint(
+        modules=(jax_decoder, xla_batch, xla_sampler, shd, sys.modules[XlaPrograms.__module__]),
+        devices=list(mesh.devices.flat), mesh_axes=(mesh.axis_names, mesh.devices.shape),
+        parts=(programs.model_config, programs.weights, config.block_size, config.max_blocks_per_req,
+               int(programs.model_config.vocab_size), programs.decode_query_len, programs.max_reqs))
+    return ExecutableCache(config.compilation_cache_dir, fingerprint, list(mesh.devices.flat))

@@ -3,8 +3,9 @@ and running a padded step and its sampler.
 
 Builds lower a key's jitted program (:mod:`graphrt.backends.xla.programs`) on the calling
 thread and compile it -- :meth:`XlaExecutor.build_many` on a thread pool, as XLA's compile
-releases the GIL. Which executables exist, which were planned and what a compile after warm-up
-means is :class:`~graphrt.backends.xla.compile_cache.XlaCompileCache`'s (``executor.compiled``).
+releases the GIL. The entries go to the runner's caches; which keys were planned and compiled,
+and what a compile after warm-up means, is
+:class:`~graphrt.backends.xla.compile_ledger.CompileLedger`'s (``executor.compiles``).
 There is no eager escape: the largest buckets cover ``max_num_batched_tokens`` and
 ``max_num_seqs`` (config validation), and anything larger is an ``InputError``. The hot path
 does no eager ``jnp`` work: numpy checks and copies of the padded host rows, one executable
@@ -23,20 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.backends.base import Built, Executor, SamplingBatch
 from graphrt.backends.xla import sharding as shd
-from graphrt.backends.xla.batch import (BATCH_FIELDS, SAMPLING_FIELDS, SamplingMetadata, XlaBatch, batch_spec,
-                                        describe_change, sampling_spec)
+from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change, sampling_spec
+from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
-from graphrt.backends.xla.compile_cache import XlaCompileCache, XlaEntry, executable_store
+from graphrt.backends.xla.compile_ledger import CompileLedger
+from graphrt.backends.xla.entries import XlaEntry
+from graphrt.backends.xla.executables import executable_store
 from graphrt.backends.xla.programs import XlaPrograms
+from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.config import GraphConfig
-from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
-from graphrt.core.sampling import write_sampling_rows
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,6 @@ logger = logging.getLogger(__name__)
 _compiles = thread_counts()
 
 _I32 = np.dtype(np.int32)
-_U32_MASK = 0xFFFFFFFF
 
 
 def _as_array(value: Any) -> Any:
@@ -61,7 +62,8 @@ class XlaExecutor(Executor[XlaEntry]):
     supports_piecewise = False
     eager_fallback = False
 
-    def __init__(self, programs: XlaPrograms, config: GraphConfig, *, compile_workers: int = 1) -> None:
+    def __init__(self, programs: XlaPrograms, config: GraphConfig, buckets: XlaBuckets, *,
+                 compile_workers: int = 1) -> None:
         install_listeners()
         if config.compilation_cache_dir:
             enable_persistent_cache(config.compilation_cache_dir)
@@ -76,8 +78,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self.dtype = programs.dtype
         self._width = config.max_blocks_per_req
         # Sized for the largest key of the grid: a decode key (b, b) or a mixed key (t, largest b).
-        max_r = config.xla_bs_policy().max_size
-        max_t = max(config.xla_token_policy().max_size, max_r)
+        max_t, max_r = buckets.max_tokens, buckets.max_reqs
         # One staging buffer per field (core's shape table), int32 as every executable takes them.
         self.host_buffers = {name: np.zeros(shape, np.int32)
                              for name, shape in buffer_shapes(max_t, max_r, self._width).items()}
@@ -87,23 +88,16 @@ class XlaExecutor(Executor[XlaEntry]):
         #: No future tokens: every request keeps its host id (``run(future=None)``).
         self._no_future = jax.device_put(np.zeros(programs.max_reqs, np.int32), programs.replicated)
         self._no_future_rows = np.full(max_r, -1, np.int32)
-        self._samp_host = {"temperature": np.zeros(max_r, np.float32),
-                           "top_k": np.zeros(max_r, np.int32), "top_p": np.ones(max_r, np.float32),
-                           "seeds": np.zeros((max_r, 2), np.uint32), "steps": np.zeros(max_r, np.uint32)}
-        #: Every executable, the planned keys, the compile counters and strict mode.
-        self.compiled = XlaCompileCache(strict=config.strict, vocab_size=self.vocab_size,
-                                        table_width=self._width, store=executable_store(programs, config))
+        #: The random sampler's host rows, generator and seeded requests' step counters.
+        self.sampling_rows = SamplingRows(max_r, self.vocab_size)
+        #: Planned and compiled keys, the compile counters, strict mode and the on-disk store.
+        self.compiles = CompileLedger(strict=config.strict, vocab_size=self.vocab_size,
+                                      table_width=self._width, store=executable_store(programs, config))
         self.kv_cache: jax.Array | None = None
-        self._rng = np.random.default_rng(defaults.XLA_SAMPLER_HOST_SEED)
-        self._seed_steps: dict[int, int] = {}
         self._last_logits: jax.Array | None = None
         self._last_positions: jax.Array | None = None
         self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
         self._last_hidden: jax.Array | None = None
-
-    def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
-        """The runner's planned keys: once all are compiled, any further compile is unplanned."""
-        self.compiled.expect(keys)
 
     # ---- KV cache --------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -119,7 +113,7 @@ class XlaExecutor(Executor[XlaEntry]):
         if block_size != self.config.block_size:
             raise ConfigError(f"block_size {block_size} differs from the config's {self.config.block_size}")
         shape = self.programs.kv_shape(num_blocks, block_size)
-        self.compiled.set_kv_shape(shape)
+        self.compiles.set_kv_shape(shape)
         self.kv_cache = self.programs.zeros_kv_cache(shape)
         self._kv_shape = shape
 
@@ -170,31 +164,30 @@ class XlaExecutor(Executor[XlaEntry]):
     # ---- build -------------------------------------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[XlaEntry, int]:
         """Compile the forward for a :class:`BatchDescriptor`, or the sampler for
-        ``SamplerKey(num_reqs, greedy)``; returns (entry, bytes). Already compiled: returned as
-        is; stored on disk: loaded. After warm-up a build is unplanned (strict mode: raises)."""
-        entry = self.compiled.get(key)
+        ``SamplerKey(num_reqs, greedy)``; returns (entry, bytes) for the caller to keep (the
+        runner's caches). Stored on disk: loaded. After warm-up a build is unplanned (strict
+        mode: raises)."""
+        self.compiles.before_build(key)
+        jitted, spec, args = self._abstract_inputs(mode, key)
+        entry = self.compiles.load(key, spec)
         if entry is None:
-            self.compiled.before_build(key)
-            jitted, spec, args = self._abstract_inputs(mode, key)
-            entry = self.compiled.load(key, spec)
-            if entry is None:
-                lowered, seconds = self._lower(jitted, args)
-                entry = self.compiled.compile(key, lowered, spec, seconds)
+            lowered, seconds = self._lower(jitted, args)
+            entry = self.compiles.compile(key, lowered, spec, seconds)
         return entry, entry.nbytes
 
-    def build_seconds(self, entry: XlaEntry) -> float | None:
-        return entry.build_seconds
-
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, Hashable]], *, workers: int | None = None,
-                   progress: bool = False) -> list[XlaEntry]:
-        """Compile many keys: lowered one after another here, compiled by ``workers`` threads.
+                   progress: bool = False) -> list[Built[XlaEntry]]:
+        """Warm-up: plan and compile ``jobs``, lowered one after another here and compiled by
+        ``workers`` threads; one :class:`Built` per job, in order.
 
-        XLA's compile releases the GIL, so on a multi-core host the compiles overlap (each
-        entry still records its own lowering and compile seconds). ``progress`` shows a bar.
-        Keys already compiled are returned as they are. Returns entries in the order of ``jobs``.
+        ``jobs`` become the planned keys (:meth:`CompileLedger.plan`). XLA's compile releases
+        the GIL, so on a multi-core host the compiles overlap (each entry records its own
+        lowering and compile seconds). ``progress`` shows a bar.
         """
         workers = max(1, workers or self.compile_workers)
-        todo = list(dict.fromkeys((mode, key) for mode, key in jobs if key not in self.compiled))
+        self.compiles.plan(key for _, key in jobs)
+        todo = list(dict.fromkeys(jobs))
+        built: dict[Hashable, XlaEntry] = {}
         start = time.perf_counter()
         bar = tqdm(total=len(todo), desc=f"graphrt xla precompile ({workers} threads)", unit="bucket",
                    disable=not progress or not todo, leave=False)
@@ -202,25 +195,29 @@ class XlaExecutor(Executor[XlaEntry]):
                 max_workers=workers, thread_name_prefix="graphrt-xla-compile") as pool:
             futures = []
             for mode, key in todo:
-                self.compiled.before_build(key)
+                self.compiles.before_build(key)
                 jitted, spec, args = self._abstract_inputs(mode, key)
-                if self.compiled.load(key, spec) is not None:
+                loaded = self.compiles.load(key, spec)
+                if loaded is not None:
+                    built[key] = loaded
                     bar.set_postfix_str(f"loaded {describe_key(key)}")
                     bar.update()
                     continue
                 bar.set_postfix_str(f"lowering {describe_key(key)}")
                 lowered, seconds = self._lower(jitted, args)
-                futures.append(pool.submit(self.compiled.compile, key, lowered, spec, seconds))
+                futures.append(pool.submit(self.compiles.compile, key, lowered, spec, seconds))
             for fut in concurrent.futures.as_completed(futures):
-                bar.set_postfix_str(f"compiled {describe_key(fut.result().key)}")
+                entry = fut.result()
+                built[entry.key] = entry
+                bar.set_postfix_str(f"compiled {describe_key(entry.key)}")
                 bar.update()
         if todo:
-            built = [self.compiled[key] for _, key in todo]
             logger.info("graphrt: xla precompiled %d executables in %.2f s with %d thread(s): lowering "
                         "%.2f s, compiling %.2f s, %d loaded from the persistent cache", len(built),
-                        time.perf_counter() - start, workers, sum(e.lower_seconds for e in built),
-                        sum(e.compile_seconds for e in built), sum(e.persistent_cache_hit for e in built))
-        return [self.compiled[key] for _, key in jobs]
+                        time.perf_counter() - start, workers, sum(e.lower_seconds for e in built.values()),
+                        sum(e.compile_seconds for e in built.values()),
+                        sum(e.persistent_cache_hit for e in built.values()))
+        return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
 
     def _abstract_inputs(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
         """(jitted function, spec, abstract arguments) of ``key``."""
@@ -251,11 +248,13 @@ class XlaExecutor(Executor[XlaEntry]):
         return lowered, time.perf_counter() - t0
 
     # ---- run ---------------------------------------------------------------------------
-    def _entry(self, mode: RuntimeMode, key: Hashable, entry: Any) -> XlaEntry:
-        if isinstance(entry, XlaEntry):
-            return entry
-        found = self.compiled.get(key)
-        return found if found is not None else self.build(mode, key)[0]
+    @staticmethod
+    def _require(entry: Any, key: Hashable) -> XlaEntry:
+        """``entry`` itself: there is no eager path to run ``key`` without its executable."""
+        if not isinstance(entry, XlaEntry):
+            raise GraphrtError(f"no executable for {describe_key(key)}: the xla backend runs nothing eagerly; "
+                               "pass the entry build() returned (the runner's caches hold them)")
+        return entry
 
     def _check_inputs(self, entry: XlaEntry, padded: ModelInputs) -> None:
         """Every padded array has the dtype and shape the executable was compiled for (numpy only)."""
@@ -279,7 +278,7 @@ class XlaExecutor(Executor[XlaEntry]):
         the real requests whose last token is ``tokens[row]`` (a previous step's sampler output,
         still on the device; -1: none), resolved inside the executable.
         """
-        entry = self._entry(mode, key, entry)
+        entry = self._require(entry, key)
         self._check_inputs(entry, padded)
         spec = entry.spec
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
@@ -301,7 +300,7 @@ class XlaExecutor(Executor[XlaEntry]):
             self._after_failed_run(kv, exc)
             raise
         if _compiles.compiles != before:
-            self.compiled.compiled_while_running(before, key, "forward")
+            self.compiles.compiled_while_running(before, key, "forward")
         self._last_logits, self._last_hidden = logits, hidden
         return logits
 
@@ -324,28 +323,23 @@ class XlaExecutor(Executor[XlaEntry]):
                wait: bool = True) -> np.ndarray | jax.Array:
         """One token id per real request (int64), from the compiled greedy or random sampler.
 
-        ``entry`` is the runner's sampler entry for ``SamplerKey(padded_reqs, all_greedy)``;
-        without one, the executor finds (or compiles) it. ``wait=False`` returns the sampler's
-        device output instead, without waiting for it: ``[max_reqs]`` int32, the real requests'
-        tokens first (:meth:`fetch_tokens` reads them; the next forward can take it as its
-        future tokens).
+        ``entry`` is the runner's sampler entry for ``SamplerKey(padded_reqs, all_greedy)`` (required:
+        there is no eager sampler). ``wait=False`` returns the sampler's device output instead,
+        without waiting for it: ``[max_reqs]`` int32, the real requests' tokens first
+        (:meth:`fetch_tokens` reads them; the next forward can take it as its future tokens).
         """
-        if isinstance(entry, XlaEntry):
-            key = entry.key
-            rows, greedy = key.num_reqs, key.greedy
-        else:
-            rows = int(logits.shape[0]) if padded_reqs is None else int(padded_reqs)
-            greedy = sampling.all_greedy
-            key = SamplerKey(rows, greedy)
-            entry = self._entry(RuntimeMode.FULL, key, entry)
+        key = entry.key if isinstance(entry, XlaEntry) else SamplerKey(
+            int(logits.shape[0]) if padded_reqs is None else int(padded_reqs), sampling.all_greedy)
+        rows = key.num_reqs
         if logits.shape != (rows, self.vocab_size):
             raise InputError("logits", f"shape {tuple(logits.shape)}; the sampler for {rows} rows "
                                        f"expects ({rows}, {self.vocab_size})")
-        args = (logits,) if greedy else (logits, self.sampling_metadata(num_reqs, rows, sampling))
+        entry = self._require(entry, key)
+        args = (logits,) if key.greedy else (logits, self.sampling_rows.metadata(num_reqs, rows, sampling))
         before = _compiles.compiles
         tokens = entry.executable(*args)
         if _compiles.compiles != before:
-            self.compiled.compiled_while_running(before, key, "sampler")
+            self.compiles.compiled_while_running(before, key, "sampler")
         return self.fetch_tokens(tokens, num_reqs) if wait else tokens
 
     @staticmethod
@@ -354,31 +348,8 @@ class XlaExecutor(Executor[XlaEntry]):
         waits for the device (an asynchronous execution error surfaces here)."""
         return np.asarray(tokens)[:num_reqs].astype(np.int64)
 
-    def sampling_metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:
-        """The sampling metadata of one step, as host copies the executable transfers: padded
-        rows greedy, unseeded rows keyed from the host generator, seeded rows by their seed and
-        their own step counter (which this advances).
-
-        A seed's threefry key is its low and high 32-bit halves: the batch holds seeds in
-        [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling`), so no value is
-        truncated into these uint32 / int32 buffers."""
-        h, n = self._samp_host, num_reqs
-        write_sampling_rows(sampling, n, rows, self.vocab_size, h)
-        seeds, steps = h["seeds"], h["steps"]
-        seeds[:n] = self._rng.integers(0, 2**32, size=(n, 2), dtype=np.uint32)
-        seeds[n:rows] = 0
-        steps[:rows] = 0
-        for i, seed in enumerate(sampling.seeds):
-            if seed is None:
-                continue
-            rid = sampling.request_ids[i]
-            step = self._seed_steps.get(rid, 0)
-            self._seed_steps[rid] = step + 1
-            seeds[i, 0], seeds[i, 1], steps[i] = seed & _U32_MASK, seed >> 32, step
-        return SamplingMetadata(*(h[f][:rows].copy() for f in SAMPLING_FIELDS))
-
     def free_request(self, request_id: int) -> None:
-        self._seed_steps.pop(request_id, None)
+        self.sampling_rows.free(request_id)
 
     # ---- introspection -----------------------------------------------------------------
     def hidden_states(self, num_tokens: int) -> np.ndarray:

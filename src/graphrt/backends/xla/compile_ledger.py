@@ -1,103 +1,44 @@
-"""The XLA executor's compile bookkeeping: which executables exist, which were planned, and
-what a compile after warm-up means.
+"""The XLA executor's compile bookkeeping: which keys were planned and compiled, and what a
+compile after warm-up means. It holds no executables: the entries it makes go to the runner's
+:class:`~graphrt.core.cache.GraphCache`, the one entry store, as captured graphs do.
 
-:class:`XlaCompileCache` owns, for one executor:
+:class:`CompileLedger` records, for one executor:
 
-* the compiled entries by key (forward :class:`BatchDescriptor` and :class:`SamplerKey`);
-* the planned keys, which the runner tells it from its dispatcher (``Executor.expect_keys``),
-  and whether warm-up is over (sealed: every planned key compiled, or :meth:`seal` called);
-* the counters: every compile the executor caused, and the unplanned ones after warm-up;
+* the planned keys -- every key warm-up's ``build_many`` was asked for -- and whether warm-up
+  is over (sealed: every planned key compiled, or :meth:`seal` called); without warm-up
+  (``disable_precompile``) nothing is planned, so nothing is unplanned until :meth:`seal`;
+* the keys compiled for the current KV cache shape (for sealing, and the nearest key of a miss);
+* the counters: every compile the executor caused, and the unplanned ones after warm-up --
+  including compiles no cache lookup sees (an eager op on the hot path, a direct ``build``);
 * strict mode for compiles: an unplanned compile raises ``CacheMissError`` naming the nearest
   compiled key and the input field that differs, else it is logged and counted;
 * the on-disk executable store (:mod:`graphrt.backends.xla.executables`), read before a key
   is lowered and written after it is compiled.
 
 It does not own the keys (the runner's dispatcher), lowering (the executor: it knows the KV
-cache and the weights) or the step statistics (the runner's ``GraphCache``).
+cache and the weights), the entries or the step statistics (the runner's caches).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import sys
 import threading
 import time
 from typing import Any, Hashable, Iterable
 
-from graphrt.backends.xla import batch as xla_batch, sampler as xla_sampler, sharding as shd
-from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change
+from graphrt.backends.xla.batch import batch_spec, describe_change
 from graphrt.backends.xla.compile import thread_cache_hits, thread_compiles, thread_last_compiled
-from graphrt.backends.xla.executables import ExecutableCache, executor_fingerprint
-from graphrt.backends.xla.programs import XlaPrograms
-from graphrt.config import GraphConfig
+from graphrt.backends.xla.entries import XlaEntry
+from graphrt.backends.xla.executables import ExecutableCache
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import CacheMissError
-from graphrt.models.jax import decoder as jax_decoder
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class XlaEntry:
-    """One compiled executable with what it expects and what it cost."""
-
-    executable: Any                      # jax.stages.Compiled
-    key: Hashable
-    spec: Any                            # abstract inputs: XlaBatch / SamplingMetadata / None (greedy)
-    shapes: tuple[tuple[int, ...], ...]  # forward keys: the shape of each BATCH_FIELDS entry
-    lower_seconds: float
-    compile_seconds: float
-    nbytes: int
-    persistent_cache_hit: bool
-
-    @property
-    def build_seconds(self) -> float:
-        """Lowering plus compiling, on the thread that did each."""
-        return self.lower_seconds + self.compile_seconds
-
-    def report(self) -> dict[str, Any]:
-        """One row of the per-bucket timing report."""
-        return {"key": describe_key(self.key), "lower_s": round(self.lower_seconds, 4),
-                "compile_s": round(self.compile_seconds, 4), "bytes": self.nbytes,
-                "persistent_cache_hit": self.persistent_cache_hit}
-
-
-def _spec_shapes(spec: Any) -> tuple[tuple[int, ...], ...]:
-    """Forward specs: the shape of each batch field (checked before every call)."""
-    return (tuple(tuple(getattr(spec, f).shape) for f in BATCH_FIELDS)
-            if isinstance(spec, XlaBatch) else ())
-
-
-def _executable_bytes(compiled: Any) -> int:
-    """Device bytes an executable holds beyond its arguments (code and scratch), where XLA says."""
-    try:
-        stats = compiled.memory_analysis()
-        return int(stats.generated_code_size_in_bytes + stats.temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 - some platforms do not implement memory analysis
-        return 0
-
-
-def executable_store(programs: XlaPrograms, config: GraphConfig) -> ExecutableCache | None:
-    """With ``compilation_cache_dir``, the on-disk store of graphrt's own model's executables.
-
-    Not for nnx modules: their code lives in the graphdef, which the fingerprint cannot
-    see, so a changed module with the same parameter shapes could load a stale executable.
-    """
-    if not config.compilation_cache_dir or not programs.own_code:
-        return None
-    mesh = programs.mesh
-    fingerprint = executor_fingerprint(
-        modules=(jax_decoder, xla_batch, xla_sampler, shd, sys.modules[XlaPrograms.__module__]),
-        devices=list(mesh.devices.flat), mesh_axes=(mesh.axis_names, mesh.devices.shape),
-        parts=(programs.model_config, programs.weights, config.block_size, config.max_blocks_per_req,
-               int(programs.model_config.vocab_size), programs.decode_query_len, programs.max_reqs))
-    return ExecutableCache(config.compilation_cache_dir, fingerprint, list(mesh.devices.flat))
-
-
-class XlaCompileCache:
-    """Compiled executables by key, the planned keys, the compile counters and strict mode.
+class CompileLedger:
+    """Planned and compiled keys, the compile counters, strict mode and the on-disk store.
 
     ``vocab_size`` and ``table_width`` describe the inputs of a key that was never compiled
     (for :meth:`explain_miss`); ``store`` is the on-disk executable store, or None.
@@ -109,8 +50,8 @@ class XlaCompileCache:
         self.store = store
         self._vocab_size = vocab_size
         self._width = table_width
-        self._entries: dict[Hashable, XlaEntry] = {}
-        self._planned: frozenset[Hashable] | None = None
+        self._compiled: set[Hashable] = set()
+        self._planned: frozenset[Hashable] = frozenset()
         self._sealed = False
         self._kv_shape: tuple[int, ...] | None = None
         self._lock = threading.Lock()
@@ -119,34 +60,26 @@ class XlaCompileCache:
         #: Compiles after warm-up (strict mode raises instead).
         self.unplanned_compiles = 0
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
-
-    def __getitem__(self, key: Hashable) -> XlaEntry:
-        return self._entries[key]
-
-    def get(self, key: Hashable) -> XlaEntry | None:
-        """The entry compiled for ``key``, or None."""
-        return self._entries.get(key)
-
     # ---- warm-up state -------------------------------------------------------------------
-    def expect(self, keys: Iterable[Hashable]) -> None:
-        """The keys warm-up compiles (the runner's dispatcher's, and their samplers); once all
-        exist, any further compile is unplanned. Until this is called nothing is unplanned."""
-        self._planned = frozenset(keys)
+    def plan(self, keys: Iterable[Hashable]) -> None:
+        """Warm-up will compile ``keys`` (``build_many``'s jobs: the runner's dispatcher's keys
+        and their samplers); once every planned key exists, any further compile is unplanned."""
+        self._planned |= frozenset(keys)
 
     @property
     def planned_keys(self) -> frozenset[Hashable]:
-        """Every key warm-up compiles (empty until :meth:`expect`)."""
-        return self._planned or frozenset()
+        """Every key warm-up was asked to compile (empty before warm-up)."""
+        return self._planned
+
+    @property
+    def compiled_keys(self) -> frozenset[Hashable]:
+        """Every key compiled (or loaded from disk) for the current KV cache shape."""
+        return frozenset(self._compiled)
 
     @property
     def sealed(self) -> bool:
         """Whether warm-up is over: every planned key is compiled (or :meth:`seal` was called)."""
-        if not self._sealed and self._planned is not None and self._planned <= self._entries.keys():
+        if not self._sealed and self._planned and self._planned <= self._compiled:
             self._sealed = True
         return self._sealed
 
@@ -155,18 +88,15 @@ class XlaCompileCache:
         self._sealed = True
 
     def set_kv_shape(self, shape: tuple[int, ...]) -> None:
-        """The forwards are compiled for the KV cache's shape: a new shape drops every entry
-        (warm-up starts over), and the store keys entries by it."""
+        """The forwards are compiled for the KV cache's shape: a new shape forgets every compiled
+        key (warm-up starts over; the runner's entries for the old shape are stale), and the
+        store keys executables by it."""
         if self._kv_shape is not None and self._kv_shape != shape:
-            self._entries.clear()
+            self._compiled.clear()
             self._sealed = False
         self._kv_shape = shape
 
-    def report(self) -> list[dict[str, Any]]:
-        """Per compiled key: lowering and compile seconds, bytes, persistent-cache hit."""
-        return [e.report() for e in self._entries.values()]
-
-    # ---- adding entries ------------------------------------------------------------------
+    # ---- making entries ------------------------------------------------------------------
     def before_build(self, key: Hashable) -> None:
         """A key is about to be loaded or compiled: after warm-up that is unplanned."""
         if self.sealed:
@@ -180,10 +110,9 @@ class XlaCompileCache:
         compiled = self.store.load((key, self._kv_shape))
         if compiled is None:
             return None
-        entry = XlaEntry(compiled, key, spec, _spec_shapes(spec), 0.0, time.perf_counter() - t0,
-                         _executable_bytes(compiled), True)
+        entry = XlaEntry.of(compiled, key, spec, 0.0, time.perf_counter() - t0, True)
         with self._lock:
-            self._entries[key] = entry
+            self._compiled.add(key)
         logger.debug("graphrt: xla loaded %s from the executable cache", describe_key(key))
         return entry
 
@@ -193,13 +122,12 @@ class XlaCompileCache:
         t0 = time.perf_counter()
         compiled = lowered.compile()
         seconds = time.perf_counter() - t0
-        entry = XlaEntry(compiled, key, spec, _spec_shapes(spec), lower_seconds, seconds,
-                         _executable_bytes(compiled), thread_cache_hits() > hits)
+        entry = XlaEntry.of(compiled, key, spec, lower_seconds, seconds, thread_cache_hits() > hits)
         if self.store is not None:
             self.store.store((key, self._kv_shape), compiled)
         with self._lock:
             self.compile_count += thread_compiles() - compiles
-            self._entries[key] = entry
+            self._compiled.add(key)
         logger.debug("graphrt: xla compiled %s in %.3f s (lowering %.3f s)%s", describe_key(key), seconds,
                      lower_seconds, " from the persistent cache" if entry.persistent_cache_hit else "")
         return entry
@@ -208,22 +136,25 @@ class XlaCompileCache:
     def explain_miss(self, key: Hashable) -> str:
         """Which compiled key is nearest to ``key`` and which input field differs from it."""
         if isinstance(key, SamplerKey):
-            same = [k for k in self._entries if isinstance(k, SamplerKey) and k.greedy == key.greedy]
+            same = [k for k in self._compiled if isinstance(k, SamplerKey) and k.greedy == key.greedy]
             if not same:
                 return f"no {'greedy' if key.greedy else 'random'} sampler was compiled during warm-up"
             near = min(same, key=lambda k: abs(k.num_reqs - key.num_reqs))
             return (f"shape: field 'logits' is ({key.num_reqs}, {self._vocab_size}); the nearest compiled "
                     f"sampler expects ({near.num_reqs}, {self._vocab_size})")
-        forward_keys = [k for k in self._entries if isinstance(k, BatchDescriptor)]
+        forward_keys = [k for k in self._compiled if isinstance(k, BatchDescriptor)]
         planned = f"{len(forward_keys)} forward buckets were compiled during warm-up"
         if not isinstance(key, BatchDescriptor) or key.num_reqs is None or not forward_keys:
             return f"{key} was never compiled; {planned}"
         near = min(forward_keys, key=lambda k: (k.uniform_decode != key.uniform_decode,
                                                 abs(k.num_tokens - key.num_tokens),
                                                 abs(k.num_reqs - key.num_reqs)))
-        diff = describe_change(self._entries[near].spec,
-                               batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._width))
+        diff = describe_change(self._spec(near), self._spec(key))
         return f"{key} was never compiled ({planned}); versus the nearest, {near}: {diff}"
+
+    def _spec(self, key: BatchDescriptor) -> Any:
+        """The abstract batch a forward key is compiled for (as the executor lowers it)."""
+        return batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._width)
 
     def compiled_while_running(self, before: int, key: Hashable, what: str) -> None:
         """The calling thread compiled while running ``key``'s executable (``before``: its
@@ -246,4 +177,4 @@ class XlaCompileCache:
         logger.warning("graphrt: unplanned XLA compile after warm-up: %s", reason)
 
 
-__all__ = ["XlaCompileCache", "XlaEntry", "executable_store"]
+__all__ = ["CompileLedger"]

@@ -1,0 +1,79 @@
+"""XLA's bucket grid: which shapes get an executable, built from GraphConfig's validated flags.
+
+XLA has no eager escape, so every step the scheduler can form needs a compiled shape. Two
+kinds of keys (sglang-jax's design):
+
+* decode steps (every request schedules ``q = 1 + num_speculative_tokens`` tokens) run at the
+  next batch-size padding ``b``: key ``(b * q, b, uniform_decode=True)``, ``b`` capped at the
+  largest decode batch the token budget holds;
+* prefill, chunked-prefill and mixed steps run at the next token padding ``t`` and one fixed
+  batch size, the largest batch-size padding: key ``(t, max_reqs, False)``. So the number of
+  executables is ``len(token paddings) + len(batch-size paddings)``, not their product.
+
+``max_reqs`` is XLA's largest batch size: the mixed keys' batch, the rows of the executor's
+request-level staging buffers and of every sampler's output. It is
+:func:`graphrt.config.covering_padding` of the batch-size flag -- the same function config
+validation refuses paddings with -- and nothing else recomputes it. Imports no jax (the CLI's
+``plan`` and the runner's preflight read it without the backend).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphrt.config import GraphConfig, covering_padding
+from graphrt.core import defaults
+from graphrt.core.buckets import BucketPolicy
+from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class XlaBuckets:
+    """The token x batch-size grid of one config (:meth:`from_config`)."""
+
+    #: Token paddings of prefill / mixed steps; the largest covers ``max_num_batched_tokens``.
+    tokens: BucketPolicy
+    #: Batch-size paddings; the largest (``max_reqs``) covers ``max_num_seqs``.
+    batch_sizes: BucketPolicy
+    #: Batch sizes of decode keys: ``batch_sizes``, capped at the largest decode batch the token
+    #: budget holds when ``max_reqs`` decode requests would not fit in it.
+    decode: BucketPolicy
+    #: XLA's largest batch size: every mixed step's padded batch (see the module docstring).
+    max_reqs: int
+    max_num_seqs: int
+    decode_query_len: int
+
+    @classmethod
+    def from_config(cls, config: GraphConfig) -> "XlaBuckets":
+        """The grid of ``config``'s ``precompile_token_paddings`` / ``precompile_bs_paddings``,
+        or, unset, powers of two up to ``max_num_batched_tokens`` (from
+        ``defaults.XLA_MIN_TOKEN_PADDING``) and up to ``max_num_seqs``."""
+        limit = config.max_num_batched_tokens
+        top_tokens = covering_padding(config.precompile_token_paddings, limit)
+        max_reqs = covering_padding(config.precompile_bs_paddings, config.max_num_seqs)
+        for name, top in (("precompile_token_paddings", top_tokens), ("precompile_bs_paddings", max_reqs)):
+            if top is None:       # only a config built without validation (model_construct)
+                raise ConfigError(f"{name}: no padding covers the limit; build the config with GraphConfig.create")
+        tokens = (BucketPolicy(config.precompile_token_paddings) if config.precompile_token_paddings is not None
+                  else BucketPolicy.powers_of_two(top_tokens, min_size=min(defaults.XLA_MIN_TOKEN_PADDING, top_tokens)))
+        sizes = (BucketPolicy(config.precompile_bs_paddings) if config.precompile_bs_paddings is not None
+                 else BucketPolicy.powers_of_two(max_reqs))
+        fits = max_reqs * config.decode_query_len <= limit
+        return cls(tokens, sizes, sizes if fits else sizes.capped(config.max_decode_batch), max_reqs,
+                   config.max_num_seqs, config.decode_query_len)
+
+    @property
+    def max_tokens(self) -> int:
+        """Rows of the token-level staging buffers: the largest key's tokens, mixed or decode."""
+        return max(self.tokens.max_size, self.max_reqs)
+
+    def dispatcher(self) -> Dispatcher:
+        """The dispatcher over this grid: decode steps by batch size, mixed steps at
+        ``max_reqs``; no eager path, so a step above the grid is an ``InputError``."""
+        return Dispatcher(GraphMode.FULL, token_buckets=self.tokens, decode_buckets=self.decode,
+                          mixed_num_reqs=self.max_reqs, max_num_seqs=self.max_num_seqs, eager_fallback=False,
+                          separate_decode=True, decode_query_len=self.decode_query_len)
+
+
+__all__ = ["XlaBuckets"]

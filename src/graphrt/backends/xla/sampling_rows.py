@@ -1,0 +1,59 @@
+"""The random sampler's host inputs: one step's sampling rows as the executable takes them.
+
+Host-side numpy only (nothing here is traced): the staging rows of temperature, top-k, top-p,
+seeds and step counters, the host generator that keys unseeded rows, and each seeded
+request's step counter, so its draws depend on nothing but its seed and how many tokens it
+has sampled (:mod:`graphrt.backends.xla.sampler` folds the two).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphrt.backends.xla.batch import SAMPLING_FIELDS, SamplingMetadata
+from graphrt.core import defaults
+from graphrt.core.sampling import SamplingBatch, write_sampling_rows
+
+_U32_MASK = 0xFFFFFFFF
+
+
+class SamplingRows:
+    """Staging rows for ``max_reqs`` requests over a vocabulary of ``vocab_size``."""
+
+    def __init__(self, max_reqs: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._host = {"temperature": np.zeros(max_reqs, np.float32), "top_k": np.zeros(max_reqs, np.int32),
+                      "top_p": np.ones(max_reqs, np.float32), "seeds": np.zeros((max_reqs, 2), np.uint32),
+                      "steps": np.zeros(max_reqs, np.uint32)}
+        self._rng = np.random.default_rng(defaults.XLA_SAMPLER_HOST_SEED)
+        self._seed_steps: dict[int, int] = {}
+
+    def metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:
+        """The sampling metadata of one step, as host copies the executable transfers: padded
+        rows greedy, unseeded rows keyed from the host generator, seeded rows by their seed and
+        their own step counter (which this advances).
+
+        A seed's threefry key is its low and high 32-bit halves: the batch holds seeds in
+        [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling`), so no value is
+        truncated into these uint32 / int32 buffers."""
+        h, n = self._host, num_reqs
+        write_sampling_rows(sampling, n, rows, self.vocab_size, h)
+        seeds, steps = h["seeds"], h["steps"]
+        seeds[:n] = self._rng.integers(0, 2**32, size=(n, 2), dtype=np.uint32)
+        seeds[n:rows] = 0
+        steps[:rows] = 0
+        for i, seed in enumerate(sampling.seeds):
+            if seed is None:
+                continue
+            rid = sampling.request_ids[i]
+            step = self._seed_steps.get(rid, 0)
+            self._seed_steps[rid] = step + 1
+            seeds[i, 0], seeds[i, 1], steps[i] = seed & _U32_MASK, seed >> 32, step
+        return SamplingMetadata(*(h[f][:rows].copy() for f in SAMPLING_FIELDS))
+
+    def free(self, request_id: int) -> None:
+        """Forget a finished request's step counter."""
+        self._seed_steps.pop(request_id, None)
+
+
+__all__ = ["SamplingRows"]
