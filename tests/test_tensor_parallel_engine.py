@@ -75,12 +75,15 @@ def drive(llm: graphrt.LLM, prompts: list[list[int]]) -> tuple[list[list[int]], 
     return [done[i] for i in ids], logits
 
 
+def channel_names(spec) -> list[str]:
+    """The /dev/shm names of a step channel's segment and semaphores."""
+    return [spec.name] + [f"sem.{w._semlock.name.lstrip('/')}" for w in spec.wakeups]
+
+
 def handles(executor) -> tuple[list[int], list[str]]:
     """Worker pids, and the /dev/shm names of the step channel's segment and semaphores."""
     ranks = executor.ranks
-    spec = ranks.channel.spec
-    semaphores = [f"sem.{w._semlock.name.lstrip('/')}" for w in spec.wakeups]
-    return [proc.pid for proc in ranks.procs], [spec.name] + semaphores
+    return [proc.pid for proc in ranks.procs], channel_names(ranks.channel.spec)
 
 
 def assert_released(pids: list[int], names: list[str]) -> None:
@@ -221,6 +224,48 @@ def test_failed_worker_is_named_and_every_rank_stops(monkeypatch, sig):
     (again,) = llm.step()                         # later steps fail at once with the same error
     assert again.finish_reason == "error" and "tensor-parallel worker rank 1" in again.error
     llm.close()
+
+
+def test_worker_dying_while_rank0_forms_the_group_is_named_at_once(monkeypatch):
+    """A worker that dies as rank 0 forms the process group fails start-up within seconds with a
+    GraphrtError naming its rank and signal -- not after the rendezvous timeout as torch's
+    DistStoreError -- and leaves no process, segment or semaphore."""
+    import torch.distributed as dist
+    from graphrt.backends.torch.tp_ranks import SpawnedRanks
+
+    monkeypatch.setattr(defaults, "TP_TIMEOUT_S", 60.0)       # the hang this replaces
+    monkeypatch.setattr(defaults, "TP_FAULT_GRACE_S", 0.3)
+    seen = {}
+    connect, init = SpawnedRanks.connect, dist.init_process_group
+
+    def recording_connect(self):
+        seen.update(procs=list(self.procs), names=channel_names(self.channel.spec))
+        return connect(self)
+
+    def kill_then_init(*args, **kwargs):
+        if "start" not in seen:                 # the first engine only
+            for proc in seen["procs"]:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(30)
+            seen["start"] = time.monotonic()
+        return init(*args, **kwargs)
+
+    monkeypatch.setattr(SpawnedRanks, "connect", recording_connect)
+    monkeypatch.setattr(dist, "init_process_group", kill_then_init)
+    with pytest.raises(GraphrtError, match=r"tensor-parallel worker rank 1 exited with code -9 \(SIGKILL\) "
+                                           r"during start-up"):
+        graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - seen["start"] < 30.0
+    assert not dist.is_initialized()
+    pids, names = [proc.pid for proc in seen["procs"]], seen["names"]
+    assert_released(pids, names)
+    # The failed start-up leaves nothing that stops the next engine from forming its group.
+    with ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2,
+                     max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
+                     num_kv_blocks=8, progress=False) as runner:
+        assert runner.model.tp_size == 2 and time.monotonic() - seen["start"] < 60.0
+        pids, names = handles(runner.executor)
+    assert_released(pids, names)
 
 
 def test_runner_context_manager_stops_workers():

@@ -209,6 +209,9 @@ TP_WORKER_START_TIMEOUT_S = 600.0
 TP_WORKER_JOIN_TIMEOUT_S = 10.0
 #: ... an idle worker checks that rank 0 is alive this often (seconds).
 TP_WORKER_POLL_S = 1.0
+#: ... while the process group forms, rank 0 checks for a rendezvous key this often (seconds),
+#: and between checks whether a worker has exited: a dead worker fails start-up at once.
+TP_RENDEZVOUS_POLL_S = 0.01
 #: ... after a failed collective, how long rank 0 waits for a worker's exit to show before
 #: calling the others hung.
 TP_FAULT_GRACE_S = 1.0
