@@ -3,7 +3,8 @@
 Every request is answered exactly once, in request order, with the greedy tokens of a single
 ``graphrt.LLM``; round robin alternates workers; shortest queue sends to the less loaded one;
 a killed worker makes the front raise a GraphrtError naming it within seconds; close() (and
-interpreter exit without it) leaves no worker process behind. One module-scoped front per
+interpreter exit without it) leaves no worker process behind; engine arguments a worker's LLM
+would refuse are refused at the front before any process starts. One module-scoped front per
 method (spawning a worker that imports torch costs seconds); the tests that break or close a
 front come last in the file.
 """
@@ -88,6 +89,39 @@ def test_bad_arguments_raise_before_any_process_starts(model_dir):
     with pytest.raises(InputError, match="directory"):
         graphrt.DataParallelLLM(object())
     assert multiprocessing.active_children() == before
+
+
+BAD_ENGINE_ARGS = [(dict(max_num_seqs=0), ConfigError, "max_num_seqs"),
+                   (dict(block_size=0), ConfigError, "block_size"),
+                   (dict(no_such_option=1), ConfigError, "no_such_option"),
+                   (dict(max_num_seqs=64, max_num_batched_tokens=32), ConfigError, "max_num_seqs"),
+                   (dict(watchdog_action="shrug"), ConfigError, "watchdog_action"),
+                   (dict(disable_overlap_schedule="no"), ConfigError, "disable_overlap_schedule"),
+                   (dict(schedule_policy="newest"), InputError, "schedule_policy"),
+                   (dict(schedule_conservativeness=-1.0), InputError, "schedule_conservativeness"),
+                   (dict(decode_log_interval=0), InputError, "decode_log_interval")]
+
+
+@pytest.mark.parametrize("bad,error,match", BAD_ENGINE_ARGS,
+                         ids=[f"{next(iter(b))}={next(iter(b.values()))}" for b, _, _ in BAD_ENGINE_ARGS])
+def test_bad_engine_arguments_raise_at_the_front_before_any_process_starts(model_dir, monkeypatch, bad, error,
+                                                                           match):
+    """What each worker's graphrt.LLM would refuse is refused by the front, as LLM refuses it,
+    with no worker process started (today: the workers spawn, fail, and a traceback says why)."""
+    started = []
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", lambda proc: started.append(proc))
+    before = multiprocessing.active_children()
+    with pytest.raises(error, match=match):
+        graphrt.DataParallelLLM(model_dir, data_parallel_size=2, **{**LLM_KW, **bad})
+    assert started == [] and multiprocessing.active_children() == before
+
+
+def test_a_model_directory_without_config_json_is_refused_at_the_front(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", lambda proc: started.append(proc))
+    with pytest.raises(InputError, match="config.json"):
+        graphrt.DataParallelLLM(tmp_path, data_parallel_size=1, backend="eager")
+    assert started == []
 
 
 @pytest.mark.parametrize("method", ["round_robin", "shortest_queue"])
@@ -184,8 +218,9 @@ def test_concurrent_generate_calls_each_get_their_own_outputs(round_robin, refer
         assert [o.token_ids for o in results[k]] == reference[k::2]
 
 
-def test_a_worker_that_fails_to_start_raises_naming_it(tmp_path):
-    with pytest.raises(GraphrtError, match=r"(?s)worker 0 \(pid \d+\) failed to start.*config.json") as err:
+def test_a_worker_that_fails_to_start_raises_naming_it(model_dir, tmp_path):
+    (tmp_path / "config.json").write_text((Path(model_dir) / "config.json").read_text())   # no weights
+    with pytest.raises(GraphrtError, match=r"(?s)worker 0 \(pid \d+\) failed to start.*safetensors") as err:
         graphrt.DataParallelLLM(tmp_path, data_parallel_size=1, backend="eager")
     assert gone(int(re.search(r"pid (\d+)", str(err.value)).group(1)))
 

@@ -30,6 +30,7 @@ import numpy as np
 from graphrt.core import defaults
 from graphrt.config import GraphConfig
 from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.engine_args import check_engine_args
 from graphrt.engine.metrics import EngineMetrics, engine_stats
 from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.overlap import Launched, OverlapLoop, drop_unresolved, overlap_enabled
@@ -41,7 +42,7 @@ from graphrt.engine.watchdog import engine_watchdog
 from graphrt.core.errors import GenerationError, GraphrtError, KVCacheLostError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams, without_seed
-from graphrt.models.hf_config import DecoderConfig, model_eos_token_ids, model_max_len
+from graphrt.models.hf_config import model_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -75,19 +76,15 @@ class LLM(OverlapLoop):
                  disable_overlap_schedule: bool = defaults.DEFAULT_DISABLE_OVERLAP_SCHEDULE,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
+        config = check_engine_args(         # before anything is loaded (engine/engine_args.py)
+            model, config, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size, strict=strict, schedule_policy=schedule_policy,
+            schedule_conservativeness=schedule_conservativeness, decode_log_interval=decode_log_interval,
+            watchdog_timeout=watchdog_timeout, watchdog_action=watchdog_action,
+            disable_overlap_schedule=disable_overlap_schedule, graph_fields=graph_fields)
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
-        tp = config.tensor_parallel_size if config is not None else graph_fields.get("tensor_parallel_size", 1)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
-            model = str(model) if tp > 1 else backend_obj.load_model(str(model), dtype)
-        model_len = (DecoderConfig.from_dir(model).max_position_embeddings if isinstance(model, str)
-                     else model_max_len(model))
-        if max_model_len is None:
-            max_model_len = min(model_len or defaults.DEFAULT_MAX_MODEL_LEN, defaults.DEFAULT_MAX_MODEL_LEN)
-        if config is None:
-            config = GraphConfig.create(max_num_seqs=max_num_seqs,
-                                        max_num_batched_tokens=max_num_batched_tokens,
-                                        max_model_len=max_model_len, block_size=block_size,
-                                        strict=strict, **graph_fields)
+            model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(str(model), dtype)
         self.config = config
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
                                   dtype=dtype, progress=progress)

@@ -52,11 +52,16 @@ class Launched:
     samples: list[bool]
 
 
+def check_overlap_flag(disable_overlap_schedule: bool) -> None:
+    """Refuse a ``disable_overlap_schedule`` that is not True or False (ConfigError naming it)."""
+    if not isinstance(disable_overlap_schedule, bool):
+        raise ConfigError(f"disable_overlap_schedule must be True or False, got {disable_overlap_schedule!r}")
+
+
 def overlap_enabled(runner: Any, disable_overlap_schedule: bool) -> bool:
     """Whether the engine overlaps its steps: asked for, and the backend dispatches
     asynchronously (on the others it would wait for every step anyway; said once, at INFO)."""
-    if not isinstance(disable_overlap_schedule, bool):
-        raise ConfigError(f"disable_overlap_schedule must be True or False, got {disable_overlap_schedule!r}")
+    check_overlap_flag(disable_overlap_schedule)
     if disable_overlap_schedule:
         return False
     if not runner.executor.async_execution:
@@ -180,4 +185,4 @@ class OverlapLoop:
         return []
 
 
-__all__ = ["OverlapLoop", "Launched", "PLACEHOLDER_TOKEN", "drop_unresolved", "overlap_enabled"]
+__all__ = ["OverlapLoop", "Launched", "PLACEHOLDER_TOKEN", "check_overlap_flag", "drop_unresolved", "overlap_enabled"]
