@@ -33,13 +33,14 @@ from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.engine_args import check_engine_args
 from graphrt.engine.metrics import EngineMetrics, engine_stats
 from graphrt.engine.outputs import RequestOutput
-from graphrt.engine.overlap import Launched, OverlapLoop, drop_unresolved, overlap_enabled
+from graphrt.engine.overlap import Launched, OverlapLoop, overlap_enabled
 from graphrt.engine.prefix_cache import PrefixCache
+from graphrt.engine.recovery import StepRecovery
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
 from graphrt.engine.tables import write_step_tables
 from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog
-from graphrt.core.errors import GenerationError, GraphrtError, KVCacheLostError
+from graphrt.core.errors import GenerationError, GraphrtError
 from graphrt.runner import ModelRunner, sampling_batch
 from graphrt.engine.sampling_params import SamplingParams, without_seed
 from graphrt.models.hf_config import model_eos_token_ids
@@ -47,7 +48,7 @@ from graphrt.models.hf_config import model_eos_token_ids
 logger = logging.getLogger(__name__)
 
 
-class LLM(OverlapLoop):
+class LLM(OverlapLoop, StepRecovery):
     """Continuous batching over a :class:`ModelRunner`, with a prefix cache and schedule policies.
 
     ``enable_prefix_caching`` (default on): finished and running requests' full computed KV
@@ -311,37 +312,6 @@ class LLM(OverlapLoop):
             except Exception as exc:  # noqa: BLE001 - contained to this request
                 finished.extend(self._fail([req], exc))
         return finished
-
-    def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
-        """Finish a failed step's requests with "error" (their blocks freed), then recover a
-        KV cache the fault lost: the requests that held KV in it are recomputed."""
-        self.num_step_faults += 1
-        why = f"{type(exc).__name__}: {exc}"
-        logger.warning("graphrt: a step of request(s) %s failed; they finish with an error: %s",
-                       [r.request_id for r in requests], why, exc_info=exc)
-        outs = [self._finish(r, "error", why) for r in requests if r.request_id in self._requests]
-        self._faults.update((o.request_id, exc) for o in outs)
-        self._recover_kv(exc, [o.request_id for o in outs])
-        return outs
-
-    def _recover_kv(self, exc: BaseException | None, failed: list[int]) -> None:
-        """If the fault consumed the KV cache (XLA donation), have it re-created and requeue
-        every running request for recompute, like a preemption; ``exc`` learns who lost KV."""
-        self.runner.recover_kv_cache()
-        resets = self.runner.kv_cache_resets
-        if resets == self._kv_resets_seen and not isinstance(exc, KVCacheLostError):
-            return
-        self._kv_resets_seen = resets
-        lost = list(self.scheduler.running)
-        self.scheduler.requeue(lost)
-        self._inflight = []                     # their KV went with the cache: recomputed too
-        for req in lost + list(self.scheduler.waiting):
-            drop_unresolved(req)
-        self.scheduler.reset_prefix_cache()     # the cached KV went with the cache
-        if isinstance(exc, KVCacheLostError):
-            exc.request_ids = tuple(failed) + tuple(r.request_id for r in lost)
-        logger.warning("graphrt: the KV cache was lost; requests %s are recomputed",
-                       [r.request_id for r in lost])
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         """Finish ``req`` (running or waiting): free its row, blocks and runner state."""
