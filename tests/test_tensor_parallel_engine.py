@@ -268,6 +268,59 @@ def test_worker_dying_while_rank0_forms_the_group_is_named_at_once(monkeypatch):
     assert_released(pids, names)
 
 
+def test_close_from_another_thread_waits_for_the_running_step():
+    """close() from another thread while a step runs waits for it: the generate in flight gets
+    its outputs or a GenerationError saying the engine is closed (no fault, no "exited"),
+    nothing is left, and every later call says the engine is closed."""
+    import threading
+
+    llm = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2, **ENGINE)
+    executor = llm.runner.executor
+    pids, names = handles(executor)
+    in_step, times = threading.Event(), {}
+    run = executor.local.run
+
+    def slow_run(*args, **kwargs):                 # rank 0's part of step 2 takes a while
+        if executor.steps == 2:
+            in_step.set()
+            time.sleep(0.5)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                times["step_end"] = time.monotonic()
+        return run(*args, **kwargs)
+
+    executor.local.run = slow_run
+    result = {}
+
+    def generate():
+        try:
+            result["outs"] = llm.generate(random_prompts((6, 9), seed=0),
+                                          SamplingParams(max_tokens=20, ignore_eos=True))
+        except GraphrtError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert in_step.wait(60)
+    llm.close()
+    times["closed"] = time.monotonic()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert times["closed"] >= times["step_end"], "close() did not wait for the running step"
+    error = result.get("error")
+    assert isinstance(error, graphrt.GenerationError), error
+    assert "closed" in str(error) and "exited" not in str(error), str(error)
+    assert {o.finish_reason for o in error.outputs} == {"abort"}
+    assert executor.ranks.fault_error is None
+    assert_released(pids, names)
+    for call in (lambda: llm.generate([[5, 6, 7]], GREEDY), lambda: llm.add_request([5, 6, 7], GREEDY), llm.step):
+        with pytest.raises(GraphrtError, match="closed") as err:
+            call()
+        assert "exited" not in str(err.value)
+    llm.close()                                   # idempotent
+
+
 def test_runner_context_manager_stops_workers():
     with ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2,
                      max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,

@@ -180,6 +180,10 @@ DEFAULT_WATCHDOG_ACTION = "raise"
 WATCHDOG_POLL_INTERVAL = 1.0
 #: close() waits this long for the watchdog thread to end (it is a daemon thread either way).
 WATCHDOG_JOIN_TIMEOUT = 5.0
+#: ``graphrt.LLM.close()`` waits this long for a step running on another thread to end (the
+#: watchdog's and the tensor-parallel timeout: a step still running then is hung); past it, or
+#: at once after the watchdog fired, it closes under the step, which then fails.
+LLM_CLOSE_WAIT_S = 300.0
 
 #: Tensor-parallel step channel (graphrt.core.step_channel): data bytes of the shared-memory
 #: segment (a 256-request step with a 512-column block table is about 0.6 MiB), arrays per

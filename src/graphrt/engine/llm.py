@@ -16,6 +16,8 @@ frees their blocks); ``generate`` then aborts the rest of its own requests and r
 cache is re-created and the requests that held KV are recomputed. Threads: one lock
 serializes ``add_request`` / ``step`` / ``abort_request`` and each step of ``generate``, so
 concurrent ``generate`` calls batch together; each call gets exactly its own outputs.
+``close()`` takes it too: it waits for the running step, and every call after it raises
+GraphrtError saying the engine is closed.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class LLM(OverlapLoop, StepRecovery):
         self.watchdog = engine_watchdog(self.runner, watchdog_timeout, watchdog_action, owner=self, lock=self._lock)
         self.overlap = overlap_enabled(self.runner, disable_overlap_schedule)
         self._inflight: list[Launched] = []         # launched, unresolved steps (overlap)
+        self._closed = False                        # close() was called: every call refused
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -122,6 +125,7 @@ class LLM(OverlapLoop, StepRecovery):
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params, "prompt_token_ids")
         with self._lock:
+            self._check_open()
             return self._enqueue(prompt_token_ids, params, None)
 
     def abort_request(self, request_id: int) -> RequestOutput | None:
@@ -164,6 +168,7 @@ class LLM(OverlapLoop, StepRecovery):
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self._validate(p, sp, f"prompt_token_ids[{i}]")
         with self._lock:
+            self._check_open()
             call = next(self._calls)
             ids = [self._enqueue(p, sp, call) for p, sp in zip(prompts, params)]
             mine = self._outbox[call] = {}
@@ -241,6 +246,7 @@ class LLM(OverlapLoop, StepRecovery):
 
     def _step(self) -> list[RequestOutput]:
         """One step (the lock held): every request that finished in it, whoever owns it."""
+        self._check_open()
         self.watchdog.check()               # refused after a watchdog timeout until reset()
         if self.runner.kv_cache_resets != self._kv_resets_seen:
             self._recover_kv(None, [])    # re-created outside a step: cached KV is gone too
@@ -351,10 +357,26 @@ class LLM(OverlapLoop, StepRecovery):
             self.scheduler.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the watchdog thread and the runner's tensor-parallel workers (idempotent; also
-        done when the engine is collected)."""
-        self.watchdog.close()
-        self.runner.close()
+        """Stop the engine, from any thread: wait for the step running now (its lock; at most
+        ``LLM_CLOSE_WAIT_S``, not at all once the watchdog fired), then stop the watchdog thread
+        and the runner's tensor-parallel workers. A ``generate`` in flight then raises
+        GenerationError saying the engine is closed (with its outputs so far); every later call
+        raises GraphrtError saying so. Idempotent; the workers also stop when it is collected."""
+        fired = self.watchdog.error is not None         # that forward hangs: do not wait for it
+        locked = self._lock.acquire(timeout=0 if fired else defaults.LLM_CLOSE_WAIT_S)
+        if not locked:
+            logger.error("graphrt: close(): a step still runs on another thread; closing under it")
+        try:
+            self._closed = True
+            self.watchdog.close()
+            self.runner.close()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GraphrtError("this graphrt.LLM is closed (close() was called); build a new engine")
 
     def __enter__(self) -> "LLM":
         return self
