@@ -25,6 +25,7 @@ import pytest
 
 import graphrt
 from graphrt import ConfigError, GraphrtError, InputError, SamplingParams
+from graphrt.core import defaults
 
 LLM_KW = dict(backend="eager", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
               block_size=4, num_kv_blocks=96)
@@ -48,6 +49,22 @@ def spawned_children() -> list[int]:
         if int(fields.get("PPid", "0")) == me and b"spawn_main" in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def shm_inodes(pid: int) -> set[int]:
+    """Inodes of the /dev/shm files (named semaphores, segments) process ``pid`` has mapped: a
+    semaphore is mapped under the temporary name it was created with, so the inode finds it."""
+    inodes = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+            inodes.add(int(fields[4]))
+    return inodes
+
+
+def shm_left(inodes: set[int]) -> list[str]:
+    """The /dev/shm files that still hold one of ``inodes``."""
+    return [entry.name for entry in os.scandir("/dev/shm") if entry.inode() in inodes]
 
 
 def gone(pid: int) -> bool:
@@ -226,8 +243,11 @@ def test_a_worker_that_fails_to_start_raises_naming_it(model_dir, tmp_path):
 
 
 def test_a_killed_worker_raises_naming_it(shortest_queue):
+    """... and leaves nothing in /dev/shm (it used to leave tqdm's multiprocessing lock, a named
+    semaphore the worker created, until the front exited; the resource tracker warned)."""
     pids = [w["pid"] for w in shortest_queue.stats["workers"]]
     pid = pids[1]
+    held = shm_inodes(pid)
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(GraphrtError, match=rf"worker 1 \(pid {pid}\)"):
@@ -238,14 +258,22 @@ def test_a_killed_worker_raises_naming_it(shortest_queue):
     assert not shortest_queue.stats["workers"][1]["alive"]
     shortest_queue.close()
     assert all(gone(p) for p in pids) and not set(spawned_children()) & set(pids)
+    assert shm_left(held) == []
 
 
-def test_close_leaves_no_child_processes(round_robin):
+def test_close_leaves_no_child_processes(round_robin, monkeypatch):
+    """close() while both workers are busy terminates them at once (no join wait here) and
+    leaves no process and nothing in /dev/shm."""
     pids = [w["pid"] for w in round_robin.stats["workers"]]
     assert sorted(spawned_children()) == sorted(pids)
+    held = set().union(*(shm_inodes(pid) for pid in pids))
+    busy = [round_robin.add_request([5, 6, 7], SamplingParams(max_tokens=250, ignore_eos=True)) for _ in pids]
+    assert sorted(round_robin.worker_of(r) for r in busy) == [0, 1]
+    monkeypatch.setattr(defaults, "DP_WORKER_JOIN_TIMEOUT_S", 0.0)
     round_robin.close()
     assert multiprocessing.active_children() == []
     assert spawned_children() == [] and all(gone(p) for p in pids)
+    assert shm_left(held) == []
     round_robin.close()         # idempotent
     with pytest.raises(GraphrtError, match="closed"):
         round_robin.generate([[5]])
