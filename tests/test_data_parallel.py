@@ -3,7 +3,8 @@
 Every request is answered exactly once, in request order, with the greedy tokens of a single
 ``graphrt.LLM``; round robin alternates workers; shortest queue sends to the less loaded one;
 a killed worker makes the front raise a GraphrtError naming it within seconds; close() (and
-interpreter exit without it) leaves no worker process behind. One module-scoped front per
+interpreter exit without it) leaves no worker process behind; engine arguments a worker's LLM
+would refuse are refused at the front before any process starts. One module-scoped front per
 method (spawning a worker that imports torch costs seconds); the tests that break or close a
 front come last in the file.
 """
@@ -24,6 +25,7 @@ import pytest
 
 import graphrt
 from graphrt import ConfigError, GraphrtError, InputError, SamplingParams
+from graphrt.core import defaults
 
 LLM_KW = dict(backend="eager", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
               block_size=4, num_kv_blocks=96)
@@ -47,6 +49,22 @@ def spawned_children() -> list[int]:
         if int(fields.get("PPid", "0")) == me and b"spawn_main" in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def shm_inodes(pid: int) -> set[int]:
+    """Inodes of the /dev/shm files (named semaphores, segments) process ``pid`` has mapped: a
+    semaphore is mapped under the temporary name it was created with, so the inode finds it."""
+    inodes = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+            inodes.add(int(fields[4]))
+    return inodes
+
+
+def shm_left(inodes: set[int]) -> list[str]:
+    """The /dev/shm files that still hold one of ``inodes``."""
+    return [entry.name for entry in os.scandir("/dev/shm") if entry.inode() in inodes]
 
 
 def gone(pid: int) -> bool:
@@ -88,6 +106,39 @@ def test_bad_arguments_raise_before_any_process_starts(model_dir):
     with pytest.raises(InputError, match="directory"):
         graphrt.DataParallelLLM(object())
     assert multiprocessing.active_children() == before
+
+
+BAD_ENGINE_ARGS = [(dict(max_num_seqs=0), ConfigError, "max_num_seqs"),
+                   (dict(block_size=0), ConfigError, "block_size"),
+                   (dict(no_such_option=1), ConfigError, "no_such_option"),
+                   (dict(max_num_seqs=64, max_num_batched_tokens=32), ConfigError, "max_num_seqs"),
+                   (dict(watchdog_action="shrug"), ConfigError, "watchdog_action"),
+                   (dict(disable_overlap_schedule="no"), ConfigError, "disable_overlap_schedule"),
+                   (dict(schedule_policy="newest"), InputError, "schedule_policy"),
+                   (dict(schedule_conservativeness=-1.0), InputError, "schedule_conservativeness"),
+                   (dict(decode_log_interval=0), InputError, "decode_log_interval")]
+
+
+@pytest.mark.parametrize("bad,error,match", BAD_ENGINE_ARGS,
+                         ids=[f"{next(iter(b))}={next(iter(b.values()))}" for b, _, _ in BAD_ENGINE_ARGS])
+def test_bad_engine_arguments_raise_at_the_front_before_any_process_starts(model_dir, monkeypatch, bad, error,
+                                                                           match):
+    """What each worker's graphrt.LLM would refuse is refused by the front, as LLM refuses it,
+    with no worker process started (today: the workers spawn, fail, and a traceback says why)."""
+    started = []
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", lambda proc: started.append(proc))
+    before = multiprocessing.active_children()
+    with pytest.raises(error, match=match):
+        graphrt.DataParallelLLM(model_dir, data_parallel_size=2, **{**LLM_KW, **bad})
+    assert started == [] and multiprocessing.active_children() == before
+
+
+def test_a_model_directory_without_config_json_is_refused_at_the_front(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", lambda proc: started.append(proc))
+    with pytest.raises(InputError, match="config.json"):
+        graphrt.DataParallelLLM(tmp_path, data_parallel_size=1, backend="eager")
+    assert started == []
 
 
 @pytest.mark.parametrize("method", ["round_robin", "shortest_queue"])
@@ -184,15 +235,19 @@ def test_concurrent_generate_calls_each_get_their_own_outputs(round_robin, refer
         assert [o.token_ids for o in results[k]] == reference[k::2]
 
 
-def test_a_worker_that_fails_to_start_raises_naming_it(tmp_path):
-    with pytest.raises(GraphrtError, match=r"(?s)worker 0 \(pid \d+\) failed to start.*config.json") as err:
+def test_a_worker_that_fails_to_start_raises_naming_it(model_dir, tmp_path):
+    (tmp_path / "config.json").write_text((Path(model_dir) / "config.json").read_text())   # no weights
+    with pytest.raises(GraphrtError, match=r"(?s)worker 0 \(pid \d+\) failed to start.*safetensors") as err:
         graphrt.DataParallelLLM(tmp_path, data_parallel_size=1, backend="eager")
     assert gone(int(re.search(r"pid (\d+)", str(err.value)).group(1)))
 
 
 def test_a_killed_worker_raises_naming_it(shortest_queue):
+    """... and leaves nothing in /dev/shm (it used to leave tqdm's multiprocessing lock, a named
+    semaphore the worker created, until the front exited; the resource tracker warned)."""
     pids = [w["pid"] for w in shortest_queue.stats["workers"]]
     pid = pids[1]
+    held = shm_inodes(pid)
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(GraphrtError, match=rf"worker 1 \(pid {pid}\)"):
@@ -203,14 +258,22 @@ def test_a_killed_worker_raises_naming_it(shortest_queue):
     assert not shortest_queue.stats["workers"][1]["alive"]
     shortest_queue.close()
     assert all(gone(p) for p in pids) and not set(spawned_children()) & set(pids)
+    assert shm_left(held) == []
 
 
-def test_close_leaves_no_child_processes(round_robin):
+def test_close_leaves_no_child_processes(round_robin, monkeypatch):
+    """close() while both workers are busy terminates them at once (no join wait here) and
+    leaves no process and nothing in /dev/shm."""
     pids = [w["pid"] for w in round_robin.stats["workers"]]
     assert sorted(spawned_children()) == sorted(pids)
+    held = set().union(*(shm_inodes(pid) for pid in pids))
+    busy = [round_robin.add_request([5, 6, 7], SamplingParams(max_tokens=250, ignore_eos=True)) for _ in pids]
+    assert sorted(round_robin.worker_of(r) for r in busy) == [0, 1]
+    monkeypatch.setattr(defaults, "DP_WORKER_JOIN_TIMEOUT_S", 0.0)
     round_robin.close()
     assert multiprocessing.active_children() == []
     assert spawned_children() == [] and all(gone(p) for p in pids)
+    assert shm_left(held) == []
     round_robin.close()         # idempotent
     with pytest.raises(GraphrtError, match="closed"):
         round_robin.generate([[5]])

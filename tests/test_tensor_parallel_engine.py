@@ -75,12 +75,15 @@ def drive(llm: graphrt.LLM, prompts: list[list[int]]) -> tuple[list[list[int]], 
     return [done[i] for i in ids], logits
 
 
+def channel_names(spec) -> list[str]:
+    """The /dev/shm names of a step channel's segment and semaphores."""
+    return [spec.name] + [f"sem.{w._semlock.name.lstrip('/')}" for w in spec.wakeups]
+
+
 def handles(executor) -> tuple[list[int], list[str]]:
     """Worker pids, and the /dev/shm names of the step channel's segment and semaphores."""
     ranks = executor.ranks
-    spec = ranks.channel.spec
-    semaphores = [f"sem.{w._semlock.name.lstrip('/')}" for w in spec.wakeups]
-    return [proc.pid for proc in ranks.procs], [spec.name] + semaphores
+    return [proc.pid for proc in ranks.procs], channel_names(ranks.channel.spec)
 
 
 def assert_released(pids: list[int], names: list[str]) -> None:
@@ -221,6 +224,101 @@ def test_failed_worker_is_named_and_every_rank_stops(monkeypatch, sig):
     (again,) = llm.step()                         # later steps fail at once with the same error
     assert again.finish_reason == "error" and "tensor-parallel worker rank 1" in again.error
     llm.close()
+
+
+def test_worker_dying_while_rank0_forms_the_group_is_named_at_once(monkeypatch):
+    """A worker that dies as rank 0 forms the process group fails start-up within seconds with a
+    GraphrtError naming its rank and signal -- not after the rendezvous timeout as torch's
+    DistStoreError -- and leaves no process, segment or semaphore."""
+    import torch.distributed as dist
+    from graphrt.backends.torch.tp_ranks import SpawnedRanks
+
+    monkeypatch.setattr(defaults, "TP_TIMEOUT_S", 60.0)       # the hang this replaces
+    monkeypatch.setattr(defaults, "TP_FAULT_GRACE_S", 0.3)
+    seen = {}
+    connect, init = SpawnedRanks.connect, dist.init_process_group
+
+    def recording_connect(self):
+        seen.update(procs=list(self.procs), names=channel_names(self.channel.spec))
+        return connect(self)
+
+    def kill_then_init(*args, **kwargs):
+        if "start" not in seen:                 # the first engine only
+            for proc in seen["procs"]:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(30)
+            seen["start"] = time.monotonic()
+        return init(*args, **kwargs)
+
+    monkeypatch.setattr(SpawnedRanks, "connect", recording_connect)
+    monkeypatch.setattr(dist, "init_process_group", kill_then_init)
+    with pytest.raises(GraphrtError, match=r"tensor-parallel worker rank 1 exited with code -9 \(SIGKILL\) "
+                                           r"during start-up"):
+        graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - seen["start"] < 30.0
+    assert not dist.is_initialized()
+    pids, names = [proc.pid for proc in seen["procs"]], seen["names"]
+    assert_released(pids, names)
+    # The failed start-up leaves nothing that stops the next engine from forming its group.
+    with ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2,
+                     max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
+                     num_kv_blocks=8, progress=False) as runner:
+        assert runner.model.tp_size == 2 and time.monotonic() - seen["start"] < 60.0
+        pids, names = handles(runner.executor)
+    assert_released(pids, names)
+
+
+def test_close_from_another_thread_waits_for_the_running_step():
+    """close() from another thread while a step runs waits for it: the generate in flight gets
+    its outputs or a GenerationError saying the engine is closed (no fault, no "exited"),
+    nothing is left, and every later call says the engine is closed."""
+    import threading
+
+    llm = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2, **ENGINE)
+    executor = llm.runner.executor
+    pids, names = handles(executor)
+    in_step, times = threading.Event(), {}
+    run = executor.local.run
+
+    def slow_run(*args, **kwargs):                 # rank 0's part of step 2 takes a while
+        if executor.steps == 2:
+            in_step.set()
+            time.sleep(0.5)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                times["step_end"] = time.monotonic()
+        return run(*args, **kwargs)
+
+    executor.local.run = slow_run
+    result = {}
+
+    def generate():
+        try:
+            result["outs"] = llm.generate(random_prompts((6, 9), seed=0),
+                                          SamplingParams(max_tokens=20, ignore_eos=True))
+        except GraphrtError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    assert in_step.wait(60)
+    llm.close()
+    times["closed"] = time.monotonic()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert times["closed"] >= times["step_end"], "close() did not wait for the running step"
+    error = result.get("error")
+    assert isinstance(error, graphrt.GenerationError), error
+    assert "closed" in str(error) and "exited" not in str(error), str(error)
+    assert {o.finish_reason for o in error.outputs} == {"abort"}
+    assert executor.ranks.fault_error is None
+    assert_released(pids, names)
+    for call in (lambda: llm.generate([[5, 6, 7]], GREEDY), lambda: llm.add_request([5, 6, 7], GREEDY), llm.step):
+        with pytest.raises(GraphrtError, match="closed") as err:
+            call()
+        assert "exited" not in str(err.value)
+    llm.close()                                   # idempotent
 
 
 def test_runner_context_manager_stops_workers():

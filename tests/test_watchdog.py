@@ -168,6 +168,42 @@ def test_a_hang_inside_one_c_call_raises_once_the_call_returns(monkeypatch, capl
     llm.close()
 
 
+def test_close_does_not_wait_for_a_forward_the_watchdog_found_hung(monkeypatch):
+    """close() waits for a running step, but not for one the watchdog found hung (inside one C
+    call, so its exception cannot land): it returns at once; the step then fails, and every later
+    call says the engine is closed."""
+    llm = make(watchdog_timeout=0.3)
+    release, result = threading.Event(), {}
+
+    def hung_in_one_c_call(**kwargs):
+        release.wait(60)
+        raise AssertionError("not reached: the watchdog's exception comes first")
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS[:1], GREEDY)
+        except GraphrtError as exc:
+            result["error"] = exc
+
+    monkeypatch.setattr(llm.runner, "execute", hung_in_one_c_call)
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while llm.watchdog.num_fires == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.watchdog.num_fires == 1
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 10.0        # not LLM_CLOSE_WAIT_S
+    release.set()
+    thread.join(30)
+    assert isinstance(result["error"], GenerationError)
+    assert isinstance(result["error"].__cause__, WatchdogTimeout)
+    for call in (lambda: llm.generate(PROMPTS[:1], GREEDY), lambda: llm.add_request(PROMPTS[0]), llm.step):
+        with pytest.raises(GraphrtError, match="closed"):
+            call()
+
+
 def test_no_watchdog_thread_when_disabled_and_identical_tokens_when_enabled(reference):
     # Sets, not counts: engines of earlier tests may be collected (their threads ending) meanwhile.
     def new_threads() -> set[threading.Thread]:

@@ -207,6 +207,10 @@ DEFAULT_WATCHDOG_ACTION = "raise"
 WATCHDOG_POLL_INTERVAL = 1.0
 #: close() waits this long for the watchdog thread to end (it is a daemon thread either way).
 WATCHDOG_JOIN_TIMEOUT = 5.0
+#: ``graphrt.LLM.close()`` waits this long for a step running on another thread to end (the
+#: watchdog's and the tensor-parallel timeout: a step still running then is hung); past it, or
+#: at once after the watchdog fired, it closes under the step, which then fails.
+LLM_CLOSE_WAIT_S = 300.0
 
 #: Tensor-parallel step channel (graphrt.core.step_channel): data bytes of the shared-memory
 #: segment (a 256-request step with a 512-column block table is about 0.6 MiB), arrays per
@@ -240,6 +244,9 @@ TP_WORKER_START_TIMEOUT_S = 600.0
 TP_WORKER_JOIN_TIMEOUT_S = 10.0
 #: ... an idle worker checks that rank 0 is alive this often (seconds).
 TP_WORKER_POLL_S = 1.0
+#: ... while the process group forms, rank 0 checks for a rendezvous key this often (seconds),
+#: and between checks whether a worker has exited: a dead worker fails start-up at once.
+TP_RENDEZVOUS_POLL_S = 0.01
 #: ... after a failed collective, how long rank 0 waits for a worker's exit to show before
 #: calling the others hung.
 TP_FAULT_GRACE_S = 1.0

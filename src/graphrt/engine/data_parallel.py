@@ -26,6 +26,7 @@ manager's exit, garbage collection and interpreter exit) stops and joins every w
 from __future__ import annotations
 
 import atexit
+import inspect
 import itertools
 import multiprocessing
 import multiprocessing.util  # noqa: F401 - imported before our atexit hook, so ours runs first
@@ -40,6 +41,8 @@ from typing import Any, Sequence
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, InputError
 from graphrt.engine.dp_worker import worker_main
+from graphrt.engine.engine_args import ENGINE_ARGS, check_engine_args
+from graphrt.engine.llm import LLM
 from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.engine.validation import params_per_prompt, validate_request
@@ -101,11 +104,23 @@ def _shutdown_all() -> None:
         _shutdown(key)
 
 
+def check_worker_args(model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> None:
+    """Refuse at the front what each worker's ``graphrt.LLM(model, **llm_kwargs)`` would refuse
+    before loading anything (engine/engine_args.py), as LLM raises it: a bad value costs no
+    process start, and no worker's traceback has to say it."""
+    bound = inspect.signature(LLM).bind(os.fspath(model), **llm_kwargs)   # others: graph_fields
+    bound.apply_defaults()
+    args = bound.arguments
+    check_engine_args(args["model"], args["config"], graph_fields=args["graph_fields"],
+                      **{name: args[name] for name in ENGINE_ARGS})
+
+
 class DataParallelLLM:
     """``data_parallel_size`` :class:`~graphrt.LLM` worker processes behind one front.
 
     ``model`` must be a directory (each worker loads it); every other keyword goes to each
-    worker's ``LLM``. ``device_ids[i]``, if given, is put in worker i's ``device_env``
+    worker's ``LLM``, and what that would refuse before loading the model is refused here,
+    before any worker starts. ``device_ids[i]``, if given, is put in worker i's ``device_env``
     environment variable (``CUDA_VISIBLE_DEVICES`` by default; ``ASCEND_RT_VISIBLE_DEVICES``
     on Ascend) before it imports a framework, so ``backend="cuda"`` there means that device.
     Without it every worker sees every device (on a CPU: all of them share the CPU).
@@ -130,6 +145,7 @@ class DataParallelLLM:
         if device_ids is not None and len(device_ids) != data_parallel_size:
             raise ConfigError(f"device_ids has {len(device_ids)} entries for "
                               f"data_parallel_size={data_parallel_size}")
+        check_worker_args(model, llm_kwargs)
         self.data_parallel_size = data_parallel_size
         self.load_balance_method = load_balance_method
         self._workers: list[_Worker] = []

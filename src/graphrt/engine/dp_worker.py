@@ -32,11 +32,22 @@ def read_requests(requests: Connection, inbox: "queue.Queue[tuple]") -> None:
         inbox.put(("stop",))
 
 
+def thread_lock_for_progress_bars() -> None:
+    """Give tqdm a thread lock instead of its default, which holds a multiprocessing RLock: a
+    named semaphore in /dev/shm that a worker killed or terminated (``close()`` while it is
+    busy) never unlinks -- it stays until the front exits, and the resource tracker warns of
+    a leak. A worker's progress bars are its own process's, so a thread lock serves them."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def worker_main(rank: int, model: str, llm_kwargs: dict[str, Any], env: dict[str, str],
                 requests: Connection, replies: Connection) -> None:
     """A worker process: one ``graphrt.LLM`` serving the requests the front sends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the front's: it stops the workers
     os.environ.update(env)                          # before any framework sees the devices
+    thread_lock_for_progress_bars()                 # before the engine's warm-up makes a bar
     inbox: queue.Queue[tuple] = queue.Queue()
     threading.Thread(target=read_requests, args=(requests, inbox), daemon=True,
                      name=f"graphrt-dp-reader-{rank}").start()
@@ -89,4 +100,4 @@ def serve(llm: Any, inbox: "queue.Queue[tuple]", replies: Connection) -> None:
             replies.send(("outs", outs))
 
 
-__all__ = ["read_requests", "serve", "worker_main"]
+__all__ = ["read_requests", "serve", "thread_lock_for_progress_bars", "worker_main"]

@@ -16,6 +16,8 @@ frees their blocks); ``generate`` then aborts the rest of its own requests and r
 cache is re-created and the requests that held KV are recomputed. Threads: one lock
 serializes ``add_request`` / ``step`` / ``abort_request`` and each step of ``generate``, so
 concurrent ``generate`` calls batch together; each call gets exactly its own outputs.
+``close()`` takes it too: it waits for the running step, and every call after it raises
+GraphrtError saying the engine is closed.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.loop import StepLoop, overlap_enabled
 from graphrt.engine.prefix_cache import PrefixCache
 from graphrt.engine.scheduler import Request, Scheduler
-from graphrt.engine.validation import engine_config, params_per_prompt, validate_request
-from graphrt.engine.watchdog import check_watchdog_args, engine_watchdog
-from graphrt.core.errors import GenerationError
+from graphrt.engine.engine_args import check_engine_args
+from graphrt.engine.validation import params_per_prompt, validate_request
+from graphrt.engine.watchdog import engine_watchdog
+from graphrt.core.errors import GenerationError, GraphrtError
 from graphrt.runner import ModelRunner
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_eos_token_ids
@@ -76,13 +79,13 @@ class LLM:
                  disable_overlap_schedule: bool = defaults.DEFAULT_DISABLE_OVERLAP_SCHEDULE,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
-        # Every setting is checked before anything is loaded or allocated (engine/validation.py).
-        check_flags(enable_prefix_caching=enable_prefix_caching, disable_overlap_schedule=disable_overlap_schedule,
-                    progress=progress)
-        check_watchdog_args(watchdog_timeout, watchdog_action)
-        self.config = config = engine_config(model, config, max_model_len, max_num_seqs=max_num_seqs, strict=strict,
-                                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                             **graph_fields)
+        self.config = config = check_engine_args(     # every setting, before anything is loaded
+            model, config, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size, strict=strict, schedule_policy=schedule_policy,
+            schedule_conservativeness=schedule_conservativeness, decode_log_interval=decode_log_interval,
+            watchdog_timeout=watchdog_timeout, watchdog_action=watchdog_action,
+            disable_overlap_schedule=disable_overlap_schedule, enable_prefix_caching=enable_prefix_caching,
+            progress=progress, graph_fields=graph_fields)
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
         dtype = check_before_loading(backend_obj, model, config, dtype)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
@@ -111,6 +114,7 @@ class LLM:
                              eos_token_ids=frozenset(model_eos_token_ids(self.runner.model)), metrics=self.metrics,
                              watchdog=self.watchdog, depth=1 if overlap_enabled(self.runner, disable_overlap_schedule)
                              else 0)
+        self._closed = False                        # close() was called: every call refused
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -118,6 +122,7 @@ class LLM:
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params, "prompt_token_ids")
         with self._lock:
+            self._check_open()
             return self._enqueue(prompt_token_ids, params, None)
 
     def abort_request(self, request_id: int) -> RequestOutput | None:
@@ -159,6 +164,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self._validate(p, sp, f"prompt_token_ids[{i}]")
         with self._lock:
+            self._check_open()
             call = next(self._calls)
             ids = [self._enqueue(p, sp, call) for p, sp in zip(prompts, params)]
             mine = self._outbox[call] = {}
@@ -167,6 +173,7 @@ class LLM:
                 with self._lock:    # one step at a time; other callers' steps run ours too
                     if len(mine) == len(ids) or call in self._call_faults:
                         break
+                    self._check_open()
                     self._deliver(self.loop.step())
         except BaseException as exc:
             outs, _ = self._close_call(call, ids, prompts, f"aborted: generate() failed: {exc!r}")
@@ -216,6 +223,7 @@ class LLM:
         queued, consistent, for the next step.
         """
         with self._lock:
+            self._check_open()
             self._deliver(self.loop.step())
             box = self._outbox[None]
             outs = list(box.values())
@@ -265,10 +273,26 @@ class LLM:
             self.scheduler.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the watchdog thread and the runner's tensor-parallel workers (idempotent; also
-        done when the engine is collected)."""
-        self.watchdog.close()
-        self.runner.close()
+        """Stop the engine, from any thread: wait for the step running now (its lock; at most
+        ``LLM_CLOSE_WAIT_S``, not at all once the watchdog fired), then stop the watchdog thread
+        and the runner's tensor-parallel workers. A ``generate`` in flight then raises
+        GenerationError saying the engine is closed (with its outputs so far); every later call
+        raises GraphrtError saying so. Idempotent; the workers also stop when it is collected."""
+        fired = self.watchdog.error is not None         # that forward hangs: do not wait for it
+        locked = self._lock.acquire(timeout=0 if fired else defaults.LLM_CLOSE_WAIT_S)
+        if not locked:
+            logger.error("graphrt: close(): a step still runs on another thread; closing under it")
+        try:
+            self._closed = True
+            self.watchdog.close()
+            self.runner.close()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GraphrtError("this graphrt.LLM is closed (close() was called); build a new engine")
 
     def __enter__(self) -> "LLM":
         return self

@@ -62,6 +62,12 @@ class DecodeLine:
                 + (f" ({causes})" if causes else ""))
 
 
+def check_decode_log_interval(value: int) -> None:
+    """Refuse a ``decode_log_interval`` that is not an integer >= 1 (InputError naming it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError("decode_log_interval", f"must be an integer >= 1 (decode steps), got {value!r}")
+
+
 class EngineMetrics:
     """Counts what each step did and logs SGLang's prefill and decode lines."""
 
@@ -69,8 +75,7 @@ class EngineMetrics:
         self.backend = backend
         self.block_size = block_size
         self.capacity_blocks = max(capacity_blocks, 1)
-        if isinstance(decode_log_interval, bool) or not isinstance(decode_log_interval, int) or decode_log_interval < 1:
-            raise InputError("decode_log_interval", f"must be an integer >= 1 (decode steps), got {decode_log_interval!r}")
+        check_decode_log_interval(decode_log_interval)
         self.decode_log_interval = decode_log_interval
         self.last_prefill: PrefillLine | None = None
         self.last_decode: DecodeLine | None = None
@@ -144,4 +149,4 @@ def engine_stats(llm: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["engine_stats", "DecodeLine", "EngineMetrics", "PrefillLine"]
+__all__ = ["engine_stats", "check_decode_log_interval", "DecodeLine", "EngineMetrics", "PrefillLine"]

@@ -41,13 +41,18 @@ Matcher = Callable[[Any], Match]
 Keys = Callable[[Any, int], list[bytes]]
 
 
+def check_policy(name: str) -> None:
+    """Refuse a name that is not one of :data:`POLICIES` (InputError naming ``schedule_policy``)."""
+    if name not in POLICIES:
+        raise InputError("schedule_policy", f"unknown policy {name!r}; expected one of {list(POLICIES)}")
+
+
 class SchedulePolicy:
     """Orders a waiting queue by one of :data:`POLICIES`."""
 
     def __init__(self, name: str, prefix_cache: PrefixCache | None, *,
                  seed: int | None = defaults.SCHEDULE_RANDOM_SEED) -> None:
-        if name not in POLICIES:
-            raise InputError("schedule_policy", f"unknown policy {name!r}; expected one of {list(POLICIES)}")
+        check_policy(name)
         self.name = name
         #: What runs: a cache-aware policy without a prefix cache serves fcfs.
         self.active = "fcfs" if name in CACHE_AWARE and prefix_cache is None else name
@@ -121,4 +126,4 @@ class SchedulePolicy:
         return out
 
 
-__all__ = ["CACHE_AWARE", "POLICIES", "SchedulePolicy"]
+__all__ = ["CACHE_AWARE", "POLICIES", "SchedulePolicy", "check_policy"]

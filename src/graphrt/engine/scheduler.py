@@ -103,6 +103,12 @@ class ScheduledStep:
         return len(self.requests)
 
 
+def check_conservativeness(value: float) -> None:
+    """Refuse a ``schedule_conservativeness`` that is not a finite number >= 0 (InputError)."""
+    if not (value >= 0 and math.isfinite(value)):
+        raise InputError("schedule_conservativeness", f"must be a finite number >= 0, got {value!r}")
+
+
 class Scheduler:
     """Waiting queue, running batch, token budget, chunked prefill, preemption, prefix cache."""
 
@@ -112,9 +118,7 @@ class Scheduler:
                  schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
                  clip_max_new_tokens: int = defaults.CLIP_MAX_NEW_TOKENS_ESTIMATION,
                  seed: int | None = defaults.SCHEDULE_RANDOM_SEED) -> None:
-        if not (schedule_conservativeness >= 0 and math.isfinite(schedule_conservativeness)):
-            raise InputError("schedule_conservativeness", f"must be a finite number >= 0, got "
-                                                          f"{schedule_conservativeness!r}")
+        check_conservativeness(schedule_conservativeness)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size

@@ -156,9 +156,6 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         """Bytes of a block on one rank (its own KV heads): every rank holds the same count."""
         return self.local.kv_cache_bytes_per_block(block_size)
 
-    def expect_keys(self, keys: Sequence[BatchDescriptor | SamplerKey]) -> None:
-        self.local.expect_keys(keys)
-
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
         """Rank 0 samples alone: its logits rows are the gathered, full-vocabulary ones."""

@@ -2,10 +2,12 @@
 naming the one that failed, and stopping them.
 
 * :class:`SpawnedRanks` -- rank 0 starts ``tp_size - 1`` worker processes itself
-  (``defaults.TP_WORKER_START_METHOD``), creates the process group on a free localhost port
-  and talks to them through the shared-memory :class:`~graphrt.core.step_channel.StepChannel`.
-  It sees their processes: a worker that exits is named with its exit code and the error it
-  reported, one that hangs by the call it had not read or not finished (a shared counter).
+  (``defaults.TP_WORKER_START_METHOD``), creates the process group through its own localhost
+  rendezvous store and talks to them through the shared-memory
+  :class:`~graphrt.core.step_channel.StepChannel`. It sees their processes: a worker that
+  exits is named with its exit code and the error it reported -- also while the process group
+  forms (its rendezvous waits in short slices, :mod:`~graphrt.backends.torch.tp_rendezvous`)
+  -- one that hangs by the call it had not read or not finished (a shared counter).
 * :class:`JoinedRanks` -- ``torch.distributed`` was initialised by whoever launched the ranks
   (``torchrun``); ranks 1.. run :func:`graphrt.backends.torch.tp_worker.serve`, and calls go
   as gloo broadcasts. Rank 0 cannot see their processes: a failure names the call only.
@@ -29,6 +31,7 @@ import numpy as np
 import torch.distributed as dist
 
 from graphrt.backends.torch import tp_protocol as p
+from graphrt.backends.torch import tp_rendezvous as rz
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError
 from graphrt.core.step_channel import StepChannel
@@ -91,41 +94,46 @@ class SpawnedRanks(Ranks):
         if method == "forkserver":
             ctx.set_forkserver_preload(["graphrt.backends.torch.tp_worker"])
         self.setup, self.timeout = setup, setup.timeout
-        self.port = p.free_port()
+        self.store: Any = rz.rank0_store(setup.tp_size, setup.timeout)
         self.channel = StepChannel.create(setup.tp_size - 1, ctx=ctx, resident=resident)
         self._counters = ctx.RawArray("q", 2 * setup.tp_size)
         self.counters = np.frombuffer(self._counters, dtype=np.int64).reshape(setup.tp_size, 2)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.errors: dict[int, str] = {}
-        self.started: set[int] = set()
         self.group = False
         for rank in range(1, setup.tp_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=spawned_worker, name=f"graphrt-tp-rank{rank}", daemon=True,
-                               args=(setup, rank, self.port, self.channel.spec, writer, self._counters))
+                               args=(setup, rank, self.store.port, self.channel.spec, writer, self._counters))
             proc.start()
             writer.close()
             self.procs.append(proc)
             self.conns.append(reader)
 
     def connect(self) -> None:
-        """Wait until every worker started, then form the process group and the control group."""
-        deadline = time.monotonic() + defaults.TP_WORKER_START_TIMEOUT_S
-        while len(self.started) < len(self.procs):
-            self._read_messages()
-            if self._exited() or self.errors:
-                raise self.fault("start-up", None)
-            if time.monotonic() > deadline:
-                raise self.fault("start-up", TimeoutError(f"no start within {defaults.TP_WORKER_START_TIMEOUT_S} s"))
-            wait_any(self.conns + [proc.sentinel for proc in self.procs], timeout=defaults.TP_WORKER_POLL_S)
+        """Form the process group and the control group with the workers watched
+        (:mod:`~graphrt.backends.torch.tp_rendezvous`): a worker that exits meanwhile fails
+        start-up at once, named, instead of after the rendezvous timeout."""
         device = self.setup.device(0)
-        dist.init_process_group(p.GROUP_BACKENDS[device.type], init_method=f"tcp://127.0.0.1:{self.port}",
-                                rank=0, world_size=self.setup.tp_size, timeout=timedelta(seconds=self.timeout))
-        self.group = _OWNED_GROUP[0] = True
-        self.agreement = p.Agreement(p.control_group(), self.setup.tp_size)
+        store = rz.WatchedStore(self.store, self._check_alive)
+        count = rz.group_count()
+        try:
+            dist.init_process_group(p.GROUP_BACKENDS[device.type], store=store, rank=0,
+                                    world_size=self.setup.tp_size, timeout=timedelta(seconds=self.timeout))
+            self.group = _OWNED_GROUP[0] = True
+            self.agreement = p.Agreement(p.control_group(), self.setup.tp_size)
+        except Exception as exc:  # noqa: BLE001 - a worker exited, or the rendezvous failed: named
+            if not self.group:
+                rz.forget_failed_group(count)
+            raise self.fault("start-up (forming the process group)", exc) from exc
         if p.GROUP_BACKENDS[device.type] != "gloo":
             threading.Thread(target=self._abort_on_exit, name="graphrt-tp-watch", daemon=True).start()
+
+    def _check_alive(self) -> None:
+        """Raise when a worker has exited (the rendezvous calls this between its slices)."""
+        if self._exited():
+            raise GraphrtError("a tensor-parallel worker exited before the process group formed")
 
     def _abort_on_exit(self) -> None:
         """nccl / hccl wait on a dead peer until their timeout: when a worker exits while the
@@ -143,11 +151,8 @@ class SpawnedRanks(Ranks):
         for conn in self.conns:
             try:
                 while conn.poll():
-                    message = conn.recv()
-                    if message[0] == "started":
-                        self.started.add(message[1])
-                    else:
-                        self.errors[message[1]] = message[2]
+                    _, rank, error = conn.recv()           # ("error", rank, text)
+                    self.errors[rank] = error
             except (EOFError, OSError):
                 continue
 
@@ -187,6 +192,8 @@ class SpawnedRanks(Ranks):
             error = self.errors.get(rank, "").strip().splitlines()
             parts.append(f"tensor-parallel worker rank {rank} exited with code {code}{name}"
                          + (f" ({error[0]})" if error else ""))
+        if not parts and not self.group:
+            parts.append("every tensor-parallel worker is alive but the process group did not form")
         if not parts:
             for rank in range(1, self.setup.tp_size):
                 read, done = (int(v) for v in self.counters[rank])
@@ -227,6 +234,7 @@ class SpawnedRanks(Ranks):
         self.channel.close()
         self.channel.unlink()
         self.channel = None           # its semaphores' names go with the last reference
+        self.store = None             # the rendezvous port closes with it
         if self.group:
             _destroy_group()
             self.group = _OWNED_GROUP[0] = False

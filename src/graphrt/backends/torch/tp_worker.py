@@ -7,7 +7,7 @@ arrays (:mod:`graphrt.backends.torch.tp_protocol`). A worker runs the same call 
 ranks in step, and only rank 0 samples. Two ways in:
 
 * :func:`spawned_worker` -- the process target rank 0 starts itself (``tensor_parallel_size``
-  on one machine): the shared-memory step channel, a pipe for start-up and errors, and a
+  on one machine): the shared-memory step channel, a pipe for its error, and a
   shared ``[read, done]`` call counter per rank that rank 0 reads to name a hung rank;
 * :func:`serve` -- ranks 1.. of a group someone else launched (``torchrun``, env://): the
   setup comes from rank 0 once, the calls as gloo broadcasts (docs/distributed.md).
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from graphrt.backends.torch import tp_protocol as p
 from graphrt.backends.torch.executor import TorchExecutor
+from graphrt.backends.torch.tp_rendezvous import worker_store
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import RuntimeMode, SamplerKey
@@ -166,9 +167,10 @@ def _configure(setup: p.WorkerSetup, rank: int) -> None:
 
 def spawned_worker(setup: p.WorkerSetup, rank: int, port: int, spec: ChannelSpec, conn: Any,
                    counters: Any) -> None:
-    """Process target of worker ``rank``, started by rank 0: join the group on ``port``, load
-    the shard, follow the step channel; an error is sent to rank 0 through ``conn`` and ends
-    the process with exit code 1. Ctrl-C is rank 0's to handle: it stops the workers itself."""
+    """Process target of worker ``rank``, started by rank 0: join the group through rank 0's
+    rendezvous store on ``port``, load the shard, follow the step channel; an error is sent to
+    rank 0 through ``conn`` and ends the process with exit code 1. Ctrl-C is rank 0's to
+    handle: it stops the workers itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if setup.env is not None:
         os.environ.clear()
@@ -176,8 +178,7 @@ def spawned_worker(setup: p.WorkerSetup, rank: int, port: int, spec: ChannelSpec
     channel = None
     try:
         _configure(setup, rank)
-        conn.send(("started", rank))
-        dist.init_process_group(p.GROUP_BACKENDS[setup.device(rank).type], init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group(p.GROUP_BACKENDS[setup.device(rank).type], store=worker_store(port, setup),
                                 rank=rank, world_size=setup.tp_size, timeout=timedelta(seconds=setup.timeout))
         agreement = p.Agreement(p.control_group(), setup.tp_size)
         channel = StepChannel.attach(spec, rank - 1)

@@ -1,0 +1,54 @@
+"""``graphrt.LLM``'s own arguments, checked before anything is loaded or started.
+
+:func:`check_engine_args` is every check ``graphrt.LLM`` makes of its arguments that needs no
+model: the :class:`~graphrt.config.GraphConfig` it runs with (its limits and graph fields; an
+unknown keyword is a field pydantic refuses), the schedule policy and conservativeness, the
+decode log interval, the watchdog, the boolean flags (strictly booleans), and the bytes the
+engine's host tables imply. ``LLM`` calls it first, so a bad
+argument costs no load or warm-up; ``graphrt.DataParallelLLM`` calls it at the front with its
+workers' keywords (:data:`ENGINE_ARGS`, by name), so a bad one is refused there, as ``LLM``
+refuses it, before any worker process starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphrt.config import GraphConfig, check_flags
+from graphrt.core.errors import ConfigError
+from graphrt.engine.metrics import check_decode_log_interval
+from graphrt.engine.schedule_policy import check_policy
+from graphrt.engine.scheduler import check_conservativeness
+from graphrt.engine.validation import engine_config
+from graphrt.engine.watchdog import check_watchdog_args
+
+#: The keywords of ``graphrt.LLM`` that :func:`check_engine_args` checks besides ``model``,
+#: ``config`` and the graph fields.
+ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "strict",
+               "schedule_policy", "schedule_conservativeness", "decode_log_interval", "watchdog_timeout",
+               "watchdog_action", "disable_overlap_schedule", "enable_prefix_caching", "progress")
+
+
+def check_engine_args(model: Any, config: GraphConfig | None, *, max_num_seqs: int, max_num_batched_tokens: int,
+                      max_model_len: int | None, block_size: int, strict: bool, schedule_policy: str,
+                      schedule_conservativeness: float, decode_log_interval: int, watchdog_timeout: float | None,
+                      watchdog_action: str, disable_overlap_schedule: bool, enable_prefix_caching: bool,
+                      progress: bool, graph_fields: dict[str, Any]) -> GraphConfig:
+    """Refuse what ``graphrt.LLM(model, ...)`` would refuse of these arguments (ConfigError or
+    InputError naming the argument, as ``LLM`` raises them); return the config it runs with:
+    ``config`` as given, else one from the limits and ``graph_fields`` whose ``max_model_len``
+    defaults to the model's (``validation.engine_config``). ``model``: a Hugging Face directory
+    (only its ``config.json`` is read) or a loaded model."""
+    check_flags(enable_prefix_caching=enable_prefix_caching, disable_overlap_schedule=disable_overlap_schedule,
+                progress=progress)
+    check_policy(schedule_policy)
+    check_conservativeness(schedule_conservativeness)
+    check_decode_log_interval(decode_log_interval)
+    check_watchdog_args(watchdog_timeout, watchdog_action)
+    if config is not None and not isinstance(config, GraphConfig):
+        raise ConfigError(f"config must be a graphrt.GraphConfig, got {type(config).__name__}")
+    return engine_config(model, config, max_model_len, max_num_seqs=max_num_seqs, strict=strict,
+                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, **graph_fields)
+
+
+__all__ = ["ENGINE_ARGS", "check_engine_args"]
