@@ -79,9 +79,14 @@ class PaddedEagerDispatcher:
 
     def __init__(self, inner: Dispatcher) -> None:
         self.inner = inner
+        self.context_sizes = inner.context_sizes
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0) -> Dispatch:
-        d = self.inner.dispatch(num_tokens, num_reqs, uniform_decode, num_loras)
+    def context_bucket(self, max_seq_len: int) -> int:
+        return self.inner.context_bucket(max_seq_len)
+
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0,
+                 context: int = 0) -> Dispatch:
+        d = self.inner.dispatch(num_tokens, num_reqs, uniform_decode, num_loras, context)
         return dataclasses.replace(d, mode=RuntimeMode.NONE, reason=f"{d.reason}; eager at the padded key",
                                    cause=EagerCause.MODE)    # every step eager by design
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,8 +128,9 @@ def test_batch_descriptor_str():
 # --------------------------------------------------------------------------------------
 
 def test_xla_dispatcher():
-    c = GraphConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    c = GraphConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)   # one context bucket
     d = XlaBuckets.from_config(c).dispatcher()
+    key = functools.partial(BatchDescriptor, max_seq_len=128)
     r = d.dispatch(3, 3, True)
     assert (r.mode, r.key) == (RuntimeMode.FULL, key(4, 4, True))
     r = d.dispatch(20, 3, False)
@@ -174,12 +177,14 @@ def test_xla_never_eager_and_keys_are_warm(c, data):
     keys = set(d.keys())
     for _ in range(5):
         t, r, u = data.draw(step_shapes(c.max_num_seqs, c.max_num_batched_tokens))
-        res = d.dispatch(t, r, u)
+        longest = data.draw(st.integers(1, c.max_model_len))       # every context has a key too
+        res = d.dispatch(t, r, u, 0, d.context_bucket(longest))
         assert res.mode is RuntimeMode.FULL
         assert (res.mode, res.key) in keys
         assert res.key.num_tokens >= t and res.key.num_reqs >= r
+        assert longest <= res.key.max_seq_len <= max(longest * 4, 256)   # a bucket: at most 4x, from 256
         if u:
-            assert res.key == key(res.key.num_tokens, res.key.num_tokens, True)
+            assert (res.key.num_reqs, res.key.uniform_decode) == (res.key.num_tokens, True)
     too_many = c.max_num_batched_tokens + data.draw(st.integers(1, 100))
     with pytest.raises(InputError):
         d.dispatch(too_many, 1, False)

@@ -70,7 +70,7 @@ def test_kv_blocks_are_reduced_by_the_recording_graphs_measured_bytes(cpu_runner
     built = {row["key"]: row["bytes"] for row in r.warmup_report}
     # The samples: per family the largest, the smallest and the middle key, measured before the
     # KV cache existed -- the same byte counts the recording graph gives them at warm-up.
-    fwd = {n: f"FULL (mixed, tokens={n}, reqs={min(n, 8)})" for n in SIZES}
+    fwd = {n: f"FULL (mixed, tokens={n}, reqs={min(n, 8)}, context<=128)" for n in SIZES}   # one context bucket
     smp = {(n, g): f"sampler (reqs={n}, {'greedy' if g else 'random'})" for n in (1, 2, 4, 8) for g in (True, False)}
     assert set(gm.sampled) == {fwd[1], fwd[4], fwd[16]} | {smp[n, g] for n in (1, 4, 8) for g in (True, False)}
     assert all(gm.sampled[k] == built[k] > 0 for k in gm.sampled)

@@ -212,7 +212,8 @@ def test_adapters_through_graphs_equal_eager_and_the_merged_weights():
     computed = [prompts[0] + 1, prompts[1] + 1, prompts[2]]       # no adapter at all: the key without LoRA
     got = step(graph, tokens, blocks, computed, [1, 1, 1], None)
     assert_bitwise(got, step(eager, tokens, blocks, computed, [1, 1, 1], None), "no adapters")
-    assert graph.last_step.key == BatchDescriptor(4, 4, True) and graph.last_step.mode is RuntimeMode.FULL
+    assert graph.last_step.key == BatchDescriptor(4, 4, True, max_seq_len=LIMITS["max_model_len"])
+    assert graph.last_step.mode is RuntimeMode.FULL
 
     assert graph.remove_lora(0) and not graph.remove_lora(0)
     with pytest.raises(InputError, match=r"lora_ids\[0\].*slot 0 holds no adapter"):

@@ -153,7 +153,7 @@ def test_strict_mode_raises_on_a_missing_key(model_dir, tables):
     before = access.device_state(runner)
     with pytest.raises(CacheMissError) as err:
         step.run(runner, greedy(2))
-    key = (RuntimeMode.FULL, BatchDescriptor(8, 8, False))
+    key = (RuntimeMode.FULL, BatchDescriptor(8, 8, False, max_seq_len=64))   # the context: one bucket
     assert err.value.key == key
     message = str(err.value)   # names the key: mode, tokens, requests; and why it is missing
     assert "FULL" in message and "tokens=8" in message and "reqs=8" in message, message

@@ -30,6 +30,8 @@ from parity import assert_bitwise, assert_close_across_shapes, assert_same_token
 K = 2
 Q = 1 + K
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block_size=4)
+#: The keys' context bucket (cpu's and xla's reference kernels key it): one, max_model_len.
+CTX = LIMITS["max_model_len"]
 SIZES = [1, 2, 4, 8, 16]            # not multiples of Q: decode keys derive their own
 ROWS, WIDTH = 4, 8
 PROMPTS = (7, 5, 10)                 # prompt lengths of the three requests
@@ -196,9 +198,9 @@ def test_verification_equals_decoding_one_token_at_a_time(backend, mode):
     elif mode == "PIECEWISE":     # 9 tokens padded to the 16-token bucket: not a multiple of Q
         assert info.mode is RuntimeMode.PIECEWISE and info.key.num_tokens == 16
     elif mode == "FULL":          # one graph family for every step: the 16-token mixed key
-        assert info.mode is RuntimeMode.FULL and info.key == BatchDescriptor(16, 4, False)
+        assert info.mode is RuntimeMode.FULL and info.key == BatchDescriptor(16, 4, False, max_seq_len=CTX)
     else:                         # 3 requests: the decode key of 4 requests, 12 tokens
-        assert info.mode is RuntimeMode.FULL and info.key == BatchDescriptor(12, 4, True)
+        assert info.mode is RuntimeMode.FULL and info.key == BatchDescriptor(12, 4, True, max_seq_len=CTX)
         assert r.stats.misses == 0 and r.stats.unplanned_builds == 0
 
 

@@ -35,6 +35,8 @@ from parity import assert_close_across_shapes, assert_same_tokens  # noqa: E402
 
 VOCAB = 128
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
+#: Every key's context bucket: one, max_model_len (XLA's buckets start at 256 tokens).
+CTX = LIMITS["max_model_len"]
 TOKEN_PADDINGS = [16, 32]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 ATOL = 1e-4
@@ -160,8 +162,8 @@ def test_warmup_report_and_entries(qwen):
     ex = runner.executor
     assert not ex.eager_fallback and ex.has_graphs and ex.compiles.sealed
     keys = {k for _, k in runner.cache}
-    assert keys == {BatchDescriptor(32, 4, False), BatchDescriptor(16, 4, False), BatchDescriptor(4, 4, True),
-                    BatchDescriptor(2, 2, True), BatchDescriptor(1, 1, True)}
+    assert keys == {BatchDescriptor(32, 4, False, max_seq_len=CTX), BatchDescriptor(16, 4, False, max_seq_len=CTX), BatchDescriptor(4, 4, True, max_seq_len=CTX),
+                    BatchDescriptor(2, 2, True, max_seq_len=CTX), BatchDescriptor(1, 1, True, max_seq_len=CTX)}
     assert {k for k in runner.sampler_cache} == {SamplerKey(r, g) for r in (1, 2, 4) for g in (True, False)}
     report = compile_report(runner.cache, runner.sampler_cache)
     # Every entry was lowered here; a compile may take ~0 s when another test in this process
@@ -202,7 +204,7 @@ def test_padding_is_invisible_and_writes_no_real_slot(qwen):
     d.add(3, random_prompts((3,), seed=3)[0])
     kv_before = np.asarray(ex.kv_cache)
     d.step({0: 10})                                   # 10 tokens -> bucket (16, 4)
-    assert llm.runner.last_step.key == BatchDescriptor(16, 4, False)
+    assert llm.runner.last_step.key == BatchDescriptor(16, 4, False, max_seq_len=CTX)
     alone, alone_hidden = llm.runner.logits()[0], llm.runner.hidden_states()[:10]
     kv_after = np.asarray(ex.kv_cache)
     written = (d.blocks[0, :3, None] * 4 + np.arange(4)).reshape(-1)[:10]
@@ -210,18 +212,18 @@ def test_padding_is_invisible_and_writes_no_real_slot(qwen):
     assert set(changed) <= set(written)               # padded tokens wrote only the trash row
     assert np.isfinite(kv_after).all()
     d.step({1: 10, 2: 15})                            # 25 tokens -> bucket (32, 4)
-    assert llm.runner.last_step.key == BatchDescriptor(32, 4, False)
+    assert llm.runner.last_step.key == BatchDescriptor(32, 4, False, max_seq_len=CTX)
     assert_close_across_shapes(llm.runner.logits()[0], alone)       # another bucket: graphrt.tolerance
     assert_close_across_shapes(llm.runner.hidden_states()[:10], alone_hidden)
     assert_same_tokens(llm.runner.logits()[0], alone)
     check_logits(hf, d, [1, 2])
     d.step({0: 1})                                    # decode bucket 1
-    assert llm.runner.last_step.key == BatchDescriptor(1, 1, True)
+    assert llm.runner.last_step.key == BatchDescriptor(1, 1, True, max_seq_len=CTX)
     solo = llm.runner.logits()[0]
     check_logits(hf, d, [0])
     d.step({3: 3})
     d.step({1: 1, 2: 1, 3: 1})                        # decode bucket 4 with 3 requests
-    assert llm.runner.last_step.key == BatchDescriptor(4, 4, True)
+    assert llm.runner.last_step.key == BatchDescriptor(4, 4, True, max_seq_len=CTX)
     assert_close_across_shapes(llm.runner.logits()[0], solo)
     assert_same_tokens(llm.runner.logits()[0], solo)
     check_logits(hf, d, [1, 2, 3])
@@ -273,7 +275,7 @@ def _dispatcher_with_extra_bucket(runner: ModelRunner) -> Dispatcher:
     grid = XlaBuckets.from_config(cfg)
     return Dispatcher(GraphMode.FULL, token_buckets=BucketPolicy(TOKEN_PADDINGS + [24]), decode_buckets=grid.decode,
                       mixed_num_reqs=grid.max_reqs, max_num_seqs=cfg.max_num_seqs, eager_fallback=False,
-                      separate_decode=True)
+                      separate_decode=True, context_buckets=grid.contexts, max_context=cfg.max_model_len)
 
 
 def test_strict_forced_miss_raises(qwen, monkeypatch):
@@ -283,10 +285,10 @@ def test_strict_forced_miss_raises(qwen, monkeypatch):
     d.add(0, random_prompts((20,), seed=5)[0])
     with CompileCounter() as counter, pytest.raises(CacheMissError) as err:
         d.step({0: 20})                               # -> (24, 4): never compiled
-    assert err.value.key == (RuntimeMode.FULL, BatchDescriptor(24, 4, False))
+    assert err.value.key == (RuntimeMode.FULL, BatchDescriptor(24, 4, False, max_seq_len=CTX))
     assert counter.compiles == 0
     with pytest.raises(CacheMissError) as err:        # the executor names the field and the shapes
-        runner.executor.build(RuntimeMode.FULL, BatchDescriptor(24, 4, False))
+        runner.executor.build(RuntimeMode.FULL, BatchDescriptor(24, 4, False, max_seq_len=CTX))
     msg = str(err.value)
     assert "shape: field 'input_ids' is (24,)" in msg and "nearest" in msg
     with pytest.raises(CacheMissError, match="logits"):
@@ -309,7 +311,7 @@ def _leaky(entry: XlaEntry, monkeypatch) -> None:
 
 def test_strict_compile_during_run_raises(qwen, monkeypatch):
     runner = qwen[0].runner
-    key = BatchDescriptor(1, 1, True)
+    key = BatchDescriptor(1, 1, True, max_seq_len=CTX)
     _leaky(runner.cache.get((RuntimeMode.FULL, key)), monkeypatch)
     d = Driver(runner)
     d.add(0, [9, 8, 7])
@@ -329,11 +331,11 @@ def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch
     builds, unplanned = runner.stats.unplanned_builds, ex.compiles.unplanned_compiles
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 20})
-    assert runner.last_step.key == BatchDescriptor(24, 4, False)
+    assert runner.last_step.key == BatchDescriptor(24, 4, False, max_seq_len=CTX)
     check_logits(hf, d, [0])
     assert runner.stats.unplanned_builds == builds + 1 and ex.compiles.unplanned_compiles == unplanned + 1
     assert "input_ids" in caplog.text and "(24,)" in caplog.text
-    _leaky(runner.cache.get((RuntimeMode.FULL, BatchDescriptor(2, 2, True))), monkeypatch)
+    _leaky(runner.cache.get((RuntimeMode.FULL, BatchDescriptor(2, 2, True, max_seq_len=CTX))), monkeypatch)
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 1})
     assert ex.compiles.unplanned_compiles == unplanned + 2 and "hot path" in caplog.text
@@ -392,7 +394,7 @@ def test_bad_input_is_an_input_error_and_touches_nothing(qwen):
         inputs = runner.preparer.prepare(token_ids=d.tokens, block_table=d.blocks, req_rows=np.array([0]),
                                          num_computed_tokens=np.array([0]),
                                          num_scheduled_tokens=np.array([5]))
-        key = BatchDescriptor(16, 4, False)
+        key = BatchDescriptor(16, 4, False, max_seq_len=CTX)
         entry = runner.cache.get((RuntimeMode.FULL, key))
         padded = runner.padder.pad(inputs, num_tokens=16, num_reqs=4)  # allocating: slot_mapping int64
         with pytest.raises(InputError) as err:
@@ -468,7 +470,7 @@ def _cached_runner(cache_dir, model_dir=None, **overrides):
                        precompile_bs_paddings=[1, 4], **limits)
 
 
-CACHE_KEYS = [(RuntimeMode.FULL, BatchDescriptor(1, 1, True)), (RuntimeMode.FULL, SamplerKey(1, True))]
+CACHE_KEYS = [(RuntimeMode.FULL, BatchDescriptor(1, 1, True, max_seq_len=CTX)), (RuntimeMode.FULL, SamplerKey(1, True))]
 
 
 def _build_ahead(runner):

@@ -71,7 +71,7 @@ def _main() -> None:
         assert layers["wk"].sharding.spec == (P(None, None, "tp") if kv_split else P())
         kv_spec = P(None, None, None, "tp", None) if kv_split else P()
         assert ex.kv_cache.sharding.spec == kv_spec and len(ex.kv_cache.sharding.device_set) == tp
-        entry = llm.runner.cache.get((RuntimeMode.FULL, BatchDescriptor(32, 4, False)))
+        entry = llm.runner.cache.get((RuntimeMode.FULL, BatchDescriptor(32, 4, False, max_seq_len=LIMITS['max_model_len'])))
         (weights_in, kv_in, *_), _ = entry.executable.input_shardings
         assert weights_in["layers"]["w_up"].spec == P(None, None, "tp") and kv_in.spec == kv_spec
         print(f"OK {arch} tp={tp} kv_heads_split={kv_split}", flush=True)

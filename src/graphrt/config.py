@@ -120,6 +120,12 @@ class GraphConfig(BaseModel):
         "auto", description="how PIECEWISE graphs are captured: fx (split the traced model at attention), "
                             "breakable (capture the forward once, breaking at each attention call; no tracing), "
                             "or auto (fx when the model traces, else breakable)")
+    context_buckets: Optional[list[int]] = Field(
+        None, description="context buckets (tokens) of the keys whose attention reads each step's longest "
+                          "context as a host value (graphrt's reference kernels; not Triton): a step runs under "
+                          "the smallest bucket holding its longest request; default powers of two from 256 to "
+                          "min(max_model_len, 512) on graph backends (longer steps run PIECEWISE), and up to "
+                          "max_model_len by factors of 4 on XLA")
     compile_max_size: int = Field(defaults.DEFAULT_COMPILE_MAX_SIZE, gt=0,
                                   description="largest bucket (tokens) compiled when compile_model is set")
     num_speculative_tokens: int = Field(
@@ -144,7 +150,7 @@ class GraphConfig(BaseModel):
                     "docs/distributed.md); 1: unsharded")
 
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
-                                   "precompile_bs_paddings")(
+                                   "precompile_bs_paddings", "context_buckets")(
         classmethod(lambda cls, v, info: _sizes(info.field_name, v)))
 
     @model_validator(mode="after")
@@ -261,15 +267,33 @@ class GraphConfig(BaseModel):
         reqs = max(min(2 * self.max_num_seqs, defaults.VLLM_DEFAULT_MAX_CAPTURE_SIZE), self.max_num_seqs)
         return self.decode_query_len * reqs
 
-    def graph_dispatcher(self, mode: GraphMode | None = None,
-                         token_buckets: BucketPolicy | None = None) -> Dispatcher:
+    def context_policy(self, largest: int | None = None, growth: int = 2) -> BucketPolicy:
+        """Context buckets: ``context_buckets`` as given (those above ``max_model_len`` dropped,
+        ``max_model_len`` added where they stop short of it and ``largest`` is None), else
+        ``DEFAULT_MIN_CONTEXT_BUCKET`` times powers of ``growth`` up to ``largest`` (default
+        ``max_model_len``), which is always the last bucket."""
+        top = self.max_model_len if largest is None else min(largest, self.max_model_len)
+        if self.context_buckets is not None:
+            sizes = [c for c in self.context_buckets if c <= top]
+            return BucketPolicy(sizes + [top] if largest is None or not sizes else sizes)
+        sizes, c = [], defaults.DEFAULT_MIN_CONTEXT_BUCKET
+        while c < top:
+            sizes.append(c)
+            c *= growth
+        return BucketPolicy(sizes + [top])
+
+    def graph_dispatcher(self, mode: GraphMode | None = None, token_buckets: BucketPolicy | None = None,
+                         keyed_context: bool = False) -> Dispatcher:
         """The dispatcher of graph backends (eager above the largest capture size), over
-        ``token_buckets`` (default: the configured capture sizes)."""
+        ``token_buckets`` (default: the configured capture sizes); with ``keyed_context`` (the
+        attention reads each step's longest context as a host value) every FULL key once per
+        context bucket up to ``DEFAULT_MAX_GRAPH_CONTEXT``."""
         m = GraphMode.NONE if self.enforce_eager else (mode or self.mode)
         buckets = token_buckets if token_buckets is not None else self.capture_policy()
+        contexts = self.context_policy(largest=defaults.DEFAULT_MAX_GRAPH_CONTEXT) if keyed_context else None
         return Dispatcher(m, token_buckets=None if m is GraphMode.NONE else buckets,
                           max_num_seqs=self.max_num_seqs, decode_query_len=self.decode_query_len,
-                          max_loras=self.max_loras)
+                          max_loras=self.max_loras, context_buckets=contexts, max_context=self.max_model_len)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ its own graph. Host-side work is identical for every backend; only the executor 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -115,7 +116,7 @@ class ModelRunner:
             self.mode, degraded = GraphMode.NONE, f"backend {self.backend.name} runs every step eagerly"
         if degraded:
             logger.info("graphrt: %s", degraded)
-        self.dispatcher = self.backend.dispatcher(cfg, self.mode, model)
+        self.dispatcher = self.backend.dispatcher(cfg, self.mode, model, self.executor.keyed_host_values)
         self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self._build_keys(),
                                                               num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
@@ -236,7 +237,11 @@ class ModelRunner:
             if self.lora is None:
                 raise lora_off()
             ids, n = self.lora.check(lora_ids, r)
-        shape = DispatchShape(t, r, step.uniform_decode, n)
+        context, contexts = 0, self.dispatcher.context_sizes
+        if contexts:                                    # the key's context bucket (-1: above them)
+            i = bisect.bisect_left(contexts, step.max_seq_len)
+            context = contexts[i] if i < len(contexts) else -1
+        shape = DispatchShape(t, r, step.uniform_decode, n, context)
         if self.data_parallel is not None:          # one key for every rank of the group
             shape, ids = self.data_parallel.agree(shape, ids)
         plan = self._plan(shape)
@@ -308,8 +313,8 @@ class ModelRunner:
         plan = self._plans.get(shape)
         if plan is not None and plan.version == self.cache.version + self.sampler_cache.version:
             return plan
-        t, r, uniform, n = shape
-        d = self.dispatcher.dispatch(t, r, uniform, n) if n else self.dispatcher.dispatch(t, r, uniform)
+        t, r, uniform, n, context = shape
+        d = self.dispatcher.dispatch(t, r, uniform, n, context)
         mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
         eager_cause = None
         if mode is RuntimeMode.NONE:

@@ -80,6 +80,11 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: executor resolves ``run(..., future=)`` on the device and honours ``sample(..., wait=False)``;
     #: the runner resolves future tokens on the host for the others (core/future_tokens.py).
     async_execution: bool = False
+    #: The step's host values its attention reads and its keys must hold (the seam's declaration,
+    #: docs/attention.md): ``("max_seq_len",)`` for kernels that attend over a context length
+    #: fixed when the graph is built (graphrt's reference kernels); () for kernels that read
+    #: every length on the device (Triton).
+    keyed_host_values: tuple[str, ...] = ()
     #: Whether the entries it builds share one memory pool that reuses freed blocks (a device
     #: caching allocator), so that an entry built after a larger one adds only what it keeps;
     #: the graph-memory estimate does not draw a line through such entries' bytes.
@@ -220,13 +225,16 @@ class Backend(abc.ABC):
         RAM (default)."""
         return None
 
-    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
-        """This backend's bucket policy, as the one dispatcher that owns its graph keys.
+    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any,
+                   keyed_host_values: Sequence[str] = ()) -> Dispatcher:
+        """This backend's bucket policy, as the one dispatcher that owns its graph keys;
+        ``keyed_host_values``: what the executor's attention reads as host values and keys on
+        (its ``keyed_host_values``: ``max_seq_len`` gives the keys context buckets).
 
         Default: vLLM-style capture sizes (``config.capture_policy()``), eager above the
         largest. The ACL backend caps the sizes to its stream budget; XLA uses a token x
         batch-size grid and never runs eagerly."""
-        return config.graph_dispatcher(mode)
+        return config.graph_dispatcher(mode, keyed_context="max_seq_len" in keyed_host_values)
 
     def __repr__(self) -> str:
         return f"<graphrt backend {self.name}>"

@@ -43,6 +43,16 @@ SGLANG_SCHEDULE = ((16, 256, 8), (272, 511, 16), (512, None, 32))  # (start, sto
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 4096
+#: Context buckets (the key's ``max_seq_len``) where the attention reads the context length as
+#: a host value (graphrt's reference kernels): powers of two from this many tokens ...
+DEFAULT_MIN_CONTEXT_BUCKET = 256
+#: ... up to this many on graph backends (and max_model_len where it is smaller): a FULL graph
+#: of the reference kernel holds its whole bucket's gather, so longer steps run PIECEWISE (their
+#: attention eager, at its exact length), and the graphs do not grow with max_model_len.
+DEFAULT_MAX_GRAPH_CONTEXT = 512
+#: XLA has no eager path: its context buckets grow by this factor up to max_model_len, so a
+#: step attends over at most this many times its longest request (and a few executables per key).
+XLA_CONTEXT_BUCKET_GROWTH = 4
 DEFAULT_BLOCK_SIZE = 16
 #: Fraction of free device memory the KV cache may take when sized from a budget.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9

@@ -8,6 +8,7 @@ so capture / precompile and serving can never disagree.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 
@@ -89,19 +90,26 @@ class BatchDescriptor:
 
     ``num_reqs`` is ``None`` for PIECEWISE keys: pieces between attention calls see only
     token-level shapes. ``num_loras`` is the step's distinct LoRA adapters, bucketed in a key
-    (0: none; always 0 with LoRA off), shown only when nonzero.
+    (0: none; always 0 with LoRA off), shown only when nonzero. ``max_seq_len`` is the key's
+    context bucket where the attention reads the context length as a host value (graphrt's
+    reference kernels attend over that many tokens of each request, whatever
+    ``max_model_len``): every request of a step under the key has at most that many
+    tokens; None where the key holds any context (kernels that read the lengths on the
+    device, PIECEWISE keys, whose attention runs outside the graphs).
     """
 
     num_tokens: int
     num_reqs: int | None
     uniform_decode: bool
     num_loras: int = 0
+    max_seq_len: int | None = None
 
     def __str__(self) -> str:
         kind = "decode" if self.uniform_decode else "mixed"
         reqs = "any" if self.num_reqs is None else self.num_reqs
         loras = f", loras={self.num_loras}" if self.num_loras else ""
-        return f"({kind}, tokens={self.num_tokens}, reqs={reqs}{loras})"
+        context = f", context<={self.max_seq_len}" if self.max_seq_len is not None else ""
+        return f"({kind}, tokens={self.num_tokens}, reqs={reqs}{loras}{context})"
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,15 @@ class Dispatcher:
       count bucket -- 0 and :func:`~graphrt.core.lora.lora_buckets` (1, 2, 4, ..., max_loras) --
       and a step with ``n`` distinct adapters runs under the smallest bucket ``>= n`` (0 only
       when ``n`` is 0), so steps with and without adapters never share a graph.
+    * ``context_buckets`` -- where the attention reads the context length as a host value:
+      every FULL key exists once per context bucket (its ``max_seq_len``), and a step runs
+      under the smallest bucket holding its longest request (the largest bucket is at most
+      ``max_context``, the model's ``max_model_len``: the whole block table). Every FULL key
+      then names its context, so an eager run at the key attends over what its graph does,
+      while a step run eagerly under its own shape attends over its own longest request. A
+      step longer than the largest bucket has no
+      FULL key: a PIECEWISE one where the mode has them, else eager. :meth:`context_bucket`
+      maps a step's ``max_seq_len`` to the value :meth:`dispatch` takes.
 
     A decode step above the largest decode bucket is handled as a mixed step.
     """
@@ -161,8 +178,13 @@ class Dispatcher:
     def __init__(self, mode: GraphMode, *, token_buckets: BucketPolicy | None,
                  max_num_seqs: int, decode_buckets: BucketPolicy | None = None,
                  mixed_num_reqs: int | None = None, eager_fallback: bool = True,
-                 separate_decode: bool | None = None, decode_query_len: int = 1, max_loras: int = 0) -> None:
+                 separate_decode: bool | None = None, decode_query_len: int = 1, max_loras: int = 0,
+                 context_buckets: BucketPolicy | None = None, max_context: int | None = None) -> None:
         self.mode = GraphMode(mode)
+        self.context_buckets = context_buckets
+        self.max_context = max_context
+        #: The context buckets as a sorted tuple (empty: FULL keys hold any context).
+        self.context_sizes: tuple[int, ...] = tuple(context_buckets) if context_buckets is not None else ()
         if max_loras < 0:
             raise ConfigError(f"max_loras must be >= 0, got {max_loras}")
         self.max_loras = int(max_loras)
@@ -201,33 +223,56 @@ class Dispatcher:
         keys of each token bucket, each once per adapter-count bucket."""
         keys: dict[BatchDescriptor, RuntimeMode] = {}
         adapters = [0] + (list(self.lora_buckets) if self.lora_buckets is not None else [])
+        contexts = tuple(self._context_key(c) for c in self.context_sizes) or (None,)
         if self.separate_decode and self.decode_buckets is not None:
             q = self.decode_query_len
-            keys.update((BatchDescriptor(b * q, b, True, n), RuntimeMode.FULL)
-                        for b in self.decode_buckets for n in adapters)
+            keys.update((BatchDescriptor(b * q, b, True, n, c), RuntimeMode.FULL)
+                        for b in self.decode_buckets for n in adapters for c in contexts)
         for runtime in {self._mixed, self._uniform} - {RuntimeMode.NONE}:
             for b in self.token_buckets or ():
-                keys.update((self._token_key(runtime, b, n), runtime) for n in adapters)
+                keys.update((self._token_key(runtime, b, n, c), runtime) for n in adapters for c in contexts)
         return keys
 
-    def _token_key(self, runtime: RuntimeMode, tokens: int, num_loras: int) -> BatchDescriptor:
-        """The key of a token bucket: PIECEWISE keys see tokens only; FULL ones a request count."""
+    def _token_key(self, runtime: RuntimeMode, tokens: int, num_loras: int, context: int | None) -> BatchDescriptor:
+        """The key of a token bucket: PIECEWISE keys see tokens only (and any context: their
+        attention runs outside the graphs); FULL ones a request count and the context bucket."""
         if runtime is RuntimeMode.PIECEWISE:
             return BatchDescriptor(tokens, None, False, num_loras)
         reqs = self.mixed_num_reqs if self.mixed_num_reqs is not None else min(tokens, self.max_num_seqs)
-        return BatchDescriptor(tokens, reqs, False, num_loras)
+        return BatchDescriptor(tokens, reqs, False, num_loras, context)
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0) -> Dispatch:
+    @staticmethod
+    def _context_key(context: int) -> int | None:
+        """A FULL key's ``max_seq_len`` for a context bucket (None: the dispatcher has none)."""
+        return context if context > 0 else None
+
+    def context_bucket(self, max_seq_len: int) -> int:
+        """What :meth:`dispatch` takes for a step whose longest request has ``max_seq_len``
+        tokens: its context bucket, 0 without context buckets, -1 above the largest."""
+        sizes = self.context_sizes
+        if not sizes:
+            return 0
+        i = bisect.bisect_left(sizes, max_seq_len)
+        return sizes[i] if i < len(sizes) else -1
+
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0,
+                 context: int = 0) -> Dispatch:
         """Runtime mode and padded key for a step of this real shape with ``num_loras`` distinct
-        adapters: the first of its candidate keys (its decode bucket, then its token bucket)
-        the key set holds, else eager with the reason (a pure function of the shape: callers
-        on a hot path remember it, as ``ModelRunner`` does)."""
+        adapters and ``context`` (:meth:`context_bucket` of its longest request; 0: not given,
+        any context up to ``max_context``): the first of its candidate keys (its decode bucket, then its token
+        bucket) the key set holds, else eager with the reason (a pure function of the shape:
+        callers on a hot path remember it, as ``ModelRunner`` does)."""
         n = self.lora_bucket(num_loras) if num_loras else 0
         keys = self._keys
-        if uniform_decode and self.separate_decode and self.decode_buckets is not None:
+        sizes = self.context_sizes
+        if context == 0 and sizes:           # not given: any context, the whole table's key if there is one
+            context = sizes[-1] if sizes[-1] == self.max_context else -1
+        c = self._context_key(context)
+        full_ok = not sizes or context > 0   # a FULL key holds this context
+        if uniform_decode and self.separate_decode and self.decode_buckets is not None and full_ok:
             b = self.decode_buckets.bucket_for(num_reqs)
             if b is not None:
-                key = BatchDescriptor(b * self.decode_query_len, b, True, n)
+                key = BatchDescriptor(b * self.decode_query_len, b, True, n, c)
                 if key in keys:
                     return Dispatch(RuntimeMode.FULL, key, "decode bucket")
         runtime = self._uniform if uniform_decode else self._mixed
@@ -239,8 +284,10 @@ class Dispatcher:
             return Dispatch(RuntimeMode.NONE, real, f"graph mode {self.mode.value} runs "
                                                     f"{'decode' if uniform_decode else 'mixed'} steps eagerly",
                             EagerCause.ABOVE_LARGEST_BUCKET if above else EagerCause.MODE)
+        if runtime is RuntimeMode.FULL and not full_ok:
+            return self._above_context(real)
         b = self.token_buckets.bucket_for(num_tokens)
-        key = self._token_key(runtime, b, n) if b is not None else None
+        key = self._token_key(runtime, b, n, c) if b is not None else None
         if key is None or keys.get(key) is not runtime:
             return self._above(real, "token", self.token_buckets)
         reason = "token bucket (piecewise)" if runtime is RuntimeMode.PIECEWISE else "token bucket"
@@ -264,9 +311,18 @@ class Dispatcher:
                              "max_num_batched_tokens / max_num_seqs")
         return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly", EagerCause.ABOVE_LARGEST_BUCKET)
 
+    def _above_context(self, real: BatchDescriptor) -> Dispatch:
+        reason = (f"a request of the step is longer than the largest context bucket of FULL graphs "
+                  f"({self.context_sizes[-1]} tokens)")
+        if not self.eager_fallback:
+            raise InputError("num_computed_tokens", f"{reason}: this backend has no eager fallback; keep "
+                                                    "requests within max_model_len")
+        return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly", EagerCause.ABOVE_LARGEST_BUCKET)
+
     def keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
         """The key set: every (mode, key) ``dispatch`` can return with a graph, largest first
         (capture order)."""
         return sorted(((mode, key) for key, mode in self._keys.items()),
-                      key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[1].num_loras, mk[0].value),
+                      key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[1].max_seq_len or 0,
+                                      mk[1].num_loras, mk[0].value),
                       reverse=True)

@@ -25,18 +25,22 @@ class StepAgreement(Protocol):
     """One collective per step over the data-parallel group (the torch one:
     ``graphrt.backends.torch.dp_agreement.TorchStepAgreement``)."""
 
-    def agree(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int
-              ) -> tuple[int, int, bool, int]:
-        """(max tokens, max requests, every rank uniform, max adapters) over the group."""
+    def agree(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int, context: int
+              ) -> tuple[int, int, bool, int, int]:
+        """(max tokens, max requests, every rank uniform, max adapters, largest context) over the
+        group; ``context`` is the dispatcher's context bucket (0: none; -1, above every bucket,
+        is the largest)."""
 
 
 class DispatchShape(NamedTuple):
-    """The shape a step is dispatched as: its own, or the one its data-parallel group agreed on."""
+    """The shape a step is dispatched as: its own, or the one its data-parallel group agreed on.
+    ``context`` is ``Dispatcher.context_bucket`` of its longest request (0 without buckets)."""
 
     num_tokens: int
     num_reqs: int
     uniform_decode: bool
     num_loras: int
+    context: int = 0
 
 
 class DataParallelStep:
@@ -57,7 +61,7 @@ class DataParallelStep:
 
     def agree_idle(self) -> DispatchShape | None:
         """The group's shape for a step in which this rank has no work; None when no rank has."""
-        shape = DispatchShape(*self.agreement.agree(0, 0, True, 0))
+        shape = DispatchShape(*self.agreement.agree(0, 0, True, 0, 0))
         return None if shape.num_tokens == 0 else shape
 
 

@@ -55,8 +55,8 @@ def family(job: Job) -> tuple[Hashable, int]:
     if isinstance(key, SamplerKey):
         return ("sampler", key.greedy), key.num_reqs
     if isinstance(key, BatchDescriptor):
-        if key.num_loras:
-            return (mode, key.uniform_decode, key.num_loras), key.num_tokens
+        if key.num_loras or key.max_seq_len is not None:    # more adapters, a longer context: more bytes
+            return (mode, key.uniform_decode, key.num_loras, key.max_seq_len), key.num_tokens
         return (mode, key.uniform_decode), key.num_tokens
     raise TypeError(f"graph memory: unknown key type {type(key).__name__}")
 

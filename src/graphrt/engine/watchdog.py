@@ -238,8 +238,9 @@ def describe_step(runner: Any, step: Any) -> str:
     ids = [req.request_id for req in step.requests]
     shape = (f"step of {r} request(s) {ids if r <= 16 else ids[:16] + ['...']}, {t} token(s), "
              f"{'uniform decode' if uniform else 'mixed'}")
+    longest = max((req.num_computed_tokens + n for req, n in zip(step.requests, sched)), default=0)
     try:
-        d = runner.dispatcher.dispatch(t, r, uniform)
+        d = runner.dispatcher.dispatch(t, r, uniform, 0, runner.dispatcher.context_bucket(longest))
     except Exception as exc:  # noqa: BLE001 - the shape alone still helps
         return f"{shape}; dispatching it failed: {exc!r}"
     return (f"{shape}; backend {runner.backend.name}, dispatched to mode {d.mode.name} "

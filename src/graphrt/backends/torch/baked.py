@@ -42,15 +42,15 @@ class BakedReport:
         return not self.varying
 
 
-def _dummy(executor: Any, t: int, r: int, busy: bool) -> ModelInputs:
+def _dummy(executor: Any, t: int, r: int, busy: bool, context: int | None) -> ModelInputs:
     """Host inputs of a step of ``t`` tokens and ``r`` requests that writes no KV slot: pure
-    padding, or (``busy``) every request with tokens and the longest sequences allowed,
-    reading the null block."""
+    padding, or (``busy``) every request with tokens and the longest sequences the key allows
+    (its context bucket, else max_model_len), reading the null block."""
     h = executor.host_buffers
     padding = executor.load_dummy(t, r)
     if not busy:
         return padding
-    max_len = executor.config.max_model_len
+    max_len = context or executor.config.max_model_len
     counts = np.full(r, t // r, dtype=np.int64)
     counts[: t % r] += 1
     counts = np.minimum(counts, max_len)          # tokens past r * max_len stay padding
@@ -70,12 +70,12 @@ def _dummy(executor: Any, t: int, r: int, busy: bool) -> ModelInputs:
 
 def _record(executor: Any, key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
     t, r = key.num_tokens, key.num_reqs
-    inputs = _dummy(executor, t, r, busy)
+    inputs = _dummy(executor, t, r, busy, key.max_seq_len)
     for hook in executor.pre_replay_hooks:
         hook(inputs)
     graph = rg.RecordingGraph()
     with torch.no_grad(), rg.recording_graph(graph):
-        executor.forward(t, r)
+        executor.forward(t, r, key.max_seq_len)
     values = graph.baked_values()
     graph.reset()
     return values

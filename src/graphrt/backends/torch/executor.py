@@ -55,6 +55,18 @@ logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
 
+def keyed_host_values(model: torch.nn.Module, device: torch.device) -> tuple[str, ...]:
+    """What the model's attention layers fix when a graph is built (their ``keyed_host_values``;
+    a layer that declares nothing fixes nothing)."""
+    dtype = next(model.parameters()).dtype
+    found: set[str] = set()
+    for layer in model.attention_layers() if hasattr(model, "attention_layers") else []:
+        declare = getattr(layer, "keyed_host_values", None)
+        if declare is not None:
+            found.update(declare(device, dtype))
+    return tuple(sorted(found))
+
+
 def attention_support(model: torch.nn.Module) -> AttentionGraphSupport:
     """The least FULL-graph support declared by the model's attention layers."""
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
@@ -81,6 +93,9 @@ class TorchExecutor(Executor[TorchEntry]):
         self.has_graphs = graph_api is not None
         self.graphs_share_memory = graph_api is not None and graph_api.graphs_share_memory
         self.attention_support = attention_support(model)
+        self.keyed_host_values = keyed_host_values(model, self.device)
+        #: Narrow the block table to the key's (or an eager step's) longest context.
+        self._narrow_context = "max_seq_len" in self.keyed_host_values
         #: Run before every forward (graph or eager) with the padded inputs; see :func:`graph_task`.
         self.pre_replay_hooks: list[PreReplayHook] = []
         #: Per built key: mode, seconds, graph bytes, whether it was compiled.
@@ -168,28 +183,34 @@ class TorchExecutor(Executor[TorchEntry]):
         return self.pieces.compile_note()
 
     # ---- forward -------------------------------------------------------------------
-    def metadata(self, num_tokens: int, num_reqs: int) -> TorchAttentionMetadata:
-        """The attention metadata of the static buffers' first ``num_tokens`` / ``num_reqs`` rows."""
+    def metadata(self, num_tokens: int, num_reqs: int, context: int | None = None) -> TorchAttentionMetadata:
+        """The attention metadata of the static buffers' first ``num_tokens`` / ``num_reqs`` rows;
+        where the attention fixes the context (``keyed_host_values``) and ``context`` is given
+        (a key's context bucket, an eager step's longest request), the block table narrowed to
+        the blocks that many tokens fill, so the reference kernel attends over no more."""
         s = self.static
+        table = s["block_table"][:num_reqs]
+        if context and self._narrow_context:
+            table = table[:, :max(-(-context // self.block_size), 1)]
         return TorchAttentionMetadata.build(s["slot_mapping"][:num_tokens],
                                             s["query_start_loc"][:num_reqs + 1],
-                                            s["seq_lens"][:num_reqs], s["block_table"][:num_reqs],
-                                            self.block_size)
+                                            s["seq_lens"][:num_reqs], table, self.block_size)
 
-    def forward(self, num_tokens: int, num_reqs: int) -> None:
+    def forward(self, num_tokens: int, num_reqs: int, context: int | None = None) -> None:
         """Run the model on the static buffers' first rows; write hidden and logits outputs.
 
-        Everything here reads tensors only, so it can be captured; the sizes are the key.
+        Everything here reads tensors only, so it can be captured; the sizes (and ``context``,
+        a key's context bucket) are the key.
         """
         s = self.static
-        with forward_context(self.metadata(num_tokens, num_reqs)):
+        with forward_context(self.metadata(num_tokens, num_reqs, context)):
             hidden = self.model(s["input_ids"][:num_tokens], s["positions"][:num_tokens])
         self._outputs(hidden, num_tokens, num_reqs)
 
     def _forward_split(self, calls: Sequence[Callable[[], None]], output: torch.Tensor,
-                       num_tokens: int, num_reqs: int) -> None:
+                       num_tokens: int, num_reqs: int, context: int | None = None) -> None:
         """The forward as the split model's step calls over the piece buffers."""
-        with forward_context(self.metadata(num_tokens, num_reqs)):
+        with forward_context(self.metadata(num_tokens, num_reqs, context)):
             for call in calls:
                 call()
         self._outputs(output, num_tokens, num_reqs)
@@ -292,12 +313,12 @@ class TorchExecutor(Executor[TorchEntry]):
             return build(key, False)
 
     def _build_full(self, key: BatchDescriptor, compiled: bool) -> tuple[CapturedGraph, int]:
-        num_tokens, num_reqs = key.num_tokens, key.num_reqs
+        num_tokens, num_reqs, context = key.num_tokens, key.num_reqs, key.max_seq_len
         if not compiled:
-            return self._capture(lambda: self.forward(num_tokens, num_reqs),
+            return self._capture(lambda: self.forward(num_tokens, num_reqs, context),
                                  lambda: self.load_dummy(num_tokens, num_reqs))
         calls, output, held = self.pieces.prepare(num_tokens, compiled=True)
-        entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs),
+        entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs, context),
                                       lambda: self.load_dummy(num_tokens, num_reqs))
         entry.compiled = True
         return entry, nbytes + held
@@ -329,10 +350,10 @@ class TorchExecutor(Executor[TorchEntry]):
         if entry is not None and self.config.debug_check_addresses:
             self._check_addresses(entry)
         with torch.no_grad():
-            if entry is None:
-                self.forward(t, r)
-            elif isinstance(entry, PiecewiseEntry):
-                self._forward_split(entry.calls, entry.output, t, r)
+            if entry is None:                         # at the key's context where it has one
+                self.forward(t, r, key.max_seq_len or padded.max_seq_len)
+            elif isinstance(entry, PiecewiseEntry):   # attention eager: at the step's own context
+                self._forward_split(entry.calls, entry.output, t, r, padded.max_seq_len)
             else:
                 entry.graph.replay()
         if self._copied is not None:

@@ -172,13 +172,15 @@ class NpuGraphBackend(TorchBackend):
     def graph_api(self) -> NpuGraphAPI:
         return NpuGraphAPI(self.device, self._npu)
 
-    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
+    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any,
+                   keyed_host_values: Sequence[str] = ()) -> Dispatcher:
         """The graph dispatcher over the capture sizes that fit this model's ACL stream budget
         (a tensor-parallel group, ``tensor_parallel_size > 1``, costs streams too)."""
+        keyed = "max_seq_len" in keyed_host_values
         if config.enforce_eager or mode is GraphMode.NONE:
-            return config.graph_dispatcher(mode)
+            return config.graph_dispatcher(mode, keyed_context=keyed)
         layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if layers is None:
             layers = len(model.attention_layers())
         policy = acl.limit_policy(config.capture_policy(), int(layers), tp_size=config.tensor_parallel_size)
-        return config.graph_dispatcher(mode, token_buckets=policy)
+        return config.graph_dispatcher(mode, token_buckets=policy, keyed_context=keyed)

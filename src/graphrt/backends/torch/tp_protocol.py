@@ -38,15 +38,16 @@ METHOD_NAMES = {ALLOCATE: "allocate_kv_cache", BUILD: "build", RUN: "run", RECOV
 
 MODES = (RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL)
 MODE_CODE = {mode: code for code, mode in enumerate(MODES)}
-#: A key as ints: mode code, num_tokens, num_reqs (-1: None), uniform_decode, num_loras.
-KEY_WORDS = 5
+#: A key as ints: mode code, num_tokens, num_reqs (-1: None), uniform_decode, num_loras,
+#: max_seq_len (its context bucket; -1: None).
+KEY_WORDS = 6
 #: RUN's argument row: the key, then whether rank 0 runs it eagerly, the padded step's real
 #: counts and flags (ModelInputs), the step number, and the padded array lengths. The seven
 #: padded arrays follow the row, or (spawned workers) wait in the step channel's resident
 #: buffers, where rank 0 prepared them.
 (RUN_EAGER, RUN_NUM_REQS, RUN_NUM_TOKENS, RUN_MAX_QUERY, RUN_MAX_SEQ, RUN_UNIFORM, RUN_STEP,
- RUN_PADDED_TOKENS, RUN_PADDED_REQS) = range(KEY_WORDS, 14)
-RUN_WORDS = 14
+ RUN_PADDED_TOKENS, RUN_PADDED_REQS) = range(KEY_WORDS, KEY_WORDS + 9)
+RUN_WORDS = KEY_WORDS + 9
 
 #: The process-group backend of each torch device type.
 GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -59,12 +60,14 @@ def encode_key(row: np.ndarray, mode: RuntimeMode, key: BatchDescriptor) -> None
     row[2] = -1 if key.num_reqs is None else key.num_reqs
     row[3] = key.uniform_decode
     row[4] = key.num_loras
+    row[5] = -1 if key.max_seq_len is None else key.max_seq_len
 
 
 def decode_key(words: Sequence[int]) -> tuple[RuntimeMode, BatchDescriptor]:
     """The ``(mode, key)`` :func:`encode_key` wrote."""
-    mode, tokens, reqs, uniform, loras = (int(w) for w in words[:KEY_WORDS])
-    return MODES[mode], BatchDescriptor(tokens, None if reqs < 0 else reqs, bool(uniform), loras)
+    mode, tokens, reqs, uniform, loras, context = (int(w) for w in words[:KEY_WORDS])
+    return MODES[mode], BatchDescriptor(tokens, None if reqs < 0 else reqs, bool(uniform), loras,
+                                        None if context < 0 else context)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ This module imports without jax, so the registry can say why the backend is unav
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from graphrt.backends.base import Backend
 from graphrt.backends.xla.buckets import XlaBuckets
@@ -107,7 +107,8 @@ class XlaBackend(Backend):
         """``fn`` compiled ahead of time once per key (``donate_argnums=`` as for ``jax.jit``)."""
         return XlaGraphs(fn, cache, **options)
 
-    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any) -> Dispatcher:
+    def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any,
+                   keyed_host_values: Sequence[str] = ()) -> Dispatcher:
         """The token x batch-size grid (:class:`XlaBuckets`): decode by batch size, mixed steps
         at the largest batch size; no eager path, so every covered shape has an executable."""
         return XlaBuckets.from_config(config).dispatcher()

@@ -8,7 +8,10 @@ kinds of keys (sglang-jax's design):
   largest decode batch the token budget holds;
 * prefill, chunked-prefill and mixed steps run at the next token padding ``t`` and one fixed
   batch size, the largest batch-size padding: key ``(t, max_reqs, False)``. So the number of
-  executables is ``len(token paddings) + len(batch-size paddings)``, not their product.
+  executables is ``len(token paddings) + len(batch-size paddings)``, not their product --
+  times the context buckets (the key's ``max_seq_len``: sglang-jax buckets its cache
+  locations the same way), so a step attends over its longest request's bucket, never over
+  ``max_model_len``.
 
 ``max_reqs`` is XLA's largest batch size: the mixed keys' batch, the rows of the executor's
 request-level staging buffers and of every sampler's output. It is
@@ -43,6 +46,10 @@ class XlaBuckets:
     max_reqs: int
     max_num_seqs: int
     decode_query_len: int
+    #: Context buckets: every key exists once per bucket, whose block table is that many tokens
+    #: wide (the JAX reference attends over every column), up to max_model_len by factors of
+    #: ``defaults.XLA_CONTEXT_BUCKET_GROWTH``: a step's cost follows its longest request.
+    contexts: BucketPolicy
 
     @classmethod
     def from_config(cls, config: GraphConfig) -> "XlaBuckets":
@@ -61,7 +68,8 @@ class XlaBuckets:
                  else BucketPolicy.powers_of_two(max_reqs))
         fits = max_reqs * config.decode_query_len <= limit
         return cls(tokens, sizes, sizes if fits else sizes.capped(config.max_decode_batch), max_reqs,
-                   config.max_num_seqs, config.decode_query_len)
+                   config.max_num_seqs, config.decode_query_len,
+                   config.context_policy(growth=defaults.XLA_CONTEXT_BUCKET_GROWTH))
 
     @property
     def max_tokens(self) -> int:
@@ -73,7 +81,8 @@ class XlaBuckets:
         ``max_reqs``; no eager path, so a step above the grid is an ``InputError``."""
         return Dispatcher(GraphMode.FULL, token_buckets=self.tokens, decode_buckets=self.decode,
                           mixed_num_reqs=self.max_reqs, max_num_seqs=self.max_num_seqs, eager_fallback=False,
-                          separate_decode=True, decode_query_len=self.decode_query_len)
+                          separate_decode=True, decode_query_len=self.decode_query_len,
+                          context_buckets=self.contexts, max_context=self.contexts.max_size)
 
 
 __all__ = ["XlaBuckets"]

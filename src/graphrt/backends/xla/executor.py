@@ -234,7 +234,7 @@ class XlaExecutor(Executor[XlaEntry]):
         if self.kv_cache is None:
             raise GraphrtError("allocate_kv_cache before building executables (they are compiled "
                                "for the KV cache's shape)")
-        spec = batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._width)
+        spec = batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._table_width(key))
         kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
         future = (jax.ShapeDtypeStruct((self.programs.max_reqs,), jnp.int32),
                   jax.ShapeDtypeStruct((key.num_reqs,), jnp.int32))
@@ -256,10 +256,19 @@ class XlaExecutor(Executor[XlaEntry]):
                                "pass the entry build() returned (the runner's caches hold them)")
         return entry
 
+    def _table_width(self, key: BatchDescriptor) -> int:
+        """Block-table columns of ``key``'s executable: those its context bucket fills."""
+        if key.max_seq_len is None:
+            return self._width
+        return min(self._width, max(-(-key.max_seq_len // self.config.block_size), 1))
+
     def _check_inputs(self, entry: XlaEntry, padded: ModelInputs) -> None:
-        """Every padded array has the dtype and shape the executable was compiled for (numpy only)."""
+        """Every padded array has the dtype and shape the executable was compiled for (numpy only;
+        the block table as narrowed to the key's context)."""
         for name, shape in zip(BATCH_FIELDS, entry.shapes):
             arr = getattr(padded, name)
+            if name == "block_table" and isinstance(arr, np.ndarray) and arr.ndim == 2:
+                arr = arr[:, :shape[1]]
             if not isinstance(arr, np.ndarray) or arr.dtype != _I32 or arr.shape != shape:
                 got = XlaBatch(**{f: _as_array(getattr(padded, f)) for f in BATCH_FIELDS},
                                num_tokens=entry.spec.num_tokens, num_reqs=entry.spec.num_reqs,
@@ -282,7 +291,8 @@ class XlaExecutor(Executor[XlaEntry]):
         self._check_inputs(entry, padded)
         spec = entry.spec
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
-                         padded.query_start_loc.copy(), padded.seq_lens.copy(), padded.block_table.copy(),
+                         padded.query_start_loc.copy(), padded.seq_lens.copy(),
+                         padded.block_table[:, :entry.shapes[-1][1]].copy(),
                          spec.num_tokens, spec.num_reqs, spec.uniform_decode)
         rows, tokens = self._no_future_rows[:spec.num_reqs].copy(), self._no_future
         if future is not None:

@@ -69,7 +69,7 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]; negative = padded token
     query_start_loc: torch.Tensor  # int32 [R + 1], non-decreasing, starts at 0
     seq_lens: torch.Tensor  # int32 [R]; computed + scheduled tokens, 0 for a padded request
-    block_table: torch.Tensor  # int32 [R, B]; padded rows are all 0
+    block_table: torch.Tensor  # int32 [R, B]; padded rows are all 0; B covers every request's blocks
     token_req_idx: torch.Tensor  # int64 [T]; request index of each token
     block_size: int
 
@@ -254,6 +254,15 @@ class PagedAttention(nn.Module):
         self.sliding_window = int(sliding_window or 0)
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.kv_cache: torch.Tensor | None = None
+
+    def keyed_host_values(self, device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
+        """The step's host values a graph of this layer fixes when it is built, so its keys must
+        hold them (the attention seam's declaration; ``dtype``: the activations' and the cache's).
+        The reference kernel attends over every column of the block table it is given, which
+        the executor narrows to the step's longest context -- ``max_seq_len``, a key field in
+        context buckets; Triton reads every length on the device and fixes nothing."""
+        choice = choose_attention_kernel(device, self.head_dim, dtype, dtype)
+        return () if choice.kernel == "triton" else ("max_seq_len",)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``."""
