@@ -16,7 +16,7 @@ from graphrt.config import add_cli_args, from_cli_args
 def without_numba(monkeypatch):
     """graphrt as it behaves where numba does not import."""
     monkeypatch.setitem(sys.modules, "numba", None)
-    monkeypatch.setattr(host_kernels, "_loops", None)
+    monkeypatch.setattr(host_kernels, "_numba", None)
     monkeypatch.setattr(host_kernels, "_numba_error", None)
     monkeypatch.delenv(host_kernels.KERNEL_ENV, raising=False)
 
@@ -74,12 +74,10 @@ def test_compile_kernels_before_the_first_step():
     assert numpy_prep.compile_kernels(Padder(kernel="numpy")) == 0.0
     if host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
-    from graphrt.core import host_loops
-
     prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, table_width=3, kernel="numba")
     assert prep.compile_kernels(Padder(kernel="numba")) >= 0.0
     tables = {f"array({a}, 2d, C)" for a in ("int32", "int64")}
-    for loop in (host_loops.check_step, host_loops.write_padded_step):
+    for loop in (host_kernels.compiled("check_step"), host_kernels.compiled("write_padded_step")):
         signatures = {tuple(str(t) for t in sig[:5]) for sig in loop.signatures}
         assert {(a, b) + ("array(int32, 1d, C)",) * 3 for a in tables for b in tables} <= signatures, loop
     got = prep.prepare(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),
