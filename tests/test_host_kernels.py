@@ -27,6 +27,24 @@ def test_auto_falls_back_to_numpy_without_numba(without_numba):
     assert Padder().kernel == "numpy"
 
 
+def test_without_numba_the_same_checks_run_interpreted(without_numba):
+    """The fallback needs no numba: host_loops' checks run in the interpreter, with the
+    messages of the compiled path."""
+    import numpy as np
+
+    from graphrt import InputError
+
+    prep = InputPreparer(max_num_reqs=2, max_num_tokens=8, block_size=2, num_blocks=6)
+    step = dict(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),
+                block_table=np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int32),
+                req_rows=np.array([1]), num_computed_tokens=np.array([2]), num_scheduled_tokens=np.array([3]))
+    assert prep.prepare(**step).slot_mapping.tolist() == [8, 9, 10]
+    with pytest.raises(InputError, match=r"block 6 is outside the KV cache's 6 blocks \(request 0, row 1, column 2\)"):
+        prep.prepare(**{**step, "block_table": np.array([[1, 2, 0], [3, 4, 6]], dtype=np.int32)})
+    with pytest.raises(InputError, match="request 0 schedules 0 tokens; must be >= 1"):
+        prep.check(**{**step, "num_scheduled_tokens": np.array([0])})
+
+
 def test_asking_for_numba_without_it_says_why(without_numba):
     with pytest.raises(ConfigError, match="numba.*does not import.*kernel='numpy'"):
         InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, kernel="numba")
