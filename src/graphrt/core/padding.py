@@ -15,7 +15,7 @@ fill from ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention b
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -40,6 +40,18 @@ def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
     fills = {**fill_values, "query_start_loc": defaults.QUERY_START_LOC_FILL}
     return {name: PadRule(FIELDS[name].level, 0, True) if fills[name] == defaults.PAD_REPEAT_LAST
             else PadRule(FIELDS[name].level, int(fills[name]), False) for name in ARRAY_FIELDS}
+
+
+def fill_padding(rules: Sequence[Sequence[int]], num_tokens: int, num_reqs: int,
+                 arrays: Sequence[np.ndarray]) -> None:
+    """The padding rules in numpy (the compiled ones are ``host_loops.fill_padding``): on a
+    step written into bucket-sized ``arrays`` (``ARRAY_FIELDS`` order), each field's rows past
+    the real ones get its fill or its last real row. ``rules``: ``Padder.kernel_rules`` as
+    rows of ``(per_token, per_request, extra, fill, repeat_last)``."""
+    for arr, (per_token, per_request, extra, fill, repeat_last) in zip(arrays, rules):
+        real = field_rows((per_token, per_request, extra), num_tokens, num_reqs)
+        if arr.shape[0] > real:
+            arr[real:] = arr[real - 1] if repeat_last else fill
 
 
 def empty_step(table_width: int) -> ModelInputs:
@@ -79,7 +91,7 @@ class Padder:
         #: The same table as the compiled loops take it: one row per field, (level, fill, repeat_last).
         self.kernel_rules = np.array([(*rule.level, rule.fill, rule.repeat_last)
                                       for rule in self.rules.values()], dtype=np.int64)
-        self._rule_list = tuple(self.rules.values())
+        self._rule_rows = self.kernel_rules.tolist()
         self.kernel = host_kernels.resolve_kernel(kernel)
         self._pad_step = host_kernels.compiled("pad_step") if self.kernel == "numba" else None
         self._max_tokens = max_num_tokens
@@ -119,15 +131,14 @@ class Padder:
 
     def _pad_numpy(self, inputs: ModelInputs, dst: tuple[np.ndarray, ...]) -> None:
         """The numpy implementation of :attr:`rules`: per field, one slice assignment of the
-        real rows and one of the fill (skipped when the step fills its bucket)."""
+        real rows, then :func:`fill_padding`."""
         t, r = inputs.num_tokens, inputs.num_reqs
         sources = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
                    inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table)
-        for src, buf, (level, fill, repeat_last) in zip(sources, dst, self._rule_list):
-            real = field_rows(level, t, r)
+        for src, buf, rule in zip(sources, dst, self.rules.values()):
+            real = field_rows(rule.level, t, r)
             buf[:real] = src[:real]
-            if buf.shape[0] > real:
-                buf[real:] = buf[real - 1] if repeat_last else fill
+        fill_padding(self._rule_rows, t, r, dst)
 
     @staticmethod
     def check_targets(num_tokens: int, num_reqs: int, padded_tokens: int, padded_reqs: int) -> None:

@@ -16,19 +16,10 @@ from typing import Sequence
 import numpy as np
 
 from graphrt.core import host_loops
+from graphrt.core.padding import fill_padding
 from graphrt.core.step_codes import E_OK
 
 Report = tuple[int, int, int, int, int, int]
-
-
-def fill_padding(rules: Sequence[Sequence[int]], num_tokens: int, num_reqs: int,
-                 arrays: Sequence[np.ndarray]) -> None:
-    """The padding rules (one ``(per_token, per_request, extra, fill, repeat_last)`` row per
-    field, ``Padder.kernel_rules``) on a step written into bucket-sized ``arrays``."""
-    for arr, (per_token, per_request, extra, fill, repeat_last) in zip(arrays, rules):
-        real = per_token * num_tokens + per_request * num_reqs + extra
-        if arr.shape[0] > real:
-            arr[real:] = arr[real - 1] if repeat_last else fill
 
 
 class NumpyPrepare:
