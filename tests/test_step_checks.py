@@ -67,7 +67,8 @@ def corrupted_steps(draw):
         block_table[draw(st.integers(0, block_table.shape[0] - 1)),
                     draw(st.integers(0, block_table.shape[1] - 1))] = value
     elif target == "token":
-        value = max(-2**63 // 2000, min(value, (2**63 - 1) // 2000)) * 2000
+        widest = (2**63 - 1) // 2000                      # value * 2000 stays in int64
+        value = max(-widest, min(value, widest)) * 2000
         token_ids[draw(st.integers(0, token_ids.shape[0] - 1)),
                   draw(st.integers(0, token_ids.shape[1] - 1))] = value
     if all(-2**31 <= int(v) < 2**31 for arr in requests for v in arr) and draw(st.booleans()):

@@ -1,17 +1,12 @@
-"""Every host loop of input preparation and padding, written once.
-
-Plain Python over numpy arrays, in the subset numba compiles; no numba import here.
-:mod:`graphrt.core.host_kernels` compiles these functions (cached on disk) where numba
-imports, and the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the checks
-(``check_step``, ``check_requests``) in the interpreter: a valid step is defined once, and both
-paths return the same reports (:mod:`graphrt.core.step_codes` words each one).
+"""Every host loop of input preparation and padding, written once: plain Python over numpy
+arrays, in the subset numba compiles (no numba import here). :mod:`graphrt.core.host_kernels`
+compiles them where numba imports; the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the
+checks in the interpreter. Both return the same reports (:mod:`graphrt.core.step_codes`).
 
 ``check_requests`` runs first everywhere: it validates every index the other loops use,
 clamping each request value to the int32 range before any sum, so nothing overflows and the
-loops run without bounds checks. Interpreted, ``lowest``, ``highest``, ``copy_row`` and
-``fill_row`` are numpy one-liners; compiled, they are the loops of :data:`COMPILED_FORMS`
-(numba's own reductions and row assignment are several times slower). Padding applies the
-padder's rule table (``Padder.kernel_rules``): no field's fill or length is written here.
+loops run without bounds checks. Padding applies the padder's rule table
+(``Padder.kernel_rules``): no field's fill or length is written here.
 """
 
 from __future__ import annotations
@@ -25,26 +20,23 @@ from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, 
                                      E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW,
                                      E_TOKEN_OUT_OF_VOCAB, E_TOO_MANY_TOKENS)
 
-# How host_kernels compiles this file, here because numba's disk cache is keyed on this file
-# alone: whatever changes the compiled code must change this file.
-#: No GIL, no bounds checks (``check_requests`` validated every index), numpy's division (no
-#: zero branch), no reference counting (``_nrt``): the loops allocate nothing, and numba would
-#: otherwise count every array argument of every helper call atomically (4x slower loops).
+# How host_kernels compiles this file (numba's disk cache is keyed on this file alone, so
+# whatever changes the compiled code is here).
+#: No GIL, no bounds checks, numpy's division (no zero branch), no reference counting
+#: (``_nrt``): the loops allocate nothing, and numba would count every array argument of every
+#: helper call atomically (4x slower loops).
 JIT_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy", _nrt=False)
-#: The helpers called per request or per row, inlined into their callers at numba's level (a
-#: call passes each array as a dozen scalars); the rest are compiled as calls, which keeps
-#: compilation fast (inlining every helper made a cold warm-up 6x slower).
+#: Helpers called per request or row, inlined at numba's level (a call passes each array as a
+#: dozen scalars); the rest stay calls (inlining all made a cold warm-up 6x slower).
 INLINED = ("clamp", "lowest", "highest", "can_reach", "reads_null_block", "holds_block_past",
            "token_outside", "write_request", "copy_row", "fill_row")
-#: Primitives whose interpreted form is numpy: name -> their compiled forms (for 1-d arrays,
-#: for 2-d arrays).
+#: numpy one-liners when interpreted (numba's own reductions and row assignment are several
+#: times slower) -> their compiled forms, for 1-d and 2-d arrays.
 COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop"),
                   "copy_row": ("copy_row", "copy_columns"), "fill_row": ("fill_row", "fill_columns")}
 
-LOW = -INDEX_MAX - 1
-HIGH = INDEX_MAX
-#: The int64 range: the widest a table's values can be.
-WIDEST = (-2**63, 2**63 - 1)
+LOW, HIGH = -INDEX_MAX - 1, INDEX_MAX
+WIDEST = (-2**63, 2**63 - 1)          # the int64 range: the widest a table's values can be
 
 
 # ---- primitives ---------------------------------------------------------------------------
@@ -200,7 +192,8 @@ def check_step(token_ids, block_table, rows, computed, scheduled, block_size, ma
     past the cache. Bounds > 0 (the preparer passes the int32 range when it has none)."""
     report = check_schedule(token_ids, block_table, rows, computed, scheduled, block_size,
                             max_tokens, row_mark)
-    if report[0] != E_OK:
+    code, _, _, _, _, _ = report
+    if code != E_OK:
         return report
     bs = int(block_size)
     blocks_can_pass = can_reach(block_table, num_blocks)
@@ -286,7 +279,8 @@ def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, 
     (the caller passes buffers no result lives in) and returns ``check_step``'s report."""
     report = check_schedule(token_ids, block_table, rows, computed, scheduled, block_size,
                             max_tokens, row_mark)
-    if report[0] != E_OK:
+    code, _, _, _, _, _ = report
+    if code != E_OK:
         return report
     bs = int(block_size)
     blocks_can_pass = can_reach(block_table, num_blocks)
@@ -333,12 +327,13 @@ def pad_rows(arr, rule, num_tokens, num_reqs):
     fill or a copy of the last real row. ``rule``: the field's row of ``Padder.kernel_rules``
     (per token, per request, extra, fill, repeat_last)."""
     real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
-    if rule[4]:
+    fill, repeat_last = rule[3], rule[4]
+    if repeat_last:
         for i in range(real, arr.shape[0]):
             copy_row(arr, i, arr, real - 1)
     else:
         for i in range(real, arr.shape[0]):
-            fill_row(arr, i, rule[3])
+            fill_row(arr, i, fill)
 
 
 def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping,
@@ -361,8 +356,8 @@ def write_padded_step(token_ids, block_table, rows, computed, scheduled, block_s
     bucket's buffers (checked to hold it). ``check_requests`` runs again first: False, nothing
     written, if the step no longer passes it or has another token count (it changed since
     ``check_step``)."""
-    report = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
-    if report[0] != E_OK or report[3] != num_tokens:
+    code, _, _, total, _, _ = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
+    if code != E_OK or total != num_tokens:
         return False
     write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)

@@ -54,9 +54,10 @@ class NumpyPrepare:
         (the seven fields, in ``fields.ARRAY_FIELDS`` order)."""
         report = host_loops.check_step(token_ids, block_table, rows, computed, scheduled, block_size,
                                        max_tokens, vocab_size, num_blocks, row_mark)
-        if report[0] == E_OK:
-            self.write(token_ids, block_table, rows, computed, scheduled, block_size, report[3],
-                       report[4], outputs)
+        code, _, _, num_tokens, max_query_len, _ = report
+        if code == E_OK:
+            self.write(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
+                       max_query_len, outputs)
         return report
 
     def write_padded_step(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
