@@ -157,10 +157,10 @@ class InputPreparer:
         self._row_mark = np.zeros(1, dtype=np.int64)
         self._warned: set[tuple[str, str]] = set()
         # prepare() writes into the spare set and hands it out only when the step passed, so
-        # a refused step leaves the previous result as it was.
-        self._outputs: tuple[_Outputs, _Outputs] | None = None   # once the table's width is seen
+        # a refused step leaves the previous result as it was (allocated by its first call).
+        self._outputs: tuple[_Outputs, ...] = ()
         self._spare = 0
-        self._width = -1
+        self._width = -1                                  # the outputs' block-table width
 
     def prepare(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
@@ -169,8 +169,13 @@ class InputPreparer:
         next call; a refused step leaves them as they were."""
         self._pending = None
         tokens, blocks, rows, computed, scheduled = self._step_arrays(
-            token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens, True)
+            token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens,
+            int64_requests=True)
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
+        if blocks.shape[1] != self._width:
+            self._width = width = blocks.shape[1]
+            self._outputs = (_Outputs(self.max_num_tokens, self.max_num_reqs, width),
+                             _Outputs(self.max_num_tokens, self.max_num_reqs, width))
         out = self._outputs[self._spare]
         code, request, at, num_tokens, max_query_len, max_seq_len = self._prepare_step(
             tokens, blocks, rows, computed, scheduled, bs, self.max_num_tokens, self._vocab_bound,
@@ -193,7 +198,8 @@ class InputPreparer:
         straight into the bucket's buffers."""
         self._pending = None
         tokens, blocks, rows, computed, scheduled = self._step_arrays(
-            token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens, False)
+            token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens,
+            int64_requests=False)
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
         code, request, at, num_tokens, max_query_len, max_seq_len = self._check_step(
             tokens, blocks, rows, computed, scheduled, bs, self.max_num_tokens, self._vocab_bound,
@@ -257,12 +263,11 @@ class InputPreparer:
         return time.perf_counter() - start
 
     def _step_arrays(self, token_ids: object, block_table: object, req_rows: object,
-                     num_computed_tokens: object, num_scheduled_tokens: object,
+                     num_computed_tokens: object, num_scheduled_tokens: object, *,
                      int64_requests: bool) -> tuple[np.ndarray, ...]:
         """The step's arrays in the one form both implementations take (tables int32 / int64
         C-contiguous; request arrays int32, or all three int64 when ``int64_requests``: see
-        :mod:`graphrt.core.host_kernels`), their shapes checked; sizes the scratch and the
-        output buffers for the tables."""
+        :mod:`graphrt.core.host_kernels`), their shapes checked; sizes the row scratch."""
         tokens, blocks = token_ids, block_table
         if not (type(tokens) is _ARRAY and type(blocks) is _ARRAY and tokens.ndim == 2 and blocks.ndim == 2
                 and (tokens.dtype is _INT32 or tokens.dtype is _INT64)
@@ -283,10 +288,6 @@ class InputPreparer:
                 or (self.table_width is not None and width != self.table_width)
                 or num_rows >= INDEX_MAX or tokens.shape[1] >= INDEX_MAX):
             self._raise_shape_error(tokens, blocks, rows, computed, scheduled)
-        if width != self._width:
-            self._outputs = (_Outputs(self.max_num_tokens, self.max_num_reqs, width),
-                             _Outputs(self.max_num_tokens, self.max_num_reqs, width))
-            self._width = width
         if num_rows >= self._row_mark.shape[0]:
             self._row_mark = np.zeros(num_rows + 1, dtype=np.int64)
         return tokens, blocks, rows, computed, scheduled
