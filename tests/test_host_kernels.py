@@ -95,7 +95,7 @@ def test_compile_kernels_before_the_first_step():
     prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, table_width=3, kernel="numba")
     assert prep.compile_kernels(Padder(kernel="numba")) >= 0.0
     tables = {f"array({a}, 2d, C)" for a in ("int32", "int64")}
-    for loop in (host_kernels.compiled("check_step"), host_kernels.compiled("write_padded_step")):
+    for loop in (host_kernels.compiled("check_step"), host_kernels.compiled("write_checked_step")):
         signatures = {tuple(str(t) for t in sig[:5]) for sig in loop.signatures}
         assert {(a, b) + ("array(int32, 1d, C)",) * 3 for a in tables for b in tables} <= signatures, loop
     got = prep.prepare(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),

@@ -282,7 +282,7 @@ VARIANTS = {
 def numba_signatures() -> int:
     """Compiled specializations of every host loop so far."""
     loops = host_kernels.compiled_loops()
-    assert {"check_step", "write_padded_step"} <= set(loops), "the runner's loops were never compiled"
+    assert {"check_step", "write_checked_step", "fill_padding"} <= set(loops), "the runner's loops were never compiled"
     return sum(len(loop.signatures) for loop in loops.values())
 
 

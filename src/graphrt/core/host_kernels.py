@@ -7,8 +7,9 @@ and at a few hundred requests their fixed cost (and the caches a forward evicts 
 steps) outweighs the work. Here each job is one loop compiled by numba (as vLLM does for its
 n-gram proposer): one call per step, every check before the first write.
 
-The loops are written once, as plain Python in :mod:`graphrt.core.host_loops`; this module
-compiles them (:func:`compiled`). Where numba does not import, or ``kernel="numpy"`` asks for
+The loops are written once, as plain Python in :mod:`graphrt.core.host_loops` (input
+preparation) and :mod:`graphrt.core.pad_loops` (padding); this module compiles them
+(:func:`compiled`). Where numba does not import, or ``kernel="numpy"`` asks for
 it, the numpy path runs the same check loops in the interpreter and writes with vectorised
 numpy (:mod:`graphrt.core.prepare_numpy`, the oracle the compiled writes are tested against).
 ``kernel="auto"`` uses numba when it imports and numpy otherwise; ``GRAPHRT_HOST_KERNEL``
@@ -40,8 +41,10 @@ logger = logging.getLogger(__name__)
 #: Names accepted by ``kernel=`` and ``GRAPHRT_HOST_KERNEL``.
 KERNELS = ("auto", "numba", "numpy")
 KERNEL_ENV = "GRAPHRT_HOST_KERNEL"
-#: The loops called from Python (the rest are compiled into them).
-ENTRY_POINTS = ("check_step", "prepare_step", "write_padded_step", "pad_step", "clamp_requests")
+#: The loops called from Python (the rest are compiled into them), and their modules.
+ENTRY_POINTS = {"check_step": "host_loops", "prepare_step": "host_loops",
+                "write_checked_step": "host_loops", "clamp_requests": "host_loops",
+                "pad_step": "pad_loops", "fill_padding": "pad_loops"}
 
 _numba: types.ModuleType | None = None     # numba, once imported
 _numba_error: str | None = None
@@ -50,9 +53,8 @@ _compiled: dict[str, Any] = {}
 
 
 def _load() -> bool:
-    """Import numba and register every function of :mod:`graphrt.core.host_loops` with it
-    (helpers are compiled into the entry points that call them); False when numba does not
-    import."""
+    """Import numba and register every function of the loop modules with it (helpers are
+    compiled into the entry points that call them); False when numba does not import."""
     global _numba, _numba_error, _registered
     if _numba is not None:
         return True
@@ -66,35 +68,36 @@ def _load() -> bool:
         logger.info("graphrt: %s; input preparation and padding use the numpy path", _numba_error)
         return False
     if not _registered:
-        from graphrt.core import fields, host_loops
+        from graphrt.core import fields, host_loops, pad_loops
 
-        options = host_loops.JIT_OPTIONS
-        register_jitable(**options)(fields.field_rows)
-        for name, fn in vars(host_loops).items():
-            inline = "always" if name in host_loops.INLINED else "never"
-            if name in host_loops.COMPILED_FORMS:
-                forms = tuple(getattr(host_loops, form) for form in host_loops.COMPILED_FORMS[name])
-                overload(fn, jit_options=options, strict=False, inline=inline)(
-                    lambda dst, *args, forms=forms: forms[dst.ndim > 1])
-            elif isinstance(fn, types.FunctionType) and fn.__module__ == host_loops.__name__:
-                register_jitable(inline=inline, **options)(fn)
+        register_jitable(inline="always", **pad_loops.JIT_OPTIONS)(fields.field_rows)
+        for module in (host_loops, pad_loops):
+            for name, fn in vars(module).items():
+                inline = "always" if name in module.INLINED else "never"
+                if name in module.COMPILED_FORMS:
+                    forms = tuple(getattr(module, form) for form in module.COMPILED_FORMS[name])
+                    overload(fn, jit_options=module.JIT_OPTIONS, strict=False, inline=inline)(
+                        lambda dst, *args, forms=forms: forms[dst.ndim > 1])
+                elif isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
+                    register_jitable(inline=inline, **module.JIT_OPTIONS)(fn)
         _registered = True
     _numba = numba
     return True
 
 
 def compiled(name: str) -> Callable[..., Any]:
-    """The compiled form of the loop ``name`` of :mod:`graphrt.core.host_loops` (one of
-    :data:`ENTRY_POINTS`; numba must import), cached on disk."""
+    """The compiled form of the loop ``name`` (one of :data:`ENTRY_POINTS`; numba must import),
+    cached on disk."""
     if not _load():
         raise ConfigError(f"no compiled host kernels: {_numba_error}")
     loop = _compiled.get(name)
     if loop is None:
-        from graphrt.core import host_loops
-
         if name not in ENTRY_POINTS:
-            raise ConfigError(f"{name!r} is not a host-loop entry point: {ENTRY_POINTS}")
-        loop = _compiled[name] = _numba.njit(cache=True, **host_loops.JIT_OPTIONS)(getattr(host_loops, name))
+            raise ConfigError(f"{name!r} is not a host-loop entry point: {sorted(ENTRY_POINTS)}")
+        from graphrt.core import host_loops, pad_loops
+
+        module = {"host_loops": host_loops, "pad_loops": pad_loops}[ENTRY_POINTS[name]]
+        loop = _compiled[name] = _numba.njit(cache=True, **module.JIT_OPTIONS)(getattr(module, name))
     return loop
 
 

@@ -1,12 +1,12 @@
-"""Every host loop of input preparation and padding, written once: plain Python over numpy
-arrays, in the subset numba compiles (no numba import here). :mod:`graphrt.core.host_kernels`
-compiles them where numba imports; the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the
-checks in the interpreter. Both return the same reports (:mod:`graphrt.core.step_codes`).
+"""Every host loop of input preparation, written once: plain Python over numpy arrays, in the
+subset numba compiles (no numba import here). :mod:`graphrt.core.host_kernels` compiles them
+where numba imports; the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the checks in the
+interpreter. Both return the same reports (:mod:`graphrt.core.step_codes`). The padding loops
+are :mod:`graphrt.core.pad_loops`.
 
 ``check_requests`` runs first everywhere: it validates every index the other loops use,
 clamping each request value to the int32 range before any sum, so nothing overflows and the
-loops run without bounds checks. Padding applies the padder's rule table
-(``Padder.kernel_rules``): no field's fill or length is written here.
+loops run without bounds checks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphrt.core.defaults import NULL_BLOCK
-from graphrt.core.fields import INDEX_MAX, field_rows
+from graphrt.core.fields import INDEX_MAX
 from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
                                      E_NULL_BLOCK, E_OK, E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE,
                                      E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW,
@@ -29,11 +29,10 @@ JIT_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy", _nrt=Fals
 #: Helpers called per request or row, inlined at numba's level (a call passes each array as a
 #: dozen scalars); the rest stay calls (inlining all made a cold warm-up 6x slower).
 INLINED = ("clamp", "lowest", "highest", "can_reach", "reads_null_block", "holds_block_past",
-           "token_outside", "write_request", "copy_row", "fill_row")
-#: numpy one-liners when interpreted (numba's own reductions and row assignment are several
-#: times slower) -> their compiled forms, for 1-d and 2-d arrays.
-COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop"),
-                  "copy_row": ("copy_row", "copy_columns"), "fill_row": ("fill_row", "fill_columns")}
+           "token_outside", "write_request")
+#: numpy one-liners when interpreted (numba's own reductions are several times slower) ->
+#: their compiled forms, for 1-d and 2-d arrays.
+COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop")}
 
 LOW, HIGH = -INDEX_MAX - 1, INDEX_MAX
 WIDEST = (-2**63, 2**63 - 1)          # the int64 range: the widest a table's values can be
@@ -74,6 +73,20 @@ def highest_loop(table, row, start, stop):
         if table[row, col] > high:
             high = table[row, col]
     return high
+
+
+def block_shift(block_size):
+    """log2(block_size) for a power of two, else -1: see :func:`block_of`."""
+    shift = 0
+    while (1 << shift) < block_size:
+        shift += 1
+    return shift if (1 << shift) == block_size else -1
+
+
+def block_of(position, block_size, shift):
+    """``position // block_size``, by a shift when ``shift`` (``block_shift``) >= 0: a 64-bit
+    division per request or block costs 15-40 cycles."""
+    return position >> shift if shift >= 0 else position // block_size
 
 
 def can_reach(table, bound):
@@ -196,13 +209,14 @@ def check_step(token_ids, block_table, rows, computed, scheduled, block_size, ma
     if code != E_OK:
         return report
     bs = int(block_size)
+    shift = block_shift(bs)
     blocks_can_pass = can_reach(block_table, num_blocks)
     token_request = -1
     block_request = -1
     for i in range(rows.shape[0]):
         row, c = int(rows[i]), int(computed[i])
         end = c + int(scheduled[i])
-        used = (end + bs - 1) // bs
+        used = block_of(end + bs - 1, bs, shift)
         if reads_null_block(block_table, row, used):
             at = first_outside(block_table, row, 0, used, NULL_BLOCK + 1, WIDEST[1])
             return E_NULL_BLOCK, i, at, 0, 0, 0
@@ -223,14 +237,14 @@ def check_step(token_ids, block_table, rows, computed, scheduled, block_size, ma
 
 # ---- writing a checked step ---------------------------------------------------------------
 
-def write_request(token_ids, block_table, i, row, c, n, bs, k, input_ids, positions, slot_mapping,
-                  query_start_loc, seq_lens, num_computed, block_table_out):
+def write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids, positions,
+                  slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out):
     """Request ``i``'s inputs (as vLLM's ``_prepare_inputs``), its tokens from index ``k``: ids,
     positions and slots (a block at a time: consecutive within one), then its query_start_loc,
     seq_len, computed length and block-table row. Returns the index after its tokens."""
     end = c + n
     if n == 1:                                   # decode: one token, no inner loops
-        col = c // bs
+        col = block_of(c, bs, shift)
         positions[k] = c
         input_ids[k] = token_ids[row, c]
         slot_mapping[k] = int(block_table[row, col]) * bs + (c - col * bs)
@@ -245,7 +259,7 @@ def write_request(token_ids, block_table, i, row, c, n, bs, k, input_ids, positi
         slots_out = slot_mapping[k:k + n]
         p = c
         while p < end:
-            col = p // bs
+            col = block_of(p, bs, shift)
             stop = min((col + 1) * bs, end)
             base = int(block_table[row, col]) * bs - col * bs
             for q in range(p, stop):
@@ -263,11 +277,12 @@ def write_step(token_ids, block_table, rows, computed, scheduled, block_size, in
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out):
     """``write_request`` for every request of a checked step."""
     bs = int(block_size)
+    shift = block_shift(bs)
     k = 0
     query_start_loc[0] = 0
     for i in range(rows.shape[0]):
         k = write_request(token_ids, block_table, i, int(rows[i]), int(computed[i]), int(scheduled[i]),
-                          bs, k, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                          bs, shift, k, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                           num_computed, block_table_out)
 
 
@@ -283,77 +298,27 @@ def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, 
     if code != E_OK:
         return report
     bs = int(block_size)
+    shift = block_shift(bs)
     blocks_can_pass = can_reach(block_table, num_blocks)
     k = 0
     query_start_loc[0] = 0
     for i in range(rows.shape[0]):
         row, c, n = int(rows[i]), int(computed[i]), int(scheduled[i])
-        if (reads_null_block(block_table, row, (c + n + bs - 1) // bs)
+        if (reads_null_block(block_table, row, block_of(c + n + bs - 1, bs, shift))
                 or token_outside(token_ids, row, c, c + n, vocab_size)
                 or (blocks_can_pass and holds_block_past(block_table, row, num_blocks))):
             return check_step(token_ids, block_table, rows, computed, scheduled, block_size,
                               max_tokens, vocab_size, num_blocks, row_mark)
-        k = write_request(token_ids, block_table, i, row, c, n, bs, k, input_ids, positions,
+        k = write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids, positions,
                           slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
     return report
 
 
-# ---- padding ------------------------------------------------------------------------------
-
-def copy_row(dst, i, src, j):
-    """``dst[i] = src[j]``: a value, or a block-table row (its compiled form for 1-d fields too)."""
-    dst[i] = src[j]
-
-
-def fill_row(dst, i, value):
-    """``dst[i] = value``: a value, or every column of a block-table row."""
-    dst[i] = value
-
-
-def copy_columns(dst, i, src, j):
-    """:func:`copy_row` of a block-table row, compiled."""
-    for col in range(dst.shape[1]):
-        dst[i, col] = src[j, col]
-
-
-def fill_columns(dst, i, value):
-    """:func:`fill_row` of a block-table row, compiled."""
-    for col in range(dst.shape[1]):
-        dst[i, col] = value
-
-
-def pad_rows(arr, rule, num_tokens, num_reqs):
-    """One field's padding rule on its bucket-sized ``arr``: the rows past the real ones get the
-    fill or a copy of the last real row. ``rule``: the field's row of ``Padder.kernel_rules``
-    (per token, per request, extra, fill, repeat_last)."""
-    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
-    fill, repeat_last = rule[3], rule[4]
-    if repeat_last:
-        for i in range(real, arr.shape[0]):
-            copy_row(arr, i, arr, real - 1)
-    else:
-        for i in range(real, arr.shape[0]):
-            fill_row(arr, i, fill)
-
-
-def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping,
-                 query_start_loc, seq_lens, num_computed, block_table):
-    """The padding rules (``rules``: one row per field, in ``fields.ARRAY_FIELDS`` order) on a
-    step written into bucket-sized arrays."""
-    pad_rows(input_ids, rules[0], num_tokens, num_reqs)
-    pad_rows(positions, rules[1], num_tokens, num_reqs)
-    pad_rows(slot_mapping, rules[2], num_tokens, num_reqs)
-    pad_rows(query_start_loc, rules[3], num_tokens, num_reqs)
-    pad_rows(seq_lens, rules[4], num_tokens, num_reqs)
-    pad_rows(num_computed, rules[5], num_tokens, num_reqs)
-    pad_rows(block_table, rules[6], num_tokens, num_reqs)
-
-
-def write_padded_step(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
-                      rules, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                      num_computed, block_table_out):
-    """``write_step`` then ``fill_padding``: a checked step of ``num_tokens`` tokens into a
-    bucket's buffers (checked to hold it). ``check_requests`` runs again first: False, nothing
+def write_checked_step(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
+                       input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed,
+                       block_table_out):
+    """``write_step`` of a checked step of ``num_tokens`` tokens into a bucket's buffers (checked
+    to hold it; the padder pads them). ``check_requests`` runs again first: False, nothing
     written, if the step no longer passes it or has another token count (it changed since
     ``check_step``)."""
     code, _, _, total, _, _ = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
@@ -361,45 +326,6 @@ def write_padded_step(token_ids, block_table, rows, computed, scheduled, block_s
         return False
     write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
-    fill_padding(num_tokens, rows.shape[0], rules, input_ids, positions, slot_mapping,
-                 query_start_loc, seq_lens, num_computed, block_table_out)
-    return True
-
-
-def holds(src, dst, rule, num_tokens, num_reqs):
-    """Whether ``src`` has a field's real rows and ``dst`` room for them, rows equally wide."""
-    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
-    return (src.shape[0] >= real) & (dst.shape[0] >= real) & (src.shape[1:] == dst.shape[1:])
-
-
-def copy_rows(src, dst, rule, num_tokens, num_reqs):
-    """A field's real rows from ``src`` into ``dst``."""
-    for i in range(field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)):
-        copy_row(dst, i, src, i)
-
-
-def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, query_start_loc,
-             seq_lens, num_computed, block_table, o_input_ids, o_positions, o_slot_mapping,
-             o_query_start_loc, o_seq_lens, o_num_computed, o_block_table):
-    """Copy the real rows of prepared inputs into bucket-sized outputs, then ``fill_padding``;
-    False, nothing written, when an input or an output is shorter than the real counts."""
-    if not (holds(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)   # (&, not ``and``: numba's
-            & holds(positions, o_positions, rules[1], num_tokens, num_reqs)   # inliner warns on it)
-            & holds(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
-            & holds(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
-            & holds(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
-            & holds(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
-            & holds(block_table, o_block_table, rules[6], num_tokens, num_reqs)):
-        return False
-    copy_rows(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)
-    copy_rows(positions, o_positions, rules[1], num_tokens, num_reqs)
-    copy_rows(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
-    copy_rows(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
-    copy_rows(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
-    copy_rows(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
-    copy_rows(block_table, o_block_table, rules[6], num_tokens, num_reqs)
-    fill_padding(num_tokens, num_reqs, rules, o_input_ids, o_positions, o_slot_mapping,
-                 o_query_start_loc, o_seq_lens, o_num_computed, o_block_table)
     return True
 
 

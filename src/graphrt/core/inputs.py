@@ -150,7 +150,7 @@ class InputPreparer:
         # The same three entry points on both paths (host_loops' signatures).
         self._check_step = host_kernels.compiled("check_step") if numba else host_loops.check_step
         self._prepare_step = host_kernels.compiled("prepare_step") if numba else numpy_path.prepare_step
-        self._write_step = host_kernels.compiled("write_padded_step") if numba else numpy_path.write_padded_step
+        self._write_step = host_kernels.compiled("write_checked_step") if numba else numpy_path.write_checked_step
         self._requests = RequestArrays(self.max_num_reqs, compiled_copy=numba)
         self._pending: _CheckedStep | None = None
         # Per table row, the stamp of the last check that scheduled it; last entry: the stamp.
@@ -231,11 +231,11 @@ class InputPreparer:
             padder.check_targets(shape.num_tokens, shape.num_reqs, num_tokens, num_reqs)
         targets = padder.targets(out, num_tokens, num_reqs, step.block_table.shape[1])
         if not self._write_step(step.token_ids, step.block_table, step.req_rows, step.num_computed_tokens,
-                                step.num_scheduled_tokens, step.block_size, shape.num_tokens,
-                                padder.kernel_rules, *targets):
+                                step.num_scheduled_tokens, step.block_size, shape.num_tokens, *targets):
             self._pending = None
             raise GraphrtError("the step's request arrays changed between InputPreparer.check() "
                                "and write(); check the step again")
+        padder.fill(shape.num_tokens, shape.num_reqs, targets)
         return ModelInputs(*targets, shape.num_reqs, shape.num_tokens, shape.max_query_len,
                            shape.max_seq_len, shape.uniform_decode)
 

@@ -36,7 +36,7 @@ class PadRule(NamedTuple):
 def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
     """The padding rule of every field, in ``ARRAY_FIELDS`` order, for a table of fill values
     (``query_start_loc`` takes ``defaults.QUERY_START_LOC_FILL``). Both implementations, the
-    numpy one here and the compiled ``host_loops.fill_padding``, apply exactly this table."""
+    numpy one here and the compiled ``pad_loops.fill_padding``, apply exactly this table."""
     fills = {**fill_values, "query_start_loc": defaults.QUERY_START_LOC_FILL}
     return {name: PadRule(FIELDS[name].level, 0, True) if fills[name] == defaults.PAD_REPEAT_LAST
             else PadRule(FIELDS[name].level, int(fills[name]), False) for name in ARRAY_FIELDS}
@@ -44,7 +44,7 @@ def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
 
 def fill_padding(rules: Sequence[Sequence[int]], num_tokens: int, num_reqs: int,
                  arrays: Sequence[np.ndarray]) -> None:
-    """The padding rules in numpy (the compiled ones are ``host_loops.fill_padding``): on a
+    """The padding rules in numpy (the compiled ones are ``pad_loops.fill_padding``): on a
     step written into bucket-sized ``arrays`` (``ARRAY_FIELDS`` order), each field's rows past
     the real ones get its fill or its last real row. ``rules``: ``Padder.kernel_rules`` as
     rows of ``(per_token, per_request, extra, fill, repeat_last)``."""
@@ -94,6 +94,7 @@ class Padder:
         self._rule_rows = self.kernel_rules.tolist()
         self.kernel = host_kernels.resolve_kernel(kernel)
         self._pad_step = host_kernels.compiled("pad_step") if self.kernel == "numba" else None
+        self._fill_padding = host_kernels.compiled("fill_padding") if self.kernel == "numba" else None
         self._max_tokens = max_num_tokens
         self._max_reqs = max_num_reqs
         self._buffers: dict[str, np.ndarray] = {}
@@ -119,6 +120,15 @@ class Padder:
             self._pad_numpy(inputs, dst)
         return ModelInputs(*dst, r, t, inputs.max_query_len, inputs.max_seq_len,
                            inputs.uniform_decode)
+
+    def fill(self, num_tokens: int, num_reqs: int, arrays: Sequence[np.ndarray]) -> None:
+        """Pad a step of ``num_tokens`` tokens and ``num_reqs`` requests already written into
+        the first rows of bucket-sized ``arrays`` (``ARRAY_FIELDS`` order): what
+        ``InputPreparer.write`` leaves to the padder."""
+        if self._fill_padding is not None:
+            self._fill_padding(num_tokens, num_reqs, self.kernel_rules, *arrays)
+        else:
+            fill_padding(self._rule_rows, num_tokens, num_reqs, arrays)
 
     def pad_empty(self, num_tokens: int, num_reqs: int, out: Mapping[str, np.ndarray]) -> ModelInputs:
         """A step of pure padding, ``num_tokens`` tokens and ``num_reqs`` requests, written into

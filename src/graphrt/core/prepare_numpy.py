@@ -16,14 +16,13 @@ from typing import Sequence
 import numpy as np
 
 from graphrt.core import host_loops
-from graphrt.core.padding import fill_padding
 from graphrt.core.step_codes import E_OK
 
 Report = tuple[int, int, int, int, int, int]
 
 
 class NumpyPrepare:
-    """``host_loops.prepare_step`` / ``write_padded_step`` with numpy writes.
+    """``host_loops.prepare_step`` / ``write_checked_step`` with numpy writes.
 
     Request values are copied into one int64 ``[4, R]`` scratch (computed, rows, scheduled,
     seq_lens); index arithmetic is int64 (numpy's index type) and gathers use ``mode="clip"``
@@ -60,10 +59,10 @@ class NumpyPrepare:
                        max_query_len, outputs)
         return report
 
-    def write_padded_step(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
-                          computed: np.ndarray, scheduled: np.ndarray, block_size: int,
-                          num_tokens: int, rules: np.ndarray, *outputs: np.ndarray) -> bool:
-        """``host_loops.write_padded_step``: False, writing nothing, when the step no longer
+    def write_checked_step(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
+                           computed: np.ndarray, scheduled: np.ndarray, block_size: int,
+                           num_tokens: int, *outputs: np.ndarray) -> bool:
+        """``host_loops.write_checked_step``: False, writing nothing, when the step no longer
         passes ``check_requests`` or no longer has ``num_tokens`` tokens."""
         code, _, _, total, max_query_len, _ = host_loops.check_requests(
             token_ids, block_table, rows, computed, scheduled, block_size)
@@ -71,7 +70,6 @@ class NumpyPrepare:
             return False
         self.write(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
                    max_query_len, outputs)
-        fill_padding(rules.tolist(), num_tokens, rows.shape[0], outputs)
         return True
 
     def write(self, token_ids: np.ndarray, block_table: np.ndarray, rows_in: np.ndarray,
