@@ -70,7 +70,7 @@ def _load() -> bool:
     if not _registered:
         from graphrt.core import fields, host_loops, pad_loops
 
-        register_jitable(inline="always", **pad_loops.JIT_OPTIONS)(fields.field_rows)
+        register_jitable(**pad_loops.JIT_OPTIONS)(fields.field_rows)
         for module in (host_loops, pad_loops):
             for name, fn in vars(module).items():
                 inline = "always" if name in module.INLINED else "never"

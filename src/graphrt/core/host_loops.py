@@ -26,10 +26,10 @@ from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, 
 #: (``_nrt``): the loops allocate nothing, and numba would count every array argument of every
 #: helper call atomically (4x slower loops).
 JIT_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy", _nrt=False)
-#: Helpers called per request or row, inlined at numba's level (a call passes each array as a
-#: dozen scalars); the rest stay calls (inlining all made a cold warm-up 6x slower).
-INLINED = ("clamp", "lowest", "highest", "can_reach", "reads_null_block", "holds_block_past",
-           "token_outside", "write_request")
+#: The per-request rules and writes, inlined into their loops at numba's level (a call passes
+#: each array as a dozen scalars; the small primitives they call, LLVM inlines itself).
+#: Inlining more only slows compilation (every helper: 6x).
+INLINED = ("reads_null_block", "holds_block_past", "token_outside", "write_request")
 #: numpy one-liners when interpreted (numba's own reductions are several times slower) ->
 #: their compiled forms, for 1-d and 2-d arrays.
 COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop")}

@@ -12,7 +12,7 @@ from graphrt.core.fields import field_rows
 # How host_kernels compiles this file (numba's disk cache is keyed on this file alone, so
 # whatever changes the compiled code is here; see host_loops).
 JIT_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy", _nrt=False)
-INLINED = ("copy_row", "fill_row")
+INLINED = ()                # calls are cheap without reference counting; LLVM inlines these
 #: Interpreted forms -> compiled forms for 1-d and 2-d arrays (numba's own row assignment is
 #: several times slower than a loop).
 COMPILED_FORMS = {"copy_row": ("copy_row", "copy_columns"), "fill_row": ("fill_row", "fill_columns")}
