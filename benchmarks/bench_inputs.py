@@ -5,19 +5,23 @@ Two steps of a 256-request engine (max_model_len 4096, block_size 16, a 512-row 
 * ``decode`` -- every request schedules one token, computed lengths 100..4000;
 * ``mixed``  -- 8192 tokens: a few prefill chunks of hundreds of tokens, the rest decode.
 
-Five implementations compute the same outputs (checked before timing):
+Seven implementations compute the same outputs (checked before timing):
 
 * ``graphrt`` -- :meth:`graphrt.InputPreparer.prepare`, one preparer reused (persistent buffers),
   with its default kernel (numba's compiled loops where numba imports);
-* ``gr-numpy`` -- the same preparer on its vectorised-numpy kernel (``kernel="numpy"``), for
-  reference: graphrt's fallback where numba is missing;
+* ``gr-bounded`` -- the same with the bounds a runner passes (``vocab_size``, ``num_blocks``):
+  every block id of each scheduled row is checked against the KV cache too;
+* ``gr-runner`` -- a runner's path on that bounded preparer: ``check`` then ``write`` into
+  staging buffers (no padding: the bucket is the step's size);
+* ``gr-numpy`` -- the preparer on ``kernel="numpy"``, for reference: the same checks
+  interpreted, numpy writes (graphrt's fallback where numba is missing; a tenth of the calls);
 * ``loop``    -- a per-request Python loop with numpy slicing, what a naive engine writes;
 * ``loop_lists`` -- a per-request loop in nano-vllm's style: Python lists extended per token
   and per block range, converted to numpy once (the engine's lists are built untimed);
 * ``numpy``   -- plain vectorised numpy (repeat / cumsum / take), fresh arrays every call.
 
 Also times :meth:`graphrt.Padder.pad` (persistent buffers) of decode steps to their vLLM bucket.
-Reports medians and p90 in microseconds; the issue's targets are speed-up ratios over graphrt.
+Reports medians and p90 in microseconds; the targets are speed-up ratios over ``graphrt``.
 
 Run: ``python benchmarks/bench_inputs.py [--quick]`` or ``make bench``.
 """
@@ -35,6 +39,7 @@ import numpy as np
 from bench_common import summarise
 
 from graphrt import GraphConfig, InputPreparer, ModelInputs, Padder
+from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
 
 NUM_TABLE_ROWS = 512
 NUM_REQS = 256
@@ -271,23 +276,38 @@ def time_calls(fns: dict[str, Callable[[], object]], iters: dict[str, int], warm
     return {name: np.asarray(v, dtype=np.float64) for name, v in samples.items()}
 
 
-def bench_step(step: Step, preparer: InputPreparer, numpy_preparer: InputPreparer, iters: int,
-               warmup: int, rounds: int) -> dict[str, dict[str, float]]:
+def runner_path(preparer: InputPreparer, padder: Padder, staging: dict[str, np.ndarray],
+                step: Step) -> ModelInputs:
+    """A runner's host work: check the step, then write it into its staging buffers."""
+    shape = preparer.check(token_ids=step.token_ids, block_table=step.block_table,
+                           req_rows=step.req_rows, num_computed_tokens=step.num_computed_tokens,
+                           num_scheduled_tokens=step.num_scheduled_tokens)
+    return preparer.write(padder, num_tokens=shape.num_tokens, num_reqs=shape.num_reqs, out=staging)
+
+
+def bench_step(step: Step, preparers: dict[str, InputPreparer], iters: int, warmup: int,
+               rounds: int) -> dict[str, dict[str, float]]:
     """Check the implementations agree on ``step``, then time them."""
     lists = engine_lists(step)
-    results = {"graphrt": outputs_of(prepare_graphrt(preparer, step)),
-               "gr-numpy": outputs_of(prepare_graphrt(numpy_preparer, step)),
-               "loop": prepare_loop(step), "loop_lists": prepare_loop_lists(step, lists),
-               "numpy": prepare_numpy(step)}
+    padder = Padder()
+    bounded = preparers["gr-bounded"]
+    staging = {name: np.zeros(shape, FIELD_DTYPES[name]) for name, shape in
+               buffer_shapes(bounded.max_num_tokens, bounded.max_num_reqs, step.block_table.shape[1]).items()}
+    results = {name: outputs_of(prepare_graphrt(prep, step)) for name, prep in preparers.items()}
+    results.update({"gr-runner": outputs_of(runner_path(bounded, padder, staging, step)),
+                    "loop": prepare_loop(step), "loop_lists": prepare_loop_lists(step, lists),
+                    "numpy": prepare_numpy(step)})
     check_identical(step, results)
-    fns = {"graphrt": lambda: prepare_graphrt(preparer, step),
-           "gr-numpy": lambda: prepare_graphrt(numpy_preparer, step),
-           "loop": lambda: prepare_loop(step),
-           "loop_lists": lambda: prepare_loop_lists(step, lists),
-           "numpy": lambda: prepare_numpy(step)}
-    counts = {"graphrt": iters, "gr-numpy": iters, "loop": max(rounds, iters // 10),
-              "loop_lists": max(rounds, iters // 10), "numpy": iters}
-    timed = time_calls(fns, counts, warmup, rounds)
+    fns = {name: (lambda prep=prep: prepare_graphrt(prep, step)) for name, prep in preparers.items()}
+    fns.update({"gr-runner": lambda: runner_path(bounded, padder, staging, step),
+                "loop": lambda: prepare_loop(step),
+                "loop_lists": lambda: prepare_loop_lists(step, lists),
+                "numpy": lambda: prepare_numpy(step)})
+    fewer = max(rounds, iters // 10)
+    counts = {"graphrt": iters, "gr-bounded": iters, "gr-runner": iters, "gr-numpy": fewer,
+              "loop": fewer, "loop_lists": fewer, "numpy": iters}
+    order = ("graphrt", "gr-bounded", "gr-runner", "gr-numpy", "loop", "loop_lists", "numpy")
+    timed = time_calls({name: fns[name] for name in order}, counts, warmup, rounds)
     return {name: summarise(ns) for name, ns in timed.items()}
 
 
@@ -365,10 +385,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed)
     tables = make_tables(rng)
     steps = {"decode": decode_step(rng, tables), "mixed": mixed_step(rng, tables)}
-    preparer = InputPreparer(max_num_reqs=NUM_REQS, max_num_tokens=MIXED_TOKENS, block_size=BLOCK_SIZE)
-    numpy_preparer = InputPreparer(max_num_reqs=NUM_REQS, max_num_tokens=MIXED_TOKENS,
-                                   block_size=BLOCK_SIZE, kernel="numpy")
-    timings = {name: bench_step(step, preparer, numpy_preparer, iters, args.warmup, args.rounds)
+    limits = dict(max_num_reqs=NUM_REQS, max_num_tokens=MIXED_TOKENS, block_size=BLOCK_SIZE)
+    preparer = InputPreparer(**limits)
+    preparers = {"graphrt": preparer,
+                 "gr-bounded": InputPreparer(**limits, vocab_size=VOCAB,
+                                             num_blocks=int(tables[1].max()) + 1),
+                 "gr-numpy": InputPreparer(**limits, kernel="numpy")}
+    timings = {name: bench_step(step, preparers, iters, args.warmup, args.rounds)
                for name, step in steps.items()}
     padding = bench_padding(steps["decode"], preparer, iters, args.warmup, args.rounds)
     targets = verdicts(timings)

@@ -16,7 +16,7 @@ from graphrt.config import add_cli_args, from_cli_args
 def without_numba(monkeypatch):
     """graphrt as it behaves where numba does not import."""
     monkeypatch.setitem(sys.modules, "numba", None)
-    monkeypatch.setattr(host_kernels, "_loops", None)
+    monkeypatch.setattr(host_kernels, "_numba", None)
     monkeypatch.setattr(host_kernels, "_numba_error", None)
     monkeypatch.delenv(host_kernels.KERNEL_ENV, raising=False)
 
@@ -25,6 +25,24 @@ def test_auto_falls_back_to_numpy_without_numba(without_numba):
     assert host_kernels.resolve_kernel("auto") == "numpy"
     assert InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2).kernel == "numpy"
     assert Padder().kernel == "numpy"
+
+
+def test_without_numba_the_same_checks_run_interpreted(without_numba):
+    """The fallback needs no numba: host_loops' checks run in the interpreter, with the
+    messages of the compiled path."""
+    import numpy as np
+
+    from graphrt import InputError
+
+    prep = InputPreparer(max_num_reqs=2, max_num_tokens=8, block_size=2, num_blocks=6)
+    step = dict(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),
+                block_table=np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int32),
+                req_rows=np.array([1]), num_computed_tokens=np.array([2]), num_scheduled_tokens=np.array([3]))
+    assert prep.prepare(**step).slot_mapping.tolist() == [8, 9, 10]
+    with pytest.raises(InputError, match=r"block 6 is outside the KV cache's 6 blocks \(request 0, row 1, column 2\)"):
+        prep.prepare(**{**step, "block_table": np.array([[1, 2, 0], [3, 4, 6]], dtype=np.int32)})
+    with pytest.raises(InputError, match="request 0 schedules 0 tokens; must be >= 1"):
+        prep.check(**{**step, "num_scheduled_tokens": np.array([0])})
 
 
 def test_asking_for_numba_without_it_says_why(without_numba):
@@ -74,12 +92,10 @@ def test_compile_kernels_before_the_first_step():
     assert numpy_prep.compile_kernels(Padder(kernel="numpy")) == 0.0
     if host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
-    from graphrt.core import host_loops
-
     prep = InputPreparer(max_num_reqs=2, max_num_tokens=4, block_size=2, table_width=3, kernel="numba")
     assert prep.compile_kernels(Padder(kernel="numba")) >= 0.0
     tables = {f"array({a}, 2d, C)" for a in ("int32", "int64")}
-    for loop in (host_loops.check_step, host_loops.write_padded_step):
+    for loop in (host_kernels.compiled("check_step"), host_kernels.compiled("write_checked_step")):
         signatures = {tuple(str(t) for t in sig[:5]) for sig in loop.signatures}
         assert {(a, b) + ("array(int32, 1d, C)",) * 3 for a in tables for b in tables} <= signatures, loop
     got = prep.prepare(token_ids=np.arange(12, dtype=np.int32).reshape(2, 6),

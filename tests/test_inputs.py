@@ -852,19 +852,18 @@ def test_both_kernels_agree_on_random_faults(scenario, data):
     ("num_scheduled_tokens", 0, 4),       # in bounds, but one token more than the bucket was chosen for
 ], ids=["past-table", "negative-computed", "row-out-of-range", "zero-scheduled", "more-tokens"])
 def test_write_refuses_a_step_changed_since_check(field, index, value):
-    """The compiled write indexes the tables by the request arrays without bounds checks, so
-    it runs the request check again: a caller that edits the arrays in between gets an error
-    and the staging buffers stay untouched."""
+    """The write indexes the tables by the request arrays (the compiled one without bounds
+    checks), so it runs the request check again, on both paths: a caller that edits the arrays
+    in between gets an error and the staging buffers stay untouched."""
     prep = _seed_preparer()
     kw = _base_kwargs()
     prep.check(**kw)
     kw[field][index] = value
     out = _buffers(10, 3, kw["block_table"].shape[1])
     before = {name: buf.copy() for name, buf in out.items()}
-    if prep.kernel == "numba":
-        with pytest.raises(graphrt.GraphrtError, match="changed between"):
-            prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)
-        for name, buf in out.items():
-            assert np.array_equal(buf, before[name]), name
-    else:   # the numpy path prepared its own buffers during check(): the edit is not seen
-        check_seed_step1(prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out))
+    with pytest.raises(graphrt.GraphrtError, match="changed between"):
+        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)
+    for name, buf in out.items():
+        assert np.array_equal(buf, before[name]), name
+    with pytest.raises(graphrt.GraphrtError, match="check"):     # the refused write cleared it
+        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)

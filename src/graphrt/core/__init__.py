@@ -1,7 +1,7 @@
 """graphrt's core: what every backend shares, on numpy alone (no torch, no jax).
 
 The step's field table and input preparation (``inputs``), the padding rules
-(``padding``), the compiled host loops (``host_loops``, chosen by ``host_kernels``), the
+(``padding``), the host loops (``host_loops``: compiled by ``host_kernels``, or interpreted), the
 bucket policies (``buckets``), the dispatcher that owns the graph keys (``dispatch``), the
 graph cache with its statistics (``cache``), the forward context, the numbers
 (``defaults``), the errors and the cross-shape tolerance (``numerics``).

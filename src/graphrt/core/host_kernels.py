@@ -7,26 +7,28 @@ and at a few hundred requests their fixed cost (and the caches a forward evicts 
 steps) outweighs the work. Here each job is one loop compiled by numba (as vLLM does for its
 n-gram proposer): one call per step, every check before the first write.
 
-The loops are the same rules as the numpy path (:mod:`graphrt.core.prepare_numpy`, and
-:class:`graphrt.Padder` applying its rule table), the reference they are tested against; the
-error messages are built by :class:`graphrt.InputPreparer` from the codes of
-:mod:`graphrt.core.step_codes`. ``kernel="auto"`` uses numba when it imports and numpy
-otherwise; ``GRAPHRT_HOST_KERNEL`` (``numba`` / ``numpy``) sets the default.
+The loops are written once, as plain Python in :mod:`graphrt.core.host_loops` (input
+preparation) and :mod:`graphrt.core.pad_loops` (padding); this module compiles them
+(:func:`compiled`). Where numba does not import, or ``kernel="numpy"`` asks for
+it, the numpy path runs the same check loops in the interpreter and writes with vectorised
+numpy (:mod:`graphrt.core.prepare_numpy`, the oracle the compiled writes are tested against).
+``kernel="auto"`` uses numba when it imports and numpy otherwise; ``GRAPHRT_HOST_KERNEL``
+(``numba`` / ``numpy``) sets the default.
 
 numba compiles one variant of a loop per combination of its arguments' dtypes, layouts,
 alignment and writeability (1.4-2.4 s each). So the preparer hands both implementations the
 step's arrays in one form: request arrays as int32 (:class:`RequestArrays`, into persistent
-buffers), tables as they are when :func:`table_variant` finds them compiled for (int32 or
-int64, C-contiguous, writeable, aligned) and otherwise as a :func:`canonical_table` copy, or,
-in strict mode, not at all. ``InputPreparer.compile_kernels`` compiles those four table
-variants at warm-up.
+buffers; ``InputPreparer.prepare`` also passes three int64 ones as they are), tables as they
+are when :func:`table_variant` finds them compiled for (int32 or int64, C-contiguous,
+writeable, aligned) and otherwise as a :func:`canonical_table` copy, or, in strict mode, not
+at all. ``InputPreparer.compile_kernels`` compiles those four table variants at warm-up.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from types import ModuleType
+import types
 from typing import Any, Callable
 
 import numpy as np
@@ -39,36 +41,69 @@ logger = logging.getLogger(__name__)
 #: Names accepted by ``kernel=`` and ``GRAPHRT_HOST_KERNEL``.
 KERNELS = ("auto", "numba", "numpy")
 KERNEL_ENV = "GRAPHRT_HOST_KERNEL"
+#: The loops called from Python (the rest are compiled into them), and their modules.
+ENTRY_POINTS = {"check_step": "host_loops", "prepare_step": "host_loops",
+                "write_checked_step": "host_loops", "clamp_requests": "host_loops",
+                "pad_step": "pad_loops", "fill_padding": "pad_loops"}
 
-_loops: ModuleType | None = None       # graphrt.core.host_loops, once imported
+_numba: types.ModuleType | None = None     # numba, once imported
 _numba_error: str | None = None
+_registered = False                         # host_loops' functions registered with numba
+_compiled: dict[str, Any] = {}
 
 
 def _load() -> bool:
-    """Import :mod:`graphrt.core.host_loops` (compiled on first call, cached on disk); False when
-    numba does not import."""
-    global _loops, _numba_error
-    if _loops is not None:
+    """Import numba and register every function of the loop modules with it (helpers are
+    compiled into the entry points that call them); False when numba does not import."""
+    global _numba, _numba_error, _registered
+    if _numba is not None:
         return True
     if _numba_error is not None:
         return False
     try:
-        import numba  # noqa: F401 - host_loops needs it; fail here with a clear reason
+        import numba
+        from numba.extending import overload, register_jitable
     except Exception as exc:  # noqa: BLE001 - any import failure means "use numpy"
         _numba_error = f"numba does not import ({type(exc).__name__}: {exc})"
         logger.info("graphrt: %s; input preparation and padding use the numpy path", _numba_error)
         return False
-    from graphrt.core import host_loops
+    if not _registered:
+        from graphrt.core import fields, host_loops, pad_loops
 
-    _loops = host_loops
+        register_jitable(**pad_loops.JIT_OPTIONS)(fields.field_rows)
+        for module in (host_loops, pad_loops):
+            for name, fn in vars(module).items():
+                inline = "always" if name in module.INLINED else "never"
+                if name in module.COMPILED_FORMS:
+                    forms = tuple(getattr(module, form) for form in module.COMPILED_FORMS[name])
+                    overload(fn, jit_options=module.JIT_OPTIONS, strict=False, inline=inline)(
+                        lambda dst, *args, forms=forms: forms[dst.ndim > 1])
+                elif isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
+                    register_jitable(inline=inline, **module.JIT_OPTIONS)(fn)
+        _registered = True
+    _numba = numba
     return True
 
 
 def compiled(name: str) -> Callable[..., Any]:
-    """The compiled loop ``name`` of :mod:`graphrt.core.host_loops` (numba must import)."""
+    """The compiled form of the loop ``name`` (one of :data:`ENTRY_POINTS`; numba must import),
+    cached on disk."""
     if not _load():
         raise ConfigError(f"no compiled host kernels: {_numba_error}")
-    return getattr(_loops, name)
+    loop = _compiled.get(name)
+    if loop is None:
+        if name not in ENTRY_POINTS:
+            raise ConfigError(f"{name!r} is not a host-loop entry point: {sorted(ENTRY_POINTS)}")
+        from graphrt.core import host_loops, pad_loops
+
+        module = {"host_loops": host_loops, "pad_loops": pad_loops}[ENTRY_POINTS[name]]
+        loop = _compiled[name] = _numba.njit(cache=True, **module.JIT_OPTIONS)(getattr(module, name))
+    return loop
+
+
+def compiled_loops() -> dict[str, Any]:
+    """The entry points compiled so far (numba dispatchers: ``.signatures`` lists the variants)."""
+    return dict(_compiled)
 
 
 def resolve_kernel(kernel: str | None) -> str:
@@ -90,7 +125,7 @@ def resolve_kernel(kernel: str | None) -> str:
 #: stable C API values) of an array the compiled loops take as it is: ``a.flags.num & F == F``
 #: is the cheapest test of all three on the per-step path.
 CANONICAL_FLAGS = 0x0001 | 0x0100 | 0x0400
-#: The table dtypes the loops are compiled for; request arrays always reach them as int32.
+#: The table dtypes the loops are compiled for (and the request dtypes ``prepare`` passes as they are).
 TABLE_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
@@ -151,47 +186,40 @@ _NAMES = ("req_rows", "num_computed_tokens", "num_scheduled_tokens")
 
 
 class RequestArrays:
-    """The request arrays (rows, computed, scheduled) of a step in the form the
-    implementation takes, for any integer dtype and layout: int32 C-contiguous ones as they
-    are; others clamped to the int32 range into persistent buffers (no allocation), int64 ones
-    by a compiled loop (``host_loops.clamp_copy``, one variant). The numpy path copies request
-    arrays into its own int64 scratch and clamps there, so only uint64 ones (which that copy
-    would wrap) are converted for it (``numba=False``)."""
+    """The request arrays (rows, computed, scheduled) of a step as int32, C-contiguous (the
+    form the loops take on both paths), for any integer dtype and layout: int32 C-contiguous
+    ones as they are; others clamped to the int32 range into persistent buffers (no
+    allocation): three C-contiguous int64 ones by one compiled call where numba imports
+    (``host_loops.clamp_requests``; ``compiled_copy=False``: numpy), the rest with numpy."""
 
-    def __init__(self, max_num_reqs: int, *, numba: bool) -> None:
+    def __init__(self, max_num_reqs: int, *, compiled_copy: bool) -> None:
         self.max_num_reqs = max_num_reqs
         self.int32 = np.zeros((3, max_num_reqs), dtype=np.int32)
         self.wide = np.zeros((3, max_num_reqs), dtype=np.int64)     # scratch of clamp_into
         self._views: dict[int, tuple[np.ndarray, ...]] = {}
-        self._copy = compiled("clamp_copy") if numba else None
-        self._copy3 = compiled("clamp_requests") if numba else None
+        self._copy_all = compiled("clamp_requests") if compiled_copy else None
 
     def convert(self, rows: object, computed: object, scheduled: object) -> tuple[np.ndarray, ...]:
-        """The three arrays in the implementation's form (an array longer than
-        ``max_num_reqs`` is left as it is: the preparer's shape check refuses it)."""
-        c, d, e = rows, computed, scheduled
-        if (self._copy3 is not None and type(c) is np.ndarray and type(d) is np.ndarray
-                and type(e) is np.ndarray and c.ndim == 1 and c.dtype is _INT64 and d.dtype is _INT64
-                and e.dtype is _INT64 and c.shape == d.shape == e.shape
-                and c.shape[0] <= self.max_num_reqs and c.flags.num & CANONICAL_FLAGS == CANONICAL_FLAGS
-                and d.flags.num & CANONICAL_FLAGS == CANONICAL_FLAGS
-                and e.flags.num & CANONICAL_FLAGS == CANONICAL_FLAGS):
-            self._copy3(c, d, e, self.int32)              # all int64: one compiled call
-            return self.views(c.shape[0])[:3]
-        return tuple(self._one(k, value) for k, value in enumerate((c, d, e)))
+        """The three arrays in the loops' form (an array longer than ``max_num_reqs`` is left
+        as it is: the preparer's shape check refuses it)."""
+        if (self._copy_all is not None and type(rows) is np.ndarray and type(computed) is np.ndarray
+                and type(scheduled) is np.ndarray and rows.ndim == 1 and rows.dtype is _INT64
+                and computed.dtype is _INT64 and scheduled.dtype is _INT64
+                and rows.shape == computed.shape == scheduled.shape and rows.shape[0] <= self.max_num_reqs
+                and rows.flags.num & computed.flags.num & scheduled.flags.num & CANONICAL_FLAGS
+                == CANONICAL_FLAGS):
+            self._copy_all(rows, computed, scheduled, self.int32)     # all int64: one compiled call
+            return self.views(rows.shape[0])[:3]
+        return tuple(self._one(k, value) for k, value in enumerate((rows, computed, scheduled)))
 
     def _one(self, k: int, value: object) -> np.ndarray:
+        """Request array ``k`` (0: rows, 1: computed, 2: scheduled) in the loops' form."""
         arr = as_int_array(_NAMES[k], value, 1)
-        n, dt = arr.shape[0], arr.dtype
-        plain = arr.flags.num & CANONICAL_FLAGS == CANONICAL_FLAGS
-        if (dt == _INT32 and plain) or n > self.max_num_reqs or (
-                self._copy is None and not (dt.kind == "u" and dt.itemsize == 8)):
+        n = arr.shape[0]
+        if (arr.dtype == _INT32 and arr.flags.num & CANONICAL_FLAGS == CANONICAL_FLAGS) or n > self.max_num_reqs:
             return arr
         views = self.views(n)
-        if dt == _INT64 and plain and self._copy is not None:
-            self._copy(arr, self.int32, k)
-        else:
-            clamp_into(arr, views[k], views[3 + k])
+        clamp_into(arr, views[k], views[3 + k])
         return views[k]
 
     def views(self, n: int) -> tuple[np.ndarray, ...]:
@@ -202,8 +230,7 @@ class RequestArrays:
         return views
 
     def compile(self) -> None:
-        """Compile the int64 conversions now (a runner's warm-up)."""
-        if self._copy3 is not None:
+        """Compile the int64 conversion now (a runner's warm-up)."""
+        if self._copy_all is not None:
             one = np.zeros(1, dtype=np.int64)
-            self._copy3(one, one, one, self.int32)
-            self._copy(one, self.int32, 0)
+            self._copy_all(one, one, one, self.int32)

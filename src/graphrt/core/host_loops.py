@@ -1,349 +1,340 @@
-"""The numba loops behind :mod:`graphrt.core.host_kernels` (imported only where numba imports).
+"""Every host loop of input preparation, written once: plain Python over numpy arrays, in the
+subset numba compiles (no numba import here). :mod:`graphrt.core.host_kernels` compiles them
+where numba imports; the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the checks in the
+interpreter. Both return the same reports (:mod:`graphrt.core.step_codes`). The padding loops
+are :mod:`graphrt.core.pad_loops`.
 
-Each function is the compiled form of one rule of input preparation or padding; the
-vectorised-numpy code in :mod:`graphrt.core.prepare_numpy` and :mod:`graphrt.core.padding` is
-the reference they are tested against. Every index a loop uses is validated first, by
-``check_requests`` (the request-level bounds every loop here indexes by: ``check_step`` starts
-with it, ``write_padded_step`` runs it again), so the loops run without bounds checks; it
-clamps each request value to the int32 range before any sum, so no bound overflows.
-Padding applies the padder's rule table (``Padder.kernel_rules``): no field's fill or length
-is written here.
+``check_requests`` runs first everywhere: it validates every index the other loops use,
+clamping each request value to the int32 range before any sum, so nothing overflows and the
+loops run without bounds checks.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from numba.extending import overload
 
-from graphrt.core import defaults, fields
+from graphrt.core.defaults import NULL_BLOCK
+from graphrt.core.fields import INDEX_MAX
 from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
                                      E_NULL_BLOCK, E_OK, E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE,
                                      E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW,
                                      E_TOKEN_OUT_OF_VOCAB, E_TOO_MANY_TOKENS)
 
-_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy")
-jit = numba.njit(cache=True, **_OPTIONS)
+# How host_kernels compiles this file (numba's disk cache is keyed on this file alone, so
+# whatever changes the compiled code is here).
+#: No GIL, no bounds checks, numpy's division (no zero branch), no reference counting
+#: (``_nrt``): the loops allocate nothing, and numba would count every array argument of every
+#: helper call atomically (4x slower loops).
+JIT_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy", _nrt=False)
+#: The per-request rules and writes, inlined into their loops at numba's level (a call passes
+#: each array as a dozen scalars; the small primitives they call, LLVM inlines itself).
+#: Inlining more only slows compilation (every helper: 6x).
+INLINED = ("reads_null_block", "holds_block_past", "token_outside", "write_request")
+#: numpy one-liners when interpreted (numba's own reductions are several times slower) ->
+#: their compiled forms, for 1-d and 2-d arrays.
+COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop")}
 
-#: :func:`graphrt.core.fields.field_rows`, compiled: the rows of a field's level in a step.
-field_rows = jit(fields.field_rows)
-
-_LOW = -fields.INDEX_MAX - 1
-_HIGH = fields.INDEX_MAX
+LOW, HIGH = -INDEX_MAX - 1, INDEX_MAX
+WIDEST = (-2**63, 2**63 - 1)          # the int64 range: the widest a table's values can be
 
 
-@jit
+# ---- primitives ---------------------------------------------------------------------------
+
 def clamp(x):
-    """``x`` as int64, bounded to the int32 range: every request value passes here before
-    it is summed, so no check overflows (see ``step_codes``)."""
-    return min(max(np.int64(x), np.int64(_LOW)), np.int64(_HIGH))
+    """``x`` as an integer bounded to the int32 range (see ``step_codes``)."""
+    return min(max(int(x), LOW), HIGH)
 
 
-@jit
-def clamp_copy(src, out, k):
-    """``out[k, i] = clamp(src[i])``: an int64 request array into row ``k`` of the preparer's
-    int32 request buffer, the form the loops take (one compiled variant: the preparer calls it
-    for C-contiguous int64 arrays only, with its whole buffer)."""
-    for i in range(src.shape[0]):
-        out[k, i] = clamp(src[i])
+def lowest(table, row, start, stop):
+    """The smallest of ``table[row, start:stop]`` (not empty; one value: a decode's token)."""
+    return table[row, start] if stop - start == 1 else table[row, start:stop].min()
 
 
-@jit
-def clamp_requests(rows, computed, scheduled, out):
-    """``clamp_copy`` of all three request arrays in one call (when all are int64)."""
-    clamp_copy(rows, out, 0)
-    clamp_copy(computed, out, 1)
-    clamp_copy(scheduled, out, 2)
+def highest(table, row, start, stop):
+    """The largest of ``table[row, start:stop]`` (not empty)."""
+    return table[row, start] if stop - start == 1 else table[row, start:stop].max()
 
 
-@jit
+def lowest_loop(table, row, start, stop):
+    """:func:`lowest`, compiled: one pass LLVM vectorises (unsigned indices: no wraparound)."""
+    row = np.uint64(row)
+    low = table[row, np.uint64(start)]
+    for col in range(np.uint64(start), np.uint64(stop)):
+        if table[row, col] < low:
+            low = table[row, col]
+    return low
+
+
+def highest_loop(table, row, start, stop):
+    """:func:`highest`, compiled."""
+    row = np.uint64(row)
+    high = table[row, np.uint64(start)]
+    for col in range(np.uint64(start), np.uint64(stop)):
+        if table[row, col] > high:
+            high = table[row, col]
+    return high
+
+
+def block_shift(block_size):
+    """log2(block_size) for a power of two, else -1: see :func:`block_of`."""
+    shift = 0
+    while (1 << shift) < block_size:
+        shift += 1
+    return shift if (1 << shift) == block_size else -1
+
+
+def block_of(position, block_size, shift):
+    """``position // block_size``, by a shift when ``shift`` (``block_shift``) >= 0: a 64-bit
+    division per request or block costs 15-40 cycles."""
+    return position >> shift if shift >= 0 else position // block_size
+
+
+def can_reach(table, bound):
+    """Whether a value of ``table`` (int32 or int64) can be >= ``bound`` (a check against a
+    bound no value reaches is skipped: an int32 table against the int32 outputs' range)."""
+    return bound <= HIGH or table.itemsize > 4
+
+
+# ---- the rules of a valid step ------------------------------------------------------------
+
+def first_request(rows, computed, scheduled, code, value, num_rows):
+    """The request ``check_requests`` names for ``code``: the first whose row is outside
+    [0, num_rows), or whose clamped scheduled / computed / seq_len (by code) is ``value``."""
+    for i in range(rows.shape[0]):
+        row, c, n = clamp(rows[i]), clamp(computed[i]), clamp(scheduled[i])
+        if code == E_ROW_OUT_OF_RANGE:
+            found = row < 0 or row >= num_rows
+        elif code == E_SCHEDULED_NOT_POSITIVE:
+            found = n == value
+        elif code == E_COMPUTED_NEGATIVE or code == E_COMPUTED_PAST_TABLE:
+            found = c == value
+        else:
+            found = c + n == value
+        if found:
+            return i
+    return -1
+
+
 def check_requests(token_ids, block_table, rows, computed, scheduled, block_size):
-    """The request-level bounds, in one pass: every row inside the tables, every request
-    scheduling >= 1 token from a computed length >= 0, within the token table and the block
-    table. Returns ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or ``(code, detail, 0, 0)``."""
-    r = rows.shape[0]
-    num_rows = token_ids.shape[0]
-    model_len = token_ids.shape[1]
-    width = block_table.shape[1]
-    bs = np.int64(block_size)
-    bad_row = -1
-    min_sched_i = 0
-    min_comp_i = 0
-    max_comp_i = 0
-    max_seq_i = 0
-    min_sched = np.int64(_HIGH)
-    min_comp = np.int64(_HIGH)
-    max_comp = np.int64(_LOW)
-    max_sched = np.int64(_LOW)
-    max_seq = np.int64(2 * _LOW)
-    total = np.int64(0)
-    for i in range(r):
-        row = np.int64(rows[i])
-        c = clamp(computed[i])
-        n = clamp(scheduled[i])
-        if bad_row < 0 and (row < 0 or row >= num_rows):
-            bad_row = i
-        if n < min_sched:
-            min_sched, min_sched_i = n, i
-        if c < min_comp:
-            min_comp, min_comp_i = c, i
-        if c > max_comp:
-            max_comp, max_comp_i = c, i
-        if n > max_sched:
-            max_sched = n
-        if c + n > max_seq:
-            max_seq, max_seq_i = c + n, i
+    """The request-level bounds every other loop indexes by: each row inside the tables, each
+    request scheduling >= 1 token from a computed length >= 0, within the token table and the
+    block table. One pass of reductions; a failure then looks for the request to name.
+    Returns a report (``step_codes``): ``(E_OK, -1, -1, num_tokens, max_query_len,
+    max_seq_len)`` or the failed bound's."""
+    num_rows, model_len = token_ids.shape
+    bs = int(block_size)
+    min_row, max_row, min_comp, max_comp, min_sched, max_sched = HIGH, LOW, HIGH, LOW, HIGH, LOW
+    max_seq = 2 * LOW
+    total = 0
+    for i in range(rows.shape[0]):
+        row, c, n = clamp(rows[i]), clamp(computed[i]), clamp(scheduled[i])
+        min_row, max_row = min(min_row, row), max(max_row, row)
+        min_comp, max_comp = min(min_comp, c), max(max_comp, c)
+        min_sched, max_sched = min(min_sched, n), max(max_sched, n)
+        max_seq = max(max_seq, c + n)
         total += n
-    if bad_row >= 0:
-        return E_ROW_OUT_OF_RANGE, bad_row, 0, 0
-    if min_sched <= 0:
-        return E_SCHEDULED_NOT_POSITIVE, min_sched_i, 0, 0
-    if min_comp < 0:
-        return E_COMPUTED_NEGATIVE, min_comp_i, 0, 0
-    if max_comp >= model_len:
-        return E_COMPUTED_PAST_TABLE, max_comp_i, 0, 0
-    if max_seq > model_len:
-        return E_PAST_TOKEN_TABLE, max_seq_i, 0, 0
-    if (max_seq + bs - 1) // bs > width:
-        return E_TABLE_TOO_NARROW, max_seq_i, 0, 0
-    return E_OK, total, max_sched, max_seq
+    needed = -1
+    if min_row < 0 or max_row >= num_rows:
+        code, value = E_ROW_OUT_OF_RANGE, 0
+    elif min_sched <= 0:
+        code, value = E_SCHEDULED_NOT_POSITIVE, min_sched
+    elif min_comp < 0:
+        code, value = E_COMPUTED_NEGATIVE, min_comp
+    elif max_comp >= model_len:
+        code, value = E_COMPUTED_PAST_TABLE, max_comp
+    elif max_seq > model_len:
+        code, value = E_PAST_TOKEN_TABLE, max_seq
+    elif (max_seq + bs - 1) // bs > block_table.shape[1]:
+        code, value, needed = E_TABLE_TOO_NARROW, max_seq, (max_seq + bs - 1) // bs
+    else:
+        return E_OK, -1, -1, total, max_sched, max_seq
+    return code, first_request(rows, computed, scheduled, code, value, num_rows), needed, 0, 0, 0
 
 
-@jit
-def check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
-               vocab_size, num_blocks, row_mark, stamp):
-    """Every bound of one step, writing nothing but ``row_mark`` (scratch): ``check_requests``,
-    then rows scheduled once, the token budget, a block id in [1, num_blocks) in every
-    column the step's attention reads ([0, ceil(seq_len / block_size)) of each scheduled row)
-    and none >= num_blocks anywhere in those rows, and every scheduled token id in
-    [0, vocab_size). Returns ``(E_OK, num_tokens, max_query_len, max_seq_len)`` or
-    ``(code, detail, 0, 0)``. The bounds must be > 0 (the preparer passes the int32 range
-    when it has none)."""
-    result = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
-    if result[0] != E_OK:
-        return result
-    total = result[1]
-    r = rows.shape[0]
-    width = block_table.shape[1]
-    bs = np.int64(block_size)
-    for i in range(r):
-        row = np.int64(rows[i])
+def check_schedule(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens, row_mark):
+    """``check_requests``, each row scheduled once, the step within ``max_tokens``. ``row_mark``:
+    scratch, one entry per table row and a last one counting the checks (this one's stamp)."""
+    report = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
+    code, _, _, num_tokens, _, _ = report
+    if code != E_OK:
+        return report
+    last = row_mark.shape[0] - 1
+    stamp = row_mark[last] + 1
+    row_mark[last] = stamp
+    for i in range(rows.shape[0]):
+        row = int(rows[i])
         if row_mark[row] == stamp:
-            return E_ROW_REPEATED, i, 0, 0
+            return E_ROW_REPEATED, i, -1, 0, 0, 0
         row_mark[row] = stamp
-    if total > max_tokens:
-        return E_TOO_MANY_TOKENS, total, 0, 0
-    # ---- block ids, per scheduled row: min over the columns attention reads, max over all
-    # (a captured graph's static block table may be read anywhere); two plain loops in the
-    # table's own dtype, which LLVM vectorises ----
-    high_i = -1
-    for i in range(r):
-        row = np.int64(rows[i])
-        used = (np.int64(computed[i]) + np.int64(scheduled[i]) + bs - 1) // bs   # >= 1
-        lo = block_table[row, 0]
-        for col in range(used):
-            b = block_table[row, col]
-            if b < lo:
-                lo = b
-        if lo <= defaults.NULL_BLOCK:
-            return E_NULL_BLOCK, i, 0, 0
-        hi = block_table[row, 0]
-        for col in range(width):
-            b = block_table[row, col]
-            if b > hi:
-                hi = b
-        if high_i < 0 and hi >= num_blocks:
-            high_i = i
-    # ---- token ids: every scheduled position's id in the vocabulary ----
-    k = np.int64(0)
-    for i in range(r):
-        row = np.int64(rows[i])
-        c = np.int64(computed[i])
-        end = c + np.int64(scheduled[i])
-        for q in range(c, end):
-            tok = np.int64(token_ids[row, q])
-            if tok < 0 or tok >= vocab_size:
-                return E_TOKEN_OUT_OF_VOCAB, k + q - c, 0, 0
-        k += end - c
-    if high_i >= 0:
-        return E_BLOCK_OUT_OF_CACHE, high_i, 0, 0
-    return result
+    if num_tokens > max_tokens:
+        return E_TOO_MANY_TOKENS, -1, -1, num_tokens, 0, 0
+    return report
 
 
-@jit
+def reads_null_block(block_table, row, used):
+    """Whether a column the request's attention reads ([0, used): the blocks of its computed
+    and scheduled tokens) holds a block id <= the null block."""
+    return lowest(block_table, row, 0, used) <= NULL_BLOCK
+
+
+def holds_block_past(block_table, row, num_blocks):
+    """Whether the request's row holds a block id >= ``num_blocks`` in any column (a captured
+    graph's static block table may be read anywhere)."""
+    return highest(block_table, row, 0, block_table.shape[1]) >= num_blocks
+
+
+def token_outside(token_ids, row, start, stop, vocab_size):
+    """Whether a scheduled token id (``token_ids[row, start:stop]``) is outside [0, vocab_size)."""
+    return lowest(token_ids, row, start, stop) < 0 or highest(token_ids, row, start, stop) >= vocab_size
+
+
+def first_outside(table, row, start, stop, low, high):
+    """The first index in [start, stop) whose value in ``table[row]`` is outside [low, high]."""
+    for col in range(start, stop):
+        value = table[row, col]
+        if value < low or value > high:
+            return col
+    return -1
+
+
+def check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
+               vocab_size, num_blocks, row_mark):
+    """Every bound of one step, writing nothing but ``row_mark``: ``check_schedule``, then per
+    request ``reads_null_block``, ``token_outside``, ``holds_block_past``; reports the first
+    null block, else the first token outside the vocabulary, else the first row with a block
+    past the cache. Bounds > 0 (the preparer passes the int32 range when it has none)."""
+    report = check_schedule(token_ids, block_table, rows, computed, scheduled, block_size,
+                            max_tokens, row_mark)
+    code, _, _, _, _, _ = report
+    if code != E_OK:
+        return report
+    bs = int(block_size)
+    shift = block_shift(bs)
+    blocks_can_pass = can_reach(block_table, num_blocks)
+    token_request = -1
+    block_request = -1
+    for i in range(rows.shape[0]):
+        row, c = int(rows[i]), int(computed[i])
+        end = c + int(scheduled[i])
+        used = block_of(end + bs - 1, bs, shift)
+        if reads_null_block(block_table, row, used):
+            at = first_outside(block_table, row, 0, used, NULL_BLOCK + 1, WIDEST[1])
+            return E_NULL_BLOCK, i, at, 0, 0, 0
+        if token_request < 0 and token_outside(token_ids, row, c, end, vocab_size):
+            token_request = i
+        if block_request < 0 and blocks_can_pass and holds_block_past(block_table, row, num_blocks):
+            block_request = i
+    if token_request >= 0:
+        row, c = int(rows[token_request]), int(computed[token_request])
+        at = first_outside(token_ids, row, c, c + int(scheduled[token_request]), 0, vocab_size - 1)
+        return E_TOKEN_OUT_OF_VOCAB, token_request, at, 0, 0, 0
+    if block_request >= 0:
+        row = int(rows[block_request])
+        at = first_outside(block_table, row, 0, block_table.shape[1], WIDEST[0], num_blocks - 1)
+        return E_BLOCK_OUT_OF_CACHE, block_request, at, 0, 0, 0
+    return report
+
+
+# ---- writing a checked step ---------------------------------------------------------------
+
+def write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids, positions,
+                  slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out):
+    """Request ``i``'s inputs (as vLLM's ``_prepare_inputs``), its tokens from index ``k``: ids,
+    positions and slots (a block at a time: consecutive within one), then its query_start_loc,
+    seq_len, computed length and block-table row. Returns the index after its tokens."""
+    end = c + n
+    if n == 1:                                   # decode: one token, no inner loops
+        col = block_of(c, bs, shift)
+        positions[k] = c
+        input_ids[k] = token_ids[row, c]
+        slot_mapping[k] = int(block_table[row, col]) * bs + (c - col * bs)
+    else:
+        ids_out = input_ids[k:k + n]
+        ids = token_ids[row, c:end]
+        pos_out = positions[k:k + n]
+        for j in range(n):
+            ids_out[j] = ids[j]
+        for j in range(n):
+            pos_out[j] = c + j
+        slots_out = slot_mapping[k:k + n]
+        p = c
+        while p < end:
+            col = block_of(p, bs, shift)
+            stop = min((col + 1) * bs, end)
+            base = int(block_table[row, col]) * bs - col * bs
+            for q in range(p, stop):
+                slots_out[q - c] = base + q
+            p = stop
+    for col in range(block_table.shape[1]):
+        block_table_out[i, col] = block_table[row, col]
+    num_computed[i] = c
+    seq_lens[i] = end
+    query_start_loc[i + 1] = k + n
+    return k + n
+
+
 def write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out):
-    """Write one checked step's inputs (as vLLM's ``_prepare_inputs``): ids, positions and
-    slots per token, one block at a time; query_start_loc, seq_lens, computed and block-table
-    rows per request."""
-    r = rows.shape[0]
-    width = block_table.shape[1]
-    bs = np.int64(block_size)
-    k = np.int64(0)
+    """``write_request`` for every request of a checked step."""
+    bs = int(block_size)
+    shift = block_shift(bs)
+    k = 0
     query_start_loc[0] = 0
-    for i in range(r):
-        row = np.int64(rows[i])
-        c = np.int64(computed[i])
-        n = np.int64(scheduled[i])
-        end = c + n
-        num_computed[i] = c
-        seq_lens[i] = end
-        for col in range(width):
-            block_table_out[i, col] = block_table[row, col]
-        if n == 1:                                   # decode: one token, no inner loops
-            col = c // bs
-            positions[k] = c
-            input_ids[k] = token_ids[row, c]
-            slot_mapping[k] = np.int64(block_table[row, col]) * bs + (c - col * bs)
-        else:
-            ids_out = input_ids[k:k + n]
-            pos_out = positions[k:k + n]
-            slots_out = slot_mapping[k:k + n]
-            for j in range(n):
-                pos_out[j] = c + j
-                ids_out[j] = token_ids[row, c + j]
-            p = c
-            while p < end:                           # one block at a time: consecutive slots
-                col = p // bs
-                stop = min((col + 1) * bs, end)
-                base = np.int64(block_table[row, col]) * bs - col * bs
-                for q in range(p, stop):
-                    slots_out[q - c] = base + q
-                p = stop
-        k += n
-        query_start_loc[i + 1] = k
+    for i in range(rows.shape[0]):
+        k = write_request(token_ids, block_table, i, int(rows[i]), int(computed[i]), int(scheduled[i]),
+                          bs, shift, k, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                          num_computed, block_table_out)
 
 
-def copy_row(dst, i, src, j):
-    """``dst[i] = src[j]`` for one row of a field: a value, or a block-table row (compiled
-    per array rank below; numba's own array assignment is several times slower)."""
-
-
-def fill_row(dst, i, value):
-    """``dst[i] = value`` for one row of a field, as :func:`copy_row`."""
-
-
-@overload(copy_row, jit_options=_OPTIONS)
-def _copy_row(dst, i, src, j):
-    if dst.ndim == 1:
-        def impl(dst, i, src, j):
-            dst[i] = src[j]
-    else:
-        def impl(dst, i, src, j):
-            for col in range(dst.shape[1]):
-                dst[i, col] = src[j, col]
-    return impl
-
-
-@overload(fill_row, jit_options=_OPTIONS)
-def _fill_row(dst, i, value):
-    if dst.ndim == 1:
-        def impl(dst, i, value):
-            dst[i] = value
-    else:
-        def impl(dst, i, value):
-            for col in range(dst.shape[1]):
-                dst[i, col] = value
-    return impl
-
-
-@jit
-def pad_rows(arr, rule, num_tokens, num_reqs):
-    """One field's padding rule on its bucket-sized ``arr``: the rows past the real ones get
-    the fill, or a copy of the last real row. ``rule`` is the field's row of
-    ``Padder.kernel_rules``: its level (per token, per request, extra), fill, repeat_last."""
-    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
-    if rule[4]:
-        for i in range(real, arr.shape[0]):
-            copy_row(arr, i, arr, real - 1)
-    else:
-        for i in range(real, arr.shape[0]):
-            fill_row(arr, i, rule[3])
-
-
-@jit
-def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping,
-                 query_start_loc, seq_lens, num_computed, block_table):
-    """The padding rules (``rules``: one row per field, in ``fields.ARRAY_FIELDS`` order) on a
-    step written into bucket-sized arrays."""
-    pad_rows(input_ids, rules[0], num_tokens, num_reqs)
-    pad_rows(positions, rules[1], num_tokens, num_reqs)
-    pad_rows(slot_mapping, rules[2], num_tokens, num_reqs)
-    pad_rows(query_start_loc, rules[3], num_tokens, num_reqs)
-    pad_rows(seq_lens, rules[4], num_tokens, num_reqs)
-    pad_rows(num_computed, rules[5], num_tokens, num_reqs)
-    pad_rows(block_table, rules[6], num_tokens, num_reqs)
-
-
-@jit
 def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
-                 vocab_size, num_blocks, row_mark, stamp, input_ids, positions, slot_mapping,
+                 vocab_size, num_blocks, row_mark, input_ids, positions, slot_mapping,
                  query_start_loc, seq_lens, num_computed, block_table_out):
-    """``check_step``, then ``write_step`` when every check passed (one call per step)."""
-    result = check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
-                        vocab_size, num_blocks, row_mark, stamp)
-    if result[0] == E_OK:
-        write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
-                   positions, slot_mapping, query_start_loc, seq_lens, num_computed,
-                   block_table_out)
-    return result
+    """``check_step`` and ``write_step`` in one pass: each request's rules, then its
+    ``write_request``, while its rows are in cache. A failure leaves the outputs partly written
+    (the caller passes buffers no result lives in) and returns ``check_step``'s report."""
+    report = check_schedule(token_ids, block_table, rows, computed, scheduled, block_size,
+                            max_tokens, row_mark)
+    code, _, _, _, _, _ = report
+    if code != E_OK:
+        return report
+    bs = int(block_size)
+    shift = block_shift(bs)
+    blocks_can_pass = can_reach(block_table, num_blocks)
+    k = 0
+    query_start_loc[0] = 0
+    for i in range(rows.shape[0]):
+        row, c, n = int(rows[i]), int(computed[i]), int(scheduled[i])
+        if (reads_null_block(block_table, row, block_of(c + n + bs - 1, bs, shift))
+                or token_outside(token_ids, row, c, c + n, vocab_size)
+                or (blocks_can_pass and holds_block_past(block_table, row, num_blocks))):
+            return check_step(token_ids, block_table, rows, computed, scheduled, block_size,
+                              max_tokens, vocab_size, num_blocks, row_mark)
+        k = write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids, positions,
+                          slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
+    return report
 
 
-@jit
-def write_padded_step(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
-                      rules, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                      num_computed, block_table_out):
-    """``write_step`` then ``fill_padding``: a checked step of ``num_tokens`` tokens straight
-    into a bucket's buffers (the caller checked that they hold the step). The loops index by
-    the request arrays, so ``check_requests`` runs again first: returns False, writing
-    nothing, if the step no longer passes it or no longer has ``num_tokens`` tokens (it
-    changed since ``check_step``)."""
-    result = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
-    if result[0] != E_OK or result[1] != num_tokens:
+def write_checked_step(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
+                       input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed,
+                       block_table_out):
+    """``write_step`` of a checked step of ``num_tokens`` tokens into a bucket's buffers (checked
+    to hold it; the padder pads them). ``check_requests`` runs again first: False, nothing
+    written, if the step no longer passes it or has another token count (it changed since
+    ``check_step``)."""
+    code, _, _, total, _, _ = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
+    if code != E_OK or total != num_tokens:
         return False
     write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
-    fill_padding(num_tokens, rows.shape[0], rules, input_ids, positions, slot_mapping,
-                 query_start_loc, seq_lens, num_computed, block_table_out)
     return True
 
 
-@jit
-def holds(src, dst, rule, num_tokens, num_reqs):
-    """Whether ``src`` has a field's real rows and ``dst`` room for them, rows equally wide."""
-    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
-    return src.shape[0] >= real and dst.shape[0] >= real and src.shape[1:] == dst.shape[1:]
+# ---- request arrays into the int32 form the loops take ------------------------------------
 
-
-@jit
-def copy_rows(src, dst, rule, num_tokens, num_reqs):
-    """A field's real rows from ``src`` into ``dst``."""
-    for i in range(field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)):
-        copy_row(dst, i, src, i)
-
-
-@jit
-def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, query_start_loc,
-             seq_lens, num_computed, block_table, o_input_ids, o_positions, o_slot_mapping,
-             o_query_start_loc, o_seq_lens, o_num_computed, o_block_table):
-    """Copy the real rows of prepared inputs into bucket-sized outputs, then ``fill_padding``.
-    Returns False, writing nothing, when an input is shorter than the real counts or an
-    output is."""
-    if not (holds(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)
-            and holds(positions, o_positions, rules[1], num_tokens, num_reqs)
-            and holds(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
-            and holds(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
-            and holds(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
-            and holds(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
-            and holds(block_table, o_block_table, rules[6], num_tokens, num_reqs)):
-        return False
-    copy_rows(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)
-    copy_rows(positions, o_positions, rules[1], num_tokens, num_reqs)
-    copy_rows(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
-    copy_rows(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
-    copy_rows(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
-    copy_rows(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
-    copy_rows(block_table, o_block_table, rules[6], num_tokens, num_reqs)
-    fill_padding(num_tokens, num_reqs, rules, o_input_ids, o_positions, o_slot_mapping,
-                 o_query_start_loc, o_seq_lens, o_num_computed, o_block_table)
-    return True
+def clamp_requests(rows, computed, scheduled, out):
+    """Three int64 request arrays, each value clamped, into rows 0-2 of the preparer's int32
+    request buffer ``out`` (one compiled variant)."""
+    for i in range(rows.shape[0]):
+        out[0, i] = clamp(rows[i])
+        out[1, i] = clamp(computed[i])
+        out[2, i] = clamp(scheduled[i])

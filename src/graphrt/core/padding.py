@@ -15,7 +15,7 @@ fill from ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention b
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -36,10 +36,22 @@ class PadRule(NamedTuple):
 def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
     """The padding rule of every field, in ``ARRAY_FIELDS`` order, for a table of fill values
     (``query_start_loc`` takes ``defaults.QUERY_START_LOC_FILL``). Both implementations, the
-    numpy one here and the compiled ``host_loops.fill_padding``, apply exactly this table."""
+    numpy one here and the compiled ``pad_loops.fill_padding``, apply exactly this table."""
     fills = {**fill_values, "query_start_loc": defaults.QUERY_START_LOC_FILL}
     return {name: PadRule(FIELDS[name].level, 0, True) if fills[name] == defaults.PAD_REPEAT_LAST
             else PadRule(FIELDS[name].level, int(fills[name]), False) for name in ARRAY_FIELDS}
+
+
+def fill_padding(rules: Sequence[Sequence[int]], num_tokens: int, num_reqs: int,
+                 arrays: Sequence[np.ndarray]) -> None:
+    """The padding rules in numpy (the compiled ones are ``pad_loops.fill_padding``): on a
+    step written into bucket-sized ``arrays`` (``ARRAY_FIELDS`` order), each field's rows past
+    the real ones get its fill or its last real row. ``rules``: ``Padder.kernel_rules`` as
+    rows of ``(per_token, per_request, extra, fill, repeat_last)``."""
+    for arr, (per_token, per_request, extra, fill, repeat_last) in zip(arrays, rules):
+        real = field_rows((per_token, per_request, extra), num_tokens, num_reqs)
+        if arr.shape[0] > real:
+            arr[real:] = arr[real - 1] if repeat_last else fill
 
 
 def empty_step(table_width: int) -> ModelInputs:
@@ -79,9 +91,10 @@ class Padder:
         #: The same table as the compiled loops take it: one row per field, (level, fill, repeat_last).
         self.kernel_rules = np.array([(*rule.level, rule.fill, rule.repeat_last)
                                       for rule in self.rules.values()], dtype=np.int64)
-        self._rule_list = tuple(self.rules.values())
+        self._rule_rows = self.kernel_rules.tolist()
         self.kernel = host_kernels.resolve_kernel(kernel)
         self._pad_step = host_kernels.compiled("pad_step") if self.kernel == "numba" else None
+        self._fill_padding = host_kernels.compiled("fill_padding") if self.kernel == "numba" else None
         self._max_tokens = max_num_tokens
         self._max_reqs = max_num_reqs
         self._buffers: dict[str, np.ndarray] = {}
@@ -108,6 +121,15 @@ class Padder:
         return ModelInputs(*dst, r, t, inputs.max_query_len, inputs.max_seq_len,
                            inputs.uniform_decode)
 
+    def fill(self, num_tokens: int, num_reqs: int, arrays: Sequence[np.ndarray]) -> None:
+        """Pad a step of ``num_tokens`` tokens and ``num_reqs`` requests already written into
+        the first rows of bucket-sized ``arrays`` (``ARRAY_FIELDS`` order): what
+        ``InputPreparer.write`` leaves to the padder."""
+        if self._fill_padding is not None:
+            self._fill_padding(num_tokens, num_reqs, self.kernel_rules, *arrays)
+        else:
+            fill_padding(self._rule_rows, num_tokens, num_reqs, arrays)
+
     def pad_empty(self, num_tokens: int, num_reqs: int, out: Mapping[str, np.ndarray]) -> ModelInputs:
         """A step of pure padding, ``num_tokens`` tokens and ``num_reqs`` requests, written into
         ``out`` (no KV slot written, every request attends to nothing)."""
@@ -119,15 +141,14 @@ class Padder:
 
     def _pad_numpy(self, inputs: ModelInputs, dst: tuple[np.ndarray, ...]) -> None:
         """The numpy implementation of :attr:`rules`: per field, one slice assignment of the
-        real rows and one of the fill (skipped when the step fills its bucket)."""
+        real rows, then :func:`fill_padding`."""
         t, r = inputs.num_tokens, inputs.num_reqs
         sources = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
                    inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table)
-        for src, buf, (level, fill, repeat_last) in zip(sources, dst, self._rule_list):
-            real = field_rows(level, t, r)
+        for src, buf, rule in zip(sources, dst, self.rules.values()):
+            real = field_rows(rule.level, t, r)
             buf[:real] = src[:real]
-            if buf.shape[0] > real:
-                buf[real:] = buf[real - 1] if repeat_last else fill
+        fill_padding(self._rule_rows, t, r, dst)
 
     @staticmethod
     def check_targets(num_tokens: int, num_reqs: int, padded_tokens: int, padded_reqs: int) -> None:
