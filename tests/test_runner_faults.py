@@ -143,4 +143,6 @@ def test_two_threads_on_disjoint_rows_get_their_own_results(model_dir):
     for i in range(2):
         wrong = [j for j, (a, b) in enumerate(zip(got[i], want[i])) if not np.array_equal(a, b)]
         assert not wrong, f"thread {i}: steps {wrong[:10]} returned other tokens"
-    assert torch.equal(runner.executor.kv_cache, want_kv)
+    # Every slot bit for bit; not the trash row, which padded tokens of both threads write into
+    # in whatever order the steps interleaved (nothing reads it).
+    assert torch.equal(runner.executor.kv_cache[:, :, :-1], want_kv[:, :, :-1])

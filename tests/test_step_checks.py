@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrt import InputError, InputPreparer
-from graphrt.core import host_kernels, host_loops, pad_loops
+from graphrt.core import host_kernels, host_loops
 from graphrt.core.prepare_numpy import NumpyPrepare
 from graphrt.core.step_codes import E_OK
 from test_inputs import EXTREMES, assert_matches, ref_for, scenarios
@@ -165,7 +165,7 @@ def test_the_loops_compile_without_reference_counting():
     import numba
 
     assert host_loops.JIT_OPTIONS["_nrt"] is False
-    assert pad_loops.JIT_OPTIONS["_nrt"] is False
+    assert host_loops.JIT_OPTIONS["_nrt"] is False   # the padding loops too: one file
     for name in ("check_step", "prepare_step", "write_checked_step", "fill_padding", "pad_step"):
         assert host_kernels.compiled(name).targetoptions["_nrt"] is False, name
     write = numba.njit(**host_loops.JIT_OPTIONS)(host_loops.write_step)      # uncached: inspectable

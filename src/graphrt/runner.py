@@ -13,19 +13,18 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from graphrt.core import defaults
 from graphrt.backends.base import Backend, Executor, SamplingBatch
-from graphrt.core.cache import CacheStats, FailedBuild, GraphCache, describe_key
+from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
 from graphrt.backends.preflight import check_before_loading, check_memory
 from graphrt.config import GraphConfig, check_flags
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, GraphMode, RuntimeMode, SamplerKey, resolve_mode
+from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode, SamplerKey, resolve_mode
 from graphrt.core.eager import EagerCause
-from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
+from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.inputs import InputPreparer
@@ -34,41 +33,11 @@ from graphrt.core.fields import ModelInputs
 from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
+from graphrt.plans import StepInfo, StepPlan, plan_step
 from graphrt.registry import select_backend
 from graphrt.warmup import build_every_key, warmup_keys
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInfo:
-    """What the last step ran as (for tests, logs and the CLI)."""
-
-    dispatch: Dispatch
-    mode: RuntimeMode
-    key: BatchDescriptor
-    num_tokens: int
-    num_reqs: int
-    eager_reason: str | None
-    seconds: float
-    eager_cause: EagerCause | None = None   # why it ran eagerly, grouped (None: it did not)
-
-
-@dataclass(frozen=True)
-class _StepPlan:
-    """How every step of one real (tokens, requests, uniform) shape runs (``ModelRunner._plan``)."""
-
-    dispatch: Dispatch
-    mode: RuntimeMode
-    key: BatchDescriptor
-    entry: Any
-    eager_reason: str | None
-    padded_reqs: int
-    cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
-    hit: bool
-    sampler: dict[bool, tuple[SamplerKey, Any, str | None]]  # all_greedy -> (key, entry or None, eager reason)
-    version: int                     # cache.version + sampler_cache.version when planned
-    eager_cause: EagerCause | None = None
 
 
 class ModelRunner:
@@ -135,8 +104,8 @@ class ModelRunner:
         self.data_parallel = DataParallelStep(step_agreement, self.lora) if step_agreement is not None else None
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
-        self._plans: dict[DispatchShape, _StepPlan] = {}
-        self._last: tuple[_StepPlan, int, int, float] | None = None
+        self._plans: dict[DispatchShape, StepPlan] = {}
+        self._last: tuple[StepPlan, int, int, float] | None = None
         self._futures = FutureTokens(on_device=self.executor.async_execution)
         self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
         self.warmup_report: list[dict[str, Any]] = []
@@ -266,7 +235,7 @@ class ModelRunner:
         self._last = (plan, t, r, time.perf_counter() - t0)
         return out
 
-    def _run(self, plan: "_StepPlan", padded: ModelInputs, real_tokens: int, real_reqs: int,
+    def _run(self, plan: StepPlan, padded: ModelInputs, real_tokens: int, real_reqs: int,
              future: Any = None, *, sampled: bool = False, greedy: bool = False) -> Any:
         """Count the step in the statistics, then run ``plan`` on the written ``padded`` step
         (every step, real or a data-parallel dummy, goes through here). Statistics are counted
@@ -306,41 +275,15 @@ class ModelRunner:
             self._run(plan, padded, 0, 0)
             self._last = (plan, 0, 0, 0.0)
 
-    def _plan(self, shape: DispatchShape) -> "_StepPlan":
+    def _plan(self, shape: DispatchShape) -> StepPlan:
         """What every step of this dispatch shape runs as: the dispatcher's key, the cache entry
         (or the reason to run eagerly), the padded sizes and the sampler entries. Remembered
         until either cache changes; each step still counts its hit or miss."""
         plan = self._plans.get(shape)
         if plan is not None and plan.version == self.cache.version + self.sampler_cache.version:
             return plan
-        t, r, uniform, n, context = shape
-        d = self.dispatcher.dispatch(t, r, uniform, n, context)
-        mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
-        eager_cause = None
-        if mode is RuntimeMode.NONE:
-            eager_reason = d.reason
-            eager_cause = d.cause or EagerCause.MODE    # a dispatcher that says eager, not why
-        else:
-            cache_key = (mode, key)
-            entry = self.cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
-            if entry is None and not self.executor.eager_fallback:
-                entry = self._build_missing(self.cache, cache_key, mode, key)
-            hit = entry is not None and not isinstance(entry, FailedBuild)
-            if not hit:
-                eager_reason = entry.reason if entry is not None else f"{key} was not captured"
-                eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
-                mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
-        padded_reqs = key.num_reqs if key.num_reqs is not None else r
-        sampler = {}
-        for greedy in (True, False):
-            sampler_key = SamplerKey(padded_reqs, greedy)
-            sampler_entry = self.sampler_cache.lookup(sampler_key)
-            if isinstance(sampler_entry, FailedBuild):
-                sampler[greedy] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
-            else:
-                sampler[greedy] = (sampler_key, sampler_entry, None)
-        plan = _StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
-                         self.cache.version + self.sampler_cache.version, eager_cause)
+        plan = plan_step(shape, self.dispatcher, self.cache, self.sampler_cache,
+                         None if self.executor.eager_fallback else self._build_missing)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
         self._plans[shape] = plan

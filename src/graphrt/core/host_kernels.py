@@ -8,7 +8,7 @@ steps) outweighs the work. Here each job is one loop compiled by numba (as vLLM 
 n-gram proposer): one call per step, every check before the first write.
 
 The loops are written once, as plain Python in :mod:`graphrt.core.host_loops` (input
-preparation) and :mod:`graphrt.core.pad_loops` (padding); this module compiles them
+preparation) and its padding loops; this module compiles them
 (:func:`compiled`). Where numba does not import, or ``kernel="numpy"`` asks for
 it, the numpy path runs the same check loops in the interpreter and writes with vectorised
 numpy (:mod:`graphrt.core.prepare_numpy`, the oracle the compiled writes are tested against).
@@ -44,7 +44,7 @@ KERNEL_ENV = "GRAPHRT_HOST_KERNEL"
 #: The loops called from Python (the rest are compiled into them), and their modules.
 ENTRY_POINTS = {"check_step": "host_loops", "prepare_step": "host_loops",
                 "write_checked_step": "host_loops", "clamp_requests": "host_loops",
-                "pad_step": "pad_loops", "fill_padding": "pad_loops"}
+                "pad_step": "host_loops", "fill_padding": "host_loops"}
 
 _numba: types.ModuleType | None = None     # numba, once imported
 _numba_error: str | None = None
@@ -68,10 +68,10 @@ def _load() -> bool:
         logger.info("graphrt: %s; input preparation and padding use the numpy path", _numba_error)
         return False
     if not _registered:
-        from graphrt.core import fields, host_loops, pad_loops
+        from graphrt.core import fields, host_loops
 
-        register_jitable(**pad_loops.JIT_OPTIONS)(fields.field_rows)
-        for module in (host_loops, pad_loops):
+        register_jitable(**host_loops.JIT_OPTIONS)(fields.field_rows)
+        for module in (host_loops,):
             for name, fn in vars(module).items():
                 inline = "always" if name in module.INLINED else "never"
                 if name in module.COMPILED_FORMS:
@@ -94,9 +94,9 @@ def compiled(name: str) -> Callable[..., Any]:
     if loop is None:
         if name not in ENTRY_POINTS:
             raise ConfigError(f"{name!r} is not a host-loop entry point: {sorted(ENTRY_POINTS)}")
-        from graphrt.core import host_loops, pad_loops
+        from graphrt.core import host_loops
 
-        module = {"host_loops": host_loops, "pad_loops": pad_loops}[ENTRY_POINTS[name]]
+        module = {"host_loops": host_loops}[ENTRY_POINTS[name]]
         loop = _compiled[name] = _numba.njit(cache=True, **module.JIT_OPTIONS)(getattr(module, name))
     return loop
 

@@ -2,7 +2,8 @@
 subset numba compiles (no numba import here). :mod:`graphrt.core.host_kernels` compiles them
 where numba imports; the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the checks in the
 interpreter. Both return the same reports (:mod:`graphrt.core.step_codes`). The padding loops
-are :mod:`graphrt.core.pad_loops`.
+(last) apply the padder's rule table (``Padder.kernel_rules``: per field its level, fill and
+whether it repeats its last row): no field's fill or length is written here.
 
 ``check_requests`` runs first everywhere: it validates every index the other loops use,
 clamping each request value to the int32 range before any sum, so nothing overflows and the
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphrt.core.defaults import NULL_BLOCK
-from graphrt.core.fields import INDEX_MAX
+from graphrt.core.fields import INDEX_MAX, field_rows
 from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
                                      E_NULL_BLOCK, E_OK, E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE,
                                      E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW,
@@ -32,7 +33,8 @@ JIT_OPTIONS = dict(nogil=True, boundscheck=False, error_model="numpy", _nrt=Fals
 INLINED = ("reads_null_block", "holds_block_past", "token_outside", "write_request")
 #: numpy one-liners when interpreted (numba's own reductions are several times slower) ->
 #: their compiled forms, for 1-d and 2-d arrays.
-COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop")}
+COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop"),
+                  "copy_row": ("copy_row", "copy_columns"), "fill_row": ("fill_row", "fill_columns")}
 
 LOW, HIGH = -INDEX_MAX - 1, INDEX_MAX
 WIDEST = (-2**63, 2**63 - 1)          # the int64 range: the widest a table's values can be
@@ -338,3 +340,91 @@ def clamp_requests(rows, computed, scheduled, out):
         out[0, i] = clamp(rows[i])
         out[1, i] = clamp(computed[i])
         out[2, i] = clamp(scheduled[i])
+
+
+# ---- padding: the rows past a step's real ones, by the padder's rules ---------------------
+
+def copy_row(dst, i, src, j):
+    """``dst[i] = src[j]``: a value, or a block-table row (its compiled form for 1-d fields too)."""
+    dst[i] = src[j]
+
+
+def fill_row(dst, i, value):
+    """``dst[i] = value``: a value, or every column of a block-table row."""
+    dst[i] = value
+
+
+def copy_columns(dst, i, src, j):
+    """:func:`copy_row` of a block-table row, compiled."""
+    for col in range(dst.shape[1]):
+        dst[i, col] = src[j, col]
+
+
+def fill_columns(dst, i, value):
+    """:func:`fill_row` of a block-table row, compiled."""
+    for col in range(dst.shape[1]):
+        dst[i, col] = value
+
+
+def pad_rows(arr, rule, num_tokens, num_reqs):
+    """One field's padding rule on its bucket-sized ``arr``: the rows past the real ones get the
+    fill or a copy of the last real row. ``rule``: the field's row of ``Padder.kernel_rules``
+    (per token, per request, extra, fill, repeat_last)."""
+    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
+    fill, repeat_last = rule[3], rule[4]
+    if repeat_last:
+        for i in range(real, arr.shape[0]):
+            copy_row(arr, i, arr, real - 1)
+    else:
+        for i in range(real, arr.shape[0]):
+            fill_row(arr, i, fill)
+
+
+def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping,
+                 query_start_loc, seq_lens, num_computed, block_table):
+    """The padding rules (``rules``: one row per field, in ``fields.ARRAY_FIELDS`` order) on a
+    step written into bucket-sized arrays."""
+    pad_rows(input_ids, rules[0], num_tokens, num_reqs)
+    pad_rows(positions, rules[1], num_tokens, num_reqs)
+    pad_rows(slot_mapping, rules[2], num_tokens, num_reqs)
+    pad_rows(query_start_loc, rules[3], num_tokens, num_reqs)
+    pad_rows(seq_lens, rules[4], num_tokens, num_reqs)
+    pad_rows(num_computed, rules[5], num_tokens, num_reqs)
+    pad_rows(block_table, rules[6], num_tokens, num_reqs)
+
+
+def holds(src, dst, rule, num_tokens, num_reqs):
+    """Whether ``src`` has a field's real rows and ``dst`` room for them, rows equally wide."""
+    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
+    return (src.shape[0] >= real) & (dst.shape[0] >= real) & (src.shape[1:] == dst.shape[1:])
+
+
+def copy_rows(src, dst, rule, num_tokens, num_reqs):
+    """A field's real rows from ``src`` into ``dst``."""
+    for i in range(field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)):
+        copy_row(dst, i, src, i)
+
+
+def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, query_start_loc,
+             seq_lens, num_computed, block_table, o_input_ids, o_positions, o_slot_mapping,
+             o_query_start_loc, o_seq_lens, o_num_computed, o_block_table):
+    """Copy the real rows of prepared inputs into bucket-sized outputs, then ``fill_padding``;
+    False, nothing written, when an input or an output is shorter than the real counts."""
+    if not (holds(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)   # (&, not ``and``: numba's
+            & holds(positions, o_positions, rules[1], num_tokens, num_reqs)   # inliner warns on it)
+            & holds(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
+            & holds(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
+            & holds(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
+            & holds(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
+            & holds(block_table, o_block_table, rules[6], num_tokens, num_reqs)):
+        return False
+    copy_rows(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)
+    copy_rows(positions, o_positions, rules[1], num_tokens, num_reqs)
+    copy_rows(slot_mapping, o_slot_mapping, rules[2], num_tokens, num_reqs)
+    copy_rows(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
+    copy_rows(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
+    copy_rows(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
+    copy_rows(block_table, o_block_table, rules[6], num_tokens, num_reqs)
+    fill_padding(num_tokens, num_reqs, rules, o_input_ids, o_positions, o_slot_mapping,
+                 o_query_start_loc, o_seq_lens, o_num_computed, o_block_table)
+    return True

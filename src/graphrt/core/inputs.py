@@ -151,6 +151,9 @@ class InputPreparer:
         self._check_step = host_kernels.compiled("check_step") if numba else host_loops.check_step
         self._prepare_step = host_kernels.compiled("prepare_step") if numba else numpy_path.prepare_step
         self._write_step = host_kernels.compiled("write_checked_step") if numba else numpy_path.write_checked_step
+        #: The padder's compiled loop, called here (the numpy path goes through ``Padder.fill``).
+        self._fill_padding = host_kernels.compiled("fill_padding") if numba else None
+        self._targets: dict[tuple[int, int, int], tuple[object, object, tuple[np.ndarray, ...]]] = {}
         self._requests = RequestArrays(self.max_num_reqs, compiled_copy=numba)
         self._pending: _CheckedStep | None = None
         # Per table row, the stamp of the last check that scheduled it; last entry: the stamp.
@@ -229,13 +232,24 @@ class InputPreparer:
         shape = step.shape
         if num_tokens < shape.num_tokens or num_reqs < shape.num_reqs:
             padder.check_targets(shape.num_tokens, shape.num_reqs, num_tokens, num_reqs)
-        targets = padder.targets(out, num_tokens, num_reqs, step.block_table.shape[1])
+        width = step.block_table.shape[1]
+        memo = self._targets.get((num_tokens, num_reqs, width))
+        if memo is not None and memo[0] is out and memo[1] is padder:
+            targets = memo[2]
+        else:                       # the padder's views of ``out``, remembered per bucket
+            targets = padder.targets(out, num_tokens, num_reqs, width)
+            if len(self._targets) >= defaults.PREPARE_VIEW_MEMO_LIMIT:
+                self._targets.clear()
+            self._targets[(num_tokens, num_reqs, width)] = (out, padder, targets)
         if not self._write_step(step.token_ids, step.block_table, step.req_rows, step.num_computed_tokens,
                                 step.num_scheduled_tokens, step.block_size, shape.num_tokens, *targets):
             self._pending = None
             raise GraphrtError("the step's request arrays changed between InputPreparer.check() "
                                "and write(); check the step again")
-        padder.fill(shape.num_tokens, shape.num_reqs, targets)
+        if self._fill_padding is not None:
+            self._fill_padding(shape.num_tokens, shape.num_reqs, padder.kernel_rules, *targets)
+        else:
+            padder.fill(shape.num_tokens, shape.num_reqs, targets)
         return ModelInputs(*targets, shape.num_reqs, shape.num_tokens, shape.max_query_len,
                            shape.max_seq_len, shape.uniform_decode)
 

@@ -36,7 +36,7 @@ class PadRule(NamedTuple):
 def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
     """The padding rule of every field, in ``ARRAY_FIELDS`` order, for a table of fill values
     (``query_start_loc`` takes ``defaults.QUERY_START_LOC_FILL``). Both implementations, the
-    numpy one here and the compiled ``pad_loops.fill_padding``, apply exactly this table."""
+    numpy one here and the compiled ``host_loops.fill_padding``, apply exactly this table."""
     fills = {**fill_values, "query_start_loc": defaults.QUERY_START_LOC_FILL}
     return {name: PadRule(FIELDS[name].level, 0, True) if fills[name] == defaults.PAD_REPEAT_LAST
             else PadRule(FIELDS[name].level, int(fills[name]), False) for name in ARRAY_FIELDS}
@@ -44,7 +44,7 @@ def pad_rules(fill_values: Mapping[str, int]) -> dict[str, PadRule]:
 
 def fill_padding(rules: Sequence[Sequence[int]], num_tokens: int, num_reqs: int,
                  arrays: Sequence[np.ndarray]) -> None:
-    """The padding rules in numpy (the compiled ones are ``pad_loops.fill_padding``): on a
+    """The padding rules in numpy (the compiled ones are ``host_loops.fill_padding``): on a
     step written into bucket-sized ``arrays`` (``ARRAY_FIELDS`` order), each field's rows past
     the real ones get its fill or its last real row. ``rules``: ``Padder.kernel_rules`` as
     rows of ``(per_token, per_request, extra, fill, repeat_last)``."""

@@ -223,7 +223,8 @@ class LLM:
         queued, consistent, for the next step.
         """
         with self._lock:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             self._deliver(self.loop.step())
             box = self._outbox[None]
             outs = list(box.values())
@@ -304,4 +305,4 @@ class LLM:
 _NO_OWNER = object()   # a request id with no owner left (aborted): its output is dropped
 
 
-__all__ = ["LLM", "RequestOutput", "Status"]
+__all__ = ["LLM", "RequestOutput"]

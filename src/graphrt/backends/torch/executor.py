@@ -41,7 +41,7 @@ from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.pieces import Pieces
 from graphrt.backends.torch.piecewise import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import GraphCaptureError, GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.fields import FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
@@ -49,31 +49,12 @@ from graphrt.core.padding import Padder
 from graphrt.models.torch.attention import TorchAttentionMetadata
 from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphPool, PreReplayHook,
                                            describe_capture_failure)
+from graphrt.backends.torch.model_protocol import attention_support, keyed_host_values
 from graphrt.backends.torch.sampler import SamplerState
 
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
-
-def keyed_host_values(model: torch.nn.Module, device: torch.device) -> tuple[str, ...]:
-    """What the model's attention layers fix when a graph is built (their ``keyed_host_values``;
-    a layer that declares nothing fixes nothing)."""
-    dtype = next(model.parameters()).dtype
-    found: set[str] = set()
-    for layer in model.attention_layers() if hasattr(model, "attention_layers") else []:
-        declare = getattr(layer, "keyed_host_values", None)
-        if declare is not None:
-            found.update(declare(device, dtype))
-    return tuple(sorted(found))
-
-
-def attention_support(model: torch.nn.Module) -> AttentionGraphSupport:
-    """The least FULL-graph support declared by the model's attention layers."""
-    layers = model.attention_layers() if hasattr(model, "attention_layers") else []
-    levels = [AttentionGraphSupport(getattr(layer, "graph_support", AttentionGraphSupport.ALWAYS))
-              for layer in layers]
-    return min(levels, default=AttentionGraphSupport.ALWAYS)
-
 
 #: What a TorchExecutor captures per key: one graph (FULL, sampler) or a bucket's pieces.
 TorchEntry = CapturedGraph | PiecewiseEntry

@@ -1,0 +1,90 @@
+"""Step plans: how every step of one dispatch shape runs, decided once and remembered.
+
+A plan is the dispatcher's answer for a :class:`~graphrt.core.dp_agreement.DispatchShape`
+(mode and padded key), the cache entry for that key (or why the step runs eagerly: the mode
+says so, the key's build failed, it was never built), the padded request count and the
+sampler entries of both kinds. ``ModelRunner`` makes one on the first step of a shape and
+reuses it until either cache changes (``version``); each step still counts its hit or miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from graphrt.core.cache import FailedBuild, GraphCache
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, RuntimeMode, SamplerKey
+from graphrt.core.dp_agreement import DispatchShape
+from graphrt.core.eager import EagerCause
+
+#: ``build_missing(cache, cache_key, mode, key) -> entry``: builds a key warm-up did not
+#: (backends without an eager path, XLA); None where a missing key runs eagerly.
+BuildMissing = Callable[[GraphCache, Any, RuntimeMode, Any], Any]
+
+
+@dataclass
+class StepInfo:
+    """What the last step ran as (for tests, logs and the CLI)."""
+
+    dispatch: Dispatch
+    mode: RuntimeMode
+    key: BatchDescriptor
+    num_tokens: int
+    num_reqs: int
+    eager_reason: str | None
+    seconds: float
+    eager_cause: EagerCause | None = None   # why it ran eagerly, grouped (None: it did not)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How every step of one dispatch shape runs (:func:`plan_step`)."""
+
+    dispatch: Dispatch
+    mode: RuntimeMode
+    key: BatchDescriptor
+    entry: Any
+    eager_reason: str | None
+    padded_reqs: int
+    cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
+    hit: bool
+    sampler: dict[bool, tuple[SamplerKey, Any, str | None]]  # all_greedy -> (key, entry or None, eager reason)
+    version: int                     # cache.version + sampler_cache.version when planned
+    eager_cause: EagerCause | None = None
+
+
+def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, sampler_cache: GraphCache,
+              build_missing: BuildMissing | None) -> StepPlan:
+    """The plan of ``shape``: the dispatcher's key, its entry in ``cache`` (or the reason to run
+    eagerly, the step then keyed by its own shape), the padded sizes and the sampler entries."""
+    t, r, uniform, n, context = shape
+    d = dispatcher.dispatch(t, r, uniform, n, context)
+    mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
+    eager_cause = None
+    if mode is RuntimeMode.NONE:
+        eager_reason = d.reason
+        eager_cause = d.cause or EagerCause.MODE    # a dispatcher that says eager, not why
+    else:
+        cache_key = (mode, key)
+        entry = cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
+        if entry is None and build_missing is not None:
+            entry = build_missing(cache, cache_key, mode, key)
+        hit = entry is not None and not isinstance(entry, FailedBuild)
+        if not hit:
+            eager_reason = entry.reason if entry is not None else f"{key} was not captured"
+            eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
+            mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
+    padded_reqs = key.num_reqs if key.num_reqs is not None else r
+    sampler = {}
+    for greedy in (True, False):
+        sampler_key = SamplerKey(padded_reqs, greedy)
+        sampler_entry = sampler_cache.lookup(sampler_key)
+        if isinstance(sampler_entry, FailedBuild):
+            sampler[greedy] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
+        else:
+            sampler[greedy] = (sampler_key, sampler_entry, None)
+    return StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
+                    cache.version + sampler_cache.version, eager_cause)
+
+
+__all__ = ["BuildMissing", "StepInfo", "StepPlan", "plan_step"]
