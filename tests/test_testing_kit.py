@@ -191,13 +191,45 @@ def test_the_pytest_entry_runs_the_suite(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_docs_example_model_passes(tmp_path) -> None:
     """docs/testing.md's user-written model and attention, run as the page says."""
+    (tmp_path / "my_model.py").write_text(docs_example_code())
+    results = run_conformance(f"{tmp_path / 'my_model.py'}:build", "cpu", examples=3, report=None)
+    assert [r.name for r in results if not r.passed] == [], [r.line() for r in results]
+
+
+def docs_example_code() -> str:
+    """docs/testing.md's complete example: a user's model with its own attention."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text()
-    code = text.split("## A complete example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    (tmp_path / "my_model.py").write_text(code)
-    results = run_conformance(f"{tmp_path / 'my_model.py'}:build", "cpu", examples=3, report=None)
-    assert [r.name for r in results if not r.passed] == [], [r.line() for r in results]
+    return text.split("## A complete example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.fixture
+def forget_modules():
+    """Names of modules a test loads from its own files, dropped from ``sys.modules`` after it."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def test_a_model_file_imports_its_sibling_modules(tmp_path, capsys, forget_modules) -> None:
+    """``--model file.py:fn`` whose file imports a module beside it, at load time and inside
+    the builder, works without PYTHONPATH, and leaves ``sys.path`` as it was."""
+    from graphrt.cli import main
+
+    forget_modules += ["kit_sibling_attention", "kit_sibling_seed", "kit_sibling_model"]
+    (tmp_path / "kit_sibling_attention.py").write_text(docs_example_code())
+    (tmp_path / "kit_sibling_seed.py").write_text("SEED = 0\n")
+    (tmp_path / "kit_sibling_model.py").write_text(
+        "import torch\n\nfrom kit_sibling_attention import TinyLM\n\n\n"
+        "def build():\n    from kit_sibling_seed import SEED\n\n"
+        "    torch.manual_seed(SEED)\n    return TinyLM().eval()\n")
+    path = list(sys.path)
+    assert main(["conformance", "--model", f"{tmp_path / 'kit_sibling_model.py'}:build", "--backend", "eager",
+                 "--examples", "2", "--property", "bad_input_rejected"]) == 0
+    assert "PASS bad_input_rejected" in capsys.readouterr().out
+    assert sys.path == path
 
 
 def test_import_graphrt_stays_free_of_the_kit() -> None:

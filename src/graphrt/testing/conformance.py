@@ -8,9 +8,10 @@ Two ways to run it, the same checks either way:
   one test per property below, with the options of :mod:`graphrt.testing.plugin` (loaded by
   its ``pytest11`` entry point, or ``-p graphrt.testing.plugin``).
 
-``--model`` is a Hugging Face directory, or ``package.module:function`` naming a
-zero-argument function that returns a fresh model following docs/models.md (your own model,
-with your own attention). Needs ``hypothesis``.
+``--model`` is a Hugging Face directory, or ``package.module:function`` or
+``path/to/file.py:function`` naming a zero-argument function that returns a fresh model
+following docs/models.md (your own model, with your own attention; a file's sibling modules
+are importable: :mod:`graphrt.testing.loading`). Needs ``hypothesis``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+from graphrt.testing.loading import load_model
 from graphrt.testing.properties import PROPERTIES
 from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 
@@ -54,27 +56,6 @@ class Result:
             text += f"\n  {self.error}\n  counterexample (shrunk):\n    " + \
                 (self.counterexample or "").replace("\n", "\n    ")
         return text
-
-
-def load_model(spec: str) -> str | Callable[[], Any]:
-    """A model directory as it is, or a model builder: ``package.module:function`` (imported)
-    or ``path/to/file.py:function`` (loaded from the file)."""
-    import importlib
-    import importlib.util
-    import os
-
-    if os.path.exists(spec) or ":" not in spec:
-        return spec
-    where, _, name = spec.rpartition(":")
-    if where.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
-        if module_spec is None or module_spec.loader is None:
-            raise ValueError(f"cannot load a model builder from {where}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    return getattr(module, name)
 
 
 def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
