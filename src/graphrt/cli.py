@@ -221,7 +221,8 @@ def _conformance_args(parser: argparse.ArgumentParser) -> None:
 
 def _conformance_run(args: argparse.Namespace) -> int:
     from graphrt.config import GraphConfig
-    from graphrt.testing.conformance import DEFAULT_EXAMPLES, DEFAULT_THREADS, load_model, run_conformance
+    from graphrt.testing.conformance import (DEFAULT_EXAMPLES, DEFAULT_THREADS, load_model, run_conformance,
+                                             summary)
     from graphrt.testing.runners import RunnerFactory
 
     fields = {k: getattr(args, k) for k in GraphConfig.model_fields if getattr(args, k, None) is not None}
@@ -238,10 +239,8 @@ def _conformance_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"graphrt conformance: {e}", file=sys.stderr)
         return 2
-    failed = [r.name for r in results if not r.passed]
-    print(f"{len(results) - len(failed)} of {len(results)} properties hold"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    print(summary(results))
+    return 0 if all(r.passed for r in results) else 1
 
 
 # ---------------------------------------------------------------------------------------- main

@@ -33,29 +33,52 @@ DEFAULT_THREADS = 1
 
 @dataclass
 class Result:
-    """One property's outcome."""
+    """One property's outcome: PASS, FAIL, or N/A (nothing to check on this backend)."""
 
     name: str
     examples: int                 # examples run, shrinking included
     seconds: float
     error: str | None = None      # the shrunk failure's message
     counterexample: str | None = None
-    note: str | None = None       # why the property has nothing to check on this backend
+    note: str | None = None       # why the property has nothing to check on this backend (N/A)
 
     @property
     def passed(self) -> bool:
+        """No failure (a property that does not apply has none)."""
         return self.error is None
 
+    @property
+    def applicable(self) -> bool:
+        """Whether the property had something to check on this backend."""
+        return self.note is None
+
+    @property
+    def status(self) -> str:
+        """``PASS``, ``FAIL`` or ``N/A``."""
+        return "FAIL" if not self.passed else ("PASS" if self.applicable else "N/A")
+
     def line(self) -> str:
-        """``PASS kv_isolated  100 examples  3.1 s`` (and, on failure, the counterexample)."""
-        status = "PASS" if self.passed else "FAIL"
-        text = f"{status} {self.name:<28} {self.examples:>5} examples {self.seconds:>7.1f} s"
+        """``PASS kv_isolated  100 examples  3.1 s`` (and, on failure, the counterexample);
+        ``N/A  addresses_stable ... (not applicable: ...)``."""
+        text = f"{self.status:<4} {self.name:<28} {self.examples:>5} examples {self.seconds:>7.1f} s"
         if self.note:
             text += f"  ({self.note})"
         if not self.passed:
-            text += f"\n  {self.error}\n  counterexample (shrunk):\n    " + \
-                (self.counterexample or "").replace("\n", "\n    ")
+            text += f"\n  {self.error}"
+            if self.counterexample is not None:
+                text += "\n  counterexample (shrunk):\n    " + self.counterexample.replace("\n", "\n    ")
         return text
+
+
+def summary(results: Sequence[Result]) -> str:
+    """``5 of 5 properties hold, 2 not applicable`` (``; failed: ...`` when some failed): a
+    property that does not apply is counted apart, neither held nor failed."""
+    checked = [r for r in results if r.applicable or not r.passed]
+    failed = [r.name for r in checked if not r.passed]
+    text = f"{len(checked) - len(failed)} of {len(checked)} properties hold"
+    if len(checked) < len(results):
+        text += f", {len(results) - len(checked)} not applicable"
+    return text + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
 def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
@@ -79,13 +102,16 @@ def strategy_for(kind: str, factory: RunnerFactory) -> Any:
 
 def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EXAMPLES, *,
                    seed: int = 0) -> Result:
-    """Run property ``name`` on ``examples`` drawn examples; a failure is shrunk and reported."""
+    """Run property ``name`` on ``examples`` drawn examples; a failure is shrunk and reported.
+    A property that does not apply to the factory's backend runs no example (N/A)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
     fn, kind = PROPERTIES[name]
     start = time.perf_counter()
     note = _not_applicable(name, factory)
+    if note is not None:                 # nothing to check: no examples drawn
+        return Result(name, 0, time.perf_counter() - start, note=note)
     state: dict[str, Any] = {"runs": 0, "failing": None}
 
     @hypothesis_seed(seed)
@@ -183,6 +209,8 @@ def _pytest_check(name: str, factory: RunnerFactory, examples: int) -> None:
     result = check_property(name, factory, examples)
     if not result.passed:
         pytest.fail(result.line(), pytrace=False)
+    if not result.applicable:
+        pytest.skip(result.note)
 
 
 def test_padding_invisible(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
@@ -213,4 +241,5 @@ def test_lifetime_matches_reference(graphrt_factory: RunnerFactory, graphrt_exam
     _pytest_check("lifetime_matches_reference", graphrt_factory, graphrt_examples)
 
 
-__all__ = ["DEFAULT_EXAMPLES", "Result", "check_property", "load_model", "run_conformance", "strategy_for"]
+__all__ = ["DEFAULT_EXAMPLES", "Result", "check_property", "load_model", "run_conformance", "strategy_for",
+           "summary"]
