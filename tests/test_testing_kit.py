@@ -168,6 +168,50 @@ def test_a_planted_bug_is_caught_and_shrunk(bug: str) -> None:
     assert requests <= 3, result.line()
 
 
+class ItemReadingModel(torch.nn.Module):
+    """graphrt's reference Qwen3 plus a ``.item()`` in its forward: a host sync no graph can
+    hold, so every capture fails (strict mode raises GraphCaptureError at warm-up)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.inner(input_ids, positions)
+        return hidden * (1.0 if positions.max().item() >= 0 else 0.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
+
+    def attention_layers(self) -> list[torch.nn.Module]:
+        return self.inner.attention_layers()
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        return self.inner.kv_cache_spec()
+
+
+def item_reading_model() -> torch.nn.Module:
+    """``--model test_testing_kit:item_reading_model`` (this module is importable by name)."""
+    return ItemReadingModel(load_torch_model(model_dir(), dtype=torch.float32, device="cpu"))
+
+
+def test_a_capture_failure_in_strict_mode_is_a_fail_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--strict`` and a model no graph can hold: each property is a FAIL line naming the
+    capture error (not a traceback), the summary counts them, the exit status is 1."""
+    from graphrt.cli import main
+
+    status = main(["conformance", "--model", "test_testing_kit:item_reading_model", "--backend", "cpu",
+                   "--strict", "--examples", "2", "--property", "kv_isolated", "--property", "bad_input_rejected"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "warm-up: failed" in out and "GraphCaptureError" in out, out
+    for name in ("kv_isolated", "bad_input_rejected"):
+        line = next(line for line in out.splitlines() if line.startswith(f"FAIL {name} "))
+        error = out.split(line, 1)[1].splitlines()[1]
+        assert "warm-up failed: GraphCaptureError" in error and "`.item()`" in error, out
+    assert "0 of 2 properties hold; failed: kv_isolated, bad_input_rejected" in out
+
+
 # ---- strategies -----------------------------------------------------------------------------
 
 def test_steps_shrink_to_few_requests_and_tokens() -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core.buckets import BucketPolicy
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
-from graphrt.core.errors import ConfigError
+from graphrt.core.errors import BackendUnavailableError, ConfigError
 from graphrt.cli_demo import demo_args, demo_run, add_engine_args, engine_kwargs
 
 
@@ -236,7 +236,7 @@ def _conformance_run(args: argparse.Namespace) -> int:
     try:
         results = run_conformance(factory=factory, examples=examples, properties=args.properties,
                                   seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads)
-    except ValueError as e:
+    except (ValueError, BackendUnavailableError) as e:
         print(f"graphrt conformance: {e}", file=sys.stderr)
         return 2
     print(summary(results))

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+from graphrt.core.errors import CacheMissError, GraphCaptureError
 from graphrt.testing.loading import load_model
 from graphrt.testing.properties import PROPERTIES
 from graphrt.testing.runners import RunnerFactory, can_run_unpadded
@@ -29,6 +30,9 @@ from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 DEFAULT_EXAMPLES = 100
 #: torch intra-op threads while the suite runs (see :func:`torch_threads`).
 DEFAULT_THREADS = 1
+#: What a runner raises when a graph or executable it needs cannot be built (a capture that
+#: fails in strict mode, or a step strict mode finds no graph for): a FAIL line, not a crash.
+BUILD_ERRORS: tuple[type[BaseException], ...] = (GraphCaptureError, CacheMissError)
 
 
 @dataclass
@@ -92,6 +96,10 @@ def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
     return None
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def strategy_for(kind: str, factory: RunnerFactory) -> Any:
     """The strategy of a property's ``kind`` ("step", "bad", "trace") for ``factory``'s runners."""
     from graphrt.testing import strategies
@@ -109,7 +117,10 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
 
     fn, kind = PROPERTIES[name]
     start = time.perf_counter()
-    note = _not_applicable(name, factory)
+    try:
+        note = _not_applicable(name, factory)          # builds (warms up) the factory's runner
+    except BUILD_ERRORS as exc:
+        return Result(name, 0, time.perf_counter() - start, f"warm-up failed: {_describe(exc)}")
     if note is not None:                 # nothing to check: no examples drawn
         return Result(name, 0, time.perf_counter() - start, note=note)
     state: dict[str, Any] = {"runs": 0, "failing": None}
@@ -130,8 +141,8 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
     error = counterexample = None
     try:
         check()
-    except AssertionError as exc:
-        error = str(exc).strip().replace("\n", "\n  ")
+    except (AssertionError, *BUILD_ERRORS) as exc:
+        error = (str(exc) if isinstance(exc, AssertionError) else _describe(exc)).strip().replace("\n", "\n  ")
         failing = state["failing"]
         counterexample = "\n".join(repr(s) for s in failing) if isinstance(failing, list) else repr(failing)
     return Result(name, state["runs"], time.perf_counter() - start, error, counterexample, note)
@@ -178,10 +189,14 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
     results = []
     with torch_threads(threads if framework == "torch" else None):
         start = time.perf_counter()
-        runner = factory()
+        try:
+            runner = factory()
+            line = (f"warm-up: {runner.backend.name}, graph mode {runner.mode.value}, "
+                    f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s")
+        except BUILD_ERRORS as exc:      # every property then fails with it, one line each
+            line = f"warm-up: failed after {time.perf_counter() - start:.1f} s: {_describe(exc)}"
         if report is not None:
-            report(f"warm-up: {runner.backend.name}, graph mode {runner.mode.value}, "
-                   f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s")
+            report(line)
         for name in names:
             result = check_property(name, factory, examples, seed=seed)
             results.append(result)
