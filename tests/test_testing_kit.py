@@ -190,9 +190,21 @@ class ItemReadingModel(torch.nn.Module):
         return self.inner.kv_cache_spec()
 
 
+#: torch's intra-op threads at each build of :func:`recording_model` / :func:`item_reading_model`
+#: (the kit builds a runner's model inside its warm-up).
+THREADS_SEEN: list[int] = []
+
+
+def recording_model() -> torch.nn.Module:
+    """``--model test_testing_kit:recording_model`` (this module is importable by name): the
+    reference Qwen3, noting torch's threads as it is built."""
+    THREADS_SEEN.append(torch.get_num_threads())
+    return load_torch_model(model_dir(), dtype=torch.float32, device="cpu")
+
+
 def item_reading_model() -> torch.nn.Module:
-    """``--model test_testing_kit:item_reading_model`` (this module is importable by name)."""
-    return ItemReadingModel(load_torch_model(model_dir(), dtype=torch.float32, device="cpu"))
+    """``--model test_testing_kit:item_reading_model``: :class:`ItemReadingModel`."""
+    return ItemReadingModel(recording_model())
 
 
 def test_a_capture_failure_in_strict_mode_is_a_fail_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -246,6 +258,49 @@ def test_the_pytest_entry_runs_the_suite(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert status == 0, out
     assert "2 passed" in out, out
+
+
+def run_pytest(*args: str) -> int:
+    """The conformance suite's pytest entry, in-process, with the plugin loaded by hand."""
+    return pytest.main(["-q", "-p", "no:cacheprovider", "-p", "graphrt.testing.plugin",
+                        "--pyargs", "graphrt.testing.conformance", *args])
+
+
+def test_the_pytest_plugin_pins_threads_and_takes_options_and_ini_keys(tmp_path, capsys) -> None:
+    """Without a thread setting the suite pins torch to one thread (a busy machine ran it 4x
+    slower unpinned) and restores it; every setting is an option and an ini key, relative
+    paths in ini keys are relative to the ini file, and the suite runs once per backend."""
+    THREADS_SEEN.clear()
+    torch.set_num_threads(2)
+    try:
+        status = run_pytest("--graphrt-model", "test_testing_kit:recording_model", "--graphrt-backend", "eager",
+                            "--graphrt-examples", "2", "-k", "bad_input")
+        out = capsys.readouterr().out
+        assert status == 0 and "1 passed" in out, out
+        assert THREADS_SEEN == [1] and torch.get_num_threads() == 2
+
+        (tmp_path / "strict_model.py").write_text("from test_testing_kit import item_reading_model as build\n")
+        ini = tmp_path / "pytest.ini"
+        ini.write_text("[pytest]\ngraphrt_model = strict_model.py:build\ngraphrt_backend = cpu\n"
+                       "graphrt_examples = 1\ngraphrt_threads = 3\ngraphrt_strict = true\n")
+        status = run_pytest("-c", str(ini), "-k", "bad_input")
+        out = capsys.readouterr().out
+        assert status == 1 and "1 failed" in out, out
+        assert "FAIL bad_input_rejected" in out and "warm-up failed: GraphCaptureError" in out, out
+        assert THREADS_SEEN == [1, 3] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+    ini.write_text("[pytest]\ngraphrt_model = strict_model.py:build\ngraphrt_backend = eager xla\n")
+    assert run_pytest("-c", str(ini), "--collect-only", "-k", "kv_isolated") == 0
+    assert "test_kv_isolated[eager]" in (out := capsys.readouterr().out) and "test_kv_isolated[xla]" in out, out
+    assert run_pytest("-c", str(ini), "--collect-only", "-k", "kv_isolated", "--graphrt-backend", "cpu,eager",
+                      "--graphrt-backend", "xla") == 0
+    out = capsys.readouterr().out
+    assert all(f"test_kv_isolated[{b}]" in out for b in ("cpu", "eager", "xla")), out
+    ini.write_text("[pytest]\ngraphrt_threads = many\n")
+    assert run_pytest("-c", str(ini), "--collect-only") == pytest.ExitCode.USAGE_ERROR
+    assert "graphrt_threads: expected an integer, got 'many'" in capsys.readouterr().err
 
 
 def test_the_docs_example_model_passes(tmp_path) -> None:

@@ -150,10 +150,10 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to ``threads`` for the block (None: left alone). The kit's
-    steps are small: on a CPU a second thread mostly waits, and on a busy machine it can make a
-    step many times slower."""
-    if threads is None:
+    """torch's intra-op threads set to ``threads`` for the block (None or 0: left alone). The
+    kit's steps are small: on a CPU a second thread mostly waits, and on a busy machine it can
+    make a step many times slower."""
+    if not threads:
         yield
         return
     import torch
@@ -166,6 +166,12 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def kit_threads(factory: RunnerFactory, threads: int | None) -> contextlib.AbstractContextManager[None]:
+    """:func:`torch_threads` for a factory of a torch backend; nothing to pin for JAX."""
+    framework = getattr(factory.backend, "framework", None) or _framework(factory.backend)
+    return torch_threads(threads if framework == "torch" else None)
+
+
 def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any = "cpu", *,
                     examples: int = DEFAULT_EXAMPLES, mode: str | None = None,
                     properties: Sequence[str] | None = None, seed: int = 0,
@@ -174,7 +180,7 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
     """Every property (or ``properties``) on ``model`` and ``backend``, ``examples`` each;
     ``report`` gets one line per property as it finishes (and one for the warm-up). ``factory``
     replaces model / backend / config (build it yourself for other limits, a KV block count or
-    a dtype). ``threads``: torch intra-op threads meanwhile (None: as they are)."""
+    a dtype). ``threads``: torch intra-op threads meanwhile (None or 0: as they are)."""
     if factory is None:
         if model is None:
             raise ValueError("give a model (directory or builder) or a factory")
@@ -185,9 +191,8 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
     unknown = [n for n in names if n not in PROPERTIES]
     if unknown:
         raise ValueError(f"unknown properties {unknown}; known: {list(PROPERTIES)}")
-    framework = getattr(factory.backend, "framework", None) or _framework(factory.backend)
     results = []
-    with torch_threads(threads if framework == "torch" else None):
+    with kit_threads(factory, threads):
         start = time.perf_counter()
         try:
             runner = factory()
@@ -214,46 +219,37 @@ def _framework(backend: Any) -> str:
 
 
 # ------------------------------------------------------------------------------ pytest entry
-# Collected by ``pytest --pyargs graphrt.testing.conformance``; the fixtures come from
-# graphrt.testing.plugin (its options: --graphrt-model, --graphrt-backend, --graphrt-mode,
-# --graphrt-examples).
-
-def _pytest_check(name: str, factory: RunnerFactory, examples: int) -> None:
-    import pytest
-
-    result = check_property(name, factory, examples)
-    if not result.passed:
-        pytest.fail(result.line(), pytrace=False)
-    if not result.applicable:
-        pytest.skip(result.note)
+# Collected by ``pytest --pyargs graphrt.testing.conformance``. ``graphrt_check`` comes from
+# graphrt.testing.plugin (options and ini keys: model, backend(s), mode, examples, threads,
+# strict, seed); each test runs once per configured backend.
 
 
-def test_padding_invisible(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("padding_invisible", graphrt_factory, graphrt_examples)
+def test_padding_invisible(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("padding_invisible")
 
 
-def test_kv_isolated(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("kv_isolated", graphrt_factory, graphrt_examples)
+def test_kv_isolated(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("kv_isolated")
 
 
-def test_replay_matches_eager(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("replay_matches_eager", graphrt_factory, graphrt_examples)
+def test_replay_matches_eager(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("replay_matches_eager")
 
 
-def test_no_build_after_warmup(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("no_build_after_warmup", graphrt_factory, graphrt_examples)
+def test_no_build_after_warmup(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("no_build_after_warmup")
 
 
-def test_bad_input_rejected(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("bad_input_rejected", graphrt_factory, graphrt_examples)
+def test_bad_input_rejected(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("bad_input_rejected")
 
 
-def test_addresses_stable(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("addresses_stable", graphrt_factory, graphrt_examples)
+def test_addresses_stable(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("addresses_stable")
 
 
-def test_lifetime_matches_reference(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("lifetime_matches_reference", graphrt_factory, graphrt_examples)
+def test_lifetime_matches_reference(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("lifetime_matches_reference")
 
 
 __all__ = ["DEFAULT_EXAMPLES", "Result", "check_property", "load_model", "run_conformance", "strategy_for",
