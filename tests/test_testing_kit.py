@@ -27,7 +27,7 @@ from graphrt.models.torch.loader import load_torch_model
 from graphrt.testing.conformance import Result, check_property, run_conformance, summary
 from graphrt.testing.runners import KIT_LIMITS, RunnerFactory
 from graphrt.testing.strategies import steps
-from hf_models import tiny_hf_model_dir
+from hf_models import load_hf_model, tiny_hf_model_dir
 
 EXAMPLES = 6
 #: A small XLA grid: every compile costs about a second here.
@@ -50,13 +50,33 @@ def model_dir() -> str:
     return str(tiny_hf_model_dir("qwen3"))
 
 
+@functools.lru_cache(maxsize=None)
+def hf_model() -> torch.nn.Module:
+    return load_hf_model(model_dir())
+
+
+def hf_reference(step) -> torch.Tensor:
+    """A user's plain eager loop: transformers' forward of each request's tokens so far, the
+    logits of its last token (``--reference test_testing_kit:hf_reference``)."""
+    with torch.no_grad():
+        return torch.stack([hf_model()(input_ids=torch.as_tensor(seq, dtype=torch.long)[None]).logits[0, -1]
+                            for seq in step.sequences()])
+
+
+def hf_reference_tokens(step) -> np.ndarray:
+    """The same loop's greedy tokens only."""
+    return hf_reference(step).argmax(-1).numpy()
+
+
 @pytest.mark.parametrize("backend", ["cpu", "eager", "xla"])
 def test_the_kit_passes_on_the_reference_model(backend: str) -> None:
+    """Every property holds, the user's reference (transformers) included."""
     if backend == "xla":
         pytest.importorskip("jax")
     lines: list[str] = []
-    results = run_conformance(model_dir(), backend, examples=EXAMPLES, report=lines.append,
+    results = run_conformance(model_dir(), backend, examples=EXAMPLES, report=lines.append, reference=hf_reference,
                               **(XLA_GRID if backend == "xla" else {}))
+    assert "matches_reference" in [r.name for r in results]
     assert [r.name for r in results if not r.passed] == [], "\n".join(lines)
     assert all(r.examples >= 1 for r in results if r.applicable)
     assert lines[0].startswith("warm-up: ") and len(lines) == len(results) + 1
@@ -224,6 +244,28 @@ def test_a_capture_failure_in_strict_mode_is_a_fail_line(capsys: pytest.CaptureF
     assert "0 of 2 properties hold; failed: kv_isolated, bad_input_rejected" in out
 
 
+class DoubledScale(PagedAttention):
+    """Attention with twice the softmax scale: wrong the same way at every shape, padded or
+    not, replayed or eager, so only a reference can see it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_forward_context()
+        return paged_attention_kernel(q, k, v, self.kv_cache, meta.slot_mapping, meta.query_start_loc,
+                                      meta.seq_lens, meta.block_table, meta.token_req_idx, meta.block_size,
+                                      2 * self.scale)
+
+
+def test_a_reference_catches_a_bug_padding_cannot_see() -> None:
+    factory = RunnerFactory(functools.partial(planted, DoubledScale), "cpu", mode="FULL")
+    assert check_property("padding_invisible", factory, examples=EXAMPLES).passed
+    result = check_property("matches_reference", factory, examples=20, reference=hf_reference)
+    assert not result.passed, "a doubled softmax scale was not caught"
+    assert "against the reference: logits differ" in result.error, result.line()
+    assert result.counterexample.count("Step:") <= 3 and " 1 request(s)" in result.counterexample, result.line()
+    wrong = check_property("matches_reference", factory, examples=2, reference=lambda step: np.zeros(3))
+    assert "InputError: reference: returned an array of shape (3,)" in wrong.error, wrong.line()
+
+
 # ---- strategies -----------------------------------------------------------------------------
 
 def test_steps_shrink_to_few_requests_and_tokens() -> None:
@@ -242,10 +284,11 @@ def test_the_cli_prints_one_line_per_property(capsys: pytest.CaptureFixture[str]
     from graphrt.cli import main
 
     assert main(["conformance", "--model", model_dir(), "--backend", "eager", "--examples", "3",
-                 "--property", "kv_isolated", "--property", "bad_input_rejected"]) == 0
+                 "--property", "kv_isolated", "--property", "bad_input_rejected", "--property", "matches_reference",
+                 "--reference", "test_testing_kit:hf_reference_tokens"]) == 0
     out = capsys.readouterr().out
-    assert "PASS kv_isolated" in out and "PASS bad_input_rejected" in out
-    assert "2 of 2 properties hold" in out
+    assert "PASS kv_isolated" in out and "PASS bad_input_rejected" in out and "PASS matches_reference" in out
+    assert "3 of 3 properties hold" in out
 
 
 def test_the_pytest_entry_runs_the_suite(capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,10 +297,10 @@ def test_the_pytest_entry_runs_the_suite(capsys: pytest.CaptureFixture[str]) -> 
     status = pytest.main(["-q", "-p", "no:cacheprovider", "-p", "graphrt.testing.plugin",
                           "--pyargs", "graphrt.testing.conformance", "--graphrt-model", model_dir(),
                           "--graphrt-backend", "eager", "--graphrt-examples", "2",
-                          "-k", "kv_isolated or bad_input"])
+                          "-k", "kv_isolated or bad_input or test_matches_reference"])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "2 passed" in out, out
+    assert "2 passed, 1 skipped" in out, out          # no reference given: not applicable
 
 
 def run_pytest(*args: str) -> int:
@@ -274,9 +317,10 @@ def test_the_pytest_plugin_pins_threads_and_takes_options_and_ini_keys(tmp_path,
     torch.set_num_threads(2)
     try:
         status = run_pytest("--graphrt-model", "test_testing_kit:recording_model", "--graphrt-backend", "eager",
-                            "--graphrt-examples", "2", "-k", "bad_input")
+                            "--graphrt-examples", "2", "--graphrt-reference", "test_testing_kit:hf_reference",
+                            "-k", "bad_input or test_matches_reference")
         out = capsys.readouterr().out
-        assert status == 0 and "1 passed" in out, out
+        assert status == 0 and "2 passed" in out, out
         assert THREADS_SEEN == [1] and torch.get_num_threads() == 2
 
         (tmp_path / "strict_model.py").write_text("from test_testing_kit import item_reading_model as build\n")

@@ -215,27 +215,34 @@ def _conformance_args(parser: argparse.ArgumentParser) -> None:
                         help="run only this property (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads while it runs (default 1: the kit's steps are small)")
+                        help="torch intra-op threads while it runs (default 1: the kit's steps are small; "
+                             "0 leaves them alone)")
+    parser.add_argument("--reference", default=None,
+                        help="your own step function, file.py:function or module:function: reference(step) -> "
+                             "logits [reqs, vocab] or tokens [reqs]; adds the property matches_reference")
     add_cli_args(parser)
 
 
 def _conformance_run(args: argparse.Namespace) -> int:
     from graphrt.config import GraphConfig
-    from graphrt.testing.conformance import (DEFAULT_EXAMPLES, DEFAULT_THREADS, load_model, run_conformance,
-                                             summary)
+    from graphrt.testing.conformance import DEFAULT_EXAMPLES, DEFAULT_THREADS, run_conformance, summary
+    from graphrt.testing.loading import load_callable, load_model
     from graphrt.testing.runners import RunnerFactory
 
     fields = {k: getattr(args, k) for k in GraphConfig.model_fields if getattr(args, k, None) is not None}
     try:
         factory = RunnerFactory(load_model(args.model), args.backend, **fields)
+        reference = load_callable(args.reference, "--reference") if args.reference else None
     except ConfigError as e:
         print(f"graphrt conformance: {e}", file=sys.stderr)
         return 2
     examples = DEFAULT_EXAMPLES if args.examples is None else args.examples
-    print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property")
+    print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property"
+          + (f", reference {args.reference}" if reference else ""))
     try:
         results = run_conformance(factory=factory, examples=examples, properties=args.properties,
-                                  seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads)
+                                  seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads,
+                                  reference=reference)
     except (ValueError, BackendUnavailableError) as e:
         print(f"graphrt conformance: {e}", file=sys.stderr)
         return 2

@@ -17,13 +17,16 @@ are importable: :mod:`graphrt.testing.loading`). Needs ``hypothesis``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from graphrt.core.errors import CacheMissError, GraphCaptureError
-from graphrt.testing.loading import load_model
+from graphrt.core.errors import CacheMissError, GraphCaptureError, GraphrtError
+from graphrt.core.numerics import Tolerance
+from graphrt.testing.loading import load_callable, load_model
 from graphrt.testing.properties import PROPERTIES
+from graphrt.testing.reference import REFERENCE_KIND, REFERENCE_PROPERTY, Reference, matches_reference
 from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 
 #: Examples per property when none is given.
@@ -85,9 +88,11 @@ def summary(results: Sequence[Result]) -> str:
     return text + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
-def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
+def _not_applicable(name: str, factory: RunnerFactory, reference: Reference | None) -> str | None:
     from graphrt.testing import access
 
+    if name == REFERENCE_PROPERTY and reference is None:
+        return "not applicable: no reference given (reference= / --reference)"
     runner = factory()
     if name == "replay_matches_eager" and not can_run_unpadded(runner):
         return f"not applicable: backend {runner.backend.name} has no eager path"
@@ -96,29 +101,50 @@ def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
     return None
 
 
+def _property(name: str, reference: Reference | None,
+              tolerance: Tolerance | None) -> tuple[Callable[[RunnerFactory, Any], None], str]:
+    """Property ``name``'s function and strategy kind (the reference's bound to its reference)."""
+    if name == REFERENCE_PROPERTY:
+        return functools.partial(matches_reference, reference=reference, tolerance=tolerance), REFERENCE_KIND
+    return PROPERTIES[name]
+
+
+def known_properties() -> list[str]:
+    """Every property's name: :data:`~graphrt.testing.properties.PROPERTIES` and the reference's."""
+    return [*PROPERTIES, REFERENCE_PROPERTY]
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
 def strategy_for(kind: str, factory: RunnerFactory) -> Any:
-    """The strategy of a property's ``kind`` ("step", "bad", "trace") for ``factory``'s runners."""
+    """The strategy of a property's ``kind`` ("step", "bad", "trace", "fresh_trace": lifetimes
+    without prefix hits) for ``factory``'s runners."""
     from graphrt.testing import strategies
 
     args = factory.strategy_args()
+    if kind == REFERENCE_KIND:
+        return strategies.traces(**args, prefix_hits=False)
     return {"step": strategies.steps, "bad": strategies.bad_steps, "trace": strategies.traces}[kind](**args)
 
 
 def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EXAMPLES, *,
-                   seed: int = 0) -> Result:
-    """Run property ``name`` on ``examples`` drawn examples; a failure is shrunk and reported.
-    A property that does not apply to the factory's backend runs no example (N/A)."""
+                   seed: int = 0, reference: Reference | None = None,
+                   reference_tolerance: Tolerance | None = None) -> Result:
+    """Run property ``name`` on ``examples`` drawn examples; a failure (an ``AssertionError``,
+    or a graphrt error on a valid example) is shrunk and reported. A property that does not
+    apply to the factory's backend runs no example (N/A). ``reference`` /
+    ``reference_tolerance``: for ``matches_reference`` (:mod:`graphrt.testing.reference`)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    fn, kind = PROPERTIES[name]
+    if name not in known_properties():
+        raise ValueError(f"unknown property {name!r}; known: {known_properties()}")
+    fn, kind = _property(name, reference, reference_tolerance)
     start = time.perf_counter()
     try:
-        note = _not_applicable(name, factory)          # builds (warms up) the factory's runner
+        note = _not_applicable(name, factory, reference)     # builds (warms up) the factory's runner
     except BUILD_ERRORS as exc:
         return Result(name, 0, time.perf_counter() - start, f"warm-up failed: {_describe(exc)}")
     if note is not None:                 # nothing to check: no examples drawn
@@ -141,7 +167,7 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
     error = counterexample = None
     try:
         check()
-    except (AssertionError, *BUILD_ERRORS) as exc:
+    except (AssertionError, GraphrtError) as exc:
         error = (str(exc) if isinstance(exc, AssertionError) else _describe(exc)).strip().replace("\n", "\n  ")
         failing = state["failing"]
         counterexample = "\n".join(repr(s) for s in failing) if isinstance(failing, list) else repr(failing)
@@ -176,21 +202,28 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
                     examples: int = DEFAULT_EXAMPLES, mode: str | None = None,
                     properties: Sequence[str] | None = None, seed: int = 0,
                     factory: RunnerFactory | None = None, report: Callable[[str], None] | None = print,
-                    threads: int | None = DEFAULT_THREADS, **config_fields: Any) -> list[Result]:
+                    threads: int | None = DEFAULT_THREADS, reference: Reference | str | None = None,
+                    reference_tolerance: Tolerance | None = None, **config_fields: Any) -> list[Result]:
     """Every property (or ``properties``) on ``model`` and ``backend``, ``examples`` each;
     ``report`` gets one line per property as it finishes (and one for the warm-up). ``factory``
     replaces model / backend / config (build it yourself for other limits, a KV block count or
-    a dtype). ``threads``: torch intra-op threads meanwhile (None or 0: as they are)."""
+    a dtype). ``threads``: torch intra-op threads meanwhile (None or 0: as they are).
+    ``reference``: your own step function (or ``file.py:function``), ``reference(step) ->
+    logits or tokens``; with it ``matches_reference`` runs too (:mod:`graphrt.testing.reference`),
+    its logits within ``reference_tolerance`` (default ``graphrt.reduction_tolerance``)."""
+    if isinstance(reference, str):
+        reference = load_callable(reference, "reference")
     if factory is None:
         if model is None:
             raise ValueError("give a model (directory or builder) or a factory")
         if mode is not None:
             config_fields["mode"] = mode
         factory = RunnerFactory(load_model(model) if isinstance(model, str) else model, backend, **config_fields)
-    names = list(properties) if properties is not None else list(PROPERTIES)
-    unknown = [n for n in names if n not in PROPERTIES]
+    names = list(properties) if properties is not None else [
+        *PROPERTIES, *([REFERENCE_PROPERTY] if reference is not None else [])]
+    unknown = [n for n in names if n not in known_properties()]
     if unknown:
-        raise ValueError(f"unknown properties {unknown}; known: {list(PROPERTIES)}")
+        raise ValueError(f"unknown properties {unknown}; known: {known_properties()}")
     results = []
     with kit_threads(factory, threads):
         start = time.perf_counter()
@@ -203,7 +236,8 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
         if report is not None:
             report(line)
         for name in names:
-            result = check_property(name, factory, examples, seed=seed)
+            result = check_property(name, factory, examples, seed=seed, reference=reference,
+                                    reference_tolerance=reference_tolerance)
             results.append(result)
             if report is not None:
                 report(result.line())
@@ -221,7 +255,8 @@ def _framework(backend: Any) -> str:
 # ------------------------------------------------------------------------------ pytest entry
 # Collected by ``pytest --pyargs graphrt.testing.conformance``. ``graphrt_check`` comes from
 # graphrt.testing.plugin (options and ini keys: model, backend(s), mode, examples, threads,
-# strict, seed); each test runs once per configured backend.
+# strict, seed, reference); each test runs once per configured backend. Without a reference,
+# test_matches_reference skips.
 
 
 def test_padding_invisible(graphrt_check: Callable[[str], None]) -> None:
@@ -252,5 +287,9 @@ def test_lifetime_matches_reference(graphrt_check: Callable[[str], None]) -> Non
     graphrt_check("lifetime_matches_reference")
 
 
-__all__ = ["DEFAULT_EXAMPLES", "Result", "check_property", "load_model", "run_conformance", "strategy_for",
-           "summary"]
+def test_matches_reference(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("matches_reference")
+
+
+__all__ = ["BUILD_ERRORS", "DEFAULT_EXAMPLES", "DEFAULT_THREADS", "Result", "check_property", "kit_threads",
+           "known_properties", "load_model", "run_conformance", "strategy_for", "summary", "torch_threads"]

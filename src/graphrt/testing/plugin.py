@@ -8,8 +8,9 @@ Every setting is a command-line option ``--graphrt-NAME`` and an ini key ``graph
 ``model`` (a Hugging Face directory, ``package.module:function`` or ``file.py:function``
 returning a fresh model; without it the suite's tests skip), ``backend`` (one or more: the
 suite runs on each, default ``cpu``), ``mode``, ``examples``, ``threads`` (torch's intra-op
-threads while a conformance test runs, default 1; 0 leaves them alone), ``strict`` and
-``seed``. A relative file or directory in an ini key is relative to the ini file.
+threads while a conformance test runs, default 1; 0 leaves them alone), ``strict``, ``seed``
+and ``reference`` (your own step function, :mod:`graphrt.testing.reference`). A relative file
+or directory in an ini key is relative to the ini file.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ OPTIONS: tuple[Option, ...] = (
                              "are small; 0 leaves torch's setting alone)"),
     Option("strict", "bool", "strict mode: a capture that fails, or a step with no graph, fails the properties"),
     Option("seed", "int", "hypothesis seed (default 0)"),
+    Option("reference", "spec", "your own step function, file.py:function or package.module:function: "
+                                "reference(step) -> logits [reqs, vocab] or tokens [reqs], compared with the "
+                                "runner by test_matches_reference (which skips without it)"),
 )
 _KINDS = {"str": "string", "int": "string", "spec": "string", "bool": "bool", "list": "args"}
 _UNSET = {"str": "", "int": "", "spec": "", "bool": False, "list": []}
@@ -58,6 +62,7 @@ class Settings:
     threads: int | None
     strict: bool
     seed: int
+    reference: str | None
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -114,7 +119,7 @@ def settings(config: Any) -> Settings:
     backends = [b for item in values["backend"] or ["cpu"] for b in str(item).replace(",", " ").split()]
     return Settings(model=values["model"], backends=tuple(dict.fromkeys(backends)), mode=values["mode"],
                     examples=values["examples"], threads=values["threads"], strict=bool(values["strict"]),
-                    seed=values["seed"] or 0)
+                    seed=values["seed"] or 0, reference=values["reference"])
 
 
 def pytest_configure(config: Any) -> None:
@@ -165,16 +170,28 @@ def graphrt_threads(graphrt_settings: Settings) -> int | None:
     return threads or None
 
 
+@pytest.fixture(scope="session")
+def graphrt_reference(graphrt_settings: Settings) -> Callable[[Any], Any] | None:
+    """The configured reference step function (None: test_matches_reference skips)."""
+    if graphrt_settings.reference is None:
+        return None
+    from graphrt.testing.loading import load_callable
+
+    return load_callable(graphrt_settings.reference, "--graphrt-reference")
+
+
 @pytest.fixture
 def graphrt_check(graphrt_factory: Any, graphrt_examples: int, graphrt_threads: int | None,
-                  graphrt_settings: Settings) -> Callable[[str], None]:
+                  graphrt_settings: Settings, graphrt_reference: Callable[[Any], Any] | None
+                  ) -> Callable[[str], None]:
     """``graphrt_check(name)`` runs property ``name`` on the factory's runners, torch's threads
     pinned: the test fails with the kit's FAIL line, or skips where the property does not apply."""
     from graphrt.testing.conformance import check_property, kit_threads
 
     def check(name: str) -> None:
         with kit_threads(graphrt_factory, graphrt_threads):
-            result = check_property(name, graphrt_factory, graphrt_examples, seed=graphrt_settings.seed)
+            result = check_property(name, graphrt_factory, graphrt_examples, seed=graphrt_settings.seed,
+                                    reference=graphrt_reference)
         if not result.passed:
             pytest.fail(result.line(), pytrace=False)
         if not result.applicable:
