@@ -66,6 +66,7 @@ class Settings:
 
 
 def pytest_addoption(parser: Any) -> None:
+    """One option ``--graphrt-NAME`` and one ini key ``graphrt_NAME`` per entry of :data:`OPTIONS`."""
     group = parser.getgroup("graphrt", "graphrt conformance suite (graphrt.testing)")
     for opt in OPTIONS:
         flag, dest = f"--graphrt-{opt.name}", f"graphrt_{opt.name}"
