@@ -1,8 +1,10 @@
-"""The ``graphrt`` command line: plan, demo, and flag errors."""
+"""The ``graphrt`` command line: plan, demo, their pictures, and flag errors."""
 
 from __future__ import annotations
 
 import re
+import struct
+import sys
 
 import pytest
 
@@ -44,3 +46,56 @@ def test_engine_flags_reach_the_engine_and_the_data_parallel_demo_is_wired():
     assert engine_kwargs(args)["disable_overlap_schedule"] is True
     assert (args.data_parallel_size, args.load_balance_method) == (2, "shortest_queue")
     assert engine_kwargs(build_parser().parse_args(["demo"]))["disable_overlap_schedule"] is False
+
+
+# ---- pictures ---------------------------------------------------------------------------------
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path, *, min_bytes: int = 10_000, max_bytes: int = 5_000_000) -> tuple[int, int]:
+    """``path`` is a PNG file of a plausible size; returns its width and height (IHDR)."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR", data[:16]
+    assert min_bytes < len(data) < max_bytes, len(data)
+    width, height = struct.unpack(">II", data[16:24])
+    assert 400 <= width <= 4000 and 200 <= height <= 8000, (width, height)
+    return width, height
+
+
+def test_plan_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--max-num-seqs", "32", "--max-num-batched-tokens", "256", "--steps", "300",
+                 "--plot", str(png)]) == 0
+    assert "vLLM default" in capsys.readouterr().out       # the table still comes first
+    assert_png(png)
+
+
+def test_demo_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "warmup.png"
+    assert main(["demo", "--backend", "cpu", "--num-prompts", "1", "--max-tokens", "1", "--max-num-seqs", "2",
+                 "--max-num-batched-tokens", "16", "--plot", str(png)]) == 0
+    assert f"plot: {png}" in capsys.readouterr().out
+    width, height = assert_png(png)
+    assert height > 300                                     # a row per warm-up key
+
+
+@pytest.mark.parametrize("command", [["plan", "--steps", "50"], ["demo", "--backend", "cpu"]])
+def test_plot_without_matplotlib_is_a_one_line_error(command, tmp_path, capsys, monkeypatch):
+    """No matplotlib: exit status 2 and one line saying what to install, before any work."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    png = tmp_path / "x.png"
+    assert main([*command, "--plot", str(png)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not png.exists()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "--plot needs matplotlib" in lines[0] and "graphrt[plot]" in lines[0], lines
+
+
+def test_plot_into_a_missing_directory_is_refused(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["plan", "--steps", "50", "--plot", str(tmp_path / "nowhere" / "plan.png")]) == 2
+    assert "--plot: directory" in capsys.readouterr().err

@@ -26,13 +26,20 @@ def test_core_install_pulls_no_framework() -> None:
     assert not names & HEAVY
 
 
-@pytest.mark.parametrize("extra", ["torch", "jax", "flax", "npu", "dev"])
+@pytest.mark.parametrize("extra", ["torch", "jax", "flax", "npu", "plot", "dev"])
 def test_extras_give_ranges_that_admit_the_versions_run_on(extra: str) -> None:
     for line in project()["optional-dependencies"][extra]:
         req = Requirement(line)
         assert not any(spec.operator in ("==", "===", "~=") for spec in req.specifier), line
         for version in RUN_ON.get(req.name, []):
             assert req.specifier.contains(Version(version)), f"{line} excludes {version}, which graphrt ran on"
+
+
+def test_the_plot_extra_is_matplotlib_and_dev_installs_it() -> None:
+    """``graphrt[plot]`` pulls matplotlib (the --plot pictures); CI's dev install has it too."""
+    extras = project()["optional-dependencies"]
+    assert [Requirement(r).name for r in extras["plot"]] == ["matplotlib"]
+    assert "matplotlib" in {Requirement(r).name for r in extras["dev"]}
 
 
 def test_bootstrap_pins_torch_through_the_constraints_file_only() -> None:

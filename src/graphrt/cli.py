@@ -4,7 +4,8 @@ Every subcommand is one entry of :data:`SUBCOMMANDS`: a help line, a function th
 its flags to an ``argparse`` parser and a function that runs it and returns the exit
 status. To add one, write those two functions here and add the entry.
 
-* ``plan``  -- bucket policies compared on a synthetic decode trace (padding waste, eager steps);
+* ``plan``  -- bucket policies compared on a synthetic decode trace (padding waste, eager steps;
+  ``--plot FILE.png`` draws it, :mod:`graphrt.plots`);
 * ``bench`` -- the host-side benchmarks of ``benchmarks/`` (a source checkout), then ``plan``;
 * ``demo``  -- generate on a small random model: backends, warm-up report, each step's
   graph key and padding, statistics;
@@ -26,8 +27,9 @@ import numpy as np
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core.buckets import BucketPolicy
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
-from graphrt.core.errors import ConfigError
+from graphrt.core.errors import BackendUnavailableError, ConfigError
 from graphrt.cli_demo import demo_args, demo_run, add_engine_args, engine_kwargs
+from graphrt.plots import PolicyWaste, check_path, plot_plan, require_matplotlib
 
 
 class Subcommand(NamedTuple):
@@ -98,23 +100,37 @@ def plan_policies(config: GraphConfig, counts: dict[int, int]) -> list[tuple[str
     return policies
 
 
+def plan_rows(config: GraphConfig, counts: dict[int, int]) -> list[tuple[PolicyWaste, BucketPolicy]]:
+    """Each compared policy's padding of a trace's batch-size histogram ``counts`` (the rows
+    of :func:`plan_table` and of ``--plot``'s picture)."""
+    real = sum(n * c for n, c in counts.items())
+    rows = []
+    for name, policy in plan_policies(config, counts):
+        padded = policy.padded_total(counts)
+        eager = sum(c for n, c in counts.items() if n > policy.max_size)
+        rows.append((PolicyWaste(name, tuple(policy.sizes), padded, 100 * (padded - real) / padded, eager), policy))
+    return rows
+
+
+def plan_title(config: GraphConfig, trace: np.ndarray) -> str:
+    """The first line of :func:`plan_table`: the trace and the limits."""
+    return (f"Bucket plan: synthetic decode trace of {trace.shape[0]} steps, batch sizes "
+            f"{int(trace.min())}..{int(trace.max())} (mean {trace.mean():.1f}), {int(trace.sum())} real tokens; "
+            f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}")
+
+
 def plan_table(config: GraphConfig, trace: np.ndarray) -> str:
     """Padding of ``trace`` under each policy, and the config's own capture / XLA sizes."""
     counts = _histogram(trace)
-    real = int(trace.sum())
-    lines = [f"Bucket plan: synthetic decode trace of {trace.shape[0]} steps, batch sizes "
-             f"{int(trace.min())}..{int(trace.max())} (mean {trace.mean():.1f}), {real} real tokens; "
-             f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}",
+    lines = [plan_title(config, trace),
              "Fitted policies are fitted on this same trace (in-sample), within the capture limit. "
              "Eager steps run unpadded.", ""]
     head = (f"{'policy':<16}{'buckets':>8}{'padded tokens':>15}{'waste %':>9}{'eager steps':>13}"
             f"  sizes")
     lines += [head, "-" * (len(head) + 30)]
-    for name, policy in plan_policies(config, counts):
-        padded = policy.padded_total(counts)
-        eager = sum(c for n, c in counts.items() if n > policy.max_size)
-        lines.append(f"{name:<16}{len(policy):>8}{padded:>15}{100 * (padded - real) / padded:>9.2f}"
-                     f"{eager:>13}  {_sizes_preview(policy)}")
+    for row, policy in plan_rows(config, counts):
+        lines.append(f"{row.name:<16}{len(policy):>8}{row.padded_tokens:>15}{row.waste_percent:>9.2f}"
+                     f"{row.eager_steps:>13}  {_sizes_preview(policy)}")
     lines += ["", "GraphConfig for these limits:"]
     xla = XlaBuckets.from_config(config)
     for label, policy in (("capture sizes (graph backends)", config.capture_policy()),
@@ -128,6 +144,8 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
     trace = parser.add_argument_group("trace")
     trace.add_argument("--steps", type=int, default=4000, help="decode steps in the synthetic trace")
     trace.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also draw the padding waste per policy to this file (needs graphrt[plot]: matplotlib)")
 
 
 def _plan_run(args: argparse.Namespace) -> int:
@@ -139,7 +157,19 @@ def _plan_run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print("graphrt plan: --steps must be >= 1", file=sys.stderr)
         return 2
-    print(plan_table(config, decode_trace(config.max_num_seqs, args.steps, args.seed)))
+    try:
+        if args.plot:                    # before any output: no matplotlib, no table either
+            require_matplotlib()
+            check_path(args.plot)
+    except ConfigError as e:
+        print(f"graphrt plan: {e}", file=sys.stderr)
+        return 2
+    trace = decode_trace(config.max_num_seqs, args.steps, args.seed)
+    print(plan_table(config, trace))
+    if args.plot:
+        counts = _histogram(trace)
+        rows = [row for row, _ in plan_rows(config, counts)]
+        print(f"\nplot: {plot_plan(rows, counts, args.plot, plan_title(config, trace))}")
     return 0
 
 
@@ -215,33 +245,39 @@ def _conformance_args(parser: argparse.ArgumentParser) -> None:
                         help="run only this property (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads while it runs (default 1: the kit's steps are small)")
+                        help="torch intra-op threads while it runs (default 1: the kit's steps are small; "
+                             "0 leaves them alone)")
+    parser.add_argument("--reference", default=None,
+                        help="your own step function, file.py:function or module:function: reference(step) -> "
+                             "logits [reqs, vocab] or tokens [reqs]; adds the property matches_reference")
     add_cli_args(parser)
 
 
 def _conformance_run(args: argparse.Namespace) -> int:
     from graphrt.config import GraphConfig
-    from graphrt.testing.conformance import DEFAULT_EXAMPLES, DEFAULT_THREADS, load_model, run_conformance
+    from graphrt.testing.conformance import DEFAULT_EXAMPLES, DEFAULT_THREADS, run_conformance, summary
+    from graphrt.testing.loading import load_callable, load_model
     from graphrt.testing.runners import RunnerFactory
 
     fields = {k: getattr(args, k) for k in GraphConfig.model_fields if getattr(args, k, None) is not None}
     try:
         factory = RunnerFactory(load_model(args.model), args.backend, **fields)
+        reference = load_callable(args.reference, "--reference") if args.reference else None
     except ConfigError as e:
         print(f"graphrt conformance: {e}", file=sys.stderr)
         return 2
     examples = DEFAULT_EXAMPLES if args.examples is None else args.examples
-    print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property")
+    print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property"
+          + (f", reference {args.reference}" if reference else ""))
     try:
         results = run_conformance(factory=factory, examples=examples, properties=args.properties,
-                                  seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads)
-    except ValueError as e:
+                                  seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads,
+                                  reference=reference)
+    except (ValueError, BackendUnavailableError) as e:
         print(f"graphrt conformance: {e}", file=sys.stderr)
         return 2
-    failed = [r.name for r in results if not r.passed]
-    print(f"{len(results) - len(failed)} of {len(results)} properties hold"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    print(summary(results))
+    return 0 if all(r.passed for r in results) else 1
 
 
 # ---------------------------------------------------------------------------------------- main

@@ -1,4 +1,5 @@
-"""``graphrt demo``: a tiny model through graphrt.LLM step by step, and the engine's flags.
+"""``graphrt demo``: a tiny model through graphrt.LLM step by step, and the engine's flags
+(``--plot FILE.png`` draws the warm-up report: :mod:`graphrt.plots`).
 
 ``add_engine_args`` / ``engine_kwargs`` are graphrt.LLM's scheduling flags for any parser
 (re-exported by :mod:`graphrt.cli`).
@@ -15,6 +16,7 @@ import numpy as np
 
 from graphrt.config import add_cli_args, from_cli_args
 from graphrt.core.errors import ConfigError
+from graphrt.plots import check_path, plot_warmup, require_matplotlib
 
 
 def demo_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,9 @@ def demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="> 1: generate through that many engine processes (graphrt.DataParallelLLM)")
     parser.add_argument("--load-balance-method", default="round_robin", choices=["round_robin", "shortest_queue"])
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also draw the warm-up report (capture time and bytes per key) to this file "
+                             "(needs graphrt[plot]: matplotlib)")
     add_cli_args(parser)
     add_engine_args(parser)
 
@@ -78,6 +83,15 @@ def demo_run(args: argparse.Namespace) -> int:
     import graphrt
     from graphrt.models.random_checkpoint import write_random_checkpoint
 
+    try:
+        if args.plot:                    # before loading anything: a missing matplotlib fails fast
+            if args.data_parallel_size > 1:
+                raise ConfigError("--plot: the warm-up report is per engine; not with --data-parallel-size > 1")
+            require_matplotlib()
+            check_path(args.plot)
+    except ConfigError as e:
+        print(f"graphrt demo: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("backends:")
     for name, reason in graphrt.available_backends().items():
@@ -105,6 +119,11 @@ def demo_run(args: argparse.Namespace) -> int:
     print(f"  {'key':<44} {'seconds':>8} {'KiB':>9}")
     for row in runner.warmup_report:
         print(f"  {row['key']:<44} {row['seconds']:>8.3f} {row['bytes'] / 1024:>9.1f}")
+    if args.plot:
+        report = runner.warmup_report
+        title = (f"graphrt demo: {runner.backend.name} warm-up, graph mode {runner.mode.value}, {len(report)} entries, "
+                 f"{sum(r['seconds'] for r in report):.2f} s, {sum(r['bytes'] for r in report) / 2**20:.1f} MiB")
+        print(f"  plot: {plot_warmup(report, args.plot, title)}")
     rng = np.random.default_rng(args.seed)
     vocab = runner.vocab_size
     lengths = rng.integers(1, config.max_num_batched_tokens * 2, args.num_prompts)

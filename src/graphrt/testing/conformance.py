@@ -8,78 +8,91 @@ Two ways to run it, the same checks either way:
   one test per property below, with the options of :mod:`graphrt.testing.plugin` (loaded by
   its ``pytest11`` entry point, or ``-p graphrt.testing.plugin``).
 
-``--model`` is a Hugging Face directory, or ``package.module:function`` naming a
-zero-argument function that returns a fresh model following docs/models.md (your own model,
-with your own attention). Needs ``hypothesis``.
+``--model`` is a Hugging Face directory, or ``package.module:function`` or
+``path/to/file.py:function`` naming a zero-argument function that returns a fresh model
+following docs/models.md (your own model, with your own attention; a file's sibling modules
+are importable: :mod:`graphrt.testing.loading`). Needs ``hypothesis``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+from graphrt.core.errors import CacheMissError, GraphCaptureError, GraphrtError
+from graphrt.core.numerics import Tolerance
+from graphrt.testing.loading import load_callable, load_model
 from graphrt.testing.properties import PROPERTIES
+from graphrt.testing.reference import REFERENCE_KIND, REFERENCE_PROPERTY, Reference, matches_reference
 from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 
 #: Examples per property when none is given.
 DEFAULT_EXAMPLES = 100
 #: torch intra-op threads while the suite runs (see :func:`torch_threads`).
 DEFAULT_THREADS = 1
+#: What a runner raises when a graph or executable it needs cannot be built (a capture that
+#: fails in strict mode, or a step strict mode finds no graph for): a FAIL line, not a crash.
+BUILD_ERRORS: tuple[type[BaseException], ...] = (GraphCaptureError, CacheMissError)
 
 
 @dataclass
 class Result:
-    """One property's outcome."""
+    """One property's outcome: PASS, FAIL, or N/A (nothing to check on this backend)."""
 
     name: str
     examples: int                 # examples run, shrinking included
     seconds: float
     error: str | None = None      # the shrunk failure's message
     counterexample: str | None = None
-    note: str | None = None       # why the property has nothing to check on this backend
+    note: str | None = None       # why the property has nothing to check on this backend (N/A)
 
     @property
     def passed(self) -> bool:
+        """No failure (a property that does not apply has none)."""
         return self.error is None
 
+    @property
+    def applicable(self) -> bool:
+        """Whether the property had something to check on this backend."""
+        return self.note is None
+
+    @property
+    def status(self) -> str:
+        """``PASS``, ``FAIL`` or ``N/A``."""
+        return "FAIL" if not self.passed else ("PASS" if self.applicable else "N/A")
+
     def line(self) -> str:
-        """``PASS kv_isolated  100 examples  3.1 s`` (and, on failure, the counterexample)."""
-        status = "PASS" if self.passed else "FAIL"
-        text = f"{status} {self.name:<28} {self.examples:>5} examples {self.seconds:>7.1f} s"
+        """``PASS kv_isolated  100 examples  3.1 s`` (and, on failure, the counterexample);
+        ``N/A  addresses_stable ... (not applicable: ...)``."""
+        text = f"{self.status:<4} {self.name:<28} {self.examples:>5} examples {self.seconds:>7.1f} s"
         if self.note:
             text += f"  ({self.note})"
         if not self.passed:
-            text += f"\n  {self.error}\n  counterexample (shrunk):\n    " + \
-                (self.counterexample or "").replace("\n", "\n    ")
+            text += f"\n  {self.error}"
+            if self.counterexample is not None:
+                text += "\n  counterexample (shrunk):\n    " + self.counterexample.replace("\n", "\n    ")
         return text
 
 
-def load_model(spec: str) -> str | Callable[[], Any]:
-    """A model directory as it is, or a model builder: ``package.module:function`` (imported)
-    or ``path/to/file.py:function`` (loaded from the file)."""
-    import importlib
-    import importlib.util
-    import os
-
-    if os.path.exists(spec) or ":" not in spec:
-        return spec
-    where, _, name = spec.rpartition(":")
-    if where.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
-        if module_spec is None or module_spec.loader is None:
-            raise ValueError(f"cannot load a model builder from {where}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    return getattr(module, name)
+def summary(results: Sequence[Result]) -> str:
+    """``5 of 5 properties hold, 2 not applicable`` (``; failed: ...`` when some failed): a
+    property that does not apply is counted apart, neither held nor failed."""
+    checked = [r for r in results if r.applicable or not r.passed]
+    failed = [r.name for r in checked if not r.passed]
+    text = f"{len(checked) - len(failed)} of {len(checked)} properties hold"
+    if len(checked) < len(results):
+        text += f", {len(results) - len(checked)} not applicable"
+    return text + (f"; failed: {', '.join(failed)}" if failed else "")
 
 
-def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
+def _not_applicable(name: str, factory: RunnerFactory, reference: Reference | None) -> str | None:
     from graphrt.testing import access
 
+    if name == REFERENCE_PROPERTY and reference is None:
+        return "not applicable: no reference given (reference= / --reference)"
     runner = factory()
     if name == "replay_matches_eager" and not can_run_unpadded(runner):
         return f"not applicable: backend {runner.backend.name} has no eager path"
@@ -88,23 +101,54 @@ def _not_applicable(name: str, factory: RunnerFactory) -> str | None:
     return None
 
 
+def _property(name: str, reference: Reference | None,
+              tolerance: Tolerance | None) -> tuple[Callable[[RunnerFactory, Any], None], str]:
+    """Property ``name``'s function and strategy kind (the reference's bound to its reference)."""
+    if name == REFERENCE_PROPERTY:
+        return functools.partial(matches_reference, reference=reference, tolerance=tolerance), REFERENCE_KIND
+    return PROPERTIES[name]
+
+
+def known_properties() -> list[str]:
+    """Every property's name: :data:`~graphrt.testing.properties.PROPERTIES` and the reference's."""
+    return [*PROPERTIES, REFERENCE_PROPERTY]
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def strategy_for(kind: str, factory: RunnerFactory) -> Any:
-    """The strategy of a property's ``kind`` ("step", "bad", "trace") for ``factory``'s runners."""
+    """The strategy of a property's ``kind`` ("step", "bad", "trace", "fresh_trace": lifetimes
+    without prefix hits) for ``factory``'s runners."""
     from graphrt.testing import strategies
 
     args = factory.strategy_args()
+    if kind == REFERENCE_KIND:
+        return strategies.traces(**args, prefix_hits=False)
     return {"step": strategies.steps, "bad": strategies.bad_steps, "trace": strategies.traces}[kind](**args)
 
 
 def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EXAMPLES, *,
-                   seed: int = 0) -> Result:
-    """Run property ``name`` on ``examples`` drawn examples; a failure is shrunk and reported."""
+                   seed: int = 0, reference: Reference | None = None,
+                   reference_tolerance: Tolerance | None = None) -> Result:
+    """Run property ``name`` on ``examples`` drawn examples; a failure (an ``AssertionError``,
+    or a graphrt error on a valid example) is shrunk and reported. A property that does not
+    apply to the factory's backend runs no example (N/A). ``reference`` /
+    ``reference_tolerance``: for ``matches_reference`` (:mod:`graphrt.testing.reference`)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    fn, kind = PROPERTIES[name]
+    if name not in known_properties():
+        raise ValueError(f"unknown property {name!r}; known: {known_properties()}")
+    fn, kind = _property(name, reference, reference_tolerance)
     start = time.perf_counter()
-    note = _not_applicable(name, factory)
+    try:
+        note = _not_applicable(name, factory, reference)     # builds (warms up) the factory's runner
+    except BUILD_ERRORS as exc:
+        return Result(name, 0, time.perf_counter() - start, f"warm-up failed: {_describe(exc)}")
+    if note is not None:                 # nothing to check: no examples drawn
+        return Result(name, 0, time.perf_counter() - start, note=note)
     state: dict[str, Any] = {"runs": 0, "failing": None}
 
     @hypothesis_seed(seed)
@@ -123,8 +167,8 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
     error = counterexample = None
     try:
         check()
-    except AssertionError as exc:
-        error = str(exc).strip().replace("\n", "\n  ")
+    except (AssertionError, GraphrtError) as exc:
+        error = (str(exc) if isinstance(exc, AssertionError) else _describe(exc)).strip().replace("\n", "\n  ")
         failing = state["failing"]
         counterexample = "\n".join(repr(s) for s in failing) if isinstance(failing, list) else repr(failing)
     return Result(name, state["runs"], time.perf_counter() - start, error, counterexample, note)
@@ -132,10 +176,10 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to ``threads`` for the block (None: left alone). The kit's
-    steps are small: on a CPU a second thread mostly waits, and on a busy machine it can make a
-    step many times slower."""
-    if threads is None:
+    """torch's intra-op threads set to ``threads`` for the block (None or 0: left alone). The
+    kit's steps are small: on a CPU a second thread mostly waits, and on a busy machine it can
+    make a step many times slower."""
+    if not threads:
         yield
         return
     import torch
@@ -148,35 +192,52 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def kit_threads(factory: RunnerFactory, threads: int | None) -> contextlib.AbstractContextManager[None]:
+    """:func:`torch_threads` for a factory of a torch backend; nothing to pin for JAX."""
+    framework = getattr(factory.backend, "framework", None) or _framework(factory.backend)
+    return torch_threads(threads if framework == "torch" else None)
+
+
 def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any = "cpu", *,
                     examples: int = DEFAULT_EXAMPLES, mode: str | None = None,
                     properties: Sequence[str] | None = None, seed: int = 0,
                     factory: RunnerFactory | None = None, report: Callable[[str], None] | None = print,
-                    threads: int | None = DEFAULT_THREADS, **config_fields: Any) -> list[Result]:
+                    threads: int | None = DEFAULT_THREADS, reference: Reference | str | None = None,
+                    reference_tolerance: Tolerance | None = None, **config_fields: Any) -> list[Result]:
     """Every property (or ``properties``) on ``model`` and ``backend``, ``examples`` each;
     ``report`` gets one line per property as it finishes (and one for the warm-up). ``factory``
     replaces model / backend / config (build it yourself for other limits, a KV block count or
-    a dtype). ``threads``: torch intra-op threads meanwhile (None: as they are)."""
+    a dtype). ``threads``: torch intra-op threads meanwhile (None or 0: as they are).
+    ``reference``: your own step function (or ``file.py:function``), ``reference(step) ->
+    logits or tokens``; with it ``matches_reference`` runs too (:mod:`graphrt.testing.reference`),
+    its logits within ``reference_tolerance`` (default ``graphrt.reduction_tolerance``)."""
+    if isinstance(reference, str):
+        reference = load_callable(reference, "reference")
     if factory is None:
         if model is None:
             raise ValueError("give a model (directory or builder) or a factory")
         if mode is not None:
             config_fields["mode"] = mode
         factory = RunnerFactory(load_model(model) if isinstance(model, str) else model, backend, **config_fields)
-    names = list(properties) if properties is not None else list(PROPERTIES)
-    unknown = [n for n in names if n not in PROPERTIES]
+    names = list(properties) if properties is not None else [
+        *PROPERTIES, *([REFERENCE_PROPERTY] if reference is not None else [])]
+    unknown = [n for n in names if n not in known_properties()]
     if unknown:
-        raise ValueError(f"unknown properties {unknown}; known: {list(PROPERTIES)}")
-    framework = getattr(factory.backend, "framework", None) or _framework(factory.backend)
+        raise ValueError(f"unknown properties {unknown}; known: {known_properties()}")
     results = []
-    with torch_threads(threads if framework == "torch" else None):
+    with kit_threads(factory, threads):
         start = time.perf_counter()
-        runner = factory()
+        try:
+            runner = factory()
+            line = (f"warm-up: {runner.backend.name}, graph mode {runner.mode.value}, "
+                    f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s")
+        except BUILD_ERRORS as exc:      # every property then fails with it, one line each
+            line = f"warm-up: failed after {time.perf_counter() - start:.1f} s: {_describe(exc)}"
         if report is not None:
-            report(f"warm-up: {runner.backend.name}, graph mode {runner.mode.value}, "
-                   f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s")
+            report(line)
         for name in names:
-            result = check_property(name, factory, examples, seed=seed)
+            result = check_property(name, factory, examples, seed=seed, reference=reference,
+                                    reference_tolerance=reference_tolerance)
             results.append(result)
             if report is not None:
                 report(result.line())
@@ -192,44 +253,43 @@ def _framework(backend: Any) -> str:
 
 
 # ------------------------------------------------------------------------------ pytest entry
-# Collected by ``pytest --pyargs graphrt.testing.conformance``; the fixtures come from
-# graphrt.testing.plugin (its options: --graphrt-model, --graphrt-backend, --graphrt-mode,
-# --graphrt-examples).
-
-def _pytest_check(name: str, factory: RunnerFactory, examples: int) -> None:
-    import pytest
-
-    result = check_property(name, factory, examples)
-    if not result.passed:
-        pytest.fail(result.line(), pytrace=False)
+# Collected by ``pytest --pyargs graphrt.testing.conformance``. ``graphrt_check`` comes from
+# graphrt.testing.plugin (options and ini keys: model, backend(s), mode, examples, threads,
+# strict, seed, reference); each test runs once per configured backend. Without a reference,
+# test_matches_reference skips.
 
 
-def test_padding_invisible(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("padding_invisible", graphrt_factory, graphrt_examples)
+def test_padding_invisible(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("padding_invisible")
 
 
-def test_kv_isolated(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("kv_isolated", graphrt_factory, graphrt_examples)
+def test_kv_isolated(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("kv_isolated")
 
 
-def test_replay_matches_eager(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("replay_matches_eager", graphrt_factory, graphrt_examples)
+def test_replay_matches_eager(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("replay_matches_eager")
 
 
-def test_no_build_after_warmup(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("no_build_after_warmup", graphrt_factory, graphrt_examples)
+def test_no_build_after_warmup(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("no_build_after_warmup")
 
 
-def test_bad_input_rejected(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("bad_input_rejected", graphrt_factory, graphrt_examples)
+def test_bad_input_rejected(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("bad_input_rejected")
 
 
-def test_addresses_stable(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("addresses_stable", graphrt_factory, graphrt_examples)
+def test_addresses_stable(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("addresses_stable")
 
 
-def test_lifetime_matches_reference(graphrt_factory: RunnerFactory, graphrt_examples: int) -> None:
-    _pytest_check("lifetime_matches_reference", graphrt_factory, graphrt_examples)
+def test_lifetime_matches_reference(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("lifetime_matches_reference")
 
 
-__all__ = ["DEFAULT_EXAMPLES", "Result", "check_property", "load_model", "run_conformance", "strategy_for"]
+def test_matches_reference(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("matches_reference")
+
+
+__all__ = ["BUILD_ERRORS", "DEFAULT_EXAMPLES", "DEFAULT_THREADS", "Result", "check_property", "kit_threads",
+           "known_properties", "load_model", "run_conformance", "strategy_for", "summary", "torch_threads"]

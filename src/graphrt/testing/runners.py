@@ -28,6 +28,7 @@ import numpy as np
 from graphrt.config import GraphConfig
 from graphrt.core.cache import FailedBuild
 from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode
+from graphrt.core.errors import GraphCaptureError
 from graphrt.testing import access
 from graphrt.testing.step import Step
 
@@ -59,10 +60,14 @@ class RunnerFactory:
         self.num_kv_blocks = (num_kv_blocks if num_kv_blocks is not None
                               else self.config.max_num_seqs * self.config.max_blocks_per_req + 1)
         self._runners: dict[tuple, Any] = {}
+        self._failed: dict[tuple, GraphCaptureError] = {}      # warm-ups that failed (strict mode)
 
     def __call__(self, **overrides: Any) -> Any:
-        """The runner for ``overrides`` (built and warmed up on first use)."""
+        """The runner for ``overrides`` (built and warmed up on first use). A warm-up that
+        failed (:class:`~graphrt.GraphCaptureError`, strict mode) is raised again, not retried."""
         key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+        if key in self._failed:               # a failed warm-up fails the same way again
+            raise self._failed[key]
         runner = self._runners.get(key)
         if runner is None:
             from graphrt.registry import select_backend
@@ -71,8 +76,12 @@ class RunnerFactory:
             backend = select_backend(self.backend) if isinstance(self.backend, str) else self.backend
             model = self.model if isinstance(self.model, str) else self.model()
             config = GraphConfig.create(**{**self.config.model_dump(), **overrides})
-            runner = ModelRunner(model, config, backend=backend, num_kv_blocks=self.num_kv_blocks,
-                                 dtype=self.dtype, progress=False)
+            try:
+                runner = ModelRunner(model, config, backend=backend, num_kv_blocks=self.num_kv_blocks,
+                                     dtype=self.dtype, progress=False)
+            except GraphCaptureError as exc:
+                self._failed[key] = exc
+                raise
             self._runners[key] = runner
         return runner
 

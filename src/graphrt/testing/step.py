@@ -71,6 +71,12 @@ class Step:
         c, n = self.num_computed_tokens, self.num_scheduled_tokens
         return self._slots(lambda i: 0, lambda i: int(c[i]) + int(n[i]))
 
+    def sequences(self) -> list[np.ndarray]:
+        """Each request's token ids from position 0 through its last scheduled token: what a
+        plain eager loop runs to get the logits the runner samples from for that request."""
+        ends = np.asarray(self.num_computed_tokens, np.int64) + np.asarray(self.num_scheduled_tokens, np.int64)
+        return [self.token_ids[int(row), :int(end)].copy() for row, end in zip(self.req_rows, ends)]
+
     def describe(self) -> str:
         """A readable one-request-per-line account (the counterexample the kit prints)."""
         lines = [f"Step: {self.num_reqs} request(s), {self.num_tokens} token(s), block_size "

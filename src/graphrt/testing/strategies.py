@@ -207,12 +207,13 @@ def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int,
 # -------------------------------------------------------------------------------------- traces
 
 def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
-           max_requests: int = 3, max_decodes: int = 4) -> st.SearchStrategy[list[Step]]:
+           max_requests: int = 3, max_decodes: int = 4, prefix_hits: bool = True) -> st.SearchStrategy[list[Step]]:
     """The steps of up to ``max_requests`` requests' whole lifetimes, in order: each request
-    joins at some step with a prompt (maybe a prefix hit: tokens already computed), prefills
-    it in chunks within the token budget, then decodes up to ``max_decodes`` tokens. Blocks
-    are allocated as a request first needs them, so the block table grows over the trace;
-    each step holds the table as it was then."""
+    joins at some step with a prompt (maybe, with ``prefix_hits``, a prefix hit: tokens already
+    computed, whose KV the trace never writes), prefills it in chunks within the token budget,
+    then decodes up to ``max_decodes`` tokens. Blocks are allocated as a request first needs
+    them, so the block table grows over the trace; each step holds the table as it was then.
+    Without ``prefix_hits`` every KV slot a step reads was written by an earlier step."""
     rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
     _check_room(config, num_kv_blocks, rows_)
     bs, model_len = config.block_size, config.max_model_len
@@ -230,7 +231,8 @@ def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows
         for row in rows:
             decodes = draw(st.integers(0, max_decodes))
             prompt = draw(st.integers(1, model_len - decodes))
-            reqs.append(dict(row=row, join=draw(st.integers(0, 2)), done=draw(st.integers(0, prompt - 1)),
+            done = draw(st.integers(0, prompt - 1)) if prefix_hits else 0
+            reqs.append(dict(row=row, join=draw(st.integers(0, 2)), done=done,
                              prompt=prompt, end=prompt + decodes,
                              chunk=draw(st.integers(1, config.max_num_batched_tokens))))
         out: list[Step] = []
