@@ -2,9 +2,14 @@
 
 The planted bug is transformers' #45323 in small: an attention backend whose pre-replay hook
 plans from the step's longest sequence on the host and passes that number to a kernel as a
-Python scalar. A graph replays the number it was captured with, so later steps under the same
-key compute with a stale value. The recording graph sees every number baked into the
-captured ops; graphrt records each FULL key's forward under two steps it holds and compares.
+Python scalar. A graph would replay the number it was captured with, so later steps under the
+same key would compute with a stale value. The attention seam (docs/attention.md) refuses it:
+while a graph is captured, a hook (or a backend's metadata builder) that reads a host value
+its attention did not declare fails the capture in every mode, naming the value and the key,
+and the step runs eagerly with the right number. Declared refreshed, the same plan written
+into a device buffer replays right. The recording graph also sees every number baked into
+the captured ops, and ``check_baked_values`` / strict mode compare each FULL key's forward
+under two steps it holds.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from graphrt import GraphCaptureError, ModelRunner, RuntimeMode
 from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
+from graphrt.models.torch.attention_backend import PagedAttentionBackend
 from hf_models import tiny_hf_model_dir
-from parity import assert_bitwise, pad_like
+from parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
 
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4,
               cudagraph_capture_sizes=[4, 8, 16], mode="FULL")
@@ -28,12 +34,22 @@ TOKENS = np.random.default_rng(3).integers(0, 128, size=(4, 32), dtype=np.int32)
 BLOCKS = (np.arange(32, dtype=np.int32) + 1).reshape(4, 8)
 
 
-def planned_model(device_value: bool) -> tuple[torch.nn.Module, Any]:
+class DeclaredPlan(PagedAttentionBackend):
+    """graphrt's attention, declaring the longest sequence refreshed before every run."""
+
+    name = "planned-paged"
+    refreshed_host_values = ("max_seq_len",)
+
+
+def planned_model(device_value: bool, declared: bool = False) -> tuple[torch.nn.Module, Any]:
     """The reference Qwen3 whose attention output is scaled by a number planned on the host
-    from the step (its longest sequence): as a Python scalar (baked into the graph), or written
-    into a device tensor the graph reads (refreshed before every replay). Returns the model
-    and the pre-replay hook that plans."""
+    from the step (its longest sequence): as a Python scalar (baked into a graph), or written
+    into a device tensor the graph reads (refreshed before every replay). ``declared``: its
+    attention backend declares the value refreshed. Returns the model and the pre-replay hook
+    that plans."""
     model = CpuGraphBackend().load_model(str(tiny_hf_model_dir("qwen3")))
+    if declared:
+        model.attention_backend = DeclaredPlan(model.config.head_dim)
     plan = {"scale": 1.0, "tensor": torch.ones(())}
 
     def hook(inputs: Any) -> None:
@@ -62,13 +78,13 @@ def forward_entries(r: ModelRunner) -> list[dict[str, Any]]:
     return [e for e in r.executor.capture_report if e["mode"] == "FULL" and not e["key"].startswith("(sample")]
 
 
-def steps(r: ModelRunner) -> list[np.ndarray]:
+def steps(r: ModelRunner, graphs: bool = True) -> list[np.ndarray]:
     """A prefill then two decodes (seq lens grow: the planned scale changes every step)."""
     out = []
     for computed, scheduled in (([0, 0], [5, 3]), ([5, 3], [1, 1]), ([6, 4], [1, 1])):
         r.execute(token_ids=TOKENS, block_table=BLOCKS, req_rows=np.array([0, 1]),
                   num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
-        assert r.last_step.mode is RuntimeMode.FULL or not r.executor.has_graphs
+        assert r.last_step.mode is RuntimeMode.FULL or not r.executor.has_graphs or not graphs
         out.append(r.logits())
     return out
 
@@ -80,32 +96,40 @@ def test_graphrts_own_forward_is_complete_in_strict_mode():
     assert len(full) == 3 and all(e["baked"] > 0 and e["varying"] == [] for e in full), full
 
 
-def test_a_baked_host_value_is_reported_and_is_really_stale(caplog: pytest.LogCaptureFixture):
+def test_an_undeclared_host_value_fails_the_capture_in_the_default_mode(caplog: pytest.LogCaptureFixture):
+    """The repro: no strict mode, no check_baked_values. Every FULL capture is refused naming
+    max_seq_len and the key; the steps run eagerly, with the right plan (no wrong token)."""
     model, hook = planned_model(device_value=False)
     with caplog.at_level("WARNING", logger="graphrt"):
-        r = runner_with(model, hook, check_baked_values=True)
-    varying = [e for e in r.executor.capture_report if e.get("varying")]
-    assert len(varying) == len(forward_entries(r)) == 3
-    assert any("aten.mul" in v and "under a busy step" in v for v in varying[0]["varying"]), varying[0]
-    assert "bakes in host values" in caplog.text
-    # Why it matters: the replays used the scale planned at capture, eager uses each step's.
+        r = runner_with(model, hook)
+    assert forward_entries(r) == [] and r.stats.failed_builds == 3
+    assert "'max_seq_len'" in caplog.text and "tokens=16" in caplog.text and "refreshed_host_values" in caplog.text
     eager_model, eager_hook = planned_model(device_value=False)
-    eager = pad_like(runner_with(eager_model, eager_hook, backend=EagerBackend()), r)
-    got, want = steps(r), steps(eager)
-    assert not np.allclose(got[-1], want[-1], atol=1e-3)
+    eager = runner_with(eager_model, eager_hook, backend=EagerBackend())    # unpadded, as the fallback runs
+    for i, (got, want) in enumerate(zip(steps(r, graphs=False), steps(eager))):
+        assert_close_across_shapes(got, want, err_msg=f"step {i}")
+        assert_same_tokens(got, want, f"step {i}")
 
 
-def test_strict_mode_fails_the_capture_naming_the_key_and_the_op():
+def test_strict_mode_fails_the_capture_naming_the_value_and_the_key():
     model, hook = planned_model(device_value=False)
+    with pytest.raises(GraphCaptureError, match=r"'max_seq_len'.*tokens=16"):
+        runner_with(model, hook, strict=True)
+
+
+def test_declared_but_baked_as_a_python_number_is_still_caught_by_the_baked_check():
+    """Declared refreshed, yet the hook hands the forward a Python number: the graph bakes it.
+    check_baked_values (always on in strict mode) compares two captures and names the op."""
+    model, hook = planned_model(device_value=False, declared=True)
     with pytest.raises(GraphCaptureError, match=r"tokens=16.*aten\.mul"):
         runner_with(model, hook, strict=True)
 
 
-def test_the_same_plan_through_a_device_buffer_is_complete_and_replays_right():
-    model, hook = planned_model(device_value=True)
+def test_the_same_plan_declared_and_through_a_device_buffer_replays_right():
+    model, hook = planned_model(device_value=True, declared=True)
     r = runner_with(model, hook, strict=True)
-    assert all(e["varying"] == [] for e in forward_entries(r))
-    eager_model, eager_hook = planned_model(device_value=True)
+    assert len(forward_entries(r)) == 3 and all(e["varying"] == [] for e in forward_entries(r))
+    eager_model, eager_hook = planned_model(device_value=True, declared=True)
     eager = pad_like(runner_with(eager_model, eager_hook, backend=EagerBackend()), r)
     for i, (got, want) in enumerate(zip(steps(r), steps(eager))):
         assert_bitwise(got, want, f"step {i}")
@@ -126,11 +150,11 @@ def test_recording_graph_lists_the_numbers_each_op_bakes():
 def test_each_key_is_checked_once_when_graph_memory_is_sampled_first(monkeypatch: pytest.MonkeyPatch):
     """Sizing the KV cache from a budget captures sample keys before warm-up; warm-up checks
     every FULL key, so the samples are not checked too."""
-    from graphrt.backends.torch import executor as torch_executor
+    from graphrt.backends.torch import baked
 
     checked = []
-    real = torch_executor.check_key
-    monkeypatch.setattr(torch_executor, "check_key", lambda ex, key: (checked.append(key), real(ex, key))[1])
+    real = baked.check_key
+    monkeypatch.setattr(baked, "check_key", lambda ex, key: (checked.append(key), real(ex, key))[1])
     r = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="cpu", kv_cache_memory=64 << 20, progress=False,
                     strict=True, **LIMITS)
     assert r.graph_memory.deducted and r.graph_memory.sampled

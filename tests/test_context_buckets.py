@@ -110,8 +110,8 @@ def _widths(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[int]:
     seen: list[int] = []
     build = runner.executor.metadata
 
-    def spy(num_tokens, num_reqs, context=None):
-        meta = build(num_tokens, num_reqs, context)
+    def spy(num_tokens, num_reqs, host):
+        meta = build(num_tokens, num_reqs, host)
         seen.append(int(meta.block_table.shape[1]))
         return meta
     monkeypatch.setattr(runner.executor, "metadata", spy)

@@ -20,6 +20,7 @@ from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMo
 from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GenerationError,
                                  GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
                                  WatchdogTimeout)
+from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.fields import ModelInputs
 from graphrt.core.inputs import InputPreparer, prepare_inputs
 from graphrt.core.numerics import Tolerance, reduction_tolerance, tolerance
@@ -44,7 +45,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
     "DataParallelLLM",
-    "ConfigError", "Dispatch", "Dispatcher", "GenerationError", "GraphCache", "GraphCaptureError",
+    "ConfigError", "Dispatch", "Dispatcher", "ExtraInput", "GenerationError", "GraphCache", "GraphCaptureError",
     "GraphConfig", "GraphMode", "GraphrtError", "InputError", "InputPreparer", "KVCacheLostError", "LLM",
     "ModelInputs",
     "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "add_cli_args",

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.inputs import InputPreparer
 from graphrt.core.dp_agreement import DataParallelStep, DispatchShape, StepAgreement
+from graphrt.core.extra_inputs import ExtraInputs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.core.padding import Padder
@@ -73,6 +74,8 @@ class ModelRunner:
         dtype = check_before_loading(self.backend, model, cfg, dtype)   # sharding, dtype, max_model_len
         if isinstance(model, (str, os.PathLike)) and tp == 1:
             model = self.backend.load_model(os.fspath(model), dtype)
+        if tp == 1 and not isinstance(model, (str, os.PathLike)):
+            self.backend.check_model(model)                # the model protocol, named member by member
         check_memory(self.backend, model, cfg, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory)
         # tensor_parallel_size > 1: the backend starts the worker ranks, each loads its own shard
         self.executor: Executor = (self.backend.create_executor(model, cfg) if tp == 1 else
@@ -102,6 +105,9 @@ class ModelRunner:
         self._lock = threading.Lock()
         self.lora = RunnerLora(slots, cfg.max_loras, cfg.max_num_seqs, self._lock) if slots is not None else None
         self.data_parallel = DataParallelStep(step_agreement, self.lora) if step_agreement is not None else None
+        #: The model's declared per-step inputs, checked and written each step (None: it has none).
+        self.extra = (ExtraInputs(self.executor.extra_inputs, self.executor.extra_buffers)
+                      if self.executor.extra_inputs else None)
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
         self._plans: dict[DispatchShape, StepPlan] = {}
@@ -149,10 +155,11 @@ class ModelRunner:
     def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                 sampling: SamplingBatch | None = None, lora_ids: Any = None,
-                future_rows: Any = None) -> np.ndarray | None:
+                future_rows: Any = None, extra_inputs: Mapping[str, Any] | None = None) -> np.ndarray | None:
         """Run one scheduled step; returns one sampled token per request (or None without sampling).
         ``lora_ids``: each request's LoRA adapter slot (-1 or None: none; needs ``max_loras > 0``).
-        ``future_rows``: see :meth:`execute_async`.
+        ``future_rows``: see :meth:`execute_async`. ``extra_inputs``: an array per input the model
+        declares (``model.extra_inputs``: a row per token or per request; docs/attention.md).
 
         Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
         the preparer checks the step, the dispatcher picks its bucket, and only then are the
@@ -161,11 +168,12 @@ class ModelRunner:
         """
         with self._lock:
             return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                 num_scheduled_tokens, sampling, lora_ids, future_rows)
+                                 num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs)
 
     def execute_async(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                       num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                      sampling: SamplingBatch, lora_ids: Any = None, future_rows: Any = None) -> PendingTokens:
+                      sampling: SamplingBatch, lora_ids: Any = None, future_rows: Any = None,
+                      extra_inputs: Mapping[str, Any] | None = None) -> PendingTokens:
         """:meth:`execute` without waiting for the device: the step's sampled tokens come as a
         :class:`~graphrt.core.future_tokens.PendingTokens` whose ``result()`` waits for them.
 
@@ -179,7 +187,7 @@ class ModelRunner:
             raise InputError("sampling", "execute_async returns sampled tokens: pass a SamplingBatch")
         with self._lock:
             out = self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                num_scheduled_tokens, sampling, lora_ids, future_rows, wait=False)
+                                num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs, wait=False)
             num_reqs = self._last[2]
         if not self.executor.async_execution:
             return PendingTokens(tokens=out)
@@ -188,7 +196,8 @@ class ModelRunner:
 
     def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                  num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                 sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any, wait: bool = True) -> Any:
+                 sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any,
+                 extra_inputs: Mapping[str, Any] | None = None, wait: bool = True) -> Any:
         """Check, dispatch, write, run and sample one step (the lock held): the host tokens, or
         with ``wait=False`` on an asynchronous backend the sampler's device output; None
         without ``sampling``."""
@@ -201,6 +210,11 @@ class ModelRunner:
             raise InputError("sampling", f"{sampling.num_reqs} rows for {r} requests")
         if future_rows is not None:
             future_rows = self._futures.check(future_rows, r, self._sampled)
+        extras = None
+        if self.extra is not None or extra_inputs:
+            if self.extra is None:
+                raise InputError("extra_inputs", "the model declares no extra inputs (model.extra_inputs)")
+            extras = self.extra.check(extra_inputs, t, r)
         ids, n = None, 0
         if lora_ids is not None or self.lora is not None:
             if self.lora is None:
@@ -218,6 +232,8 @@ class ModelRunner:
                                      out=self.executor.host_buffers)
         if shape.num_loras:
             self.lora.write(ids, num_scheduled_tokens, t, plan.key.num_tokens)
+        if extras is not None:
+            self.extra.write(extras, t, r, plan.key.num_tokens, plan.padded_reqs)
         future = (None if future_rows is None else
                   self._futures.apply(future_rows, self._sampled, padded.input_ids, padded.query_start_loc))
         self._sampled = None        # until this step's tokens are: a failed step has none
@@ -272,6 +288,8 @@ class ModelRunner:
             padded = self.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self.executor.host_buffers)
             if self.lora is not None:
                 self.lora.write_padding(plan.key.num_tokens)
+            if self.extra is not None:
+                self.extra.write_padding(plan.key.num_tokens, plan.padded_reqs)
             self._run(plan, padded, 0, 0)
             self._last = (plan, 0, 0, 0.0)
 

@@ -98,6 +98,10 @@ class Executor(abc.ABC, Generic[EntryT]):
     kv_cache_resets: int = 0
     #: LoRA adapter slots where ``max_loras > 0`` and this executor supports them, else None.
     lora: LoraSlots | None = None
+    #: The extra inputs the model declares (``core.extra_inputs.ExtraInput`` by name) and their
+    #: host staging buffers, which the runner writes each step; empty where there are none.
+    extra_inputs: Mapping[str, Any] = {}
+    extra_buffers: Mapping[str, np.ndarray] = {}
 
     @abc.abstractmethod
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -202,6 +206,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def load_model(self, model_dir: str, dtype: Any = None) -> Any:
         """Load graphrt's reference model for this framework from a Hugging Face directory."""
+
+    def check_model(self, model: Any) -> None:
+        """Refuse, before anything is allocated, a model this backend cannot run: a missing or
+        ill-typed member of its framework's model protocol named with what to implement, or a
+        model of another framework (ConfigError). Default: no check."""
 
     @abc.abstractmethod
     def create_executor(self, model: Any, config: Any) -> Executor:

@@ -45,6 +45,11 @@ class TorchBackend(Backend):
         model.source_dir = model_dir
         return model
 
+    def check_model(self, model: Any) -> None:
+        """graphrt's torch model protocol (backends/torch/model_protocol.py), checked."""
+        from graphrt.backends.torch.model_protocol import check_torch_model
+        check_torch_model(model, self.name)
+
     def model_shape(self, model: Any) -> ModelShape | None:
         """The shape of a model that follows docs/models.md (``kv_cache_spec()``, ``config``'s
         widths, its parameters' element size; LoRA: the ``lora_target_modules`` linears); None

@@ -36,25 +36,26 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch.baked import BakedReport, check_key
+from graphrt.backends.torch.baked import check_baked
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.pieces import Pieces
 from graphrt.backends.torch.piecewise import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
-from graphrt.core.errors import GraphCaptureError, GraphrtError
+from graphrt.core.errors import GraphrtError
 from graphrt.core.forward_context import forward_context
-from graphrt.core.fields import FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
-from graphrt.core.padding import Padder
-from graphrt.models.torch.attention import TorchAttentionMetadata
+from graphrt.core.extra_inputs import check_extra_specs
+from graphrt.core.fields import ModelInputs
+from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues, check_metadata
 from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphPool, PreReplayHook,
                                            describe_capture_failure)
-from graphrt.backends.torch.model_protocol import attention_support, keyed_host_values
+from graphrt.backends.torch.model_protocol import (attention_backend, attention_support, guard_host_scalars,
+                                                   keyed_host_values)
+from graphrt.backends.torch.step_buffers import StepBuffers
 from graphrt.backends.torch.sampler import SamplerState
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
 
 #: What a TorchExecutor captures per key: one graph (FULL, sampler) or a bucket's pieces.
 TorchEntry = CapturedGraph | PiecewiseEntry
@@ -73,10 +74,13 @@ class TorchExecutor(Executor[TorchEntry]):
         self.graph_api = graph_api
         self.has_graphs = graph_api is not None
         self.graphs_share_memory = graph_api is not None and graph_api.graphs_share_memory
-        self.attention_support = attention_support(model)
-        self.keyed_host_values = keyed_host_values(model, self.device)
-        #: Narrow the block table to the key's (or an eager step's) longest context.
-        self._narrow_context = "max_seq_len" in self.keyed_host_values
+        param_dtype = next(model.parameters()).dtype
+        #: The model's attention (the seam, docs/attention.md): builds each step's metadata.
+        self.attention = attention_backend(model)
+        self.attention_support = attention_support(model, self.attention)
+        self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)
+        self._refresh = bool(getattr(self.attention, "refreshed_host_values", ()))
+        self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
         #: Run before every forward (graph or eager) with the padded inputs; see :func:`graph_task`.
         self.pre_replay_hooks: list[PreReplayHook] = []
         #: Per built key: mode, seconds, graph bytes, whether it was compiled.
@@ -85,18 +89,18 @@ class TorchExecutor(Executor[TorchEntry]):
         self.hidden_size = int(model.config.hidden_size)
         self.block_size = config.block_size
         max_t, max_r = config.max_num_batched_tokens, config.max_num_seqs
-        width = config.max_blocks_per_req
-        shapes = buffer_shapes(max_t, max_r, width)
         pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
-        self._host = ({name: torch.from_numpy(host_arrays[name]) for name in shapes} if host_arrays is not None else
-                      {name: torch.zeros(shape, dtype=_TORCH_DTYPES[FIELD_DTYPES[name]], pin_memory=pin)
-                       for name, shape in shapes.items()})
-        self.host_buffers = {name: t.numpy() for name, t in self._host.items()}
         same = self.device.type == "cpu"
-        self.static = self._host if same else {name: t.to(self.device) for name, t in self._host.items()}
-        self._levels = tuple((name, FIELDS[name].level) for name in shapes)
-        self._dummy_padder = Padder(kernel="numpy")     # the default fills: pure padding
-        param_dtype = next(model.parameters()).dtype
+        #: Host staging and static device buffers of every field and extra input.
+        self.buffers = StepBuffers(max_t, max_r, config.max_blocks_per_req, config.block_size, self.device, pin,
+                                   host_arrays, check_extra_specs(getattr(model, "extra_inputs", None) or {},
+                                                                  type(model).__name__))
+        self.host_buffers, self.static = self.buffers.host_arrays, self.buffers.static
+        probe = min(2, max_t), 1                      # the builder's metadata must fit a step
+        check_metadata(self.attention, self.attention.build(self.buffers.tensors(*probe), self.dummy_host(*probe)),
+                       *probe)
+        #: The model's declared extra inputs and their staging buffers (the runner writes them).
+        self.extra_inputs, self.extra_buffers = self.buffers.extra, self.buffers.extra_arrays
         self.hidden_out = torch.zeros(max_t, self.hidden_size, dtype=param_dtype, device=self.device)
         self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
         q = config.decode_query_len
@@ -164,34 +168,37 @@ class TorchExecutor(Executor[TorchEntry]):
         return self.pieces.compile_note()
 
     # ---- forward -------------------------------------------------------------------
-    def metadata(self, num_tokens: int, num_reqs: int, context: int | None = None) -> TorchAttentionMetadata:
-        """The attention metadata of the static buffers' first ``num_tokens`` / ``num_reqs`` rows;
-        where the attention fixes the context (``keyed_host_values``) and ``context`` is given
-        (a key's context bucket, an eager step's longest request), the block table narrowed to
-        the blocks that many tokens fill, so the reference kernel attends over no more."""
-        s = self.static
-        table = s["block_table"][:num_reqs]
-        if context and self._narrow_context:
-            table = table[:, :max(-(-context // self.block_size), 1)]
-        return TorchAttentionMetadata.build(s["slot_mapping"][:num_tokens],
-                                            s["query_start_loc"][:num_reqs + 1],
-                                            s["seq_lens"][:num_reqs], table, self.block_size)
+    def metadata(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
+        """The attention backend's metadata of the static buffers' first ``num_tokens`` /
+        ``num_reqs`` rows and the step's ``host`` values (inside a capture: guarded ones)."""
+        return self.attention.build(self.buffers.tensors(num_tokens, num_reqs), host)
 
-    def forward(self, num_tokens: int, num_reqs: int, context: int | None = None) -> None:
+    def dummy_host(self, num_tokens: int, num_reqs: int, key: BatchDescriptor | None = None) -> HostValues:
+        """Host values of a padding-only step of that shape (a capture's, a warm-up's): ``key``'s
+        context bucket as ``max_seq_len`` where it has one, else ``max_model_len``; within a
+        capture of ``key`` only the attention's keyed values can be read (CaptureHostValues)."""
+        uniform = key.uniform_decode if key is not None else False
+        context = (key.max_seq_len if key is not None else None) or self.config.max_model_len
+        values = HostValues(num_tokens, num_reqs, 0, 0, 0, context, uniform)
+        if key is None:
+            return values
+        return CaptureHostValues(values, self.keyed_host_values, getattr(self.attention, "name", "attention"), key)
+
+    def forward(self, num_tokens: int, num_reqs: int, host: HostValues) -> None:
         """Run the model on the static buffers' first rows; write hidden and logits outputs.
 
-        Everything here reads tensors only, so it can be captured; the sizes (and ``context``,
-        a key's context bucket) are the key.
+        Everything here reads tensors only, so it can be captured; the sizes (and the keyed
+        host values, e.g. a context bucket) are the key.
         """
         s = self.static
-        with forward_context(self.metadata(num_tokens, num_reqs, context)):
+        with forward_context(self.metadata(num_tokens, num_reqs, host)):
             hidden = self.model(s["input_ids"][:num_tokens], s["positions"][:num_tokens])
         self._outputs(hidden, num_tokens, num_reqs)
 
     def _forward_split(self, calls: Sequence[Callable[[], None]], output: torch.Tensor,
-                       num_tokens: int, num_reqs: int, context: int | None = None) -> None:
+                       num_tokens: int, num_reqs: int, host: HostValues) -> None:
         """The forward as the split model's step calls over the piece buffers."""
-        with forward_context(self.metadata(num_tokens, num_reqs, context)):
+        with forward_context(self.metadata(num_tokens, num_reqs, host)):
             for call in calls:
                 call()
         self._outputs(output, num_tokens, num_reqs)
@@ -209,23 +216,15 @@ class TorchExecutor(Executor[TorchEntry]):
         self.logits_out[:num_reqs].copy_(logits[:, -1])
 
     def load_dummy(self, num_tokens: int, num_reqs: int) -> ModelInputs:
-        """Pure padding (the padder's fills: no KV write, every request empty) in the static
-        buffers: what captures and warm-ups run on."""
-        padded = self._dummy_padder.pad_empty(num_tokens, num_reqs, self.host_buffers)
-        self.to_device(num_tokens, num_reqs)
-        return padded
+        """Pure padding in the static buffers (``StepBuffers.load_dummy``): what captures run on."""
+        return self.buffers.load_dummy(num_tokens, num_reqs)
 
     def to_device(self, num_tokens: int, num_reqs: int) -> None:
-        """Copy a step's rows of every field (``fields.field_rows``) from the host staging
-        buffers into the static device buffers (nothing to do on a CPU device)."""
-        if self.static is self._host:
-            return
-        for name, level in self._levels:
-            n = field_rows(level, num_tokens, num_reqs)
-            self.static[name][:n].copy_(self._host[name][:n], non_blocking=True)
+        """Copy a step's rows from the staging buffers to the static device buffers."""
+        self.buffers.to_device(num_tokens, num_reqs)
 
     def input_ptrs(self) -> dict[str, int]:
-        ptrs = {name: t.data_ptr() for name, t in self.static.items()}
+        ptrs = self.buffers.pointers()
         ptrs.update({f"sampler.{k}": t.data_ptr() for k, t in self.sampler.static.items()})
         ptrs["kv_cache"] = self.kv_cache.data_ptr() if self.kv_cache is not None else 0
         return ptrs
@@ -246,7 +245,7 @@ class TorchExecutor(Executor[TorchEntry]):
                                           lambda: None)
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
-            baked = self._check_baked(key)
+            baked = check_baked(self, key) if self.check_baked else None
         elif mode is RuntimeMode.PIECEWISE:
             if self.pieces.capture is None:
                 raise GraphrtError(f"PIECEWISE graphs are unavailable: {self.pieces.split_reason}")
@@ -261,22 +260,6 @@ class TorchExecutor(Executor[TorchEntry]):
         logger.debug("graphrt: captured %s %s in %.3f s, %d bytes%s", mode.value, key, seconds,
                      nbytes, " (compiled)" if entry.compiled else "")
         return entry, nbytes
-
-    def _check_baked(self, key: BatchDescriptor) -> BakedReport | None:
-        """With ``check_baked_values`` or ``strict``: the host values ``key``'s forward bakes in
-        (:mod:`graphrt.backends.torch.baked`); values that differ between two steps the key
-        holds fail the capture in strict mode and are logged otherwise."""
-        if not self.check_baked:
-            return None
-        report = check_key(self, key)
-        if not report.complete:
-            message = (f"{key}: the captured forward bakes in host values that differ between steps "
-                       f"under this key -- {'; '.join(report.varying)}. Make them part of the key or "
-                       f"refresh them in a pre-replay hook (docs/backends.md, complete keys)")
-            if self.config.strict:
-                raise GraphCaptureError(message)
-            logger.warning("graphrt: %s", message)
-        return report
 
     def _with_compile_fallback(self, key: BatchDescriptor,
                                build: Callable[[BatchDescriptor, bool], tuple[Any, int]]) -> tuple[Any, int]:
@@ -294,15 +277,26 @@ class TorchExecutor(Executor[TorchEntry]):
             return build(key, False)
 
     def _build_full(self, key: BatchDescriptor, compiled: bool) -> tuple[CapturedGraph, int]:
-        num_tokens, num_reqs, context = key.num_tokens, key.num_reqs, key.max_seq_len
+        num_tokens, num_reqs = key.num_tokens, key.num_reqs
+        host = self.dummy_host(num_tokens, num_reqs, key)     # guarded: only keyed values read
         if not compiled:
-            return self._capture(lambda: self.forward(num_tokens, num_reqs, context),
-                                 lambda: self.load_dummy(num_tokens, num_reqs))
+            return self._capture(lambda: self.forward(num_tokens, num_reqs, host),
+                                 lambda: self._load_for_capture(key))
         calls, output, held = self.pieces.prepare(num_tokens, compiled=True)
-        entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs, context),
-                                      lambda: self.load_dummy(num_tokens, num_reqs))
+        entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs, host),
+                                      lambda: self._load_for_capture(key))
         entry.compiled = True
         return entry, nbytes + held
+
+    def _load_for_capture(self, key: BatchDescriptor) -> None:
+        """Pure padding for a FULL capture, then the pre-replay hooks on it with the step's host
+        scalars guarded: a hook that reads one the attention did not declare refreshed fails
+        the capture (it would feed a value the graph then bakes in)."""
+        padded = self.load_dummy(key.num_tokens, key.num_reqs)
+        if self.pre_replay_hooks:
+            guarded = guard_host_scalars(padded, self.attention, key)
+            for hook in self.pre_replay_hooks:
+                hook(guarded)
 
     def _capture(self, fn: Callable[[], None], load_dummy: Callable[[], None],
                  warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
@@ -316,11 +310,17 @@ class TorchExecutor(Executor[TorchEntry]):
         """Copy the padded step into static buffers, then replay ``entry`` or run eagerly (a
         synchronous executor: the runner resolves future tokens on the host, ``future`` is None)."""
         t, r = len(padded.input_ids), len(padded.seq_lens)
-        self.to_device(t, r)
+        self.buffers.to_device(t, r)
         if self.lora is not None:
             self.lora.before_step(key, t)
         if self._copied is not None:
             self._copied.record()
+        host = self._host_values          # the step's; eager at a key: the key's context
+        host.num_tokens, host.num_reqs, host.real_num_tokens, host.real_num_reqs = t, r, padded.num_tokens, padded.num_reqs
+        host.max_query_len, host.uniform_decode = padded.max_query_len, padded.uniform_decode
+        host.max_seq_len = key.max_seq_len or padded.max_seq_len
+        if self._refresh:
+            self.attention.before_replay(self.buffers.tensors(t, r), host)
         tasks = entry.tasks if entry is not None and self.graph_api is not None else ()
         if self.pre_replay_hooks or tasks:
             if tasks:
@@ -331,10 +331,10 @@ class TorchExecutor(Executor[TorchEntry]):
         if entry is not None and self.config.debug_check_addresses:
             self._check_addresses(entry)
         with torch.no_grad():
-            if entry is None:                         # at the key's context where it has one
-                self.forward(t, r, key.max_seq_len or padded.max_seq_len)
-            elif isinstance(entry, PiecewiseEntry):   # attention eager: at the step's own context
-                self._forward_split(entry.calls, entry.output, t, r, padded.max_seq_len)
+            if entry is None:
+                self.forward(t, r, host)
+            elif isinstance(entry, PiecewiseEntry):   # attention eager: the step's own values
+                self._forward_split(entry.calls, entry.output, t, r, host)
             else:
                 entry.graph.replay()
         if self._copied is not None:

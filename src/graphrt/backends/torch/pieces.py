@@ -102,7 +102,7 @@ class Pieces:
         inputs = (ex.static["input_ids"][:num_tokens], ex.static["positions"][:num_tokens])
         with torch.no_grad():
             ex.load_dummy(num_tokens, 1)
-            with forward_context(ex.metadata(num_tokens, 1)):
+            with forward_context(ex.metadata(num_tokens, 1, ex.dummy_host(num_tokens, 1))):
                 for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                     env = split.run(inputs)
                 views = buffers.bind(env, num_tokens)
@@ -151,7 +151,7 @@ class Pieces:
             return ex.model(static["input_ids"][:t], static["positions"][:t])
 
         ex.load_dummy(t, 1)
-        with torch.no_grad(), forward_context(ex.metadata(t, 1)):
+        with torch.no_grad(), forward_context(ex.metadata(t, 1, ex.dummy_host(t, 1))):
             for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                 forward()
             calls, graphs, output, nbytes, tasks = capture_breakable(ex.pool, forward,

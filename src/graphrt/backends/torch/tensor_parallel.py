@@ -125,6 +125,10 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         self.model = local.model
         self.has_graphs = local.has_graphs
         self.attention_support = local.attention_support
+        self.keyed_host_values = local.keyed_host_values
+        if local.extra_inputs:
+            raise ConfigError(f"the model declares extra inputs {sorted(local.extra_inputs)}: tensor parallelism "
+                              "sends graphrt's step fields to the workers only; run it with tensor_parallel_size=1")
         self.vocab_size = local.vocab_size
         self.host_buffers = local.host_buffers
         self.tp_size = ranks.setup.tp_size

@@ -255,15 +255,6 @@ class PagedAttention(nn.Module):
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.kv_cache: torch.Tensor | None = None
 
-    def keyed_host_values(self, device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
-        """The step's host values a graph of this layer fixes when it is built, so its keys must
-        hold them (the attention seam's declaration; ``dtype``: the activations' and the cache's).
-        The reference kernel attends over every column of the block table it is given, which
-        the executor narrows to the step's longest context -- ``max_seq_len``, a key field in
-        context buckets; Triton reads every length on the device and fixes nothing."""
-        choice = choose_attention_kernel(device, self.head_dim, dtype, dtype)
-        return () if choice.kernel == "triton" else ("max_seq_len",)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``."""
         meta: TorchAttentionMetadata = get_forward_context()
