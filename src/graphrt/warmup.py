@@ -1,5 +1,8 @@
 """Warm-up: every key a runner's dispatcher can return, built (captured / compiled) ahead of
-serving, largest first, into the runner's caches; then the caches are sealed.
+serving, largest first, into the runner's caches; then the caches are sealed. The garbage
+collector runs once first and every object alive then is frozen out of its sight until the
+builds end (vLLM #21146: a collection scanning a large heap between captures costs seconds),
+on top of each capture running with the collector off.
 
 A failed build makes its key run eagerly, with a warning saying why (the cache keeps a
 :class:`~graphrt.core.cache.FailedBuild` for it and counts it); in strict mode, or on a
@@ -8,6 +11,7 @@ backend with no eager path (XLA), it raises :class:`~graphrt.core.errors.GraphCa
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Sequence
@@ -44,6 +48,20 @@ def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, 
     missing = [(target, cache_key, mode, key) for target, cache_key, mode, key in entries
                if cache_key not in target]
     start = time.perf_counter()
+    gc.collect()
+    gc.freeze()         # every object alive now out of the collector's sight while graphs are built
+    try:
+        _build_missing(executor, missing, entries, strict=strict, progress=progress, label=label)
+    finally:
+        gc.unfreeze()
+    cache.seal()
+    sampler_cache.seal()
+    return time.perf_counter() - start
+
+
+def _build_missing(executor: Executor, missing: list, entries: list, *, strict: bool, progress: bool,
+                   label: str) -> None:
+    """:func:`build_every_key`'s builds: ahead where the executor can, else one key at a time."""
     try:
         ahead = executor.build_many([(mode, key) for _, _, mode, key in missing], progress=progress)
     except Exception as exc:  # noqa: BLE001 - said once, with the reason, like a single build
@@ -67,9 +85,6 @@ def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, 
             target.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)
             continue
         target.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
-    cache.seal()
-    sampler_cache.seal()
-    return time.perf_counter() - start
 
 
 __all__ = ["build_every_key", "warmup_keys"]
