@@ -82,7 +82,9 @@ def make_step(reqs: list[tuple[list[int], int]], tables: list[list[int]],
 
 def alloc_caches(model: DecoderForCausalLM, fill: str = "zeros", seed: int = 0) -> list[torch.Tensor]:
     """One ``[2, NUM_BLOCKS*BLOCK_SIZE + 1, Hkv, D]`` cache per layer, assigned to the model."""
-    num_layers, hkv, d = model.kv_cache_spec()
+    spec = model.kv_cache_spec()
+    (group,) = spec.groups
+    num_layers, hkv, d = spec.num_layers, group.num_kv_heads, group.head_size
     gen = torch.Generator().manual_seed(seed)
     caches = []
     for attn in model.attention_layers():
@@ -329,7 +331,8 @@ def test_forward_runs_on_meta_tensors():
     with torch.device("meta"):
         model = DecoderForCausalLM(config)
         for attn in model.attention_layers():
-            attn.kv_cache = torch.empty(2, NUM_BLOCKS * BLOCK_SIZE + 1, *model.kv_cache_spec()[1:])
+            (group,) = model.kv_cache_spec().groups
+            attn.kv_cache = torch.empty(2, NUM_BLOCKS * BLOCK_SIZE + 1, group.num_kv_heads, group.head_size)
         num_tokens, num_reqs = 10, 4
         meta = TorchAttentionMetadata.build(
             torch.empty(num_tokens, dtype=torch.int64), torch.empty(num_reqs + 1, dtype=torch.int32),
