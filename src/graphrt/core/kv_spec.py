@@ -61,10 +61,11 @@ class KVCacheGroup:
     latent_dim: int = 0
 
     @classmethod
-    def mla(cls, layers: Iterable[int], latent_dim: int, *, dtype: Any = "auto",
-            block_size: int | None = None) -> "KVCacheGroup":
+    def mla(cls, layers: Iterable[int], latent_dim: int, *, dtype: Any = "auto", block_size: int | None = None,
+            sliding_window: int = 0) -> "KVCacheGroup":
         """An MLA group: each layer keeps one ``[rows, latent_dim]`` tensor instead of K and V."""
-        return cls(tuple(layers), latent_dim=latent_dim, dtype=dtype, block_size=block_size)
+        return cls(tuple(layers), latent_dim=latent_dim, dtype=dtype, block_size=block_size,
+                   sliding_window=sliding_window)
 
     @property
     def is_mla(self) -> bool:

@@ -38,7 +38,8 @@ def model_kv_spec(model: torch.nn.Module, config: Any, backend: str) -> KVCacheS
                           "graphrt.KVCacheSpec from it (docs/models.md)")
     layers = model.attention_layers() if callable(getattr(model, "attention_layers", None)) else None
     param = next(model.parameters(), None)
-    spec = resolve_kv_spec(declare(), block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+    declared = declare()
+    spec = resolve_kv_spec(declared, block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
                            model_dtype=dtype_name(param.dtype) if param is not None else "float32",
                            supported=TORCH_KV_DTYPES, backend=backend,
                            num_layers=None if layers is None else len(layers))
@@ -51,7 +52,19 @@ def model_kv_spec(model: torch.nn.Module, config: Any, backend: str) -> KVCacheS
     elif layers is None:
         raise ConfigError(f"attention_layers: {type(model).__name__} has no attention_layers() method, so its KV "
                           "cache cannot be assigned; return the attention modules in layer order (docs/models.md)")
+    elif isinstance(declared, KVCacheSpec):      # the old tuple declares no window
+        _check_windows(spec, layers)
     return spec
+
+
+def _check_windows(spec: KVCacheSpec, layers: list[Any]) -> None:
+    """A group's sliding window is its layers' own (``sliding_window`` of graphrt's PagedAttention)."""
+    for i, group in enumerate(spec.groups):
+        for layer in group.layers:
+            own = getattr(layers[layer], "sliding_window", None)
+            if isinstance(own, int) and (own or 0) != group.sliding_window:
+                raise ConfigError(f"{SPEC_FIELD}.groups[{i}].sliding_window: {group.sliding_window}, but attention "
+                                  f"layer {layer} ({type(layers[layer]).__name__}) slides over {own}")
 
 
 class TorchKVCache:
