@@ -75,7 +75,7 @@ class XlaBackend(Backend):
         return None
 
     def load_model(self, model_dir: str, dtype: Any = None) -> "XlaModel":
-        """The JAX reference Llama / Qwen3 of a Hugging Face directory."""
+        """The JAX reference Llama / Mistral / Qwen3 of a Hugging Face directory."""
         from graphrt.models.jax.loader import load_jax_params
         config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype, model_dir))
         return XlaModel(config, params)

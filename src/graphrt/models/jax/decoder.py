@@ -1,4 +1,4 @@
-"""JAX reference Llama / Qwen3 decoder over a paged KV cache, jit-able with static shapes.
+"""JAX reference Llama / Mistral / Qwen3 decoder over a paged KV cache, jit-able with static shapes.
 
 Plain functions over the params pytree built by :mod:`graphrt.models.jax.loader`. Layers run under
 ``jax.lax.scan``; the KV cache is carried through the scan and written with scatters, so a jitted

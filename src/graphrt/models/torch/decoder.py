@@ -1,4 +1,4 @@
-"""Llama and Qwen3 decoders in plain torch, over graphrt's paged KV cache.
+"""Llama, Mistral and Qwen3 decoders in plain torch, over graphrt's paged KV cache.
 
 The forward takes flat token batches (``input_ids [T]``, ``positions [T]``) and reads
 its attention metadata from the forward context, so one captured graph serves any
@@ -212,7 +212,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A Llama or Qwen3 causal LM over a paged KV cache; capturable as a device graph.
+    """A Llama, Mistral or Qwen3 causal LM over a paged KV cache; capturable as a device graph.
 
     ``forward`` returns final hidden states; ``compute_logits`` is separate so the
     runner can project only the rows it samples from.

@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama / Qwen3 checkpoint into :class:`DecoderForCausalLM`.
+"""Load a Hugging Face Llama / Mistral / Qwen3 checkpoint into :class:`DecoderForCausalLM`.
 
 The model is built on the meta device (no init cost), given uninitialised storage on
 the target device, and every parameter is then filled from the ``*.safetensors``
