@@ -174,6 +174,9 @@ KV_CACHE_DTYPE_NAMES: dict[str, str] = {"auto": "auto", "fp8": "float8_e4m3fn", 
                                         "float8_e5m2": "float8_e5m2", "bfloat16": "bfloat16",
                                         "float16": "float16", "half": "float16", "float32": "float32",
                                         "float64": "float64"}
+#: A Qwen3 config.json without ``max_window_layers`` slides (with ``use_sliding_window``) the layers
+#: from this one on: transformers' Qwen3Config default, read by models/hf_config.py.
+QWEN3_MAX_WINDOW_LAYERS = 28
 #: Bytes of one element of each KV-cache dtype (core/kv_spec.py sizes the cache with them).
 KV_CACHE_DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
                                         "float8_e4m3fn": 1, "float8_e5m2": 1}

@@ -10,12 +10,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-#: Qwen3's default ``max_window_layers`` (transformers' Qwen3Config): layers from it on slide.
-QWEN3_MAX_WINDOW_LAYERS = 28
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,8 @@ def sliding_windows(raw: dict, arch: str) -> tuple[int, ...]:
         raise InputError("sliding_window", f"must be a positive int or null, got {window!r}")
     if arch == "MistralForCausalLM":
         return (window,) * layers
-    kinds = raw.get("layer_types") or ["sliding_attention" if i >= raw.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
-                                       else "full_attention" for i in range(layers)]
+    first = raw.get("max_window_layers", defaults.QWEN3_MAX_WINDOW_LAYERS)
+    kinds = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if len(kinds) != layers:
         raise InputError("layer_types", f"{len(kinds)} entries for {layers} layers")
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
