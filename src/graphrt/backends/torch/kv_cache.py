@@ -62,7 +62,7 @@ def _check_windows(spec: KVCacheSpec, layers: list[Any]) -> None:
     for i, group in enumerate(spec.groups):
         for layer in group.layers:
             own = getattr(layers[layer], "sliding_window", None)
-            if isinstance(own, int) and (own or 0) != group.sliding_window:
+            if isinstance(own, int) and own != group.sliding_window:
                 raise ConfigError(f"{SPEC_FIELD}.groups[{i}].sliding_window: {group.sliding_window}, but attention "
                                   f"layer {layer} ({type(layers[layer]).__name__}) slides over {own}")
 
