@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import graphrt
 from graphrt import ConfigError, InputError, KVCacheGroup, KVCacheSpec, SamplingParams
+from graphrt.backends import preflight
 from graphrt.backends.torch.backend import TorchBackend
 from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.core.kv_spec import resolve_kv_spec
@@ -145,6 +146,26 @@ def test_a_dtype_xla_cannot_hold_is_refused_before_compiling(monkeypatch):
     monkeypatch.setattr(XlaBackend, "create_executor", lambda *a, **k: pytest.fail("executor created"))
     with pytest.raises(ConfigError, match=r"^kv_cache_dtype: float64 is not a KV cache dtype the xla backend holds"):
         graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="xla", kv_cache_dtype="float64", **LIMITS)
+
+
+# ---- sizing from the spec ---------------------------------------------------------------------
+
+def test_preflight_and_the_runner_size_the_cache_by_the_spec_dtype():
+    """fp8 holds a float32 cache's tokens in a quarter of the bytes: preflight's KV need is a
+    quarter, and a KV budget holds four times the blocks."""
+    backend, model = graphrt.select_backend("cpu"), qwen3()
+
+    def kv_need(**settings) -> int:
+        config = graphrt.GraphConfig.create(**LIMITS, **settings)
+        _, device = preflight.runner_needs(backend, model, config, num_kv_blocks=100, kv_cache_memory=None)
+        return next(need.nbytes for need in device if need.field == "num_kv_blocks")
+
+    per_token = 2 * 2 * 2 * 16 * 4                     # K and V, 2 layers, 2 heads of 16, float32
+    assert kv_need() == (100 * 4 + 1) * per_token and kv_need(kv_cache_dtype="fp8") * 4 == kv_need()
+    budget = 10 * 4 * per_token
+    blocks = [graphrt.ModelRunner(model, backend="eager", kv_cache_memory=budget, **LIMITS, **fp8).num_kv_blocks
+              for fp8 in ({}, {"kv_cache_dtype": "fp8_e5m2"})]
+    assert blocks == [10, 40]
 
 
 # ---- user models end to end ------------------------------------------------------------------
