@@ -15,7 +15,12 @@ Public helpers:
 
 Defaults: vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 16,
 intermediate 128, float32. ``arch="qwen3-tied"`` is Qwen3 with
-``tie_word_embeddings=True`` (its checkpoint has no ``lm_head.weight``).
+``tie_word_embeddings=True`` (its checkpoint has no ``lm_head.weight``); ``arch="mistral"`` is
+Llama's weights with Mistral's ``sliding_window`` (every layer; MistralConfig's default 4096
+is longer than any test prompt unless overridden).
+
+:data:`SLIDING` is the override of a hybrid Qwen3: layer 0 full attention, layer 1 a sliding
+window of 5 tokens, shorter than most test prompts.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-ARCHS = ("qwen3", "qwen3-tied", "llama")
+ARCHS = ("qwen3", "qwen3-tied", "llama", "mistral")
 
 _DEFAULTS: dict[str, Any] = dict(
     vocab_size=128,
@@ -48,6 +53,10 @@ _DEFAULTS: dict[str, Any] = dict(
     eos_token_id=2,
     tie_word_embeddings=False,
 )
+
+#: A hybrid Qwen3 (``tiny_hf_model_dir("qwen3", **SLIDING)``): transformers slides the layers
+#: from ``max_window_layers`` on, here layer 1 of 2, over the last 5 positions.
+SLIDING: dict[str, Any] = dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)
 
 #: The first ordinary token id: 0 is padding, 1 BOS, 2 EOS (``_DEFAULTS``), kept out of prompts
 #: so that nothing depends on them.
@@ -66,7 +75,7 @@ _CACHE_ROOT: Path | None = None
 
 def tiny_hf_config(arch: str = "qwen3", **overrides: Any):
     """The ``transformers`` config of a tiny ``arch`` model, defaults updated by ``overrides``."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
@@ -74,7 +83,7 @@ def tiny_hf_config(arch: str = "qwen3", **overrides: Any):
     if arch == "qwen3-tied":
         kwargs["tie_word_embeddings"] = True
     kwargs.update(overrides)
-    config_cls = LlamaConfig if arch == "llama" else Qwen3Config
+    config_cls = {"llama": LlamaConfig, "mistral": MistralConfig}.get(arch, Qwen3Config)
     return config_cls(**kwargs)
 
 

@@ -62,7 +62,7 @@ class ItemReadingModel(torch.nn.Module):
     def attention_layers(self) -> list[torch.nn.Module]:
         return self.inner.attention_layers()
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
+    def kv_cache_spec(self):
         return self.inner.kv_cache_spec()
 
 

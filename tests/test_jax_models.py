@@ -18,7 +18,7 @@ from graphrt.models.jax.decoder import (  # noqa: E402
                                         AttentionMetadata, compute_logits, forward, init_kv_cache, paged_attention,
                                         )
 from graphrt.models.jax.loader import load_jax_params  # noqa: E402
-from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
+from hf_models import SLIDING, hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
 
 # One batch shape for every forward in this file, so each config compiles once.
 T, R, B, BS, NB = 16, 4, 4, 4, 16
@@ -30,6 +30,10 @@ VARIANTS = {
     "qwen3": dict(arch="qwen3", rope_theta=1e6),
     "qwen3_tied": dict(arch="qwen3-tied"),
     "llama_bias": dict(arch="llama", attention_bias=True, rope_theta=5e5),
+    # Sliding windows of 5 tokens (layer 1 of a hybrid Qwen3; every Mistral layer), shorter than
+    # the chunked test's sequences (issue 22).
+    "qwen3_sliding": dict(arch="qwen3", **SLIDING),
+    "mistral": dict(arch="mistral", sliding_window=5),
 }
 
 
@@ -221,7 +225,7 @@ def test_paged_attention_zero_for_empty_requests_with_nan_cache():
     np.testing.assert_array_equal(out[R:], 0.0)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "llama_bias"])
+@pytest.mark.parametrize("variant", ["qwen3", "llama_bias", "qwen3_sliding", "mistral"])
 def test_chunked_prefill_then_decode_matches_hf(models, variant):
     _, hf, cfg, params = models[variant]
     seq_a = [9, 100, 31, 4, 77, 5, 60, 12, 88, 45, 23]  # 9 prompt + 2 decoded

@@ -92,3 +92,16 @@ def test_reordered_wide_sums_stay_within_the_reduction_bound() -> None:
     parts = sum(x[:, r * 256:(r + 1) * 256] @ w[r * 256:(r + 1) * 256] for r in (3, 1, 0, 2))
     tol = graphrt.reduction_tolerance(np.float32, magnitude=float(np.abs(whole).max()), width=1024)
     np.testing.assert_allclose(parts, whole, **tol._asdict())
+
+
+def test_fp8_names_need_no_ml_dtypes() -> None:
+    """numpy knows "float8_e4m3fn" only once ml_dtypes (jax) is imported: the fp8 tolerance of a
+    torch-only process named its dtype by string and got ``ConfigError: not a dtype``."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from graphrt.core.numerics import kv_quantization_tolerance as k; "
+            "print(k('float8_e4m3fn', magnitude=1.0).rtol, k('float8_e5m2', magnitude=1.0).rtol, "
+            "'ml_dtypes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0.125", "0.25", "False"]

@@ -55,9 +55,9 @@ def metadata(num_tokens: int = 6) -> tuple[TorchAttentionMetadata, torch.Tensor,
 
 
 def with_caches(model: torch.nn.Module) -> torch.nn.Module:
-    layers, kv_heads, head_dim = model.kv_cache_spec()
+    (group,) = model.kv_cache_spec().groups
     for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(2, 33, kv_heads, head_dim)
+        layer.kv_cache = torch.zeros(2, 33, group.num_kv_heads, group.head_size)
     return model
 
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from gloo_ranks import run_ranks
 from graphrt import ConfigError, GraphConfig, add_cli_args, from_cli_args
 from graphrt.core.forward_context import forward_context
+from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch import loader as loader_module
 from graphrt.models.torch.attention import TorchAttentionMetadata
@@ -102,7 +103,7 @@ def _shard_run(name: str, path: str, tp_rank: int, tp_size: int, group, capture:
     shard = load_torch_model(path, tp_rank=tp_rank, tp_size=tp_size, group=group)
     c, failures = shard.config, []
     want = (c.num_hidden_layers, kv_head_shard(c.num_key_value_heads, tp_rank, tp_size)[1], c.head_dim)
-    if shard.kv_cache_spec() != want or shard.attention_layers()[0].num_kv_heads != want[1]:
+    if shard.kv_cache_spec() != KVCacheSpec.uniform(*want) or shard.attention_layers()[0].num_kv_heads != want[1]:
         failures.append(f"tp {tp_size} rank {tp_rank} {name}: kv_cache_spec {shard.kv_cache_spec()}, "
                         f"expected {want}")
     logits = [t.numpy() for t in _logits(shard)]
@@ -257,7 +258,7 @@ def test_one_rank_builds_the_plain_layers():
     attn = model.model.layers[0].self_attn
     assert type(attn.qkv_proj) is FusedLinear and type(attn.o_proj) is torch.nn.Linear
     assert type(model.model.embed_tokens) is torch.nn.Embedding and type(model.lm_head) is torch.nn.Linear
-    assert model.kv_cache_spec() == (2, 2, 16)
+    assert model.kv_cache_spec() == KVCacheSpec.uniform(2, 2, 16)
 
 
 def test_shapes_the_ranks_cannot_divide_are_refused():

@@ -16,7 +16,7 @@ from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata
 from graphrt.models.torch.decoder import DecoderForCausalLM
 from graphrt.models.torch.loader import load_torch_model
-from hf_models import hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir
+from hf_models import SLIDING, hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir
 from parity import assert_bitwise, assert_close_across_shapes
 
 BLOCK_SIZE = 4
@@ -29,6 +29,10 @@ VARIANTS = {
     "qwen3-tied": ("qwen3-tied", {}),
     "llama": ("llama", {}),
     "llama-bias": ("llama", {"attention_bias": True}),
+    # Sliding windows of 5 tokens, shorter than the prompts: layer 1 of a hybrid Qwen3, every
+    # layer of Mistral (issue 22).
+    "qwen3-sliding": ("qwen3", SLIDING),
+    "mistral": ("mistral", {"sliding_window": 5}),
 }
 PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
@@ -82,15 +86,16 @@ def make_step(reqs: list[tuple[list[int], int]], tables: list[list[int]],
 
 def alloc_caches(model: DecoderForCausalLM, fill: str = "zeros", seed: int = 0) -> list[torch.Tensor]:
     """One ``[2, NUM_BLOCKS*BLOCK_SIZE + 1, Hkv, D]`` cache per layer, assigned to the model."""
-    num_layers, hkv, d = model.kv_cache_spec()
+    spec = model.kv_cache_spec()
     gen = torch.Generator().manual_seed(seed)
     caches = []
-    for attn in model.attention_layers():
-        shape = (2, NUM_BLOCKS * BLOCK_SIZE + 1, hkv, d)
+    for i, attn in enumerate(model.attention_layers()):
+        group = spec.group_of(i)
+        shape = (2, NUM_BLOCKS * BLOCK_SIZE + 1, group.num_kv_heads, group.head_size)
         cache = torch.randn(shape, generator=gen) if fill == "randn" else torch.zeros(shape)
         attn.kv_cache = cache
         caches.append(cache)
-    assert len(caches) == num_layers
+    assert len(caches) == spec.num_layers
     return caches
 
 
@@ -232,7 +237,7 @@ CHUNKED_SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "llama-bias"])
+@pytest.mark.parametrize("variant", ["qwen3", "llama-bias", "qwen3-sliding", "mistral"])
 def test_chunked_prefill_and_decode_match_hf(variant):
     path = model_dir(variant)
     model, hf = load_torch_model(path), load_hf_model(path)
@@ -329,7 +334,8 @@ def test_forward_runs_on_meta_tensors():
     with torch.device("meta"):
         model = DecoderForCausalLM(config)
         for attn in model.attention_layers():
-            attn.kv_cache = torch.empty(2, NUM_BLOCKS * BLOCK_SIZE + 1, *model.kv_cache_spec()[1:])
+            (group,) = model.kv_cache_spec().groups
+            attn.kv_cache = torch.empty(2, NUM_BLOCKS * BLOCK_SIZE + 1, group.num_kv_heads, group.head_size)
         num_tokens, num_reqs = 10, 4
         meta = TorchAttentionMetadata.build(
             torch.empty(num_tokens, dtype=torch.int64), torch.empty(num_reqs + 1, dtype=torch.int32),

@@ -23,6 +23,7 @@ from graphrt.core.errors import (BackendUnavailableError, CacheMissError, Config
 from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.fields import ModelInputs
 from graphrt.core.inputs import InputPreparer, prepare_inputs
+from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.numerics import Tolerance, reduction_tolerance, tolerance
 from graphrt.core.padding import Padder
 from graphrt.registry import available_backends, select_backend
@@ -46,7 +47,8 @@ __all__ = [
     "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
     "DataParallelLLM",
     "ConfigError", "Dispatch", "Dispatcher", "ExtraInput", "GenerationError", "GraphCache", "GraphCaptureError",
-    "GraphConfig", "GraphMode", "GraphrtError", "InputError", "InputPreparer", "KVCacheLostError", "LLM",
+    "GraphConfig", "GraphMode", "GraphrtError", "InputError", "InputPreparer", "KVCacheGroup", "KVCacheLostError",
+    "KVCacheSpec", "LLM",
     "ModelInputs",
     "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "add_cli_args",
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",

@@ -20,6 +20,7 @@ from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher, GraphMode
 from graphrt.core.errors import ConfigError
+from graphrt.core.kv_spec import kv_cache_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,11 @@ class GraphConfig(BaseModel):
                                         "(vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions past it are outside "
                                         "what the model was trained on")
     block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block")
+    kv_cache_dtype: str = Field(
+        "auto", description="KV cache dtype (vLLM's kv_cache_dtype): auto (the model's KV cache spec, else the "
+                            "weights' dtype), fp8 / fp8_e4m3 (float8_e4m3fn), fp8_e5m2, bfloat16, float16, float32; "
+                            "fp8 stores value / scale, a per-tensor scale per layer (the checkpoint's k_scale / "
+                            "v_scale, else 1.0)")
     compilation_cache_dir: Optional[str] = Field(
         None, description="XLA persistent compilation cache directory (reused across restarts)")
     check_baked_values: bool = Field(
@@ -152,6 +158,15 @@ class GraphConfig(BaseModel):
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings", "context_buckets")(
         classmethod(lambda cls, v, info: _sizes(info.field_name, v)))
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _check_kv_cache_dtype(cls, value: str) -> str:
+        try:
+            kv_cache_dtype_name(value)
+        except ConfigError:
+            raise ValueError(f"{value!r} is not one of {sorted(defaults.KV_CACHE_DTYPE_NAMES)}") from None
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "GraphConfig":

@@ -222,11 +222,12 @@ class Backend(abc.ABC):
         backends, ``XlaGraphs`` on XLA; docs/api.md)."""
         raise NotImplementedError(f"backend {self.name} does not wrap callables")
 
-    def model_shape(self, model: Any) -> ModelShape | None:
-        """What ``model``'s allocations scale with (KV heads, widths, element size, LoRA-capable
-        features), read before the executor allocates anything, so that a size past memory is a
-        ConfigError first (backends/preflight.py). Default: None, the backend cannot tell; then
-        only the host tables are checked."""
+    def model_shape(self, model: Any, config: GraphConfig) -> ModelShape | None:
+        """What ``model``'s allocations scale with under ``config`` (KV bytes per block from its
+        KV cache spec, widths, element size, LoRA-capable features), read before the executor
+        allocates anything, so that a bad KV cache spec or a size past memory is a ConfigError
+        first (backends/preflight.py). Default: None, the backend cannot tell; then only the
+        host tables are checked."""
         return None
 
     def device_memory_bytes(self) -> int | None:

@@ -99,7 +99,7 @@ def runner_needs(backend: Any, model: Any, config: GraphConfig, *, num_kv_blocks
     steps = cfg.max_num_batched_tokens
     tokens = max(steps, grid.tokens.max_size) if grid is not None else steps
     host = _host_tables(cfg, rows, tokens)
-    shape = backend.model_shape(model)
+    shape = backend.model_shape(model, cfg)     # the KV cache spec checked here: a bad one is a ConfigError
     if shape is None:
         return host, []
     q, item = cfg.decode_query_len, shape.itemsize
@@ -115,7 +115,7 @@ def runner_needs(backend: Any, model: Any, config: GraphConfig, *, num_kv_blocks
                            steps * shape.activation_bytes_per_token))
     if num_kv_blocks is not None:
         device.append(Need("num_kv_blocks", f"KV cache ({num_kv_blocks} blocks of {cfg.block_size} tokens)",
-                           (int(num_kv_blocks) * cfg.block_size + 1) * shape.kv_bytes_per_token))
+                           shape.kv_cache_bytes(num_kv_blocks)))
     elif kv_cache_memory is not None:
         device.append(Need("kv_cache_memory", "KV cache budget", int(kv_cache_memory)))
     if cfg.max_loras:

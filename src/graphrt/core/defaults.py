@@ -166,6 +166,21 @@ FP8_DTYPE_EPS: dict[str, float] = {"float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0*
 #: (head_dim 16-128, contexts up to 330, scales 0.25-3, windows), so 1 eps leaves a 1.5x margin.
 KV_QUANTIZATION_TOLERANCE_EPS = 1.0
 
+#: ``kv_cache_dtype`` (GraphConfig, graphrt.LLM, ``--kv-cache-dtype``): vLLM's spellings and the
+#: KV-cache dtype each means; "auto" is the KV cache spec's own dtype, else the weights'. The fp8
+#: formats store value / scale with a per-tensor scale per layer (1.0, or the checkpoint's).
+KV_CACHE_DTYPE_NAMES: dict[str, str] = {"auto": "auto", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                                        "fp8_e5m2": "float8_e5m2", "float8_e4m3fn": "float8_e4m3fn",
+                                        "float8_e5m2": "float8_e5m2", "bfloat16": "bfloat16",
+                                        "float16": "float16", "half": "float16", "float32": "float32",
+                                        "float64": "float64"}
+#: A Qwen3 config.json without ``max_window_layers`` slides (with ``use_sliding_window``) the layers
+#: from this one on: transformers' Qwen3Config default, read by models/hf_config.py.
+QWEN3_MAX_WINDOW_LAYERS = 28
+#: Bytes of one element of each KV-cache dtype (core/kv_spec.py sizes the cache with them).
+KV_CACHE_DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+                                        "float8_e4m3fn": 1, "float8_e5m2": 1}
+
 #: Sampling seeds are integers in [0, SAMPLING_SEED_LIMIT): 64 bits, the XLA sampler's whole
 #: threefry2x32 key (two 32-bit halves), a CUDA Philox seed, and the key of the numpy Philox
 #: generator the torch sampler draws a CPU request's noise from. No seed is truncated or wrapped.

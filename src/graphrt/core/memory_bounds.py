@@ -38,21 +38,20 @@ class Need:
 @dataclass(frozen=True)
 class ModelShape:
     """What a model's allocations scale with, as a backend reads it off a loaded model: the KV
-    cache per token, static and activation buffers per token / request, LoRA slots per rank."""
+    cache per block (its KV cache spec, core/kv_spec.py), static and activation buffers per
+    token / request, LoRA slots per rank."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    itemsize: int            # bytes of one weight / KV / activation element
+    kv_bytes_per_block: int  # one KV block over every layer
+    kv_row_bytes: int        # one token slot over every layer: each layer's trash row (0: the model owns its cache)
+    itemsize: int            # bytes of one weight / activation element
     hidden_size: int
     intermediate_size: int
     vocab_size: int
     lora_features: int = 0   # in + out features summed over the LoRA-capable linears of every layer
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes of one token slot over every layer (keys and values)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+    def kv_cache_bytes(self, num_blocks: int) -> int:
+        """Bytes of a KV cache of ``num_blocks`` blocks (and the trash rows)."""
+        return int(num_blocks) * self.kv_bytes_per_block + self.kv_row_bytes
 
     @property
     def activation_bytes_per_token(self) -> int:

@@ -38,8 +38,8 @@ def dtype_name(dtype: Any) -> str:
     text = str(dtype)
     if text.startswith("torch."):
         return text.removeprefix("torch.")
-    if isinstance(dtype, str) and dtype in defaults.DTYPE_EPS:
-        return dtype
+    if isinstance(dtype, str) and (dtype in defaults.DTYPE_EPS or dtype in defaults.FP8_DTYPE_EPS):
+        return dtype        # fp8 names: numpy knows them only once ml_dtypes (jax) is imported
     try:
         return np.dtype(dtype).name
     except TypeError as exc:

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
+from graphrt.core import defaults
 from graphrt.core.errors import InputError
+from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class DecoderConfig:
     qk_norm: bool
     eos_token_id: tuple[int, ...]
     torch_dtype: str
+    #: Each layer's sliding window (0: full attention); empty: no layer slides.
+    sliding_windows: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -42,6 +47,16 @@ class DecoderConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: full attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def kv_cache_spec(self, num_kv_heads: int | None = None) -> KVCacheSpec:
+        """The KV cache of the reference models: one group per distinct sliding window, every
+        layer ``num_kv_heads`` (default: all of them) heads of ``head_dim``, in the cache's
+        dtype ("auto": the config's ``kv_cache_dtype``, else the weights')."""
+        return decoder_kv_spec(self, num_kv_heads)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DecoderConfig":
@@ -76,6 +91,7 @@ class DecoderConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_id=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            sliding_windows=sliding_windows(raw, arch),
         )
 
     @classmethod
@@ -85,6 +101,41 @@ class DecoderConfig:
             raise InputError("model_dir", f"{model_dir!s} has no config.json")
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
+
+
+def sliding_windows(raw: dict, arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it (empty: none). Qwen3 slides only
+    with ``use_sliding_window``, the layers ``layer_types`` calls "sliding_attention" (by
+    default those from ``max_window_layers`` on); Mistral slides every layer where
+    ``sliding_window`` is set; Llama never (transformers ignores the field)."""
+    window = raw.get("sliding_window")
+    layers = int(raw["num_hidden_layers"])
+    if not window or arch == "LlamaForCausalLM" or (arch == "Qwen3ForCausalLM"
+                                                    and not raw.get("use_sliding_window", False)):
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise InputError("sliding_window", f"must be a positive int or null, got {window!r}")
+    if arch == "MistralForCausalLM":
+        return (window,) * layers
+    first = raw.get("max_window_layers", defaults.QWEN3_MAX_WINDOW_LAYERS)
+    kinds = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if len(kinds) != layers:
+        raise InputError("layer_types", f"{len(kinds)} entries for {layers} layers")
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    return windows if any(windows) else ()
+
+
+def decoder_kv_spec(config: Any, num_kv_heads: int | None = None) -> KVCacheSpec:
+    """:meth:`DecoderConfig.kv_cache_spec` of any config with its fields (``sliding_windows``
+    optional): one group per distinct window."""
+    heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    layers = int(config.num_hidden_layers)
+    windows = tuple(getattr(config, "sliding_windows", ()) or ()) or (0,) * layers
+    by_window: dict[int, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_window.setdefault(int(window), []).append(layer)
+    return KVCacheSpec(tuple(KVCacheGroup(tuple(ids), int(heads), int(config.head_dim), sliding_window=window)
+                             for window, ids in by_window.items()))
 
 
 def model_max_len(model: object) -> int | None:

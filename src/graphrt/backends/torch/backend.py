@@ -10,6 +10,7 @@ import torch
 from graphrt.backends.base import Backend, Executor
 from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.backends.torch.graphs import DeviceGraphAPI, TorchGraphs
+from graphrt.backends.torch.kv_cache import TorchKVCache, model_kv_spec
 from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
 from graphrt.core.dtypes import model_dtype
@@ -50,23 +51,26 @@ class TorchBackend(Backend):
         from graphrt.backends.torch.model_protocol import check_torch_model
         check_torch_model(model, self.name)
 
-    def model_shape(self, model: Any) -> ModelShape | None:
-        """The shape of a model that follows docs/models.md (``kv_cache_spec()``, ``config``'s
-        widths, its parameters' element size; LoRA: the ``lora_target_modules`` linears); None
-        for a path (tensor-parallel ranks load their own shards) or a model that does not say
-        (the executor names what it lacks)."""
+    def model_shape(self, model: Any, config: GraphConfig) -> ModelShape | None:
+        """The shape of a model that follows docs/models.md (its KV cache spec, resolved and
+        checked for ``config``: a bad one raises ConfigError here, before any allocation;
+        ``config``'s widths, its parameters' element size; LoRA: the ``lora_target_modules``
+        linears); None for a path (tensor-parallel ranks load their own shards) or a model
+        without parameters or a ``config``."""
         cfg = getattr(model, "config", None)
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "kv_cache_spec") or cfg is None:
+        if not isinstance(model, torch.nn.Module):
             return None
+        spec = model_kv_spec(model, config, self.name)
         param = next(model.parameters(), None)
-        if param is None:
+        if param is None or cfg is None:
             return None
-        layers, kv_heads, head_dim = model.kv_cache_spec()
+        per_block = TorchKVCache(model, config, self.device, self.name, spec).bytes_per_block(config.block_size)
+        row = 0 if spec.owned_by_model else spec.bytes_per_token()
         targets = set(getattr(model, "lora_target_modules", ()))
         lora = sum(child.in_features + child.out_features for module in model.modules()
                    for name, child in module.named_children() if name in targets and isinstance(child, torch.nn.Linear))
-        return ModelShape(int(layers), int(kv_heads), int(head_dim), param.element_size(),
-                          int(cfg.hidden_size), int(getattr(cfg, "intermediate_size", 0)), int(cfg.vocab_size), lora)
+        return ModelShape(int(per_block), int(row), param.element_size(), int(cfg.hidden_size),
+                          int(getattr(cfg, "intermediate_size", 0)), int(cfg.vocab_size), lora)
 
     def device_memory_bytes(self) -> int | None:
         """The device's total memory (its graph API's, else torch.cuda's); None on the CPU."""

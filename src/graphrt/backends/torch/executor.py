@@ -37,6 +37,7 @@ import torch
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.torch.baked import check_baked
+from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.pieces import Pieces
 from graphrt.backends.torch.piecewise import PiecewiseEntry, SplitModel
@@ -111,6 +112,8 @@ class TorchExecutor(Executor[TorchEntry]):
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin)
         self._copied = None if same else _device_event(self.device)
         self.pool = GraphPool(graph_api) if graph_api is not None else None
+        self.kv = TorchKVCache(model, config, self.device, f"torch {self.device.type}")
+        self.kv_caches: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
@@ -122,21 +125,17 @@ class TorchExecutor(Executor[TorchEntry]):
         if note is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
 
-    # ---- KV cache -------------------------------------------------------------------
+    # ---- KV cache (backends/torch/kv_cache.py) -----------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        layers, kv_heads, head_dim = self.model.kv_cache_spec()
-        itemsize = next(self.model.parameters()).element_size()
-        return 2 * layers * block_size * kv_heads * head_dim * itemsize
+        return self.kv.bytes_per_block(block_size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """One tensor [layers, 2, blocks * block_size + 1, kv_heads, head_dim]; the last row
-        of each layer is the trash row padded tokens write into."""
-        layers, kv_heads, head_dim = self.model.kv_cache_spec()
-        dtype = next(self.model.parameters()).dtype
-        self.kv_cache = torch.zeros(layers, 2, num_blocks * block_size + 1, kv_heads, head_dim,
-                                    dtype=dtype, device=self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.kv_cache = self.kv_cache[i]
+        """Per the model's KV cache spec: ``kv_caches`` one tensor per stored layout (none where
+        the model owns its cache), ``kv_cache`` the only one where there is one -- every layer of
+        one layout: ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]``; the last row of
+        each layer is the trash row padded tokens write into."""
+        self.kv_caches = self.kv.allocate(num_blocks, block_size)
+        self.kv_cache = self.kv_caches[0] if len(self.kv_caches) == 1 else None
 
     def memory_info(self) -> tuple[int, int] | None:
         return self.graph_api.memory_info() if self.graph_api is not None else None
@@ -226,7 +225,7 @@ class TorchExecutor(Executor[TorchEntry]):
     def input_ptrs(self) -> dict[str, int]:
         ptrs = self.buffers.pointers()
         ptrs.update({f"sampler.{k}": t.data_ptr() for k, t in self.sampler.static.items()})
-        ptrs["kv_cache"] = self.kv_cache.data_ptr() if self.kv_cache is not None else 0
+        ptrs.update({f"kv_cache.{i}" if i else "kv_cache": t.data_ptr() for i, t in enumerate(self.kv_caches)})
         return ptrs
 
     # ---- build -----------------------------------------------------------------------

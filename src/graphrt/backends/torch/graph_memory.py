@@ -34,7 +34,7 @@ def measure_graph_memory(executor: Any, jobs: Sequence[tuple[RuntimeMode, Any]]
     api = executor.graph_api
     if api is None:
         return {}, "the eager backend captures no graphs"
-    if executor.kv_cache is not None:
+    if executor.kv_caches:
         return {}, "the KV cache is already allocated; graphs are measured only before it"
     report_len = len(executor.capture_report)
     executor.allocate_kv_cache(SAMPLE_KV_BLOCKS, executor.block_size)
@@ -64,8 +64,7 @@ def _drop_samples(executor: Any, report_len: int) -> None:
     del executor.capture_report[report_len:]
     executor.pool = GraphPool(executor.graph_api)
     executor.pieces.reset()
-    for layer in executor.model.attention_layers():
-        layer.kv_cache = None
-    executor.kv_cache = None
+    executor.kv.release()
+    executor.kv_caches, executor.kv_cache = [], None
     gc.collect()
     executor.graph_api.release_memory()

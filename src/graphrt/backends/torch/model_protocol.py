@@ -29,7 +29,8 @@ from graphrt.models.torch.attention_backend import KEYABLE_HOST_VALUES, HOST_VAL
 REQUIRED = {"forward": "forward(input_ids [T] int32, positions [T] int32) -> hidden [T, hidden]",
             "compute_logits": "compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]",
             "attention_layers": "attention_layers() -> the attention modules in layer order (each gets .kv_cache)",
-            "kv_cache_spec": "kv_cache_spec() -> (num_layers, num_kv_heads, head_dim), to size the KV cache"}
+            "kv_cache_spec": ("kv_cache_spec() -> a graphrt.KVCacheSpec (or the tuple (num_layers, num_kv_heads, "
+                                  "head_dim)), to size the KV cache")}
 
 
 def check_torch_model(model: Any, backend: str) -> None:
@@ -52,13 +53,8 @@ def check_torch_model(model: Any, backend: str) -> None:
     if not isinstance(layers, (list, tuple)) or not all(isinstance(m, torch.nn.Module) for m in layers):
         raise ConfigError(f"{type(model).__name__}.attention_layers() must return a list of torch modules, got "
                           f"{type(layers).__name__}")
-    spec = model.kv_cache_spec()
-    if isinstance(spec, tuple) and not (len(spec) == 3 and all(isinstance(v, int) and v > 0 for v in spec)):
-        raise ConfigError(f"{type(model).__name__}.kv_cache_spec() must return (num_layers, num_kv_heads, "
-                          f"head_dim), positive ints, got {spec!r}")
-    if isinstance(spec, tuple) and spec[0] != len(layers):
-        raise ConfigError(f"{type(model).__name__}.kv_cache_spec() says {spec[0]} layers but attention_layers() "
-                          f"returns {len(layers)}: the runner assigns one KV cache per attention layer")
+    # kv_cache_spec()'s value is resolved and checked field by field in preflight
+    # (backends/torch/kv_cache.model_kv_spec), also before anything is allocated.
     check_extra_specs(getattr(model, "extra_inputs", None) or {}, type(model).__name__)
     backend_obj = getattr(model, "attention_backend", None)
     if backend_obj is not None:

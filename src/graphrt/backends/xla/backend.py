@@ -37,7 +37,7 @@ else:
     from graphrt.backends.xla import sharding as shd
     from graphrt.backends.xla.executor import XlaExecutor
     from graphrt.backends.xla.graphs import XlaGraphs
-    from graphrt.backends.xla.programs import XlaModel, XlaPrograms
+    from graphrt.backends.xla.programs import XlaModel, XlaPrograms, xla_kv_spec
 
 
 def _jax_dtype(dtype: Any, model_dir: str) -> Any:
@@ -75,22 +75,24 @@ class XlaBackend(Backend):
         return None
 
     def load_model(self, model_dir: str, dtype: Any = None) -> "XlaModel":
-        """The JAX reference Llama / Qwen3 of a Hugging Face directory."""
+        """The JAX reference Llama / Mistral / Qwen3 of a Hugging Face directory."""
         from graphrt.models.jax.loader import load_jax_params
         config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype, model_dir))
         return XlaModel(config, params)
 
-    def model_shape(self, model: Any) -> ModelShape | None:
+    def model_shape(self, model: Any, config: GraphConfig) -> ModelShape | None:
         """The shape of an :class:`XlaModel` or a ``(DecoderConfig, params)`` pair, the whole
-        model's (its shards together); None for anything else."""
+        model's (its shards together), its KV cache spec resolved for ``config`` (a ConfigError
+        naming the field otherwise: ``kv_cache_dtype``, ...); None for anything else."""
         pair = (model.config, model.params) if isinstance(model, XlaModel) else model
         if not (isinstance(pair, tuple) and len(pair) == 2 and hasattr(pair[0], "num_key_value_heads")):
             return None
         cfg, params = pair
         leaves = jax.tree_util.tree_leaves(params)
-        itemsize = jnp.dtype(leaves[0].dtype).itemsize if leaves else 4
-        return ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, itemsize, cfg.hidden_size,
-                          cfg.intermediate_size, cfg.vocab_size)
+        dtype = jnp.dtype(leaves[0].dtype) if leaves else jnp.dtype(jnp.float32)
+        spec = xla_kv_spec(cfg, dtype, config)
+        return ModelShape(spec.bytes_per_block(config.block_size), spec.bytes_per_token(), dtype.itemsize,
+                          cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
 
     def device_memory_bytes(self) -> int | None:
         """The mesh devices' memory together (``memory_stats()['bytes_limit']``); None where a
@@ -122,7 +124,7 @@ class XlaBackend(Backend):
                               "LoRA-capable layer); use a torch backend (cuda, npu, cpu, eager) or max_loras=0")
         buckets = XlaBuckets.from_config(config)
         programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len,
-                               max_reqs=buckets.max_reqs)
+                               max_reqs=buckets.max_reqs, config=config)
         return XlaExecutor(programs, config, buckets, compile_workers=self.compile_workers)
 
 

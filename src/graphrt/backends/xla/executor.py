@@ -101,15 +101,17 @@ class XlaExecutor(Executor[XlaEntry]):
 
     # ---- KV cache --------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes on each device (KV heads split over the mesh when they divide)."""
-        c = self.model_config
-        total = (2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim
-                 * self.dtype.itemsize)
+        """Bytes one block takes on each device (the KV cache spec's, in its dtype; KV heads split
+        over the mesh when they divide)."""
+        c, spec = self.model_config, self.programs.kv_spec
+        total = spec.bytes_per_block(block_size) if spec is not None else (
+            2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize)
         return total // self.tp_size if shd.kv_heads_sharded(c, self.tp_size) else total
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """A zeroed cache ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]``; the last
-        row is the trash row padded tokens write into. A new shape drops compiled executables."""
+        """A zeroed cache ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` in the KV
+        cache spec's dtype (every layer group, sliding or not, in one array); the last row is the
+        trash row padded tokens write into. A new shape drops compiled executables."""
         if block_size != self.config.block_size:
             raise ConfigError(f"block_size {block_size} differs from the config's {self.config.block_size}")
         shape = self.programs.kv_shape(num_blocks, block_size)

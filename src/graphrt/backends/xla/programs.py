@@ -20,7 +20,8 @@ from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.batch import XlaBatch
 from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.models.hf_config import DecoderConfig
+from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
+from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
 from graphrt.models.jax.decoder import AttentionMetadata, compute_logits, forward
 
 
@@ -122,6 +123,20 @@ def model_program(model: Any, block_size: int,
                               "and compute_logits(hidden)")
 
 
+def xla_kv_dtypes() -> tuple[str, ...]:
+    """The KV-cache dtypes the xla backend holds (float64 only with ``jax_enable_x64``)."""
+    wide = ("float64",) if jax.config.jax_enable_x64 else ()
+    return (*wide, "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def xla_kv_spec(model_config: Any, weights_dtype: Any, config: Any) -> KVCacheSpec:
+    """The JAX decoder's KV cache spec (one group per sliding window, one cache array) resolved
+    for ``config`` (block size, ``kv_cache_dtype``): a ConfigError naming the field otherwise."""
+    return resolve_kv_spec(decoder_kv_spec(model_config), block_size=config.block_size,
+                           kv_cache_dtype=config.kv_cache_dtype, model_dtype=jnp.dtype(weights_dtype),
+                           supported=xla_kv_dtypes(), backend="xla", num_layers=model_config.num_hidden_layers)
+
+
 class XlaPrograms:
     """One model's jitted forward and samplers on ``mesh``, and its weights placed there.
 
@@ -130,11 +145,12 @@ class XlaPrograms:
     ``greedy(logits)`` and ``sample(logits, metadata)`` are the samplers, whose tokens come
     padded to ``max_reqs`` rows (the forward's ``future_tokens``). ``own_code`` is False for an
     nnx module, whose code lives in its graphdef (the on-disk executable store cannot
-    fingerprint it).
+    fingerprint it). ``kv_spec`` is the KV cache spec (:func:`xla_kv_spec`) and ``kv_dtype`` the
+    cache array's dtype (``config.kv_cache_dtype``, else the weights').
     """
 
     def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1,
-                 max_reqs: int = 1) -> None:
+                 max_reqs: int = 1, config: Any = None) -> None:
         self.model_config, weights, step = model_program(model, block_size, decode_query_len)
         self.decode_query_len = decode_query_len
         self.max_reqs = int(max_reqs)
@@ -147,6 +163,8 @@ class XlaPrograms:
         weight_shardings = shd.weight_shardings(weights, mesh, self.model_config)
         self.weights = jax.device_put(weights, weight_shardings)
         self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype)
+        self.kv_spec = None if config is None else xla_kv_spec(self.model_config, self.dtype, config)
+        self.kv_dtype = self.dtype if self.kv_spec is None else jnp.dtype(self.kv_spec.groups[0].dtype)
         repl = self.replicated
         self.forward = jax.jit(step, donate_argnums=(1,),
                                in_shardings=(weight_shardings, self.kv_sharding, repl, repl, repl),
@@ -162,7 +180,8 @@ class XlaPrograms:
 
     def zeros_kv_cache(self, shape: tuple[int, ...]) -> jax.Array:
         """A zeroed KV cache of ``shape``, laid out over the mesh as the forward expects it."""
-        return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)()
+        return jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)()
 
 
-__all__ = ["XlaModel", "XlaPrograms", "model_program", "padded_tokens", "resolve_future_tokens"]
+__all__ = ["XlaModel", "XlaPrograms", "model_program", "padded_tokens", "resolve_future_tokens", "xla_kv_dtypes",
+           "xla_kv_spec"]

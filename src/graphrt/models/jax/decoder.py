@@ -1,4 +1,4 @@
-"""JAX reference Llama / Qwen3 decoder over a paged KV cache, jit-able with static shapes.
+"""JAX reference Llama / Mistral / Qwen3 decoder over a paged KV cache, jit-able with static shapes.
 
 Plain functions over the params pytree built by :mod:`graphrt.models.jax.loader`. Layers run under
 ``jax.lax.scan``; the KV cache is carried through the scan and written with scatters, so a jitted
@@ -6,7 +6,10 @@ Plain functions over the params pytree built by :mod:`graphrt.models.jax.loader`
 
 KV cache layout: ``[num_layers, 2 (k, v), num_blocks * block_size + 1, num_kv_heads, head_dim]``.
 Block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``; the last row is a trash row that
-padded tokens (negative slot) write into and that is never read.
+padded tokens (negative slot) write into and that is never read. An fp8 cache (``jnp.float8_e4m3fn`` /
+``float8_e5m2``) stores value / scale, saturated to the format's range, and reads stored * scale
+(per-tensor ``kv_scales``, as the torch kernels do). A layer with a sliding window W (the config's
+``sliding_windows``) lets a token at position p see p - W + 1 .. p.
 """
 
 from __future__ import annotations
@@ -37,8 +40,13 @@ class AttentionMetadata(NamedTuple):
     block_table: jax.Array
 
 
+#: The fp8 KV-cache dtypes the decoder quantizes to with a scale.
+FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
 def init_kv_cache(config: DecoderConfig, num_blocks: int, block_size: int, dtype: Any) -> jax.Array:
-    """A zeroed paged KV cache with ``num_blocks`` blocks of ``block_size`` rows plus one trash row."""
+    """A zeroed paged KV cache with ``num_blocks`` blocks of ``block_size`` rows plus one trash row
+    (``dtype``: the weights' or the KV cache's own, fp8 included)."""
     shape = (config.num_hidden_layers, 2, num_blocks * block_size + 1,
              config.num_key_value_heads, config.head_dim)
     return jnp.zeros(shape, dtype)
@@ -75,11 +83,29 @@ def token_request_index(query_start_loc: jax.Array, num_tokens: int) -> jax.Arra
     return jnp.clip(req, 0, num_reqs - 1).astype(jnp.int32)
 
 
+def quantize_kv(x: jax.Array, cache_dtype: Any, scale: float = 1.0) -> jax.Array:
+    """``x`` as stored in a cache of ``cache_dtype``: fp8 stores x / scale, saturated."""
+    if jnp.dtype(cache_dtype) not in FP8_KV_DTYPES:
+        return x.astype(cache_dtype)
+    limit = float(jnp.finfo(cache_dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(cache_dtype)
+
+
+def dequantize_kv(stored: jax.Array, dtype: Any, scale: float = 1.0) -> jax.Array:
+    """Stored K/V rows as ``dtype`` values (fp8: stored * scale, in float32 first)."""
+    if stored.dtype not in FP8_KV_DTYPES:
+        return stored.astype(dtype)
+    return (stored.astype(jnp.float32) * scale).astype(dtype)
+
+
 def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positions: jax.Array,
-                     meta: AttentionMetadata, block_size: int) -> jax.Array:
+                    meta: AttentionMetadata, block_size: int, sliding_window: Any = 0,
+                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> jax.Array:
     """Causal attention of ``q`` [T, Hq, D] over one layer's paged cache ``layer_k/v`` [rows, Hkv, D].
 
-    Token t reads its request's keys j < seq_len and j <= positions[t]; zeros where none is visible.
+    Token t reads its request's keys j < seq_len and j <= positions[t] and, with a
+    ``sliding_window`` W > 0 (an int or a traced scalar), j > positions[t] - W; zeros where none
+    is visible. An fp8 cache is read as stored * ``kv_scales`` (k, v).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = layer_k.shape[1]
@@ -93,8 +119,10 @@ def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positi
     in_batch = jnp.arange(num_tokens, dtype=jnp.int32) < meta.query_start_loc[-1]
     visible = ((j < meta.seq_lens[req][:, None]) & (j <= positions[:, None])
                & in_batch[:, None])  # [T, S]
-    k = layer_k[rows].astype(q.dtype)  # [T, S, Hkv, D]
-    v = jnp.where(visible[:, :, None, None], layer_v[rows].astype(q.dtype), 0)
+    if not isinstance(sliding_window, int) or sliding_window:
+        visible = visible & ((sliding_window <= 0) | (j > positions[:, None] - sliding_window))
+    k = dequantize_kv(layer_k[rows], q.dtype, kv_scales[0])  # [T, S, Hkv, D]
+    v = jnp.where(visible[:, :, None, None], dequantize_kv(layer_v[rows], q.dtype, kv_scales[1]), 0)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
@@ -108,10 +136,11 @@ def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positi
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
-def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, lp: Params, positions: jax.Array,
-           cos: jax.Array, sin: jax.Array, write_rows: jax.Array, meta: AttentionMetadata,
-           config: DecoderConfig, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer: write this step's K/V into layer ``layer_idx`` of the cache, then attend."""
+def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any, lp: Params,
+           positions: jax.Array, cos: jax.Array, sin: jax.Array, write_rows: jax.Array, meta: AttentionMetadata,
+           config: DecoderConfig, block_size: int, kv_scales: tuple[float, float]) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer: write this step's K/V into layer ``layer_idx`` of the cache, then attend
+    (over its sliding ``window``: 0 none)."""
     num_tokens = x.shape[0]
     d, eps = config.head_dim, config.rms_norm_eps
     h = rms_norm(x, lp["input_norm"], eps)
@@ -124,10 +153,11 @@ def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, lp: Params, 
     if config.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    kv_cache = kv_cache.at[layer_idx, 0, write_rows].set(k.astype(kv_cache.dtype))
-    kv_cache = kv_cache.at[layer_idx, 1, write_rows].set(v.astype(kv_cache.dtype))
+    kv_cache = kv_cache.at[layer_idx, 0, write_rows].set(quantize_kv(k, kv_cache.dtype, kv_scales[0]))
+    kv_cache = kv_cache.at[layer_idx, 1, write_rows].set(quantize_kv(v, kv_cache.dtype, kv_scales[1]))
     layer_kv = kv_cache[layer_idx]
-    attn = paged_attention(q, layer_kv[0], layer_kv[1], positions, meta, block_size)
+    attn = paged_attention(q, layer_kv[0], layer_kv[1], positions, meta, block_size,
+                           0 if window is None else window, kv_scales)
     attn = attn.reshape(num_tokens, config.q_size) @ lp["wo"]
     if config.attention_bias:
         attn = attn + lp["bo"]
@@ -138,11 +168,12 @@ def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, lp: Params, 
 
 
 def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions: jax.Array,
-            meta: AttentionMetadata, *, config: DecoderConfig,
-            block_size: int) -> tuple[jax.Array, jax.Array]:
+            meta: AttentionMetadata, *, config: DecoderConfig, block_size: int,
+            kv_scales: tuple[float, float] = (1.0, 1.0)) -> tuple[jax.Array, jax.Array]:
     """Run the decoder on ``T`` flattened tokens; returns (final-normed hidden [T, H], new kv_cache).
 
-    Jit with ``static_argnames=("config", "block_size")`` and ``donate_argnames=("kv_cache",)``.
+    Jit with ``static_argnames=("config", "block_size")`` (and ``"kv_scales"`` where given: an fp8
+    cache's per-tensor (k, v) scales) and ``donate_argnames=("kv_cache",)``.
     Padded tokens (negative slot) write only the trash row; tokens of a request with seq_len 0, or
     past ``query_start_loc[-1]``, see no keys and get a zero attention output.
     """
@@ -152,14 +183,17 @@ def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions
     x = params["embed"][input_ids]
 
     def step(carry: tuple[jax.Array, jax.Array],
-             xs: tuple[jax.Array, Params]) -> tuple[tuple[jax.Array, jax.Array], None]:
+             xs: tuple[jax.Array, Any, Params]) -> tuple[tuple[jax.Array, jax.Array], None]:
         x, cache = carry
-        layer_idx, lp = xs
-        return _layer(x, cache, layer_idx, lp, positions, cos, sin, write_rows, meta,
-                      config, block_size), None
+        layer_idx, window, lp = xs
+        return _layer(x, cache, layer_idx, window, lp, positions, cos, sin, write_rows, meta,
+                      config, block_size, kv_scales), None
 
     layer_ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(step, (x, kv_cache), (layer_ids, params["layers"]))
+    # Each layer's window, scanned with its weights; None (no layer slides): no window mask at all.
+    sliding = tuple(getattr(config, "sliding_windows", ()))
+    windows = jnp.asarray(sliding, jnp.int32) if any(sliding) else None
+    (x, kv_cache), _ = jax.lax.scan(step, (x, kv_cache), (layer_ids, windows, params["layers"]))
     return rms_norm(x, params["norm"], config.rms_norm_eps), kv_cache
 
 

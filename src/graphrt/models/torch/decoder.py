@@ -1,4 +1,4 @@
-"""Llama and Qwen3 decoders in plain torch, over graphrt's paged KV cache.
+"""Llama, Mistral and Qwen3 decoders in plain torch, over graphrt's paged KV cache.
 
 The forward takes flat token batches (``input_ids [T]``, ``positions [T]``) and reads
 its attention metadata from the forward context, so one captured graph serves any
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.errors import ConfigError, InputError
+from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch.attention import PagedAttention
 from graphrt.models.torch.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -118,7 +119,8 @@ class DecoderAttention(nn.Module):
     and the row-parallel ``o_proj`` all-reduces the heads' contributions.
     """
 
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup(),
+                 sliding_window: int = 0) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         bias = config.attention_bias
@@ -138,7 +140,7 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, sliding_window=sliding_window)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -174,12 +176,12 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention (over layer ``index``'s sliding window, if any) then MLP."""
 
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup(), index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = DecoderAttention(config, dtype, tp)
+        self.self_attn = DecoderAttention(config, dtype, tp, config.layer_window(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = GatedMLP(config, dtype, tp)
 
@@ -197,7 +199,7 @@ class DecoderModel(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, *tp, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
@@ -210,7 +212,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A Llama or Qwen3 causal LM over a paged KV cache; capturable as a device graph.
+    """A Llama, Mistral or Qwen3 causal LM over a paged KV cache; capturable as a device graph.
 
     ``forward`` returns final hidden states; ``compute_logits`` is separate so the
     runner can project only the rows it samples from.
@@ -275,7 +277,9 @@ class DecoderForCausalLM(nn.Module):
         """The paged-attention modules in layer order (the runner assigns their ``kv_cache``)."""
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def kv_cache_spec(self) -> tuple[int, int, int]:
-        """``(num_layers, num_kv_heads, head_dim)`` so the runner can size the caches; sharded,
-        this rank's KV heads (a replicated head counts once per rank that holds it)."""
-        return (self.config.num_hidden_layers, self.num_kv_heads, self.config.head_dim)
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache the runner allocates (core/kv_spec.py): every layer's heads of ``head_dim``,
+        one group per sliding window; sharded, this rank's KV heads (a replicated head counts
+        once per rank that holds it). The dtype is "auto": the config's ``kv_cache_dtype``, else
+        the weights'."""
+        return self.config.kv_cache_spec(self.num_kv_heads)

@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama / Qwen3 checkpoint into :class:`DecoderForCausalLM`.
+"""Load a Hugging Face Llama / Mistral / Qwen3 checkpoint into :class:`DecoderForCausalLM`.
 
 The model is built on the meta device (no init cost), given uninitialised storage on
 the target device, and every parameter is then filled from the ``*.safetensors``
@@ -13,7 +13,9 @@ columns from the file; replicated parameters (the norms) are read whole.
 from __future__ import annotations
 
 import glob
+import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -26,6 +28,8 @@ from graphrt.models.torch.decoder import DecoderForCausalLM
 
 # Checkpoint tensors that carry no model state (old HF checkpoints saved these buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A layer's fp8 KV-cache scales, as fp8 checkpoints name them (scalars; "kv_scale": both).
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:(?:k_proj\.)?(k)_scale|(?:v_proj\.)?(v)_scale|(kv)_scale)$")
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -71,6 +75,11 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
                     continue
+                scale = _KV_SCALE.match(key)
+                if scale is not None:
+                    _load_kv_scale(model, key, int(scale.group(1)), "".join(filter(None, scale.groups()[1:])),
+                                   f.get_tensor(key))
+                    continue
                 packed = _packed_target(key, model.packed_modules_mapping)
                 name, shard_id = packed if packed is not None else (key, None)
                 param = params.get(name)
@@ -86,6 +95,22 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
     missing = sorted(name + ("" if shard is None else f"[{shard}]") for name, shard in expected - loaded)
     if missing:
         raise InputError("checkpoint", f"{model_dir!s} is missing parameters: {missing}")
+
+
+def _load_kv_scale(model: DecoderForCausalLM, key: str, layer: int, which: str, value: torch.Tensor) -> None:
+    """Set layer ``layer``'s per-tensor fp8 KV scale ``which`` ("k", "v" or "kv": both) from a
+    checkpoint scalar; the kernels apply it to fp8 caches only (stored = value / scale)."""
+    if layer >= len(model.model.layers) or value.numel() != 1:
+        raise InputError("checkpoint", f"{key!r}: a KV scale of layer {layer} must be one number of one of the "
+                                       f"{len(model.model.layers)} layers, got shape {tuple(value.shape)}")
+    number = float(value.float().reshape(()))
+    if not math.isfinite(number) or number <= 0:
+        raise InputError("checkpoint", f"{key!r}: a KV scale must be finite and > 0, got {number}")
+    attn = model.model.layers[layer].self_attn.attn
+    if which in ("k", "kv"):
+        attn.k_scale = number
+    if which in ("v", "kv"):
+        attn.v_scale = number
 
 
 def _load_one(param: nn.Parameter, f: Any, key: str, shard_id: str | int | None) -> None:

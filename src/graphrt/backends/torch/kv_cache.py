@@ -1,0 +1,123 @@
+"""The torch executor's KV cache, allocated per the model's KV cache spec (core/kv_spec.py).
+
+:func:`model_kv_spec` reads ``model.kv_cache_spec()`` (a :class:`~graphrt.core.kv_spec.KVCacheSpec`,
+or the old ``(num_layers, num_kv_heads, head_dim)`` tuple) and checks it against the config and
+the dtypes torch holds, so a bad spec is a ``ConfigError`` naming its field before anything is
+allocated (the backend's ``model_shape`` calls it in preflight). :class:`TorchKVCache` allocates
+one zeroed tensor per stored layout (or two: K and V of different head sizes), ``[layers of
+that layout, *layer shape]``, and assigns each attention layer its view as ``layer.kv_cache``:
+a tensor, or a ``(k, v)`` pair where K and V have different head sizes. A model that owns its
+cache allocates it itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphrt.core.errors import ConfigError
+from graphrt.core.kv_spec import SPEC_FIELD, KVCacheSpec, resolve_kv_spec
+from graphrt.core.numerics import dtype_name
+
+#: The KV-cache dtypes torch holds, by canonical name (fp8 on every device through byte views:
+#: models/torch/kv_quant.py).
+TORCH_KV_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+#: What a model that owns its cache implements (docs/models.md).
+OWNER_METHODS = ("kv_cache_bytes_per_block", "allocate_kv_cache")
+
+
+def model_kv_spec(model: torch.nn.Module, config: Any, backend: str) -> KVCacheSpec:
+    """``model``'s KV cache spec, resolved for ``config`` (block size, ``kv_cache_dtype``) and
+    checked (core/kv_spec.py); ``backend`` names the backend in errors."""
+    declare = getattr(model, SPEC_FIELD, None)
+    if not callable(declare):
+        raise ConfigError(f"{SPEC_FIELD}: {type(model).__name__} has no {SPEC_FIELD}() method; return a "
+                          "graphrt.KVCacheSpec from it (docs/models.md)")
+    layers = model.attention_layers() if callable(getattr(model, "attention_layers", None)) else None
+    param = next(model.parameters(), None)
+    declared = declare()
+    spec = resolve_kv_spec(declared, block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+                           model_dtype=dtype_name(param.dtype) if param is not None else "float32",
+                           supported=TORCH_KV_DTYPES, backend=backend,
+                           num_layers=None if layers is None else len(layers))
+    if spec.owned_by_model:
+        missing = [name for name in OWNER_METHODS if not callable(getattr(model, name, None))]
+        if missing:
+            raise ConfigError(f"{SPEC_FIELD}: the model owns its KV cache (KVCacheSpec.owned()) but has no "
+                              f"{', '.join(name + '()' for name in missing)}: implement "
+                              "kv_cache_bytes_per_block(block_size) and allocate_kv_cache(num_blocks, block_size)")
+    elif layers is None:
+        raise ConfigError(f"attention_layers: {type(model).__name__} has no attention_layers() method, so its KV "
+                          "cache cannot be assigned; return the attention modules in layer order (docs/models.md)")
+    elif isinstance(declared, KVCacheSpec):      # the old tuple declares no window
+        _check_windows(spec, layers)
+    return spec
+
+
+def _check_windows(spec: KVCacheSpec, layers: list[Any]) -> None:
+    """A group's sliding window is its layers' own (``sliding_window`` of graphrt's PagedAttention)."""
+    for i, group in enumerate(spec.groups):
+        for layer in group.layers:
+            own = getattr(layers[layer], "sliding_window", None)
+            if isinstance(own, int) and own != group.sliding_window:
+                raise ConfigError(f"{SPEC_FIELD}.groups[{i}].sliding_window: {group.sliding_window}, but attention "
+                                  f"layer {layer} ({type(layers[layer]).__name__}) slides over {own}")
+
+
+class TorchKVCache:
+    """Allocates a model's KV cache per its spec on ``device`` and assigns the layers. The spec is
+    read on first use (:func:`model_kv_spec` for ``config``; preflight has checked it already),
+    or given as ``spec``."""
+
+    def __init__(self, model: torch.nn.Module, config: Any, device: torch.device, backend: str,
+                 spec: KVCacheSpec | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.backend = backend
+        self._spec = spec
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        """The model's resolved KV cache spec."""
+        if self._spec is None:
+            self._spec = model_kv_spec(self.model, self.config, self.backend)
+        return self._spec
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block over every layer: the spec's, or the model's own where it owns the cache."""
+        if self.spec.owned_by_model:
+            return int(self.model.kv_cache_bytes_per_block(block_size))
+        return self.spec.bytes_per_block(block_size)
+
+    def allocate(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """Zeroed tensors of ``num_blocks * block_size + 1`` rows per layer (block 0 is the null
+        block, the last row the trash row), one per stored layout; each attention layer gets its
+        view. Returns the tensors (none where the model owns its cache: it allocated it)."""
+        if self.spec.owned_by_model:
+            self.model.allocate_kv_cache(num_blocks, block_size)
+            return []
+        rows = num_blocks * block_size + 1
+        layers = self.model.attention_layers()
+        tensors: list[torch.Tensor] = []
+        for group, ids in self.spec.storage():
+            dtype = TORCH_KV_DTYPES[group.dtype]
+            parts = [torch.zeros(len(ids), *shape, dtype=dtype, device=self.device)
+                     for shape in group.layer_shapes(rows)]
+            tensors.extend(parts)
+            for j, layer in enumerate(ids):
+                views = tuple(part[j] for part in parts)
+                layers[layer].kv_cache = views[0] if len(views) == 1 else views
+        return tensors
+
+    def release(self) -> None:
+        """Drop the layers' views (the executor drops the tensors)."""
+        if self._spec is not None and not self._spec.owned_by_model:
+            for layer in self.model.attention_layers():
+                layer.kv_cache = None
+
+
+__all__ = ["OWNER_METHODS", "TORCH_KV_DTYPES", "TorchKVCache", "model_kv_spec"]
