@@ -100,11 +100,10 @@ class InputPreparer:
     from the table on first use. ``vocab_size`` / ``num_blocks``, when given, bound every
     scheduled token id and every block id in the scheduled rows (a runner passes its
     model's vocabulary and its KV cache's size; without them the int32 outputs' range bounds
-    them); ``table_width`` fixes the outputs' block-table columns: a table must have at least
-    that many, and a wider one's extra columns are checked (block ids) but not written out,
-    nor may a request need them. Every block-table
-    column a scheduled request's attention reads ([0, ceil(seq_len / block_size))) must hold a
-    block id >= 1 (block 0 is the null block). ``decode_query_len`` is the tokens per request
+    them); ``table_width`` fixes the outputs' block-table columns: a table has at least that
+    many, and a wider one's extra columns are checked (their block ids) but never written out
+    nor needed by a request. Every block-table column a scheduled request's attention reads
+    ([0, ceil(seq_len / block_size))) must hold a block id >= 1 (block 0 is the null block). ``decode_query_len`` is the tokens per request
     of a uniform decode step (1, or 1 + num_speculative_tokens): a step is ``uniform_decode``
     when every request schedules exactly that many.
 
