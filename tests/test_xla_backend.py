@@ -229,6 +229,26 @@ def test_padding_is_invisible_and_writes_no_real_slot(qwen):
     check_logits(hf, d, [1, 2, 3])
 
 
+def test_a_wider_block_table_gives_the_trimmed_tables_logits(qwen):
+    """A block table wider than max_model_len / block_size (extra columns of stale ids) runs the
+    same executables and gives bitwise the trimmed table's logits and tokens."""
+    runner = qwen[0].runner
+    trimmed, wide = Driver(runner), Driver(runner)
+    extra = np.random.default_rng(5).integers(1, runner.num_kv_blocks, size=(wide.blocks.shape[0], 2))
+    wide.blocks = np.ascontiguousarray(np.concatenate([wide.blocks, extra.astype(np.int32)], axis=1))
+    prompt = random_prompts((9,), seed=6)[0]
+    with CompileCounter() as c:
+        for d in (trimmed, wide):
+            d.add(1, prompt)
+        for sched in ({1: 9}, {1: 1}, {1: 1}):
+            logits = []
+            for d in (trimmed, wide):
+                d.step(sched)
+                logits.append(runner.logits())
+            np.testing.assert_array_equal(logits[0], logits[1])
+    assert trimmed.seqs[1] == wide.seqs[1] and c.compiles == 0
+
+
 def test_kv_cache_is_donated(qwen):
     runner = qwen[0].runner
     d = Driver(runner)

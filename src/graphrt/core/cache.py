@@ -14,9 +14,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
-from graphrt.core.dispatch import SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.eager import EagerCause, EagerCount, new_eager_counts
-from graphrt.core.errors import CacheMissError, GraphrtError
+from graphrt.core.errors import CacheMissError, GraphrtError, InputError
 
 E = TypeVar("E")
 
@@ -38,6 +38,24 @@ def describe_key(key: Hashable) -> str:
     if isinstance(key, enum.Enum):
         return str(key.value)
     return str(key)
+
+
+def key_sizes(key: Hashable, num_tokens: int, num_reqs: int) -> tuple[int, int]:
+    """(tokens, requests) a call of ``key`` runs, padding included, for a call of ``num_tokens``
+    real tokens and ``num_reqs`` real requests: a :class:`BatchDescriptor`'s sizes (its request
+    count, where it has one), an int key's tokens. Other keys carry no size: ``InputError``."""
+    if isinstance(key, BatchDescriptor):
+        tokens, reqs = key.num_tokens, key.num_reqs
+    elif isinstance(key, int) and not isinstance(key, bool):
+        tokens, reqs = key, None
+    else:
+        raise InputError("num_tokens", f"the key {describe_key(key)} carries no size to pad to: key pieces by a "
+                                       f"BatchDescriptor or a token count to count their padding")
+    for name, real, padded in (("num_tokens", num_tokens, tokens), ("num_reqs", num_reqs, reqs)):
+        if real < 0 or (padded is not None and real > padded):
+            bound = "be >= 0" if padded is None else f"be in [0, {padded}]"
+            raise InputError(name, f"{real} real for key {describe_key(key)}: must {bound}")
+    return tokens, num_reqs if reqs is None else reqs
 
 
 @dataclass
@@ -206,6 +224,22 @@ class GraphCache(Generic[E]):
             by_cause.tokens += real_tokens
         if key is not None:
             self.count(key, hit)
+
+    def record_call(self, key: Hashable, *, hit: bool | None, num_tokens: int | None = None,
+                    num_reqs: int | None = None, eager_cause: EagerCause | None = None,
+                    eager_reason: str | None = None) -> None:
+        """Account one call of a piece (``Backend.graphs``) of ``key``: a hit or a miss (``hit=None``:
+        no lookup to count, an eager-only backend's call); with the call's real ``num_tokens`` /
+        ``num_reqs``, its padding to the key's sizes (:func:`key_sizes`); with ``eager_cause``, an
+        eager call of that cause (``eager_reason`` in words; its real tokens, where told)."""
+        real_t = real_r = padded_t = padded_r = 0
+        if num_tokens is not None or num_reqs is not None:
+            real_t, real_r = int(num_tokens or 0), int(num_reqs or 0)
+            padded_t, padded_r = key_sizes(key, real_t, real_r)
+        reason = None if eager_cause is None else (eager_reason or eager_cause.value)
+        self.record_step(real_tokens=real_t, padded_tokens=padded_t, real_reqs=real_r, padded_reqs=padded_r,
+                         eager_reason=reason, eager_cause=eager_cause, key=None if hit is None else key,
+                         hit=bool(hit))
 
     def clear(self) -> None:
         """Drop every entry (statistics are kept)."""

@@ -117,12 +117,12 @@ def first_request(rows, computed, scheduled, code, value, num_rows):
     return -1
 
 
-def check_requests(token_ids, block_table, rows, computed, scheduled, block_size):
+def check_requests(token_ids, block_table, rows, computed, scheduled, block_size, columns):
     """The request-level bounds every other loop indexes by: each row inside the tables, each
     request scheduling >= 1 token from a computed length >= 0, within the token table and the
-    block table. One pass of reductions; a failure then looks for the request to name.
-    Returns a report (``step_codes``): ``(E_OK, -1, -1, num_tokens, max_query_len,
-    max_seq_len)`` or the failed bound's."""
+    block table's first ``columns`` (the rest is not written out). One pass of reductions; a
+    failure then looks for the request to name. Returns a report (``step_codes``): ``(E_OK, -1,
+    -1, num_tokens, max_query_len, max_seq_len)`` or the failed bound's."""
     num_rows, model_len = token_ids.shape
     bs = int(block_size)
     min_row, max_row, min_comp, max_comp, min_sched, max_sched = HIGH, LOW, HIGH, LOW, HIGH, LOW
@@ -146,17 +146,17 @@ def check_requests(token_ids, block_table, rows, computed, scheduled, block_size
         code, value = E_COMPUTED_PAST_TABLE, max_comp
     elif max_seq > model_len:
         code, value = E_PAST_TOKEN_TABLE, max_seq
-    elif (max_seq + bs - 1) // bs > block_table.shape[1]:
+    elif (max_seq + bs - 1) // bs > min(columns, block_table.shape[1]):
         code, value, needed = E_TABLE_TOO_NARROW, max_seq, (max_seq + bs - 1) // bs
     else:
         return E_OK, -1, -1, total, max_sched, max_seq
     return code, first_request(rows, computed, scheduled, code, value, num_rows), needed, 0, 0, 0
 
 
-def check_schedule(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens, row_mark):
+def check_schedule(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens, row_mark, columns):
     """``check_requests``, each row scheduled once, the step within ``max_tokens``. ``row_mark``:
     scratch, one entry per table row and a last one counting the checks (this one's stamp)."""
-    report = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
+    report = check_requests(token_ids, block_table, rows, computed, scheduled, block_size, columns)
     code, _, _, num_tokens, _, _ = report
     if code != E_OK:
         return report
@@ -200,13 +200,13 @@ def first_outside(table, row, start, stop, low, high):
 
 
 def check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
-               vocab_size, num_blocks, row_mark):
+               vocab_size, num_blocks, row_mark, columns=HIGH):
     """Every bound of one step, writing nothing but ``row_mark``: ``check_schedule``, then per
-    request ``reads_null_block``, ``token_outside``, ``holds_block_past``; reports the first
-    null block, else the first token outside the vocabulary, else the first row with a block
-    past the cache. Bounds > 0 (the preparer passes the int32 range when it has none)."""
+    request ``reads_null_block``, ``token_outside``, ``holds_block_past`` (every column); reports
+    the first null block, else the first token outside the vocabulary, else the first row with a
+    block past the cache. Bounds > 0 (the preparer passes the int32 range when it has none)."""
     report = check_schedule(token_ids, block_table, rows, computed, scheduled, block_size,
-                            max_tokens, row_mark)
+                            max_tokens, row_mark, columns)
     code, _, _, _, _, _ = report
     if code != E_OK:
         return report
@@ -267,7 +267,7 @@ def write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids,
             for q in range(p, stop):
                 slots_out[q - c] = base + q
             p = stop
-    for col in range(block_table.shape[1]):
+    for col in range(min(block_table.shape[1], block_table_out.shape[1])):   # extra columns ignored
         block_table_out[i, col] = block_table[row, col]
     num_computed[i] = c
     seq_lens[i] = end
@@ -291,11 +291,11 @@ def write_step(token_ids, block_table, rows, computed, scheduled, block_size, in
 def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
                  vocab_size, num_blocks, row_mark, input_ids, positions, slot_mapping,
                  query_start_loc, seq_lens, num_computed, block_table_out):
-    """``check_step`` and ``write_step`` in one pass: each request's rules, then its
-    ``write_request``, while its rows are in cache. A failure leaves the outputs partly written
-    (the caller passes buffers no result lives in) and returns ``check_step``'s report."""
+    """``check_step`` and ``write_step`` in one pass (to ``block_table_out``'s columns): each
+    request's rules, then its ``write_request``, while its rows are in cache. A failure leaves the
+    outputs partly written (the caller passes buffers no result lives in); ``check_step``'s report."""
     report = check_schedule(token_ids, block_table, rows, computed, scheduled, block_size,
-                            max_tokens, row_mark)
+                            max_tokens, row_mark, block_table_out.shape[1])
     code, _, _, _, _, _ = report
     if code != E_OK:
         return report
@@ -310,7 +310,7 @@ def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, 
                 or token_outside(token_ids, row, c, c + n, vocab_size)
                 or (blocks_can_pass and holds_block_past(block_table, row, num_blocks))):
             return check_step(token_ids, block_table, rows, computed, scheduled, block_size,
-                              max_tokens, vocab_size, num_blocks, row_mark)
+                              max_tokens, vocab_size, num_blocks, row_mark, block_table_out.shape[1])
         k = write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids, positions,
                           slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
     return report
@@ -319,11 +319,11 @@ def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, 
 def write_checked_step(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
                        input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed,
                        block_table_out):
-    """``write_step`` of a checked step of ``num_tokens`` tokens into a bucket's buffers (checked
-    to hold it; the padder pads them). ``check_requests`` runs again first: False, nothing
-    written, if the step no longer passes it or has another token count (it changed since
-    ``check_step``)."""
-    code, _, _, total, _, _ = check_requests(token_ids, block_table, rows, computed, scheduled, block_size)
+    """``write_step`` of a checked step of ``num_tokens`` tokens into a bucket's buffers (checked to
+    hold it; the padder pads them), after ``check_requests`` again: False, nothing written, if the
+    step no longer passes it or has another token count (it changed since ``check_step``)."""
+    code, _, _, total, _, _ = check_requests(token_ids, block_table, rows, computed, scheduled, block_size,
+                                             block_table_out.shape[1])
     if code != E_OK or total != num_tokens:
         return False
     write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,

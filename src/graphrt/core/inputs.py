@@ -100,9 +100,10 @@ class InputPreparer:
     from the table on first use. ``vocab_size`` / ``num_blocks``, when given, bound every
     scheduled token id and every block id in the scheduled rows (a runner passes its
     model's vocabulary and its KV cache's size; without them the int32 outputs' range bounds
-    them); ``table_width`` fixes the block table's number of columns. Every block-table
-    column a scheduled request's attention reads ([0, ceil(seq_len / block_size))) must hold a
-    block id >= 1 (block 0 is the null block). ``decode_query_len`` is the tokens per request
+    them); ``table_width`` fixes the outputs' block-table columns: a table has at least that
+    many, and a wider one's extra columns are checked (their block ids) but never written out
+    nor needed by a request. Every block-table column a scheduled request's attention reads
+    ([0, ceil(seq_len / block_size))) must hold a block id >= 1 (block 0 is the null block). ``decode_query_len`` is the tokens per request
     of a uniform decode step (1, or 1 + num_speculative_tokens): a step is ``uniform_decode``
     when every request schedules exactly that many.
 
@@ -144,7 +145,7 @@ class InputPreparer:
         self._vocab_bound = min(self.vocab_size or _ID_LIMIT, _ID_LIMIT)
         self._block_bound = min(self.num_blocks or _ID_LIMIT, _ID_LIMIT)
         self._limits = StepLimits(self.max_num_tokens, self.vocab_size, self._vocab_bound,
-                                  self.num_blocks, self._block_bound)
+                                  self.num_blocks, self._block_bound, self.table_width)
         numba = self.kernel == "numba"
         numpy_path = None if numba else NumpyPrepare(self.max_num_tokens, self.max_num_reqs)
         # The same three entry points on both paths (host_loops' signatures).
@@ -175,8 +176,9 @@ class InputPreparer:
             token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens,
             int64_requests=True)
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
-        if blocks.shape[1] != self._width:
-            self._width = width = blocks.shape[1]
+        width = self.table_width or blocks.shape[1]         # a wider table's extra columns: not written
+        if width != self._width:
+            self._width = width
             self._outputs = (_Outputs(self.max_num_tokens, self.max_num_reqs, width),
                              _Outputs(self.max_num_tokens, self.max_num_reqs, width))
         out = self._outputs[self._spare]
@@ -206,7 +208,7 @@ class InputPreparer:
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
         code, request, at, num_tokens, max_query_len, max_seq_len = self._check_step(
             tokens, blocks, rows, computed, scheduled, bs, self.max_num_tokens, self._vocab_bound,
-            self._block_bound, self._row_mark)
+            self._block_bound, self._row_mark, self.table_width or blocks.shape[1])
         if code != E_OK:
             raise step_error(StepReport(code, request, at, num_tokens, max_query_len, max_seq_len),
                              StepArrays(token_ids, block_table, req_rows, num_computed_tokens,
@@ -232,7 +234,7 @@ class InputPreparer:
         shape = step.shape
         if num_tokens < shape.num_tokens or num_reqs < shape.num_reqs:
             padder.check_targets(shape.num_tokens, shape.num_reqs, num_tokens, num_reqs)
-        width = step.block_table.shape[1]
+        width = self.table_width or step.block_table.shape[1]
         memo = self._targets.get((num_tokens, num_reqs, width))
         if memo is not None and memo[0] is out and memo[1] is padder:
             targets = memo[2]
@@ -299,7 +301,7 @@ class InputPreparer:
         num_reqs = rows.shape[0]
         if (num_reqs == 0 or num_reqs > self.max_num_reqs or computed.shape[0] != num_reqs
                 or scheduled.shape[0] != num_reqs or tokens.shape[0] != num_rows
-                or (self.table_width is not None and width != self.table_width)
+                or (self.table_width is not None and width < self.table_width)
                 or num_rows >= INDEX_MAX or tokens.shape[1] >= INDEX_MAX):
             self._raise_shape_error(tokens, blocks, rows, computed, scheduled)
         if num_rows >= self._row_mark.shape[0]:
@@ -341,10 +343,10 @@ class InputPreparer:
         if token_ids.shape[0] != block_table.shape[0]:
             raise InputError("block_table", f"{block_table.shape[0]} rows but token_ids has "
                                             f"{token_ids.shape[0]}: both tables are indexed by req_rows")
-        if self.table_width is not None and block_table.shape[1] != self.table_width:
+        if self.table_width is not None and block_table.shape[1] < self.table_width:
             raise InputError("block_table", f"{block_table.shape[1]} columns; this preparer was "
                                             f"configured for {self.table_width} "
-                                            f"(max_model_len / block_size)")
+                                            f"(max_model_len / block_size): pass at least that many")
         if max(token_ids.shape) >= INDEX_MAX:
             raise InputError("token_ids", f"shape {token_ids.shape}: rows and max_model_len must be "
                                           f"below {INDEX_MAX} (positions and rows are int32)")

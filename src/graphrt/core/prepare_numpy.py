@@ -50,9 +50,10 @@ class NumpyPrepare:
                      vocab_size: int, num_blocks: int, row_mark: np.ndarray,
                      *outputs: np.ndarray) -> Report:
         """``host_loops.check_step``, then, when it passes, the step written into ``outputs``
-        (the seven fields, in ``fields.ARRAY_FIELDS`` order)."""
+        (the seven fields, in ``fields.ARRAY_FIELDS`` order; the block table's first columns,
+        as many as its output has)."""
         report = host_loops.check_step(token_ids, block_table, rows, computed, scheduled, block_size,
-                                       max_tokens, vocab_size, num_blocks, row_mark)
+                                       max_tokens, vocab_size, num_blocks, row_mark, outputs[-1].shape[1])
         code, _, _, num_tokens, max_query_len, _ = report
         if code == E_OK:
             self.write(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
@@ -65,7 +66,7 @@ class NumpyPrepare:
         """``host_loops.write_checked_step``: False, writing nothing, when the step no longer
         passes ``check_requests`` or no longer has ``num_tokens`` tokens."""
         code, _, _, total, max_query_len, _ = host_loops.check_requests(
-            token_ids, block_table, rows, computed, scheduled, block_size)
+            token_ids, block_table, rows, computed, scheduled, block_size, outputs[-1].shape[1])
         if code != E_OK or total != num_tokens:
             return False
         self.write(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
@@ -117,7 +118,7 @@ class NumpyPrepare:
         np.take(block_table.reshape(-1), idx, out=blk, mode="clip")
         input_ids[:t] = ids
         np.take(block_table, rows, axis=0, out=bt_rows, mode="clip")
-        block_table_out[:r] = bt_rows
+        block_table_out[:r] = bt_rows[:, :block_table_out.shape[1]]     # a wider table's extra columns: ignored
         positions[:t] = pos
         slots = slot_mapping[:t]
         np.multiply(blk, bs, out=slots, dtype=np.int64)

@@ -63,13 +63,15 @@ class StepArrays(NamedTuple):
 
 class StepLimits(NamedTuple):
     """A preparer's bounds: the configured ones (None: unbounded) and the ones the loops
-    check (the int32 outputs' range where none is configured)."""
+    check (the int32 outputs' range where none is configured); ``table_width``: the block-table
+    columns written out (a wider table's extra columns are checked, never read)."""
 
     max_num_tokens: int
     vocab_size: int | None
     vocab_bound: int
     num_blocks: int | None
     block_bound: int
+    table_width: int | None = None
 
 
 def step_error(report: StepReport, step: StepArrays, limits: StepLimits) -> InputError:
@@ -98,8 +100,13 @@ def step_error(report: StepReport, step: StepArrays, limits: StepLimits) -> Inpu
                           f"request {i} schedules {n} tokens after {c}: {c + n} tokens, past the "
                           f"token table's width (max_model_len={model_len})")
     if code == E_TABLE_TOO_NARROW:
-        return InputError("block_table", f"request {i} needs {at} blocks of {bs} tokens but the "
-                                         f"table has {block_table.shape[1]} columns")
+        width = block_table.shape[1]
+        if limits.table_width is None or limits.table_width >= width:
+            return InputError("block_table", f"request {i} needs {at} blocks of {bs} tokens but the "
+                                             f"table has {width} columns")
+        return InputError("block_table", f"request {i} needs {at} blocks of {bs} tokens but only the first "
+                                         f"{limits.table_width} columns of the table's {width} are read "
+                                         f"(table_width: max_model_len / block_size)")
     if code == E_ROW_REPEATED:
         return InputError("req_rows", f"row {row} is scheduled twice in one step (request {i})")
     if code == E_NULL_BLOCK:

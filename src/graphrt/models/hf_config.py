@@ -1,11 +1,15 @@
 """The architecture facts graphrt's reference models read from a Hugging Face ``config.json``.
 
-Shared by the torch and the JAX models; numpy-free and framework-free.
+Shared by the torch and the JAX models; numpy-free and framework-free. A JAX model of another
+architecture brings a config class of its own instead
+(:mod:`graphrt.models.jax.model_config`: what the XLA backend reads of it); the helpers at the
+end read any model's config.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +23,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCa
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """A decoder-only transformer as graphrt's reference models see it."""
+    """A decoder-only transformer as graphrt's reference models see it (it has every member of
+    :class:`graphrt.models.jax.model_config.JaxModelConfig`)."""
 
     architecture: str
     vocab_size: int
@@ -144,5 +149,9 @@ def model_max_len(model: object) -> int | None:
 
 
 def model_eos_token_ids(model: object) -> tuple[int, ...]:
-    """A loaded model's ``config.eos_token_id`` as a tuple (empty if it has none)."""
-    return tuple(getattr(getattr(model, "config", None), "eos_token_id", ()) or ())
+    """A loaded model's ``config.eos_token_id`` as a tuple: a sequence of ids, or one id as
+    Hugging Face configs write it (empty if it has none)."""
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, numbers.Integral) else tuple(int(e) for e in eos)

@@ -8,8 +8,9 @@ from typing import Any, Callable, ClassVar, Hashable
 import torch
 
 from graphrt.backends.base import Backend, Executor
+from graphrt.backends.torch.callable_graphs import TorchGraphs
 from graphrt.backends.torch.executor import TorchExecutor
-from graphrt.backends.torch.graphs import DeviceGraphAPI, TorchGraphs
+from graphrt.backends.torch.graphs import DeviceGraphAPI
 from graphrt.backends.torch.kv_cache import TorchKVCache, model_kv_spec
 from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
@@ -85,7 +86,8 @@ class TorchBackend(Backend):
     def graphs(self, fn: Callable[[Hashable], Any], cache: GraphCache | None = None,
                **options: Any) -> TorchGraphs:
         """``fn(key)`` captured once per key over the caller's buffers (``warmups=`` eager
-        runs before each capture)."""
+        runs before each capture; ``attention_layers=`` the modules a PIECEWISE build breaks
+        at), every call counted in ``cache`` (:class:`TorchGraphs`)."""
         return TorchGraphs(fn, self.graph_api(), cache, **options)
 
     def create_executor(self, model: Any, config: GraphConfig, dtype: Any = None) -> Executor:

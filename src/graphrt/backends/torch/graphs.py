@@ -4,11 +4,10 @@ callable per key.
 A device (CUDA, Ascend, the CPU recording graph) supplies a :class:`DeviceGraphAPI`: new
 graphs, a shared memory pool, a capture context. :func:`record` captures a callable with
 the rules that make device graphs correct (the device synchronised, the garbage collector
-out of the way, refreshable tasks collected). :class:`TorchGraphs` is the piece an engine
-with its own model runner takes instead of :class:`graphrt.ModelRunner`: capture a
-callable over the engine's own static buffers once per key, replay it per step (the role
-vLLM's ``CUDAGraphWrapper`` plays). :class:`~graphrt.backends.torch.executor.TorchExecutor`
-is built on the same functions.
+out of the way, refreshable tasks collected).
+:class:`~graphrt.backends.torch.executor.TorchExecutor` and the piece an engine with its own
+model runner takes (:class:`~graphrt.backends.torch.callable_graphs.TorchGraphs`) are built on
+them.
 """
 
 from __future__ import annotations
@@ -17,18 +16,13 @@ import abc
 import contextlib
 import gc
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Generic, Hashable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
-from graphrt.core import defaults
-from graphrt.core.cache import GraphCache
-from graphrt.core.errors import GraphCaptureError, GraphrtError
+from graphrt.core.errors import GraphCaptureError
 from graphrt.core.fields import ModelInputs
-
-T = TypeVar("T")
 
 #: A callable run before a step's forward with the padded inputs (host numpy arrays).
 PreReplayHook = Callable[[ModelInputs], None]
@@ -203,51 +197,6 @@ class GraphPool:
             raise
         finally:
             self._collected = True
-
-
-@dataclass
-class _Graph(Generic[T]):
-    graph: Any
-    outputs: T
-
-
-class TorchGraphs(Generic[T]):
-    """``fn(key)`` captured once per key over the caller's static buffers, then replayed.
-
-    The caller owns the buffers: before a replay it copies the step's inputs, padded to
-    the key, into the tensors ``fn`` reads, and afterwards reads the tensors ``fn`` returned
-    while it was captured (a replay refreshes them in place). Entries live in ``cache``
-    (a :class:`graphrt.GraphCache`: statistics, strict mode); every graph shares one memory
-    pool. With ``api=None`` (the ``eager`` backend) nothing is captured and ``fn`` runs.
-    """
-
-    def __init__(self, fn: Callable[[Hashable], T], api: DeviceGraphAPI | None,
-                 cache: GraphCache | None = None, *, warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> None:
-        self.fn, self.api, self.warmups = fn, api, warmups
-        self.cache: GraphCache = cache if cache is not None else GraphCache()
-        self.pool = GraphPool(api) if api is not None else None
-
-    def build(self, key: Hashable) -> T:
-        """Run ``fn(key)`` ``warmups`` times, then capture it; returns its output tensors."""
-        if self.api is None:
-            with torch.no_grad():
-                return self.fn(key)
-        t0 = time.perf_counter()
-        outputs: list[T] = []
-        graph, nbytes, _ = self.pool.capture(lambda: outputs.append(self.fn(key)), self.warmups)
-        self.cache.put(key, _Graph(graph, outputs[-1]), seconds=time.perf_counter() - t0, nbytes=nbytes)
-        return outputs[-1]
-
-    def __call__(self, key: Hashable) -> T:
-        """Replay the graph of ``key`` and return its outputs (eagerly where nothing is captured)."""
-        if self.api is None:
-            with torch.no_grad():
-                return self.fn(key)
-        entry = self.cache.get(key, reason="not captured")
-        if entry is None:
-            raise GraphrtError(f"no graph for {key}: build it first (TorchGraphs.build)")
-        entry.graph.replay()
-        return entry.outputs
 
 
 _HOST_SYNC_MARKERS = ("operation not permitted when stream is capturing",

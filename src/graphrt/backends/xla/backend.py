@@ -24,6 +24,7 @@ from graphrt.core.dispatch import Dispatcher, GraphMode
 from graphrt.core.dtypes import model_dtype
 from graphrt.core.errors import BackendUnavailableError, ConfigError
 from graphrt.core.memory_bounds import ModelShape
+from graphrt.models.jax.model_config import check_model_config
 
 try:
     import jax
@@ -82,17 +83,22 @@ class XlaBackend(Backend):
 
     def model_shape(self, model: Any, config: GraphConfig) -> ModelShape | None:
         """The shape of an :class:`XlaModel` or a ``(DecoderConfig, params)`` pair, the whole
-        model's (its shards together), its KV cache spec resolved for ``config`` (a ConfigError
-        naming the field otherwise: ``kv_cache_dtype``, ...); None for anything else."""
+        model's (its shards together), its config checked first (``ConfigError`` naming a member
+        it lacks: :func:`~graphrt.models.jax.model_config.check_model_config`), its KV cache spec
+        resolved for ``config`` (a ConfigError naming the field otherwise: ``kv_cache_dtype``,
+        ...); None for anything else (an nnx module's config is checked when its executor is
+        made)."""
         pair = (model.config, model.params) if isinstance(model, XlaModel) else model
         if not (isinstance(pair, tuple) and len(pair) == 2 and hasattr(pair[0], "num_key_value_heads")):
             return None
         cfg, params = pair
+        check_model_config(cfg, self.tp_size)
         leaves = jax.tree_util.tree_leaves(params)
-        dtype = jnp.dtype(leaves[0].dtype) if leaves else jnp.dtype(jnp.float32)
+        own = getattr(cfg, "dtype", None)          # the config's KV cache dtype, else the weights'
+        dtype = jnp.dtype(own if own is not None else leaves[0].dtype if leaves else jnp.float32)
         spec = xla_kv_spec(cfg, dtype, config)
         return ModelShape(spec.bytes_per_block(config.block_size), spec.bytes_per_token(), dtype.itemsize,
-                          cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
+                          cfg.hidden_size, int(getattr(cfg, "intermediate_size", 0)), cfg.vocab_size)
 
     def device_memory_bytes(self) -> int | None:
         """The mesh devices' memory together (``memory_stats()['bytes_limit']``); None where a
@@ -116,8 +122,9 @@ class XlaBackend(Backend):
         return XlaBuckets.from_config(config).dispatcher()
 
     def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
-        """An executor for an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or an nnx module.
-        LoRA (``max_loras > 0``) is refused with :class:`ConfigError`."""
+        """An executor for an :class:`XlaModel` (graphrt's decoder, or a model's own forward and
+        config), a ``(DecoderConfig, params)`` pair or an nnx module. LoRA (``max_loras > 0``) is
+        refused with :class:`ConfigError`."""
         if config.max_loras > 0:
             raise ConfigError(f"max_loras={config.max_loras}: the xla backend has no LoRA support (its "
                               "executables take no adapter tables and the JAX reference model has no "

@@ -4,7 +4,9 @@ own model runner takes instead of :class:`graphrt.ModelRunner`.
 JAX is functional, so there are no static buffers to capture over: a key's shapes are the
 shapes of the arguments it is compiled for. :meth:`XlaGraphs.build` lowers and compiles
 the function for one key's example arguments; a call runs that executable, which refuses
-arguments of any other shape, so nothing ever compiles behind the caller's back.
+arguments of any other shape, so nothing ever compiles behind the caller's back. Every call
+is counted in the :class:`graphrt.GraphCache` as the runner counts its steps (hits, misses,
+padding where the caller gives the real size); there is no eager path.
 """
 
 from __future__ import annotations
@@ -41,12 +43,18 @@ class XlaGraphs(Generic[T]):
         executable = self._jitted.lower(*shapes).compile()
         self.cache.put(key, (executable, shapes), seconds=time.perf_counter() - t0)
 
-    def __call__(self, key: Hashable, *args: Any) -> T:
+    def __call__(self, key: Hashable, *args: Any, num_tokens: int | None = None,
+                 num_reqs: int | None = None) -> T:
         """Run the executable of ``key``; arguments of other shapes or dtypes than it was built
-        for raise :class:`~graphrt.InputError` naming the first that differs."""
-        entry = self.cache.get(key, reason="not compiled")
+        for raise :class:`~graphrt.InputError` naming the first that differs. Counted in the
+        cache: a hit, or a miss (strict and sealed: :class:`~graphrt.CacheMissError`, else an
+        error: nothing compiles on a call); ``num_tokens`` / ``num_reqs``, the call's real sizes,
+        count its padding to the key's (a ``BatchDescriptor`` or a token count)."""
+        entry = self.cache.lookup(key, reason="not compiled")
         if entry is None:
+            self.cache.count(key, False)
             raise GraphrtError(f"no executable for {key}: build it first (XlaGraphs.build)")
+        self.cache.record_call(key, hit=True, num_tokens=num_tokens, num_reqs=num_reqs)
         executable, shapes = entry
         try:
             return executable(*args)

@@ -1,8 +1,9 @@
 """The model as XLA runs it: the step function of each kind of model, and the jitted forward
 and samplers placed on a mesh.
 
-:class:`XlaPrograms` turns an :class:`XlaModel`, a ``(DecoderConfig, params)`` pair or a
-flax nnx module into three ``jax.jit`` functions with explicit shardings -- the forward of
+:class:`XlaPrograms` turns an :class:`XlaModel` (graphrt's decoder, or a model's own forward
+over a config of its own: :mod:`graphrt.models.jax.model_config`), a ``(DecoderConfig, params)``
+pair or a flax nnx module into three ``jax.jit`` functions with explicit shardings -- the forward of
 one padded step (the KV cache donated) and the greedy and random samplers -- plus the
 weights on the mesh. It compiles nothing: the executor lowers and compiles these per key.
 """
@@ -22,15 +23,33 @@ from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
 from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
-from graphrt.models.jax.decoder import AttentionMetadata, compute_logits, forward
+from graphrt.models.jax import decoder as jax_decoder
+from graphrt.models.jax.decoder import AttentionMetadata
+from graphrt.models.jax.model_config import check_model_config
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaModel:
-    """graphrt's JAX reference decoder: its config and params pytree (``jax_loader`` layout)."""
+    """A JAX model as the xla backend runs it: a config, a params pytree and two pure functions.
 
-    config: DecoderConfig
-    params: dict[str, Any]
+    ``forward(params, kv_cache, input_ids, positions, meta, *, config, block_size) -> (hidden
+    [T, H], kv_cache)`` over the paged cache ``[layers, 2, blocks * block_size + 1, kv_heads,
+    head_dim]`` (negative slots: the last, trash row) and ``compute_logits(params, hidden, *,
+    config) -> float32 [N, V]``: the signatures of :mod:`graphrt.models.jax.decoder`, whose Llama /
+    Qwen3 decoder (``jax_loader``'s params) runs when both are None, with a ``DecoderConfig``.
+    A model of its own passes both, with any ``config`` that has the members of
+    :class:`~graphrt.models.jax.model_config.JaxModelConfig`.
+    """
+
+    config: Any
+    params: Any
+    forward: Callable[..., Any] | None = None
+    compute_logits: Callable[..., Any] | None = None
+
+    @property
+    def own_code(self) -> bool:
+        """Whether it runs graphrt's decoder (code the on-disk executable store fingerprints)."""
+        return self.forward is None and self.compute_logits is None
 
 
 def resolve_future_tokens(batch: XlaBatch, future_tokens: jax.Array, future_rows: jax.Array) -> XlaBatch:
@@ -81,13 +100,31 @@ def _make_step(run_model: Callable[..., Any], decode_query_len: int) -> Callable
     return step
 
 
-def model_program(model: Any, block_size: int,
-                  decode_query_len: int = 1) -> tuple[DecoderConfig, Any, Callable[..., Any]]:
-    """(decoder config, weights pytree, step function) for every kind of model accepted."""
+def _functions(model: XlaModel) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``model``'s forward and compute_logits: its own, or graphrt's decoder's (DecoderConfig)."""
+    if model.forward is not None and model.compute_logits is not None:
+        return model.forward, model.compute_logits
+    if model.forward is not None or model.compute_logits is not None:
+        raise InputError("model", "XlaModel takes both forward and compute_logits (a model of its own), "
+                                  "or neither (graphrt's decoder)")
+    if not isinstance(model.config, DecoderConfig):
+        raise InputError("model", f"XlaModel without forward / compute_logits runs graphrt's Llama / Qwen3 "
+                                  f"decoder, which reads a DecoderConfig, not a {type(model.config).__name__}; "
+                                  "a model of its own passes XlaModel(config, params, forward=..., "
+                                  "compute_logits=...) (docs/xla.md)")
+    return jax_decoder.forward, jax_decoder.compute_logits
+
+
+def model_program(model: Any, block_size: int, decode_query_len: int = 1,
+                  tp_size: int = 1) -> tuple[Any, Any, Callable[..., Any]]:
+    """(model config, weights pytree, step function) for every kind of model accepted; the
+    config checked (:func:`check_model_config`, naming any member it lacks)."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], DecoderConfig):
         model = XlaModel(*model)
     if isinstance(model, XlaModel):
         cfg = model.config
+        check_model_config(cfg, tp_size)
+        forward, compute_logits = _functions(model)
 
         def run_model(params: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
                       last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -102,9 +139,7 @@ def model_program(model: Any, block_size: int,
         nnx = None
     if nnx is not None and isinstance(model, nnx.Module):
         cfg = getattr(model, "config", None)
-        if not isinstance(cfg, DecoderConfig):
-            raise InputError("model", "an nnx module needs a `config` attribute (a DecoderConfig) for "
-                                      "the KV cache layout and the vocabulary size")
+        check_model_config(cfg, tp_size)      # its `config`: the KV cache layout, the vocabulary
         own = getattr(model, "block_size", block_size)
         if own != block_size:
             raise ConfigError(f"the nnx module was built for block_size={own}, the config says {block_size}")
@@ -119,8 +154,9 @@ def model_program(model: Any, block_size: int,
         return cfg, state, _make_step(run_nnx, decode_query_len)
     raise InputError("model", f"{type(model).__name__} is not a model the xla backend runs: pass "
                               "XlaBackend.load_model(...)'s XlaModel, a (DecoderConfig, params) pair, "
-                              "or a flax nnx.Module with __call__(kv_cache, input_ids, positions, meta) "
-                              "and compute_logits(hidden)")
+                              "XlaModel(config, params, forward=..., compute_logits=...) for a model of "
+                              "its own, or a flax nnx.Module with __call__(kv_cache, input_ids, positions, "
+                              "meta) and compute_logits(hidden)")
 
 
 def xla_kv_dtypes() -> tuple[str, ...]:
@@ -151,18 +187,21 @@ class XlaPrograms:
 
     def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1,
                  max_reqs: int = 1, config: Any = None) -> None:
-        self.model_config, weights, step = model_program(model, block_size, decode_query_len)
-        self.decode_query_len = decode_query_len
-        self.max_reqs = int(max_reqs)
         self.mesh = mesh
         self.tp_size = shd.mesh_size(mesh)
+        self.model_config, weights, step = model_program(model, block_size, decode_query_len, self.tp_size)
+        self.decode_query_len = decode_query_len
+        self.max_reqs = int(max_reqs)
         shd.check_tp(self.model_config, self.tp_size)
-        self.own_code = isinstance(model, (XlaModel, tuple))
+        self.own_code = isinstance(model, tuple) or (isinstance(model, XlaModel) and model.own_code)
         self.replicated = shd.replicated(mesh)
         self.kv_sharding = shd.kv_cache_sharding(mesh, self.model_config)
         weight_shardings = shd.weight_shardings(weights, mesh, self.model_config)
         self.weights = jax.device_put(weights, weight_shardings)
-        self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype)
+        # The weights' dtype, or the model config's ``dtype`` where it has one: the KV cache's
+        # unless the spec (``kv_cache_dtype``) says otherwise.
+        own = getattr(self.model_config, "dtype", None)
+        self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype if own is None else own)
         self.kv_spec = None if config is None else xla_kv_spec(self.model_config, self.dtype, config)
         self.kv_dtype = self.dtype if self.kv_spec is None else jnp.dtype(self.kv_spec.groups[0].dtype)
         repl = self.replicated

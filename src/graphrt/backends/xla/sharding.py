@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
-from graphrt.models.hf_config import DecoderConfig
+from graphrt.models.jax.model_config import JaxModelConfig
 
 AXIS = defaults.XLA_TP_AXIS
 
@@ -47,12 +47,12 @@ def mesh_size(mesh: Mesh) -> int:
     return int(mesh.shape[AXIS])
 
 
-def kv_heads_sharded(config: DecoderConfig, tp: int) -> bool:
+def kv_heads_sharded(config: JaxModelConfig, tp: int) -> bool:
     """Whether KV heads split over the mesh (else they are replicated on every device)."""
     return tp > 1 and config.num_key_value_heads % tp == 0
 
 
-def check_tp(config: DecoderConfig, tp: int) -> None:
+def check_tp(config: JaxModelConfig, tp: int) -> None:
     """Raise :class:`ConfigError` when the model's head or MLP sizes do not divide ``tp``."""
     for name, value in (("num_attention_heads", config.num_attention_heads),
                         ("intermediate_size", config.intermediate_size),
@@ -70,7 +70,7 @@ def _leaf_name(path: tuple[Any, ...]) -> str | None:
     return None
 
 
-def weight_spec(name: str | None, config: DecoderConfig, tp: int) -> P:
+def weight_spec(name: str | None, config: JaxModelConfig, tp: int) -> P:
     """The partition spec of one weight by its params-dict name."""
     if tp == 1 or name is None:
         return P()
@@ -83,14 +83,14 @@ def weight_spec(name: str | None, config: DecoderConfig, tp: int) -> P:
     return P()
 
 
-def weight_shardings(weights: Any, mesh: Mesh, config: DecoderConfig) -> Any:
+def weight_shardings(weights: Any, mesh: Mesh, config: JaxModelConfig) -> Any:
     """A pytree of ``NamedSharding`` matching ``weights`` (a params dict or an nnx state)."""
     tp = mesh_size(mesh)
     return jax.tree_util.tree_map_with_path(
         lambda path, _: NamedSharding(mesh, weight_spec(_leaf_name(path), config, tp)), weights)
 
 
-def kv_cache_sharding(mesh: Mesh, config: DecoderConfig) -> NamedSharding:
+def kv_cache_sharding(mesh: Mesh, config: JaxModelConfig) -> NamedSharding:
     """The KV cache ``[layers, 2, rows, kv_heads, head_dim]``: split on heads when they divide."""
     tp = mesh_size(mesh)
     return NamedSharding(mesh, P(None, None, None, AXIS, None) if kv_heads_sharded(config, tp) else P())

@@ -1,0 +1,137 @@
+"""JAX models with a config class of their own on the xla backend.
+
+A GPT-NeoX-shaped model (tests/jax_neox.py: partial rotary, parallel residual, LayerNorm,
+its own frozen-dataclass config with no ``architecture``) runs through a ``ModelRunner`` as an
+``XlaModel(config, params, forward=, compute_logits=)`` and as a flax nnx module, and gives
+its own plain causal forward's logits step after step. The config protocol
+(``graphrt.models.jax.model_config``) is checked when the runner is built: a missing member is
+named before anything compiles. graphrt's own DecoderConfig keeps working (test_xla_backend.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax_neox as neox  # noqa: E402
+from graphrt import ConfigError, InputError, ModelRunner  # noqa: E402
+from graphrt.backends.xla.programs import XlaModel  # noqa: E402
+from graphrt.models.hf_config import model_eos_token_ids  # noqa: E402
+from graphrt.models.jax.model_config import JaxModelConfig, check_model_config  # noqa: E402
+from runner_steps import greedy  # noqa: E402
+
+LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
+              precompile_token_paddings=[16, 32], precompile_bs_paddings=[1, 2, 4])
+ATOL = 1e-4
+
+
+def _nnx_module(cfg: neox.NeoXConfig, params: dict, block_size: int):
+    nnx = pytest.importorskip("flax.nnx")
+
+    def values(tree):
+        return jax.tree.map(lambda v: v[...], tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    class NeoXModule(nnx.Module):
+        def __init__(self) -> None:
+            self.config, self.block_size = cfg, block_size
+            self.params = nnx.data(jax.tree.map(nnx.Param, params))
+
+        def __call__(self, kv_cache, input_ids, positions, meta):
+            return neox.forward(values(self.params), kv_cache, input_ids, positions, meta,
+                                config=self.config, block_size=self.block_size)
+
+        def compute_logits(self, hidden):
+            return neox.compute_logits(values(self.params), hidden, config=self.config)
+
+    return NeoXModule()
+
+
+def _model(kind: str, cfg: neox.NeoXConfig, params: dict):
+    if kind == "functions":
+        return XlaModel(cfg, params, forward=neox.forward, compute_logits=neox.compute_logits)
+    return _nnx_module(cfg, params, LIMITS["block_size"])
+
+
+@pytest.mark.parametrize("kind", ["functions", "nnx"])
+def test_a_neox_model_with_its_own_config_matches_its_plain_forward(kind):
+    cfg = neox.NeoXConfig()
+    assert isinstance(cfg, JaxModelConfig) and not hasattr(cfg, "architecture")
+    params = neox.init_params(cfg)
+    runner = ModelRunner(_model(kind, cfg, params), backend="xla", disable_precompile=True, progress=False,
+                         **LIMITS)
+    assert runner.vocab_size == cfg.vocab_size
+    assert runner.executor.kv_cache.shape == (2, 2, runner.num_kv_blocks * 4 + 1, 4, 8)
+    rng = np.random.default_rng(3)
+    prompts = {0: rng.integers(1, cfg.vocab_size, 7).tolist(), 1: rng.integers(1, cfg.vocab_size, 5).tolist()}
+    tokens = np.zeros((4, LIMITS["max_model_len"]), np.int32)
+    blocks = (1 + np.arange(4 * 16, dtype=np.int32)).reshape(4, 16)
+    seqs = {row: list(p) for row, p in prompts.items()}
+    done = {row: 0 for row in seqs}
+    seen = []
+    for row, p in prompts.items():
+        tokens[row, :len(p)] = p
+    for _ in range(4):                          # the prefill of both, then three decodes
+        rows = sorted(seqs)
+        sched = [len(seqs[r]) - done[r] for r in rows]
+        out = runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.array(rows),
+                             num_computed_tokens=np.array([done[r] for r in rows]),
+                             num_scheduled_tokens=np.array(sched), sampling=greedy(len(rows)))
+        logits = runner.logits()
+        for i, r in enumerate(rows):
+            done[r] = len(seqs[r])
+            seen.append((r, done[r] - 1, logits[i]))
+            assert int(out[i]) == int(np.argmax(logits[i]))
+            tokens[r, len(seqs[r])] = int(out[i])
+            seqs[r].append(int(out[i]))
+    # Causal: the plain forward of each whole sequence has every step's logits in its rows.
+    want = {r: neox.reference_logits(params, cfg, seq) for r, seq in seqs.items()}
+    for r, position, got in seen:
+        np.testing.assert_allclose(got, want[r][position], rtol=ATOL, atol=ATOL)
+    assert runner.executor.compiles.unplanned_compiles == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoHeadDim:
+    vocab_size: int = 96
+    hidden_size: int = 32
+    num_hidden_layers: int = 2
+    num_key_value_heads: int = 4
+
+
+def test_a_missing_member_is_named_when_the_runner_is_built():
+    params = neox.init_params(neox.NeoXConfig())
+    model = XlaModel(_NoHeadDim(), params, forward=neox.forward, compute_logits=neox.compute_logits)
+    with pytest.raises(ConfigError, match=r"_NoHeadDim\) without head_dim"):
+        ModelRunner(model, backend="xla", warmup=False, progress=False, **LIMITS)
+    with pytest.raises(ConfigError, match="no config"):
+        check_model_config(None)
+    zero_heads = type("C", (), {**dataclasses.asdict(_NoHeadDim()), "head_dim": 8, "num_key_value_heads": 0})()
+    with pytest.raises(ConfigError, match=r"model.config.num_key_value_heads: must be a positive integer"):
+        check_model_config(zero_heads)
+
+
+def test_tensor_parallelism_also_needs_the_head_and_mlp_sizes():
+    cfg = type("C", (), {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2,
+                         "num_key_value_heads": 4, "head_dim": 8})()
+    check_model_config(cfg)
+    with pytest.raises(ConfigError, match="without num_attention_heads, intermediate_size"):
+        check_model_config(cfg, tp_size=2)
+
+
+def test_graphrts_decoder_needs_its_decoder_config_and_functions_come_in_pairs():
+    cfg = neox.NeoXConfig()
+    params = neox.init_params(cfg)
+    with pytest.raises(InputError, match="reads a DecoderConfig, not a NeoXConfig"):
+        ModelRunner(XlaModel(cfg, params), backend="xla", warmup=False, progress=False, **LIMITS)
+    with pytest.raises(InputError, match="both forward and compute_logits"):
+        ModelRunner(XlaModel(cfg, params, forward=neox.forward), backend="xla", warmup=False, progress=False,
+                    **LIMITS)
+
+
+def test_an_eos_id_written_as_one_int_is_read():
+    model = XlaModel(neox.NeoXConfig(eos_token_id=0), {}, neox.forward, neox.compute_logits)
+    assert model_eos_token_ids(model) == (0,)
