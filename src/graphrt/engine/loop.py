@@ -63,12 +63,14 @@ class Launched:
 
 
 def overlap_enabled(runner: Any, disable_overlap_schedule: bool) -> bool:
-    """Whether the engine overlaps its steps: asked for, and the backend dispatches
-    asynchronously (on the others it would wait for every step anyway; said once, at INFO)."""
+    """Whether the engine overlaps its steps by default: asked for, and the device runs ahead of
+    the host (``executor.device_runs_ahead``: xla, cuda, npu). Elsewhere overlap would hide
+    nothing (said once, at INFO); ``llm.overlap = True`` still runs it, on the same code path
+    where the backend launches asynchronously (the cpu graphs' events complete at once)."""
     check_flags(disable_overlap_schedule=disable_overlap_schedule)
     if disable_overlap_schedule:
         return False
-    if not runner.executor.async_execution:
+    if not runner.executor.device_runs_ahead:
         logger.info("graphrt: overlap scheduling needs a backend that dispatches asynchronously; "
                     "%s runs each step to the end, so the engine runs the plain loop", runner.backend.name)
         return False

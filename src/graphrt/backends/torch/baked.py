@@ -16,6 +16,7 @@ different op sequence, mean the key is incomplete.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,10 @@ import torch
 
 from graphrt.backends.torch import recording_graph as rg
 from graphrt.core.dispatch import BatchDescriptor
+from graphrt.core.errors import GraphCaptureError
 from graphrt.core.fields import ModelInputs
+
+logger = logging.getLogger(__name__)
 
 #: Differences listed in a report (the count is always complete).
 MAX_LISTED = 8
@@ -97,4 +101,21 @@ def check_key(executor: Any, key: BatchDescriptor) -> BakedReport:
     return report
 
 
-__all__ = ["BakedReport", "MAX_LISTED", "check_key"]
+
+
+def check_baked(executor: Any, key: BatchDescriptor) -> BakedReport:
+    """The host values ``key``'s forward bakes in (:func:`check_key`, for ``check_baked_values``
+    or ``strict``); values that differ between two steps the key holds fail the capture in
+    strict mode and are logged otherwise."""
+    report = check_key(executor, key)
+    if not report.complete:
+        message = (f"{key}: the captured forward bakes in host values that differ between steps "
+                   f"under this key -- {'; '.join(report.varying)}. Make them part of the key or "
+                   f"refresh them in a pre-replay hook (docs/backends.md, complete keys)")
+        if executor.config.strict:
+            raise GraphCaptureError(message)
+        logger.warning("graphrt: %s", message)
+    return report
+
+
+__all__ = ["BakedReport", "MAX_LISTED", "check_baked", "check_key"]
