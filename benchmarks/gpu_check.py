@@ -7,7 +7,9 @@ its own process:
 * ``attention``  -- ``benchmarks/bench_attention.py``: paged attention alone, reference against Triton;
 * ``cuda-quick`` -- ``benchmarks/bench_cuda.py --quick``, a smoke run (4 layers, 20 steps);
 * ``cuda``       -- ``benchmarks/bench_cuda.py``, the full run (Qwen3-0.6B shape, 28 layers);
-* ``xla``        -- ``benchmarks/bench_xla.py`` with JAX on the GPU.
+* ``xla``        -- ``benchmarks/bench_xla.py`` with JAX on the GPU;
+* ``overlap``    -- ``benchmarks/bench_overlap.py --backend cuda``: engine step time, plain loop
+  against overlap scheduling on CUDA graphs (the same tokens).
 
 and writes ``report.md`` and ``report.json`` to ``--out`` (default ``.gpu-check/``), the
 device, driver, torch, CUDA and JAX versions named at the top. Every part also leaves
@@ -38,9 +40,9 @@ from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
-PARTS = ("tests", "attention", "cuda-quick", "cuda", "xla")
+PARTS = ("tests", "attention", "cuda-quick", "cuda", "xla", "overlap")
 #: Seconds each part may run before it is stopped and reported as timed out.
-PART_TIMEOUT = {"tests": 600, "attention": 600, "cuda-quick": 300, "cuda": 900, "xla": 600}
+PART_TIMEOUT = {"tests": 600, "attention": 600, "cuda-quick": 300, "cuda": 900, "xla": 600, "overlap": 600}
 #: Characters of a part's output kept in its record (the tables are at the end).
 OUTPUT_TAIL = 6000
 
@@ -126,6 +128,8 @@ def part_command(name: str, parts_dir: Path) -> list[str]:
         "cuda-quick": [py, str(BENCH / "bench_cuda.py"), "--quick", "--json", str(parts_dir / "cuda-quick.data.json")],
         "cuda": [py, str(BENCH / "bench_cuda.py"), "--json", str(parts_dir / "cuda.data.json")],
         "xla": [py, str(BENCH / "bench_xla.py"), "--json", str(parts_dir / "xla.data.json")],
+        "overlap": [py, str(BENCH / "bench_overlap.py"), "--backend", "cuda", "--json",
+                    str(parts_dir / "overlap.data.json")],
     }[name]
 
 

@@ -51,6 +51,25 @@ class FakeExternalEvent:
         self.owner.calls.append(("event.record", self.id, stream.name))
 
 
+class FakeEvent:
+    """``torch.cuda.Event`` / ``torch.npu.Event``: logs record (with the current stream) and synchronize."""
+
+    count = 0
+
+    def __init__(self, owner: "FakeGraphNamespace") -> None:
+        FakeEvent.count += 1
+        self.owner, self.id = owner, FakeEvent.count
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.owner.calls.append(("event.record", self.id, (stream or self.owner.current_stream()).name))
+
+    def synchronize(self) -> None:
+        self.owner.calls.append(("event.synchronize", self.id))
+
+    def query(self) -> bool:
+        return True
+
+
 class FakeGraphNamespace:
     """What ``torch.cuda`` and ``torch.npu`` share: graphs, pools, streams, memory."""
 
@@ -77,6 +96,9 @@ class FakeGraphNamespace:
 
     def current_stream(self, device: Any = None) -> FakeStream:
         return self._current
+
+    def Event(self) -> FakeEvent:  # noqa: N802 - torch's name
+        return FakeEvent(self)
 
     @contextlib.contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:

@@ -2,7 +2,8 @@
 
 * ``SamplingBatch`` (a step's arrays) rejects wrong lengths, NaN / inf, out-of-range values,
   wrong types and bad seeds with an ``InputError`` naming the field and the row.
-* ``SamplingParams`` (one request) applies the same rules to its scalars, plus ``max_tokens``.
+* ``SamplingParams`` (one request) applies the same rules to its scalars, plus ``max_tokens``
+  (and ``logprobs`` / ``prompt_logprobs``: None or an integer >= 0).
 * Through a runner (cpu and xla), every bad batch raises ``InputError`` and no byte of the KV
   cache changes; a batch whose rows differ from the step's requests is refused by ``execute``.
 * A seed is honoured in full on both backends: seeds differing only above bit 32 sample
@@ -69,6 +70,11 @@ BAD_BATCHES = {
     "negative seed": (dict(seeds=[None, -1, None]), "seeds[1]", "-1"),
     "bool seed": (dict(seeds=[True, 11, None]), "seeds[0]", "True"),
     "float seed": (dict(seeds=[None, 11, 1.5]), "seeds[2]", "1.5"),
+    "negative logprobs": (dict(logprobs=[None, -1, 2]), "logprobs[1]", "-1"),
+    "float logprobs": (dict(logprobs=[2.5, None, None]), "logprobs[0]", "2.5"),
+    "bool logprobs": (dict(logprobs=[None, None, True]), "logprobs[2]", "True"),
+    "string logprobs": (dict(logprobs=["3", None, None]), "logprobs[0]", "'3'"),
+    "logprobs too short": (dict(logprobs=[1, 2]), "logprobs", "2 rows"),
 }
 
 
@@ -86,6 +92,10 @@ def test_bad_sampling_batch_is_refused_at_construction(kind):
 def test_good_sampling_batches_are_accepted():
     b = batch()
     assert not b.all_greedy and b.temperature.dtype == np.float32 and b.top_k.dtype == np.int64
+    assert b.logprobs is None and b.max_num_logprobs is None
+    b = batch(logprobs=[None, np.int64(4), 0])
+    assert b.logprobs.tolist() == [-1, 4, 0] and b.max_num_logprobs == 4
+    assert batch(logprobs=[None] * 3).logprobs is None, "no row asks: no logprobs"
     assert batch(temperature=np.zeros(3, np.float32)).all_greedy
     # Other real / integer dtypes, lists, -1 for a disabled top_k, numpy seeds, the largest seed.
     b = batch(temperature=[1, 0.5, 0], top_k=np.array([-1, 5, 2**31 - 1], np.int32), top_p=np.ones(3),
@@ -167,6 +177,12 @@ BAD_PARAMS = [
     ({"temperature": 1.0, "seed": 1.0}, "seed", "1.0"),
     ({"temperature": 1.0, "seed": False}, "seed", "False"),
     ({"ignore_eos": "no"}, "ignore_eos", "bool"),
+    ({"logprobs": -1}, "logprobs", "-1"),
+    ({"logprobs": 2.5}, "logprobs", "2.5"),
+    ({"logprobs": True}, "logprobs", "True"),
+    ({"logprobs": "3"}, "logprobs", "'3'"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs", "-2"),
+    ({"prompt_logprobs": 1.0}, "prompt_logprobs", "1.0"),
 ]
 
 

@@ -62,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="after logging every thread's stack: raise in the engine, or kill the process")
     group.add_argument("--disable-overlap-schedule", action="store_true",
                        default=defaults.DEFAULT_DISABLE_OVERLAP_SCHEDULE,
-                       help="wait for each step's tokens before scheduling the next (xla overlaps by default)")
+                       help="wait for each step's tokens before scheduling the next (xla, cuda and npu overlap by default)")
     return parser
 
 

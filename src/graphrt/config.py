@@ -150,6 +150,9 @@ class GraphConfig(BaseModel):
     max_lora_rank: int = Field(defaults.DEFAULT_MAX_LORA_RANK, gt=0,
                                description="rank of every adapter slot (vLLM's max_lora_rank); lower ranks are "
                                            "zero-padded")
+    max_logprobs: int = Field(defaults.DEFAULT_MAX_LOGPROBS, ge=0,
+                              description="most top logprobs a request may ask for (vLLM's max_logprobs); the "
+                                          "logprobs graphs compute this many per row; 0: logprobs off")
     tensor_parallel_size: int = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
         description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "

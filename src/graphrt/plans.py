@@ -3,7 +3,7 @@
 A plan is the dispatcher's answer for a :class:`~graphrt.core.dp_agreement.DispatchShape`
 (mode and padded key), the cache entry for that key (or why the step runs eagerly: the mode
 says so, the key's build failed, it was never built), the padded request count and the
-sampler entries of both kinds. ``ModelRunner`` makes one on the first step of a shape and
+sampler entries (greedy, random, and the logprobs graph). ``ModelRunner`` makes one on the first step of a shape and
 reuses it until either cache changes (``version``); each step still counts its hit or miss.
 """
 
@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from graphrt.core.cache import FailedBuild, GraphCache
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, RuntimeMode, SamplerKey, logprobs_key
 from graphrt.core.dp_agreement import DispatchShape
 from graphrt.core.eager import EagerCause
+
+#: The key of a plan's logprobs graph in :attr:`StepPlan.sampler` (the samplers' are ``all_greedy``).
+LOGPROBS = "logprobs"
 
 #: ``build_missing(cache, cache_key, mode, key) -> entry``: builds a key warm-up did not
 #: (backends without an eager path, XLA); None where a missing key runs eagerly.
@@ -48,7 +51,8 @@ class StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    sampler: dict[bool, tuple[SamplerKey, Any, str | None]]  # all_greedy -> (key, entry or None, eager reason)
+    #: all_greedy -> (key, entry or None, eager reason); :data:`LOGPROBS` -> the logprobs graph's
+    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]]
     version: int                     # cache.version + sampler_cache.version when planned
     eager_cause: EagerCause | None = None
 
@@ -75,16 +79,16 @@ def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, s
             eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
             mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
     padded_reqs = key.num_reqs if key.num_reqs is not None else r
-    sampler = {}
-    for greedy in (True, False):
-        sampler_key = SamplerKey(padded_reqs, greedy)
+    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]] = {}
+    for kind, sampler_key in ((True, SamplerKey(padded_reqs, True)), (False, SamplerKey(padded_reqs, False)),
+                              (LOGPROBS, logprobs_key(padded_reqs))):
         sampler_entry = sampler_cache.lookup(sampler_key)
         if isinstance(sampler_entry, FailedBuild):
-            sampler[greedy] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
+            sampler[kind] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
         else:
-            sampler[greedy] = (sampler_key, sampler_entry, None)
+            sampler[kind] = (sampler_key, sampler_entry, None)
     return StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
                     cache.version + sampler_cache.version, eager_cause)
 
 
-__all__ = ["BuildMissing", "StepInfo", "StepPlan", "plan_step"]
+__all__ = ["BuildMissing", "LOGPROBS", "StepInfo", "StepPlan", "plan_step"]

@@ -36,6 +36,7 @@ from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
 from graphrt.plans import StepInfo, StepPlan, plan_step
 from graphrt.registry import select_backend
+from graphrt.step_outputs import StepOutput, StepOutputs
 from graphrt.warmup import build_every_key, warmup_keys
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class ModelRunner:
         self._plans: dict[DispatchShape, StepPlan] = {}
         self._last: tuple[StepPlan, int, int, float] | None = None
         self._futures = FutureTokens(on_device=self.executor.async_execution)
+        self._outputs = StepOutputs(self.executor, self.sampler_cache, cfg.max_logprobs, self._build_missing)
         self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
@@ -122,7 +124,7 @@ class ModelRunner:
     # ---- setup ---------------------------------------------------------------------
     def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
         """Every key warm-up builds, largest first (:func:`graphrt.warmup.warmup_keys`)."""
-        return warmup_keys(self.dispatcher)
+        return warmup_keys(self.dispatcher, logprobs=self.config.max_logprobs > 0)
 
     def warmup(self) -> list[dict[str, Any]]:
         """Capture / compile every key the dispatcher can return, largest first, then seal.
@@ -155,11 +157,14 @@ class ModelRunner:
     def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                 sampling: SamplingBatch | None = None, lora_ids: Any = None,
-                future_rows: Any = None, extra_inputs: Mapping[str, Any] | None = None) -> np.ndarray | None:
+                future_rows: Any = None, extra_inputs: Mapping[str, Any] | None = None,
+                prompt_logprobs: Any = None) -> np.ndarray | StepOutput | None:
         """Run one scheduled step; returns one sampled token per request (or None without sampling).
         ``lora_ids``: each request's LoRA adapter slot (-1 or None: none; needs ``max_loras > 0``).
         ``future_rows``: see :meth:`execute_async`. ``extra_inputs``: an array per input the model
         declares (``model.extra_inputs``: a row per token or per request; docs/attention.md).
+        With logprobs asked (the batch's ``logprobs``; ``prompt_logprobs``: per request None or a
+        top count) it returns a :class:`StepOutput`.
 
         Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
         the preparer checks the step, the dispatcher picks its bucket, and only then are the
@@ -168,39 +173,42 @@ class ModelRunner:
         """
         with self._lock:
             return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                 num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs)
+                                 num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
+                                 prompt_logprobs)
 
     def execute_async(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                       num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                       sampling: SamplingBatch, lora_ids: Any = None, future_rows: Any = None,
-                      extra_inputs: Mapping[str, Any] | None = None) -> PendingTokens:
-        """:meth:`execute` without waiting for the device: the step's sampled tokens come as a
-        :class:`~graphrt.core.future_tokens.PendingTokens` whose ``result()`` waits for them.
+                      extra_inputs: Mapping[str, Any] | None = None, prompt_logprobs: Any = None) -> PendingTokens:
+        """:meth:`execute` without waiting for the device: the step's result comes as a
+        :class:`~graphrt.core.future_tokens.PendingTokens` whose ``result()`` waits for it.
 
         ``future_rows`` (one int per request, -1: none) lets this step read the tokens of the
         previous sampled step before the host has them: request ``i``'s last scheduled token
         is replaced by that step's token at row ``future_rows[i]`` (the table may hold any valid
-        id there). Backends that dispatch asynchronously (``executor.async_execution``: XLA)
-        resolve it on the device and return at once; the others run the step to the end first.
+        id there). Backends that dispatch asynchronously (``executor.async_execution``: XLA, torch
+        graphs) resolve it on the device and return at once; the others run the step to the end.
         """
         if sampling is None:
             raise InputError("sampling", "execute_async returns sampled tokens: pass a SamplingBatch")
         with self._lock:
             out = self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs, wait=False)
+                                num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
+                                prompt_logprobs, wait=False)
             num_reqs = self._last[2]
-        if not self.executor.async_execution:
-            return PendingTokens(tokens=out)
+        if not self.executor.async_execution or type(out) is PendingTokens:
+            return out if type(out) is PendingTokens else PendingTokens(tokens=out)
         ex = self.executor
         return PendingTokens(lambda: ex.fetch_tokens(out, num_reqs))
 
     def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                  num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                  sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any,
-                 extra_inputs: Mapping[str, Any] | None = None, wait: bool = True) -> Any:
+                 extra_inputs: Mapping[str, Any] | None = None, prompt_logprobs: Any = None,
+                 wait: bool = True) -> Any:
         """Check, dispatch, write, run and sample one step (the lock held): the host tokens, or
         with ``wait=False`` on an asynchronous backend the sampler's device output; None
-        without ``sampling``."""
+        without ``sampling``. Logprobs go through :class:`~graphrt.step_outputs.StepOutputs`."""
         t0 = time.perf_counter()
         step = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                    req_rows=req_rows, num_computed_tokens=num_computed_tokens,
@@ -208,6 +216,9 @@ class ModelRunner:
         t, r = step.num_tokens, step.num_reqs
         if sampling is not None and sampling.num_reqs != r:
             raise InputError("sampling", f"{sampling.num_reqs} rows for {r} requests")
+        logprobs = prompt_logprobs is not None or (sampling is not None and sampling.logprobs is not None)
+        if logprobs:
+            prompt_logprobs = self._outputs.check(sampling, prompt_logprobs, r)   # within max_logprobs
         if future_rows is not None:
             future_rows = self._futures.check(future_rows, r, self._sampled)
         extras = None
@@ -240,7 +251,10 @@ class ModelRunner:
         sampled = sampling is not None
         logits = self._run(plan, padded, t, r, future, sampled=sampled, greedy=sampled and sampling.all_greedy)
         out = None
-        if sampled:
+        if logprobs:
+            out, self._sampled = self._outputs.finish(plan, padded, logits, sampling, wait, prompt_logprobs,
+                                                      (token_ids, req_rows, num_computed_tokens, num_scheduled_tokens))
+        elif sampled:
             entry = plan.sampler[sampling.all_greedy][1]
             if wait or not self.executor.async_execution:
                 out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry)
@@ -344,6 +358,10 @@ class ModelRunner:
     def logits(self) -> np.ndarray:
         """The last step's logits at each real request's last token (a copy)."""
         return np.array(self.executor.logits(self.last_step.num_reqs), copy=True)
+
+    def device_logits(self) -> Any:
+        """The last step's logits on the device, its bucket's rows: a torch view (until the next step) or XLA's array."""
+        return self.executor.device_logits(self._last[0].padded_reqs)
 
     def position_logits(self) -> np.ndarray:
         """With ``num_speculative_tokens = k > 0``: the last step's logits at each real

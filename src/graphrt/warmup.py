@@ -28,12 +28,14 @@ logger = logging.getLogger(__name__)
 Job = tuple[RuntimeMode, BatchDescriptor | SamplerKey]
 
 
-def warmup_keys(dispatcher: Dispatcher) -> list[Job]:
+def warmup_keys(dispatcher: Dispatcher, logprobs: bool = False) -> list[Job]:
     """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
-    sampler for each request count a FULL key can have."""
+    sampler for each request count a FULL key can have, and with ``logprobs`` (``max_logprobs >
+    0``) the logprobs graph of that count."""
     keys = dispatcher.keys()
     sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
-    return list(keys) + [(RuntimeMode.FULL, SamplerKey(r, greedy)) for r in sampler_reqs for greedy in (True, False)]
+    kinds = [(True, False), (False, False)] + ([(False, True)] if logprobs else [])   # (greedy, logprobs)
+    return list(keys) + [(RuntimeMode.FULL, SamplerKey(r, greedy, lp)) for r in sampler_reqs for greedy, lp in kinds]
 
 
 def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, sampler_cache: GraphCache, *,

@@ -19,6 +19,7 @@ from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode,
                                    SamplerKey)
+from graphrt.core.errors import GraphrtError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.memory_bounds import ModelShape
 from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
@@ -80,6 +81,10 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: executor resolves ``run(..., future=)`` on the device and honours ``sample(..., wait=False)``;
     #: the runner resolves future tokens on the host for the others (core/future_tokens.py).
     async_execution: bool = False
+    #: Whether the device keeps working after :meth:`run` and :meth:`sample` return (XLA, CUDA,
+    #: Ascend), so that overlapping steps hides the host's share: ``graphrt.LLM`` overlaps by
+    #: default only then. The CPU graph backend launches asynchronously but finishes on return.
+    device_runs_ahead: bool = False
     #: The step's host values its attention reads and its keys must hold (the seam's declaration,
     #: docs/attention.md): ``("max_seq_len",)`` for kernels that attend over a context length
     #: fixed when the graph is built (graphrt's reference kernels); () for kernels that read
@@ -146,6 +151,30 @@ class Executor(abc.ABC, Generic[EntryT]):
         """The first ``num_reqs`` of :meth:`sample`'s ``wait=False`` output, on the host (int64),
         waiting for the device. Default (synchronous executors): they are already there."""
         return np.asarray(tokens)[:num_reqs]
+
+    def sample_logprobs(self, logits: Any, sampled: Any, num_reqs: int, *, padded_reqs: int | None = None,
+                        entry: EntryT | None = None, wait: bool = True) -> Any:
+        """Run the logprobs graph ``entry`` (``SamplerKey(padded_reqs, False, logprobs=True)``; None:
+        eagerly, ``eager_fallback`` executors only) right after :meth:`sample`, on the logits rows
+        it read and ``sampled`` (what it returned): per real row the sampled token's logprob, its
+        rank and the ``max_logprobs`` top logprobs with their ids, as host arrays; with
+        ``wait=False`` (``async_execution``) a handle for :meth:`fetch_logprobs`."""
+        raise GraphrtError(f"{type(self).__name__} computes no logprobs")
+
+    def fetch_logprobs(self, handle: Any, num_reqs: int) -> tuple[np.ndarray, ...]:
+        """The host arrays of a ``sample_logprobs(wait=False)`` handle, waiting for the device.
+        Default (synchronous executors): the handle is those arrays."""
+        return handle
+
+    def prompt_logprobs(self, rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+        """Logprobs at the last forward's token rows ``rows`` (int64) of the tokens ``targets``, and
+        the ``k`` top logprobs there: host arrays ``(logprob, rank, top logprobs, top ids)``."""
+        raise GraphrtError(f"{type(self).__name__} computes no prompt logprobs")
+
+    def device_logits(self, num_rows: int) -> Any:
+        """The last step's logits rows on the device, without a host copy (valid until the next
+        step). Default: the host copy of :meth:`logits`."""
+        return self.logits(num_rows)
 
     def close(self) -> None:
         """Release what the executor started (tensor-parallel workers, their shared memory).

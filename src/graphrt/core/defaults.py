@@ -192,6 +192,15 @@ SAMPLING_MAX_TOP_K = 2**31 - 1
 #: ``max``) up to this many rows, with two numpy reductions above: each numpy call costs about
 #: 1 us whatever the size, the lists ~40 ns a value (measured on a 2-core x86 VM).
 SAMPLING_CHECK_LIST_ROWS = 16
+#: Most top logprobs a request may ask for (``GraphConfig.max_logprobs``, vLLM's default 20): the
+#: logprobs graphs compute this many top entries per row; 0 turns logprobs off (no such graphs).
+DEFAULT_MAX_LOGPROBS = 20
+#: Prompt logprobs are computed from the forward's hidden rows this many positions at a time
+#: (a chunk's logits are ``rows x vocab`` floats: 256 x 152k is 156 MB).
+PROMPT_LOGPROBS_CHUNK_ROWS = 256
+#: Torch backends that dispatch asynchronously keep this many host copies of a step's sampled
+#: outputs, so step n + 1's copy never overwrites step n's before the host has read it.
+SAMPLED_OUTPUT_SLOTS = 2
 
 #: graphrt.LLM logs a decode line every this many decode steps (SGLang's ``decode_log_interval``).
 DEFAULT_DECODE_LOG_INTERVAL = 40

@@ -115,13 +115,25 @@ class BatchDescriptor:
 @dataclass(frozen=True)
 class SamplerKey:
     """The key of a sampler graph / executable: ``num_reqs`` padded request rows, and
-    whether every row is greedy (an argmax-only sampler) or not."""
+    whether every row is greedy (an argmax-only sampler) or not.
+
+    ``logprobs=True`` keys the logprobs graph of ``num_reqs`` rows instead (always with
+    ``greedy=False``): run after either sampler, it reads the same logits rows and the tokens
+    just sampled (:func:`logprobs_key`)."""
 
     num_reqs: int
     greedy: bool
+    logprobs: bool = False
 
     def __str__(self) -> str:
+        if self.logprobs:
+            return f"(logprobs, reqs={self.num_reqs})"
         return f"(sample, reqs={self.num_reqs}, {'greedy' if self.greedy else 'random'})"
+
+
+def logprobs_key(num_reqs: int) -> SamplerKey:
+    """The key of the logprobs graph of ``num_reqs`` rows."""
+    return SamplerKey(num_reqs, False, True)
 
 
 @dataclass(frozen=True)

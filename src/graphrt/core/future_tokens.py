@@ -5,8 +5,9 @@ while the device still runs step n. A request that samples in step n decodes tha
 step n + 1, so its id is not known when step n + 1's inputs are written: the engine writes
 any valid id there and names, per request, the row of step n whose sampled token replaces
 the request's last scheduled token (``future_rows``; -1: none). On an asynchronous backend
-(XLA) the replacement happens inside the next executable, from the sampler's device output;
-on a synchronous one the tokens are already on the host and are written into the padded
+the replacement happens on the device, from the sampler's device output: inside the next
+executable (XLA), or queued after the step's input copies (the torch graph backends); on a
+synchronous one (eager) the tokens are already on the host and are written into the padded
 ``input_ids`` before the step is copied to the device. Either way the step computes exactly
 what it would have with the real id in the table.
 """
@@ -21,7 +22,8 @@ from graphrt.core.errors import InputError
 
 
 class PendingTokens:
-    """One step's sampled tokens (int64 ``[R]``), possibly still being computed.
+    """One step's sampled tokens (int64 ``[R]``; a ``StepOutput`` when it asked for logprobs:
+    what ``ModelRunner.execute`` returns), possibly still being computed.
 
     :meth:`result` waits for them (once; an asynchronous execution error surfaces there and
     again on each further call) and returns the same array afterwards."""

@@ -11,6 +11,10 @@ at construction, before any device work.
 * ``top_k``: an integer, ``-1`` (no top-k filter) or in ``[1, SAMPLING_MAX_TOP_K]``.
 * ``seed``: None (the device RNG) or an integer in ``[0, SAMPLING_SEED_LIMIT)`` (64 bits).
 * ``max_tokens``: an integer ``>= 1``; ``ignore_eos``: a bool (``SamplingParams`` only).
+* ``logprobs`` (and ``SamplingParams.prompt_logprobs``): None (none) or an integer ``>= 0``, how
+  many top logprobs to return besides the sampled token's; the configured maximum
+  (``GraphConfig.max_logprobs``) is checked by whoever knows it: ``graphrt.LLM`` when a request
+  is added, ``ModelRunner.execute`` before a step runs (:func:`check_logprobs_limit`).
 * A batch: every field 1-D with one row per request; a seeded row's request id an integer.
 
 Bools, strings and other objects are refused where a number is expected (a bool is not a
@@ -143,6 +147,27 @@ def max_tokens(value: Any, name: str = "max_tokens") -> int:
     return int(value)
 
 
+def logprobs(value: Any, name: str = "logprobs") -> int | None:
+    """``value`` as None or a Python int >= 0 (top logprobs wanted besides the sampled token's)."""
+    if value is None:
+        return None
+    if not _is_integer(value):
+        raise InputError(name, f"must be None or an integer >= 0, got {value!r}")
+    if value < 0:
+        raise InputError(name, f"must be None or an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def check_logprobs_limit(value: int | None, limit: int, name: str = "logprobs") -> None:
+    """Refuse a logprobs count above ``limit`` (``GraphConfig.max_logprobs``; 0: logprobs off)."""
+    if value is None:
+        return
+    if limit == 0:
+        raise InputError(name, f"asks for logprobs ({value}), but max_logprobs is 0: logprobs are off")
+    if value > limit:
+        raise InputError(name, f"must be at most max_logprobs={limit}, got {value}")
+
+
 def flag(value: Any, name: str) -> bool:
     """``value`` as a bool (a Python or numpy bool; not a number or a string)."""
     if not isinstance(value, (bool, np.bool_)):
@@ -221,11 +246,16 @@ class SamplingBatch:
     top_p: np.ndarray              # float32; 1.0 where disabled
     seeds: Sequence[int | None]    # per request; None = the device RNG
     request_ids: Sequence[int]     # identity of each request (for seeded generators)
+    #: int64 per request: top logprobs wanted besides the sampled token's, -1 where a row wants
+    #: none; None when no row does (then no logprobs are computed).
+    logprobs: np.ndarray | None = None
     all_greedy: bool = field(init=False)
     num_reqs: int = field(init=False)
+    #: The largest count of ``logprobs``; None when no row wants logprobs.
+    max_num_logprobs: int | None = field(init=False)
 
     def __init__(self, temperature: Any, top_k: Any, top_p: Any, seeds: Sequence[Any],
-                 request_ids: Sequence[Any]) -> None:
+                 request_ids: Sequence[Any], logprobs: Sequence[Any] | None = None) -> None:
         t = TEMPERATURE.array(temperature, ndim=1)
         n = len(t)
         p = TOP_P.array(top_p, ndim=1)
@@ -252,7 +282,10 @@ class SamplingBatch:
             unseeded = -1
         if unseeded != n:
             _seeds(seeds, request_ids)
+        counts, most = _logprob_rows(logprobs, n)
         setattr_ = object.__setattr__   # frozen: each field is set once, here
+        setattr_(self, "logprobs", counts)
+        setattr_(self, "max_num_logprobs", most)
         setattr_(self, "temperature", t)
         setattr_(self, "top_k", k)
         setattr_(self, "top_p", p)
@@ -260,6 +293,19 @@ class SamplingBatch:
         setattr_(self, "request_ids", request_ids)
         setattr_(self, "all_greedy", greedy)   # computed once: runner and executor both ask
         setattr_(self, "num_reqs", n)
+
+
+def _logprob_rows(values: Sequence[Any] | None, n: int) -> tuple[np.ndarray | None, int | None]:
+    """A batch's ``logprobs`` column (None or one None / integer >= 0 per row) as int64 rows,
+    -1 where a row wants none, and its largest count; ``(None, None)`` when no row wants any."""
+    if values is None:
+        return None, None
+    _rows(values, "logprobs", n)
+    counts = [logprobs(v, f"logprobs[{i}]") for i, v in enumerate(values)]
+    wanted = [c for c in counts if c is not None]
+    if not wanted:
+        return None, None
+    return np.array([-1 if c is None else c for c in counts], np.int64), max(wanted)
 
 
 def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab_size: int,
@@ -287,8 +333,10 @@ def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size
                    np.array([p.top_p for p in params], np.float32))
     except (TypeError, ValueError, OverflowError):   # not SamplingParams: the batch names the bad row
         columns = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
-    return SamplingBatch(*columns, [p.seed for p in params], list(request_ids))
+    wanted = [getattr(p, "logprobs", None) for p in params]
+    return SamplingBatch(*columns, [p.seed for p in params], list(request_ids),
+                         wanted if any(w is not None for w in wanted) else None)
 
 
 __all__ = ["SamplingBatch", "sampling_batch", "write_sampling_rows", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
-           "flag"]
+           "flag", "logprobs", "check_logprobs_limit"]

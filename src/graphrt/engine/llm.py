@@ -61,7 +61,7 @@ class LLM:
     their numbers. ``watchdog_timeout`` (s; None / 0: off) fails a hung forward (docs/api.md).
     One loop runs every step: schedule and launch a step, then resolve launched steps until
     at most ``depth`` are in flight. Depth 1 is overlap scheduling (SGLang's, on unless
-    ``disable_overlap_schedule``, on backends that dispatch asynchronously: xla): the next
+    ``disable_overlap_schedule``, where the device runs ahead of the host: xla, cuda, npu): the next
     step is prepared while the device runs the previous one (engine/loop.py says what
     makes it exact). Depth 0 is the plain loop: launch, then resolve at once.
     """

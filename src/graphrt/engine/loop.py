@@ -40,7 +40,8 @@ from graphrt.config import GraphConfig, check_flags
 from graphrt.core.errors import GraphrtError, KVCacheLostError
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.engine.metrics import EngineMetrics
-from graphrt.engine.outputs import RequestOutput
+from graphrt.core.logprobs import StepOutput
+from graphrt.engine.outputs import RequestOutput, collect_logprobs
 from graphrt.engine.sampling_params import without_seed
 from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
 from graphrt.runner import ModelRunner, SamplingBatch, sampling_batch
@@ -58,17 +59,20 @@ class Launched:
 
     step: ScheduledStep
     samples: list[bool]
-    tokens: np.ndarray | None
+    tokens: np.ndarray | StepOutput | None
     pending: PendingTokens | None
+    prompt_starts: list[int] | None = None      # computed tokens at launch, if prompt logprobs were asked
 
 
 def overlap_enabled(runner: Any, disable_overlap_schedule: bool) -> bool:
-    """Whether the engine overlaps its steps: asked for, and the backend dispatches
-    asynchronously (on the others it would wait for every step anyway; said once, at INFO)."""
+    """Whether the engine overlaps its steps by default: asked for, and the device runs ahead of
+    the host (``executor.device_runs_ahead``: xla, cuda, npu). Elsewhere overlap would hide
+    nothing (said once, at INFO); ``llm.overlap = True`` still runs it, on the same code path
+    where the backend launches asynchronously (the cpu graphs' events complete at once)."""
     check_flags(disable_overlap_schedule=disable_overlap_schedule)
     if disable_overlap_schedule:
         return False
-    if not runner.executor.async_execution:
+    if not runner.executor.device_runs_ahead:
         logger.info("graphrt: overlap scheduling needs a backend that dispatches asynchronously; "
                     "%s runs each step to the end, so the engine runs the plain loop", runner.backend.name)
         return False
@@ -105,11 +109,18 @@ class StepLoop:
         self._req_arrays = np.zeros((3, config.max_num_seqs), dtype=np.int32)   # rows, computed, scheduled
         self._batch: SamplingBatch | None = None
         self._batch_for: list[int] = []         # request id per row, ~id where it does not sample
+        self._prompt_logprobs: set[int] = set()     # requests whose prompt logprobs are not all computed
 
     def add(self, req: Request) -> None:
         """Queue a validated request."""
         self.scheduler.add(req)
         self.requests[req.request_id] = req
+        if req.params.logprobs is not None:
+            req.sample_logprobs = []
+        if req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(req.prompt_token_ids)
+            if len(req.prompt_token_ids) > 1:
+                self._prompt_logprobs.add(req.request_id)
 
     def busy(self) -> bool:
         """Whether any request is queued or running, or a launched step holds one."""
@@ -159,7 +170,9 @@ class StepLoop:
         token until :meth:`_resolve` puts the sampled one in its place."""
         inputs, samples = self._step_inputs(step)
         reqs = step.requests
-        tokens = pending = None
+        tokens = pending = starts = None
+        if self._prompt_logprobs:
+            starts = self._prompt_inputs(step, inputs)
         self.watchdog.arm(step)
         try:
             if self.depth:
@@ -180,7 +193,7 @@ class StepLoop:
                 req.num_unresolved += 1
                 req.future_row = i
                 req.retiring = len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= limit
-        return Launched(step, samples, tokens, pending)
+        return Launched(step, samples, tokens, pending, starts)
 
     def _step_inputs(self, step: ScheduledStep) -> tuple[dict[str, Any], list[bool]]:
         """Write what the persistent tables lack for ``step`` (new token ids, new blocks; a row
@@ -216,6 +229,23 @@ class StepLoop:
         return {"token_ids": token_table, "block_table": block_table, "req_rows": rows,
                 "num_computed_tokens": computed, "num_scheduled_tokens": scheduled, "sampling": self._batch}, samples
 
+    def _prompt_inputs(self, step: ScheduledStep, inputs: dict[str, Any]) -> list[int] | None:
+        """For the step's requests whose prompt logprobs are incomplete: ask for them (the
+        runner's ``prompt_logprobs``) and write each one's next prompt token into the table (the
+        logprob at a chunk's last position is that token's). Their computed tokens at launch."""
+        counts, starts, table = [], [], self.token_table
+        for req, n in zip(step.requests, step.num_scheduled):
+            start, prompt = req.num_computed_tokens, req.prompt_token_ids
+            wanted = req.request_id in self._prompt_logprobs and start < len(prompt) - 1
+            counts.append(req.params.prompt_logprobs if wanted else None)
+            starts.append(start)
+            if wanted and start + n < len(prompt):
+                table[req.row, start + n] = prompt[start + n]
+        if any(c is not None for c in counts):
+            inputs["prompt_logprobs"] = counts
+            return starts
+        return None
+
     def _resolve(self, launched: Launched) -> list[RequestOutput]:
         """Wait for the oldest launched step's tokens (if it was launched asynchronously) and put
         them in place of its placeholders; returns the requests it finished. It stays in flight
@@ -232,6 +262,11 @@ class StepLoop:
             finally:
                 self.watchdog.disarm()
         self.inflight.remove(launched)      # resolved: out of flight
+        if type(tokens) is StepOutput:      # logprobs asked: filed before any request finishes
+            collect_logprobs(step.requests, launched.samples, launched.prompt_starts, tokens, Status.FINISHED)
+            self._prompt_logprobs.difference_update(
+                r.request_id for r in step.requests if r.prompt_logprobs is not None and None not in r.prompt_logprobs[1:])
+            tokens = tokens.token_ids
         if tokens is None or len(tokens) != len(step.requests):
             return self._fail(step.requests, GraphrtError(
                 f"the runner returned {None if tokens is None else len(tokens)} tokens for a step of "
@@ -277,9 +312,10 @@ class StepLoop:
             logger.warning("graphrt: freeing the runner state of request %d failed", req.request_id,
                            exc_info=True)
         self.requests.pop(req.request_id, None)
+        self._prompt_logprobs.discard(req.request_id)
         known = len(req.output_token_ids) - req.num_unresolved     # placeholders are not output
         return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids[:known],
-                             reason, error, req.num_cached_tokens)
+                             reason, error, req.num_cached_tokens, req.sample_logprobs, req.prompt_logprobs)
 
     def _fail(self, requests: list[Request], exc: Exception) -> list[RequestOutput]:
         """Finish a failed step's requests with "error" (their blocks freed), then recover a

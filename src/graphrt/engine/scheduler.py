@@ -63,6 +63,10 @@ class Request:
     num_unresolved: int = 0
     future_row: int = -1
     retiring: bool = False
+    # Logprobs asked for by its params (engine/outputs.py): one dict per resolved generated
+    # token, and one per prompt token (None until computed; always None for the first).
+    sample_logprobs: list | None = field(default=None, repr=False)
+    prompt_logprobs: list | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -170,6 +174,8 @@ class Scheduler:
         """``req``'s longest cached prefix (capped: its last token is always computed)."""
         cache = self.prefix_cache
         assert cache is not None
+        if req.prompt_logprobs is not None:     # it computes every prompt position (vLLM skips it too)
+            return cache.match_keys([], touch=touch)
         return cache.match_keys(self.keys(req, cache.max_match_blocks(req.num_tokens)), touch=touch)
 
     def cache_computed(self, req: Request) -> None:

@@ -11,6 +11,7 @@ from graphrt.backends.preflight import check_engine
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.errors import InputError
+from graphrt.core.sampling import check_logprobs_limit
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import DecoderConfig, model_max_len
 
@@ -44,11 +45,14 @@ def params_per_prompt(prompts: Sequence[Sequence[int]],
 def validate_request(prompt: Sequence[int], params: SamplingParams, where: str, *, config: GraphConfig,
                      vocab_size: int, kv_capacity: int) -> None:
     """Refuse a request before it is queued: params not a SamplingParams (which checked its
-    own fields), a prompt that is not a flat sequence of integer token ids, or one that
-    cannot fit (``max_model_len``, ``kv_capacity`` blocks). Raises InputError naming ``where``."""
+    own fields) or asking more logprobs than ``max_logprobs``, a prompt that is not a flat
+    sequence of integer token ids, or one that cannot fit (``max_model_len``, ``kv_capacity``
+    blocks). Raises InputError naming ``where`` (or the params' field)."""
     cfg = config
     if not isinstance(params, SamplingParams):
         raise InputError("sampling_params", f"expected graphrt.SamplingParams, got {type(params).__name__}")
+    check_logprobs_limit(params.logprobs, cfg.max_logprobs)
+    check_logprobs_limit(params.prompt_logprobs, cfg.max_logprobs, "prompt_logprobs")
     try:
         ids = np.asarray(prompt)
     except (ValueError, TypeError):   # ragged nesting

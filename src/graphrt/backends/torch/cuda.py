@@ -39,6 +39,7 @@ class CudaGraphAPI(DeviceGraphAPI):
     pin_memory = True
     compile_backend = "inductor"
     graphs_share_memory = True
+    asynchronous = True
 
     def __init__(self, device: torch.device | str = "cuda", cuda: Any = None) -> None:
         self.cuda = torch.cuda if cuda is None else cuda
@@ -47,6 +48,10 @@ class CudaGraphAPI(DeviceGraphAPI):
 
     def new_graph(self) -> Any:
         return self.cuda.CUDAGraph()
+
+    def new_event(self) -> Any:
+        """A ``torch.cuda.Event`` (recorded on the current stream)."""
+        return self.cuda.Event()
 
     def new_pool(self) -> Any:
         """A new pool handle. The first one also makes the capture stream (and primes it, see

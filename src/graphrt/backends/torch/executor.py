@@ -52,6 +52,7 @@ from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphP
                                            describe_capture_failure)
 from graphrt.backends.torch.model_protocol import (attention_backend, attention_support, guard_host_scalars,
                                                    keyed_host_values)
+from graphrt.backends.torch.sampled_outputs import FutureInputs, SampledOutputs, device_event
 from graphrt.backends.torch.step_buffers import StepBuffers
 from graphrt.backends.torch.sampler import SamplerState
 
@@ -62,8 +63,10 @@ logger = logging.getLogger(__name__)
 TorchEntry = CapturedGraph | PiecewiseEntry
 
 
-class TorchExecutor(Executor[TorchEntry]):
-    """Static buffers, KV cache and graphs for a torch model on one device."""
+class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
+    """Static buffers, KV cache and graphs for a torch model on one device (what a step hands
+    out beyond its replay -- sampled outputs in host slots, logprobs, prompt logprobs, device
+    logits -- is :class:`~graphrt.backends.torch.sampled_outputs.SampledOutputs`')."""
 
     def __init__(self, model: torch.nn.Module, config: GraphConfig, device: torch.device,
                  graph_api: DeviceGraphAPI | None, host_arrays: dict[str, np.ndarray] | None = None) -> None:
@@ -109,8 +112,14 @@ class TorchExecutor(Executor[TorchEntry]):
         self.position_logits_out = (torch.zeros(max_r, q, self.vocab_size, dtype=torch.float32, device=self.device)
                                     if q > 1 else None)
         self._position_offsets = torch.arange(-q, 0, device=self.device)
-        self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin)
-        self._copied = None if same else _device_event(self.device)
+        self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs)
+        self._copied = None if same else device_event(self.device)
+        # Graph backends launch steps without waiting (the CPU's events are complete at once);
+        # the sampled outputs' host slots are made by the first such step.
+        self.async_execution = graph_api is not None
+        self.device_runs_ahead = graph_api is not None and graph_api.asynchronous
+        self.futures = FutureInputs(self.static["input_ids"], self.sampler.tokens, pin) if graph_api else None
+        self._slots = None                  # SampledSlots, made by the first step that does not wait
         self.pool = GraphPool(graph_api) if graph_api is not None else None
         self.kv = TorchKVCache(model, config, self.device, f"torch {self.device.type}")
         self.kv_caches: list[torch.Tensor] = []
@@ -240,8 +249,9 @@ class TorchExecutor(Executor[TorchEntry]):
         baked = None
         if isinstance(key, SamplerKey):
             num_reqs, greedy = key.num_reqs, key.greedy
-            entry, nbytes = self._capture(lambda: self.sampler.compute(self.logits_out, num_reqs, greedy),
-                                          lambda: None)
+            compute = (self.sampler.compute_logprobs if key.logprobs else
+                       lambda logits, rows: self.sampler.compute(logits, rows, greedy))
+            entry, nbytes = self._capture(lambda: compute(self.logits_out, num_reqs), lambda: None)
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
             baked = check_baked(self, key) if self.check_baked else None
@@ -306,10 +316,13 @@ class TorchExecutor(Executor[TorchEntry]):
     # ---- run -------------------------------------------------------------------------
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,
             padded: ModelInputs, future: Any = None) -> torch.Tensor:
-        """Copy the padded step into static buffers, then replay ``entry`` or run eagerly (a
-        synchronous executor: the runner resolves future tokens on the host, ``future`` is None)."""
+        """Copy the padded step into static buffers, then replay ``entry`` or run eagerly.
+        ``future`` (graph backends): ``(rows, sampled)``, the previous step's tokens written into
+        the static inputs on the device first (:class:`FutureInputs`)."""
         t, r = len(padded.input_ids), len(padded.seq_lens)
         self.buffers.to_device(t, r)
+        if future is not None:
+            self.futures.write(future[0], padded.query_start_loc)
         if self.lora is not None:
             self.lora.before_step(key, t)
         if self._copied is not None:
@@ -351,7 +364,8 @@ class TorchExecutor(Executor[TorchEntry]):
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True) -> np.ndarray:
         """Fill the sampler's buffers, replay the sampler graph (or run it eagerly); the real
-        requests' tokens, a host copy (never a view of the device buffer)."""
+        requests' tokens, a host copy (never a view of the device buffer), or with ``wait=False``
+        (graph backends) their copy queued into a host slot (a :class:`Sampled`)."""
         rows = padded_reqs or num_reqs
         greedy = sampling.all_greedy
         sampler = self.sampler
@@ -364,6 +378,8 @@ class TorchExecutor(Executor[TorchEntry]):
                 if self.config.debug_check_addresses:
                     self._check_addresses(entry)
                 entry.graph.replay()
+        if not wait:
+            return self.host_slots().launch(num_reqs)
         tokens = sampler.tokens[:num_reqs].cpu().numpy()
         return tokens.copy() if sampler.tokens.device.type == "cpu" else tokens
 
@@ -383,13 +399,3 @@ class TorchExecutor(Executor[TorchEntry]):
         if self.position_logits_out is None:
             raise GraphrtError("position logits need num_speculative_tokens > 0")
         return self.position_logits_out[:num_reqs].cpu().numpy()
-
-
-def _device_event(device: torch.device) -> Any:
-    """An event marking when the staging copies of a step have run: the next step's padding
-    overwrites the page-locked staging buffers, so the host waits for it (not for the
-    replay) before returning."""
-    try:
-        return torch.Event(device=device)
-    except (RuntimeError, TypeError, AttributeError):
-        return None

@@ -58,6 +58,14 @@ class DeviceGraphAPI(abc.ABC):
     #: allocator's segment rounding); False where every graph keeps its own intermediates (the
     #: CPU recording graph). The graph-memory estimate extrapolates differently for each.
     graphs_share_memory: bool = False
+    #: Whether device work runs behind the host (CUDA, Ascend: a launch returns before the device
+    #: finishes, so overlapping steps hides the host's share); False where it is done on return.
+    asynchronous: bool = False
+
+    def new_event(self) -> Any:
+        """An event with ``record()`` (on the current stream) and ``synchronize()`` (wait for what
+        was queued before the record). Default: the CPU's, complete once recorded."""
+        return CompletedEvent()
 
     @abc.abstractmethod
     def new_graph(self) -> Any:
@@ -99,6 +107,21 @@ class DeviceGraphAPI(abc.ABC):
             hook(padded)
         for task in tasks:
             task.hook(padded)
+
+
+class CompletedEvent:
+    """A device event where work is done when it returns (the CPU): recording and waiting are no-ops."""
+
+    __slots__ = ()
+
+    def record(self) -> None:
+        """Nothing to mark: what came before is done."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
 
 
 @dataclass

@@ -85,6 +85,7 @@ class NpuGraphAPI(DeviceGraphAPI):
     pin_memory = True
     compile_backend = None
     graphs_share_memory = True
+    asynchronous = True
 
     def __init__(self, device: torch.device | str = "npu", npu: Any = None) -> None:
         self.npu = import_torch_npu() if npu is None else npu
@@ -94,6 +95,10 @@ class NpuGraphAPI(DeviceGraphAPI):
 
     def new_graph(self) -> Any:
         return self.npu.NPUGraph()
+
+    def new_event(self) -> Any:
+        """A ``torch.npu.Event`` (recorded on the current stream)."""
+        return self.npu.Event()
 
     def new_pool(self) -> Any:
         return self.npu.graph_pool_handle()

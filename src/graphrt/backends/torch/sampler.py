@@ -49,6 +49,17 @@ def random_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.where(temperature < defaults.SAMPLER_MIN_TEMPERATURE, greedy, sampled)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Per row of ``logits`` ``[N, V]``: the logprob of ``tokens[i]`` under ``log_softmax`` in float32,
+    its rank (1 + tokens more likely) and the ``k`` largest logprobs with their ids, descending.
+    Static shapes, nothing read on the host: capturable."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.long().unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = torch.topk(logprobs, k, dim=-1)
+    return chosen.squeeze(1), ranks, top.values, top.indices
+
+
 class SamplerState:
     """The sampler's static buffers: per-row temperature / top-k / top-p (host staging and
     device copies), the noise, the sampled tokens, and each seeded request's generator.
@@ -56,7 +67,8 @@ class SamplerState:
     :meth:`compute` reads only these buffers and a logits buffer, so a graph captures it;
     :meth:`write` fills them for a step before the compute or its replay."""
 
-    def __init__(self, max_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool) -> None:
+    def __init__(self, max_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool,
+                 max_logprobs: int = 0) -> None:
         self.vocab_size, self.device = vocab_size, device
         self._host = {"temperature": torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
                       "top_k": torch.zeros(max_reqs, dtype=torch.int64, pin_memory=pin_memory),
@@ -66,6 +78,14 @@ class SamplerState:
                        {k: t.to(device) for k, t in self._host.items()})
         self.noise = torch.ones(max_reqs, vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        #: The logprobs graph's outputs (``max_logprobs > 0``): each row's sampled-token logprob and
+        #: rank, and its top logprobs and their ids (:func:`token_logprobs`).
+        self.top_k = min(max_logprobs, vocab_size)
+        self.logprobs = ((torch.zeros(max_reqs, dtype=torch.float32, device=device),
+                          torch.zeros(max_reqs, dtype=torch.int64, device=device),
+                          torch.zeros(max_reqs, self.top_k, dtype=torch.float32, device=device),
+                          torch.zeros(max_reqs, self.top_k, dtype=torch.int64, device=device))
+                         if max_logprobs else ())
         # A seeded request's noise comes from its own generator, keyed by all 64 bits of its
         # seed. torch's CPU generator (mt19937) keeps only the low 32, so on a CPU device the
         # noise is drawn by numpy's Philox (128-bit key) straight into this buffer; other
@@ -82,6 +102,12 @@ class SamplerState:
             s = self.static
             self.tokens[:rows].copy_(random_sample(logits, s["temperature"][:rows], s["top_k"][:rows],
                                                    s["top_p"][:rows], self.noise[:rows]))
+
+    def compute_logprobs(self, logits: torch.Tensor, rows: int) -> None:
+        """The logprobs of ``rows`` rows of ``logits`` and of the tokens just sampled into
+        :attr:`logprobs` (capturable: the logprobs graph)."""
+        for out, value in zip(self.logprobs, token_logprobs(logits[:rows], self.tokens[:rows], self.top_k)):
+            out[:rows].copy_(value)
 
     def write(self, sampling: Any, num_reqs: int, rows: int) -> None:
         """A random step's parameters into the buffers (padded rows greedy, filters off),

@@ -44,7 +44,7 @@ from graphrt.backends.torch.tp_ranks import JoinedRanks, Ranks, SpawnedRanks
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
-from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError
+from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError, InputError
 from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
 
 logger = logging.getLogger(__name__)
@@ -161,9 +161,23 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         return self.local.kv_cache_bytes_per_block(block_size)
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: Any = None) -> np.ndarray:
-        """Rank 0 samples alone: its logits rows are the gathered, full-vocabulary ones."""
+               padded_reqs: int | None = None, entry: Any = None, wait: bool = True) -> np.ndarray:
+        """Rank 0 samples alone: its logits rows are the gathered, full-vocabulary ones (a
+        synchronous executor: it always waits)."""
         return self.local.sample(logits, num_reqs, sampling, padded_reqs=padded_reqs, entry=entry)
+
+    def sample_logprobs(self, logits: Any, sampled: Any, num_reqs: int, *, padded_reqs: int | None = None,
+                        entry: Any = None, wait: bool = True) -> tuple[np.ndarray, ...]:
+        """Rank 0's logprobs graph, on the gathered logits (it always waits)."""
+        return self.local.sample_logprobs(logits, sampled, num_reqs, padded_reqs=padded_reqs, entry=entry)
+
+    def prompt_logprobs(self, rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+        """Not under tensor parallelism: the logits of hidden rows need every rank's collective."""
+        raise InputError("prompt_logprobs", "not supported with tensor_parallel_size > 1 (computing logits "
+                                            "outside a step needs every rank)")
+
+    def device_logits(self, num_rows: int) -> Any:
+        return self.local.device_logits(num_rows)
 
     def hidden_states(self, num_tokens: int) -> np.ndarray:
         return self.local.hidden_states(num_tokens)
@@ -257,7 +271,7 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         for mode, key in jobs:
             row = self._key_row
             if isinstance(key, SamplerKey):
-                row[:] = (p.MODE_CODE[mode], key.num_reqs, -1, key.greedy, 0)
+                row[:] = (p.MODE_CODE[mode], key.num_reqs, -1, key.greedy, key.logprobs, -1)
             else:
                 p.encode_key(row, mode, key)
             words += [int(isinstance(key, SamplerKey))] + row.tolist()

@@ -148,12 +148,13 @@ class Follower:
 
 
 def _jobs(words: list[int]) -> list[tuple[RuntimeMode, Any]]:
-    """MEASURE's jobs: per job a kind (0: forward key, 1: sampler key) and the key's words."""
+    """MEASURE's jobs: per job a kind (0: forward key, 1: sampler key) and the key's words (a
+    sampler key's: mode, requests, -1, greedy, logprobs, -1)."""
     jobs = []
     for i in range(0, len(words), 1 + p.KEY_WORDS):
         kind, key_words = words[i], words[i + 1:i + 1 + p.KEY_WORDS]
         mode, key = p.decode_key(key_words)
-        jobs.append((mode, SamplerKey(key.num_tokens, bool(key.uniform_decode)) if kind else key))
+        jobs.append((mode, SamplerKey(key.num_tokens, bool(key.uniform_decode), bool(key.num_loras)) if kind else key))
     return jobs
 
 

@@ -131,7 +131,7 @@ class XlaBackend(Backend):
                               "LoRA-capable layer); use a torch backend (cuda, npu, cpu, eager) or max_loras=0")
         buckets = XlaBuckets.from_config(config)
         programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len,
-                               max_reqs=buckets.max_reqs, config=config)
+                               max_reqs=buckets.max_reqs, config=config, max_logprobs=config.max_logprobs)
         return XlaExecutor(programs, config, buckets, compile_workers=self.compile_workers)
 
 

@@ -136,9 +136,11 @@ class CompileLedger:
     def explain_miss(self, key: Hashable) -> str:
         """Which compiled key is nearest to ``key`` and which input field differs from it."""
         if isinstance(key, SamplerKey):
-            same = [k for k in self._compiled if isinstance(k, SamplerKey) and k.greedy == key.greedy]
+            same = [k for k in self._compiled if isinstance(k, SamplerKey) and k.greedy == key.greedy
+                    and k.logprobs == key.logprobs]
             if not same:
-                return f"no {'greedy' if key.greedy else 'random'} sampler was compiled during warm-up"
+                kind = "logprobs" if key.logprobs else "greedy" if key.greedy else "random"
+                return f"no {kind} sampler was compiled during warm-up"
             near = min(same, key=lambda k: abs(k.num_reqs - key.num_reqs))
             return (f"shape: field 'logits' is ({key.num_reqs}, {self._vocab_size}); the nearest compiled "
                     f"sampler expects ({near.num_reqs}, {self._vocab_size})")

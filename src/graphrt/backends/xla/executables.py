@@ -133,6 +133,6 @@ def executable_store(programs: XlaPrograms, config: GraphConfig) -> ExecutableCa
         modules=(jax_decoder, xla_batch, xla_sampler, shd, sys.modules[XlaPrograms.__module__]),
         devices=list(mesh.devices.flat), mesh_axes=(mesh.axis_names, mesh.devices.shape),
         parts=(programs.model_config, programs.weights, str(programs.kv_dtype), config.block_size,
-               config.max_blocks_per_req,
-               int(programs.model_config.vocab_size), programs.decode_query_len, programs.max_reqs))
+               config.max_blocks_per_req, int(programs.model_config.vocab_size), programs.decode_query_len,
+               programs.max_reqs, programs.max_logprobs))
     return ExecutableCache(config.compilation_cache_dir, fingerprint, list(mesh.devices.flat))

@@ -26,13 +26,14 @@ from tqdm.auto import tqdm
 
 from graphrt.backends.base import Built, Executor, SamplingBatch
 from graphrt.backends.xla import sharding as shd
-from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change, sampling_spec
+from graphrt.backends.xla.batch import XlaBatch, batch_spec, sampling_spec
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
 from graphrt.backends.xla.compile_ledger import CompileLedger
 from graphrt.backends.xla.entries import XlaEntry
 from graphrt.backends.xla.executables import executable_store
 from graphrt.backends.xla.programs import XlaPrograms
+from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.config import GraphConfig
 from graphrt.core.cache import describe_key
@@ -45,19 +46,12 @@ logger = logging.getLogger(__name__)
 #: The calling thread's compile counters, read directly on the hot path (one attribute load).
 _compiles = thread_counts()
 
-_I32 = np.dtype(np.int32)
-
-
-def _as_array(value: Any) -> Any:
-    """``None`` stays ``None`` (a structure change), anything else becomes an ndarray."""
-    return None if value is None else np.asarray(value)
-
-
 class XlaExecutor(Executor[XlaEntry]):
     """Host staging buffers, the donated KV cache and the compiled executables of one model."""
 
     has_graphs = True
     async_execution = True          # executables are dispatched; the host waits only for tokens
+    device_runs_ahead = True
     attention_support = AttentionGraphSupport.ALWAYS
     supports_piecewise = False
     eager_fallback = False
@@ -85,6 +79,9 @@ class XlaExecutor(Executor[XlaEntry]):
         if programs.max_reqs < max_r:
             raise ConfigError(f"the xla programs pad sampled tokens to {programs.max_reqs} rows; the "
                               f"config's largest batch is {max_r} (build XlaPrograms with max_reqs={max_r})")
+        if config.max_logprobs and programs.max_logprobs != min(config.max_logprobs, self.vocab_size):
+            raise ConfigError(f"max_logprobs={config.max_logprobs}, but the xla programs compute "
+                              f"{programs.max_logprobs} (build XlaPrograms with max_logprobs={config.max_logprobs})")
         #: No future tokens: every request keeps its host id (``run(future=None)``).
         self._no_future = jax.device_put(np.zeros(programs.max_reqs, np.int32), programs.replicated)
         self._no_future_rows = np.full(max_r, -1, np.int32)
@@ -93,6 +90,7 @@ class XlaExecutor(Executor[XlaEntry]):
         #: Planned and compiled keys, the compile counters, strict mode and the on-disk store.
         self.compiles = CompileLedger(strict=config.strict, vocab_size=self.vocab_size,
                                       table_width=self._width, store=executable_store(programs, config))
+        self.prompt = PromptLogprobs(programs, self.compiles)
         self.kv_cache: jax.Array | None = None
         self._last_logits: jax.Array | None = None
         self._last_positions: jax.Array | None = None
@@ -226,6 +224,8 @@ class XlaExecutor(Executor[XlaEntry]):
         if isinstance(key, SamplerKey):
             num_reqs, greedy = key.num_reqs, key.greedy
             logits = jax.ShapeDtypeStruct((num_reqs, self.vocab_size), jnp.float32)
+            if key.logprobs:
+                return self.programs.logprobs, None, (logits, jax.ShapeDtypeStruct((self.programs.max_reqs,), jnp.int32))
             if greedy:
                 return self.programs.greedy, None, (logits,)
             spec = sampling_spec(num_reqs)
@@ -264,19 +264,6 @@ class XlaExecutor(Executor[XlaEntry]):
             return self._width
         return min(self._width, max(-(-key.max_seq_len // self.config.block_size), 1))
 
-    def _check_inputs(self, entry: XlaEntry, padded: ModelInputs) -> None:
-        """Every padded array has the dtype and shape the executable was compiled for (numpy only;
-        the block table as narrowed to the key's context)."""
-        for name, shape in zip(BATCH_FIELDS, entry.shapes):
-            arr = getattr(padded, name)
-            if name == "block_table" and isinstance(arr, np.ndarray) and arr.ndim == 2:
-                arr = arr[:, :shape[1]]
-            if not isinstance(arr, np.ndarray) or arr.dtype != _I32 or arr.shape != shape:
-                got = XlaBatch(**{f: _as_array(getattr(padded, f)) for f in BATCH_FIELDS},
-                               num_tokens=entry.spec.num_tokens, num_reqs=entry.spec.num_reqs,
-                               uniform_decode=entry.spec.uniform_decode)
-                raise InputError(name, f"{describe_change(entry.spec, got)} (executable for {entry.key})")
-
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: XlaEntry | None,
             padded: ModelInputs, future: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
         """Run the executable for ``key`` on the padded step; returns device logits ``[R_pad, V]``.
@@ -290,7 +277,7 @@ class XlaExecutor(Executor[XlaEntry]):
         still on the device; -1: none), resolved inside the executable.
         """
         entry = self._require(entry, key)
-        self._check_inputs(entry, padded)
+        entry.check_inputs(padded)
         spec = entry.spec
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
                          padded.query_start_loc.copy(), padded.seq_lens.copy(),
@@ -300,6 +287,8 @@ class XlaExecutor(Executor[XlaEntry]):
         if future is not None:
             real, tokens = future
             rows[:len(real)] = real
+            if isinstance(tokens, np.ndarray):     # a step that waited: its tokens are on the host
+                tokens = np.pad(tokens.astype(np.int32), (0, self.programs.max_reqs - len(tokens)))
         before = _compiles.compiles
         kv = self.kv_cache
         try:
@@ -359,6 +348,30 @@ class XlaExecutor(Executor[XlaEntry]):
         """The first ``num_reqs`` tokens of a sampler's device output, on the host (int64);
         waits for the device (an asynchronous execution error surfaces here)."""
         return np.asarray(tokens)[:num_reqs].astype(np.int64)
+
+    def sample_logprobs(self, logits: Any, sampled: Any, num_reqs: int, *, padded_reqs: int | None = None,
+                        entry: XlaEntry | None = None, wait: bool = True) -> Any:
+        """The logprobs executable (``entry``, required) on the logits rows and the sampler's device
+        output ``sampled``: host arrays of the real rows, or with ``wait=False`` the device arrays."""
+        entry = self._require(entry, SamplerKey(int(logits.shape[0]), False, True))
+        before = _compiles.compiles
+        out = entry.executable(logits, sampled)
+        if _compiles.compiles != before:
+            self.compiles.compiled_while_running(before, entry.key, "logprobs")
+        return self.fetch_logprobs(out, num_reqs) if wait else out
+
+    @staticmethod
+    def fetch_logprobs(handle: Sequence[jax.Array], num_reqs: int) -> tuple[np.ndarray, ...]:
+        """``(logprob, rank, top logprobs, top ids)`` of the first ``num_reqs`` rows, on the host."""
+        return tuple(np.asarray(a)[:num_reqs] for a in handle)
+
+    def prompt_logprobs(self, rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+        """Logprobs of ``targets`` at the last forward's hidden rows ``rows`` (:class:`PromptLogprobs`)."""
+        return self.prompt(self._last_hidden, rows, targets)
+
+    def device_logits(self, num_rows: int) -> jax.Array:
+        """The last forward's logits, the jax array itself (its padded rows; no host copy)."""
+        return self._last_logits
 
     def free_request(self, request_id: int) -> None:
         self.sampling_rows.free(request_id)

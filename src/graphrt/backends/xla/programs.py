@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.batch import XlaBatch
-from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens
+from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens, sampled_logprobs, token_logprobs
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
 from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
@@ -116,9 +116,10 @@ def _functions(model: XlaModel) -> tuple[Callable[..., Any], Callable[..., Any]]
 
 
 def model_program(model: Any, block_size: int, decode_query_len: int = 1,
-                  tp_size: int = 1) -> tuple[Any, Any, Callable[..., Any]]:
-    """(model config, weights pytree, step function) for every kind of model accepted; the
-    config checked (:func:`check_model_config`, naming any member it lacks)."""
+                  tp_size: int = 1) -> tuple[Any, Any, Callable[..., Any], Callable[..., jax.Array]]:
+    """(model config, weights pytree, step function, ``logits(weights, hidden rows)``) for every
+    kind of model accepted; the config checked (:func:`check_model_config`, naming any member
+    it lacks)."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], DecoderConfig):
         model = XlaModel(*model)
     if isinstance(model, XlaModel):
@@ -126,13 +127,16 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1,
         check_model_config(cfg, tp_size)
         forward, compute_logits = _functions(model)
 
+        def logits(params: Any, hidden: jax.Array) -> jax.Array:
+            return compute_logits(params, hidden, config=cfg)
+
         def run_model(params: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
                       last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
             hidden, kv_cache = forward(params, kv_cache, batch.input_ids, batch.positions, meta,
                                        config=cfg, block_size=block_size)
-            return compute_logits(params, hidden[last], config=cfg), hidden, kv_cache
+            return logits(params, hidden[last]), hidden, kv_cache
 
-        return cfg, model.params, _make_step(run_model, decode_query_len)
+        return cfg, model.params, _make_step(run_model, decode_query_len), logits
     try:
         from flax import nnx
     except ImportError:
@@ -145,13 +149,16 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1,
             raise ConfigError(f"the nnx module was built for block_size={own}, the config says {block_size}")
         graphdef, state = nnx.split(model)
 
+        def logits_nnx(state: Any, hidden: jax.Array) -> jax.Array:
+            return nnx.merge(graphdef, state).compute_logits(hidden)
+
         def run_nnx(state: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
                     last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
             module = nnx.merge(graphdef, state)
             hidden, kv_cache = module(kv_cache, batch.input_ids, batch.positions, meta)
             return module.compute_logits(hidden[last]), hidden, kv_cache
 
-        return cfg, state, _make_step(run_nnx, decode_query_len)
+        return cfg, state, _make_step(run_nnx, decode_query_len), logits_nnx
     raise InputError("model", f"{type(model).__name__} is not a model the xla backend runs: pass "
                               "XlaBackend.load_model(...)'s XlaModel, a (DecoderConfig, params) pair, "
                               "XlaModel(config, params, forward=..., compute_logits=...) for a model of "
@@ -179,17 +186,21 @@ class XlaPrograms:
     ``forward(weights, kv_cache, batch, future_tokens, future_rows)`` donates the KV cache
     (with ``decode_query_len > 1`` it also returns each request's position logits);
     ``greedy(logits)`` and ``sample(logits, metadata)`` are the samplers, whose tokens come
-    padded to ``max_reqs`` rows (the forward's ``future_tokens``). ``own_code`` is False for an
-    nnx module, whose code lives in its graphdef (the on-disk executable store cannot
-    fingerprint it). ``kv_spec`` is the KV cache spec (:func:`xla_kv_spec`) and ``kv_dtype`` the
-    cache array's dtype (``config.kv_cache_dtype``, else the weights').
+    padded to ``max_reqs`` rows (the forward's ``future_tokens``). With ``max_logprobs > 0``,
+    ``logprobs(logits, tokens)`` is a sampler step's logprobs and ``prompt_logprobs(weights,
+    hidden rows, targets)`` those of chosen hidden rows (:mod:`graphrt.backends.xla.sampler`).
+    ``own_code`` is False for an nnx module, whose code lives in its graphdef (the on-disk
+    executable store cannot fingerprint it). ``kv_spec`` is the KV cache spec
+    (:func:`xla_kv_spec`) and ``kv_dtype`` the cache array's dtype (``config.kv_cache_dtype``,
+    else the weights').
     """
 
     def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1,
-                 max_reqs: int = 1, config: Any = None) -> None:
+                 max_reqs: int = 1, config: Any = None, max_logprobs: int = 0) -> None:
         self.mesh = mesh
         self.tp_size = shd.mesh_size(mesh)
-        self.model_config, weights, step = model_program(model, block_size, decode_query_len, self.tp_size)
+        self.model_config, weights, step, logits = model_program(model, block_size, decode_query_len,
+                                                                 self.tp_size)
         self.decode_query_len = decode_query_len
         self.max_reqs = int(max_reqs)
         shd.check_tp(self.model_config, self.tp_size)
@@ -211,6 +222,14 @@ class XlaPrograms:
         self.greedy = jax.jit(padded_tokens(greedy_tokens, self.max_reqs), in_shardings=(repl,), out_shardings=repl)
         self.sample = jax.jit(padded_tokens(sample_tokens, self.max_reqs), in_shardings=(repl, repl),
                               out_shardings=repl)
+        k = self.max_logprobs = min(max_logprobs, int(self.model_config.vocab_size))
+        self.logprobs = jax.jit(sampled_logprobs(k), in_shardings=(repl, repl), out_shardings=repl) if k else None
+
+        def prompt(weights: Any, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+            return token_logprobs(logits(weights, hidden), targets, k)
+
+        self.prompt_logprobs = (jax.jit(prompt, in_shardings=(weight_shardings, repl, repl), out_shardings=repl)
+                                if k else None)
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` (the last row: trash)."""

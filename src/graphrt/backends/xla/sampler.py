@@ -46,3 +46,22 @@ def sample_tokens(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(meta.seeds, meta.steps, vocab)
     sampled = jnp.argmax(filtered + noise, axis=-1)
     return jnp.where(meta.temperature < min_t, greedy, sampled).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, ...]:
+    """Per row of ``logits`` ``[N, V]``: the logprob of ``tokens[i]`` under ``log_softmax`` in
+    float32, its rank (1 + tokens more likely) and the ``k`` largest logprobs with their ids,
+    descending (the torch sampler's :func:`~graphrt.backends.torch.sampler.token_logprobs`)."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens.astype(jnp.int32)[:, None], axis=-1)
+    ranks = jnp.sum(logprobs > chosen, axis=-1) + 1
+    top, ids = jax.lax.top_k(logprobs, k)
+    return chosen[:, 0], ranks.astype(jnp.int32), top, ids.astype(jnp.int32)
+
+
+def sampled_logprobs(k: int):
+    """The logprobs program of a sampler step: ``(logits [R, V], tokens [max_reqs])`` -- the
+    sampler's padded output -- to :func:`token_logprobs` of the first ``R`` tokens."""
+    def logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, ...]:
+        return token_logprobs(logits, tokens[:logits.shape[0]], k)
+    return logprobs

@@ -1,0 +1,144 @@
+"""A step's outputs beyond its tokens: the sampled tokens' logprobs and prompt logprobs.
+
+``ModelRunner`` comes here only for a step that asks for them (its sampling batch has a
+``logprobs`` column, or ``execute(prompt_logprobs=...)`` is given), so other steps cross none of
+it. Such a step returns a :class:`~graphrt.core.logprobs.StepOutput` instead of the tokens alone.
+
+* **Logprobs of sampled tokens**: right after the sampler, the logprobs graph of the step's
+  sampler rows (``SamplerKey(padded_reqs, False, logprobs=True)``, built at warm-up when
+  ``max_logprobs > 0``) reads the same logits rows and the tokens just sampled; on a backend that
+  dispatches asynchronously both outputs travel to the host together, and only a caller that
+  reads them waits.
+* **Prompt logprobs**: for each request that asks, the logprob at each of its scheduled
+  positions of the token the caller's table holds at the next position, with the top logprobs
+  there, from the forward's hidden rows (the executor's ``prompt_logprobs``). They are computed
+  when the step launches, so such a step waits for its forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.core.cache import GraphCache
+from graphrt.core.dispatch import RuntimeMode
+from graphrt.core.eager import EagerCause
+from graphrt.core.errors import InputError
+from graphrt.core.fields import ModelInputs
+from graphrt.core.future_tokens import PendingTokens
+from graphrt.core.logprobs import StepOutput, TokenLogprobs
+from graphrt.core.sampling import check_logprobs_limit, logprobs as logprobs_count
+from graphrt.plans import LOGPROBS, StepPlan
+
+
+class StepOutputs:
+    """The runner's logprobs and prompt logprobs (module doc); ``max_logprobs`` is the config's
+    limit, ``build_missing(cache, cache_key, mode, key)`` builds a logprobs graph an executor
+    without an eager path lacks (the runner's)."""
+
+    def __init__(self, executor: Executor, sampler_cache: GraphCache, max_logprobs: int,
+                 build_missing: Callable[..., Any]) -> None:
+        self.executor, self.sampler_cache, self.max_logprobs = executor, sampler_cache, max_logprobs
+        self.top = min(max_logprobs, executor.vocab_size)     # top columns the graphs compute
+        self._build_missing = build_missing
+
+    def check(self, sampling: SamplingBatch | None, prompt_logprobs: Any, num_reqs: int) -> np.ndarray | None:
+        """Refuse a logprobs count above ``max_logprobs`` (in the batch or ``prompt_logprobs``),
+        before anything is written; ``prompt_logprobs`` as int64 ``[num_reqs]`` (-1: none)."""
+        if sampling is not None and sampling.max_num_logprobs is not None:
+            check_logprobs_limit(sampling.max_num_logprobs, self.max_logprobs)
+        if prompt_logprobs is None:
+            return None
+        try:
+            values = list(prompt_logprobs)
+        except TypeError:
+            raise InputError("prompt_logprobs", f"must be one None or integer >= 0 per request, got "
+                                                f"{prompt_logprobs!r}") from None
+        if len(values) != num_reqs:
+            raise InputError("prompt_logprobs", f"{len(values)} rows for {num_reqs} requests")
+        counts = [logprobs_count(v, f"prompt_logprobs[{i}]") for i, v in enumerate(values)]
+        for i, c in enumerate(counts):
+            check_logprobs_limit(c, self.max_logprobs, f"prompt_logprobs[{i}]")
+        return np.array([-1 if c is None else c for c in counts], np.int64)
+
+    def finish(self, plan: StepPlan, padded: ModelInputs, logits: Any, sampling: SamplingBatch | None, wait: bool,
+               prompt_counts: np.ndarray | None, step: tuple[np.ndarray, ...]) -> tuple[Any, Any]:
+        """After the forward: prompt logprobs (``prompt_counts`` from :meth:`check`; ``step`` is the
+        caller's token table, rows, computed and scheduled tokens), then the sampler and the
+        logprobs graph. Returns ``(the step's result, (the sampler's output, requests) for future
+        tokens, or None)``; the result is a :class:`StepOutput`, or with ``wait=False`` on an
+        asynchronous executor a :class:`PendingTokens` of it."""
+        prompt = None if prompt_counts is None else self.prompt(prompt_counts, padded, *step)
+        if sampling is None:
+            return StepOutput(None, None, prompt), None
+        out, sampled = self.sample(plan, logits, sampling.num_reqs, sampling, wait, prompt)
+        return out, (sampled, sampling.num_reqs)
+
+    def prompt(self, counts: np.ndarray, padded: ModelInputs, token_ids: np.ndarray, req_rows: np.ndarray,
+               num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray) -> list[TokenLogprobs | None]:
+        """Per request, the logprobs of the table's next token at each scheduled position (None where
+        it asked none); the last forward's hidden rows, read right after it ran."""
+        wanted = np.flatnonzero(counts >= 0)
+        if not len(wanted):
+            return [None] * len(counts)
+        starts = padded.query_start_loc[wanted].astype(np.int64)
+        lengths = np.asarray(num_scheduled_tokens, np.int64)[wanted]
+        rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+        width, vocab = token_ids.shape[1], self.executor.vocab_size
+        targets = []
+        for i, n in zip(wanted, lengths):
+            first = int(num_computed_tokens[i]) + 1       # the token after each scheduled position
+            next_ids = np.zeros(n, np.int64)
+            known = token_ids[req_rows[i], first:min(first + n, width)]
+            next_ids[:len(known)] = known
+            targets.append(np.clip(next_ids, 0, vocab - 1))   # past the table's tokens: unspecified
+        targets_all = np.concatenate(targets)
+        arrays = self.executor.prompt_logprobs(rows, targets_all, self.top)
+        out: list[TokenLogprobs | None] = [None] * len(counts)
+        start = 0
+        for i, n, tgt in zip(wanted, lengths, targets):
+            part = tuple(a[start:start + n] for a in arrays)
+            out[i] = TokenLogprobs.of(tgt, part, np.full(n, counts[i], np.int64))
+            start += n
+        return out
+
+    def sample(self, plan: StepPlan, logits: Any, num_reqs: int, sampling: SamplingBatch, wait: bool,
+               prompt: list[TokenLogprobs | None] | None) -> tuple[Any, Any]:
+        """Sample the step (and run its logprobs graph when the batch asks): ``(the step's result,
+        the sampler's output for future tokens)``. The result is a :class:`StepOutput`, or with
+        ``wait=False`` on an asynchronous executor a :class:`PendingTokens` of it."""
+        ex, r = self.executor, num_reqs
+        entry = plan.sampler[sampling.all_greedy][1]
+        on_device = ex.async_execution
+        sampled = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry, wait=not on_device)
+        handle = None
+        if sampling.logprobs is not None:
+            handle = ex.sample_logprobs(logits, sampled, r, padded_reqs=plan.padded_reqs,
+                                        entry=self._logprobs_entry(plan, r), wait=not on_device)
+        counts = sampling.logprobs
+
+        def result() -> StepOutput:
+            tokens = ex.fetch_tokens(sampled, r) if on_device else sampled
+            arrays = None if handle is None else ex.fetch_logprobs(handle, r) if on_device else handle
+            return StepOutput(tokens, None if arrays is None else TokenLogprobs.of(tokens, arrays, counts), prompt)
+
+        return (result() if wait or not on_device else PendingTokens(result)), sampled
+
+    def _logprobs_entry(self, plan: StepPlan, num_reqs: int) -> Any:
+        """The plan's logprobs graph (built now where the executor has no eager path), its use
+        counted like the sampler's."""
+        key, entry, eager = plan.sampler[LOGPROBS]
+        if plan.mode is not RuntimeMode.FULL:
+            return entry
+        if entry is None and not self.executor.eager_fallback:
+            entry = self._build_missing(self.sampler_cache, key, RuntimeMode.FULL, key)
+            plan.sampler[LOGPROBS] = (key, entry, None)
+        self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=num_reqs,
+                                       padded_reqs=plan.padded_reqs, eager_reason=eager,
+                                       eager_cause=EagerCause.CAPTURE_FAILED, key=key, hit=entry is not None)
+        return entry
+
+
+__all__ = ["StepOutput", "StepOutputs"]
