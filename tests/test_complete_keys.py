@@ -75,7 +75,8 @@ def runner_with(model: torch.nn.Module, hook: Any, backend: Any = None, **overri
 
 def forward_entries(r: ModelRunner) -> list[dict[str, Any]]:
     """The capture report's FULL forward keys (sampler graphs are FULL too, and not checked)."""
-    return [e for e in r.executor.capture_report if e["mode"] == "FULL" and not e["key"].startswith("(sample")]
+    return [e for e in r.executor.capture_report
+            if e["mode"] == "FULL" and not e["key"].startswith("(sample")]
 
 
 def steps(r: ModelRunner, graphs: bool = True) -> list[np.ndarray]:

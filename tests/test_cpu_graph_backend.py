@@ -195,7 +195,8 @@ def test_every_graph_reads_the_same_static_buffers(cpu_runner, tables):
     ptrs = {name: t.data_ptr() for name, t in ex.static.items()}
     entries = [cpu_runner.cache.get(k) for k in cpu_runner.cache.keys()]
     entries += [cpu_runner.sampler_cache.get(k) for k in cpu_runner.sampler_cache.keys()]
-    assert len(entries) == 3 + 2 * 2          # forward graphs of 4, 8, 16 tokens; sampler graphs of 4, 8 rows
+    # forward graphs of 4, 8, 16 tokens; sampler graphs (greedy, random, logprobs) of 4, 8 rows
+    assert len(entries) == 3 + 2 * 3
     for entry in entries:
         captured = entry.input_ptrs
         assert {k: captured[k] for k in ptrs} == ptrs

@@ -71,15 +71,16 @@ def test_kv_blocks_are_reduced_by_the_recording_graphs_measured_bytes(cpu_runner
     # The samples: per family the largest, the smallest and the middle key, measured before the
     # KV cache existed -- the same byte counts the recording graph gives them at warm-up.
     fwd = {n: f"FULL (mixed, tokens={n}, reqs={min(n, 8)}, context<=128)" for n in SIZES}   # one context bucket
-    smp = {(n, g): f"sampler (reqs={n}, {'greedy' if g else 'random'})" for n in (1, 2, 4, 8) for g in (True, False)}
-    assert set(gm.sampled) == {fwd[1], fwd[4], fwd[16]} | {smp[n, g] for n in (1, 4, 8) for g in (True, False)}
+    kinds = ("greedy", "random", "logprobs")          # three sampler families: greedy, random, logprobs
+    smp = {(n, g): f"sampler (reqs={n}, {g})" for n in (1, 2, 4, 8) for g in kinds}
+    assert set(gm.sampled) == {fwd[1], fwd[4], fwd[16]} | {smp[n, g] for n in (1, 4, 8) for g in kinds}
     assert all(gm.sampled[k] == built[k] > 0 for k in gm.sampled)
     # The estimate: every sample as measured; each other key on its family's line (the first
     # capture, tokens=16, is no point of it: its bytes would include a shared pool's).
     expected = sum(gm.sampled.values())
     fwd_line = {n: built[fwd[n]] for n in (1, 4)}
     expected += line(fwd_line, 2) + line(fwd_line, 8)
-    for g in (True, False):
+    for g in kinds:
         expected += line({n: built[smp[n, g]] for n in (1, 4)}, 2)
     assert gm.estimate == math.ceil(expected)
     assert gm.margin == math.ceil(gm.estimate * defaults.GRAPH_MEMORY_MARGIN) > 0
@@ -92,7 +93,7 @@ def test_kv_blocks_are_reduced_by_the_recording_graphs_measured_bytes(cpu_runner
     assert abs(gm.estimate - gm.actual) <= 0.1 * gm.actual
     assert r.executor.capture_report and len(r.executor.capture_report) == len(built)   # samples not reported
     summary = gm.summary()
-    assert "estimated from 9 of 13 keys" in summary and "actual" in summary and "estimate / actual" in summary
+    assert "estimated from 12 of 17 keys" in summary and "actual" in summary and "estimate / actual" in summary
     d = gm.as_dict()
     assert d["estimate"] == gm.estimate and d["actual"] == gm.actual and d["reason"] is None
 
@@ -136,7 +137,7 @@ def test_a_budget_too_small_for_graphs_and_one_request_names_the_numbers(model_d
     text = str(err.value)
     for number in (budget, per_block, gm.estimate, gm.margin, 2 * per_block):
         assert str(number) in text
-    assert "kv_cache_memory" in text and "9 of 13 keys" in text
+    assert "kv_cache_memory" in text and "12 of 17 keys" in text
 
 
 def test_explicit_blocks_and_the_default_host_size_deduct_nothing(model_dir):
@@ -169,7 +170,7 @@ def test_device_adapters_measure_reserved_memory_and_release_the_samples(model_d
     fake = backend.fake if device == "cuda" else backend._npu
     r = make(model_dir, backend=backend, kv_cache_memory=None, cudagraph_capture_sizes=[1, 2, 4])
     gm = r.graph_memory
-    assert gm.reason is None and gm.estimate > 0 and len(gm.sampled) == 9
+    assert gm.reason is None and gm.estimate > 0 and len(gm.sampled) == 12
     free, total = 8 << 30, 16 << 30                      # what the stand-ins report
     assert gm.budget == int(free - total * (1 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
     assert gm.actual == r.stats.build_bytes + r.sampler_stats.build_bytes

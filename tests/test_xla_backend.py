@@ -164,11 +164,12 @@ def test_warmup_report_and_entries(qwen):
     keys = {k for _, k in runner.cache}
     assert keys == {BatchDescriptor(32, 4, False, max_seq_len=CTX), BatchDescriptor(16, 4, False, max_seq_len=CTX), BatchDescriptor(4, 4, True, max_seq_len=CTX),
                     BatchDescriptor(2, 2, True, max_seq_len=CTX), BatchDescriptor(1, 1, True, max_seq_len=CTX)}
-    assert {k for k in runner.sampler_cache} == {SamplerKey(r, g) for r in (1, 2, 4) for g in (True, False)}
+    assert {k for k in runner.sampler_cache} == {SamplerKey(r, g, lp) for r in (1, 2, 4)
+                                                 for g, lp in ((True, False), (False, False), (False, True))}
     report = compile_report(runner.cache, runner.sampler_cache)
     # Every entry was lowered here; a compile may take ~0 s when another test in this process
     # already compiled the identical program (JAX's in-memory cache), so only the total is > 0.
-    assert len(report) == 11 and all(r["lower_s"] > 0 and r["compile_s"] >= 0 for r in report)
+    assert len(report) == 5 + 3 * 3 and all(r["lower_s"] > 0 and r["compile_s"] >= 0 for r in report)
     assert sum(r["compile_s"] for r in report) > 0
     assert all(r["seconds"] > 0 for r in runner.warmup_report)
     # Host buffers cover the largest token bucket and the fixed mixed batch size.

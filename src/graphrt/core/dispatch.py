@@ -127,7 +127,7 @@ class SamplerKey:
 
     def __str__(self) -> str:
         if self.logprobs:
-            return f"(logprobs, reqs={self.num_reqs})"
+            return f"(sample, reqs={self.num_reqs}, logprobs)"
         return f"(sample, reqs={self.num_reqs}, {'greedy' if self.greedy else 'random'})"
 
 

@@ -80,7 +80,7 @@ class NumpyPrepare:
         first rows of ``outputs``."""
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out = outputs
         r = rows_in.shape[0]
-        computed, rows, scheduled, seq = req = self.req[:, :r]
+        computed, rows, scheduled, seq = self.req[:, :r]
         computed[:] = computed_in
         rows[:] = rows_in
         scheduled[:] = scheduled_in

@@ -56,10 +56,11 @@ class TorchBackend(Backend):
         """The shape of a model that follows docs/models.md (its KV cache spec, resolved and
         checked for ``config``: a bad one raises ConfigError here, before any allocation;
         ``config``'s widths, its parameters' element size; LoRA: the ``lora_target_modules``
-        linears); None for a path (tensor-parallel ranks load their own shards) or a model
-        without parameters or a ``config``."""
+        linears); None for a path or under tensor parallelism (the ranks load their own shards
+        from a directory; a built model is refused there) or a model without parameters or a
+        ``config``."""
         cfg = getattr(model, "config", None)
-        if not isinstance(model, torch.nn.Module):
+        if not isinstance(model, torch.nn.Module) or config.tensor_parallel_size > 1:
             return None
         spec = model_kv_spec(model, config, self.name)
         param = next(model.parameters(), None)

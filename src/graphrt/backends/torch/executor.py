@@ -320,7 +320,8 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         ``future`` (graph backends): ``(rows, sampled)``, the previous step's tokens written into
         the static inputs on the device first (:class:`FutureInputs`)."""
         t, r = len(padded.input_ids), len(padded.seq_lens)
-        self.buffers.to_device(t, r)
+        if self._copied is not None:        # a device apart from the host: copy the step's rows
+            self.buffers.to_device(t, r)
         if future is not None:
             self.futures.write(future[0], padded.query_start_loc)
         if self.lora is not None:
