@@ -17,10 +17,9 @@ import pytest
 import torch
 
 import graphrt
-from graphrt import ConfigError, GraphMode, InputError, ModelRunner, RuntimeMode, SamplingParams
+from graphrt import ConfigError, InputError, ModelRunner, RuntimeMode, SamplingParams
 from graphrt.testing import RunnerFactory, check_property
 from hf_models import random_prompts, tiny_hf_model_dir
-from parity import assert_bitwise
 from user_attention import DenseBackend, dense_model, extra_input_model
 
 ENGINE = dict(backend="cpu", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,

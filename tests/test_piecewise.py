@@ -12,7 +12,7 @@ import torch
 
 from graphrt.backends.torch.cpu import CpuGraphAPI, CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
-from graphrt.backends.torch.piecewise import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
+from graphrt.backends.torch.fx_split import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
 from graphrt.core.dispatch import GraphMode, RuntimeMode
 from graphrt.core.forward_context import forward_context
 from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, paged_attention_kernel

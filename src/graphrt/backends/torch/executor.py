@@ -12,7 +12,7 @@ static buffers, and outputs written into static buffers the caller slices.
 
 * FULL keys capture the whole forward (and, separately, the sampler) as one graph.
 * PIECEWISE keys capture the pieces between attention calls per token bucket
-  (:mod:`graphrt.backends.torch.piecewise`); attention runs eagerly between them.
+  (:mod:`graphrt.backends.torch.fx_split`); attention runs eagerly between them.
 * ``GraphConfig.compile_model`` hands the pieces to the device's ``torch.compile`` backend
   (Inductor on CUDA) with each bucket's buffers as example inputs -- static shapes, one
   compile per bucket up to ``compile_max_size`` -- before they are captured; a FULL key
@@ -36,11 +36,11 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch.baked import check_baked
+from graphrt.backends.torch.baked_values import check_baked
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.lora import TorchLora
-from graphrt.backends.torch.pieces import Pieces
-from graphrt.backends.torch.piecewise import PiecewiseEntry, SplitModel
+from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
+from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import GraphrtError
@@ -126,7 +126,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.kv_cache: torch.Tensor | None = None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
-        self.pieces = Pieces(self)
+        self.pieces = PiecewiseCapture(self)
         #: Check the host values each FULL capture bakes in (off while graph memory is sampled:
         #: warm-up captures, and checks, the same keys again).
         self.check_baked = config.check_baked_values or config.strict
@@ -154,7 +154,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         from graphrt.backends.torch.graph_memory import measure_graph_memory
         return measure_graph_memory(self, jobs)
 
-    # ---- split / compile (graphrt.backends.torch.pieces) ------------------------------
+    # ---- split / compile (graphrt.backends.torch.piecewise_capture) ------------------------------
     @property
     def split_model(self) -> SplitModel | None:
         """The model split at its attention calls (None if it cannot be split; see the log)."""

@@ -3,11 +3,11 @@
 PIECEWISE keys replay graphs between attention calls; ``compile_model`` compiles the same
 pieces before a key is captured. This module owns how the executor gets them:
 
-* the fx split (:class:`~graphrt.backends.torch.piecewise.SplitModel`), traced lazily, once;
+* the fx split (:class:`~graphrt.backends.torch.fx_split.SplitModel`), traced lazily, once;
 * per token bucket, the persistent buffers its cut values live in and, with
   ``compile_model``, the compiled pieces;
 * PIECEWISE entries, captured from the fx pieces or by breakable capture
-  (:mod:`graphrt.backends.torch.breakable`), as ``GraphConfig.piecewise_capture`` says.
+  (:mod:`graphrt.backends.torch.breakable_capture`), as ``GraphConfig.piecewise_capture`` says.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from graphrt.backends.torch.breakable import capture_breakable
-from graphrt.backends.torch.piecewise import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
+from graphrt.backends.torch.breakable_capture import capture_breakable
+from graphrt.backends.torch.fx_split import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
                                               split_or_reason)
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor
@@ -27,7 +27,7 @@ from graphrt.core.forward_context import forward_context
 logger = logging.getLogger(__name__)
 
 
-class Pieces:
+class PiecewiseCapture:
     """The split model, piece buffers, compiled pieces and PIECEWISE capture of one executor."""
 
     def __init__(self, executor: Any) -> None:
@@ -159,4 +159,4 @@ class Pieces:
         return PiecewiseEntry(t, calls, graphs, output, ex.input_ptrs(), False, tasks), nbytes
 
 
-__all__ = ["Pieces"]
+__all__ = ["PiecewiseCapture"]
