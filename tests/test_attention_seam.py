@@ -161,3 +161,34 @@ def test_a_backend_that_keys_what_no_key_holds_is_refused():
     with pytest.raises(ConfigError, match=r"max_query_len.*no graph key holds"):
         ModelRunner(model, backend="cpu", warmup=False, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
                     block_size=4, num_kv_blocks=40)
+
+
+@pytest.mark.parametrize("prop", ["padding_invisible", "kv_isolated", "replay_matches_eager", "bad_input_rejected"])
+def test_the_kit_draws_and_checks_a_models_extra_inputs(prop):
+    """The kit's steps carry an array per declared extra input (padded by the runner with its
+    fill); bad steps also break one (wrong shape, dtype, missing), named by the InputError."""
+    factory = RunnerFactory(extra_input_model, "cpu", mode="FULL_AND_PIECEWISE")
+    assert factory.strategy_args()["extra_inputs"].keys() == {"embeds"}
+    result = check_property(prop, factory, examples=8)
+    assert result.passed, result.line()
+
+
+def test_the_kits_bad_extra_inputs_name_the_input():
+    from hypothesis import given, settings
+
+    from graphrt.testing import strategies
+
+    factory = RunnerFactory(extra_input_model, "cpu", mode="NONE")
+    seen = set()
+
+    @settings(max_examples=30, deadline=None, database=None)
+    @given(strategies.bad_steps(**factory.strategy_args(), kinds=strategies.EXTRA_KINDS))
+    def check(bad):
+        seen.add(bad.kind)
+        assert bad.field == "extra_inputs['embeds']"
+        with pytest.raises(InputError) as err:
+            factory().execute(**bad.step.kwargs())
+        assert err.value.field == bad.field
+
+    check()
+    assert seen == set(strategies.EXTRA_KINDS)

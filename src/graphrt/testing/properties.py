@@ -36,9 +36,12 @@ def scrub(runner: Any) -> None:
     n = cfg.max_num_seqs
     table = np.zeros((n, cfg.max_blocks_per_req), np.int32)
     table[:, 0] = np.arange(1, n + 1)
+    extras = None
+    if runner.extra is not None:          # the model's declared extra inputs: zeros of each
+        extras = {name: np.zeros((spec.rows(n, n), *spec.shape), spec.dtype) for name, spec in runner.extra.specs.items()}
     runner.execute(token_ids=np.zeros((n, cfg.max_model_len), np.int32), block_table=table,
                    req_rows=np.arange(n, dtype=np.int32), num_computed_tokens=np.zeros(n, np.int32),
-                   num_scheduled_tokens=np.ones(n, np.int32))
+                   num_scheduled_tokens=np.ones(n, np.int32), extra_inputs=extras)
 
 
 def _start(factory: Factory, step: Step, *, nan_unused: bool = False) -> tuple[Any, np.ndarray]:

@@ -87,7 +87,11 @@ class RunnerFactory:
 
     def strategy_args(self) -> dict[str, Any]:
         """Keyword arguments of the strategies for this factory's runners."""
-        return dict(config=self.config, num_kv_blocks=self.num_kv_blocks, vocab_size=self().vocab_size)
+        runner = self()
+        args = dict(config=self.config, num_kv_blocks=self.num_kv_blocks, vocab_size=runner.vocab_size)
+        if runner.extra is not None:                 # the model's declared extra inputs
+            args["extra_inputs"] = runner.extra.specs
+        return args
 
 
 def greedy(num_reqs: int, vocab_size: int) -> Any:
@@ -131,11 +135,18 @@ def run_runner(runner: Any, step: Step) -> Outputs:
 
 
 def _write(runner: Any, step: Step, key: BatchDescriptor) -> Any:
-    """``step``'s inputs, padded to ``key``, in the executor's host buffers."""
-    runner.preparer.check(**step.kwargs())
+    """``step``'s inputs, padded to ``key``, in the executor's host buffers (its extra inputs
+    too, padded with their fills)."""
+    args = step.kwargs()
+    extras = args.pop("extra_inputs", None)
+    runner.preparer.check(**args)
     r = key.num_reqs if key.num_reqs is not None else step.num_reqs
-    return runner.preparer.write(runner.padder, num_tokens=key.num_tokens, num_reqs=r,
-                                 out=runner.executor.host_buffers)
+    padded = runner.preparer.write(runner.padder, num_tokens=key.num_tokens, num_reqs=r,
+                                   out=runner.executor.host_buffers)
+    if runner.extra is not None:
+        checked = runner.extra.check(extras, step.num_tokens, step.num_reqs)
+        runner.extra.write(checked, step.num_tokens, step.num_reqs, key.num_tokens, r)
+    return padded
 
 
 def run_at(runner: Any, step: Step, key: BatchDescriptor | None) -> Outputs:

@@ -21,6 +21,8 @@ class Step:
     engine's tables (one row per request slot); request ``i`` is table row ``req_rows[i]`` with
     ``num_computed_tokens[i]`` tokens already in the KV cache and ``num_scheduled_tokens[i]``
     new ones. ``seed`` seeds the KV contents the properties plant before running it.
+    ``extra_inputs``: the step's array per extra input the model declares (``model.extra_inputs``),
+    drawn by the strategies when the runner's model has any; None otherwise.
     """
 
     token_ids: np.ndarray
@@ -31,6 +33,7 @@ class Step:
     block_size: int
     seed: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)
+    extra_inputs: dict[str, np.ndarray] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -50,6 +53,8 @@ class Step:
         args = dict(token_ids=self.token_ids, block_table=self.block_table, req_rows=self.req_rows,
                     num_computed_tokens=self.num_computed_tokens,
                     num_scheduled_tokens=self.num_scheduled_tokens)
+        if self.extra_inputs is not None:
+            args["extra_inputs"] = self.extra_inputs
         args.update(self.overrides)
         return args
 

@@ -9,19 +9,24 @@
 * :func:`traces` -- every step of a few requests' lifetimes: chunked prefill, then decodes,
   with the block table growing as the requests need blocks.
 
+Given the model's declared extra inputs (``extra_inputs``: name -> :class:`~graphrt.ExtraInput`),
+every step carries a seeded array for each, of its level's rows, shape and dtype; bad steps
+then also break one of them (wrong shape, wrong dtype, missing).
+
 Everything shrinks towards one request with one token at position 0, in table row 0, with
 null tails and no shared blocks: counterexamples come out small. Needs ``hypothesis``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from hypothesis import strategies as st
 
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
+from graphrt.core.extra_inputs import ExtraInput
 from graphrt.testing.step import BadStep, Step
 
 _I32 = np.int32
@@ -75,27 +80,48 @@ def _schedule(draw: Callable[[Any], Any], config: GraphConfig, num_rows: int
     return rows, computed, scheduled
 
 
+def _extras(specs: Mapping[str, ExtraInput] | None, seed: int, num_tokens: int,
+            num_reqs: int) -> dict[str, np.ndarray] | None:
+    """A seeded array per declared extra input, of its level's rows, shape and dtype."""
+    if not specs:
+        return None
+    rng = np.random.default_rng(seed + 1)
+    out = {}
+    for name, spec in specs.items():
+        shape, dtype = (spec.rows(num_tokens, num_reqs), *spec.shape), np.dtype(spec.dtype)
+        if dtype.kind == "f":
+            out[name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            out[name] = rng.random(shape) < 0.5
+        else:
+            out[name] = rng.integers(0, 100, size=shape).astype(dtype)
+    return out
+
+
 def _make(draw: Callable[[Any], Any], config: GraphConfig, num_kv_blocks: int, vocab_size: int,
-          num_rows: int, rows: Sequence[int], computed: Sequence[int], scheduled: Sequence[int]) -> Step:
+          num_rows: int, rows: Sequence[int], computed: Sequence[int], scheduled: Sequence[int],
+          extra_inputs: Mapping[str, ExtraInput] | None = None) -> Step:
     seed = draw(st.integers(0, 2**16))
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab_size, size=(num_rows, config.max_model_len)).astype(_I32)
     table = _table(draw, config, num_kv_blocks, num_rows, rows, computed, scheduled, rng)
     return Step(tokens, table, np.asarray(rows, _I32), np.asarray(computed, _I32),
-                np.asarray(scheduled, _I32), config.block_size, seed)
+                np.asarray(scheduled, _I32), config.block_size, seed,
+                extra_inputs=_extras(extra_inputs, seed, int(sum(scheduled)), len(rows)))
 
 
-def steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int,
-          num_rows: int | None = None) -> st.SearchStrategy[Step]:
+def steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
+          extra_inputs: Mapping[str, ExtraInput] | None = None) -> st.SearchStrategy[Step]:
     """Valid steps for a runner of ``config`` with ``num_kv_blocks`` KV blocks and a model of
-    ``vocab_size`` tokens, over tables of ``num_rows`` rows (default ``max_num_seqs + 2``)."""
+    ``vocab_size`` tokens (and the declared ``extra_inputs``), over tables of ``num_rows`` rows
+    (default ``max_num_seqs + 2``)."""
     rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
     _check_room(config, num_kv_blocks, rows_)
 
     @st.composite
     def draw_step(draw: Callable[[Any], Any]) -> Step:
         rows, computed, scheduled = _schedule(draw, config, rows_)
-        return _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled)
+        return _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled, extra_inputs)
 
     return draw_step()
 
@@ -164,6 +190,17 @@ def _break(draw: Callable[[Any], Any], kind: str, step: Step, config: GraphConfi
     if kind == "non-integer array":
         field = draw(st.sampled_from(("req_rows", "num_computed_tokens", "num_scheduled_tokens")))
         return _bad(kind, field, step, **{field: step.kwargs()[field].astype(np.float32)})
+    if kind in EXTRA_KINDS:
+        name = draw(st.sampled_from(sorted(step.extra_inputs)))
+        arrays = dict(step.extra_inputs)
+        arr = arrays[name]
+        if kind == "extra input of the wrong shape":
+            arrays[name] = np.ascontiguousarray(arr[:-1]) if len(arr) > 1 else np.concatenate([arr, arr])
+        elif kind == "extra input of the wrong dtype":
+            arrays[name] = arr.astype(np.int64 if arr.dtype.kind in "fb" else np.float32)
+        else:
+            del arrays[name]
+        return _bad(kind, f"extra_inputs[{name!r}]", step, extra_inputs=arrays)
     if kind == "sampling rows differ":
         return _bad(kind, "sampling", step, sampling_rows=step.num_reqs + draw(st.sampled_from((1, -1))))
     raise AssertionError(kind)
@@ -174,22 +211,29 @@ BAD_KINDS = ("row outside the tables", "row scheduled twice", "empty batch", "le
              "no token scheduled", "negative computed tokens", "past the model length",
              "overflowing value", "null block in a column attention reads", "block id beyond the KV cache",
              "block table of the wrong width", "tables with different row counts",
-             "token id outside the vocabulary", "non-integer array", "sampling rows differ")
+             "token id outside the vocabulary", "non-integer array", "sampling rows differ",
+             "extra input of the wrong shape", "extra input of the wrong dtype", "extra input missing")
+#: The kinds that break a declared extra input (drawn only for a model that declares some).
+EXTRA_KINDS = ("extra input of the wrong shape", "extra input of the wrong dtype", "extra input missing")
 
 
-def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int,
-              num_rows: int | None = None, kinds: Sequence[str] = BAD_KINDS) -> st.SearchStrategy[BadStep]:
-    """Steps that break exactly one bound (one of ``kinds``), each with the field its
-    :class:`~graphrt.InputError` must name. Arguments as for :func:`steps`."""
+def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
+              kinds: Sequence[str] = BAD_KINDS,
+              extra_inputs: Mapping[str, ExtraInput] | None = None) -> st.SearchStrategy[BadStep]:
+    """Steps that break exactly one bound (one of ``kinds``; the extra-input kinds only where
+    ``extra_inputs`` declares some), each with the field its :class:`~graphrt.InputError` must
+    name. Arguments as for :func:`steps`."""
     rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
     _check_room(config, num_kv_blocks, rows_)
     unknown = set(kinds) - set(BAD_KINDS)
     if unknown:
         raise ValueError(f"unknown bad-step kinds {sorted(unknown)}; known: {BAD_KINDS}")
 
+    kinds = [k for k in kinds if extra_inputs or k not in EXTRA_KINDS]
+
     @st.composite
     def draw_bad(draw: Callable[[Any], Any]) -> BadStep:
-        kind = draw(st.sampled_from(list(kinds)))
+        kind = draw(st.sampled_from(kinds))
         rows, computed, scheduled = _schedule(draw, config, rows_)
         if kind == "row scheduled twice" and len(rows) < 2:
             rows, computed, scheduled = rows + [(rows[0] + 1) % rows_], computed + [0], scheduled + [1]
@@ -198,7 +242,7 @@ def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int,
                 if scheduled[0] < 1:          # a one-token budget: no two requests fit
                     kind = "row outside the tables"
                     rows, computed, scheduled = rows[:1], computed[:1], [1]
-        step = _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled)
+        step = _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled, extra_inputs)
         return _break(draw, kind, step, config, num_kv_blocks, vocab_size)
 
     return draw_bad()
@@ -207,7 +251,8 @@ def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int,
 # -------------------------------------------------------------------------------------- traces
 
 def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
-           max_requests: int = 3, max_decodes: int = 4, prefix_hits: bool = True) -> st.SearchStrategy[list[Step]]:
+           max_requests: int = 3, max_decodes: int = 4, prefix_hits: bool = True,
+           extra_inputs: Mapping[str, ExtraInput] | None = None) -> st.SearchStrategy[list[Step]]:
     """The steps of up to ``max_requests`` requests' whole lifetimes, in order: each request
     joins at some step with a prompt (maybe, with ``prefix_hits``, a prefix hit: tokens already
     computed, whose KV the trace never writes), prefills it in chunks within the token budget,
@@ -252,10 +297,11 @@ def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows
             t += 1
             if batch:
                 r, c, n = (np.asarray(v, _I32) for v in zip(*batch))
-                out.append(Step(tokens, table.copy(), r, c, n, bs, seed + t))
+                out.append(Step(tokens, table.copy(), r, c, n, bs, seed + t,
+                                extra_inputs=_extras(extra_inputs, seed + t, int(n.sum()), len(r))))
         return out
 
     return draw_trace()
 
 
-__all__ = ["BAD_KINDS", "bad_steps", "steps", "traces"]
+__all__ = ["BAD_KINDS", "EXTRA_KINDS", "bad_steps", "steps", "traces"]
