@@ -15,13 +15,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import gc
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
 from graphrt.core.errors import GraphCaptureError
+from graphrt.core import graph_tasks
 from graphrt.core.fields import ModelInputs
 
 #: A callable run before a step's forward with the padded inputs (host numpy arrays).
@@ -61,6 +61,9 @@ class DeviceGraphAPI(abc.ABC):
     #: Whether device work runs behind the host (CUDA, Ascend: a launch returns before the device
     #: finishes, so overlapping steps hides the host's share); False where it is done on return.
     asynchronous: bool = False
+    #: Whether a captured task can be re-issued before a replay (Ascend's task update), so an
+    #: op marked ``graph_task(needs_task_update=True)`` may be captured.
+    task_updates: bool = False
 
     def new_event(self) -> Any:
         """An event with ``record()`` (on the current stream) and ``synchronize()`` (wait for what
@@ -134,37 +137,10 @@ class CapturedGraph:
     compiled: bool = False
 
 
-_ACTIVE = threading.local()
-
-
-@contextlib.contextmanager
-def graph_task(hook: PreReplayHook) -> Iterator[None]:
-    """Mark the enclosed op as one whose host-side arguments a graph would bake in.
-
-    While a graph is being captured, the op becomes a task of that graph and ``hook`` runs
-    before every replay of it, with the padded step inputs: on Ascend between
-    ``graph_task_update_begin`` and ``graph_task_update_end`` of the op's task group, so
-    the hook re-issues the op with fresh host values (ordered by an external event);
-    elsewhere as a plain pre-replay hook, which must then write device buffers the op
-    reads. Outside a capture it does nothing: the op runs with the current values.
-    """
-    active = getattr(_ACTIVE, "capture", None)
-    if active is None:
-        yield
-        return
-    api, tasks = active
-    with api.task_group(hook, tasks):
-        yield
-
-
-@contextlib.contextmanager
-def _capturing(api: DeviceGraphAPI, tasks: list[GraphTask]) -> Iterator[None]:
-    previous = getattr(_ACTIVE, "capture", None)
-    _ACTIVE.capture = (api, tasks)
-    try:
-        yield
-    finally:
-        _ACTIVE.capture = previous
+#: :func:`graph_task` lives in the framework-free core (:mod:`graphrt.core.graph_tasks`: model
+#: kernels mark their ops with it); :func:`_capturing` opens a capture's task collection.
+graph_task = graph_tasks.graph_task
+_capturing = graph_tasks.capturing
 
 
 def record(api: DeviceGraphAPI, pool: Any, fn: Callable[[], Any], *,

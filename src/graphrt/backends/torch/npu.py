@@ -86,6 +86,7 @@ class NpuGraphAPI(DeviceGraphAPI):
     compile_backend = None
     graphs_share_memory = True
     asynchronous = True
+    task_updates = True
 
     def __init__(self, device: torch.device | str = "npu", npu: Any = None) -> None:
         self.npu = import_torch_npu() if npu is None else npu
