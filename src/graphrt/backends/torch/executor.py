@@ -80,7 +80,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.graphs_share_memory = graph_api is not None and graph_api.graphs_share_memory
         param_dtype = next(model.parameters()).dtype
         #: The model's attention (the seam, docs/attention.md): builds each step's metadata.
-        self.attention = attention_backend(model)
+        self.attention = attention_backend(model, self.device, param_dtype, config.block_size)
         self.attention_support = attention_support(model, self.attention)
         self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)
         self._refresh = bool(getattr(self.attention, "refreshed_host_values", ()))
@@ -333,6 +333,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         host.max_query_len, host.uniform_decode = padded.max_query_len, padded.uniform_decode
         host.max_seq_len = key.max_seq_len or padded.max_seq_len
         if self._refresh:
+            host.query_start_loc, host.seq_lens = padded.query_start_loc, padded.seq_lens
             self.attention.before_replay(self.buffers.tensors(t, r), host)
         tasks = entry.tasks if entry is not None and self.graph_api is not None else ()
         if self.pre_replay_hooks or tasks:

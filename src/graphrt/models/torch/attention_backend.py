@@ -37,7 +37,7 @@ from graphrt.models.torch.attention import TorchAttentionMetadata, choose_attent
 
 #: The step's host values a backend may read (fields of :class:`HostValues`).
 HOST_VALUES = ("num_tokens", "num_reqs", "real_num_tokens", "real_num_reqs", "max_query_len",
-               "max_seq_len", "uniform_decode")
+               "max_seq_len", "uniform_decode", "query_start_loc", "seq_lens")
 #: Those a graph's key holds, so a backend may declare them keyed.
 KEYABLE_HOST_VALUES = ("num_tokens", "num_reqs", "uniform_decode", "max_seq_len")
 
@@ -47,7 +47,9 @@ class HostValues:
     """The step's host values. ``num_tokens`` / ``num_reqs`` are the padded sizes (the key's),
     ``real_*`` the real ones; ``max_seq_len`` is the longest request's length -- for a graph, its
     key's context bucket (every request is at most that long); ``max_query_len`` the most
-    tokens a request schedules."""
+    tokens a request schedules. ``query_start_loc`` [R + 1] / ``seq_lens`` [R]: the padded
+    step's host arrays (numpy; None in a capture's values), for kernels that take per-request
+    lengths as host lists -- never keyed, so only ``before_replay`` may read them."""
 
     num_tokens: int
     num_reqs: int
@@ -56,6 +58,8 @@ class HostValues:
     max_query_len: int
     max_seq_len: int
     uniform_decode: bool
+    query_start_loc: Any = None
+    seq_lens: Any = None
 
 
 class CaptureHostValues(HostValues):
