@@ -113,6 +113,15 @@ DEFAULT_COMPILE_MAX_SIZE = 32
 #: Ascend: environment variable and value selecting HCCL's AIV expansion mode (vllm-ascend's ACL graph setup).
 ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
 ACL_AIV_VALUE = "AIV"
+#: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, models/torch/ascend_attention.py),
+#: as torch_npu documents it: ``sparse_mode`` 3 is the bottom-right-aligned causal mask, passed as a
+#: compressed upper-triangular ``[2048, 2048]`` bool mask; paged KV blocks of a multiple of 128 tokens,
+#: at most 512; float16 / bfloat16 heads 16-aligned. Checked where the tensors are on an NPU.
+ASCEND_FIA_SPARSE_MODE = 3
+ASCEND_FIA_MASK_SIZE = 2048
+ASCEND_FIA_BLOCK_MULTIPLE = 128
+ASCEND_FIA_MAX_BLOCK_SIZE = 512
+ASCEND_FIA_HEAD_DIM_MULTIPLE = 16
 
 #: LoRA (vLLM's names): adapters resident at once, 0 = LoRA off; the rank of every adapter
 #: slot (an adapter of a lower rank is zero-padded to it); ``enable_lora`` alone gives

@@ -23,6 +23,7 @@ from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.extra_inputs import check_extra_specs
+from graphrt.models.torch.ascend_attention import ascend_backend
 from graphrt.models.torch.attention_backend import KEYABLE_HOST_VALUES, HOST_VALUES, PagedAttentionBackend
 
 #: Members every torch model has: name -> what it must be, for the error.
@@ -112,14 +113,17 @@ def guard_host_scalars(padded: ModelInputs, backend: Any, key: Any) -> GuardedIn
     return GuardedInputs(padded, backend, key)
 
 
-def attention_backend(model: torch.nn.Module) -> Any:
-    """The model's attention backend: ``model.attention_backend``, else graphrt's paged one."""
+def attention_backend(model: torch.nn.Module, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None, block_size: int | None = None) -> Any:
+    """The model's attention backend: ``model.attention_backend``, else graphrt's: Ascend's fused
+    attention where it runs on ``device`` (``ascend_attention.ascend_backend``), else the paged one."""
     own = getattr(model, "attention_backend", None)
     if own is not None:
         return own
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
     head_dim = next((getattr(layer, "head_dim", None) for layer in layers), None)
-    return PagedAttentionBackend(head_dim)
+    ascend = ascend_backend(layers, device, dtype, block_size) if device is not None else None
+    return ascend if ascend is not None else PagedAttentionBackend(head_dim)
 
 
 def keyed_host_values(backend: Any, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

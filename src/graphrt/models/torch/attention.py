@@ -27,6 +27,9 @@ imports and takes the head size and dtypes, and this reference otherwise. The en
 variable ``GRAPHRT_ATTENTION`` (read at every call, so set it before warm-up / capture)
 overrides that: ``reference`` always runs the reference, ``triton`` requires Triton and raises
 ``ConfigError`` saying why where it cannot run; ``auto`` (or unset) is the default above.
+``ascend`` (and ``auto`` on an NPU) is chosen once, with the attention backend
+(:mod:`graphrt.models.torch.ascend_attention`): its metadata runs torch_npu's fused op through
+``attend``, which :class:`PagedAttention` calls instead of these kernels.
 :func:`choose_attention_kernel` says which kernel a call would get, and why.
 
 Options of both kernels: ``sliding_window`` (a token at position ``p`` attends to positions
@@ -52,9 +55,9 @@ from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, re
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable choosing the kernel: ``auto`` (default), ``reference`` or ``triton``.
+#: Environment variable choosing the kernel: ``auto`` (default), ``reference``, ``triton`` or ``ascend``.
 ATTENTION_ENV = "GRAPHRT_ATTENTION"
-ATTENTION_CHOICES = ("auto", "reference", "triton")
+ATTENTION_CHOICES = ("auto", "reference", "triton", "ascend")
 
 
 @dataclass
@@ -167,8 +170,8 @@ def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: 
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if choice not in ATTENTION_CHOICES:
         raise ConfigError(f"{ATTENTION_ENV}={choice!r}: expected one of {ATTENTION_CHOICES}")
-    if choice == "reference":
-        return AttentionChoice("reference", f"{ATTENTION_ENV}=reference")
+    if choice in ("reference", "ascend"):   # ascend: only metadata without its own ``attend`` gets here
+        return AttentionChoice("reference", f"{ATTENTION_ENV}={choice}")
     device = torch.device(device)
     if choice == "auto" and device.type != "cuda":
         return AttentionChoice("reference", f"tensors on {device.type}; Triton is the default on cuda only")
@@ -261,6 +264,9 @@ class PagedAttention(nn.Module):
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("PagedAttention.kv_cache is not set: the runner must assign the KV cache")
+        attend = getattr(meta, "attend", None)
+        if attend is not None:             # a backend's own kernel (ascend_attention.py)
+            return attend(self, q, k, v)
         kernel = paged_attention if torch.compiler.is_compiling() else run_paged_attention
         return kernel(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                       meta.block_table, meta.token_req_idx, meta.block_size, self.scale,

@@ -1,0 +1,246 @@
+"""Ascend: graphrt's paged attention through torch_npu's fused inference attention.
+
+:class:`AscendAttentionBackend` is an attention backend (docs/attention.md) whose metadata
+:class:`~graphrt.models.torch.attention.PagedAttention` runs through
+``torch_npu.npu_fused_infer_attention_score`` ("FIA"): queries in the ``TND`` layout, the
+layer's KV cache read as paged blocks through the step's block table, the causal mask as
+``sparse_mode`` 3 (aligned bottom-right: a request's queries are its last tokens). The KV
+write stays graphrt's: each token's K/V goes to its slot, a padded token's (negative slot) to
+the cache's trash row.
+
+FIA takes the per-request lengths as **host lists** -- ``actual_seq_lengths`` (the cumulative
+query ends, ``query_start_loc[1:]``) and ``actual_seq_lengths_kv`` (``seq_lens``) -- so a
+captured ACL graph bakes them in. The backend declares the padded step's host arrays
+refreshed (``refreshed_host_values``) and turns them into the lists in :meth:`before_replay`,
+before every run. Eagerly the op is called with them. In a capture the op is issued into
+preallocated outputs with a workspace sized for any lengths, inside
+:func:`graphrt.core.graph_tasks.graph_task`: the npu backend captures it as a task group, and
+before each replay re-issues it between ``graph_task_update_begin`` / ``_end`` with the lists
+:meth:`before_replay` just refreshed (vllm-ascend's parameter update before replay). Devices
+without task updates refuse such a capture (the key runs eagerly).
+
+Selection (:func:`ascend_backend`, called by the torch executor for models without their own
+backend): ``GRAPHRT_ATTENTION=auto`` on an NPU where torch_npu imports and the op takes the
+model's dtype, head size and block size; ``ascend`` forces it (``ConfigError`` with the reason
+where it cannot run); ``reference`` never. torch_npu is imported only then: importing this
+module needs neither torch_npu nor CANN.
+
+Verified only over the CPU recording graph with a stand-in ``torch_npu`` (tests/
+test_ascend_attention.py), never on an Ascend device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from graphrt.core import defaults
+from graphrt.core.dispatch import AttentionGraphSupport
+from graphrt.core.errors import ConfigError
+from graphrt.core.graph_tasks import capture_active, graph_task
+from graphrt.models.torch.attention import ATTENTION_ENV, PagedAttention
+from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors
+from graphrt.models.torch.kv_quant import is_fp8, quantize_kv, write_kv_rows
+
+logger = logging.getLogger(__name__)
+
+#: torch_npu's fused attention op and its workspace query (for the ``.out`` form in graphs).
+FIA_OP = "npu_fused_infer_attention_score"
+FIA_WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
+
+_LOGGED: set[str] = set()
+
+
+def import_torch_npu() -> Any:
+    """``torch_npu`` (imported on first use; a test may install a stand-in in ``sys.modules``)."""
+    return importlib.import_module("torch_npu")
+
+
+def device_type(device: torch.device | str) -> str:
+    """``"npu"`` for ``"npu:0"`` too, without ``torch.device`` (which needs torch_npu for ``npu``)."""
+    return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+
+
+def fia_problem(device: torch.device | str, head_dim: int, dtype: torch.dtype,
+                block_size: int | None = None) -> str | None:
+    """Why the fused op cannot run graphrt's attention for these, or None. The op's own limits
+    (dtype, head size, block size) are checked where the tensors are on an NPU."""
+    try:
+        npu = import_torch_npu()
+    except Exception as exc:  # noqa: BLE001 - any import failure means "cannot run"
+        return f"torch_npu does not import ({type(exc).__name__}: {exc})"
+    op = getattr(npu, FIA_OP, None)
+    if op is None or not hasattr(op, "out") or not hasattr(npu, FIA_WORKSPACE):
+        return f"this torch_npu has no {FIA_OP} with its .out form and {FIA_WORKSPACE}"
+    if device_type(device) != "npu":
+        return None
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 or bfloat16 queries, the model's are {dtype}"
+    if head_dim % defaults.ASCEND_FIA_HEAD_DIM_MULTIPLE:
+        return f"head_dim {head_dim} is not a multiple of {defaults.ASCEND_FIA_HEAD_DIM_MULTIPLE}"
+    if block_size is not None and (block_size % defaults.ASCEND_FIA_BLOCK_MULTIPLE
+                                   or block_size > defaults.ASCEND_FIA_MAX_BLOCK_SIZE):
+        return (f"block_size {block_size}: paged blocks must hold a multiple of "
+                f"{defaults.ASCEND_FIA_BLOCK_MULTIPLE} tokens, at most {defaults.ASCEND_FIA_MAX_BLOCK_SIZE}")
+    return None
+
+
+def layers_problem(layers: Sequence[torch.nn.Module]) -> str | None:
+    """Why these attention layers cannot run through the fused op, or None."""
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, PagedAttention):
+            return f"attention layer {i} is a {type(layer).__name__}, not graphrt's PagedAttention"
+        if layer.sliding_window:
+            return f"attention layer {i} has a sliding window ({layer.sliding_window}), which is not wired to the op"
+    return None
+
+
+def ascend_backend(layers: Sequence[torch.nn.Module], device: torch.device | str, dtype: torch.dtype | None,
+                   block_size: int | None = None) -> "AscendAttentionBackend | None":
+    """The Ascend backend for graphrt's attention ``layers`` on ``device`` where
+    ``GRAPHRT_ATTENTION`` selects it and it can run, else None (``auto``: the reason is logged
+    once); ``ascend`` where it cannot run raises ``ConfigError`` saying why."""
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if not (choice == "ascend" or (choice == "auto" and device_type(device) == "npu")):
+        return None
+    head_dim = next((int(layer.head_dim) for layer in layers if hasattr(layer, "head_dim")), 0)
+    problem = layers_problem(layers) or fia_problem(device, head_dim, dtype or torch.float32, block_size)
+    if problem is None:
+        return AscendAttentionBackend(head_dim)
+    if choice == "ascend":
+        raise ConfigError(f"{ATTENTION_ENV}=ascend, but torch_npu's fused attention cannot run graphrt's "
+                          f"attention here: {problem}")
+    if problem not in _LOGGED:
+        _LOGGED.add(problem)
+        logger.warning("graphrt: attention on %s uses the reference kernel, not torch_npu's fused attention: %s",
+                       device, problem)
+    return None
+
+
+@dataclass
+class FiaLengths:
+    """The host lists the op reads, one entry per (padded) request."""
+
+    query_ends: list[int]   # actual_seq_lengths: cumulative query ends (TND)
+    kv_lens: list[int]      # actual_seq_lengths_kv
+
+    @classmethod
+    def empty(cls, num_reqs: int) -> "FiaLengths":
+        """A padding-only step's: every request empty (what captures and warm-ups run on)."""
+        return cls([0] * num_reqs, [0] * num_reqs)
+
+
+@dataclass
+class AscendAttentionMetadata:
+    """What :class:`PagedAttention` hands the fused op: through :meth:`attend`."""
+
+    slot_mapping: torch.Tensor   # int64 [T]; negative: a padded token (writes the trash row)
+    block_table: torch.Tensor    # int32 [R, B]
+    atten_mask: torch.Tensor     # bool [2048, 2048], the compressed causal mask
+    block_size: int
+    lengths: FiaLengths          # the lists this run issues the op with
+    backend: "AscendAttentionBackend"   # where a replay's task update reads the refreshed lists
+
+    def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``layer``'s attention: ``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``."""
+        return fused_paged_attention(self, layer, q, k, v)
+
+
+class AscendAttentionBackend(AttentionBackend):
+    """graphrt's attention through ``torch_npu.npu_fused_infer_attention_score`` (module docstring)."""
+
+    name = "ascend-fia"
+    graph_support = AttentionGraphSupport.ALWAYS
+    refreshed_host_values = ("query_start_loc", "seq_lens")
+    free_shape_fields = ("atten_mask",)
+
+    def __init__(self, head_dim: int | None = None) -> None:
+        self.head_dim = head_dim
+        self._refreshed: tuple[tuple[int, int], FiaLengths] | None = None
+        self._masks: dict[torch.device, torch.Tensor] = {}
+        self._workspaces: dict[tuple[int, int], torch.Tensor] = {}
+
+    def before_replay(self, step: StepTensors, host: HostValues) -> None:
+        """The step's lists from its padded host arrays, before its run (and its task updates)."""
+        r = host.num_reqs
+        self._refreshed = ((host.num_tokens, r), FiaLengths(host.query_start_loc[1:r + 1].tolist(),
+                                                              host.seq_lens[:r].tolist()))
+
+    def lengths(self, num_tokens: int, num_reqs: int) -> FiaLengths:
+        """The lists :meth:`before_replay` refreshed for a step of this shape, else a padding step's."""
+        if self._refreshed is not None and self._refreshed[0] == (num_tokens, num_reqs):
+            return self._refreshed[1]
+        return FiaLengths.empty(num_reqs)
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """The compressed causal mask ``sparse_mode`` 3 reads (True: masked), made once per device."""
+        mask = self._masks.get(device)
+        if mask is None:
+            n = defaults.ASCEND_FIA_MASK_SIZE
+            mask = self._masks[device] = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+        return mask
+
+    def workspace(self, npu: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  lengths: FiaLengths, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The op's workspace for any lengths at this shape, shared by every layer of a graph."""
+        shape = (query.shape[0], len(lengths.kv_lens))
+        ws = self._workspaces.get(shape)
+        if ws is None:
+            ws = self._workspaces[shape] = getattr(npu, FIA_WORKSPACE)(
+                query, key, value, actual_seq_lengths=lengths.query_ends,
+                actual_seq_lengths_kv=lengths.kv_lens, **kwargs)
+        return ws
+
+    def build(self, step: StepTensors, host: HostValues) -> AscendAttentionMetadata:
+        """Device views only; the lists are this step's where refreshed (a capture's: empty)."""
+        t, r = step.slot_mapping.shape[0], step.seq_lens.shape[0]
+        lengths = FiaLengths.empty(r) if capture_active() else self.lengths(t, r)
+        return AscendAttentionMetadata(step.slot_mapping, step.block_table, self.mask(step.block_table.device),
+                                       step.block_size, lengths, self)
+
+
+def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Write the step's K/V the graphrt way, then attend through the fused op (module docstring)."""
+    cache = layer.kv_cache
+    if is_fp8(cache.dtype):
+        raise ConfigError(f"torch_npu's fused attention does not read an fp8 KV cache ({cache.dtype}): use "
+                          f"kv_cache_dtype='auto' or {ATTENTION_ENV}=reference")
+    npu = import_torch_npu()
+    t, rows, hkv, d = q.shape[0], cache.shape[1], cache.shape[2], cache.shape[3]
+    hq, bs = q.shape[1] // d, meta.block_size
+    slots = torch.where(meta.slot_mapping < 0, rows - 1, meta.slot_mapping)        # trash row
+    write_kv_rows(cache[0], slots, quantize_kv(k.reshape(t, hkv, d), cache.dtype))
+    write_kv_rows(cache[1], slots, quantize_kv(v.reshape(t, hkv, d), cache.dtype))
+    key = cache[0][:rows - 1].view(-1, bs, hkv * d)       # [blocks, block_size, Hkv*D]: no trash row
+    value = cache[1][:rows - 1].view(-1, bs, hkv * d)
+    query = q.reshape(t, hq, d).contiguous()
+    kwargs = dict(atten_mask=meta.atten_mask, block_table=meta.block_table, input_layout="TND", block_size=bs,
+                  num_heads=hq, num_key_value_heads=hkv, scale=float(layer.scale),
+                  sparse_mode=defaults.ASCEND_FIA_SPARSE_MODE)
+    op = getattr(npu, FIA_OP)
+    if not capture_active():
+        out, _ = op(query, key, value, actual_seq_lengths=meta.lengths.query_ends,
+                    actual_seq_lengths_kv=meta.lengths.kv_lens, **kwargs)
+        return out.reshape(t, hq * d)
+    backend, r = meta.backend, meta.block_table.shape[0]
+    workspace = backend.workspace(npu, query, key, value, meta.lengths, kwargs)
+    out = torch.zeros_like(query)          # padded tokens (after every request) stay 0
+    lse = query.new_empty(t)
+
+    def issue(lengths: FiaLengths) -> None:
+        op.out(query, key, value, actual_seq_lengths=lengths.query_ends, actual_seq_lengths_kv=lengths.kv_lens,
+               workspace=workspace, out=[out, lse], **kwargs)
+
+    with graph_task(lambda padded: issue(backend.lengths(t, r)), needs_task_update=True):
+        issue(meta.lengths)
+    return out.reshape(t, hq * d)
+
+
+__all__ = ["AscendAttentionBackend", "AscendAttentionMetadata", "FIA_OP", "FIA_WORKSPACE", "FiaLengths",
+           "ascend_backend", "device_type", "fia_problem", "fused_paged_attention", "import_torch_npu", "layers_problem"]
