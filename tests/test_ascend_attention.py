@@ -208,6 +208,20 @@ def test_full_acl_graphs_refresh_the_host_lists_before_replay(fake_npu: Any, mon
     assert issued == [([3, 7, 8] + [8] * pad, [13, 10, 8] + [0] * pad)] * layers
 
 
+def test_piecewise_acl_graphs_run_the_op_eagerly_with_each_steps_lists(
+        fake_npu: Any, monkeypatch: pytest.MonkeyPatch, reference_logits: list[np.ndarray]) -> None:
+    monkeypatch.setenv("GRAPHRT_ATTENTION", "ascend")
+    runner = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend=NpuGraphBackend("cpu", npu=FakeNpu()),
+                         num_kv_blocks=33, progress=False, mode="PIECEWISE", **CONFIG)
+    seen: list = []
+    for i, (got, want) in enumerate(zip(run_steps(runner, seen=seen), reference_logits)):
+        assert_close_across_shapes(got, want, err_msg=f"step {i}")
+        assert_same_tokens(got, want, err_msg=f"step {i}")
+    assert [step.mode for step in seen] == [RuntimeMode.PIECEWISE] * len(STEPS)
+    assert any(c[0] == "op" for c in fake_npu.calls)
+    assert not any(c[0] in ("out", "workspace") for c in fake_npu.calls)    # never inside a graph
+
+
 @pytest.mark.parametrize("skip", ["before_replay", "task_update"])
 def test_a_skipped_refresh_gives_wrong_logits(skip: str, fake_npu: Any, monkeypatch: pytest.MonkeyPatch,
                                               reference_logits: list[np.ndarray]) -> None:
@@ -244,12 +258,15 @@ def test_a_graph_without_task_updates_refuses_the_capture(fake_npu: Any, monkeyp
 @pytest.mark.npu
 @pytest.mark.skipif(not HAS_NPU, reason=f"needs an Ascend NPU: {torch_npu_problem()}")
 def test_fused_attention_on_hardware_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = dict(CONFIG, block_size=128, max_model_len=256)
-    blocks = dict(num_kv_blocks=9, progress=False, **config)
+    """On a device: bfloat16 weights, 128-token blocks (the op's limits), FULL ACL graphs."""
+    config = dict(CONFIG, block_size=128, max_model_len=1024, num_kv_blocks=33, progress=False)
+    path = str(tiny_hf_model_dir("qwen3"))
     monkeypatch.setenv("GRAPHRT_ATTENTION", "reference")
-    want = run_steps(ModelRunner(str(tiny_hf_model_dir("qwen3")), backend=EagerBackend("npu"), **blocks))
+    eager = EagerBackend("npu")
+    want = run_steps(ModelRunner(eager.load_model(path, "bfloat16"), backend=eager, **config))
     monkeypatch.setenv("GRAPHRT_ATTENTION", "ascend")
-    runner = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="npu", mode="FULL", **blocks)
+    npu = NpuGraphBackend()
+    runner = ModelRunner(npu.load_model(path, "bfloat16"), backend=npu, mode="FULL", **config)
     assert isinstance(runner.executor.attention, AscendAttentionBackend)
     for got, ref in zip(run_steps(runner), want):
-        assert_same_tokens(got, ref)
+        assert_close_across_shapes(got, ref, dtype="bfloat16")

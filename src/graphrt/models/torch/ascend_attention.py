@@ -219,7 +219,7 @@ def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, 
     write_kv_rows(cache[1], slots, quantize_kv(v.reshape(t, hkv, d), cache.dtype))
     key = cache[0][:rows - 1].view(-1, bs, hkv * d)       # [blocks, block_size, Hkv*D]: no trash row
     value = cache[1][:rows - 1].view(-1, bs, hkv * d)
-    query = q.reshape(t, hq, d).contiguous()
+    query = q.reshape(t, hq, d).to(cache.dtype).contiguous()   # the op takes one dtype for Q, K, V
     kwargs = dict(atten_mask=meta.atten_mask, block_table=meta.block_table, input_layout="TND", block_size=bs,
                   num_heads=hq, num_key_value_heads=hkv, scale=float(layer.scale),
                   sparse_mode=defaults.ASCEND_FIA_SPARSE_MODE)
@@ -227,7 +227,7 @@ def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, 
     if not capture_active():
         out, _ = op(query, key, value, actual_seq_lengths=meta.lengths.query_ends,
                     actual_seq_lengths_kv=meta.lengths.kv_lens, **kwargs)
-        return out.reshape(t, hq * d)
+        return out.reshape(t, hq * d).to(q.dtype)
     backend, r = meta.backend, meta.block_table.shape[0]
     workspace = backend.workspace(npu, query, key, value, meta.lengths, kwargs)
     out = torch.zeros_like(query)          # padded tokens (after every request) stay 0
@@ -239,7 +239,7 @@ def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, 
 
     with graph_task(lambda padded: issue(backend.lengths(t, r)), needs_task_update=True):
         issue(meta.lengths)
-    return out.reshape(t, hq * d)
+    return out.reshape(t, hq * d).to(q.dtype)
 
 
 __all__ = ["AscendAttentionBackend", "AscendAttentionMetadata", "FIA_OP", "FIA_WORKSPACE", "FiaLengths",
