@@ -26,11 +26,12 @@ from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.model_protocol import attention_backend
 from graphrt.backends.torch.npu import NpuGraphAPI, NpuGraphBackend, torch_npu_problem
 from graphrt.core.dispatch import RuntimeMode
-from graphrt.core.errors import ConfigError
+from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.forward_context import forward_context
 from graphrt.models.torch.ascend_attention import AscendAttentionBackend, ascend_backend
 from graphrt.models.torch.attention import PagedAttention
-from graphrt.models.torch.attention_backend import HostValues, PagedAttentionBackend, StepTensors
+from graphrt.models.torch.attention_backend import (CaptureHostValues, HostValues, PagedAttentionBackend,
+                                                     StepTensors)
 from graphrt.runner import ModelRunner
 from hf_models import tiny_hf_model_dir
 from parity import assert_close_across_shapes, assert_same_tokens
@@ -150,6 +151,17 @@ def test_eager_parity_with_the_reference_kernel_with_gqa(fake_npu: Any) -> None:
         torch.testing.assert_close(caches["ascend"][:, :-1], caches["reference"][:, :-1], rtol=0, atol=0)
     ops = [c for c in fake_npu.calls if c[0] == "op"]
     assert ops[-1][1:] == ([3, 7, 8, 8], [13, 10, 8, 0])    # the last step's lists, padded request last
+
+
+def test_the_host_arrays_cannot_be_read_inside_a_capture() -> None:
+    """No key holds them: a backend that read them while building a graph's metadata would bake
+    them in, so the capture's guarded values refuse it, naming the value and the backend."""
+    values = HostValues(4, 2, 3, 2, 2, 8, False, np.array([0, 2, 3], np.int32), np.array([5, 8], np.int32))
+    guarded = CaptureHostValues(values, ("max_seq_len",), "ascend-fia", "key")
+    assert guarded.max_seq_len == 8
+    for name in ("query_start_loc", "seq_lens"):
+        with pytest.raises(GraphCaptureError, match=f"'ascend-fia' read the host value '{name}'"):
+            getattr(guarded, name)
 
 
 # ---------------------------------------------------------------------------- graphs
