@@ -199,6 +199,8 @@ class AscendAttentionBackend(AttentionBackend):
     def build(self, step: StepTensors, host: HostValues) -> AscendAttentionMetadata:
         """Device views only; the lists are this step's where refreshed (a capture's: empty)."""
         t, r = step.slot_mapping.shape[0], step.seq_lens.shape[0]
+        # A real step's run follows its before_replay; captures and their warm-ups run on padding
+        # (a warm-up may see an earlier step's lists of its shape: within that shape's bounds).
         lengths = FiaLengths.empty(r) if capture_active() else self.lengths(t, r)
         return AscendAttentionMetadata(step.slot_mapping, step.block_table, self.mask(step.block_table.device),
                                        step.block_size, lengths, self)
