@@ -113,11 +113,16 @@ def guard_host_scalars(padded: ModelInputs, backend: Any, key: Any) -> GuardedIn
 
 
 def attention_backend(model: torch.nn.Module) -> Any:
-    """The model's attention backend: ``model.attention_backend``, else graphrt's paged one."""
+    """The model's attention backend: ``model.attention_backend``, else graphrt's paged one (FlashInfer's
+    where ``GRAPHRT_ATTENTION=flashinfer``)."""
     own = getattr(model, "attention_backend", None)
     if own is not None:
         return own
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
+    from graphrt.models.torch.flashinfer_attention import FlashInferAttentionBackend, flashinfer_selected
+
+    if flashinfer_selected():           # GRAPHRT_ATTENTION=flashinfer: FlashInfer plans graphrt's layers
+        return FlashInferAttentionBackend(layers)
     head_dim = next((getattr(layer, "head_dim", None) for layer in layers), None)
     return PagedAttentionBackend(head_dim)
 
