@@ -37,6 +37,7 @@ from graphrt import ConfigError, SamplingParams, reduction_tolerance
 from graphrt.core.forward_context import forward_context
 from graphrt.models.torch import attention as attention_mod
 from graphrt.models.torch import flashinfer_attention as fi
+from graphrt.models.torch import flashinfer_kernel as fk
 from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel, paged_attention_kernel
 from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues, StepTensors
 from graphrt.testing import RunnerFactory, check_property
@@ -123,7 +124,7 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module = types.ModuleType("flashinfer")
     module.BatchPrefillWithPagedKVCacheWrapper = FakePrefillWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", module)
-    monkeypatch.setattr(fi, "SUPPORTED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fk, "SUPPORTED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setenv(attention_mod.ATTENTION_ENV, "flashinfer")
     FAKE_PLANS.clear()
     return module
@@ -187,7 +188,7 @@ def test_the_plan_arrays_and_the_page_view_of_a_fixed_step(fake_flashinfer) -> N
     assert kv_indptr.tolist() == [0, 2, 5, 5]                  # ceil(8 / 4), ceil(9 / 4), none
     assert indices.tolist() == table[0, :2].tolist() + table[1, :3].tolist()
     assert last.tolist() == [4, 1, 0]
-    k_pages, v_pages = fi.paged_view(step.cache, 4)
+    k_pages, v_pages = fk.paged_view(step.cache, 4)
     assert k_pages.shape == (step.cache.shape[1] // 4, 4, 2, 8)
     assert k_pages.data_ptr() == step.cache.data_ptr() and v_pages.data_ptr() == step.cache[1].data_ptr()
     assert torch.equal(k_pages[3, 2], step.cache[0, 14]) and torch.equal(v_pages[5, 1], step.cache[1, 21])
@@ -271,7 +272,7 @@ def test_a_plan_baked_into_the_graph_gives_other_tokens(fake_flashinfer, monkeyp
 # ---- imports and refusals ------------------------------------------------------------------------
 
 def test_importing_the_adapter_imports_no_flashinfer() -> None:
-    code = ("import sys\nimport graphrt.models.torch.flashinfer_attention as f\n"
+    code = ("import sys\nimport graphrt.models.torch.flashinfer_attention, graphrt.models.torch.flashinfer_kernel as f\n"
             "from graphrt.backends.torch import model_protocol\n"
             "print('flashinfer' in sys.modules, f.flashinfer_unavailable_reason('cpu'))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
@@ -287,7 +288,7 @@ def test_selecting_flashinfer_where_it_cannot_run_is_a_config_error(monkeypatch:
         graphrt.LLM(str(tiny_hf_model_dir("qwen3")), **ENGINE)
     with pytest.raises(ConfigError, match=r"flashinfer does not import.*graphrt\[flashinfer\]"):
         choose_attention_kernel("cuda", 64, torch.bfloat16, torch.bfloat16)
-    monkeypatch.setattr(fi, "SUPPORTED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fk, "SUPPORTED_DEVICE_TYPES", ("cuda", "cpu"))
     with pytest.raises(ConfigError, match=r"flashinfer does not import.*flashinfer-python"):
         graphrt.LLM(str(tiny_hf_model_dir("qwen3")), **ENGINE)
     monkeypatch.setenv(attention_mod.ATTENTION_ENV, "auto")

@@ -173,7 +173,7 @@ def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: 
         return AttentionChoice("reference", f"{ATTENTION_ENV}=reference")
     device = torch.device(device)
     if choice == "flashinfer":          # models/torch/flashinfer_attention.py: its backend plans the steps
-        from graphrt.models.torch.flashinfer_attention import flashinfer_unavailable_reason
+        from graphrt.models.torch.flashinfer_kernel import flashinfer_unavailable_reason
 
         problem = flashinfer_unavailable_reason(device)
         if problem is not None:
@@ -205,7 +205,7 @@ def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
     if choice.kernel == "triton":
         from graphrt.models.torch.triton_attention import triton_paged_attention as kernel
     elif choice.kernel == "flashinfer":
-        from graphrt.models.torch.flashinfer_attention import flashinfer_paged_attention as kernel
+        from graphrt.models.torch.flashinfer_kernel import flashinfer_paged_attention as kernel
     else:
         kernel = paged_attention_kernel
     return kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx,
