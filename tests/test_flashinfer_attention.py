@@ -219,6 +219,21 @@ def test_captures_plan_once_with_padding_and_steps_plan_in_before_replay(fake_fl
     assert len(FAKE_PLANS) == 2 and id(next(iter(meta.flashinfer_wrappers.values()))) == first["wrapper"]
 
 
+def test_step_views_on_a_device_apart_carry_the_host_staging_views() -> None:
+    """What before_replay plans from: ``StepTensors.on_host``, the rows the runner wrote into the
+    staging buffers (a "meta" device stands in for a GPU); None where the step is on the host."""
+    from graphrt.backends.torch.step_buffers import StepBuffers
+
+    apart = StepBuffers(8, 4, 3, 4, torch.device("meta"), False)
+    views = apart.tensors(5, 2)
+    assert views.seq_lens.device.type == "meta" and views.on_host.seq_lens.device.type == "cpu"
+    apart.host_arrays["seq_lens"][:2] = [7, 9]
+    apart.host_arrays["block_table"][1] = [4, 5, 6]
+    assert views.on_host.seq_lens.tolist() == [7, 9] and views.on_host.block_table[1].tolist() == [4, 5, 6]
+    assert views.on_host.query_start_loc.shape == (3,) and views.on_host.on_host is None
+    assert StepBuffers(8, 4, 3, 4, torch.device("cpu"), False).tensors(5, 2).on_host is None
+
+
 # ---- graphs through the CPU recording backend ----------------------------------------------------
 
 ENGINE = dict(backend="cpu", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
