@@ -287,7 +287,8 @@ def test_a_plan_baked_into_the_graph_gives_other_tokens(fake_flashinfer, monkeyp
 # ---- imports and refusals ------------------------------------------------------------------------
 
 def test_importing_the_adapter_imports_no_flashinfer() -> None:
-    code = ("import sys\nimport graphrt.models.torch.flashinfer_attention, graphrt.models.torch.flashinfer_kernel as f\n"
+    code = ("import sys\nimport graphrt.models.torch.flashinfer_attention\n"
+            "import graphrt.models.torch.flashinfer_kernel as f\n"
             "from graphrt.backends.torch import model_protocol\n"
             "print('flashinfer' in sys.modules, f.flashinfer_unavailable_reason('cpu'))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))

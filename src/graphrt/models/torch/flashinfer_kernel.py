@@ -70,8 +70,9 @@ def flashinfer_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     K/V write, then FlashInfer on the paged view; padded tokens get zeros."""
     wrappers = getattr(get_forward_context(), "flashinfer_wrappers", None)
     if wrappers is None:
-        raise ConfigError("the FlashInfer kernel runs with its attention backend's metadata (GRAPHRT_ATTENTION=flashinfer "
-                          "picks both for graphrt's models; a model with its own attention_backend runs its own kernels)")
+        raise ConfigError("the FlashInfer kernel runs with its attention backend's metadata "
+                          "(GRAPHRT_ATTENTION=flashinfer picks both for graphrt's models; a model with its own "
+                          "attention_backend runs its own kernels)")
     if is_fp8(kv_cache.dtype):
         raise ConfigError(f"the FlashInfer kernel runs float KV caches only, got {kv_cache.dtype}")
     t, hkv, d = q.shape[0], kv_cache.shape[2], kv_cache.shape[3]
