@@ -326,3 +326,11 @@ DP_POLL_INTERVAL_S = 0.1
 #: segments live (a tmpfs), and the bytes assumed where the system cannot report its RAM.
 SHARED_MEMORY_DIR = "/dev/shm"
 UNKNOWN_MEMORY_BYTES = 2**40
+
+#: FlashInfer attention (models/torch/flashinfer_attention.py): the float workspace its wrappers
+#: share (FlashInfer's recommended 128 MiB), and the kernel backend asked for. "fa2": its
+#: scheduler's CUDA-graph mode fixes the tile size and padded grid from a wrapper's tokens and
+#: requests (include/flashinfer/attention/scheduler.cuh, PrefillSplitQOKVIndptr), which is what
+#: replaying one graph under later plans relies on.
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+FLASHINFER_KERNEL_BACKEND = "fa2"

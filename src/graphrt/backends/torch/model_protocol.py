@@ -115,12 +115,17 @@ def guard_host_scalars(padded: ModelInputs, backend: Any, key: Any) -> GuardedIn
 
 def attention_backend(model: torch.nn.Module, device: torch.device | str | None = None,
                       dtype: torch.dtype | None = None, block_size: int | None = None) -> Any:
-    """The model's attention backend: ``model.attention_backend``, else graphrt's: Ascend's fused
-    attention where it runs on ``device`` (``ascend_attention.ascend_backend``), else the paged one."""
+    """The model's attention backend: ``model.attention_backend``, else graphrt's: FlashInfer's where
+    ``GRAPHRT_ATTENTION=flashinfer``, Ascend's fused attention where it runs on ``device``
+    (``ascend_attention.ascend_backend``), else the paged one."""
     own = getattr(model, "attention_backend", None)
     if own is not None:
         return own
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
+    from graphrt.models.torch.flashinfer_attention import FlashInferAttentionBackend, flashinfer_selected
+
+    if flashinfer_selected():           # GRAPHRT_ATTENTION=flashinfer: FlashInfer plans graphrt's layers
+        return FlashInferAttentionBackend(layers)
     head_dim = next((getattr(layer, "head_dim", None) for layer in layers), None)
     ascend = ascend_backend(layers, device, dtype, block_size) if device is not None else None
     return ascend if ascend is not None else PagedAttentionBackend(head_dim)

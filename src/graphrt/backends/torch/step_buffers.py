@@ -67,17 +67,23 @@ class StepBuffers:
             self.extra_static[name][:n].copy_(self.extra_host[name][:n], non_blocking=True)
 
     def tensors(self, num_tokens: int, num_reqs: int) -> StepTensors:
-        """The device views of a step of ``num_tokens`` / ``num_reqs`` (padded) rows."""
+        """The device views of a step of ``num_tokens`` / ``num_reqs`` (padded) rows; on a device
+        apart from the host, ``on_host`` holds the staging buffers' views of the same rows."""
         views = self._views.get((num_tokens, num_reqs))
         if views is None:
-            s = self.static
-            views = self._views[(num_tokens, num_reqs)] = StepTensors(
-                s["input_ids"][:num_tokens], s["positions"][:num_tokens], s["slot_mapping"][:num_tokens],
-                s["query_start_loc"][:num_reqs + 1], s["seq_lens"][:num_reqs], s["num_computed_tokens"][:num_reqs],
-                s["block_table"][:num_reqs], self.block_size,
-                {name: t[:spec.rows(num_tokens, num_reqs)] for (name, t), spec in
-                 zip(self.extra_static.items(), self.extra.values())})
+            views = self._views[(num_tokens, num_reqs)] = self._step_views(self.static, self.extra_static,
+                                                                           num_tokens, num_reqs)
+            if not self.same:       # the staging views too, for before_replay (no device sync)
+                views.on_host = self._step_views(self.host, self.extra_host, num_tokens, num_reqs)
         return views
+
+    def _step_views(self, s: Mapping[str, torch.Tensor], extra: Mapping[str, torch.Tensor], num_tokens: int,
+                    num_reqs: int) -> StepTensors:
+        return StepTensors(
+            s["input_ids"][:num_tokens], s["positions"][:num_tokens], s["slot_mapping"][:num_tokens],
+            s["query_start_loc"][:num_reqs + 1], s["seq_lens"][:num_reqs], s["num_computed_tokens"][:num_reqs],
+            s["block_table"][:num_reqs], self.block_size,
+            {name: t[:spec.rows(num_tokens, num_reqs)] for (name, t), spec in zip(extra.items(), self.extra.values())})
 
     def load_dummy(self, num_tokens: int, num_reqs: int) -> ModelInputs:
         """Pure padding (the padder's fills: no KV write, every request empty; extra inputs their

@@ -26,7 +26,9 @@ the Triton kernel (:mod:`graphrt.models.torch.triton_attention`) for CUDA tensor
 imports and takes the head size and dtypes, and this reference otherwise. The environment
 variable ``GRAPHRT_ATTENTION`` (read at every call, so set it before warm-up / capture)
 overrides that: ``reference`` always runs the reference, ``triton`` requires Triton and raises
-``ConfigError`` saying why where it cannot run; ``auto`` (or unset) is the default above.
+``ConfigError`` saying why where it cannot run; ``flashinfer`` runs FlashInfer
+(:mod:`graphrt.models.torch.flashinfer_attention`: its attention backend plans each step), with
+the same refusal; ``auto`` (or unset) is the default above.
 ``ascend`` (and ``auto`` on an NPU) is chosen once, with the attention backend
 (:mod:`graphrt.models.torch.ascend_attention`): its metadata runs torch_npu's fused op through
 ``attend``, which :class:`PagedAttention` calls instead of these kernels.
@@ -55,9 +57,10 @@ from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, re
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable choosing the kernel: ``auto`` (default), ``reference``, ``triton`` or ``ascend``.
+#: Environment variable choosing the kernel: ``auto`` (default), ``reference``, ``triton``,
+#: ``flashinfer`` or ``ascend``.
 ATTENTION_ENV = "GRAPHRT_ATTENTION"
-ATTENTION_CHOICES = ("auto", "reference", "triton", "ascend")
+ATTENTION_CHOICES = ("auto", "reference", "triton", "flashinfer", "ascend")
 
 
 @dataclass
@@ -173,6 +176,13 @@ def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: 
     if choice in ("reference", "ascend"):   # ascend: only metadata without its own ``attend`` gets here
         return AttentionChoice("reference", f"{ATTENTION_ENV}={choice}")
     device = torch.device(device)
+    if choice == "flashinfer":          # models/torch/flashinfer_attention.py: its backend plans the steps
+        from graphrt.models.torch.flashinfer_kernel import flashinfer_unavailable_reason
+
+        problem = flashinfer_unavailable_reason(device)
+        if problem is not None:
+            raise ConfigError(f"{ATTENTION_ENV}=flashinfer, but FlashInfer cannot run: {problem}")
+        return AttentionChoice("flashinfer", f"{ATTENTION_ENV}=flashinfer")
     if choice == "auto" and device.type != "cuda":
         return AttentionChoice("reference", f"tensors on {device.type}; Triton is the default on cuda only")
     from graphrt.models.torch import triton_attention
@@ -198,6 +208,8 @@ def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
     choice = choose_attention_kernel(q.device, kv_cache.shape[-1], q.dtype, kv_cache.dtype)
     if choice.kernel == "triton":
         from graphrt.models.torch.triton_attention import triton_paged_attention as kernel
+    elif choice.kernel == "flashinfer":
+        from graphrt.models.torch.flashinfer_kernel import flashinfer_paged_attention as kernel
     else:
         kernel = paged_attention_kernel
     return kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx,

@@ -99,6 +99,9 @@ class StepTensors:
     block_table: torch.Tensor        # int32 [R, B]
     block_size: int
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: The same step in the host staging buffers the device ones are copied from (None where
+    #: the tensors above are host ones): what ``before_replay`` reads without a device sync.
+    on_host: "StepTensors | None" = None
 
 
 class AttentionBackend:

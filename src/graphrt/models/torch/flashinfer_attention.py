@@ -1,0 +1,217 @@
+"""FlashInfer's paged attention behind graphrt's attention seam (``GRAPHRT_ATTENTION=flashinfer``).
+
+:class:`FlashInferAttentionBackend` runs graphrt's :class:`~graphrt.models.torch.attention.PagedAttention`
+layers through FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (decode, chunked prefill and
+mixed steps alike: a decode is a request with one query token). What stays graphrt's:
+
+* **the KV cache and its write.** A layer's cache ``[2, num_blocks * block_size + 1, kv_heads,
+  head_dim]`` is handed to FlashInfer as the pages ``(kv[0, :-1], kv[1, :-1])`` viewed as
+  ``[num_blocks, block_size, kv_heads, head_dim]`` ("NHD"; no copy; the trash row is left out,
+  block 0 is the null block). The step's K/V are written through ``slot_mapping`` as the
+  reference kernel writes them.
+* **the step.** Its block table and lengths become FlashInfer's ``qo_indptr`` (graphrt's
+  ``query_start_loc``), ``paged_kv_indptr`` / ``paged_kv_indices`` (each request's first
+  ``ceil(seq_len / block_size)`` blocks) and ``paged_kv_last_page_len``.
+
+FlashInfer's ``plan()`` runs on the host, so it is never captured: :meth:`before_replay` plans
+before every run, outside any graph, from the step's host staging buffers (``StepTensors.on_host``;
+no device sync), and declares what it reads (``refreshed_host_values``). A graph of ``num_tokens``
+tokens and ``num_reqs`` requests reads one set of wrappers made for it (``use_cuda_graph=True``
+with fixed indptr / indices / last-page-length buffers: FlashInfer fixes the batch size, and the
+most rows, per wrapper); eager runs of other shapes share wrappers without graph buffers. One
+wrapper per distinct layer signature (heads, head size, scale, window). fp8 caches are refused.
+
+Graph support is ``UNIFORM_BATCH``: FULL graphs of uniform batches (decode, spec-decode verify),
+PIECEWISE for the rest, where attention runs eagerly between the pieces. FlashInfer's FA2
+scheduler fixes tiles and grid per wrapper in CUDA-graph mode, so mixed FULL graphs may hold too;
+that is not verified here (docs/attention.md). The kernel call is :mod:`graphrt.models.torch.flashinfer_kernel`'s.
+``flashinfer`` is imported only when a backend is built or a kernel runs: this module imports without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from graphrt.core import defaults
+from graphrt.core.dispatch import AttentionGraphSupport
+from graphrt.core.errors import ConfigError, GraphCaptureError
+from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata
+from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
+from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
+from graphrt.models.torch.kv_quant import is_fp8
+
+
+def flashinfer_selected() -> bool:
+    """Whether ``GRAPHRT_ATTENTION`` asks for FlashInfer."""
+    return os.environ.get(ATTENTION_ENV, "").strip().lower() == "flashinfer"
+
+
+class PagedLayout(NamedTuple):
+    """A step as FlashInfer's paged arrays (int32, on the host)."""
+
+    qo_indptr: torch.Tensor          # [R + 1]
+    kv_indptr: torch.Tensor          # [R + 1]
+    kv_indices: torch.Tensor         # [kv_indptr[-1]]
+    kv_last_page_len: torch.Tensor   # [R]; 0 for a request without pages
+
+
+def paged_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 block_size: int) -> PagedLayout:
+    """FlashInfer's arrays of a graphrt step (host tensors in, new host tensors out: FlashInfer
+    may copy them asynchronously after the staging buffers are rewritten)."""
+    seq = seq_lens.to("cpu", torch.int64)
+    pages = (seq + block_size - 1) // block_size
+    kv_indptr = torch.zeros(seq.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    table = block_table.to("cpu")
+    used = torch.arange(table.shape[1]).unsqueeze(0) < pages.unsqueeze(1)     # row-major: each request's pages
+    last = torch.where(pages > 0, seq - (pages - 1) * block_size, 0)
+    return PagedLayout(query_start_loc.to("cpu", torch.int32, copy=True), kv_indptr.to(torch.int32),
+                       table[used].to(torch.int32), last.to(torch.int32))
+
+
+def padding_layout(num_tokens: int, num_reqs: int, width: int, block_size: int) -> PagedLayout:
+    """A plan for a capture or warm-up of pure padding: every token in some request (FlashInfer
+    fixes a graph wrapper's most rows at its first plan), each request's context as long as its
+    query (at most ``width`` blocks), every page the null block."""
+    qo_len = torch.ones(num_reqs, dtype=torch.int64)
+    if num_reqs:
+        qo_len[0] += max(num_tokens - num_reqs, 0)
+        qo_len[num_tokens:] = 0
+    pages = ((qo_len + block_size - 1) // block_size).clamp(min=1, max=max(width, 1))
+    last = (qo_len - (pages - 1) * block_size).clamp(min=1, max=block_size)
+    qo, kv = torch.zeros(num_reqs + 1, dtype=torch.int64), torch.zeros(num_reqs + 1, dtype=torch.int64)
+    torch.cumsum(qo_len, 0, out=qo[1:])
+    torch.cumsum(pages, 0, out=kv[1:])
+    return PagedLayout(qo.to(torch.int32), kv.to(torch.int32), torch.zeros(int(kv[-1]), dtype=torch.int32),
+                       last.to(torch.int32))
+
+
+@dataclass
+class FlashInferMetadata(TorchAttentionMetadata):
+    """graphrt's metadata plus the planned wrapper of each layer signature (the graph of this
+    shape reads the wrappers' buffers; ``before_replay`` planned them)."""
+
+    flashinfer_wrappers: dict[PlanSignature, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _WrapperSet:
+    """The wrappers of one step shape (or the eager ones), by layer signature."""
+
+    wrappers: dict[PlanSignature, Any]
+    planned: bool = False
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """Plans FlashInfer for each step outside the graph and hands the layers its wrappers."""
+
+    name = "flashinfer"
+    graph_support = AttentionGraphSupport.UNIFORM_BATCH
+    refreshed_host_values = ("num_tokens", "num_reqs")
+
+    def __init__(self, layers: Sequence[torch.nn.Module],
+                 workspace_bytes: int = defaults.FLASHINFER_WORKSPACE_BYTES) -> None:
+        """``layers``: the model's attention layers (graphrt's ``PagedAttention``); the plans
+        follow their heads, head size, scale and window."""
+        self.layers = list(layers)
+        missing = [type(m).__name__ for m in self.layers if not hasattr(m, "num_kv_heads")]
+        if not self.layers or missing:
+            raise ConfigError(f"{ATTENTION_ENV}=flashinfer runs graphrt's PagedAttention layers; the model's "
+                              f"attention layers are {missing or 'none'}")
+        self.signatures = sorted({plan_signature(m.num_heads, m.num_kv_heads, m.head_dim, m.scale,
+                                                 m.sliding_window) for m in self.layers})
+        self.workspace_bytes = int(workspace_bytes)
+        self.device: torch.device | None = None
+        self._workspace: torch.Tensor | None = None
+        self._graph_sets: dict[tuple[int, int], _WrapperSet] = {}    # per captured (tokens, requests)
+        self._eager: _WrapperSet | None = None
+        self._fresh: tuple[tuple[int, int], _WrapperSet] | None = None  # planned by before_replay
+
+    def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        """Nothing keyed (every length is planned per step); refuses a device FlashInfer cannot run on."""
+        problem = flashinfer_unavailable_reason(device)
+        if problem is not None:
+            raise ConfigError(f"{ATTENTION_ENV}=flashinfer, but FlashInfer cannot run: {problem}")
+        self.device = torch.device(device)
+        return ()
+
+    # ---- wrappers -----------------------------------------------------------------------
+    def _new_set(self, shape: tuple[int, int] | None, width: int) -> _WrapperSet:
+        flashinfer = importlib.import_module("flashinfer")
+        if self._workspace is None:
+            self._workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        graph: dict[str, Any] = {}
+        if shape is not None:       # fixed buffers a graph reads; shared: every plan writes the same
+            r = shape[1]
+            ints = dict(dtype=torch.int32, device=self.device)
+            graph = dict(use_cuda_graph=True, qo_indptr_buf=torch.zeros(r + 1, **ints),
+                         paged_kv_indptr_buf=torch.zeros(r + 1, **ints),
+                         paged_kv_indices_buf=torch.zeros(max(r * width, 1), **ints),
+                         paged_kv_last_page_len_buf=torch.zeros(r, **ints))
+        return _WrapperSet({sig: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend=defaults.FLASHINFER_KERNEL_BACKEND, **graph) for sig in self.signatures})
+
+    def _plan(self, wset: _WrapperSet, layout: PagedLayout, block_size: int) -> bool:
+        """Plan every wrapper of ``wset`` for ``layout``; False while the KV cache is unassigned."""
+        cache = getattr(self.layers[0], "kv_cache", None)
+        if cache is None:
+            return False
+        if is_fp8(cache.dtype):
+            raise ConfigError(f"{ATTENTION_ENV}=flashinfer: the KV cache is {cache.dtype}, and graphrt's "
+                              "FlashInfer adapter runs float caches only (use kv_cache_dtype='auto')")
+        for sig, wrapper in wset.wrappers.items():
+            wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len,
+                         sig.num_qo_heads, sig.num_kv_heads, sig.head_dim, block_size, causal=True,
+                         sm_scale=sig.scale, window_left=sig.window_left, q_data_type=cache.dtype,
+                         kv_data_type=cache.dtype)
+        wset.planned = True
+        return True
+
+    # ---- the seam -------------------------------------------------------------------------
+    def before_replay(self, step: StepTensors, host: HostValues) -> None:
+        """Plan this step (outside any graph): the wrappers of its shape's graph where one was
+        captured, else the eager ones."""
+        shape = (int(host.num_tokens), int(host.num_reqs))
+        src = step.on_host or step
+        wset = self._graph_sets.get(shape)
+        if wset is None:
+            wset = self._eager = self._eager or self._new_set(None, step.block_table.shape[1])
+        layout = paged_layout(src.query_start_loc, src.seq_lens, src.block_table, step.block_size)
+        self._fresh = (shape, wset) if self._plan(wset, layout, step.block_size) else None
+
+    def build(self, step: StepTensors, host: HostValues) -> FlashInferMetadata:
+        """graphrt's metadata and the wrappers to run: in a capture, its shape's graph wrappers
+        (planned once with padding if new: FlashInfer's plan is host work and must not be
+        captured); after ``before_replay``, the wrappers it planned; else (warm-ups) the eager
+        ones, planned with padding."""
+        shape = (step.slot_mapping.shape[0], step.seq_lens.shape[0])
+        if isinstance(host, CaptureHostValues):
+            wset = self._graph_sets.get(shape)
+            if wset is None:
+                wset = self._graph_sets[shape] = self._new_set(shape, step.block_table.shape[1])
+            if not wset.planned:
+                if self.device is not None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise GraphCaptureError(f"attention backend 'flashinfer': the graph of {shape[0]} tokens and "
+                                            f"{shape[1]} requests was captured before FlashInfer was planned for it "
+                                            "(captures must be warmed up first)")
+                self._plan(wset, padding_layout(*shape, step.block_table.shape[1], step.block_size), step.block_size)
+        elif self._fresh is not None and self._fresh[0] == shape:
+            wset = self._fresh[1]
+        else:
+            wset = self._eager = self._eager or self._new_set(None, step.block_table.shape[1])
+            self._plan(wset, padding_layout(*shape, step.block_table.shape[1], step.block_size), step.block_size)
+        self._fresh = None
+        base = TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_table,
+                                            step.block_size)
+        return FlashInferMetadata(base.slot_mapping, base.query_start_loc, base.seq_lens, base.block_table,
+                                  base.token_req_idx, base.block_size, dict(wset.wrappers))
+
+
+__all__ = ["FlashInferAttentionBackend", "FlashInferMetadata", "PagedLayout", "flashinfer_selected", "padding_layout",
+           "paged_layout"]
