@@ -17,7 +17,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 rpa = pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
 
 import graphrt  # noqa: E402
 from graphrt import SamplingParams  # noqa: E402
@@ -154,11 +154,12 @@ def check_layer(bs, hkv, group, window, reqs, seed, kv_dtype=jnp.float32, kv_sca
 
 
 @given(steps())
-@settings(max_examples=30, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow], phases=(Phase.explicit, Phase.generate))
 def test_pallas_layout_attention_matches_the_reference(step):
     """Hypothesis-drawn mixed prefill / decode steps, GQA groups 1-4, blocks of 16 and 32, padded
-    tokens and requests, no window or a sliding one."""
+    tokens and requests, no window or a sliding one (fixed examples, no shrinking: a failure prints
+    its step; each example compiles and calls back, so shrinking would take minutes)."""
     bs, hkv, group, window, reqs, seed = step
     check_layer(bs, hkv, group, window, reqs, seed)
 
