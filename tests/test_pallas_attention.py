@@ -220,7 +220,7 @@ def test_decoder_in_the_pallas_layout_matches_the_reference_layout(spec):
         ids, pos = jnp.asarray(ids + [0] * pad, jnp.int32), jnp.asarray(pos + [0] * pad, jnp.int32)
         h_ref, ref_cache = fwd(params, ref_cache, ids, pos, meta, config=cfg, block_size=BS)
         h_pal, pal_cache = fwd(params, pal_cache, ids, pos, meta, config=cfg, block_size=BS,
-                               attention=reference_kernel)
+                               attention=pa.PallasAttention(reference_kernel))
         last = jnp.asarray(qsl[1:]) - 1
         want, got = compute_logits(params, h_ref[last], config=cfg), compute_logits(params, h_pal[last], config=cfg)
         assert_close_across_reductions(got, want, width=cfg.hidden_size, err_msg=str(step))
@@ -274,7 +274,7 @@ def test_the_choice_on_this_machine(monkeypatch):
     monkeypatch.delenv("GRAPHRT_ATTENTION", raising=False)
     assert choose().kernel == ("pallas" if ON_TPU else "reference")
     monkeypatch.setenv("GRAPHRT_ATTENTION", "reference")
-    assert choose() == ("reference", "reference", "GRAPHRT_ATTENTION=reference")
+    assert choose() == ("reference", None, "GRAPHRT_ATTENTION=reference")
     monkeypatch.setenv("GRAPHRT_ATTENTION", "triton")
     with pytest.raises(ConfigError, match="GRAPHRT_ATTENTION='triton'"):
         choose()
@@ -287,7 +287,8 @@ def test_the_choice_on_this_machine(monkeypatch):
     with pytest.raises(ConfigError, match="forward of its own"):
         pa.choose_xla_attention(_cfg(), devices, jnp.bfloat16, jnp.bfloat16, own_decoder=False, tp_size=1)
     monkeypatch.setattr(pa, "KERNEL_OVERRIDE", reference_kernel)
-    assert choose() == ("pallas", reference_kernel, "GRAPHRT_ATTENTION=pallas: Pallas ragged paged attention runs")
+    assert choose() == ("pallas", pa.PallasAttention(reference_kernel),
+                        "GRAPHRT_ATTENTION=pallas: Pallas ragged paged attention runs")
 
 
 def test_kernel_constraints_are_named():

@@ -118,7 +118,7 @@ def _functions(model: XlaModel) -> tuple[Callable[..., Any], Callable[..., Any]]
 
 
 def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_size: int = 1,
-                  attention: Any = "reference") -> tuple[Any, Any, Callable[..., Any], Callable[..., jax.Array]]:
+                  attention: Any = None) -> tuple[Any, Any, Callable[..., Any], Callable[..., jax.Array]]:
     """(model config, weights pytree, step function, ``logits(weights, hidden rows)``) for every
     kind of model accepted; the config checked (:func:`check_model_config`, naming any member
     it lacks). ``attention`` is graphrt's decoder's (``decoder.forward``'s argument)."""
@@ -128,7 +128,7 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_siz
         cfg = model.config
         check_model_config(cfg, tp_size)
         forward, compute_logits = _functions(model)
-        if model.own_code and not (isinstance(attention, str) and attention == "reference"):
+        if model.own_code and attention is not None:
             forward = functools.partial(forward, attention=attention)
 
         def logits(params: Any, hidden: jax.Array) -> jax.Array:

@@ -181,28 +181,25 @@ def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any,
 
 def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions: jax.Array,
             meta: AttentionMetadata, *, config: DecoderConfig, block_size: int,
-            kv_scales: tuple[float, float] = (1.0, 1.0), attention: Any = "reference") -> tuple[jax.Array, jax.Array]:
+            kv_scales: tuple[float, float] = (1.0, 1.0), attention: Any = None) -> tuple[jax.Array, jax.Array]:
     """Run the decoder on ``T`` flattened tokens; returns (final-normed hidden [T, H], new kv_cache).
 
     Jit with ``static_argnames=("config", "block_size")`` (and ``"kv_scales"`` where given: an fp8
     cache's per-tensor (k, v) scales; ``"attention"`` where given) and ``donate_argnames=("kv_cache",)``.
     Padded tokens (negative slot) write only the trash row; tokens of a request with seq_len 0, or
-    past ``query_start_loc[-1]``, see no keys and get a zero attention output. ``attention``:
-    ``"reference"`` (this module's layout and attention), ``"pallas"`` (the TPU kernel over the
-    cache in its page layout, :mod:`graphrt.models.jax.pallas_attention`) or a callable with the
-    kernel's signature run in that layout (tests: its pure-JAX reference).
+    past ``query_start_loc[-1]``, see no keys and get a zero attention output. ``attention``: None
+    for this module's layout and attention, or another layout's (hashable) with
+    ``trash_row(kv_cache, num_layers, block_size)`` and ``layer_attention(config, block_size,
+    kv_scales)`` returning :func:`_reference_attend`'s positional signature -- the Pallas one:
+    :class:`graphrt.models.jax.pallas_attention.PallasAttention`.
     """
     layers = config.num_hidden_layers
-    sliding = tuple(getattr(config, "sliding_windows", ()))
-    if isinstance(attention, str) and attention == "reference":
+    if attention is None:
         trash_row = kv_cache.shape[2] - 1
         attend = functools.partial(_reference_attend, block_size=block_size, kv_scales=kv_scales)
     else:
-        from graphrt.models.jax import pallas_attention
-
-        trash_row = pallas_attention.trash_row(kv_cache, layers, block_size)
-        attend = functools.partial(pallas_attention.write_and_attend, attention=attention, windows=sliding,
-                                   block_size=block_size, num_layers=layers, kv_scales=kv_scales)
+        trash_row = attention.trash_row(kv_cache, layers, block_size)
+        attend = attention.layer_attention(config, block_size, kv_scales)
     write_rows = jnp.where(meta.slot_mapping < 0, trash_row, meta.slot_mapping).astype(jnp.int32)
     cos, sin = rotary_cos_sin(positions, config.head_dim, config.rope_theta)
     x = params["embed"][input_ids]
@@ -216,6 +213,7 @@ def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions
 
     layer_ids = jnp.arange(layers, dtype=jnp.int32)
     # Each layer's window, scanned with its weights; None (no layer slides): no window mask at all.
+    sliding = tuple(getattr(config, "sliding_windows", ()))
     windows = jnp.asarray(sliding, jnp.int32) if any(sliding) else None
     (x, kv_cache), _ = jax.lax.scan(step, (x, kv_cache), (layer_ids, windows, params["layers"]))
     return rms_norm(x, params["norm"], config.rms_norm_eps), kv_cache

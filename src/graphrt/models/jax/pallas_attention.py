@@ -22,6 +22,7 @@ with ``ref_ragged_paged_attention`` in the kernel's place (:data:`KERNEL_OVERRID
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -39,12 +40,30 @@ from graphrt.models.jax.decoder import FP8_KV_DTYPES, quantize_kv
 KERNEL_OVERRIDE: Callable[..., jax.Array] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class PallasAttention:
+    """The decoder's ``attention`` argument for the Pallas page layout: ``kernel`` is ``"pallas"``
+    (the TPU kernel) or a callable with its signature (tests: its pure-JAX reference)."""
+
+    kernel: Any = "pallas"
+
+    def trash_row(self, kv_cache: jax.Array, num_layers: int, block_size: int) -> int:
+        """The row of each layer that padded tokens write (:func:`trash_row`)."""
+        return trash_row(kv_cache, num_layers, block_size)
+
+    def layer_attention(self, config: Any, block_size: int, kv_scales: tuple[float, float]) -> Callable[..., Any]:
+        """:func:`write_and_attend` bound to this kernel and the model's windows and sizes."""
+        return functools.partial(write_and_attend, attention=self.kernel,
+                                 windows=tuple(getattr(config, "sliding_windows", ())), block_size=block_size,
+                                 num_layers=config.num_hidden_layers, kv_scales=kv_scales)
+
+
 class XlaAttentionChoice(NamedTuple):
     """The JAX decoder's attention: ``kernel`` ``"pallas"`` or ``"reference"``, the decoder's
-    ``attention`` argument (``"reference"``, ``"pallas"`` or an override callable), and why."""
+    ``attention`` argument (None: the reference; a :class:`PallasAttention`), and why."""
 
     kernel: str
-    attention: Any
+    attention: PallasAttention | None
     reason: str
 
 
@@ -97,16 +116,16 @@ def choose_xla_attention(config: Any, devices: Sequence[Any], dtype: Any, kv_dty
     if choice not in defaults.XLA_ATTENTION_CHOICES:
         raise ConfigError(f"{env}={choice!r}: graphrt's JAX decoder takes one of {defaults.XLA_ATTENTION_CHOICES}")
     if choice == "reference":
-        return XlaAttentionChoice("reference", "reference", f"{env}=reference")
+        return XlaAttentionChoice("reference", None, f"{env}=reference")
     override = KERNEL_OVERRIDE
     problem = pallas_problem(config, devices, dtype, kv_dtype, own_decoder=own_decoder, tp_size=tp_size,
                              override=override is not None)
     if problem is None:
-        return XlaAttentionChoice("pallas", "pallas" if override is None else override,
+        return XlaAttentionChoice("pallas", PallasAttention("pallas" if override is None else override),
                                   f"{env}={choice}: Pallas ragged paged attention runs")
     if choice == "pallas":
         raise ConfigError(f"{env}=pallas, but Pallas ragged paged attention cannot run: {problem}")
-    return XlaAttentionChoice("reference", "reference", problem)
+    return XlaAttentionChoice("reference", None, problem)
 
 
 def pages_per_layer(num_blocks: int) -> int:
@@ -203,5 +222,5 @@ def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arr
     return out, kv_cache
 
 
-__all__ = ["KERNEL_OVERRIDE", "XlaAttentionChoice", "attend", "choose_xla_attention", "kernel_import_problem",
+__all__ = ["KERNEL_OVERRIDE", "PallasAttention", "XlaAttentionChoice", "attend", "choose_xla_attention", "kernel_import_problem",
            "pages_per_layer", "pallas_kv_shape", "pallas_problem", "trash_row", "write_and_attend", "write_kv"]
