@@ -4,7 +4,8 @@ No TPU here: every CPU test runs graphrt's Pallas layout, KV write and kernel gl
 pure-JAX ``ref_ragged_paged_attention`` (the kernel's signature and page layout) in the kernel's
 place, through a host callback (the reference loops over sequences in Python, so it cannot be
 traced). What the CPU tests establish is that graphrt feeds the kernel the right layout and
-metadata; that the TPU kernel itself agrees with its reference is the TPU test's (skipped here).
+metadata, and (exporting for TPU) that the real kernel lowers in the decoder without a copy of the
+cache; that the TPU kernel itself agrees with its reference is the TPU test's (skipped here).
 """
 
 from __future__ import annotations
@@ -298,6 +299,42 @@ def test_kernel_constraints_are_named():
     assert "float16" in problem(_cfg(), dtype=jnp.float16, kv_dtype=jnp.float16)
     assert "do not tile" in problem(_cfg(kv_heads=3), dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16)
     assert problem(_cfg(), dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16) is None
+
+
+#: Ops that would make a copy or a view of the whole cache if they produced or took its type.
+_CACHE_COPIES = ("stablehlo.transpose", "stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.reshape",
+                 "stablehlo.concatenate", "stablehlo.gather", "stablehlo.copy", "stablehlo.pad")
+
+
+def test_the_decoder_lowers_for_tpu_with_the_kernel_reading_the_cache_in_place(monkeypatch):
+    """jax.export for TPU (no TPU needed to lower): the real Pallas kernel lowers to Mosaic at
+    graphrt's shapes, once per distinct window of a hybrid model (lax.switch), and nothing in the
+    program reshapes, slices or copies the cache: the kernels read the scan's carried cache."""
+    from jax._src.pallas.mosaic import tpu_info
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+    for module, name, value in ((tpu_info, "get_device_kind", lambda: "TPU v5 lite"),
+                                (tpu_info, "get_num_device_cores", lambda: 1),
+                                (tuned_block_sizes, "get_tpu_version", lambda: 5),
+                                (tuned_block_sizes, "get_device_name", lambda: "TPU v5e")):
+        if not hasattr(module, name):
+            pytest.skip(f"this jax has no {module.__name__}.{name} to stand in for a TPU's")
+        monkeypatch.setattr(module, name, value)
+    cfg, params = load_jax_params(tiny_hf_model_dir("qwen3", head_dim=128, **SLIDING))
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
+    shape = pa.pallas_kv_shape(cfg, 64, 16)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    fwd = jax.jit(functools.partial(forward, config=cfg, block_size=16, attention=pa.PallasAttention()),
+                  donate_argnums=(1,))
+    exported = jax.export.export(fwd, platforms=["tpu"])(
+        abstract, jax.ShapeDtypeStruct(shape, jnp.bfloat16), i32((64,)), i32((64,)),
+        AttentionMetadata(i32((64,)), i32((9,)), i32((8,)), i32((8, 8))))
+    text = exported.mlir_module()
+    assert text.count("stablehlo.custom_call @tpu_custom_call") == len(set(cfg.sliding_windows)) == 2
+    cache_type = "tensor<" + "x".join(map(str, shape)) + "xbf16>"
+    copies = [line.strip()[:120] for line in text.splitlines()
+              if cache_type in line and any(op in line for op in _CACHE_COPIES)]
+    assert not copies, copies
 
 
 @pytest.mark.skipif(not ON_TPU, reason="needs a TPU: the Pallas kernel itself (Mosaic) runs on TPUs only; "
