@@ -301,6 +301,14 @@ def test_kernel_constraints_are_named():
     assert problem(_cfg(), dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16) is None
 
 
+def test_auto_on_tpu_logs_why_it_keeps_the_reference(monkeypatch, caplog):
+    monkeypatch.delenv("GRAPHRT_ATTENTION", raising=False)
+    tpu = [type("Dev", (), {"platform": "tpu"})()]
+    choice = pa.choose_xla_attention(_cfg(head_dim=64), tpu, jnp.bfloat16, jnp.bfloat16, own_decoder=True,
+                                     tp_size=1)
+    assert choice.kernel == "reference" and "head_dim=64" in choice.reason and "head_dim=64" in caplog.text
+
+
 #: Ops that would make a copy or a view of the whole cache if they produced or took its type.
 _CACHE_COPIES = ("stablehlo.transpose", "stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.reshape",
                  "stablehlo.concatenate", "stablehlo.gather", "stablehlo.copy", "stablehlo.pad")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
 import os
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -34,6 +35,8 @@ import jax.numpy as jnp
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 from graphrt.models.jax.decoder import FP8_KV_DTYPES, quantize_kv
+
+logger = logging.getLogger(__name__)
 
 #: A callable with ``ragged_paged_attention``'s signature that :func:`choose_xla_attention` hands
 #: the decoder instead of the TPU kernel, on any platform (tests: the pure-JAX reference). None: the kernel.
@@ -125,6 +128,8 @@ def choose_xla_attention(config: Any, devices: Sequence[Any], dtype: Any, kv_dty
                                   f"{env}={choice}: Pallas ragged paged attention runs")
     if choice == "pallas":
         raise ConfigError(f"{env}=pallas, but Pallas ragged paged attention cannot run: {problem}")
+    if any(d.platform == "tpu" for d in devices):
+        logger.warning("graphrt's JAX decoder on TPU attends with its reference, not Pallas: %s", problem)
     return XlaAttentionChoice("reference", None, problem)
 
 
