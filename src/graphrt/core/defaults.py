@@ -94,6 +94,15 @@ XLA_MAX_COMPILE_WORKERS = 8
 XLA_PERSISTENT_CACHE_MIN_COMPILE_SECONDS = 0.0
 #: Name of the XLA backend's tensor-parallel mesh axis.
 XLA_TP_AXIS = "tp"
+#: Environment variable choosing graphrt's attention kernel (torch: auto / reference / triton;
+#: the JAX decoder: auto / reference / pallas).
+ATTENTION_ENV = "GRAPHRT_ATTENTION"
+#: The JAX decoder's choices under ``GRAPHRT_ATTENTION``.
+XLA_ATTENTION_CHOICES = ("auto", "reference", "pallas")
+#: The Pallas ragged paged attention kernel needs head_dim a multiple of the TPU lane width.
+PALLAS_HEAD_DIM_MULTIPLE = 128
+#: Activation dtypes the Pallas kernel accumulates from (it folds float32 / bfloat16 rows only).
+PALLAS_Q_DTYPES = ("float32", "bfloat16")
 #: Sampler rows with a temperature below this are greedy.
 SAMPLER_MIN_TEMPERATURE = 1e-5
 #: A padded sampler row (request rows past a step's real ones): greedy, no top-k / top-p

@@ -32,7 +32,7 @@ from graphrt.backends.xla import batch as xla_batch, sampler as xla_sampler, sha
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.config import GraphConfig
 from graphrt.core import __version__
-from graphrt.models.jax import decoder as jax_decoder
+from graphrt.models.jax import decoder as jax_decoder, pallas_attention
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def executable_store(programs: XlaPrograms, config: GraphConfig) -> ExecutableCa
         return None
     mesh = programs.mesh
     fingerprint = executor_fingerprint(
-        modules=(jax_decoder, xla_batch, xla_sampler, shd, sys.modules[XlaPrograms.__module__]),
+        modules=(jax_decoder, pallas_attention, xla_batch, xla_sampler, shd, sys.modules[XlaPrograms.__module__]),
         devices=list(mesh.devices.flat), mesh_axes=(mesh.axis_names, mesh.devices.shape),
         parts=(programs.model_config, programs.weights, str(programs.kv_dtype), config.block_size,
                config.max_blocks_per_req, int(programs.model_config.vocab_size), programs.decode_query_len,

@@ -109,7 +109,8 @@ class XlaExecutor(Executor[XlaEntry]):
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """A zeroed cache ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` in the KV
         cache spec's dtype (every layer group, sliding or not, in one array); the last row is the
-        trash row padded tokens write into. A new shape drops compiled executables."""
+        trash row padded tokens write into. With Pallas attention the cache is in the kernel's page
+        layout instead (``programs.kv_shape``). A new shape drops compiled executables."""
         if block_size != self.config.block_size:
             raise ConfigError(f"block_size {block_size} differs from the config's {self.config.block_size}")
         shape = self.programs.kv_shape(num_blocks, block_size)

@@ -11,6 +11,7 @@ weights on the mesh. It compiles nothing: the executor lowers and compiles these
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -26,6 +27,7 @@ from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
 from graphrt.models.jax import decoder as jax_decoder
 from graphrt.models.jax.decoder import AttentionMetadata
 from graphrt.models.jax.model_config import check_model_config
+from graphrt.models.jax.pallas_attention import choose_xla_attention, pallas_kv_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +117,19 @@ def _functions(model: XlaModel) -> tuple[Callable[..., Any], Callable[..., Any]]
     return jax_decoder.forward, jax_decoder.compute_logits
 
 
-def model_program(model: Any, block_size: int, decode_query_len: int = 1,
-                  tp_size: int = 1) -> tuple[Any, Any, Callable[..., Any], Callable[..., jax.Array]]:
+def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_size: int = 1,
+                  attention: Any = None) -> tuple[Any, Any, Callable[..., Any], Callable[..., jax.Array]]:
     """(model config, weights pytree, step function, ``logits(weights, hidden rows)``) for every
     kind of model accepted; the config checked (:func:`check_model_config`, naming any member
-    it lacks)."""
+    it lacks). ``attention`` is graphrt's decoder's (``decoder.forward``'s argument)."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], DecoderConfig):
         model = XlaModel(*model)
     if isinstance(model, XlaModel):
         cfg = model.config
         check_model_config(cfg, tp_size)
         forward, compute_logits = _functions(model)
+        if model.own_code and attention is not None:
+            forward = functools.partial(forward, attention=attention)
 
         def logits(params: Any, hidden: jax.Array) -> jax.Array:
             return compute_logits(params, hidden, config=cfg)
@@ -192,7 +196,9 @@ class XlaPrograms:
     ``own_code`` is False for an nnx module, whose code lives in its graphdef (the on-disk
     executable store cannot fingerprint it). ``kv_spec`` is the KV cache spec
     (:func:`xla_kv_spec`) and ``kv_dtype`` the cache array's dtype (``config.kv_cache_dtype``,
-    else the weights').
+    else the weights'). ``attention`` says whether graphrt's decoder runs Pallas ragged paged
+    attention (TPUs; the cache then in the kernel's page layout: :meth:`kv_shape`) or its
+    reference, and why (:func:`~graphrt.models.jax.pallas_attention.choose_xla_attention`).
     """
 
     def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1,
@@ -201,10 +207,11 @@ class XlaPrograms:
         self.tp_size = shd.mesh_size(mesh)
         self.model_config, weights, step, logits = model_program(model, block_size, decode_query_len,
                                                                  self.tp_size)
+        own_decoder = isinstance(model, tuple) or (isinstance(model, XlaModel) and model.own_code)
         self.decode_query_len = decode_query_len
         self.max_reqs = int(max_reqs)
         shd.check_tp(self.model_config, self.tp_size)
-        self.own_code = isinstance(model, tuple) or (isinstance(model, XlaModel) and model.own_code)
+        self.own_code = own_decoder
         self.replicated = shd.replicated(mesh)
         self.kv_sharding = shd.kv_cache_sharding(mesh, self.model_config)
         weight_shardings = shd.weight_shardings(weights, mesh, self.model_config)
@@ -215,6 +222,12 @@ class XlaPrograms:
         self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype if own is None else own)
         self.kv_spec = None if config is None else xla_kv_spec(self.model_config, self.dtype, config)
         self.kv_dtype = self.dtype if self.kv_spec is None else jnp.dtype(self.kv_spec.groups[0].dtype)
+        #: Graphrt's decoder's attention (GRAPHRT_ATTENTION): Pallas stores the cache in its page layout.
+        self.attention = choose_xla_attention(self.model_config, list(mesh.devices.flat), self.dtype, self.kv_dtype,
+                                              own_decoder=own_decoder, tp_size=self.tp_size)
+        if self.attention.kernel == "pallas":
+            _, _, step, _ = model_program(model, block_size, decode_query_len, self.tp_size,
+                                          attention=self.attention.attention)
         repl = self.replicated
         self.forward = jax.jit(step, donate_argnums=(1,),
                                in_shardings=(weight_shardings, self.kv_sharding, repl, repl, repl),
@@ -232,8 +245,11 @@ class XlaPrograms:
                                 if k else None)
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` (the last row: trash)."""
+        """``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` (the last row: trash), or
+        with Pallas attention its page layout (:func:`pallas_kv_shape`)."""
         c = self.model_config
+        if self.attention.kernel == "pallas":
+            return pallas_kv_shape(c, num_blocks, block_size)
         return (c.num_hidden_layers, 2, num_blocks * block_size + 1, c.num_key_value_heads, c.head_dim)
 
     def zeros_kv_cache(self, shape: tuple[int, ...]) -> jax.Array:

@@ -9,12 +9,15 @@ Block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``; the last row
 padded tokens (negative slot) write into and that is never read. An fp8 cache (``jnp.float8_e4m3fn`` /
 ``float8_e5m2``) stores value / scale, saturated to the format's range, and reads stored * scale
 (per-tensor ``kv_scales``, as the torch kernels do). A layer with a sliding window W (the config's
-``sliding_windows``) lets a token at position p see p - W + 1 .. p.
+``sliding_windows``) lets a token at position p see p - W + 1 .. p. On TPUs the xla backend may
+store the cache in the Pallas kernel's page layout instead (``forward(attention=...)``,
+:mod:`graphrt.models.jax.pallas_attention`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,11 +139,24 @@ def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positi
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
+def _reference_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array,
+                      window: Any, positions: jax.Array, meta: AttentionMetadata, write_rows: jax.Array, *,
+                      block_size: int, kv_scales: tuple[float, float]) -> tuple[jax.Array, jax.Array]:
+    """Write this step's K/V into layer ``layer_idx`` of the reference-layout cache, then attend
+    (over its sliding ``window``: None / 0 none): (attention [T, Hq, D], new cache)."""
+    kv_cache = kv_cache.at[layer_idx, 0, write_rows].set(quantize_kv(k, kv_cache.dtype, kv_scales[0]))
+    kv_cache = kv_cache.at[layer_idx, 1, write_rows].set(quantize_kv(v, kv_cache.dtype, kv_scales[1]))
+    layer_kv = kv_cache[layer_idx]
+    attn = paged_attention(q, layer_kv[0], layer_kv[1], positions, meta, block_size,
+                           0 if window is None else window, kv_scales)
+    return attn, kv_cache
+
+
 def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any, lp: Params,
            positions: jax.Array, cos: jax.Array, sin: jax.Array, write_rows: jax.Array, meta: AttentionMetadata,
-           config: DecoderConfig, block_size: int, kv_scales: tuple[float, float]) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer: write this step's K/V into layer ``layer_idx`` of the cache, then attend
-    (over its sliding ``window``: 0 none)."""
+           config: DecoderConfig, attend: Callable[..., Any]) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer: ``attend`` writes this step's K/V into layer ``layer_idx`` of the cache,
+    then attends (over its sliding ``window``: 0 none)."""
     num_tokens = x.shape[0]
     d, eps = config.head_dim, config.rms_norm_eps
     h = rms_norm(x, lp["input_norm"], eps)
@@ -153,11 +169,7 @@ def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any,
     if config.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    kv_cache = kv_cache.at[layer_idx, 0, write_rows].set(quantize_kv(k, kv_cache.dtype, kv_scales[0]))
-    kv_cache = kv_cache.at[layer_idx, 1, write_rows].set(quantize_kv(v, kv_cache.dtype, kv_scales[1]))
-    layer_kv = kv_cache[layer_idx]
-    attn = paged_attention(q, layer_kv[0], layer_kv[1], positions, meta, block_size,
-                           0 if window is None else window, kv_scales)
+    attn, kv_cache = attend(q, k, v, kv_cache, layer_idx, window, positions, meta, write_rows)
     attn = attn.reshape(num_tokens, config.q_size) @ lp["wo"]
     if config.attention_bias:
         attn = attn + lp["bo"]
@@ -169,15 +181,25 @@ def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any,
 
 def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions: jax.Array,
             meta: AttentionMetadata, *, config: DecoderConfig, block_size: int,
-            kv_scales: tuple[float, float] = (1.0, 1.0)) -> tuple[jax.Array, jax.Array]:
+            kv_scales: tuple[float, float] = (1.0, 1.0), attention: Any = None) -> tuple[jax.Array, jax.Array]:
     """Run the decoder on ``T`` flattened tokens; returns (final-normed hidden [T, H], new kv_cache).
 
     Jit with ``static_argnames=("config", "block_size")`` (and ``"kv_scales"`` where given: an fp8
-    cache's per-tensor (k, v) scales) and ``donate_argnames=("kv_cache",)``.
+    cache's per-tensor (k, v) scales; ``"attention"`` where given) and ``donate_argnames=("kv_cache",)``.
     Padded tokens (negative slot) write only the trash row; tokens of a request with seq_len 0, or
-    past ``query_start_loc[-1]``, see no keys and get a zero attention output.
+    past ``query_start_loc[-1]``, see no keys and get a zero attention output. ``attention``: None
+    for this module's layout and attention, or another layout's (hashable) with
+    ``trash_row(kv_cache, num_layers, block_size)`` and ``layer_attention(config, block_size,
+    kv_scales)`` returning :func:`_reference_attend`'s positional signature -- the Pallas one:
+    :class:`graphrt.models.jax.pallas_attention.PallasAttention`.
     """
-    trash_row = kv_cache.shape[2] - 1
+    layers = config.num_hidden_layers
+    if attention is None:
+        trash_row = kv_cache.shape[2] - 1
+        attend = functools.partial(_reference_attend, block_size=block_size, kv_scales=kv_scales)
+    else:
+        trash_row = attention.trash_row(kv_cache, layers, block_size)
+        attend = attention.layer_attention(config, block_size, kv_scales)
     write_rows = jnp.where(meta.slot_mapping < 0, trash_row, meta.slot_mapping).astype(jnp.int32)
     cos, sin = rotary_cos_sin(positions, config.head_dim, config.rope_theta)
     x = params["embed"][input_ids]
@@ -187,9 +209,9 @@ def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions
         x, cache = carry
         layer_idx, window, lp = xs
         return _layer(x, cache, layer_idx, window, lp, positions, cos, sin, write_rows, meta,
-                      config, block_size, kv_scales), None
+                      config, attend), None
 
-    layer_ids = jnp.arange(config.num_hidden_layers, dtype=jnp.int32)
+    layer_ids = jnp.arange(layers, dtype=jnp.int32)
     # Each layer's window, scanned with its weights; None (no layer slides): no window mask at all.
     sliding = tuple(getattr(config, "sliding_windows", ()))
     windows = jnp.asarray(sliding, jnp.int32) if any(sliding) else None
