@@ -155,7 +155,7 @@ def check_layer(bs, hkv, group, window, reqs, seed, kv_dtype=jnp.float32, kv_sca
 
 
 @given(steps())
-@settings(max_examples=25, deadline=None, database=None, derandomize=True,
+@settings(max_examples=12, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow], phases=(Phase.explicit, Phase.generate))
 def test_pallas_layout_attention_matches_the_reference(step):
     """Hypothesis-drawn mixed prefill / decode steps, GQA groups 1-4, blocks of 16 and 32, padded
@@ -246,8 +246,8 @@ def test_xla_backend_runs_the_pallas_layout(pallas_on_cpu, monkeypatch):
     """graphrt.LLM on the xla backend: the cache in the page layout, the same greedy tokens and last
     logits as the reference layout (the same schedule, so the same last step)."""
     d = str(tiny_hf_model_dir("qwen3", **SLIDING))
-    prompts = random_prompts((5, 19, 30), seed=9)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = random_prompts((5, 30), seed=9)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
     pallas = graphrt.LLM(d, backend="xla", **XLA)
     ex = pallas.runner.executor
     assert ex.programs.attention.kernel == "pallas" and ex.kv_cache.ndim == 4
