@@ -228,6 +228,34 @@ def test_a_hybrid_model_of_two_layouts_shares_one_block_table(reference):
     assert_close_across_shapes(last_logits(llm), logits, "float32")
 
 
+def hybrid_model() -> torch.nn.Module:
+    """Layer 0 K / V with full attention, layer 1 an MLA-shaped latent row with a 5-token window."""
+    inner = qwen3(**SLIDING)
+    old = inner.model.layers[1].self_attn.attn
+    inner.model.layers[1].self_attn.attn = LatentPagedAttention(old.num_heads, old.num_kv_heads, old.head_dim,
+                                                                sliding_window=old.sliding_window)
+    return Declared(inner, KVCacheSpec((KVCacheGroup((0,), 2, 16), KVCacheGroup.mla((1,), 2 * 2 * 16,
+                                                                                    sliding_window=5))))
+
+
+@pytest.mark.parametrize("prop", ["kv_isolated", "padding_invisible", "replay_matches_eager"])
+def test_the_kit_checks_a_cache_of_two_layouts_slot_by_slot(prop):
+    """The kit's KV properties see every stored layout: a slot is each layout's row of it."""
+    from graphrt.testing import RunnerFactory, access, check_property
+
+    factory = RunnerFactory(hybrid_model, "cpu", mode="FULL_AND_PIECEWISE")
+    runner = factory()
+    rows = runner.num_kv_blocks * runner.config.block_size + 1
+    view = access.kv_values(runner)
+    assert view.shape == (1, 1, rows, 2 * 2 * 16 + 2 * 2 * 16, 1)      # layer 0's K and V, layer 1's latent
+    planted = np.random.default_rng(0).standard_normal(view.shape).astype(np.float32)
+    access.set_kv(runner, planted)
+    np.testing.assert_array_equal(access.kv_values(runner), planted)
+    np.testing.assert_array_equal(runner.executor.kv_caches[1][0].numpy(), planted[0, 0, :, 64:, 0])
+    result = check_property(prop, factory, examples=6)
+    assert result.passed, result.line()
+
+
 class OwnCache:
     """A model's own KV cache: per-layer tensors it allocates, reporting 3x their bytes per block
     (say, for metadata of its own), so the runner's sizing visibly follows its number."""

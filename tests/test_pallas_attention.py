@@ -357,3 +357,39 @@ def test_the_tpu_kernel_matches_its_reference_in_graphrt_layout():
                       num_layers=LAYERS, kv_scales=(1.0, 1.0)) for kernel in ("pallas", reference_kernel)]
     np.testing.assert_allclose(np.asarray(outs[0], np.float32)[:real], np.asarray(outs[1], np.float32)[:real],
                                rtol=graphrt.tolerance("bfloat16").rtol, atol=graphrt.tolerance("bfloat16").atol)
+
+
+def test_the_kits_view_of_the_page_layout_is_the_reference_layout():
+    """``pages_to_rows`` is the test's own conversion plus each layer's trash row, and
+    ``rows_to_pages`` inverts it (the trash page's unused rows zero)."""
+    num_blocks, hkv, d = 5, 2, 16
+    cfg = type("Cfg", (), {"num_hidden_layers": LAYERS, "num_key_value_heads": hkv, "head_dim": d})
+    pages = np.random.default_rng(1).standard_normal(pa.pallas_kv_shape(cfg, num_blocks, BS)).astype(np.float32)
+    rows = pa.pages_to_rows(pages, LAYERS, BS)
+    assert rows.shape == (LAYERS, 2, num_blocks * BS + 1, hkv, d)
+    np.testing.assert_array_equal(rows[:, :, :-1], to_reference_layout(pages, BS))
+    trash = pages.reshape(LAYERS, num_blocks + 1, BS, 2 * hkv, d)[:, -1, 0]        # each layer's trash row
+    np.testing.assert_array_equal(rows[:, 0, -1], trash[:, 0::2])
+    np.testing.assert_array_equal(rows[:, 1, -1], trash[:, 1::2])
+    back = pa.rows_to_pages(rows, pages.shape, LAYERS, BS)
+    used = np.ones(pages.shape[:2], bool).reshape(LAYERS, num_blocks + 1, BS)
+    used[:, -1, 1:] = False
+    used = used.reshape(pages.shape[:2])
+    np.testing.assert_array_equal(back[used], pages[used])
+    assert not back[~used].any()
+
+
+def test_the_kit_checks_kv_isolation_in_the_page_layout(pallas_on_cpu):
+    """The conformance kit's KV properties address slots through the reference view of the pages."""
+    from graphrt.testing import RunnerFactory, access, check_property
+
+    factory = RunnerFactory(str(tiny_hf_model_dir("qwen3", **SLIDING)), "xla", **XLA)
+    runner = factory()
+    assert runner.executor.programs.attention.kernel == "pallas"
+    view = access.kv_values(runner)
+    assert view.shape[2] == runner.num_kv_blocks * XLA["block_size"] + 1
+    planted = np.random.default_rng(2).standard_normal(view.shape).astype(np.float32)
+    access.set_kv(runner, planted)
+    np.testing.assert_array_equal(access.kv_values(runner), planted)
+    result = check_property("kv_isolated", factory, examples=4)
+    assert result.passed, result.line()

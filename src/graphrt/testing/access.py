@@ -6,6 +6,13 @@ graphrt ships: torch (``executor.kv_cache`` a ``torch.Tensor``; static buffers i
 buffers). torch and jax are imported only when a runner of that framework is seen.
 A backend of your own that keeps its KV cache elsewhere needs only :func:`kv_values`,
 :func:`set_kv` and :func:`kv_bits` adapted.
+
+The properties address KV slots on axis 2 of a 5-d view. graphrt's usual cache is that view
+(``[layers, 2, slots + 1, kv_heads, head_dim]``); other layouts are shown in one:
+a Pallas-layout XLA cache (TPUs) as the reference layout it stands for, and a torch model
+with several stored layouts (K / V of other head sizes, MLA, mixed dtypes:
+``executor.kv_caches``) as ``[1, 1, slots + 1, features, 1]``, every layout's values of a
+slot side by side.
 """
 
 from __future__ import annotations
@@ -46,20 +53,83 @@ def _values(value: Any) -> np.ndarray:
     return np.asarray(value).astype(np.float32)
 
 
+def _torch_layouts(ex: Any) -> list[Any] | None:
+    """A torch executor's stored KV layouts when there is not one standard tensor, else None."""
+    caches = getattr(ex, "kv_caches", None)
+    if not caches or (len(caches) == 1 and caches[0].dim() == 5):
+        return None
+    return list(caches)
+
+
+def _by_slot(t: Any) -> Any:
+    """A torch layout's tensor with its slot axis first, flattened: ``[slots + 1, features]``
+    (slots are axis 2 of ``[layers, 2, rows, ...]``, else axis 1 of ``[layers, rows, ...]``)."""
+    axis = 2 if t.dim() == 5 else 1
+    return t.movedim(axis, 0).reshape(t.shape[axis], -1)
+
+
+def _pallas(ex: Any) -> Any:
+    """The XLA programs when graphrt's decoder keeps its cache in the Pallas page layout, else None."""
+    programs = getattr(ex, "programs", None)
+    choice = getattr(programs, "attention", None)
+    return programs if getattr(choice, "kernel", None) == "pallas" else None
+
+
+def _pallas_rows(runner: Any, pages: np.ndarray) -> np.ndarray:
+    from graphrt.models.jax.pallas_attention import pages_to_rows
+
+    return pages_to_rows(pages, runner.executor.model_config.num_hidden_layers, runner.config.block_size)
+
+
 def kv_values(runner: Any) -> np.ndarray:
-    """The KV cache as float32 ``[layers, 2, slots + 1, kv_heads, head_dim]`` (last row: trash)."""
-    return _values(runner.executor.kv_cache)
+    """The KV cache as float32 ``[layers, 2, slots + 1, kv_heads, head_dim]`` (last row: trash),
+    or the 5-d view of another layout (module docstring)."""
+    ex = runner.executor
+    layouts = _torch_layouts(ex)
+    if layouts is not None:
+        import torch
+
+        flat = torch.cat([_by_slot(t).float() for t in layouts], dim=1)
+        return flat.cpu().numpy()[None, None, :, :, None]
+    if _pallas(ex) is not None:
+        return _pallas_rows(runner, _values(ex.kv_cache))
+    return _values(ex.kv_cache)
 
 
 def kv_bits(runner: Any) -> np.ndarray:
-    """The KV cache's bits, same shape as :func:`kv_values` (for byte-exact comparisons)."""
-    return _bits(runner.executor.kv_cache)
+    """The KV cache's bits, same shape as :func:`kv_values` (several stored layouts: their bytes
+    per slot, ``[1, 1, slots + 1, bytes, 1]``), for byte-exact comparisons."""
+    ex = runner.executor
+    layouts = _torch_layouts(ex)
+    if layouts is not None:
+        import torch
+
+        flat = torch.cat([_by_slot(t.detach()).contiguous().view(torch.uint8) for t in layouts], dim=1)
+        return flat.cpu().numpy()[None, None, :, :, None]
+    if _pallas(ex) is not None:
+        return _pallas_rows(runner, _bits(ex.kv_cache))
+    return _bits(ex.kv_cache)
 
 
 def set_kv(runner: Any, values: np.ndarray) -> None:
-    """Overwrite the whole KV cache with ``values`` (float32, cast to the cache's dtype), in place
-    for torch; for XLA a new array with the old one's sharding (the executables take it)."""
+    """Overwrite the whole KV cache with ``values`` (float32 in :func:`kv_values`' view, cast to
+    the cache's dtype), in place for torch; for XLA a new array with the old one's sharding
+    (the executables take it)."""
     ex = runner.executor
+    layouts = _torch_layouts(ex)
+    if layouts is not None:
+        import torch
+
+        flat = torch.from_numpy(np.ascontiguousarray(values[0, 0, :, :, 0], dtype=np.float32))
+        start = 0
+        with torch.no_grad():
+            for t in layouts:
+                width = _by_slot(t).shape[1]
+                axis = 2 if t.dim() == 5 else 1
+                moved = t.movedim(axis, 0)
+                moved.copy_(flat[:, start:start + width].reshape(moved.shape).to(t.dtype))
+                start += width
+        return
     kv = ex.kv_cache
     if _is_torch(kv):
         import torch
@@ -70,12 +140,21 @@ def set_kv(runner: Any, values: np.ndarray) -> None:
     import jax
     import jax.numpy as jnp
 
+    if _pallas(ex) is not None:
+        from graphrt.models.jax.pallas_attention import rows_to_pages
+
+        values = rows_to_pages(np.asarray(values, np.float32), kv.shape, ex.model_config.num_hidden_layers,
+                               runner.config.block_size)
     ex.kv_cache = jax.device_put(jnp.asarray(values, dtype=kv.dtype), kv.sharding)
 
 
 def kv_dtype(runner: Any) -> str:
-    """The KV cache's dtype name (``float32``, ``bfloat16``, ...), for :func:`graphrt.tolerance`."""
-    return str(runner.executor.kv_cache.dtype).removeprefix("torch.")
+    """The KV cache's dtype name (``float32``, ``bfloat16``, ...), for :func:`graphrt.tolerance`;
+    with several stored layouts, the narrowest one's."""
+    ex = runner.executor
+    layouts = _torch_layouts(ex)
+    dtype = min((t.dtype for t in layouts), key=lambda d: d.itemsize) if layouts else ex.kv_cache.dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def on_cpu(runner: Any) -> bool:
@@ -120,12 +199,13 @@ def addresses(runner: Any) -> dict[str, int] | None:
     None where the backend has no static buffers (XLA: arrays are immutable, the cache donated)."""
     ex = runner.executor
     static = getattr(ex, "static", None)
-    if static is None or not _is_torch(ex.kv_cache):
+    if static is None or not _is_torch(ex.kv_cache if ex.kv_cache is not None else ex.kv_caches[0]):
         return None
     out = {name: t.data_ptr() for name, t in static.items()}
     sampler = getattr(ex, "sampler", None)
     out.update({f"sampler.{k}": t.data_ptr() for k, t in (getattr(sampler, "static", None) or {}).items()})
-    out["kv_cache"] = ex.kv_cache.data_ptr()
+    out.update({f"kv_cache.{i}" if i else "kv_cache": t.data_ptr()
+                for i, t in enumerate(getattr(ex, "kv_caches", None) or [ex.kv_cache])})
     for name in ("hidden_out", "logits_out"):
         out[name] = getattr(ex, name).data_ptr()
     return out

@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
@@ -158,6 +159,28 @@ def trash_row(kv_cache: jax.Array, num_layers: int, block_size: int) -> int:
     return (layer_pages(kv_cache, num_layers, block_size) - 1) * block_size
 
 
+def pages_to_rows(pages: np.ndarray, num_layers: int, block_size: int) -> np.ndarray:
+    """A Pallas-layout cache (host array) in the reference layout ``[layers, 2, blocks *
+    block_size + 1, kv_heads, head_dim]`` (the last row: the trash page's first row), for tools
+    that address KV slots (the conformance kit)."""
+    per_layer = pages.shape[0] // num_layers
+    heads = pages.shape[2] // 2
+    rows = pages.reshape(num_layers, per_layer * block_size, heads, 2, pages.shape[3]).transpose(0, 3, 1, 2, 4)
+    real = (per_layer - 1) * block_size
+    return np.concatenate([rows[:, :, :real], rows[:, :, real:real + 1]], axis=2)
+
+
+def rows_to_pages(rows: np.ndarray, pages_shape: tuple[int, ...], num_layers: int, block_size: int) -> np.ndarray:
+    """:func:`pages_to_rows` inverted: reference-layout ``rows`` as a Pallas-layout host array of
+    ``pages_shape`` (the trash page's other rows, never written or read, zero)."""
+    per_layer = pages_shape[0] // num_layers
+    real = (per_layer - 1) * block_size
+    heads, head_dim = pages_shape[2] // 2, pages_shape[3]
+    full = np.zeros((num_layers, 2, per_layer * block_size, heads, head_dim), rows.dtype)
+    full[:, :, :real + 1] = rows
+    return full.transpose(0, 2, 3, 1, 4).reshape(pages_shape)
+
+
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, layer_idx: jax.Array, write_rows: jax.Array,
              block_size: int, num_layers: int, kv_scales: tuple[float, float]) -> jax.Array:
     """Scatter this step's ``k`` / ``v`` [T, Hkv, D] into layer ``layer_idx``'s rows ``write_rows``
@@ -227,5 +250,6 @@ def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arr
     return out, kv_cache
 
 
-__all__ = ["KERNEL_OVERRIDE", "PallasAttention", "XlaAttentionChoice", "attend", "choose_xla_attention", "kernel_import_problem",
-           "pages_per_layer", "pallas_kv_shape", "pallas_problem", "trash_row", "write_and_attend", "write_kv"]
+__all__ = ["attend", "choose_xla_attention", "kernel_import_problem", "KERNEL_OVERRIDE", "pages_per_layer",
+           "pages_to_rows", "pallas_kv_shape", "pallas_problem", "PallasAttention", "rows_to_pages",
+           "trash_row", "write_and_attend", "write_kv", "XlaAttentionChoice"]
