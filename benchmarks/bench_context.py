@@ -138,11 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_jax() -> bool:
-    try:
-        import jax  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("jax") is not None
 
 
 if __name__ == "__main__":
