@@ -236,3 +236,52 @@ def test_an_nnx_module_declares_them_as_an_attribute():
                    extra_inputs={"embeds": embeds})
     want = neox.reference_logits(params, CFG, [3, 9, 4, 1, 7], embeds)
     np.testing.assert_allclose(runner.logits()[0], want[4], rtol=ATOL, atol=ATOL)
+
+
+def test_tensor_parallelism_replicates_them_in_subprocess():
+    """Two CPU devices (XLA_FLAGS must be set before JAX starts, hence a fresh process running
+    this file): the extra inputs are replicated over the mesh and the logits still match."""
+    import os
+    import subprocess
+    import sys
+
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if "SKIP:" in proc.stdout:
+        pytest.skip(proc.stdout.split("SKIP:", 1)[1].strip())
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "OK tp=2" in proc.stdout, proc.stdout
+
+
+def _tp_main() -> None:
+    if len(jax.devices()) < 2:
+        print(f"SKIP: only {len(jax.devices())} JAX devices here (XLA_FLAGS not honoured)")
+        return
+    from jax.sharding import PartitionSpec as P
+
+    from graphrt.backends.xla.backend import XlaBackend
+
+    runner = ModelRunner(_model(), backend=XlaBackend(tp_size=2), progress=False, **LIMITS)
+    tokens, blocks = _tables()
+    prompts = {0: [3, 9, 4, 1, 7], 1: [8, 2, 6]}
+    for row, p in prompts.items():
+        tokens[row, :len(p)] = p
+    embeds = np.random.default_rng(4).normal(0, 0.5, (8, CFG.hidden_size)).astype(np.float32)
+    runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.array([0, 1]),
+                   num_computed_tokens=np.zeros(2, np.int32), num_scheduled_tokens=np.array([5, 3]),
+                   sampling=greedy(2), extra_inputs={"embeds": embeds})
+    logits = runner.logits()
+    params = params_of(runner)
+    for i, (ids, rows) in enumerate(((prompts[0], embeds[:5]), (prompts[1], embeds[5:]))):
+        want = neox.reference_logits(params, CFG, ids, rows)[-1]
+        np.testing.assert_allclose(logits[i], want, rtol=ATOL, atol=ATOL)
+    entry = runner.cache.get((runner.last_step.mode, runner.last_step.key))
+    extra_in = entry.executable.input_shardings[0][5]
+    assert extra_in["embeds"].spec == P() and len(extra_in["embeds"].device_set) == 2
+    print("OK tp=2", flush=True)
+
+
+if __name__ == "__main__":
+    _tp_main()
