@@ -104,7 +104,10 @@ def _layers(params: dict[str, Any], x: jax.Array, positions: jax.Array, cfg: Neo
 
 
 def _softmax_attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-    """``q [T, H, D]`` over ``k, v [T, S, H, D]`` (per token) where ``visible [T, S]``; zeros where none is."""
+    """``q [T, H, D]`` over ``k, v [T, S, H, D]`` (per token) where ``visible [T, S]``; zeros where none is.
+    Rows not visible are masked out of ``v`` too: stale cache rows may hold anything, NaN included,
+    and ``0 * NaN`` would leak it."""
+    v = jnp.where(visible[:, :, None, None], v, 0.0)
     scores = jnp.einsum("thd,tshd->ths", q, k) * (q.shape[-1] ** -0.5)
     scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
@@ -118,9 +121,23 @@ def forward(params: dict[str, Any], kv_cache: jax.Array, input_ids: jax.Array, p
     """One padded step over the paged cache ``[layers, 2, rows, heads, D]``: each layer writes its
     K / V at ``meta.slot_mapping`` (negative: the trash row), then each token attends to its
     request's rows ``j < seq_len``, ``j <= position`` through ``meta.block_table``."""
+    return _paged(params, kv_cache, params["embed_in"][input_ids], positions, meta, config, block_size)
+
+
+def embeds_forward(params: dict[str, Any], kv_cache: jax.Array, input_ids: jax.Array, positions: jax.Array,
+                   meta: Any, *, config: NeoXConfig, block_size: int,
+                   extra: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """:func:`forward` of a model that declares a per-token extra input ``embeds [T, hidden]``,
+    added to the token embeddings (what multimodal embeddings look like to graphrt)."""
+    x = params["embed_in"][input_ids] + extra["embeds"]
+    return _paged(params, kv_cache, x, positions, meta, config, block_size)
+
+
+def _paged(params: dict[str, Any], kv_cache: jax.Array, x: jax.Array, positions: jax.Array, meta: Any,
+           config: NeoXConfig, block_size: int) -> tuple[jax.Array, jax.Array]:
     trash = kv_cache.shape[2] - 1
     slots = jnp.where(meta.slot_mapping < 0, trash, meta.slot_mapping)
-    t = input_ids.shape[0]
+    t = x.shape[0]
     num_reqs = meta.seq_lens.shape[0]
     req = jnp.clip(jnp.searchsorted(meta.query_start_loc, jnp.arange(t), side="right") - 1, 0, num_reqs - 1)
     blocks = meta.block_table[req]                                          # [T, B]
@@ -135,7 +152,7 @@ def forward(params: dict[str, Any], kv_cache: jax.Array, input_ids: jax.Array, p
         cache[0] = kv
         return _softmax_attend(q, kv[i, 0][rows], kv[i, 1][rows], visible)
 
-    hidden = _layers(params, params["embed_in"][input_ids], positions, config, attend)
+    hidden = _layers(params, x, positions, config, attend)
     return hidden, cache[0]
 
 
@@ -143,13 +160,17 @@ def compute_logits(params: dict[str, Any], hidden: jax.Array, *, config: NeoXCon
     return (hidden @ params["embed_out"]).astype(jnp.float32)
 
 
-def reference_logits(params: dict[str, Any], cfg: NeoXConfig, tokens: list[int]) -> np.ndarray:
-    """Plain causal forward of one whole sequence (no cache, no paging): logits ``[S, V]``."""
-    return np.asarray(_reference(params, jnp.asarray(tokens, jnp.int32), cfg))
+def reference_logits(params: dict[str, Any], cfg: NeoXConfig, tokens: list[int],
+                     embeds: np.ndarray | None = None) -> np.ndarray:
+    """Plain causal forward of one whole sequence (no cache, no paging): logits ``[S, V]``;
+    ``embeds [S, hidden]`` added to the token embeddings when given."""
+    ids = jnp.asarray(tokens, jnp.int32)
+    add = jnp.zeros((len(tokens), cfg.hidden_size), jnp.float32) if embeds is None else jnp.asarray(embeds)
+    return np.asarray(_reference(params, ids, cfg, add))
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _reference(params: dict[str, Any], ids: jax.Array, cfg: NeoXConfig) -> jax.Array:
+def _reference(params: dict[str, Any], ids: jax.Array, cfg: NeoXConfig, embeds: jax.Array) -> jax.Array:
     s = ids.shape[0]
     positions = jnp.arange(s)
     causal = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
@@ -157,5 +178,5 @@ def _reference(params: dict[str, Any], ids: jax.Array, cfg: NeoXConfig) -> jax.A
     def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return _softmax_attend(q, jnp.broadcast_to(k, (s,) + k.shape), jnp.broadcast_to(v, (s,) + v.shape), causal)
 
-    hidden = _layers(params, params["embed_in"][ids], positions, cfg, attend)
+    hidden = _layers(params, params["embed_in"][ids] + embeds, positions, cfg, attend)
     return compute_logits(params, hidden, config=cfg)

@@ -7,7 +7,8 @@ that covers everything that shapes it, so a warm start only deserializes:
 
 * the fingerprint of the executor: graphrt, jax and jaxlib versions, the devices and mesh,
   the source of every module whose functions are traced, the model config, the weights'
-  and KV cache's shapes, dtypes and shardings, and the shape-setting config fields;
+  and KV cache's shapes, dtypes and shardings, the shape-setting config fields and the
+  model's declared extra inputs (name, level, shape, dtype, fill);
 * the bucket key itself.
 
 Anything else (weights' values, requests) is an argument, not part of the executable. A
@@ -28,7 +29,8 @@ from typing import Any, Hashable, Iterable
 
 import jax
 
-from graphrt.backends.xla import batch as xla_batch, sampler as xla_sampler, sharding as shd
+from graphrt.backends.xla import batch as xla_batch, extra_inputs as xla_extra, sampler as xla_sampler
+from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.config import GraphConfig
 from graphrt.core import __version__
@@ -134,5 +136,5 @@ def executable_store(programs: XlaPrograms, config: GraphConfig) -> ExecutableCa
         devices=list(mesh.devices.flat), mesh_axes=(mesh.axis_names, mesh.devices.shape),
         parts=(programs.model_config, programs.weights, str(programs.kv_dtype), config.block_size,
                config.max_blocks_per_req, int(programs.model_config.vocab_size), programs.decode_query_len,
-               programs.max_reqs, programs.max_logprobs))
+               programs.max_reqs, programs.max_logprobs, xla_extra.fingerprint(programs.extra_inputs)))
     return ExecutableCache(config.compilation_cache_dir, fingerprint, list(mesh.devices.flat))

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from graphrt.backends.base import Built, Executor, SamplingBatch
-from graphrt.backends.xla import sharding as shd
+from graphrt.backends.xla import extra_inputs as xla_extra, sharding as shd
 from graphrt.backends.xla.batch import XlaBatch, batch_spec, sampling_spec
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
@@ -76,6 +76,9 @@ class XlaExecutor(Executor[XlaEntry]):
         # One staging buffer per field (core's shape table), int32 as every executable takes them.
         self.host_buffers = {name: np.zeros(shape, np.int32)
                              for name, shape in buffer_shapes(max_t, max_r, self._width).items()}
+        #: The model's declared extra inputs and their staging buffers (the runner writes them).
+        self.extra_inputs = programs.extra_inputs
+        self.extra_buffers = xla_extra.staging_buffers(self.extra_inputs, max_t, max_r)
         if programs.max_reqs < max_r:
             raise ConfigError(f"the xla programs pad sampled tokens to {programs.max_reqs} rows; the "
                               f"config's largest batch is {max_r} (build XlaPrograms with max_reqs={max_r})")
@@ -241,7 +244,8 @@ class XlaExecutor(Executor[XlaEntry]):
         kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
         future = (jax.ShapeDtypeStruct((self.programs.max_reqs,), jnp.int32),
                   jax.ShapeDtypeStruct((key.num_reqs,), jnp.int32))
-        return self.programs.forward, spec, (self.weights, kv, spec, *future)
+        extra = xla_extra.abstract_args(self.extra_inputs, key.num_tokens, key.num_reqs)
+        return self.programs.forward, spec, (self.weights, kv, spec, *future, *extra)
 
     @staticmethod
     def _lower(jitted: Any, args: tuple[Any, ...]) -> tuple[Any, float]:
@@ -275,7 +279,8 @@ class XlaExecutor(Executor[XlaEntry]):
         the runner rewrites its host buffers on the next step. The KV cache is donated and
         replaced by the executable's updated one. ``future``: ``(rows [R] int32, tokens)`` --
         the real requests whose last token is ``tokens[row]`` (a previous step's sampler output,
-        still on the device; -1: none), resolved inside the executable.
+        still on the device; -1: none), resolved inside the executable. The declared extra inputs
+        go in as the padded rows of their staging buffers (the runner wrote them).
         """
         entry = self._require(entry, key)
         entry.check_inputs(padded)
@@ -290,10 +295,11 @@ class XlaExecutor(Executor[XlaEntry]):
             rows[:len(real)] = real
             if isinstance(tokens, np.ndarray):     # a step that waited: its tokens are on the host
                 tokens = np.pad(tokens.astype(np.int32), (0, self.programs.max_reqs - len(tokens)))
+        extra = xla_extra.padded_args(self.extra_inputs, self.extra_buffers, spec.num_tokens, spec.num_reqs)
         before = _compiles.compiles
         kv = self.kv_cache
         try:
-            out = entry.executable(self.weights, kv, batch, tokens, rows)
+            out = entry.executable(self.weights, kv, batch, tokens, rows, *extra)
             if self._with_positions:
                 logits, hidden, self.kv_cache, self._last_positions = out
             else:

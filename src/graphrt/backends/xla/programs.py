@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,10 @@ from jax.sharding import Mesh
 
 from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.batch import XlaBatch
+from graphrt.backends.xla.extra_inputs import model_extra_specs
 from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens, sampled_logprobs, token_logprobs
 from graphrt.core.errors import ConfigError, InputError
+from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
 from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
 from graphrt.models.jax import decoder as jax_decoder
@@ -40,13 +42,16 @@ class XlaModel:
     config) -> float32 [N, V]``: the signatures of :mod:`graphrt.models.jax.decoder`, whose Llama /
     Qwen3 decoder (``jax_loader``'s params) runs when both are None, with a ``DecoderConfig``.
     A model of its own passes both, with any ``config`` that has the members of
-    :class:`~graphrt.models.jax.model_config.JaxModelConfig`.
+    :class:`~graphrt.models.jax.model_config.JaxModelConfig`. ``extra_inputs`` (name ->
+    :class:`~graphrt.ExtraInput`) are per-step arrays it reads: declared, its forward is called
+    with one more keyword, ``extra`` (a dict of each input's padded rows; docs/xla.md).
     """
 
     config: Any
     params: Any
     forward: Callable[..., Any] | None = None
     compute_logits: Callable[..., Any] | None = None
+    extra_inputs: Mapping[str, ExtraInput] | None = None
 
     @property
     def own_code(self) -> bool:
@@ -83,20 +88,22 @@ def _make_step(run_model: Callable[..., Any], decode_query_len: int) -> Callable
     q = decode_query_len
 
     def step(weights: Any, kv_cache: jax.Array, batch: XlaBatch, future_tokens: jax.Array,
-             future_rows: jax.Array) -> tuple[jax.Array, ...]:
+             future_rows: jax.Array, *extras: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
         """Forward of one padded step: (logits at each request's last token, hidden, new KV
         cache) and, with ``q = decode_query_len > 1``, the logits at each request's last ``q``
         positions ``[R, q, V]`` (speculative decoding verifies drafts on them). Requests whose
         ``future_rows`` entry is >= 0 first take their last token from ``future_tokens``
-        (:func:`resolve_future_tokens`)."""
+        (:func:`resolve_future_tokens`). ``extras``: the declared extra inputs' padded rows (one
+        dict), only when the model declares them (otherwise the signature is as it was)."""
+        extra = extras[0] if extras else {}
         batch = resolve_future_tokens(batch, future_tokens, future_rows)
         meta = AttentionMetadata(batch.slot_mapping, batch.query_start_loc, batch.seq_lens,
                                  batch.block_table)
         ends = batch.query_start_loc[1:]
         if q == 1:
-            return run_model(weights, kv_cache, batch, meta, jnp.maximum(ends - 1, 0))
+            return run_model(weights, kv_cache, batch, meta, jnp.maximum(ends - 1, 0), extra)
         rows = jnp.maximum(ends[:, None] + jnp.arange(-q, 0), 0).reshape(-1)
-        logits, hidden, kv_cache = run_model(weights, kv_cache, batch, meta, rows)
+        logits, hidden, kv_cache = run_model(weights, kv_cache, batch, meta, rows, extra)
         logits = logits.reshape(ends.shape[0], q, -1)
         return logits[:, -1], hidden, kv_cache, logits
     return step
@@ -121,9 +128,11 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_siz
                   attention: Any = None) -> tuple[Any, Any, Callable[..., Any], Callable[..., jax.Array]]:
     """(model config, weights pytree, step function, ``logits(weights, hidden rows)``) for every
     kind of model accepted; the config checked (:func:`check_model_config`, naming any member
-    it lacks). ``attention`` is graphrt's decoder's (``decoder.forward``'s argument)."""
+    it lacks). ``attention`` is graphrt's decoder's (``decoder.forward``'s argument). The model's
+    forward gets ``extra=`` only when it declares extra inputs (:func:`model_extra_specs`)."""
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], DecoderConfig):
         model = XlaModel(*model)
+    declares = bool(model_extra_specs(model))
     if isinstance(model, XlaModel):
         cfg = model.config
         check_model_config(cfg, tp_size)
@@ -135,9 +144,9 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_siz
             return compute_logits(params, hidden, config=cfg)
 
         def run_model(params: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
-                      last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      last: jax.Array, extra: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
             hidden, kv_cache = forward(params, kv_cache, batch.input_ids, batch.positions, meta,
-                                       config=cfg, block_size=block_size)
+                                       config=cfg, block_size=block_size, **({"extra": extra} if declares else {}))
             return logits(params, hidden[last]), hidden, kv_cache
 
         return cfg, model.params, _make_step(run_model, decode_query_len), logits
@@ -157,9 +166,10 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_siz
             return nnx.merge(graphdef, state).compute_logits(hidden)
 
         def run_nnx(state: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
-                    last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    last: jax.Array, extra: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
             module = nnx.merge(graphdef, state)
-            hidden, kv_cache = module(kv_cache, batch.input_ids, batch.positions, meta)
+            hidden, kv_cache = module(kv_cache, batch.input_ids, batch.positions, meta,
+                                      **({"extra": extra} if declares else {}))
             return module.compute_logits(hidden[last]), hidden, kv_cache
 
         return cfg, state, _make_step(run_nnx, decode_query_len), logits_nnx
@@ -167,7 +177,7 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_siz
                               "XlaBackend.load_model(...)'s XlaModel, a (DecoderConfig, params) pair, "
                               "XlaModel(config, params, forward=..., compute_logits=...) for a model of "
                               "its own, or a flax nnx.Module with __call__(kv_cache, input_ids, positions, "
-                              "meta) and compute_logits(hidden)")
+                              "meta[, extra=]) and compute_logits(hidden)")
 
 
 def xla_kv_dtypes() -> tuple[str, ...]:
@@ -187,7 +197,7 @@ def xla_kv_spec(model_config: Any, weights_dtype: Any, config: Any) -> KVCacheSp
 class XlaPrograms:
     """One model's jitted forward and samplers on ``mesh``, and its weights placed there.
 
-    ``forward(weights, kv_cache, batch, future_tokens, future_rows)`` donates the KV cache
+    ``forward(weights, kv_cache, batch, future_tokens, future_rows[, extra])`` donates the KV cache
     (with ``decode_query_len > 1`` it also returns each request's position logits);
     ``greedy(logits)`` and ``sample(logits, metadata)`` are the samplers, whose tokens come
     padded to ``max_reqs`` rows (the forward's ``future_tokens``). With ``max_logprobs > 0``,
@@ -199,6 +209,8 @@ class XlaPrograms:
     else the weights'). ``attention`` says whether graphrt's decoder runs Pallas ragged paged
     attention (TPUs; the cache then in the kernel's page layout: :meth:`kv_shape`) or its
     reference, and why (:func:`~graphrt.models.jax.pallas_attention.choose_xla_attention`).
+    ``extra_inputs`` are the model's declared per-step inputs (``extra``: a dict of their padded
+    rows; an argument only when it declares some), replicated over the mesh.
     """
 
     def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1,
@@ -208,6 +220,7 @@ class XlaPrograms:
         self.model_config, weights, step, logits = model_program(model, block_size, decode_query_len,
                                                                  self.tp_size)
         own_decoder = isinstance(model, tuple) or (isinstance(model, XlaModel) and model.own_code)
+        self.extra_inputs = model_extra_specs(model)
         self.decode_query_len = decode_query_len
         self.max_reqs = int(max_reqs)
         shd.check_tp(self.model_config, self.tp_size)
@@ -230,7 +243,8 @@ class XlaPrograms:
                                           attention=self.attention.attention)
         repl = self.replicated
         self.forward = jax.jit(step, donate_argnums=(1,),
-                               in_shardings=(weight_shardings, self.kv_sharding, repl, repl, repl),
+                               in_shardings=(weight_shardings, self.kv_sharding, repl, repl, repl)
+                               + ((repl,) if self.extra_inputs else ()),
                                out_shardings=(repl, repl, self.kv_sharding) + ((repl,) if decode_query_len > 1 else ()))
         self.greedy = jax.jit(padded_tokens(greedy_tokens, self.max_reqs), in_shardings=(repl,), out_shardings=repl)
         self.sample = jax.jit(padded_tokens(sample_tokens, self.max_reqs), in_shardings=(repl, repl),
