@@ -167,9 +167,10 @@ def test_round_robin_alternates_workers(round_robin):
 
 
 def test_shortest_queue_sends_to_the_less_loaded_worker(shortest_queue):
+    LONG = 100        # tokens of a long request: it must outlast a one-token one by far
     dp = shortest_queue
     assert [w["queue_length"] for w in dp.stats["workers"]] == [0, 0]
-    long = dp.add_request([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+    long = dp.add_request([5, 6, 7], SamplingParams(max_tokens=LONG, ignore_eos=True))
     short = dp.add_request([8], SamplingParams(max_tokens=1, ignore_eos=True))
     busy, free = dp.worker_of(long), dp.worker_of(short)
     assert (busy, free) == (0, 1)       # ties go to the lowest rank; then the idle one
@@ -180,14 +181,14 @@ def test_shortest_queue_sends_to_the_less_loaded_worker(shortest_queue):
     assert queues[busy] == 1 and queues[free] == 0, "the long request finished too soon"
     # third runs long too, so both queues hold one request when fourth arrives (a one-token
     # third could finish first and leave worker 1 idle again: a race, not the policy).
-    third = dp.add_request([9], SamplingParams(max_tokens=200, ignore_eos=True))
+    third = dp.add_request([9], SamplingParams(max_tokens=LONG, ignore_eos=True))
     fourth = dp.add_request([10], SamplingParams(max_tokens=1, ignore_eos=True))
     assert dp.worker_of(third) == free          # round robin would have chosen worker 0
     assert dp.worker_of(fourth) == 0            # 1 and 1: the lower rank
     while dp.has_unfinished():
         got += dp.step()
     assert sorted(o.request_id for o in got) == sorted([long, short, third, fourth])
-    assert len(next(o for o in got if o.request_id == long).token_ids) == 200
+    assert len(next(o for o in got if o.request_id == long).token_ids) == LONG
 
 
 def test_step_api_returns_each_request_once(round_robin, reference):
