@@ -199,13 +199,13 @@ def addresses(runner: Any) -> dict[str, int] | None:
     None where the backend has no static buffers (XLA: arrays are immutable, the cache donated)."""
     ex = runner.executor
     static = getattr(ex, "static", None)
-    if static is None or not _is_torch(ex.kv_cache if ex.kv_cache is not None else ex.kv_caches[0]):
+    caches = getattr(ex, "kv_caches", None) or ([ex.kv_cache] if ex.kv_cache is not None else [])
+    if static is None or not caches or not _is_torch(caches[0]):
         return None
     out = {name: t.data_ptr() for name, t in static.items()}
     sampler = getattr(ex, "sampler", None)
     out.update({f"sampler.{k}": t.data_ptr() for k, t in (getattr(sampler, "static", None) or {}).items()})
-    out.update({f"kv_cache.{i}" if i else "kv_cache": t.data_ptr()
-                for i, t in enumerate(getattr(ex, "kv_caches", None) or [ex.kv_cache])})
+    out.update({f"kv_cache.{i}" if i else "kv_cache": t.data_ptr() for i, t in enumerate(caches)})
     for name in ("hidden_out", "logits_out"):
         out[name] = getattr(ex, name).data_ptr()
     return out
