@@ -198,7 +198,12 @@ def test_a_model_returning_the_old_tuple_still_runs(reference):
 
 class LatentPagedAttention(PagedAttention):
     """graphrt's attention over an MLA-shaped cache: one ``[rows, latent_dim]`` tensor per layer,
-    each row holding the token's K then V heads (latent_dim = 2 * kv_heads * head_dim)."""
+    each row holding the token's K then V heads (latent_dim = 2 * kv_heads * head_dim); it says
+    so (``latent_dim``), so an MLA group may name it."""
+
+    @property
+    def latent_dim(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
 
     @property
     def kv_cache(self):
@@ -288,9 +293,11 @@ def test_a_model_that_owns_its_cache_allocates_it_and_sizes_it(reference):
 # ---- allocation per group ---------------------------------------------------------------------
 
 class Slot(torch.nn.Module):
-    """An attention layer of a user's own: it only holds what the executor assigns."""
+    """An attention layer of a user's own: it only holds what the executor assigns, and says its
+    kernel reads and writes fp8 caches too (a layer that does not say so gets float ones only)."""
 
     kv_cache = None
+    kv_cache_dtypes = ("float32", "bfloat16", "float8_e5m2")
 
 
 def test_the_torch_executor_allocates_each_group_its_layout():
