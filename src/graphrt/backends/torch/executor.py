@@ -99,7 +99,6 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.block_size = config.block_size
         max_t, max_r = config.max_num_batched_tokens, config.max_num_seqs
         pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
-        same = self.device.type == "cpu"
         #: Host staging and static device buffers of every field and extra input.
         self.buffers = StepBuffers(max_t, max_r, config.max_blocks_per_req, config.block_size, self.device, pin,
                                    host_arrays, check_extra_specs(getattr(model, "extra_inputs", None) or {},
@@ -118,7 +117,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
                                     if q > 1 else None)
         self._position_offsets = torch.arange(-q, 0, device=self.device)
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs)
-        self._copied = None if same else device_event(self.device)
+        self._copied = None if self.buffers.same else device_event(self.device)   # staging apart: copy
         # Graph backends launch steps without waiting (the CPU's events are complete at once);
         # the sampled outputs' host slots are made by the first such step.
         self.async_execution = graph_api is not None
