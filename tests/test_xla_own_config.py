@@ -135,3 +135,30 @@ def test_graphrts_decoder_needs_its_decoder_config_and_functions_come_in_pairs()
 def test_an_eos_id_written_as_one_int_is_read():
     model = XlaModel(neox.NeoXConfig(eos_token_id=0), {}, neox.forward, neox.compute_logits)
     assert model_eos_token_ids(model) == (0,)
+
+
+class _NoMlpSize:
+    """A config without ``intermediate_size`` (read only for tensor parallelism and the estimate)."""
+
+    def __init__(self, cfg: neox.NeoXConfig) -> None:
+        self._cfg = cfg
+
+    def __getattr__(self, name: str):
+        if name == "intermediate_size":
+            raise AttributeError(name)
+        return getattr(self._cfg, name)
+
+
+def test_a_config_without_intermediate_size_runs_on_one_device():
+    """docs/xla.md: intermediate_size is needed only above tp_size 1 (it was a raw AttributeError)."""
+    cfg = neox.NeoXConfig()
+    params = neox.init_params(cfg)
+    runner = ModelRunner(XlaModel(_NoMlpSize(cfg), params, forward=neox.forward, compute_logits=neox.compute_logits),
+                         backend="xla", warmup=False, progress=False, **LIMITS)
+    want = ModelRunner(XlaModel(cfg, params, forward=neox.forward, compute_logits=neox.compute_logits),
+                       backend="xla", warmup=False, progress=False, **LIMITS)
+    tokens = np.arange(1, 9, dtype=np.int32).reshape(1, 8)
+    for r in (runner, want):
+        r.execute(token_ids=tokens, block_table=np.arange(1, 17, dtype=np.int32).reshape(1, 16),
+                  req_rows=np.array([0]), num_computed_tokens=np.array([0]), num_scheduled_tokens=np.array([5]))
+    np.testing.assert_allclose(runner.logits(), want.logits(), atol=ATOL)

@@ -129,6 +129,14 @@ def strategy_for(kind: str, factory: RunnerFactory) -> Any:
     return {"step": strategies.steps, "bad": strategies.bad_steps, "trace": strategies.traces}[kind](**args)
 
 
+def _failed_captures(runner: Any) -> str:
+    """``, 3 captures failed (they run eagerly): <the first reason>`` where warm-up had some."""
+    failed = [e["failed"] for e in runner.cache.report() if e["failed"]]
+    if not failed:
+        return ""
+    return f"; {len(failed)} captures failed (they run eagerly): {failed[0]}"
+
+
 def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EXAMPLES, *,
                    seed: int = 0, reference: Reference | None = None,
                    reference_tolerance: Tolerance | None = None) -> Result:
@@ -230,7 +238,8 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
         try:
             runner = factory()
             line = (f"warm-up: {runner.backend.name}, graph mode {runner.mode.value}, "
-                    f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s")
+                    f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s"
+                    f"{_failed_captures(runner)}")
         except BUILD_ERRORS as exc:      # every property then fails with it, one line each
             line = f"warm-up: failed after {time.perf_counter() - start:.1f} s: {_describe(exc)}"
         if report is not None:
