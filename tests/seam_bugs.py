@@ -8,6 +8,7 @@ dense backend (each gives wrong tokens where a graph bakes the value it reads; d
   ``before_replay`` and hands ``build`` the Python int;
 * :class:`DlpackWidth` reads the lengths with ``np.from_dlpack`` in ``build``;
 * :class:`VarsWidth` reads ``max_seq_len`` through ``vars(host)`` without declaring it;
+* :class:`ItemWidth` reads the longest length with ``int(tensor)`` in ``build``;
 * :class:`OnHostWidth` reads the host staging buffers (``step.on_host``) in ``build``.
 
 :class:`ApartBuffers` keeps the host staging buffers apart from the static ones on a CPU (as
@@ -99,6 +100,15 @@ class VarsWidth(_Dense):
         return max(int(vars(host)["max_seq_len"]), 1)
 
 
+class ItemWidth(_Dense):
+    """Reads the step's longest length with ``int(tensor)`` in ``build`` (a device sync)."""
+
+    name = "item-width"
+
+    def width(self, step: StepTensors, host: HostValues) -> int:
+        return max(int(step.seq_lens.max()), 1)
+
+
 class OnHostWidth(_Dense):
     """Reads the step's lengths from the host staging buffers in ``build`` where there are some."""
 
@@ -110,7 +120,8 @@ class OnHostWidth(_Dense):
         return max(int(step.on_host.seq_lens.numpy().max(initial=0)), 1)
 
 
-PLANTED = {cls.name: cls for cls in (UndeclaredRefresh, StashedWidth, DlpackWidth, VarsWidth, OnHostWidth)}
+PLANTED = {cls.name: cls for cls in (UndeclaredRefresh, StashedWidth, DlpackWidth, VarsWidth, ItemWidth,
+                                     OnHostWidth)}
 
 
 def planted_model(name: str) -> torch.nn.Module:
@@ -149,5 +160,5 @@ def apart_executor(monkeypatch: Any) -> None:
     monkeypatch.setattr(executor_mod, "device_event", lambda device: CompletedEvent())
 
 
-__all__ = ["ApartBuffers", "DlpackWidth", "OnHostWidth", "PLANTED", "SimCuda", "StashedWidth", "UndeclaredRefresh",
+__all__ = ["ApartBuffers", "DlpackWidth", "ItemWidth", "OnHostWidth", "PLANTED", "SimCuda", "StashedWidth", "UndeclaredRefresh",
            "VarsWidth", "apart_executor", "planted_model"]

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from graphrt.core.errors import CacheMissError, GraphCaptureError, GraphrtError
+from graphrt.core.errors import CacheMissError, ConfigError, GraphCaptureError, GraphrtError
 from graphrt.core.numerics import Tolerance
 from graphrt.testing.loading import load_callable, load_model
 from graphrt.testing.properties import PROPERTIES
@@ -33,9 +33,11 @@ from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 DEFAULT_EXAMPLES = 100
 #: torch intra-op threads while the suite runs (see :func:`torch_threads`).
 DEFAULT_THREADS = 1
-#: What a runner raises when a graph or executable it needs cannot be built (a capture that
-#: fails in strict mode, or a step strict mode finds no graph for): a FAIL line, not a crash.
-BUILD_ERRORS: tuple[type[BaseException], ...] = (GraphCaptureError, CacheMissError)
+#: What a runner raises when it, or a graph or executable it needs, cannot be built (a capture
+#: that fails in strict mode, a step strict mode finds no graph for, a model or attention the
+#: runner refuses: a KV spec its layers contradict, a KV dtype its kernel does not write, ...):
+#: a FAIL line naming it, not a crash.
+BUILD_ERRORS: tuple[type[BaseException], ...] = (GraphCaptureError, CacheMissError, ConfigError)
 
 
 @dataclass
