@@ -13,7 +13,9 @@ the longest sequences the config allows) -- with the attention backend's ``befor
 on each step first, as before a replay. Numbers that differ between the two recordings, or a
 different op sequence, mean the key is incomplete.
 
-:func:`check_refresh` is its small sibling, run at every FULL capture of a backend with a
+:func:`refresh_for_capture` runs the backend's ``before_replay`` at a FULL capture with only its
+declared host values readable. :func:`check_refresh` is :func:`check_key`'s small sibling, run
+at every FULL capture of a backend with a
 ``before_replay`` (in every mode): the metadata build alone, recorded after a refresh with a busy
 step and after one with padding. A backend that stashes a refreshed value on itself and hands
 it to ``build`` as a Python number bakes that number in; the two recordings then differ, and
@@ -37,7 +39,7 @@ from graphrt.core.attention_decl import backend_name
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import GraphCaptureError
 from graphrt.core.fields import ModelInputs
-from graphrt.models.torch.attention_backend import HostValues
+from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,18 @@ def _dummy(executor: Any, t: int, r: int, busy: bool, context: int | None) -> Mo
     return ModelInputs(h["input_ids"][:t], h["positions"][:t], h["slot_mapping"][:t],
                        h["query_start_loc"][:r + 1], h["seq_lens"][:r], h["num_computed_tokens"][:r],
                        h["block_table"][:r], r, n, int(counts.max()), max_len, False)
+
+
+def refresh_for_capture(executor: Any, padded: ModelInputs, key: BatchDescriptor) -> None:
+    """At a FULL capture of ``key``: the backend's ``before_replay`` on ``padded`` (its padding
+    step) with only its declared (keyed or refreshed) host values readable -- reading another
+    raises GraphCaptureError naming it and ``before_replay``."""
+    t, r = key.num_tokens, key.num_reqs
+    attention = executor.attention
+    host = executor.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), padded, key)
+    guarded = CaptureHostValues(host, executor.keyed_host_values, backend_name(attention), key,
+                                reader="before_replay", refreshed=tuple(getattr(attention, "refreshed_host_values", ())))
+    attention.before_replay(executor.buffers.tensors(t, r), guarded)
 
 
 def _refresh(executor: Any, key: BatchDescriptor, busy: bool) -> None:
@@ -221,4 +235,4 @@ def check_baked(executor: Any, key: BatchDescriptor) -> BakedReport:
 
 
 __all__ = ["BakedReport", "MAX_DEPTH", "MAX_LISTED", "check_baked", "check_key", "check_refresh", "host_leaves",
-           "TaskMarks"]
+           "refresh_for_capture", "TaskMarks"]

@@ -38,7 +38,7 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch.baked_values import check_baked, check_refresh
+from graphrt.backends.torch.baked_values import check_baked, check_refresh, refresh_for_capture
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
@@ -329,21 +329,11 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
 
     def _load_for_capture(self, key: BatchDescriptor) -> None:
         """Pure padding for a FULL capture, then the refresh path on it, as before every run:
-        the backend's ``before_replay`` with the step's host values guarded -- reading one it
-        declares neither keyed nor refreshed fails the capture, naming it."""
+        the backend's ``before_replay`` with only its declared host values readable
+        (:func:`~graphrt.backends.torch.baked_values.refresh_for_capture`)."""
         padded = self.load_dummy(key.num_tokens, key.num_reqs)
         if self._refresh:
-            self.refresh_for_capture(padded, key)
-
-    def refresh_for_capture(self, padded: ModelInputs, key: BatchDescriptor) -> None:
-        """The backend's ``before_replay`` on ``padded`` (a padding step of ``key``) with only its
-        declared (keyed or refreshed) host values readable."""
-        t, r = key.num_tokens, key.num_reqs
-        host = self.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), padded, key)
-        guarded = CaptureHostValues(host, self.keyed_host_values, backend_name(self.attention), key,
-                                    reader="before_replay",
-                                    refreshed=tuple(getattr(self.attention, "refreshed_host_values", ())))
-        self.attention.before_replay(self.buffers.tensors(t, r), guarded)
+            refresh_for_capture(self, padded, key)
 
     def _capture(self, fn: Callable[[], None], load_dummy: Callable[[], None],
                  warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
