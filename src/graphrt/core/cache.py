@@ -159,8 +159,8 @@ class GraphCache(Generic[E]):
 
     def put_failed(self, key: Hashable, reason: str, *, seconds: float = 0.0) -> FailedBuild:
         """Record that ``key``'s build failed: its entry is a :class:`FailedBuild` (the step
-        runs eagerly, counted as a miss with this reason), and the report and
-        ``stats.failed_builds`` show it."""
+        runs eagerly, counted under ``capture_failed`` with this reason, not as a miss), and
+        the report and ``stats.failed_builds`` show it."""
         entry = FailedBuild(reason)
         self.put(key, entry, seconds=seconds)  # type: ignore[arg-type]
         self.stats.per_key[key].failed = reason
