@@ -256,3 +256,11 @@ def test_the_kits_line_for_an_undeclared_value_says_why_the_graph_was_not_built(
     (result,) = results
     assert not result.passed and "ran eagerly" in result.line() and "'max_seq_len'" in result.line()
     assert "misses" not in result.line()
+
+
+def test_the_old_pre_replay_hooks_name_their_replacement():
+    """One refresh path: executor.pre_replay_hooks is gone, and says where a hook goes now."""
+    limits = {k: v for k, v in ENGINE.items() if k not in ("backend", "enable_prefix_caching")}
+    r = ModelRunner(dense_model(), backend="cpu", warmup=False, **limits)
+    with pytest.raises(graphrt.GraphrtError, match=r"pre_replay_hooks is gone.*before_replay"):
+        r.executor.pre_replay_hooks.append(lambda padded: None)
