@@ -24,6 +24,7 @@ from graphrt.backends.torch.npu import NpuGraphBackend, torch_npu_problem
 from graphrt.backends.torch.graphs import graph_task
 from graphrt.core.dispatch import RuntimeMode
 from graphrt.core.errors import ConfigError
+from graphrt.models.torch.attention_backend import PagedAttentionBackend
 from graphrt.runner import ModelRunner
 from hf_models import tiny_hf_model_dir
 from parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
@@ -146,9 +147,20 @@ class HostScaled(torch.nn.Module):
         return out
 
 
+class ScaleRefresh(PagedAttentionBackend):
+    """graphrt's attention whose refresh sets the step's host scale before every run."""
+
+    name = "scale-refresh"
+    refreshed_host_values = ("seq_lens", "real_num_reqs")
+
+    def before_replay(self, step: Any, host: Any) -> None:
+        HOST.update(scale=float(host.seq_lens[:host.real_num_reqs].sum()) / 8.0)
+
+
 def scaled_model(backend: Any) -> torch.nn.Module:
     model = backend.load_model(str(tiny_hf_model_dir("qwen3")))
     model.model.norm = torch.nn.Sequential(model.model.norm, HostScaled())
+    model.attention_backend = ScaleRefresh(model.config.head_dim)
     return model
 
 
@@ -158,7 +170,6 @@ def run_scaled(backend: Any, like: ModelRunner | None = None) -> tuple[ModelRunn
                          mode="FULL", **CONFIG)
     if like is not None:
         pad_like(runner, like)
-    runner.executor.pre_replay_hooks.append(lambda padded: HOST.update(scale=host_scale(padded)))
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 128, size=(4, 32), dtype=np.int32)
     blocks = (np.arange(32, dtype=np.int32) + 1).reshape(4, 8)
@@ -197,14 +208,21 @@ def test_task_update_refreshes_host_values_baked_into_a_graph() -> None:
     assert len(forward_tasks) == 5 and all(len(t) == 1 for t in forward_tasks)
 
 
-def test_without_task_update_the_graph_keeps_the_captured_value() -> None:
-    """Why Ascend needs task updates: elsewhere a host value stays as captured, so a
-    pre-replay hook must write device buffers the op reads instead."""
+def test_without_task_update_the_graph_would_keep_the_captured_value() -> None:
+    """Why Ascend needs task updates: elsewhere a host value stays as captured, so a refresh
+    must write device buffers the op reads instead. The baked-values check a model's own
+    backend with a refresh gets at every FULL capture sees the number vary between two steps
+    of one key and refuses the capture; the steps run eagerly, right (before, silently wrong)."""
     HOST["scale"] = 1.0
     _, want = run_scaled(EagerBackend())
     HOST["scale"] = 1.0
-    _, got = run_scaled(CpuGraphBackend())
-    assert not np.allclose(got[0], want[0])
+    runner = ModelRunner(scaled_model(CpuGraphBackend()), backend=CpuGraphBackend(), num_kv_blocks=33,
+                         progress=False, mode="FULL", **CONFIG)
+    assert runner.stats.failed_builds > 0
+    assert all("aten.mul" in e["failed"] for e in runner.cache.report() if e["failed"])
+    with pytest.raises(Exception, match="aten.mul"):
+        ModelRunner(scaled_model(CpuGraphBackend()), backend=CpuGraphBackend(), num_kv_blocks=33, progress=False,
+                    mode="FULL", strict=True, **CONFIG)
 
 
 def test_compile_model_is_ignored_on_npu(caplog: pytest.LogCaptureFixture) -> None:

@@ -192,3 +192,75 @@ def test_the_kits_bad_extra_inputs_name_the_input():
 
     check()
     assert seen == set(strategies.EXTRA_KINDS)
+
+
+# ---- issue 30: the smaller holes ----------------------------------------------------------------
+
+def test_graphrt_exports_the_attention_backend_and_its_declarations():
+    from graphrt.core.attention_decl import AttentionDeclarations
+    from graphrt.models.torch.attention_backend import AttentionBackend
+
+    assert graphrt.AttentionBackend is AttentionBackend and issubclass(AttentionBackend, AttentionDeclarations)
+    assert graphrt.AttentionDeclarations is AttentionDeclarations
+    assert {"AttentionBackend", "AttentionDeclarations"} <= set(graphrt.__all__)
+
+
+@pytest.mark.parametrize("dtype,fill", [("int32", float("nan")), ("int8", 1000), ("int32", 2.5), ("bool", 2),
+                                        ("float16", 1e6), ("int64", "0")])
+def test_an_extra_input_fill_its_dtype_cannot_hold_is_refused_when_the_runner_is_built(dtype, fill):
+    """NaN for int32 and 1000 for int8 were accepted; warm-up then dropped every graph to eager
+    and each step raised a raw numpy ValueError."""
+    model = extra_input_model()
+    model.extra_inputs = {"embeds": graphrt.ExtraInput("token", (model.config.hidden_size,), dtype, fill)}
+    with pytest.raises(ConfigError, match=rf"extra_inputs\['embeds'\]\.fill: .*{dtype}"):
+        ModelRunner(model, backend="cpu", warmup=False, **{
+            k: v for k, v in ENGINE.items() if k not in ("backend", "enable_prefix_caching")})
+
+
+def test_extra_inputs_given_as_a_list_are_an_input_error():
+    limits = {k: v for k, v in ENGINE.items() if k not in ("backend", "enable_prefix_caching")}
+    r = ModelRunner(extra_input_model(), backend="eager", **limits)
+    tokens, blocks = _tables()
+    embeds = np.zeros((5, r.model.config.hidden_size), np.float32)
+    for given in ([embeds], (embeds,), embeds):
+        with pytest.raises(InputError, match="must map each declared input's name to its array") as err:
+            r.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(2, dtype=np.int32),
+                      num_computed_tokens=np.zeros(2, np.int32), num_scheduled_tokens=np.array([3, 2], np.int32),
+                      extra_inputs=given)
+        assert err.value.field == "extra_inputs"
+
+
+def test_a_failed_capture_counts_under_its_cause_not_as_a_miss():
+    from graphrt.core.cache import GraphCache
+    from graphrt.core.eager import EagerCause
+
+    cache = GraphCache()
+    cache.put_failed("k", "boom")
+    cache.record_step(real_tokens=3, padded_tokens=4, real_reqs=1, padded_reqs=1, eager_reason="boom",
+                      eager_cause=EagerCause.CAPTURE_FAILED, key="k", hit=False)
+    cache.record_step(real_tokens=2, padded_tokens=2, real_reqs=1, padded_reqs=1, eager_reason="k2 not captured",
+                      eager_cause=EagerCause.MISS, key="k2", hit=False)
+    stats = cache.stats
+    assert stats.misses == 1 and stats.eager_by_cause[EagerCause.CAPTURE_FAILED].steps == 1
+    assert stats.eager_by_cause[EagerCause.MISS].steps == 1 and stats.eager_steps == 2
+
+
+def test_the_kits_line_for_an_undeclared_value_says_why_the_graph_was_not_built():
+    from graphrt.testing.conformance import run_conformance
+
+    lines: list[str] = []
+    results = run_conformance(lambda: dense_model(declare=False), "cpu", examples=2, report=lines.append,
+                              mode="FULL", properties=["no_build_after_warmup"])
+    assert "captures failed (they run eagerly): attention backend 'user-dense' read the host value " \
+           "'max_seq_len'" in lines[0]
+    (result,) = results
+    assert not result.passed and "ran eagerly" in result.line() and "'max_seq_len'" in result.line()
+    assert "misses" not in result.line()
+
+
+def test_the_old_pre_replay_hooks_name_their_replacement():
+    """One refresh path: executor.pre_replay_hooks is gone, and says where a hook goes now."""
+    limits = {k: v for k, v in ENGINE.items() if k not in ("backend", "enable_prefix_caching")}
+    r = ModelRunner(dense_model(), backend="cpu", warmup=False, **limits)
+    with pytest.raises(graphrt.GraphrtError, match=r"pre_replay_hooks is gone.*before_replay"):
+        r.executor.pre_replay_hooks.append(lambda padded: None)

@@ -1,11 +1,11 @@
 """Complete keys: a captured forward must not bake in host values that depend on a step's data.
 
-The planted bug is transformers' #45323 in small: an attention backend whose pre-replay hook
+The planted bug is transformers' #45323 in small: an attention backend whose ``before_replay``
 plans from the step's longest sequence on the host and passes that number to a kernel as a
 Python scalar. A graph would replay the number it was captured with, so later steps under the
 same key would compute with a stale value. The attention seam (docs/attention.md) refuses it:
-while a graph is captured, a hook (or a backend's metadata builder) that reads a host value
-its attention did not declare fails the capture in every mode, naming the value and the key,
+while a graph is captured, a refresh (or a backend's metadata builder) that reads a host value
+it did not declare fails the capture in every mode, naming the value and the key,
 and the step runs eagerly with the right number. Declared refreshed, the same plan written
 into a device buffer replays right. The recording graph also sees every number baked into
 the captured ops, and ``check_baked_values`` / strict mode compare each FULL key's forward
@@ -34,43 +34,41 @@ TOKENS = np.random.default_rng(3).integers(0, 128, size=(4, 32), dtype=np.int32)
 BLOCKS = (np.arange(32, dtype=np.int32) + 1).reshape(4, 8)
 
 
-class DeclaredPlan(PagedAttentionBackend):
-    """graphrt's attention, declaring the longest sequence refreshed before every run."""
+class PlannedBackend(PagedAttentionBackend):
+    """graphrt's attention plus a plan made on the host before every run from the step's longest
+    sequence (``host.seq_lens``): as a Python scalar (baked into a graph) or written into a device
+    tensor the graph reads. ``declared``: it declares ``seq_lens`` refreshed."""
 
     name = "planned-paged"
-    refreshed_host_values = ("max_seq_len",)
+
+    def __init__(self, head_dim: int, declared: bool) -> None:
+        super().__init__(head_dim)
+        self.refreshed_host_values = ("seq_lens",) if declared else ()
+        self.plan = {"scale": 1.0, "tensor": torch.ones(())}
+
+    def before_replay(self, step: Any, host: Any) -> None:
+        self.plan["scale"] = 1.0 + int(np.max(host.seq_lens, initial=0)) / 64.0
+        self.plan["tensor"].fill_(self.plan["scale"])
 
 
-def planned_model(device_value: bool, declared: bool = False) -> tuple[torch.nn.Module, Any]:
-    """The reference Qwen3 whose attention output is scaled by a number planned on the host
-    from the step (its longest sequence): as a Python scalar (baked into a graph), or written
-    into a device tensor the graph reads (refreshed before every replay). ``declared``: its
-    attention backend declares the value refreshed. Returns the model and the pre-replay hook
-    that plans."""
+def planned_model(device_value: bool, declared: bool = False) -> torch.nn.Module:
+    """The reference Qwen3 whose attention output is scaled by the plan of its
+    :class:`PlannedBackend`: the Python number, or the device tensor (``device_value``)."""
     model = CpuGraphBackend().load_model(str(tiny_hf_model_dir("qwen3")))
-    if declared:
-        model.attention_backend = DeclaredPlan(model.config.head_dim)
-    plan = {"scale": 1.0, "tensor": torch.ones(())}
-
-    def hook(inputs: Any) -> None:
-        plan["scale"] = 1.0 + inputs.max_seq_len / 64.0
-        plan["tensor"].fill_(plan["scale"])
+    backend = model.attention_backend = PlannedBackend(model.config.head_dim, declared)
+    plan = backend.plan
 
     for layer in model.attention_layers():
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _orig: Any = layer.forward) -> torch.Tensor:
             out = _orig(q, k, v)
             return out * (plan["tensor"] if device_value else plan["scale"])
         layer.forward = forward
-    return model, hook
+    return model
 
 
-def runner_with(model: torch.nn.Module, hook: Any, backend: Any = None, **overrides: Any) -> ModelRunner:
-    r = ModelRunner(model, backend=backend or CpuGraphBackend(), num_kv_blocks=33, progress=False, warmup=False,
-                    **{**LIMITS, **overrides})
-    r.executor.pre_replay_hooks.append(hook)
-    if r.executor.has_graphs:
-        r.warmup()
-    return r
+def runner_with(model: torch.nn.Module, backend: Any = None, **overrides: Any) -> ModelRunner:
+    return ModelRunner(model, backend=backend or CpuGraphBackend(), num_kv_blocks=33, progress=False,
+                       **{**LIMITS, **overrides})
 
 
 def forward_entries(r: ModelRunner) -> list[dict[str, Any]]:
@@ -99,39 +97,43 @@ def test_graphrts_own_forward_is_complete_in_strict_mode():
 
 def test_an_undeclared_host_value_fails_the_capture_in_the_default_mode(caplog: pytest.LogCaptureFixture):
     """The repro: no strict mode, no check_baked_values. Every FULL capture is refused naming
-    max_seq_len and the key; the steps run eagerly, with the right plan (no wrong token)."""
-    model, hook = planned_model(device_value=False)
+    seq_lens, before_replay and the key; the steps run eagerly, with the right plan (no wrong token)."""
+    model = planned_model(device_value=False)
     with caplog.at_level("WARNING", logger="graphrt"):
-        r = runner_with(model, hook)
+        r = runner_with(model)
     assert forward_entries(r) == [] and r.stats.failed_builds == 3
-    assert "'max_seq_len'" in caplog.text and "tokens=16" in caplog.text and "refreshed_host_values" in caplog.text
-    eager_model, eager_hook = planned_model(device_value=False)
-    eager = runner_with(eager_model, eager_hook, backend=EagerBackend())    # unpadded, as the fallback runs
+    assert "'seq_lens' in before_replay" in caplog.text and "tokens=16" in caplog.text
+    assert "refreshed_host_values" in caplog.text
+    eager = runner_with(planned_model(device_value=False), backend=EagerBackend())  # unpadded, as the fallback runs
     for i, (got, want) in enumerate(zip(steps(r, graphs=False), steps(eager))):
         assert_close_across_shapes(got, want, err_msg=f"step {i}")
         assert_same_tokens(got, want, f"step {i}")
 
 
 def test_strict_mode_fails_the_capture_naming_the_value_and_the_key():
-    model, hook = planned_model(device_value=False)
-    with pytest.raises(GraphCaptureError, match=r"'max_seq_len'.*tokens=16"):
-        runner_with(model, hook, strict=True)
+    with pytest.raises(GraphCaptureError, match=r"'seq_lens'.*tokens=16"):
+        runner_with(planned_model(device_value=False), strict=True)
 
 
-def test_declared_but_baked_as_a_python_number_is_still_caught_by_the_baked_check():
-    """Declared refreshed, yet the hook hands the forward a Python number: the graph bakes it.
-    check_baked_values (always on in strict mode) compares two captures and names the op."""
-    model, hook = planned_model(device_value=False, declared=True)
+def test_declared_but_baked_as_a_python_number_is_caught_by_the_baked_check_in_every_mode():
+    """Declared refreshed, yet the refresh hands the layers a Python number: the graph bakes it.
+    A model's own backend with a before_replay gets the baked-values check at every FULL
+    capture, which compares two captures and names the op: refused in strict mode, and in the
+    default mode the keys run eagerly with the right plan (before, this was silent there)."""
     with pytest.raises(GraphCaptureError, match=r"tokens=16.*aten\.mul"):
-        runner_with(model, hook, strict=True)
+        runner_with(planned_model(device_value=False, declared=True), strict=True)
+    r = runner_with(planned_model(device_value=False, declared=True))
+    assert forward_entries(r) == [] and r.stats.failed_builds == 3
+    eager = runner_with(planned_model(device_value=False, declared=True), backend=EagerBackend())
+    for i, (got, want) in enumerate(zip(steps(r, graphs=False), steps(eager))):
+        assert_close_across_shapes(got, want, err_msg=f"step {i}")
+        assert_same_tokens(got, want, f"step {i}")
 
 
 def test_the_same_plan_declared_and_through_a_device_buffer_replays_right():
-    model, hook = planned_model(device_value=True, declared=True)
-    r = runner_with(model, hook, strict=True)
+    r = runner_with(planned_model(device_value=True, declared=True), strict=True)
     assert len(forward_entries(r)) == 3 and all(e["varying"] == [] for e in forward_entries(r))
-    eager_model, eager_hook = planned_model(device_value=True, declared=True)
-    eager = pad_like(runner_with(eager_model, eager_hook, backend=EagerBackend()), r)
+    eager = pad_like(runner_with(planned_model(device_value=True, declared=True), backend=EagerBackend()), r)
     for i, (got, want) in enumerate(zip(steps(r), steps(eager))):
         assert_bitwise(got, want, f"step {i}")
 

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from graphrt import BucketPolicy, ConfigError, GraphConfig, GraphMode, add_cli_args, from_cli_args
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core import defaults
+from graphrt.core.kv_spec import kv_cache_dtype_name
 
 FIELDS = list(GraphConfig.model_fields)
 
@@ -90,6 +91,14 @@ INVALID = [
       for flag in ("disable_precompile", "enforce_eager", "strict", "check_baked_values", "debug_check_addresses",
                    "compile_model", "enable_lora", "allow_long_max_model_len")
       for value in ("yes", "no", 1, 0)],
+    # issue 30: counts and sizes are ints (4.0, "4", [4.0] and True were taken as 4, 4, [4] and 1)
+    (dict(max_num_seqs=4.0), ["max_num_seqs", "integer", "float 4.0"]),
+    (dict(max_num_seqs="4"), ["max_num_seqs", "integer", "str '4'"]),
+    (dict(cudagraph_capture_sizes=[4.0]), ["cudagraph_capture_sizes", "integer", "4.0"]),
+    (dict(max_logprobs=True), ["max_logprobs", "integer", "bool True"]),
+    (dict(block_size=16.5), ["block_size", "integer", "16.5"]),
+    # issue 30: max_lora_rank is bounded (10**7 was an out-of-memory kill, not an error)
+    (dict(max_lora_rank=10**7), ["max_lora_rank", "512", "10000000"]),
 ]
 
 
@@ -137,6 +146,14 @@ def test_engine_flags_are_as_strict_as_the_configs(value):
         check_flags(enable_prefix_caching=value)
     with pytest.raises(ConfigError, match="strict: Input should be a valid boolean"):
         GraphConfig.create(strict=value)
+
+
+def test_counts_take_numpy_integers_and_kv_cache_dtype_takes_every_dtype_spelling():
+    c = GraphConfig.create(max_num_seqs=np.int64(4), cudagraph_capture_sizes=[np.int32(2), 4])
+    assert (c.max_num_seqs, c.cudagraph_capture_sizes) == (4, [2, 4]) and type(c.max_num_seqs) is int
+    for spelling, name in defaults.MODEL_DTYPE_NAMES.items():          # "bf16" was refused, "half" taken
+        assert GraphConfig.create(kv_cache_dtype=spelling).kv_cache_dtype == spelling
+        assert kv_cache_dtype_name(spelling) == name
 
 
 def test_booleans_stay_booleans():

@@ -139,6 +139,51 @@ def test_missing_method_and_a_window_the_layers_do_not_have_are_refused(nothing_
         graphrt.ModelRunner(Declared(hybrid, KVCacheSpec.uniform(2, 2, 16)), backend="cpu", **LIMITS)
 
 
+LYING_SPECS = [   # issue 30: a spec the layers contradict (every capture then failed, then a raw error)
+    (KVCacheSpec.uniform(2, 4, 16), r"groups\[0\]\.num_kv_heads: 4, but attention layer 0 \(PagedAttention\) has "
+                                    r"num_kv_heads 2$"),
+    ((2, 4, 16), r"groups\[0\]\.num_kv_heads: 4, but attention layer 0 \(PagedAttention\) has num_kv_heads 2$"),
+    (KVCacheSpec.uniform(2, 2, 32), r"groups\[0\]\.head_size: 32, but attention layer 0 \(PagedAttention\) has "
+                                    r"head_size 16$"),
+    (KVCacheSpec.uniform(2, 2, 16, head_size_v=8), r"groups\[0\]\.head_size_v: 8, but attention layer 0 "
+                                                   r"\(PagedAttention\) has head_size_v 16$"),
+    (KVCacheSpec((KVCacheGroup((0,), 2, 16), KVCacheGroup((1,), 1, 16))),
+     r"groups\[1\]\.num_kv_heads: 1, but attention layer 1 \(PagedAttention\) has num_kv_heads 2$"),
+    (KVCacheSpec((KVCacheGroup((0,), 2, 16), KVCacheGroup.mla((1,), 64))),
+     r"groups\[1\]\.latent_dim: 64 \(an MLA group.*attention layer 1 \(PagedAttention\) attends over paged KV "
+     r"heads \(num_kv_heads 2, head_size 16\)"),
+]
+
+
+@pytest.mark.parametrize("spec,message", LYING_SPECS, ids=[str(i) for i in range(len(LYING_SPECS))])
+def test_a_spec_the_layers_contradict_is_refused_naming_group_layer_and_values(spec, message, nothing_allocated):
+    with pytest.raises(ConfigError, match=r"^kv_cache_spec\." + message):
+        graphrt.ModelRunner(Declared(qwen3(), spec), backend="cpu", **LIMITS)
+
+
+def test_an_fp8_cache_for_a_kernel_that_declares_none_is_refused_by_name():
+    """An own kernel given kv_cache_dtype="fp8" got an fp8 cache it cannot write (a raw dtype
+    error at the first step). Its backend declares the KV dtypes it reads and writes."""
+    import user_attention
+
+    for kv in ("fp8", "fp8_e5m2"):
+        with pytest.raises(ConfigError, match=r"^kv_cache_spec\.groups\[0\]\.dtype: float8_e\w+, but attention "
+                                              r"backend 'user-dense' reads and writes KV caches of \['float64', "
+                                              r"'float32', 'float16', 'bfloat16'\] only"):
+            graphrt.ModelRunner(user_attention.dense_model(), backend="cpu", kv_cache_dtype=kv, **LIMITS)
+
+    class Fp8Dense(user_attention.DenseBackend):
+        kv_cache_dtypes = ("float32", "fp8")                 # it says it writes fp8: no refusal
+    model = user_attention.dense_model()
+    model.attention_backend = Fp8Dense()
+    runner = graphrt.ModelRunner(model, backend="cpu", kv_cache_dtype="fp8", warmup=False, **LIMITS)
+    assert runner.executor.kv_cache.dtype == torch.float8_e4m3fn
+    layers = qwen3().attention_layers()                       # graphrt's own: fp8 declared
+    assert graphrt.ModelRunner(qwen3(), backend="cpu", kv_cache_dtype="fp8", warmup=False,
+                               **LIMITS).executor.attention.kv_cache_dtypes[-2:] == ("float8_e4m3fn", "float8_e5m2")
+    assert all(isinstance(layer, PagedAttention) for layer in layers)
+
+
 def test_a_dtype_xla_cannot_hold_is_refused_before_compiling(monkeypatch):
     pytest.importorskip("jax")
     from graphrt.backends.xla.backend import XlaBackend
@@ -198,7 +243,12 @@ def test_a_model_returning_the_old_tuple_still_runs(reference):
 
 class LatentPagedAttention(PagedAttention):
     """graphrt's attention over an MLA-shaped cache: one ``[rows, latent_dim]`` tensor per layer,
-    each row holding the token's K then V heads (latent_dim = 2 * kv_heads * head_dim)."""
+    each row holding the token's K then V heads (latent_dim = 2 * kv_heads * head_dim); it says
+    so (``latent_dim``), so an MLA group may name it."""
+
+    @property
+    def latent_dim(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
 
     @property
     def kv_cache(self):
@@ -288,9 +338,11 @@ def test_a_model_that_owns_its_cache_allocates_it_and_sizes_it(reference):
 # ---- allocation per group ---------------------------------------------------------------------
 
 class Slot(torch.nn.Module):
-    """An attention layer of a user's own: it only holds what the executor assigns."""
+    """An attention layer of a user's own: it only holds what the executor assigns, and says its
+    kernel reads and writes fp8 caches too (a layer that does not say so gets float ones only)."""
 
     kv_cache = None
+    kv_cache_dtypes = ("float32", "bfloat16", "float8_e5m2")
 
 
 def test_the_torch_executor_allocates_each_group_its_layout():

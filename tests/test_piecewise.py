@@ -15,6 +15,7 @@ from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.fx_split import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
 from graphrt.core.dispatch import GraphMode, RuntimeMode
 from graphrt.core.forward_context import forward_context
+from graphrt.models.torch.attention_backend import PagedAttentionBackend
 from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, paged_attention_kernel
 from graphrt.runner import ModelRunner
 from hf_models import tiny_hf_model_dir
@@ -259,12 +260,26 @@ def test_split_at_the_registered_op() -> None:
 # ------------------------------------------------------------------------------ hooks
 
 
+class Seeing(PagedAttentionBackend):
+    """graphrt's attention whose refresh notes each run's real and padded tokens and requests."""
+
+    refreshed_host_values = ("real_num_tokens", "num_tokens", "num_reqs")
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__(head_dim)
+        self.seen: list[tuple[int, int, int]] = []
+
+    def before_replay(self, step: Any, host: Any) -> None:
+        self.seen.append((host.real_num_tokens, host.num_tokens, host.num_reqs))
+
+
 @pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
-def test_pre_replay_hooks_see_every_padded_step(mode: str) -> None:
-    r = runner(CpuGraphBackend(), mode=mode)
-    seen: list[tuple[int, int, int]] = []
-    r.executor.pre_replay_hooks.append(
-        lambda p: seen.append((p.num_tokens, p.padded_num_tokens, p.padded_num_reqs)))
+def test_the_refresh_sees_every_padded_step(mode: str) -> None:
+    model = CpuGraphBackend().load_model(str(tiny_hf_model_dir("qwen3")))
+    backend = model.attention_backend = Seeing(model.config.head_dim)
+    r = runner(CpuGraphBackend(), model, mode=mode)
+    backend.seen.clear()                        # captures refreshed too
     run(r)
+    seen = backend.seen
     padded_reqs = 3 if mode == "PIECEWISE" else 4
     assert seen == [(15, 16, padded_reqs), (3, 4, 4 if mode == "FULL" else 3), (7, 8, padded_reqs), (20, 20, 3)]

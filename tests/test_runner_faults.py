@@ -17,6 +17,7 @@ import torch
 
 from graphrt import GraphCaptureError, ModelRunner, RuntimeMode
 from graphrt.core.cache import FailedBuild
+from graphrt.core.eager import EagerCause
 from graphrt.core.dispatch import SamplerKey
 from runner_steps import LIMITS, Tables, VOCAB, greedy, random_steps
 
@@ -69,7 +70,9 @@ def test_strict_warmup_raises_graph_capture_error_with_the_reason(model_dir, tab
     assert isinstance(err.value.__cause__, RuntimeError)
 
 
-def test_failed_forward_capture_is_a_miss_not_a_hit(model_dir, tables, monkeypatch):
+def test_failed_forward_capture_is_no_hit_and_counts_under_its_cause(model_dir, tables, monkeypatch):
+    """Not a hit (issue 15), and not a miss either (issue 30): the key has an entry, a failed
+    one, and the step counts under ``capture_failed``."""
     runner = make_runner(model_dir, tables, warmup=False, cudagraph_capture_sizes=[8])
     build = runner.executor.build
 
@@ -83,7 +86,8 @@ def test_failed_forward_capture_is_a_miss_not_a_hit(model_dir, tables, monkeypat
     assert runner.stats.failed_builds == 1
     tables.step([0], [0], [5]).run(runner, greedy(1))
     assert runner.last_step.mode is RuntimeMode.NONE and "out of graph memory" in runner.last_step.eager_reason
-    assert (runner.stats.hits, runner.stats.misses, runner.stats.eager_steps) == (0, 1, 1)
+    assert (runner.stats.hits, runner.stats.misses, runner.stats.eager_steps) == (0, 0, 1)
+    assert runner.stats.eager_by_cause[EagerCause.CAPTURE_FAILED].steps == 1
     assert runner.sampler_stats.hits + runner.sampler_stats.misses == 0   # no graph sampler on an eager step
 
 

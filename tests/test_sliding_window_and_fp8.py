@@ -123,3 +123,13 @@ def test_fp8_kv_cache_is_within_the_quantization_tolerance_of_float(backend, kv_
     tol = kv_quantization_tolerance(kv_dtype, magnitude=float(np.abs(want).max()))
     np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol)
     assert not np.array_equal(got, want)
+
+
+def test_the_quantization_tolerance_takes_the_configs_own_kv_cache_dtype_names():
+    """``kv_quantization_tolerance("fp8_e5m2")`` was "not a dtype": it takes what kv_cache_dtype takes."""
+    for config_name, canonical in (("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"),
+                                   ("fp8_e5m2", "float8_e5m2")):
+        assert kv_quantization_tolerance(config_name, magnitude=2.0) == kv_quantization_tolerance(canonical,
+                                                                                                   magnitude=2.0)
+    with pytest.raises(graphrt.ConfigError, match="no KV quantization tolerance for float16"):
+        kv_quantization_tolerance("half", magnitude=1.0)

@@ -11,12 +11,14 @@ named before anything compiles. graphrt's own DecoderConfig keeps working (test_
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
 
+import graphrt  # noqa: E402
 import jax_neox as neox  # noqa: E402
 from graphrt import ConfigError, InputError, ModelRunner  # noqa: E402
 from graphrt.backends.xla.programs import XlaModel  # noqa: E402
@@ -135,3 +137,72 @@ def test_graphrts_decoder_needs_its_decoder_config_and_functions_come_in_pairs()
 def test_an_eos_id_written_as_one_int_is_read():
     model = XlaModel(neox.NeoXConfig(eos_token_id=0), {}, neox.forward, neox.compute_logits)
     assert model_eos_token_ids(model) == (0,)
+
+
+class _NoMlpSize:
+    """A config without ``intermediate_size`` (read only for tensor parallelism and the estimate)."""
+
+    def __init__(self, cfg: neox.NeoXConfig) -> None:
+        self._cfg = cfg
+
+    def __getattr__(self, name: str):
+        if name == "intermediate_size":
+            raise AttributeError(name)
+        return getattr(self._cfg, name)
+
+
+def test_a_config_without_intermediate_size_runs_on_one_device():
+    """docs/xla.md: intermediate_size is needed only above tp_size 1 (it was a raw AttributeError)."""
+    cfg = neox.NeoXConfig()
+    params = neox.init_params(cfg)
+    runner = ModelRunner(XlaModel(_NoMlpSize(cfg), params, forward=neox.forward, compute_logits=neox.compute_logits),
+                         backend="xla", warmup=False, progress=False, **LIMITS)
+    want = ModelRunner(XlaModel(cfg, params, forward=neox.forward, compute_logits=neox.compute_logits),
+                       backend="xla", warmup=False, progress=False, **LIMITS)
+    tokens = np.arange(1, 9, dtype=np.int32).reshape(1, 8)
+    for r in (runner, want):
+        r.execute(token_ids=tokens, block_table=np.arange(1, 17, dtype=np.int32).reshape(1, 16),
+                  req_rows=np.array([0]), num_computed_tokens=np.array([0]), num_scheduled_tokens=np.array([5]))
+    np.testing.assert_allclose(runner.logits(), want.logits(), atol=ATOL)
+
+
+class _DevicesLengths(graphrt.AttentionDeclarations):
+    """A JAX attention that reads every length on the device: it keys no context."""
+
+    name = "neox-any-context"
+
+
+def _neox(attention=None) -> XlaModel:
+    cfg = neox.NeoXConfig()
+    return XlaModel(cfg, neox.init_params(cfg), forward=neox.forward, compute_logits=neox.compute_logits,
+                    attention_backend=attention)
+
+
+def test_an_xla_models_attention_is_declared_as_a_torch_models_is():
+    """The declarations are the seam's, read by the xla backend: keying nothing drops the context
+    buckets (one executable per token / batch padding serves any context), and the tokens stay."""
+    narrow = ModelRunner(_neox(), backend="xla", warmup=False, progress=False, **LIMITS)
+    wide = ModelRunner(_neox(_DevicesLengths()), backend="xla", warmup=False, progress=False, **LIMITS)
+    assert narrow.executor.keyed_host_values == ("max_seq_len",) and narrow.dispatcher.context_sizes
+    assert wide.executor.keyed_host_values == () and wide.dispatcher.context_sizes == ()
+    assert all(key.max_seq_len is None for _, key in wide.dispatcher.keys())
+    assert all(key.max_seq_len == 64 for _, key in narrow.dispatcher.keys())
+    tokens = np.arange(1, 9, dtype=np.int32).reshape(1, 8)
+    for r in (narrow, wide):
+        r.execute(token_ids=tokens, block_table=np.arange(1, 17, dtype=np.int32).reshape(1, 16),
+                  req_rows=np.array([0]), num_computed_tokens=np.array([0]), num_scheduled_tokens=np.array([5]))
+    assert wide.last_step.key.max_seq_len is None and narrow.last_step.key.max_seq_len is not None
+    np.testing.assert_allclose(wide.logits(), narrow.logits(), atol=ATOL)
+
+
+@pytest.mark.parametrize("attrs,settings,message", [
+    (dict(graph_support=graphrt.AttentionGraphSupport.UNIFORM_BATCH), {}, r"graph_support UNIFORM_BATCH.*ALWAYS"),
+    (dict(refreshed_host_values=("seq_lens",)), {}, r"refreshed_host_values \['seq_lens'\].*runs no Python"),
+    (dict(kv_cache_dtypes=("float32",)), dict(kv_cache_dtype="fp8"), r"groups\[0\]\.dtype: float8_e4m3fn"),
+    (dict(keyed_host_values=lambda self, d, t: ("seq_lens",)), {}, r"keys on \['seq_lens'\]"),
+])
+def test_what_the_xla_backend_cannot_do_is_refused_naming_the_declaration(attrs, settings, message):
+    declared = type("Declared", (graphrt.AttentionDeclarations,), {"name": "neox-declared", **attrs})()
+    with pytest.raises(ConfigError, match=r"attention backend 'neox-declared'|" + message) as err:
+        ModelRunner(_neox(declared), backend="xla", warmup=False, progress=False, **LIMITS, **settings)
+    assert re.search(message, str(err.value)), str(err.value)

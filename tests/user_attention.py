@@ -47,9 +47,12 @@ class DenseBackend(AttentionBackend):
         return ("max_seq_len",) if self.declare else ()
 
     def build(self, step: StepTensors, host: HostValues) -> DenseMeta:
-        width = max(int(host.max_seq_len), 1)           # a host integer: the gather's width
+        return self.gather(step, max(int(host.max_seq_len), 1), step.seq_lens)  # a host integer: the width
+
+    def gather(self, step: StepTensors, width: int, seq_lens: torch.Tensor) -> DenseMeta:
+        """Each token's first ``width`` KV rows of its request, valid up to its own position."""
         t = step.slot_mapping.shape[0]
-        qsl, seq_lens, table, bs = step.query_start_loc, step.seq_lens, step.block_table, step.block_size
+        qsl, table, bs = step.query_start_loc, step.block_table, step.block_size
         tokens = torch.arange(t, dtype=qsl.dtype)
         req = (torch.searchsorted(qsl, tokens, right=True) - 1).clamp(0, max(seq_lens.shape[0] - 1, 0)).long()
         pos = torch.arange(width, dtype=torch.int64)

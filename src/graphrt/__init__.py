@@ -14,9 +14,11 @@ from typing import Any
 
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
 from graphrt.core import __version__
+from graphrt.core.attention_decl import AttentionDeclarations
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.cache import CacheStats, GraphCache
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode,
+                                  SamplerKey)
 from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GenerationError,
                                  GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
                                  WatchdogTimeout)
@@ -29,6 +31,7 @@ from graphrt.core.padding import Padder
 from graphrt.registry import available_backends, select_backend
 
 _LAZY = {
+    "AttentionBackend": "graphrt.models.torch.attention_backend",
     "ModelRunner": "graphrt.runner",
     "LLM": "graphrt.engine.llm",
     "DataParallelLLM": "graphrt.engine.data_parallel",
@@ -44,6 +47,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AttentionBackend", "AttentionDeclarations", "AttentionGraphSupport",
     "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
     "DataParallelLLM",
     "ConfigError", "Dispatch", "Dispatcher", "ExtraInput", "GenerationError", "GraphCache", "GraphCaptureError",

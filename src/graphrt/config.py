@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import operator
 import typing
-from typing import Any, Literal, Optional, Sequence
+from typing import Annotated, Any, Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
@@ -23,6 +24,21 @@ from graphrt.core.errors import ConfigError
 from graphrt.core.kv_spec import kv_cache_dtype_name
 
 logger = logging.getLogger(__name__)
+
+
+def _whole_number(value: Any) -> int:
+    """A count or size as an int: an int (or numpy integer), never a float, a string or a bool
+    (``4.0``, ``"4"``, ``True`` were taken as 4, 4 and 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+#: An int field that takes ints only (GraphConfig's counts and sizes).
+Count = Annotated[int, BeforeValidator(_whole_number)]
 
 
 def _sizes(name: str, values: Optional[list[int]]) -> Optional[list[int]]:
@@ -50,7 +66,8 @@ def _describe(err: Any) -> str:
     message names them) as its message alone."""
     if not err["loc"]:
         return err["msg"].removeprefix("Value error, ")
-    got = f", got {err['input']!r}" if err["type"] in ("bool_type", "int_type", "int_parsing") else ""
+    got = (f", got {err['input']!r}" if err["type"] in ("bool_type", "int_type", "int_parsing", "less_than_equal",
+                                                   "greater_than", "greater_than_equal") else "")
     return f"{'.'.join(map(str, err['loc']))}: {err['msg']}{got}"
 
 
@@ -84,28 +101,28 @@ class GraphConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     mode: GraphMode = Field(GraphMode.FULL_AND_PIECEWISE, description="graph mode (vLLM's cudagraph_mode)")
-    cudagraph_capture_sizes: Optional[list[int]] = Field(
+    cudagraph_capture_sizes: Optional[list[Count]] = Field(
         None, description="token counts to capture; default vLLM's list up to max_cudagraph_capture_size, in "
                           "multiples of 1 + num_speculative_tokens")
-    max_cudagraph_capture_size: Optional[int] = Field(
+    max_cudagraph_capture_size: Optional[Count] = Field(
         None, description="largest captured size; default (1 + num_speculative_tokens) * max(max_num_seqs, "
                           "min(2 * max_num_seqs, 512)), at most max_num_batched_tokens")
-    precompile_token_paddings: Optional[list[int]] = Field(
+    precompile_token_paddings: Optional[list[Count]] = Field(
         None, description="XLA token buckets of prefill/mixed steps; default powers of two to max_num_batched_tokens")
-    precompile_bs_paddings: Optional[list[int]] = Field(
+    precompile_bs_paddings: Optional[list[Count]] = Field(
         None, description="XLA batch-size buckets of decode steps; default powers of two to max_num_seqs")
     disable_precompile: bool = Field(False, strict=True, description="XLA: compile lazily instead of before serving")
     enforce_eager: bool = Field(False, strict=True, description="never capture or compile graphs; run eagerly")
     strict: bool = Field(False, strict=True, description="after warm-up, a step without a graph raises CacheMissError")
-    max_num_seqs: int = Field(defaults.DEFAULT_MAX_NUM_SEQS, gt=0, description="requests per step")
-    max_num_batched_tokens: int = Field(defaults.DEFAULT_MAX_NUM_BATCHED_TOKENS, gt=0,
+    max_num_seqs: Count = Field(defaults.DEFAULT_MAX_NUM_SEQS, gt=0, description="requests per step")
+    max_num_batched_tokens: Count = Field(defaults.DEFAULT_MAX_NUM_BATCHED_TOKENS, gt=0,
                                         description="tokens per step (the scheduler's budget)")
-    max_model_len: int = Field(defaults.DEFAULT_MAX_MODEL_LEN, gt=0, description="tokens per request")
+    max_model_len: Count = Field(defaults.DEFAULT_MAX_MODEL_LEN, gt=0, description="tokens per request")
     allow_long_max_model_len: bool = Field(
         False, strict=True, description="accept a max_model_len above the model's max_position_embeddings "
                                         "(vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions past it are outside "
                                         "what the model was trained on")
-    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block")
+    block_size: Count = Field(defaults.DEFAULT_BLOCK_SIZE, gt=0, description="tokens per KV block")
     kv_cache_dtype: str = Field(
         "auto", description="KV cache dtype (vLLM's kv_cache_dtype): auto (the model's KV cache spec, else the "
                             "weights' dtype), fp8 / fp8_e4m3 (float8_e4m3fn), fp8_e5m2, bfloat16, float16, float32; "
@@ -126,15 +143,15 @@ class GraphConfig(BaseModel):
         "auto", description="how PIECEWISE graphs are captured: fx (split the traced model at attention), "
                             "breakable (capture the forward once, breaking at each attention call; no tracing), "
                             "or auto (fx when the model traces, else breakable)")
-    context_buckets: Optional[list[int]] = Field(
+    context_buckets: Optional[list[Count]] = Field(
         None, description="context buckets (tokens) of the keys whose attention reads each step's longest "
                           "context as a host value (graphrt's reference kernels; not Triton): a step runs under "
                           "the smallest bucket holding its longest request; default powers of two from 256 to "
                           "min(max_model_len, 512) on graph backends (longer steps run PIECEWISE), and up to "
                           "max_model_len by factors of 4 on XLA")
-    compile_max_size: int = Field(defaults.DEFAULT_COMPILE_MAX_SIZE, gt=0,
+    compile_max_size: Count = Field(defaults.DEFAULT_COMPILE_MAX_SIZE, gt=0,
                                   description="largest bucket (tokens) compiled when compile_model is set")
-    num_speculative_tokens: int = Field(
+    num_speculative_tokens: Count = Field(
         0, ge=0, description="draft tokens verified per request in a decode step (vLLM's num_speculative_tokens): "
                              "decode graphs hold 1 + k tokens per request")
     host_kernel: Optional[Literal["auto", "numba", "numpy"]] = Field(
@@ -143,17 +160,17 @@ class GraphConfig(BaseModel):
     enable_lora: Optional[bool] = Field(
         None, strict=True, description="LoRA adapters (vLLM's enable_lora); alone it means max_loras=1; unset: on when "
                           "max_loras > 0")
-    max_loras: int = Field(defaults.DEFAULT_MAX_LORAS, ge=0,
+    max_loras: Count = Field(defaults.DEFAULT_MAX_LORAS, ge=0,
                            description="LoRA adapter slots, the most distinct adapters in one step (vLLM's "
                                        "max_loras); 0: LoRA off. Keys get an adapter-count dimension: 0, 1, 2, 4, "
                                        "..., max_loras")
-    max_lora_rank: int = Field(defaults.DEFAULT_MAX_LORA_RANK, gt=0,
-                               description="rank of every adapter slot (vLLM's max_lora_rank); lower ranks are "
-                                           "zero-padded")
-    max_logprobs: int = Field(defaults.DEFAULT_MAX_LOGPROBS, ge=0,
+    max_lora_rank: Count = Field(defaults.DEFAULT_MAX_LORA_RANK, gt=0, le=defaults.MAX_LORA_RANK,
+                               description="rank of every adapter slot (vLLM's max_lora_rank, at most vLLM's "
+                                           "largest, 512); lower ranks are zero-padded")
+    max_logprobs: Count = Field(defaults.DEFAULT_MAX_LOGPROBS, ge=0,
                               description="most top logprobs a request may ask for (vLLM's max_logprobs); the "
                                           "logprobs graphs compute this many per row; 0: logprobs off")
-    tensor_parallel_size: int = Field(
+    tensor_parallel_size: Count = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
         description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "
                     "docs/distributed.md); 1: unsharded")

@@ -159,8 +159,8 @@ class GraphCache(Generic[E]):
 
     def put_failed(self, key: Hashable, reason: str, *, seconds: float = 0.0) -> FailedBuild:
         """Record that ``key``'s build failed: its entry is a :class:`FailedBuild` (the step
-        runs eagerly, counted as a miss with this reason), and the report and
-        ``stats.failed_builds`` show it."""
+        runs eagerly, counted under ``capture_failed`` with this reason, not as a miss), and
+        the report and ``stats.failed_builds`` show it."""
         entry = FailedBuild(reason)
         self.put(key, entry, seconds=seconds)  # type: ignore[arg-type]
         self.stats.per_key[key].failed = reason
@@ -210,7 +210,8 @@ class GraphCache(Generic[E]):
                     key: Hashable | None = None, hit: bool = False) -> None:
         """Account one step's padding (and, if it ran eagerly, why: ``eager_reason`` in words,
         ``eager_cause`` its :class:`EagerCause`, a miss when not given; its real tokens count as
-        eager); with ``key``, also count the step's lookup of it (see :meth:`count`)."""
+        eager); with ``key``, also count the step's lookup of it (see :meth:`count`) -- except a
+        key whose capture failed, which is counted under ``capture_failed``, not as a miss."""
         s = self.stats
         s.real_tokens += real_tokens
         s.padded_tokens += padded_tokens
@@ -223,8 +224,8 @@ class GraphCache(Generic[E]):
             by_cause = s.eager_by_cause[eager_cause or EagerCause.MISS]
             by_cause.steps += 1
             by_cause.tokens += real_tokens
-        if key is not None:
-            self.count(key, hit)
+        if key is not None and (hit or eager_reason is None or eager_cause is not EagerCause.CAPTURE_FAILED):
+            self.count(key, hit)        # a failed capture is no miss: it counts under its cause
 
     def record_call(self, key: Hashable, *, hit: bool | None, num_tokens: int | None = None,
                     num_reqs: int | None = None, eager_cause: EagerCause | None = None,

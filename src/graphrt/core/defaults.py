@@ -137,6 +137,9 @@ ASCEND_FIA_HEAD_DIM_MULTIPLE = 16
 #: vLLM's default of one adapter slot.
 DEFAULT_MAX_LORAS = 0
 DEFAULT_MAX_LORA_RANK = 16
+#: The largest ``max_lora_rank`` (vLLM's largest supported rank): a rank beyond it is refused,
+#: not allocated (``max_lora_rank=10**7`` was an out-of-memory kill).
+MAX_LORA_RANK = 512
 DEFAULT_MAX_LORAS_WHEN_ENABLED = 1
 #: A request's or token's adapter slot when it runs without an adapter.
 NO_LORA = -1
@@ -187,11 +190,10 @@ KV_QUANTIZATION_TOLERANCE_EPS = 1.0
 #: ``kv_cache_dtype`` (GraphConfig, graphrt.LLM, ``--kv-cache-dtype``): vLLM's spellings and the
 #: KV-cache dtype each means; "auto" is the KV cache spec's own dtype, else the weights'. The fp8
 #: formats store value / scale with a per-tensor scale per layer (1.0, or the checkpoint's).
-KV_CACHE_DTYPE_NAMES: dict[str, str] = {"auto": "auto", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+KV_CACHE_DTYPE_NAMES: dict[str, str] = {**MODEL_DTYPE_NAMES,     # every spelling `dtype` takes ("bf16", ...)
+                                        "auto": "auto", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
                                         "fp8_e5m2": "float8_e5m2", "float8_e4m3fn": "float8_e4m3fn",
-                                        "float8_e5m2": "float8_e5m2", "bfloat16": "bfloat16",
-                                        "float16": "float16", "half": "float16", "float32": "float32",
-                                        "float64": "float64"}
+                                        "float8_e5m2": "float8_e5m2"}
 #: A Qwen3 config.json without ``max_window_layers`` slides (with ``use_sliding_window``) the layers
 #: from this one on: transformers' Qwen3Config default, read by models/hf_config.py.
 QWEN3_MAX_WINDOW_LAYERS = 28

@@ -55,8 +55,32 @@ def check_extra_specs(specs: Mapping[str, Any], owner: str) -> dict[str, ExtraIn
             raise ConfigError(f"{owner}.extra_inputs[{name!r}].dtype: not a dtype: {spec.dtype!r}") from exc
         if dtype.kind not in "iufb":
             raise ConfigError(f"{owner}.extra_inputs[{name!r}].dtype must be a number or bool dtype, got {dtype}")
+        problem = _fill_problem(spec.fill, dtype)
+        if problem is not None:
+            raise ConfigError(f"{owner}.extra_inputs[{name!r}].fill: {spec.fill!r} {problem}")
         out[name] = spec
     return out
+
+
+def _fill_problem(fill: Any, dtype: np.dtype) -> str | None:
+    """Why ``fill`` cannot be written into an array of ``dtype`` as it is, or None: padded rows
+    would otherwise hold another value (or every step's padding would raise)."""
+    if isinstance(fill, (bool, np.bool_)) or not isinstance(fill, (int, float, np.integer, np.floating)):
+        if dtype.kind == "b" and isinstance(fill, (bool, np.bool_)):
+            return None
+        return f"is not a number (a {type(fill).__name__}); the fill of a {dtype} input is one"
+    if dtype.kind == "b":
+        return None if fill in (0, 1) else f"cannot be held by {dtype} (0 or 1)"
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not np.isfinite(fill) or fill != int(fill) or not info.min <= int(fill) <= info.max:
+            return f"cannot be held by {dtype} (an integer in [{info.min}, {info.max}])"
+        return None
+    with np.errstate(over="ignore"):
+        held = np.asarray(fill, dtype=np.float64).astype(dtype)
+    if np.isfinite(fill) and not np.isfinite(held):
+        return f"cannot be held by {dtype} (it overflows: largest {np.finfo(dtype).max})"
+    return None
 
 
 class ExtraInputs:
@@ -70,6 +94,9 @@ class ExtraInputs:
     def check(self, arrays: Mapping[str, Any] | None, num_tokens: int, num_reqs: int) -> dict[str, np.ndarray]:
         """Each declared input of a step, as an array of its dtype and shape (InputError naming
         ``extra_inputs[name]`` otherwise: a missing, unknown, misshapen or mistyped one)."""
+        if arrays is not None and not isinstance(arrays, Mapping):
+            raise InputError("extra_inputs", f"must map each declared input's name to its array (a dict), got a "
+                                             f"{type(arrays).__name__}; the model declares {sorted(self.specs)}")
         given = dict(arrays or {})
         unknown = sorted(set(given) - set(self.specs))
         if unknown:

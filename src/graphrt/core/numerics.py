@@ -23,6 +23,7 @@ import numpy as np
 
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
+from graphrt.core.kv_spec import kv_cache_dtype_name
 
 
 class Tolerance(NamedTuple):
@@ -116,7 +117,10 @@ def kv_quantization_tolerance(kv_dtype: Any, *, magnitude: float) -> Tolerance:
     for ``rtol``, times ``max(1, magnitude)`` (the reference's largest absolute value) for
     ``atol``; it is far looser than :func:`tolerance`, which compares the same stored bytes.
     """
-    name = dtype_name(kv_dtype)
+    try:
+        name = kv_cache_dtype_name(kv_dtype)       # the config's spellings: "fp8", "fp8_e5m2", ...
+    except ConfigError:
+        name = dtype_name(kv_dtype)
     eps = defaults.FP8_DTYPE_EPS.get(name)
     if eps is None:
         raise ConfigError(f"no KV quantization tolerance for {name}: one of {sorted(defaults.FP8_DTYPE_EPS)}")

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from graphrt.core.errors import CacheMissError, GraphCaptureError, GraphrtError
+from graphrt.core.errors import CacheMissError, ConfigError, GraphCaptureError, GraphrtError
 from graphrt.core.numerics import Tolerance
 from graphrt.testing.loading import load_callable, load_model
 from graphrt.testing.properties import PROPERTIES
@@ -33,9 +33,11 @@ from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 DEFAULT_EXAMPLES = 100
 #: torch intra-op threads while the suite runs (see :func:`torch_threads`).
 DEFAULT_THREADS = 1
-#: What a runner raises when a graph or executable it needs cannot be built (a capture that
-#: fails in strict mode, or a step strict mode finds no graph for): a FAIL line, not a crash.
-BUILD_ERRORS: tuple[type[BaseException], ...] = (GraphCaptureError, CacheMissError)
+#: What a runner raises when it, or a graph or executable it needs, cannot be built (a capture
+#: that fails in strict mode, a step strict mode finds no graph for, a model or attention the
+#: runner refuses: a KV spec its layers contradict, a KV dtype its kernel does not write, ...):
+#: a FAIL line naming it, not a crash.
+BUILD_ERRORS: tuple[type[BaseException], ...] = (GraphCaptureError, CacheMissError, ConfigError)
 
 
 @dataclass
@@ -127,6 +129,14 @@ def strategy_for(kind: str, factory: RunnerFactory) -> Any:
     if kind == REFERENCE_KIND:
         return strategies.traces(**args, prefix_hits=False)
     return {"step": strategies.steps, "bad": strategies.bad_steps, "trace": strategies.traces}[kind](**args)
+
+
+def _failed_captures(runner: Any) -> str:
+    """``, 3 captures failed (they run eagerly): <the first reason>`` where warm-up had some."""
+    failed = [e["failed"] for e in runner.cache.report() if e["failed"]]
+    if not failed:
+        return ""
+    return f"; {len(failed)} captures failed (they run eagerly): {failed[0]}"
 
 
 def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EXAMPLES, *,
@@ -230,7 +240,8 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
         try:
             runner = factory()
             line = (f"warm-up: {runner.backend.name}, graph mode {runner.mode.value}, "
-                    f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s")
+                    f"{len(runner.dispatcher.keys())} bucket keys, {time.perf_counter() - start:.1f} s"
+                    f"{_failed_captures(runner)}")
         except BUILD_ERRORS as exc:      # every property then fails with it, one line each
             line = f"warm-up: failed after {time.perf_counter() - start:.1f} s: {_describe(exc)}"
         if report is not None:

@@ -211,8 +211,9 @@ def no_build_after_warmup(factory: Factory, step: Step) -> None:
     names = ("captures/compiles", "misses", "unplanned builds", "failed builds", "entries",
              "sampler misses", "sampler unplanned builds", "sampler entries")
     grew = [f"{n} {b} -> {a}" for n, b, a in zip(names, before, after) if a != b]
+    why = f" (it ran eagerly: {info.eager_reason})" if info.eager_reason else ""
     if grew:
-        raise AssertionError(f"built after warm-up for {info.mode.value} {info.key}: {', '.join(grew)}")
+        raise AssertionError(f"built after warm-up for {info.mode.value} {info.key}: {', '.join(grew)}{why}")
     if runner.executor.has_graphs and runner.dispatcher.keys() and covering_keys(runner, step) \
             and info.mode is RuntimeMode.NONE:
         raise AssertionError(f"a covered step ran eagerly: {info.eager_reason}")

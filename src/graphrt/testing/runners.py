@@ -28,7 +28,7 @@ import numpy as np
 from graphrt.config import GraphConfig
 from graphrt.core.cache import FailedBuild
 from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode
-from graphrt.core.errors import GraphCaptureError
+from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.testing import access
 from graphrt.testing.step import Step
 
@@ -60,11 +60,12 @@ class RunnerFactory:
         self.num_kv_blocks = (num_kv_blocks if num_kv_blocks is not None
                               else self.config.max_num_seqs * self.config.max_blocks_per_req + 1)
         self._runners: dict[tuple, Any] = {}
-        self._failed: dict[tuple, GraphCaptureError] = {}      # warm-ups that failed (strict mode)
+        self._failed: dict[tuple, Exception] = {}      # warm-ups that failed (strict mode), runners refused
 
     def __call__(self, **overrides: Any) -> Any:
         """The runner for ``overrides`` (built and warmed up on first use). A warm-up that
-        failed (:class:`~graphrt.GraphCaptureError`, strict mode) is raised again, not retried."""
+        failed (:class:`~graphrt.GraphCaptureError`, strict mode) or a runner refused
+        (:class:`~graphrt.ConfigError`) is raised again, not retried."""
         key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
         if key in self._failed:               # a failed warm-up fails the same way again
             raise self._failed[key]
@@ -79,7 +80,7 @@ class RunnerFactory:
             try:
                 runner = ModelRunner(model, config, backend=backend, num_kv_blocks=self.num_kv_blocks,
                                      dtype=self.dtype, progress=False)
-            except GraphCaptureError as exc:
+            except (GraphCaptureError, ConfigError) as exc:      # refused: the same again next time
                 self._failed[key] = exc
                 raise
             self._runners[key] = runner

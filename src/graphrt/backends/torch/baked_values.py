@@ -9,29 +9,44 @@ batching left ``max_seqlen_k`` out of its key and lost half its GSM8K accuracy, 
 :func:`check_key` records the forward of one FULL key twice with the CPU recording graph
 (which sees every aten op and its arguments, on any device), under two different steps the
 key holds -- pure padding (what capture uses) and a busy step (every request with tokens,
-the longest sequences the config allows) -- with the executor's pre-replay hooks run on each
-step's inputs first, as a replay would. Numbers that differ between the two recordings, or a
+the longest sequences the config allows) -- with the attention backend's ``before_replay`` run
+on each step first, as before a replay. Numbers that differ between the two recordings, or a
 different op sequence, mean the key is incomplete.
+
+:func:`refresh_for_capture` runs the backend's ``before_replay`` at a FULL capture with only its
+declared host values readable. :func:`check_refresh` is :func:`check_key`'s small sibling, run
+at every FULL capture of a backend with a
+``before_replay`` (in every mode): the metadata build alone, recorded after a refresh with a busy
+step and after one with padding. A backend that stashes a refreshed value on itself and hands
+it to ``build`` as a Python number bakes that number in; the two recordings then differ, and
+the capture is refused naming the backend and the ops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from graphrt.backends.torch import recording_graph as rg
+from graphrt.core import graph_tasks
+from graphrt.core.attention_decl import backend_name
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import GraphCaptureError
 from graphrt.core.fields import ModelInputs
+from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues
 
 logger = logging.getLogger(__name__)
 
 #: Differences listed in a report (the count is always complete).
 MAX_LISTED = 8
+#: How deep :func:`host_leaves` looks into metadata (nested dataclasses / containers).
+MAX_DEPTH = 4
 
 
 @dataclass
@@ -72,15 +87,62 @@ def _dummy(executor: Any, t: int, r: int, busy: bool, context: int | None) -> Mo
                        h["block_table"][:r], r, n, int(counts.max()), max_len, False)
 
 
-def _record(executor: Any, key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
+def refresh_for_capture(executor: Any, padded: ModelInputs, key: BatchDescriptor) -> None:
+    """At a FULL capture of ``key``: the backend's ``before_replay`` on ``padded`` (its padding
+    step) with only its declared (keyed or refreshed) host values readable -- reading another
+    raises GraphCaptureError naming it and ``before_replay``."""
+    t, r = key.num_tokens, key.num_reqs
+    attention = executor.attention
+    host = executor.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), padded, key)
+    guarded = CaptureHostValues(host, executor.keyed_host_values, backend_name(attention), key,
+                                reader="before_replay", refreshed=tuple(getattr(attention, "refreshed_host_values", ())))
+    attention.before_replay(executor.buffers.tensors(t, r), guarded)
+
+
+def _refresh(executor: Any, key: BatchDescriptor, busy: bool) -> None:
+    """Load a padding or busy step of ``key`` and run the backend's refresh on it, as before a run."""
     t, r = key.num_tokens, key.num_reqs
     inputs = _dummy(executor, t, r, busy, key.max_seq_len)
-    for hook in executor.pre_replay_hooks:
-        hook(inputs)
+    if executor._refresh:
+        host = executor.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), inputs, key)
+        executor.attention.before_replay(executor.buffers.tensors(t, r), host)
+
+
+class TaskMarks:
+    """The device graph API as a recorded check sees it: each graph task's ops (``graph_task``)
+    are marked, so that on a device with task updates -- which re-issues them with fresh host
+    values before every replay -- their numbers count as refreshed, not baked. A task that needs
+    an update on a device without them fails as its capture would."""
+
+    def __init__(self, api: Any, graph: rg.RecordingGraph) -> None:
+        self.name = getattr(api, "name", "")
+        self.task_updates = bool(getattr(api, "task_updates", False))
+        self.graph = graph
+        self.ranges: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def task_group(self, hook: Any, tasks: list) -> Iterator[None]:
+        start = self.graph.num_ops
+        yield
+        self.ranges.append((start, self.graph.num_ops))
+
+    def baked_values(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The graph's baked values, with those of re-issued tasks' ops left empty."""
+        values = self.graph.baked_values()
+        if self.task_updates:
+            for start, end in self.ranges:
+                values[start:end] = [(op, ()) for op, _ in values[start:end]]
+        return values
+
+
+def _record(executor: Any, key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
+    t, r = key.num_tokens, key.num_reqs
+    _refresh(executor, key, busy)
     graph = rg.RecordingGraph()
-    with torch.no_grad(), rg.recording_graph(graph):
+    marks = TaskMarks(executor.graph_api, graph)
+    with torch.no_grad(), graph_tasks.capturing(marks, []), rg.recording_graph(graph):
         executor.forward(t, r, executor.dummy_host(t, r, key))
-    values = graph.baked_values()
+    values = marks.baked_values()
     graph.reset()
     return values
 
@@ -101,19 +163,76 @@ def check_key(executor: Any, key: BatchDescriptor) -> BakedReport:
     return report
 
 
+def host_leaves(value: Any, depth: int = 0) -> list[Any]:
+    """The host numbers metadata carries: its ints, floats, bools and strings, and its tensors'
+    shapes, through dataclasses, named tuples, dicts, lists and tuples (other objects skipped)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return [value]
+    if isinstance(value, torch.Tensor):
+        return [tuple(value.shape)]
+    if depth >= MAX_DEPTH:
+        return []
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items: Any = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        return []
+    return [leaf for item in items for leaf in host_leaves(item, depth + 1)]
+
+
+def check_refresh(executor: Any, key: BatchDescriptor) -> None:
+    """Before a FULL capture of ``key`` by a backend with a ``before_replay``: record the metadata
+    build after a refresh with a busy step and after one with padding; host numbers that differ
+    -- in the build's ops or in the metadata -- came from the refresh through the backend's own
+    state, and a graph would bake them in: GraphCaptureError naming the backend and the first
+    differences (the key then runs eagerly; strict mode raises)."""
+    t, r = key.num_tokens, key.num_reqs
+    with torch.no_grad(), graph_tasks.capturing(TaskMarks(executor.graph_api, rg.RecordingGraph()), []):
+        executor.metadata(t, r, executor.dummy_host(t, r, key))     # a warm-up, as a capture's
+    runs = []
+    for busy in (True, False):          # padding last: what the capture then runs on
+        _refresh(executor, key, busy)
+        graph = rg.RecordingGraph()
+        marks = TaskMarks(executor.graph_api, graph)
+        with torch.no_grad(), graph_tasks.capturing(marks, []), rg.recording_graph(graph):
+            meta = executor.metadata(t, r, executor.dummy_host(t, r, key))
+        runs.append((marks.baked_values(), host_leaves(meta)))
+        graph.reset()
+    (busy_ops, busy_meta), (quiet_ops, quiet_meta) = runs
+    diffs = [f"op {i} {op}: {list(b)} after a busy step's refresh, {list(a)} after padding's"
+             for i, ((op, a), (_, b)) in enumerate(zip(quiet_ops, busy_ops)) if a != b]
+    if [op for op, _ in quiet_ops] != [op for op, _ in busy_ops]:
+        diffs.insert(0, f"the build runs {len(busy_ops)} ops after a busy step's refresh, {len(quiet_ops)} after "
+                        "padding's")
+    if busy_meta != quiet_meta:
+        diffs.append(f"the metadata's host numbers and shapes: {busy_meta} after a busy step's refresh, "
+                     f"{quiet_meta} after padding's")
+    if diffs:
+        raise GraphCaptureError(
+            f"attention backend {backend_name(executor.attention)!r}: the metadata of {key} depends on what "
+            f"before_replay left on the backend -- {'; '.join(diffs[:MAX_LISTED])}. A graph would bake this step's "
+            f"value in; build must read host values only through its host argument (keyed ones), and before_replay "
+            f"must write what a graph reads into device buffers (docs/attention.md, 'The refresh path')")
+
+
 def check_baked(executor: Any, key: BatchDescriptor) -> BakedReport:
-    """``check_baked_values`` / strict mode at a FULL capture: the host values ``key``'s forward
-    bakes in (:func:`check_key`); values that differ between two steps the key holds fail the
-    capture in strict mode and are logged otherwise."""
+    """``check_baked_values`` / strict mode at a FULL capture (and at every FULL capture of a
+    model's own backend with a ``before_replay``): the host values ``key``'s forward bakes in
+    (:func:`check_key`); values that differ between two steps the key holds fail the capture in
+    strict mode and for such a backend (``executor.refuse_baked``), and are logged otherwise."""
     report = check_key(executor, key)
     if not report.complete:
         message = (f"{key}: the captured forward bakes in host values that differ between steps "
                    f"under this key -- {'; '.join(report.varying)}. Make them part of the key or "
-                   f"refresh them in a pre-replay hook (docs/backends.md, complete keys)")
-        if executor.config.strict:
+                   f"refresh them in the attention backend's before_replay (docs/attention.md)")
+        if executor.config.strict or getattr(executor, "refuse_baked", False):
             raise GraphCaptureError(message)
         logger.warning("graphrt: %s", message)
     return report
 
 
-__all__ = ["BakedReport", "MAX_LISTED", "check_baked", "check_key"]
+__all__ = ["BakedReport", "MAX_DEPTH", "MAX_LISTED", "check_baked", "check_key", "check_refresh", "host_leaves",
+           "refresh_for_capture", "TaskMarks"]

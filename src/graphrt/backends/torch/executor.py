@@ -18,11 +18,13 @@ static buffers, and outputs written into static buffers the caller slices.
   compile per bucket up to ``compile_max_size`` -- before they are captured; a FULL key
   then captures the compiled pieces and eager attention as one graph.
 
-Pre-replay hooks (:attr:`TorchExecutor.pre_replay_hooks`, and per-graph hooks registered
-with :func:`graph_task` during capture) are how attention backends refresh what a graph
-baked in: host-planned metadata written into device buffers (FlashInfer-style ``plan``),
-or, on Ascend, host-side lengths of a captured op re-issued between
-``graph_task_update_begin`` / ``graph_task_update_end``.
+One refresh path: the attention backend's ``before_replay`` runs before every run (graph or
+eager) where the backend has one -- host-planned metadata written into device buffers
+(FlashInfer-style ``plan``), host lists a captured op reads -- then the graph's tasks
+(:func:`graph_task`: on Ascend an op re-issued between ``graph_task_update_begin`` / ``_end``).
+At a FULL capture the same ``before_replay`` runs on the padding step with only its declared
+host values readable, and :func:`~graphrt.backends.torch.baked_values.check_refresh` proves
+that nothing it leaves behind reaches the graph as a number.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch.baked_values import check_baked
+from graphrt.backends.torch.baked_values import check_baked, check_refresh, refresh_for_capture
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
@@ -47,11 +49,11 @@ from graphrt.core.errors import GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
-from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues, check_metadata
-from graphrt.backends.torch.graphs import (CapturedGraph, DeviceGraphAPI, GraphPool, PreReplayHook,
-                                           describe_capture_failure)
-from graphrt.backends.torch.model_protocol import (attention_backend, attention_support, guard_host_scalars,
-                                                   keyed_host_values)
+from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
+from graphrt.models.torch.attention_backend import (CaptureHostValues, HostTensorsRefused, HostValues,
+                                                    check_metadata, overrides_before_replay)
+from graphrt.backends.torch.graphs import CapturedGraph, DeviceGraphAPI, GraphPool, describe_capture_failure
+from graphrt.backends.torch.model_protocol import attention_support, choose_attention, keyed_host_values
 from graphrt.backends.torch.sampled_outputs import FutureInputs, SampledOutputs, device_event
 from graphrt.backends.torch.step_buffers import StepBuffers
 from graphrt.backends.torch.sampler import SamplerState
@@ -79,14 +81,17 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.has_graphs = graph_api is not None
         self.graphs_share_memory = graph_api is not None and graph_api.graphs_share_memory
         param_dtype = next(model.parameters()).dtype
-        #: The model's attention (the seam, docs/attention.md): builds each step's metadata.
-        self.attention = attention_backend(model, self.device, param_dtype, config.block_size)
+        self.kv = TorchKVCache(model, config, self.device, f"torch {self.device.type}")
+        #: The model's one attention object (the seam, docs/attention.md), chosen here once: its
+        #: kernel, its metadata, its refresh before every run, its declarations.
+        self.attention = choose_attention(model, self.device, param_dtype, config.block_size, self.kv.kv_dtype())
+        check_declarations(self.attention)
+        check_kv_dtypes(self.attention, self.kv.group_dtypes())
         self.attention_support = attention_support(model, self.attention)
         self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)
-        self._refresh = bool(getattr(self.attention, "refreshed_host_values", ()))
+        #: The refresh path: the backend's own before_replay, run before every run when it has one.
+        self._refresh = overrides_before_replay(self.attention)
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
-        #: Run before every forward (graph or eager) with the padded inputs; see :func:`graph_task`.
-        self.pre_replay_hooks: list[PreReplayHook] = []
         #: Per built key: mode, seconds, graph bytes, whether it was compiled.
         self.capture_report: list[dict[str, Any]] = []
         self.vocab_size = int(model.config.vocab_size)
@@ -94,7 +99,6 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.block_size = config.block_size
         max_t, max_r = config.max_num_batched_tokens, config.max_num_seqs
         pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
-        same = self.device.type == "cpu"
         #: Host staging and static device buffers of every field and extra input.
         self.buffers = StepBuffers(max_t, max_r, config.max_blocks_per_req, config.block_size, self.device, pin,
                                    host_arrays, check_extra_specs(getattr(model, "extra_inputs", None) or {},
@@ -113,7 +117,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
                                     if q > 1 else None)
         self._position_offsets = torch.arange(-q, 0, device=self.device)
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs)
-        self._copied = None if same else device_event(self.device)
+        self._copied = None if self.buffers.same else device_event(self.device)   # staging apart: copy
         # Graph backends launch steps without waiting (the CPU's events are complete at once);
         # the sampled outputs' host slots are made by the first such step.
         self.async_execution = graph_api is not None
@@ -121,15 +125,18 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.futures = FutureInputs(self.static["input_ids"], self.sampler.tokens, pin) if graph_api else None
         self._slots = None                  # SampledSlots, made by the first step that does not wait
         self.pool = GraphPool(graph_api) if graph_api is not None else None
-        self.kv = TorchKVCache(model, config, self.device, f"torch {self.device.type}")
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
         self.pieces = PiecewiseCapture(self)
         #: Check the host values each FULL capture bakes in (off while graph memory is sampled:
-        #: warm-up captures, and checks, the same keys again).
-        self.check_baked = config.check_baked_values or config.strict
+        #: warm-up captures, and checks, the same keys again); refuse the capture where they vary.
+        #: A model's own backend with a refresh gets the check at every FULL capture, in every
+        #: mode, and a key whose forward bakes a value that varies is refused (it runs eagerly).
+        own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
+        self.check_baked = config.check_baked_values or config.strict or own_refresh
+        self.refuse_baked = config.strict or own_refresh
         note = self.compile_note()
         if note is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
@@ -179,6 +186,9 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
     def metadata(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
         """The attention backend's metadata of the static buffers' first ``num_tokens`` /
         ``num_reqs`` rows and the step's ``host`` values (inside a capture: guarded ones)."""
+        if isinstance(host, CaptureHostValues):     # a graph's: no host tensor reachable
+            refused = HostTensorsRefused(backend_name(self.attention), object.__getattribute__(host, "_guard")[2])
+            return self.attention.build(self.buffers.capture_tensors(num_tokens, num_reqs, refused), host)
         return self.attention.build(self.buffers.tensors(num_tokens, num_reqs), host)
 
     def dummy_host(self, num_tokens: int, num_reqs: int, key: BatchDescriptor | None = None) -> HostValues:
@@ -190,7 +200,25 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         values = HostValues(num_tokens, num_reqs, 0, 0, 0, context, uniform)
         if key is None:
             return values
-        return CaptureHostValues(values, self.keyed_host_values, getattr(self.attention, "name", "attention"), key)
+        return CaptureHostValues(values, self.keyed_host_values, backend_name(self.attention), key)
+
+    def step_host_values(self, host: HostValues, padded: ModelInputs, key: BatchDescriptor) -> HostValues:
+        """Fill ``host`` with the padded step's values (a graph's key: its context bucket as
+        ``max_seq_len``, else the step's longest request) and return it."""
+        host.num_tokens, host.num_reqs = len(padded.input_ids), len(padded.seq_lens)
+        host.real_num_tokens, host.real_num_reqs = padded.num_tokens, padded.num_reqs
+        host.max_query_len, host.uniform_decode = padded.max_query_len, padded.uniform_decode
+        host.max_seq_len = key.max_seq_len or padded.max_seq_len
+        host.query_start_loc, host.seq_lens = padded.query_start_loc, padded.seq_lens
+        return host
+
+    @property
+    def pre_replay_hooks(self) -> Any:
+        """Gone: what runs before a replay is the attention backend's ``before_replay`` (issue 30)."""
+        raise GraphrtError("executor.pre_replay_hooks is gone: what runs before a run is the attention backend's "
+                           "before_replay(step, host), which runs before every run, graph or eager, declares the "
+                           "host values it reads (refreshed_host_values) and goes through the capture guard and "
+                           "the baked-values check; move the hook there (docs/attention.md, 'The refresh path')")
 
     def forward(self, num_tokens: int, num_reqs: int, host: HostValues) -> None:
         """Run the model on the static buffers' first rows; write hidden and logits outputs.
@@ -287,6 +315,8 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
 
     def _build_full(self, key: BatchDescriptor, compiled: bool) -> tuple[CapturedGraph, int]:
         num_tokens, num_reqs = key.num_tokens, key.num_reqs
+        if self._refresh:       # nothing the refresh leaves behind may reach the graph as a number
+            check_refresh(self, key)
         host = self.dummy_host(num_tokens, num_reqs, key)     # guarded: only keyed values read
         if not compiled:
             return self._capture(lambda: self.forward(num_tokens, num_reqs, host),
@@ -298,14 +328,12 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         return entry, nbytes + held
 
     def _load_for_capture(self, key: BatchDescriptor) -> None:
-        """Pure padding for a FULL capture, then the pre-replay hooks on it with the step's host
-        scalars guarded: a hook that reads one the attention did not declare refreshed fails
-        the capture (it would feed a value the graph then bakes in)."""
+        """Pure padding for a FULL capture, then the refresh path on it, as before every run:
+        the backend's ``before_replay`` with only its declared host values readable
+        (:func:`~graphrt.backends.torch.baked_values.refresh_for_capture`)."""
         padded = self.load_dummy(key.num_tokens, key.num_reqs)
-        if self.pre_replay_hooks:
-            guarded = guard_host_scalars(padded, self.attention, key)
-            for hook in self.pre_replay_hooks:
-                hook(guarded)
+        if self._refresh:
+            refresh_for_capture(self, padded, key)
 
     def _capture(self, fn: Callable[[], None], load_dummy: Callable[[], None],
                  warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
@@ -328,20 +356,11 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
             self.lora.before_step(key, t)
         if self._copied is not None:
             self._copied.record()
-        host = self._host_values          # the step's; eager at a key: the key's context
-        host.num_tokens, host.num_reqs, host.real_num_tokens, host.real_num_reqs = t, r, padded.num_tokens, padded.num_reqs
-        host.max_query_len, host.uniform_decode = padded.max_query_len, padded.uniform_decode
-        host.max_seq_len = key.max_seq_len or padded.max_seq_len
-        if self._refresh:
-            host.query_start_loc, host.seq_lens = padded.query_start_loc, padded.seq_lens
+        host = self.step_host_values(self._host_values, padded, key)   # eager at a key: the key's context
+        if self._refresh:                 # the one refresh path, before every run
             self.attention.before_replay(self.buffers.tensors(t, r), host)
-        tasks = entry.tasks if entry is not None and self.graph_api is not None else ()
-        if self.pre_replay_hooks or tasks:
-            if tasks:
-                self.graph_api.pre_replay(tasks, self.pre_replay_hooks, padded)
-            else:
-                for hook in self.pre_replay_hooks:
-                    hook(padded)
+        if entry is not None and self.graph_api is not None and entry.tasks:
+            self.graph_api.pre_replay(entry.tasks, padded)
         if entry is not None and self.config.debug_check_addresses:
             self._check_addresses(entry)
         with torch.no_grad():

@@ -24,7 +24,7 @@ from graphrt.core.errors import GraphCaptureError
 from graphrt.core import graph_tasks
 from graphrt.core.fields import ModelInputs
 
-#: A callable run before a step's forward with the padded inputs (host numpy arrays).
+#: A graph task's hook: run before each replay of its graph with the padded inputs (host numpy arrays).
 PreReplayHook = Callable[[ModelInputs], None]
 
 
@@ -103,11 +103,8 @@ class DeviceGraphAPI(abc.ABC):
         tasks.append(GraphTask(hook))
         yield
 
-    def pre_replay(self, tasks: Sequence[GraphTask], hooks: Sequence[PreReplayHook],
-                   padded: ModelInputs) -> None:
-        """Run the executor's hooks, then each captured task's hook, before a replay."""
-        for hook in hooks:
-            hook(padded)
+    def pre_replay(self, tasks: Sequence[GraphTask], padded: ModelInputs) -> None:
+        """Run each captured task's hook before a replay (after the attention's ``before_replay``)."""
         for task in tasks:
             task.hook(padded)
 

@@ -19,6 +19,7 @@ import torch
 from graphrt.core.errors import ConfigError
 from graphrt.core.kv_spec import SPEC_FIELD, KVCacheSpec, resolve_kv_spec
 from graphrt.core.numerics import dtype_name
+from graphrt.models.torch.attention import PagedAttention
 
 #: The KV-cache dtypes torch holds, by canonical name (fp8 on every device through byte views:
 #: models/torch/kv_quant.py).
@@ -52,19 +53,68 @@ def model_kv_spec(model: torch.nn.Module, config: Any, backend: str) -> KVCacheS
     elif layers is None:
         raise ConfigError(f"attention_layers: {type(model).__name__} has no attention_layers() method, so its KV "
                           "cache cannot be assigned; return the attention modules in layer order (docs/models.md)")
-    elif isinstance(declared, KVCacheSpec):      # the old tuple declares no window
-        _check_windows(spec, layers)
+    else:
+        check_against_layers(spec, layers, windows=isinstance(declared, KVCacheSpec))  # a tuple declares no window
     return spec
 
 
-def _check_windows(spec: KVCacheSpec, layers: list[Any]) -> None:
-    """A group's sliding window is its layers' own (``sliding_window`` of graphrt's PagedAttention)."""
+def _int(layer: Any, *names: str) -> int | None:
+    """The first of ``names`` that ``layer`` has as an int (not a bool), else None."""
+    for name in names:
+        value = getattr(layer, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def layer_kv_shape(layer: Any) -> dict[str, int]:
+    """What an attention layer says it stores per token slot, where it says it: ``num_kv_heads``,
+    ``head_size`` (``head_size`` or ``head_dim``), ``head_size_v`` (``head_size_v`` or
+    ``v_head_dim``; graphrt's ``PagedAttention`` stores K and V of one size), ``latent_dim``
+    (MLA: a layer that reads one latent row per token says so with ``latent_dim``, whatever
+    heads it has), ``sliding_window``."""
+    shape = {"num_kv_heads": _int(layer, "num_kv_heads"), "head_size": _int(layer, "head_size", "head_dim"),
+             "head_size_v": _int(layer, "head_size_v", "v_head_dim"), "latent_dim": _int(layer, "latent_dim"),
+             "sliding_window": _int(layer, "sliding_window")}
+    if isinstance(layer, PagedAttention):
+        shape["head_size_v"] = shape["head_size"]
+    return {name: value for name, value in shape.items() if value is not None}
+
+
+def check_against_layers(spec: KVCacheSpec, layers: list[Any], *, windows: bool = True) -> None:
+    """Every group agrees with the layers it names, where a layer says what it stores
+    (:func:`layer_kv_shape`): KV heads, K and V head sizes, MLA (a latent, no heads) versus
+    paged heads, and (``windows``) the sliding window. A ConfigError names the group's field,
+    the layer and both values -- before anything is allocated (a lying spec would make every
+    capture fail and the first step die on a shape error)."""
     for i, group in enumerate(spec.groups):
-        for layer in group.layers:
-            own = getattr(layers[layer], "sliding_window", None)
-            if isinstance(own, int) and own != group.sliding_window:
-                raise ConfigError(f"{SPEC_FIELD}.groups[{i}].sliding_window: {group.sliding_window}, but attention "
-                                  f"layer {layer} ({type(layers[layer]).__name__}) slides over {own}")
+        field = f"{SPEC_FIELD}.groups[{i}]"
+        for index in group.layers:
+            layer = layers[index]
+            own, kind = layer_kv_shape(layer), type(layer).__name__
+            where = f"attention layer {index} ({kind})"
+            if group.is_mla:
+                heads = {k: v for k, v in own.items() if k in ("num_kv_heads", "head_size") and v}
+                if "latent_dim" not in own and (heads or isinstance(layer, PagedAttention)):
+                    raise ConfigError(f"{field}.latent_dim: {group.latent_dim} (an MLA group: one latent tensor per "
+                                      f"layer, no heads), but {where} attends over paged KV heads "
+                                      f"({', '.join(f'{k} {v}' for k, v in heads.items())}); declare a KVCacheGroup "
+                                      "with its heads and head sizes (or give a layer that reads a latent row its "
+                                      "latent_dim)")
+                expected = {"latent_dim": group.latent_dim}
+            else:
+                if own.get("latent_dim"):
+                    raise ConfigError(f"{field}: a group of KV heads ({group.num_kv_heads} x {group.head_size}), but "
+                                      f"{where} is MLA (latent_dim {own['latent_dim']}); declare it with "
+                                      "KVCacheGroup.mla")
+                expected = {"num_kv_heads": group.num_kv_heads, "head_size": group.head_size,
+                            "head_size_v": group.v_head_size}
+            if windows:
+                expected["sliding_window"] = group.sliding_window
+            for name, value in expected.items():
+                if name in own and own[name] != value:
+                    noun = "slides over" if name == "sliding_window" else f"has {name}"
+                    raise ConfigError(f"{field}.{name}: {value}, but {where} {noun} {own[name]}")
 
 
 class TorchKVCache:
@@ -86,6 +136,20 @@ class TorchKVCache:
         if self._spec is None:
             self._spec = model_kv_spec(self.model, self.config, self.backend)
         return self._spec
+
+    def _groups(self) -> tuple[Any, ...]:
+        """The spec's groups; none for a model without ``kv_cache_spec()`` (allocating names it)."""
+        return self.spec.groups if callable(getattr(self.model, SPEC_FIELD, None)) else ()
+
+    def group_dtypes(self) -> list[tuple[int, str]]:
+        """(group index, canonical dtype) of every group: what the attention must read and write."""
+        return [(i, group.dtype) for i, group in enumerate(self._groups())]
+
+    def kv_dtype(self) -> torch.dtype | None:
+        """The torch dtype of the first group's cache (the kernel is chosen for it); None where
+        there is no group (a model owning its cache may declare none)."""
+        groups = self._groups()
+        return TORCH_KV_DTYPES[groups[0].dtype] if groups else None
 
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block over every layer: the spec's, or the model's own where it owns the cache."""
@@ -120,4 +184,5 @@ class TorchKVCache:
                 layer.kv_cache = None
 
 
-__all__ = ["OWNER_METHODS", "TORCH_KV_DTYPES", "TorchKVCache", "model_kv_spec"]
+__all__ = ["OWNER_METHODS", "TORCH_KV_DTYPES", "TorchKVCache", "check_against_layers", "layer_kv_shape",
+           "model_kv_spec"]

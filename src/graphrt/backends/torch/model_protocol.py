@@ -7,24 +7,26 @@ A torch model (docs/models.md) has ``forward(input_ids, positions)``, ``compute_
 :func:`check_torch_model` names each missing or ill-typed member with what to implement, and
 refuses a model of another framework with a sentence, before anything is allocated.
 
-The model's attention is :func:`attention_backend`: its own, or graphrt's
-:class:`~graphrt.models.torch.attention_backend.PagedAttentionBackend`, whose FULL-graph support
-is the least its layers declare (``graph_support``).
+The model's attention is one object, chosen once (:func:`choose_attention`, the only place a
+kernel is chosen): its own, or graphrt's (FlashInfer, Ascend, or
+:class:`~graphrt.models.torch.attention_backend.PagedAttentionBackend` with its kernel fixed);
+its FULL-graph support is the least of its and its layers' (``graph_support``).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
+from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, backend_name, check_declarations, checked_keyed,
+                                         least_support)
 from graphrt.core.dispatch import AttentionGraphSupport
-from graphrt.core.errors import ConfigError, GraphCaptureError
-from graphrt.core.fields import ModelInputs
+from graphrt.core.errors import ConfigError
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.models.torch.ascend_attention import ascend_backend
-from graphrt.models.torch.attention_backend import KEYABLE_HOST_VALUES, HOST_VALUES, PagedAttentionBackend
+from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel
+from graphrt.models.torch.attention_backend import PagedAttentionBackend
 
 #: Members every torch model has: name -> what it must be, for the error.
 REQUIRED = {"forward": "forward(input_ids [T] int32, positions [T] int32) -> hidden [T, hidden]",
@@ -63,61 +65,24 @@ def check_torch_model(model: Any, backend: str) -> None:
 
 
 def _check_backend(backend: Any) -> None:
-    name = getattr(backend, "name", type(backend).__name__)
+    name = backend_name(backend)
     for member in ("build", "keyed_host_values", "before_replay"):
         if not callable(getattr(backend, member, None)):
-            raise ConfigError(f"attention backend {name!r} has no {member}(): subclass "
-                              "graphrt.models.torch.attention_backend.AttentionBackend (docs/attention.md)")
-    refreshed = tuple(getattr(backend, "refreshed_host_values", ()))
-    unknown = [v for v in refreshed if v not in HOST_VALUES]
-    if unknown:
-        raise ConfigError(f"attention backend {name!r}: refreshed_host_values {unknown} are not host values "
-                          f"(one of {HOST_VALUES})")
-    try:
-        AttentionGraphSupport(getattr(backend, "graph_support", AttentionGraphSupport.ALWAYS))
-    except ValueError as exc:
-        raise ConfigError(f"attention backend {name!r}: graph_support must be an AttentionGraphSupport") from exc
+            raise ConfigError(f"attention backend {name!r} has no {member}(): subclass graphrt.AttentionBackend "
+                              "(docs/attention.md)")
+    check_declarations(backend)
 
 
-#: ModelInputs' host scalars -> the host value a pre-replay hook reading it must have declared.
-HOOK_SCALARS = {"num_reqs": "real_num_reqs", "num_tokens": "real_num_tokens", "max_query_len": "max_query_len",
-                "max_seq_len": "max_seq_len", "uniform_decode": "uniform_decode"}
-
-
-class GuardedInputs:
-    """A padded step as pre-replay hooks see it while a graph is captured: its arrays as they
-    are, its host scalars only where the attention declared them refreshed."""
-
-    def __init__(self, padded: ModelInputs, backend: Any, key: Any) -> None:
-        self._padded = padded
-        self._allowed = set(getattr(backend, "refreshed_host_values", ()))
-        self._backend = getattr(backend, "name", type(backend).__name__)
-        self._key = key
-
-    def __getattr__(self, name: str) -> Any:
-        value = HOOK_SCALARS.get(name)
-        if value is not None and value not in self._allowed:
-            caller = sys._getframe(1)
-            raise GraphCaptureError(
-                f"a pre-replay hook read the host value {name!r} of the step while the graph of {self._key} was "
-                f"captured "
-                f"({caller.f_code.co_name} at {caller.f_code.co_filename}:{caller.f_lineno}), and attention "
-                f"backend {self._backend!r} does not declare {value!r} refreshed: a value the hook hands the "
-                f"forward would be baked into the graph. Declare it in refreshed_host_values and write it into "
-                f"a device buffer the graph reads, or key it (docs/attention.md)")
-        return getattr(self._padded, name)
-
-
-def guard_host_scalars(padded: ModelInputs, backend: Any, key: Any) -> GuardedInputs:
-    """``padded`` with its host scalars guarded for the capture of ``key`` (:class:`GuardedInputs`)."""
-    return GuardedInputs(padded, backend, key)
-
-
-def attention_backend(model: torch.nn.Module, device: torch.device | str | None = None,
-                      dtype: torch.dtype | None = None, block_size: int | None = None) -> Any:
-    """The model's attention backend: ``model.attention_backend``, else graphrt's: FlashInfer's where
+def choose_attention(model: torch.nn.Module, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None, block_size: int | None = None,
+                     kv_dtype: torch.dtype | None = None) -> Any:
+    """The model's one attention object, chosen once when the runner is built (the only place a
+    kernel is chosen): ``model.attention_backend``, else graphrt's -- FlashInfer's where
     ``GRAPHRT_ATTENTION=flashinfer``, Ascend's fused attention where it runs on ``device``
-    (``ascend_attention.ascend_backend``), else the paged one."""
+    (``ascend_attention.ascend_backend``), else the paged one with its kernel (Triton or the
+    reference) fixed for ``device``, ``dtype`` and the cache's ``kv_dtype``. A model whose
+    layers are not all graphrt's ``PagedAttention`` gets float KV caches only (its layers may
+    not quantize fp8) unless they declare ``kv_cache_dtypes``."""
     own = getattr(model, "attention_backend", None)
     if own is not None:
         return own
@@ -128,29 +93,33 @@ def attention_backend(model: torch.nn.Module, device: torch.device | str | None 
         return FlashInferAttentionBackend(layers)
     head_dim = next((getattr(layer, "head_dim", None) for layer in layers), None)
     ascend = ascend_backend(layers, device, dtype, block_size) if device is not None else None
-    return ascend if ascend is not None else PagedAttentionBackend(head_dim)
+    if ascend is not None:
+        return ascend
+    kernel = None
+    if device is not None and dtype is not None:
+        kernel = choose_attention_kernel(device, head_dim or 64, dtype, kv_dtype or dtype).kernel
+    paged = PagedAttentionBackend(head_dim, kernel)
+    foreign = [layer for layer in layers if not isinstance(layer, PagedAttention)]
+    if foreign:
+        declared = [set(getattr(layer, "kv_cache_dtypes", FLOAT_KV_DTYPES)) for layer in foreign]
+        paged.kv_cache_dtypes = tuple(d for d in paged.kv_cache_dtypes if all(d in allowed for allowed in declared))
+    return paged
+
+
+#: The name engines used before the choice had one place (kept: same arguments, same result).
+attention_backend = choose_attention
 
 
 def keyed_host_values(backend: Any, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """What ``backend`` fixes when a graph is built, checked to be values a key holds."""
-    keyed = tuple(sorted(backend.keyed_host_values(device, dtype)))
-    bad = [v for v in keyed if v not in KEYABLE_HOST_VALUES]
-    if bad:
-        raise ConfigError(f"attention backend {getattr(backend, 'name', type(backend).__name__)!r} keys on {bad}, "
-                          f"which no graph key holds: keyed_host_values may name {KEYABLE_HOST_VALUES}; refresh "
-                          "the others in before_replay (refreshed_host_values)")
-    return keyed
+    return checked_keyed(backend, device, dtype)
 
 
 def attention_support(model: torch.nn.Module, backend: Any) -> AttentionGraphSupport:
     """What FULL graphs the attention supports: the backend's level, and the least its layers
     declare (``graph_support``)."""
-    layers = model.attention_layers() if hasattr(model, "attention_layers") else []
-    levels = [AttentionGraphSupport(getattr(layer, "graph_support", AttentionGraphSupport.ALWAYS))
-              for layer in layers]
-    levels.append(AttentionGraphSupport(getattr(backend, "graph_support", AttentionGraphSupport.ALWAYS)))
-    return min(levels)
+    return least_support(backend, model.attention_layers() if hasattr(model, "attention_layers") else [])
 
 
-__all__ = ["GuardedInputs", "HOOK_SCALARS", "REQUIRED", "attention_backend", "attention_support", "check_torch_model",
-           "guard_host_scalars", "keyed_host_values"]
+__all__ = ["REQUIRED", "attention_backend", "attention_support", "check_torch_model", "choose_attention",
+           "keyed_host_values"]

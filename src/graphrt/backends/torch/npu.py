@@ -139,11 +139,8 @@ class NpuGraphAPI(DeviceGraphAPI):
         handle = npu.graph_task_group_end(stream)
         tasks.append(GraphTask(hook, handle, event))
 
-    def pre_replay(self, tasks: Sequence[GraphTask], hooks: Sequence[PreReplayHook],
-                   padded: ModelInputs) -> None:
-        """Run the executor's hooks, then refresh every captured task on the update stream."""
-        for hook in hooks:
-            hook(padded)
+    def pre_replay(self, tasks: Sequence[GraphTask], padded: ModelInputs) -> None:
+        """Refresh every captured task on the update stream (after the attention's ``before_replay``)."""
         if not tasks:
             return
         npu = self.npu

@@ -142,6 +142,7 @@ TENSOR_HOST_READS: dict[Any, str] = {
     torch.Tensor.tolist: "`.tolist()` (aten._local_scalar_dense per element)",
     torch.Tensor.numpy: "`.numpy()`",
     torch.Tensor.__array__: "`numpy.asarray(t)` (Tensor.__array__)",
+    torch.Tensor.__dlpack__: "`numpy.from_dlpack(t)` / another framework's from_dlpack (Tensor.__dlpack__)",
     torch.Tensor.__repr__: "printing a tensor (Tensor.__repr__)",
     torch.Tensor.__format__: "formatting a tensor (Tensor.__format__)",
     torch.Tensor.item: "`.item()` (aten._local_scalar_dense)",
@@ -152,7 +153,9 @@ TENSOR_HOST_READS: dict[Any, str] = {
     torch.Tensor.__complex__: "`complex(t)` (aten._local_scalar_dense)",
 }
 """Tensor methods that read values on the host without always reaching an aten op
-(``tolist``, ``numpy`` and printing copy memory directly), caught at the Python level."""
+(``tolist``, ``numpy``, ``__dlpack__`` and printing hand over or copy memory directly), caught
+at the Python level. (``torch.utils.dlpack.to_dlpack(t)`` is a C function no mode sees; what
+reads its capsule on the host is the caller's.)"""
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -11,7 +11,8 @@ allocates no view); :meth:`StepBuffers.load_dummy` writes pure padding for captu
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import replace
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ class StepBuffers:
         self.extra_static = self.extra_host if self.same else {n: t.to(device) for n, t in self.extra_host.items()}
         self._padder = Padder(kernel="numpy")     # the default fills: pure padding
         self._views: dict[tuple[int, int], StepTensors] = {}
+        self._capture_views: dict[tuple[int, int], StepTensors] = {}
 
     def to_device(self, num_tokens: int, num_reqs: int) -> None:
         """Copy a step's rows of every field (``fields.field_rows``) and extra input from the
@@ -75,6 +77,16 @@ class StepBuffers:
                                                                            num_tokens, num_reqs)
             if not self.same:       # the staging views too, for before_replay (no device sync)
                 views.on_host = self._step_views(self.host, self.extra_host, num_tokens, num_reqs)
+        return views
+
+    def capture_tensors(self, num_tokens: int, num_reqs: int, refused: Any) -> StepTensors:
+        """:meth:`tensors` as a graph's metadata build sees them: ``on_host`` is ``refused`` (a
+        :class:`~graphrt.models.torch.attention_backend.HostTensorsRefused`: a device graph cannot
+        see a host read, so none may happen while it is captured), on every device alike."""
+        views = self._capture_views.get((num_tokens, num_reqs))
+        if views is None:
+            views = replace(self.tensors(num_tokens, num_reqs), on_host=refused)
+            self._capture_views[(num_tokens, num_reqs)] = views
         return views
 
     def _step_views(self, s: Mapping[str, torch.Tensor], extra: Mapping[str, torch.Tensor], num_tokens: int,

@@ -151,11 +151,6 @@ class TensorParallelExecutor(Executor[TorchEntry]):
     def kv_cache_resets(self) -> int:  # type: ignore[override]
         return self.local.kv_cache_resets
 
-    @property
-    def pre_replay_hooks(self) -> list[Any]:
-        """Rank 0's hooks (a worker's executor has its own)."""
-        return self.local.pre_replay_hooks
-
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of a block on one rank (its own KV heads): every rank holds the same count."""
         return self.local.kv_cache_bytes_per_block(block_size)

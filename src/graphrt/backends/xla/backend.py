@@ -118,8 +118,9 @@ class XlaBackend(Backend):
     def dispatcher(self, config: GraphConfig, mode: GraphMode, model: Any,
                    keyed_host_values: Sequence[str] = ()) -> Dispatcher:
         """The token x batch-size grid (:class:`XlaBuckets`): decode by batch size, mixed steps
-        at the largest batch size; no eager path, so every covered shape has an executable."""
-        return XlaBuckets.from_config(config).dispatcher()
+        at the largest batch size; no eager path, so every covered shape has an executable. Keys
+        get context buckets where the attention keys ``max_seq_len`` (graphrt's decoder does)."""
+        return XlaBuckets.from_config(config).dispatcher(context="max_seq_len" in keyed_host_values)
 
     def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
         """An executor for an :class:`XlaModel` (graphrt's decoder, or a model's own forward and

@@ -76,13 +76,15 @@ class XlaBuckets:
         """Rows of the token-level staging buffers: the largest key's tokens, mixed or decode."""
         return max(self.tokens.max_size, self.max_reqs)
 
-    def dispatcher(self) -> Dispatcher:
+    def dispatcher(self, context: bool = True) -> Dispatcher:
         """The dispatcher over this grid: decode steps by batch size, mixed steps at
-        ``max_reqs``; no eager path, so a step above the grid is an ``InputError``."""
+        ``max_reqs``; no eager path, so a step above the grid is an ``InputError``. ``context``:
+        every key once per context bucket (the attention keys ``max_seq_len``), else none."""
         return Dispatcher(GraphMode.FULL, token_buckets=self.tokens, decode_buckets=self.decode,
                           mixed_num_reqs=self.max_reqs, max_num_seqs=self.max_num_seqs, eager_fallback=False,
                           separate_decode=True, decode_query_len=self.decode_query_len,
-                          context_buckets=self.contexts, max_context=self.contexts.max_size)
+                          context_buckets=self.contexts if context else None,
+                          max_context=self.contexts.max_size if context else None)
 
 
 __all__ = ["XlaBuckets"]

@@ -63,6 +63,9 @@ class XlaExecutor(Executor[XlaEntry]):
             enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.programs = programs
+        #: The attention's declarations (backends/xla/attention.py): what the keys hold, what runs.
+        self.keyed_host_values = programs.keyed_host_values
+        self.attention_support = programs.attention_support
         self.mesh = programs.mesh
         self.tp_size = programs.tp_size
         self.compile_workers = max(1, int(compile_workers))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from graphrt.backends.xla import sharding as shd
+from graphrt.backends.xla.attention import checked_attention, model_attention
 from graphrt.backends.xla.batch import XlaBatch
 from graphrt.backends.xla.extra_inputs import model_extra_specs
 from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens, sampled_logprobs, token_logprobs
@@ -45,6 +46,9 @@ class XlaModel:
     :class:`~graphrt.models.jax.model_config.JaxModelConfig`. ``extra_inputs`` (name ->
     :class:`~graphrt.ExtraInput`) are per-step arrays it reads: declared, its forward is called
     with one more keyword, ``extra`` (a dict of each input's padded rows; docs/xla.md).
+    ``attention_backend`` declares its attention as a torch model's is
+    (:class:`~graphrt.AttentionDeclarations`; :mod:`graphrt.backends.xla.attention`): None, what
+    graphrt's decoder declares (context narrowing).
     """
 
     config: Any
@@ -52,6 +56,7 @@ class XlaModel:
     forward: Callable[..., Any] | None = None
     compute_logits: Callable[..., Any] | None = None
     extra_inputs: Mapping[str, ExtraInput] | None = None
+    attention_backend: Any = None
 
     @property
     def own_code(self) -> bool:
@@ -241,6 +246,12 @@ class XlaPrograms:
         if self.attention.kernel == "pallas":
             _, _, step, _ = model_program(model, block_size, decode_query_len, self.tp_size,
                                           attention=self.attention.attention)
+        #: The model's declared attention (the seam's declarations, shared with torch), checked:
+        #: what the executables key (``max_seq_len``: context buckets) and run.
+        self.attention_backend = model_attention(model)
+        groups = [] if self.kv_spec is None else [(i, g.dtype) for i, g in enumerate(self.kv_spec.groups)]
+        self.keyed_host_values, self.attention_support = checked_attention(
+            self.attention_backend, list(mesh.devices.flat), self.dtype, groups)
         repl = self.replicated
         self.forward = jax.jit(step, donate_argnums=(1,),
                                in_shardings=(weight_shardings, self.kv_sharding, repl, repl, repl)

@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from graphrt.core import defaults
+from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_tasks import capture_active, graph_task
-from graphrt.models.torch.attention import ATTENTION_ENV, PagedAttention
+from graphrt.models.torch.attention import ATTENTION_ENV, PagedAttention, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors
 from graphrt.models.torch.kv_quant import is_fp8, quantize_kv, write_kv_rows
 
@@ -105,7 +105,7 @@ def ascend_backend(layers: Sequence[torch.nn.Module], device: torch.device | str
     """The Ascend backend for graphrt's attention ``layers`` on ``device`` where
     ``GRAPHRT_ATTENTION`` selects it and it can run, else None (``auto``: the reason is logged
     once); ``ascend`` where it cannot run raises ``ConfigError`` saying why."""
-    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    choice = requested_attention()
     if not (choice == "ascend" or (choice == "auto" and device_type(device) == "npu")):
         return None
     head_dim = next((int(layer.head_dim) for layer in layers if hasattr(layer, "head_dim")), 0)
@@ -156,8 +156,9 @@ class AscendAttentionBackend(AttentionBackend):
 
     name = "ascend-fia"
     graph_support = AttentionGraphSupport.ALWAYS
-    refreshed_host_values = ("query_start_loc", "seq_lens")
+    refreshed_host_values = ("query_start_loc", "seq_lens", "num_tokens", "num_reqs")
     free_shape_fields = ("atten_mask",)
+    kv_cache_dtypes = FLOAT_KV_DTYPES          # the fused op reads no fp8 cache: refused by name
 
     def __init__(self, head_dim: int | None = None) -> None:
         self.head_dim = head_dim

@@ -21,18 +21,18 @@ see one opaque op with every metadata tensor as an argument, and the piecewise s
 this op in a traced graph). Eagerly and during graph capture the kernel runs directly, so
 the CPU recording graph sees, and checks, every aten op inside it.
 
-Which kernel runs: the op and ``PagedAttention`` call :func:`run_paged_attention`, which picks
-the Triton kernel (:mod:`graphrt.models.torch.triton_attention`) for CUDA tensors where triton
-imports and takes the head size and dtypes, and this reference otherwise. The environment
-variable ``GRAPHRT_ATTENTION`` (read at every call, so set it before warm-up / capture)
-overrides that: ``reference`` always runs the reference, ``triton`` requires Triton and raises
-``ConfigError`` saying why where it cannot run; ``flashinfer`` runs FlashInfer
-(:mod:`graphrt.models.torch.flashinfer_attention`: its attention backend plans each step), with
-the same refusal; ``auto`` (or unset) is the default above.
-``ascend`` (and ``auto`` on an NPU) is chosen once, with the attention backend
-(:mod:`graphrt.models.torch.ascend_attention`): its metadata runs torch_npu's fused op through
-``attend``, which :class:`PagedAttention` calls instead of these kernels.
-:func:`choose_attention_kernel` says which kernel a call would get, and why.
+Which kernel runs is chosen once, when a runner chooses the model's attention backend
+(``backends/torch/model_protocol.choose_attention``) under the environment variable
+``GRAPHRT_ATTENTION`` (read then: set it before the runner is built): ``auto`` (or unset) takes
+the Triton kernel (:mod:`graphrt.models.torch.triton_attention`) on CUDA where triton imports
+and takes the head size and dtypes, and this reference otherwise; ``reference`` always the
+reference; ``triton`` requires Triton (``ConfigError`` saying why where it cannot run);
+``flashinfer`` FlashInfer (:mod:`graphrt.models.torch.flashinfer_attention`: its backend plans
+each step), with the same refusal; ``ascend`` (and ``auto`` on an NPU) torch_npu's fused op
+(:mod:`graphrt.models.torch.ascend_attention`: its metadata's ``attend``, which
+:class:`PagedAttention` calls instead of these kernels). The chosen kernel is named in the
+metadata (``TorchAttentionMetadata.kernel``) and every layer runs it; :func:`run_paged_attention`
+called with ``kernel="auto"`` (a direct call) asks :func:`choose_attention_kernel`.
 
 Options of both kernels: ``sliding_window`` (a token at position ``p`` attends to positions
 ``p - sliding_window + 1 .. p``; None / 0: no window) and, for fp8 caches
@@ -78,6 +78,9 @@ class TorchAttentionMetadata:
     block_table: torch.Tensor  # int32 [R, B]; padded rows are all 0; B covers every request's blocks
     token_req_idx: torch.Tensor  # int64 [T]; request index of each token
     block_size: int
+    #: The kernel every layer runs ("triton", "reference", "flashinfer"), chosen once with the
+    #: attention backend; "auto": choose per call (:func:`choose_attention_kernel`).
+    kernel: str = "auto"
 
     @classmethod
     def build(
@@ -87,6 +90,7 @@ class TorchAttentionMetadata:
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
+        kernel: str = "auto",
     ) -> "TorchAttentionMetadata":
         """Derive ``token_req_idx`` with device ops only (safe inside graph capture).
 
@@ -99,7 +103,7 @@ class TorchAttentionMetadata:
         token_ids = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
         req = torch.searchsorted(query_start_loc, token_ids, right=True) - 1
         token_req_idx = req.clamp(0, max(num_reqs - 1, 0)).to(torch.int64)
-        return cls(slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx, int(block_size))
+        return cls(slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx, int(block_size), kernel)
 
 
 def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -165,14 +169,22 @@ class AttentionChoice(NamedTuple):
 _LOGGED_FALLBACKS: set[str] = set()
 
 
-def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: torch.dtype,
-                            cache_dtype: torch.dtype) -> AttentionChoice:
-    """The kernel :func:`run_paged_attention` uses for these tensors under ``GRAPHRT_ATTENTION``
-    (module docstring); raises ``ConfigError`` for an unknown value, or for ``triton`` where it
-    cannot run."""
+def requested_attention() -> str:
+    """``GRAPHRT_ATTENTION``, checked: one of :data:`ATTENTION_CHOICES` (unset: ``auto``); read
+    once, when a runner chooses its attention (ConfigError for another value)."""
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if choice not in ATTENTION_CHOICES:
         raise ConfigError(f"{ATTENTION_ENV}={choice!r}: expected one of {ATTENTION_CHOICES}")
+    return choice
+
+
+def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: torch.dtype,
+                            cache_dtype: torch.dtype) -> AttentionChoice:
+    """The kernel graphrt's paged attention runs for these tensors under ``GRAPHRT_ATTENTION``
+    (module docstring): called once per runner, when its attention backend is chosen, and per
+    call only by a kernel call that names none (``kernel="auto"``); raises ``ConfigError`` for an
+    unknown value, or for ``triton`` where it cannot run."""
+    choice = requested_attention()
     if choice in ("reference", "ascend"):   # ascend: only metadata without its own ``attend`` gets here
         return AttentionChoice("reference", f"{ATTENTION_ENV}={choice}")
     device = torch.device(device)
@@ -203,16 +215,18 @@ def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
                         slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int, scale: float,
                         sliding_window: int | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
-    """:func:`paged_attention_kernel`'s contract, run by the kernel :func:`choose_attention_kernel` picks."""
-    choice = choose_attention_kernel(q.device, kv_cache.shape[-1], q.dtype, kv_cache.dtype)
-    if choice.kernel == "triton":
-        from graphrt.models.torch.triton_attention import triton_paged_attention as kernel
-    elif choice.kernel == "flashinfer":
-        from graphrt.models.torch.flashinfer_kernel import flashinfer_paged_attention as kernel
+                        v_scale: float = 1.0, kernel: str = "auto") -> torch.Tensor:
+    """:func:`paged_attention_kernel`'s contract, run by ``kernel`` (the one its attention backend
+    chose); ``"auto"``: the one :func:`choose_attention_kernel` picks for these tensors."""
+    if kernel == "auto":
+        kernel = choose_attention_kernel(q.device, kv_cache.shape[-1], q.dtype, kv_cache.dtype).kernel
+    if kernel == "triton":
+        from graphrt.models.torch.triton_attention import triton_paged_attention as run
+    elif kernel == "flashinfer":
+        from graphrt.models.torch.flashinfer_kernel import flashinfer_paged_attention as run
     else:
-        kernel = paged_attention_kernel
-    return kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx,
+        run = paged_attention_kernel
+    return run(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx,
                   block_size, scale, sliding_window, k_scale, v_scale)
 
 
@@ -221,10 +235,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
                     scale: float, sliding_window: int = 0, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, kernel: str = "auto") -> torch.Tensor:
     """``torch.ops.graphrt.paged_attention``: :func:`run_paged_attention` as one opaque op."""
     return run_paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
-                               token_req_idx, block_size, scale, sliding_window, k_scale, v_scale)
+                               token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, kernel)
 
 
 @paged_attention.register_fake
@@ -232,7 +246,8 @@ def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                           slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                           seq_lens: torch.Tensor, block_table: torch.Tensor,
                           token_req_idx: torch.Tensor, block_size: int, scale: float,
-                          sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                          sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+                          kernel: str = "auto") -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -282,4 +297,4 @@ class PagedAttention(nn.Module):
         kernel = paged_attention if torch.compiler.is_compiling() else run_paged_attention
         return kernel(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                       meta.block_table, meta.token_req_idx, meta.block_size, self.scale,
-                      self.sliding_window, self.k_scale, self.v_scale)
+                      self.sliding_window, self.k_scale, self.v_scale, getattr(meta, "kernel", "auto"))

@@ -1,25 +1,29 @@
-"""The attention seam on torch: what an attention backend builds from a step, and declares.
+"""The attention seam on torch: the one attention object of a model, what it builds and declares.
 
-An engine plugs its attention in once as an :class:`AttentionBackend` (``model.attention_backend``)
-and gets every torch graph backend. Per step the executor hands the backend the step's device
-tensors (:class:`StepTensors`: views of the static buffers a graph reads) and its host values
-(:class:`HostValues`); the backend returns its metadata, which the model's attention layers
-read from :func:`graphrt.core.forward_context.get_forward_context`.
+An engine plugs its attention in once as an :class:`AttentionBackend` (``model.attention_backend``;
+exported as ``graphrt.AttentionBackend``) and gets every torch graph backend. It is one object
+per model, chosen once when the runner is built (``backends/torch/model_protocol.choose_attention``:
+the model's own, else graphrt's FlashInfer, Ascend or paged one, whose kernel is fixed then). Per
+step the executor hands it the step's device tensors (:class:`StepTensors`: views of the static
+buffers a graph reads) and its host values (:class:`HostValues`); it returns its metadata, which
+the model's attention layers read from :func:`graphrt.core.forward_context.get_forward_context`.
 
-A captured graph replays ops, not Python: a host value a backend reads while building
-metadata is baked into the graph. So a backend declares every host value it reads:
+A captured graph replays ops, not Python: a host value read while building metadata is baked
+into the graph. So a backend declares every host value it reads
+(:class:`~graphrt.core.attention_decl.AttentionDeclarations`, shared with the XLA backend):
 
 * ``keyed_host_values(device, dtype)``: values a graph may fix, because its key holds them --
   ``num_tokens`` / ``num_reqs`` (the padded shape), ``uniform_decode``, and ``max_seq_len``
   (the key's context bucket: the dispatcher then keys FULL graphs by context, docs/attention.md);
 * ``refreshed_host_values``: values :meth:`AttentionBackend.before_replay` reads before every
   run, outside the graph, to write device buffers the graph reads (vLLM's and SGLang's
-  replay-time metadata; on Ascend a task update).
+  replay-time metadata; on Ascend a task update). An overridden ``before_replay`` runs before
+  every run, graph or eager: the one refresh path.
 
-While a graph is captured the backend gets :class:`CaptureHostValues`: reading an undeclared
-value -- or a refreshed one inside the graph -- raises
-:class:`~graphrt.core.errors.GraphCaptureError` naming the value and the backend, in every
-mode, instead of baking it. graphrt's own attention is :class:`PagedAttentionBackend`.
+While a graph is captured the backend gets :class:`CaptureHostValues` (and ``step.on_host`` is
+:class:`HostTensorsRefused`): reading an undeclared value -- by name, through ``vars(host)``,
+or a refreshed one inside the graph -- raises :class:`~graphrt.core.errors.GraphCaptureError`
+naming the value, the backend and the line, in every mode, instead of baking it.
 """
 
 from __future__ import annotations
@@ -27,19 +31,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from graphrt.core.dispatch import AttentionGraphSupport
+from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, FP8_KV_DTYPES, HOST_VALUES, KEYABLE_HOST_VALUES,
+                                         AttentionDeclarations, backend_name)
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.models.torch.attention import TorchAttentionMetadata, choose_attention_kernel
-
-#: The step's host values a backend may read (fields of :class:`HostValues`).
-HOST_VALUES = ("num_tokens", "num_reqs", "real_num_tokens", "real_num_reqs", "max_query_len",
-               "max_seq_len", "uniform_decode", "query_start_loc", "seq_lens")
-#: Those a graph's key holds, so a backend may declare them keyed.
-KEYABLE_HOST_VALUES = ("num_tokens", "num_reqs", "uniform_decode", "max_seq_len")
 
 
 @dataclass
@@ -48,8 +47,8 @@ class HostValues:
     ``real_*`` the real ones; ``max_seq_len`` is the longest request's length -- for a graph, its
     key's context bucket (every request is at most that long); ``max_query_len`` the most
     tokens a request schedules. ``query_start_loc`` [R + 1] / ``seq_lens`` [R]: the padded
-    step's host arrays (numpy; None in a capture's values), for kernels that take per-request
-    lengths as host lists -- never keyed, so only ``before_replay`` may read them."""
+    step's host arrays (numpy), for kernels that take per-request lengths as host lists --
+    never keyed, so only ``before_replay`` may read them."""
 
     num_tokens: int
     num_reqs: int
@@ -62,26 +61,101 @@ class HostValues:
     seq_lens: Any = None
 
 
-class CaptureHostValues(HostValues):
-    """:class:`HostValues` of a graph being captured: only the backend's keyed values can be read."""
+def _refuse(what: str) -> Any:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise GraphCaptureError(f"{object.__getattribute__(self, '_what')} was used while a graph was captured "
+                                f"({what}): the graph would bake in a value it must not hold (docs/attention.md)")
+    return refuse
 
-    def __init__(self, values: HostValues, keyed: tuple[str, ...], backend: str, key: Any) -> None:
-        super().__init__(**dataclasses.asdict(values))
-        object.__setattr__(self, "_guard", (frozenset(keyed), backend, key))
+
+class Refused:
+    """What a guard leaves where a value must not be read during a capture: any use of it (a
+    number, a truth value, an index, an attribute, arithmetic) raises GraphCaptureError."""
+
+    __slots__ = ("_what",)
+
+    def __init__(self, what: str) -> None:
+        object.__setattr__(self, "_what", what)
+
+    def __repr__(self) -> str:
+        return f"<refused: {object.__getattribute__(self, '_what')}>"
+
+    __getattr__ = _refuse("an attribute of it")
+
+
+for _name in ("__int__", "__index__", "__float__", "__bool__", "__len__", "__iter__", "__getitem__",
+              "__array__", "__dlpack__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+              "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+              "__rfloordiv__", "__truediv__", "__rtruediv__", "__mod__", "__neg__", "__hash__", "__format__"):
+    setattr(Refused, _name, _refuse(_name.strip("_")))
+del _name
+
+
+class CaptureHostValues(HostValues):
+    """:class:`HostValues` of a graph being captured: only the backend's keyed values can be read
+    (in ``before_replay``, which runs outside the graph, its refreshed ones too). Reading another
+    -- by name, through ``vars(host)`` / ``host.__dict__`` or ``dataclasses.asdict`` -- raises
+    :class:`~graphrt.core.errors.GraphCaptureError` naming the value, the backend and the line;
+    the instance holds nothing else (a value reached around the guard is :class:`Refused`)."""
+
+    def __init__(self, values: HostValues, keyed: tuple[str, ...], backend: str, key: Any, *,
+                 reader: str = "build", refreshed: tuple[str, ...] = ()) -> None:
+        allowed = frozenset(keyed) | frozenset(refreshed)
+        state = object.__getattribute__(self, "__dict__")
+        for name in HOST_VALUES:
+            state[name] = getattr(values, name) if name in allowed else Refused(f"host value {name!r}")
+        state["_guard"] = (allowed, backend, key, reader)
 
     def __getattribute__(self, name: str) -> Any:
-        if name in HOST_VALUES:
-            keyed, backend, key = object.__getattribute__(self, "_guard")
-            if name not in keyed:
+        if name in HOST_VALUES or name == "__dict__":
+            allowed, backend, key, reader = object.__getattribute__(self, "_guard")
+            if name not in allowed:
                 caller = sys._getframe(1)
+                where = f"{caller.f_code.co_name} at {caller.f_code.co_filename}:{caller.f_lineno}"
+                if name == "__dict__":
+                    raise GraphCaptureError(
+                        f"attention backend {backend!r} read the host values' __dict__ (vars(host)) while the "
+                        f"graph of {key} was captured ({where}): it holds values the graph must not bake in; read "
+                        f"the values by name, declaring each (docs/attention.md)")
+                declare = ("Declare it in keyed_host_values (one of "
+                           f"{KEYABLE_HOST_VALUES}: the key holds it) or in refreshed_host_values and read it in "
+                           "before_replay, which runs outside the graph" if reader == "build" else
+                           "Declare it in refreshed_host_values (or keyed_host_values)")
                 raise GraphCaptureError(
-                    f"attention backend {backend!r} read the host value {name!r} while the graph of {key} "
-                    f"was captured ({caller.f_code.co_name} at {caller.f_code.co_filename}:{caller.f_lineno}), "
-                    f"without declaring it keyed: the graph would bake in this step's value. Declare it in "
-                    f"keyed_host_values (one of {KEYABLE_HOST_VALUES}: the key holds it) or in "
-                    f"refreshed_host_values and read it in before_replay, which runs outside the graph "
-                    f"(docs/attention.md)")
+                    f"attention backend {backend!r} read the host value {name!r} in {reader} while the graph of "
+                    f"{key} was captured ({where}), without declaring it: the graph would bake in this step's "
+                    f"value. {declare} (docs/attention.md)")
         return object.__getattribute__(self, name)
+
+
+class HostTensorsRefused:
+    """``StepTensors.on_host`` while a graph's metadata is built: the host staging buffers are
+    invisible to a device graph (a CUDA capture cannot see a host read), so any use raises
+    GraphCaptureError; ``before_replay`` reads them, outside the graph."""
+
+    __slots__ = ("_backend", "_key")
+
+    def __init__(self, backend: str, key: Any) -> None:
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_key", key)
+
+    def _fail(self, *args: Any) -> Any:
+        caller = sys._getframe(2)
+        raise GraphCaptureError(
+            f"attention backend {object.__getattribute__(self, '_backend')!r} read step.on_host (the host staging "
+            f"buffers) while the graph of {object.__getattribute__(self, '_key')} was captured "
+            f"({caller.f_code.co_name} at {caller.f_code.co_filename}:{caller.f_lineno}): a device graph cannot "
+            f"see a host read, so the graph would bake in this step's values. Read the device tensors in build, "
+            f"and the host ones in before_replay (refreshed_host_values; docs/attention.md)")
+
+    def __getattr__(self, name: str) -> Any:
+        return self._fail()
+
+    def __bool__(self) -> bool:
+        return self._fail()
+
+    def __repr__(self) -> str:
+        return "<step.on_host: refused while a graph is captured>"
 
 
 @dataclass
@@ -104,49 +178,61 @@ class StepTensors:
     on_host: "StepTensors | None" = None
 
 
-class AttentionBackend:
+class AttentionBackend(AttentionDeclarations):
     """What a model's attention needs from a step, built into device tensors, and what it declares.
 
-    Subclass it (or duck-type it) and set it as ``model.attention_backend``. Defaults: runs in
-    any FULL graph, reads no host value, builds nothing."""
-
-    #: A name for logs and errors.
-    name: ClassVar[str] = "attention"
-    #: What the kernels can run inside a FULL graph (the runner degrades the mode to it).
-    graph_support: ClassVar[AttentionGraphSupport] = AttentionGraphSupport.ALWAYS
-    #: Host values :meth:`before_replay` reads (outside the graph) before every run.
-    refreshed_host_values: ClassVar[tuple[str, ...]] = ()
+    Subclass it (or duck-type it) and set it as ``model.attention_backend``: the one attention
+    object of the model, which owns its kernel choice, its metadata (:meth:`build`), its refresh
+    before every run (:meth:`before_replay`), its graph-support level and its declarations
+    (:class:`~graphrt.core.attention_decl.AttentionDeclarations`: ``graph_support``,
+    ``keyed_host_values``, ``refreshed_host_values``, ``kv_cache_dtypes``). Defaults: runs in any
+    FULL graph, reads no host value, builds nothing, float KV caches only."""
 
     def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-        """Host values :meth:`build` reads and a graph may fix, on this device / dtype."""
+        """Host values :meth:`build` reads and a graph may fix, on this device / dtype (called
+        once, when the runner is built: choose the kernel here)."""
         return ()
 
     def build(self, step: StepTensors, host: HostValues) -> Any:
         """The step's metadata, from device ops on ``step`` (it runs inside graph capture) and
-        the declared ``host`` values; the attention layers read it from the forward context."""
+        the declared ``host`` values; the attention layers read it from the forward context.
+        In a capture ``host`` holds the keyed values only and ``step.on_host`` is refused."""
         return step
 
     def before_replay(self, step: StepTensors, host: HostValues) -> None:
-        """Before every run (replayed or eager), outside any graph: refresh the device buffers
-        a graph reads from the declared ``refreshed_host_values``. Default: nothing."""
+        """Before every run (replayed or eager), outside any graph, when overridden: refresh the
+        device buffers a graph reads from the declared ``refreshed_host_values`` (and the step's
+        host staging buffers, ``step.on_host``). Default: nothing (and it is not called)."""
+
+
+def overrides_before_replay(backend: Any) -> bool:
+    """Whether ``backend`` has a refresh of its own to run before every run (an override of
+    :meth:`AttentionBackend.before_replay`, or any ``before_replay`` of a duck-typed backend)."""
+    method = getattr(type(backend), "before_replay", None)
+    return method is not None and method is not AttentionBackend.before_replay
 
 
 class PagedAttentionBackend(AttentionBackend):
     """graphrt's own: :class:`~graphrt.models.torch.attention.TorchAttentionMetadata` for
-    :class:`~graphrt.models.torch.attention.PagedAttention`. The reference kernel attends over
+    :class:`~graphrt.models.torch.attention.PagedAttention`. ``kernel`` (``"triton"``,
+    ``"reference"``; None: chosen from ``GRAPHRT_ATTENTION``, the device and dtype when the runner
+    is built) is named in the metadata, so every layer runs it. The reference kernel attends over
     every column of the block table, so the table is narrowed to ``max_seq_len`` (keyed: the
     key's context bucket in a graph, the step's own length eagerly); Triton reads every length
-    on the device and keys nothing."""
+    on the device and keys nothing. Its kernels quantize fp8 caches (``kv_cache_dtypes``)."""
 
     name = "graphrt-paged"
+    kv_cache_dtypes = FLOAT_KV_DTYPES + FP8_KV_DTYPES
 
-    def __init__(self, head_dim: int | None = None) -> None:
+    def __init__(self, head_dim: int | None = None, kernel: str | None = None) -> None:
         self.head_dim = head_dim
-        self._narrow = False
+        self.kernel = kernel
+        self._narrow = kernel is not None and kernel != "triton"
 
     def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-        choice = choose_attention_kernel(device, self.head_dim or 64, dtype, dtype)
-        self._narrow = choice.kernel != "triton"
+        if self.kernel is None:
+            self.kernel = choose_attention_kernel(device, self.head_dim or 64, dtype, dtype).kernel
+        self._narrow = self.kernel != "triton"
         return ("max_seq_len",) if self._narrow else ()
 
     def build(self, step: StepTensors, host: HostValues) -> TorchAttentionMetadata:
@@ -154,7 +240,7 @@ class PagedAttentionBackend(AttentionBackend):
         if self._narrow:
             table = table[:, :max(-(-host.max_seq_len // step.block_size), 1)]
         return TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, table,
-                                            step.block_size)
+                                            step.block_size, kernel=self.kernel or "auto")
 
 
 def check_metadata(backend: Any, metadata: Any, num_tokens: int, num_reqs: int) -> None:
@@ -171,11 +257,12 @@ def check_metadata(backend: Any, metadata: Any, num_tokens: int, num_reqs: int) 
     allowed = {num_tokens, num_reqs, num_reqs + 1}
     for name, value in items:
         if isinstance(value, torch.Tensor) and name not in free and value.dim() > 0 and value.shape[0] not in allowed:
-            raise ConfigError(f"attention backend {getattr(backend, 'name', type(backend).__name__)!r} built "
+            raise ConfigError(f"attention backend {backend_name(backend)!r} built "
                               f"metadata field {name!r} of shape {tuple(value.shape)} for a step of {num_tokens} "
                               f"tokens and {num_reqs} requests: its rows must be the step's tokens, requests or "
                               f"requests + 1 (list it in the backend's free_shape_fields if it is sized otherwise)")
 
 
-__all__ = ["AttentionBackend", "CaptureHostValues", "HOST_VALUES", "HostValues", "KEYABLE_HOST_VALUES",
-           "PagedAttentionBackend", "StepTensors", "check_metadata"]
+__all__ = ["AttentionBackend", "CaptureHostValues", "HOST_VALUES", "HostTensorsRefused", "HostValues",
+           "KEYABLE_HOST_VALUES", "PagedAttentionBackend", "Refused", "StepTensors", "check_metadata",
+           "overrides_before_replay"]

@@ -31,16 +31,16 @@ that is not verified here (docs/attention.md). The kernel call is :mod:`graphrt.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from graphrt.core import defaults
+from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError, GraphCaptureError
-from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata
+from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
 from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
 from graphrt.models.torch.kv_quant import is_fp8
@@ -48,7 +48,7 @@ from graphrt.models.torch.kv_quant import is_fp8
 
 def flashinfer_selected() -> bool:
     """Whether ``GRAPHRT_ATTENTION`` asks for FlashInfer."""
-    return os.environ.get(ATTENTION_ENV, "").strip().lower() == "flashinfer"
+    return requested_attention() == "flashinfer"
 
 
 class PagedLayout(NamedTuple):
@@ -114,6 +114,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     graph_support = AttentionGraphSupport.UNIFORM_BATCH
     refreshed_host_values = ("num_tokens", "num_reqs")
+    kv_cache_dtypes = FLOAT_KV_DTYPES          # no k_scale / v_scale are passed: fp8 is refused by name
 
     def __init__(self, layers: Sequence[torch.nn.Module],
                  workspace_bytes: int = defaults.FLASHINFER_WORKSPACE_BYTES) -> None:
@@ -210,7 +211,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         base = TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_table,
                                             step.block_size)
         return FlashInferMetadata(base.slot_mapping, base.query_start_loc, base.seq_lens, base.block_table,
-                                  base.token_req_idx, base.block_size, dict(wset.wrappers))
+                                  base.token_req_idx, base.block_size, kernel="flashinfer",
+                                  flashinfer_wrappers=dict(wset.wrappers))
 
 
 __all__ = ["FlashInferAttentionBackend", "FlashInferMetadata", "PagedLayout", "flashinfer_selected", "padding_layout",
