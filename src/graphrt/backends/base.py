@@ -94,6 +94,9 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: caching allocator), so that an entry built after a larger one adds only what it keeps;
     #: the graph-memory estimate does not draw a line through such entries' bytes.
     graphs_share_memory: bool = False
+    #: Bytes of buffers the sampler entries share, allocated with the executor outside every
+    #: entry (the torch sampler's noise and workspace); the warm-up report shows them.
+    sampler_buffer_bytes: int = 0
 
     #: The model the executor runs (rank 0's shard under tensor parallelism).
     model: Any

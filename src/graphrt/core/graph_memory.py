@@ -150,6 +150,13 @@ class GraphMemory:
     kv_bytes: int | None = None        # what the KV cache got
     actual: int | None = None          # bytes of every entry built at warm-up (None: not yet)
     reason: str | None = None          # why nothing was deducted, where nothing was
+    sampler: int | None = None         # of ``actual``, the sampler entries' bytes
+    sampler_buffers: int = 0           # bytes of the buffers every sampler entry shares (noise, workspace)
+
+    def built(self, forward: int, sampler: int, sampler_buffers: int) -> None:
+        """Record what warm-up built: forward and sampler entries' bytes, and the sampler's
+        shared buffers (allocated with the executor, outside every entry)."""
+        self.actual, self.sampler, self.sampler_buffers = forward + sampler, sampler, sampler_buffers
 
     @property
     def deducted(self) -> int:
@@ -160,11 +167,24 @@ class GraphMemory:
         """Plain numbers, for logs, JSON and an engine's stats."""
         return {"estimate": self.estimate, "margin": self.margin, "actual": self.actual,
                 "num_keys": self.num_keys, "sampled": dict(self.sampled), "budget": self.budget,
-                "kv_bytes": self.kv_bytes, "reason": self.reason}
+                "kv_bytes": self.kv_bytes, "reason": self.reason, "sampler": self.sampler,
+                "sampler_buffers": self.sampler_buffers}
+
+    def split(self) -> str:
+        """Forward against sampler bytes, e.g. ``forward 75.40 MiB, sampler 4.60 MiB (+ 39.00 MiB
+        shared buffers)``; empty before warm-up."""
+        if self.actual is None or self.sampler is None:
+            return ""
+        mib = 2**20
+        return (f"forward {(self.actual - self.sampler) / mib:.2f} MiB, sampler {self.sampler / mib:.2f} MiB"
+                f" (+ {self.sampler_buffers / mib:.2f} MiB shared buffers)")
 
     def summary(self) -> str:
-        """One line: estimate (+ margin) against actual, or why nothing was estimated."""
+        """One line: estimate (+ margin) against actual (forward and sampler apart), or why
+        nothing was estimated."""
         actual = "not built yet" if self.actual is None else f"{self.actual / 2**20:.2f} MiB actual"
+        if self.split():
+            actual += f" ({self.split()})"
         if self.reason is not None:
             return f"graph memory: not deducted from the KV budget ({self.reason}); {actual}"
         ratio = "" if not self.actual else f", estimate / actual {self.estimate / self.actual:.2f}"

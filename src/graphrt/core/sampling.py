@@ -9,6 +9,13 @@ at construction, before any device work.
 * ``temperature``: a real number, finite as float32, ``>= 0`` (0: greedy).
 * ``top_p``: a real number in ``(0, 1]`` (1: no top-p filter); NaN is refused.
 * ``top_k``: an integer, ``-1`` (no top-k filter) or in ``[1, SAMPLING_MAX_TOP_K]``.
+* ``min_p``: a real number in ``[0, 1]`` (0: no min-p filter): keep tokens at least ``min_p``
+  times as likely as the most likely one (vLLM's meaning, after temperature).
+* ``repetition_penalty``: a real number, finite as float32, ``> 0`` (1: none); ``presence_penalty``
+  and ``frequency_penalty``: real numbers in ``[-2, 2]`` (0: none). vLLM's meanings: a token seen
+  in the prompt or the output has its logit divided by the repetition penalty (multiplied where
+  the logit is not positive); the output's tokens lose ``frequency_penalty`` per occurrence and
+  ``presence_penalty`` once. A batch with penalties needs ``prompt_lens`` (integers ``>= 0``).
 * ``seed``: None (the device RNG) or an integer in ``[0, SAMPLING_SEED_LIMIT)`` (64 bits).
 * ``max_tokens``: an integer ``>= 1``; ``ignore_eos``: a bool (``SamplingParams`` only).
 * ``logprobs`` (and ``SamplingParams.prompt_logprobs``): None (none) or an integer ``>= 0``, how
@@ -26,6 +33,7 @@ values are looked at only when a bound fails, to name the bad row (or accept a -
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
@@ -127,6 +135,24 @@ TOP_P = Rule("top_p", "real number", "fiu", np.float32, "in (0, 1] (1: no top-p 
 TOP_K = Rule("top_k", "integer", "iu", np.int64, f"-1 (disabled) or in [1, {defaults.SAMPLING_MAX_TOP_K}]",
              rows_ok=lambda k: ((k >= 1) & (k <= defaults.SAMPLING_MAX_TOP_K)) | (k == TOP_K_DISABLED),
              bounds_ok=lambda lo, hi: lo >= 1 and hi <= defaults.SAMPLING_MAX_TOP_K)
+
+MIN_P = Rule("min_p", "real number", "fiu", np.float32, "in [0, 1] (0: no min-p filter)",
+             rows_ok=lambda p: (p >= 0.0) & (p <= 1.0),
+             bounds_ok=lambda lo, hi: lo >= 0.0 and hi <= 1.0)
+REPETITION_PENALTY = Rule("repetition_penalty", "real number", "fiu", np.float32,
+                          "finite in float32 and > 0 (1: no repetition penalty)",
+                          rows_ok=lambda r: (r > 0.0) & (r < _INF),
+                          bounds_ok=lambda lo, hi: lo > 0.0 and hi < _INF)
+_PENALTY = defaults.SAMPLING_PENALTY_LIMIT
+PRESENCE_PENALTY, FREQUENCY_PENALTY = (
+    Rule(name, "real number", "fiu", np.float32, f"in [-{_PENALTY:g}, {_PENALTY:g}] (0: none)",
+         rows_ok=lambda v: (v >= -_PENALTY) & (v <= _PENALTY),
+         bounds_ok=lambda lo, hi: lo >= -_PENALTY and hi <= _PENALTY)
+    for name in ("presence_penalty", "frequency_penalty"))
+PROMPT_LENS = Rule("prompt_lens", "integer", "iu", np.int64, ">= 0", rows_ok=lambda n: n >= 0,
+                   bounds_ok=lambda lo, hi: lo >= 0)
+#: (rule, the value that turns it off) of each penalty column, in ``SamplingBatch.penalties`` order.
+PENALTY_RULES = ((REPETITION_PENALTY, 1.0), (PRESENCE_PENALTY, 0.0), (FREQUENCY_PENALTY, 0.0))
 
 
 def seed(value: Any, name: str = "seed") -> int | None:
@@ -253,9 +279,18 @@ class SamplingBatch:
     num_reqs: int = field(init=False)
     #: The largest count of ``logprobs``; None when no row wants logprobs.
     max_num_logprobs: int | None = field(init=False)
+    #: float32 per request; None when no row has a min-p filter.
+    min_p: np.ndarray | None = None
+    #: float32 columns (repetition, presence, frequency) per request; None when no row has a
+    #: penalty (then the sampler keeps no token counts).
+    penalties: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    #: int64 prompt length per request (where its generated tokens begin); given with penalties.
+    prompt_lens: np.ndarray | None = None
 
     def __init__(self, temperature: Any, top_k: Any, top_p: Any, seeds: Sequence[Any],
-                 request_ids: Sequence[Any], logprobs: Sequence[Any] | None = None) -> None:
+                 request_ids: Sequence[Any], logprobs: Sequence[Any] | None = None, *,
+                 min_p: Any = None, repetition_penalty: Any = None, presence_penalty: Any = None,
+                 frequency_penalty: Any = None, prompt_lens: Any = None) -> None:
         t = TEMPERATURE.array(temperature, ndim=1)
         n = len(t)
         p = TOP_P.array(top_p, ndim=1)
@@ -284,6 +319,12 @@ class SamplingBatch:
             _seeds(seeds, request_ids)
         counts, most = _logprob_rows(logprobs, n)
         setattr_ = object.__setattr__   # frozen: each field is set once, here
+        if min_p is not None or repetition_penalty is not None or presence_penalty is not None \
+                or frequency_penalty is not None or prompt_lens is not None:
+            extra = _filter_columns(n, min_p, (repetition_penalty, presence_penalty, frequency_penalty), prompt_lens)
+            setattr_(self, "min_p", extra[0])
+            setattr_(self, "penalties", extra[1])
+            setattr_(self, "prompt_lens", extra[2])
         setattr_(self, "logprobs", counts)
         setattr_(self, "max_num_logprobs", most)
         setattr_(self, "temperature", t)
@@ -293,6 +334,47 @@ class SamplingBatch:
         setattr_(self, "request_ids", request_ids)
         setattr_(self, "all_greedy", greedy)   # computed once: runner and executor both ask
         setattr_(self, "num_reqs", n)
+
+    @functools.cached_property
+    def top_k_ceiling(self) -> int:
+        """The largest top_k of a row that samples at random, 0 when none does (the sampler
+        needs its wide variant where this lies between its candidates and the vocabulary)."""
+        if self.all_greedy:
+            return 0
+        return int(self.top_k[self.temperature > 0.0].max())
+
+    @property
+    def penalized(self) -> bool:
+        """Whether some row has a repetition, presence or frequency penalty."""
+        return self.penalties is not None
+
+
+def _column(rule: Rule, values: Any, n: int) -> np.ndarray:
+    """One optional column, one checked value per request."""
+    arr = rule.check(values, ndim=1)
+    _rows(arr, rule.field, n)
+    return arr
+
+
+def _filter_columns(n: int, min_p: Any, penalties: tuple, prompt_lens: Any) -> tuple:
+    """A batch's optional columns, checked: min_p (None when every row is 0), the penalty
+    columns (None when every row is neutral; a column not given is neutral) and prompt_lens
+    (required with penalties)."""
+    mp = None if min_p is None else _column(MIN_P, min_p, n)
+    if mp is not None and not mp.any():
+        mp = None
+    cols = None
+    if any(v is not None for v in penalties):
+        cols = tuple(np.full(n, off, np.float32) if v is None else _column(rule, v, n)
+                     for (rule, off), v in zip(PENALTY_RULES, penalties))
+        if all((c == off).all() for c, (_, off) in zip(cols, PENALTY_RULES)):
+            cols = None
+    lens = None if prompt_lens is None else _column(PROMPT_LENS, prompt_lens, n)
+    if cols is not None and lens is None:
+        raise InputError("prompt_lens", "one prompt length per request is needed when a row has a "
+                                        "penalty: the repetition penalty counts prompt and generated "
+                                        "tokens, presence / frequency penalties generated ones only")
+    return mp, cols, lens
 
 
 def _logprob_rows(values: Sequence[Any] | None, n: int) -> tuple[np.ndarray | None, int | None]:
@@ -313,7 +395,8 @@ def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab
     """Write a step's ``num_reqs`` rows of temperature / top-k / top-p into ``out`` (a
     backend's sampler staging buffers), and rows ``num_reqs..rows`` as padding: greedy, no
     filter (``defaults.SAMPLER_PAD_TEMPERATURE``, top_k ``vocab_size``,
-    ``defaults.SAMPLER_PAD_TOP_P``). Every backend pads its sampler rows through here."""
+    ``defaults.SAMPLER_PAD_TOP_P``, min_p 0 where ``out`` has a min_p row). Every backend pads its
+    sampler rows through here."""
     temperature, top_k, top_p = out["temperature"], out["top_k"], out["top_p"]
     temperature[:num_reqs] = sampling.temperature
     top_k[:num_reqs] = sampling.top_k
@@ -321,12 +404,19 @@ def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab
     temperature[num_reqs:rows] = defaults.SAMPLER_PAD_TEMPERATURE
     top_k[num_reqs:rows] = vocab_size
     top_p[num_reqs:rows] = defaults.SAMPLER_PAD_TOP_P
+    min_p = out.get("min_p")
+    if min_p is not None:           # 0: no min-p filter, on padded rows too
+        min_p[:num_reqs] = 0.0 if sampling.min_p is None else sampling.min_p
+        min_p[num_reqs:rows] = 0.0
 
 
-def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
+def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int,
+                   prompt_lens: Sequence[int] | None = None) -> SamplingBatch:
     """Arrays of one step's :class:`~graphrt.SamplingParams` (which checked their own fields),
     in request order; a disabled top_k, or one above ``vocab_size``, becomes ``vocab_size``.
-    The batch checks every row again (``InputError`` naming the field and the row)."""
+    min_p and penalty columns are made only when some row uses them (``prompt_lens``, each
+    request's prompt length, is then required). The batch checks every row again
+    (``InputError`` naming the field and the row)."""
     try:
         columns = (np.array([p.temperature for p in params], np.float32),
                    np.array([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], np.int64),
@@ -334,9 +424,20 @@ def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size
     except (TypeError, ValueError, OverflowError):   # not SamplingParams: the batch names the bad row
         columns = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
     wanted = [getattr(p, "logprobs", None) for p in params]
+    extra: dict[str, Any] = {}
+    min_p = [getattr(p, "min_p", 0.0) for p in params]
+    if any(min_p):
+        extra["min_p"] = min_p
+    for (rule, off) in PENALTY_RULES:
+        column = [getattr(p, rule.field, off) for p in params]
+        if any(v != off for v in column):
+            extra[rule.field] = column
+    if prompt_lens is not None and len(extra) > ("min_p" in extra):
+        extra["prompt_lens"] = prompt_lens
     return SamplingBatch(*columns, [p.seed for p in params], list(request_ids),
-                         wanted if any(w is not None for w in wanted) else None)
+                         wanted if any(w is not None for w in wanted) else None, **extra)
 
 
-__all__ = ["SamplingBatch", "sampling_batch", "write_sampling_rows", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
-           "flag", "logprobs", "check_logprobs_limit"]
+__all__ = ["SamplingBatch", "sampling_batch", "write_sampling_rows", "Rule", "TEMPERATURE", "TOP_P", "TOP_K",
+           "TOP_K_DISABLED", "MIN_P", "REPETITION_PENALTY", "PRESENCE_PENALTY", "FREQUENCY_PENALTY",
+           "PROMPT_LENS", "PENALTY_RULES", "seed", "max_tokens", "flag", "logprobs", "check_logprobs_limit"]

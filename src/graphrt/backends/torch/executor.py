@@ -42,7 +42,7 @@ from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
 from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.extra_inputs import check_extra_specs
@@ -135,6 +135,11 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
             logger.warning("graphrt: compile_model is ignored: %s", note)
 
     # ---- KV cache (backends/torch/kv_cache.py) -----------------------------------------
+    @property
+    def sampler_buffer_bytes(self) -> int:
+        """Bytes of the sampler's buffers its graphs share (the warm-up report shows them)."""
+        return self.sampler.buffer_bytes
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.kv.bytes_per_block(block_size)
 
@@ -248,9 +253,9 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
             self.lora.use_key(key)
         baked = None
         if isinstance(key, SamplerKey):
-            num_reqs, greedy = key.num_reqs, key.greedy
+            num_reqs, greedy, wide = key.num_reqs, key.greedy, key.wide_top_k
             compute = (self.sampler.compute_logprobs if key.logprobs else
-                       lambda logits, rows: self.sampler.compute(logits, rows, greedy))
+                       lambda logits, rows: self.sampler.compute(logits, rows, greedy, wide))
             entry, nbytes = self._capture(lambda: compute(self.logits_out, num_reqs), lambda: None)
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
@@ -369,13 +374,13 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         requests' tokens, a host copy (never a view of the device buffer), or with ``wait=False``
         (graph backends) their copy queued into a host slot (a :class:`Sampled`)."""
         rows = padded_reqs or num_reqs
-        greedy = sampling.all_greedy
+        key = sampler_key(sampling, rows, self.vocab_size)
         sampler = self.sampler
-        if not greedy:
+        if not key.greedy:
             sampler.write(sampling, num_reqs, rows)
         with torch.no_grad():
             if entry is None:
-                sampler.compute(self.logits_out, rows, greedy)
+                sampler.compute(self.logits_out, rows, key.greedy, key.wide_top_k)
             else:
                 if self.config.debug_check_addresses:
                     self._check_addresses(entry)

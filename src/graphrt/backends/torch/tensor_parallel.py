@@ -130,6 +130,7 @@ class TensorParallelExecutor(Executor[TorchEntry]):
             raise ConfigError(f"the model declares extra inputs {sorted(local.extra_inputs)}: tensor parallelism "
                               "sends graphrt's step fields to the workers only; run it with tensor_parallel_size=1")
         self.vocab_size = local.vocab_size
+        self.sampler_buffer_bytes = local.sampler_buffer_bytes     # rank 0's: the one that samples
         self.host_buffers = local.host_buffers
         self.tp_size = ranks.setup.tp_size
         self.steps = 0
