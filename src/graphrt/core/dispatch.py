@@ -145,14 +145,13 @@ class SamplerKey:
         return f"(sample, reqs={self.num_reqs}, {self.kind})"
 
 
-def sampler_key(sampling: Any, num_reqs: int, vocab_size: int,
-                candidates: int = defaults.SAMPLER_TOP_K_CANDIDATES) -> SamplerKey:
+def sampler_key(sampling: Any, num_reqs: int, vocab_size: int, candidates: int | None = None) -> SamplerKey:
     """The sampler a step's batch needs (a :class:`~graphrt.core.sampling.SamplingBatch`) at
     ``num_reqs`` padded rows: the penalised one when a row has penalties, the greedy one when
     every row is greedy, else the random one; wide where a random row's top_k lies between the
-    ``candidates`` and ``vocab_size``."""
+    ``candidates`` (``defaults.SAMPLER_TOP_K_CANDIDATES``) and ``vocab_size``."""
     ceiling = sampling.top_k_ceiling
-    wide = candidates < ceiling < vocab_size
+    wide = (defaults.SAMPLER_TOP_K_CANDIDATES if candidates is None else candidates) < ceiling < vocab_size
     if sampling.penalties is not None:
         return SamplerKey(num_reqs, False, wide_top_k=wide, penalties=True)
     if sampling.all_greedy:

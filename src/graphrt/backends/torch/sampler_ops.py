@@ -33,6 +33,7 @@ from graphrt.core import defaults
 
 _DIGITS = 1 << defaults.SAMPLER_RADIX_BITS
 _BUCKETS = _DIGITS + 2          # below the window, its digits, above it
+_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23   # the least positive float32
 
 
 class Workspace:
@@ -69,6 +70,7 @@ def radix_threshold(probs: torch.Tensor, target: torch.Tensor, ws: Workspace, co
     key = ws.scratch[:rows].view(torch.int32)
     hist = ws.hist[:rows * _BUCKETS]
     weights = ws.ones.expand(rows * vocab) if count else probs.reshape(-1)
+    target = target.clamp(min=_TINY)           # some weight must reach it: never above every value
     prefix = torch.zeros(rows, 1, dtype=torch.int32, device=probs.device)
     step = defaults.SAMPLER_RADIX_BITS
     for shift in range(defaults.SAMPLER_PROB_BITS - step, -1, -step):
@@ -118,15 +120,17 @@ def race(probs: torch.Tensor, tau: torch.Tensor, noise: torch.Tensor, scratch: t
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
                 min_p: torch.Tensor | None, noise: torch.Tensor, ws: Workspace, *,
-                candidates: int = defaults.SAMPLER_TOP_K_CANDIDATES, wide: bool = False) -> torch.Tensor:
+                candidates: int | None = None, wide: bool = False) -> torch.Tensor:
     """One token per row of ``logits`` ``[R, V]`` (int64), rows below the minimum temperature
     greedy (``argmax`` of the logits, as the greedy sampler); static shapes, nothing read on the
-    host: capturable. ``ws`` holds at least ``R`` rows."""
+    host: capturable. ``ws`` holds at least ``R`` rows; ``candidates`` defaults to
+    ``defaults.SAMPLER_TOP_K_CANDIDATES``."""
     rows = logits.shape[0]
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     probs = scaled_probs(logits, temperature, ws.probs[:rows])
-    tau = filter_threshold(probs, top_k, top_p, min_p, ws, candidates, wide)
+    cands = defaults.SAMPLER_TOP_K_CANDIDATES if candidates is None else candidates
+    tau = filter_threshold(probs, top_k, top_p, min_p, ws, cands, wide)
     sampled = race(probs, tau, noise, ws.scratch[:rows])
     return torch.where(temperature < defaults.SAMPLER_MIN_TEMPERATURE, greedy, sampled)
 
