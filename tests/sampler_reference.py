@@ -76,3 +76,17 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
         z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
         return 0.5 * math.erfc(z / math.sqrt(2))
     return float(chi2.sf(stat, dof))
+
+
+def penalised_logits(logits: np.ndarray, prompt: list[list[int]], output: list[list[int]], repetition: np.ndarray,
+                     presence: np.ndarray, frequency: np.ndarray) -> np.ndarray:
+    """vLLM's penalties on host logits ``[R, V]`` from each row's prompt and output token lists."""
+    x = logits.astype(np.float32).copy()
+    vocab = x.shape[1]
+    for i in range(len(x)):
+        counts = np.bincount(np.asarray(output[i], np.int64), minlength=vocab).astype(np.float32)
+        seen = (counts > 0) | (np.bincount(np.asarray(prompt[i], np.int64), minlength=vocab) > 0)
+        r = np.float32(repetition[i])
+        x[i] = np.where(seen, np.where(x[i] > 0, x[i] / r, x[i] * r), x[i])
+        x[i] -= np.float32(frequency[i]) * counts + np.float32(presence[i]) * (counts > 0)
+    return x

@@ -124,7 +124,8 @@ class ModelRunner:
     # ---- setup ---------------------------------------------------------------------
     def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
         """Every key warm-up builds, largest first (:func:`graphrt.warmup.warmup_keys`)."""
-        return warmup_keys(self.dispatcher, logprobs=self.config.max_logprobs > 0)
+        return warmup_keys(self.dispatcher, logprobs=self.config.max_logprobs > 0,
+                           penalties=self.config.enable_penalties)
 
     def warmup(self) -> list[dict[str, Any]]:
         """Capture / compile every key the dispatcher can return, largest first, then seal.
@@ -249,6 +250,9 @@ class ModelRunner:
                   self._futures.apply(future_rows, self._sampled, padded.input_ids, padded.query_start_loc))
         self._sampled = None        # until this step's tokens are: a failed step has none
         skey = None if sampling is None else sampler_key(sampling, plan.padded_reqs, self.vocab_size)
+        if skey is not None and skey.penalties:          # token counts planned before anything runs
+            self.executor.prepare_penalties(sampling, token_ids, req_rows, num_computed_tokens,
+                                            num_scheduled_tokens, plan.padded_reqs)
         logits = self._run(plan, padded, t, r, future, sampler=skey)
         out = None
         if logprobs:
@@ -279,9 +283,10 @@ class ModelRunner:
             if entry is None and not self.executor.eager_fallback:     # no eager sampler: build it now
                 entry = self._build_missing(self.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
                 plan.sampler[kind] = (sampler_key, entry, None)
+            cause = EagerCause.MISS if sampler_key.kind not in ("greedy", "random") else EagerCause.CAPTURE_FAILED
             self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
                                            padded_reqs=plan.padded_reqs, eager_reason=eager,
-                                           eager_cause=EagerCause.CAPTURE_FAILED, key=sampler_key,
+                                           eager_cause=cause, key=sampler_key,
                                            hit=entry is not None)
         if future is not None:
             return self.executor.run(plan.mode, plan.key, plan.entry, padded, future=future)

@@ -4,8 +4,8 @@ bytes extrapolate to every key, and what is left for the KV cache.
 The rule (docs/backends.md, "Graph memory in the KV budget"):
 
 1. **Families.** Keys whose bytes grow along one size share a family: forward keys by
-   (runtime mode, uniform decode), sized by tokens; sampler keys by greedy / random / logprobs, sized by
-   request rows.
+   (runtime mode, uniform decode), sized by tokens; sampler keys by kind (greedy, random, logprobs,
+   penalised), sized by request rows.
 2. **Samples.** Per family, the largest, the smallest and the middle key (by size; at most
    ``defaults.GRAPH_MEMORY_SAMPLES_PER_FAMILY``; every key of a smaller family). They are
    captured in warm-up order (largest first, one pool, one span), so what one graph leaves
@@ -50,10 +50,10 @@ Job = tuple[RuntimeMode, Any]
 def family(job: Job) -> tuple[Hashable, int]:
     """(family, size) of a job: forward keys by (mode, uniform decode) -- and their LoRA
     adapter count when nonzero: a LoRA graph holds more than its size's graph without --
-    sized by tokens, sampler keys by greedy / random / logprobs sized by request rows."""
+    sized by tokens, sampler keys by kind (greedy / random / logprobs / penalised) sized by request rows."""
     mode, key = job
     if isinstance(key, SamplerKey):
-        return ("sampler", key.greedy, key.logprobs), key.num_reqs
+        return ("sampler", key.kind), key.num_reqs
     if isinstance(key, BatchDescriptor):
         if key.num_loras or key.max_seq_len is not None:    # more adapters, a longer context: more bytes
             return (mode, key.uniform_decode, key.num_loras, key.max_seq_len), key.num_tokens

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphrt.core import defaults
 from graphrt.core.sampling import write_sampling_rows
+from graphrt.backends.torch.penalties import PenaltyState
 from graphrt.backends.torch.sampler_ops import Workspace, sample_rows
 
 
@@ -73,8 +73,14 @@ class SamplerState:
     :meth:`write` fills them for a step before the compute or its replay."""
 
     def __init__(self, max_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool,
-                 max_logprobs: int = 0) -> None:
+                 max_logprobs: int = 0, max_tokens: int = 0, penalties: bool = False) -> None:
         self.vocab_size, self.device = vocab_size, device
+        self._max_reqs, self._max_tokens, self._pin = max_reqs, max_tokens, pin_memory
+        #: Repetition / presence / frequency penalties' device state, made by the first batch
+        #: that asks (or here with ``penalties``: their graphs are built at warm-up).
+        self.penalties: PenaltyState | None = None
+        if penalties:
+            self.penalty_state()
         self._host = {"temperature": torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
                       "top_k": torch.zeros(max_reqs, dtype=torch.int64, pin_memory=pin_memory),
                       "top_p": torch.ones(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
@@ -103,14 +109,28 @@ class SamplerState:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the buffers every sampler graph shares (noise and workspace), held outside
-        the graphs' own memory."""
-        return self.noise.numel() * self.noise.element_size() + self.work.nbytes
+        """Bytes of the buffers every sampler graph shares (noise, workspace, penalty state),
+        held outside the graphs' own memory."""
+        penalties = 0 if self.penalties is None else self.penalties.nbytes
+        return self.noise.numel() * self.noise.element_size() + self.work.nbytes + penalties
 
-    def compute(self, logits: torch.Tensor, rows: int, greedy: bool, wide: bool = False) -> None:
+    def penalty_state(self) -> PenaltyState:
+        """The penalties' device state, made on first use."""
+        if self.penalties is None:
+            self.penalties = PenaltyState(self._max_reqs, self.vocab_size, self._max_tokens, self.device, self._pin)
+        return self.penalties
+
+    def compute(self, logits: torch.Tensor, rows: int, greedy: bool, wide: bool = False,
+                penalties: bool = False) -> None:
         """Sample ``rows`` rows of ``logits`` into :attr:`tokens` (capturable); ``wide``: some
-        row's top_k is past the candidates (:mod:`~graphrt.backends.torch.sampler_ops`)."""
+        row's top_k is past the candidates (:mod:`~graphrt.backends.torch.sampler_ops`);
+        ``penalties``: a copy of the rows is penalised first (greedy rows take its argmax)."""
         logits = logits[:rows]
+        if penalties:
+            x = self.work.probs[:rows]
+            x.copy_(logits)
+            self.penalty_state().apply(x, self.work.scratch[:rows])
+            logits = x
         if greedy:
             self.tokens[:rows].copy_(greedy_sample(logits))
         else:
@@ -157,3 +177,5 @@ class SamplerState:
 
     def free_request(self, request_id: int) -> None:
         self._generators.pop(request_id, None)
+        if self.penalties is not None:
+            self.penalties.free(request_id)

@@ -167,6 +167,10 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         synchronous executor: it always waits)."""
         return self.local.sample(logits, num_reqs, sampling, padded_reqs=padded_reqs, entry=entry)
 
+    def prepare_penalties(self, *args: Any) -> None:
+        """Rank 0 samples alone, so it alone keeps the penalties' token counts."""
+        self.local.prepare_penalties(*args)
+
     def sample_logprobs(self, logits: Any, sampled: Any, num_reqs: int, *, padded_reqs: int | None = None,
                         entry: Any = None, wait: bool = True) -> tuple[np.ndarray, ...]:
         """Rank 0's logprobs graph, on the gathered logits (it always waits)."""
