@@ -23,8 +23,8 @@ DRAWS = 20_000
 def _meta(rows: int, t: float, k: int, p: float, mp: float, seed: int = 0) -> SamplingMetadata:
     seeds = np.random.default_rng(seed).integers(0, 2**32, (rows, 2), dtype=np.uint32)
     return SamplingMetadata(jnp.full(rows, t, jnp.float32), jnp.full(rows, VOCAB if k < 0 else k, jnp.int32),
-                            jnp.full(rows, p, jnp.float32), jnp.full(rows, mp, jnp.float32),
-                            jnp.asarray(seeds), jnp.zeros(rows, jnp.uint32))
+                            jnp.full(rows, p, jnp.float32), jnp.asarray(seeds), jnp.zeros(rows, jnp.uint32),
+                            jnp.full(rows, mp, jnp.float32))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -43,7 +43,7 @@ def test_xla_greedy_rows_are_the_argmax():
     logits = jnp.asarray(np.random.default_rng(3).standard_normal((8, 300)).astype(np.float32) * 4)
     meta = _meta(8, 1.0, 20, 0.9, 0.05)
     meta = SamplingMetadata(jnp.asarray([0.0, 1.0] * 4, jnp.float32), *[getattr(meta, f) for f in
-                                                                        ("top_k", "top_p", "min_p", "seeds", "steps")])
+                                                                        ("top_k", "top_p", "seeds", "steps", "min_p")])
     out = np.asarray(jax.jit(sample_tokens)(logits, meta))
     np.testing.assert_array_equal(out[::2], np.asarray(jnp.argmax(logits, axis=-1))[::2])
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from graphrt.core.sampling import write_sampling_rows
+from graphrt.backends.torch.flashinfer_sampling import flashinfer_sampling
 from graphrt.backends.torch.penalties import PenaltyState
 from graphrt.backends.torch.sampler_ops import Workspace, sample_rows
 
@@ -92,6 +93,9 @@ class SamplerState:
         self.tokens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         #: The filters' and the logprobs graph's ``[max_reqs, vocab]`` buffers, shared by every graph.
         self.work = Workspace(max_reqs, vocab_size, device)
+        #: FlashInfer's sampling module where the top-k / top-p filters run on its kernels (CUDA
+        #: with graphrt[flashinfer]; :mod:`~graphrt.backends.torch.flashinfer_sampling`), else None.
+        self.flashinfer = flashinfer_sampling(device)
         #: The logprobs graph's outputs (``max_logprobs > 0``): each row's sampled-token logprob and
         #: rank, and its top logprobs and their ids (:func:`token_logprobs`).
         self.top_k = min(max_logprobs, vocab_size)
@@ -137,7 +141,7 @@ class SamplerState:
             s = self.static
             self.tokens[:rows].copy_(sample_rows(logits, s["temperature"][:rows], s["top_k"][:rows],
                                                  s["top_p"][:rows], s["min_p"][:rows], self.noise[:rows],
-                                                 self.work, wide=wide))
+                                                 self.work, wide=wide, flashinfer=self.flashinfer))
 
     def compute_logprobs(self, logits: torch.Tensor, rows: int) -> None:
         """The logprobs of ``rows`` rows of ``logits`` and of the tokens just sampled into

@@ -27,8 +27,11 @@ shared by every sampler graph; the rest is ``[rows, candidates]`` or smaller.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from graphrt.backends.torch.flashinfer_sampling import flashinfer_filtered
 from graphrt.core import defaults
 
 _DIGITS = 1 << defaults.SAMPLER_RADIX_BITS
@@ -120,18 +123,25 @@ def race(probs: torch.Tensor, tau: torch.Tensor, noise: torch.Tensor, scratch: t
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
                 min_p: torch.Tensor | None, noise: torch.Tensor, ws: Workspace, *,
-                candidates: int | None = None, wide: bool = False) -> torch.Tensor:
+                candidates: int | None = None, wide: bool = False, flashinfer: Any = None) -> torch.Tensor:
     """One token per row of ``logits`` ``[R, V]`` (int64), rows below the minimum temperature
     greedy (``argmax`` of the logits, as the greedy sampler); static shapes, nothing read on the
     host: capturable. ``ws`` holds at least ``R`` rows; ``candidates`` defaults to
-    ``defaults.SAMPLER_TOP_K_CANDIDATES``."""
+    ``defaults.SAMPLER_TOP_K_CANDIDATES``. With ``flashinfer`` (its ``sampling`` module) the top-k
+    and top-p filters are FlashInfer's kernels (:mod:`~graphrt.backends.torch.flashinfer_sampling`)."""
     rows = logits.shape[0]
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     probs = scaled_probs(logits, temperature, ws.probs[:rows])
-    cands = defaults.SAMPLER_TOP_K_CANDIDATES if candidates is None else candidates
-    tau = filter_threshold(probs, top_k, top_p, min_p, ws, cands, wide)
-    sampled = race(probs, tau, noise, ws.scratch[:rows])
+    if flashinfer is not None:
+        weights = flashinfer_filtered(flashinfer, probs, top_k, top_p, min_p, ws.scratch[:rows])
+        scratch = ws.scratch[:rows]
+        torch.div(weights, noise.clamp_(min=defaults.SAMPLER_MIN_NOISE), out=scratch)
+        sampled = scratch.argmax(dim=-1)
+    else:
+        cands = defaults.SAMPLER_TOP_K_CANDIDATES if candidates is None else candidates
+        tau = filter_threshold(probs, top_k, top_p, min_p, ws, cands, wide)
+        sampled = race(probs, tau, noise, ws.scratch[:rows])
     return torch.where(temperature < defaults.SAMPLER_MIN_TEMPERATURE, greedy, sampled)
 
 

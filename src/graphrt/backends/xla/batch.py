@@ -18,7 +18,7 @@ import numpy as np
 #: Forward input fields, in the order they travel (all int32).
 BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
 #: Sampler input fields of non-greedy steps.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "min_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +52,9 @@ class SamplingMetadata:
     temperature: Any  # float32 [R]; below the minimum temperature = greedy
     top_k: Any        # int32 [R]; the vocabulary size where disabled
     top_p: Any        # float32 [R]; 1.0 where disabled
-    min_p: Any        # float32 [R]; 0.0 where disabled
     seeds: Any        # uint32 [R, 2]
     steps: Any        # uint32 [R]
+    min_p: Any = None  # float32 [R]; 0.0 where disabled (None: no row has a min-p filter)
 
 
 jax.tree_util.register_dataclass(XlaBatch, data_fields=list(BATCH_FIELDS),
@@ -79,9 +79,9 @@ def sampling_spec(num_reqs: int) -> SamplingMetadata:
     return SamplingMetadata(temperature=jax.ShapeDtypeStruct((num_reqs,), f32),
                             top_k=jax.ShapeDtypeStruct((num_reqs,), i32),
                             top_p=jax.ShapeDtypeStruct((num_reqs,), f32),
-                            min_p=jax.ShapeDtypeStruct((num_reqs,), f32),
                             seeds=jax.ShapeDtypeStruct((num_reqs, 2), u32),
-                            steps=jax.ShapeDtypeStruct((num_reqs,), u32))
+                            steps=jax.ShapeDtypeStruct((num_reqs,), u32),
+                            min_p=jax.ShapeDtypeStruct((num_reqs,), f32))
 
 
 def _path_name(path: tuple[Any, ...]) -> str:

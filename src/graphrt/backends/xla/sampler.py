@@ -65,7 +65,8 @@ def filter_threshold(probs: jax.Array, meta: SamplingMetadata, candidates: int, 
     if wide and c < vocab:
         kth = bisect_threshold(probs, k.astype(jnp.float32), count=True)
         tau = jnp.where((k > c) & (k < vocab), kth, tau)
-    tau = jnp.maximum(tau, meta.min_p)
+    if meta.min_p is not None:
+        tau = jnp.maximum(tau, meta.min_p)
     mass = jnp.sum(jnp.where(probs >= tau[:, None], probs, 0.0), axis=-1)
     nucleus = bisect_threshold(probs, meta.top_p * mass, count=False)
     return jnp.where(meta.top_p < 1.0, jnp.maximum(tau, nucleus), tau)
