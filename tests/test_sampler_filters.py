@@ -192,3 +192,37 @@ def test_the_captured_sampler_replays_what_the_eager_one_draws():
         assert torch.equal(replayed, old), f"step {seed}: not the sort-based sampler's tokens"
     assert graph.captured_bytes < rows * vocab * 4, "the graph holds no [rows, vocab] buffer of its own"
 
+
+
+# ---- through a runner -----------------------------------------------------------------------
+
+def test_the_runner_reports_sampler_memory_and_runs_a_wide_top_k_eagerly(monkeypatch):
+    """The warm-up report splits forward from sampler bytes (and the shared buffers); a batch
+    with a top_k past the candidates runs the wide sampler, not captured: eagerly, cause miss,
+    and only top-k tokens come out."""
+    from graphrt import ModelRunner
+    from graphrt.core import defaults
+    from graphrt.core.eager import EagerCause
+    from hf_models import tiny_hf_model_dir
+
+    monkeypatch.setattr(defaults, "SAMPLER_TOP_K_CANDIDATES", 8)
+    runner = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="cpu", max_num_seqs=4, max_num_batched_tokens=16,
+                         max_model_len=32, block_size=4, num_kv_blocks=33, cudagraph_capture_sizes=[4, 16],
+                         mode="FULL", progress=False)
+    gm = runner.graph_memory
+    assert 0 < gm.sampler < gm.actual and gm.sampler_buffers == runner.executor.sampler.buffer_bytes > 0
+    assert "sampler" in gm.summary() and "shared buffers" in gm.summary()
+    vocab = runner.vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, (4, 32)).astype(np.int32)
+    blocks = np.arange(1, 33, dtype=np.int32).reshape(4, 8)
+    k = 20
+    batch = SamplingBatch(np.full(4, 1.5, np.float32), np.full(4, k), np.ones(4, np.float32), [None] * 4,
+                          [1, 2, 3, 4])
+    out = runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(4, dtype=np.int32),
+                         num_computed_tokens=np.zeros(4, np.int32), num_scheduled_tokens=np.full(4, 3, np.int32),
+                         sampling=batch)
+    logits = runner.executor.logits(4)
+    for i in range(4):
+        assert logits[i, out[i]] >= np.sort(logits[i])[::-1][k - 1], f"row {i}: outside the top {k}"
+    stats = runner.sampler_stats
+    assert stats.eager_by_cause[EagerCause.MISS].steps == 1 and stats.eager_steps == 1
