@@ -16,6 +16,8 @@ at construction, before any device work.
   in the prompt or the output has its logit divided by the repetition penalty (multiplied where
   the logit is not positive); the output's tokens lose ``frequency_penalty`` per occurrence and
   ``presence_penalty`` once. A batch with penalties needs ``prompt_lens`` (integers ``>= 0``).
+  (The rules of these optional columns live in :mod:`graphrt.core.sampling_columns`, the
+  :class:`~graphrt.core.sampling_rule.Rule` class in :mod:`graphrt.core.sampling_rule`.)
 * ``seed``: None (the device RNG) or an integer in ``[0, SAMPLING_SEED_LIMIT)`` (64 bits).
 * ``max_tokens``: an integer ``>= 1``; ``ignore_eos``: a bool (``SamplingParams`` only).
 * ``logprobs`` (and ``SamplingParams.prompt_logprobs``): None (none) or an integer ``>= 0``, how
@@ -35,95 +37,21 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from graphrt.core import defaults
 from graphrt.core.errors import InputError
+from graphrt.core.sampling_columns import (FREQUENCY_PENALTY, MIN_P, PENALTY_RULES, PRESENCE_PENALTY, PROMPT_LENS,
+                                           REPETITION_PENALTY, filter_columns)
+from graphrt.core.sampling_rule import Rule, check_rows as _rows, is_integer as _is_integer
 
 #: ``top_k`` that disables the top-k filter.
 TOP_K_DISABLED = -1
 
 _INF = float("inf")
-_INT64 = np.iinfo(np.int64)
 _SEED = f"None or an integer in [0, 2**{defaults.SAMPLING_SEED_LIMIT.bit_length() - 1})"
-
-
-def _is_integer(value: Any) -> bool:
-    """A Python or numpy integer that is not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _plain(value: Any) -> Any:
-    """A numpy scalar as the Python value it holds (for messages)."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _reject(name: str, rule: str, shown: Any, ok: Any) -> NoReturn:
-    """Raise for the first value of ``shown`` where ``ok`` is False (a scalar: for itself)."""
-    shown = np.asarray(shown)
-    if shown.ndim == 0:
-        raise InputError(name, f"must be {rule}, got {_plain(shown[()])!r}")
-    row = int(np.flatnonzero(~np.asarray(ok, bool))[0])
-    raise InputError(f"{name}[{row}]", f"must be {rule}, got {_plain(shown[row])!r}")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One numeric field's rule: the values it accepts, as an exact per-value test
-    (``rows_ok``) and as a test on a column's (min, max) that implies every value passes
-    (``bounds_ok``; the batch's fast path, which falls back on ``rows_ok`` when it fails)."""
-
-    field: str
-    noun: str                                          # "real number" or "integer"
-    kinds: str                                         # numpy dtype kinds accepted
-    dtype: type                                        # stored as (float32 / int64)
-    text: str                                          # the range, for messages
-    rows_ok: Callable[[np.ndarray], np.ndarray]
-    bounds_ok: Callable[[float, float], bool]
-
-    def array(self, value: Any, ndim: int = 0, name: str | None = None) -> np.ndarray:
-        """``value`` as an ``ndim``-D array of an accepted kind, floats as float32 (values
-        beyond float32 become inf), integers not yet converted; the type is checked, not
-        the range. Bools, strings, objects and ragged nesting raise."""
-        if type(value) is np.ndarray and value.dtype == self.dtype and value.ndim == ndim:
-            return value   # the hot path: a batch column already of its dtype
-        name = name or self.field
-        try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError):
-            raise InputError(name, f"must be a {self.noun}{'' if ndim == 0 else ' per request'}, "
-                                   f"got {value!r}") from None
-        if arr.ndim != ndim:
-            raise InputError(name, f"must be a {self.noun}, got {value!r}" if ndim == 0 else
-                             f"must be 1-D (one value per request), got shape {arr.shape}")
-        if arr.dtype.kind == "O" and arr.size and all(_is_integer(v) for v in arr.flat):
-            # Python ints beyond int64: real numbers (inf in float32), or out of range.
-            fits = np.reshape([_INT64.min <= v <= _INT64.max for v in arr.flat], arr.shape)
-            if self.dtype is np.float32:
-                arr = np.reshape([float(v) if f else _INF * v for v, f in zip(arr.flat, fits.flat)], arr.shape)
-            elif fits.all():
-                arr = arr.astype(np.int64)
-            else:
-                _reject(name, self.text, value if ndim == 0 else arr, fits)
-        if arr.dtype.kind not in self.kinds:
-            if ndim == 0:
-                raise InputError(name, f"must be a {self.noun}, got {value!r}")
-            raise InputError(name, f"must hold {self.noun}s, got an array of {arr.dtype}")
-        if self.dtype is np.float32 and arr.dtype != np.float32:
-            with np.errstate(over="ignore"):
-                arr = arr.astype(np.float32)
-        return arr
-
-    def check(self, value: Any, ndim: int = 0, name: str | None = None) -> np.ndarray:
-        """``value`` checked value by value and stored as this rule's dtype."""
-        arr = self.array(value, ndim, name)
-        if arr.size:
-            ok = self.rows_ok(arr)
-            if not ok.all():
-                _reject(name or self.field, self.text, value if ndim == 0 else arr, ok)
-        return arr if arr.dtype == self.dtype else arr.astype(self.dtype)
 
 
 TEMPERATURE = Rule("temperature", "real number", "fiu", np.float32, "finite in float32 and >= 0 (0: greedy)",
@@ -135,25 +63,6 @@ TOP_P = Rule("top_p", "real number", "fiu", np.float32, "in (0, 1] (1: no top-p 
 TOP_K = Rule("top_k", "integer", "iu", np.int64, f"-1 (disabled) or in [1, {defaults.SAMPLING_MAX_TOP_K}]",
              rows_ok=lambda k: ((k >= 1) & (k <= defaults.SAMPLING_MAX_TOP_K)) | (k == TOP_K_DISABLED),
              bounds_ok=lambda lo, hi: lo >= 1 and hi <= defaults.SAMPLING_MAX_TOP_K)
-
-MIN_P = Rule("min_p", "real number", "fiu", np.float32, "in [0, 1] (0: no min-p filter)",
-             rows_ok=lambda p: (p >= 0.0) & (p <= 1.0),
-             bounds_ok=lambda lo, hi: lo >= 0.0 and hi <= 1.0)
-REPETITION_PENALTY = Rule("repetition_penalty", "real number", "fiu", np.float32,
-                          "finite in float32 and > 0 (1: no repetition penalty)",
-                          rows_ok=lambda r: (r > 0.0) & (r < _INF),
-                          bounds_ok=lambda lo, hi: lo > 0.0 and hi < _INF)
-_PENALTY = defaults.SAMPLING_PENALTY_LIMIT
-PRESENCE_PENALTY, FREQUENCY_PENALTY = (
-    Rule(name, "real number", "fiu", np.float32, f"in [-{_PENALTY:g}, {_PENALTY:g}] (0: none)",
-         rows_ok=lambda v: (v >= -_PENALTY) & (v <= _PENALTY),
-         bounds_ok=lambda lo, hi: lo >= -_PENALTY and hi <= _PENALTY)
-    for name in ("presence_penalty", "frequency_penalty"))
-PROMPT_LENS = Rule("prompt_lens", "integer", "iu", np.int64, ">= 0", rows_ok=lambda n: n >= 0,
-                   bounds_ok=lambda lo, hi: lo >= 0)
-#: (rule, the value that turns it off) of each penalty column, in ``SamplingBatch.penalties`` order.
-PENALTY_RULES = ((REPETITION_PENALTY, 1.0), (PRESENCE_PENALTY, 0.0), (FREQUENCY_PENALTY, 0.0))
-
 
 def seed(value: Any, name: str = "seed") -> int | None:
     """``value`` as a Python int in [0, SAMPLING_SEED_LIMIT), or None."""
@@ -199,16 +108,6 @@ def flag(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InputError(name, f"must be a bool, got {value!r}")
     return bool(value)
-
-
-def _rows(values: Any, name: str, n: int) -> None:
-    """``values`` holds one entry per request."""
-    try:
-        got = len(values)
-    except TypeError:
-        raise InputError(name, f"must be a sequence, one entry per request, got {values!r}") from None
-    if got != n:
-        raise InputError(name, f"{got} rows, but temperature has {n}")
 
 
 def _seeds(seeds: list, request_ids: Sequence[Any]) -> None:
@@ -321,7 +220,7 @@ class SamplingBatch:
         setattr_ = object.__setattr__   # frozen: each field is set once, here
         if min_p is not None or repetition_penalty is not None or presence_penalty is not None \
                 or frequency_penalty is not None or prompt_lens is not None:
-            extra = _filter_columns(n, min_p, (repetition_penalty, presence_penalty, frequency_penalty), prompt_lens)
+            extra = filter_columns(n, min_p, (repetition_penalty, presence_penalty, frequency_penalty), prompt_lens)
             setattr_(self, "min_p", extra[0])
             setattr_(self, "penalties", extra[1])
             setattr_(self, "prompt_lens", extra[2])
@@ -347,34 +246,6 @@ class SamplingBatch:
     def penalized(self) -> bool:
         """Whether some row has a repetition, presence or frequency penalty."""
         return self.penalties is not None
-
-
-def _column(rule: Rule, values: Any, n: int) -> np.ndarray:
-    """One optional column, one checked value per request."""
-    arr = rule.check(values, ndim=1)
-    _rows(arr, rule.field, n)
-    return arr
-
-
-def _filter_columns(n: int, min_p: Any, penalties: tuple, prompt_lens: Any) -> tuple:
-    """A batch's optional columns, checked: min_p (None when every row is 0), the penalty
-    columns (None when every row is neutral; a column not given is neutral) and prompt_lens
-    (required with penalties)."""
-    mp = None if min_p is None else _column(MIN_P, min_p, n)
-    if mp is not None and not mp.any():
-        mp = None
-    cols = None
-    if any(v is not None for v in penalties):
-        cols = tuple(np.full(n, off, np.float32) if v is None else _column(rule, v, n)
-                     for (rule, off), v in zip(PENALTY_RULES, penalties))
-        if all((c == off).all() for c, (_, off) in zip(cols, PENALTY_RULES)):
-            cols = None
-    lens = None if prompt_lens is None else _column(PROMPT_LENS, prompt_lens, n)
-    if cols is not None and lens is None:
-        raise InputError("prompt_lens", "one prompt length per request is needed when a row has a "
-                                        "penalty: the repetition penalty counts prompt and generated "
-                                        "tokens, presence / frequency penalties generated ones only")
-    return mp, cols, lens
 
 
 def _logprob_rows(values: Sequence[Any] | None, n: int) -> tuple[np.ndarray | None, int | None]:
@@ -425,15 +296,20 @@ def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size
         columns = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
     wanted = [getattr(p, "logprobs", None) for p in params]
     extra: dict[str, Any] = {}
-    min_p = [getattr(p, "min_p", 0.0) for p in params]
-    if any(min_p):
-        extra["min_p"] = min_p
-    for (rule, off) in PENALTY_RULES:
-        column = [getattr(p, rule.field, off) for p in params]
-        if any(v != off for v in column):
-            extra[rule.field] = column
-    if prompt_lens is not None and len(extra) > ("min_p" in extra):
-        extra["prompt_lens"] = prompt_lens
+    try:
+        extras = True in [p.has_extras for p in params]       # one pass; the columns only if needed
+    except AttributeError:                                    # not SamplingParams: look at every column
+        extras = True
+    if extras:
+        min_p = [getattr(p, "min_p", 0.0) for p in params]
+        if any(min_p):
+            extra["min_p"] = min_p
+        for (rule, off) in PENALTY_RULES:
+            column = [getattr(p, rule.field, off) for p in params]
+            if any(v != off for v in column):
+                extra[rule.field] = column
+        if prompt_lens is not None and len(extra) > ("min_p" in extra):
+            extra["prompt_lens"] = prompt_lens
     return SamplingBatch(*columns, [p.seed for p in params], list(request_ids),
                          wanted if any(w is not None for w in wanted) else None, **extra)
 

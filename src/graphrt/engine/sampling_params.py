@@ -55,6 +55,8 @@ class SamplingParams:
                       "prompt_logprobs": rules.logprobs(self.prompt_logprobs, "prompt_logprobs")}
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
+        #: Whether min-p or a penalty is set (not a field: a step's batch checks it in one pass).
+        object.__setattr__(self, "has_extras", self.min_p != 0.0 or self.penalized)
 
     @property
     def greedy(self) -> bool:
