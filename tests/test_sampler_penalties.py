@@ -273,3 +273,11 @@ def test_xla_refuses_penalties_before_touching_the_kv_cache():
                        sampling=batch)
     assert err.value.field == "repetition_penalty"
     assert np.asarray(runner.executor.kv_cache).tobytes() == before
+
+
+def test_xla_refuses_enable_penalties_at_construction():
+    pytest.importorskip("jax")
+    with pytest.raises(graphrt.ConfigError, match="enable_penalties"):
+        ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="xla", max_num_seqs=2, max_num_batched_tokens=8,
+                    max_model_len=16, block_size=4, num_kv_blocks=9, enable_penalties=True, progress=False,
+                    warmup=False)

@@ -79,6 +79,9 @@ class XlaExecutor(Executor[XlaEntry]):
         #: The model's declared extra inputs and their staging buffers (the runner writes them).
         self.extra_inputs = programs.extra_inputs
         self.extra_buffers = xla_extra.staging_buffers(self.extra_inputs, max_t, max_r)
+        if config.enable_penalties:
+            raise ConfigError("enable_penalties: the xla backend has no penalised sampler (repetition / presence / "
+                              "frequency penalties run on the torch backends)")
         if programs.max_reqs < max_r:
             raise ConfigError(f"the xla programs pad sampled tokens to {programs.max_reqs} rows; the "
                               f"config's largest batch is {max_r} (build XlaPrograms with max_reqs={max_r})")
