@@ -59,3 +59,28 @@ def test_xla_bisection_finds_the_exact_kth_largest(probs, data):
     k = data.draw(hnp.arrays(np.int64, (rows,), elements=st.integers(1, vocab)))
     got = np.asarray(bisect_threshold(jnp.asarray(probs), jnp.asarray(k, jnp.float32), count=True))
     np.testing.assert_array_equal(got, np.sort(probs, axis=1)[:, ::-1][np.arange(rows), k - 1])
+
+
+def test_an_xla_runner_compiles_the_wide_sampler_on_first_use(monkeypatch):
+    """A batch with a top_k past the candidates gets the wide program (compiled when first
+    asked: XLA has no eager path) and only top-k tokens."""
+    from graphrt import ModelRunner
+    from graphrt.core import defaults
+    from graphrt.core.sampling import SamplingBatch
+    from hf_models import tiny_hf_model_dir
+
+    monkeypatch.setattr(defaults, "SAMPLER_TOP_K_CANDIDATES", 8)
+    runner = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="xla", max_num_seqs=4, max_num_batched_tokens=16,
+                         max_model_len=32, block_size=4, num_kv_blocks=33, precompile_token_paddings=[16],
+                         precompile_bs_paddings=[4], progress=False)
+    assert not any(k.wide_top_k for k in runner.sampler_cache)
+    k = 20
+    batch = SamplingBatch(np.full(4, 1.5, np.float32), np.full(4, k), np.ones(4, np.float32), [None] * 4, [1, 2, 3, 4])
+    tokens = np.random.default_rng(0).integers(0, runner.vocab_size, (4, 32)).astype(np.int32)
+    out = runner.execute(token_ids=tokens, block_table=np.arange(1, 33, dtype=np.int32).reshape(4, 8),
+                         req_rows=np.arange(4, dtype=np.int32), num_computed_tokens=np.zeros(4, np.int32),
+                         num_scheduled_tokens=np.full(4, 3, np.int32), sampling=batch)
+    logits = runner.executor.logits(4)
+    for i in range(4):
+        assert logits[i, out[i]] >= np.sort(logits[i])[::-1][k - 1], f"row {i}: outside the top {k}"
+    assert any(key.wide_top_k for key in runner.sampler_cache), "the wide sampler was compiled and used"
