@@ -170,6 +170,11 @@ class GraphConfig(BaseModel):
     max_logprobs: Count = Field(defaults.DEFAULT_MAX_LOGPROBS, ge=0,
                               description="most top logprobs a request may ask for (vLLM's max_logprobs); the "
                                           "logprobs graphs compute this many per row; 0: logprobs off")
+    enable_penalties: bool = Field(
+        False, strict=True, description="build the penalised sampler graphs (repetition / presence / frequency "
+                                        "penalties) at warm-up and keep their token counts from the start; off, a "
+                                        "batch with penalties still samples (eagerly on torch backends, its "
+                                        "counts made on first use)")
     tensor_parallel_size: Count = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
         description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "

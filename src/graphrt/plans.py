@@ -51,7 +51,8 @@ class StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    #: all_greedy -> (key, entry or None, eager reason); :data:`LOGPROBS` -> the logprobs graph's
+    #: all_greedy -> (key, entry or None, eager reason); :data:`LOGPROBS` -> the logprobs graph's;
+    #: a random variant's :attr:`SamplerKey.kind` -> its own, once a step used it (:func:`plan_sampler`)
     sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]]
     version: int                     # cache.version + sampler_cache.version when planned
     eager_cause: EagerCause | None = None
@@ -80,15 +81,38 @@ def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, s
             mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
     padded_reqs = key.num_reqs if key.num_reqs is not None else r
     sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]] = {}
-    for kind, sampler_key in ((True, SamplerKey(padded_reqs, True)), (False, SamplerKey(padded_reqs, False)),
-                              (LOGPROBS, logprobs_key(padded_reqs))):
-        sampler_entry = sampler_cache.lookup(sampler_key)
-        if isinstance(sampler_entry, FailedBuild):
-            sampler[kind] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
-        else:
-            sampler[kind] = (sampler_key, sampler_entry, None)
+    for sampler_key in (SamplerKey(padded_reqs, True), SamplerKey(padded_reqs, False), logprobs_key(padded_reqs)):
+        sampler[_kind(sampler_key)] = _sampler_lookup(sampler_cache, sampler_key)
     return StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
                     cache.version + sampler_cache.version, eager_cause)
 
 
-__all__ = ["BuildMissing", "LOGPROBS", "StepInfo", "StepPlan", "plan_step"]
+def _kind(key: SamplerKey) -> bool | str:
+    """The key of ``key``'s entry in :attr:`StepPlan.sampler`."""
+    if key.logprobs:
+        return LOGPROBS
+    return key.greedy if key.kind in ("greedy", "random") else key.kind
+
+
+def _sampler_lookup(sampler_cache: GraphCache, key: SamplerKey) -> tuple[SamplerKey, Any, str | None]:
+    """(key, entry or None, eager reason) of a sampler key."""
+    entry = sampler_cache.lookup(key)
+    if isinstance(entry, FailedBuild):
+        return key, None, f"sampler capture failed: {entry.reason}"
+    if entry is None and key.kind not in ("greedy", "random", "logprobs"):
+        return key, None, f"the {key.kind} sampler is not built at warm-up"
+    return key, entry, None
+
+
+def plan_sampler(plan: StepPlan, key: SamplerKey, sampler_cache: GraphCache) -> tuple[bool | str, tuple]:
+    """``(kind, (key, entry or None, eager reason))`` of the sampler ``key`` (from
+    :func:`~graphrt.core.dispatch.sampler_key`) in ``plan``, looked up on first use for the
+    variants a plan does not list ahead (wide top-k, penalties)."""
+    kind = _kind(key)
+    got = plan.sampler.get(kind)
+    if got is None:
+        got = plan.sampler[kind] = _sampler_lookup(sampler_cache, key)
+    return kind, got
+
+
+__all__ = ["BuildMissing", "LOGPROBS", "StepInfo", "StepPlan", "plan_step", "plan_sampler"]

@@ -22,7 +22,7 @@ from graphrt.backends.base import Backend, Executor, SamplingBatch
 from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
 from graphrt.backends.preflight import check_before_loading, check_memory
 from graphrt.config import GraphConfig, check_flags
-from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode, SamplerKey, resolve_mode
+from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode, SamplerKey, resolve_mode, sampler_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
@@ -34,7 +34,7 @@ from graphrt.core.fields import ModelInputs
 from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
-from graphrt.plans import StepInfo, StepPlan, plan_step
+from graphrt.plans import StepInfo, StepPlan, plan_sampler, plan_step
 from graphrt.registry import select_backend
 from graphrt.step_outputs import StepOutput, StepOutputs
 from graphrt.warmup import build_every_key, warmup_keys
@@ -124,7 +124,8 @@ class ModelRunner:
     # ---- setup ---------------------------------------------------------------------
     def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
         """Every key warm-up builds, largest first (:func:`graphrt.warmup.warmup_keys`)."""
-        return warmup_keys(self.dispatcher, logprobs=self.config.max_logprobs > 0)
+        return warmup_keys(self.dispatcher, logprobs=self.config.max_logprobs > 0,
+                           penalties=self.config.enable_penalties)
 
     def warmup(self) -> list[dict[str, Any]]:
         """Capture / compile every key the dispatcher can return, largest first, then seal.
@@ -145,11 +146,11 @@ class ModelRunner:
                                 strict=self.config.strict, progress=self.progress, label=self.backend.name)
         self.warmup_report = self.cache.report() + self.sampler_cache.report()
         failed = self.cache.stats.failed_builds + self.sampler_cache.stats.failed_builds
-        logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %.1f MiB%s",
-                    self.backend.name, len(self.cache), len(self.sampler_cache), total,
-                    (self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes) / 2**20,
+        self.graph_memory.built(self.cache.stats.build_bytes, self.sampler_cache.stats.build_bytes,
+                                self.executor.sampler_buffer_bytes)
+        logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %s%s",
+                    self.backend.name, len(self.cache), len(self.sampler_cache), total, self.graph_memory.split(),
                     f"; {failed} failed and run eagerly" if failed else "")
-        self.graph_memory.actual = self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes
         logger.info("graphrt: %s", self.graph_memory.summary())
         return self.warmup_report
 
@@ -248,14 +249,17 @@ class ModelRunner:
         future = (None if future_rows is None else
                   self._futures.apply(future_rows, self._sampled, padded.input_ids, padded.query_start_loc))
         self._sampled = None        # until this step's tokens are: a failed step has none
-        sampled = sampling is not None
-        logits = self._run(plan, padded, t, r, future, sampled=sampled, greedy=sampled and sampling.all_greedy)
+        skey = None if sampling is None else sampler_key(sampling, plan.padded_reqs, self.vocab_size)
+        if skey is not None and skey.penalties:          # token counts planned before anything runs
+            self.executor.prepare_penalties(sampling, token_ids, req_rows, num_computed_tokens,
+                                            num_scheduled_tokens, plan.padded_reqs)
+        logits = self._run(plan, padded, t, r, future, sampler=skey)
         out = None
         if logprobs:
             out, self._sampled = self._outputs.finish(plan, padded, logits, sampling, wait, prompt_logprobs,
                                                       (token_ids, req_rows, num_computed_tokens, num_scheduled_tokens))
-        elif sampled:
-            entry = plan.sampler[sampling.all_greedy][1]
+        elif skey is not None:
+            entry = plan_sampler(plan, skey, self.sampler_cache)[1][1]
             if wait or not self.executor.async_execution:
                 out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry)
             else:
@@ -266,7 +270,7 @@ class ModelRunner:
         return out
 
     def _run(self, plan: StepPlan, padded: ModelInputs, real_tokens: int, real_reqs: int,
-             future: Any = None, *, sampled: bool = False, greedy: bool = False) -> Any:
+             future: Any = None, *, sampler: SamplerKey | None = None) -> Any:
         """Count the step in the statistics, then run ``plan`` on the written ``padded`` step
         (every step, real or a data-parallel dummy, goes through here). Statistics are counted
         before the forward: it evicts the host's caches (on a CPU device), and the runner's
@@ -274,14 +278,15 @@ class ModelRunner:
         self.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
                                padded_reqs=plan.padded_reqs, eager_reason=plan.eager_reason,
                                eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
-        if sampled and plan.mode is RuntimeMode.FULL:
-            sampler_key, entry, eager = plan.sampler[greedy]
+        if sampler is not None and plan.mode is RuntimeMode.FULL:
+            kind, (sampler_key, entry, eager) = plan_sampler(plan, sampler, self.sampler_cache)
             if entry is None and not self.executor.eager_fallback:     # no eager sampler: build it now
                 entry = self._build_missing(self.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
-                plan.sampler[greedy] = (sampler_key, entry, None)
+                plan.sampler[kind] = (sampler_key, entry, None)
+            cause = EagerCause.MISS if sampler_key.kind not in ("greedy", "random") else EagerCause.CAPTURE_FAILED
             self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
                                            padded_reqs=plan.padded_reqs, eager_reason=eager,
-                                           eager_cause=EagerCause.CAPTURE_FAILED, key=sampler_key,
+                                           eager_cause=cause, key=sampler_key,
                                            hit=entry is not None)
         if future is not None:
             return self.executor.run(plan.mode, plan.key, plan.entry, padded, future=future)

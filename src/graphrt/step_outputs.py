@@ -23,14 +23,14 @@ import numpy as np
 
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.core.cache import GraphCache
-from graphrt.core.dispatch import RuntimeMode
+from graphrt.core.dispatch import RuntimeMode, sampler_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import InputError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.logprobs import StepOutput, TokenLogprobs
 from graphrt.core.sampling import check_logprobs_limit, logprobs as logprobs_count
-from graphrt.plans import LOGPROBS, StepPlan
+from graphrt.plans import LOGPROBS, StepPlan, plan_sampler
 
 
 class StepOutputs:
@@ -110,7 +110,7 @@ class StepOutputs:
         the sampler's output for future tokens)``. The result is a :class:`StepOutput`, or with
         ``wait=False`` on an asynchronous executor a :class:`PendingTokens` of it."""
         ex, r = self.executor, num_reqs
-        entry = plan.sampler[sampling.all_greedy][1]
+        entry = plan_sampler(plan, sampler_key(sampling, plan.padded_reqs, ex.vocab_size), self.sampler_cache)[1][1]
         on_device = ex.async_execution
         sampled = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry, wait=not on_device)
         handle = None

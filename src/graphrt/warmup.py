@@ -11,6 +11,7 @@ backend with no eager path (XLA), it raises :class:`~graphrt.core.errors.GraphCa
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -28,14 +29,16 @@ logger = logging.getLogger(__name__)
 Job = tuple[RuntimeMode, BatchDescriptor | SamplerKey]
 
 
-def warmup_keys(dispatcher: Dispatcher, logprobs: bool = False) -> list[Job]:
+def warmup_keys(dispatcher: Dispatcher, logprobs: bool = False, penalties: bool = False) -> list[Job]:
     """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
-    sampler for each request count a FULL key can have, and with ``logprobs`` (``max_logprobs >
-    0``) the logprobs graph of that count."""
+    sampler for each request count a FULL key can have, with ``logprobs`` (``max_logprobs >
+    0``) the logprobs graph of that count, and with ``penalties`` (``enable_penalties``) the
+    penalised sampler's."""
     keys = dispatcher.keys()
     sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
-    kinds = [(True, False), (False, False)] + ([(False, True)] if logprobs else [])   # (greedy, logprobs)
-    return list(keys) + [(RuntimeMode.FULL, SamplerKey(r, greedy, lp)) for r in sampler_reqs for greedy, lp in kinds]
+    kinds = ([SamplerKey(0, True), SamplerKey(0, False)] + ([SamplerKey(0, False, True)] if logprobs else [])
+             + ([SamplerKey(0, False, penalties=True)] if penalties else []))
+    return list(keys) + [(RuntimeMode.FULL, dataclasses.replace(kind, num_reqs=r)) for r in sampler_reqs for kind in kinds]
 
 
 def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, sampler_cache: GraphCache, *,

@@ -19,7 +19,7 @@ from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode,
                                    SamplerKey)
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import GraphrtError, InputError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.memory_bounds import ModelShape
 from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
@@ -94,6 +94,9 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: caching allocator), so that an entry built after a larger one adds only what it keeps;
     #: the graph-memory estimate does not draw a line through such entries' bytes.
     graphs_share_memory: bool = False
+    #: Bytes of buffers the sampler entries share, allocated with the executor outside every
+    #: entry (the torch sampler's noise and workspace); the warm-up report shows them.
+    sampler_buffer_bytes: int = 0
 
     #: The model the executor runs (rank 0's shard under tensor parallelism).
     model: Any
@@ -203,6 +206,13 @@ class Executor(abc.ABC, Generic[EntryT]):
         had consumed the donated cache) and return True; every request's KV is then gone.
         Default: a failed step cannot lose the cache (it is written in place)."""
         return False
+
+    def prepare_penalties(self, sampling: SamplingBatch, token_ids: np.ndarray, req_rows: np.ndarray,
+                          num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray, rows: int) -> None:
+        """Before a step whose batch has penalties runs: plan its token counts (the runner's
+        checked arrays; ``rows`` padded sampler rows). Backends without penalties refuse it."""
+        raise InputError("repetition_penalty", f"{type(self).__name__} has no penalised sampler: repetition, "
+                                               "presence and frequency penalties run on the torch backends")
 
     def describe_build_failure(self, exc: BaseException) -> str:
         """Why :meth:`build` failed and what to change, for the eager-fallback warning."""

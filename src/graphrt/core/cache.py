@@ -32,8 +32,7 @@ class FailedBuild:
 def describe_key(key: Hashable) -> str:
     """A readable key: ``FULL (decode, tokens=8, reqs=8)``, ``sampler (reqs=8, greedy)``."""
     if isinstance(key, SamplerKey):
-        kind = "logprobs" if key.logprobs else "greedy" if key.greedy else "random"
-        return f"sampler (reqs={key.num_reqs}, {kind})"
+        return f"sampler (reqs={key.num_reqs}, {key.kind})"
     if isinstance(key, tuple):
         return " ".join(describe_key(k) for k in key)
     if isinstance(key, enum.Enum):

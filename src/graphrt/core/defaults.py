@@ -109,6 +109,19 @@ SAMPLER_MIN_TEMPERATURE = 1e-5
 #: filter (its top_k is the vocabulary size). Its token is discarded.
 SAMPLER_PAD_TEMPERATURE = 0.0
 SAMPLER_PAD_TOP_P = 1.0
+#: The random sampler finds each row's top-k threshold among its ``SAMPLER_TOP_K_CANDIDATES``
+#: most likely tokens (``topk``, no sort of the vocabulary). A batch with a row whose top_k lies
+#: between this and the vocabulary runs the exact wide-top-k sampler instead (a counting
+#: threshold search; captured on demand, or eagerly where the backend can). 256: topk of 256
+#: of 151,936 costs about as much as one pass over the row on a CPU.
+SAMPLER_TOP_K_CANDIDATES = 256
+#: The sampler's threshold search (top-p, wide top-k) over a row's probabilities: float32 bits
+#: of values in [0, 1] fit in 30 bits, chosen ``SAMPLER_RADIX_BITS`` at a time (3 passes of a
+#: 1024-bucket histogram on torch backends).
+SAMPLER_RADIX_BITS = 10
+SAMPLER_PROB_BITS = 30
+#: Exponential noise is clamped to at least this before the race divides by it.
+SAMPLER_MIN_NOISE = 1e-10
 #: Seed of the XLA sampler's host generator that keys requests without their own seed
 #: (None: fresh entropy per executor, like the torch device RNG).
 XLA_SAMPLER_HOST_SEED: int | None = None
@@ -212,6 +225,8 @@ SAMPLING_MAX_TOP_K = 2**31 - 1
 #: ``max``) up to this many rows, with two numpy reductions above: each numpy call costs about
 #: 1 us whatever the size, the lists ~40 ns a value (measured on a 2-core x86 VM).
 SAMPLING_CHECK_LIST_ROWS = 16
+#: Penalty bounds (vLLM's): presence and frequency penalties in [-PENALTY_LIMIT, PENALTY_LIMIT].
+SAMPLING_PENALTY_LIMIT = 2.0
 #: Most top logprobs a request may ask for (``GraphConfig.max_logprobs``, vLLM's default 20): the
 #: logprobs graphs compute this many top entries per row; 0 turns logprobs off (no such graphs).
 DEFAULT_MAX_LOGPROBS = 20

@@ -11,7 +11,9 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
+from typing import Any
 
+from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
@@ -119,16 +121,42 @@ class SamplerKey:
 
     ``logprobs=True`` keys the logprobs graph of ``num_reqs`` rows instead (always with
     ``greedy=False``): run after either sampler, it reads the same logits rows and the tokens
-    just sampled (:func:`logprobs_key`)."""
+    just sampled (:func:`logprobs_key`). Two random samplers are not built at warm-up by default:
+    ``wide_top_k`` (a row's top_k past ``defaults.SAMPLER_TOP_K_CANDIDATES``: exact by counting)
+    and ``penalties`` (repetition / presence / frequency penalties, greedy rows included)."""
 
     num_reqs: int
     greedy: bool
     logprobs: bool = False
+    wide_top_k: bool = False
+    penalties: bool = False
+
+    @property
+    def kind(self) -> str:
+        """``greedy``, ``random``, ``logprobs``, or the random sampler's variant
+        (``random+wide-top-k``, ``random+penalties``, ``random+penalties+wide-top-k``)."""
+        if self.logprobs:
+            return "logprobs"
+        if self.greedy:
+            return "greedy"
+        return "random" + "+penalties" * self.penalties + "+wide-top-k" * self.wide_top_k
 
     def __str__(self) -> str:
-        if self.logprobs:
-            return f"(sample, reqs={self.num_reqs}, logprobs)"
-        return f"(sample, reqs={self.num_reqs}, {'greedy' if self.greedy else 'random'})"
+        return f"(sample, reqs={self.num_reqs}, {self.kind})"
+
+
+def sampler_key(sampling: Any, num_reqs: int, vocab_size: int, candidates: int | None = None) -> SamplerKey:
+    """The sampler a step's batch needs (a :class:`~graphrt.core.sampling.SamplingBatch`) at
+    ``num_reqs`` padded rows: the penalised one when a row has penalties, the greedy one when
+    every row is greedy, else the random one; wide where a random row's top_k lies between the
+    ``candidates`` (``defaults.SAMPLER_TOP_K_CANDIDATES``) and ``vocab_size``."""
+    ceiling = sampling.top_k_ceiling
+    wide = (defaults.SAMPLER_TOP_K_CANDIDATES if candidates is None else candidates) < ceiling < vocab_size
+    if sampling.penalties is not None:
+        return SamplerKey(num_reqs, False, wide_top_k=wide, penalties=True)
+    if sampling.all_greedy:
+        return SamplerKey(num_reqs, True)
+    return SamplerKey(num_reqs, False, wide_top_k=wide)
 
 
 def logprobs_key(num_reqs: int) -> SamplerKey:

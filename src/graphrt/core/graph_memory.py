@@ -4,8 +4,8 @@ bytes extrapolate to every key, and what is left for the KV cache.
 The rule (docs/backends.md, "Graph memory in the KV budget"):
 
 1. **Families.** Keys whose bytes grow along one size share a family: forward keys by
-   (runtime mode, uniform decode), sized by tokens; sampler keys by greedy / random / logprobs, sized by
-   request rows.
+   (runtime mode, uniform decode), sized by tokens; sampler keys by kind (greedy, random, logprobs,
+   penalised), sized by request rows.
 2. **Samples.** Per family, the largest, the smallest and the middle key (by size; at most
    ``defaults.GRAPH_MEMORY_SAMPLES_PER_FAMILY``; every key of a smaller family). They are
    captured in warm-up order (largest first, one pool, one span), so what one graph leaves
@@ -50,10 +50,10 @@ Job = tuple[RuntimeMode, Any]
 def family(job: Job) -> tuple[Hashable, int]:
     """(family, size) of a job: forward keys by (mode, uniform decode) -- and their LoRA
     adapter count when nonzero: a LoRA graph holds more than its size's graph without --
-    sized by tokens, sampler keys by greedy / random / logprobs sized by request rows."""
+    sized by tokens, sampler keys by kind (greedy / random / logprobs / penalised) sized by request rows."""
     mode, key = job
     if isinstance(key, SamplerKey):
-        return ("sampler", key.greedy, key.logprobs), key.num_reqs
+        return ("sampler", key.kind), key.num_reqs
     if isinstance(key, BatchDescriptor):
         if key.num_loras or key.max_seq_len is not None:    # more adapters, a longer context: more bytes
             return (mode, key.uniform_decode, key.num_loras, key.max_seq_len), key.num_tokens
@@ -150,6 +150,13 @@ class GraphMemory:
     kv_bytes: int | None = None        # what the KV cache got
     actual: int | None = None          # bytes of every entry built at warm-up (None: not yet)
     reason: str | None = None          # why nothing was deducted, where nothing was
+    sampler: int | None = None         # of ``actual``, the sampler entries' bytes
+    sampler_buffers: int = 0           # bytes of the buffers every sampler entry shares (noise, workspace)
+
+    def built(self, forward: int, sampler: int, sampler_buffers: int) -> None:
+        """Record what warm-up built: forward and sampler entries' bytes, and the sampler's
+        shared buffers (allocated with the executor, outside every entry)."""
+        self.actual, self.sampler, self.sampler_buffers = forward + sampler, sampler, sampler_buffers
 
     @property
     def deducted(self) -> int:
@@ -160,11 +167,24 @@ class GraphMemory:
         """Plain numbers, for logs, JSON and an engine's stats."""
         return {"estimate": self.estimate, "margin": self.margin, "actual": self.actual,
                 "num_keys": self.num_keys, "sampled": dict(self.sampled), "budget": self.budget,
-                "kv_bytes": self.kv_bytes, "reason": self.reason}
+                "kv_bytes": self.kv_bytes, "reason": self.reason, "sampler": self.sampler,
+                "sampler_buffers": self.sampler_buffers}
+
+    def split(self) -> str:
+        """Forward against sampler bytes, e.g. ``forward 75.40 MiB, sampler 4.60 MiB (+ 39.00 MiB
+        shared buffers)``; empty before warm-up."""
+        if self.actual is None or self.sampler is None:
+            return ""
+        mib = 2**20
+        return (f"forward {(self.actual - self.sampler) / mib:.2f} MiB, sampler {self.sampler / mib:.2f} MiB"
+                f" (+ {self.sampler_buffers / mib:.2f} MiB shared buffers)")
 
     def summary(self) -> str:
-        """One line: estimate (+ margin) against actual, or why nothing was estimated."""
+        """One line: estimate (+ margin) against actual (forward and sampler apart), or why
+        nothing was estimated."""
         actual = "not built yet" if self.actual is None else f"{self.actual / 2**20:.2f} MiB actual"
+        if self.split():
+            actual += f" ({self.split()})"
         if self.reason is not None:
             return f"graph memory: not deducted from the KV budget ({self.reason}); {actual}"
         ratio = "" if not self.actual else f", estimate / actual {self.estimate / self.actual:.2f}"

@@ -9,6 +9,15 @@ at construction, before any device work.
 * ``temperature``: a real number, finite as float32, ``>= 0`` (0: greedy).
 * ``top_p``: a real number in ``(0, 1]`` (1: no top-p filter); NaN is refused.
 * ``top_k``: an integer, ``-1`` (no top-k filter) or in ``[1, SAMPLING_MAX_TOP_K]``.
+* ``min_p``: a real number in ``[0, 1]`` (0: no min-p filter): keep tokens at least ``min_p``
+  times as likely as the most likely one (vLLM's meaning, after temperature).
+* ``repetition_penalty``: a real number, finite as float32, ``> 0`` (1: none); ``presence_penalty``
+  and ``frequency_penalty``: real numbers in ``[-2, 2]`` (0: none). vLLM's meanings: a token seen
+  in the prompt or the output has its logit divided by the repetition penalty (multiplied where
+  the logit is not positive); the output's tokens lose ``frequency_penalty`` per occurrence and
+  ``presence_penalty`` once. A batch with penalties needs ``prompt_lens`` (integers ``>= 0``).
+  (The rules of these optional columns live in :mod:`graphrt.core.sampling_columns`, the
+  :class:`~graphrt.core.sampling_rule.Rule` class in :mod:`graphrt.core.sampling_rule`.)
 * ``seed``: None (the device RNG) or an integer in ``[0, SAMPLING_SEED_LIMIT)`` (64 bits).
 * ``max_tokens``: an integer ``>= 1``; ``ignore_eos``: a bool (``SamplingParams`` only).
 * ``logprobs`` (and ``SamplingParams.prompt_logprobs``): None (none) or an integer ``>= 0``, how
@@ -26,96 +35,23 @@ values are looked at only when a bound fails, to name the bad row (or accept a -
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from graphrt.core import defaults
 from graphrt.core.errors import InputError
+from graphrt.core.sampling_columns import (FREQUENCY_PENALTY, MIN_P, PENALTY_RULES, PRESENCE_PENALTY, PROMPT_LENS,
+                                           REPETITION_PENALTY, filter_columns)
+from graphrt.core.sampling_rule import Rule, check_rows as _rows, is_integer as _is_integer
 
 #: ``top_k`` that disables the top-k filter.
 TOP_K_DISABLED = -1
 
 _INF = float("inf")
-_INT64 = np.iinfo(np.int64)
 _SEED = f"None or an integer in [0, 2**{defaults.SAMPLING_SEED_LIMIT.bit_length() - 1})"
-
-
-def _is_integer(value: Any) -> bool:
-    """A Python or numpy integer that is not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _plain(value: Any) -> Any:
-    """A numpy scalar as the Python value it holds (for messages)."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _reject(name: str, rule: str, shown: Any, ok: Any) -> NoReturn:
-    """Raise for the first value of ``shown`` where ``ok`` is False (a scalar: for itself)."""
-    shown = np.asarray(shown)
-    if shown.ndim == 0:
-        raise InputError(name, f"must be {rule}, got {_plain(shown[()])!r}")
-    row = int(np.flatnonzero(~np.asarray(ok, bool))[0])
-    raise InputError(f"{name}[{row}]", f"must be {rule}, got {_plain(shown[row])!r}")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One numeric field's rule: the values it accepts, as an exact per-value test
-    (``rows_ok``) and as a test on a column's (min, max) that implies every value passes
-    (``bounds_ok``; the batch's fast path, which falls back on ``rows_ok`` when it fails)."""
-
-    field: str
-    noun: str                                          # "real number" or "integer"
-    kinds: str                                         # numpy dtype kinds accepted
-    dtype: type                                        # stored as (float32 / int64)
-    text: str                                          # the range, for messages
-    rows_ok: Callable[[np.ndarray], np.ndarray]
-    bounds_ok: Callable[[float, float], bool]
-
-    def array(self, value: Any, ndim: int = 0, name: str | None = None) -> np.ndarray:
-        """``value`` as an ``ndim``-D array of an accepted kind, floats as float32 (values
-        beyond float32 become inf), integers not yet converted; the type is checked, not
-        the range. Bools, strings, objects and ragged nesting raise."""
-        if type(value) is np.ndarray and value.dtype == self.dtype and value.ndim == ndim:
-            return value   # the hot path: a batch column already of its dtype
-        name = name or self.field
-        try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError):
-            raise InputError(name, f"must be a {self.noun}{'' if ndim == 0 else ' per request'}, "
-                                   f"got {value!r}") from None
-        if arr.ndim != ndim:
-            raise InputError(name, f"must be a {self.noun}, got {value!r}" if ndim == 0 else
-                             f"must be 1-D (one value per request), got shape {arr.shape}")
-        if arr.dtype.kind == "O" and arr.size and all(_is_integer(v) for v in arr.flat):
-            # Python ints beyond int64: real numbers (inf in float32), or out of range.
-            fits = np.reshape([_INT64.min <= v <= _INT64.max for v in arr.flat], arr.shape)
-            if self.dtype is np.float32:
-                arr = np.reshape([float(v) if f else _INF * v for v, f in zip(arr.flat, fits.flat)], arr.shape)
-            elif fits.all():
-                arr = arr.astype(np.int64)
-            else:
-                _reject(name, self.text, value if ndim == 0 else arr, fits)
-        if arr.dtype.kind not in self.kinds:
-            if ndim == 0:
-                raise InputError(name, f"must be a {self.noun}, got {value!r}")
-            raise InputError(name, f"must hold {self.noun}s, got an array of {arr.dtype}")
-        if self.dtype is np.float32 and arr.dtype != np.float32:
-            with np.errstate(over="ignore"):
-                arr = arr.astype(np.float32)
-        return arr
-
-    def check(self, value: Any, ndim: int = 0, name: str | None = None) -> np.ndarray:
-        """``value`` checked value by value and stored as this rule's dtype."""
-        arr = self.array(value, ndim, name)
-        if arr.size:
-            ok = self.rows_ok(arr)
-            if not ok.all():
-                _reject(name or self.field, self.text, value if ndim == 0 else arr, ok)
-        return arr if arr.dtype == self.dtype else arr.astype(self.dtype)
 
 
 TEMPERATURE = Rule("temperature", "real number", "fiu", np.float32, "finite in float32 and >= 0 (0: greedy)",
@@ -127,7 +63,6 @@ TOP_P = Rule("top_p", "real number", "fiu", np.float32, "in (0, 1] (1: no top-p 
 TOP_K = Rule("top_k", "integer", "iu", np.int64, f"-1 (disabled) or in [1, {defaults.SAMPLING_MAX_TOP_K}]",
              rows_ok=lambda k: ((k >= 1) & (k <= defaults.SAMPLING_MAX_TOP_K)) | (k == TOP_K_DISABLED),
              bounds_ok=lambda lo, hi: lo >= 1 and hi <= defaults.SAMPLING_MAX_TOP_K)
-
 
 def seed(value: Any, name: str = "seed") -> int | None:
     """``value`` as a Python int in [0, SAMPLING_SEED_LIMIT), or None."""
@@ -173,16 +108,6 @@ def flag(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InputError(name, f"must be a bool, got {value!r}")
     return bool(value)
-
-
-def _rows(values: Any, name: str, n: int) -> None:
-    """``values`` holds one entry per request."""
-    try:
-        got = len(values)
-    except TypeError:
-        raise InputError(name, f"must be a sequence, one entry per request, got {values!r}") from None
-    if got != n:
-        raise InputError(name, f"{got} rows, but temperature has {n}")
 
 
 def _seeds(seeds: list, request_ids: Sequence[Any]) -> None:
@@ -253,9 +178,18 @@ class SamplingBatch:
     num_reqs: int = field(init=False)
     #: The largest count of ``logprobs``; None when no row wants logprobs.
     max_num_logprobs: int | None = field(init=False)
+    #: float32 per request; None when no row has a min-p filter.
+    min_p: np.ndarray | None = None
+    #: float32 columns (repetition, presence, frequency) per request; None when no row has a
+    #: penalty (then the sampler keeps no token counts).
+    penalties: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    #: int64 prompt length per request (where its generated tokens begin); given with penalties.
+    prompt_lens: np.ndarray | None = None
 
     def __init__(self, temperature: Any, top_k: Any, top_p: Any, seeds: Sequence[Any],
-                 request_ids: Sequence[Any], logprobs: Sequence[Any] | None = None) -> None:
+                 request_ids: Sequence[Any], logprobs: Sequence[Any] | None = None, *,
+                 min_p: Any = None, repetition_penalty: Any = None, presence_penalty: Any = None,
+                 frequency_penalty: Any = None, prompt_lens: Any = None) -> None:
         t = TEMPERATURE.array(temperature, ndim=1)
         n = len(t)
         p = TOP_P.array(top_p, ndim=1)
@@ -284,6 +218,12 @@ class SamplingBatch:
             _seeds(seeds, request_ids)
         counts, most = _logprob_rows(logprobs, n)
         setattr_ = object.__setattr__   # frozen: each field is set once, here
+        if min_p is not None or repetition_penalty is not None or presence_penalty is not None \
+                or frequency_penalty is not None or prompt_lens is not None:
+            extra = filter_columns(n, min_p, (repetition_penalty, presence_penalty, frequency_penalty), prompt_lens)
+            setattr_(self, "min_p", extra[0])
+            setattr_(self, "penalties", extra[1])
+            setattr_(self, "prompt_lens", extra[2])
         setattr_(self, "logprobs", counts)
         setattr_(self, "max_num_logprobs", most)
         setattr_(self, "temperature", t)
@@ -293,6 +233,19 @@ class SamplingBatch:
         setattr_(self, "request_ids", request_ids)
         setattr_(self, "all_greedy", greedy)   # computed once: runner and executor both ask
         setattr_(self, "num_reqs", n)
+
+    @functools.cached_property
+    def top_k_ceiling(self) -> int:
+        """The largest top_k of a row that samples at random, 0 when none does (the sampler
+        needs its wide variant where this lies between its candidates and the vocabulary)."""
+        if self.all_greedy:
+            return 0
+        return int(self.top_k[self.temperature > 0.0].max())
+
+    @property
+    def penalized(self) -> bool:
+        """Whether some row has a repetition, presence or frequency penalty."""
+        return self.penalties is not None
 
 
 def _logprob_rows(values: Sequence[Any] | None, n: int) -> tuple[np.ndarray | None, int | None]:
@@ -313,7 +266,8 @@ def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab
     """Write a step's ``num_reqs`` rows of temperature / top-k / top-p into ``out`` (a
     backend's sampler staging buffers), and rows ``num_reqs..rows`` as padding: greedy, no
     filter (``defaults.SAMPLER_PAD_TEMPERATURE``, top_k ``vocab_size``,
-    ``defaults.SAMPLER_PAD_TOP_P``). Every backend pads its sampler rows through here."""
+    ``defaults.SAMPLER_PAD_TOP_P``, min_p 0 where ``out`` has a min_p row). Every backend pads its
+    sampler rows through here."""
     temperature, top_k, top_p = out["temperature"], out["top_k"], out["top_p"]
     temperature[:num_reqs] = sampling.temperature
     top_k[:num_reqs] = sampling.top_k
@@ -321,12 +275,19 @@ def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab
     temperature[num_reqs:rows] = defaults.SAMPLER_PAD_TEMPERATURE
     top_k[num_reqs:rows] = vocab_size
     top_p[num_reqs:rows] = defaults.SAMPLER_PAD_TOP_P
+    min_p = out.get("min_p")
+    if min_p is not None:           # 0: no min-p filter, on padded rows too
+        min_p[:num_reqs] = 0.0 if sampling.min_p is None else sampling.min_p
+        min_p[num_reqs:rows] = 0.0
 
 
-def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int) -> SamplingBatch:
+def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size: int,
+                   prompt_lens: Sequence[int] | None = None) -> SamplingBatch:
     """Arrays of one step's :class:`~graphrt.SamplingParams` (which checked their own fields),
     in request order; a disabled top_k, or one above ``vocab_size``, becomes ``vocab_size``.
-    The batch checks every row again (``InputError`` naming the field and the row)."""
+    min_p and penalty columns are made only when some row uses them (``prompt_lens``, each
+    request's prompt length, is then required). The batch checks every row again
+    (``InputError`` naming the field and the row)."""
     try:
         columns = (np.array([p.temperature for p in params], np.float32),
                    np.array([vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params], np.int64),
@@ -334,9 +295,25 @@ def sampling_batch(params: Sequence[Any], request_ids: Sequence[int], vocab_size
     except (TypeError, ValueError, OverflowError):   # not SamplingParams: the batch names the bad row
         columns = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
     wanted = [getattr(p, "logprobs", None) for p in params]
+    extra: dict[str, Any] = {}
+    try:
+        extras = True in [p.has_extras for p in params]       # one pass; the columns only if needed
+    except AttributeError:                                    # not SamplingParams: look at every column
+        extras = True
+    if extras:
+        min_p = [getattr(p, "min_p", 0.0) for p in params]
+        if any(min_p):
+            extra["min_p"] = min_p
+        for (rule, off) in PENALTY_RULES:
+            column = [getattr(p, rule.field, off) for p in params]
+            if any(v != off for v in column):
+                extra[rule.field] = column
+        if prompt_lens is not None and len(extra) > ("min_p" in extra):
+            extra["prompt_lens"] = prompt_lens
     return SamplingBatch(*columns, [p.seed for p in params], list(request_ids),
-                         wanted if any(w is not None for w in wanted) else None)
+                         wanted if any(w is not None for w in wanted) else None, **extra)
 
 
-__all__ = ["SamplingBatch", "sampling_batch", "write_sampling_rows", "Rule", "TEMPERATURE", "TOP_P", "TOP_K", "TOP_K_DISABLED", "seed", "max_tokens",
-           "flag", "logprobs", "check_logprobs_limit"]
+__all__ = ["SamplingBatch", "sampling_batch", "write_sampling_rows", "Rule", "TEMPERATURE", "TOP_P", "TOP_K",
+           "TOP_K_DISABLED", "MIN_P", "REPETITION_PENALTY", "PRESENCE_PENALTY", "FREQUENCY_PENALTY",
+           "PROMPT_LENS", "PENALTY_RULES", "seed", "max_tokens", "flag", "logprobs", "check_logprobs_limit"]

@@ -224,7 +224,8 @@ class StepLoop:
             batch_for.append(req.request_id if sampled else ~req.request_id)
         if batch_for != self._batch_for:
             params = [r.params if s else without_seed(r.params) for r, s in zip(reqs, samples)]
-            self._batch = sampling_batch(params, [r.request_id for r in reqs], self.runner.vocab_size)
+            self._batch = sampling_batch(params, [r.request_id for r in reqs], self.runner.vocab_size,
+                                         prompt_lens=[len(r.prompt_token_ids) for r in reqs])
             self._batch_for = batch_for
         return {"token_ids": token_table, "block_table": block_table, "req_rows": rows,
                 "num_computed_tokens": computed, "num_scheduled_tokens": scheduled, "sampling": self._batch}, samples

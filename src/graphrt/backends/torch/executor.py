@@ -44,7 +44,7 @@ from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
 from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
 from graphrt.core.forward_context import forward_context
 from graphrt.core.extra_inputs import check_extra_specs
@@ -116,8 +116,10 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.position_logits_out = (torch.zeros(max_r, q, self.vocab_size, dtype=torch.float32, device=self.device)
                                     if q > 1 else None)
         self._position_offsets = torch.arange(-q, 0, device=self.device)
-        self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs)
-        self._copied = None if self.buffers.same else device_event(self.device)   # staging apart: copy
+        self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs, max_t,
+                                    penalties=config.enable_penalties)
+        self._penalty_step = None           # the next penalised step's ledger entry (prepare_penalties)
+        self._copied = None if self.buffers.same else device_event(self.device)
         # Graph backends launch steps without waiting (the CPU's events are complete at once);
         # the sampled outputs' host slots are made by the first such step.
         self.async_execution = graph_api is not None
@@ -142,6 +144,11 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
             logger.warning("graphrt: compile_model is ignored: %s", note)
 
     # ---- KV cache (backends/torch/kv_cache.py) -----------------------------------------
+    @property
+    def sampler_buffer_bytes(self) -> int:
+        """Bytes of the sampler's buffers its graphs share (the warm-up report shows them)."""
+        return self.sampler.buffer_bytes
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.kv.bytes_per_block(block_size)
 
@@ -276,9 +283,9 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
             self.lora.use_key(key)
         baked = None
         if isinstance(key, SamplerKey):
-            num_reqs, greedy = key.num_reqs, key.greedy
+            num_reqs, greedy, wide, penalties = key.num_reqs, key.greedy, key.wide_top_k, key.penalties
             compute = (self.sampler.compute_logprobs if key.logprobs else
-                       lambda logits, rows: self.sampler.compute(logits, rows, greedy))
+                       lambda logits, rows: self.sampler.compute(logits, rows, greedy, wide, penalties))
             entry, nbytes = self._capture(lambda: compute(self.logits_out, num_reqs), lambda: None)
         elif mode is RuntimeMode.FULL:
             entry, nbytes = self._with_compile_fallback(key, self._build_full)
@@ -388,13 +395,15 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         requests' tokens, a host copy (never a view of the device buffer), or with ``wait=False``
         (graph backends) their copy queued into a host slot (a :class:`Sampled`)."""
         rows = padded_reqs or num_reqs
-        greedy = sampling.all_greedy
+        key = sampler_key(sampling, rows, self.vocab_size)
         sampler = self.sampler
-        if not greedy:
+        if not key.greedy:
             sampler.write(sampling, num_reqs, rows)
         with torch.no_grad():
+            if key.penalties:
+                self._fold_penalties(sampling, num_reqs, rows)
             if entry is None:
-                sampler.compute(self.logits_out, rows, greedy)
+                sampler.compute(self.logits_out, rows, key.greedy, key.wide_top_k, key.penalties)
             else:
                 if self.config.debug_check_addresses:
                     self._check_addresses(entry)
@@ -403,6 +412,22 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
             return self.host_slots().launch(num_reqs)
         tokens = sampler.tokens[:num_reqs].cpu().numpy()
         return tokens.copy() if sampler.tokens.device.type == "cpu" else tokens
+
+    def prepare_penalties(self, sampling: SamplingBatch, token_ids: np.ndarray, req_rows: np.ndarray,
+                          num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray, rows: int) -> None:
+        """Plan a penalised batch's token counts (host only; the runner calls it before the step
+        runs, :meth:`sample` folds them in after the forward wrote the step's ``input_ids``)."""
+        ledger = self.sampler.penalty_state().ledger
+        self._penalty_step = ledger.plan(sampling, token_ids, req_rows, num_computed_tokens,
+                                         num_scheduled_tokens, rows)
+
+    def _fold_penalties(self, sampling: SamplingBatch, num_reqs: int, rows: int) -> None:
+        step, self._penalty_step = self._penalty_step, None
+        if step is None:
+            raise GraphrtError("a penalised batch reached sample() without prepare_penalties()")
+        state = self.sampler.penalty_state()
+        state.write(sampling, step, num_reqs, rows)
+        state.update(step, self.static["input_ids"])
 
     def describe_build_failure(self, exc: BaseException) -> str:
         return describe_capture_failure(exc)

@@ -1,11 +1,13 @@
-"""The torch sampler: greedy, temperature, top-k and top-p, with static shapes.
+"""The torch sampler: greedy, temperature, top-k, top-p and min-p, with static shapes.
 
 It runs as its own graph, separate from the forward (as sglang-jax jits its sampler): its inputs
-are rows of the forward's logits buffer plus per-request temperature / top-k / top-p and a noise
-buffer the runner fills (exponential noise from the device RNG, or from a request's own
+are rows of the forward's logits buffer plus per-request temperature / top-k / top-p / min-p and
+a noise buffer the runner fills (exponential noise from the device RNG, or from a request's own
 seeded generator), so the captured graph holds no RNG state and seeding is exact.
-Sampling draws ``argmax(probs / noise)`` with ``noise ~ Exp(1)``: the exponential race,
-equivalent to drawing from ``probs``.
+Sampling draws ``argmax(probs / noise)`` with ``noise ~ Exp(1)`` over the tokens the filters
+keep: the exponential race, equivalent to drawing from the filtered ``probs``. The filters are
+thresholds found without sorting the vocabulary (:mod:`graphrt.backends.torch.sampler_ops`), on
+two persistent ``[max_reqs, vocab]`` buffers every sampler graph shares.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphrt.core import defaults
 from graphrt.core.sampling import write_sampling_rows
+from graphrt.backends.torch.flashinfer_sampling import flashinfer_sampling
+from graphrt.backends.torch.penalties import PenaltyState
+from graphrt.backends.torch.sampler_ops import Workspace, sample_rows
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -25,28 +29,16 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
 
 
 def random_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One token per row; rows with temperature 0 are greedy.
+                  top_p: torch.Tensor, noise: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row; rows with temperature 0 are greedy (a workspace of its own: for
+    callers outside an executor; the executor's sampler reuses its buffers).
 
-    ``top_k`` holds the vocabulary size where disabled; ``top_p`` holds 1.0 where disabled.
-    Shapes are static and nothing reads a value on the host, so it can be captured.
-    """
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / temperature.clamp(min=defaults.SAMPLER_MIN_TEMPERATURE).unsqueeze(1)
-    sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    keep = ranks < top_k.clamp(min=1, max=vocab).unsqueeze(1)
-    probs = torch.softmax(torch.where(keep, sorted_logits, float("-inf")), dim=-1)
-    # top-p: keep the smallest prefix whose mass reaches top_p (always the first token).
-    before = probs.cumsum(dim=-1) - probs
-    keep = keep & (before < top_p.unsqueeze(1))
-    sorted_logits = torch.where(keep, sorted_logits, float("-inf"))
-    filtered = torch.full_like(scaled, float("-inf")).scatter(1, sorted_idx, sorted_logits)
-    probs = torch.softmax(filtered, dim=-1)
-    sampled = (probs / noise.clamp(min=1e-10)).argmax(dim=-1)
-    return torch.where(temperature < defaults.SAMPLER_MIN_TEMPERATURE, greedy, sampled)
+    ``top_k`` holds the vocabulary size where disabled; ``top_p`` holds 1.0 where disabled,
+    ``min_p`` 0 (or None). Any top_k is exact (the wide search runs). ``noise`` is clamped in
+    place to ``defaults.SAMPLER_MIN_NOISE``."""
+    rows, vocab = logits.shape
+    ws = Workspace(rows, vocab, logits.device)
+    return sample_rows(logits, temperature, top_k, top_p, min_p, noise, ws, wide=True)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -60,24 +52,50 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[
     return chosen.squeeze(1), ranks, top.values, top.indices
 
 
+def token_logprobs_into(logits: torch.Tensor, tokens: torch.Tensor, k: int, ws: Workspace) -> tuple[torch.Tensor, ...]:
+    """:func:`token_logprobs` with its ``[N, V]`` intermediates in ``ws``'s buffers (the same
+    ``log_softmax`` kernel, so the same values): the logprobs graph holds no row of the vocabulary."""
+    rows = logits.shape[0]
+    logprobs, above = ws.probs[:rows], ws.scratch[:rows]
+    torch.log_softmax(logits.float(), dim=-1, out=logprobs)
+    chosen = logprobs.gather(1, tokens.long().unsqueeze(1))
+    torch.gt(logprobs, chosen, out=above)
+    ranks = above.sum(dim=-1).to(torch.int64) + 1
+    top = torch.topk(logprobs, k, dim=-1)
+    return chosen.squeeze(1), ranks, top.values, top.indices
+
+
 class SamplerState:
-    """The sampler's static buffers: per-row temperature / top-k / top-p (host staging and
-    device copies), the noise, the sampled tokens, and each seeded request's generator.
+    """The sampler's static buffers: per-row temperature / top-k / top-p / min-p (host staging
+    and device copies), the noise, the workspace (:class:`Workspace`), the sampled tokens, and
+    each seeded request's generator.
 
     :meth:`compute` reads only these buffers and a logits buffer, so a graph captures it;
     :meth:`write` fills them for a step before the compute or its replay."""
 
     def __init__(self, max_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool,
-                 max_logprobs: int = 0) -> None:
+                 max_logprobs: int = 0, max_tokens: int = 0, penalties: bool = False) -> None:
         self.vocab_size, self.device = vocab_size, device
+        self._max_reqs, self._max_tokens, self._pin = max_reqs, max_tokens, pin_memory
+        #: Repetition / presence / frequency penalties' device state, made by the first batch
+        #: that asks (or here with ``penalties``: their graphs are built at warm-up).
+        self.penalties: PenaltyState | None = None
+        if penalties:
+            self.penalty_state()
         self._host = {"temperature": torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
                       "top_k": torch.zeros(max_reqs, dtype=torch.int64, pin_memory=pin_memory),
-                      "top_p": torch.ones(max_reqs, dtype=torch.float32, pin_memory=pin_memory)}
+                      "top_p": torch.ones(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
+                      "min_p": torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin_memory)}
         self._host_np = {k: t.numpy() for k, t in self._host.items()}
         self.static = (self._host if device.type == "cpu" else
                        {k: t.to(device) for k, t in self._host.items()})
         self.noise = torch.ones(max_reqs, vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        #: The filters' and the logprobs graph's ``[max_reqs, vocab]`` buffers, shared by every graph.
+        self.work = Workspace(max_reqs, vocab_size, device)
+        #: FlashInfer's sampling module where the top-k / top-p filters run on its kernels (CUDA
+        #: with graphrt[flashinfer]; :mod:`~graphrt.backends.torch.flashinfer_sampling`), else None.
+        self.flashinfer = flashinfer_sampling(device)
         #: The logprobs graph's outputs (``max_logprobs > 0``): each row's sampled-token logprob and
         #: rank, and its top logprobs and their ids (:func:`token_logprobs`).
         self.top_k = min(max_logprobs, vocab_size)
@@ -93,20 +111,43 @@ class SamplerState:
         self._host_noise = self.noise.numpy() if device.type == "cpu" else None
         self._generators: dict[int, torch.Generator | np.random.Generator] = {}
 
-    def compute(self, logits: torch.Tensor, rows: int, greedy: bool) -> None:
-        """Sample ``rows`` rows of ``logits`` into :attr:`tokens` (capturable)."""
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers every sampler graph shares (noise, workspace, penalty state),
+        held outside the graphs' own memory."""
+        penalties = 0 if self.penalties is None else self.penalties.nbytes
+        return self.noise.numel() * self.noise.element_size() + self.work.nbytes + penalties
+
+    def penalty_state(self) -> PenaltyState:
+        """The penalties' device state, made on first use."""
+        if self.penalties is None:
+            self.penalties = PenaltyState(self._max_reqs, self.vocab_size, self._max_tokens, self.device, self._pin)
+        return self.penalties
+
+    def compute(self, logits: torch.Tensor, rows: int, greedy: bool, wide: bool = False,
+                penalties: bool = False) -> None:
+        """Sample ``rows`` rows of ``logits`` into :attr:`tokens` (capturable); ``wide``: some
+        row's top_k is past the candidates (:mod:`~graphrt.backends.torch.sampler_ops`);
+        ``penalties``: a copy of the rows is penalised first (greedy rows take its argmax)."""
         logits = logits[:rows]
+        if penalties:
+            x = self.work.probs[:rows]
+            x.copy_(logits)
+            self.penalty_state().apply(x, self.work.scratch[:rows])
+            logits = x
         if greedy:
             self.tokens[:rows].copy_(greedy_sample(logits))
         else:
             s = self.static
-            self.tokens[:rows].copy_(random_sample(logits, s["temperature"][:rows], s["top_k"][:rows],
-                                                   s["top_p"][:rows], self.noise[:rows]))
+            self.tokens[:rows].copy_(sample_rows(logits, s["temperature"][:rows], s["top_k"][:rows],
+                                                 s["top_p"][:rows], s["min_p"][:rows], self.noise[:rows],
+                                                 self.work, wide=wide, flashinfer=self.flashinfer))
 
     def compute_logprobs(self, logits: torch.Tensor, rows: int) -> None:
         """The logprobs of ``rows`` rows of ``logits`` and of the tokens just sampled into
         :attr:`logprobs` (capturable: the logprobs graph)."""
-        for out, value in zip(self.logprobs, token_logprobs(logits[:rows], self.tokens[:rows], self.top_k)):
+        values = token_logprobs_into(logits[:rows], self.tokens[:rows], self.top_k, self.work)
+        for out, value in zip(self.logprobs, values):
             out[:rows].copy_(value)
 
     def write(self, sampling: Any, num_reqs: int, rows: int) -> None:
@@ -140,3 +181,5 @@ class SamplerState:
 
     def free_request(self, request_id: int) -> None:
         self._generators.pop(request_id, None)
+        if self.penalties is not None:
+            self.penalties.free(request_id)

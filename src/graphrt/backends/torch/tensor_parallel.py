@@ -130,6 +130,7 @@ class TensorParallelExecutor(Executor[TorchEntry]):
             raise ConfigError(f"the model declares extra inputs {sorted(local.extra_inputs)}: tensor parallelism "
                               "sends graphrt's step fields to the workers only; run it with tensor_parallel_size=1")
         self.vocab_size = local.vocab_size
+        self.sampler_buffer_bytes = local.sampler_buffer_bytes     # rank 0's: the one that samples
         self.host_buffers = local.host_buffers
         self.tp_size = ranks.setup.tp_size
         self.steps = 0
@@ -160,6 +161,10 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         """Rank 0 samples alone: its logits rows are the gathered, full-vocabulary ones (a
         synchronous executor: it always waits)."""
         return self.local.sample(logits, num_reqs, sampling, padded_reqs=padded_reqs, entry=entry)
+
+    def prepare_penalties(self, *args: Any) -> None:
+        """Rank 0 samples alone, so it alone keeps the penalties' token counts."""
+        self.local.prepare_penalties(*args)
 
     def sample_logprobs(self, logits: Any, sampled: Any, num_reqs: int, *, padded_reqs: int | None = None,
                         entry: Any = None, wait: bool = True) -> tuple[np.ndarray, ...]:

@@ -18,7 +18,7 @@ import numpy as np
 #: Forward input fields, in the order they travel (all int32).
 BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
 #: Sampler input fields of non-greedy steps.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "min_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,7 @@ class SamplingMetadata:
     top_p: Any        # float32 [R]; 1.0 where disabled
     seeds: Any        # uint32 [R, 2]
     steps: Any        # uint32 [R]
+    min_p: Any = None  # float32 [R]; 0.0 where disabled (None: no row has a min-p filter)
 
 
 jax.tree_util.register_dataclass(XlaBatch, data_fields=list(BATCH_FIELDS),
@@ -79,7 +80,8 @@ def sampling_spec(num_reqs: int) -> SamplingMetadata:
                             top_k=jax.ShapeDtypeStruct((num_reqs,), i32),
                             top_p=jax.ShapeDtypeStruct((num_reqs,), f32),
                             seeds=jax.ShapeDtypeStruct((num_reqs, 2), u32),
-                            steps=jax.ShapeDtypeStruct((num_reqs,), u32))
+                            steps=jax.ShapeDtypeStruct((num_reqs,), u32),
+                            min_p=jax.ShapeDtypeStruct((num_reqs,), f32))
 
 
 def _path_name(path: tuple[Any, ...]) -> str:

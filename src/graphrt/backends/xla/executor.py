@@ -37,7 +37,7 @@ from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.config import GraphConfig
 from graphrt.core.cache import describe_key
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
 
@@ -82,6 +82,9 @@ class XlaExecutor(Executor[XlaEntry]):
         #: The model's declared extra inputs and their staging buffers (the runner writes them).
         self.extra_inputs = programs.extra_inputs
         self.extra_buffers = xla_extra.staging_buffers(self.extra_inputs, max_t, max_r)
+        if config.enable_penalties:
+            raise ConfigError("enable_penalties: the xla backend has no penalised sampler (repetition / presence / "
+                              "frequency penalties run on the torch backends)")
         if programs.max_reqs < max_r:
             raise ConfigError(f"the xla programs pad sampled tokens to {programs.max_reqs} rows; the "
                               f"config's largest batch is {max_r} (build XlaPrograms with max_reqs={max_r})")
@@ -236,7 +239,10 @@ class XlaExecutor(Executor[XlaEntry]):
             if greedy:
                 return self.programs.greedy, None, (logits,)
             spec = sampling_spec(num_reqs)
-            return self.programs.sample, spec, (logits, spec)
+            if key.penalties:
+                raise GraphrtError("the xla backend has no penalised sampler (repetition / presence / "
+                                   "frequency penalties): they run on the torch backends")
+            return self.programs.sample_wide if key.wide_top_k else self.programs.sample, spec, (logits, spec)
         if mode is not RuntimeMode.FULL or not isinstance(key, BatchDescriptor) or key.num_reqs is None:
             raise GraphrtError(f"the xla backend compiles whole forwards (FULL keys with a request "
                                f"count); got {mode.value} {key}")
@@ -339,8 +345,8 @@ class XlaExecutor(Executor[XlaEntry]):
         without waiting for it: ``[max_reqs]`` int32, the real requests' tokens first
         (:meth:`fetch_tokens` reads them; the next forward can take it as its future tokens).
         """
-        key = entry.key if isinstance(entry, XlaEntry) else SamplerKey(
-            int(logits.shape[0]) if padded_reqs is None else int(padded_reqs), sampling.all_greedy)
+        key = entry.key if isinstance(entry, XlaEntry) else sampler_key(
+            sampling, int(logits.shape[0]) if padded_reqs is None else int(padded_reqs), self.vocab_size)
         rows = key.num_reqs
         if logits.shape != (rows, self.vocab_size):
             raise InputError("logits", f"shape {tuple(logits.shape)}; the sampler for {rows} rows "

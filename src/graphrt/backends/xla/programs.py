@@ -260,6 +260,9 @@ class XlaPrograms:
         self.greedy = jax.jit(padded_tokens(greedy_tokens, self.max_reqs), in_shardings=(repl,), out_shardings=repl)
         self.sample = jax.jit(padded_tokens(sample_tokens, self.max_reqs), in_shardings=(repl, repl),
                               out_shardings=repl)
+        #: The random sampler exact for a top_k past its candidates (SamplerKey.wide_top_k).
+        self.sample_wide = jax.jit(padded_tokens(functools.partial(sample_tokens, wide=True), self.max_reqs),
+                                   in_shardings=(repl, repl), out_shardings=repl)
         k = self.max_logprobs = min(max_logprobs, int(self.model_config.vocab_size))
         self.logprobs = jax.jit(sampled_logprobs(k), in_shardings=(repl, repl), out_shardings=repl) if k else None
 

@@ -1,11 +1,16 @@
-"""The XLA sampler: greedy, temperature, top-k and top-p, jitted apart from the forward.
+"""The XLA sampler: greedy, temperature, top-k, top-p and min-p, jitted apart from the forward.
 
-Same rules as the torch sampler (:mod:`graphrt.backends.torch.sampler`): top-p keeps the smallest prefix of
-the top-k-renormalised distribution whose mass reaches ``top_p`` (always the first token),
-and rows below the minimum temperature are greedy. Drawing uses the Gumbel-max trick
-(``argmax(logits + Gumbel)``, the log form of the exponential race the torch sampler uses)
-with one threefry key per row: the row's raw ``seeds`` folded with its ``steps`` counter, so a
-seeded request's draw depends on nothing but its seed and how many tokens it has sampled.
+Same rules as the torch sampler (:mod:`graphrt.backends.torch.sampler_ops`): every filter is a
+threshold on ``P = exp((logits - max) / T)`` (the most likely token's is 1) -- top-k the k-th
+largest ``P`` from ``lax.top_k`` of ``defaults.SAMPLER_TOP_K_CANDIDATES`` candidates (``wide``:
+counted exactly past them), min-p ``P >= min_p``, top-p the largest ``t`` whose mass
+``sum(P >= t)`` still reaches ``top_p`` of what top-k and min-p keep, found by a bisection over
+the float32 bits of ``P`` (30 fixed iterations of a ``fori_loop``; no sort of the vocabulary).
+Rows below the minimum temperature are greedy. Drawing uses the Gumbel-max trick
+(``argmax(logits / T + Gumbel)`` over the kept tokens, the log form of the exponential race the
+torch sampler uses) with one threefry key per row: the row's raw ``seeds`` folded with its
+``steps`` counter, so a seeded request's draw depends on nothing but its seed and how many
+tokens it has sampled.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import jax.numpy as jnp
 
 from graphrt.core import defaults
 from graphrt.backends.xla.batch import SamplingMetadata
+
+_ONE_BITS = 0x3F800000          # float32 1.0: every probability's bits are at most this
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -27,22 +34,58 @@ def _row_noise(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-def sample_tokens(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """One token per row of ``logits`` ``[R, V]`` under ``meta``'s per-row parameters (int32 ``[R]``)."""
+def bisect_threshold(probs: jax.Array, target: jax.Array, count: bool) -> jax.Array:
+    """Per row of ``probs`` ``[R, V]`` (values in [0, 1]) the largest ``t`` with
+    ``sum(w[probs >= t]) >= target`` (``w``: ``probs``, or 1 with ``count``), ``target`` ``[R]``:
+    a bisection over float32 bit patterns, exact after 30 iterations. ``[R]`` float32."""
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    target = jnp.maximum(target, jnp.finfo(jnp.float32).smallest_subnormal)
+    weights = jnp.ones_like(probs) if count else probs
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + 1) // 2
+        reach = jnp.sum(jnp.where(bits >= mid[:, None], weights, 0.0), axis=-1) >= target
+        return jnp.where(reach, mid, lo), jnp.where(reach, hi, mid - 1)
+
+    rows = probs.shape[0]
+    bounds = (jnp.zeros(rows, jnp.int32), jnp.full(rows, _ONE_BITS, jnp.int32))
+    lo, _ = jax.lax.fori_loop(0, defaults.SAMPLER_PROB_BITS, step, bounds)
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def filter_threshold(probs: jax.Array, meta: SamplingMetadata, candidates: int, wide: bool) -> jax.Array:
+    """Per row the probability a kept token reaches: top-k, min-p, then top-p on what they keep."""
+    vocab = probs.shape[-1]
+    c = min(candidates, vocab)
+    k = jnp.clip(meta.top_k, 1, vocab)
+    top, _ = jax.lax.top_k(probs, c)
+    tau = jnp.take_along_axis(top, (jnp.minimum(k, c) - 1)[:, None], axis=-1)[:, 0]
+    tau = jnp.where(k >= vocab, 0.0, tau)
+    if wide and c < vocab:
+        kth = bisect_threshold(probs, k.astype(jnp.float32), count=True)
+        tau = jnp.where((k > c) & (k < vocab), kth, tau)
+    if meta.min_p is not None:
+        tau = jnp.maximum(tau, meta.min_p)
+    mass = jnp.sum(jnp.where(probs >= tau[:, None], probs, 0.0), axis=-1)
+    nucleus = bisect_threshold(probs, meta.top_p * mass, count=False)
+    return jnp.where(meta.top_p < 1.0, jnp.maximum(tau, nucleus), tau)
+
+
+def sample_tokens(logits: jax.Array, meta: SamplingMetadata, *, wide: bool = False,
+                  candidates: int | None = None) -> jax.Array:
+    """One token per row of ``logits`` ``[R, V]`` under ``meta``'s per-row parameters (int32 ``[R]``);
+    ``wide``: exact for a top_k past the ``candidates`` (``defaults.SAMPLER_TOP_K_CANDIDATES``)."""
     min_t = defaults.SAMPLER_MIN_TEMPERATURE
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(meta.temperature, min_t)[:, None]
-    desc = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)
-    ranks = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-    in_top_k = ranks < jnp.clip(meta.top_k, 1, vocab)[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, desc, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_top_k & (mass_before < meta.top_p[:, None])
-    kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    threshold = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
-    filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    t = jnp.maximum(meta.temperature, min_t)[:, None]
+    scaled = logits / t
+    probs = jnp.exp((logits - jnp.max(logits, axis=-1, keepdims=True)) / t)
+    tau = filter_threshold(probs, meta, defaults.SAMPLER_TOP_K_CANDIDATES if candidates is None else candidates,
+                           wide)
+    filtered = jnp.where(probs >= tau[:, None], scaled, -jnp.inf)
     noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(meta.seeds, meta.steps, vocab)
     sampled = jnp.argmax(filtered + noise, axis=-1)
     return jnp.where(meta.temperature < min_t, greedy, sampled).astype(jnp.int32)

@@ -1,7 +1,7 @@
 """The random sampler's host inputs: one step's sampling rows as the executable takes them.
 
 Host-side numpy only (nothing here is traced): the staging rows of temperature, top-k, top-p,
-seeds and step counters, the host generator that keys unseeded rows, and each seeded
+min-p, seeds and step counters, the host generator that keys unseeded rows, and each seeded
 request's step counter, so its draws depend on nothing but its seed and how many tokens it
 has sampled (:mod:`graphrt.backends.xla.sampler` folds the two).
 """
@@ -23,7 +23,8 @@ class SamplingRows:
     def __init__(self, max_reqs: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._host = {"temperature": np.zeros(max_reqs, np.float32), "top_k": np.zeros(max_reqs, np.int32),
-                      "top_p": np.ones(max_reqs, np.float32), "seeds": np.zeros((max_reqs, 2), np.uint32),
+                      "top_p": np.ones(max_reqs, np.float32), "min_p": np.zeros(max_reqs, np.float32),
+                      "seeds": np.zeros((max_reqs, 2), np.uint32),
                       "steps": np.zeros(max_reqs, np.uint32)}
         self._rng = np.random.default_rng(defaults.XLA_SAMPLER_HOST_SEED)
         self._seed_steps: dict[int, int] = {}
