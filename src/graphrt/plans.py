@@ -10,7 +10,7 @@ reuses it until either cache changes (``version``); each step still counts its h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from graphrt.core.cache import FailedBuild, GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, RuntimeMode, SamplerKey, logprobs_key
@@ -51,44 +51,80 @@ class StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    #: all_greedy -> (key, entry or None, eager reason); :data:`LOGPROBS` -> the logprobs graph's
-    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]]
+    #: all_greedy -> (key, entry or None, eager reason, eager cause); :data:`LOGPROBS` -> the
+    #: logprobs graph's (its cause unused: logprobs steps are not counted per cause)
+    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None, EagerCause | None]]
     version: int                     # cache.version + sampler_cache.version when planned
     eager_cause: EagerCause | None = None
+    #: The job the step wants built and lacks ((mode, key): it ran eagerly or under a larger
+    #: built key meanwhile): background warm-up builds the most wanted first. None: nothing.
+    wanted: tuple[RuntimeMode, BatchDescriptor] | None = None
+
+
+class Pending(Protocol):
+    """What planning asks of background warm-up (:class:`~graphrt.background.BackgroundWarmup`)."""
+
+    def cause_of(self, job: tuple[RuntimeMode, Any]) -> EagerCause | None:
+        """Why ``job`` has no entry yet (``WARMING_UP``, ``GRAPH_MEMORY``), or None: not its job."""
 
 
 def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, sampler_cache: GraphCache,
-              build_missing: BuildMissing | None) -> StepPlan:
+              build_missing: BuildMissing | None, *, pending: Pending | None = None,
+              degraded: frozenset[bool] = frozenset()) -> StepPlan:
     """The plan of ``shape``: the dispatcher's key, its entry in ``cache`` (or the reason to run
-    eagerly, the step then keyed by its own shape), the padded sizes and the sampler entries."""
+    eagerly, the step then keyed by its own shape), the padded sizes and the sampler entries.
+
+    ``pending``: background warm-up; a key it has not built yet is stood in for by the smallest
+    built key that covers the step (``Dispatcher.covering``), else the step runs eagerly
+    (``WARMING_UP`` / ``GRAPH_MEMORY``), or on a backend without an eager path the key is built
+    now. ``degraded``: the step kinds (``uniform_decode`` values) whose graphs the configured
+    mode had but the attention backend or the model could not hold (``UNSUPPORTED``)."""
     t, r, uniform, n, context = shape
     d = dispatcher.dispatch(t, r, uniform, n, context)
     mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
-    eager_cause = None
+    eager_cause, wanted = None, None
     if mode is RuntimeMode.NONE:
         eager_reason = d.reason
         eager_cause = d.cause or EagerCause.MODE    # a dispatcher that says eager, not why
+        if eager_cause is EagerCause.MODE and uniform in degraded:
+            eager_cause = EagerCause.UNSUPPORTED
     else:
         cache_key = (mode, key)
         entry = cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
+        waiting = pending.cause_of(cache_key) if pending is not None and entry is None else None
+        if waiting is not None:
+            wanted = cache_key
+            for stand_in in dispatcher.covering(t, r, uniform, key.num_loras, context):
+                found = cache.lookup(stand_in) if stand_in in cache else None
+                if found is not None and not isinstance(found, FailedBuild):
+                    cache_key, (mode, key), entry = stand_in, stand_in, found
+                    break
         if entry is None and build_missing is not None:
             entry = build_missing(cache, cache_key, mode, key)
+            wanted = None
         hit = entry is not None and not isinstance(entry, FailedBuild)
         if not hit:
-            eager_reason = entry.reason if entry is not None else f"{key} was not captured"
-            eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
+            eager_reason = (entry.reason if entry is not None else
+                            f"{key} is not built yet ({waiting.value})" if waiting is not None else
+                            f"{key} was not captured")
+            eager_cause = (EagerCause.CAPTURE_FAILED if entry is not None else waiting or EagerCause.MISS)
             mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
     padded_reqs = key.num_reqs if key.num_reqs is not None else r
-    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]] = {}
+    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None, EagerCause | None]] = {}
     for kind, sampler_key in ((True, SamplerKey(padded_reqs, True)), (False, SamplerKey(padded_reqs, False)),
                               (LOGPROBS, logprobs_key(padded_reqs))):
         sampler_entry = sampler_cache.lookup(sampler_key)
         if isinstance(sampler_entry, FailedBuild):
-            sampler[kind] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}")
+            sampler[kind] = (sampler_key, None, f"sampler capture failed: {sampler_entry.reason}",
+                             EagerCause.CAPTURE_FAILED)
+        elif sampler_entry is None:
+            job = (RuntimeMode.FULL, sampler_key)
+            why = pending.cause_of(job) if pending is not None else None
+            sampler[kind] = (sampler_key, None, f"{sampler_key} was not captured", why or EagerCause.MISS)
         else:
-            sampler[kind] = (sampler_key, sampler_entry, None)
+            sampler[kind] = (sampler_key, sampler_entry, None, None)
     return StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
-                    cache.version + sampler_cache.version, eager_cause)
+                    cache.version + sampler_cache.version, eager_cause, wanted)
 
 
-__all__ = ["BuildMissing", "LOGPROBS", "StepInfo", "StepPlan", "plan_step"]
+__all__ = ["BuildMissing", "LOGPROBS", "Pending", "StepInfo", "StepPlan", "plan_step"]
