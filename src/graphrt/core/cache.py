@@ -242,6 +242,9 @@ class GraphCache(Generic[E]):
         """Account one step's padding (and, if it ran eagerly, why: ``eager_reason`` in words,
         ``eager_cause`` its :class:`EagerCause`, which an eager step must have; its real tokens
         count as eager); with ``key``, also count the step's lookup of it (see :meth:`count`)."""
+        if eager_reason is not None and eager_cause is None:
+            raise GraphrtError(f"an eager step without a cause ({eager_reason}): every eager step is "
+                               "counted under one EagerCause (graphrt.core.eager)")
         s = self.stats
         s.steps += 1
         s.real_tokens += real_tokens
@@ -252,9 +255,6 @@ class GraphCache(Generic[E]):
             s.eager_steps += 1
             s.eager_tokens += real_tokens
             s.eager_reasons[eager_reason] += 1
-            if eager_cause is None:
-                raise GraphrtError(f"an eager step without a cause ({eager_reason}): every eager step is "
-                                   "counted under one EagerCause (graphrt.core.eager)")
             by_cause = s.eager_by_cause[eager_cause]
             by_cause.steps += 1
             by_cause.tokens += real_tokens

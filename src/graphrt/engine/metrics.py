@@ -62,9 +62,9 @@ class DecodeLine:
         return (f"Decode batch. #running-req: {self.running_req}, #token: {self.token}, "
                 f"token usage: {self.token_usage:.2f}, graph: {self.graph} ({self.backend}), "
                 f"gen throughput (token/s): {self.gen_throughput:.2f}, #queue-req: {self.queue_req}, "
-                f"on graphs since last: {100 * self.graph_share:.1f}% of steps, "
                 f"eager since last: {self.eager_steps} steps / {self.eager_tokens} tokens"
                 + (f" ({causes})" if causes else "")
+                + f", on graphs since last: {100 * self.graph_share:.1f}% of steps"
                 + (f", warm-up: {self.warmup_pending} keys to build" if self.warmup_pending else ""))
 
 
