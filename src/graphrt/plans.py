@@ -37,6 +37,9 @@ class StepInfo:
     eager_reason: str | None
     seconds: float
     eager_cause: EagerCause | None = None   # why it ran eagerly, grouped (None: it did not)
+    #: The key it wanted and lacked (background warm-up is building it): it ran eagerly, or under
+    #: ``key``, a larger built key that covers it. None: it ran as planned.
+    wanted: tuple[RuntimeMode, BatchDescriptor] | None = None
 
 
 @dataclass(frozen=True)

@@ -352,8 +352,11 @@ class ModelRunner:
         self.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
                                padded_reqs=plan.padded_reqs, eager_reason=plan.eager_reason,
                                eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
-        if plan.wanted is not None:          # its own key is not built yet: demand for it
-            self.background.demand[plan.wanted] += 1
+        if plan.wanted is not None:          # its own key is not built yet: demand for it (and its sampler)
+            demand, (mode, key) = self.background.demand, plan.wanted
+            demand[plan.wanted] += 1
+            if sampled and mode is RuntimeMode.FULL:
+                demand[(mode, SamplerKey(key.num_reqs, greedy))] += 1
         if sampled and plan.mode is RuntimeMode.FULL:
             sampler_key, entry, eager, cause = plan.sampler[greedy]
             if entry is None and not self.executor.eager_fallback:     # no eager sampler: build it now
@@ -410,7 +413,8 @@ class ModelRunner:
         if self._last is None:
             return None
         plan, t, r, seconds = self._last
-        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause)
+        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause,
+                        plan.wanted)
 
     def _build_missing(self, cache: GraphCache, cache_key: Any, mode: RuntimeMode,
                        key: BatchDescriptor | SamplerKey) -> Any:
