@@ -122,7 +122,7 @@ class GraphConfig(BaseModel):
                              "under the graph budget; new keys built in the background, unused ones retired); 0: off")
     refit_max_buckets: Optional[int] = Field(
         None, gt=0, description="graph budget of a re-fit: bucket sizes per family (decode batch sizes, token "
-                                "sizes); default: as many as the current policy has")
+                                "sizes); default: as many as the starting policy has")
     check_baked_values: bool = Field(
         False, strict=True, description="torch graph backends: record each FULL key's forward under two steps it holds and "
                            "report host values the graph bakes in that differ (always on in strict mode, "

@@ -6,11 +6,11 @@ since its last look, adds them to a histogram whose earlier windows are weighted
 ``defaults.TRAFFIC_DECAY``, and fits each bucket family to it with the exact fit of
 :meth:`~graphrt.core.buckets.BucketPolicy.fit` (``graphrt plan``'s): decode batch sizes to the
 decode steps' request counts, token sizes to the mixed steps' token counts. The budget is
-``refit_max_buckets`` sizes per family (default: as many as the current policy has), and the
+``refit_max_buckets`` sizes per family (default: as many as the starting policy had), and the
 largest size always stays, so every step the old set covered is still covered.
 
 A new set is installed only when it pads the window's steps by ``defaults.TRAFFIC_MIN_GAIN``
-less than the current one. Its new keys are built by background warm-up (demand order) while
+less than the current one, or as little with fewer keys (keys that no longer pay). Its new keys are built by background warm-up (demand order) while
 the old dispatcher still serves; once they are built the runner switches dispatcher and
 retires the keys the new set no longer has (their graphs freed). Where the graph memory the KV
 budget admitted cannot hold old and new keys together, the old ones are retired first and the
@@ -90,6 +90,9 @@ class TrafficFit:
         self.next_at = self.interval            # the step count of the next re-fit
         self.history: list[dict[str, Any]] = []
         self._next: tuple[Dispatcher, list[Job]] | None = None     # built in the background, then installed
+        d = runner.dispatcher            # the graph budget: the starting policy's sizes per family
+        self.budget = {"decode": max_buckets or len(d.decode_buckets or ()),
+                       "token": max_buckets or len(d.token_buckets or ())}
         runner.background.on_complete.append(self._install_pending)
 
     @classmethod
@@ -137,15 +140,17 @@ class TrafficFit:
         old = runner.dispatcher
         decode = tokens = None
         if old.decode_buckets is not None and old.separate_decode and self.decode:
-            decode = fit_family(self.decode, old.decode_buckets, self.max_buckets or len(old.decode_buckets))
+            decode = fit_family(self.decode, old.decode_buckets, self.budget["decode"])
         if old.token_buckets is not None and self.mixed:
-            tokens = fit_family(self.mixed, old.token_buckets, self.max_buckets or len(old.token_buckets))
+            tokens = fit_family(self.mixed, old.token_buckets, self.budget["token"])
         before = padded(self.decode, old.decode_buckets) + padded(self.mixed, old.token_buckets)
         after = (padded(self.decode, decode or old.decode_buckets) + padded(self.mixed, tokens or old.token_buckets))
-        if (decode in (None, old.decode_buckets) and tokens in (None, old.token_buckets)) or \
-                after > (1 - defaults.TRAFFIC_MIN_GAIN) * before:
+        if decode in (None, old.decode_buckets) and tokens in (None, old.token_buckets):
             return None
         new = old.with_buckets(token_buckets=tokens, decode_buckets=decode)
+        fewer = len(new.keys()) < len(old.keys())       # keys that no longer pay, at no padding cost
+        if not (after <= (1 - defaults.TRAFFIC_MIN_GAIN) * before or (fewer and after <= before)):
+            return None
         logprobs = runner.config.max_logprobs > 0
         jobs, old_jobs = warmup_keys(new, logprobs), warmup_keys(old, logprobs)
         kept = set(jobs)
@@ -166,14 +171,14 @@ class TrafficFit:
         else:
             record["added"] = background.plan(jobs)
             self._next = (new, retire)
-            if not background.active:
-                self._install_pending()
         logger.info("graphrt: traffic re-fit at step %d: decode buckets %s -> %s, token buckets %s -> %s; "
                     "padding waste over the window %.1f%% -> %.1f%%; %d keys to build in the background, %s",
                     steps, record["old_decode_buckets"], record["decode_buckets"], record["old_token_buckets"],
                     record["token_buckets"], 100 * record["waste_before"], 100 * record["waste_after"],
                     record["added"], f"{record['retired']} retired" if record["installed"]
                     else f"{len(retire)} to retire once they are built")
+        if self._next is not None and not background.active:      # nothing to build: switch now
+            self._install_pending()
         return record
 
     def _must_retire_first(self, jobs: list[Job]) -> bool:
