@@ -88,9 +88,14 @@ def test_xla_available_with_jax():
 
 
 @pytest.mark.skipif(_has_cuda() or HAS_NPU or not HAS_TORCH, reason="an accelerator is present")
-def test_auto_picks_the_first_available():
-    assert select_backend("auto").name == "cpu"
-    assert select_backend("AUTO").name == "cpu"
+def test_auto_picks_what_serves_fastest_here_and_says_why():
+    """No accelerator: eager (the recording graph replays CPU kernels on padded shapes, slower
+    than running them; docs/benchmarks.md), and available_backends() says so."""
+    assert select_backend("auto").name == "eager"
+    assert select_backend("AUTO").name == "eager"
+    avail = available_backends()
+    assert avail.auto == "eager" and "no accelerator" in avail.auto_reason and "backend='cpu'" in avail.auto_reason
+    assert avail["cpu"] is None and dict(avail) == {k: avail[k] for k in registry.BACKENDS}
 
 
 def test_aliases_and_case():

@@ -1,17 +1,27 @@
 """Backend registry: names to backend classes, imported lazily.
 
-``available_backends()`` says, for every backend, ``None`` (usable here) or why not;
-``select_backend(name)`` returns a backend instance or raises
-:class:`~graphrt.core.errors.BackendUnavailableError` with that reason. Importing this module
-imports neither torch, jax nor torch_npu.
+``available_backends()`` says, for every backend, ``None`` (usable here) or why not, and which
+one ``auto`` picks and why (``.auto``, ``.auto_reason``); ``select_backend(name)`` returns a
+backend instance or raises :class:`~graphrt.core.errors.BackendUnavailableError` with that
+reason. Importing this module imports neither torch, jax nor torch_npu.
+
+``auto`` picks what serves fastest where it runs: a device with graphs (``cuda``, ``npu``) when
+there is one; on a machine without an accelerator, ``eager``. Device graphs pay off by removing
+per-kernel launch overhead, which a CPU does not have; the CPU recording graph (``cpu``) replays
+the same CPU kernels on padded shapes -- every step padded to its token bucket, attention to its
+context bucket -- and served 0.5x eager's tokens/s on the peer benchmark (docs/benchmarks.md,
+"The default that serves fastest"). ``cpu`` stays what the correctness tests use: name it.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from graphrt.core.errors import BackendUnavailableError
+
+logger = logging.getLogger(__name__)
 
 #: name -> "module:Class"
 BACKENDS: dict[str, str] = {
@@ -22,8 +32,26 @@ BACKENDS: dict[str, str] = {
     "eager": "graphrt.backends.torch.eager:EagerBackend",
 }
 ALIASES: dict[str, str] = {"acl": "npu", "jax": "xla"}
-#: ``select_backend("auto")`` takes the first available of these.
-AUTO_ORDER: tuple[str, ...] = ("cuda", "npu", "cpu", "xla", "eager")
+#: ``select_backend("auto")`` takes the first available of these (the module docstring: why).
+AUTO_ORDER: tuple[str, ...] = ("cuda", "npu", "eager", "xla", "cpu")
+#: Why ``auto`` picks each backend, in ``available_backends().auto_reason``.
+AUTO_REASONS: dict[str, str] = {
+    "cuda": "a CUDA GPU is visible: captured CUDA graphs remove per-kernel launch overhead",
+    "npu": "an Ascend NPU is visible: captured ACL graphs remove per-kernel launch overhead",
+    "eager": "no accelerator: graphs remove launch overhead a CPU does not pay, and the CPU recording graph "
+             "replays the same kernels on padded shapes (0.5x eager's tokens/s on the peer benchmark, "
+             "docs/benchmarks.md), so steps run eagerly; backend='cpu' still captures (the correctness tests' graph)",
+    "xla": "no accelerator and no torch: JAX's compiled executables",
+    "cpu": "only the CPU recording graph can run here",
+}
+
+
+class Availability(dict):
+    """``available_backends()``: backend name -> None (usable) or why not, plus :attr:`auto` (what
+    ``select_backend("auto")`` picks here, None when nothing can run) and :attr:`auto_reason`."""
+
+    auto: str | None = None
+    auto_reason: str = ""
 
 
 def canonical_name(name: str) -> str:
@@ -51,9 +79,13 @@ def unavailable_reason(name: str) -> str | None:
     return cls.unavailable_reason()
 
 
-def available_backends() -> dict[str, str | None]:
-    """Every backend name -> ``None`` if usable here, or the reason it is not."""
-    return {name: unavailable_reason(name) for name in BACKENDS}
+def available_backends() -> Availability:
+    """Every backend name -> ``None`` if usable here, or the reason it is not; ``.auto`` and
+    ``.auto_reason`` say which one ``auto`` picks here and why."""
+    out = Availability((name, unavailable_reason(name)) for name in BACKENDS)
+    out.auto = next((name for name in AUTO_ORDER if out[name] is None), None)
+    out.auto_reason = AUTO_REASONS[out.auto] if out.auto is not None else "no backend can run here"
+    return out
 
 
 def select_backend(name: str = "auto", **options: Any) -> Any:
@@ -63,6 +95,7 @@ def select_backend(name: str = "auto", **options: Any) -> Any:
         for candidate in AUTO_ORDER:
             reason = unavailable_reason(candidate)
             if reason is None:
+                logger.info("graphrt: backend auto -> %s: %s", candidate, AUTO_REASONS[candidate])
                 return _load(candidate)(**options)
             reasons[candidate] = reason
         raise BackendUnavailableError("no backend is available: " +
