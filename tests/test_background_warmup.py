@@ -196,6 +196,6 @@ class Transitioning(RunnerFactory):
 def test_kit_properties_hold_while_keys_are_added_and_retired(model_dir, manual, prop):
     factory = Transitioning(model_dir, "cpu", **KIT)
     result = check_property(prop, factory, examples=14, seed=5)
-    assert result.passed and result.runs == 14, result.error
+    assert result.passed and result.examples >= 14, result.error
     runner = factory()
     assert runner.stats.retired > 0 and runner.background.built > 1

@@ -25,11 +25,13 @@ writes the static buffers a launched step, or the next step's future tokens, sti
 
 from __future__ import annotations
 
+import atexit
 import collections
 import gc
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 from graphrt.backends.base import Executor
@@ -84,8 +86,8 @@ class BackgroundWarmup:
         #: Called (with the lock held) at each of the builder's turns before it builds (traffic re-fits).
         self.tasks: list[Callable[[], None]] = []
         self._thread: threading.Thread | None = None
+        self._started = False
         self._stop = threading.Event()
-        self._work = threading.Event()
 
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, jobs: Sequence[Job], prior: Mapping[Job, int] | None = None, *,
@@ -111,7 +113,8 @@ class BackgroundWarmup:
         self.active, self.complete = True, False
         self.completed_at = None
         self.started_at = self.started_at or time.perf_counter()
-        self._work.set()
+        if self._started:
+            self.start()
         return len(new)
 
     @property
@@ -218,17 +221,22 @@ class BackgroundWarmup:
 
     # ---- the thread ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the builder thread (a daemon; idempotent)."""
+        """Start the builder thread (a daemon; idempotent). It holds this object only weakly, so a
+        runner dropped without ``close()`` is still collected, and ends when nothing is left to
+        do (no pending job, no task); :meth:`plan` starts it again. Stopped at interpreter exit."""
+        self._started = True
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="graphrt-background-warmup", daemon=True)
+            self._thread = threading.Thread(target=_builder, args=(weakref.ref(self), self._stop, self.turn),
+                                            name="graphrt-background-warmup", daemon=True)
+            _LIVE.add(self)
             self._thread.start()
 
     def stop(self) -> None:
         """Stop the builder thread and wait for its current build (idempotent)."""
+        self._started = False
         self._stop.set()
         self.turn.set()
-        self._work.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -242,23 +250,18 @@ class BackgroundWarmup:
             time.sleep(0.005)
         return self.complete
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._order and not self.tasks:
-                self._work.wait()
-                self._work.clear()
-                continue
-            self.turn.wait(defaults.BACKGROUND_IDLE_S if self._order else defaults.BACKGROUND_TASK_S)
-            self.turn.clear()
-            with self.lock:
-                if self._stop.is_set():
-                    break
-                if not self.idle():
-                    continue
+    def _turn(self) -> bool:
+        """One turn of the builder (the lock taken): the tasks, then a slice of builds; False
+        when the thread has nothing left to do."""
+        with self.lock:
+            if self._stop.is_set():
+                return False
+            if self.idle():
                 for task in list(self.tasks):
                     task()
                 if self._order:
                     self.build_next()
+            return bool(self._order or self.tasks)
 
     def report(self) -> dict[str, Any]:
         """Numbers for stats and logs: built, failed, pending, left out for memory, seconds spent
@@ -269,6 +272,34 @@ class BackgroundWarmup:
                 "seconds_to_complete": (None if self.completed_at is None or self.started_at is None
                                         else round(self.completed_at - self.started_at, 4)),
                 "next": [describe_key(key) for _, key in pending[:4]]}
+
+
+def _builder(ref: "weakref.ref[BackgroundWarmup]", stop: threading.Event, turn: threading.Event) -> None:
+    """The builder thread: wait for a step to end (or the idle time), take a turn; between turns
+    it holds its warm-up only weakly."""
+    while not stop.is_set():
+        background = ref()
+        if background is None:
+            return
+        timeout = defaults.BACKGROUND_IDLE_S if background._order else defaults.BACKGROUND_TASK_S
+        del background
+        turn.wait(timeout)
+        turn.clear()
+        background = ref()
+        if background is None or not background._turn():
+            return
+        del background
+
+
+#: Warm-ups whose thread may run: stopped (their current build finished) at interpreter exit,
+#: before torch or jax are torn down under a running build.
+_LIVE: "weakref.WeakSet[BackgroundWarmup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for background in list(_LIVE):
+        background.stop()
 
 
 def demand_of(job: Job, background: BackgroundWarmup | None, cache: GraphCache, sampler_cache: GraphCache) -> int:
