@@ -25,7 +25,8 @@ def manual(monkeypatch):
 
 def make(model_dir, tables, cache_dir, **kw):
     return ModelRunner(model_dir, backend="cpu", num_kv_blocks=tables.num_kv_blocks, progress=False,
-                       warmup="background", compilation_cache_dir=str(cache_dir), **{**LIMITS, **kw})
+                       warmup="background", compilation_cache_dir=str(cache_dir),
+                       **{**LIMITS, "cudagraph_capture_sizes": [2, 4, 8], **kw})
 
 
 def test_a_restart_builds_in_the_saved_demand_order(model_dir, tables, tmp_path, manual):
