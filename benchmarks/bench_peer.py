@@ -87,13 +87,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args(argv)
     logging.getLogger("graphrt").setLevel(logging.WARNING)
-    import torch
-
-    torch.set_num_threads(1)             # every arm on the same one thread (the machine is shared)
     rounds = 2 if args.quick else max(1, args.rounds)
     with tiny_model_dir("graphrt-bench-peer-", max_model_len=ENGINE["max_model_len"], **MODEL) as model_dir:
         res = bench(str(model_dir), rounds)
-    machine = f"{cpu_line()}, no accelerator, torch threads 1"
+    import torch
+
+    machine = f"{cpu_line()}, no accelerator, torch threads {torch.get_num_threads()} (XLA: its own pool)"
     backends = {k: v for k, v in res["tok_s"].items() if k not in ("auto", "transformers generate")}
     fastest = max(backends, key=backends.get)
     lines = [f"bench_peer on {machine}: 4-layer 256-wide Qwen3, {REQUESTS} greedy requests x {MAX_TOKENS} tokens",

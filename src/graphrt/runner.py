@@ -40,7 +40,7 @@ from graphrt.plans import StepInfo, StepPlan, plan_step
 from graphrt.registry import select_backend
 from graphrt.step_outputs import StepOutput, StepOutputs
 from graphrt.traffic import TrafficFit
-from graphrt.warmup import Job, build_every_key, graphs_for, job_target, warmup_keys, warmup_mode
+from graphrt.warmup import Job, compile_host_kernels, graphs_for, job_target, warm_up, warmup_keys, warmup_mode
 
 logger = logging.getLogger(__name__)
 
@@ -159,29 +159,10 @@ class ModelRunner:
         return warmup_keys(self.dispatcher, logprobs=self.config.max_logprobs > 0)
 
     def warmup(self) -> list[dict[str, Any]]:
-        """Capture / compile every key the dispatcher can return, largest first, then seal.
-
-        Shows a progress bar and logs, per key, the seconds and bytes it took. A failed
-        capture makes that key run eagerly with a warning, counted in the cache's
-        ``stats.failed_builds`` and named in the report; in strict mode, and on backends that
-        cannot run a step eagerly (XLA), it raises :class:`GraphCaptureError` with the reason.
-        """
-        if not self.executor.eager_fallback and self.config.disable_precompile:
-            logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use",
-                        self.backend.name)
-            return []
-        self._compile_host_kernels()
-        total = build_every_key(self.executor, self._build_keys(), self.cache, self.sampler_cache,
-                                strict=self.config.strict, progress=self.progress, label=self.backend.name)
-        self.warmup_report = self.cache.report() + self.sampler_cache.report()
-        failed = self.cache.stats.failed_builds + self.sampler_cache.stats.failed_builds
-        logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %.1f MiB%s",
-                    self.backend.name, len(self.cache), len(self.sampler_cache), total,
-                    (self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes) / 2**20,
-                    f"; {failed} failed and run eagerly" if failed else "")
-        self.graph_memory.actual = self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes
-        logger.info("graphrt: %s", self.graph_memory.summary())
-        return self.warmup_report
+        """Capture / compile every key the dispatcher can return, largest first, then seal
+        (:func:`graphrt.warmup.warm_up`: a failed capture runs eagerly with a warning; in strict
+        mode, and on backends that cannot run a step eagerly, it raises GraphCaptureError)."""
+        return warm_up(self)
 
     def start_background_warmup(self, prior: Mapping[Job, int] | None = None) -> int:
         """Queue every key warm-up would build for background warm-up, most demanded first
@@ -189,14 +170,9 @@ class ModelRunner:
         the first step needs them. Returns how many keys were queued."""
         if self.background is None:
             raise ConfigError("start_background_warmup needs a ModelRunner built with warmup='background'")
-        self._compile_host_kernels()
+        compile_host_kernels(self.preparer, self.padder, self.executor)
         with self._lock:
             return self.background.plan(self._build_keys(), prior, seal_if_none=True)
-
-    def _compile_host_kernels(self) -> None:
-        seconds = self.preparer.compile_kernels(self.padder, out=self.executor.host_buffers)
-        if seconds:
-            logger.info("graphrt: host kernels (%s) ready in %.2f s", self.preparer.kernel, seconds)
 
     def _warmup_complete(self) -> None:
         """Background warm-up completed (the lock held): the report, graph memory, the plan saved."""

@@ -39,6 +39,35 @@ def warmup_keys(dispatcher: Dispatcher, logprobs: bool = False) -> list[Job]:
     return list(keys) + [(RuntimeMode.FULL, SamplerKey(r, greedy, lp)) for r in sampler_reqs for greedy, lp in kinds]
 
 
+def compile_host_kernels(preparer: Any, padder: Any, executor: Executor) -> None:
+    """Compile (or load from numba's disk cache) the host kernels before the first step."""
+    seconds = preparer.compile_kernels(padder, out=executor.host_buffers)
+    if seconds:
+        logger.info("graphrt: host kernels (%s) ready in %.2f s", preparer.kernel, seconds)
+
+
+def warm_up(runner: Any) -> list[dict[str, Any]]:
+    """``ModelRunner.warmup``: the host kernels, then every key of ``runner.dispatcher`` built into
+    its caches (:func:`build_every_key`), logged with seconds, MiB and failures; the report."""
+    ex, cfg = runner.executor, runner.config
+    if not ex.eager_fallback and cfg.disable_precompile:
+        logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use", runner.backend.name)
+        return []
+    compile_host_kernels(runner.preparer, runner.padder, ex)
+    cache, sampler = runner.cache, runner.sampler_cache
+    total = build_every_key(ex, warmup_keys(runner.dispatcher, cfg.max_logprobs > 0), cache, sampler,
+                            strict=cfg.strict, progress=runner.progress, label=runner.backend.name)
+    runner.warmup_report = cache.report() + sampler.report()
+    failed = cache.stats.failed_builds + sampler.stats.failed_builds
+    built = cache.stats.build_bytes + sampler.stats.build_bytes
+    logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %.1f MiB%s",
+                runner.backend.name, len(cache), len(sampler), total, built / 2**20,
+                f"; {failed} failed and run eagerly" if failed else "")
+    runner.graph_memory.actual = built
+    logger.info("graphrt: %s", runner.graph_memory.summary())
+    return runner.warmup_report
+
+
 def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, sampler_cache: GraphCache, *,
                     strict: bool, progress: bool, label: str) -> float:
     """Build ``jobs`` in order into ``cache`` (forward keys, as ``(mode, key)``) and
@@ -125,4 +154,5 @@ def graphs_for(mode: GraphMode, uniform: bool) -> bool:
     return (mode.decode_mode() if uniform else mode.mixed_mode()) is not RuntimeMode.NONE
 
 
-__all__ = ["Job", "build_every_key", "build_one", "graphs_for", "job_target", "warmup_keys", "warmup_mode"]
+__all__ = ["Job", "build_every_key", "build_one", "compile_host_kernels", "graphs_for", "job_target", "warm_up",
+           "warmup_keys", "warmup_mode"]
