@@ -80,7 +80,7 @@ class ModelRunner:
         self.config = cfg = config if config is not None and not config_fields else GraphConfig.create(**fields)
         check_flags(progress=progress)
         warmup = warmup_mode(warmup)
-        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        self.backend = select_backend(backend, model=model) if isinstance(backend, str) else backend
         tp = cfg.tensor_parallel_size
         dtype = check_before_loading(self.backend, model, cfg, dtype)   # sharding, dtype, max_model_len
         if isinstance(model, (str, os.PathLike)) and tp == 1:
