@@ -140,6 +140,9 @@ class ModelRunner:
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
         self.background: BackgroundWarmup | None = None
+        if warmup == "background" and step_agreement is not None:
+            raise ConfigError("warmup='background': data-parallel ranks that step together must run one key "
+                              "per step, and each rank's builds progress on their own; warm up upfront")
         if warmup == "background" or cfg.refit_interval:
             self.background = BackgroundWarmup(
                 self.executor, self.cache, self.sampler_cache, self._lock, lambda: not self._launched,
