@@ -199,3 +199,12 @@ def test_kit_properties_hold_while_keys_are_added_and_retired(model_dir, manual,
     assert result.passed and result.examples >= 14, result.error
     runner = factory()
     assert runner.stats.retired > 0 and runner.background.built > 1
+
+
+def test_background_warmup_is_refused_with_data_parallel_agreement(model_dir):
+    class Agreement:
+        rank, size = 0, 2
+
+    with pytest.raises(ConfigError, match="warmup='background'"):
+        ModelRunner(model_dir, backend="cpu", warmup="background", step_agreement=Agreement(), progress=False,
+                    **KIT)
