@@ -130,7 +130,7 @@ class ModelRunner:
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
         self._plans: dict[DispatchShape, StepPlan] = {}
-        #: Steps served per dispatch shape (the step-size distribution a traffic re-fit reads).
+        #: Steps served per dispatch shape, with ``refit_interval`` (what a traffic re-fit reads).
         self.step_sizes: dict[DispatchShape, int] = {}
         self._launched = False          # a step launched by execute_async may still run
         self._last: tuple[StepPlan, int, int, float] | None = None
@@ -291,8 +291,9 @@ class ModelRunner:
         if self.data_parallel is not None:          # one key for every rank of the group
             shape, ids = self.data_parallel.agree(shape, ids)
         plan = self._plan(shape)
-        sizes = self.step_sizes
-        sizes[shape] = sizes.get(shape, 0) + 1
+        if self.traffic is not None:         # the step-size distribution a re-fit reads
+            sizes = self.step_sizes
+            sizes[shape] = sizes.get(shape, 0) + 1
         padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
                                      out=self.executor.host_buffers)
         if shape.num_loras:
