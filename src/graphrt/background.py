@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from graphrt.backends.base import Executor
 from graphrt.core import defaults
@@ -98,8 +98,9 @@ class BackgroundWarmup:
         if prior:
             self.prior.update(prior)
         new = [job for job in dict.fromkeys(jobs) if not self.has(job) and job not in self._order]
-        logger.info("graphrt: %s background warm-up: %d keys queued%s", self.label, len(new),
-                    ", serving meanwhile (eagerly, or under a built key that covers the step)" if new else "")
+        if new:
+            logger.info("graphrt: %s background warm-up: %d keys queued, serving meanwhile (eagerly, or under a "
+                        "built key that covers the step)", self.label, len(new))
         if not new:
             if seal_if_none:
                 self.cache.seal()
@@ -306,8 +307,7 @@ def demand_of(job: Job, background: BackgroundWarmup | None, cache: GraphCache, 
     """Steps that used or wanted ``job``: its hits so far plus its demand while missing."""
     target, cache_key = job_target(job, cache, sampler_cache)
     per_key = target.stats.per_key.get(cache_key)
-    missing: Hashable = job
-    return (per_key.hits if per_key is not None else 0) + (background.demand[missing] if background else 0)
+    return (per_key.hits if per_key is not None else 0) + (background.demand[job] if background else 0)
 
 
 __all__ = ["BackgroundWarmup", "demand_of"]
