@@ -7,7 +7,8 @@ smallest *built* key that covers it (more padding, still a graph: padding is inv
 eagerly with the cause ``miss_during_warmup`` -- or, on a backend with no eager path (XLA),
 the key is built on that step. Each such step adds one to the key's *demand*; the builder
 thread takes the runner's lock between steps (after a step returns, or when the runner has been
-idle for ``defaults.BACKGROUND_IDLE_S``) and builds the pending job with the highest demand
+idle for ``defaults.BACKGROUND_IDLE_S``; before the first step, for ``BACKGROUND_START_IDLE_S``, so
+the first request never waits on a build) and builds the pending job with the highest demand
 (then the saved plan's demand, then warm-up's order: largest first) until
 ``defaults.BACKGROUND_SLICE_S`` has passed, at least one job per turn.
 
@@ -278,13 +279,16 @@ class BackgroundWarmup:
 def _builder(ref: "weakref.ref[BackgroundWarmup]", stop: threading.Event, turn: threading.Event) -> None:
     """The builder thread: wait for a step to end (or the idle time), take a turn; between turns
     it holds its warm-up only weakly."""
+    first = True
     while not stop.is_set():
         background = ref()
         if background is None:
             return
-        timeout = defaults.BACKGROUND_IDLE_S if background._order else defaults.BACKGROUND_TASK_S
+        timeout = (defaults.BACKGROUND_START_IDLE_S if first else defaults.BACKGROUND_IDLE_S) if background._order \
+            else defaults.BACKGROUND_TASK_S
         del background
-        turn.wait(timeout)
+        turn.wait(timeout)            # first: the first step's end, so the first request never waits on a build
+        first = False
         turn.clear()
         background = ref()
         if background is None or not background._turn():

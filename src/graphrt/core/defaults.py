@@ -65,8 +65,10 @@ ACL_STREAMS_PER_COMM_GROUP = 40
 #: Background warm-up (graphrt/background.py): after a step, the builder keeps building for this
 #: long (at least one key) before the next step may run ...
 BACKGROUND_SLICE_S = 0.05
-#: ... and builds without waiting for a step once the runner has been idle this long.
+#: ... and builds without waiting for a step once the runner has been idle this long (this long
+#: before its first step: a request that comes right after the engine is built runs first).
 BACKGROUND_IDLE_S = 0.05
+BACKGROUND_START_IDLE_S = 1.0
 #: How often the builder thread checks its tasks (traffic re-fits) once nothing is pending.
 BACKGROUND_TASK_S = 0.25
 #: ``warmup=`` values of ``graphrt.LLM`` / ``ModelRunner``, and the LLM's default (docs/api.md,
