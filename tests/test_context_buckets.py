@@ -44,7 +44,7 @@ def test_graph_keys_carry_context_buckets_up_to_the_graph_limit():
     long = d.dispatch(3, 3, True, 0, d.context_bucket(600))            # above the graphs' contexts
     assert d.context_bucket(600) == -1 and long.mode is RuntimeMode.PIECEWISE
     eager = cfg.graph_dispatcher(GraphMode.FULL, keyed_context=True).dispatch(3, 3, True, 0, -1)
-    assert eager.mode is RuntimeMode.NONE and eager.cause is EagerCause.ABOVE_LARGEST_BUCKET
+    assert eager.mode is RuntimeMode.NONE and eager.cause is EagerCause.ABOVE_LARGEST_CONTEXT
     assert "context bucket" in eager.reason
     plain = cfg.graph_dispatcher(GraphMode.FULL_AND_PIECEWISE)           # a kernel that keys nothing
     assert plain.context_sizes == () and all(k.max_seq_len is None for _, k in plain.keys())
@@ -79,7 +79,7 @@ def test_every_dispatched_full_key_holds_the_steps_longest_request(seqs, tokens,
     else:
         assert res.key.max_seq_len is None
         assert (longest > min(max_len, defaults.DEFAULT_MAX_GRAPH_CONTEXT) or mode is not GraphMode.FULL
-                or res.cause is EagerCause.ABOVE_LARGEST_BUCKET)
+                or res.cause in (EagerCause.ABOVE_LARGEST_BUCKET, EagerCause.ABOVE_LARGEST_CONTEXT))
 
 
 # ---- end to end ---------------------------------------------------------------------------

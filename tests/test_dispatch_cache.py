@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 
 import pytest
+
+from graphrt.core.eager import EagerCause
+from graphrt.core.errors import GraphrtError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -302,14 +305,18 @@ def test_record_step_padding_waste():
     assert cache.stats.padding_waste == 0.0
     cache.record_step(real_tokens=3, padded_tokens=4, real_reqs=3, padded_reqs=4)
     cache.record_step(real_tokens=10, padded_tokens=16, real_reqs=2, padded_reqs=8)
+    above = EagerCause.ABOVE_LARGEST_BUCKET
     cache.record_step(real_tokens=40, padded_tokens=40, real_reqs=5, padded_reqs=5,
-                      eager_reason="above the largest bucket")
+                      eager_reason="above the largest bucket", eager_cause=above)
     cache.record_step(real_tokens=7, padded_tokens=7, real_reqs=1, padded_reqs=1,
-                      eager_reason="above the largest bucket")
+                      eager_reason="above the largest bucket", eager_cause=above)
     s = cache.stats
     assert (s.real_tokens, s.padded_tokens, s.real_reqs, s.padded_reqs) == (60, 67, 11, 18)
     assert s.padding_waste == pytest.approx(1 - 60 / 67)
     assert s.eager_steps == 2 and s.eager_reasons == {"above the largest bucket": 2}
+    assert s.steps == 4 and s.graph_step_share == 0.5 and s.graph_token_share == pytest.approx(13 / 60)
+    with pytest.raises(GraphrtError, match="eager step without a cause"):      # every eager step has one
+        cache.record_step(real_tokens=1, padded_tokens=1, real_reqs=1, padded_reqs=1, eager_reason="why?")
     assert s.as_dict()["padding_waste"] == round(1 - 60 / 67, 4)
 
 

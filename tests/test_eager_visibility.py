@@ -96,7 +96,8 @@ def test_the_dict_and_the_summary_list_every_cause():
     d = s.as_dict()
     assert d["eager_tokens"] == 0
     assert d["eager_by_cause"] == {c.value: {"steps": 0, "tokens": 0} for c in EagerCause}
-    assert s.summary() == "hits 0, misses 0, eager 0 steps / 0 tokens, padding waste 0.0%"
+    assert s.summary() == (
+        "hits 0, misses 0, eager 0 steps / 0 tokens, on graphs 100.0% of steps / 100.0% of tokens, padding waste 0.0%")
 
 
 def test_llm_stats_and_the_demo_show_the_causes(model_dir, capsys):

@@ -19,7 +19,8 @@ PREFILL = re.compile(r"Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cach
                      r"token usage: ([\d.]+), #running-req: (\d+), #queue-req: (\d+)$")
 DECODE = re.compile(r"Decode batch\. #running-req: (\d+), #token: (\d+), token usage: ([\d.]+), "
                     r"graph: (True|False) \((\w+)\), gen throughput \(token/s\): ([\d.]+), #queue-req: (\d+), "
-                    r"eager since last: (\d+) steps / (\d+) tokens(?: \((.*)\))?$")
+                    r"eager since last: (\d+) steps / (\d+) tokens(?: \((.*)\))?, "
+                    r"on graphs since last: ([\d.]+)% of steps(?:, warm-up: (\d+) keys to build)?$")
 
 
 def prompts() -> list[list[int]]:
@@ -48,11 +49,12 @@ def test_log_lines_parse_back_to_the_engines_numbers(caplog: pytest.LogCaptureFi
     assert stats["log_lines"]["prefill_lines"] == len(prefill)
     assert stats["log_lines"]["decode_lines"] == len(decode)
     last = llm.metrics.last_decode
-    running, token, usage, graph, backend, rate, queue, eager_steps, eager_tokens, _ = decode[-1]
+    running, token, usage, graph, backend, rate, queue, eager_steps, eager_tokens, _, share, pending = decode[-1]
     assert (int(running), int(token), graph, backend, int(queue)) == (
         last.running_req, last.token, str(last.graph), last.backend, last.queue_req)
     assert abs(float(usage) - last.token_usage) < 0.01 and float(rate) > 0
     assert graph == "True" and backend == "cpu" and (int(eager_steps), int(eager_tokens)) == (0, 0)
+    assert float(share) == 100.0 and pending is None        # every decode step on a graph; warm-up was upfront
     assert int(token) % LIMITS["block_size"] == 0
 
 
@@ -66,8 +68,8 @@ def test_the_decode_line_shows_steps_that_ran_eagerly_and_why(caplog: pytest.Log
     decode = lines(caplog, DECODE)
     eager = [d for d in decode if d[3] == "False"]
     assert eager, decode
-    for d in eager:       # the last step ran eagerly: counted, with its cause
-        assert int(d[7]) >= 1 and d[9], d
+    for d in eager:       # the last step ran eagerly: counted, with its cause, and the share shows it
+        assert int(d[7]) >= 1 and d[9] and float(d[10]) < 100.0, d
     assert any("above_largest_bucket" in (d[9] or "") for d in eager)   # 4-request decodes
     assert any("mode" in (d[9] or "") for d in decode)                  # mixed steps, FULL_DECODE_ONLY
     total = llm.runner.stats.eager_by_cause

@@ -88,9 +88,19 @@ def test_xla_available_with_jax():
 
 
 @pytest.mark.skipif(_has_cuda() or HAS_NPU or not HAS_TORCH, reason="an accelerator is present")
-def test_auto_picks_the_first_available():
-    assert select_backend("auto").name == "cpu"
-    assert select_backend("AUTO").name == "cpu"
+@pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
+def test_auto_picks_what_serves_fastest_here_and_says_why():
+    """No accelerator: xla for a checkpoint (one fused executable per bucket; the recording graph
+    replays CPU kernels op by op on padded shapes; docs/benchmarks.md), eager for a torch module,
+    and available_backends() says so."""
+    import torch
+
+    assert select_backend("auto").name == "xla"
+    assert select_backend("AUTO").name == "xla"
+    assert select_backend("auto", model=torch.nn.Linear(2, 2)).name == "eager"
+    avail = available_backends()
+    assert avail.auto == "xla" and "no accelerator" in avail.auto_reason and "backend='cpu'" in avail.auto_reason
+    assert avail["cpu"] is None and dict(avail) == {k: avail[k] for k in registry.BACKENDS}
 
 
 def test_aliases_and_case():

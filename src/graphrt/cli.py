@@ -10,7 +10,9 @@ status. To add one, write those two functions here and add the entry.
 * ``demo``  -- generate on a small random model: backends, warm-up report, each step's
   graph key and padding, statistics;
 * ``conformance`` -- the properties of :mod:`graphrt.testing` on a model and backend, one
-  line per property (docs/testing.md).
+  line per property (docs/testing.md);
+* ``lint`` -- one forward of a model under the capture checks: every host sync,
+  data-dependent shape and baked host value, per module, with the fix (:mod:`graphrt.cli_lint`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from graphrt.core.buckets import BucketPolicy
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
 from graphrt.core.errors import BackendUnavailableError, ConfigError
 from graphrt.cli_demo import demo_args, demo_run, add_engine_args, engine_kwargs
+from graphrt.cli_lint import lint_args, lint_run
 from graphrt.plots import PolicyWaste, check_path, plot_plan, require_matplotlib
 
 
@@ -179,7 +182,7 @@ def _plan_run(args: argparse.Namespace) -> int:
 #: ``main(argv) -> dict``; a result with ``"all_pass": False`` fails ``--check-targets``.
 BENCHMARKS: list[str] = ["bench_inputs", "bench_runner", "bench_xla", "bench_cuda", "bench_attention", "bench_context",
                          "bench_prefix_cache", "bench_overlap", "bench_capture", "bench_step_channel",
-                         "bench_tensor_parallel", "bench_sampler"]
+                         "bench_tensor_parallel", "bench_sampler", "bench_traffic", "bench_peer"]
 
 
 def benchmarks_dir() -> Path:
@@ -290,6 +293,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                        demo_args, demo_run),
     "conformance": Subcommand("run graphrt.testing's padding and graph conformance properties on a model "
                               "and backend", _conformance_args, _conformance_run),
+    "lint": Subcommand("name, per module, what in a model would stop or corrupt a graph capture, with the fix",
+                       lint_args, lint_run),
 }
 
 

@@ -130,6 +130,16 @@ class GraphConfig(BaseModel):
                             "v_scale, else 1.0)")
     compilation_cache_dir: Optional[str] = Field(
         None, description="XLA persistent compilation cache directory (reused across restarts)")
+    disable_capture_plan: bool = Field(
+        False, strict=True, description="with compilation_cache_dir: neither read nor save the capture plan (the "
+                                        "keys, their order and observed demand, keyed by model, config and device) "
+                                        "that lets a restart build in demand order")
+    refit_interval: int = Field(
+        0, ge=0, description="re-fit the bucket sizes to the step sizes served every this many steps (exact fit "
+                             "under the graph budget; new keys built in the background, unused ones retired); 0: off")
+    refit_max_buckets: Optional[int] = Field(
+        None, gt=0, description="graph budget of a re-fit: bucket sizes per family (decode batch sizes, token "
+                                "sizes); default: as many as the starting policy has")
     check_baked_values: bool = Field(
         False, strict=True, description="torch graph backends: record each FULL key's forward under two steps it holds and "
                            "report host values the graph bakes in that differ (always on in strict mode, "

@@ -10,7 +10,7 @@ reuses it until either cache changes (``version``); each step still counts its h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from graphrt.core.cache import FailedBuild, GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, RuntimeMode, SamplerKey, logprobs_key
@@ -37,6 +37,9 @@ class StepInfo:
     eager_reason: str | None
     seconds: float
     eager_cause: EagerCause | None = None   # why it ran eagerly, grouped (None: it did not)
+    #: The key it wanted and lacked (background warm-up is building it): it ran eagerly, or under
+    #: ``key``, a larger built key that covers it. None: it ran as planned.
+    wanted: tuple[RuntimeMode, BatchDescriptor] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,40 +54,71 @@ class StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    #: all_greedy -> (key, entry or None, eager reason); :data:`LOGPROBS` -> the logprobs graph's;
-    #: a random variant's :attr:`SamplerKey.kind` -> its own, once a step used it (:func:`plan_sampler`)
-    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]]
+    #: all_greedy -> (key, entry or None, eager reason, eager cause); :data:`LOGPROBS` -> the
+    #: logprobs graph's (its cause unused: logprobs steps are not counted per cause); a random
+    #: variant's :attr:`SamplerKey.kind` -> its own, once a step used it (:func:`plan_sampler`)
+    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None, EagerCause | None]]
     version: int                     # cache.version + sampler_cache.version when planned
     eager_cause: EagerCause | None = None
+    #: The job the step wants built and lacks ((mode, key): it ran eagerly or under a larger
+    #: built key meanwhile): background warm-up builds the most wanted first. None: nothing.
+    wanted: tuple[RuntimeMode, BatchDescriptor] | None = None
+
+
+class Pending(Protocol):
+    """What planning asks of background warm-up (:class:`~graphrt.background.BackgroundWarmup`)."""
+
+    def cause_of(self, job: tuple[RuntimeMode, Any]) -> EagerCause | None:
+        """Why ``job`` has no entry yet (``WARMING_UP``, ``GRAPH_MEMORY``), or None: not its job."""
 
 
 def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, sampler_cache: GraphCache,
-              build_missing: BuildMissing | None) -> StepPlan:
+              build_missing: BuildMissing | None, *, pending: Pending | None = None,
+              degraded: frozenset[bool] = frozenset()) -> StepPlan:
     """The plan of ``shape``: the dispatcher's key, its entry in ``cache`` (or the reason to run
-    eagerly, the step then keyed by its own shape), the padded sizes and the sampler entries."""
+    eagerly, the step then keyed by its own shape), the padded sizes and the sampler entries.
+
+    ``pending``: background warm-up; a key it has not built yet is stood in for by the smallest
+    built key that covers the step (``Dispatcher.covering``), else the step runs eagerly
+    (``WARMING_UP`` / ``GRAPH_MEMORY``), or on a backend without an eager path the key is built
+    now. ``degraded``: the step kinds (``uniform_decode`` values) whose graphs the configured
+    mode had but the attention backend or the model could not hold (``UNSUPPORTED``)."""
     t, r, uniform, n, context = shape
     d = dispatcher.dispatch(t, r, uniform, n, context)
     mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
-    eager_cause = None
+    eager_cause, wanted = None, None
     if mode is RuntimeMode.NONE:
         eager_reason = d.reason
         eager_cause = d.cause or EagerCause.MODE    # a dispatcher that says eager, not why
+        if eager_cause is EagerCause.MODE and uniform in degraded:
+            eager_cause = EagerCause.UNSUPPORTED
     else:
         cache_key = (mode, key)
         entry = cache.lookup(cache_key, reason=lambda: f"{d.reason}, not built during warm-up")
+        waiting = pending.cause_of(cache_key) if pending is not None and entry is None else None
+        if waiting is not None:
+            wanted = cache_key
+            for stand_in in dispatcher.covering(t, r, uniform, key.num_loras, context):
+                found = cache.lookup(stand_in) if stand_in in cache else None
+                if found is not None and not isinstance(found, FailedBuild):
+                    cache_key, (mode, key), entry = stand_in, stand_in, found
+                    break
         if entry is None and build_missing is not None:
             entry = build_missing(cache, cache_key, mode, key)
+            wanted = None
         hit = entry is not None and not isinstance(entry, FailedBuild)
         if not hit:
-            eager_reason = entry.reason if entry is not None else f"{key} was not captured"
-            eager_cause = EagerCause.CAPTURE_FAILED if entry is not None else EagerCause.MISS
+            eager_reason = (entry.reason if entry is not None else
+                            f"{key} is not built yet ({waiting.value})" if waiting is not None else
+                            f"{key} was not captured")
+            eager_cause = (EagerCause.CAPTURE_FAILED if entry is not None else waiting or EagerCause.MISS)
             mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
     padded_reqs = key.num_reqs if key.num_reqs is not None else r
-    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None]] = {}
+    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None, EagerCause | None]] = {}
     for sampler_key in (SamplerKey(padded_reqs, True), SamplerKey(padded_reqs, False), logprobs_key(padded_reqs)):
-        sampler[_kind(sampler_key)] = _sampler_lookup(sampler_cache, sampler_key)
+        sampler[_kind(sampler_key)] = _sampler_lookup(sampler_cache, sampler_key, pending)
     return StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
-                    cache.version + sampler_cache.version, eager_cause)
+                    cache.version + sampler_cache.version, eager_cause, wanted)
 
 
 def _kind(key: SamplerKey) -> bool | str:
@@ -94,25 +128,30 @@ def _kind(key: SamplerKey) -> bool | str:
     return key.greedy if key.kind in ("greedy", "random") else key.kind
 
 
-def _sampler_lookup(sampler_cache: GraphCache, key: SamplerKey) -> tuple[SamplerKey, Any, str | None]:
-    """(key, entry or None, eager reason) of a sampler key."""
+def _sampler_lookup(sampler_cache: GraphCache, key: SamplerKey,
+                    pending: Pending | None = None) -> tuple[SamplerKey, Any, str | None, EagerCause | None]:
+    """(key, entry or None, eager reason, eager cause) of a sampler key."""
     entry = sampler_cache.lookup(key)
     if isinstance(entry, FailedBuild):
-        return key, None, f"sampler capture failed: {entry.reason}"
-    if entry is None and key.kind not in ("greedy", "random", "logprobs"):
-        return key, None, f"the {key.kind} sampler is not built at warm-up"
-    return key, entry, None
+        return key, None, f"sampler capture failed: {entry.reason}", EagerCause.CAPTURE_FAILED
+    if entry is None:
+        why = pending.cause_of((RuntimeMode.FULL, key)) if pending is not None else None
+        built_ahead = key.kind in ("greedy", "random", "logprobs")
+        reason = f"{key} was not captured" if built_ahead else f"the {key.kind} sampler is not built at warm-up"
+        return key, None, reason, why or EagerCause.MISS
+    return key, entry, None, None
 
 
-def plan_sampler(plan: StepPlan, key: SamplerKey, sampler_cache: GraphCache) -> tuple[bool | str, tuple]:
-    """``(kind, (key, entry or None, eager reason))`` of the sampler ``key`` (from
+def plan_sampler(plan: StepPlan, key: SamplerKey, sampler_cache: GraphCache,
+                 pending: Pending | None = None) -> tuple[bool | str, tuple]:
+    """``(kind, (key, entry or None, eager reason, eager cause))`` of the sampler ``key`` (from
     :func:`~graphrt.core.dispatch.sampler_key`) in ``plan``, looked up on first use for the
     variants a plan does not list ahead (wide top-k, penalties)."""
     kind = _kind(key)
     got = plan.sampler.get(kind)
     if got is None:
-        got = plan.sampler[kind] = _sampler_lookup(sampler_cache, key)
+        got = plan.sampler[kind] = _sampler_lookup(sampler_cache, key, pending)
     return kind, got
 
 
-__all__ = ["BuildMissing", "LOGPROBS", "StepInfo", "StepPlan", "plan_step", "plan_sampler"]
+__all__ = ["BuildMissing", "LOGPROBS", "Pending", "StepInfo", "StepPlan", "plan_sampler", "plan_step"]

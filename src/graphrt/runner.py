@@ -9,11 +9,12 @@ its own graph. Host-side work is identical for every backend; only the executor 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -34,10 +35,13 @@ from graphrt.core.fields import ModelInputs
 from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
+from graphrt.background import BackgroundWarmup
+from graphrt.capture_plan import CapturePlanStore, describe_device, read_runner_plan, save_runner_plan
 from graphrt.plans import StepInfo, StepPlan, plan_sampler, plan_step
 from graphrt.registry import select_backend
 from graphrt.step_outputs import StepOutput, StepOutputs
-from graphrt.warmup import build_every_key, warmup_keys
+from graphrt.traffic import TrafficFit
+from graphrt.warmup import Job, compile_host_kernels, graphs_for, job_target, warm_up, warmup_keys, warmup_mode
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +57,15 @@ class ModelRunner:
     ``step_agreement``: data-parallel ranks that step together agree on each step's bucket, and
     a rank with no work calls :meth:`execute_dummy` (docs/distributed.md).
 
+    ``warmup``: ``True`` / ``"upfront"`` builds every key in the constructor; ``"background"``
+    serves at once and builds the keys between steps, most demanded first
+    (:class:`~graphrt.background.BackgroundWarmup`); ``False`` defers it to :meth:`warmup`.
+
     Features are objects it holds: ``lora`` (:class:`~graphrt.core.lora.RunnerLora`, with
-    ``max_loras > 0``) and ``data_parallel`` (:class:`~graphrt.core.dp_agreement.DataParallelStep`,
-    with ``step_agreement``); None when off.
+    ``max_loras > 0``), ``data_parallel`` (:class:`~graphrt.core.dp_agreement.DataParallelStep`,
+    with ``step_agreement``), ``background`` (background warm-up and re-fits' builds), ``traffic``
+    (:class:`~graphrt.traffic.TrafficFit`, with ``refit_interval``) and ``capture_plans``
+    (:class:`~graphrt.capture_plan.CapturePlanStore`, with ``compilation_cache_dir``); None when off.
 
     Threads: :meth:`execute` serializes its callers (one lock; each caller gets its own
     step's tokens), but :meth:`logits`, :meth:`hidden_states` and :attr:`last_step` describe
@@ -64,13 +74,14 @@ class ModelRunner:
 
     def __init__(self, model: Any, config: GraphConfig | None = None, *,
                  backend: str | Backend = "auto", num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, dtype: Any = None, warmup: bool = True,
+                 kv_cache_memory: int | None = None, dtype: Any = None, warmup: bool | str = True,
                  progress: bool = True, step_agreement: StepAgreement | None = None,
                  **config_fields: Any) -> None:
         fields = {**(config.model_dump(exclude_unset=True) if config is not None else {}), **config_fields}
         self.config = cfg = config if config is not None and not config_fields else GraphConfig.create(**fields)
-        check_flags(warmup=warmup, progress=progress)
-        self.backend = select_backend(backend) if isinstance(backend, str) else backend
+        check_flags(progress=progress)
+        warmup = warmup_mode(warmup)
+        self.backend = select_backend(backend, model=model) if isinstance(backend, str) else backend
         tp = cfg.tensor_parallel_size
         dtype = check_before_loading(self.backend, model, cfg, dtype)   # sharding, dtype, max_model_len
         if isinstance(model, (str, os.PathLike)) and tp == 1:
@@ -90,6 +101,14 @@ class ModelRunner:
         if degraded:
             logger.info("graphrt: %s", degraded)
         self.dispatcher = self.backend.dispatcher(cfg, self.mode, model, self.executor.keyed_host_values)
+        #: The step kinds (uniform_decode values) the configured mode had graphs for and the
+        #: resolved one has not: their eager steps count as ``unsupported_by_attention``.
+        self.degraded = frozenset(u for u in (True, False) if degraded and self.executor.has_graphs
+                                  and not cfg.enforce_eager and graphs_for(cfg.mode, u) and not graphs_for(self.mode, u))
+        self.capture_plans = (CapturePlanStore(cfg.compilation_cache_dir, backend=self.backend.name,
+                                               device=describe_device(self.executor), model=model, config=cfg)
+                              if cfg.compilation_cache_dir and not cfg.disable_capture_plan and tp == 1 else None)
+        saved = read_runner_plan(self)       # its bucket sizes installed, where it has some
         self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self._build_keys(),
                                                               num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
@@ -112,14 +131,31 @@ class ModelRunner:
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
         self._plans: dict[DispatchShape, StepPlan] = {}
+        #: Steps served per dispatch shape, with ``refit_interval`` (what a traffic re-fit reads).
+        self.step_sizes: dict[DispatchShape, int] = {}
+        self._launched = False          # a step launched by execute_async may still run
         self._last: tuple[StepPlan, int, int, float] | None = None
         self._futures = FutureTokens(on_device=self.executor.async_execution)
         self._outputs = StepOutputs(self.executor, self.sampler_cache, cfg.max_logprobs, self._build_missing)
         self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
-        if warmup:
+        self.background: BackgroundWarmup | None = None
+        if warmup == "background" and step_agreement is not None:
+            raise ConfigError("warmup='background': data-parallel ranks that step together must run one key "
+                              "per step, and each rank's builds progress on their own; warm up upfront")
+        if warmup == "background" or cfg.refit_interval:
+            self.background = BackgroundWarmup(
+                self.executor, self.cache, self.sampler_cache, self._lock, lambda: not self._launched,
+                memory_cap=self.graph_memory.admitted, raise_failures=cfg.strict or not self.executor.eager_fallback,
+                label=self.backend.name, on_complete=self._warmup_complete)
+        self.traffic = TrafficFit.attach(self, step_agreement) if cfg.refit_interval else None
+        if warmup == "upfront":
             self.warmup()
+        elif warmup == "background":
+            self.start_background_warmup(saved.demand if saved is not None else None)
+        if self.background is not None:
+            self.background.start()
 
     # ---- setup ---------------------------------------------------------------------
     def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
@@ -128,31 +164,46 @@ class ModelRunner:
                            penalties=self.config.enable_penalties)
 
     def warmup(self) -> list[dict[str, Any]]:
-        """Capture / compile every key the dispatcher can return, largest first, then seal.
+        """Capture / compile every key the dispatcher can return, largest first, then seal
+        (:func:`graphrt.warmup.warm_up`: a failed capture runs eagerly with a warning; in strict
+        mode, and on backends that cannot run a step eagerly, it raises GraphCaptureError)."""
+        return warm_up(self)
 
-        Shows a progress bar and logs, per key, the seconds and bytes it took. A failed
-        capture makes that key run eagerly with a warning, counted in the cache's
-        ``stats.failed_builds`` and named in the report; in strict mode, and on backends that
-        cannot run a step eagerly (XLA), it raises :class:`GraphCaptureError` with the reason.
-        """
-        if not self.executor.eager_fallback and self.config.disable_precompile:
-            logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use",
-                        self.backend.name)
-            return []
-        seconds = self.preparer.compile_kernels(self.padder, out=self.executor.host_buffers)
-        if seconds:
-            logger.info("graphrt: host kernels (%s) ready in %.2f s", self.preparer.kernel, seconds)
-        total = build_every_key(self.executor, self._build_keys(), self.cache, self.sampler_cache,
-                                strict=self.config.strict, progress=self.progress, label=self.backend.name)
+    def start_background_warmup(self, prior: Mapping[Job, int] | None = None) -> int:
+        """Queue every key warm-up would build for background warm-up, most demanded first
+        (``prior``: demand per job from a saved capture plan); the host kernels are compiled now,
+        the first step needs them. Returns how many keys were queued."""
+        if self.background is None:
+            raise ConfigError("start_background_warmup needs a ModelRunner built with warmup='background'")
+        compile_host_kernels(self.preparer, self.padder, self.executor)
+        with self._lock:
+            return self.background.plan(self._build_keys(), prior, seal_if_none=True)
+
+    def _warmup_complete(self) -> None:
+        """Background warm-up completed (the lock held): the report, graph memory, the plan saved."""
         self.warmup_report = self.cache.report() + self.sampler_cache.report()
-        failed = self.cache.stats.failed_builds + self.sampler_cache.stats.failed_builds
         self.graph_memory.built(self.cache.stats.build_bytes, self.sampler_cache.stats.build_bytes,
                                 self.executor.sampler_buffer_bytes)
-        logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %s%s",
-                    self.backend.name, len(self.cache), len(self.sampler_cache), total, self.graph_memory.split(),
-                    f"; {failed} failed and run eagerly" if failed else "")
-        logger.info("graphrt: %s", self.graph_memory.summary())
-        return self.warmup_report
+        self.save_capture_plan()
+
+    def save_capture_plan(self) -> Any:
+        """Write the capture plan (keys, order, demand) beside the compilation cache; its path, or
+        None without ``compilation_cache_dir`` (:func:`graphrt.capture_plan.save_runner_plan`)."""
+        return save_runner_plan(self) if self.capture_plans is not None else None
+
+    def replace_dispatcher(self, dispatcher: Any, retire: Sequence[Job] = ()) -> int:
+        """Serve under ``dispatcher`` from the next step (a traffic re-fit; call with the lock held)
+        and drop the entries of ``retire`` (keys it no longer has); returns how many were dropped."""
+        self.dispatcher = dispatcher
+        self._plans.clear()
+        retired = 0
+        for job in retire:
+            target, cache_key = job_target(job, self.cache, self.sampler_cache)
+            retired += target.retire(cache_key)
+        if self.background is not None:
+            self.background.drop(retire)
+        self.save_capture_plan()
+        return retired
 
     # ---- one step ------------------------------------------------------------------
     def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
@@ -211,6 +262,9 @@ class ModelRunner:
         with ``wait=False`` on an asynchronous backend the sampler's device output; None
         without ``sampling``. Logprobs go through :class:`~graphrt.step_outputs.StepOutputs`."""
         t0 = time.perf_counter()
+        if self.background is not None and self.background.error is not None:
+            error, self.background.error = self.background.error, None
+            raise error                      # a background build failed in strict mode / without an eager path
         step = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                    req_rows=req_rows, num_computed_tokens=num_computed_tokens,
                                    num_scheduled_tokens=num_scheduled_tokens)
@@ -240,6 +294,9 @@ class ModelRunner:
         if self.data_parallel is not None:          # one key for every rank of the group
             shape, ids = self.data_parallel.agree(shape, ids)
         plan = self._plan(shape)
+        if self.traffic is not None:         # the step-size distribution a re-fit reads
+            sizes = self.step_sizes
+            sizes[shape] = sizes.get(shape, 0) + 1
         padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
                                      out=self.executor.host_buffers)
         if shape.num_loras:
@@ -267,6 +324,9 @@ class ModelRunner:
                                            wait=False)
             self._sampled = (out, r)
         self._last = (plan, t, r, time.perf_counter() - t0)
+        self._launched = not wait
+        if wait and self.background is not None and self.background.active:
+            self.background.turn.set()       # between steps: the builder's turn
         return out
 
     def _run(self, plan: StepPlan, padded: ModelInputs, real_tokens: int, real_reqs: int,
@@ -278,16 +338,22 @@ class ModelRunner:
         self.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
                                padded_reqs=plan.padded_reqs, eager_reason=plan.eager_reason,
                                eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
+        if plan.wanted is not None:          # its own key is not built yet: demand for it (and its sampler)
+            demand, (mode, key) = self.background.demand, plan.wanted
+            demand[plan.wanted] += 1
+            if sampler is not None and mode is RuntimeMode.FULL:
+                demand[(mode, dataclasses.replace(sampler, num_reqs=key.num_reqs))] += 1
         if sampler is not None and plan.mode is RuntimeMode.FULL:
-            kind, (sampler_key, entry, eager) = plan_sampler(plan, sampler, self.sampler_cache)
+            kind, (sampler_key, entry, eager, cause) = plan_sampler(plan, sampler, self.sampler_cache, self.background)
             if entry is None and not self.executor.eager_fallback:     # no eager sampler: build it now
                 entry = self._build_missing(self.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
-                plan.sampler[kind] = (sampler_key, entry, None)
-            cause = EagerCause.MISS if sampler_key.kind not in ("greedy", "random") else EagerCause.CAPTURE_FAILED
+                eager = cause = None
+                plan.sampler[kind] = (sampler_key, entry, None, None)
+            elif cause is EagerCause.WARMING_UP:
+                self.background.demand[(RuntimeMode.FULL, sampler_key)] += 1
             self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
                                            padded_reqs=plan.padded_reqs, eager_reason=eager,
-                                           eager_cause=cause, key=sampler_key,
-                                           hit=entry is not None)
+                                           eager_cause=cause, key=sampler_key, hit=entry is not None)
         if future is not None:
             return self.executor.run(plan.mode, plan.key, plan.entry, padded, future=future)
         return self.executor.run(plan.mode, plan.key, plan.entry, padded)
@@ -320,7 +386,8 @@ class ModelRunner:
         if plan is not None and plan.version == self.cache.version + self.sampler_cache.version:
             return plan
         plan = plan_step(shape, self.dispatcher, self.cache, self.sampler_cache,
-                         None if self.executor.eager_fallback else self._build_missing)
+                         None if self.executor.eager_fallback else self._build_missing,
+                         pending=self.background, degraded=self.degraded)
         if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
         self._plans[shape] = plan
@@ -332,7 +399,8 @@ class ModelRunner:
         if self._last is None:
             return None
         plan, t, r, seconds = self._last
-        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause)
+        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause,
+                        plan.wanted)
 
     def _build_missing(self, cache: GraphCache, cache_key: Any, mode: RuntimeMode,
                        key: BatchDescriptor | SamplerKey) -> Any:
@@ -413,7 +481,13 @@ class ModelRunner:
         return self.executor.kv_cache_resets
 
     def close(self) -> None:
-        """Stop what the executor started (tensor-parallel workers; docs/distributed.md). Idempotent."""
+        """Stop background warm-up, save the capture plan, stop what the executor started
+        (tensor-parallel workers; docs/distributed.md). Idempotent."""
+        if self.background is not None:
+            self.background.stop()
+        if self.capture_plans is not None and self.cache.stats.steps:
+            with self._lock:
+                self.save_capture_plan()
         self.executor.close()
 
     def __enter__(self) -> "ModelRunner":

@@ -24,7 +24,6 @@ import numpy as np
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import RuntimeMode, sampler_key
-from graphrt.core.eager import EagerCause
 from graphrt.core.errors import InputError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.future_tokens import PendingTokens
@@ -129,15 +128,16 @@ class StepOutputs:
     def _logprobs_entry(self, plan: StepPlan, num_reqs: int) -> Any:
         """The plan's logprobs graph (built now where the executor has no eager path), its use
         counted like the sampler's."""
-        key, entry, eager = plan.sampler[LOGPROBS]
+        key, entry, eager, cause = plan.sampler[LOGPROBS]
         if plan.mode is not RuntimeMode.FULL:
             return entry
         if entry is None and not self.executor.eager_fallback:
             entry = self._build_missing(self.sampler_cache, key, RuntimeMode.FULL, key)
-            plan.sampler[LOGPROBS] = (key, entry, None)
+            eager = cause = None
+            plan.sampler[LOGPROBS] = (key, entry, None, None)
         self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=num_reqs,
                                        padded_reqs=plan.padded_reqs, eager_reason=eager,
-                                       eager_cause=EagerCause.CAPTURE_FAILED, key=key, hit=entry is not None)
+                                       eager_cause=cause, key=key, hit=entry is not None)
         return entry
 
 

@@ -15,14 +15,15 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
 from graphrt.backends.base import Executor
 from graphrt.core.cache import GraphCache, describe_key
-from graphrt.core.dispatch import BatchDescriptor, Dispatcher, RuntimeMode, SamplerKey
-from graphrt.core.errors import GraphCaptureError
+from graphrt.core import defaults
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey
+from graphrt.core.errors import ConfigError, GraphCaptureError
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,35 @@ def warmup_keys(dispatcher: Dispatcher, logprobs: bool = False, penalties: bool 
     kinds = ([SamplerKey(0, True), SamplerKey(0, False)] + ([SamplerKey(0, False, True)] if logprobs else [])
              + ([SamplerKey(0, False, penalties=True)] if penalties else []))
     return list(keys) + [(RuntimeMode.FULL, dataclasses.replace(kind, num_reqs=r)) for r in sampler_reqs for kind in kinds]
+
+
+def compile_host_kernels(preparer: Any, padder: Any, executor: Executor) -> None:
+    """Compile (or load from numba's disk cache) the host kernels before the first step."""
+    seconds = preparer.compile_kernels(padder, out=executor.host_buffers)
+    if seconds:
+        logger.info("graphrt: host kernels (%s) ready in %.2f s", preparer.kernel, seconds)
+
+
+def warm_up(runner: Any) -> list[dict[str, Any]]:
+    """``ModelRunner.warmup``: the host kernels, then every key of ``runner.dispatcher`` built into
+    its caches (:func:`build_every_key`), logged with seconds, MiB and failures; the report."""
+    ex, cfg = runner.executor, runner.config
+    if not ex.eager_fallback and cfg.disable_precompile:
+        logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use", runner.backend.name)
+        return []
+    compile_host_kernels(runner.preparer, runner.padder, ex)
+    cache, sampler = runner.cache, runner.sampler_cache
+    keys = warmup_keys(runner.dispatcher, cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
+    total = build_every_key(ex, keys, cache, sampler,
+                            strict=cfg.strict, progress=runner.progress, label=runner.backend.name)
+    runner.warmup_report = cache.report() + sampler.report()
+    failed = cache.stats.failed_builds + sampler.stats.failed_builds
+    runner.graph_memory.built(cache.stats.build_bytes, sampler.stats.build_bytes, ex.sampler_buffer_bytes)
+    logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %s%s",
+                runner.backend.name, len(cache), len(sampler), total, runner.graph_memory.split(),
+                f"; {failed} failed and run eagerly" if failed else "")
+    logger.info("graphrt: %s", runner.graph_memory.summary())
+    return runner.warmup_report
 
 
 def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, sampler_cache: GraphCache, *,
@@ -79,17 +109,53 @@ def _build_missing(executor: Executor, missing: list, entries: list, *, strict: 
                leave=False)
     for target, cache_key, mode, key in bar:
         bar.set_postfix_str(str(key))
-        t0 = time.perf_counter()
-        try:
-            entry, nbytes = executor.build(mode, key)
-        except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
-            reason = executor.describe_build_failure(exc)
-            if strict or not executor.eager_fallback:
-                raise GraphCaptureError(f"building {describe_key(key)} failed: {reason}") from exc
-            logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
-            target.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)
-            continue
-        target.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
+        build_one(executor, target, cache_key, mode, key, strict=strict)
 
 
-__all__ = ["build_every_key", "warmup_keys"]
+def build_one(executor: Executor, target: GraphCache, cache_key: Any, mode: RuntimeMode,
+              key: BatchDescriptor | SamplerKey, *, strict: bool) -> bool:
+    """Build one key into ``target`` under ``cache_key``; True when it was built. A failure is
+    stored as a :class:`~graphrt.core.cache.FailedBuild` (the key runs eagerly) with a warning,
+    or raised as :class:`GraphCaptureError` in strict mode and where the executor cannot run
+    a step eagerly (XLA)."""
+    t0 = time.perf_counter()
+    try:
+        entry, nbytes = executor.build(mode, key)
+    except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
+        reason = executor.describe_build_failure(exc)
+        if strict or not executor.eager_fallback:
+            raise GraphCaptureError(f"building {describe_key(key)} failed: {reason}") from exc
+        logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
+        target.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)
+        return False
+    target.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
+    return True
+
+
+def job_target(job: Job, cache: GraphCache, sampler_cache: GraphCache) -> tuple[GraphCache, Any]:
+    """Where a job's entry is kept: ``(sampler_cache, key)`` for a sampler key, else
+    ``(cache, (mode, key))``."""
+    mode, key = job
+    return (sampler_cache, key) if isinstance(key, SamplerKey) else (cache, (mode, key))
+
+
+def warmup_mode(warmup: bool | str | None) -> str | None:
+    """``"upfront"`` (True), ``"background"``, or None (False: deferred to ``runner.warmup()``);
+    anything else is a ConfigError naming ``warmup``."""
+    if warmup is True or warmup == "upfront":
+        return "upfront"
+    if warmup is False or warmup is None:
+        return None
+    if warmup == "background":
+        return "background"
+    raise ConfigError(f"warmup: must be one of {list(defaults.WARMUP_MODES)}, True or False; got {warmup!r}")
+
+
+def graphs_for(mode: GraphMode, uniform: bool) -> bool:
+    """Whether graph mode ``mode`` gives steps of this kind (uniform decode or not) graphs."""
+    mode = GraphMode(mode)
+    return (mode.decode_mode() if uniform else mode.mixed_mode()) is not RuntimeMode.NONE
+
+
+__all__ = ["Job", "build_every_key", "build_one", "compile_host_kernels", "graphs_for", "job_target", "warm_up",
+           "warmup_keys", "warmup_mode"]

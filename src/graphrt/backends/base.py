@@ -132,6 +132,11 @@ class Executor(abc.ABC, Generic[EntryT]):
         executor builds one key at a time and the runner calls :meth:`build` per job."""
         return None
 
+    def expect_builds(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]) -> None:
+        """Background warm-up (or a traffic re-fit) will :meth:`build` these keys, one at a time
+        between steps: an executor with compile bookkeeping of its own (XLA) takes them as
+        planned, so building them is no unplanned compile. Default: nothing to record."""
+
     @abc.abstractmethod
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: EntryT | None, padded: ModelInputs,
             future: Any = None) -> Any:

@@ -74,10 +74,12 @@ class CacheStats:
 
     hits: int = 0
     misses: int = 0
+    steps: int = 0                     # every step counted (graph or eager)
     eager_steps: int = 0
     eager_tokens: int = 0              # real tokens of the eager steps
     unplanned_builds: int = 0          # captures / compiles after warm-up
     failed_builds: int = 0             # keys whose capture failed (they run eagerly)
+    retired: int = 0                   # entries dropped by a traffic re-fit (their keys no longer pay)
     real_tokens: int = 0
     padded_tokens: int = 0             # tokens actually run, padding included
     real_reqs: int = 0
@@ -100,18 +102,30 @@ class CacheStats:
         return sum(e.build_bytes for e in self.per_key.values())
 
     @property
+    def graph_step_share(self) -> float:
+        """Fraction of the counted steps that ran on a graph / executable (1.0 before any step)."""
+        return 1.0 if self.steps == 0 else 1.0 - self.eager_steps / self.steps
+
+    @property
+    def graph_token_share(self) -> float:
+        """Fraction of the real tokens that ran on a graph / executable (1.0 before any token)."""
+        return 1.0 if self.real_tokens == 0 else 1.0 - self.eager_tokens / self.real_tokens
+
+    @property
     def padding_waste(self) -> float:
         """Fraction of run tokens that were padding."""
         return 0.0 if self.padded_tokens == 0 else 1.0 - self.real_tokens / self.padded_tokens
 
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers, for logs and JSON."""
-        return {"hits": self.hits, "misses": self.misses, "entries": self.entries,
+        return {"hits": self.hits, "misses": self.misses, "entries": self.entries, "steps": self.steps,
                 "eager_steps": self.eager_steps, "eager_tokens": self.eager_tokens,
+                "graph_step_share": round(self.graph_step_share, 4),
+                "graph_token_share": round(self.graph_token_share, 4),
                 "eager_by_cause": {c.value: {"steps": n.steps, "tokens": n.tokens}
                                    for c, n in self.eager_by_cause.items()},
                 "unplanned_builds": self.unplanned_builds,
-                "failed_builds": self.failed_builds,
+                "failed_builds": self.failed_builds, "retired": self.retired,
                 "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
                 "padding_waste": round(self.padding_waste, 4),
                 "build_seconds": round(self.build_seconds, 4), "build_bytes": self.build_bytes,
@@ -122,7 +136,8 @@ class CacheStats:
         causes = ", ".join(f"{c.value} {n.steps}/{n.tokens}" for c, n in self.eager_by_cause.items() if n.steps)
         eager = f"eager {self.eager_steps} steps / {self.eager_tokens} tokens" + (f" ({causes})" if causes else "")
         return (f"hits {self.hits}, misses {self.misses}, {eager}, "
-                f"padding waste {100 * self.padding_waste:.1f}%")
+                f"on graphs {100 * self.graph_step_share:.1f}% of steps / {100 * self.graph_token_share:.1f}% "
+                f"of tokens, padding waste {100 * self.padding_waste:.1f}%")
 
 
 class GraphCache(Generic[E]):
@@ -203,15 +218,35 @@ class GraphCache(Generic[E]):
         self.sealed = True
         self.version += 1
 
+    def reopen(self) -> None:
+        """A warm-up starts again (a traffic re-fit plans new keys): builds are planned and a
+        miss runs eagerly, strict mode included, until :meth:`seal`."""
+        self.sealed = False
+        self.version += 1
+
+    def retire(self, key: Hashable) -> bool:
+        """Drop ``key``'s entry (a re-fit found it no longer pays), freeing what it holds; its
+        statistics stay in ``per_key`` (hits so far) and ``stats.retired`` counts it. False if
+        it had no entry."""
+        if self._entries.pop(key, None) is None:
+            return False
+        self.stats.retired += 1
+        self.version += 1
+        return True
+
     def record_step(self, *, real_tokens: int, padded_tokens: int, real_reqs: int,
                     padded_reqs: int, eager_reason: str | None = None,
                     eager_cause: EagerCause | None = None,
                     key: Hashable | None = None, hit: bool = False) -> None:
         """Account one step's padding (and, if it ran eagerly, why: ``eager_reason`` in words,
-        ``eager_cause`` its :class:`EagerCause`, a miss when not given; its real tokens count as
-        eager); with ``key``, also count the step's lookup of it (see :meth:`count`) -- except a
-        key whose capture failed, which is counted under ``capture_failed``, not as a miss."""
+        ``eager_cause`` its :class:`EagerCause`, which an eager step must have; its real tokens
+        count as eager); with ``key``, also count the step's lookup of it (see :meth:`count`) --
+        except a key whose capture failed, which is counted under ``capture_failed``, not as a miss."""
+        if eager_reason is not None and eager_cause is None:
+            raise GraphrtError(f"an eager step without a cause ({eager_reason}): every eager step is "
+                               "counted under one EagerCause (graphrt.core.eager)")
         s = self.stats
+        s.steps += 1
         s.real_tokens += real_tokens
         s.padded_tokens += padded_tokens
         s.real_reqs += real_reqs
@@ -220,7 +255,7 @@ class GraphCache(Generic[E]):
             s.eager_steps += 1
             s.eager_tokens += real_tokens
             s.eager_reasons[eager_reason] += 1
-            by_cause = s.eager_by_cause[eager_cause or EagerCause.MISS]
+            by_cause = s.eager_by_cause[eager_cause]
             by_cause.steps += 1
             by_cause.tokens += real_tokens
         if key is not None and (hit or eager_reason is None or eager_cause is not EagerCause.CAPTURE_FAILED):

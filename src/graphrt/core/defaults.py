@@ -62,6 +62,28 @@ ACL_MAX_CAPTURE_SIZE = 1800
 #: Ascend A3 / FFTS+ path: streams each communication group may take.
 ACL_STREAMS_PER_COMM_GROUP = 40
 
+#: Background warm-up (graphrt/background.py): after a step, the builder keeps building for this
+#: long (at least one key) before the next step may run ...
+BACKGROUND_SLICE_S = 0.05
+#: ... and builds without waiting for a step once the runner has been idle this long (this long
+#: before its first step: a request that comes right after the engine is built runs first).
+BACKGROUND_IDLE_S = 0.05
+BACKGROUND_START_IDLE_S = 1.0
+#: How often the builder thread checks its tasks (traffic re-fits) once nothing is pending.
+BACKGROUND_TASK_S = 0.25
+#: ``warmup=`` values of ``graphrt.LLM`` / ``ModelRunner``, and the LLM's default (docs/api.md,
+#: "Warm-up": why).
+WARMUP_MODES = ("upfront", "background")
+DEFAULT_LLM_WARMUP = "upfront"
+
+#: Traffic re-fit (graphrt/traffic.py): the step-size histogram of earlier windows is weighted
+#: by this at each re-fit (0: only the last window counts) ...
+TRAFFIC_DECAY = 0.5
+#: ... a re-fit needs this many steps in its window, and installs the new buckets only when they
+#: pad the window's steps by this fraction less than the current ones (no churn on noise).
+TRAFFIC_MIN_STEPS = 32
+TRAFFIC_MIN_GAIN = 0.05
+
 #: Largest histogram size BucketPolicy.fit solves exactly (O(n^2 * k) dynamic programme).
 FIT_MAX_DISTINCT_SIZES = 4096
 

@@ -357,7 +357,42 @@ class Dispatcher:
         if not self.eager_fallback:
             raise InputError("num_computed_tokens", f"{reason}: this backend has no eager fallback; keep "
                                                     "requests within max_model_len")
-        return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly", EagerCause.ABOVE_LARGEST_BUCKET)
+        return Dispatch(RuntimeMode.NONE, real, reason + "; runs eagerly", EagerCause.ABOVE_LARGEST_CONTEXT)
+
+    def with_buckets(self, *, token_buckets: BucketPolicy | None = None,
+                     decode_buckets: BucketPolicy | None = None) -> "Dispatcher":
+        """The same dispatcher (mode, limits, LoRA and context buckets) over other bucket sizes:
+        ``token_buckets`` / ``decode_buckets`` where given, else this one's (a traffic re-fit, a
+        saved capture plan). The largest sizes must stay what they were, so the new key set
+        covers every step the old one did."""
+        tokens = token_buckets if token_buckets is not None else self.token_buckets
+        decode = decode_buckets if decode_buckets is not None else self.decode_buckets
+        for name, old, new in (("token", self.token_buckets, tokens), ("decode", self.decode_buckets, decode)):
+            if old is not None and new is not None and new.max_size != old.max_size:
+                raise ConfigError(f"re-fitted {name} buckets must keep the largest size {old.max_size} "
+                                  f"(got {new.max_size}): the new key set must cover every step the old one did")
+        return Dispatcher(self.mode, token_buckets=tokens, max_num_seqs=self.max_num_seqs, decode_buckets=decode,
+                          mixed_num_reqs=self.mixed_num_reqs, eager_fallback=self.eager_fallback,
+                          separate_decode=self.separate_decode, decode_query_len=self.decode_query_len,
+                          max_loras=self.max_loras, context_buckets=self.context_buckets,
+                          max_context=self.max_context)
+
+    def covering(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int = 0,
+                 context: int = 0) -> list[tuple[RuntimeMode, BatchDescriptor]]:
+        """Every key of the set that can run a step of this shape (``dispatch``'s arguments, the
+        adapter count already bucketed), smallest first: enough tokens and requests (a
+        PIECEWISE key holds any request count), a decode key only for a decode step, the same
+        adapter bucket, and a context bucket at least the step's (a key without one holds any
+        context). Background warm-up runs a step under the first one built while its own
+        key is not (padding is invisible, so the tokens are the same)."""
+        if context == 0 and self.context_sizes:
+            context = self.context_sizes[-1] if self.context_sizes[-1] == self.max_context else -1
+        found = [(mode, k) for k, mode in self._keys.items()
+                 if k.num_tokens >= num_tokens and (k.num_reqs is None or k.num_reqs >= num_reqs)
+                 and (uniform_decode or not k.uniform_decode) and k.num_loras == num_loras
+                 and (k.max_seq_len is None or 0 < context <= k.max_seq_len)]
+        return sorted(found, key=lambda mk: (mk[1].num_tokens, mk[1].num_reqs or 0, mk[1].max_seq_len or 0,
+                                             mk[0].value))
 
     def keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
         """The key set: every (mode, key) ``dispatch`` can return with a graph, largest first

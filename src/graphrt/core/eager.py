@@ -1,9 +1,15 @@
-"""Why a step ran eagerly: the causes, in one place, and the per-cause counters.
+"""Why a step ran without a graph: the causes, in one place, and the per-cause counters.
 
 Every eager step is counted under exactly one :class:`EagerCause`, with the real tokens it
-ran (``CacheStats.eager_by_cause``); the free-text reason stays in ``eager_reasons``. The
-dispatcher names the cause of the steps it sends eager (``Dispatch.cause``); the runner, of
-those whose key has no graph.
+ran (``CacheStats.eager_by_cause``); the free-text reason (a failed capture's error, the
+bucket it was above) stays in ``eager_reasons``. The dispatcher names the cause of the steps
+it sends eager (``Dispatch.cause``); the runner, of those whose key has no graph. A step
+counted eagerly without a cause is a bug: ``CacheStats`` refuses it.
+
+The list is fixed and documented in docs/api.md ("Eager steps by cause"). ``strict`` is not
+on it on purpose: in strict mode a step the policy covers never runs eagerly once warm-up is
+complete -- the miss raises :class:`~graphrt.core.errors.CacheMissError` instead -- and a
+capture that fails in strict mode raises :class:`~graphrt.core.errors.GraphCaptureError`.
 """
 
 from __future__ import annotations
@@ -12,18 +18,30 @@ import enum
 from dataclasses import dataclass
 
 
-
 class EagerCause(str, enum.Enum):
-    """The four reasons a step runs without a graph / executable."""
+    """The reasons a step runs without a graph / executable."""
 
     #: More tokens (or decode requests) than the largest bucket: planned by the bucket policy.
     ABOVE_LARGEST_BUCKET = "above_largest_bucket"
-    #: The key's capture failed during warm-up; it runs eagerly (``stats.failed_builds``).
+    #: A request longer than the largest context bucket of FULL graphs (and no PIECEWISE key).
+    ABOVE_LARGEST_CONTEXT = "above_largest_context"
+    #: The key's capture failed; it runs eagerly (``stats.failed_builds``, the error in
+    #: ``eager_reasons`` and the key's ``failed`` in the warm-up report).
     CAPTURE_FAILED = "capture_failed"
     #: The graph mode does not cover the step: ``NONE`` / ``enforce_eager``, an eager-only
     #: backend, or a mixed step under ``FULL_DECODE_ONLY``.
     MODE = "mode"
-    #: The key has no entry (not built during warm-up); strict mode raises instead.
+    #: The configured mode would cover the step, but the attention backend (its FULL-graph
+    #: support level) or the model (no PIECEWISE split) cannot: the mode was degraded.
+    UNSUPPORTED = "unsupported_by_attention"
+    #: The key is not built yet: background warm-up (or a traffic re-fit) is still building
+    #: keys, and no built key covers the step.
+    WARMING_UP = "miss_during_warmup"
+    #: The key was left unbuilt: its graph would not fit in the graph memory the KV budget
+    #: admitted (background warm-up stops there).
+    GRAPH_MEMORY = "graph_memory"
+    #: The key has no entry and no warm-up will build it (``warmup=False`` and never built);
+    #: strict mode raises instead.
     MISS = "miss"
 
 
@@ -38,3 +56,21 @@ class EagerCount:
 def new_eager_counts() -> dict[EagerCause, EagerCount]:
     """One zeroed counter per cause, made once per cache (the hot path only adds to them)."""
     return {cause: EagerCount() for cause in EagerCause}
+
+
+def describe_causes() -> dict[str, str]:
+    """Every cause's value and its one-line meaning (the first line of its comment), for docs,
+    ``graphrt`` output and the Prometheus export's HELP text."""
+    return dict(_MEANINGS)
+
+
+_MEANINGS: dict[str, str] = {
+    EagerCause.ABOVE_LARGEST_BUCKET.value: "more tokens or decode requests than the largest bucket",
+    EagerCause.ABOVE_LARGEST_CONTEXT.value: "a request longer than the largest context bucket of FULL graphs",
+    EagerCause.CAPTURE_FAILED.value: "the key's capture / compile failed (its error in eager_reasons)",
+    EagerCause.MODE.value: "the graph mode runs this kind of step eagerly (NONE, enforce_eager, eager backend)",
+    EagerCause.UNSUPPORTED.value: "the attention backend or the model cannot hold this step kind in a graph",
+    EagerCause.WARMING_UP.value: "the key is not built yet (background warm-up or a re-fit is building it)",
+    EagerCause.GRAPH_MEMORY.value: "the key was left unbuilt: it would exceed the graph memory the KV budget admitted",
+    EagerCause.MISS.value: "the key was never built and no warm-up will build it",
+}

@@ -163,6 +163,12 @@ class GraphMemory:
         """Bytes taken out of the KV budget for graphs: the estimate plus the margin."""
         return self.estimate + self.margin
 
+    @property
+    def admitted(self) -> int | None:
+        """Bytes of graphs the KV budget admitted (estimate plus margin), None without a budget:
+        background warm-up builds no further once its graphs hold this many."""
+        return None if self.reason is not None or self.budget is None else self.deducted
+
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers, for logs, JSON and an engine's stats."""
         return {"estimate": self.estimate, "margin": self.margin, "actual": self.actual,

@@ -6,7 +6,8 @@ It makes the library usable end to end and is how the parity tests drive real mo
     outs = llm.generate([[1, 2, 3]], graphrt.SamplingParams(max_tokens=8))
     outs[0].token_ids
 
-Warm-up (capture / precompile) happens in the constructor. The prefix cache
+Warm-up (capture / precompile) happens in the constructor (``warmup="upfront"``), or between
+steps while it serves (``warmup="background"``: docs/api.md, "Warm-up"). The prefix cache
 (``enable_prefix_caching``, on by default) lets a request start from the KV of its longest
 cached full-block prefix; ``schedule_policy`` orders the waiting queue (docs/api.md).
 
@@ -32,7 +33,7 @@ from graphrt.core import defaults
 from graphrt.backends.preflight import check_before_loading
 from graphrt.config import GraphConfig, check_flags
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.metrics import EngineMetrics, engine_stats
+from graphrt.engine.metrics import EngineMetrics, engine_stats, prometheus_text
 from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.loop import StepLoop, overlap_enabled
 from graphrt.engine.prefix_cache import PrefixCache
@@ -42,6 +43,7 @@ from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog
 from graphrt.core.errors import GenerationError, GraphrtError
 from graphrt.runner import ModelRunner
+from graphrt.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_eos_token_ids
 
@@ -77,6 +79,7 @@ class LLM:
                  watchdog_timeout: float | None = defaults.DEFAULT_WATCHDOG_TIMEOUT,
                  watchdog_action: str = defaults.DEFAULT_WATCHDOG_ACTION,
                  disable_overlap_schedule: bool = defaults.DEFAULT_DISABLE_OVERLAP_SCHEDULE,
+                 warmup: str = defaults.DEFAULT_LLM_WARMUP,
                  config: GraphConfig | None = None, **graph_fields: Any) -> None:
         from graphrt.registry import select_backend
         self.config = config = check_engine_args(     # every setting, before anything is loaded
@@ -86,12 +89,13 @@ class LLM:
             watchdog_timeout=watchdog_timeout, watchdog_action=watchdog_action,
             disable_overlap_schedule=disable_overlap_schedule, enable_prefix_caching=enable_prefix_caching,
             progress=progress, graph_fields=graph_fields)
-        backend_obj = select_backend(backend) if isinstance(backend, str) else backend
+        warmup_mode(warmup if warmup is not True else "upfront")    # a bad value: ConfigError before loading
+        backend_obj = select_backend(backend, model=model) if isinstance(backend, str) else backend
         dtype = check_before_loading(backend_obj, model, config, dtype)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
             model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(str(model), dtype)
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
-                                  dtype=dtype, progress=progress)
+                                  dtype=dtype, progress=progress, warmup=warmup)
         cfg = self.config
         self.allocator = BlockAllocator(self.runner.num_kv_blocks)
         self.prefix_cache = PrefixCache(cfg.block_size, self.allocator) if enable_prefix_caching else None
@@ -115,6 +119,12 @@ class LLM:
                              watchdog=self.watchdog, depth=1 if overlap_enabled(self.runner, disable_overlap_schedule)
                              else 0)
         self._closed = False                        # close() was called: every call refused
+        #: While background warm-up (or a re-fit) builds between steps the loop runs plain (depth
+        #: 0: nothing in flight at the builder's turn); the overlap depth comes back once it is done.
+        self._background = self.runner.background
+        self._overlap_after_warmup: int | None = None
+        if self._background is not None:
+            self._follow_warmup()
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -175,6 +185,8 @@ class LLM:
                         break
                     self._check_open()
                     self._deliver(self.loop.step())
+                    if self._background is not None:
+                        self._follow_warmup()
         except BaseException as exc:
             outs, _ = self._close_call(call, ids, prompts, f"aborted: generate() failed: {exc!r}")
             if not isinstance(exc, Exception):
@@ -226,10 +238,21 @@ class LLM:
             if self._closed:
                 self._check_open()
             self._deliver(self.loop.step())
+            if self._background is not None:
+                self._follow_warmup()
             box = self._outbox[None]
             outs = list(box.values())
             box.clear()
             return outs
+
+    def _follow_warmup(self) -> None:
+        """Between steps: the plain loop while background warm-up has keys to build, the overlap
+        depth back once it has none."""
+        if self._background.active:
+            if self._overlap_after_warmup is None:
+                self._overlap_after_warmup, self.loop.depth = self.loop.depth, 0
+        elif self._overlap_after_warmup is not None:
+            self.loop.depth, self._overlap_after_warmup = self._overlap_after_warmup, None
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         """File finished outputs under their owners (a generate call, or None: the step API)."""
@@ -251,7 +274,10 @@ class LLM:
     @overlap.setter
     def overlap(self, value: bool) -> None:
         check_flags(overlap=value)
-        self.loop.depth = 1 if value else 0
+        if self._overlap_after_warmup is not None:      # warming up: from when it is done
+            self._overlap_after_warmup = 1 if value else 0
+        else:
+            self.loop.depth = 1 if value else 0
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -261,6 +287,11 @@ class LLM:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: frozenset[int]) -> None:
         self.loop.eos_token_ids = frozenset(ids)
+
+    def metrics_text(self) -> str:
+        """The graph coverage counters in Prometheus' text format (docs/api.md, "Coverage telemetry")."""
+        with self._lock:
+            return prometheus_text(self.runner)
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Per step with prefill work a ``Prefill batch.`` line; every ``decode_log_interval`` steps
 with decode work a ``Decode batch.`` line that also says whether the last step replayed a
-graph (and on which backend) and how many steps and tokens ran eagerly since the last decode
-line, by cause. Both go to the ``graphrt.engine`` logger at INFO, and the same numbers stay in
+graph (and on which backend), the share of steps on graphs and how many steps and tokens ran
+eagerly since the last decode line, by cause (and, while background warm-up builds, how many
+keys it has left). Both go to the ``graphrt.engine`` logger at INFO, and the same numbers stay in
 :class:`EngineMetrics` (``llm.metrics``) for an engine's own dashboard.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from graphrt.core.dispatch import RuntimeMode
 from graphrt.core.errors import InputError
+from graphrt.core.telemetry import prometheus_text as core_prometheus_text
 
 logger = logging.getLogger("graphrt.engine")
 
@@ -52,6 +54,8 @@ class DecodeLine:
     eager_steps: int
     eager_tokens: int
     eager_causes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    graph_share: float = 1.0              # share of the steps since the last line on graphs
+    warmup_pending: int = 0               # keys background warm-up has left to build
 
     def __str__(self) -> str:
         causes = ", ".join(f"{c} {s}/{t}" for c, (s, t) in self.eager_causes.items())
@@ -59,7 +63,9 @@ class DecodeLine:
                 f"token usage: {self.token_usage:.2f}, graph: {self.graph} ({self.backend}), "
                 f"gen throughput (token/s): {self.gen_throughput:.2f}, #queue-req: {self.queue_req}, "
                 f"eager since last: {self.eager_steps} steps / {self.eager_tokens} tokens"
-                + (f" ({causes})" if causes else ""))
+                + (f" ({causes})" if causes else "")
+                + f", on graphs since last: {100 * self.graph_share:.1f}% of steps"
+                + (f", warm-up: {self.warmup_pending} keys to build" if self.warmup_pending else ""))
 
 
 def check_decode_log_interval(value: int) -> None:
@@ -85,6 +91,7 @@ class EngineMetrics:
         self._decode_tokens_mark = 0        # the scheduler's decode tokens at the last decode line
         self._since = time.perf_counter()
         self._eager_mark: dict[str, tuple[int, int]] = {}
+        self._steps_mark = 0
         self._cached_seen = 0
 
     def record(self, step: Any, scheduler: Any, runner: Any) -> None:
@@ -106,11 +113,16 @@ class EngineMetrics:
         eager = self._eager_delta(runner.stats)
         info = runner.last_step
         tokens = scheduler.num_decode_tokens - self._decode_tokens_mark
+        eager_steps = sum(s for s, _ in eager.values())
+        steps, self._steps_mark = runner.stats.steps - self._steps_mark, runner.stats.steps
+        background = runner.background
         self.last_decode = DecodeLine(
             len(scheduler.running), used * self.block_size, usage,
             info is not None and info.mode is not RuntimeMode.NONE, self.backend,
             tokens / max(now - self._since, 1e-9), len(scheduler.waiting),
-            sum(s for s, _ in eager.values()), sum(t for _, t in eager.values()), eager)
+            eager_steps, sum(t for _, t in eager.values()), eager,
+            1.0 - eager_steps / steps if steps else 1.0,
+            len(background.pending) if background is not None and background.active else 0)
         self.num_decode_lines += 1
         logger.info("%s", self.last_decode)
         self.next_decode_line = scheduler.num_decode_steps + self.decode_log_interval
@@ -131,6 +143,13 @@ class EngineMetrics:
                 "decode": asdict(self.last_decode) if self.last_decode else None,
                 "prefill_lines": self.num_prefill_lines, "decode_lines": self.num_decode_lines}
 
+def prometheus_text(runner: Any) -> str:
+    """A runner's graph coverage in Prometheus' text format (:mod:`graphrt.core.telemetry`)."""
+    return core_prometheus_text(runner.stats, runner.sampler_stats, backend=runner.backend.name,
+                                warmup=runner.background.report() if runner.background is not None else None,
+                                traffic=runner.traffic.report() if runner.traffic is not None else None)
+
+
 def engine_stats(llm: Any) -> dict[str, Any]:
     """``graphrt.LLM.stats``: its runner's cache statistics, the scheduler's and the prefix
     cache's counters, fault counts, graph memory and the log lines' numbers."""
@@ -145,8 +164,10 @@ def engine_stats(llm: Any) -> dict[str, Any]:
                decode_tokens=scheduler.num_decode_tokens, prefix_cache_hit_tokens=scheduler.num_cached_tokens,
                prefix_cache_blocks=llm.allocator.num_cached,
                prefix_cache_evictions=llm.prefix_cache.num_evicted if llm.prefix_cache else 0,
-               overlap=llm.overlap)
+               overlap=llm.overlap,
+               warmup=runner.background.report() if runner.background is not None else None,
+               traffic=runner.traffic.report() if runner.traffic is not None else None)
     return out
 
 
-__all__ = ["engine_stats", "check_decode_log_interval", "DecodeLine", "EngineMetrics", "PrefillLine"]
+__all__ = ["engine_stats", "prometheus_text", "check_decode_log_interval", "DecodeLine", "EngineMetrics", "PrefillLine"]

@@ -74,8 +74,8 @@ class RunnerFactory:
             from graphrt.registry import select_backend
             from graphrt.runner import ModelRunner
 
-            backend = select_backend(self.backend) if isinstance(self.backend, str) else self.backend
             model = self.model if isinstance(self.model, str) else self.model()
+            backend = select_backend(self.backend, model=model) if isinstance(self.backend, str) else self.backend
             config = GraphConfig.create(**{**self.config.model_dump(), **overrides})
             try:
                 runner = ModelRunner(model, config, backend=backend, num_kv_blocks=self.num_kv_blocks,

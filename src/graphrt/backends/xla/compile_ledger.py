@@ -63,8 +63,13 @@ class CompileLedger:
     # ---- warm-up state -------------------------------------------------------------------
     def plan(self, keys: Iterable[Hashable]) -> None:
         """Warm-up will compile ``keys`` (``build_many``'s jobs: the runner's dispatcher's keys
-        and their samplers); once every planned key exists, any further compile is unplanned."""
-        self._planned |= frozenset(keys)
+        and their samplers; background warm-up's and a traffic re-fit's); once every planned key
+        exists, any further compile is unplanned. Planning a key not yet compiled reopens
+        warm-up, so a re-fit's new keys are planned compiles."""
+        new = frozenset(keys)
+        self._planned |= new
+        if not new <= self._compiled:
+            self._sealed = False
 
     @property
     def planned_keys(self) -> frozenset[Hashable]:

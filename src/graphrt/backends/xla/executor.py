@@ -185,6 +185,11 @@ class XlaExecutor(Executor[XlaEntry]):
             entry = self.compiles.compile(key, lowered, spec, seconds)
         return entry, entry.nbytes
 
+    def expect_builds(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> None:
+        """Background warm-up will build ``jobs`` one at a time: they are planned (warm-up reopens
+        until they are compiled; :meth:`CompileLedger.plan`)."""
+        self.compiles.plan(key for _, key in jobs)
+
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, Hashable]], *, workers: int | None = None,
                    progress: bool = False) -> list[Built[XlaEntry]]:
         """Warm-up: plan and compile ``jobs``, lowered one after another here and compiled by

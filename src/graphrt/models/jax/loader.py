@@ -20,6 +20,7 @@ import os
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -160,22 +161,24 @@ def params_from_hf_tensors(config: DecoderConfig, tensors: dict[str, np.ndarray]
         _check_shape(key, top[name], shape)
         return top[name]
 
+    # jax.device_put, not jnp.asarray: jax compiles a staging program per shape for the latter
+    # (nine compiles at every start, warm persistent cache or not).
     params: Params = {
-        "embed": jnp.asarray(take("embed_tokens.weight", (v, h)).astype(target)),
-        "norm": jnp.asarray(take("norm.weight", (h,)).astype(target)),
+        "embed": jax.device_put(take("embed_tokens.weight", (v, h)).astype(target)),
+        "norm": jax.device_put(take("norm.weight", (h,)).astype(target)),
     }
     if not config.tie_word_embeddings:
         if "lm_head.weight" not in top:
             raise InputError("lm_head.weight", "missing from checkpoint (tie_word_embeddings is false)")
         _check_shape("lm_head.weight", top["lm_head.weight"], (v, h))
-        params["lm_head"] = jnp.asarray(top["lm_head.weight"].T.astype(target))
+        params["lm_head"] = jax.device_put(np.ascontiguousarray(top["lm_head.weight"].T).astype(target))
     layers = {}
     for ours, arrs in per_layer.items():
         missing = [i for i, a in enumerate(arrs) if a is None]
         if missing:
             suffix = next(k for k, e in _LAYER_TENSORS.items() if e[0] == ours)
             raise InputError(f"model.layers.{missing[0]}.{suffix}", "missing from checkpoint")
-        layers[ours] = jnp.asarray(np.stack([a.astype(target) for a in arrs]))
+        layers[ours] = jax.device_put(np.stack([a.astype(target) for a in arrs]))
     params["layers"] = layers
     return params
 

@@ -1,0 +1,317 @@
+"""Background warm-up: serve from the first step; build the keys a runner lacks between its
+steps, the most demanded first.
+
+``ModelRunner(..., warmup="background")`` (``graphrt.LLM(..., warmup="background")``) holds
+one :class:`BackgroundWarmup`. Until a key is built, a step that wants it runs under the
+smallest *built* key that covers it (more padding, still a graph: padding is invisible), else
+eagerly with the cause ``miss_during_warmup`` -- or, on a backend with no eager path (XLA),
+the key is built on that step. Each such step adds one to the key's *demand*; the builder
+thread takes the runner's lock between steps (after a step returns, or when the runner has been
+idle for ``defaults.BACKGROUND_IDLE_S``; before the first step, for ``BACKGROUND_START_IDLE_S``, so
+the first request never waits on a build) and builds the pending job with the highest demand
+(then the saved plan's demand, then warm-up's order: largest first) until
+``defaults.BACKGROUND_SLICE_S`` has passed, at least one job per turn.
+
+What "after warm-up" means here: warm-up is *complete* once every planned job is built, failed
+(it runs eagerly, ``capture_failed``) or was left out because its graph would exceed the memory
+the KV budget admitted for graphs (``graph_memory``). Then both caches are sealed: from there
+on a step the policy covers never builds again, and strict mode raises on a miss, exactly as
+after an upfront warm-up. A traffic re-fit (:mod:`graphrt.traffic`) plans new jobs and
+reopens warm-up until they are built. In strict mode, and on backends without an eager path,
+a failed build is raised from the runner's next step (it cannot be raised from this thread).
+
+The builder never runs while a step is launched and unresolved (``idle()`` says so): a capture
+writes the static buffers a launched step, or the next step's future tokens, still reads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import gc
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from graphrt.backends.base import Executor
+from graphrt.core import defaults
+from graphrt.core.cache import FailedBuild, GraphCache, describe_key
+from graphrt.core.eager import EagerCause
+from graphrt.warmup import Job, build_one, job_target
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundWarmup:
+    """The jobs a runner still has to build, their demand, and the thread that builds them.
+
+    ``lock``: the runner's step lock (the builder holds it while it builds). ``idle()``: whether
+    nothing launched is in flight (builds wait otherwise). ``memory_cap``: bytes of graphs the
+    KV budget admitted (None: no budget). ``prior``: demand per job from a saved capture plan.
+    ``raise_failures``: strict mode, or no eager path: a failed build is kept in :attr:`error`
+    and raised from the next step instead of running that key eagerly.
+    """
+
+    def __init__(self, executor: Executor, cache: GraphCache, sampler_cache: GraphCache, lock: threading.Lock,
+                 idle: Callable[[], bool], *, memory_cap: int | None = None, raise_failures: bool = False,
+                 label: str = "", on_complete: Callable[[], None] | None = None) -> None:
+        self.executor = executor
+        self.cache = cache
+        self.sampler_cache = sampler_cache
+        self.lock = lock
+        self.idle = idle
+        self.memory_cap = memory_cap
+        self.raise_failures = raise_failures
+        self.label = label
+        #: Steps that wanted each job while it was missing (the runner adds to it on such steps).
+        self.demand: collections.Counter[Job] = collections.Counter()
+        self.prior: dict[Job, int] = {}
+        self._order: dict[Job, int] = {}               # pending job -> its place in warm-up's order
+        self._over_memory: set[Job] = set()
+        #: Set by the runner after each step while :attr:`active`: the builder's turn.
+        self.turn = threading.Event()
+        #: True while jobs are pending (a plain attribute: the step path reads it).
+        self.active = False
+        #: True once every planned job is built, failed or left out for memory (a plain attribute).
+        self.complete = True
+        #: A failed build in strict mode / without an eager path, raised from the next step.
+        self.error: BaseException | None = None
+        self.built = self.failed = 0
+        self.build_seconds = 0.0
+        self.started_at: float | None = None
+        self.completed_at: float | None = None
+        #: Called (with the lock held) each time warm-up completes.
+        self.on_complete: list[Callable[[], None]] = [on_complete] if on_complete is not None else []
+        #: Called (with the lock held) at each of the builder's turns before it builds (traffic re-fits).
+        self.tasks: list[Callable[[], None]] = []
+        self._thread: threading.Thread | None = None
+        self._started = False
+        self._stop = threading.Event()
+
+    # ---- the plan ------------------------------------------------------------------------
+    def plan(self, jobs: Sequence[Job], prior: Mapping[Job, int] | None = None, *,
+             seal_if_none: bool = False) -> int:
+        """Queue ``jobs`` (in warm-up's order) that the caches lack; ``prior``: their demand from a
+        saved plan. Reopens warm-up (the caches unsealed) when any is queued; with nothing to
+        queue and ``seal_if_none``, seals the caches (warm-up is complete). Returns how many."""
+        if prior:
+            self.prior.update(prior)
+        new = [job for job in dict.fromkeys(jobs) if not self.has(job) and job not in self._order]
+        if new:
+            logger.info("graphrt: %s background warm-up: %d keys queued, serving meanwhile (eagerly, or under a "
+                        "built key that covers the step)", self.label, len(new))
+        if not new:
+            if seal_if_none:
+                self.cache.seal()
+                self.sampler_cache.seal()
+            return 0
+        base = len(self._order)
+        self._order.update((job, base + i) for i, job in enumerate(new))
+        self.executor.expect_builds(new)
+        self.cache.reopen()
+        self.sampler_cache.reopen()
+        self.active, self.complete = True, False
+        self.completed_at = None
+        self.started_at = self.started_at or time.perf_counter()
+        if self._started:
+            self.start()
+        return len(new)
+
+    @property
+    def pending(self) -> list[Job]:
+        """The jobs left to build, in the order they would be built now."""
+        return sorted(self._order, key=self._rank)
+
+    def _rank(self, job: Job) -> tuple[int, int, int]:
+        return (-self.demand[job], -self.prior.get(job, 0), self._order[job])
+
+    def cause_of(self, job: Job) -> EagerCause | None:
+        """Why ``job`` has no entry: ``WARMING_UP`` while it is pending, ``GRAPH_MEMORY`` when it
+        was left out for memory; None when it is not this warm-up's."""
+        if job in self._order:
+            return EagerCause.WARMING_UP
+        if job in self._over_memory:
+            return EagerCause.GRAPH_MEMORY
+        return None
+
+    def has(self, job: Job) -> bool:
+        """Whether ``job`` has an entry (built, or failed)."""
+        target, cache_key = job_target(job, self.cache, self.sampler_cache)
+        return cache_key in target
+
+    def drop(self, jobs: Iterable[Job]) -> None:
+        """Forget pending jobs (a re-fit that no longer wants them)."""
+        for job in jobs:
+            self._order.pop(job, None)
+            self._over_memory.discard(job)
+
+    # ---- building ------------------------------------------------------------------------
+    def build_next(self, max_seconds: float = defaults.BACKGROUND_SLICE_S) -> int:
+        """Build pending jobs, most demanded first, until ``max_seconds`` passed (at least one);
+        call with the runner's lock held and nothing in flight. Returns how many were built or
+        failed; completes warm-up when none is left."""
+        start, done = time.perf_counter(), 0
+        while self._order and (done == 0 or time.perf_counter() - start < max_seconds):
+            job = min(self._order, key=self._rank)
+            del self._order[job]
+            if self.has(job):                   # built on a step meanwhile (no eager path)
+                continue
+            if self._over_budget():
+                self._over_memory.add(job)
+                self._over_memory.update(self._order)
+                logger.warning("graphrt: background warm-up stops: graphs hold %d bytes, the KV budget "
+                               "admitted %d; %d keys stay unbuilt (eager: graph_memory)",
+                               self.built_bytes(), self.memory_cap, len(self._order) + 1)
+                self._order.clear()
+                break
+            done += self._build(job)
+        if not self._order and not self.complete:
+            self._finish()
+        return done
+
+    def _build(self, job: Job) -> int:
+        mode, key = job
+        target, cache_key = job_target(job, self.cache, self.sampler_cache)
+        t0 = time.perf_counter()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            ok = build_one(self.executor, target, cache_key, mode, key, strict=self.raise_failures)
+        except Exception as exc:  # noqa: BLE001 - raised from the next step (this is not its thread)
+            self.error = exc
+            target.put_failed(cache_key, str(exc), seconds=time.perf_counter() - t0)
+            ok = False
+        finally:
+            if enabled:
+                gc.enable()
+        self.build_seconds += time.perf_counter() - t0
+        self.built += ok
+        self.failed += not ok
+        logger.debug("graphrt: background %s %s in %.3f s", "built" if ok else "failed to build",
+                     describe_key(key), time.perf_counter() - t0)
+        return 1
+
+    def built_bytes(self) -> int:
+        """Bytes every built forward and sampler entry holds."""
+        return self.cache.stats.build_bytes + self.sampler_cache.stats.build_bytes
+
+    def _over_budget(self) -> bool:
+        return self.memory_cap is not None and self.built_bytes() >= self.memory_cap
+
+    def _finish(self) -> None:
+        self.active, self.complete = False, True
+        self.completed_at = time.perf_counter()
+        self.cache.seal()
+        self.sampler_cache.seal()
+        failed = sum(isinstance(self.cache.lookup(k), FailedBuild) for k in self.cache)
+        logger.info("graphrt: %s background warm-up complete: %d built, %d failed%s, %.2f s building over "
+                    "%.2f s", self.label, self.built, failed,
+                    f", {len(self._over_memory)} left out for graph memory" if self._over_memory else "",
+                    self.build_seconds, self.completed_at - (self.started_at or self.completed_at))
+        for callback in list(self.on_complete):
+            callback()
+
+    def build_all(self) -> int:
+        """Build every pending job now (the caller holds the lock): what ``warmup="upfront"``
+        would have done, in demand order."""
+        n = 0
+        while self._order:
+            n += self.build_next(max_seconds=float("inf"))
+        return n
+
+    # ---- the thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the builder thread (a daemon; idempotent). It holds this object only weakly, so a
+        runner dropped without ``close()`` is still collected, and ends when nothing is left to
+        do (no pending job, no task); :meth:`plan` starts it again. Stopped at interpreter exit."""
+        self._started = True
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=_builder, args=(weakref.ref(self), self._stop, self.turn),
+                                            name="graphrt-background-warmup", daemon=True)
+            _LIVE.add(self)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the builder thread and wait for its current build (idempotent)."""
+        self._started = False
+        self._stop.set()
+        self.turn.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until warm-up is complete (for benchmarks and tests); whether it is."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while not self.complete and (deadline is None or time.perf_counter() < deadline):
+            if self._thread is None or not self._thread.is_alive():
+                break
+            time.sleep(0.005)
+        return self.complete
+
+    def _turn(self) -> bool:
+        """One turn of the builder (the lock taken): the tasks, then a slice of builds; False
+        when the thread has nothing left to do."""
+        with self.lock:
+            if self._stop.is_set():
+                return False
+            if self.idle():
+                for task in list(self.tasks):
+                    task()
+                if self._order:
+                    self.build_next()
+            return bool(self._order or self.tasks)
+
+    def report(self) -> dict[str, Any]:
+        """Numbers for stats and logs: built, failed, pending, left out for memory, seconds spent
+        building, whether complete, and the most demanded pending keys."""
+        pending = self.pending
+        return {"complete": self.complete, "built": self.built, "failed": self.failed, "pending": len(pending),
+                "over_memory": len(self._over_memory), "build_seconds": round(self.build_seconds, 4),
+                "seconds_to_complete": (None if self.completed_at is None or self.started_at is None
+                                        else round(self.completed_at - self.started_at, 4)),
+                "next": [describe_key(key) for _, key in pending[:4]]}
+
+
+def _builder(ref: "weakref.ref[BackgroundWarmup]", stop: threading.Event, turn: threading.Event) -> None:
+    """The builder thread: wait for a step to end (or the idle time), take a turn; between turns
+    it holds its warm-up only weakly."""
+    first = True
+    while not stop.is_set():
+        background = ref()
+        if background is None:
+            return
+        timeout = (defaults.BACKGROUND_START_IDLE_S if first else defaults.BACKGROUND_IDLE_S) if background._order \
+            else defaults.BACKGROUND_TASK_S
+        del background
+        turn.wait(timeout)            # first: the first step's end, so the first request never waits on a build
+        first = False
+        turn.clear()
+        background = ref()
+        if background is None or not background._turn():
+            return
+        del background
+
+
+#: Warm-ups whose thread may run: stopped (their current build finished) at interpreter exit,
+#: before torch or jax are torn down under a running build.
+_LIVE: "weakref.WeakSet[BackgroundWarmup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for background in list(_LIVE):
+        background.stop()
+
+
+def demand_of(job: Job, background: BackgroundWarmup | None, cache: GraphCache, sampler_cache: GraphCache) -> int:
+    """Steps that used or wanted ``job``: its hits so far plus its demand while missing."""
+    target, cache_key = job_target(job, cache, sampler_cache)
+    per_key = target.stats.per_key.get(cache_key)
+    return (per_key.hits if per_key is not None else 0) + (background.demand[job] if background else 0)
+
+
+__all__ = ["BackgroundWarmup", "demand_of"]

@@ -1,0 +1,196 @@
+"""The saved capture plan: which keys a runner built, in which order, and how many steps wanted
+each -- stored beside the XLA persistent cache so a restart builds in demand order.
+
+With ``compilation_cache_dir`` set (and ``disable_capture_plan`` not), a runner reads
+``<compilation_cache_dir>/graphrt-plans/<backend>-<fingerprint>.json`` when it starts and
+writes it when background warm-up completes, after a traffic re-fit is installed and at
+``close()``. The fingerprint covers what makes the plan mean the same keys: graphrt's version,
+the backend, the device(s), the model's class and config (by value) and every ``GraphConfig``
+field but the cache directory and the plan / re-fit switches. A plan of another fingerprint is
+never read; a file that fails to parse is logged and ignored.
+
+A restart with a plan uses its bucket sizes (a traffic re-fit's, when one was installed) and
+builds the jobs in its demand order (background warm-up: most demanded first). On ``xla`` with
+graphrt's executable store warm under the same directory, every build is a load from disk: no
+compile. The file is JSON (docs/api.md, "Capture plans")::
+
+    {"format": 1, "fingerprint": "...", "backend": "xla", "device": "...",
+     "decode_buckets": [1, 2, 4, 48, 64], "token_buckets": [...],
+     "jobs": [{"mode": "FULL", "key": {"num_tokens": 48, "num_reqs": 48, "uniform_decode": true, ...},
+               "demand": 912, "bytes": 123456, "seconds": 0.41}, ...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from graphrt.core import __version__
+from graphrt.core.buckets import BucketPolicy
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, RuntimeMode, SamplerKey
+from graphrt.core.errors import ConfigError
+from graphrt.warmup import Job, job_target, warmup_keys
+
+logger = logging.getLogger(__name__)
+
+PLAN_FORMAT = 1
+PLAN_DIR = "graphrt-plans"
+#: GraphConfig fields that do not change which keys a plan names.
+_NOT_FINGERPRINTED = frozenset({"compilation_cache_dir", "disable_capture_plan", "refit_interval",
+                                "refit_max_buckets", "strict", "debug_check_addresses", "host_kernel"})
+
+
+@dataclass
+class SavedPlan:
+    """A plan read from disk: bucket sizes and the jobs in build order with their demand."""
+
+    decode_buckets: list[int] | None
+    token_buckets: list[int] | None
+    jobs: list[tuple[Job, int]] = field(default_factory=list)
+
+    @property
+    def demand(self) -> dict[Job, int]:
+        """Demand per job (background warm-up's prior)."""
+        return dict(self.jobs)
+
+    def dispatcher(self, base: Dispatcher) -> Dispatcher:
+        """``base`` over the plan's bucket sizes (its own where the plan has none)."""
+        return base.with_buckets(
+            token_buckets=BucketPolicy(self.token_buckets) if self.token_buckets else None,
+            decode_buckets=BucketPolicy(self.decode_buckets) if self.decode_buckets else None)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able description of a config object (HF config, dataclass, pydantic, anything)."""
+    for attr in ("to_dict", "model_dump"):
+        fn = getattr(value, attr, None)
+        if callable(fn):
+            try:
+                return fn()
+            except Exception:  # noqa: BLE001 - fall through to a cruder description
+                pass
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return repr(value)
+
+
+def describe_device(executor: Any) -> str:
+    """The device(s) an executor runs on: its torch device or its mesh's device kinds, and the host."""
+    mesh = getattr(executor, "mesh", None)
+    if mesh is not None:
+        devices = sorted({f"{d.platform}:{getattr(d, 'device_kind', '')}" for d in mesh.devices.flat})
+        where = f"{len(mesh.devices.flat)}x {', '.join(devices)}"
+    else:
+        where = str(getattr(executor, "device", "unknown"))
+    return f"{where} on {platform.machine()}"
+
+
+def fingerprint(backend: str, device: str, model: Any, config: Any) -> str:
+    """The hash a plan is stored under (module docstring: what it covers)."""
+    fields = {k: v for k, v in config.model_dump(mode="json").items() if k not in _NOT_FINGERPRINTED}
+    model_config = getattr(model, "config", None)
+    described = {"graphrt": __version__, "backend": backend, "device": device, "model": type(model).__name__,
+                 "model_config": _plain(model_config) if model_config is not None else None, "config": fields}
+    text = json.dumps(described, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _key_json(key: BatchDescriptor | SamplerKey) -> dict[str, Any]:
+    kind = "sampler" if isinstance(key, SamplerKey) else "forward"
+    return {"kind": kind, **dataclasses.asdict(key)}
+
+
+def _key_from(data: dict[str, Any]) -> BatchDescriptor | SamplerKey:
+    data = dict(data)
+    kind = data.pop("kind")
+    return SamplerKey(**data) if kind == "sampler" else BatchDescriptor(**data)
+
+
+class CapturePlanStore:
+    """One runner's plan file: :meth:`load` on start, :meth:`save` when there is news."""
+
+    def __init__(self, directory: str | os.PathLike, *, backend: str, device: str, model: Any, config: Any) -> None:
+        self.backend = backend
+        self.device = device
+        self.fingerprint = fingerprint(backend, device, model, config)
+        self.path = Path(os.path.expanduser(os.fspath(directory))) / PLAN_DIR / f"{backend}-{self.fingerprint}.json"
+        self.saves = 0
+
+    def load(self) -> SavedPlan | None:
+        """The saved plan, or None (none yet, or unreadable: logged)."""
+        if not self.path.is_file():
+            return None
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("format") != PLAN_FORMAT or data.get("fingerprint") != self.fingerprint:
+                return None
+            jobs = [((RuntimeMode(j["mode"]), _key_from(j["key"])), int(j["demand"])) for j in data["jobs"]]
+            plan = SavedPlan(data.get("decode_buckets"), data.get("token_buckets"), jobs)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("graphrt: ignoring the capture plan %s: %s", self.path, exc)
+            return None
+        logger.info("graphrt: capture plan %s: %d keys, %d steps of demand", self.path.name, len(plan.jobs),
+                    sum(d for _, d in plan.jobs))
+        return plan
+
+    def save(self, dispatcher: Dispatcher, jobs: Sequence[Job], demand: Callable[[Job], int],
+             cost: Callable[[Job], tuple[int, float]]) -> Path:
+        """Write the plan: ``dispatcher``'s bucket sizes and ``jobs`` most demanded first (ties in
+        their given order), each with its demand and its build bytes and seconds."""
+        ranked = sorted(enumerate(jobs), key=lambda ij: (-demand(ij[1]), ij[0]))
+        rows = []
+        for _, job in ranked:
+            nbytes, seconds = cost(job)
+            rows.append({"mode": job[0].value, "key": _key_json(job[1]), "demand": demand(job), "bytes": nbytes,
+                         "seconds": round(seconds, 6)})
+        data = {"format": PLAN_FORMAT, "fingerprint": self.fingerprint, "backend": self.backend,
+                "device": self.device,
+                "decode_buckets": list(dispatcher.decode_buckets) if dispatcher.decode_buckets else None,
+                "token_buckets": list(dispatcher.token_buckets) if dispatcher.token_buckets else None,
+                "jobs": rows}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plan-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)           # atomic: a reader never sees half a plan
+        self.saves += 1
+        return self.path
+
+
+def read_runner_plan(runner: Any) -> SavedPlan | None:
+    """A runner's saved plan, with its bucket sizes installed in ``runner.dispatcher`` (None: no
+    store, no plan, or its buckets do not fit this config: logged, the config's kept)."""
+    saved = runner.capture_plans.load() if runner.capture_plans is not None else None
+    if saved is not None and (saved.decode_buckets or saved.token_buckets):
+        try:
+            runner.dispatcher = saved.dispatcher(runner.dispatcher)
+        except ConfigError as exc:
+            logger.warning("graphrt: the capture plan's buckets do not fit this config (%s); using the "
+                           "config's", exc)
+    return saved
+
+
+def save_runner_plan(runner: Any) -> Path:
+    """Save a runner's plan: its dispatcher's buckets and keys, each key's demand (hits plus
+    steps that wanted it while it was missing) and build cost."""
+    from graphrt.background import demand_of
+
+    def cost(job: Job) -> tuple[int, float]:
+        target, cache_key = job_target(job, runner.cache, runner.sampler_cache)
+        e = target.stats.per_key.get(cache_key)
+        return (e.build_bytes, e.build_seconds) if e is not None else (0, 0.0)
+
+    return runner.capture_plans.save(runner.dispatcher, warmup_keys(runner.dispatcher, runner.config.max_logprobs > 0),
+                                     lambda job: demand_of(job, runner.background, runner.cache, runner.sampler_cache),
+                                     cost)
+
+
+__all__ = ["CapturePlanStore", "read_runner_plan", "save_runner_plan", "PLAN_DIR", "SavedPlan", "describe_device", "fingerprint"]

@@ -1,0 +1,102 @@
+"""``graphrt lint MODEL``: one forward of a model under the capture checks, on a CPU, and every
+host sync, data-dependent shape and baked host value named under its module, with the fix
+(:mod:`graphrt.backends.torch.capture_lint` says what is checked and how).
+
+``MODEL`` is a Hugging Face directory (graphrt's reference model for it; ``--transformers``: the
+stock transformers class, as a Transformers-backend model runs) or ``module:function`` /
+``file.py:function`` returning a model. A model with ``compute_logits`` (graphrt's model
+protocol, docs/models.md) runs one mixed step of two requests through an eager
+:class:`~graphrt.ModelRunner`; any other module is called as ``model(input_ids=ids[None],
+use_cache=False)``. Exit status: 0 clean, 1 findings, 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import numpy as np
+
+from graphrt.core.errors import ConfigError, GraphrtError
+
+#: The lint's steps: two requests with this many tokens each, their contexts swapped between runs.
+LINT_LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+LINT_SCHEDULED, LINT_COMPUTED = 4, (8, 20)
+
+
+def lint_model(model: Any, *, seed: int = 0) -> Any:
+    """The :class:`~graphrt.backends.torch.capture_lint.LintReport` of a torch model (built)."""
+    import torch
+
+    from graphrt.backends.torch.capture_lint import lint_forward
+
+    if hasattr(model, "compute_logits"):
+        return lint_forward(model, _runner_steps(model))
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 128))
+    rng = np.random.default_rng(seed)
+    ids = [torch.as_tensor(rng.integers(3, vocab, 16), dtype=torch.long)[None] for _ in range(2)]
+    model.eval()
+    return lint_forward(model, lambda i: model(input_ids=ids[i], use_cache=False))
+
+
+def _runner_steps(model: Any) -> Any:
+    """``run(i)``: step ``i`` of two, through an eager runner: the same shape (two requests of
+    ``LINT_SCHEDULED`` tokens, the same longest context), other contents and context lengths."""
+    from graphrt.runner import ModelRunner
+
+    runner = ModelRunner(model, backend="eager", warmup=False, progress=False, **LINT_LIMITS)
+    vocab = runner.vocab_size
+    rows = LINT_LIMITS["max_num_seqs"]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, size=(rows, LINT_LIMITS["max_model_len"]), dtype=np.int32)
+    width = runner.config.max_blocks_per_req
+    table = (np.arange(rows * width, dtype=np.int32).reshape(rows, width) + 1)
+
+    def run(i: int) -> None:
+        computed = np.array(LINT_COMPUTED if i == 0 else LINT_COMPUTED[::-1], np.int32)
+        runner.execute(token_ids=np.roll(tokens, i, axis=1), block_table=table, req_rows=np.array([0, 1], np.int32),
+                       num_computed_tokens=computed, num_scheduled_tokens=np.full(2, LINT_SCHEDULED, np.int32))
+    return run
+
+
+def _load(spec: str, transformers: bool) -> Any:
+    from graphrt.testing.loading import load_model
+
+    loaded = load_model(spec)
+    if callable(loaded):
+        return loaded()
+    if transformers:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(loaded)
+    from graphrt.models.torch.loader import load_torch_model
+
+    return load_torch_model(loaded)
+
+
+def lint_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a Hugging Face directory, or module:function / file.py:function returning a "
+                                      "torch model")
+    parser.add_argument("--transformers", action="store_true",
+                        help="lint the stock transformers class of the directory (as the Transformers backend runs "
+                             "it), not graphrt's reference model")
+
+
+def lint_run(args: argparse.Namespace) -> int:
+    try:
+        model = _load(args.model, args.transformers)
+    except (ConfigError, OSError, ValueError, ImportError) as exc:
+        print(f"graphrt lint: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = lint_model(model)
+    except GraphrtError as exc:
+        print(f"graphrt lint: {exc}", file=sys.stderr)
+        return 2
+    print(f"graphrt lint: {args.model} ({type(model).__name__}), one forward under the capture checks")
+    print(report)
+    return 0 if report.clean else 1
+
+
+__all__ = ["LINT_LIMITS", "lint_args", "lint_model", "lint_run"]

@@ -1,0 +1,216 @@
+"""Buckets fitted from live traffic: the step sizes a runner serves, re-fitted on a schedule.
+
+The runner counts every step by its dispatch shape (``runner.step_sizes``). With
+``refit_interval=N`` (``GraphConfig``), every ``N`` steps :class:`TrafficFit` takes the steps
+since its last look, adds them to a histogram whose earlier windows are weighted down by
+``defaults.TRAFFIC_DECAY``, and fits each bucket family to it with the exact fit of
+:meth:`~graphrt.core.buckets.BucketPolicy.fit` (``graphrt plan``'s): decode batch sizes to the
+decode steps' request counts, token sizes to the mixed steps' token counts. The budget is
+``refit_max_buckets`` sizes per family (default: as many as the starting policy had), and the
+largest size always stays, so every step the old set covered is still covered.
+
+A new set is installed only when it pads the window's steps by ``defaults.TRAFFIC_MIN_GAIN``
+less than the current one, or as little with fewer keys (keys that no longer pay). Its new keys are built by background warm-up (demand order) while
+the old dispatcher still serves; once they are built the runner switches dispatcher and
+retires the keys the new set no longer has (their graphs freed). Where the graph memory the KV
+budget admitted cannot hold old and new keys together, the old ones are retired first and the
+new ones built afterwards (steps run under a covering key or eagerly, ``miss_during_warmup``,
+meanwhile). Each re-fit is logged and kept in :attr:`TrafficFit.history` (``llm.stats``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from graphrt.core import defaults
+from graphrt.core.buckets import BucketPolicy
+from graphrt.core.dispatch import Dispatcher
+from graphrt.core.dp_agreement import DispatchShape
+from graphrt.core.errors import ConfigError
+from graphrt.warmup import Job, warmup_keys
+
+logger = logging.getLogger(__name__)
+
+#: A histogram of step sizes: size -> (decayed) count.
+Histogram = dict[int, float]
+
+
+def split_sizes(counts: dict[DispatchShape, int], decode_query_len: int) -> tuple[Histogram, Histogram]:
+    """(decode steps by request count, mixed steps by token count) of per-shape step counts."""
+    decode: Histogram = {}
+    mixed: Histogram = {}
+    for shape, n in counts.items():
+        if shape.uniform_decode and shape.num_tokens == shape.num_reqs * decode_query_len:
+            decode[shape.num_reqs] = decode.get(shape.num_reqs, 0) + n
+        else:
+            mixed[shape.num_tokens] = mixed.get(shape.num_tokens, 0) + n
+    return decode, mixed
+
+
+def fit_family(hist: Histogram, current: BucketPolicy, budget: int) -> BucketPolicy:
+    """The at most ``budget`` sizes that pad ``hist`` least, the current largest size always one
+    of them (steps above it stay above it; steps the window never saw stay covered)."""
+    top = current.max_size
+    within = {n: max(1, round(c * 1000)) for n, c in hist.items() if n <= top and c > 0}
+    if not within or budget <= 1:
+        return BucketPolicy([top])
+    fitted = BucketPolicy.fit(within, budget - 1)
+    return BucketPolicy(list(fitted.sizes) + [top])
+
+
+def padded(hist: Histogram, policy: BucketPolicy | None) -> float:
+    """Items ``hist`` runs under ``policy``, padding included (above the largest: unpadded)."""
+    if policy is None:
+        return sum(n * c for n, c in hist.items())
+    total = 0.0
+    for n, c in hist.items():
+        b = policy.bucket_for(n)
+        total += (n if b is None else b) * c
+    return total
+
+
+class TrafficFit:
+    """Step-size histograms of a runner and its bucket set re-fitted to them every ``interval`` steps.
+
+    Holds the runner (it reads ``runner.step_sizes``, ``runner.dispatcher`` and the caches and
+    calls ``runner.replace_dispatcher``) and its :class:`~graphrt.background.BackgroundWarmup`
+    (which builds the new keys and runs :meth:`maybe_refit` between steps).
+    """
+
+    def __init__(self, runner: Any, *, interval: int, max_buckets: int | None = None,
+                 decay: float = defaults.TRAFFIC_DECAY) -> None:
+        self.runner = runner
+        self.interval = int(interval)
+        self.max_buckets = max_buckets
+        self.decay = float(decay)
+        self.decode: Histogram = {}
+        self.mixed: Histogram = {}
+        self._seen: dict[DispatchShape, int] = {}
+        self.next_at = self.interval            # the step count of the next re-fit
+        self.history: list[dict[str, Any]] = []
+        self._next: tuple[Dispatcher, list[Job]] | None = None     # built in the background, then installed
+        d = runner.dispatcher            # the graph budget: the starting policy's sizes per family
+        self.budget = {"decode": max_buckets or len(d.decode_buckets or ()),
+                       "token": max_buckets or len(d.token_buckets or ())}
+        runner.background.on_complete.append(self._install_pending)
+
+    @classmethod
+    def attach(cls, runner: Any, step_agreement: Any = None) -> "TrafficFit":
+        """The re-fit of ``runner`` (its config's ``refit_interval`` / ``refit_max_buckets``), run by
+        its background builder between steps. Refused with data-parallel step agreement: every
+        rank must keep one key set, and re-fits are per runner."""
+        if step_agreement is not None:
+            raise ConfigError("refit_interval: data-parallel ranks must keep one key set; re-fits are per "
+                              "runner, so they cannot be combined with step_agreement")
+        cfg = runner.config
+        fit = cls(runner, interval=cfg.refit_interval, max_buckets=cfg.refit_max_buckets)
+        runner.background.tasks.append(fit.maybe_refit)
+        return fit
+
+    def maybe_refit(self) -> None:
+        """Re-fit when ``interval`` steps passed since the last one (the builder thread's task;
+        the runner's lock is held)."""
+        if self.runner.cache.stats.steps >= self.next_at and self._next is None:
+            self.refit()
+
+    def window(self) -> int:
+        """Fold the steps since the last look into the histograms; how many there were."""
+        counts = dict(self.runner.step_sizes)
+        delta = {s: n - self._seen.get(s, 0) for s, n in counts.items() if n > self._seen.get(s, 0)}
+        self._seen = counts
+        decode, mixed = split_sizes(delta, self.runner.dispatcher.decode_query_len)
+        for hist, new in ((self.decode, decode), (self.mixed, mixed)):
+            for size in list(hist):
+                hist[size] *= self.decay
+                if hist[size] < 1e-3:
+                    del hist[size]
+            for size, n in new.items():
+                hist[size] = hist.get(size, 0.0) + n
+        return sum(delta.values())
+
+    def refit(self) -> dict[str, Any] | None:
+        """Fit the bucket sets to the histograms; queue the new keys (or install at once when
+        nothing new is needed). Returns the re-fit's record, or None when nothing changed."""
+        runner = self.runner
+        steps = runner.cache.stats.steps
+        self.next_at = steps + self.interval
+        if self.window() < defaults.TRAFFIC_MIN_STEPS:
+            return None
+        old = runner.dispatcher
+        decode = tokens = None
+        if old.decode_buckets is not None and old.separate_decode and self.decode:
+            decode = fit_family(self.decode, old.decode_buckets, self.budget["decode"])
+        if old.token_buckets is not None and self.mixed:
+            tokens = fit_family(self.mixed, old.token_buckets, self.budget["token"])
+        before = padded(self.decode, old.decode_buckets) + padded(self.mixed, old.token_buckets)
+        after = (padded(self.decode, decode or old.decode_buckets) + padded(self.mixed, tokens or old.token_buckets))
+        if decode in (None, old.decode_buckets) and tokens in (None, old.token_buckets):
+            return None
+        new = old.with_buckets(token_buckets=tokens, decode_buckets=decode)
+        fewer = len(new.keys()) < len(old.keys())       # keys that no longer pay, at no padding cost
+        if not (after <= (1 - defaults.TRAFFIC_MIN_GAIN) * before or (fewer and after <= before)):
+            return None
+        logprobs = runner.config.max_logprobs > 0
+        jobs, old_jobs = warmup_keys(new, logprobs), warmup_keys(old, logprobs)
+        kept = set(jobs)
+        retire = [job for job in old_jobs if job not in kept]
+        real = sum(n * c for n, c in self.decode.items()) + sum(n * c for n, c in self.mixed.items())
+        record = {"step": steps, "decode_buckets": list(new.decode_buckets or ()),
+                  "token_buckets": list(new.token_buckets or ()),
+                  "old_decode_buckets": list(old.decode_buckets or ()), "old_token_buckets": list(old.token_buckets or ()),
+                  "waste_before": round(1 - real / before, 4) if before else 0.0,
+                  "waste_after": round(1 - real / after, 4) if after else 0.0,
+                  "added": 0, "retired": 0, "installed": False}
+        self.history.append(record)
+        background = runner.background
+        if self._must_retire_first(jobs):
+            record["retired"] = runner.replace_dispatcher(new, retire)
+            record["installed"] = True
+            record["added"] = background.plan(jobs)
+        else:
+            record["added"] = background.plan(jobs)
+            self._next = (new, retire)
+        logger.info("graphrt: traffic re-fit at step %d: decode buckets %s -> %s, token buckets %s -> %s; "
+                    "padding waste over the window %.1f%% -> %.1f%%; %d keys to build in the background, %s",
+                    steps, record["old_decode_buckets"], record["decode_buckets"], record["old_token_buckets"],
+                    record["token_buckets"], 100 * record["waste_before"], 100 * record["waste_after"],
+                    record["added"], f"{record['retired']} retired" if record["installed"]
+                    else f"{len(retire)} to retire once they are built")
+        if self._next is not None and not background.active:      # nothing to build: switch now
+            self._install_pending()
+        return record
+
+    def _must_retire_first(self, jobs: list[Job]) -> bool:
+        """Whether the new keys would not fit beside the old ones in the admitted graph memory."""
+        background = self.runner.background
+        cap = background.memory_cap
+        if cap is None:
+            return False
+        cache = self.runner.cache
+        built = [cache.stats.per_key[k].build_bytes for k in cache if k in cache.stats.per_key]
+        per_key = sum(built) / len(built) if built else 0
+        missing = sum(1 for job in jobs if not background.has(job))
+        return background.built_bytes() + per_key * missing > cap
+
+    def _install_pending(self) -> None:
+        """Background warm-up completed: switch to the queued dispatcher and retire its old keys."""
+        if self._next is None:
+            return
+        new, retire = self._next
+        self._next = None
+        retired = self.runner.replace_dispatcher(new, retire)
+        if self.history:
+            self.history[-1].update(installed=True, retired=retired)
+        logger.info("graphrt: traffic re-fit installed: decode buckets %s, token buckets %s; %d keys retired",
+                    list(new.decode_buckets or ()), list(new.token_buckets or ()), retired)
+
+    def report(self) -> dict[str, Any]:
+        """The re-fit schedule and history, for stats."""
+        d = self.runner.dispatcher
+        return {"interval": self.interval, "next_at": self.next_at, "refits": len(self.history),
+                "decode_buckets": list(d.decode_buckets or ()), "token_buckets": list(d.token_buckets or ()),
+                "history": list(self.history[-8:])}
+
+
+__all__ = ["TrafficFit", "fit_family", "padded", "split_sizes"]
