@@ -87,6 +87,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)
         self._refresh = bool(getattr(self.attention, "refreshed_host_values", ()))
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
+        self._run_uniform = False           # the running step's key's uniform_decode (recurrent layers)
         #: Run before every forward (graph or eager) with the padded inputs; see :func:`graph_task`.
         self.pre_replay_hooks: list[PreReplayHook] = []
         #: Per built key: mode, seconds, graph bytes, whether it was compiled.
@@ -208,7 +209,9 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         meta = self.metadata(num_tokens, num_reqs, host)
         if self.state is None:
             return forward_context(meta)
-        uniform = bool(object.__getattribute__(host, "uniform_decode"))     # every key holds it
+        # the key's flag (every key holds it): a step run eagerly at a key takes the graph's form
+        uniform = self._run_uniform if host is self._host_values else bool(
+            object.__getattribute__(host, "uniform_decode"))
         stack = contextlib.ExitStack()
         stack.enter_context(forward_context(meta))
         stack.enter_context(state_context(self.state.metadata(self.static, num_tokens, num_reqs, uniform)))
@@ -355,6 +358,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         host.num_tokens, host.num_reqs, host.real_num_tokens, host.real_num_reqs = t, r, padded.num_tokens, padded.num_reqs
         host.max_query_len, host.uniform_decode = padded.max_query_len, padded.uniform_decode
         host.max_seq_len = key.max_seq_len or padded.max_seq_len
+        self._run_uniform = bool(key.uniform_decode)
         if self._refresh:
             host.query_start_loc, host.seq_lens = padded.query_start_loc, padded.seq_lens
             self.attention.before_replay(self.buffers.tensors(t, r), host)
