@@ -2,7 +2,7 @@
 
 Built offline from transformers' config classes with seeded random weights (hf_models'
 ``_randomize``: norms near 1, matrices scaled by 1/sqrt(fan_in)) and saved with
-``save_pretrained``; cached per process. ``chunk_size`` is small (4) so that prefills of a few
+``save_pretrained``; cached per process (Qwen3-Next's zero-centred norm weights around 0). ``chunk_size`` is small (4) so that prefills of a few
 tokens cross several SSD chunks.
 """
 
@@ -39,7 +39,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
                        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1,
-                       mlp_only_layers=[], partial_rotary_factor=0.25, max_position_embeddings=256,
+                       mlp_only_layers=[], partial_rotary_factor=0.25, max_position_embeddings=256, linear_chunk_size=4,
                        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),
 }
 _CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig", "qwen3_next": "Qwen3NextConfig"}
@@ -67,6 +67,11 @@ def _build(arch: str, seed: int, items: tuple[tuple[str, Any], ...]) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hybrid_hf_config(arch, **dict(items)), dtype=torch.float32)
     _randomize(model, seed)
+    if arch == "qwen3_next":            # its norms scale by 1 + weight: weights around 0, as in its checkpoints
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+                    param.sub_(1.0)
     model.save_pretrained(out, safe_serialization=True)
     return out
 

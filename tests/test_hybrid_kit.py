@@ -21,7 +21,7 @@ from hybrid_models import hybrid_model_dir
 #: steps (FULL), PIECEWISE mixed steps (FULL_AND_PIECEWISE), K+1 verification padding.
 CONFIGS = [("granite", "cpu", "FULL_AND_PIECEWISE", 0), ("granite", "cpu", "FULL", 2),
            ("mamba2", "cpu", "FULL", 0), ("mamba2", "cpu", "FULL_AND_PIECEWISE", 2),
-           ("granite", "eager", "NONE", 1)]
+           ("granite", "eager", "NONE", 1), ("qwen3_next", "cpu", "FULL_AND_PIECEWISE", 1), ("qwen3_next", "cpu", "FULL", 0)]
 EXAMPLES = 8
 
 

@@ -1,4 +1,4 @@
-"""graphrt's hybrid reference models (Mamba2, Granite-4-H) against transformers on torch.
+"""graphrt's hybrid reference models (Mamba2, Granite-4-H, Qwen3-Next) against transformers on torch.
 
 * Parity, teacher-forced: several concurrent requests of different lengths joining at
   different steps, chunked prefill, decode, a preempted request recomputed in another slot;
@@ -25,7 +25,7 @@ LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block
 LENGTHS = (13, 7, 18, 9)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "granite"])
+@pytest.fixture(scope="module", params=["mamba2", "granite", "qwen3_next"])
 def model(request):
     d = hybrid_model_dir(request.param)
     rng = np.random.default_rng(5)
