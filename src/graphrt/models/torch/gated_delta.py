@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.models.torch.mamba_kernels import _request_tokens
+from graphrt.models.torch.mamba_kernels import request_tokens
 from graphrt.models.torch.state_metadata import StateMetadata
 
 
@@ -77,7 +77,7 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     states = init.new_zeros(rows_total, c, *init.shape[1:])
     for chunk in range(-(-t // size)):
         index = chunk * size + lane.view(1, -1)
-        rows, valid = _request_tokens(meta, index.expand(rows_total, -1), t)
+        rows, valid = request_tokens(meta, index.expand(rows_total, -1), t)
         m = valid[..., None, None]
         qk, kk = torch.where(m, q[rows], 0.0), torch.where(m, k[rows], 0.0)       # [R + 1, L, H, Dk]
         vk = torch.where(m, v[rows], 0.0)                                         # [R + 1, L, H, Dv]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from graphrt.models.torch.state_metadata import StateMetadata
 
 
-def _request_tokens(meta: StateMetadata, index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def request_tokens(meta: StateMetadata, index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows of in-request indices ``index [R + 1, ...]`` (clamped into [0, T)) and whether
     each is one of the request's tokens of this step."""
     shape = (-1,) + (1,) * (index.dim() - 1)
@@ -62,7 +62,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     offsets = torch.arange(-(k - 2), 1, device=x.device) if k > 1 else torch.zeros(0, dtype=torch.long,
                                                                                     device=x.device)
     src = last.unsqueeze(-1) + offsets                      # [R + 1, C, K - 1]: in-request indices
-    rows, valid = _request_tokens(meta, src, t)
+    rows, valid = request_tokens(meta, src, t)
     col = (src + (k - 1)).clamp(0, max(k - 2, 0))
     from_init = init_t[torch.arange(init_t.shape[0], device=x.device).view(-1, 1, 1), col]   # [R+1, C, K-1, D]
     window = torch.where(valid.unsqueeze(-1), xf[rows], from_init)
@@ -128,7 +128,7 @@ def _chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     states = init.new_zeros(rows_total, c, h, p, n)
     for k in range(-(-t // size)):
         index = k * size + lane.view(1, -1)                                     # [R + 1, L]
-        rows, valid = _request_tokens(meta, index.expand(rows_total, -1), t)
+        rows, valid = request_tokens(meta, index.expand(rows_total, -1), t)
         v = valid.unsqueeze(-1)
         dtk = torch.where(v, dt[rows], 0.0)                                     # [R + 1, L, H]
         Bk = torch.where(v.unsqueeze(-1), B[rows], 0.0)
@@ -158,4 +158,4 @@ def _chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return y[:t], states
 
 
-__all__ = ["causal_conv1d", "ssd_scan"]
+__all__ = ["causal_conv1d", "request_tokens", "ssd_scan"]

@@ -20,7 +20,7 @@ from graphrt.models.hybrid_config import ATTENTION, HybridConfig
 from graphrt.models.torch.attention import PagedAttention
 from graphrt.models.torch.decoder import RotaryEmbedding, apply_rotary
 from graphrt.models.torch.gated_delta import gated_delta_rule
-from graphrt.models.torch.hybrid import HybridBase
+from graphrt.models.torch.hybrid_base import HybridBase
 from graphrt.models.torch.mamba_kernels import causal_conv1d
 from graphrt.models.torch.state_metadata import StateMetadata, read_states, write_states
 
