@@ -81,7 +81,7 @@ def run_schedule(runner: graphrt.ModelRunner, seqs: list[list[int]], refs: list[
             r.computed += n
             want = refs[r.row][r.computed - 1]
             tol = graphrt.reduction_tolerance("float32", magnitude=float(np.abs(want).max()),
-                                              width=int(runner.executor.hidden_size))
+                                              width=int(runner.model.config.hidden_size))
             np.testing.assert_allclose(logits[k], want, rtol=tol.rtol, atol=tol.atol,
                                        err_msg=f"request {r.row} at position {r.computed - 1} (step {step}, "
                                                f"{runner.last_step.mode.value} {runner.last_step.key})")

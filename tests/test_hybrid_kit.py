@@ -1,6 +1,6 @@
 """The conformance kit on hybrid models: every property, ``state_isolated`` included, holds for
-graphrt's Mamba2 and Granite-4-H (and Qwen3-Next) on the torch backends, in FULL decode, FULL
-mixed and PIECEWISE graphs, with speculative decoding's K+1 padding, and on eager.
+graphrt's Mamba2, Granite-4-H and Qwen3-Next on the torch backends, in FULL decode, FULL mixed
+and PIECEWISE graphs, with speculative decoding's K+1 padding, on eager, and on xla.
 
 The default suite draws a few examples per configuration; ``test_state_isolation_sweep``
 (``slow``) draws at least 10,000 steps across the models and modes (``GRAPHRT_HYBRID_SWEEP``
@@ -21,11 +21,18 @@ from hybrid_models import hybrid_model_dir
 #: steps (FULL), PIECEWISE mixed steps (FULL_AND_PIECEWISE), K+1 verification padding.
 CONFIGS = [("granite", "cpu", "FULL_AND_PIECEWISE", 0), ("granite", "cpu", "FULL", 2),
            ("mamba2", "cpu", "FULL", 0), ("mamba2", "cpu", "FULL_AND_PIECEWISE", 2),
-           ("granite", "eager", "NONE", 1), ("qwen3_next", "cpu", "FULL_AND_PIECEWISE", 1), ("qwen3_next", "cpu", "FULL", 0)]
+           ("granite", "eager", "NONE", 1), ("qwen3_next", "cpu", "FULL_AND_PIECEWISE", 1), ("qwen3_next", "cpu", "FULL", 0),
+           ("granite", "xla", "FULL", 1), ("mamba2", "xla", "FULL", 0)]
 EXAMPLES = 8
 
 
+#: XLA's token x batch-size grid, kept small (every bucket is compiled at warm-up).
+XLA_GRID = dict(precompile_token_paddings=[16, 32], precompile_bs_paddings=[4])
+
+
 def _factory(arch: str, backend: str, mode: str, k: int) -> RunnerFactory:
+    if backend == "xla":
+        return RunnerFactory(str(hybrid_model_dir(arch)), backend, num_speculative_tokens=k, **XLA_GRID)
     return RunnerFactory(str(hybrid_model_dir(arch)), backend, mode=mode, num_speculative_tokens=k)
 
 

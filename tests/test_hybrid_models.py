@@ -34,7 +34,8 @@ def model(request):
 
 
 @pytest.mark.parametrize("backend,mode,k", [("eager", "NONE", 0), ("cpu", "FULL", 0),
-                                            ("cpu", "FULL_AND_PIECEWISE", 0), ("cpu", "FULL", 2)])
+                                            ("cpu", "FULL_AND_PIECEWISE", 0), ("cpu", "FULL", 2),
+                                            ("xla", "FULL", 0), ("xla", "FULL", 1)])
 def test_teacher_forced_parity_with_transformers(model, backend, mode, k):
     """Concurrent requests of different lengths, chunked prefill (chunks of 5 over SSD chunks of
     4), decode, request 0 preempted after its prefill began and recomputed in another slot."""
