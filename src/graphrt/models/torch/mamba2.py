@@ -45,6 +45,14 @@ class GatedRMSNorm(nn.Module):
         return self.weight * grouped.view_as(h).to(dtype)
 
 
+def _kernels(device: torch.device) -> tuple[Any, Any]:
+    """(conv1d, scan): Triton's or the reference's (``GRAPHRT_RECURRENT``: models/torch/triton_recurrent.py)."""
+    from graphrt.models.torch.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_ssd_scan
+    if recurrent_backend(device) == "triton":
+        return triton_causal_conv1d, triton_ssd_scan
+    return causal_conv1d, ssd_scan
+
+
 def mamba2_mixer_step(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                       dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, conv_state: torch.Tensor,
                       ssm_state: torch.Tensor, meta: StateMetadata, *, heads: int, head_dim: int, groups: int,
@@ -57,12 +65,13 @@ def mamba2_mixer_step(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Te
     ``xbc [T, conv_dim]`` and ``dt [T, heads]`` are the input projection's x|B|C and dt parts;
     returns the scan's output ``[T, heads * head_dim]`` (float32) for the gated norm."""
     t = xbc.shape[0]
+    conv, scan = _kernels(xbc.device)
     conv_init = read_states(conv_state, meta, torch.float32)
-    xbc, window = causal_conv1d(xbc, conv_weight, conv_bias, conv_init, meta)
+    xbc, window = conv(xbc, conv_weight, conv_bias, conv_init, meta)
     intermediate = heads * head_dim
     x, B, C = torch.split(xbc, [intermediate, groups * d_state, groups * d_state], dim=-1)
     dt = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])
-    y, states = ssd_scan(x.reshape(t, heads, head_dim), dt, -torch.exp(A_log.float()),
+    y, states = scan(x.reshape(t, heads, head_dim), dt, -torch.exp(A_log.float()),
                          B.reshape(t, groups, d_state), C.reshape(t, groups, d_state), D,
                          read_states(ssm_state, meta, torch.float32), meta, chunk_size)
     write_states(conv_state, meta, window)

@@ -56,9 +56,16 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         value = torch.where(from_tokens.unsqueeze(1), xf.index_select(0, rows), init_t[req, col])
         acc = acc + value * w[:, tap]
     out = F.silu(acc) if activation else acc
-    # the window (last K - 1 inputs) after each request's last C positions
-    c = meta.checkpoints
-    last = meta.query_lens.unsqueeze(1) - 1 - torch.arange(c, device=x.device)       # [R + 1, C]
+    return out.to(x.dtype), conv_windows(xf, init, meta, k)
+
+
+def conv_windows(x: torch.Tensor, init: torch.Tensor, meta: StateMetadata, k: int) -> torch.Tensor:
+    """The convolution window (the last K - 1 inputs) after each request's last C positions,
+    ``[R + 1, C, D, K - 1]`` float32: from the step's ``x [T, D]`` and, before a request's first
+    token, its ``init [R + 1, D, K - 1]``."""
+    t = x.shape[0]
+    xf, init_t = x.float(), init.float().transpose(1, 2)
+    last = meta.query_lens.unsqueeze(1) - 1 - torch.arange(meta.checkpoints, device=x.device)   # [R + 1, C]
     offsets = torch.arange(-(k - 2), 1, device=x.device) if k > 1 else torch.zeros(0, dtype=torch.long,
                                                                                     device=x.device)
     src = last.unsqueeze(-1) + offsets                      # [R + 1, C, K - 1]: in-request indices
@@ -66,7 +73,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     col = (src + (k - 1)).clamp(0, max(k - 2, 0))
     from_init = init_t[torch.arange(init_t.shape[0], device=x.device).view(-1, 1, 1), col]   # [R+1, C, K-1, D]
     window = torch.where(valid.unsqueeze(-1), xf[rows], from_init)
-    return out.to(x.dtype), window.transpose(2, 3)
+    return window.transpose(2, 3)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -158,4 +165,4 @@ def _chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return y[:t], states
 
 
-__all__ = ["causal_conv1d", "request_tokens", "ssd_scan"]
+__all__ = ["causal_conv1d", "conv_windows", "request_tokens", "ssd_scan"]

@@ -62,10 +62,13 @@ def gated_delta_net_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     Hv Dv]`` (before the convolution), ``g`` / ``beta [T, Hv]``; the layer's ``conv_state`` /
     ``delta_state`` (``[slots + 1, C, ...]``) read and written. Returns ``[T, Hv, Dv]`` float32."""
     t = qkv.shape[0]
-    mixed, window = causal_conv1d(qkv, conv_weight, None, read_states(conv_state, meta, torch.float32), meta)
+    from graphrt.models.torch.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_gated_delta_rule
+    triton = recurrent_backend(qkv.device) == "triton"
+    conv, rule = (triton_causal_conv1d, triton_gated_delta_rule) if triton else (causal_conv1d, gated_delta_rule)
+    mixed, window = conv(qkv, conv_weight, None, read_states(conv_state, meta, torch.float32), meta)
     kd = key_heads * key_dim
     q, k, v = torch.split(mixed, [kd, kd, value_heads * value_dim], dim=-1)
-    y, states = gated_delta_rule(q.reshape(t, key_heads, key_dim), k.reshape(t, key_heads, key_dim),
+    y, states = rule(q.reshape(t, key_heads, key_dim), k.reshape(t, key_heads, key_dim),
                                  v.reshape(t, value_heads, value_dim), g, beta,
                                  read_states(delta_state, meta, torch.float32), meta, chunk_size)
     write_states(conv_state, meta, window)
