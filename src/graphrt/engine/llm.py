@@ -84,9 +84,7 @@ class LLM:
             max_model_len=max_model_len, block_size=block_size, strict=strict, schedule_policy=schedule_policy,
             schedule_conservativeness=schedule_conservativeness, decode_log_interval=decode_log_interval,
             watchdog_timeout=watchdog_timeout, watchdog_action=watchdog_action,
-            disable_overlap_schedule=disable_overlap_schedule,
-            enable_prefix_caching=defaults.DEFAULT_ENABLE_PREFIX_CACHING if enable_prefix_caching is None
-            else enable_prefix_caching,
+            disable_overlap_schedule=disable_overlap_schedule, enable_prefix_caching=enable_prefix_caching,
             progress=progress, graph_fields=graph_fields)
         backend_obj = select_backend(backend) if isinstance(backend, str) else backend
         dtype = check_before_loading(backend_obj, model, config, dtype)
