@@ -60,6 +60,21 @@ def test_generate_with_preemption_keeps_transformers_tokens(arch):
         _check_teacher_forced(hf, prompt, list(out.token_ids))
 
 
+def test_overlapped_engine_on_xla_keeps_transformers_tokens():
+    """xla overlaps steps (depth 1: the next step launched before the last is resolved); with
+    preemptions the outputs are still transformers' greedy tokens."""
+    pytest.importorskip("jax")
+    d = hybrid_model_dir("granite")
+    llm = graphrt.LLM(str(d), backend="xla", num_kv_blocks=11, schedule_conservativeness=0.0,
+                      precompile_token_paddings=[16], precompile_bs_paddings=[4], **{**ENGINE, "max_num_seqs": 4})
+    assert llm.loop.depth == 1
+    outs = llm.generate(PROMPTS, graphrt.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert llm.scheduler.num_preemptions > 0
+    hf = load_hf_hybrid(d)
+    for prompt, out in zip(PROMPTS, outs):
+        _check_teacher_forced(hf, prompt, list(out.token_ids))
+
+
 def test_prefix_caching_is_refused_with_the_reason(caplog):
     d = str(hybrid_model_dir("mamba2"))
     with caplog.at_level(logging.INFO, logger="graphrt"):
