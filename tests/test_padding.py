@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("host_kernel")
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = {"input_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64,
           "query_start_loc": np.int32, "seq_lens": np.int32, "num_computed_tokens": np.int32,
-          "block_table": np.int32}
+          "block_table": np.int32, "state_slots": np.int32}
 SCALARS = ("num_reqs", "num_tokens", "max_query_len", "max_seq_len", "uniform_decode")
 
 
@@ -43,7 +43,12 @@ def prepared(draw) -> ModelInputs:
     blocks = config.max_num_seqs * config.max_blocks_per_req + 1 + draw(st.integers(0, 20))
     step = draw(steps(config, num_kv_blocks=blocks, vocab_size=1000))
     table = np.pad(step.block_table, ((0, 0), (0, draw(st.integers(0, 2)))))
-    return prepare_inputs(**{**step.kwargs(), "block_table": table}, block_size=block_size)
+    rows = table.shape[0]
+    state = {}
+    if draw(st.booleans()):          # a model with recurrent state: any distinct slot per row
+        slots = rows + draw(st.integers(0, 4))
+        state = dict(state_slots=np.array(draw(st.permutations(range(slots)))[:rows]), num_state_slots=slots)
+    return prepare_inputs(**{**step.kwargs(), "block_table": table}, block_size=block_size, **state)
 
 
 @st.composite
@@ -92,6 +97,11 @@ def check_padded(orig: ModelInputs, out: ModelInputs, t: int, r: int,
     assert (out.seq_lens[q:] == fills["seq_lens"]).all()
     assert (out.num_computed_tokens[q:] == fills["num_computed_tokens"]).all()
     assert (out.block_table[q:] == fills["block_table"]).all()
+    # state isolation: padded requests hold no live slot, real ones exactly theirs
+    assert (out.state_slots[q:] == fills["state_slots"]).all() and (out.state_slots[q:] < 0).all()
+    live = out.state_slots[:q]
+    assert (live >= 0).all() or (live == -1).all()
+    assert len(set(live[live >= 0].tolist())) == int((live >= 0).sum())
     # query_start_loc: non-decreasing, repeats its last real value; padded requests own no tokens
     qsl = out.query_start_loc
     assert (np.diff(qsl) >= 0).all()

@@ -32,7 +32,7 @@ SETTINGS = settings(max_examples=150, deadline=None,
                                            HealthCheck.function_scoped_fixture])
 MAX_TOKENS, MAX_REQS = 64, 8
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-          "num_computed_tokens", "block_table")
+          "num_computed_tokens", "block_table", "state_slots")
 
 
 def needs_numba() -> None:
@@ -45,7 +45,7 @@ def outputs(width: int) -> list[np.ndarray]:
     return [np.full(shape, -77, dtype) for shape, dtype in (
         ((MAX_TOKENS,), np.int32), ((MAX_TOKENS,), np.int32), ((MAX_TOKENS,), np.int64),
         ((MAX_REQS + 1,), np.int32), ((MAX_REQS,), np.int32), ((MAX_REQS,), np.int32),
-        ((MAX_REQS, width), np.int32))]
+        ((MAX_REQS, width), np.int32), ((MAX_REQS,), np.int32))]
 
 
 @st.composite
@@ -53,11 +53,17 @@ def corrupted_steps(draw):
     """A valid step with at most one value corrupted (small values, and the ends of int32 /
     int64 and their neighbours), its request arrays int32 or int64, its tables int32 or
     int64, and bounds or none: ``(token_ids, block_table, rows, computed, scheduled,
-    block_size, vocab_size, num_blocks)``."""
+    block_size, vocab_size, num_blocks, state_table, slot_mark)``: the state table empty (a
+    model without state) or a permutation of slots, possibly out of range or repeated."""
     tables, (step,) = draw(scenarios())
     token_ids, block_table = tables.token_ids.copy(), tables.block_table.copy()
     requests = [np.array(v, dtype=np.int64) for v in (step.rows, step.computed, step.scheduled)]
-    target = draw(st.sampled_from(("none", "rows", "computed", "scheduled", "block", "token")))
+    target = draw(st.sampled_from(("none", "rows", "computed", "scheduled", "block", "token", "state")))
+    num_rows = token_ids.shape[0]
+    stateful = target == "state" or draw(st.booleans())
+    num_slots = num_rows + draw(st.integers(0, 3)) if stateful else 0
+    states = (np.array(draw(st.permutations(range(num_slots)))[:num_rows], dtype=np.int32) if stateful
+              else np.zeros(0, np.int32))
     value = draw(st.one_of(st.integers(-3, 60), st.sampled_from(EXTREMES)))
     if draw(st.booleans()) or not -2**31 <= value * 2000 < 2**31:
         token_ids, block_table = token_ids.astype(np.int64), block_table.astype(np.int64)
@@ -71,10 +77,15 @@ def corrupted_steps(draw):
         value = max(-widest, min(value, widest)) * 2000
         token_ids[draw(st.integers(0, token_ids.shape[0] - 1)),
                   draw(st.integers(0, token_ids.shape[1] - 1))] = value
+    elif target == "state":
+        where = draw(st.integers(0, num_rows - 1))
+        states[where] = (max(-2**31, min(value, 2**31 - 1)) if draw(st.booleans())
+                         else states[draw(st.integers(0, num_rows - 1))])      # a repeated slot
     if all(-2**31 <= int(v) < 2**31 for arr in requests for v in arr) and draw(st.booleans()):
         requests = [arr.astype(np.int32) for arr in requests]
     vocab_size, num_blocks = draw(st.sampled_from(((50_000, 400), (2**31, 2**31))))
-    return (token_ids, block_table, *requests, tables.block_size, vocab_size, num_blocks)
+    return (token_ids, block_table, *requests, tables.block_size, vocab_size, num_blocks, states,
+            num_slots)
 
 
 def test_the_numpy_path_runs_the_host_loops_checks(monkeypatch):
@@ -105,18 +116,18 @@ def test_compiled_and_interpreted_checks_agree(step):
     fused prepare_step and the numpy path's; when the step passes, the compiled prepare
     writes what the numpy oracle writes (and a refused one is refused by every form)."""
     needs_numba()
-    token_ids, block_table, rows, computed, scheduled, bs, vocab_size, num_blocks = step
+    token_ids, block_table, rows, computed, scheduled, bs, vocab_size, num_blocks, states, num_slots = step
     arrays = (token_ids, block_table, rows, computed, scheduled, bs, MAX_TOKENS, vocab_size, num_blocks)
 
-    def row_mark():
-        return np.zeros(token_ids.shape[0] + 1, dtype=np.int64)
+    def marks():
+        return np.zeros(token_ids.shape[0] + 1, dtype=np.int64), states, np.zeros(num_slots + 1, dtype=np.int64)
 
-    reports = {"interpreted": host_loops.check_step(*arrays, row_mark()),
-               "compiled": host_kernels.compiled("check_step")(*arrays, row_mark())}
+    reports = {"interpreted": host_loops.check_step(*arrays, *marks()),
+               "compiled": host_kernels.compiled("check_step")(*arrays, *marks())}
     if rows.shape[0] <= MAX_REQS:
         compiled_out, oracle_out = outputs(block_table.shape[1]), outputs(block_table.shape[1])
-        reports["prepare_step"] = host_kernels.compiled("prepare_step")(*arrays, row_mark(), *compiled_out)
-        reports["numpy"] = NumpyPrepare(MAX_TOKENS, MAX_REQS).prepare_step(*arrays, row_mark(), *oracle_out)
+        reports["prepare_step"] = host_kernels.compiled("prepare_step")(*arrays, *marks(), *compiled_out)
+        reports["numpy"] = NumpyPrepare(MAX_TOKENS, MAX_REQS).prepare_step(*arrays, *marks(), *oracle_out)
     report = reports["interpreted"]
     assert all(tuple(r) == tuple(report) for r in reports.values()), reports
     if report[0] == E_OK and "numpy" in reports:
@@ -171,7 +182,7 @@ def test_the_loops_compile_without_reference_counting():
     write = numba.njit(**host_loops.JIT_OPTIONS)(host_loops.write_step)      # uncached: inspectable
     out = outputs(3)
     write(np.ones((2, 6), np.int32), np.ones((2, 3), np.int32), np.array([1], np.int32),
-          np.array([2], np.int32), np.array([3], np.int32), 2, *out)
+          np.array([2], np.int32), np.array([3], np.int32), 2, *out[:-1])
     assert out[0][:3].tolist() == [1, 1, 1]
     ir = "".join(write.inspect_llvm().values())
     assert "NRT_incref" not in ir and "NRT_decref" not in ir

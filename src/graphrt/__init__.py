@@ -28,6 +28,7 @@ from graphrt.core.inputs import InputPreparer, prepare_inputs
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.numerics import Tolerance, reduction_tolerance, tolerance
 from graphrt.core.padding import Padder
+from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 from graphrt.registry import available_backends, select_backend
 
 _LAZY = {
@@ -54,7 +55,8 @@ __all__ = [
     "GraphConfig", "GraphMode", "GraphrtError", "InputError", "InputPreparer", "KVCacheGroup", "KVCacheLostError",
     "KVCacheSpec", "LLM",
     "ModelInputs",
-    "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "add_cli_args",
+    "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "StateGroup",
+    "StateSpec", "StateTensor", "add_cli_args",
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
     "tolerance", "reduction_tolerance", "WatchdogTimeout",
 ]

@@ -117,7 +117,8 @@ class ModelRunner:
                                       block_size=cfg.block_size, vocab_size=self.vocab_size,
                                       num_blocks=self.num_kv_blocks,
                                       table_width=cfg.max_blocks_per_req, kernel=cfg.host_kernel,
-                                      strict=cfg.strict, decode_query_len=cfg.decode_query_len)
+                                      strict=cfg.strict, decode_query_len=cfg.decode_query_len,
+                                      num_state_slots=self.executor.num_state_slots)
         self.padder = Padder(kernel=cfg.host_kernel)
         slots = self.executor.lora
         if cfg.max_loras and slots is None:
@@ -210,13 +211,14 @@ class ModelRunner:
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                 sampling: SamplingBatch | None = None, lora_ids: Any = None,
                 future_rows: Any = None, extra_inputs: Mapping[str, Any] | None = None,
-                prompt_logprobs: Any = None) -> np.ndarray | StepOutput | None:
+                prompt_logprobs: Any = None, state_slots: Any = None) -> np.ndarray | StepOutput | None:
         """Run one scheduled step; returns one sampled token per request (or None without sampling).
         ``lora_ids``: each request's LoRA adapter slot (-1 or None: none; needs ``max_loras > 0``).
         ``future_rows``: see :meth:`execute_async`. ``extra_inputs``: an array per input the model
         declares (``model.extra_inputs``: a row per token or per request; docs/attention.md).
         With logprobs asked (the batch's ``logprobs``; ``prompt_logprobs``: per request None or a
-        top count) it returns a :class:`StepOutput`.
+        top count) it returns a :class:`StepOutput`. ``state_slots``: for a model with recurrent
+        state (docs/hybrid.md), each table row's state slot (default: the row itself).
 
         Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
         the preparer checks the step, the dispatcher picks its bucket, and only then are the
@@ -226,12 +228,13 @@ class ModelRunner:
         with self._lock:
             return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
                                  num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
-                                 prompt_logprobs)
+                                 prompt_logprobs, state_slots=state_slots)
 
     def execute_async(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                       num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                       sampling: SamplingBatch, lora_ids: Any = None, future_rows: Any = None,
-                      extra_inputs: Mapping[str, Any] | None = None, prompt_logprobs: Any = None) -> PendingTokens:
+                      extra_inputs: Mapping[str, Any] | None = None, prompt_logprobs: Any = None,
+                      state_slots: Any = None) -> PendingTokens:
         """:meth:`execute` without waiting for the device: the step's result comes as a
         :class:`~graphrt.core.future_tokens.PendingTokens` whose ``result()`` waits for it.
 
@@ -246,7 +249,7 @@ class ModelRunner:
         with self._lock:
             out = self._execute(token_ids, block_table, req_rows, num_computed_tokens,
                                 num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
-                                prompt_logprobs, wait=False)
+                                prompt_logprobs, wait=False, state_slots=state_slots)
             num_reqs = self._last[2]
         if not self.executor.async_execution or type(out) is PendingTokens:
             return out if type(out) is PendingTokens else PendingTokens(tokens=out)
@@ -257,7 +260,7 @@ class ModelRunner:
                  num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
                  sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any,
                  extra_inputs: Mapping[str, Any] | None = None, prompt_logprobs: Any = None,
-                 wait: bool = True) -> Any:
+                 wait: bool = True, state_slots: Any = None) -> Any:
         """Check, dispatch, write, run and sample one step (the lock held): the host tokens, or
         with ``wait=False`` on an asynchronous backend the sampler's device output; None
         without ``sampling``. Logprobs go through :class:`~graphrt.step_outputs.StepOutputs`."""
@@ -267,7 +270,7 @@ class ModelRunner:
             raise error                      # a background build failed in strict mode / without an eager path
         step = self.preparer.check(token_ids=token_ids, block_table=block_table,
                                    req_rows=req_rows, num_computed_tokens=num_computed_tokens,
-                                   num_scheduled_tokens=num_scheduled_tokens)
+                                   num_scheduled_tokens=num_scheduled_tokens, state_slots=state_slots)
         t, r = step.num_tokens, step.num_reqs
         if sampling is not None and sampling.num_reqs != r:
             raise InputError("sampling", f"{sampling.num_reqs} rows for {r} requests")

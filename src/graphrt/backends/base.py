@@ -110,6 +110,10 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: host staging buffers, which the runner writes each step; empty where there are none.
     extra_inputs: Mapping[str, Any] = {}
     extra_buffers: Mapping[str, np.ndarray] = {}
+    #: A hybrid model's recurrent-state slots (one per running request; docs/hybrid.md) and their
+    #: memory (``core.state_spec.StateMemory``); None for a model without recurrent state.
+    num_state_slots: int | None = None
+    state_memory: Any = None
 
     @abc.abstractmethod
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

@@ -15,6 +15,7 @@ PAD_FILL_VALUES: dict[str, int] = {
     "seq_lens": 0,             # a padded request attends to nothing
     "num_computed_tokens": 0,
     "block_table": 0,          # the null block, never handed to a request
+    "state_slots": -1,         # recurrent states: a padded request reads and writes the trash slot
 }
 #: A padding fill that is not a value: the field's last real row is repeated.
 PAD_REPEAT_LAST = "repeat_last"

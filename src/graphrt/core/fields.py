@@ -37,6 +37,7 @@ FIELDS: dict[str, Field] = {
     "seq_lens": Field(np.int32, REQUEST),
     "num_computed_tokens": Field(np.int32, REQUEST),
     "block_table": Field(np.int32, REQUEST, per_block=True),
+    "state_slots": Field(np.int32, REQUEST),
 }
 ARRAY_FIELDS = tuple(FIELDS)
 TOKEN_FIELDS = tuple(name for name, f in FIELDS.items() if f.level == TOKEN)
@@ -78,6 +79,7 @@ class ModelInputs:
     seq_lens: np.ndarray             # int32 [R]
     num_computed_tokens: np.ndarray  # int32 [R]
     block_table: np.ndarray          # int32 [R, max_blocks_per_req]
+    state_slots: np.ndarray          # int32 [R]: each request's recurrent-state slot; -1: padding / none
     num_reqs: int
     num_tokens: int
     max_query_len: int

@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, Iterator
 
 _CONTEXT: Any = None
+_STATE: Any = None          # the recurrent layers' metadata (docs/hybrid.md), beside the attention's
 
 
 def set_forward_context(ctx: Any) -> None:
@@ -44,3 +45,24 @@ def forward_context(ctx: Any) -> Iterator[Any]:
         yield ctx
     finally:
         set_forward_context(previous)
+
+
+def get_state_context() -> Any:
+    """The recurrent-state metadata of the running forward (slots, starts, checkpoints: set by
+    the executor of a model with a ``state_spec``); raises if none is set."""
+    if _STATE is None:
+        raise RuntimeError("no recurrent-state context is set: call the model through graphrt's runner "
+                           "or wrap the call in graphrt.core.forward_context.state_context(...)")
+    return _STATE
+
+
+@contextlib.contextmanager
+def state_context(ctx: Any) -> Iterator[Any]:
+    """``with state_context(meta): model(...)``: the recurrent layers' metadata, set and reset."""
+    global _STATE
+    previous = _STATE
+    _STATE = ctx
+    try:
+        yield ctx
+    finally:
+        _STATE = previous

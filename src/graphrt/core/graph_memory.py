@@ -40,6 +40,7 @@ from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, InputError
+from graphrt.core.state_spec import check_state_fits
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class GraphMemory:
     kv_bytes: int | None = None        # what the KV cache got
     actual: int | None = None          # bytes of every entry built at warm-up (None: not yet)
     reason: str | None = None          # why nothing was deducted, where nothing was
+    state: Any = None                  # a hybrid model's recurrent states (core.state_spec.StateMemory), in the budget
     sampler: int | None = None         # of ``actual``, the sampler entries' bytes
     sampler_buffers: int = 0           # bytes of the buffers every sampler entry shares (noise, workspace)
 
@@ -171,10 +173,13 @@ class GraphMemory:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers, for logs, JSON and an engine's stats."""
-        return {"estimate": self.estimate, "margin": self.margin, "actual": self.actual,
-                "num_keys": self.num_keys, "sampled": dict(self.sampled), "budget": self.budget,
-                "kv_bytes": self.kv_bytes, "reason": self.reason, "sampler": self.sampler,
-                "sampler_buffers": self.sampler_buffers}
+        out = {"estimate": self.estimate, "margin": self.margin, "actual": self.actual,
+               "num_keys": self.num_keys, "sampled": dict(self.sampled), "budget": self.budget,
+               "kv_bytes": self.kv_bytes, "reason": self.reason, "sampler": self.sampler,
+               "sampler_buffers": self.sampler_buffers}
+        if self.state is not None:
+            out.update(self.state.as_dict())
+        return out
 
     def split(self) -> str:
         """Forward against sampler bytes, e.g. ``forward 75.40 MiB, sampler 4.60 MiB (+ 39.00 MiB
@@ -191,11 +196,12 @@ class GraphMemory:
         actual = "not built yet" if self.actual is None else f"{self.actual / 2**20:.2f} MiB actual"
         if self.split():
             actual += f" ({self.split()})"
+        state = "" if self.state is None else f"; {self.state.summary()}"
         if self.reason is not None:
-            return f"graph memory: not deducted from the KV budget ({self.reason}); {actual}"
+            return f"graph memory: not deducted from the KV budget ({self.reason}); {actual}{state}"
         ratio = "" if not self.actual else f", estimate / actual {self.estimate / self.actual:.2f}"
         return (f"graph memory: {self.estimate / 2**20:.2f} MiB estimated from {len(self.sampled)} of "
-                f"{self.num_keys} keys (+ {self.margin / 2**20:.2f} MiB margin), {actual}{ratio}")
+                f"{self.num_keys} keys (+ {self.margin / 2**20:.2f} MiB margin), {actual}{ratio}{state}")
 
 
 def kv_blocks_after_graphs(budget: int, per_block: int, full: int, graphs: GraphMemory) -> int:
@@ -203,7 +209,7 @@ def kv_blocks_after_graphs(budget: int, per_block: int, full: int, graphs: Graph
     ``full``); raises :class:`ConfigError` naming the numbers when fewer than 2 remain (the
     null block and one block of one request)."""
     left = budget - graphs.deducted
-    blocks = min(max(left, 0) // per_block, full)
+    blocks = min(max(left, 0) // per_block, full) if per_block else full
     if blocks < 2:
         raise ConfigError(
             f"kv_cache_memory: {budget} bytes leave {left} for the KV cache after {graphs.estimate} bytes "
@@ -236,7 +242,8 @@ def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int
     of it. Without a budget (a host device) the default host KV size is used and nothing is
     deducted."""
     per_block = executor.kv_cache_bytes_per_block(config.block_size)
-    memory = GraphMemory(num_keys=len(jobs), reason="num_kv_blocks given")
+    state = getattr(executor, "state_memory", None)
+    memory = GraphMemory(num_keys=len(jobs), reason="num_kv_blocks given", state=state)
     if explicit is not None:
         if explicit < 2:
             raise InputError("num_kv_blocks", f"needs >= 2 (block 0 is the null block), got {explicit}")
@@ -247,13 +254,19 @@ def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int
         budget = defaults.DEFAULT_HOST_KV_CACHE_BYTES
         memory.reason = "the default host KV size is no memory budget"
     else:   # a memory budget the graphs share with the KV cache
-        if budget is None:
+        if budget is None:           # the device's free memory: the states, allocated already, are out of it
             free, total = info
             budget = int(free - total * (1.0 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
+        elif state is not None:      # a budget in bytes holds the states too
+            budget = check_state_fits(state, budget, per_block)
         memory = estimate_graph_memory(jobs, executor.measure_graph_memory, executor.graphs_share_memory)
+        memory.state = state
         logger.info("graphrt: %s", memory.summary())
         if memory.deducted:
             return kv_blocks_after_graphs(budget, per_block, full, memory), memory
+    if not per_block:                # no attention layer: blocks hold nothing
+        memory.budget, memory.kv_bytes = budget, 0
+        return full, memory
     blocks = min(budget // per_block, full)
     if blocks < 2:
         raise InputError("kv_cache_memory", f"{budget} bytes hold {budget // per_block} KV blocks of "

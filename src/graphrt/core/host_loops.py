@@ -18,8 +18,9 @@ from graphrt.core.defaults import NULL_BLOCK
 from graphrt.core.fields import INDEX_MAX, field_rows
 from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
                                      E_NULL_BLOCK, E_OK, E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE,
-                                     E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_TABLE_TOO_NARROW,
-                                     E_TOKEN_OUT_OF_VOCAB, E_TOO_MANY_TOKENS)
+                                     E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_STATE_SLOT_OUT_OF_RANGE,
+                                     E_STATE_SLOT_REPEATED, E_TABLE_TOO_NARROW, E_TOKEN_OUT_OF_VOCAB,
+                                     E_TOO_MANY_TOKENS)
 
 # How host_kernels compiles this file (numba's disk cache is keyed on this file alone, so
 # whatever changes the compiled code is here).
@@ -173,6 +174,26 @@ def check_schedule(token_ids, block_table, rows, computed, scheduled, block_size
     return report
 
 
+def check_state_slots(state_table, rows, slot_mark):
+    """Each scheduled request's recurrent-state slot (``state_table[row]``) inside [0, S) and held
+    by no other request of the step, where ``slot_mark`` has S + 1 entries: one per slot, the last
+    counting the checks (this one's stamp). An empty ``state_table``: the model keeps no state.
+    Returns ``(code, request)``; rows are checked already (``check_requests``)."""
+    if state_table.shape[0] == 0:
+        return E_OK, -1
+    bound = slot_mark.shape[0] - 1
+    stamp = slot_mark[bound] + 1
+    slot_mark[bound] = stamp
+    for i in range(rows.shape[0]):
+        slot = clamp(state_table[int(rows[i])])
+        if slot < 0 or slot >= bound:
+            return E_STATE_SLOT_OUT_OF_RANGE, i
+        if slot_mark[slot] == stamp:
+            return E_STATE_SLOT_REPEATED, i
+        slot_mark[slot] = stamp
+    return E_OK, -1
+
+
 def reads_null_block(block_table, row, used):
     """Whether a column the request's attention reads ([0, used): the blocks of its computed
     and scheduled tokens) holds a block id <= the null block."""
@@ -200,16 +221,20 @@ def first_outside(table, row, start, stop, low, high):
 
 
 def check_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
-               vocab_size, num_blocks, row_mark, columns=HIGH):
-    """Every bound of one step, writing nothing but ``row_mark``: ``check_schedule``, then per
-    request ``reads_null_block``, ``token_outside``, ``holds_block_past`` (every column); reports
-    the first null block, else the first token outside the vocabulary, else the first row with a
-    block past the cache. Bounds > 0 (the preparer passes the int32 range when it has none)."""
+               vocab_size, num_blocks, row_mark, state_table, slot_mark, columns=HIGH):
+    """Every bound of one step, writing nothing but ``row_mark`` / ``slot_mark``:
+    ``check_schedule``, ``check_state_slots``, then per request ``reads_null_block``,
+    ``token_outside``, ``holds_block_past`` (every column); reports the first null block, else
+    the first token outside the vocabulary, else the first row with a block past the cache.
+    Bounds > 0 (the preparer passes the int32 range when it has none)."""
     report = check_schedule(token_ids, block_table, rows, computed, scheduled, block_size,
                             max_tokens, row_mark, columns)
     code, _, _, _, _, _ = report
     if code != E_OK:
         return report
+    state_code, state_request = check_state_slots(state_table, rows, slot_mark)
+    if state_code != E_OK:
+        return state_code, state_request, -1, 0, 0, 0
     bs = int(block_size)
     shift = block_shift(bs)
     blocks_can_pass = can_reach(block_table, num_blocks)
@@ -275,9 +300,20 @@ def write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids,
     return k + n
 
 
+def write_state_slots(state_table, rows, state_slots):
+    """Each request's state slot (``state_table[row]``; -1 for every request of a model without
+    state: an empty table)."""
+    if state_table.shape[0] == 0:
+        for i in range(rows.shape[0]):
+            state_slots[i] = -1
+    else:
+        for i in range(rows.shape[0]):
+            state_slots[i] = state_table[int(rows[i])]
+
+
 def write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out):
-    """``write_request`` for every request of a checked step."""
+    """``write_request`` for every request of a checked step (``write_state_slots`` apart)."""
     bs = int(block_size)
     shift = block_shift(bs)
     k = 0
@@ -289,8 +325,8 @@ def write_step(token_ids, block_table, rows, computed, scheduled, block_size, in
 
 
 def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, max_tokens,
-                 vocab_size, num_blocks, row_mark, input_ids, positions, slot_mapping,
-                 query_start_loc, seq_lens, num_computed, block_table_out):
+                 vocab_size, num_blocks, row_mark, state_table, slot_mark, input_ids, positions,
+                 slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out, state_slots):
     """``check_step`` and ``write_step`` in one pass (to ``block_table_out``'s columns): each
     request's rules, then its ``write_request``, while its rows are in cache. A failure leaves the
     outputs partly written (the caller passes buffers no result lives in); ``check_step``'s report."""
@@ -299,6 +335,9 @@ def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, 
     code, _, _, _, _, _ = report
     if code != E_OK:
         return report
+    state_code, state_request = check_state_slots(state_table, rows, slot_mark)
+    if state_code != E_OK:
+        return state_code, state_request, -1, 0, 0, 0
     bs = int(block_size)
     shift = block_shift(bs)
     blocks_can_pass = can_reach(block_table, num_blocks)
@@ -310,24 +349,31 @@ def prepare_step(token_ids, block_table, rows, computed, scheduled, block_size, 
                 or token_outside(token_ids, row, c, c + n, vocab_size)
                 or (blocks_can_pass and holds_block_past(block_table, row, num_blocks))):
             return check_step(token_ids, block_table, rows, computed, scheduled, block_size,
-                              max_tokens, vocab_size, num_blocks, row_mark, block_table_out.shape[1])
+                              max_tokens, vocab_size, num_blocks, row_mark, state_table, slot_mark,
+                              block_table_out.shape[1])
         k = write_request(token_ids, block_table, i, row, c, n, bs, shift, k, input_ids, positions,
                           slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
+    write_state_slots(state_table, rows, state_slots)
     return report
 
 
 def write_checked_step(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
-                       input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed,
-                       block_table_out):
+                       state_table, slot_mark, input_ids, positions, slot_mapping, query_start_loc,
+                       seq_lens, num_computed, block_table_out, state_slots):
     """``write_step`` of a checked step of ``num_tokens`` tokens into a bucket's buffers (checked to
-    hold it; the padder pads them), after ``check_requests`` again: False, nothing written, if the
-    step no longer passes it or has another token count (it changed since ``check_step``)."""
+    hold it; the padder pads them), after ``check_requests`` and ``check_state_slots`` again:
+    False, nothing written, if the step no longer passes them or has another token count (it
+    changed since ``check_step``)."""
     code, _, _, total, _, _ = check_requests(token_ids, block_table, rows, computed, scheduled, block_size,
                                              block_table_out.shape[1])
     if code != E_OK or total != num_tokens:
         return False
+    state_code, _ = check_state_slots(state_table, rows, slot_mark)
+    if state_code != E_OK:
+        return False
     write_step(token_ids, block_table, rows, computed, scheduled, block_size, input_ids,
                positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out)
+    write_state_slots(state_table, rows, state_slots)
     return True
 
 
@@ -381,7 +427,7 @@ def pad_rows(arr, rule, num_tokens, num_reqs):
 
 
 def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping,
-                 query_start_loc, seq_lens, num_computed, block_table):
+                 query_start_loc, seq_lens, num_computed, block_table, state_slots):
     """The padding rules (``rules``: one row per field, in ``fields.ARRAY_FIELDS`` order) on a
     step written into bucket-sized arrays."""
     pad_rows(input_ids, rules[0], num_tokens, num_reqs)
@@ -391,6 +437,7 @@ def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping
     pad_rows(seq_lens, rules[4], num_tokens, num_reqs)
     pad_rows(num_computed, rules[5], num_tokens, num_reqs)
     pad_rows(block_table, rules[6], num_tokens, num_reqs)
+    pad_rows(state_slots, rules[7], num_tokens, num_reqs)
 
 
 def holds(src, dst, rule, num_tokens, num_reqs):
@@ -406,8 +453,8 @@ def copy_rows(src, dst, rule, num_tokens, num_reqs):
 
 
 def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, query_start_loc,
-             seq_lens, num_computed, block_table, o_input_ids, o_positions, o_slot_mapping,
-             o_query_start_loc, o_seq_lens, o_num_computed, o_block_table):
+             seq_lens, num_computed, block_table, state_slots, o_input_ids, o_positions, o_slot_mapping,
+             o_query_start_loc, o_seq_lens, o_num_computed, o_block_table, o_state_slots):
     """Copy the real rows of prepared inputs into bucket-sized outputs, then ``fill_padding``;
     False, nothing written, when an input or an output is shorter than the real counts."""
     if not (holds(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)   # (&, not ``and``: numba's
@@ -416,7 +463,8 @@ def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, qu
             & holds(query_start_loc, o_query_start_loc, rules[3], num_tokens, num_reqs)
             & holds(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
             & holds(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
-            & holds(block_table, o_block_table, rules[6], num_tokens, num_reqs)):
+            & holds(block_table, o_block_table, rules[6], num_tokens, num_reqs)
+            & holds(state_slots, o_state_slots, rules[7], num_tokens, num_reqs)):
         return False
     copy_rows(input_ids, o_input_ids, rules[0], num_tokens, num_reqs)
     copy_rows(positions, o_positions, rules[1], num_tokens, num_reqs)
@@ -425,6 +473,7 @@ def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, qu
     copy_rows(seq_lens, o_seq_lens, rules[4], num_tokens, num_reqs)
     copy_rows(num_computed, o_num_computed, rules[5], num_tokens, num_reqs)
     copy_rows(block_table, o_block_table, rules[6], num_tokens, num_reqs)
+    copy_rows(state_slots, o_state_slots, rules[7], num_tokens, num_reqs)
     fill_padding(num_tokens, num_reqs, rules, o_input_ids, o_positions, o_slot_mapping,
-                 o_query_start_loc, o_seq_lens, o_num_computed, o_block_table)
+                 o_query_start_loc, o_seq_lens, o_num_computed, o_block_table, o_state_slots)
     return True

@@ -3,7 +3,8 @@ everything the model and its attention need (vLLM's GPU model runner's ``_prepar
 
 Token level (length T = total scheduled tokens): ``input_ids``, ``positions``,
 ``slot_mapping``. Request level (length R): ``seq_lens``, ``num_computed_tokens``,
-``block_table`` rows, and ``query_start_loc`` (length R + 1).
+``block_table`` rows, ``state_slots`` (each request's recurrent-state slot, -1 for a model
+without state), and ``query_start_loc`` (length R + 1).
 
 ``InputPreparer`` writes into persistent buffers (no allocation per step, results valid
 until the next call); ``prepare_inputs`` is the allocating convenience with the same values.
@@ -59,6 +60,7 @@ class _CheckedStep(NamedTuple):
     num_computed_tokens: np.ndarray
     num_scheduled_tokens: np.ndarray
     block_size: int
+    state_table: np.ndarray
     shape: StepShape
 
 
@@ -105,7 +107,10 @@ class InputPreparer:
     nor needed by a request. Every block-table column a scheduled request's attention reads
     ([0, ceil(seq_len / block_size))) must hold a block id >= 1 (block 0 is the null block). ``decode_query_len`` is the tokens per request
     of a uniform decode step (1, or 1 + num_speculative_tokens): a step is ``uniform_decode``
-    when every request schedules exactly that many.
+    when every request schedules exactly that many. ``num_state_slots``: a model with recurrent
+    state (docs/hybrid.md) holds that many slots, one per running request; each step then maps
+    its requests to slots through ``state_slots`` (one entry per table row; default: the row
+    itself), each in [0, num_state_slots) and none held by two requests of a step.
 
     ``kernel`` picks the implementation: ``numba`` (the compiled loops, see
     :mod:`graphrt.core.host_kernels`), ``numpy`` (the same checks interpreted, numpy writes:
@@ -121,8 +126,12 @@ class InputPreparer:
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, block_size: int,
                  vocab_size: int | None = None, num_blocks: int | None = None,
                  table_width: int | None = None, kernel: str | None = None,
-                 strict: bool = False, decode_query_len: int = 1) -> None:
+                 strict: bool = False, decode_query_len: int = 1,
+                 num_state_slots: int | None = None) -> None:
         _check_block_size(block_size)
+        if num_state_slots is not None and not 0 < num_state_slots < INDEX_MAX:
+            raise InputError("num_state_slots", f"must be in [1, {INDEX_MAX}) (or None: no state), "
+                                                f"got {num_state_slots}")
         if decode_query_len < 1:
             raise InputError("decode_query_len", f"must be >= 1, got {decode_query_len}")
         if max_num_reqs <= 0:
@@ -144,8 +153,16 @@ class InputPreparer:
         self.kernel = host_kernels.resolve_kernel(kernel)
         self._vocab_bound = min(self.vocab_size or _ID_LIMIT, _ID_LIMIT)
         self._block_bound = min(self.num_blocks or _ID_LIMIT, _ID_LIMIT)
+        self.num_state_slots = int(num_state_slots) if num_state_slots is not None else None
         self._limits = StepLimits(self.max_num_tokens, self.vocab_size, self._vocab_bound,
-                                  self.num_blocks, self._block_bound, self.table_width)
+                                  self.num_blocks, self._block_bound, self.table_width,
+                                  self.num_state_slots or 0)
+        # Per state slot, the stamp of the last check that scheduled it; last entry: the stamp.
+        self._slot_mark = np.zeros((self.num_state_slots or 0) + 1, dtype=np.int64)
+        self._no_state = np.zeros(0, dtype=np.int32)          # a model without state: no slot
+        self._state_rows = np.zeros(0, dtype=np.int32)        # the default table: row i -> slot i
+        self._state_copy = np.zeros(0, dtype=np.int32)        # a table of another form, as int32
+        self._state_wide = np.zeros(0, dtype=np.int64)        # its clamping scratch
         numba = self.kernel == "numba"
         numpy_path = None if numba else NumpyPrepare(self.max_num_tokens, self.max_num_reqs)
         # The same three entry points on both paths (host_loops' signatures).
@@ -168,13 +185,14 @@ class InputPreparer:
 
     def prepare(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                block_size: int | None = None) -> ModelInputs:
+                block_size: int | None = None, state_slots: np.ndarray | None = None) -> ModelInputs:
         """Compute one step's inputs. Outputs are views of persistent buffers, valid until the
         next call; a refused step leaves them as they were."""
         self._pending = None
         tokens, blocks, rows, computed, scheduled = self._step_arrays(
             token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens,
             int64_requests=True)
+        states = self._state_table(state_slots, blocks.shape[0])
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
         width = self.table_width or blocks.shape[1]         # a wider table's extra columns: not written
         if width != self._width:
@@ -184,11 +202,12 @@ class InputPreparer:
         out = self._outputs[self._spare]
         code, request, at, num_tokens, max_query_len, max_seq_len = self._prepare_step(
             tokens, blocks, rows, computed, scheduled, bs, self.max_num_tokens, self._vocab_bound,
-            self._block_bound, self._row_mark, *out.arrays)
+            self._block_bound, self._row_mark, states, self._slot_mark, *out.arrays)
         if code != E_OK:
             raise step_error(StepReport(code, request, at, num_tokens, max_query_len, max_seq_len),
                              StepArrays(token_ids, block_table, req_rows, num_computed_tokens,
-                                        num_scheduled_tokens, bs), self._limits)
+                                        num_scheduled_tokens, bs,
+                                        states if state_slots is None else state_slots), self._limits)
         self._spare = 1 - self._spare
         num_reqs = rows.shape[0]
         query_len = self.decode_query_len
@@ -197,7 +216,7 @@ class InputPreparer:
 
     def check(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
               num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-              block_size: int | None = None) -> StepShape:
+              block_size: int | None = None, state_slots: np.ndarray | None = None) -> StepShape:
         """Validate one step (every check of :meth:`prepare`), writing nothing, and return its
         shape, so the caller can pick a bucket first; :meth:`write` then writes it, padded,
         straight into the bucket's buffers."""
@@ -205,19 +224,21 @@ class InputPreparer:
         tokens, blocks, rows, computed, scheduled = self._step_arrays(
             token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens,
             int64_requests=False)
+        states = self._state_table(state_slots, blocks.shape[0])
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
         code, request, at, num_tokens, max_query_len, max_seq_len = self._check_step(
             tokens, blocks, rows, computed, scheduled, bs, self.max_num_tokens, self._vocab_bound,
-            self._block_bound, self._row_mark, self.table_width or blocks.shape[1])
+            self._block_bound, self._row_mark, states, self._slot_mark, self.table_width or blocks.shape[1])
         if code != E_OK:
             raise step_error(StepReport(code, request, at, num_tokens, max_query_len, max_seq_len),
                              StepArrays(token_ids, block_table, req_rows, num_computed_tokens,
-                                        num_scheduled_tokens, bs), self._limits)
+                                        num_scheduled_tokens, bs,
+                                        states if state_slots is None else state_slots), self._limits)
         num_reqs = rows.shape[0]
         query_len = self.decode_query_len
         shape = StepShape(num_tokens, num_reqs, max_query_len, max_seq_len,
                           max_query_len == query_len and num_tokens == num_reqs * query_len)
-        self._pending = _CheckedStep(tokens, blocks, rows, computed, scheduled, bs, shape)
+        self._pending = _CheckedStep(tokens, blocks, rows, computed, scheduled, bs, states, shape)
         return shape
 
     def write(self, padder: Padder, *, num_tokens: int, num_reqs: int,
@@ -244,7 +265,8 @@ class InputPreparer:
                 self._targets.clear()
             self._targets[(num_tokens, num_reqs, width)] = (out, padder, targets)
         if not self._write_step(step.token_ids, step.block_table, step.req_rows, step.num_computed_tokens,
-                                step.num_scheduled_tokens, step.block_size, shape.num_tokens, *targets):
+                                step.num_scheduled_tokens, step.block_size, shape.num_tokens, step.state_table,
+                                self._slot_mark, *targets):
             self._pending = None
             raise GraphrtError("the step's request arrays changed between InputPreparer.check() "
                                "and write(); check the step again")
@@ -308,6 +330,32 @@ class InputPreparer:
             self._row_mark = np.zeros(num_rows + 1, dtype=np.int64)
         return tokens, blocks, rows, computed, scheduled
 
+    def _state_table(self, state_slots: object, num_rows: int) -> np.ndarray:
+        """The step's state slots per table row as the loops take them (int32, C-contiguous):
+        empty for a model without state; the rows themselves when none are passed."""
+        if self.num_state_slots is None:
+            if state_slots is not None:
+                raise InputError("state_slots", "this step's model keeps no recurrent state "
+                                                "(num_state_slots=None): pass no state_slots")
+            return self._no_state
+        if state_slots is None:
+            if self._state_rows.shape[0] < num_rows:
+                self._state_rows = np.arange(max(num_rows, 2 * self._state_rows.shape[0]), dtype=np.int32)
+            return self._state_rows[:num_rows]
+        table = state_slots
+        if not (type(table) is _ARRAY and table.dtype is _INT32 and table.ndim == 1
+                and table.flags.num & _FLAGS == _FLAGS):
+            arr = as_int_array("state_slots", table, 1)
+            if self._state_copy.shape[0] < arr.shape[0]:
+                self._state_copy = np.zeros(arr.shape[0], dtype=np.int32)
+                self._state_wide = np.zeros(arr.shape[0], dtype=np.int64)
+            table = self._state_copy[:arr.shape[0]]
+            host_kernels.clamp_into(arr, table, self._state_wide[:arr.shape[0]])
+        if table.shape[0] != num_rows:
+            raise InputError("state_slots", f"{table.shape[0]} entries but the tables have {num_rows} rows: "
+                                            f"one state slot per table row (indexed by req_rows)")
+        return table
+
     def _table(self, name: str, value: object) -> np.ndarray:
         """A table the loops have a compiled variant for: ``value`` itself, or (not strict)
         a converted copy with a one-time warning; strict mode raises instead."""
@@ -355,8 +403,10 @@ class InputPreparer:
 
 def prepare_inputs(*, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                    num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                   block_size: int, kernel: str | None = None) -> ModelInputs:
-    """Allocating convenience over :class:`InputPreparer`; the returned arrays are owned."""
+                   block_size: int, kernel: str | None = None, state_slots: np.ndarray | None = None,
+                   num_state_slots: int | None = None) -> ModelInputs:
+    """Allocating convenience over :class:`InputPreparer`; the returned arrays are owned.
+    ``state_slots`` (one per table row) need ``num_state_slots`` (default: the table's rows)."""
     tokens = as_int_array("token_ids", token_ids, 2)
     scheduled = as_int_array("num_scheduled_tokens", num_scheduled_tokens, 1)
     rows = as_int_array("req_rows", req_rows, 1)
@@ -366,7 +416,9 @@ def prepare_inputs(*, token_ids: np.ndarray, block_table: np.ndarray, req_rows: 
         np.clip(scheduled, 0, tokens.shape[1])
     preparer = InputPreparer(max_num_reqs=max(int(rows.shape[0]), 1),
                              max_num_tokens=max(int(counts.sum(dtype=np.int64)), 1),
-                             block_size=block_size, kernel=kernel)
+                             block_size=block_size, kernel=kernel,
+                             num_state_slots=(num_state_slots if num_state_slots is not None or state_slots is None
+                                              else max(int(tokens.shape[0]), 1)))
     return preparer.prepare(token_ids=tokens, block_table=block_table, req_rows=rows,
                             num_computed_tokens=num_computed_tokens,
-                            num_scheduled_tokens=scheduled)
+                            num_scheduled_tokens=scheduled, state_slots=state_slots)

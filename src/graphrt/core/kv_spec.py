@@ -189,7 +189,7 @@ def resolve_kv_spec(declared: Any, *, block_size: int, model_dtype: Any, support
     ``kv_cache_dtype``, ...) -- before anything is allocated."""
     spec = as_kv_spec(declared)
     config_dtype = kv_cache_dtype_name(kv_cache_dtype)
-    if not spec.groups and not spec.owned_by_model:
+    if not spec.groups and not spec.owned_by_model and num_layers != 0:     # (no attention layer: no KV)
         raise ConfigError(f"{SPEC_FIELD}.groups: empty; declare at least one KVCacheGroup "
                           "(or KVCacheSpec.owned() for a cache the model allocates)")
     seen: dict[int, int] = {}

@@ -7,6 +7,7 @@ fill from ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention b
   a padded token never writes a real KV slot (attention stores skip negative slots);
 * request level -- ``seq_lens`` 0 (a padded request attends to nothing),
   ``num_computed_tokens`` 0, ``block_table`` rows of the null block 0;
+* ``state_slots`` -1: a padded request's recurrent state is the trash slot, never a live one;
 * ``query_start_loc`` repeats its last value, so it stays non-decreasing and padded
   requests own zero query tokens; padded tokens fall after every real request.
 
@@ -61,7 +62,7 @@ def empty_step(table_width: int) -> ModelInputs:
         return np.zeros(shape, FIELD_DTYPES[name])
     return ModelInputs(empty("input_ids", 0), empty("positions", 0), empty("slot_mapping", 0),
                        empty("query_start_loc", 1), empty("seq_lens", 0), empty("num_computed_tokens", 0),
-                       empty("block_table", 0, table_width), 0, 0, 0, 0, True)
+                       empty("block_table", 0, table_width), empty("state_slots", 0), 0, 0, 0, 0, True)
 
 
 class Padder:
@@ -85,6 +86,9 @@ class Padder:
         if fills["slot_mapping"] >= 0:
             raise ConfigError("the slot_mapping fill must be negative: a padded token must never "
                               "write a real KV slot")
+        if fills["state_slots"] >= 0:
+            raise ConfigError("the state_slots fill must be negative: a padded request must never "
+                              "read or write a live request's recurrent state (negative: the trash slot)")
         self.fill_values: dict[str, int] = fills
         #: Every field's padding rule (:func:`pad_rules`), in ``ARRAY_FIELDS`` order.
         self.rules: dict[str, PadRule] = pad_rules(fills)
@@ -114,7 +118,7 @@ class Padder:
         if self._pad_step is not None:
             if not self._pad_step(t, r, self.kernel_rules, inputs.input_ids, inputs.positions,
                                   inputs.slot_mapping, inputs.query_start_loc, inputs.seq_lens,
-                                  inputs.num_computed_tokens, inputs.block_table, *dst):
+                                  inputs.num_computed_tokens, inputs.block_table, inputs.state_slots, *dst):
                 raise InputError("inputs", f"arrays shorter than num_tokens={t} / num_reqs={r}")
         else:
             self._pad_numpy(inputs, dst)
@@ -144,7 +148,7 @@ class Padder:
         real rows, then :func:`fill_padding`."""
         t, r = inputs.num_tokens, inputs.num_reqs
         sources = (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
-                   inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table)
+                   inputs.seq_lens, inputs.num_computed_tokens, inputs.block_table, inputs.state_slots)
         for src, buf, rule in zip(sources, dst, self.rules.values()):
             real = field_rows(rule.level, t, r)
             buf[:real] = src[:real]

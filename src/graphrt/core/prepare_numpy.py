@@ -47,38 +47,43 @@ class NumpyPrepare:
 
     def prepare_step(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
                      computed: np.ndarray, scheduled: np.ndarray, block_size: int, max_tokens: int,
-                     vocab_size: int, num_blocks: int, row_mark: np.ndarray,
-                     *outputs: np.ndarray) -> Report:
+                     vocab_size: int, num_blocks: int, row_mark: np.ndarray, state_table: np.ndarray,
+                     slot_mark: np.ndarray, *outputs: np.ndarray) -> Report:
         """``host_loops.check_step``, then, when it passes, the step written into ``outputs``
-        (the seven fields, in ``fields.ARRAY_FIELDS`` order; the block table's first columns,
+        (the eight fields, in ``fields.ARRAY_FIELDS`` order; the block table's first columns,
         as many as its output has)."""
         report = host_loops.check_step(token_ids, block_table, rows, computed, scheduled, block_size,
-                                       max_tokens, vocab_size, num_blocks, row_mark, outputs[-1].shape[1])
+                                       max_tokens, vocab_size, num_blocks, row_mark, state_table, slot_mark,
+                                       outputs[-2].shape[1])
         code, _, _, num_tokens, max_query_len, _ = report
         if code == E_OK:
             self.write(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
-                       max_query_len, outputs)
+                       max_query_len, state_table, outputs)
         return report
 
     def write_checked_step(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
                            computed: np.ndarray, scheduled: np.ndarray, block_size: int,
-                           num_tokens: int, *outputs: np.ndarray) -> bool:
+                           num_tokens: int, state_table: np.ndarray, slot_mark: np.ndarray,
+                           *outputs: np.ndarray) -> bool:
         """``host_loops.write_checked_step``: False, writing nothing, when the step no longer
-        passes ``check_requests`` or no longer has ``num_tokens`` tokens."""
+        passes ``check_requests`` / ``check_state_slots`` or no longer has ``num_tokens`` tokens."""
         code, _, _, total, max_query_len, _ = host_loops.check_requests(
-            token_ids, block_table, rows, computed, scheduled, block_size, outputs[-1].shape[1])
+            token_ids, block_table, rows, computed, scheduled, block_size, outputs[-2].shape[1])
         if code != E_OK or total != num_tokens:
             return False
+        if host_loops.check_state_slots(state_table, rows, slot_mark)[0] != E_OK:
+            return False
         self.write(token_ids, block_table, rows, computed, scheduled, block_size, num_tokens,
-                   max_query_len, outputs)
+                   max_query_len, state_table, outputs)
         return True
 
     def write(self, token_ids: np.ndarray, block_table: np.ndarray, rows_in: np.ndarray,
               computed_in: np.ndarray, scheduled_in: np.ndarray, bs: int, t: int, max_sched: int,
-              outputs: Sequence[np.ndarray]) -> None:
+              state_table: np.ndarray, outputs: Sequence[np.ndarray]) -> None:
         """Write a checked step of ``t`` tokens (the longest request ``max_sched``) into the
         first rows of ``outputs``."""
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out = outputs
+        (input_ids, positions, slot_mapping, query_start_loc, seq_lens, num_computed, block_table_out,
+         state_slots) = outputs
         r = rows_in.shape[0]
         computed, rows, scheduled, seq = self.req[:, :r]
         computed[:] = computed_in
@@ -136,6 +141,10 @@ class NumpyPrepare:
             qsl[1:] = cu
         seq_lens[:r] = seq
         num_computed[:r] = computed
+        if state_table.shape[0]:
+            np.take(state_table, rows_in, out=state_slots[:r], mode="clip")
+        else:
+            state_slots[:r] = -1
 
     def scratch(self, token_dtype: np.dtype, block_dtype: np.dtype, width: int) -> tuple[np.ndarray, ...]:
         """Persistent scratch in the tables' dtypes (reallocated when they or the width

@@ -37,6 +37,10 @@ E_TOO_MANY_TOKENS = 8       # none; ``num_tokens``: the step's total
 E_NULL_BLOCK = 9            # the first whose attention reads a block id <= 0; ``at``: that column
 E_TOKEN_OUT_OF_VOCAB = 10   # the first with a token outside the bound; ``at``: its position
 E_BLOCK_OUT_OF_CACHE = 11   # the first whose row holds a block id >= the bound; ``at``: that column
+# Recurrent-state slots (``state_slots``, one per table row), checked right after the schedule
+# (before codes 9-11): a slot outside the preparer's slots, or one slot held by two requests.
+E_STATE_SLOT_OUT_OF_RANGE = 12  # the first request whose slot is outside [0, num_state_slots)
+E_STATE_SLOT_REPEATED = 13      # the second request holding a slot
 
 
 class StepReport(NamedTuple):
@@ -59,6 +63,7 @@ class StepArrays(NamedTuple):
     num_computed_tokens: object
     num_scheduled_tokens: object
     block_size: int
+    state_slots: object = None
 
 
 class StepLimits(NamedTuple):
@@ -72,6 +77,7 @@ class StepLimits(NamedTuple):
     num_blocks: int | None
     block_bound: int
     table_width: int | None = None
+    num_state_slots: int = 0
 
 
 def step_error(report: StepReport, step: StepArrays, limits: StepLimits) -> InputError:
@@ -109,6 +115,14 @@ def step_error(report: StepReport, step: StepArrays, limits: StepLimits) -> Inpu
                                          f"(table_width: max_model_len / block_size)")
     if code == E_ROW_REPEATED:
         return InputError("req_rows", f"row {row} is scheduled twice in one step (request {i})")
+    if code in (E_STATE_SLOT_OUT_OF_RANGE, E_STATE_SLOT_REPEATED):
+        slot = int(np.asarray(step.state_slots)[row])
+        if code == E_STATE_SLOT_REPEATED:
+            return InputError("state_slots", f"state slot {slot} is held by two requests of one step (the second: "
+                                             f"request {i}, row {row}): each running request owns its own slot")
+        return InputError("state_slots", f"request {i} (row {row}) has state slot {slot}, outside [0, "
+                                         f"{limits.num_state_slots}): one slot per running request; slot "
+                                         f"{limits.num_state_slots} is the trash slot, padding's alone")
     if code == E_NULL_BLOCK:
         return InputError("block_table",
                           f"request {i} (row {row}) column {at} holds block {int(block_table[row, at])}: "

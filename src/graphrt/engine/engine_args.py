@@ -32,15 +32,15 @@ ENGINE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block
 def check_engine_args(model: Any, config: GraphConfig | None, *, max_num_seqs: int, max_num_batched_tokens: int,
                       max_model_len: int | None, block_size: int, strict: bool, schedule_policy: str,
                       schedule_conservativeness: float, decode_log_interval: int, watchdog_timeout: float | None,
-                      watchdog_action: str, disable_overlap_schedule: bool, enable_prefix_caching: bool,
+                      watchdog_action: str, disable_overlap_schedule: bool, enable_prefix_caching: bool | None,
                       progress: bool, graph_fields: dict[str, Any]) -> GraphConfig:
     """Refuse what ``graphrt.LLM(model, ...)`` would refuse of these arguments (ConfigError or
     InputError naming the argument, as ``LLM`` raises them); return the config it runs with:
     ``config`` as given, else one from the limits and ``graph_fields`` whose ``max_model_len``
     defaults to the model's (``validation.engine_config``). ``model``: a Hugging Face directory
     (only its ``config.json`` is read) or a loaded model."""
-    check_flags(enable_prefix_caching=enable_prefix_caching, disable_overlap_schedule=disable_overlap_schedule,
-                progress=progress)
+    check_flags(disable_overlap_schedule=disable_overlap_schedule, progress=progress,
+                **({} if enable_prefix_caching is None else {"enable_prefix_caching": enable_prefix_caching}))
     check_policy(schedule_policy)
     check_conservativeness(schedule_conservativeness)
     check_decode_log_interval(decode_log_interval)

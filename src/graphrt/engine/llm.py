@@ -36,7 +36,7 @@ from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.metrics import EngineMetrics, engine_stats, prometheus_text
 from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.loop import StepLoop, overlap_enabled
-from graphrt.engine.prefix_cache import PrefixCache
+from graphrt.engine.prefix_cache import PrefixCache, prefix_caching
 from graphrt.engine.scheduler import Request, Scheduler
 from graphrt.engine.engine_args import check_engine_args
 from graphrt.engine.validation import params_per_prompt, validate_request
@@ -53,9 +53,9 @@ logger = logging.getLogger(__name__)
 class LLM:
     """Continuous batching over a :class:`ModelRunner`, with a prefix cache and schedule policies.
 
-    ``enable_prefix_caching`` (default on): finished and running requests' full computed KV
-    blocks stay cached in a radix tree and are shared, by reference, with later requests of
-    the same prefix. ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or
+    ``enable_prefix_caching`` (default on; off for a model with recurrent state, which refuses
+    it: docs/hybrid.md): finished and running requests' full computed KV blocks stay cached in
+    a radix tree and are shared, by reference, with later requests of the same prefix. ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or
     "dfs-weight". ``schedule_conservativeness`` (default 1, as in SGLang): admission reserves
     KV for estimated outputs, scaled by it (0: admit without the estimate; see
     :class:`~graphrt.engine.scheduler.Scheduler`). SGLang's prefill and decode log lines (every
@@ -72,7 +72,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  block_size: int = defaults.DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  strict: bool = False, dtype: Any = None, progress: bool = False,
-                 enable_prefix_caching: bool = defaults.DEFAULT_ENABLE_PREFIX_CACHING,
+                 enable_prefix_caching: bool | None = None,
                  schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
                  schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
                  decode_log_interval: int = defaults.DEFAULT_DECODE_LOG_INTERVAL,
@@ -97,13 +97,15 @@ class LLM:
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
                                   dtype=dtype, progress=progress, warmup=warmup)
         cfg = self.config
+        slots = self.runner.executor.num_state_slots
+        enable_prefix_caching = prefix_caching(enable_prefix_caching, slots is not None)
         self.allocator = BlockAllocator(self.runner.num_kv_blocks)
         self.prefix_cache = PrefixCache(cfg.block_size, self.allocator) if enable_prefix_caching else None
         self.scheduler = Scheduler(max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    block_size=cfg.block_size, allocator=self.allocator,
                                    prefix_cache=self.prefix_cache, schedule_policy=schedule_policy,
-                                   schedule_conservativeness=schedule_conservativeness)
+                                   schedule_conservativeness=schedule_conservativeness, num_state_slots=slots)
         self.metrics = EngineMetrics(backend=self.runner.backend.name, block_size=cfg.block_size,
                                      capacity_blocks=self.allocator.capacity, decode_log_interval=decode_log_interval)
         self._ids = itertools.count()

@@ -100,6 +100,9 @@ class StepLoop:
         self.depth = depth                          # launched steps left unresolved after a step
         self.token_table = np.zeros((config.max_num_seqs, config.max_model_len), dtype=np.int32)
         self.block_table = np.zeros((config.max_num_seqs, config.max_blocks_per_req), dtype=np.int32)
+        # Each row's recurrent-state slot (hybrid models; None otherwise): the scheduler's, per step.
+        self.state_table = (np.full(config.max_num_seqs, -1, dtype=np.int32)
+                            if runner.executor.num_state_slots else None)
         self.requests: dict[int, Request] = {}              # unfinished requests by id
         self.faults: dict[int, BaseException] = {}          # failed request id -> its fault, undelivered
         self.num_step_faults = 0            # faults contained by finishing requests with "error"
@@ -205,7 +208,7 @@ class StepLoop:
         n = len(reqs)
         arrays = self._req_arrays[:, :n]
         rows, computed, scheduled = arrays
-        token_table, block_table = self.token_table, self.block_table
+        token_table, block_table, state_table = self.token_table, self.block_table, self.state_table
         samples: list[bool] = []
         batch_for: list[int] = []
         for i, (req, num) in enumerate(zip(reqs, step.num_scheduled)):
@@ -219,6 +222,8 @@ class StepLoop:
                     block_table[row] = 0
                 block_table[row, req.blocks_in_row:len(req.blocks)] = req.blocks[req.blocks_in_row:]
                 req.blocks_in_row = len(req.blocks)
+            if state_table is not None:
+                state_table[row] = req.state_slot
             sampled = end == req.num_tokens
             samples.append(sampled)
             batch_for.append(req.request_id if sampled else ~req.request_id)
@@ -227,8 +232,11 @@ class StepLoop:
             self._batch = sampling_batch(params, [r.request_id for r in reqs], self.runner.vocab_size,
                                          prompt_lens=[len(r.prompt_token_ids) for r in reqs])
             self._batch_for = batch_for
-        return {"token_ids": token_table, "block_table": block_table, "req_rows": rows,
-                "num_computed_tokens": computed, "num_scheduled_tokens": scheduled, "sampling": self._batch}, samples
+        inputs = {"token_ids": token_table, "block_table": block_table, "req_rows": rows,
+                  "num_computed_tokens": computed, "num_scheduled_tokens": scheduled, "sampling": self._batch}
+        if state_table is not None:
+            inputs["state_slots"] = state_table
+        return inputs, samples
 
     def _prompt_inputs(self, step: ScheduledStep, inputs: dict[str, Any]) -> list[int] | None:
         """For the step's requests whose prompt logprobs are incomplete: ask for them (the

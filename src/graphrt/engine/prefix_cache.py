@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
+from graphrt.core import defaults
+from graphrt.core.errors import ConfigError
 from graphrt.engine.block_allocator import BlockAllocator
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -172,4 +177,25 @@ class PrefixCache:
         return out
 
 
-__all__ = ["Match", "Node", "PrefixCache", "block_keys"]
+
+#: Why graphrt's engine refuses prefix caching for a model with recurrent state.
+HYBRID_PREFIX_REASON = (
+    "the model keeps recurrent state (Mamba2 / gated delta-net layers: docs/hybrid.md), one state per "
+    "request for its latest position only; a cached KV prefix holds no recurrent state at its end, so a "
+    "prefix hit could not resume those layers (it would start them from zeros: wrong outputs). "
+    "Checkpointing the states at block boundaries (vLLM's 'align' mode) is not implemented")
+
+
+def prefix_caching(requested: bool | None, has_state: bool) -> bool:
+    """Whether the engine caches prefixes: ``requested`` (None: the default, on) unless the model
+    keeps recurrent state -- then off, said once at INFO, and asking for it is a ConfigError
+    naming ``enable_prefix_caching`` and the reason (:data:`HYBRID_PREFIX_REASON`)."""
+    if not has_state:
+        return defaults.DEFAULT_ENABLE_PREFIX_CACHING if requested is None else requested
+    if requested:
+        raise ConfigError(f"enable_prefix_caching: not available for this model: {HYBRID_PREFIX_REASON}")
+    if requested is None:
+        logger.info("graphrt: prefix caching is off: %s", HYBRID_PREFIX_REASON)
+    return False
+
+__all__ = ["HYBRID_PREFIX_REASON", "Match", "Node", "PrefixCache", "block_keys", "prefix_caching"]

@@ -44,6 +44,7 @@ class Request:
     num_computed_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
     row: int = -1
+    state_slot: int = -1     # its recurrent-state slot while it runs (hybrid models: docs/hybrid.md)
     finish_reason: str | None = None
     num_preemptions: int = 0
     tokens_in_row: int = 0   # tokens already written to the engine's token table at ``row``
@@ -121,7 +122,7 @@ class Scheduler:
                  schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
                  schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
                  clip_max_new_tokens: int = defaults.CLIP_MAX_NEW_TOKENS_ESTIMATION,
-                 seed: int | None = defaults.SCHEDULE_RANDOM_SEED) -> None:
+                 seed: int | None = defaults.SCHEDULE_RANDOM_SEED, num_state_slots: int | None = None) -> None:
         check_conservativeness(schedule_conservativeness)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,6 +135,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # A hybrid model's recurrent-state slots: one per running request, handed out at
+        # admission with its row and taken back with it (finish, preemption, requeue), so a
+        # preempted request restarts from an empty state in whatever slot it gets next.
+        self._free_slots = list(range(num_state_slots - 1, -1, -1)) if num_state_slots else None
         self.num_preemptions = 0
         self.num_recomputed = 0    # requests requeued because their KV was lost
         self.num_cached_tokens = 0     # tokens admitted from the prefix cache
@@ -219,6 +224,9 @@ class Scheduler:
         if req.row >= 0:
             self._free_rows.append(req.row)
             req.row = -1
+        if req.state_slot >= 0:
+            self._free_slots.append(req.state_slot)
+            req.state_slot = -1
         req.tokens_in_row = req.blocks_in_row = 0
         req.cache_node, req.cached_blocks, req.cache_private = None, 0, False
 
@@ -335,6 +343,8 @@ class Scheduler:
         self.num_cached_tokens += cached
         req.status = Status.RUNNING
         req.row = self._free_rows.pop()
+        if self._free_slots is not None:
+            req.state_slot = self._free_slots.pop()
         self.running.append(req)
         return n
 

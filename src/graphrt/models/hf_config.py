@@ -17,6 +17,7 @@ from typing import Any
 from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
+from graphrt.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -100,12 +101,19 @@ class DecoderConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "DecoderConfig":
+    def from_dir(cls, model_dir: str | os.PathLike) -> "DecoderConfig | HybridConfig":
+        """The checkpoint's config: a :class:`DecoderConfig`, or for a hybrid architecture
+        (Mamba2, Granite-4-H, Qwen3-Next: docs/hybrid.md) a :class:`HybridConfig`, which has the
+        fields every caller of this reads (``architecture``, ``torch_dtype``,
+        ``max_position_embeddings``, ``vocab_size``, ``eos_token_id``)."""
         path = os.path.join(os.fspath(model_dir), "config.json")
         if not os.path.exists(path):
             raise InputError("model_dir", f"{model_dir!s} has no config.json")
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+            raw = json.load(f)
+        if any(a in HYBRID_ARCHITECTURES for a in raw.get("architectures") or []):
+            return HybridConfig.from_dict(raw)
+        return cls.from_dict(raw)
 
 
 def sliding_windows(raw: dict, arch: str) -> tuple[int, ...]:

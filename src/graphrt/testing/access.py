@@ -81,10 +81,24 @@ def _pallas_rows(runner: Any, pages: np.ndarray) -> np.ndarray:
     return pages_to_rows(pages, runner.executor.model_config.num_hidden_layers, runner.config.block_size)
 
 
+def _no_kv(runner: Any) -> tuple[int, ...] | None:
+    """The empty 5-d view of a model without attention layers (a pure Mamba2: no KV cache, only
+    recurrent state), else None: ``[0, 2, slots + 1, 1, 1]``."""
+    ex = runner.executor
+    if ex.kv_cache is not None or getattr(ex, "kv_caches", None) or getattr(ex, "state_caches", None) is None:
+        return None
+    if getattr(getattr(ex, "kv", None), "spec", None) is not None and ex.kv.spec.owned_by_model:
+        return None
+    return (0, 2, runner.num_kv_blocks * runner.config.block_size + 1, 1, 1)
+
+
 def kv_values(runner: Any) -> np.ndarray:
     """The KV cache as float32 ``[layers, 2, slots + 1, kv_heads, head_dim]`` (last row: trash),
     or the 5-d view of another layout (module docstring)."""
     ex = runner.executor
+    empty = _no_kv(runner)
+    if empty is not None:
+        return np.zeros(empty, np.float32)
     layouts = _torch_layouts(ex)
     if layouts is not None:
         import torch
@@ -100,6 +114,9 @@ def kv_bits(runner: Any) -> np.ndarray:
     """The KV cache's bits, same shape as :func:`kv_values` (several stored layouts: their bytes
     per slot, ``[1, 1, slots + 1, bytes, 1]``), for byte-exact comparisons."""
     ex = runner.executor
+    empty = _no_kv(runner)
+    if empty is not None:
+        return np.zeros(empty, np.uint32)
     layouts = _torch_layouts(ex)
     if layouts is not None:
         import torch
@@ -116,6 +133,8 @@ def set_kv(runner: Any, values: np.ndarray) -> None:
     the cache's dtype), in place for torch; for XLA a new array with the old one's sharding
     (the executables take it)."""
     ex = runner.executor
+    if _no_kv(runner) is not None:
+        return
     layouts = _torch_layouts(ex)
     if layouts is not None:
         import torch
@@ -152,6 +171,8 @@ def kv_dtype(runner: Any) -> str:
     """The KV cache's dtype name (``float32``, ``bfloat16``, ...), for :func:`graphrt.tolerance`;
     with several stored layouts, the narrowest one's."""
     ex = runner.executor
+    if _no_kv(runner) is not None:
+        return str(ex.state_caches[0].dtype).removeprefix("torch.")
     layouts = _torch_layouts(ex)
     dtype = min((t.dtype for t in layouts), key=lambda d: d.itemsize) if layouts else ex.kv_cache.dtype
     return str(dtype).removeprefix("torch.")
@@ -163,7 +184,7 @@ def on_cpu(runner: Any) -> bool:
     device = getattr(ex, "device", None)
     if device is not None:
         return getattr(device, "type", str(device)) == "cpu"
-    kv = ex.kv_cache
+    kv = ex.kv_cache if ex.kv_cache is not None else (getattr(ex, "state_caches", None) or [None])[0]
     return all(d.platform == "cpu" for d in kv.devices()) if hasattr(kv, "devices") else True
 
 
@@ -173,6 +194,9 @@ def device_state(runner: Any) -> dict[str, np.ndarray]:
     buffers, noise and sampled tokens)."""
     ex = runner.executor
     out = {"kv_cache": kv_bits(runner)}
+    states = state_bits(runner)
+    if states is not None:
+        out["state_cache"] = states
     out.update({f"host.{name}": np.array(buf, copy=True) for name, buf in ex.host_buffers.items()})
     static = getattr(ex, "static", None)
     if static is not None:
@@ -200,15 +224,64 @@ def addresses(runner: Any) -> dict[str, int] | None:
     ex = runner.executor
     static = getattr(ex, "static", None)
     caches = getattr(ex, "kv_caches", None) or ([ex.kv_cache] if ex.kv_cache is not None else [])
-    if static is None or not caches or not _is_torch(caches[0]):
+    states = list(getattr(ex, "state_caches", None) or [])
+    if static is None or not (caches or states) or not _is_torch((caches or states)[0]):
         return None
+    out_states = {f"state_cache.{i}": t.data_ptr() for i, t in enumerate(states)}
     out = {name: t.data_ptr() for name, t in static.items()}
     sampler = getattr(ex, "sampler", None)
     out.update({f"sampler.{k}": t.data_ptr() for k, t in (getattr(sampler, "static", None) or {}).items()})
     out.update({f"kv_cache.{i}" if i else "kv_cache": t.data_ptr() for i, t in enumerate(caches)})
     for name in ("hidden_out", "logits_out"):
         out[name] = getattr(ex, name).data_ptr()
+    out.update(out_states)
     return out
+
+
+# ---- recurrent state (hybrid models, docs/hybrid.md) ---------------------------------------
+
+def _states(runner: Any) -> list[Any]:
+    return list(getattr(runner.executor, "state_caches", None) or [])
+
+
+def state_values(runner: Any) -> np.ndarray | None:
+    """The recurrent-state cache as float32 ``[slots + 1, checkpoints, features]`` (every state
+    tensor of every recurrent layer side by side; slot ``slots`` is the trash slot), or None for
+    a model without recurrent state."""
+    tensors = _states(runner)
+    if not tensors:
+        return None
+    return np.concatenate([_values(t).reshape(t.shape[0], t.shape[1], -1) for t in tensors], axis=2)
+
+
+def state_bits(runner: Any) -> np.ndarray | None:
+    """The state cache's bytes, ``[slots + 1, checkpoints, bytes]`` (None without state)."""
+    tensors = _states(runner)
+    if not tensors:
+        return None
+    return np.concatenate([np.ascontiguousarray(_to_numpy(t)).view(np.uint8).reshape(t.shape[0], t.shape[1], -1)
+                           for t in tensors], axis=2)
+
+
+def set_state(runner: Any, values: np.ndarray) -> None:
+    """Overwrite the whole state cache with ``values`` (:func:`state_values`' view, cast to each
+    tensor's dtype): in place for torch, new arrays for XLA."""
+    tensors = _states(runner)
+    start = 0
+    for i, t in enumerate(tensors):
+        width = int(np.prod(t.shape[2:]))
+        part = np.ascontiguousarray(values[:, :, start:start + width], dtype=np.float32).reshape(t.shape)
+        start += width
+        if _is_torch(t):
+            import torch
+
+            with torch.no_grad():
+                t.copy_(torch.from_numpy(part).to(t.dtype))
+        else:
+            import jax
+            import jax.numpy as jnp
+
+            runner.executor.state_caches[i] = jax.device_put(jnp.asarray(part, dtype=t.dtype), t.sharding)
 
 
 def build_count(runner: Any) -> int:
@@ -222,4 +295,4 @@ def build_count(runner: Any) -> int:
 
 
 __all__ = ["addresses", "build_count", "changed", "device_state", "kv_bits", "kv_dtype", "kv_values",
-           "on_cpu", "set_kv"]
+           "on_cpu", "set_kv", "set_state", "state_bits", "state_values"]

@@ -98,6 +98,8 @@ def _not_applicable(name: str, factory: RunnerFactory, reference: Reference | No
     runner = factory()
     if name == "replay_matches_eager" and not can_run_unpadded(runner):
         return f"not applicable: backend {runner.backend.name} has no eager path"
+    if name == "state_isolated" and not runner.executor.num_state_slots:
+        return "not applicable: the model keeps no recurrent state"
     if name == "addresses_stable" and access.addresses(runner) is None:
         return f"not applicable: backend {runner.backend.name} has no static device buffers"
     return None

@@ -18,10 +18,10 @@ import numpy as np
 
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
 from graphrt.core.errors import InputError
-from graphrt.core.numerics import tolerance
+from graphrt.core.numerics import reduction_tolerance, tolerance
 from graphrt.testing import access
-from graphrt.testing.runners import (Outputs, built_entry, can_run_unpadded, covering_keys, greedy, plant_kv,
-                                     replay_at, run_at, run_runner)
+from graphrt.testing.runners import (Outputs, Planted, built_entry, can_run_unpadded, covering_keys, greedy, plant,
+                                     replay_at, restore, run_at, run_runner)
 from graphrt.testing.step import BadStep, Step
 
 Factory = Callable[..., Any]
@@ -44,10 +44,21 @@ def scrub(runner: Any) -> None:
                    num_scheduled_tokens=np.ones(n, np.int32), extra_inputs=extras)
 
 
-def _start(factory: Factory, step: Step, *, nan_unused: bool = False) -> tuple[Any, np.ndarray]:
+def _start(factory: Factory, step: Step, *, nan_unused: bool = False) -> tuple[Any, Planted]:
     runner = factory()
     scrub(runner)
-    return runner, plant_kv(runner, step, nan_unused=nan_unused)
+    return runner, plant(runner, step, nan_unused=nan_unused)
+
+
+def _checkpoints(runner: Any) -> int:
+    """Checkpoints per state slot (1 + num_speculative_tokens)."""
+    return int(runner.config.decode_query_len)
+
+
+def _entries(step: Step, runner: Any, which: str) -> tuple[np.ndarray, np.ndarray]:
+    """The (slots, checkpoints) the step reads or writes, as index arrays."""
+    pairs = (step.state_writes if which == "writes" else step.state_reads)(_checkpoints(runner))
+    return (np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.int64))
 
 
 def _tol(runner: Any) -> tuple[float, float]:
@@ -118,10 +129,11 @@ def padding_invisible(factory: Factory, step: Step) -> None:
             shapes.add(shape)
             runs.append((run_at, key))
     for run, key in runs:
-        access.set_kv(runner, planted)
+        restore(runner, planted)
         got.append(run(runner, step, key))
     ref = got[1] if len(got) > 1 else got[0]
     slots = step.write_slots()
+    written = _entries(step, runner, "writes")
     for out in got:
         what = f"padding is visible: {out.how} against {ref.how}"
         if out.tokens is not None:
@@ -130,6 +142,11 @@ def padding_invisible(factory: Factory, step: Step) -> None:
         _close(runner, out.logits, ref.logits, f"{what}: logits")
         _close(runner, out.hidden, ref.hidden, f"{what}: hidden rows of the real tokens")
         _close(runner, out.kv[:, :, slots], ref.kv[:, :, slots], f"{what}: KV written at the real slots")
+        if out.state is not None:         # a state sums a request's tokens' products: a reordered sum
+            for got_row, want_row in zip(out.state[written], ref.state[written]):
+                tol = reduction_tolerance(access.kv_dtype(runner), magnitude=float(np.abs(want_row).max()))
+                np.testing.assert_allclose(got_row, want_row, rtol=tol.rtol, atol=tol.atol,
+                                           err_msg=f"{what}: recurrent states written")
 
 
 def kv_isolated(factory: Factory, step: Step) -> None:
@@ -139,8 +156,10 @@ def kv_isolated(factory: Factory, step: Step) -> None:
     it computes -- padded ones
     included -- is finite, and real outputs equal those of a run with numbers there instead.
     Checked on the runner's own path and padded to its largest covering buckets."""
-    runner, planted = _start(factory, step, nan_unused=True)
+    runner, both = _start(factory, step, nan_unused=True)
+    planted = both.kv
     clean = np.nan_to_num(planted, nan=0.0)
+    clean_state = None if both.state is None else np.nan_to_num(both.state, nan=0.0)
     keys = covering_keys(runner, step)
     chosen: list[BatchDescriptor | None] = [None]
     if keys:
@@ -153,17 +172,20 @@ def kv_isolated(factory: Factory, step: Step) -> None:
         runs = []
         for values in (planted, clean):
             access.set_kv(runner, values)
+            if both.state is not None:          # NaN where the step reads no state, or zeros there
+                access.set_state(runner, both.state if values is planted else clean_state)
             before = access.kv_bits(runner)
             out = run_runner(runner, step) if key is None else run_at(runner, step, key)
             after = access.kv_bits(runner)
-            touched = (before != after).reshape(before.shape[0], before.shape[1], before.shape[2], -1)
+            touched = (before != after).reshape(*before.shape[:3], int(np.prod(before.shape[3:])))
             foreign = np.flatnonzero(touched.any(axis=(0, 1, 3)) & ~allowed)
             if foreign.size:
                 raise AssertionError(f"KV isolation: {out.how} wrote KV slots {foreign.tolist()[:8]} outside the "
                                      f"step's real slots {sorted(step.write_slots().tolist())} and the trash row "
                                      f"{planted.shape[2] - 1}")
             written = np.flatnonzero(touched.any(axis=(0, 1, 3)))
-            if values is planted:                # NaN was there: a real token's store changes it
+            if values is planted and planted.shape[0]:   # NaN was there: a real token's store changes it
+                                                         # (no attention layer: no KV to store)
                 unwritten = np.setdiff1d(step.write_slots(), written)
                 if unwritten.size:
                     raise AssertionError(f"KV isolation: {out.how} did not write the real slots "
@@ -189,12 +211,14 @@ def replay_matches_eager(factory: Factory, step: Step) -> None:
     if not can_run_unpadded(runner):
         return
     replay = run_runner(runner, step)
-    access.set_kv(runner, planted)
+    restore(runner, planted)
     eager = run_at(runner, step, runner.last_step.key)
     what = f"replay differs from eager at the same shape: {replay.how} against {eager.how}"
     _same_shape(runner, replay.logits, eager.logits, f"{what}: logits")
     _same_shape(runner, replay.hidden, eager.hidden, f"{what}: hidden rows")
     _same_shape(runner, replay.kv, eager.kv, f"{what}: KV cache")
+    if replay.state is not None:                  # the trash slot aside: padding's alone
+        _same_shape(runner, replay.state[:-1], eager.state[:-1], f"{what}: recurrent states")
 
 
 def no_build_after_warmup(factory: Factory, step: Step) -> None:
@@ -273,18 +297,104 @@ def addresses_stable(factory: Factory, step: Step) -> None:
 def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
     """A few requests' whole lifetimes through the runner (each step reading the KV earlier
     steps wrote) equal the same steps run unpadded, or at the smallest covering bucket where
-    the backend cannot run eagerly: the same greedy tokens, logits within tolerance."""
+    the backend cannot run eagerly: the same greedy tokens, logits within tolerance. A model with
+    recurrent state carries each step's rounding into the next (and may run a step's recurrence
+    in another form at another shape: chunked or token by token), so its logits are held to
+    ``graphrt.reduction_tolerance`` of each row's magnitude, the bound of a reordered sum."""
     if not trace:
         return
     runner, planted = _start(factory, trace[0])
     got = [run_runner(runner, step) for step in trace]
-    access.set_kv(runner, planted)
+    restore(runner, planted)
     eager = can_run_unpadded(runner)
     for i, (step, out) in enumerate(zip(trace, got)):
         ref = run_at(runner, step, None if eager else covering_keys(runner, step)[0])
         what = f"step {i} of {len(trace)} of the lifetime: {out.how} against {ref.how}"
         _same_tokens(runner, out.tokens, ref.logits, what)
-        _close(runner, out.logits, ref.logits, f"{what}: logits")
+        if planted.state is None:
+            _close(runner, out.logits, ref.logits, f"{what}: logits")
+            continue
+        for row, want in enumerate(ref.logits):
+            tol = reduction_tolerance(access.kv_dtype(runner), magnitude=float(np.abs(want).max()))
+            np.testing.assert_allclose(out.logits[row], want, rtol=tol.rtol, atol=tol.atol,
+                                       err_msg=f"{what}: logits of request {row}")
+
+
+def state_isolated(factory: Factory, step: Step) -> None:
+    """A hybrid model's recurrent states (docs/hybrid.md): with NaN in every state entry the step
+    does not read (other requests' slots, a new request's own stale slot, the trash slot), the
+    step changes no byte of the state cache outside the entries its real requests write (and
+    the trash slot padded requests write), writes each of those with finite values, computes
+    only finite rows (padded ones included), and its real outputs equal those of a run with
+    zeros there instead -- on the runner's path and at its largest covering buckets. And a
+    request's outputs do not depend on who shares its step: with every other request's tokens
+    and states replaced, request 0's logits, hidden rows and states are the same (bit for bit
+    on a CPU: the same shape). A model without recurrent state has nothing to check."""
+    runner, both = _start(factory, step, nan_unused=True)
+    if both.state is None:
+        return
+    c = _checkpoints(runner)
+    trash = both.state.shape[0] - 1
+    allowed = np.zeros(both.state.shape[:2], dtype=bool)
+    writes = _entries(step, runner, "writes")
+    allowed[writes] = True
+    allowed[trash] = True
+    clean_state, clean_kv = np.nan_to_num(both.state, nan=0.0), np.nan_to_num(both.kv, nan=0.0)
+    keys = covering_keys(runner, step)
+    chosen: list[BatchDescriptor | None] = [None]
+    if keys:
+        chosen.append(max(keys, key=lambda k: (k.num_tokens, k.num_reqs or 0)))
+    for key in dict.fromkeys(chosen):
+        runs = []
+        for state, kv in ((both.state, both.kv), (clean_state, clean_kv)):
+            access.set_kv(runner, kv)
+            access.set_state(runner, state)
+            before = access.state_bits(runner)
+            out = run_runner(runner, step) if key is None else run_at(runner, step, key)
+            touched = (before != access.state_bits(runner)).any(axis=2)
+            foreign = np.argwhere(touched & ~allowed)
+            if foreign.size:
+                raise AssertionError(f"state isolation: {out.how} changed state entries (slot, checkpoint) "
+                                     f"{[tuple(x) for x in foreign.tolist()[:8]]} outside the step's own "
+                                     f"{sorted(step.state_writes(c))} and the trash slot {trash}")
+            if not np.isfinite(out.state[writes]).all():
+                raise AssertionError(f"state isolation: {out.how} wrote non-finite states into "
+                                     f"{sorted(step.state_writes(c))}")
+            _finite(out, step)
+            runs.append(out)
+        nan_run, clean_run = runs
+        what = f"NaN in unread state entries reached real outputs ({nan_run.how})"
+        _same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
+        _same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
+        _same_shape(runner, nan_run.state[writes], clean_run.state[writes], f"{what}: states written")
+    if step.num_reqs < 2:
+        return
+    # the same step with every other request's scheduled tokens and read states redrawn
+    rng = np.random.default_rng(step.seed + 11)
+    other = Step(step.token_ids.copy(), step.block_table, step.req_rows, step.num_computed_tokens,
+                 step.num_scheduled_tokens, step.block_size, step.seed, dict(step.overrides), step.extra_inputs,
+                 step.state_slots)
+    state = clean_state.copy()
+    for i in range(1, step.num_reqs):
+        row, start = int(step.req_rows[i]), int(step.num_computed_tokens[i])
+        stop = start + int(step.num_scheduled_tokens[i])
+        other.token_ids[row, start:stop] = rng.integers(0, runner.vocab_size, size=stop - start)
+        if start > 0:
+            state[int(step.state_slots[row]), (start - 1) % c] = rng.standard_normal(state.shape[2])
+    mine = int(step.num_scheduled_tokens[0])
+    mine_writes = _entries(Step(step.token_ids, step.block_table, step.req_rows[:1], step.num_computed_tokens[:1],
+                                step.num_scheduled_tokens[:1], step.block_size, state_slots=step.state_slots),
+                           runner, "writes")
+    outs = []
+    for tokens_step, values in ((step, clean_state), (other, state)):
+        access.set_kv(runner, clean_kv)
+        access.set_state(runner, values)
+        outs.append(run_runner(runner, tokens_step))
+    a, b = outs
+    what = f"request 0's outputs depend on the requests sharing its step ({a.how})"
+    _same_shape(runner, a.logits[:1], b.logits[:1], f"{what}: logits")
+    _same_shape(runner, a.hidden[:mine], b.hidden[:mine], f"{what}: hidden rows")
+    _same_shape(runner, a.state[mine_writes], b.state[mine_writes], f"{what}: its states")
 
 
 #: Every property, by name, with the strategy kind it takes ("step", "bad", "trace").
@@ -296,7 +406,8 @@ PROPERTIES: dict[str, tuple[Callable[[Factory, Any], None], str]] = {
     "bad_input_rejected": (bad_input_rejected, "bad"),
     "addresses_stable": (addresses_stable, "step"),
     "lifetime_matches_reference": (lifetime_matches_reference, "trace"),
+    "state_isolated": (state_isolated, "step"),
 }
 
 __all__ = ["PROPERTIES", "addresses_stable", "bad_input_rejected", "kv_isolated", "lifetime_matches_reference",
-           "no_build_after_warmup", "padding_invisible", "replay_matches_eager", "scrub"]
+           "no_build_after_warmup", "padding_invisible", "replay_matches_eager", "scrub", "state_isolated"]

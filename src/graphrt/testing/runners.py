@@ -21,7 +21,7 @@ Each property runs a step in up to three ways, all on the factory's runner:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -92,6 +92,8 @@ class RunnerFactory:
         args = dict(config=self.config, num_kv_blocks=self.num_kv_blocks, vocab_size=runner.vocab_size)
         if runner.extra is not None:                 # the model's declared extra inputs
             args["extra_inputs"] = runner.extra.specs
+        if runner.executor.num_state_slots:          # a model with recurrent state: slot tables
+            args["num_state_slots"] = runner.executor.num_state_slots
         return args
 
 
@@ -115,6 +117,7 @@ class Outputs:
     padded_hidden: np.ndarray     # [T_pad, hidden]
     kv: np.ndarray                # the KV cache afterwards, float32
     tokens: np.ndarray | None = None   # sampled (greedy) tokens, runner runs only
+    state: np.ndarray | None = None    # the recurrent-state cache afterwards (hybrid models), float32
 
 
 def _collect(runner: Any, how: str, key: BatchDescriptor, t: int, r: int, tokens: Any = None) -> Outputs:
@@ -124,7 +127,7 @@ def _collect(runner: Any, how: str, key: BatchDescriptor, t: int, r: int, tokens
     padded_logits = np.asarray(ex.logits(r_pad), dtype=np.float32)
     return Outputs(how, key, padded_logits[:r].copy(), padded_hidden[:t].copy(), padded_logits.copy(),
                    padded_hidden.copy(), access.kv_values(runner),
-                   None if tokens is None else np.asarray(tokens).copy())
+                   None if tokens is None else np.asarray(tokens).copy(), access.state_values(runner))
 
 
 def run_runner(runner: Any, step: Step) -> Outputs:
@@ -218,6 +221,43 @@ def covering_keys(runner: Any, step: Step) -> list[BatchDescriptor]:
     return sorted(keys, key=lambda k: (k.num_tokens, k.num_reqs or 0, k.uniform_decode))
 
 
+class Planted(NamedTuple):
+    """What a property planted before a step: KV values and, for a hybrid model, states."""
+
+    kv: np.ndarray
+    state: np.ndarray | None
+
+
+def plant(runner: Any, step: Step, *, nan_unused: bool) -> Planted:
+    """:func:`plant_kv` and :func:`plant_state`."""
+    return Planted(plant_kv(runner, step, nan_unused=nan_unused), plant_state(runner, step, nan_unused=nan_unused))
+
+
+def restore(runner: Any, planted: Planted) -> None:
+    """Put the planted KV values and states back (before another run of the same step)."""
+    access.set_kv(runner, planted.kv)
+    if planted.state is not None:
+        access.set_state(runner, planted.state)
+
+
+def plant_state(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray | None:
+    """Seeded values in every recurrent-state slot and checkpoint (a hybrid model; None
+    otherwise); with ``nan_unused`` NaN in every entry but those the step reads (each continuing
+    request's checkpoint): a new request's own slot, other requests' slots and the trash slot
+    hold NaN, which must reach no real output."""
+    current = access.state_values(runner)
+    if current is None:
+        return None
+    values = (0.5 * np.random.default_rng(step.seed + 7).standard_normal(current.shape)).astype(np.float32)
+    if nan_unused:
+        keep = np.zeros(current.shape[:2], dtype=bool)
+        for slot, checkpoint in step.state_reads(current.shape[1]):
+            keep[slot, checkpoint] = True
+        values[~keep] = np.nan
+    access.set_state(runner, values)
+    return values
+
+
 def plant_kv(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray:
     """Seeded values in every KV slot; with ``nan_unused`` NaN in every slot the step's real
     tokens never read (the null block, other requests' and stale blocks, the trash row) and
@@ -234,5 +274,6 @@ def plant_kv(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray:
     return values
 
 
-__all__ = ["KIT_LIMITS", "Outputs", "RunnerFactory", "bucket_keys", "built_entry", "can_run_unpadded",
-           "covering_keys", "greedy", "plant_kv", "replay_at", "run_at", "run_runner"]
+__all__ = ["KIT_LIMITS", "Outputs", "Planted", "RunnerFactory", "bucket_keys", "built_entry", "can_run_unpadded",
+           "covering_keys", "greedy", "plant", "plant_kv", "plant_state", "replay_at", "restore", "run_at",
+           "run_runner"]

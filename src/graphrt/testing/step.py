@@ -22,7 +22,9 @@ class Step:
     ``num_computed_tokens[i]`` tokens already in the KV cache and ``num_scheduled_tokens[i]``
     new ones. ``seed`` seeds the KV contents the properties plant before running it.
     ``extra_inputs``: the step's array per extra input the model declares (``model.extra_inputs``),
-    drawn by the strategies when the runner's model has any; None otherwise.
+    drawn by the strategies when the runner's model has any; None otherwise. ``state_slots``:
+    for a model with recurrent state (docs/hybrid.md), each table row's state slot (the
+    scheduled rows' distinct); None otherwise.
     """
 
     token_ids: np.ndarray
@@ -34,6 +36,7 @@ class Step:
     seed: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)
     extra_inputs: dict[str, np.ndarray] | None = None
+    state_slots: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -55,6 +58,8 @@ class Step:
                     num_scheduled_tokens=self.num_scheduled_tokens)
         if self.extra_inputs is not None:
             args["extra_inputs"] = self.extra_inputs
+        if self.state_slots is not None:
+            args["state_slots"] = self.state_slots
         args.update(self.overrides)
         return args
 
@@ -76,6 +81,26 @@ class Step:
         c, n = self.num_computed_tokens, self.num_scheduled_tokens
         return self._slots(lambda i: 0, lambda i: int(c[i]) + int(n[i]))
 
+    def state_reads(self, checkpoints: int) -> list[tuple[int, int]]:
+        """(slot, checkpoint) entries of the state cache the step reads: each continuing
+        request's state after its position ``computed - 1`` (docs/hybrid.md)."""
+        if self.state_slots is None:
+            return []
+        return [(int(self.state_slots[int(row)]), (int(c) - 1) % checkpoints)
+                for row, c in zip(self.req_rows, self.num_computed_tokens) if int(c) > 0]
+
+    def state_writes(self, checkpoints: int) -> list[tuple[int, int]]:
+        """(slot, checkpoint) entries the step writes: each request's state after each of its
+        last ``min(scheduled, checkpoints)`` positions ``p``, at entry ``p % checkpoints``."""
+        if self.state_slots is None:
+            return []
+        out = []
+        for row, c, n in zip(self.req_rows, self.num_computed_tokens, self.num_scheduled_tokens):
+            end = int(c) + int(n)
+            out += [(int(self.state_slots[int(row)]), p % checkpoints)
+                    for p in range(max(int(c), end - checkpoints), end)]
+        return out
+
     def sequences(self) -> list[np.ndarray]:
         """Each request's token ids from position 0 through its last scheduled token: what a
         plain eager loop runs to get the logits the runner samples from for that request."""
@@ -94,6 +119,8 @@ class Step:
             lines.append(f"  request {i}: row {int(row)}, computed {c}, scheduled {n} ({kind}); "
                          f"blocks {blocks[:need]} then {blocks[need:]}; "
                          f"token ids {self.token_ids[int(row), c:c + n].tolist()}")
+        if self.state_slots is not None:
+            lines.append(f"  state slots by row: {self.state_slots.tolist()}")
         for name, value in self.overrides.items():
             lines.append(f"  override {name}: {np.asarray(value).tolist() if np.ndim(value) < 2 else '(table)'}")
         return "\n".join(lines)

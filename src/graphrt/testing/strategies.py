@@ -9,6 +9,11 @@
 * :func:`traces` -- every step of a few requests' lifetimes: chunked prefill, then decodes,
   with the block table growing as the requests need blocks.
 
+Given ``num_state_slots`` (a model with recurrent state, docs/hybrid.md), every step carries a
+state-slot table: the scheduled rows distinct slots in any order, the other rows (requests parked
+between steps) the remaining slots while they last, so a step that touched any slot but its own
+would show; bad steps then also break a slot (outside the slots, or held twice).
+
 Given the model's declared extra inputs (``extra_inputs``: name -> :class:`~graphrt.ExtraInput`),
 every step carries a seeded array for each, of its level's rows, shape and dtype; bad steps
 then also break one of them (wrong shape, wrong dtype, missing).
@@ -98,30 +103,47 @@ def _extras(specs: Mapping[str, ExtraInput] | None, seed: int, num_tokens: int,
     return out
 
 
+def _state_table(draw: Callable[[Any], Any], num_rows: int, rows: Sequence[int],
+                 num_state_slots: int | None) -> np.ndarray | None:
+    """Each table row's state slot: the scheduled rows distinct ones, the other rows the rest
+    while they last (then a slot of a scheduled row: a stale entry no check reads)."""
+    if not num_state_slots:
+        return None
+    order = list(draw(st.permutations(range(num_state_slots))))
+    table = np.zeros(num_rows, _I32)
+    others = [r for r in range(num_rows) if r not in set(rows)]
+    for k, row in enumerate(list(rows) + others):
+        table[row] = order[k % num_state_slots]
+    return table
+
+
 def _make(draw: Callable[[Any], Any], config: GraphConfig, num_kv_blocks: int, vocab_size: int,
           num_rows: int, rows: Sequence[int], computed: Sequence[int], scheduled: Sequence[int],
-          extra_inputs: Mapping[str, ExtraInput] | None = None) -> Step:
+          extra_inputs: Mapping[str, ExtraInput] | None = None, num_state_slots: int | None = None) -> Step:
     seed = draw(st.integers(0, 2**16))
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab_size, size=(num_rows, config.max_model_len)).astype(_I32)
     table = _table(draw, config, num_kv_blocks, num_rows, rows, computed, scheduled, rng)
     return Step(tokens, table, np.asarray(rows, _I32), np.asarray(computed, _I32),
                 np.asarray(scheduled, _I32), config.block_size, seed,
-                extra_inputs=_extras(extra_inputs, seed, int(sum(scheduled)), len(rows)))
+                extra_inputs=_extras(extra_inputs, seed, int(sum(scheduled)), len(rows)),
+                state_slots=_state_table(draw, num_rows, rows, num_state_slots))
 
 
 def steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
-          extra_inputs: Mapping[str, ExtraInput] | None = None) -> st.SearchStrategy[Step]:
+          extra_inputs: Mapping[str, ExtraInput] | None = None,
+          num_state_slots: int | None = None) -> st.SearchStrategy[Step]:
     """Valid steps for a runner of ``config`` with ``num_kv_blocks`` KV blocks and a model of
-    ``vocab_size`` tokens (and the declared ``extra_inputs``), over tables of ``num_rows`` rows
-    (default ``max_num_seqs + 2``)."""
+    ``vocab_size`` tokens (and the declared ``extra_inputs``; ``num_state_slots`` recurrent-state
+    slots), over tables of ``num_rows`` rows (default ``max_num_seqs + 2``)."""
     rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
     _check_room(config, num_kv_blocks, rows_)
 
     @st.composite
     def draw_step(draw: Callable[[Any], Any]) -> Step:
         rows, computed, scheduled = _schedule(draw, config, rows_)
-        return _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled, extra_inputs)
+        return _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled, extra_inputs,
+                     num_state_slots)
 
     return draw_step()
 
@@ -201,6 +223,15 @@ def _break(draw: Callable[[Any], Any], kind: str, step: Step, config: GraphConfi
         else:
             del arrays[name]
         return _bad(kind, f"extra_inputs[{name!r}]", step, extra_inputs=arrays)
+    if kind == "state slot outside the slots":
+        slots = step.state_slots.copy()
+        past = int(np.max(slots)) + 1 + draw(st.integers(0, 3))     # every slot is in the table: max + 1 is past them
+        slots[row] = draw(st.sampled_from((-1, past, 2**31 - 1)))
+        return _bad(kind, "state_slots", step, state_slots=slots)
+    if kind == "state slot held twice":
+        slots = step.state_slots.copy()
+        slots[int(rows[(i + 1) % step.num_reqs])] = slots[row]
+        return _bad(kind, "state_slots", step, state_slots=slots)
     if kind == "sampling rows differ":
         return _bad(kind, "sampling", step, sampling_rows=step.num_reqs + draw(st.sampled_from((1, -1))))
     raise AssertionError(kind)
@@ -212,14 +243,18 @@ BAD_KINDS = ("row outside the tables", "row scheduled twice", "empty batch", "le
              "overflowing value", "null block in a column attention reads", "block id beyond the KV cache",
              "block table of the wrong width", "tables with different row counts",
              "token id outside the vocabulary", "non-integer array", "sampling rows differ",
-             "extra input of the wrong shape", "extra input of the wrong dtype", "extra input missing")
+             "extra input of the wrong shape", "extra input of the wrong dtype", "extra input missing",
+             "state slot outside the slots", "state slot held twice")
 #: The kinds that break a declared extra input (drawn only for a model that declares some).
 EXTRA_KINDS = ("extra input of the wrong shape", "extra input of the wrong dtype", "extra input missing")
+#: The kinds that break a recurrent-state slot (drawn only for a model with recurrent state).
+STATE_KINDS = ("state slot outside the slots", "state slot held twice")
 
 
 def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
               kinds: Sequence[str] = BAD_KINDS,
-              extra_inputs: Mapping[str, ExtraInput] | None = None) -> st.SearchStrategy[BadStep]:
+              extra_inputs: Mapping[str, ExtraInput] | None = None,
+              num_state_slots: int | None = None) -> st.SearchStrategy[BadStep]:
     """Steps that break exactly one bound (one of ``kinds``; the extra-input kinds only where
     ``extra_inputs`` declares some), each with the field its :class:`~graphrt.InputError` must
     name. Arguments as for :func:`steps`."""
@@ -229,20 +264,21 @@ def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_r
     if unknown:
         raise ValueError(f"unknown bad-step kinds {sorted(unknown)}; known: {BAD_KINDS}")
 
-    kinds = [k for k in kinds if extra_inputs or k not in EXTRA_KINDS]
+    kinds = [k for k in kinds if (extra_inputs or k not in EXTRA_KINDS) and (num_state_slots or k not in STATE_KINDS)]
 
     @st.composite
     def draw_bad(draw: Callable[[Any], Any]) -> BadStep:
         kind = draw(st.sampled_from(kinds))
         rows, computed, scheduled = _schedule(draw, config, rows_)
-        if kind == "row scheduled twice" and len(rows) < 2:
+        if kind in ("row scheduled twice", "state slot held twice") and len(rows) < 2:
             rows, computed, scheduled = rows + [(rows[0] + 1) % rows_], computed + [0], scheduled + [1]
             if sum(scheduled) > config.max_num_batched_tokens:
                 scheduled[0] -= 1
                 if scheduled[0] < 1:          # a one-token budget: no two requests fit
                     kind = "row outside the tables"
                     rows, computed, scheduled = rows[:1], computed[:1], [1]
-        step = _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled, extra_inputs)
+        step = _make(draw, config, num_kv_blocks, vocab_size, rows_, rows, computed, scheduled, extra_inputs,
+                     num_state_slots)
         return _break(draw, kind, step, config, num_kv_blocks, vocab_size)
 
     return draw_bad()
@@ -252,7 +288,8 @@ def bad_steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_r
 
 def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
            max_requests: int = 3, max_decodes: int = 4, prefix_hits: bool = True,
-           extra_inputs: Mapping[str, ExtraInput] | None = None) -> st.SearchStrategy[list[Step]]:
+           extra_inputs: Mapping[str, ExtraInput] | None = None,
+           num_state_slots: int | None = None) -> st.SearchStrategy[list[Step]]:
     """The steps of up to ``max_requests`` requests' whole lifetimes, in order: each request
     joins at some step with a prompt (maybe, with ``prefix_hits``, a prefix hit: tokens already
     computed, whose KV the trace never writes), prefills it in chunks within the token budget,
@@ -272,6 +309,7 @@ def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows
         tokens = rng.integers(0, vocab_size, size=(rows_, model_len)).astype(_I32)
         table = np.zeros((rows_, config.max_blocks_per_req), _I32)
         pool = list(draw(st.permutations(range(1, num_kv_blocks))))
+        slots = _state_table(draw, rows_, rows, num_state_slots)
         reqs = []
         for row in rows:
             decodes = draw(st.integers(0, max_decodes))
@@ -298,10 +336,11 @@ def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows
             if batch:
                 r, c, n = (np.asarray(v, _I32) for v in zip(*batch))
                 out.append(Step(tokens, table.copy(), r, c, n, bs, seed + t,
-                                extra_inputs=_extras(extra_inputs, seed + t, int(n.sum()), len(r))))
+                                extra_inputs=_extras(extra_inputs, seed + t, int(n.sum()), len(r)),
+                                state_slots=slots))
         return out
 
     return draw_trace()
 
 
-__all__ = ["BAD_KINDS", "EXTRA_KINDS", "bad_steps", "steps", "traces"]
+__all__ = ["BAD_KINDS", "EXTRA_KINDS", "STATE_KINDS", "bad_steps", "steps", "traces"]

@@ -84,7 +84,7 @@ def _dummy(executor: Any, t: int, r: int, busy: bool, context: int | None) -> Mo
     executor.to_device(t, r)
     return ModelInputs(h["input_ids"][:t], h["positions"][:t], h["slot_mapping"][:t],
                        h["query_start_loc"][:r + 1], h["seq_lens"][:r], h["num_computed_tokens"][:r],
-                       h["block_table"][:r], r, n, int(counts.max()), max_len, False)
+                       h["block_table"][:r], h["state_slots"][:r], r, n, int(counts.max()), max_len, False)
 
 
 def refresh_for_capture(executor: Any, padded: ModelInputs, key: BatchDescriptor) -> None:

@@ -29,6 +29,7 @@ that nothing it leaves behind reaches the graph as a number.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -40,13 +41,14 @@ from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.torch.baked_values import check_baked, check_refresh, refresh_for_capture
 from graphrt.backends.torch.kv_cache import TorchKVCache
+from graphrt.backends.torch.state_cache import TorchStateCache, model_state_spec
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
 from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
-from graphrt.core.forward_context import forward_context
+from graphrt.core.forward_context import forward_context, state_context
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
@@ -92,6 +94,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         #: The refresh path: the backend's own before_replay, run before every run when it has one.
         self._refresh = overrides_before_replay(self.attention)
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
+        self._run_uniform = False           # the running step's key's uniform_decode (recurrent layers)
         #: Per built key: mode, seconds, graph bytes, whether it was compiled.
         self.capture_report: list[dict[str, Any]] = []
         self.vocab_size = int(model.config.vocab_size)
@@ -129,6 +132,13 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.pool = GraphPool(graph_api) if graph_api is not None else None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None
+        # A hybrid model's recurrent states (docs/hybrid.md): a slot per running request and the
+        # trash slot, allocated now (their size does not depend on the KV cache's).
+        spec = model_state_spec(model, f"torch {self.device.type}")
+        self.state = TorchStateCache(model, spec, config, self.device) if spec is not None else None
+        self.state_caches: list[torch.Tensor] = self.state.allocate() if self.state is not None else []
+        self.num_state_slots = self.state.num_slots if self.state is not None else None
+        self.state_memory = self.state.memory if self.state is not None else None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
         self.pieces = PiecewiseCapture(self)
@@ -227,6 +237,25 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
                            "host values it reads (refreshed_host_values) and goes through the capture guard and "
                            "the baked-values check; move the hook there (docs/attention.md, 'The refresh path')")
 
+    def step_context(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
+        """The forward context of a step: the attention's metadata and, for a hybrid model, the
+        recurrent layers' (``state_context``; built from device buffers, the uniform-decode flag
+        the key's own)."""
+        meta = self.metadata(num_tokens, num_reqs, host)
+        if self.state is None:
+            return forward_context(meta)
+        # the key's flag (every key holds it): a step run eagerly at a key takes the graph's form
+        if host is self._host_values:
+            uniform = self._run_uniform
+        elif isinstance(host, CaptureHostValues):   # the captured key's (its guard holds the key)
+            uniform = bool(getattr(object.__getattribute__(host, "_guard")[2], "uniform_decode", False))
+        else:
+            uniform = bool(host.uniform_decode)
+        stack = contextlib.ExitStack()
+        stack.enter_context(forward_context(meta))
+        stack.enter_context(state_context(self.state.metadata(self.static, num_tokens, num_reqs, uniform)))
+        return stack
+
     def forward(self, num_tokens: int, num_reqs: int, host: HostValues) -> None:
         """Run the model on the static buffers' first rows; write hidden and logits outputs.
 
@@ -234,14 +263,14 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         host values, e.g. a context bucket) are the key.
         """
         s = self.static
-        with forward_context(self.metadata(num_tokens, num_reqs, host)):
+        with self.step_context(num_tokens, num_reqs, host):
             hidden = self.model(s["input_ids"][:num_tokens], s["positions"][:num_tokens])
         self._outputs(hidden, num_tokens, num_reqs)
 
     def _forward_split(self, calls: Sequence[Callable[[], None]], output: torch.Tensor,
                        num_tokens: int, num_reqs: int, host: HostValues) -> None:
         """The forward as the split model's step calls over the piece buffers."""
-        with forward_context(self.metadata(num_tokens, num_reqs, host)):
+        with self.step_context(num_tokens, num_reqs, host):
             for call in calls:
                 call()
         self._outputs(output, num_tokens, num_reqs)
@@ -270,6 +299,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         ptrs = self.buffers.pointers()
         ptrs.update({f"sampler.{k}": t.data_ptr() for k, t in self.sampler.static.items()})
         ptrs.update({f"kv_cache.{i}" if i else "kv_cache": t.data_ptr() for i, t in enumerate(self.kv_caches)})
+        ptrs.update({f"state_cache.{i}": t.data_ptr() for i, t in enumerate(self.state_caches)})
         return ptrs
 
     # ---- build -----------------------------------------------------------------------
@@ -364,6 +394,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         if self._copied is not None:
             self._copied.record()
         host = self.step_host_values(self._host_values, padded, key)   # eager at a key: the key's context
+        self._run_uniform = bool(key.uniform_decode)
         if self._refresh:                 # the one refresh path, before every run
             self.attention.before_replay(self.buffers.tensors(t, r), host)
         if entry is not None and self.graph_api is not None and entry.tasks:

@@ -22,7 +22,6 @@ from graphrt.backends.torch.fx_split import (PiecewiseBuffers, PiecewiseEntry, S
                                               split_or_reason)
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor
-from graphrt.core.forward_context import forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class PiecewiseCapture:
             return None
         if choice != "breakable" and self.split_model is not None:
             return "fx"
-        if choice != "fx" and list(getattr(self.ex.model, "attention_layers", list)()):
+        if choice != "fx" and _break_layers(self.ex.model):
             return "breakable"
         return None
 
@@ -102,7 +101,7 @@ class PiecewiseCapture:
         inputs = (ex.static["input_ids"][:num_tokens], ex.static["positions"][:num_tokens])
         with torch.no_grad():
             ex.load_dummy(num_tokens, 1)
-            with forward_context(ex.metadata(num_tokens, 1, ex.dummy_host(num_tokens, 1))):
+            with ex.step_context(num_tokens, 1, ex.dummy_host(num_tokens, 1)):
                 for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                     env = split.run(inputs)
                 views = buffers.bind(env, num_tokens)
@@ -151,12 +150,17 @@ class PiecewiseCapture:
             return ex.model(static["input_ids"][:t], static["positions"][:t])
 
         ex.load_dummy(t, 1)
-        with torch.no_grad(), forward_context(ex.metadata(t, 1, ex.dummy_host(t, 1))):
+        with torch.no_grad(), ex.step_context(t, 1, ex.dummy_host(t, 1)):
             for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                 forward()
-            calls, graphs, output, nbytes, tasks = capture_breakable(ex.pool, forward,
-                                                                     list(ex.model.attention_layers()))
+            calls, graphs, output, nbytes, tasks = capture_breakable(ex.pool, forward, _break_layers(ex.model))
         return PiecewiseEntry(t, calls, graphs, output, ex.input_ptrs(), False, tasks), nbytes
+
+
+def _break_layers(model: Any) -> list[Any]:
+    """The modules a breakable capture breaks at: the attention layers and, in a hybrid model,
+    the recurrent layers (their metadata has the step's requests: docs/hybrid.md)."""
+    return list(getattr(model, "attention_layers", list)()) + list(getattr(model, "state_layers", list)())
 
 
 __all__ = ["PiecewiseCapture"]

@@ -76,9 +76,19 @@ class XlaBackend(Backend):
         return None
 
     def load_model(self, model_dir: str, dtype: Any = None) -> "XlaModel":
-        """The JAX reference Llama / Mistral / Qwen3 of a Hugging Face directory."""
+        """The JAX reference Llama / Mistral / Qwen3 -- or hybrid Mamba2 / Granite-4-H / Qwen3-Next
+        (docs/hybrid.md) -- of a Hugging Face directory."""
+        from graphrt.models.hf_config import DecoderConfig
+        from graphrt.models.hybrid_config import HybridConfig
         from graphrt.models.jax.loader import load_jax_params
-        config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype, model_dir))
+        jdtype = _jax_dtype(dtype if dtype is not None else self.dtype, model_dir)
+        hybrid = DecoderConfig.from_dir(model_dir)
+        if isinstance(hybrid, HybridConfig):
+            from graphrt.models.jax import hybrid as jax_hybrid
+            return XlaModel(jax_hybrid.JaxHybridConfig.of(hybrid), jax_hybrid.load_hybrid_params(model_dir, hybrid, jdtype),
+                            forward=jax_hybrid.forward, compute_logits=jax_hybrid.compute_logits,
+                            state=hybrid.state_spec())
+        config, params = load_jax_params(model_dir, jdtype)
         return XlaModel(config, params)
 
     def model_shape(self, model: Any, config: GraphConfig) -> ModelShape | None:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 #: Forward input fields, in the order they travel (all int32).
-BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
+BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "state_slots", "block_table")
 #: Sampler input fields of non-greedy steps.
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "min_p")
 
@@ -34,6 +34,7 @@ class XlaBatch:
     slot_mapping: Any
     query_start_loc: Any
     seq_lens: Any
+    state_slots: Any      # [R]: each request's recurrent-state slot (-1: padding; a model without state: all -1)
     block_table: Any
     num_tokens: int = 0
     num_reqs: int = 0
@@ -69,6 +70,7 @@ def batch_spec(num_tokens: int, num_reqs: int, uniform_decode: bool, width: int)
     return XlaBatch(input_ids=tok, positions=tok, slot_mapping=tok,
                     query_start_loc=jax.ShapeDtypeStruct((num_reqs + 1,), i32),
                     seq_lens=jax.ShapeDtypeStruct((num_reqs,), i32),
+                    state_slots=jax.ShapeDtypeStruct((num_reqs,), i32),
                     block_table=jax.ShapeDtypeStruct((num_reqs, width), i32),
                     num_tokens=num_tokens, num_reqs=num_reqs, uniform_decode=uniform_decode)
 

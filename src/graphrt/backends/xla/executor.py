@@ -101,6 +101,11 @@ class XlaExecutor(Executor[XlaEntry]):
                                       table_width=self._width, store=executable_store(programs, config))
         self.prompt = PromptLogprobs(programs, self.compiles)
         self.kv_cache: jax.Array | None = None
+        #: A hybrid model's recurrent-state arrays (docs/hybrid.md; allocated with the KV cache,
+        #: donated with it each step), its slots and their memory; empty / None without state.
+        self.state_caches: list[jax.Array] = []
+        self.num_state_slots = programs.state_memory.num_slots if programs.state_spec is not None else None
+        self.state_memory = programs.state_memory if programs.state_spec is not None else None
         self._last_logits: jax.Array | None = None
         self._last_positions: jax.Array | None = None
         self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
@@ -125,13 +130,14 @@ class XlaExecutor(Executor[XlaEntry]):
         shape = self.programs.kv_shape(num_blocks, block_size)
         self.compiles.set_kv_shape(shape)
         self.kv_cache = self.programs.zeros_kv_cache(shape)
+        self.state_caches = self.programs.zeros_states()
         self._kv_shape = shape
 
     def recover_kv_cache(self) -> bool:
         """After a failed step: if the KV cache was consumed (donated to a call that then
         failed), deleted or holds an execution error, re-create it zeroed and return True.
         Blocks on the cache, so it is for failure paths only, never the hot path."""
-        if not self._kv_cache_lost(self.kv_cache):
+        if not (self._kv_cache_lost(self.kv_cache) or any(self._kv_cache_lost(s) for s in self.state_caches)):
             return False
         self._reset_kv_cache()
         return True
@@ -153,6 +159,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self.kv_cache = None
         self._last_logits = self._last_hidden = self._last_positions = None
         self.kv_cache = self.programs.zeros_kv_cache(self._kv_shape)
+        self.state_caches = self.programs.zeros_states()      # donated with it: gone too
         self.kv_cache_resets += 1
         logger.warning("graphrt: the xla KV cache was lost in a failed step and re-created zeroed; "
                        "every request's computed KV is gone")
@@ -256,6 +263,8 @@ class XlaExecutor(Executor[XlaEntry]):
                                "for the KV cache's shape)")
         spec = batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._table_width(key))
         kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
+        if self.programs.state_spec is not None:
+            kv = (kv, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.state_caches))
         future = (jax.ShapeDtypeStruct((self.programs.max_reqs,), jnp.int32),
                   jax.ShapeDtypeStruct((key.num_reqs,), jnp.int32))
         extra = xla_extra.abstract_args(self.extra_inputs, key.num_tokens, key.num_reqs)
@@ -300,7 +309,7 @@ class XlaExecutor(Executor[XlaEntry]):
         entry.check_inputs(padded)
         spec = entry.spec
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
-                         padded.query_start_loc.copy(), padded.seq_lens.copy(),
+                         padded.query_start_loc.copy(), padded.seq_lens.copy(), padded.state_slots.copy(),
                          padded.block_table[:, :entry.shapes[-1][1]].copy(),
                          spec.num_tokens, spec.num_reqs, spec.uniform_decode)
         rows, tokens = self._no_future_rows[:spec.num_reqs].copy(), self._no_future
@@ -312,12 +321,19 @@ class XlaExecutor(Executor[XlaEntry]):
         extra = xla_extra.padded_args(self.extra_inputs, self.extra_buffers, spec.num_tokens, spec.num_reqs)
         before = _compiles.compiles
         kv = self.kv_cache
+        stateful = self.programs.state_spec is not None
         try:
-            out = entry.executable(self.weights, kv, batch, tokens, rows, *extra)
+            out = entry.executable(self.weights, (kv, tuple(self.state_caches)) if stateful else kv, batch, tokens,
+                                   rows, *extra)
             if self._with_positions:
-                logits, hidden, self.kv_cache, self._last_positions = out
+                logits, hidden, cache, self._last_positions = out
             else:
-                logits, hidden, self.kv_cache = out
+                logits, hidden, cache = out
+            if stateful:
+                self.kv_cache, states = cache
+                self.state_caches = list(states)
+            else:
+                self.kv_cache = cache
         except BaseException as exc:
             self._after_failed_run(kv, exc)
             raise

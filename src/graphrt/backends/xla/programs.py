@@ -26,6 +26,7 @@ from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens, sampled_l
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
+from graphrt.core.state_spec import StateSpec, resolve_state_spec, state_memory
 from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
 from graphrt.models.jax import decoder as jax_decoder
 from graphrt.models.jax.decoder import AttentionMetadata
@@ -57,6 +58,9 @@ class XlaModel:
     compute_logits: Callable[..., Any] | None = None
     extra_inputs: Mapping[str, ExtraInput] | None = None
     attention_backend: Any = None
+    #: A hybrid model's recurrent state (docs/hybrid.md): its forward then takes a cache pytree
+    #: ``(kv, states)`` and the keywords ``state_slots``, ``uniform``, ``num_slots``, ``checkpoints``.
+    state: StateSpec | None = None
 
     @property
     def own_code(self) -> bool:
@@ -130,7 +134,8 @@ def _functions(model: XlaModel) -> tuple[Callable[..., Any], Callable[..., Any]]
 
 
 def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_size: int = 1,
-                  attention: Any = None) -> tuple[Any, Any, Callable[..., Any], Callable[..., jax.Array]]:
+                  attention: Any = None, num_state_slots: int = 0) -> tuple[Any, Any, Callable[..., Any],
+                                                                             Callable[..., jax.Array]]:
     """(model config, weights pytree, step function, ``logits(weights, hidden rows)``) for every
     kind of model accepted; the config checked (:func:`check_model_config`, naming any member
     it lacks). ``attention`` is graphrt's decoder's (``decoder.forward``'s argument). The model's
@@ -148,10 +153,17 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_siz
         def logits(params: Any, hidden: jax.Array) -> jax.Array:
             return compute_logits(params, hidden, config=cfg)
 
+        state = ({"num_slots": num_state_slots, "checkpoints": decode_query_len} if model.state is not None
+                 else None)
+
         def run_model(params: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
                       last: jax.Array, extra: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+            more = {"extra": extra} if declares else {}
+            if state is not None:        # the cache is (kv, states); the step's slots and form
+                more.update(state, state_slots=batch.state_slots,
+                            uniform=decode_query_len if batch.uniform_decode else 0)
             hidden, kv_cache = forward(params, kv_cache, batch.input_ids, batch.positions, meta,
-                                       config=cfg, block_size=block_size, **({"extra": extra} if declares else {}))
+                                       config=cfg, block_size=block_size, **more)
             return logits(params, hidden[last]), hidden, kv_cache
 
         return cfg, model.params, _make_step(run_model, decode_query_len), logits
@@ -222,8 +234,11 @@ class XlaPrograms:
                  max_reqs: int = 1, config: Any = None, max_logprobs: int = 0) -> None:
         self.mesh = mesh
         self.tp_size = shd.mesh_size(mesh)
+        #: A hybrid model's recurrent state (docs/hybrid.md), resolved; None without.
+        self.state_spec = None
+        slots = config.max_num_seqs if config is not None else 1
         self.model_config, weights, step, logits = model_program(model, block_size, decode_query_len,
-                                                                 self.tp_size)
+                                                                 self.tp_size, num_state_slots=slots)
         own_decoder = isinstance(model, tuple) or (isinstance(model, XlaModel) and model.own_code)
         self.extra_inputs = model_extra_specs(model)
         self.decode_query_len = decode_query_len
@@ -239,7 +254,16 @@ class XlaPrograms:
         own = getattr(self.model_config, "dtype", None)
         self.dtype = jnp.dtype(jax.tree_util.tree_leaves(self.weights)[0].dtype if own is None else own)
         self.kv_spec = None if config is None else xla_kv_spec(self.model_config, self.dtype, config)
-        self.kv_dtype = self.dtype if self.kv_spec is None else jnp.dtype(self.kv_spec.groups[0].dtype)
+        self.kv_dtype = (self.dtype if self.kv_spec is None or not self.kv_spec.groups
+                         else jnp.dtype(self.kv_spec.groups[0].dtype))
+        declared = getattr(model, "state", None)
+        if declared is not None:
+            if self.tp_size > 1:
+                raise ConfigError("tensor_parallel_size: graphrt's hybrid models run on one device on xla; "
+                                  "sharding recurrent layers is not implemented")
+            self.state_spec = resolve_state_spec(declared, model_dtype=self.dtype, supported=xla_kv_dtypes(),
+                                                 backend="xla", num_layers=int(self.model_config.state_layers))
+            self.state_memory = state_memory(self.state_spec, max_num_seqs=slots, decode_query_len=decode_query_len)
         #: Graphrt's decoder's attention (GRAPHRT_ATTENTION): Pallas stores the cache in its page layout.
         self.attention = choose_xla_attention(self.model_config, list(mesh.devices.flat), self.dtype, self.kv_dtype,
                                               own_decoder=own_decoder, tp_size=self.tp_size)
@@ -253,10 +277,13 @@ class XlaPrograms:
         self.keyed_host_values, self.attention_support = checked_attention(
             self.attention_backend, list(mesh.devices.flat), self.dtype, groups)
         repl = self.replicated
+        cache_sharding = self.kv_sharding
+        if self.state_spec is not None:         # the cache pytree (kv, states), states replicated
+            cache_sharding = (self.kv_sharding, tuple(repl for _ in self.state_shapes()))
         self.forward = jax.jit(step, donate_argnums=(1,),
-                               in_shardings=(weight_shardings, self.kv_sharding, repl, repl, repl)
+                               in_shardings=(weight_shardings, cache_sharding, repl, repl, repl)
                                + ((repl,) if self.extra_inputs else ()),
-                               out_shardings=(repl, repl, self.kv_sharding) + ((repl,) if decode_query_len > 1 else ()))
+                               out_shardings=(repl, repl, cache_sharding) + ((repl,) if decode_query_len > 1 else ()))
         self.greedy = jax.jit(padded_tokens(greedy_tokens, self.max_reqs), in_shardings=(repl,), out_shardings=repl)
         self.sample = jax.jit(padded_tokens(sample_tokens, self.max_reqs), in_shardings=(repl, repl),
                               out_shardings=repl)
@@ -279,6 +306,20 @@ class XlaPrograms:
         if self.attention.kernel == "pallas":
             return pallas_kv_shape(c, num_blocks, block_size)
         return (c.num_hidden_layers, 2, num_blocks * block_size + 1, c.num_key_value_heads, c.head_dim)
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], Any]]:
+        """(shape, dtype) of each recurrent layer's state arrays, in layer order:
+        ``[slots + 1, checkpoints, *shape]`` (the last slot: the trash slot)."""
+        spec, mem = self.state_spec, getattr(self, "state_memory", None)
+        if spec is None:
+            return []
+        return [((mem.num_slots + 1, mem.checkpoints, *t.shape), jnp.dtype(t.dtype))
+                for layer in range(spec.num_layers) for t in spec.layer_tensors(layer)]
+
+    def zeros_states(self) -> list[jax.Array]:
+        """Zeroed state arrays (:meth:`state_shapes`), replicated."""
+        return [jax.jit(lambda s=shape, d=dtype: jnp.zeros(s, d), out_shardings=self.replicated)()
+                for shape, dtype in self.state_shapes()]
 
     def zeros_kv_cache(self, shape: tuple[int, ...]) -> jax.Array:
         """A zeroed KV cache of ``shape``, laid out over the mesh as the forward expects it."""

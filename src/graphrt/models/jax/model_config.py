@@ -54,6 +54,8 @@ def check_model_config(config: Any, tp_size: int = 1) -> None:
                           f"(graphrt.models.jax.model_config.JaxModelConfig; graphrt's DecoderConfig has them)")
     for name in needed:
         value = getattr(config, name)
+        if name == "num_hidden_layers" and value == 0 and getattr(config, "state_layers", 0):
+            continue                # a model of recurrent layers only (a pure Mamba2) keeps no KV
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
             raise ConfigError(f"model.config.{name}: must be a positive integer, got {value!r}")
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from graphrt.core.errors import InputError
 from graphrt.models.hf_config import DecoderConfig
+from graphrt.models.hybrid_config import HybridConfig
 from graphrt.models.torch.decoder import DecoderForCausalLM
 
 # Checkpoint tensors that carry no model state (old HF checkpoints saved these buffers).
@@ -131,8 +132,16 @@ def load_torch_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.fl
     """Read ``config.json`` + ``*.safetensors`` from ``model_dir`` into an eval-mode model;
     with ``tp_size > 1``, rank ``tp_rank``'s shard over ``group`` (see :class:`DecoderForCausalLM`)."""
     config = DecoderConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        model = DecoderForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, group=group)
+    if isinstance(config, HybridConfig):           # Mamba2, Granite-4-H, Qwen3-Next (docs/hybrid.md)
+        if tp_size > 1:
+            raise InputError("tensor_parallel_size", f"graphrt's hybrid {config.architecture} runs on one rank; "
+                                                     f"tensor parallelism of recurrent layers is not implemented")
+        from graphrt.models.torch.hybrid import hybrid_model_class
+        with torch.device("meta"):
+            model = hybrid_model_class(config)(config, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = DecoderForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, group=group)
     model.to_empty(device=device)
     model.bind_parameters()
     load_weights(model, model_dir)

@@ -1,0 +1,76 @@
+"""The torch executor's recurrent-state cache, per the model's state spec (core/state_spec.py).
+
+A hybrid model (docs/hybrid.md) declares ``state_spec()`` and ``state_layers()``;
+:func:`model_state_spec` resolves and checks it (a ``ConfigError`` naming the field before
+anything is allocated; None for a model without state). :class:`TorchStateCache` allocates, per
+recurrent layer and state tensor, a zeroed ``[num_slots + 1, checkpoints, *shape]`` tensor
+(slot ``num_slots`` the trash slot; ``checkpoints`` = ``decode_query_len``) and assigns each
+layer its tuple as ``layer.state_cache``. Its size does not depend on the KV cache's, so it is
+allocated with the executor, before graph memory is measured and the KV cache sized (its bytes
+are out of the device's free memory by then; a budget given in bytes has them deducted:
+``core/graph_memory.size_kv_cache``). Per forward, :meth:`TorchStateCache.metadata` builds the
+step's :class:`~graphrt.models.torch.state_metadata.StateMetadata` from the static buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from graphrt.backends.torch.kv_cache import TORCH_KV_DTYPES
+from graphrt.core.errors import ConfigError
+from graphrt.core.numerics import dtype_name
+from graphrt.core.state_spec import STATE_SPEC_FIELD, StateMemory, StateSpec, resolve_state_spec, state_memory
+from graphrt.models.torch.state_metadata import StateMetadata, build_state_metadata
+
+
+def model_state_spec(model: torch.nn.Module, backend: str) -> StateSpec | None:
+    """``model``'s resolved state spec, or None when it keeps no recurrent state (no
+    ``state_spec()``, or an empty one)."""
+    declare = getattr(model, STATE_SPEC_FIELD, None)
+    if declare is None:
+        return None
+    if not callable(declare) or not callable(getattr(model, "state_layers", None)):
+        raise ConfigError(f"{STATE_SPEC_FIELD}: {type(model).__name__} needs both state_spec() -> graphrt.StateSpec "
+                          "and state_layers() -> its recurrent modules in layer order (docs/hybrid.md)")
+    layers = model.state_layers()
+    param = next(model.parameters(), None)
+    spec = resolve_state_spec(declare(), model_dtype=dtype_name(param.dtype) if param is not None else "float32",
+                              supported=TORCH_KV_DTYPES, backend=backend, num_layers=len(layers))
+    return spec if spec.groups else None
+
+
+class TorchStateCache:
+    """Allocates a hybrid model's state slots on ``device`` and builds each step's metadata."""
+
+    def __init__(self, model: torch.nn.Module, spec: StateSpec, config: Any, device: torch.device) -> None:
+        self.model, self.spec, self.device = model, spec, device
+        #: Slots, checkpoints and bytes (:class:`~graphrt.core.state_spec.StateMemory`).
+        self.memory: StateMemory = state_memory(spec, max_num_seqs=config.max_num_seqs,
+                                                decode_query_len=config.decode_query_len)
+        self.num_slots, self.checkpoints = self.memory.num_slots, self.memory.checkpoints
+        self.decode_query_len = config.decode_query_len
+        self.tensors: list[torch.Tensor] = []
+
+    def allocate(self) -> list[torch.Tensor]:
+        """Zeroed state tensors; each recurrent layer gets its tuple as ``state_cache``."""
+        layers = self.model.state_layers()
+        self.tensors = []
+        for index, layer in enumerate(layers):
+            own = tuple(torch.zeros(self.num_slots + 1, self.checkpoints, *t.shape, dtype=TORCH_KV_DTYPES[t.dtype],
+                                    device=self.device) for t in self.spec.layer_tensors(index))
+            layer.state_cache = own
+            self.tensors.extend(own)
+        return self.tensors
+
+    def metadata(self, static: Mapping[str, torch.Tensor], num_tokens: int, num_reqs: int,
+                 uniform_decode: bool) -> StateMetadata:
+        """The step's metadata from the static buffers' first rows (device ops only: captured)."""
+        return build_state_metadata(static["query_start_loc"][:num_reqs + 1], static["num_computed_tokens"][:num_reqs],
+                                    static["state_slots"][:num_reqs], num_tokens, num_slots=self.num_slots,
+                                    checkpoints=self.checkpoints,
+                                    uniform_query_len=self.decode_query_len if uniform_decode else 0)
+
+
+__all__ = ["TorchStateCache", "model_state_spec"]

@@ -1,0 +1,215 @@
+"""Recurrent-state specs: what each group of recurrent layers keeps per running request.
+
+A hybrid model (Mamba2 / gated-delta-net layers beside attention) declares, beside its KV cache
+spec, a :class:`StateSpec` with ``state_spec()`` (docs/hybrid.md): groups of recurrent layers
+(indices into ``model.state_layers()``), each naming the tensors one request's state is made of
+-- e.g. Mamba2's convolution window ``conv [conv_dim, d_conv - 1]`` and SSM state
+``ssm [heads, head_dim, d_state]`` -- with their dtypes. Unlike KV, a state does not grow with
+the sequence: one **slot** per running request holds it, whatever the request's length.
+
+Per layer and tensor the executor allocates ``[num_slots + 1, checkpoints, *shape]``:
+
+* slots ``0 .. num_slots - 1`` belong to running requests (the engine hands a slot out at
+  admission and takes it back at finish or preemption); slot ``num_slots`` is the **trash
+  slot**: a padded request (``state_slots`` -1, ``defaults.PAD_FILL_VALUES``) reads and writes
+  it, so padding can never touch a live request's state (kernels map every negative slot
+  there with ``where``, never by Python's negative indexing);
+* ``checkpoints`` = ``1 + num_speculative_tokens``: a request's state after each of its last
+  ``checkpoints`` positions, kept in a ring indexed by ``position % checkpoints``. A step reads
+  the state after position ``num_computed_tokens - 1``, so speculative decoding's rejected
+  drafts roll back by themselves: the next step's computed length names the checkpoint of the
+  last accepted token (no host call, nothing copied; ``checkpoints`` 1 without drafts).
+
+The slots are sized into the same memory budget as the KV cache (:func:`state_memory`): their
+bytes come out of the budget first, and a model whose states do not fit is refused with the
+numbers (:func:`check_state_fits`).
+
+The standard library only (no numpy): preflight and the framework-free configs read it.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+from typing import Any, Collection, Iterable
+
+from graphrt.core.errors import ConfigError
+from graphrt.core.kv_spec import kv_cache_dtype_name
+
+#: The model method (and the prefix of every field named in an error).
+STATE_SPEC_FIELD = "state_spec"
+#: Bytes of one element per canonical dtype name.
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a request's state in each layer of a group: ``shape`` per slot (and
+    checkpoint); ``dtype`` "auto" (the weights' dtype) or a name / torch / numpy / JAX dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any = "auto"
+
+    def nbytes(self) -> int:
+        """Bytes of one slot's tensor (a resolved dtype)."""
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """Recurrent layers (indices into ``model.state_layers()``) with one state layout; ``kind``
+    names the mixer for logs ("mamba2", "gated_delta_net")."""
+
+    layers: tuple[int, ...]
+    tensors: tuple[StateTensor, ...]
+    kind: str = "recurrent"
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one request's state (one checkpoint) over the group's layers."""
+        return len(self.layers) * sum(t.nbytes() for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Every recurrent layer's per-request state, by group (empty: a model without state)."""
+
+    groups: tuple[StateGroup, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one request's state over every layer, one checkpoint (a resolved spec)."""
+        return sum(g.bytes_per_slot() for g in self.groups)
+
+    def layer_tensors(self, layer: int) -> tuple[StateTensor, ...]:
+        """The state tensors of recurrent layer ``layer``."""
+        return next(g.tensors for g in self.groups if layer in g.layers)
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """The state cache's size: ``num_slots`` live slots and the trash slot, ``checkpoints`` each,
+    ``bytes_per_slot`` per checkpoint over every layer."""
+
+    num_slots: int
+    checkpoints: int
+    bytes_per_slot: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.num_slots + 1) * self.checkpoints * self.bytes_per_slot
+
+    def as_dict(self) -> dict[str, int]:
+        return {"state_slots": self.num_slots, "state_checkpoints": self.checkpoints,
+                "state_bytes_per_slot": self.bytes_per_slot, "state_bytes": self.nbytes}
+
+    def summary(self) -> str:
+        return (f"recurrent state: {self.num_slots} slots + 1 trash slot x {self.checkpoints} checkpoint(s) x "
+                f"{self.bytes_per_slot} bytes = {self.nbytes / 2**20:.2f} MiB")
+
+
+def state_memory(spec: StateSpec, *, max_num_seqs: int, decode_query_len: int) -> StateMemory:
+    """The state cache a runner allocates: a slot per running request (``max_num_seqs``), a
+    checkpoint per token a verification step schedules (``decode_query_len``)."""
+    return StateMemory(int(max_num_seqs), int(decode_query_len), spec.bytes_per_slot())
+
+
+def check_state_fits(memory: StateMemory, budget: int, per_block: int) -> int:
+    """The budget left for the KV cache once the states are out of it; raises
+    :class:`ConfigError` with the numbers when the states leave fewer than 2 KV blocks of
+    ``per_block`` bytes (0: a model without attention needs none)."""
+    left = int(budget) - memory.nbytes
+    need = 2 * per_block
+    if left < need:
+        what = f"2 KV blocks of {per_block} bytes ({need})" if per_block else "nothing"
+        raise ConfigError(
+            f"kv_cache_memory: the recurrent states need {memory.nbytes} bytes ({memory.num_slots} slots "
+            f"(max_num_seqs) + 1 trash slot, x {memory.checkpoints} checkpoint(s) (1 + num_speculative_tokens), "
+            f"x {memory.bytes_per_slot} bytes per slot) of a {budget}-byte budget, leaving {left} where the KV "
+            f"cache needs {what}: raise the budget or lower max_num_seqs")
+    return left
+
+
+def resolve_state_spec(declared: Any, *, model_dtype: Any, supported: Collection[str], backend: str,
+                       num_layers: int | None = None) -> StateSpec:
+    """The model's declared state spec checked and made concrete: every tensor's dtype a name in
+    ``supported`` ("auto": ``model_dtype``), its shape positive ints, tensor names unique in a
+    group, the groups' layers disjoint and, where ``num_layers`` (``len(model.state_layers())``)
+    is known, covering them. :class:`ConfigError` naming the field otherwise."""
+    if not isinstance(declared, StateSpec):
+        raise ConfigError(f"{STATE_SPEC_FIELD}: the model returned {declared!r}; return a graphrt.StateSpec "
+                          "(docs/hybrid.md)")
+    seen: dict[int, int] = {}
+    groups = []
+    for i, group in enumerate(declared.groups):
+        field = f"{STATE_SPEC_FIELD}.groups[{i}]"
+        if not isinstance(group, StateGroup):
+            raise ConfigError(f"{field}: {group!r} is not a graphrt StateGroup")
+        layers = _layers(group.layers, f"{field}.layers", num_layers)
+        for layer in layers:
+            if layer in seen:
+                raise ConfigError(f"{field}.layers: layer {layer} is also in {STATE_SPEC_FIELD}.groups[{seen[layer]}]")
+            seen[layer] = i
+        tensors = _tensors(group.tensors, field, model_dtype, supported, backend)
+        groups.append(replace(group, layers=layers, tensors=tensors))
+    if num_layers is not None and len(seen) != num_layers:
+        missing = sorted(set(range(num_layers)) - set(seen))
+        raise ConfigError(f"{STATE_SPEC_FIELD}.groups: the model has {num_layers} recurrent layers "
+                          f"(state_layers()); layers {missing} are in no group")
+    return StateSpec(tuple(groups))
+
+
+def _is_int(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
+def _layers(layers: Iterable[Any], field: str, num_layers: int | None) -> tuple[int, ...]:
+    try:
+        values = tuple(layers)
+    except TypeError:
+        raise ConfigError(f"{field}: {layers!r} is not a sequence of layer indices") from None
+    if not values:
+        raise ConfigError(f"{field}: empty; a group holds at least one recurrent layer")
+    bad = [v for v in values if not _is_int(v) or v < 0 or (num_layers is not None and v >= num_layers)]
+    if bad or len(set(values)) != len(values):
+        bound = "" if num_layers is None else f" < {num_layers} (the model's recurrent layers)"
+        raise ConfigError(f"{field}: {list(values)}: each must be a distinct layer index >= 0{bound}")
+    return tuple(operator.index(v) for v in values)
+
+
+def _tensors(tensors: Any, field: str, model_dtype: Any, supported: Collection[str],
+             backend: str) -> tuple[StateTensor, ...]:
+    out, names = [], set()
+    for j, tensor in enumerate(tuple(tensors)):
+        where = f"{field}.tensors[{j}]"
+        if not isinstance(tensor, StateTensor):
+            raise ConfigError(f"{where}: {tensor!r} is not a graphrt StateTensor")
+        if not isinstance(tensor.name, str) or not tensor.name or tensor.name in names:
+            raise ConfigError(f"{where}.name: {tensor.name!r} must be a non-empty name, unique in its group")
+        names.add(tensor.name)
+        shape = tuple(tensor.shape)
+        if not shape or any(not _is_int(d) or d <= 0 for d in shape):
+            raise ConfigError(f"{where}.shape: {shape} must be ints > 0 (one slot's tensor)")
+        declared = kv_cache_dtype_name(tensor.dtype, f"{where}.dtype")
+        name = kv_cache_dtype_name(model_dtype, "dtype") if declared == "auto" else declared
+        if name not in supported or name not in DTYPE_BYTES:
+            raise ConfigError(f"{where}.dtype: {name} is not a state dtype the {backend} backend holds; one of "
+                              f"{sorted(set(supported) & set(DTYPE_BYTES))}")
+        out.append(StateTensor(tensor.name, tuple(operator.index(d) for d in shape), name))
+    if not out:
+        raise ConfigError(f"{field}.tensors: empty; a recurrent layer keeps at least one state tensor")
+    return tuple(out)
+
+
+__all__ = ["STATE_SPEC_FIELD", "StateGroup", "StateMemory", "StateSpec", "StateTensor", "check_state_fits",
+           "resolve_state_spec", "state_memory"]

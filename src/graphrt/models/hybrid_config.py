@@ -1,0 +1,206 @@
+"""The architecture facts graphrt's hybrid reference models read from a Hugging Face ``config.json``.
+
+Hybrid models mix attention with recurrent layers (docs/hybrid.md): Mamba2
+(``Mamba2ForCausalLM``, every layer a Mamba2 mixer, no attention), Granite-4-H
+(``GraniteMoeHybridForCausalLM``: Mamba2 and attention layers, a shared MLP and optional
+experts, Granite's multipliers) and Qwen3-Next (``Qwen3NextForCausalLM``: gated delta-net and
+gated attention layers, experts with a shared expert). Shared by the torch and the JAX models;
+framework-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from graphrt.core.errors import InputError
+from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
+from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
+
+HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM")
+MAMBA, ATTENTION, DELTA = "mamba", "attention", "gated_delta_net"
+_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """A hybrid decoder as graphrt's reference models see it. ``layer_kinds``: per layer
+    ``mamba``, ``attention`` or ``gated_delta_net``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_kinds: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    torch_dtype: str
+    max_position_embeddings: int
+    eos_token_id: tuple[int, ...]
+    # attention layers
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False
+    attention_scale: float | None = None          # None: head_dim ** -0.5
+    rope_theta: float | None = None               # None: no rotary (Granite's position_embedding_type None)
+    rotary_dim: int = 0                           # rotated features of a head (Qwen3-Next: a quarter)
+    qk_norm: bool = False
+    attention_output_gate: bool = False
+    # Mamba2 layers
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 1
+    conv_kernel: int = 4
+    mamba_intermediate: int = 0
+    chunk_size: int = 256
+    conv_bias: bool = True
+    mamba_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    mamba_norm_eps: float = 1e-6
+    # gated delta-net layers (Qwen3-Next)
+    delta_key_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
+    # the MLP after each mixer: "none" (Mamba2), "granite" (shared MLP + experts), "qwen3_next"
+    mlp: str = "none"
+    intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
+    # multipliers (Granite)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    #: Qwen3-Next's norms scale by ``1 + weight`` (weights stored around 0).
+    zero_centered_norm: bool = False
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == ATTENTION)
+
+    @property
+    def state_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind != ATTENTION)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Mamba2 layer's convolution: x, B and C."""
+        return self.mamba_intermediate + 2 * self.mamba_groups * self.mamba_state
+
+    @property
+    def delta_conv_dim(self) -> int:
+        """Channels of a gated delta-net layer's convolution: q, k and v."""
+        return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One group of every attention layer (indices into ``attention_layers()``); no group for
+        a model without attention (a pure Mamba2)."""
+        n = len(self.attention_layer_ids)
+        return KVCacheSpec((KVCacheGroup(tuple(range(n)), self.num_key_value_heads, self.head_dim),) if n else ())
+
+    def state_spec(self) -> StateSpec:
+        """Per recurrent layer (indices into ``state_layers()``): its convolution window and its
+        SSM / delta-rule matrix, in the weights' dtype."""
+        kinds = [self.layer_kinds[i] for i in self.state_layer_ids]
+        groups = []
+        for kind in (MAMBA, DELTA):
+            layers = tuple(j for j, k in enumerate(kinds) if k == kind)
+            if not layers:
+                continue
+            if kind == MAMBA:
+                tensors = (StateTensor("conv", (self.conv_dim, self.conv_kernel - 1)),
+                           StateTensor("ssm", (self.mamba_heads, self.mamba_head_dim, self.mamba_state)))
+            else:
+                tensors = (StateTensor("conv", (self.delta_conv_dim, self.conv_kernel - 1)),
+                           StateTensor("delta", (self.delta_value_heads, self.delta_key_dim, self.delta_value_dim)))
+            groups.append(StateGroup(layers, tensors, kind))
+        return StateSpec(tuple(groups))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "HybridConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in HYBRID_ARCHITECTURES), None)
+        if arch is None:
+            raise InputError("architectures", f"{archs} is not one of graphrt's hybrid models {list(HYBRID_ARCHITECTURES)}")
+        eos = raw.get("eos_token_id")
+        common = dict(architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
+                      num_hidden_layers=int(raw["num_hidden_layers"]),
+                      tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                      torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                      max_position_embeddings=int(raw.get("max_position_embeddings") or 1 << 20),
+                      eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)))
+        if arch == "Mamba2ForCausalLM":
+            return cls(**common, **_mamba2(raw))
+        if arch == "GraniteMoeHybridForCausalLM":
+            return cls(**common, **_granite(raw))
+        from graphrt.models.qwen3_next_config import qwen3_next_fields
+        return cls(**common, **qwen3_next_fields(raw))
+
+
+def _number(value: Any) -> float:
+    """A float of config.json: a number, or transformers' ``{"__float__": "Infinity"}``."""
+    return float(value["__float__"]) if isinstance(value, dict) and "__float__" in value else float(value)
+
+
+def _limit(raw: dict[str, Any]) -> tuple[float, float]:
+    limit = raw.get("time_step_limit") or (0.0, math.inf)
+    return _number(limit[0]), _number(limit[1])
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+        raise InputError("rope_parameters", f"{rope} not supported (only default rotary)")
+    return float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
+
+
+def _mamba2(raw: dict[str, Any]) -> dict[str, Any]:
+    heads, head_dim = int(raw["num_heads"]), int(raw["head_dim"])
+    layers = int(raw["num_hidden_layers"])
+    if int(raw.get("expand", 2)) * int(raw["hidden_size"]) != heads * head_dim:
+        raise InputError("num_heads", f"{heads} heads of {head_dim} != expand * hidden_size")
+    return dict(layer_kinds=(MAMBA,) * layers, rms_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+                mamba_heads=heads, mamba_head_dim=head_dim, mamba_state=int(raw["state_size"]),
+                mamba_groups=int(raw.get("n_groups", 1)), conv_kernel=int(raw.get("conv_kernel", 4)),
+                mamba_intermediate=heads * head_dim, chunk_size=int(raw.get("chunk_size", 256)),
+                conv_bias=bool(raw.get("use_conv_bias", True)), mamba_bias=bool(raw.get("use_bias", False)),
+                time_step_limit=_limit(raw), mamba_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
+
+
+def _granite(raw: dict[str, Any]) -> dict[str, Any]:
+    layers = int(raw["num_hidden_layers"])
+    names = raw.get("layer_types") or raw.get("layers_block_type") or ["linear_attention"] * layers
+    kinds = tuple(_KINDS.get(name, "") for name in names)
+    if len(kinds) != layers or "" in kinds:
+        raise InputError("layer_types", f"{names}: one of {sorted(_KINDS)} per layer ({layers})")
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    intermediate = int(raw.get("mamba_expand", 2)) * hidden
+    m_heads = int(raw.get("mamba_n_heads", 128))
+    m_head_dim = raw.get("mamba_d_head", "auto")
+    m_head_dim = intermediate // m_heads if m_head_dim in (None, "auto") else int(m_head_dim)
+    rope = raw.get("position_embedding_type") == "rope"
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    return dict(layer_kinds=kinds, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                num_attention_heads=heads, num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=head_dim, attention_bias=bool(raw.get("attention_bias", False)),
+                attention_scale=float(raw.get("attention_multiplier", 1.0)),
+                rope_theta=_rope_theta(raw) if rope else None, rotary_dim=head_dim if rope else 0,
+                mamba_heads=m_heads, mamba_head_dim=m_head_dim, mamba_state=int(raw.get("mamba_d_state", 256)),
+                mamba_groups=int(raw.get("mamba_n_groups", 1)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+                mamba_intermediate=intermediate, chunk_size=int(raw.get("mamba_chunk_size", 256)),
+                conv_bias=bool(raw.get("mamba_conv_bias", True)), mamba_bias=bool(raw.get("mamba_proj_bias", False)),
+                time_step_limit=_limit(raw), mamba_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                mlp="granite", intermediate_size=int(raw.get("intermediate_size", 0)),
+                shared_intermediate_size=int(raw.get("shared_intermediate_size", 0)),
+                num_experts=int(raw.get("num_local_experts") or 0), num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+                embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+                logits_scaling=float(raw.get("logits_scaling", 1.0)))
+
+
+__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "MAMBA"]

@@ -1,0 +1,246 @@
+"""Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H and Qwen3-Next over graphrt's
+paged KV cache and recurrent-state cache, for the xla backend.
+
+Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
+kind, so they are not stacked). :func:`forward` follows :class:`graphrt.backends.xla.programs.XlaModel`'s
+signature with a cache pytree ``(kv, states)``: ``kv [attention layers, 2, rows, kv_heads,
+head_dim]`` (empty for a pure Mamba2) and per recurrent layer its two state arrays ``[slots + 1,
+C, ...]``; the step's ``state_slots`` and its uniform-decode form come as keywords.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphrt.core.errors import InputError
+from graphrt.core.kv_spec import KVCacheSpec
+from graphrt.core.state_spec import StateSpec
+from graphrt.models.hybrid_config import ATTENTION, DELTA, HybridConfig
+from graphrt.models.jax.decoder import AttentionMetadata, apply_rotary, paged_attention, rms_norm, rotary_cos_sin
+from graphrt.models.jax import recurrent as rec
+
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class JaxHybridConfig:
+    """What the xla backend reads of a hybrid model's config (``JaxModelConfig``): the KV cache of
+    its attention layers only (``num_hidden_layers`` is their count, 0 for a pure Mamba2), and
+    the whole architecture in ``hybrid``."""
+
+    hybrid: HybridConfig
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    eos_token_id: tuple[int, ...]
+    intermediate_size: int = 0
+    state_layers: int = 0
+
+    @classmethod
+    def of(cls, c: HybridConfig) -> "JaxHybridConfig":
+        return cls(c, c.vocab_size, c.hidden_size, len(c.attention_layer_ids), max(c.num_key_value_heads, 1),
+                   max(c.head_dim, 1), max(c.num_attention_heads, 1), c.max_position_embeddings, c.eos_token_id,
+                   c.intermediate_size, len(c.state_layer_ids))
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.hybrid.kv_cache_spec()
+
+    def state_spec(self) -> StateSpec:
+        return self.hybrid.state_spec()
+
+
+def load_hybrid_params(model_dir: str | os.PathLike, config: HybridConfig, dtype: Any) -> Params:
+    """Every checkpoint tensor, by name, as a ``dtype`` array (the forward reads what it needs; a
+    missing one is an InputError naming it, at trace time)."""
+    from graphrt.models.jax.loader import read_checkpoint
+    tensors = read_checkpoint(model_dir)
+    return {name: jnp.asarray(np.asarray(t).astype(np.float32)).astype(dtype) for name, t in tensors.items()}
+
+
+def _get(p: Params, name: str) -> jax.Array:
+    if name not in p:
+        raise InputError(name, "missing from checkpoint")
+    return p[name]
+
+
+def _linear(p: Params, name: str, x: jax.Array) -> jax.Array:
+    out = x @ _get(p, f"{name}.weight").T
+    return out + p[f"{name}.bias"] if f"{name}.bias" in p else out
+
+
+def _norm(p: Params, name: str, x: jax.Array, c: HybridConfig, eps: float | None = None) -> jax.Array:
+    eps = c.rms_norm_eps if eps is None else eps
+    if not c.zero_centered_norm:
+        return rms_norm(x, _get(p, name), eps)
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return (h * (1.0 + _get(p, name).astype(jnp.float32))).astype(x.dtype)
+
+
+def _mamba(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array], sm: rec.StateMeta,
+           c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    t = h.shape[0]
+    proj = _linear(p, f"{pre}.in_proj", h)
+    gate, xbc, dt = jnp.split(proj, [c.mamba_intermediate, c.mamba_intermediate + c.conv_dim], axis=-1)
+    conv, ssm = caches
+    xbc, window = rec.causal_conv1d(xbc, _get(p, f"{pre}.conv1d.weight")[:, 0], p.get(f"{pre}.conv1d.bias"),
+                                    rec.read_states(conv, sm), sm, s["checkpoints"])
+    g, n = c.mamba_groups, c.mamba_state
+    x, B, C = jnp.split(xbc, [c.mamba_intermediate, c.mamba_intermediate + g * n], axis=-1)
+    dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + _get(p, f"{pre}.dt_bias").astype(jnp.float32)),
+                  *c.time_step_limit)
+    y, states = rec.ssd_scan(x.reshape(t, c.mamba_heads, c.mamba_head_dim), dt,
+                             -jnp.exp(_get(p, f"{pre}.A_log").astype(jnp.float32)), B.reshape(t, g, n),
+                             C.reshape(t, g, n), _get(p, f"{pre}.D"), rec.read_states(ssm, sm), sm,
+                             chunk_size=c.chunk_size, checkpoints=s["checkpoints"], uniform=s["uniform"])
+    y = y.reshape(t, -1) * jax.nn.silu(gate.astype(jnp.float32))
+    grouped = y.reshape(t, g, -1)
+    grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + c.mamba_norm_eps)
+    y = _get(p, f"{pre}.norm.weight") * grouped.reshape(t, -1).astype(h.dtype)
+    return _linear(p, f"{pre}.out_proj", y), (rec.write_states(conv, sm, window), rec.write_states(ssm, sm, states))
+
+
+def _delta(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array], sm: rec.StateMeta,
+           c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    t = h.shape[0]
+    hk, hv, dk, dv = c.delta_key_heads, c.delta_value_heads, c.delta_key_dim, c.delta_value_dim
+    per = hv // hk
+    qkvz = _linear(p, f"{pre}.in_proj_qkvz", h).reshape(t, hk, 2 * dk + 2 * per * dv)
+    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + per * dv], axis=-1)
+    b, a = jnp.split(_linear(p, f"{pre}.in_proj_ba", h).reshape(t, hk, 2 * per), [per], axis=-1)
+    qkv = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+    conv, delta = caches
+    mixed, window = rec.causal_conv1d(qkv, _get(p, f"{pre}.conv1d.weight")[:, 0], None, rec.read_states(conv, sm),
+                                      sm, s["checkpoints"])
+    q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+    g = -jnp.exp(_get(p, f"{pre}.A_log").astype(jnp.float32)) * jax.nn.softplus(
+        a.reshape(t, hv).astype(jnp.float32) + _get(p, f"{pre}.dt_bias").astype(jnp.float32))
+    y, states = rec.gated_delta_rule(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g,
+                                     jax.nn.sigmoid(b.reshape(t, hv).astype(jnp.float32)), rec.read_states(delta, sm),
+                                     sm, chunk_size=c.chunk_size, checkpoints=s["checkpoints"], uniform=s["uniform"])
+    y = y.astype(h.dtype).reshape(-1, dv).astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + c.mamba_norm_eps)
+    y = (_get(p, f"{pre}.norm.weight") * y.astype(h.dtype)) * jax.nn.silu(z.reshape(-1, dv).astype(jnp.float32))
+    return (_linear(p, f"{pre}.out_proj", y.astype(h.dtype).reshape(t, -1)),
+            (rec.write_states(conv, sm, window), rec.write_states(delta, sm, states)))
+
+
+def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.Array, index: int,
+               meta: AttentionMetadata, c: HybridConfig, block_size: int) -> tuple[jax.Array, jax.Array]:
+    t, hd = h.shape[0], c.head_dim
+    gate = None
+    if c.attention_output_gate:
+        q, gate = jnp.split(_linear(p, f"{pre}.q_proj", h).reshape(t, c.num_attention_heads, 2 * hd), 2, axis=-1)
+        gate = gate.reshape(t, -1)
+    else:
+        q = _linear(p, f"{pre}.q_proj", h).reshape(t, c.num_attention_heads, hd)
+    k = _linear(p, f"{pre}.k_proj", h).reshape(t, c.num_key_value_heads, hd)
+    v = _linear(p, f"{pre}.v_proj", h).reshape(t, c.num_key_value_heads, hd)
+    if c.qk_norm:
+        q, k = _norm(p, f"{pre}.q_norm.weight", q, c), _norm(p, f"{pre}.k_norm.weight", k, c)
+    if c.rope_theta is not None and c.rotary_dim:
+        cos, sin = rotary_cos_sin(positions, c.rotary_dim, c.rope_theta)
+        r = c.rotary_dim
+        q = jnp.concatenate([apply_rotary(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+        k = jnp.concatenate([apply_rotary(k[..., :r], cos, sin), k[..., r:]], axis=-1)
+    if c.attention_scale is not None:                 # paged_attention scales by head_dim ** -0.5
+        q = q * (c.attention_scale * hd ** 0.5)
+    rows = jnp.where(meta.slot_mapping < 0, kv.shape[2] - 1, meta.slot_mapping)
+    kv = kv.at[index, 0, rows].set(k.astype(kv.dtype)).at[index, 1, rows].set(v.astype(kv.dtype))
+    out = paged_attention(q, kv[index, 0], kv[index, 1], positions, meta, block_size).reshape(t, -1)
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate)
+    return _linear(p, f"{pre}.o_proj", out), kv
+
+
+def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig) -> jax.Array:
+    if c.mlp == "granite":
+        gate, up = jnp.split(_linear(p, f"{pre}.shared_mlp.input_linear", x), 2, axis=-1)
+        out = _linear(p, f"{pre}.shared_mlp.output_linear", jax.nn.silu(gate) * up)
+        if c.num_experts:
+            logits = (x @ _get(p, f"{pre}.block_sparse_moe.router.layer.weight").T).astype(jnp.float32)
+            top, index = jax.lax.top_k(logits, c.num_experts_per_tok)
+            weights = jnp.zeros_like(logits).at[jnp.arange(x.shape[0])[:, None], index].set(
+                jax.nn.softmax(top, axis=-1)).astype(x.dtype)
+            gu = jnp.einsum("th,eih->tei", x, _get(p, f"{pre}.block_sparse_moe.input_linear.weight"))
+            g, u = jnp.split(gu, 2, axis=-1)
+            experts = jnp.einsum("tei,ehi->teh", jax.nn.silu(g) * u, _get(p, f"{pre}.block_sparse_moe.output_linear.weight"))
+            out = jnp.einsum("te,teh->th", weights, experts) + out
+        return out
+
+    def mlp(name: str) -> jax.Array:
+        return _linear(p, f"{name}.down_proj", jax.nn.silu(_linear(p, f"{name}.gate_proj", x)) * _linear(p, f"{name}.up_proj", x))
+
+    probs = jax.nn.softmax((x @ _get(p, f"{pre}.mlp.gate.weight").T).astype(jnp.float32), axis=-1)
+    top, index = jax.lax.top_k(probs, c.num_experts_per_tok)
+    if c.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], index].set(top).astype(x.dtype)
+    out = jax.nn.sigmoid(_linear(p, f"{pre}.mlp.shared_expert_gate", x)) * mlp(f"{pre}.mlp.shared_expert")
+    for e in range(c.num_experts):
+        out = out + weights[:, e:e + 1] * mlp(f"{pre}.mlp.experts.{e}")
+    return out
+
+
+def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Array, meta: AttentionMetadata, *,
+            config: JaxHybridConfig, block_size: int, state_slots: jax.Array, uniform: int, num_slots: int,
+            checkpoints: int) -> tuple[jax.Array, Any]:
+    """The model on ``T`` flattened tokens: (final-normed hidden ``[T, H]``, new cache ``(kv, states)``).
+    ``uniform`` (static): q > 0 when every request schedules q tokens (the recurrent form)."""
+    c = config.hybrid
+    kv, states = cache
+    states = list(states)
+    t = input_ids.shape[0]
+    sm = rec.state_meta(meta.query_start_loc, meta.seq_lens, state_slots, t, num_slots=num_slots,
+                        checkpoints=checkpoints)
+    s = {"checkpoints": checkpoints, "uniform": uniform if uniform and t == state_slots.shape[0] * uniform else 0}
+    mamba2 = c.architecture == "Mamba2ForCausalLM"
+    root = "backbone" if mamba2 else "model"
+    x = _get(params, f"{root}.embeddings.weight" if mamba2 else f"{root}.embed_tokens.weight")[input_ids]
+    x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
+    a = r = 0
+    for i, kind in enumerate(c.layer_kinds):
+        pre = f"{root}.layers.{i}"
+        if mamba2:
+            out, pair = _mamba(params, f"{pre}.mixer", _norm(params, f"{pre}.norm.weight", x, c), tuple(states[2 * r:2 * r + 2]), sm, c, s)
+            states[2 * r:2 * r + 2] = pair
+            x, r = x + out, r + 1
+            continue
+        h = _norm(params, f"{pre}.input_layernorm.weight", x, c)
+        if kind == ATTENTION:
+            out, kv = _attention(params, f"{pre}.self_attn", h, positions, kv, a, meta, c, block_size)
+            a += 1
+        else:
+            mixer = _delta if kind == DELTA else _mamba
+            name = f"{pre}.linear_attn" if kind == DELTA else f"{pre}.mamba"
+            out, pair = mixer(params, name, h, tuple(states[2 * r:2 * r + 2]), sm, c, s)
+            states[2 * r:2 * r + 2] = pair
+            r += 1
+        x = x + out * c.residual_multiplier
+        h = _norm(params, f"{pre}.post_attention_layernorm.weight", x, c)
+        x = x + _mlp(params, pre, h, c) * c.residual_multiplier
+    norm = f"{root}.norm_f.weight" if mamba2 else f"{root}.norm.weight"
+    return _norm(params, norm, x, c), (kv, tuple(states))
+
+
+def compute_logits(params: Params, hidden: jax.Array, *, config: JaxHybridConfig) -> jax.Array:
+    """float32 logits ``[N, V]`` (Granite divides by ``logits_scaling``)."""
+    c = config.hybrid
+    head = params.get("lm_head.weight")
+    if head is None or c.tie_word_embeddings:
+        head = params["backbone.embeddings.weight" if c.architecture == "Mamba2ForCausalLM" else "model.embed_tokens.weight"]
+    logits = (hidden @ head.T).astype(jnp.float32)
+    return logits / c.logits_scaling if c.logits_scaling != 1.0 else logits
+
+
+__all__ = ["JaxHybridConfig", "compute_logits", "forward", "load_hybrid_params"]

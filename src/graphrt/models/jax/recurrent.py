@@ -1,0 +1,238 @@
+"""Recurrent layers of hybrid models in JAX (docs/hybrid.md): the step's state metadata, the
+causal conv1d with state, Mamba2's SSD scan and the gated delta rule -- the torch reference
+kernels (:mod:`graphrt.models.torch.mamba_kernels`, ``gated_delta``) in ``jnp``, jit-able with
+static shapes: lengths come from the batch's arrays, chunks are a ``lax.fori_loop`` (the
+``k``-th chunk of every request at once), uniform decode / verification steps one update per
+token. Padded requests and the padding request (the tokens past the last real one) read zeros
+and write the trash slot, index ``num_slots`` of every state array ``[slots + 1, C, ...]``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class StateMeta(NamedTuple):
+    """The torch :class:`~graphrt.models.torch.state_metadata.StateMetadata`, as a pytree of
+    arrays (``num_slots``, ``checkpoints`` and ``uniform`` are static: passed alongside)."""
+
+    starts: jax.Array           # [R + 1]
+    query_lens: jax.Array       # [R + 1]
+    token_req: jax.Array        # [T]
+    token_index: jax.Array      # [T]
+    read_slot: jax.Array        # [R + 1]
+    read_checkpoint: jax.Array  # [R + 1]
+    has_initial: jax.Array      # [R + 1] bool
+    write_slot: jax.Array       # [R + 1, C]
+    write_checkpoint: jax.Array  # [R + 1, C]
+
+
+def state_meta(query_start_loc: jax.Array, seq_lens: jax.Array, state_slots: jax.Array, num_tokens: int, *,
+               num_slots: int, checkpoints: int) -> StateMeta:
+    """The step's metadata from the batch (``num_computed = seq_lens - query lens``)."""
+    qsl = query_start_loc.astype(jnp.int32)
+    r = state_slots.shape[0]
+    ends = jnp.concatenate([qsl[1:], jnp.full((1,), num_tokens, jnp.int32)])
+    query_lens = ends - qsl
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_req = jnp.searchsorted(qsl[1:], tokens, side="right").astype(jnp.int32)
+    token_index = tokens - qsl[token_req]
+    raw = jnp.concatenate([state_slots.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    live = raw >= 0
+    slot = jnp.where(live, raw, num_slots)
+    computed = jnp.concatenate([seq_lens.astype(jnp.int32) - query_lens[:r], jnp.zeros((1,), jnp.int32)])
+    has_initial = live & (computed > 0)
+    read_checkpoint = jnp.where(has_initial, jnp.mod(computed - 1, checkpoints), 0)
+    index = query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
+    writes = (index >= 0) & live[:, None]
+    write_slot = jnp.where(writes, slot[:, None], num_slots)
+    write_checkpoint = jnp.where(writes, jnp.mod(computed[:, None] + index, checkpoints), 0)
+    return StateMeta(qsl, query_lens, token_req, token_index, slot, read_checkpoint, has_initial, write_slot,
+                     write_checkpoint)
+
+
+def read_states(cache: jax.Array, meta: StateMeta) -> jax.Array:
+    """Each request's initial state ``[R + 1, *shape]`` (float32), zeros where it has none."""
+    state = cache[meta.read_slot, meta.read_checkpoint].astype(jnp.float32)
+    mask = meta.has_initial.reshape((-1,) + (1,) * (state.ndim - 1))
+    return jnp.where(mask, state, 0.0)
+
+
+def write_states(cache: jax.Array, meta: StateMeta, states: jax.Array) -> jax.Array:
+    """``cache`` with ``states [R + 1, C, *shape]`` stored (what has no position: the trash slot)."""
+    return cache.at[meta.write_slot, meta.write_checkpoint].set(states.astype(cache.dtype))
+
+
+def _rows(meta: StateMeta, index: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Token rows of in-request indices ``index [R + 1, ...]`` and whether each is the request's."""
+    shape = (-1,) + (1,) * (index.ndim - 1)
+    valid = (index >= 0) & (index < meta.query_lens.reshape(shape))
+    return jnp.clip(meta.starts.reshape(shape) + index, 0, num_tokens - 1), valid
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None, init: jax.Array, meta: StateMeta,
+                  checkpoints: int) -> tuple[jax.Array, jax.Array]:
+    """``x [T, D]``, ``weight [D, K]``, ``init [R + 1, D, K - 1]`` -> (``silu(conv) [T, D]``, the
+    window after each request's last C positions ``[R + 1, C, D, K - 1]``)."""
+    t, d = x.shape
+    k = weight.shape[1]
+    xf, w = x.astype(jnp.float32), weight.astype(jnp.float32)
+    init_t = jnp.swapaxes(init, 1, 2)                                   # [R + 1, K - 1, D]
+    acc = jnp.zeros((t, d), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), (t, d))
+    for tap in range(k):
+        back = tap - (k - 1)
+        src = meta.token_index + back
+        rows = jnp.clip(jnp.arange(t) + back, 0, None)
+        col = jnp.clip(src + (k - 1), 0, max(k - 2, 0))
+        acc = acc + jnp.where((src >= 0)[:, None], xf[rows], init_t[meta.token_req, col]) * w[:, tap]
+    last = meta.query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
+    src = last[..., None] + jnp.arange(-(k - 2), 1)[None, None, :]      # [R + 1, C, K - 1]
+    rows, valid = _rows(meta, src, t)
+    col = jnp.clip(src + (k - 1), 0, max(k - 2, 0))
+    from_init = init_t[jnp.arange(init_t.shape[0])[:, None, None], col]
+    window = jnp.where(valid[..., None], xf[rows], from_init)
+    return jax.nn.silu(acc).astype(x.dtype), jnp.swapaxes(window, 2, 3)
+
+
+def ssd_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, init: jax.Array,
+             meta: StateMeta, *, chunk_size: int, checkpoints: int, uniform: int) -> tuple[jax.Array, jax.Array]:
+    """Mamba2's scan (see the torch ``ssd_scan``): ``x [T, H, P]``, ``dt [T, H]``, ``A [H]``, ``B`` /
+    ``C [T, G, N]``, ``init [R + 1, H, P, N]`` -> (y float32, states ``[R + 1, C, H, P, N]``)."""
+    t, h, p = x.shape
+    rep = h // B.shape[1]
+    Bf = jnp.repeat(B.astype(jnp.float32), rep, axis=1)
+    Cf = jnp.repeat(C.astype(jnp.float32), rep, axis=1)
+    xf, dtf, Af = x.astype(jnp.float32), dt.astype(jnp.float32), A.astype(jnp.float32)
+    if uniform:
+        r = t // uniform
+        xs, dts, Bs, Cs = (a.reshape(r, uniform, *a.shape[1:]) for a in (xf, dtf, Bf, Cf))
+        state, states, ys = init[:r], jnp.zeros((init.shape[0], checkpoints, h, p, Bf.shape[-1])), []
+        for j in range(uniform):
+            state = jnp.exp(dts[:, j] * Af)[..., None, None] * state + \
+                (dts[:, j, :, None] * xs[:, j])[..., None] * Bs[:, j, :, None, :]
+            ys.append(jnp.einsum("rhpn,rhn->rhp", state, Cs[:, j]))
+            if uniform - 1 - j < checkpoints:
+                states = states.at[:r, uniform - 1 - j].set(state)
+        y = jnp.stack(ys, 1).reshape(t, h, p)
+    else:
+        y, states = _ssd_chunked(xf, dtf, Af, Bf, Cf, init, meta, max(1, min(chunk_size, t)), checkpoints)
+    return y + D.astype(jnp.float32)[None, :, None] * xf, states
+
+
+def _ssd_chunked(x, dt, A, B, C, init, meta, size, checkpoints):
+    t, h, p = x.shape
+    n = B.shape[-1]
+    rows_total = meta.starts.shape[0]
+    lane = jnp.arange(size)
+    causal = lane[:, None] >= lane[None, :]
+    last = meta.query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
+
+    def body(k, carry):
+        y, state, states = carry
+        rows, valid = _rows(meta, jnp.broadcast_to(k * size + lane[None, :], (rows_total, size)), t)
+        v = valid[..., None]
+        dtk = jnp.where(v, dt[rows], 0.0)
+        Bk, Ck = jnp.where(v[..., None], B[rows], 0.0), jnp.where(v[..., None], C[rows], 0.0)
+        u = jnp.where(v[..., None], x[rows] * dtk[..., None], 0.0)
+        cum = jnp.cumsum(dtk * A, axis=1)
+        decay = jnp.exp(jnp.where(causal[None, :, :, None], cum[:, :, None, :] - cum[:, None, :, :], -jnp.inf))
+        yk = jnp.einsum("rlsh,rshp->rlhp", jnp.einsum("rlhn,rshn->rlsh", Ck, Bk) * decay, u)
+        yk = yk + jnp.einsum("rlhn,rhpn->rlhp", Ck, state) * jnp.exp(cum)[..., None]
+        y = y.at[jnp.where(valid, rows, t).reshape(-1)].set(yk.reshape(-1, h, p))
+        local = last - k * size
+        here = (local >= 0) & (local < size)
+        at = jnp.clip(local, 0, size - 1)
+        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[..., None], (rows_total, checkpoints, h)), axis=1)
+        weights = jnp.exp(jnp.where((lane[None, None, :] <= at[..., None])[..., None],
+                                    cum_at[:, :, None, :] - cum[:, None, :, :], -jnp.inf))
+        at_state = jnp.einsum("rcsh,rshn,rshp->rchpn", weights, Bk, u) + \
+            jnp.exp(cum_at)[..., None, None] * state[:, None]
+        states = jnp.where(here[..., None, None, None], at_state, states)
+        to_end = jnp.exp(cum[:, -1:] - cum)
+        state = jnp.exp(cum[:, -1])[..., None, None] * state + jnp.einsum("rsh,rshn,rshp->rhpn", to_end, Bk, u)
+        return y, state, states
+
+    y0 = jnp.zeros((t + 1, h, p), jnp.float32)
+    states0 = jnp.zeros((rows_total, checkpoints, h, p, n), jnp.float32)
+    y, _, states = jax.lax.fori_loop(0, -(-t // size), body, (y0, init, states0))
+    return y[:t], states
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gated_delta_rule(q, k, v, g, beta, init, meta: StateMeta, *, chunk_size: int, checkpoints: int,
+                     uniform: int) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule (see the torch ``gated_delta_rule``): ``q`` / ``k [T, Hk, Dk]``, ``v
+    [T, Hv, Dv]``, ``g`` / ``beta [T, Hv]``, ``init [R + 1, Hv, Dk, Dv]`` -> (y, states)."""
+    t, hv, dv = v.shape
+    rep = hv // k.shape[1]
+    qf = jnp.repeat(l2norm(q.astype(jnp.float32)), rep, axis=1) * q.shape[-1] ** -0.5
+    kf = jnp.repeat(l2norm(k.astype(jnp.float32)), rep, axis=1)
+    vf, gf, bf = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+    if uniform:
+        r = t // uniform
+        qs, ks, vs, gs, bs = (a.reshape(r, uniform, *a.shape[1:]) for a in (qf, kf, vf, gf, bf))
+        state, ys = init[:r], []
+        states = jnp.zeros((init.shape[0], checkpoints) + init.shape[1:], jnp.float32)
+        for j in range(uniform):
+            state = state * jnp.exp(gs[:, j])[..., None, None]
+            delta = (vs[:, j] - jnp.einsum("rhkv,rhk->rhv", state, ks[:, j])) * bs[:, j, :, None]
+            state = state + ks[:, j, :, :, None] * delta[:, :, None, :]
+            ys.append(jnp.einsum("rhkv,rhk->rhv", state, qs[:, j]))
+            if uniform - 1 - j < checkpoints:
+                states = states.at[:r, uniform - 1 - j].set(state)
+        return jnp.stack(ys, 1).reshape(t, hv, dv), states
+    return _delta_chunked(qf, kf, vf, gf, bf, init, meta, max(1, min(chunk_size, t)), checkpoints)
+
+
+def _delta_chunked(q, k, v, g, beta, init, meta, size, checkpoints):
+    t, h, dv = v.shape
+    rows_total = meta.starts.shape[0]
+    lane = jnp.arange(size)
+    lower, strict = lane[:, None] >= lane[None, :], lane[:, None] > lane[None, :]
+    eye = jnp.eye(size, dtype=jnp.float32)
+    last = meta.query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
+
+    def body(c, carry):
+        y, state, states = carry
+        rows, valid = _rows(meta, jnp.broadcast_to(c * size + lane[None, :], (rows_total, size)), t)
+        m = valid[..., None, None]
+        kh = jnp.swapaxes(jnp.where(m, k[rows], 0.0), 1, 2)               # [R + 1, H, L, Dk]
+        qh = jnp.swapaxes(jnp.where(m, q[rows], 0.0), 1, 2)
+        vh = jnp.swapaxes(jnp.where(m, v[rows], 0.0), 1, 2)
+        gk = jnp.swapaxes(jnp.where(valid[..., None], g[rows], 0.0), 1, 2)  # [R + 1, H, L]
+        bk = jnp.swapaxes(jnp.where(valid[..., None], beta[rows], 0.0), 1, 2)
+        cum = jnp.cumsum(gk, axis=-1)
+        decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+        kb = kh * bk[..., None]
+        system = jnp.where(strict, (kb @ jnp.swapaxes(kh, -1, -2)) * decay, 0.0) + eye
+        solve = lambda b: jax.lax.linalg.triangular_solve(system, b, left_side=True, lower=True,  # noqa: E731
+                                                          unit_diagonal=True)
+        fresh = solve(vh * bk[..., None]) - solve(kb * jnp.exp(cum)[..., None]) @ state
+        yk = (qh * jnp.exp(cum)[..., None]) @ state + ((qh @ jnp.swapaxes(kh, -1, -2)) * decay) @ fresh
+        y = y.at[jnp.where(valid, rows, t).reshape(-1)].set(jnp.swapaxes(yk, 1, 2).reshape(-1, h, dv))
+        local = last - c * size
+        here = (local >= 0) & (local < size)
+        at = jnp.clip(local, 0, size - 1)
+        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[:, None, :], (rows_total, h, checkpoints)), axis=2)
+        weights = jnp.exp(jnp.where(lane[None, None, None, :] <= at[:, None, :, None],
+                                    cum_at[..., None] - cum[:, :, None, :], -jnp.inf))   # [R+1, H, C, L]
+        at_state = jnp.einsum("rhcs,rhsk,rhsv->rchkv", weights, kh, fresh) + \
+            jnp.swapaxes(jnp.exp(cum_at), 1, 2)[..., None, None] * state[:, None]
+        states = jnp.where(here[..., None, None, None], at_state, states)
+        to_end = jnp.exp(cum[..., -1:] - cum)
+        state = jnp.exp(cum[..., -1])[..., None, None] * state + jnp.swapaxes(kh * to_end[..., None], -1, -2) @ fresh
+        return y, state, states
+
+    y0 = jnp.zeros((t + 1, h, dv), jnp.float32)
+    states0 = jnp.zeros((rows_total, checkpoints) + init.shape[1:], jnp.float32)
+    y, _, states = jax.lax.fori_loop(0, -(-t // size), body, (y0, init, states0))
+    return y[:t], states
+
+
+__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "read_states", "ssd_scan", "state_meta", "write_states"]

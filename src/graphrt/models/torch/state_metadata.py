@@ -1,0 +1,95 @@
+"""What a step tells the recurrent layers of a hybrid model (docs/hybrid.md), built on the device.
+
+:func:`build_state_metadata` turns the step's static buffers (``query_start_loc``,
+``num_computed_tokens``, ``state_slots``) into :class:`StateMetadata`, with device ops only (no
+host read: it runs inside graph capture), once per forward; recurrent layers read it from
+:func:`graphrt.core.forward_context.get_state_context`.
+
+Requests are indexed ``0 .. R - 1`` (the step's padded requests) plus one more, ``R``: the
+**padding request** that owns the padded tokens past the last real one. Every padded request
+(``state_slots`` -1) and the padding request write the **trash slot** (index ``num_slots`` of
+every state tensor) and start from zeros, never from a slot's contents: a padded row can
+neither change a live state nor read garbage (SGLang #30974's ``torch.empty`` rows). Negative
+slots are mapped with ``where``, never used as Python indices (vllm-ascend #7506).
+
+Checkpoints (``checkpoints`` = 1 + num_speculative_tokens): a request reads the state after
+position ``num_computed_tokens - 1`` (ring entry ``(num_computed - 1) % checkpoints``) and writes
+the state after each of its last ``min(query_len, checkpoints)`` positions ``p`` into entry
+``p % checkpoints``, so a step after rejected drafts reads the state of the last accepted token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StateMetadata:
+    """A step's recurrent-state metadata, ``R`` padded requests plus the padding request."""
+
+    starts: torch.Tensor          # int64 [R + 1]: each request's first token
+    query_lens: torch.Tensor      # int64 [R + 1]: its tokens (padded requests 0; the padding request the rest)
+    token_req: torch.Tensor       # int64 [T]: each token's request, in [0, R]
+    token_index: torch.Tensor     # int64 [T]: each token's index within its request's tokens of the step
+    read_slot: torch.Tensor       # int64 [R + 1]: the slot read (the trash slot where none)
+    read_checkpoint: torch.Tensor  # int64 [R + 1]: the ring entry read
+    has_initial: torch.Tensor     # bool [R + 1]: whether the request continues a state (else zeros)
+    write_slot: torch.Tensor      # int64 [R + 1, C]: where the state after each of the last C positions goes
+    write_checkpoint: torch.Tensor  # int64 [R + 1, C]: its ring entry (the trash slot where there is none)
+    num_slots: int                # live slots; index ``num_slots`` is the trash slot
+    checkpoints: int              # C
+    uniform_query_len: int        # q > 0: every one of the R requests owns exactly q tokens, token r*q + j
+                                  # its j-th (uniform decode: a recurrent step per token); 0 otherwise
+
+
+def build_state_metadata(query_start_loc: torch.Tensor, num_computed: torch.Tensor, state_slots: torch.Tensor,
+                         num_tokens: int, *, num_slots: int, checkpoints: int,
+                         uniform_query_len: int = 0) -> StateMetadata:
+    """The metadata of a step of ``num_tokens`` tokens and ``len(state_slots)`` requests from its
+    device buffers (views of the static buffers: every op here is captured). ``uniform_query_len``
+    (q) asks for the recurrent form: only where every request schedules q tokens and
+    ``num_tokens == R * q`` (a uniform-decode key), else it is ignored."""
+    r = state_slots.shape[0]
+    device = state_slots.device
+    qsl = query_start_loc[:r + 1].long()
+    starts = qsl                                             # the padding request starts at qsl[R]
+    ends = torch.cat((qsl[1:], qsl.new_full((1,), num_tokens)))
+    query_lens = ends - starts
+    tokens = torch.arange(num_tokens, device=device)
+    token_req = torch.searchsorted(qsl[1:].contiguous(), tokens, right=True)
+    token_index = tokens - starts.index_select(0, token_req)
+    raw = torch.cat((state_slots.long(), state_slots.new_full((1,), -1).long()))
+    live = raw >= 0
+    slot = torch.where(live, raw, num_slots)
+    computed = torch.cat((num_computed[:r].long(), num_computed.new_zeros(1).long()))
+    has_initial = live & (computed > 0)
+    read_checkpoint = torch.where(has_initial, (computed - 1).remainder(checkpoints), 0)
+    back = torch.arange(checkpoints, device=device)                  # i: the (i+1)-th last position
+    index = query_lens.unsqueeze(1) - 1 - back                       # [R + 1, C]: in-request index
+    writes = (index >= 0) & live.unsqueeze(1)
+    write_slot = torch.where(writes, slot.unsqueeze(1), num_slots)
+    write_checkpoint = torch.where(writes, (computed.unsqueeze(1) + index).remainder(checkpoints), 0)
+    q = uniform_query_len if uniform_query_len > 0 and num_tokens == r * uniform_query_len else 0
+    return StateMetadata(starts, query_lens, token_req, token_index, slot, read_checkpoint, has_initial,
+                         write_slot, write_checkpoint, num_slots, checkpoints, q)
+
+
+def read_states(cache: torch.Tensor, meta: StateMetadata, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each request's initial state from ``cache [slots + 1, C, *shape]``: ``[R + 1, *shape]``,
+    zeros where the request has none (``where``: NaN in a slot never leaks)."""
+    state = cache[meta.read_slot, meta.read_checkpoint]
+    if dtype is not None:
+        state = state.to(dtype)
+    mask = meta.has_initial.view(-1, *([1] * (state.dim() - 1)))
+    return torch.where(mask, state, torch.zeros((), dtype=state.dtype, device=state.device))
+
+
+def write_states(cache: torch.Tensor, meta: StateMetadata, states: torch.Tensor) -> None:
+    """Store ``states [R + 1, C, *shape]`` (the state after each request's last C positions) at
+    their slots and ring entries; what has no position goes to the trash slot."""
+    cache.index_put_((meta.write_slot, meta.write_checkpoint), states.to(cache.dtype))
+
+
+__all__ = ["StateMetadata", "build_state_metadata", "read_states", "write_states"]
