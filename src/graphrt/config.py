@@ -153,6 +153,11 @@ class GraphConfig(BaseModel):
     max_logprobs: int = Field(defaults.DEFAULT_MAX_LOGPROBS, ge=0,
                               description="most top logprobs a request may ask for (vLLM's max_logprobs); the "
                                           "logprobs graphs compute this many per row; 0: logprobs off")
+    model_impl: Literal["auto", "graphrt", "transformers"] = Field(
+        "auto", description="which implementation runs a checkpoint directory (vLLM's model_impl): graphrt (its own "
+                            "Llama / Mistral / Qwen3 decoder), transformers (the transformers model through graphrt's "
+                            "paged attention; torch backends; pip install graphrt[transformers]), or auto (graphrt's "
+                            "where it implements the checkpoint, else transformers)")
     tensor_parallel_size: int = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
         description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "

@@ -15,6 +15,7 @@ The matrix (``graphrt.testing.transformers_matrix``) and the tests build their m
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import shutil
@@ -144,7 +145,7 @@ _ROOT: Path | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def _build(model_type: str, seed: int, items: tuple[tuple[str, Any], ...]) -> Path:
+def _build(model_type: str, seed: int, overrides_json: str) -> Path:
     import torch
     import transformers
     from transformers.utils import logging as hf_logging
@@ -156,7 +157,7 @@ def _build(model_type: str, seed: int, items: tuple[tuple[str, Any], ...]) -> Pa
         _ROOT = Path(tempfile.mkdtemp(prefix="graphrt-zoo-"))
         import atexit
         atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
-    config = tiny_config(model_type, **dict(items))
+    config = tiny_config(model_type, **json.loads(overrides_json))
     cls = getattr(transformers, causal_lm_name(model_type))
     torch.manual_seed(seed)
     model = cls(config)
@@ -167,8 +168,9 @@ def _build(model_type: str, seed: int, items: tuple[tuple[str, Any], ...]) -> Pa
 
 
 def tiny_checkpoint(model_type: str, *, seed: int = SEED, **overrides: Any) -> Path:
-    """A checkpoint directory of the tiny ``model_type`` model, built once per process (read-only)."""
-    return _build(model_type, seed, tuple(sorted(overrides.items())))
+    """A checkpoint directory of the tiny ``model_type`` model, built once per process per arguments
+    (read-only; ``overrides`` are config fields, JSON values)."""
+    return _build(model_type, seed, json.dumps(overrides, sort_keys=True))
 
 
 def load_reference(model_dir: str | os.PathLike) -> Any:

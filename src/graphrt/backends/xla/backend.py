@@ -75,8 +75,11 @@ class XlaBackend(Backend):
             return f"jax cannot be imported: {_IMPORT_ERROR}"
         return None
 
-    def load_model(self, model_dir: str, dtype: Any = None) -> "XlaModel":
-        """The JAX reference Llama / Mistral / Qwen3 of a Hugging Face directory."""
+    def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto") -> "XlaModel":
+        """The JAX reference Llama / Mistral / Qwen3 of a Hugging Face directory (``model_impl``
+        "auto" or "graphrt"; "transformers" runs on torch backends only: ConfigError)."""
+        from graphrt.models.model_impl import resolve_model_impl
+        resolve_model_impl(model_dir, model_impl, framework="jax")
         from graphrt.models.jax.loader import load_jax_params
         config, params = load_jax_params(model_dir, _jax_dtype(dtype if dtype is not None else self.dtype, model_dir))
         return XlaModel(config, params)

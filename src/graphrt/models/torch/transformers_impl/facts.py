@@ -15,6 +15,7 @@ module path and what stops it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,15 +127,22 @@ def module_paths(model: torch.nn.Module) -> dict[int, str]:
 
 
 def innermost_module(exc: BaseException, paths: dict[int, str]) -> str | None:
-    """The innermost module of ``paths`` whose method the traceback of ``exc`` passes through,
-    as ``"path (Class)"``: where a failure inside a model happened."""
-    found, tb = None, exc.__traceback__
+    """Where in a model ``exc`` was raised: the innermost module of ``paths`` whose method its
+    traceback passes through (``"path (Class)"``) and the innermost line of transformers' code
+    (``"at modeling_x.py:N"``)."""
+    found = line = None
+    tb = exc.__traceback__
     while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
         if isinstance(owner, torch.nn.Module) and id(owner) in paths:
             found = f"{paths[id(owner)]} ({type(owner).__name__})"
+        if f"{os.sep}transformers{os.sep}" in frame.f_code.co_filename:
+            line = f"{os.path.basename(frame.f_code.co_filename)}:{tb.tb_lineno}"
         tb = tb.tb_next
-    return found
+    if found is None:
+        return None
+    return found if line is None else f"{found} at {line}"
 
 
 def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module) -> list[LayerFacts]:

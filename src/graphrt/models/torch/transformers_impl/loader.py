@@ -69,6 +69,21 @@ def dynamic_rope_blocker(model: torch.nn.Module) -> str | None:
     return None
 
 
+def silence_padding_check(hf_model: torch.nn.Module) -> None:
+    """Turn off transformers' "input_ids may be padded" warning check on every model in ``hf_model``:
+    it reads ids on the host (a host sync in a graph) and never applies -- graphrt's packed rows hold
+    each request's own tokens, never padding between them."""
+    from transformers import PreTrainedModel
+
+    for module in hf_model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.warn_if_padding_and_no_attention_mask = _no_padding_check
+
+
+def _no_padding_check(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> TransformersForCausalLM:
     """``hf_model`` (loaded with ``attn_implementation="graphrt"``) as a graphrt model: its layers
     probed (``facts.py``) and what keeps it out of graphs named."""
@@ -76,6 +91,7 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
         raise ConfigError(f"{type(hf_model).__name__} attends with {hf_model.config._attn_implementation!r}; load it "
                           f"with attn_implementation={ATTENTION_NAME!r} (load_transformers_model does)")
     hf_model.eval().requires_grad_(False)
+    silence_padding_check(hf_model)
     blocker = dynamic_rope_blocker(hf_model) or experts_blocker(hf_model)
     body = hf_model._modules[body_name(hf_model)]
     facts = layer_facts(hf_model, body)
@@ -106,10 +122,16 @@ def load_transformers_model(model_dir: str | os.PathLike, dtype: torch.dtype = t
     hf_model = cls.from_pretrained(path, config=config, dtype=dtype, attn_implementation=ATTENTION_NAME, **kwargs)
     hf_model = hf_model.to(device)
     if tp_size > 1:
-        from graphrt.models.torch.transformers_impl.tensor_parallel import shard_by_plan
+        from graphrt.models.torch.transformers_impl.tensor_parallel import (check_head_shards, shard_by_plan,
+                                                                            without_collectives)
 
+        full = layer_facts(hf_model, hf_model._modules[body_name(hf_model)])
         shard_by_plan(hf_model, tp_rank, tp_size, group)
-    model = wrap_transformers_model(hf_model, tp_rank, tp_size)
+        with without_collectives():      # rank 0 loads before the process group exists
+            model = wrap_transformers_model(hf_model, tp_rank, tp_size)
+        check_head_shards(full, list(model.facts), tp_size)
+    else:
+        model = wrap_transformers_model(hf_model)
     model.source_dir = path
     return model
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 from graphrt.core.errors import ConfigError, GraphCaptureError
@@ -146,6 +147,9 @@ class TransformersForCausalLM(nn.Module):
     or None. ``tp_rank`` / ``tp_size``: this rank's shard (``tensor_parallel.py``);
     ``position_offset``: :func:`~.facts.position_offset`."""
 
+    #: Which implementation this is (``models/model_impl.py``): tensor-parallel ranks load the same.
+    model_impl = "transformers"
+
     def __init__(self, hf_model: nn.Module, facts: list[LayerFacts], graph_blocker: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, position_offset: int = 0) -> None:
         super().__init__()
@@ -174,6 +178,9 @@ class TransformersForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids [T]``, ``positions [T]`` -> hidden ``[T, hidden]``; metadata from the forward context."""
+        if isinstance(input_ids, torch.fx.Proxy):
+            raise TypeError("a transformers model is not traced with torch.fx (its forward branches on Python "
+                            "values); its PIECEWISE graphs are captured breaking at each attention call")
         if self.graph_blocker is not None and capture_active():
             raise GraphCaptureError(self.graph_blocker)
         try:
