@@ -50,9 +50,9 @@ def experts_blocker(model: torch.nn.Module) -> str | None:
     impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
     if impl in CAPTURABLE_EXPERTS:
         return None
-    return (f"MoE experts {name} ({type(module).__name__}) run transformers' experts_implementation={impl!r}: a "
-            "Python loop over the experts a step hit, found on the host (torch.nonzero of the routing mask, a "
-            "host sync, and shapes that follow the routing); no graph can hold it. Load with "
+    return (f"MoE experts {name} ({type(module).__name__}) run transformers' experts_implementation={impl!r}: it "
+            "reads on the host which experts a step hit (a host sync over the routing mask) and loops over them in "
+            "Python with shapes that follow the routing; no graph can hold it. Load with "
             f"experts={DEFAULT_EXPERTS!r} (the default) or 'batched_mm' for graphs; this model runs eagerly")
 
 
