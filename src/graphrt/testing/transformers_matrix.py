@@ -102,12 +102,13 @@ def run_workload(model_dir: str, mode: str) -> tuple[list[list[int]], dict[str, 
 
 def check_tokens(reference: Any, prompts: Sequence[list[int]], tokens: Sequence[list[int]]) -> str | None:
     """None when every token is transformers' argmax of its sequence, else the first that is not."""
-    from graphrt.testing.transformers_zoo import reference_logits
+    from graphrt.testing.transformers_zoo import reference_logits, reference_offset
 
+    offset = reference_offset(reference)
     for i, (prompt, generated) in enumerate(zip(prompts, tokens)):
         if len(generated) != MAX_TOKENS:
             return f"request {i} generated {len(generated)} tokens, not {MAX_TOKENS}"
-        logits = reference_logits(reference, (prompt + generated)[:-1])
+        logits = reference_logits(reference, (prompt + generated)[:-1], offset)
         for j, tok in enumerate(generated):
             row = logits[len(prompt) - 1 + j]
             if not bool(row[tok] >= row.max() - TIE_TOLERANCE):

@@ -44,6 +44,8 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "xmod": dict(default_language="en_XX"),
     "zaya": dict(num_experts_per_tok=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "dots3_note_text": dict(num_key_value_heads=4),
+    "recurrent_gemma": dict(layer_types=None, block_types=["recurrent", "attention"]),
     "gemma3n_text": dict(num_kv_shared_layers=0, intermediate_size=[128, 128], activation_sparsity_pattern=[0.0, 0.0]),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
@@ -120,6 +122,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
         kwargs["layer_types"] = ((kinds[:2]) * 2)[:2]
     kwargs.update(ARCH_OVERRIDES.get(model_type, {}))
     kwargs.update(overrides)
+    kwargs = {k: v for k, v in kwargs.items() if not (k == "layer_types" and v is None)}  # a derived property
     return cls(**kwargs)
 
 
@@ -184,14 +187,25 @@ def load_reference(model_dir: str | os.PathLike) -> Any:
     return cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def reference_logits(model: Any, token_ids: list[int]) -> Any:
-    """transformers' float32 logits ``[len(token_ids), vocab]`` of one sequence, teacher-forced."""
+def reference_logits(model: Any, token_ids: list[int], position_offset: int = 0) -> Any:
+    """transformers' float32 logits ``[len(token_ids), vocab]`` of one sequence, teacher-forced;
+    token ``i`` at position ``position_offset + i`` (transformers' own numbering of a sequence
+    without padding ids: RoBERTa-like models otherwise skip any padding id inside it)."""
     import torch
 
     ids = torch.as_tensor([token_ids], dtype=torch.long)
+    positions = torch.arange(len(token_ids))[None] + position_offset
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits[0].float()
+        return model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float()
+
+
+def reference_offset(model: Any) -> int:
+    """The position offset of transformers' numbering for ``model`` (``facts.position_offset``)."""
+    from graphrt.models.torch.transformers_impl.facts import position_offset
+    from graphrt.models.torch.transformers_impl.model import body_name
+
+    return position_offset(model, model._modules[body_name(model)])
 
 
 __all__ = ["SEED", "SLIDING_WINDOW", "TINY", "architectures", "causal_lm_name", "load_reference", "randomize",
-           "reference_logits", "tiny_checkpoint", "tiny_config"]
+           "reference_logits", "reference_offset", "tiny_checkpoint", "tiny_config"]

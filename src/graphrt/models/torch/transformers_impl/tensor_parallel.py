@@ -14,6 +14,7 @@ Styles (transformers' names; weights ``[out, in]``, expert stacks ``[E, out, in]
 ``colwise``                  a linear's output rows (and bias) split; its output stays split
 ``colwise_gather_output``    split as ``colwise``; the output gathered (``colwise_rep`` too)
 ``packed_colwise``           gate and up halves each split (a fused ``gate_up``; expert stacks)
+``packed_rowwise``           an expert stack packed along its last dim: each half's columns split
 ``rowwise``                  input columns split; output all-reduced, the bias added once
 ``rowwise_split_input``      the same, taking this rank's slice of a replicated input
 ``embedding_rowwise``        vocabulary rows split; rows another rank owns embed to 0; all-reduced
@@ -21,7 +22,8 @@ Styles (transformers' names; weights ``[out, in]``, expert stacks ``[E, out, in]
 ``moe_identity_expert``      the input divided by the ranks (summed back by the experts' reduce)
 ``all_reduce``               the output all-reduced
 replicated styles            nothing (``replicated_with_grad_allreduce``, ``sequence_parallel``,
-                             ``local_params``, ``replicate``)
+                             ``local_params``, ``replicate``, ``mla_kv_a_proj``: the forward of all
+                             of them is the replicated module's)
 ==========================  ================================================================
 
 Any other style is a ConfigError naming the entry. Attention must shard on head boundaries or
@@ -41,8 +43,9 @@ from torch import nn
 from graphrt.core.errors import ConfigError
 
 #: Styles that leave the module as it is (inference: no gradient, no sequence split).
-REPLICATED = frozenset({"replicated_with_grad_allreduce", "sequence_parallel", "local_params", "replicate"})
-SUPPORTED = frozenset({"colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "rowwise",
+REPLICATED = frozenset({"replicated_with_grad_allreduce", "sequence_parallel", "local_params", "replicate",
+                        "mla_kv_a_proj"})
+SUPPORTED = frozenset({"colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "packed_rowwise", "rowwise",
                        "rowwise_split_input", "rowwise_rep", "embedding_rowwise", "moe_tp_experts",
                        "moe_identity_expert", "all_reduce"}) | REPLICATED
 
@@ -137,11 +140,11 @@ def _shard_param(owner: nn.Module, pname: str, style: str, comm: _Comm, path: st
         _narrow(param, 0 if nd == 1 else nd - 2, comm, path)
     elif style == "packed_colwise":
         _narrow(param, 0 if nd == 1 else nd - 2, comm, path, packed=2)
-    elif style in ("rowwise", "rowwise_split_input", "rowwise_rep"):
+    elif style in ("rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise"):
         if nd == 1:     # a bias of a summed output: each rank adds its share
             param.data = param.data / comm.size
         else:
-            _narrow(param, nd - 1, comm, path)
+            _narrow(param, nd - 1, comm, path, packed=2 if style == "packed_rowwise" else 1)
     else:
         raise ConfigError(f"tp_plan entry {path!r}: style {style!r} on a parameter is not supported by graphrt's "
                           f"transformers backend (supported: {sorted(SUPPORTED)})")
