@@ -185,6 +185,11 @@ class GraphConfig(BaseModel):
                                         "penalties) at warm-up and keep their token counts from the start; off, a "
                                         "batch with penalties still samples (eagerly on torch backends, its "
                                         "counts made on first use)")
+    model_impl: Literal["auto", "graphrt", "transformers"] = Field(
+        "auto", description="which implementation runs a checkpoint directory (vLLM's model_impl): graphrt (its own "
+                            "Llama / Mistral / Qwen3 decoder), transformers (the transformers model through graphrt's "
+                            "paged attention; torch backends; pip install graphrt[transformers]), or auto (graphrt's "
+                            "where it implements the checkpoint, else transformers)")
     tensor_parallel_size: Count = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
         description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "

@@ -85,7 +85,7 @@ class ModelRunner:
         tp = cfg.tensor_parallel_size
         dtype = check_before_loading(self.backend, model, cfg, dtype)   # sharding, dtype, max_model_len
         if isinstance(model, (str, os.PathLike)) and tp == 1:
-            model = self.backend.load_model(os.fspath(model), dtype)
+            model = self.backend.load_model(os.fspath(model), dtype, model_impl=cfg.model_impl)
         if tp == 1 and not isinstance(model, (str, os.PathLike)):
             self.backend.check_model(model)                # the model protocol, named member by member
         check_memory(self.backend, model, cfg, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory)

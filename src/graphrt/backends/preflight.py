@@ -5,7 +5,8 @@ allocation, or at the first prefill -- is a :class:`ConfigError` naming the fiel
 
 * :func:`check_before_loading`, before the model is loaded: a backend that shards where
   ``tensor_parallel_size > 1``, ``dtype`` a name graphrt knows
-  (``core/dtypes.py``) and ``max_model_len`` is within the model's ``max_position_embeddings``
+  (``core/dtypes.py``), an implementation for a checkpoint directory (``model_impl``) and
+  ``max_model_len`` within the model's ``max_position_embeddings``
   unless ``allow_long_max_model_len`` (``GraphConfig.check_model_len``);
 * :func:`check_memory`, once the model is loaded and before the executor allocates: the bytes
   each setting implies (:func:`runner_needs`: host tables and staging buffers, static buffers,
@@ -32,7 +33,8 @@ from graphrt.core.dtypes import model_dtype
 from graphrt.core.errors import ConfigError
 from graphrt.core.fields import FIELD_DTYPES, FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
 from graphrt.core.memory_bounds import Need, check_needs, physical_memory_bytes
-from graphrt.models.hf_config import DecoderConfig, model_max_len
+from graphrt.models.hf_config import model_max_len
+from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl
 
 #: Bytes per token / request row of the step's staging buffers (core/fields.py's table).
 _TOKEN_BYTES = sum(np.dtype(FIELD_DTYPES[name]).itemsize for name in TOKEN_FIELDS)
@@ -51,11 +53,13 @@ def check_before_loading(backend: Any, model: Any, config: GraphConfig, dtype: A
     if tp > 1 and backend.framework != "torch":
         raise ConfigError(f"tensor_parallel_size={tp}: backend {backend.name} does not shard (torch ones do)")
     path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
-    checkpoint = DecoderConfig.from_dir(path) if path is not None else None
-    config.check_model_len(checkpoint.max_position_embeddings if checkpoint else model_max_len(model))
+    if path is not None:    # which implementation loads it (model_impl), refused here if none can
+        resolve_model_impl(path, config.model_impl, backend.framework)
+    positions, checkpoint_dtype = checkpoint_limits(path) if path is not None else (model_max_len(model), None)
+    config.check_model_len(positions)
     if dtype is None:
         return None
-    return model_dtype(dtype, checkpoint.torch_dtype if checkpoint else None)
+    return model_dtype(dtype, (checkpoint_dtype or "float32") if path is not None else None)
 
 
 def _table_field(config: GraphConfig) -> str:

@@ -93,7 +93,8 @@ class LLM:
         backend_obj = select_backend(backend, model=model) if isinstance(backend, str) else backend
         dtype = check_before_loading(backend_obj, model, config, dtype)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
-            model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(str(model), dtype)
+            model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(
+                str(model), dtype, model_impl=config.model_impl)
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
                                   dtype=dtype, progress=progress, warmup=warmup)
         cfg = self.config

@@ -32,16 +32,25 @@ class TorchBackend(Backend):
         return None
 
     def load_model(self, model_dir: str, dtype: Any = None, *, tp_rank: int = 0, tp_size: int = 1,
-                   group: Any = None) -> torch.nn.Module:
-        """graphrt's torch decoder from a Hugging Face directory on this backend's device, its
-        weights in ``dtype`` (a torch dtype or a name: "bfloat16", "half", "auto" for the
+                   group: Any = None, model_impl: str = "auto") -> torch.nn.Module:
+        """graphrt's torch decoder from a Hugging Face directory on this backend's device -- or,
+        by ``model_impl`` (``models/model_impl.py``: "auto" where graphrt has no decoder of it,
+        "transformers"), transformers' model over graphrt's attention (``transformers_impl``) --
+        its weights in ``dtype`` (a torch dtype or a name: "bfloat16", "half", "auto" for the
         checkpoint's, ...; :func:`~graphrt.core.dtypes.model_dtype`; default float32);
         ``tp_size > 1`` loads rank ``tp_rank``'s shard over the process group ``group``
-        (``None``: the default group), reading only its slices of the checkpoint. The model
+        (``None``: the default group), reading only its slices of the checkpoint (graphrt's
+        decoder) or sharding by the model's ``base_model_tp_plan`` (transformers'). The model
         remembers ``source_dir``: a tensor-parallel executor given it loads the shards from there."""
-        from graphrt.models.hf_config import DecoderConfig
+        from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl
+        name = model_dtype(dtype, checkpoint_limits(model_dir)[1] or "float32")   # "bf16", "auto", torch.half...
+        if resolve_model_impl(model_dir, model_impl) == "transformers":
+            from graphrt.models.torch.transformers_impl.loader import load_transformers_model
+            model = load_transformers_model(model_dir, dtype=getattr(torch, name), device=self.device,
+                                            tp_rank=tp_rank, tp_size=tp_size, group=group)
+            model.source_dir = model_dir
+            return model
         from graphrt.models.torch.loader import load_torch_model
-        name = model_dtype(dtype, DecoderConfig.from_dir(model_dir).torch_dtype)   # "bf16", "auto", torch.half...
         model = load_torch_model(model_dir, dtype=getattr(torch, name), device=self.device,
                                  tp_rank=tp_rank, tp_size=tp_size, group=group)
         model.source_dir = model_dir

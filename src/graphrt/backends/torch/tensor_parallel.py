@@ -73,15 +73,16 @@ def start_tensor_parallel(backend: Any, model: Any, config: GraphConfig, dtype: 
         raise ConfigError(f"max_loras={config.max_loras} with tensor_parallel_size={tp}: LoRA adapters "
                           "run on unsharded models only")
     model_dir, dtype = model_source(model, dtype, tp)
+    impl = getattr(model, "model_impl", None) or config.model_impl     # a model built by transformers' loader
     cls = type(backend)
     setup = p.WorkerSetup(f"{cls.__module__}:{cls.__qualname__}", backend.device.type, backend.device.index,
-                          model_dir, dtype, config.model_dump(), tp, defaults.TP_TIMEOUT_S,
+                          model_dir, dtype, {**config.model_dump(), "model_impl": impl}, tp, defaults.TP_TIMEOUT_S,
                           torch.get_num_threads(), dict(os.environ))
     shapes = buffer_shapes(config.max_num_batched_tokens, config.max_num_seqs, config.max_blocks_per_req)
     resident = {name: (shape, FIELD_DTYPES[name]) for name, shape in shapes.items()}
     ranks: Ranks = JoinedRanks(setup) if dist.is_initialized() else SpawnedRanks(setup, resident)
     try:
-        shard = backend.load_model(model_dir, dtype, tp_rank=0, tp_size=tp)
+        shard = backend.load_model(model_dir, dtype, tp_rank=0, tp_size=tp, model_impl=impl)
         host = ranks.channel.resident or None
         pinned = _pin(host) if host is not None and backend.device.type == "cuda" else None
         local = TorchExecutor(shard, config, backend.device, backend.graph_api(), host_arrays=host)

@@ -75,11 +75,14 @@ class XlaBackend(Backend):
             return f"jax cannot be imported: {_IMPORT_ERROR}"
         return None
 
-    def load_model(self, model_dir: str, dtype: Any = None) -> "XlaModel":
+    def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto") -> "XlaModel":
         """The JAX reference Llama / Mistral / Qwen3 -- or hybrid Mamba2 / Granite-4-H / Qwen3-Next
-        (docs/hybrid.md) -- of a Hugging Face directory."""
+        (docs/hybrid.md) -- of a Hugging Face directory (``model_impl`` "auto" or "graphrt";
+        "transformers" runs on torch backends only: ConfigError)."""
         from graphrt.models.hf_config import DecoderConfig
         from graphrt.models.hybrid_config import HybridConfig
+        from graphrt.models.model_impl import resolve_model_impl
+        resolve_model_impl(model_dir, model_impl, framework="jax")
         from graphrt.models.jax.loader import load_jax_params
         jdtype = _jax_dtype(dtype if dtype is not None else self.dtype, model_dir)
         hybrid = DecoderConfig.from_dir(model_dir)

@@ -1,0 +1,71 @@
+"""Which implementation runs a checkpoint: graphrt's own or transformers' (vLLM's ``--model-impl``).
+
+``model_impl`` (``graphrt.LLM``, ``GraphConfig``, ``--model-impl``):
+
+* ``"auto"`` (default): graphrt's own decoder where it implements the checkpoint (Llama,
+  Mistral, Qwen3 with the features graphrt's decoder reads, ``hf_config.DecoderConfig``), else
+  transformers' model through graphrt's attention (torch backends only);
+* ``"graphrt"``: graphrt's own, or the error saying why it cannot;
+* ``"transformers"``: transformers' model (``models/torch/transformers_impl``), on torch backends.
+
+Reads ``config.json`` only: no torch, no transformers import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from graphrt.core.errors import ConfigError, InputError
+from graphrt.models.hf_config import DecoderConfig
+
+logger = logging.getLogger(__name__)
+
+MODEL_IMPLS = ("auto", "graphrt", "transformers")
+
+
+def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """``model_dir/config.json`` as a dict (InputError naming ``model_dir`` if it has none)."""
+    path = os.path.join(os.fspath(model_dir), "config.json")
+    if not os.path.exists(path):
+        raise InputError("model_dir", f"{model_dir!s} has no config.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def checkpoint_limits(model_dir: str | os.PathLike) -> tuple[int | None, str | None]:
+    """``(max_position_embeddings, dtype name)`` of any checkpoint's config (its text config's
+    where it nests one), for the checks made before loading; None where it does not say."""
+    raw = read_config_json(model_dir)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    positions = raw.get("max_position_embeddings", text.get("max_position_embeddings"))
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or text.get("dtype") or text.get("torch_dtype")
+    return (int(positions) if isinstance(positions, int) else None), (str(dtype) if dtype else None)
+
+
+def resolve_model_impl(model_dir: str | os.PathLike, model_impl: str = "auto", framework: str = "torch") -> str:
+    """``"graphrt"`` or ``"transformers"`` for ``model_dir`` (module docstring); ConfigError for an
+    unknown value, ``"transformers"`` on a backend that is not torch's, or ``"graphrt"`` for a
+    checkpoint graphrt does not implement (the reason named)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ConfigError(f"model_impl: {model_impl!r} is not one of {MODEL_IMPLS}")
+    read_config_json(model_dir)
+    if model_impl == "transformers":
+        if framework != "torch":
+            raise ConfigError(f"model_impl='transformers' runs on the torch backends (eager, cpu, cuda, npu), not "
+                              f"on a {framework} backend")
+        return "transformers"
+    try:
+        DecoderConfig.from_dir(model_dir)
+    except InputError as exc:
+        if model_impl == "graphrt" or framework != "torch":
+            raise
+        logger.info("graphrt: model_impl=auto runs %s with transformers' model: graphrt's own decoder does not "
+                    "(%s)", model_dir, exc)
+        return "transformers"
+    return "graphrt"
+
+
+__all__ = ["MODEL_IMPLS", "checkpoint_limits", "read_config_json", "resolve_model_impl"]

@@ -1,0 +1,232 @@
+"""A transformers causal LM as a graphrt torch model (docs/models.md's protocol).
+
+:class:`TransformersForCausalLM` wraps a loaded ``*ForCausalLM`` whose config routes attention to
+graphrt (``interface.py``):
+
+* ``forward(input_ids [T], positions [T])`` runs the decoder body on one packed row
+  (``input_ids[None]``, ``position_ids[None]``, ``use_cache=False``); every attention call
+  reaches the :class:`~graphrt.models.torch.transformers_impl.layer.HFPagedAttention` of its
+  ``layer_idx``, which reads the step's metadata from the forward context;
+* ``compute_logits(hidden [N, hidden])`` runs the model's own head -- the ``*ForCausalLM``
+  forward over a stand-in body that returns ``hidden`` -- so final soft-capping and logit
+  scales are transformers' own;
+* ``attention_layers()`` / ``kv_cache_spec()``: one paged layer per attention layer, one KV
+  cache group per layout (heads, head sizes, window), from :func:`~.facts.layer_facts`.
+
+A known reason a model cannot be captured (``graph_blocker``: dynamic RoPE, the eager experts
+loop) is raised as :class:`GraphCaptureError` when a capture reaches the forward, on every
+device; any other capture failure inside the model is re-raised with the module path it came
+from (the innermost ``forward`` of a transformers module in the traceback).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from graphrt.core.errors import ConfigError, GraphCaptureError
+from graphrt.core.graph_tasks import capture_active
+from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
+from graphrt.models.torch.transformers_impl.facts import LayerFacts, innermost_module, module_paths, text_config
+from graphrt.models.torch.transformers_impl.interface import handling
+from graphrt.models.torch.transformers_impl.layer import HFPagedAttention, ReferencePagedBackend
+
+
+class _BodyOutput:
+    """What the stand-in body returns: ``last_hidden_state`` (also item 0); every other output a
+    body may have (router logits, cross attentions, shared KV states ...) is None."""
+
+    def __init__(self, hidden: torch.Tensor | None) -> None:
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in (0, "last_hidden_state"):
+            return self.last_hidden_state
+        if isinstance(key, slice):
+            return (self.last_hidden_state,)[key]
+        return None
+
+    def to_tuple(self) -> tuple[torch.Tensor | None]:
+        return (self.last_hidden_state,)
+
+
+class _Body(nn.Module):
+    """Stands in for the decoder body while the model's head runs: any call of it, or of any of
+    its attributes (``self.model.decoder(...)``), returns the given hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> _BodyOutput:
+        return _BodyOutput(self.hidden)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return self
+
+
+class _LayerDispatch:
+    """The attention handler while the model runs: each call to its layer's paged attention."""
+
+    def __init__(self, layers: dict[int, HFPagedAttention]) -> None:
+        self.layers = layers
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: Any, kwargs: dict) -> tuple[torch.Tensor, None]:
+        layer = self.layers[module.layer_idx]
+        t = query.shape[2]
+        q = query[0].transpose(0, 1).reshape(t, -1)
+        k = key[0].transpose(0, 1).reshape(t, -1)
+        v = value[0].transpose(0, 1).reshape(t, -1)
+        out = layer(q, k, v, kwargs.get("s_aux")) if layer.sinks else layer(q, k, v)
+        return out.view(1, t, layer.num_heads, layer.head_dim_v), None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What graphrt's runner reads of a model's ``config`` (docs/models.md), taken from the
+    transformers config: ``hf`` is that config itself. ``intermediate_size`` is the widest layer's
+    (Gemma 3n lists one per layer); ``eos_token_id`` the generation config's, else the config's."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    max_position_embeddings: int | None
+    eos_token_id: Any
+    model_type: str
+    hf: Any
+
+    @classmethod
+    def of(cls, hf_model: nn.Module) -> "RuntimeConfig":
+        config = text_config(hf_model.config)
+        width = getattr(config, "intermediate_size", 0) or 0
+        width = max(width) if isinstance(width, (list, tuple)) else width
+        generation = getattr(hf_model, "generation_config", None)
+        eos = getattr(generation, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(config, "eos_token_id", None)
+        return cls(int(config.vocab_size), int(config.hidden_size), int(width), int(config.num_hidden_layers),
+                   getattr(config, "max_position_embeddings", None), eos, str(config.model_type), config)
+
+
+def body_name(hf_model: nn.Module) -> str:
+    """The attribute of ``hf_model`` holding its decoder body: ``base_model_prefix`` where that is
+    a child, else its one child that is a transformers model."""
+    prefix = getattr(hf_model, "base_model_prefix", "")
+    if isinstance(hf_model._modules.get(prefix), nn.Module):
+        return prefix
+    from transformers import PreTrainedModel
+
+    names = [n for n, child in hf_model.named_children() if isinstance(child, PreTrainedModel)]
+    if len(names) != 1:
+        raise ConfigError(f"{type(hf_model).__name__}: cannot tell its decoder body (base_model_prefix "
+                          f"{prefix!r} is no child; transformers children: {names})")
+    return names[0]
+
+
+class TransformersForCausalLM(nn.Module):
+    """A transformers ``*ForCausalLM`` under graphrt's runner (module docstring).
+
+    ``hf_model``: loaded with ``attn_implementation="graphrt"`` (``loader.py``); ``facts``: its
+    layers (:func:`~.facts.layer_facts`); ``graph_blocker``: why no graph can hold its forward,
+    or None. ``tp_rank`` / ``tp_size``: this rank's shard (``tensor_parallel.py``);
+    ``position_offset``: :func:`~.facts.position_offset`."""
+
+    #: Which implementation this is (``models/model_impl.py``): tensor-parallel ranks load the same.
+    model_impl = "transformers"
+
+    def __init__(self, hf_model: nn.Module, facts: list[LayerFacts], graph_blocker: str | None = None,
+                 tp_rank: int = 0, tp_size: int = 1, position_offset: int = 0) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.config = RuntimeConfig.of(hf_model)
+        self.facts = tuple(facts)
+        self.graph_blocker = graph_blocker
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        #: Added to graphrt's positions: the ``position_ids`` the model numbers tokens with (facts.py).
+        self.position_offset = int(position_offset)
+        self.paged = nn.ModuleList(HFPagedAttention(f.num_heads, f.num_kv_heads, f.head_dim, f.scale,
+                                                    f.sliding_window, f.softcap, f.sinks, f.head_dim_v)
+                                   for f in facts)
+        self._dispatch = _LayerDispatch({f.layer_idx: layer for f, layer in zip(facts, self.paged)})
+        self._body_name = body_name(hf_model)
+        self._stand_in = _Body()
+        if any(layer.extended for layer in self.paged):
+            #: soft-capping, sinks or a V head size of its own: graphrt's reference algorithm, extended
+            self.attention_backend = ReferencePagedBackend(facts[0].head_dim)
+        self._paths: dict[int, str] | None = None
+
+    @property
+    def body(self) -> nn.Module:
+        """The decoder body (``hf_model.model`` / ``.transformer`` / ...): embeddings, layers, norm."""
+        return self.hf._modules[self._body_name]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> hidden ``[T, hidden]``; metadata from the forward context."""
+        if isinstance(input_ids, torch.fx.Proxy):
+            raise TypeError("a transformers model is not traced with torch.fx (its forward branches on Python "
+                            "values); its PIECEWISE graphs are captured breaking at each attention call")
+        if self.graph_blocker is not None and capture_active():
+            raise GraphCaptureError(self.graph_blocker)
+        try:
+            with handling(self._dispatch):
+                position_ids = positions[None].long()
+                if self.position_offset:
+                    position_ids = position_ids + self.position_offset
+                out = self.body(input_ids=input_ids[None].long(), position_ids=position_ids, use_cache=False)
+        except GraphCaptureError as exc:
+            where = self._where(exc)
+            if where is None:
+                raise
+            raise GraphCaptureError(f"{exc} [in {where}]") from exc
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        return hidden[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden]`` -> float32 logits ``[N, vocab]``: the model's own head over ``hidden``."""
+        body = self.hf._modules[self._body_name]
+        self._stand_in.hidden = hidden[None]
+        self.hf._modules[self._body_name] = self._stand_in
+        try:
+            ids = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            out = self.hf(input_ids=ids, use_cache=False)
+        finally:
+            self.hf._modules[self._body_name] = body
+            self._stand_in.hidden = None
+        return out.logits[0].float()
+
+    def attention_layers(self) -> list[HFPagedAttention]:
+        """graphrt's paged layer of each attention layer, in ``layer_idx`` order."""
+        return list(self.paged)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One group per KV layout (heads, K / V head sizes, sliding window), this rank's heads."""
+        groups: dict[tuple[int, int, int, int], list[int]] = {}
+        for i, f in enumerate(self.facts):
+            groups.setdefault((f.num_kv_heads, f.head_dim, f.head_dim_v, f.sliding_window), []).append(i)
+        return KVCacheSpec(tuple(KVCacheGroup(tuple(layers), heads, d, None if dv == d else dv, sliding_window=w)
+                                 for (heads, d, dv, w), layers in groups.items()))
+
+    def _where(self, exc: BaseException) -> str | None:
+        """The innermost transformers module whose method the traceback of ``exc`` passes through."""
+        if self._paths is None:
+            self._paths = module_paths(self.hf)
+        return innermost_module(exc, self._paths)
+
+
+__all__ = ["RuntimeConfig", "TransformersForCausalLM", "body_name"]
