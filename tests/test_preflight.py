@@ -160,10 +160,17 @@ def test_every_boolean_keyword_of_the_engine_is_strict_before_loading(flag, valu
         graphrt.LLM(model_dir, backend="cpu", **{**SMALL, flag: value})
 
 
-@pytest.mark.parametrize("flag", ["warmup", "progress", "strict", "debug_check_addresses"])
+@pytest.mark.parametrize("flag", ["progress", "strict", "debug_check_addresses"])
 def test_the_runners_boolean_keywords_are_strict_before_loading(flag, model_dir, nothing_loaded):
     with pytest.raises(ConfigError, match=rf"{flag}: Input should be a valid boolean"):
         graphrt.ModelRunner(model_dir, backend="cpu", **{**SMALL, flag: "no"})
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 1, "eager"])
+def test_the_runners_warmup_keyword_names_its_choices_before_loading(value, model_dir, nothing_loaded):
+    """warmup is True / False or a mode ("upfront", "background"); anything else names them."""
+    with pytest.raises(ConfigError, match=r"warmup: must be one of \['upfront', 'background'\], True or False"):
+        graphrt.ModelRunner(model_dir, backend="cpu", **{**SMALL, "warmup": value})
 
 
 # --------------------------------------------------------------------------------- dtype

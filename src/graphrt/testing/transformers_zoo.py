@@ -202,9 +202,9 @@ def reference_logits(model: Any, token_ids: list[int], position_offset: int = 0)
 def reference_offset(model: Any) -> int:
     """The position offset of transformers' numbering for ``model`` (``facts.position_offset``)."""
     from graphrt.models.torch.transformers_impl.facts import position_offset
-    from graphrt.models.torch.transformers_impl.model import body_name
+    from graphrt.models.torch.transformers_impl.model import body_of
 
-    return position_offset(model, model._modules[body_name(model)])
+    return position_offset(model, body_of(model))
 
 
 __all__ = ["SEED", "SLIDING_WINDOW", "TINY", "architectures", "causal_lm_name", "load_reference", "randomize",

@@ -18,7 +18,7 @@ import torch
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.models.torch.transformers_impl.facts import layer_facts, position_offset, text_config
 from graphrt.models.torch.transformers_impl.interface import ATTENTION_NAME, register_attention
-from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_name
+from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_of
 from graphrt.models.torch.transformers_impl.moe import experts_blocker, experts_implementation
 
 #: Tested range of the optional dependency (pyproject's ``transformers`` extra says the same).
@@ -93,7 +93,7 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
     hf_model.eval().requires_grad_(False)
     silence_padding_check(hf_model)
     blocker = dynamic_rope_blocker(hf_model) or experts_blocker(hf_model)
-    body = hf_model._modules[body_name(hf_model)]
+    body = body_of(hf_model)
     facts = layer_facts(hf_model, body)
     return TransformersForCausalLM(hf_model, facts, blocker, tp_rank, tp_size, position_offset(hf_model, body))
 
@@ -125,7 +125,7 @@ def load_transformers_model(model_dir: str | os.PathLike, dtype: torch.dtype = t
         from graphrt.models.torch.transformers_impl.tensor_parallel import (check_head_shards, shard_by_plan,
                                                                             without_collectives)
 
-        full = layer_facts(hf_model, hf_model._modules[body_name(hf_model)])
+        full = layer_facts(hf_model, body_of(hf_model))
         shard_by_plan(hf_model, tp_rank, tp_size, group)
         with without_collectives():      # rank 0 loads before the process group exists
             model = wrap_transformers_model(hf_model, tp_rank, tp_size)

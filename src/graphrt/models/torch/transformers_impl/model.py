@@ -139,6 +139,11 @@ def body_name(hf_model: nn.Module) -> str:
     return names[0]
 
 
+def body_of(hf_model: nn.Module) -> nn.Module:
+    """``hf_model``'s decoder body (the child :func:`body_name` names)."""
+    return hf_model.get_submodule(body_name(hf_model))
+
+
 class TransformersForCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` under graphrt's runner (module docstring).
 
