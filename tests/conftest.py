@@ -1,11 +1,14 @@
 """Shared fixtures: the host kernel to run a module on, and the tiny model and engine tables
-the runner tests drive."""
+the runner tests drive. The helpers the tests share live in the ``support`` package beside this
+file (tests/ is on ``sys.path``: ``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
-import pytest
+from support import triton_interpreter  # noqa: F401  (first: Triton's interpreter before anything imports triton)
 
-from graphrt.core import host_kernels
+import pytest  # noqa: E402
+
+from graphrt.core import host_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=("numba", "numpy"), autouse=False)
@@ -21,8 +24,8 @@ def host_kernel(request):
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    """A tiny random Qwen3 checkpoint (tests/hf_models.py)."""
-    from hf_models import tiny_hf_model_dir
+    """A tiny random Qwen3 checkpoint (tests/support/hf_models.py)."""
+    from support.hf_models import tiny_hf_model_dir
 
     return str(tiny_hf_model_dir("qwen3"))
 
@@ -30,6 +33,6 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def tables():
     """The engine tables of runner_steps.CONFIG: every row owns its own non-null blocks."""
-    from runner_steps import CONFIG, VOCAB, Tables
+    from support.runner_steps import CONFIG, VOCAB, Tables
 
     return Tables(CONFIG, VOCAB, seed=0)
