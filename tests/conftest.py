@@ -4,11 +4,30 @@ file (tests/ is on ``sys.path``: ``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under ``pytest -n N`` each worker gets one intra-op thread (before torch is imported here,
+    # so spawned ranks and child processes inherit it too): N workers on N cores, not N * N threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from support import triton_interpreter  # noqa: F401  (first: Triton's interpreter before anything imports triton)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from graphrt.core import host_kernels  # noqa: E402
+from support.examples import CI_EXAMPLES, FAST_EXAMPLES  # noqa: E402
+
+# ``make test`` runs the ``ci`` profile (the default), ``make test-fast`` the ``fast`` one
+# (``--hypothesis-profile=fast``); support.examples scales the tests' own counts to the profile.
+settings.register_profile("ci", max_examples=CI_EXAMPLES)
+settings.register_profile("fast", max_examples=FAST_EXAMPLES)
+settings.load_profile("ci")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module", params=("numba", "numpy"), autouse=False)
