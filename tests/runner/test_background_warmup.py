@@ -167,6 +167,23 @@ def test_bad_warmup_values_are_refused_naming_the_field(model_dir):
         ModelRunner(model_dir, backend="cpu", warmup="sometimes", **LIMITS)
 
 
+
+def test_the_documented_warmup_default_is_the_codes():
+    """docs/api.md and docs/architecture.md name the default ``warmup=`` and say why; the LLM's
+    signature takes it from ``defaults.DEFAULT_LLM_WARMUP``."""
+    import inspect
+    from pathlib import Path
+
+    from graphrt.core import defaults
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    default = defaults.DEFAULT_LLM_WARMUP
+    assert inspect.signature(graphrt.LLM).parameters["warmup"].default == default
+    assert f'`warmup="{default}"` (the default' in (docs / "api.md").read_text()
+    assert f'**Why {default} is the default**' in (docs / "api.md").read_text()
+    assert f'`warmup="{default}"`, `defaults.DEFAULT_LLM_WARMUP`, is the default' in \
+        " ".join((docs / "architecture.md").read_text().split())
+
 # ---- the kit's properties while keys are added and retired ---------------------------------
 
 class Transitioning(RunnerFactory):

@@ -8,6 +8,7 @@
   value and the exact top-p boundary (hypothesis, ties and zeros included).
 * Greedy rows are ``argmax`` of the logits bit for bit; the captured graph replays what the
   eager sampler computes; a top_k past the candidates needs the wide sampler, which the runner picks.
+* No row is sorted: no sort op runs, ``topk`` only of the candidates (plain, wide, penalised).
 """
 
 from __future__ import annotations
@@ -226,3 +227,51 @@ def test_the_runner_reports_sampler_memory_and_runs_a_wide_top_k_eagerly(monkeyp
         assert logits[i, out[i]] >= np.sort(logits[i])[::-1][k - 1], f"row {i}: outside the top {k}"
     stats = runner.sampler_stats
     assert stats.eager_by_cause[EagerCause.MISS].steps == 1 and stats.eager_steps == 1
+
+
+# ---- no sort of the vocabulary --------------------------------------------------------------
+
+SORTS = {"sort", "argsort", "msort"}
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op dispatched while open: ``(name, args)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func.overloadpacket.__name__, args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("wide, penalties", [(False, False), (True, False), (False, True)])
+def test_the_sampler_sorts_nothing_and_selects_at_most_the_candidates(wide, penalties):
+    """The issue's point: no sort of any row (of V or else), and ``topk`` only of the candidates
+    (the sort-based sampler it replaced, tests/support/sampler_reference.py, fails this)."""
+    from graphrt.core import defaults
+
+    rows, vocab = 4, 4 * defaults.SAMPLER_TOP_K_CANDIDATES
+    state = SamplerState(rows, vocab, torch.device("cpu"), pin_memory=False)
+    batch = SamplingBatch(np.float32([0.0, 0.7, 1.3, 1.0]), np.int64([vocab, 50, 600, vocab]),
+                          np.float32([1.0, 0.9, 0.5, 0.95]), [None] * rows, list(range(rows)),
+                          min_p=np.float32([0.0, 0.05, 0.0, 0.1]),
+                          **(dict(repetition_penalty=np.float32([1.0, 1.2, 1.0, 1.1]),
+                                  frequency_penalty=np.float32([0.0, 0.5, 0.0, 0.0]),
+                                  prompt_lens=[1, 1, 1, 1]) if penalties else {}))
+    state.write(batch, rows, rows)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    log = _OpLog()
+    with torch.no_grad(), log:
+        state.compute(logits, rows, greedy=False, wide=wide, penalties=penalties)
+    names = [name for name, _ in log.ops]
+    assert (state.penalties is not None) == penalties
+    assert "topk" in names and not SORTS & set(names), sorted(set(names))
+    assert all(args[1] <= defaults.SAMPLER_TOP_K_CANDIDATES for name, args in log.ops if name == "topk")
+    # ... and the oracle is caught by the same check
+    log = _OpLog()
+    s = state.static
+    with torch.no_grad(), log:
+        sort_sample(logits, s["temperature"], s["top_k"], s["top_p"], state.noise, s["min_p"])
+    assert SORTS & {name for name, _ in log.ops}

@@ -1,5 +1,6 @@
 """The XLA sampler's thresholds: the same distribution as the sort-based sampler (chi-square and
-exact support per filter, tests/support/sampler_reference.py), and an exact bisection (hypothesis)."""
+exact support per filter, tests/support/sampler_reference.py), an exact bisection (hypothesis), and no
+sort of the vocabulary in its program."""
 
 from __future__ import annotations
 
@@ -84,3 +85,28 @@ def test_an_xla_runner_compiles_the_wide_sampler_on_first_use(monkeypatch):
     for i in range(4):
         assert logits[i, out[i]] >= np.sort(logits[i])[::-1][k - 1], f"row {i}: outside the top {k}"
     assert any(key.wide_top_k for key in runner.sampler_cache), "the wide sampler was compiled and used"
+
+
+
+def _primitives(fn, *args) -> tuple[set[str], list[int]]:
+    """The primitive names in ``fn``'s jaxpr (loops' bodies included) and every ``top_k``'s k."""
+    import re
+
+    text = str(jax.make_jaxpr(fn)(*args))
+    return set(re.findall(r"= ([a-z_]+)\[", text)) | set(re.findall(r"= ([a-z_]+) ", text)), \
+        [int(k) for k in re.findall(r"top_k\[[^\]]*\bk=(\d+)", text)]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_xla_sampler_sorts_nothing(wide):
+    """No ``sort`` primitive (``jnp.argsort`` lowers to it) in the sampler's program, and
+    ``top_k`` only of the candidates, whatever the vocabulary."""
+    from graphrt.core import defaults
+
+    cands = defaults.SAMPLER_TOP_K_CANDIDATES
+    logits = jnp.zeros((3, 4 * cands), jnp.float32)
+    names, ks = _primitives(lambda x, m: sample_tokens(x, m, wide=wide), logits, _meta(3, 0.8, 50, 0.9, 0.05))
+    assert "sort" not in names and "argmax" in names, sorted(names)
+    assert ks and max(ks) <= cands
+    names, _ = _primitives(lambda x: jnp.argsort(x, axis=-1), logits)
+    assert "sort" in names, "the check can fail"
