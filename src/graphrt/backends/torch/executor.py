@@ -48,7 +48,7 @@ from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
-from graphrt.core.forward_context import forward_context, state_context
+from graphrt.models.torch.forward_context import forward_context, state_context
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
@@ -206,7 +206,8 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         if isinstance(host, CaptureHostValues):     # a graph's: no host tensor reachable
             refused = HostTensorsRefused(backend_name(self.attention), object.__getattribute__(host, "_guard")[2])
             return self.attention.build(self.buffers.capture_tensors(num_tokens, num_reqs, refused), host)
-        return self.attention.build(self.buffers.tensors(num_tokens, num_reqs), host)
+        views = self.buffers.views.get((num_tokens, num_reqs))
+        return self.attention.build(views if views is not None else self.buffers.tensors(num_tokens, num_reqs), host)
 
     def dummy_host(self, num_tokens: int, num_reqs: int, key: BatchDescriptor | None = None) -> HostValues:
         """Host values of a padding-only step of that shape (a capture's, a warm-up's): ``key``'s
@@ -421,12 +422,14 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
                                "stale memory; never reassign executor buffers, copy into them")
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True) -> np.ndarray:
+               padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True,
+               key: SamplerKey | None = None) -> np.ndarray:
         """Fill the sampler's buffers, replay the sampler graph (or run it eagerly); the real
         requests' tokens, a host copy (never a view of the device buffer), or with ``wait=False``
         (graph backends) their copy queued into a host slot (a :class:`Sampled`)."""
         rows = padded_reqs or num_reqs
-        key = sampler_key(sampling, rows, self.vocab_size)
+        if key is None:
+            key = sampler_key(sampling, rows, self.vocab_size)
         sampler = self.sampler
         if not key.greedy:
             sampler.write(sampling, num_reqs, rows)

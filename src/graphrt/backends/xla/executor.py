@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from graphrt.backends.base import Built, Executor, SamplingBatch
 from graphrt.backends.xla import extra_inputs as xla_extra, sharding as shd
-from graphrt.backends.xla.batch import XlaBatch, batch_spec, sampling_spec
+from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change, sampling_spec
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
 from graphrt.backends.xla.compile_ledger import CompileLedger
@@ -45,6 +45,24 @@ logger = logging.getLogger(__name__)
 
 #: The calling thread's compile counters, read directly on the hot path (one attribute load).
 _compiles = thread_counts()
+
+_I32 = np.dtype(np.int32)
+
+
+def _check_padded(entry: XlaEntry, padded: Any) -> None:
+    """Every padded array has the dtype and shape ``entry``'s executable was compiled for (numpy
+    only; the block table as narrowed to the key's context), else :class:`InputError` naming it."""
+    for name, shape in zip(BATCH_FIELDS, entry.shapes):
+        arr = getattr(padded, name)
+        if name == "block_table" and isinstance(arr, np.ndarray) and arr.ndim == 2:
+            arr = arr[:, :shape[1]]
+        if not isinstance(arr, np.ndarray) or arr.dtype != _I32 or arr.shape != shape:
+            got = XlaBatch(**{f: None if getattr(padded, f) is None else np.asarray(getattr(padded, f))
+                              for f in BATCH_FIELDS},
+                           num_tokens=entry.spec.num_tokens, num_reqs=entry.spec.num_reqs,
+                           uniform_decode=entry.spec.uniform_decode)
+            raise InputError(name, f"{describe_change(entry.spec, got)} (executable for {entry.key})")
+
 
 class XlaExecutor(Executor[XlaEntry]):
     """Host staging buffers, the donated KV cache and the compiled executables of one model."""
@@ -279,12 +297,10 @@ class XlaExecutor(Executor[XlaEntry]):
 
     # ---- run ---------------------------------------------------------------------------
     @staticmethod
-    def _require(entry: Any, key: Hashable) -> XlaEntry:
-        """``entry`` itself: there is no eager path to run ``key`` without its executable."""
-        if not isinstance(entry, XlaEntry):
-            raise GraphrtError(f"no executable for {describe_key(key)}: the xla backend runs nothing eagerly; "
-                               "pass the entry build() returned (the runner's caches hold them)")
-        return entry
+    def _missing(entry: Any, key: Hashable) -> GraphrtError:
+        """The error of a run without ``key``'s executable: there is no eager path."""
+        return GraphrtError(f"no executable for {describe_key(key)}: the xla backend runs nothing eagerly; "
+                            "pass the entry build() returned (the runner's caches hold them)")
 
     def _table_width(self, key: BatchDescriptor) -> int:
         """Block-table columns of ``key``'s executable: those its context bucket fills."""
@@ -305,8 +321,9 @@ class XlaExecutor(Executor[XlaEntry]):
         still on the device; -1: none), resolved inside the executable. The declared extra inputs
         go in as the padded rows of their staging buffers (the runner wrote them).
         """
-        entry = self._require(entry, key)
-        entry.check_inputs(padded)
+        if not isinstance(entry, XlaEntry):
+            raise self._missing(entry, key)
+        _check_padded(entry, padded)
         spec = entry.spec
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
                          padded.query_start_loc.copy(), padded.seq_lens.copy(), padded.state_slots.copy(),
@@ -318,7 +335,8 @@ class XlaExecutor(Executor[XlaEntry]):
             rows[:len(real)] = real
             if isinstance(tokens, np.ndarray):     # a step that waited: its tokens are on the host
                 tokens = np.pad(tokens.astype(np.int32), (0, self.programs.max_reqs - len(tokens)))
-        extra = xla_extra.padded_args(self.extra_inputs, self.extra_buffers, spec.num_tokens, spec.num_reqs)
+        extra = (xla_extra.padded_args(self.extra_inputs, self.extra_buffers, spec.num_tokens, spec.num_reqs)
+                 if self.extra_inputs else ())
         before = _compiles.compiles
         kv = self.kv_cache
         stateful = self.programs.state_spec is not None
@@ -358,7 +376,7 @@ class XlaExecutor(Executor[XlaEntry]):
     # ---- sample ------------------------------------------------------------------------
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: XlaEntry | None = None,
-               wait: bool = True) -> np.ndarray | jax.Array:
+               wait: bool = True, key: SamplerKey | None = None) -> np.ndarray | jax.Array:
         """One token id per real request (int64), from the compiled greedy or random sampler.
 
         ``entry`` is the runner's sampler entry for ``SamplerKey(padded_reqs, all_greedy)`` (required:
@@ -366,19 +384,20 @@ class XlaExecutor(Executor[XlaEntry]):
         without waiting for it: ``[max_reqs]`` int32, the real requests' tokens first
         (:meth:`fetch_tokens` reads them; the next forward can take it as its future tokens).
         """
-        key = entry.key if isinstance(entry, XlaEntry) else sampler_key(
+        key = entry.key if isinstance(entry, XlaEntry) else key or sampler_key(
             sampling, int(logits.shape[0]) if padded_reqs is None else int(padded_reqs), self.vocab_size)
         rows = key.num_reqs
         if logits.shape != (rows, self.vocab_size):
             raise InputError("logits", f"shape {tuple(logits.shape)}; the sampler for {rows} rows "
                                        f"expects ({rows}, {self.vocab_size})")
-        entry = self._require(entry, key)
+        if not isinstance(entry, XlaEntry):
+            raise self._missing(entry, key)
         args = (logits,) if key.greedy else (logits, self.sampling_rows.metadata(num_reqs, rows, sampling))
         before = _compiles.compiles
         tokens = entry.executable(*args)
         if _compiles.compiles != before:
             self.compiles.compiled_while_running(before, key, "sampler")
-        return self.fetch_tokens(tokens, num_reqs) if wait else tokens
+        return np.asarray(tokens)[:num_reqs].astype(np.int64) if wait else tokens
 
     @staticmethod
     def fetch_tokens(tokens: jax.Array, num_reqs: int) -> np.ndarray:
@@ -390,7 +409,8 @@ class XlaExecutor(Executor[XlaEntry]):
                         entry: XlaEntry | None = None, wait: bool = True) -> Any:
         """The logprobs executable (``entry``, required) on the logits rows and the sampler's device
         output ``sampled``: host arrays of the real rows, or with ``wait=False`` the device arrays."""
-        entry = self._require(entry, SamplerKey(int(logits.shape[0]), False, True))
+        if not isinstance(entry, XlaEntry):
+            raise self._missing(entry, SamplerKey(int(logits.shape[0]), False, True))
         before = _compiles.compiles
         out = entry.executable(logits, sampled)
         if _compiles.compiles != before:
