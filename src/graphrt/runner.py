@@ -18,7 +18,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from graphrt.core import defaults
 from graphrt.backends.base import Backend, SamplingBatch
 from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
 from graphrt.config import GraphConfig, check_flags
@@ -42,6 +41,9 @@ from graphrt.runner_setup import open_executor
 from graphrt.step_outputs import StepOutput, StepOutputs
 from graphrt.traffic import TrafficFit
 from graphrt.warmup import Job, compile_host_kernels, job_target, warm_up, warmup_keys, warmup_mode
+
+#: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
+STEP_PLAN_MEMO_LIMIT = 1 << 16
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +389,7 @@ class ModelRunner:
         plan = plan_step(shape, self.dispatcher, self.cache, self.sampler_cache,
                          None if self._eager_fallback else self._builds,
                          pending=self.background, degraded=self.degraded)
-        if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
+        if len(self._plans) >= STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
         self._plans[shape] = plan
         return plan

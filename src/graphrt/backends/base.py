@@ -147,10 +147,20 @@ class Executor(abc.ABC, Generic[EntryT]):
                             bool(self.eager_fallback), bool(self.async_execution), bool(self.device_runs_ahead),
                             tuple(self.keyed_host_values), bool(self.graphs_share_memory))
 
+    #: The devices of a sharded executor (a ``jax.sharding.Mesh``); None on a single device.
+    mesh: Any = None
+    #: The KV cache as one array ``[layers, 2, slots + 1, kv_heads, head_dim]`` (torch tensor or
+    #: jax array) where the model stores one standard layout, else None (:meth:`kv_views`).
+    kv_cache: Any = None
+    #: A hybrid model's recurrent-state arrays, ``[slots + 1, checkpoints, ...]`` each (docs/hybrid.md).
+    state_caches: Sequence[Any] = ()
+    #: Whether the model allocates and holds its KV cache itself (a ``KVCacheSpec.owned_by_model``).
+    kv_owned_by_model: bool = False
+
     @property
     def build_count(self) -> int:
         """How many entries this executor has built (captured or compiled) so far: warm-up's and
-        on-demand builds alike. Default: not counted, 0."""
+        on-demand builds alike (XLA: every compile its counters saw). Default: not counted, 0."""
         return 0
 
     def input_ptrs(self) -> dict[str, int]:
@@ -160,9 +170,24 @@ class Executor(abc.ABC, Generic[EntryT]):
         return {}
 
     def kv_views(self) -> list[Any]:
-        """The KV cache, one array per layer group as the attention reads it (tests compare and
-        corrupt it through these). Default: none allocated, []."""
-        return []
+        """The stored KV layouts, one array each (several where K and V of other sizes, MLA or
+        mixed dtypes are stored apart); what tests compare and corrupt. Default: :attr:`kv_cache`."""
+        return [] if self.kv_cache is None else [self.kv_cache]
+
+    def kv_as_rows(self, host: np.ndarray, block_size: int) -> np.ndarray:
+        """A host copy of :attr:`kv_cache` in the reference layout ``[layers, 2, slots + 1, ...]``
+        (an XLA cache in the Pallas page layout converts). Default: it is that layout."""
+        return host
+
+    def kv_from_rows(self, values: np.ndarray, block_size: int) -> np.ndarray:
+        """The inverse of :meth:`kv_as_rows`: reference-layout ``values`` in the stored layout."""
+        return values
+
+    def device_buffers(self) -> dict[str, Any]:
+        """Every device buffer a step writes besides the KV and state caches, by name (static
+        inputs, outputs, the sampler's state): what a test checks a refused step left alone.
+        Default: none, {} (XLA: immutable arrays, nothing written in place)."""
+        return {}
 
     @abc.abstractmethod
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

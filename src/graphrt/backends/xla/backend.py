@@ -37,7 +37,7 @@ else:
 
     from graphrt.backends.xla import sharding as shd
     from graphrt.backends.xla.executor import XlaExecutor
-    from graphrt.backends.xla.graphs import XlaGraphs
+    from graphrt.backends.xla.callable_graphs import XlaGraphs
     from graphrt.backends.xla.programs import XlaModel, XlaPrograms, xla_kv_spec
 
 

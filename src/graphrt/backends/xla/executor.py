@@ -40,6 +40,7 @@ from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
+from graphrt.core.kv_spec import blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,27 @@ class XlaExecutor(Executor[XlaEntry]):
         self._last_positions: jax.Array | None = None
         self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
         self._last_hidden: jax.Array | None = None
+
+    @property
+    def build_count(self) -> int:
+        """Compiles the ledger's counters saw, including those no cache lookup caused."""
+        return int(self.compiles.compile_count)
+
+    def kv_as_rows(self, host: np.ndarray, block_size: int) -> np.ndarray:
+        """A Pallas page-layout cache (TPUs) as the reference layout it stands for."""
+        if getattr(getattr(self.programs, "attention", None), "kernel", None) != "pallas":
+            return host
+        from graphrt.models.jax.pallas_attention import pages_to_rows
+
+        return pages_to_rows(host, self.model_config.num_hidden_layers, block_size)
+
+    def kv_from_rows(self, values: np.ndarray, block_size: int) -> np.ndarray:
+        if getattr(getattr(self.programs, "attention", None), "kernel", None) != "pallas":
+            return values
+        from graphrt.models.jax.pallas_attention import rows_to_pages
+
+        return rows_to_pages(np.asarray(values, np.float32), self.kv_cache.shape,
+                             self.model_config.num_hidden_layers, block_size)
 
     # ---- KV cache --------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -306,7 +328,7 @@ class XlaExecutor(Executor[XlaEntry]):
         """Block-table columns of ``key``'s executable: those its context bucket fills."""
         if key.max_seq_len is None:
             return self._width
-        return min(self._width, max(-(-key.max_seq_len // self.config.block_size), 1))
+        return min(self._width, max(blocks_for(key.max_seq_len, self.config.block_size), 1))
 
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: XlaEntry | None,
             padded: ModelInputs, future: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:

@@ -17,12 +17,6 @@ _CONTEXT: Any = None
 _STATE: Any = None          # the recurrent layers' metadata (docs/hybrid.md), beside the attention's
 
 
-def set_forward_context(ctx: Any) -> None:
-    """Install ``ctx`` as the metadata of the forward about to run."""
-    global _CONTEXT
-    _CONTEXT = ctx
-
-
 def get_forward_context() -> Any:
     """Return the current context; raises if no forward is running."""
     if _CONTEXT is None:
