@@ -14,15 +14,12 @@ call each for the forward and the sampler, one host copy of the tokens.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import time
 from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from graphrt.backends.base import Built, Executor, SamplingBatch
 from graphrt.backends.xla import extra_inputs as xla_extra, sharding as shd
@@ -32,6 +29,7 @@ from graphrt.backends.xla.compile import enable_persistent_cache, install_listen
 from graphrt.backends.xla.compile_ledger import CompileLedger
 from graphrt.backends.xla.entries import XlaEntry
 from graphrt.backends.xla.executables import executable_store
+from graphrt.backends.xla.precompile import lower, precompile
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
@@ -228,7 +226,7 @@ class XlaExecutor(Executor[XlaEntry]):
         jitted, spec, args = self._abstract_inputs(mode, key)
         entry = self.compiles.load(key, spec)
         if entry is None:
-            lowered, seconds = self._lower(jitted, args)
+            lowered, seconds = lower(jitted, args)
             entry = self.compiles.compile(key, lowered, spec, seconds)
         return entry, entry.nbytes
 
@@ -248,37 +246,7 @@ class XlaExecutor(Executor[XlaEntry]):
         """
         workers = max(1, workers or self.compile_workers)
         self.compiles.plan(key for _, key in jobs)
-        todo = list(dict.fromkeys(jobs))
-        built: dict[Hashable, XlaEntry] = {}
-        start = time.perf_counter()
-        bar = tqdm(total=len(todo), desc=f"graphrt xla precompile ({workers} threads)", unit="bucket",
-                   disable=not progress or not todo, leave=False)
-        with bar, concurrent.futures.ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix="graphrt-xla-compile") as pool:
-            futures = []
-            for mode, key in todo:
-                self.compiles.before_build(key)
-                jitted, spec, args = self._abstract_inputs(mode, key)
-                loaded = self.compiles.load(key, spec)
-                if loaded is not None:
-                    built[key] = loaded
-                    bar.set_postfix_str(f"loaded {describe_key(key)}")
-                    bar.update()
-                    continue
-                bar.set_postfix_str(f"lowering {describe_key(key)}")
-                lowered, seconds = self._lower(jitted, args)
-                futures.append(pool.submit(self.compiles.compile, key, lowered, spec, seconds))
-            for fut in concurrent.futures.as_completed(futures):
-                entry = fut.result()
-                built[entry.key] = entry
-                bar.set_postfix_str(f"compiled {describe_key(entry.key)}")
-                bar.update()
-        if todo:
-            logger.info("graphrt: xla precompiled %d executables in %.2f s with %d thread(s): lowering "
-                        "%.2f s, compiling %.2f s, %d loaded from the persistent cache", len(built),
-                        time.perf_counter() - start, workers, sum(e.lower_seconds for e in built.values()),
-                        sum(e.compile_seconds for e in built.values()),
-                        sum(e.persistent_cache_hit for e in built.values()))
+        built = precompile(list(dict.fromkeys(jobs)), self._abstract_inputs, self.compiles, workers, progress)
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
 
     def _abstract_inputs(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
@@ -309,13 +277,6 @@ class XlaExecutor(Executor[XlaEntry]):
                   jax.ShapeDtypeStruct((key.num_reqs,), jnp.int32))
         extra = xla_extra.abstract_args(self.extra_inputs, key.num_tokens, key.num_reqs)
         return self.programs.forward, spec, (self.weights, kv, spec, *future, *extra)
-
-    @staticmethod
-    def _lower(jitted: Any, args: tuple[Any, ...]) -> tuple[Any, float]:
-        """(lowered computation, seconds) of ``jitted`` for ``args``."""
-        t0 = time.perf_counter()
-        lowered = jitted.lower(*args)
-        return lowered, time.perf_counter() - t0
 
     # ---- run ---------------------------------------------------------------------------
     @staticmethod

@@ -39,7 +39,6 @@ from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, FP8_KV_DTYPES, HOST_VA
                                          AttentionDeclarations, backend_name)
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.models.torch.attention import TorchAttentionMetadata, choose_attention_kernel
-from graphrt.core.kv_spec import blocks_for
 
 
 @dataclass
@@ -239,7 +238,7 @@ class PagedAttentionBackend(AttentionBackend):
     def build(self, step: StepTensors, host: HostValues) -> TorchAttentionMetadata:
         table = step.block_table
         if self._narrow:
-            table = table[:, :max(blocks_for(host.max_seq_len, step.block_size), 1)]
+            table = table[:, :max(-(-host.max_seq_len // step.block_size), 1)]   # blocks_for, inline: every step
         return TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, table,
                                             step.block_size, kernel=self.kernel or "auto")
 
