@@ -84,7 +84,7 @@ class Executor(abc.ABC, Generic[EntryT]):
 
     This class is the whole contract: the runner, warm-up, graph memory and
     ``graphrt.testing`` use an executor only through the members declared here
-    (``tests/test_executor_contract.py`` checks it); callers read what it can do from
+    (``tests/project/test_executor_contract.py`` checks it); callers read what it can do from
     :attr:`capabilities`, not from the separate flags."""
 
     #: Whether this executor captures or compiles anything (False: every step is eager).

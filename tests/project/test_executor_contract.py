@@ -10,7 +10,7 @@ from pathlib import Path
 
 from graphrt.backends.base import Executor
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "graphrt"
+SRC = Path(__file__).resolve().parents[2] / "src" / "graphrt"
 #: Names an executor goes by in the code outside the backends.
 EXECUTOR_NAMES = {"executor", "ex"}
 #: Every member the contract declares: methods, properties, annotated and class attributes.
