@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 import graphrt
 from support.attention_steps import FLOAT_STEPS, SLOW_OK, Spec, build_step, bytes_of, run_kernel
 from graphrt import ConfigError, SamplingParams, reduction_tolerance
-from graphrt.core.forward_context import forward_context
+from graphrt.models.torch.forward_context import forward_context
 from graphrt.models.torch import attention as attention_mod
 from graphrt.models.torch import flashinfer_attention as fi
 from graphrt.models.torch import flashinfer_kernel as fk

@@ -78,7 +78,7 @@ def test_interpret_decodes_chunked_prefill_padding_and_window(splits: int) -> No
 def test_interpret_paged_attention_module_runs_triton_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """``GRAPHRT_ATTENTION=triton``: the model's attention module runs the Triton kernel (here
     interpreted) with its window and scales, and matches ``reference``."""
-    from graphrt.core.forward_context import forward_context
+    from graphrt.models.torch.forward_context import forward_context
 
     spec = Spec(kv_heads=2, groups=2, head_dim=16, block_size=16, q_dtype=torch.float32,
                 cache_dtype=torch.float8_e4m3fn, reqs=[(5, 3), (0, 1)], pad_tokens=1, window=4, k_scale=2.0,

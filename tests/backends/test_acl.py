@@ -21,7 +21,7 @@ from graphrt.backends.torch import acl
 from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend, torch_npu_problem
-from graphrt.backends.torch.graphs import graph_task
+from graphrt.backends.torch.device_graphs import graph_task
 from graphrt.core.dispatch import RuntimeMode
 from graphrt.core.errors import ConfigError
 from graphrt.models.torch.attention_backend import PagedAttentionBackend

@@ -1,4 +1,4 @@
-"""graphrt.core.step_channel: rank 0 sends a step's arrays to its workers through shared
+"""graphrt.backends.torch.tp_channel: rank 0 sends a step's arrays to its workers through shared
 memory (nano-vllm's shared-memory broadcast, without pickle).
 
 * Any arrays round-trip exactly (hypothesis), in one process and across spawned processes.
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from graphrt import ConfigError, GraphrtError, InputError
-from graphrt.core.step_channel import StepChannel
+from graphrt.backends.torch.tp_channel import StepChannel
 
 DTYPES = [np.int32, np.int64, np.float32, np.uint8, np.bool_]
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from support.gloo_ranks import run_ranks
 from graphrt import ConfigError, GraphConfig, add_cli_args, from_cli_args
-from graphrt.core.forward_context import forward_context
+from graphrt.models.torch.forward_context import forward_context
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch import loader as loader_module

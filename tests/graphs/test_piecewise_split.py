@@ -14,7 +14,7 @@ from graphrt.backends.torch.cpu import CpuGraphAPI, CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.fx_split import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
 from graphrt.core.dispatch import GraphMode, RuntimeMode
-from graphrt.core.forward_context import forward_context
+from graphrt.models.torch.forward_context import forward_context
 from graphrt.models.torch.attention_backend import PagedAttentionBackend
 from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, paged_attention_kernel
 from graphrt.runner import ModelRunner

@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import find, settings
 
-from graphrt.core.forward_context import get_forward_context
+from graphrt.models.torch.forward_context import get_forward_context
 from graphrt.models.torch.attention import PagedAttention, paged_attention_kernel
 from graphrt.models.torch.loader import load_torch_model
 from graphrt.testing.conformance import Result, check_property, run_conformance, summary

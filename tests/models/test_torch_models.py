@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphrt.core.errors import InputError
-from graphrt.core.forward_context import forward_context
+from graphrt.models.torch.forward_context import forward_context
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata
 from graphrt.models.torch.decoder import DecoderForCausalLM

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrt.core.forward_context import forward_context
+from graphrt.models.torch.forward_context import forward_context
 from graphrt.models.torch.attention import TorchAttentionMetadata
 from graphrt.models.torch.decoder import DecoderForCausalLM
 

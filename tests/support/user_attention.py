@@ -20,7 +20,7 @@ from torch import nn
 
 from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.core.extra_inputs import ExtraInput
-from graphrt.core.forward_context import get_forward_context
+from graphrt.models.torch.forward_context import get_forward_context
 from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors
 from support.hf_models import tiny_hf_model_dir
 

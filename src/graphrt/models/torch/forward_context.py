@@ -1,10 +1,11 @@
 """A small global forward context (as in nano-vllm).
 
-The runner sets it around each model forward so attention layers can read their
+The torch executor sets it around each model forward so attention layers can read their
 metadata (slot mapping, block table, sequence lengths...) without every module's
 signature changing. During graph capture it holds views of the static buffers, so
-the captured attention reads exactly the buffers that replay refreshes.
-Importing this module needs neither torch nor jax.
+the captured attention reads exactly the buffers that replay refreshes. It is the torch
+models' side of the step (only they and the torch executor use it); importing it needs
+neither torch nor jax.
 """
 
 from __future__ import annotations
@@ -16,35 +17,24 @@ _CONTEXT: Any = None
 _STATE: Any = None          # the recurrent layers' metadata (docs/hybrid.md), beside the attention's
 
 
-def set_forward_context(ctx: Any) -> None:
-    """Install ``ctx`` as the metadata of the forward about to run."""
-    global _CONTEXT
-    _CONTEXT = ctx
-
-
 def get_forward_context() -> Any:
     """Return the current context; raises if no forward is running."""
     if _CONTEXT is None:
         raise RuntimeError("no forward context is set: call the model through graphrt's runner "
-                           "or wrap the call in graphrt.core.forward_context.forward_context(...)")
+                           "or wrap the call in graphrt.models.torch.forward_context.forward_context(...)")
     return _CONTEXT
-
-
-def reset_forward_context() -> None:
-    """Clear the context after a forward."""
-    global _CONTEXT
-    _CONTEXT = None
 
 
 @contextlib.contextmanager
 def forward_context(ctx: Any) -> Iterator[Any]:
     """``with forward_context(meta): model(...)``: set, run, always reset."""
+    global _CONTEXT
     previous = _CONTEXT
-    set_forward_context(ctx)
+    _CONTEXT = ctx
     try:
         yield ctx
     finally:
-        set_forward_context(previous)
+        _CONTEXT = previous
 
 
 def get_state_context() -> Any:
@@ -52,7 +42,7 @@ def get_state_context() -> Any:
     the executor of a model with a ``state_spec``); raises if none is set."""
     if _STATE is None:
         raise RuntimeError("no recurrent-state context is set: call the model through graphrt's runner "
-                           "or wrap the call in graphrt.core.forward_context.state_context(...)")
+                           "or wrap the call in graphrt.models.torch.forward_context.state_context(...)")
     return _STATE
 
 
