@@ -129,7 +129,7 @@ class _Recorder:
     and after: other processes on the machine make and remove their own entries meanwhile."""
 
     def __init__(self, monkeypatch, fail: str | None = None, fail_semaphore: int = 2) -> None:
-        from graphrt.core import step_channel as sc
+        from graphrt.backends.torch import tp_channel as sc
 
         self.names: list[str] = []
         self.spawn, self.fail, self.fail_semaphore, self.made = mp.get_context("spawn"), fail, fail_semaphore, 0
