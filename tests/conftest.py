@@ -18,10 +18,10 @@ import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from graphrt.core import host_kernels  # noqa: E402
-from support.examples import CI_EXAMPLES, FAST_EXAMPLES  # noqa: E402
+from support.fast_subset import CI_EXAMPLES, FAST_EXAMPLES  # noqa: E402
 
 # ``make test`` runs the ``ci`` profile (the default), ``make test-fast`` the ``fast`` one
-# (``--hypothesis-profile=fast``); support.examples scales the tests' own counts to the profile.
+# (``--hypothesis-profile=fast``); support.fast_subset scales the tests' own counts to the profile.
 settings.register_profile("ci", max_examples=CI_EXAMPLES)
 settings.register_profile("fast", max_examples=FAST_EXAMPLES)
 settings.load_profile("ci")

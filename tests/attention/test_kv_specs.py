@@ -30,6 +30,7 @@ from graphrt.core.kv_spec import resolve_kv_spec
 from graphrt.models.torch.attention import PagedAttention
 from graphrt.models.torch.loader import load_torch_model
 from support.hf_models import SLIDING, make_tiny_hf_model, random_prompts, tiny_hf_model_dir
+from support.fast_subset import examples
 from support.parity import assert_close_across_shapes
 
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
@@ -301,7 +302,7 @@ def test_the_kit_checks_a_cache_of_two_layouts_slot_by_slot(prop):
     access.set_kv(runner, planted)
     np.testing.assert_array_equal(access.kv_values(runner), planted)
     np.testing.assert_array_equal(runner.executor.kv_caches[1][0].numpy(), planted[0, 0, :, 64:, 0])
-    result = check_property(prop, factory, examples=6)
+    result = check_property(prop, factory, examples=examples(6))
     assert result.passed, result.line()
 
 

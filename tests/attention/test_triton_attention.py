@@ -31,6 +31,7 @@ from hypothesis import given, settings  # noqa: E402
 
 from support.attention_steps import (FLOAT_STEPS, FP8_STEPS, SLOW_OK, Spec, build_step, bytes_of,  # noqa: E402
                              check_parity, run_kernel)
+from support.fast_subset import examples  # noqa: E402
 from graphrt.core.errors import ConfigError  # noqa: E402
 from graphrt.models.torch import attention as attention_mod  # noqa: E402
 from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel, paged_attention_kernel  # noqa: E402
@@ -51,14 +52,14 @@ def _interpret_while_testing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @interpreted
-@settings(SLOW_OK, max_examples=30)
+@settings(SLOW_OK, max_examples=examples(30))
 @given(spec=FLOAT_STEPS)
 def test_interpret_float_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cpu")
 
 
 @interpreted
-@settings(SLOW_OK, max_examples=15)
+@settings(SLOW_OK, max_examples=examples(15))
 @given(spec=FP8_STEPS)
 def test_interpret_fp8_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cpu")

@@ -24,6 +24,7 @@ from hypothesis.extra import numpy as hnp
 
 from graphrt import ConfigError, GraphrtError, InputError
 from graphrt.core.step_channel import StepChannel
+from support.fast_subset import examples
 
 DTYPES = [np.int32, np.int64, np.float32, np.uint8, np.bool_]
 
@@ -32,7 +33,7 @@ def shm_exists(name: str) -> bool:
     return Path("/dev/shm", name.lstrip("/")).exists()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.sampled_from(DTYPES).flatmap(
     lambda d: hnp.arrays(d, hnp.array_shapes(min_dims=0, max_dims=4, max_side=7))), max_size=6),
     st.integers(0, 2**31))
@@ -290,7 +291,7 @@ def _big_arrays(dtype):
     return hnp.arrays(dtype, hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=12))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.data())
 def test_steps_that_change_in_part_shape_or_dtype_arrive_exactly(data):
     steps = [data.draw(st.lists(st.sampled_from(DTYPES).flatmap(_big_arrays), min_size=1, max_size=4))]

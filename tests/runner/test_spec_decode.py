@@ -26,6 +26,7 @@ from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode
 from graphrt.core.inputs import InputPreparer
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
+from support.fast_subset import examples
 
 K = 2
 Q = 1 + K
@@ -39,7 +40,7 @@ PROMPTS = (7, 5, 10)                 # prompt lengths of the three requests
 
 # ---------------------------------------------------------------------------------- keys
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(sizes=st.lists(st.integers(1, 96), min_size=1, max_size=8),
        k=st.integers(0, 5), max_num_seqs=st.integers(1, 40))
 def test_decode_keys_are_multiples_of_the_query_len_and_cover_every_decode_batch(sizes, k, max_num_seqs):
@@ -112,7 +113,7 @@ def _decode_limits():
                              st.integers(max(sk[0], 1 + sk[1]), max(sk[0], 1 + sk[1]) * 8)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(_decode_limits())
 def test_every_decode_batch_up_to_the_largest_has_a_full_graph_by_default(limits):
     """Default capture sizes: every uniform decode step of 1 .. max_decode_batch requests runs a
