@@ -234,6 +234,7 @@ def test_spawned_workers_receive_every_step_and_leave_nothing_behind():
     assert not shm_exists(writer.spec.name) and not mp.active_children()
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_named_within_the_timeout():
     ctx = mp.get_context("spawn")
     writer = StepChannel.create(2, ctx=ctx)

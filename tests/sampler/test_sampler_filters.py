@@ -25,7 +25,7 @@ from graphrt.backends.torch.sampler_ops import Workspace, radix_threshold, sampl
 from graphrt.core.dispatch import sampler_key
 from graphrt.core.sampling import SamplingBatch
 from support.sampler_reference import chi_square_pvalue, filtered_probs, sort_sample
-from support.fast_subset import examples
+from support.fast_subset import examples, slow_except
 
 VOCAB = 60
 DRAWS = 20_000
@@ -68,7 +68,7 @@ def _draw(case: str, sampler: str, seed: int = 7) -> tuple[np.ndarray, np.ndarra
     return out.numpy(), filtered_probs(row, t, k, p, mp)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_except(list(CASES), "combined"))
 def test_draws_follow_the_sort_based_distribution(case):
     tokens, probs = _draw(case, "threshold")
     counts = np.bincount(tokens, minlength=VOCAB)
@@ -79,7 +79,7 @@ def test_draws_follow_the_sort_based_distribution(case):
     assert chi_square_pvalue(counts, probs) > ALPHA, f"{case}: chi-square rejects the sort-based distribution"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_except(list(CASES), "combined"))
 def test_the_same_noise_draws_the_tokens_the_sort_based_sampler_draws(case):
     new, _ = _draw(case, "threshold", seed=11)
     old, probs = _draw(case, "sort", seed=11)

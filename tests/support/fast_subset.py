@@ -11,7 +11,7 @@ the same way instead of each test knowing the profiles.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Iterable
 
 import pytest
 from hypothesis import settings
@@ -47,3 +47,11 @@ def matrix(names: str, rows: list, fast: Callable[..., bool]) -> list:
             marks.append(pytest.mark.slow)
         out.append(pytest.param(*values, marks=marks, id="-".join(map(str, values))))
     return out
+
+
+def slow_except(values: Iterable, *fast: object) -> list:
+    """``values`` for a ``parametrize``, all but ``fast`` marked ``slow`` (ids unchanged); a tuple
+    value is a row of a several-name ``parametrize``."""
+    def slow(v: object) -> object:
+        return pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+    return [v if v in fast else slow(v) for v in values]
