@@ -4,12 +4,12 @@ Two ways to run the kernel:
 
 * **Interpreted, on a CPU** (every machine): Triton's interpreter runs the kernels on CPU
   tensors. It must be switched on (``TRITON_INTERPRET=1``) before triton is first imported in
-  the process: tests/support/triton_interpreter.py does that (imported first by tests/conftest.py,
-  so a full-suite run has it too) and puts the variable back afterwards; this module sets it again
-  only while its own interpreter tests run. Where triton was imported earlier all the same, ``test_interpreter_suite_in_a_fresh_process`` runs this module's interpreter
-  tests in a child pytest instead. Triton's interpreter multiplies bf16 as raw integers, so
-  bf16 dots run in float32 there (``triton_attention`` chooses that); everything else is the
-  compiled code path.
+  the process: tests/support/triton_interpreter.py does that (tests/conftest.py imports it
+  first, so a full-suite run has it too) and puts the variable back; this module sets it again
+  only while its own interpreter tests run. Where triton was imported earlier all the same,
+  ``test_interpreter_suite_in_a_fresh_process`` runs them in a child pytest instead. Triton's
+  interpreter multiplies bf16 as raw integers, so bf16 dots run in float32 there
+  (``triton_attention`` chooses that); everything else is the compiled code path.
 * **Compiled, on a GPU**: tests/attention/test_triton_attention_gpu.py (``gpu``-marked).
 
 What "the same" means: tests/support/attention_steps.py (``check_parity``).

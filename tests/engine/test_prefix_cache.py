@@ -34,7 +34,7 @@ from graphrt.engine.prefix_cache import PrefixCache, block_keys
 from graphrt.engine.schedule_policy import POLICIES
 from graphrt.engine.scheduler import Request, Scheduler, Status
 from graphrt.models.random_checkpoint import write_random_checkpoint
-from support.fast_subset import examples
+from support.fast_subset import examples, slow_except
 
 # ---- the tree and the allocator ------------------------------------------------------------
 
@@ -335,7 +335,7 @@ def _drop_engines():
     _ENGINES.clear()
 
 
-@pytest.mark.parametrize("backend", ["eager", "cpu", "xla"])
+@pytest.mark.parametrize("backend", slow_except(["eager", "cpu", "xla"], "cpu"))
 def test_greedy_tokens_identical_with_and_without_the_prefix_cache(backend):
     prompts = prompts_with_shared_prefixes(seed=0)
     llm, plain = engines(backend)
