@@ -247,6 +247,9 @@ def test_a_dead_worker_is_named_within_the_timeout():
         writer.send(0, [np.ones(3, np.int32)], timeout=20)
         writer.send(1, [np.ones(3, np.int32)], timeout=20)
         dies.join(timeout=20)
+        # Both of the live reader's steps are in (a busy machine can start it late): only the
+        # dead reader can be behind when step 2 is sent.
+        assert sorted(results.get(timeout=60)[0] for _ in range(3)) == [0, 0, 1]
         with pytest.raises(GraphrtError, match=r"workers \[1\] did not read step 2"):
             writer.send(2, [np.ones(3, np.int32)], timeout=1.0)
     finally:
