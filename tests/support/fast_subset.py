@@ -11,6 +11,7 @@ the same way instead of each test knowing the profiles.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Callable, Iterable
 
 import pytest
@@ -55,3 +56,15 @@ def slow_except(values: Iterable, *fast: object) -> list:
     def slow(v: object) -> object:
         return pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
     return [v if v in fast else slow(v) for v in values]
+
+
+#: Test ids measured slow (one a line; ``#`` starts a comment): tests/conftest.py marks them.
+SLOW_LIST = Path(__file__).resolve().parents[1] / "slow_tests.txt"
+
+
+def measured_slow_ids() -> set[str]:
+    """The node ids in :data:`SLOW_LIST`."""
+    if not SLOW_LIST.exists():
+        return set()
+    lines = (line.split("#", 1)[0].strip() for line in SLOW_LIST.read_text().splitlines())
+    return {line for line in lines if line}
