@@ -14,7 +14,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from support import triton_interpreter  # noqa: F401  (first: Triton's interpreter before anything imports triton)
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from graphrt.core import host_kernels  # noqa: E402
@@ -25,9 +24,6 @@ from support.fast_subset import CI_EXAMPLES, FAST_EXAMPLES, measured_slow_ids  #
 settings.register_profile("ci", max_examples=CI_EXAMPLES)
 settings.register_profile("fast", max_examples=FAST_EXAMPLES)
 settings.load_profile("ci")
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
