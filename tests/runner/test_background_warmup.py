@@ -196,8 +196,9 @@ class Transitioning(RunnerFactory):
 @pytest.mark.parametrize("prop", ["padding_invisible", "kv_isolated"])
 def test_kit_properties_hold_while_keys_are_added_and_retired(model_dir, manual, prop):
     factory = Transitioning(model_dir, "cpu", **KIT)
-    result = check_property(prop, factory, examples=examples(14), seed=5)
-    assert result.passed and result.examples >= 14, result.error
+    n = examples(14)
+    result = check_property(prop, factory, examples=n, seed=5)
+    assert result.passed and result.examples >= n, result.error
     runner = factory()
     assert runner.stats.retired > 0 and runner.background.built > 1
 
