@@ -18,12 +18,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The whole suite (what CI runs). test-fast: the tests not marked slow, with hypothesis' fast
 # profile (a fifth of the examples): every module's main behaviour, in under 3 minutes on 2 cores.
-# docs/testing.md says which is which.
+# Both on TEST_WORKERS pytest-xdist workers, a file per worker at a time (docs/testing.md); in
+# one process where xdist does not import (expanded when the recipe runs, after the venv).
+TEST_WORKERS ?= 2
+XDIST = $(shell $(VPY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile")
+
 test: $(STAMP)
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP)
-	$(VPY) -m pytest -q -m "not slow" --hypothesis-profile=fast
+	$(VPY) -m pytest -q $(XDIST) -m "not slow" --hypothesis-profile=fast
 
 bench: $(STAMP)
 	$(VPY) -m graphrt.cli bench

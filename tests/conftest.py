@@ -14,20 +14,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from support import triton_interpreter  # noqa: F401  (first: Triton's interpreter before anything imports triton)
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from graphrt.core import host_kernels  # noqa: E402
-from support.examples import CI_EXAMPLES, FAST_EXAMPLES  # noqa: E402
+from support.fast_subset import CI_EXAMPLES, FAST_EXAMPLES, measured_slow_ids  # noqa: E402
 
 # ``make test`` runs the ``ci`` profile (the default), ``make test-fast`` the ``fast`` one
-# (``--hypothesis-profile=fast``); support.examples scales the tests' own counts to the profile.
+# (``--hypothesis-profile=fast``); support.fast_subset scales the tests' own counts to the profile.
 settings.register_profile("ci", max_examples=CI_EXAMPLES)
 settings.register_profile("fast", max_examples=FAST_EXAMPLES)
 settings.load_profile("ci")
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests listed in tests/slow_tests.txt ``slow`` (measured, beside the decorators)."""
+    slow = measured_slow_ids()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module", params=("numba", "numpy"), autouse=False)

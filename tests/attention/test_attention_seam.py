@@ -21,6 +21,7 @@ from graphrt import ConfigError, InputError, ModelRunner, RuntimeMode, SamplingP
 from graphrt.testing import RunnerFactory, check_property
 from support.hf_models import random_prompts, tiny_hf_model_dir
 from support.user_attention import DenseBackend, dense_model, extra_input_model
+from support.fast_subset import examples
 
 ENGINE = dict(backend="cpu", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
               num_kv_blocks=40, enable_prefix_caching=False)
@@ -62,7 +63,7 @@ def test_an_undeclared_host_integer_is_refused_at_capture_naming_it(reference_to
 @pytest.mark.parametrize("prop", ["padding_invisible", "kv_isolated", "replay_matches_eager"])
 def test_a_user_backend_passes_the_conformance_properties(prop):
     factory = RunnerFactory(lambda: dense_model(declare=True), "cpu", mode="FULL_AND_PIECEWISE")
-    result = check_property(prop, factory, examples=8)
+    result = check_property(prop, factory, examples=examples(8))
     assert result.passed, result.line()
 
 
@@ -169,7 +170,7 @@ def test_the_kit_draws_and_checks_a_models_extra_inputs(prop):
     fill); bad steps also break one (wrong shape, dtype, missing), named by the InputError."""
     factory = RunnerFactory(extra_input_model, "cpu", mode="FULL_AND_PIECEWISE")
     assert factory.strategy_args()["extra_inputs"].keys() == {"embeds"}
-    result = check_property(prop, factory, examples=8)
+    result = check_property(prop, factory, examples=examples(8))
     assert result.passed, result.line()
 
 
@@ -181,7 +182,7 @@ def test_the_kits_bad_extra_inputs_name_the_input():
     factory = RunnerFactory(extra_input_model, "cpu", mode="NONE")
     seen = set()
 
-    @settings(max_examples=30, deadline=None, database=None)
+    @settings(max_examples=examples(30), deadline=None, database=None)
     @given(strategies.bad_steps(**factory.strategy_args(), kinds=strategies.EXTRA_KINDS))
     def check(bad):
         seen.add(bad.kind)

@@ -42,6 +42,7 @@ from graphrt.models.torch.attention import PagedAttention, choose_attention_kern
 from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues, StepTensors
 from graphrt.testing import RunnerFactory, check_property
 from support.hf_models import random_prompts, tiny_hf_model_dir
+from support.fast_subset import examples
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,7 +154,7 @@ def _run_adapter(spec: Spec, step) -> tuple[torch.Tensor, torch.Tensor, fi.Flash
     return out, layer.kv_cache, backend
 
 
-@settings(SLOW_OK, max_examples=40,
+@settings(SLOW_OK, max_examples=examples(40),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(spec=FLOAT_STEPS)
 def test_drawn_steps_through_the_adapter_match_the_reference(spec: Spec, fake_flashinfer) -> None:
@@ -264,7 +265,7 @@ def test_cpu_graphs_with_the_fake_generate_the_reference_tokens(fake_flashinfer,
 
 def test_replays_of_other_lengths_match_eager_runs(fake_flashinfer) -> None:
     factory = RunnerFactory(str(tiny_hf_model_dir("qwen3")), "cpu", mode="FULL_AND_PIECEWISE")
-    result = check_property("replay_matches_eager", factory, examples=8)
+    result = check_property("replay_matches_eager", factory, examples=examples(8))
     assert result.passed, result.line()
 
 

@@ -30,6 +30,7 @@ from graphrt.core.kv_spec import resolve_kv_spec
 from graphrt.models.torch.attention import PagedAttention
 from graphrt.models.torch.loader import load_torch_model
 from support.hf_models import SLIDING, make_tiny_hf_model, random_prompts, tiny_hf_model_dir
+from support.fast_subset import examples, slow_except
 from support.parity import assert_close_across_shapes
 
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
@@ -233,6 +234,7 @@ def last_logits(llm: graphrt.LLM) -> np.ndarray:
     return np.array(rows)
 
 
+@pytest.mark.slow
 def test_a_model_returning_the_old_tuple_still_runs(reference):
     inner = qwen3()
     llm = graphrt.LLM(Declared(inner, (2, 2, 16)), backend="cpu", **CPU)
@@ -287,7 +289,7 @@ def hybrid_model() -> torch.nn.Module:
                                                                                     sliding_window=5))))
 
 
-@pytest.mark.parametrize("prop", ["kv_isolated", "padding_invisible", "replay_matches_eager"])
+@pytest.mark.parametrize("prop", slow_except(["kv_isolated", "padding_invisible", "replay_matches_eager"], "kv_isolated"))
 def test_the_kit_checks_a_cache_of_two_layouts_slot_by_slot(prop):
     """The kit's KV properties see every stored layout: a slot is each layout's row of it."""
     from graphrt.testing import RunnerFactory, access, check_property
@@ -301,7 +303,7 @@ def test_the_kit_checks_a_cache_of_two_layouts_slot_by_slot(prop):
     access.set_kv(runner, planted)
     np.testing.assert_array_equal(access.kv_values(runner), planted)
     np.testing.assert_array_equal(runner.executor.kv_caches[1][0].numpy(), planted[0, 0, :, 64:, 0])
-    result = check_property(prop, factory, examples=6)
+    result = check_property(prop, factory, examples=examples(6))
     assert result.passed, result.line()
 
 

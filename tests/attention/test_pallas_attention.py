@@ -29,6 +29,7 @@ from graphrt.models.jax.decoder import (AttentionMetadata, compute_logits, forwa
 from graphrt.models.jax.loader import load_jax_params  # noqa: E402
 from support.hf_models import SLIDING, random_prompts, tiny_hf_model_dir  # noqa: E402
 from support.parity import assert_close_across_reductions, assert_same_tokens  # noqa: E402
+from support.fast_subset import examples  # noqa: E402
 
 LAYERS, WIDTH, T, R = 2, 4, 24, 4      # layers, block-table width, padded tokens and requests
 ON_TPU = jax.devices()[0].platform == "tpu"
@@ -155,7 +156,7 @@ def check_layer(bs, hkv, group, window, reqs, seed, kv_dtype=jnp.float32, kv_sca
 
 
 @given(steps())
-@settings(max_examples=6, deadline=None, database=None, derandomize=True,
+@settings(max_examples=examples(6), deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow], phases=(Phase.explicit, Phase.generate))
 def test_pallas_layout_attention_matches_the_reference(step):
     """Hypothesis-drawn mixed prefill / decode steps, GQA groups 1-4, blocks of 16 and 32, padded
@@ -391,5 +392,5 @@ def test_the_kit_checks_kv_isolation_in_the_page_layout(pallas_on_cpu):
     planted = np.random.default_rng(2).standard_normal(view.shape).astype(np.float32)
     access.set_kv(runner, planted)
     np.testing.assert_array_equal(access.kv_values(runner), planted)
-    result = check_property("kv_isolated", factory, examples=2)
+    result = check_property("kv_isolated", factory, examples=examples(2))
     assert result.passed, result.line()

@@ -4,12 +4,12 @@ Two ways to run the kernel:
 
 * **Interpreted, on a CPU** (every machine): Triton's interpreter runs the kernels on CPU
   tensors. It must be switched on (``TRITON_INTERPRET=1``) before triton is first imported in
-  the process: tests/support/triton_interpreter.py does that (imported first by tests/conftest.py,
-  so a full-suite run has it too) and puts the variable back afterwards; this module sets it again
-  only while its own interpreter tests run. Where triton was imported earlier all the same, ``test_interpreter_suite_in_a_fresh_process`` runs this module's interpreter
-  tests in a child pytest instead. Triton's interpreter multiplies bf16 as raw integers, so
-  bf16 dots run in float32 there (``triton_attention`` chooses that); everything else is the
-  compiled code path.
+  the process: tests/support/triton_interpreter.py does that (tests/conftest.py imports it
+  first, so a full-suite run has it too) and puts the variable back; this module sets it again
+  only while its own interpreter tests run. Where triton was imported earlier all the same,
+  ``test_interpreter_suite_in_a_fresh_process`` runs them in a child pytest instead. Triton's
+  interpreter multiplies bf16 as raw integers, so bf16 dots run in float32 there
+  (``triton_attention`` chooses that); everything else is the compiled code path.
 * **Compiled, on a GPU**: tests/attention/test_triton_attention_gpu.py (``gpu``-marked).
 
 What "the same" means: tests/support/attention_steps.py (``check_parity``).
@@ -31,6 +31,7 @@ from hypothesis import given, settings  # noqa: E402
 
 from support.attention_steps import (FLOAT_STEPS, FP8_STEPS, SLOW_OK, Spec, build_step, bytes_of,  # noqa: E402
                              check_parity, run_kernel)
+from support.fast_subset import examples  # noqa: E402
 from graphrt.core.errors import ConfigError  # noqa: E402
 from graphrt.models.torch import attention as attention_mod  # noqa: E402
 from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel, paged_attention_kernel  # noqa: E402
@@ -51,14 +52,14 @@ def _interpret_while_testing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @interpreted
-@settings(SLOW_OK, max_examples=30)
+@settings(SLOW_OK, max_examples=examples(30))
 @given(spec=FLOAT_STEPS)
 def test_interpret_float_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cpu")
 
 
 @interpreted
-@settings(SLOW_OK, max_examples=15)
+@settings(SLOW_OK, max_examples=examples(15))
 @given(spec=FP8_STEPS)
 def test_interpret_fp8_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cpu")

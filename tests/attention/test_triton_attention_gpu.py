@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 
 from support.attention_steps import FLOAT_STEPS, FP8, FP8_STEPS, SLOW_OK, Spec, build_step, bytes_of, check_parity
+from support.fast_subset import examples
 from graphrt import reduction_tolerance
 from graphrt.models.torch import attention as attention_mod
 from graphrt.models.torch.attention import choose_attention_kernel, paged_attention_kernel
@@ -28,13 +29,13 @@ CUDA_PROBLEM = triton_unavailable_reason("cuda") if torch.cuda.is_available() el
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(CUDA_PROBLEM is not None, reason=f"Triton on CUDA: {CUDA_PROBLEM}")]
 
 
-@settings(SLOW_OK, max_examples=6)
+@settings(SLOW_OK, max_examples=examples(6))
 @given(spec=FLOAT_STEPS)
 def test_gpu_float_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cuda")
 
 
-@settings(SLOW_OK, max_examples=4)
+@settings(SLOW_OK, max_examples=examples(4))
 @given(spec=FP8_STEPS)
 def test_gpu_fp8_cache_steps_match_the_reference(spec: Spec) -> None:
     check_parity(spec, "cuda")

@@ -208,6 +208,7 @@ def test_task_update_refreshes_host_values_baked_into_a_graph() -> None:
     assert len(forward_tasks) == 5 and all(len(t) == 1 for t in forward_tasks)
 
 
+@pytest.mark.slow
 def test_without_task_update_the_graph_would_keep_the_captured_value() -> None:
     """Why Ascend needs task updates: elsewhere a host value stays as captured, so a refresh
     must write device buffers the op reads instead. The baked-values check a model's own

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphrt import BucketPolicy, ConfigError
+from support.fast_subset import examples
 
-FAST = settings(max_examples=200, deadline=None)
+FAST = settings(max_examples=examples(200), deadline=None)
 size_lists = st.lists(st.integers(1, 600), min_size=1, max_size=40)
 
 
@@ -93,7 +94,7 @@ def check_vllm_shape(p: BucketPolicy, m: int) -> None:
     assert set(range(256, m + 1, 16)) <= sizes
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.integers(1, 5000))
 def test_vllm_default_shape(m):
     check_vllm_shape(BucketPolicy.vllm_default(m), m)
@@ -113,7 +114,7 @@ def test_sglang_default():
         [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + [272, 288, 300])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 5000))
 def test_sglang_default_shape(m):
     p = BucketPolicy.sglang_default(m)
@@ -131,7 +132,7 @@ def test_powers_of_two():
     assert list(BucketPolicy.powers_of_two(48, min_size=16)) == [16, 32, 48]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 100_000), st.integers(1, 64))
 def test_powers_of_two_shape(m, lo):
     lo = min(lo, m)
@@ -222,14 +223,14 @@ def check_fit(counts: dict[int, int], k: int) -> BucketPolicy:
     return p
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(histograms, st.integers(1, 6))
 def test_fit_is_optimal_over_observed_sizes(counts, k):
     p = check_fit(counts, k)
     assert p.padded_total(counts) == brute_force(counts, k, sorted(counts))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.dictionaries(st.integers(1, 9), st.integers(1, 20), min_size=1, max_size=9),
        st.integers(1, 4))
 def test_fit_is_optimal_over_every_size(counts, k):
@@ -238,7 +239,7 @@ def test_fit_is_optimal_over_every_size(counts, k):
     assert p.padded_total(counts) == brute_force(counts, k, range(1, max(counts) + 1))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(histograms, st.integers(1, 10))
 def test_fit_with_enough_buckets_has_no_waste(counts, extra):
     p = check_fit(counts, len(counts) + extra - 1)
@@ -246,7 +247,7 @@ def test_fit_with_enough_buckets_has_no_waste(counts, extra):
     assert p.padded_total(counts) == sum(n * c for n, c in counts.items())
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(histograms, st.dictionaries(st.integers(1, 80), st.integers(-3, 0), max_size=4),
        st.integers(1, 5))
 def test_fit_ignores_non_positive_counts(counts, ignored, k):

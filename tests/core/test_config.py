@@ -14,6 +14,7 @@ from graphrt import BucketPolicy, ConfigError, GraphConfig, GraphMode, add_cli_a
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core import defaults
 from graphrt.core.kv_spec import kv_cache_dtype_name
+from support.fast_subset import examples
 
 FIELDS = list(GraphConfig.model_fields)
 
@@ -190,7 +191,7 @@ limits = st.integers(1, 1024).flatmap(
     lambda seqs: st.tuples(st.just(seqs), st.integers(seqs, 16384)))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(limits)
 def test_policies_cover_the_limits(lim):
     seqs, tokens = lim
@@ -206,7 +207,7 @@ def test_policies_cover_the_limits(lim):
     assert cap == BucketPolicy.vllm_default(cap.max_size)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(limits, st.data())
 def test_explicit_paddings_are_used(lim, data):
     seqs, tokens = lim
@@ -343,7 +344,7 @@ def configs(draw) -> GraphConfig:
     return GraphConfig(**kw)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(configs())
 def test_cli_round_trip(c):
     assert from_cli_args(parser().parse_args(to_argv(c))) == c

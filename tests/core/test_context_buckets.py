@@ -25,6 +25,7 @@ from graphrt import GraphConfig, GraphMode, ModelRunner, RuntimeMode, tolerance
 from graphrt.core import defaults
 from graphrt.core.eager import EagerCause
 from support.hf_models import tiny_hf_model_dir
+from support.fast_subset import examples
 
 BS = 16
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1024, block_size=BS)
@@ -63,7 +64,7 @@ def test_the_buckets_stop_at_max_model_len_and_can_be_given():
         GraphConfig.create(context_buckets=[0, 64])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.integers(1, 16), st.integers(16, 256), st.sampled_from([64, 300, 2048, 40000]),
        st.sampled_from(list(GraphMode)), st.data())
 def test_every_dispatched_full_key_holds_the_steps_longest_request(seqs, tokens, max_len, mode, data):

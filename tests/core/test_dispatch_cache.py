@@ -15,6 +15,7 @@ import graphrt
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt import (BatchDescriptor, BucketPolicy, CacheMissError, ConfigError, Dispatcher,
                      GraphCache, GraphConfig, GraphMode, InputError, RuntimeMode)
+from support.fast_subset import examples
 
 TOKENS = BucketPolicy([1, 2, 4, 8, 16, 32])
 SEQS = 8
@@ -173,7 +174,7 @@ def step_shapes(draw, seqs: int, tokens: int):
     return t, r, t == r and draw(st.booleans())
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(xla_setups(), st.data())
 def test_xla_never_eager_and_keys_are_warm(c, data):
     d = XlaBuckets.from_config(c).dispatcher()
@@ -209,7 +210,7 @@ def graph_setups(draw):
     return GraphConfig(**kw)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(graph_setups(), st.sampled_from(list(GraphMode)), st.data())
 def test_dispatched_key_is_always_warmed_up(c, mode, data):
     d = c.graph_dispatcher(mode)
@@ -232,7 +233,7 @@ def test_dispatched_key_is_always_warmed_up(c, mode, data):
             assert res.key.num_reqs <= c.max_num_seqs
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(graph_setups(), st.sampled_from([GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE]),
        st.data())
 def test_every_decode_batch_within_limits_gets_a_full_graph(c, mode, data):
@@ -360,7 +361,7 @@ def test_unplanned_builds_after_seal():
     assert cache.get("a") is None                # not sealed any more: no raise
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 5)), max_size=40),
        st.integers(0, 40))
 def test_cache_counters_model(ops, seal_at):

@@ -23,6 +23,7 @@ import graphrt
 from graphrt import InputError, InputPreparer, ModelRunner
 from graphrt.core import host_kernels
 from support.runner_steps import LIMITS, VOCAB, bits, greedy
+from support.fast_subset import examples
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -105,7 +106,7 @@ def bounds(request, host_kernel) -> dict:
     return dict(vocab_size=VOCAB_SIZE, num_blocks=NUM_BLOCKS) if request.param == "bounded" else {}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(FIELDS), value=INTEGERS, data=st.data())
 def test_extreme_integers_raise_an_input_error_naming_the_field(bounds, field, value, data):
@@ -173,7 +174,7 @@ def runner(model_dir, tables, host_kernel):
     return r
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(FIELDS[:-1]), value=INTEGERS, data=st.data())
 def test_extreme_integers_through_the_runner_touch_no_kv_byte(runner, tables, field, value, data):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import graphrt
 from graphrt import InputError, InputPreparer, ModelInputs, prepare_inputs
+from support.fast_subset import examples
 
 #: Every test here runs on both host kernels (numba and numpy); see conftest.py.
 pytestmark = pytest.mark.usefixtures("host_kernel")
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("host_kernel")
 EXTREMES = (-2**63, -2**63 + 1, -2**32, -2**31 - 1, -2**31, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
             2**62, 2**63 - 2, 2**63 - 1)
 
-SETTINGS = settings(max_examples=150, deadline=None,
+SETTINGS = settings(max_examples=examples(150), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -300,7 +301,7 @@ def test_prepare_inputs_matches_reference(scenario):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_each_schedule_kind_matches_reference(kind, data):
     tables, (step,) = data.draw(scenarios(kind=kind))
@@ -346,7 +347,7 @@ def test_bigger_step_then_smaller_step_leaves_nothing_stale(scenario):
     assert_matches(run_preparer(prep, tables, big), ref_for(tables, big))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), scenarios())
 def test_preparer_survives_a_change_of_table_width_and_block_size(first, second):
     """One preparer, two engines' worth of tables (different widths and block sizes)."""
@@ -356,7 +357,7 @@ def test_preparer_survives_a_change_of_table_width_and_block_size(first, second)
         assert_matches(got, ref_for(tables, step))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from((np.int16, np.int32, np.int64, np.uint32, np.uint64)))
 def test_any_integer_dtype_is_accepted(scenario, dtype):
     tables, (step,) = scenario
@@ -580,7 +581,7 @@ def test_bad_preparer_limits(kwargs, field):
     _check_error(excinfo, field)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.data(), st.sampled_from((0, -1, -100_000)))
 def test_unallocated_block_is_always_caught(scenario, data, bad):
     """Put a null or negative id in one block column the step's attention reads (a computed

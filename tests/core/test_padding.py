@@ -15,11 +15,12 @@ from graphrt import ConfigError, GraphConfig, InputError, ModelInputs, Padder, p
 from graphrt.core import defaults
 from graphrt.core.fields import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS, buffer_shapes
 from graphrt.testing.strategies import steps
+from support.fast_subset import examples
 
 #: Every test here runs on both host kernels (numba and numpy); see conftest.py.
 pytestmark = pytest.mark.usefixtures("host_kernel")
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = {"input_ids": np.int32, "positions": np.int32, "slot_mapping": np.int64,
           "query_start_loc": np.int32, "seq_lens": np.int32, "num_computed_tokens": np.int32,
           "block_table": np.int32, "state_slots": np.int32}

@@ -27,6 +27,7 @@ from graphrt.backends import preflight
 from graphrt.backends.torch.backend import TorchBackend
 from graphrt.core.memory_bounds import Need, check_needs, physical_memory_bytes
 from support.hf_models import make_tiny_hf_model, tiny_hf_model_dir
+from support.fast_subset import examples
 
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
 GiB = 2**30
@@ -115,7 +116,7 @@ def test_the_host_bound_is_the_machines_physical_memory():
     assert physical_memory_bytes() == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") > 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 2**50)), min_size=1, max_size=5),
        st.integers(0, 2**51))
 def test_needs_are_refused_exactly_when_they_exceed_what_is_available_naming_the_largest(parts, available):

@@ -26,8 +26,9 @@ from graphrt.core import host_kernels, host_loops
 from graphrt.core.prepare_numpy import NumpyPrepare
 from graphrt.core.step_codes import E_OK
 from test_inputs import EXTREMES, assert_matches, ref_for, scenarios
+from support.fast_subset import examples
 
-SETTINGS = settings(max_examples=150, deadline=None,
+SETTINGS = settings(max_examples=examples(150), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture])
 MAX_TOKENS, MAX_REQS = 64, 8

@@ -21,11 +21,12 @@ from hypothesis import strategies as st
 import graphrt
 from graphrt import InputError, InputPreparer, ModelInputs
 from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, buffer_shapes
+from support.fast_subset import examples
 
 #: The preparer's tests run on both host kernels (numba and numpy); see conftest.py.
 both_kernels = pytest.mark.usefixtures("host_kernel")
 
-SETTINGS = settings(max_examples=120, deadline=None,
+SETTINGS = settings(max_examples=examples(120), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 MAX_REQS, MAX_TOKENS, VOCAB = 6, 6 * 48, 1000
 

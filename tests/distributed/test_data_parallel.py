@@ -26,6 +26,7 @@ import pytest
 import graphrt
 from graphrt import ConfigError, GraphrtError, InputError, SamplingParams
 from graphrt.core import defaults
+from support.fast_subset import slow_except
 
 LLM_KW = dict(backend="eager", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
               block_size=4, num_kv_blocks=96)
@@ -141,7 +142,7 @@ def test_a_model_directory_without_config_json_is_refused_at_the_front(tmp_path,
     assert started == []
 
 
-@pytest.mark.parametrize("method", ["round_robin", "shortest_queue"])
+@pytest.mark.parametrize("method", slow_except(["round_robin", "shortest_queue"], "round_robin"))
 def test_every_request_answered_once_in_order_with_single_llm_tokens(method, request, reference):
     dp = request.getfixturevalue(method)
     sent_before = sum(w["requests"] for w in dp.stats["workers"])
@@ -236,6 +237,7 @@ def test_concurrent_generate_calls_each_get_their_own_outputs(round_robin, refer
         assert [o.token_ids for o in results[k]] == reference[k::2]
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_to_start_raises_naming_it(model_dir, tmp_path):
     (tmp_path / "config.json").write_text((Path(model_dir) / "config.json").read_text())   # no weights
     with pytest.raises(GraphrtError, match=r"(?s)worker 0 \(pid \d+\) failed to start.*safetensors") as err:
@@ -280,6 +282,7 @@ def test_close_leaves_no_child_processes(round_robin, monkeypatch):
         round_robin.generate([[5]])
 
 
+@pytest.mark.slow
 def test_workers_do_not_outlive_their_front(model_dir, tmp_path):
     """A front nobody closed: interpreter exit stops its workers (the atexit hook runs before
     multiprocessing would join its non-daemonic workers); a front killed outright leaves

@@ -36,6 +36,7 @@ from graphrt.backends.torch import acl
 from graphrt.backends.torch.tp_protocol import RUN, free_port
 from graphrt.core import defaults
 from graphrt.core.fields import ARRAY_FIELDS
+from support.fast_subset import slow_except
 from support.hf_models import random_prompts, tiny_hf_model_dir
 from support.parity import assert_close_across_reductions
 
@@ -102,7 +103,7 @@ CASES = [("eager", "qwen3", ()), ("eager", "llama", (("tie_word_embeddings", Tru
          ("cpu", "qwen3-tied", ()), ("cpu", "llama", ())]
 
 
-@pytest.mark.parametrize("backend,arch,overrides", CASES, ids=[f"{b}-{a}{'-tied' * bool(o)}" for b, a, o in CASES])
+@pytest.mark.parametrize("backend,arch,overrides", slow_except(CASES, CASES[0], CASES[2]), ids=[f"{b}-{a}{'-tied' * bool(o)}" for b, a, o in CASES])
 def test_tp2_equals_tp1(backend, arch, overrides, monkeypatch):
     model_dir = str(tiny_hf_model_dir(arch, **dict(overrides)))
     prompts = random_prompts(LENGTHS, seed=0)
@@ -195,9 +196,9 @@ def test_joins_a_group_launched_elsewhere():
     assert [proc.exitcode for proc in procs] == [0, 0]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+@pytest.mark.parametrize("sig", slow_except([signal.SIGKILL, signal.SIGSTOP], signal.SIGKILL), ids=["killed", "stopped"])
 def test_failed_worker_is_named_and_every_rank_stops(monkeypatch, sig):
-    timeout = 3.0
+    timeout = 10.0  # the group's timeout: a busy machine's first step can take seconds
     monkeypatch.setattr(defaults, "TP_TIMEOUT_S", timeout)
     monkeypatch.setattr(defaults, "TP_FAULT_GRACE_S", 0.3)
     llm = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2, **ENGINE)

@@ -20,6 +20,7 @@ from graphrt import InputError, SamplingParams
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.scheduler import Request, Scheduler, Status
 from support.hf_models import tiny_hf_model_dir
+from support.fast_subset import examples
 
 # ---- BlockAllocator ----------------------------------------------------------------------
 
@@ -80,7 +81,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestAllocatorMachine.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
 
 
 def test_allocator_reuses_freed_blocks_and_rejects_tiny_caches():
@@ -176,7 +177,7 @@ def drive(w: Workload, max_steps: int = 2000, conservativeness: float = 0.0
     return sched, reqs, preempted_seen
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(workloads(), st.sampled_from([0.0, 1.0]))
 def test_scheduler_invariants_and_every_request_finishes(w, conservativeness):
     sched, reqs, _ = drive(w, conservativeness=conservativeness)

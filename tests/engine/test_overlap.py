@@ -26,6 +26,7 @@ from graphrt.core.errors import InputError
 from graphrt.core.sampling import sampling_batch
 from support.hf_models import tiny_hf_model_dir
 from support.loop_outputs import assert_same
+from support.fast_subset import examples
 
 VOCAB = 128
 MODEL = dict(arch="qwen3", vocab_size=VOCAB)
@@ -117,7 +118,7 @@ def test_overlap_gives_the_plain_loops_tokens_with_eos_preemption_chunks_and_the
         assert b["prefix_cache_hit_tokens"] > a["prefix_cache_hit_tokens"]
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 12))
 def test_overlap_equals_the_plain_loop_on_random_streams(llm, seed, n):
     prompts, params = workload(seed, n)

@@ -34,6 +34,7 @@ from graphrt.engine.prefix_cache import PrefixCache, block_keys
 from graphrt.engine.schedule_policy import POLICIES
 from graphrt.engine.scheduler import Request, Scheduler, Status
 from graphrt.models.random_checkpoint import write_random_checkpoint
+from support.fast_subset import examples, slow_except
 
 # ---- the tree and the allocator ------------------------------------------------------------
 
@@ -224,7 +225,7 @@ def fake_workloads(draw):
             draw(st.sampled_from([0.0, 1.0])))
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(fake_workloads())
 def test_scheduler_shares_only_full_computed_blocks_and_reads_exact_kv(w):
     stream, limits, num_blocks, policy, conservativeness = w
@@ -334,7 +335,7 @@ def _drop_engines():
     _ENGINES.clear()
 
 
-@pytest.mark.parametrize("backend", ["eager", "cpu", "xla"])
+@pytest.mark.parametrize("backend", slow_except(["eager", "cpu", "xla"], "cpu"))
 def test_greedy_tokens_identical_with_and_without_the_prefix_cache(backend):
     prompts = prompts_with_shared_prefixes(seed=0)
     llm, plain = engines(backend)
@@ -433,7 +434,7 @@ def run_stream(llm: graphrt.LLM, stream) -> list[list[int]]:
     return [done[ids[i]] for i in range(len(stream))]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(llm_streams())
 def test_random_streams_with_shared_prefixes_match_a_run_without_the_cache(llm_pair, w):
     stream, policy = w

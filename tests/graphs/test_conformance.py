@@ -38,6 +38,7 @@ from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend
 from graphrt.core.dispatch import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.runner import ModelRunner
+from support.fast_subset import matrix
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
 
@@ -46,6 +47,7 @@ BACKENDS = ["eager", "cpu", "npu", "cuda-sim",
             pytest.param("cuda", marks=[pytest.mark.gpu,
                                         pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")])]
 GRAPH_BACKENDS = BACKENDS[1:]
+MODES = ["FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"]
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block_size=4,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16])
@@ -174,8 +176,8 @@ def assert_across_shapes(got: np.ndarray, want: np.ndarray, err_msg: str = "") -
 # ------------------------------------------------------------------------------ parity
 
 
-@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "mode"), matrix("backend mode", [BACKENDS, MODES],
+                                                     lambda b, m: b == "cpu" or m == "FULL_AND_PIECEWISE"))
 def test_replay_matches_eager(backend: str, mode: str) -> None:
     runner = make_runner(backend, mode=mode)
     want, want_kv = reference(device_of(backend))
@@ -226,8 +228,8 @@ def test_piecewise_parity_on_mixed_batches(backend: str) -> None:
 # ------------------------------------------------------------------------------ padding
 
 
-@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "mode"), matrix("backend mode", [BACKENDS, ["FULL", "PIECEWISE"]],
+                                                     lambda b, m: b in ("cpu", "eager") or m == "FULL"))
 def test_padded_tokens_never_touch_real_kv(backend: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Schedule step 1 (three decodes, padded to 4 tokens) through the kit's properties:
     ``kv_isolated`` -- padding writes only the real slots and the trash row, every row stays
@@ -262,8 +264,8 @@ def _host_sync(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None
     float(output.sum())
 
 
-@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(("backend", "mode"), matrix("backend mode", [GRAPH_BACKENDS, ["FULL", "PIECEWISE"]],
+                                                     lambda b, m: b == "cpu" or m == "FULL"))
 def test_failed_capture_falls_back_to_eager(backend: str, mode: str, caplog: pytest.LogCaptureFixture) -> None:
     model = make_backend(backend).load_model(model_dir())
     model.model.layers[1].mlp.register_forward_hook(_host_sync)

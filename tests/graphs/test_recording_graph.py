@@ -21,6 +21,7 @@ from graphrt.backends.torch.recording_graph import (
                                                     recording_graph,
                                                     )
 from graphrt.core.errors import GraphCaptureError
+from support.fast_subset import examples
 
 GRAD_MODES = [torch.no_grad, torch.inference_mode]
 
@@ -93,7 +94,7 @@ def _captured_decoder(dtype: torch.dtype, grad_mode: type) -> tuple:
 
 @pytest.mark.parametrize("grad_mode", GRAD_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_decoder_replay_is_bitwise_eager(dtype: torch.dtype, grad_mode: type, seed: int) -> None:
     model, graph, buffers, outputs = _captured_decoder(dtype, grad_mode)

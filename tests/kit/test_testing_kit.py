@@ -28,6 +28,7 @@ from graphrt.models.torch.loader import load_torch_model
 from graphrt.testing.conformance import Result, check_property, run_conformance, summary
 from graphrt.testing.runners import KIT_LIMITS, RunnerFactory
 from graphrt.testing.strategies import steps
+from support.fast_subset import slow_except
 from support.kit_models import hf_reference, model_dir
 
 EXAMPLES = 6
@@ -50,7 +51,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "eager", "xla"])
+@pytest.mark.parametrize("backend", slow_except(["cpu", "eager", "xla"], "cpu"))
 def test_the_kit_passes_on_the_reference_model(backend: str) -> None:
     """Every property holds, the user's reference (transformers) included."""
     if backend == "xla":
@@ -159,7 +160,7 @@ PLANTED = {
 }
 
 
-@pytest.mark.parametrize("bug", list(PLANTED))
+@pytest.mark.parametrize("bug", slow_except(PLANTED, "negative slot as index"))
 def test_a_planted_bug_is_caught_and_shrunk(bug: str) -> None:
     attention, prop, fragment = PLANTED[bug]
     factory = RunnerFactory(functools.partial(planted, attention), "cpu", mode="FULL")

@@ -14,6 +14,7 @@ import pytest
 
 import graphrt
 from graphrt import SamplingParams
+from support.fast_subset import slow_except
 from support.hf_models import hf_logits, load_hf_model, random_prompts, tiny_hf_model_dir
 
 ARCHS = ("qwen3", "qwen3-tied", "llama")
@@ -124,7 +125,7 @@ def qwen3_hf():
     return load_hf_model(tiny_hf_model_dir("qwen3"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", slow_except(BACKENDS, "cpu"))
 def test_preemption_keeps_tokens_exact(backend, qwen3_hf):
     prompts = random_prompts(PREEMPT_LENGTHS, seed=1)
     # Admission without the KV estimate (schedule_conservativeness 0), so that running
@@ -163,7 +164,7 @@ def eos_case():
     return prompt, tokens, k, eos, model_dir
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", slow_except(BACKENDS, "cpu"))
 def test_eos_stops_unless_ignored(eos_case, backend):
     prompt, tokens, k, eos, model_dir = eos_case
     llm = make_llm(model_dir, backend)

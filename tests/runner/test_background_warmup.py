@@ -17,6 +17,7 @@ from graphrt.core.errors import ConfigError
 from graphrt.testing.conformance import check_property
 from graphrt.testing.runners import RunnerFactory
 from graphrt.warmup import warmup_keys
+from support.fast_subset import examples
 from support.runner_steps import CONFIG, LIMITS, greedy, random_steps
 
 KIT = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
@@ -212,8 +213,9 @@ class Transitioning(RunnerFactory):
 @pytest.mark.parametrize("prop", ["padding_invisible", "kv_isolated"])
 def test_kit_properties_hold_while_keys_are_added_and_retired(model_dir, manual, prop):
     factory = Transitioning(model_dir, "cpu", **KIT)
-    result = check_property(prop, factory, examples=14, seed=5)
-    assert result.passed and result.examples >= 14, result.error
+    n = examples(14)
+    result = check_property(prop, factory, examples=n, seed=5)
+    assert result.passed and result.examples >= n, result.error
     runner = factory()
     assert runner.stats.retired > 0 and runner.background.built > 1
 

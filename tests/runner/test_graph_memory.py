@@ -17,6 +17,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from support.fast_subset import slow_except
 from support.device_fakes import FakeCuda, FakeNpu
 from graphrt import ConfigError, ModelRunner
 from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
@@ -98,6 +99,7 @@ def test_kv_blocks_are_reduced_by_the_recording_graphs_measured_bytes(cpu_runner
     assert d["estimate"] == gm.estimate and d["actual"] == gm.actual and d["reason"] is None
 
 
+@pytest.mark.slow
 def test_estimate_and_actual_are_logged(model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="graphrt"):
         r = make(model_dir, cudagraph_capture_sizes=[1, 2, 4], kv_cache_memory=64 << 20)
@@ -106,6 +108,7 @@ def test_estimate_and_actual_are_logged(model_dir, caplog):
     assert f"{r.graph_memory.actual / 2**20:.2f} MiB actual" in lines[1]
 
 
+@pytest.mark.slow
 def test_the_margin_is_the_defaults_fraction(model_dir, monkeypatch):
     monkeypatch.setattr(defaults, "GRAPH_MEMORY_MARGIN", 0.5)
     small = make(model_dir, cudagraph_capture_sizes=[1, 2], kv_cache_memory=1 << 30, warmup=False).graph_memory
@@ -161,7 +164,7 @@ class SimCuda(CudaGraphBackend):
         return CudaGraphAPI(self.device, self.fake)
 
 
-@pytest.mark.parametrize("device", ["cuda", "npu"])
+@pytest.mark.parametrize("device", slow_except(["cuda", "npu"], "cuda"))
 def test_device_adapters_measure_reserved_memory_and_release_the_samples(model_dir, device):
     """The CUDA and Ascend adapters (stand-in namespaces over the recording graph): samples are
     measured by the namespace's reserved memory, dropped, and handed back with empty_cache;
@@ -192,6 +195,7 @@ def test_on_a_gpu_the_estimate_is_near_the_captured_pool(model_dir):
     assert gm.estimate + gm.margin >= 0.5 * gm.actual and gm.estimate <= 3 * max(gm.actual, 1 << 20), why
 
 
+@pytest.mark.slow
 def test_xla_deducts_nothing_and_says_why(model_dir):
     pytest.importorskip("jax")
     r = ModelRunner(model_dir, backend="xla", progress=False, kv_cache_memory=100 << 10,

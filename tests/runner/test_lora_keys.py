@@ -29,6 +29,7 @@ from graphrt.models.torch.loader import load_torch_model
 from graphrt.models.torch.lora import LoRALinear
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, pad_like
+from support.fast_subset import examples
 
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4)
 SIZES = [4, 16]
@@ -64,7 +65,7 @@ def test_steps_with_and_without_adapters_never_share_a_key():
         d.dispatch(3, 3, True, 5)                              # above max_loras
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(max_loras=st.integers(1, 8), data=st.data())
 def test_the_key_bucket_covers_the_step_adapters(max_loras, data):
     num_reqs = data.draw(st.integers(max_loras, 8))

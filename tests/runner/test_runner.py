@@ -34,6 +34,7 @@ from graphrt.testing import access, properties
 from graphrt.testing.properties import bad_input_rejected, kv_isolated
 from graphrt.testing.step import BadStep
 from support.runner_steps import CONFIG, LIMITS, VOCAB, greedy
+from support.fast_subset import examples
 
 #: Runners by name: (backend, capture sizes, graph mode). ``FULL`` pins one graph per step;
 #: ``None`` is the default mode (FULL_AND_PIECEWISE: decode steps FULL graphs, mixed steps
@@ -323,7 +324,7 @@ def sampler_inputs(draw):
     return logits, temperature, top_k, top_p, seed
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(sampler_inputs())
 def test_random_sample_stays_inside_top_k_and_top_p(inputs):
     logits, temperature, top_k, top_p, seed = inputs

@@ -26,6 +26,7 @@ from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode
 from graphrt.core.inputs import InputPreparer
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
+from support.fast_subset import examples, slow_except
 
 K = 2
 Q = 1 + K
@@ -39,7 +40,7 @@ PROMPTS = (7, 5, 10)                 # prompt lengths of the three requests
 
 # ---------------------------------------------------------------------------------- keys
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(sizes=st.lists(st.integers(1, 96), min_size=1, max_size=8),
        k=st.integers(0, 5), max_num_seqs=st.integers(1, 40))
 def test_decode_keys_are_multiples_of_the_query_len_and_cover_every_decode_batch(sizes, k, max_num_seqs):
@@ -112,7 +113,7 @@ def _decode_limits():
                              st.integers(max(sk[0], 1 + sk[1]), max(sk[0], 1 + sk[1]) * 8)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(_decode_limits())
 def test_every_decode_batch_up_to_the_largest_has_a_full_graph_by_default(limits):
     """Default capture sizes: every uniform decode step of 1 .. max_decode_batch requests runs a
@@ -180,7 +181,8 @@ def verify(r: ModelRunner, tokens: np.ndarray, blocks: np.ndarray) -> np.ndarray
 MODES = ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE"]
 
 
-@pytest.mark.parametrize("backend,mode", [("cpu", m) for m in MODES] + [("eager", None), ("xla", None)])
+@pytest.mark.parametrize("backend,mode", slow_except([("cpu", m) for m in MODES] + [("eager", None), ("xla", None)],
+                                                      ("cpu", "FULL_AND_PIECEWISE")))
 def test_verification_equals_decoding_one_token_at_a_time(backend, mode):
     tokens, want = reference(*tables())
     blocks = tables()[1]
@@ -204,7 +206,7 @@ def test_verification_equals_decoding_one_token_at_a_time(backend, mode):
         assert r.stats.misses == 0 and r.stats.unplanned_builds == 0
 
 
-@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "PIECEWISE"])
+@pytest.mark.parametrize("mode", slow_except(["FULL_DECODE_ONLY", "PIECEWISE"], "FULL_DECODE_ONLY"))
 def test_verification_replay_is_bitwise_eager_at_its_padded_shape(mode):
     tokens, blocks = tables()
     graph = runner("cpu", K, mode=mode)
@@ -223,7 +225,7 @@ def test_position_logits_need_speculative_tokens():
         r.position_logits()
 
 
-@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
+@pytest.mark.parametrize("mode", slow_except(["FULL_AND_PIECEWISE", "PIECEWISE"], "FULL_AND_PIECEWISE"))
 def test_the_kit_holds_with_speculative_decode_steps(mode):
     """graphrt.testing's properties with k = 2: its decode steps schedule 3 tokens per
     request, so padding, KV isolation and warm-up coverage are checked on verification keys."""

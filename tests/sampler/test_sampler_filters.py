@@ -26,6 +26,7 @@ from graphrt.backends.torch.sampler_ops import Workspace, radix_threshold, sampl
 from graphrt.core.dispatch import sampler_key
 from graphrt.core.sampling import SamplingBatch
 from support.sampler_reference import chi_square_pvalue, filtered_probs, sort_sample
+from support.fast_subset import examples, slow_except
 
 VOCAB = 60
 DRAWS = 20_000
@@ -68,7 +69,7 @@ def _draw(case: str, sampler: str, seed: int = 7) -> tuple[np.ndarray, np.ndarra
     return out.numpy(), filtered_probs(row, t, k, p, mp)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_except(list(CASES), "combined"))
 def test_draws_follow_the_sort_based_distribution(case):
     tokens, probs = _draw(case, "threshold")
     counts = np.bincount(tokens, minlength=VOCAB)
@@ -79,7 +80,7 @@ def test_draws_follow_the_sort_based_distribution(case):
     assert chi_square_pvalue(counts, probs) > ALPHA, f"{case}: chi-square rejects the sort-based distribution"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_except(list(CASES), "combined"))
 def test_the_same_noise_draws_the_tokens_the_sort_based_sampler_draws(case):
     new, _ = _draw(case, "threshold", seed=11)
     old, probs = _draw(case, "sort", seed=11)
@@ -116,7 +117,7 @@ PROBS = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 300))
                    elements=st.sampled_from([0.0, 1.0, 0.5, 1e-30, 1e-45, 0.25]) | st.floats(0, 1, width=32))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(probs=PROBS, data=st.data())
 def test_the_count_search_finds_the_exact_kth_largest(probs, data):
     rows, vocab = probs.shape
@@ -127,7 +128,7 @@ def test_the_count_search_finds_the_exact_kth_largest(probs, data):
     np.testing.assert_array_equal(got.squeeze(1).numpy(), want)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(probs=PROBS, top_p=st.floats(0.01, 1.0))
 def test_the_mass_search_finds_the_smallest_prefix_reaching_top_p(probs, top_p):
     """Keeping ``p >= t`` reaches the target mass, and without the tokens of its least likely

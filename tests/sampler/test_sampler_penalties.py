@@ -28,6 +28,7 @@ from graphrt.core.numerics import tolerance
 from graphrt.core.sampling import SamplingBatch
 from support.hf_models import hf_logits, load_hf_model, random_prompts, tiny_hf_model_dir
 from support.sampler_reference import chi_square_pvalue, filtered_probs, penalised_logits
+from support.fast_subset import examples
 
 #: Repetition alone hides what presence / frequency do (it already demotes every seen token), so
 #: a second set promotes repeats (negative presence) and demotes them by count.
@@ -107,7 +108,7 @@ def schedules(draw):
     return reqs, draw(st.integers(1, 6))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(plan=schedules(), seed=st.integers(0, 2**16))
 def test_device_counts_equal_a_recount_of_every_token(plan, seed):
     """After every step, a request's row holds the output-token counts and the prompt-or-output

@@ -16,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 from graphrt.backends.xla.batch import SamplingMetadata  # noqa: E402
 from graphrt.backends.xla.sampler import bisect_threshold, sample_tokens  # noqa: E402
 from support.sampler_reference import chi_square_pvalue, filtered_probs  # noqa: E402
+from support.fast_subset import examples
 from test_sampler_filters import ALPHA, CASES, VOCAB, _logits  # noqa: E402
 
 DRAWS = 20_000
@@ -53,7 +54,7 @@ PROBS = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 200))
                    elements=st.sampled_from([0.0, 1.0, 0.5, 1e-30, 1e-45]) | st.floats(0, 1, width=32))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(probs=PROBS, data=st.data())
 def test_xla_bisection_finds_the_exact_kth_largest(probs, data):
     rows, vocab = probs.shape
