@@ -17,7 +17,7 @@ named reason it cannot:
 
 ``python -m graphrt.testing.transformers_matrix`` runs every architecture (each in a subprocess,
 ``--jobs`` at once) and writes docs/transformers-models.md; ``--archs a b`` runs some. The test
-suite runs a sample through the same :func:`check_mode` (tests/test_transformers_matrix.py) and
+suite runs a sample through the same :func:`check_mode` (tests/backends/test_transformers_matrix.py) and
 checks the page says what it found.
 """
 

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 from graphrt.testing.transformers_matrix import MODES, check_mode, parse_page  # noqa: E402
 from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint  # noqa: E402
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "transformers-models.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "transformers-models.md"
 #: Architectures every mode of which must pass (the matrix's promise).
 MIN_PASSING = 40
 #: (architecture, modes) the fast sample runs.
