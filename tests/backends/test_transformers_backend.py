@@ -1,6 +1,6 @@
 """graphrt's transformers backend (models/torch/transformers_impl): its pieces, its refusals, model_impl.
 
-The end-to-end parity of each architecture in each mode is tests/test_transformers_matrix.py;
+The end-to-end parity of each architecture in each mode is tests/backends/test_transformers_matrix.py;
 here: the extended paged kernel against a dense reference, the KV cache specs read from the
 configs, the registered attention function, what keeps a model out of graphs (named, with the
 module), model_impl's choice, and the kit's padding and KV-isolation properties on a sample.

@@ -17,7 +17,7 @@ named reason it cannot:
 
 ``python -m graphrt.testing.transformers_matrix`` runs every architecture (each in a subprocess,
 ``--jobs`` at once) and writes docs/transformers-models.md; ``--archs a b`` runs some. The test
-suite runs a sample through the same :func:`check_mode` (tests/test_transformers_matrix.py) and
+suite runs a sample through the same :func:`check_mode` (tests/backends/test_transformers_matrix.py) and
 checks the page says what it found.
 """
 
@@ -280,6 +280,19 @@ def parse_page(text: str) -> dict[str, dict[str, bool]]:
     return out
 
 
+def merge_results(paths: Sequence[str]) -> tuple[dict[str, list[ModeResult]], dict[str, str]]:
+    """The results of several ``--json`` files as one matrix: a later file's architectures replace an
+    earlier's (a rerun of some architectures after a fix, over a full run)."""
+    results: dict[str, list[ModeResult]] = {}
+    skipped: dict[str, str] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        results.update({a: [ModeResult(**r) for r in rs] for a, rs in data["results"].items()})
+        skipped.update(data.get("skipped", {}))
+    return results, {a: why for a, why in skipped.items() if a not in results}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphrt.testing.transformers_matrix",
                                      description="graphrt's transformers backend, every architecture in every mode")
@@ -288,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per architecture")
     parser.add_argument("--docs", help="write the page here (e.g. docs/transformers-models.md)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--from-json", nargs="+", metavar="JSON",
+                        help="run nothing: merge these --json results (a later file's architectures replace an "
+                             "earlier's) and write --docs / --json from them")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
@@ -299,13 +315,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
         print(json.dumps({"results": [asdict(r) for r in check_arch(args.one)]}), flush=True)
         return 0
-    results, skipped = run_matrix(args.archs, args.jobs, args.timeout)
+    if args.from_json:
+        results, skipped = merge_results(args.from_json)
+    else:
+        results, skipped = run_matrix(args.archs, args.jobs, args.timeout)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"results": {a: [asdict(r) for r in rs] for a, rs in results.items()}, "skipped": skipped}, f,
                       indent=1)
     if args.docs:
         command = "python -m graphrt.testing.transformers_matrix --docs " + args.docs
+        if args.from_json:
+            command += " --from-json " + " ".join(os.path.basename(p) for p in args.from_json)
         with open(args.docs, "w", encoding="utf-8") as f:
             f.write(render_page(results, skipped, command))
     passing = sum(all(r.passed for r in rs) for rs in results.values())

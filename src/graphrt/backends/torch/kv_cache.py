@@ -70,13 +70,13 @@ def _int(layer: Any, *names: str) -> int | None:
 def layer_kv_shape(layer: Any) -> dict[str, int]:
     """What an attention layer says it stores per token slot, where it says it: ``num_kv_heads``,
     ``head_size`` (``head_size`` or ``head_dim``), ``head_size_v`` (``head_size_v`` or
-    ``v_head_dim``; graphrt's ``PagedAttention`` stores K and V of one size), ``latent_dim``
+    ``v_head_dim``; a ``PagedAttention`` that names neither stores K and V of one size), ``latent_dim``
     (MLA: a layer that reads one latent row per token says so with ``latent_dim``, whatever
     heads it has), ``sliding_window``."""
     shape = {"num_kv_heads": _int(layer, "num_kv_heads"), "head_size": _int(layer, "head_size", "head_dim"),
              "head_size_v": _int(layer, "head_size_v", "v_head_dim"), "latent_dim": _int(layer, "latent_dim"),
              "sliding_window": _int(layer, "sliding_window")}
-    if isinstance(layer, PagedAttention):
+    if isinstance(layer, PagedAttention) and shape["head_size_v"] is None:
         shape["head_size_v"] = shape["head_size"]
     return {name: value for name, value in shape.items() if value is not None}
 

@@ -43,6 +43,11 @@ class HFPagedAttention(PagedAttention):
         self.head_dim_v = int(head_dim_v or head_dim)
 
     @property
+    def head_size_v(self) -> int:
+        """V's head size, as graphrt's KV cache checks read it (``kv_cache.layer_kv_shape``)."""
+        return self.head_dim_v
+
+    @property
     def extended(self) -> bool:
         """Whether this layer needs :func:`extended_paged_attention` (not graphrt's plain kernels)."""
         return bool(self.softcap or self.sinks or self.head_dim_v != self.head_dim)
