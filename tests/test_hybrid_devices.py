@@ -66,16 +66,18 @@ def _parity(granite, backend: str, mode: str) -> graphrt.ModelRunner:
 
 
 @pytest.mark.parametrize("backend", ["npu", "cuda-sim"])
-def test_full_graphs_of_decode_and_mixed_steps_match_transformers(granite, backend):
+def test_full_graphs_of_every_step_match_transformers(granite, backend):
+    """FULL mode: decode and mixed steps alike replay FULL graphs (of mixed keys)."""
     runner = _parity(granite, backend, "FULL")
-    modes = {(m.value, k.uniform_decode) for (m, k) in runner.dispatcher.keys()}
-    assert {("FULL", True), ("FULL", False)} <= modes
+    assert {m for m, _ in runner.dispatcher.keys()} == {graphrt.RuntimeMode.FULL}
     assert runner.stats.hits > 0
 
 
-def test_piecewise_mixed_steps_match_transformers_on_npu(granite):
+def test_full_decode_and_piecewise_mixed_graphs_match_transformers_on_npu(granite):
+    """FULL_AND_PIECEWISE: uniform decode steps in FULL graphs, mixed steps in PIECEWISE ones."""
     runner = _parity(granite, "npu", "FULL_AND_PIECEWISE")
-    assert any(m is graphrt.RuntimeMode.PIECEWISE for m, _ in runner.dispatcher.keys())
+    keys = {(m, k.uniform_decode) for m, k in runner.dispatcher.keys()}
+    assert {(graphrt.RuntimeMode.FULL, True), (graphrt.RuntimeMode.PIECEWISE, False)} <= keys
     assert runner.stats.hits > 0
 
 
