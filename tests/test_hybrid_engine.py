@@ -116,7 +116,7 @@ def test_rejected_drafts_roll_the_state_back(backend):
         pytest.importorskip("jax")
     d = hybrid_model_dir("granite")
     shapes = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[3, 16]),
-              "xla": dict(precompile_token_paddings=[8], precompile_bs_paddings=[2])}[backend]
+              "xla": dict(precompile_token_paddings=[8, 16], precompile_bs_paddings=[2])}[backend]
     runner = graphrt.ModelRunner(str(d), backend=backend, num_speculative_tokens=2, progress=False,
                                  num_kv_blocks=13, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48,
                                  block_size=4, **shapes)
