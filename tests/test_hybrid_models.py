@@ -55,9 +55,12 @@ def test_teacher_forced_parity_with_transformers(model, backend, mode, k):
         assert runner.stats.hits > 0          # graphs replayed, not only eager steps
 
 
+@pytest.mark.slow
 def test_full_graphs_hold_decode_and_mixed_steps():
     """In FULL mode a mixed step (a prefill chunk beside decodes) replays a FULL graph, and so
-    does a uniform decode step; both match transformers (the parity test checks values)."""
+    does a uniform decode step; both match transformers (the parity test checks values).
+    Slow: the state sweep's sample (FULL decode and PIECEWISE steps drawn) and
+    tests/test_hybrid_devices.py (every key FULL in FULL mode, graphs replayed) see the same."""
     d = hybrid_model_dir("granite")
     runner = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL_AND_PIECEWISE", progress=False,
                                  num_kv_blocks=4 * 8 + 1, **SHAPES["cpu"], **LIMITS)
