@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.graphrt-installed
 
-.PHONY: venv test bench plan gpu-check clean
+.PHONY: venv test test-fast bench plan gpu-check clean
 
 venv: $(STAMP)
 
@@ -16,8 +16,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
+# The whole suite (what CI runs). test-fast: the tests not marked slow, with hypothesis' fast
+# profile (a fifth of the examples): every module's main behaviour, in under 3 minutes on 2 cores.
+# Both on TEST_WORKERS pytest-xdist workers, a file per worker at a time (docs/testing.md); in
+# one process where xdist does not import (expanded when the recipe runs, after the venv).
+TEST_WORKERS ?= 2
+XDIST = $(shell $(VPY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile")
+
 test: $(STAMP)
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q $(XDIST)
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q $(XDIST) -m "not slow" --hypothesis-profile=fast
 
 bench: $(STAMP)
 	$(VPY) -m graphrt.cli bench

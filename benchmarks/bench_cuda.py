@@ -143,7 +143,7 @@ def reduce_overhead_step(runner: Any, batch: int, context: int) -> Callable[[], 
     """A step of ``torch.compile(model, mode="reduce-overhead")`` on the eager runner's buffers."""
     import torch
 
-    from graphrt.core.forward_context import forward_context
+    from graphrt.models.torch.forward_context import forward_context
 
     executor = runner.executor
     model = executor.model

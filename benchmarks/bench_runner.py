@@ -64,7 +64,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("preparer.write (+ pad)", "preparer", "write"),
     ("executor.run", "executor", "run"),
     ("record_step", "cache", "record_step"),
-    ("sampler_cache.count", "sampler_cache", "count"),
+    ("sampler_cache.record_step", "sampler_cache", "record_step"),
     ("executor.sample", "executor", "sample"),
 )
 EXECUTOR_STAGES = ("executor.run", "executor.sample")

@@ -5,7 +5,7 @@ A step is what the torch executor does for a random batch: fresh Exp(1) noise fo
 (``exponential_``, the same for both) and the sampler on ``[rows, vocab]`` float32 logits.
 
 * ``sort``      -- the old sampler: sort each row, top-k / top-p on the sorted prefix, scatter
-  back (kept as the test oracle in ``tests/sampler_reference.py``, imported from there);
+  back (kept as the test oracle in ``tests/support/sampler_reference.py``, imported from there);
 * ``threshold`` -- :func:`graphrt.backends.torch.sampler_ops.sample_rows` on a persistent
   :class:`~graphrt.backends.torch.sampler_ops.Workspace`, as the captured graph runs it (its
   top-p search runs whatever the rows ask: the graph is static).
@@ -34,7 +34,7 @@ from bench_common import cpu_line, print_checks
 from graphrt.backends.torch.sampler_ops import Workspace, sample_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from sampler_reference import sort_sample  # noqa: E402  (the oracle lives with the tests)
+from support.sampler_reference import sort_sample  # noqa: E402  (the oracle lives with the tests)
 
 VOCAB = 151_936
 SETTINGS = {"temperature": (-1, 1.0), "top-p": (-1, 0.9), "top-k+top-p": (50, 0.9)}

@@ -84,12 +84,12 @@ def _plain(value: Any) -> Any:
 
 def describe_device(executor: Any) -> str:
     """The device(s) an executor runs on: its torch device or its mesh's device kinds, and the host."""
-    mesh = getattr(executor, "mesh", None)
+    mesh = executor.mesh
     if mesh is not None:
         devices = sorted({f"{d.platform}:{getattr(d, 'device_kind', '')}" for d in mesh.devices.flat})
         where = f"{len(mesh.devices.flat)}x {', '.join(devices)}"
     else:
-        where = str(getattr(executor, "device", "unknown"))
+        where = str(executor.device if executor.device is not None else "unknown")
     return f"{where} on {platform.machine()}"
 
 

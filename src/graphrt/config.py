@@ -21,7 +21,7 @@ from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher, GraphMode
 from graphrt.core.errors import ConfigError
-from graphrt.core.kv_spec import kv_cache_dtype_name
+from graphrt.core.kv_spec import blocks_for, kv_cache_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class GraphConfig(BaseModel):
 
     @property
     def max_blocks_per_req(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return blocks_for(self.max_model_len, self.block_size)
 
     @property
     def decode_query_len(self) -> int:

@@ -9,16 +9,30 @@ reuses it until either cache changes (``version``); each step still counts its h
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from graphrt.core.cache import FailedBuild, GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, RuntimeMode, SamplerKey, logprobs_key
 from graphrt.core.dp_agreement import DispatchShape
 from graphrt.core.eager import EagerCause
 
-#: The key of a plan's logprobs graph in :attr:`StepPlan.sampler` (the samplers' are ``all_greedy``).
+logger = logging.getLogger("graphrt.runner")
+
+#: The key of a plan's logprobs graph in :attr:`StepPlan.sampler` (``SamplerKey.kind`` of its key).
 LOGPROBS = "logprobs"
+
+
+class SamplerEntry(NamedTuple):
+    """A plan's sampler for one :attr:`SamplerKey.kind`: the key looked up, its entry (None: it
+    runs eagerly), and if so why (in words, and the counted cause)."""
+
+    key: SamplerKey
+    entry: Any
+    eager_reason: str | None
+    eager_cause: EagerCause | None
 
 #: ``build_missing(cache, cache_key, mode, key) -> entry``: builds a key warm-up did not
 #: (backends without an eager path, XLA); None where a missing key runs eagerly.
@@ -54,15 +68,66 @@ class StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    #: all_greedy -> (key, entry or None, eager reason, eager cause); :data:`LOGPROBS` -> the
-    #: logprobs graph's (its cause unused: logprobs steps are not counted per cause); a random
-    #: variant's :attr:`SamplerKey.kind` -> its own, once a step used it (:func:`plan_sampler`)
-    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None, EagerCause | None]]
+    #: :attr:`SamplerKey.kind` (``greedy``, ``random``, :data:`LOGPROBS`; a random variant once a
+    #: step used it, :func:`plan_sampler`) -> its :class:`SamplerEntry` (the logprobs graph's cause
+    #: is unused: logprobs steps are not counted per cause)
+    sampler: dict[str, SamplerEntry]
     version: int                     # cache.version + sampler_cache.version when planned
     eager_cause: EagerCause | None = None
     #: The job the step wants built and lacks ((mode, key): it ran eagerly or under a larger
     #: built key meanwhile): background warm-up builds the most wanted first. None: nothing.
     wanted: tuple[RuntimeMode, BatchDescriptor] | None = None
+
+
+class StepArgs(NamedTuple):
+    """One step as :meth:`ModelRunner.execute` takes it (the caller's arrays, unchecked)."""
+
+    token_ids: Any
+    block_table: Any
+    req_rows: Any
+    num_computed_tokens: Any
+    num_scheduled_tokens: Any
+    sampling: Any = None               # a SamplingBatch, or None: nothing sampled
+    lora_ids: Any = None
+    future_rows: Any = None
+    extra_inputs: Any = None
+    prompt_logprobs: Any = None
+    state_slots: Any = None
+
+
+class LastStep(NamedTuple):
+    """What the runner keeps of its last step (``ModelRunner.last_step`` describes it)."""
+
+    plan: StepPlan
+    num_tokens: int
+    num_reqs: int
+    seconds: float
+
+
+class SamplerChoice(NamedTuple):
+    """The sampler a batch runs at a padded size, remembered while the same (frozen) batch
+    samples: the batch, the padded rows, its :class:`SamplerKey` and that key's ``kind``."""
+
+    batch: Any
+    padded_reqs: int
+    key: SamplerKey
+    kind: str
+
+
+class OnDemandBuilds:
+    """Builds a key warm-up did not, now, into the cache that looks it up: the one way a step
+    gets an entry on a backend without an eager path (XLA); a graph backend runs it eagerly."""
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+
+    def __call__(self, cache: GraphCache, cache_key: Any, mode: RuntimeMode, key: Any) -> Any:
+        if cache.sealed:
+            logger.warning("graphrt: unplanned build of %s after warm-up", key)
+        t0 = time.perf_counter()
+        entry, nbytes = self.executor.build(mode, key)
+        cache.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
+        return entry
 
 
 class Pending(Protocol):
@@ -114,44 +179,39 @@ def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, s
             eager_cause = (EagerCause.CAPTURE_FAILED if entry is not None else waiting or EagerCause.MISS)
             mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
     padded_reqs = key.num_reqs if key.num_reqs is not None else r
-    sampler: dict[bool | str, tuple[SamplerKey, Any, str | None, EagerCause | None]] = {}
+    sampler: dict[str, SamplerEntry] = {}
     for sampler_key in (SamplerKey(padded_reqs, True), SamplerKey(padded_reqs, False), logprobs_key(padded_reqs)):
-        sampler[_kind(sampler_key)] = _sampler_lookup(sampler_cache, sampler_key, pending)
+        sampler[sampler_key.kind] = _sampler_lookup(sampler_cache, sampler_key, pending)
     return StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
                     cache.version + sampler_cache.version, eager_cause, wanted)
 
 
-def _kind(key: SamplerKey) -> bool | str:
-    """The key of ``key``'s entry in :attr:`StepPlan.sampler`."""
-    if key.logprobs:
-        return LOGPROBS
-    return key.greedy if key.kind in ("greedy", "random") else key.kind
-
-
 def _sampler_lookup(sampler_cache: GraphCache, key: SamplerKey,
-                    pending: Pending | None = None) -> tuple[SamplerKey, Any, str | None, EagerCause | None]:
-    """(key, entry or None, eager reason, eager cause) of a sampler key."""
+                    pending: Pending | None = None) -> SamplerEntry:
+    """The :class:`SamplerEntry` of a sampler key."""
     entry = sampler_cache.lookup(key)
     if isinstance(entry, FailedBuild):
-        return key, None, f"sampler capture failed: {entry.reason}", EagerCause.CAPTURE_FAILED
+        return SamplerEntry(key, None, f"sampler capture failed: {entry.reason}", EagerCause.CAPTURE_FAILED)
     if entry is None:
         why = pending.cause_of((RuntimeMode.FULL, key)) if pending is not None else None
         built_ahead = key.kind in ("greedy", "random", "logprobs")
         reason = f"{key} was not captured" if built_ahead else f"the {key.kind} sampler is not built at warm-up"
-        return key, None, reason, why or EagerCause.MISS
-    return key, entry, None, None
+        return SamplerEntry(key, None, reason, why or EagerCause.MISS)
+    return SamplerEntry(key, entry, None, None)
 
 
 def plan_sampler(plan: StepPlan, key: SamplerKey, sampler_cache: GraphCache,
-                 pending: Pending | None = None) -> tuple[bool | str, tuple]:
-    """``(kind, (key, entry or None, eager reason, eager cause))`` of the sampler ``key`` (from
+                 pending: Pending | None = None) -> SamplerEntry:
+    """The :class:`SamplerEntry` of the sampler ``key`` (from
     :func:`~graphrt.core.dispatch.sampler_key`) in ``plan``, looked up on first use for the
     variants a plan does not list ahead (wide top-k, penalties)."""
-    kind = _kind(key)
+    kind = key.kind
     got = plan.sampler.get(kind)
     if got is None:
         got = plan.sampler[kind] = _sampler_lookup(sampler_cache, key, pending)
-    return kind, got
+    return got
 
 
-__all__ = ["BuildMissing", "LOGPROBS", "Pending", "StepInfo", "StepPlan", "plan_sampler", "plan_step"]
+__all__ = ["BuildMissing", "LOGPROBS", "LastStep", "OnDemandBuilds", "Pending", "SamplerChoice", "SamplerEntry",
+           "StepArgs", "StepInfo", "StepPlan", "plan_sampler",
+           "plan_step"]

@@ -11,9 +11,9 @@ model (XLA compiles each bucket's whole forward into one fused CPU executable), 
 torch model object (or without jax). Device graphs pay off by removing per-kernel launch
 overhead, which a CPU does not have: the CPU recording graph (``cpu``) replays the same CPU
 kernels op by op on padded shapes -- every step padded to its token bucket, attention to its
-context bucket -- and served 0.3-0.6x xla's tokens/s on the peer benchmark, eager 0.1-0.95x
-(docs/benchmarks.md, "The default that serves fastest"). ``cpu`` stays what the correctness
-tests use: name it.
+context bucket -- and served 0.05-0.6x xla's tokens/s on the peer benchmark, eager 0.04-0.95x
+(docs/benchmarks.md, "Graphs that follow the traffic", "The default that serves fastest").
+``cpu`` stays what the correctness tests use: name it.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ AUTO_REASONS: dict[str, str] = {
     "cuda": "a CUDA GPU is visible: captured CUDA graphs remove per-kernel launch overhead",
     "npu": "an Ascend NPU is visible: captured ACL graphs remove per-kernel launch overhead",
     "xla": "no accelerator: XLA compiles each bucket's whole forward into one fused CPU executable, fastest here "
-           "(the CPU recording graph replays the same kernels op by op on padded shapes: 0.3-0.6x xla's tokens/s "
-           "on the peer benchmark, eager 0.1-0.95x, docs/benchmarks.md); a torch model object runs on eager; "
+           "(the CPU recording graph replays the same kernels op by op on padded shapes: 0.05-0.6x xla's tokens/s "
+           "on the peer benchmark, eager 0.04-0.95x, docs/benchmarks.md); a torch model object runs on eager; "
            "backend='cpu' still captures (the correctness tests' graph)",
     "eager": "no accelerator, and a torch model (or no jax): its steps run eagerly, faster than the CPU recording "
              "graph's padded replay (docs/benchmarks.md)",

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
-import os
 import threading
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from graphrt.core import defaults
-from graphrt.backends.base import Backend, Executor, SamplingBatch
+from graphrt.backends.base import Backend, SamplingBatch
 from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
-from graphrt.backends.preflight import check_before_loading, check_memory
 from graphrt.config import GraphConfig, check_flags
-from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode, SamplerKey, resolve_mode, sampler_key
+from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
@@ -37,11 +35,15 @@ from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
 from graphrt.background import BackgroundWarmup
 from graphrt.capture_plan import CapturePlanStore, describe_device, read_runner_plan, save_runner_plan
-from graphrt.plans import StepInfo, StepPlan, plan_sampler, plan_step
-from graphrt.registry import select_backend
+from graphrt.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
+                           plan_sampler, plan_step)
+from graphrt.runner_setup import open_executor
 from graphrt.step_outputs import StepOutput, StepOutputs
 from graphrt.traffic import TrafficFit
-from graphrt.warmup import Job, compile_host_kernels, graphs_for, job_target, warm_up, warmup_keys, warmup_mode
+from graphrt.warmup import Job, compile_host_kernels, job_target, warm_up, warmup_keys, warmup_mode
+
+#: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
+STEP_PLAN_MEMO_LIMIT = 1 << 16
 
 logger = logging.getLogger(__name__)
 
@@ -81,30 +83,14 @@ class ModelRunner:
         self.config = cfg = config if config is not None and not config_fields else GraphConfig.create(**fields)
         check_flags(progress=progress)
         warmup = warmup_mode(warmup)
-        self.backend = select_backend(backend, model=model) if isinstance(backend, str) else backend
-        tp = cfg.tensor_parallel_size
-        dtype = check_before_loading(self.backend, model, cfg, dtype)   # sharding, dtype, max_model_len
-        if isinstance(model, (str, os.PathLike)) and tp == 1:
-            model = self.backend.load_model(os.fspath(model), dtype, model_impl=cfg.model_impl)
-        if tp == 1 and not isinstance(model, (str, os.PathLike)):
-            self.backend.check_model(model)                # the model protocol, named member by member
-        check_memory(self.backend, model, cfg, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory)
-        # tensor_parallel_size > 1: the backend starts the worker ranks, each loads its own shard
-        self.executor: Executor = (self.backend.create_executor(model, cfg) if tp == 1 else
-                                   self.backend.create_executor(model, cfg, dtype=dtype))
-        self.model = model = self.executor.model if tp > 1 else model
+        opened = open_executor(model, cfg, backend, dtype, num_kv_blocks=num_kv_blocks,
+                               kv_cache_memory=kv_cache_memory)
+        self.backend, self.executor, self.model = opened.backend, opened.executor, opened.model
+        model, tp = self.model, cfg.tensor_parallel_size
         self.vocab_size = self.executor.vocab_size
-        self.mode, degraded = resolve_mode(cfg.mode, attention=self.executor.attention_support,
-                                           piecewise=self.executor.supports_piecewise)
-        if not self.executor.has_graphs and self.mode is not GraphMode.NONE:
-            self.mode, degraded = GraphMode.NONE, f"backend {self.backend.name} runs every step eagerly"
-        if degraded:
-            logger.info("graphrt: %s", degraded)
-        self.dispatcher = self.backend.dispatcher(cfg, self.mode, model, self.executor.keyed_host_values)
-        #: The step kinds (uniform_decode values) the configured mode had graphs for and the
-        #: resolved one has not: their eager steps count as ``unsupported_by_attention``.
-        self.degraded = frozenset(u for u in (True, False) if degraded and self.executor.has_graphs
-                                  and not cfg.enforce_eager and graphs_for(cfg.mode, u) and not graphs_for(self.mode, u))
+        #: The graph mode served, and the step kinds (uniform_decode values) the configured mode
+        #: had graphs for and this one has not (their eager steps count as ``unsupported_by_attention``).
+        self.mode, self.degraded, self.dispatcher = opened.mode, opened.degraded, opened.dispatcher
         self.capture_plans = (CapturePlanStore(cfg.compilation_cache_dir, backend=self.backend.name,
                                                device=describe_device(self.executor), model=model, config=cfg)
                               if cfg.compilation_cache_dir and not cfg.disable_capture_plan and tp == 1 else None)
@@ -135,9 +121,14 @@ class ModelRunner:
         #: Steps served per dispatch shape, with ``refit_interval`` (what a traffic re-fit reads).
         self.step_sizes: dict[DispatchShape, int] = {}
         self._launched = False          # a step launched by execute_async may still run
-        self._last: tuple[StepPlan, int, int, float] | None = None
-        self._futures = FutureTokens(on_device=self.executor.async_execution)
-        self._outputs = StepOutputs(self.executor, self.sampler_cache, cfg.max_logprobs, self._build_missing)
+        self._last: LastStep | None = None
+        self._choice: SamplerChoice | None = None     # the last batch's sampler
+        self._host_buffers = self.executor.host_buffers
+        can = self.executor.capabilities
+        self._async, self._eager_fallback = can.async_execution, can.eager_fallback
+        self._builds = OnDemandBuilds(self.executor)
+        self._futures = FutureTokens(on_device=self._async)
+        self._outputs = StepOutputs(self.executor, self.sampler_cache, cfg.max_logprobs, self._builds)
         self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
@@ -148,7 +139,7 @@ class ModelRunner:
         if warmup == "background" or cfg.refit_interval:
             self.background = BackgroundWarmup(
                 self.executor, self.cache, self.sampler_cache, self._lock, lambda: not self._launched,
-                memory_cap=self.graph_memory.admitted, raise_failures=cfg.strict or not self.executor.eager_fallback,
+                memory_cap=self.graph_memory.admitted, raise_failures=cfg.strict or not can.eager_fallback,
                 label=self.backend.name, on_complete=self._warmup_complete)
         self.traffic = TrafficFit.attach(self, step_agreement) if cfg.refit_interval else None
         if warmup == "upfront":
@@ -226,9 +217,9 @@ class ModelRunner:
         threads run one at a time.
         """
         with self._lock:
-            return self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                 num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
-                                 prompt_logprobs, state_slots=state_slots)
+            return self._execute(StepArgs(token_ids, block_table, req_rows, num_computed_tokens,
+                                          num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
+                                          prompt_logprobs, state_slots))
 
     def execute_async(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
                       num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
@@ -241,26 +232,23 @@ class ModelRunner:
         ``future_rows`` (one int per request, -1: none) lets this step read the tokens of the
         previous sampled step before the host has them: request ``i``'s last scheduled token
         is replaced by that step's token at row ``future_rows[i]`` (the table may hold any valid
-        id there). Backends that dispatch asynchronously (``executor.async_execution``: XLA, torch
-        graphs) resolve it on the device and return at once; the others run the step to the end.
+        id there). Backends that dispatch asynchronously (``capabilities.async_execution``: XLA,
+        torch graphs) resolve it on the device and return at once; the others run the step to the end.
         """
         if sampling is None:
             raise InputError("sampling", "execute_async returns sampled tokens: pass a SamplingBatch")
         with self._lock:
-            out = self._execute(token_ids, block_table, req_rows, num_computed_tokens,
-                                num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
-                                prompt_logprobs, wait=False, state_slots=state_slots)
-            num_reqs = self._last[2]
-        if not self.executor.async_execution or type(out) is PendingTokens:
-            return out if type(out) is PendingTokens else PendingTokens(tokens=out)
-        ex = self.executor
-        return PendingTokens(lambda: ex.fetch_tokens(out, num_reqs))
+            out = self._execute(StepArgs(token_ids, block_table, req_rows, num_computed_tokens,
+                                         num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
+                                         prompt_logprobs, state_slots), wait=False)
+            num_reqs = self._last.num_reqs
+        if type(out) is PendingTokens:
+            return out
+        if not self._async:
+            return PendingTokens(tokens=out)
+        return PendingTokens(functools.partial(self.executor.fetch_tokens, out, num_reqs))
 
-    def _execute(self, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
-                 num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray,
-                 sampling: SamplingBatch | None, lora_ids: Any, future_rows: Any,
-                 extra_inputs: Mapping[str, Any] | None = None, prompt_logprobs: Any = None,
-                 wait: bool = True, state_slots: Any = None) -> Any:
+    def _execute(self, a: StepArgs, wait: bool = True) -> Any:
         """Check, dispatch, write, run and sample one step (the lock held): the host tokens, or
         with ``wait=False`` on an asynchronous backend the sampler's device output; None
         without ``sampling``. Logprobs go through :class:`~graphrt.step_outputs.StepOutputs`."""
@@ -268,27 +256,29 @@ class ModelRunner:
         if self.background is not None and self.background.error is not None:
             error, self.background.error = self.background.error, None
             raise error                      # a background build failed in strict mode / without an eager path
-        step = self.preparer.check(token_ids=token_ids, block_table=block_table,
-                                   req_rows=req_rows, num_computed_tokens=num_computed_tokens,
-                                   num_scheduled_tokens=num_scheduled_tokens, state_slots=state_slots)
-        t, r = step.num_tokens, step.num_reqs
+        step = self.preparer.check(token_ids=a.token_ids, block_table=a.block_table,
+                                   req_rows=a.req_rows, num_computed_tokens=a.num_computed_tokens,
+                                   num_scheduled_tokens=a.num_scheduled_tokens, state_slots=a.state_slots)
+        t, r, sampling = step.num_tokens, step.num_reqs, a.sampling
         if sampling is not None and sampling.num_reqs != r:
             raise InputError("sampling", f"{sampling.num_reqs} rows for {r} requests")
+        prompt_logprobs = a.prompt_logprobs
         logprobs = prompt_logprobs is not None or (sampling is not None and sampling.logprobs is not None)
         if logprobs:
             prompt_logprobs = self._outputs.check(sampling, prompt_logprobs, r)   # within max_logprobs
+        future_rows = a.future_rows
         if future_rows is not None:
             future_rows = self._futures.check(future_rows, r, self._sampled)
         extras = None
-        if self.extra is not None or extra_inputs:
+        if self.extra is not None or a.extra_inputs:
             if self.extra is None:
                 raise InputError("extra_inputs", "the model declares no extra inputs (model.extra_inputs)")
-            extras = self.extra.check(extra_inputs, t, r)
+            extras = self.extra.check(a.extra_inputs, t, r)
         ids, n = None, 0
-        if lora_ids is not None or self.lora is not None:
+        if a.lora_ids is not None or self.lora is not None:
             if self.lora is None:
                 raise lora_off()
-            ids, n = self.lora.check(lora_ids, r)
+            ids, n = self.lora.check(a.lora_ids, r)
         context, contexts = 0, self.dispatcher.context_sizes
         if contexts:                                    # the key's context bucket (-1: above them)
             i = bisect.bisect_left(contexts, step.max_seq_len)
@@ -296,44 +286,51 @@ class ModelRunner:
         shape = DispatchShape(t, r, step.uniform_decode, n, context)
         if self.data_parallel is not None:          # one key for every rank of the group
             shape, ids = self.data_parallel.agree(shape, ids)
-        plan = self._plan(shape)
+        plan = self._plans.get(shape)           # remembered until either cache changes
+        if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
+            plan = self._replan(shape)
         if self.traffic is not None:         # the step-size distribution a re-fit reads
             sizes = self.step_sizes
             sizes[shape] = sizes.get(shape, 0) + 1
         padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
-                                     out=self.executor.host_buffers)
-        if shape.num_loras:
-            self.lora.write(ids, num_scheduled_tokens, t, plan.key.num_tokens)
+                                     out=self._host_buffers)
+        if n:
+            self.lora.write(ids, a.num_scheduled_tokens, t, plan.key.num_tokens)
         if extras is not None:
             self.extra.write(extras, t, r, plan.key.num_tokens, plan.padded_reqs)
         future = (None if future_rows is None else
                   self._futures.apply(future_rows, self._sampled, padded.input_ids, padded.query_start_loc))
         self._sampled = None        # until this step's tokens are: a failed step has none
-        skey = None if sampling is None else sampler_key(sampling, plan.padded_reqs, self.vocab_size)
-        if skey is not None and skey.penalties:          # token counts planned before anything runs
-            self.executor.prepare_penalties(sampling, token_ids, req_rows, num_computed_tokens,
-                                            num_scheduled_tokens, plan.padded_reqs)
-        logits = self._run(plan, padded, t, r, future, sampler=skey)
+        choice = None
+        if sampling is not None:    # the batch's sampler, remembered while the same batch samples
+            choice = self._choice
+            if choice is None or choice.batch is not sampling or choice.padded_reqs != plan.padded_reqs:
+                skey = sampler_key(sampling, plan.padded_reqs, self.vocab_size)
+                choice = self._choice = SamplerChoice(sampling, plan.padded_reqs, skey, skey.kind)
+            if choice.key.penalties:          # token counts planned before anything runs
+                self.executor.prepare_penalties(sampling, a.token_ids, a.req_rows, a.num_computed_tokens,
+                                                a.num_scheduled_tokens, plan.padded_reqs)
+        logits = self._run(plan, padded, t, r, future, choice)
         out = None
         if logprobs:
-            out, self._sampled = self._outputs.finish(plan, padded, logits, sampling, wait, prompt_logprobs,
-                                                      (token_ids, req_rows, num_computed_tokens, num_scheduled_tokens))
-        elif skey is not None:
-            entry = plan_sampler(plan, skey, self.sampler_cache)[1][1]
-            if wait or not self.executor.async_execution:
-                out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry)
+            out, self._sampled = self._outputs.finish(plan, padded, logits, sampling, wait, prompt_logprobs, a)
+        elif choice is not None:
+            entry = (plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, self.sampler_cache)).entry
+            if wait or not self._async:
+                out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
+                                           key=choice.key)
             else:
                 out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
-                                           wait=False)
+                                           key=choice.key, wait=False)
             self._sampled = (out, r)
-        self._last = (plan, t, r, time.perf_counter() - t0)
+        self._last = LastStep(plan, t, r, time.perf_counter() - t0)
         self._launched = not wait
         if wait and self.background is not None and self.background.active:
             self.background.turn.set()       # between steps: the builder's turn
         return out
 
     def _run(self, plan: StepPlan, padded: ModelInputs, real_tokens: int, real_reqs: int,
-             future: Any = None, *, sampler: SamplerKey | None = None) -> Any:
+             future: Any = None, choice: SamplerChoice | None = None) -> Any:
         """Count the step in the statistics, then run ``plan`` on the written ``padded`` step
         (every step, real or a data-parallel dummy, goes through here). Statistics are counted
         before the forward: it evicts the host's caches (on a CPU device), and the runner's
@@ -344,14 +341,16 @@ class ModelRunner:
         if plan.wanted is not None:          # its own key is not built yet: demand for it (and its sampler)
             demand, (mode, key) = self.background.demand, plan.wanted
             demand[plan.wanted] += 1
-            if sampler is not None and mode is RuntimeMode.FULL:
-                demand[(mode, dataclasses.replace(sampler, num_reqs=key.num_reqs))] += 1
-        if sampler is not None and plan.mode is RuntimeMode.FULL:
-            kind, (sampler_key, entry, eager, cause) = plan_sampler(plan, sampler, self.sampler_cache, self.background)
-            if entry is None and not self.executor.eager_fallback:     # no eager sampler: build it now
-                entry = self._build_missing(self.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
+            if choice is not None and mode is RuntimeMode.FULL:
+                demand[(mode, dataclasses.replace(choice.key, num_reqs=key.num_reqs))] += 1
+        if choice is not None and plan.mode is RuntimeMode.FULL:
+            got = plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, self.sampler_cache,
+                                                                self.background)
+            sampler_key, entry, eager, cause = got
+            if entry is None and not self._eager_fallback:     # no eager sampler: build it now
+                entry = self._builds(self.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
                 eager = cause = None
-                plan.sampler[kind] = (sampler_key, entry, None, None)
+                plan.sampler[choice.kind] = SamplerEntry(sampler_key, entry, None, None)
             elif cause is EagerCause.WARMING_UP:
                 self.background.demand[(RuntimeMode.FULL, sampler_key)] += 1
             self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
@@ -372,26 +371,25 @@ class ModelRunner:
             shape = self.data_parallel.agree_idle()
             if shape is None:
                 return
-            plan = self._plan(shape)
-            padded = self.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self.executor.host_buffers)
+            plan = self._plans.get(shape)
+            if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
+                plan = self._replan(shape)
+            padded = self.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self._host_buffers)
             if self.lora is not None:
                 self.lora.write_padding(plan.key.num_tokens)
             if self.extra is not None:
                 self.extra.write_padding(plan.key.num_tokens, plan.padded_reqs)
             self._run(plan, padded, 0, 0)
-            self._last = (plan, 0, 0, 0.0)
+            self._last = LastStep(plan, 0, 0, 0.0)
 
-    def _plan(self, shape: DispatchShape) -> StepPlan:
-        """What every step of this dispatch shape runs as: the dispatcher's key, the cache entry
-        (or the reason to run eagerly), the padded sizes and the sampler entries. Remembered
-        until either cache changes; each step still counts its hit or miss."""
-        plan = self._plans.get(shape)
-        if plan is not None and plan.version == self.cache.version + self.sampler_cache.version:
-            return plan
+    def _replan(self, shape: DispatchShape) -> StepPlan:
+        """Plan every step of this dispatch shape (:func:`~graphrt.plans.plan_step`: the
+        dispatcher's key, the cache entry or the reason to run eagerly, the padded sizes and the
+        sampler entries), remembered until either cache changes; each step still counts its hit."""
         plan = plan_step(shape, self.dispatcher, self.cache, self.sampler_cache,
-                         None if self.executor.eager_fallback else self._build_missing,
+                         None if self._eager_fallback else self._builds,
                          pending=self.background, degraded=self.degraded)
-        if len(self._plans) >= defaults.STEP_PLAN_MEMO_LIMIT:
+        if len(self._plans) >= STEP_PLAN_MEMO_LIMIT:
             self._plans.clear()
         self._plans[shape] = plan
         return plan
@@ -404,16 +402,6 @@ class ModelRunner:
         plan, t, r, seconds = self._last
         return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause,
                         plan.wanted)
-
-    def _build_missing(self, cache: GraphCache, cache_key: Any, mode: RuntimeMode,
-                       key: BatchDescriptor | SamplerKey) -> Any:
-        """Without an eager path (XLA), build a missing forward / sampler key into ``cache`` now."""
-        if cache.sealed:
-            logger.warning("graphrt: unplanned build of %s after warm-up", key)
-        t0 = time.perf_counter()
-        entry, nbytes = self.executor.build(mode, key)
-        cache.put(cache_key, entry, seconds=time.perf_counter() - t0, nbytes=nbytes)
-        return entry
 
     # ---- introspection ---------------------------------------------------------------
     @property
@@ -437,7 +425,7 @@ class ModelRunner:
 
     def device_logits(self) -> Any:
         """The last step's logits on the device, its bucket's rows: a torch view (until the next step) or XLA's array."""
-        return self.executor.device_logits(self._last[0].padded_reqs)
+        return self.executor.device_logits(self._last.plan.padded_reqs)
 
     def position_logits(self) -> np.ndarray:
         """With ``num_speculative_tokens = k > 0``: the last step's logits at each real

@@ -29,7 +29,7 @@ from graphrt.core.fields import ModelInputs
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.logprobs import StepOutput, TokenLogprobs
 from graphrt.core.sampling import check_logprobs_limit, logprobs as logprobs_count
-from graphrt.plans import LOGPROBS, StepPlan, plan_sampler
+from graphrt.plans import LOGPROBS, SamplerEntry, StepArgs, StepPlan, plan_sampler
 
 
 class StepOutputs:
@@ -63,13 +63,14 @@ class StepOutputs:
         return np.array([-1 if c is None else c for c in counts], np.int64)
 
     def finish(self, plan: StepPlan, padded: ModelInputs, logits: Any, sampling: SamplingBatch | None, wait: bool,
-               prompt_counts: np.ndarray | None, step: tuple[np.ndarray, ...]) -> tuple[Any, Any]:
-        """After the forward: prompt logprobs (``prompt_counts`` from :meth:`check`; ``step`` is the
-        caller's token table, rows, computed and scheduled tokens), then the sampler and the
+               prompt_counts: np.ndarray | None, step: StepArgs) -> tuple[Any, Any]:
+        """After the forward: prompt logprobs (``prompt_counts`` from :meth:`check`; ``step`` the
+        caller's arguments: its token table, rows, computed and scheduled tokens), then the sampler and the
         logprobs graph. Returns ``(the step's result, (the sampler's output, requests) for future
         tokens, or None)``; the result is a :class:`StepOutput`, or with ``wait=False`` on an
         asynchronous executor a :class:`PendingTokens` of it."""
-        prompt = None if prompt_counts is None else self.prompt(prompt_counts, padded, *step)
+        prompt = None if prompt_counts is None else self.prompt(
+            prompt_counts, padded, step.token_ids, step.req_rows, step.num_computed_tokens, step.num_scheduled_tokens)
         if sampling is None:
             return StepOutput(None, None, prompt), None
         out, sampled = self.sample(plan, logits, sampling.num_reqs, sampling, wait, prompt)
@@ -109,7 +110,7 @@ class StepOutputs:
         the sampler's output for future tokens)``. The result is a :class:`StepOutput`, or with
         ``wait=False`` on an asynchronous executor a :class:`PendingTokens` of it."""
         ex, r = self.executor, num_reqs
-        entry = plan_sampler(plan, sampler_key(sampling, plan.padded_reqs, ex.vocab_size), self.sampler_cache)[1][1]
+        entry = plan_sampler(plan, sampler_key(sampling, plan.padded_reqs, ex.vocab_size), self.sampler_cache).entry
         on_device = ex.async_execution
         sampled = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry, wait=not on_device)
         handle = None
@@ -134,7 +135,7 @@ class StepOutputs:
         if entry is None and not self.executor.eager_fallback:
             entry = self._build_missing(self.sampler_cache, key, RuntimeMode.FULL, key)
             eager = cause = None
-            plan.sampler[LOGPROBS] = (key, entry, None, None)
+            plan.sampler[LOGPROBS] = SamplerEntry(key, entry, None, None)
         self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=num_reqs,
                                        padded_reqs=plan.padded_reqs, eager_reason=eager,
                                        eager_cause=cause, key=key, hit=entry is not None)

@@ -21,9 +21,12 @@ from tqdm.auto import tqdm
 
 from graphrt.backends.base import Executor
 from graphrt.core.cache import GraphCache, describe_key
-from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError
+
+#: ``warmup=`` values of ``graphrt.LLM`` / ``ModelRunner``, and the LLM's default (docs/api.md,
+#: "Warm-up": why).
+WARMUP_MODES = ("upfront", "background")
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ def warmup_mode(warmup: bool | str | None) -> str | None:
         return None
     if warmup == "background":
         return "background"
-    raise ConfigError(f"warmup: must be one of {list(defaults.WARMUP_MODES)}, True or False; got {warmup!r}")
+    raise ConfigError(f"warmup: must be one of {list(WARMUP_MODES)}, True or False; got {warmup!r}")
 
 
 def graphs_for(mode: GraphMode, uniform: bool) -> bool:

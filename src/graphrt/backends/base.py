@@ -63,9 +63,29 @@ class LoraSlots(abc.ABC):
         """Empty ``slot``; False when it held nothing."""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an executor can do, as one record (:attr:`Executor.capabilities`): each field is the
+    executor attribute of that name, declared by its class (documented there)."""
+
+    has_graphs: bool
+    attention_support: AttentionGraphSupport
+    supports_piecewise: bool
+    eager_fallback: bool
+    async_execution: bool
+    device_runs_ahead: bool
+    keyed_host_values: tuple[str, ...]
+    graphs_share_memory: bool
+
+
 class Executor(abc.ABC, Generic[EntryT]):
     """The device side of a ModelRunner, building and running entries of type ``EntryT``
-    (``TorchExecutor``: captured graphs; ``XlaExecutor``: compiled executables)."""
+    (``TorchExecutor``: captured graphs; ``XlaExecutor``: compiled executables).
+
+    This class is the whole contract: the runner, warm-up, graph memory and
+    ``graphrt.testing`` use an executor only through the members declared here
+    (``tests/project/test_executor_contract.py`` checks it); callers read what it can do from
+    :attr:`capabilities`, not from the separate flags."""
 
     #: Whether this executor captures or compiles anything (False: every step is eager).
     has_graphs: bool = True
@@ -115,6 +135,60 @@ class Executor(abc.ABC, Generic[EntryT]):
     num_state_slots: int | None = None
     state_memory: Any = None
 
+    #: Where the model's weights and the KV cache live, and their element type (``torch.device``
+    #: / ``torch.dtype``, or jax's); what ``graphrt.testing`` reads to build comparable inputs.
+    device: Any = None
+    dtype: Any = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this executor can do, read from its declared flags (one record for callers)."""
+        return Capabilities(bool(self.has_graphs), self.attention_support, bool(self.supports_piecewise),
+                            bool(self.eager_fallback), bool(self.async_execution), bool(self.device_runs_ahead),
+                            tuple(self.keyed_host_values), bool(self.graphs_share_memory))
+
+    #: The devices of a sharded executor (a ``jax.sharding.Mesh``); None on a single device.
+    mesh: Any = None
+    #: The KV cache as one array ``[layers, 2, slots + 1, kv_heads, head_dim]`` (torch tensor or
+    #: jax array) where the model stores one standard layout, else None (:meth:`kv_views`).
+    kv_cache: Any = None
+    #: A hybrid model's recurrent-state arrays, ``[slots + 1, checkpoints, ...]`` each (docs/hybrid.md).
+    state_caches: Sequence[Any] = ()
+    #: Whether the model allocates and holds its KV cache itself (a ``KVCacheSpec.owned_by_model``).
+    kv_owned_by_model: bool = False
+
+    @property
+    def build_count(self) -> int:
+        """How many entries this executor has built (captured or compiled) so far: warm-up's and
+        on-demand builds alike (XLA: every compile its counters saw). Default: not counted, 0."""
+        return 0
+
+    def input_ptrs(self) -> dict[str, int]:
+        """The device addresses of the static input buffers a built entry reads, by name (a
+        replay reads them in place: they must never move). Default: none, {} (an executor whose
+        entries take their inputs as arguments, XLA)."""
+        return {}
+
+    def kv_views(self) -> list[Any]:
+        """The stored KV layouts, one array each (several where K and V of other sizes, MLA or
+        mixed dtypes are stored apart); what tests compare and corrupt. Default: :attr:`kv_cache`."""
+        return [] if self.kv_cache is None else [self.kv_cache]
+
+    def kv_as_rows(self, host: np.ndarray, block_size: int) -> np.ndarray:
+        """A host copy of :attr:`kv_cache` in the reference layout ``[layers, 2, slots + 1, ...]``
+        (an XLA cache in the Pallas page layout converts). Default: it is that layout."""
+        return host
+
+    def kv_from_rows(self, values: np.ndarray, block_size: int) -> np.ndarray:
+        """The inverse of :meth:`kv_as_rows`: reference-layout ``values`` in the stored layout."""
+        return values
+
+    def device_buffers(self) -> dict[str, Any]:
+        """Every device buffer a step writes besides the KV and state caches, by name (static
+        inputs, outputs, the sampler's state): what a test checks a refused step left alone.
+        Default: none, {} (XLA: immutable arrays, nothing written in place)."""
+        return {}
+
     @abc.abstractmethod
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes over all layers."""
@@ -151,11 +225,12 @@ class Executor(abc.ABC, Generic[EntryT]):
 
     @abc.abstractmethod
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: EntryT | None = None, wait: bool = True) -> Any:
-        """One token id per real request (int64): the sampler ``entry`` built for
-        ``SamplerKey(padded_reqs, sampling.all_greedy)`` replayed / called on the first
-        ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry`` is None
-        (``eager_fallback`` executors only; for the others the runner builds it first). With
+               padded_reqs: int | None = None, entry: EntryT | None = None, wait: bool = True,
+               key: SamplerKey | None = None) -> Any:
+        """One token id per real request (int64): the sampler ``entry`` built for ``key`` (None:
+        ``sampler_key(sampling, padded_reqs, vocab_size)``, which the runner passes) replayed /
+        called on the first ``padded_reqs`` logits rows, or the sampler run eagerly when ``entry``
+        is None (``eager_fallback`` executors only; for the others the runner builds it first). With
         ``wait=False`` (``async_execution`` executors) the device's tokens, for
         :meth:`fetch_tokens`; synchronous executors always return the host tokens."""
 
@@ -262,8 +337,10 @@ class Backend(abc.ABC):
         model of another framework (ConfigError). Default: no check."""
 
     @abc.abstractmethod
-    def create_executor(self, model: Any, config: Any) -> Executor:
-        """The executor that runs ``model`` under ``config`` on this backend's device."""
+    def create_executor(self, model: Any, config: Any, dtype: Any = None) -> Executor:
+        """The executor that runs ``model`` under ``config`` on this backend's device; ``dtype``
+        (checked by ``backends.preflight``) is what tensor-parallel ranks load their shards in,
+        where ``model`` is still a directory. Backends that load no shards ignore it."""
 
     def graphs(self, fn: Callable[..., Any], cache: GraphCache | None = None, **options: Any) -> Any:
         """``fn`` captured / compiled once per key and run per step: the piece an engine with

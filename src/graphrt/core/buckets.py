@@ -12,8 +12,19 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
+
+#: vLLM's default capture sizes: [1, 2, 4] then every 8 below 256, then every 16.
+VLLM_SMALL_SIZES = (1, 2, 4)
+VLLM_STEP_BELOW_256 = 8
+VLLM_STEP_FROM_256 = 16
+VLLM_STEP_SWITCH = 256
+#: SGLang's default cuda-graph batch sizes: [1, 2, 4, 8, 12], every 8 up to 256, every 16
+#: up to 512, every 32 beyond.
+SGLANG_SMALL_SIZES = (1, 2, 4, 8, 12)
+SGLANG_SCHEDULE = ((16, 256, 8), (272, 511, 16), (512, None, 32))  # (start, stop inclusive, step)
+#: Largest histogram size BucketPolicy.fit solves exactly (O(n^2 * k) dynamic programme).
+FIT_MAX_DISTINCT_SIZES = 4096
 
 
 class BucketPolicy:
@@ -93,18 +104,18 @@ class BucketPolicy:
     def vllm_default(cls, max_size: int) -> "BucketPolicy":
         """vLLM's capture sizes: [1, 2, 4], every 8 below 256, every 16 from 256; max included."""
         _check_max(max_size)
-        sizes = [s for s in defaults.VLLM_SMALL_SIZES if s <= max_size]
-        sizes += range(defaults.VLLM_STEP_BELOW_256, min(max_size, defaults.VLLM_STEP_SWITCH - 1) + 1,
-                       defaults.VLLM_STEP_BELOW_256)
-        sizes += range(defaults.VLLM_STEP_SWITCH, max_size + 1, defaults.VLLM_STEP_FROM_256)
+        sizes = [s for s in VLLM_SMALL_SIZES if s <= max_size]
+        sizes += range(VLLM_STEP_BELOW_256, min(max_size, VLLM_STEP_SWITCH - 1) + 1,
+                       VLLM_STEP_BELOW_256)
+        sizes += range(VLLM_STEP_SWITCH, max_size + 1, VLLM_STEP_FROM_256)
         return cls(sizes + [max_size])
 
     @classmethod
     def sglang_default(cls, max_size: int) -> "BucketPolicy":
         """SGLang's cuda-graph batch sizes: [1, 2, 4, 8, 12], every 8 to 256, 16 to 512, 32 beyond."""
         _check_max(max_size)
-        sizes = [s for s in defaults.SGLANG_SMALL_SIZES if s <= max_size]
-        for start, stop, step in defaults.SGLANG_SCHEDULE:
+        sizes = [s for s in SGLANG_SMALL_SIZES if s <= max_size]
+        for start, stop, step in SGLANG_SCHEDULE:
             end = max_size if stop is None else min(stop, max_size)
             sizes += range(start, end + 1, step)
         return cls(sizes + [max_size])
@@ -150,8 +161,8 @@ class BucketPolicy:
             raise ConfigError("fit needs at least one observed size with a positive count")
         if items[0][0] <= 0:
             raise ConfigError(f"observed sizes must be positive, got {items[0][0]}")
-        if len(items) > defaults.FIT_MAX_DISTINCT_SIZES:
-            raise ConfigError(f"fit solves at most {defaults.FIT_MAX_DISTINCT_SIZES} distinct sizes "
+        if len(items) > FIT_MAX_DISTINCT_SIZES:
+            raise ConfigError(f"fit solves at most {FIT_MAX_DISTINCT_SIZES} distinct sizes "
                               f"exactly, got {len(items)}; bin the histogram first")
         return cls(_fit_sizes(items, max_buckets))
 

@@ -258,8 +258,16 @@ class GraphCache(Generic[E]):
             by_cause = s.eager_by_cause[eager_cause]
             by_cause.steps += 1
             by_cause.tokens += real_tokens
-        if key is not None and (hit or eager_reason is None or eager_cause is not EagerCause.CAPTURE_FAILED):
-            self.count(key, hit)        # a failed capture is no miss: it counts under its cause
+        if key is None:
+            return
+        if hit:                         # :meth:`count`, inline: every step counts its lookup here
+            per_key = s.per_key.get(key)
+            if per_key is None:
+                raise GraphrtError(f"GraphCache.count: a hit on {describe_key(key)}, which has no entry")
+            s.hits += 1
+            per_key.hits += 1
+        elif eager_reason is None or eager_cause is not EagerCause.CAPTURE_FAILED:
+            s.misses += 1               # a failed capture is no miss: it counts under its cause
 
     def record_call(self, key: Hashable, *, hit: bool | None, num_tokens: int | None = None,
                     num_reqs: int | None = None, eager_cause: EagerCause | None = None,

@@ -25,20 +25,11 @@ QUERY_START_LOC_FILL = PAD_REPEAT_LAST
 #: Block 0 of every KV cache is reserved: it is the fill for unused block-table entries.
 NULL_BLOCK = 0
 
-#: vLLM's default capture sizes: [1, 2, 4] then every 8 below 256, then every 16.
-VLLM_SMALL_SIZES = (1, 2, 4)
-VLLM_STEP_BELOW_256 = 8
-VLLM_STEP_FROM_256 = 16
-VLLM_STEP_SWITCH = 256
 #: vLLM caps the default largest capture size at this many tokens (times 1 + num_speculative_tokens
 #: with speculative decoding: decode requests, not tokens); graphrt never caps it below max_num_seqs,
 #: so the configured largest decode batch always has a FULL graph.
 VLLM_DEFAULT_MAX_CAPTURE_SIZE = 512
 
-#: SGLang's default cuda-graph batch sizes: [1, 2, 4, 8, 12], every 8 up to 256, every 16
-#: up to 512, every 32 beyond.
-SGLANG_SMALL_SIZES = (1, 2, 4, 8, 12)
-SGLANG_SCHEDULE = ((16, 256, 8), (272, 511, 16), (512, None, 32))  # (start, stop inclusive, step)
 
 #: Default serving limits (vLLM's flag names).
 DEFAULT_MAX_NUM_SEQS = 256
@@ -58,10 +49,6 @@ DEFAULT_BLOCK_SIZE = 16
 #: Fraction of free device memory the KV cache may take when sized from a budget.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
-#: Ascend ACL graph: at most this many captured graphs (2048 streams, 248 kept spare).
-ACL_MAX_CAPTURE_SIZE = 1800
-#: Ascend A3 / FFTS+ path: streams each communication group may take.
-ACL_STREAMS_PER_COMM_GROUP = 40
 
 #: Background warm-up (graphrt/background.py): after a step, the builder keeps building for this
 #: long (at least one key) before the next step may run ...
@@ -72,9 +59,6 @@ BACKGROUND_IDLE_S = 0.05
 BACKGROUND_START_IDLE_S = 1.0
 #: How often the builder thread checks its tasks (traffic re-fits) once nothing is pending.
 BACKGROUND_TASK_S = 0.25
-#: ``warmup=`` values of ``graphrt.LLM`` / ``ModelRunner``, and the LLM's default (docs/api.md,
-#: "Warm-up": why).
-WARMUP_MODES = ("upfront", "background")
 DEFAULT_LLM_WARMUP = "upfront"
 
 #: Traffic re-fit (graphrt/traffic.py): the step-size histogram of earlier windows is weighted
@@ -85,8 +69,6 @@ TRAFFIC_DECAY = 0.5
 TRAFFIC_MIN_STEPS = 32
 TRAFFIC_MIN_GAIN = 0.05
 
-#: Largest histogram size BucketPolicy.fit solves exactly (O(n^2 * k) dynamic programme).
-FIT_MAX_DISTINCT_SIZES = 4096
 
 #: KV cache budget on devices that cannot report free memory (the CPU backends). A KV size,
 #: not a device budget: graph memory is deducted only from a given ``kv_cache_memory`` or
@@ -155,9 +137,6 @@ CAPTURE_WARMUP_RUNS = 1
 #: ``compile_model``: largest bucket (tokens) whose pieces are compiled before capture
 #: (SGLang's default ``torch_compile_max_bs``); larger buckets are captured uncompiled.
 DEFAULT_COMPILE_MAX_SIZE = 32
-#: Ascend: environment variable and value selecting HCCL's AIV expansion mode (vllm-ascend's ACL graph setup).
-ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
-ACL_AIV_VALUE = "AIV"
 #: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, models/torch/ascend_attention.py),
 #: as torch_npu documents it: ``sparse_mode`` 3 is the bottom-right-aligned causal mask, passed as a
 #: compressed upper-triangular ``[2048, 2048]`` bool mask; paged KV blocks of a multiple of 128 tokens,
@@ -182,8 +161,6 @@ NO_LORA = -1
 #: Fill of the adapter-group table past a step's active adapters: a slot no token holds.
 LORA_GROUP_PAD = -2
 
-#: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
-STEP_PLAN_MEMO_LIMIT = 1 << 16
 #: Distinct (tokens, requests) shapes whose output views an InputPreparer keeps.
 PREPARE_VIEW_MEMO_LIMIT = 1 << 12
 
@@ -194,11 +171,7 @@ MODEL_DTYPE_NAMES: dict[str, str] = {"float32": "float32", "float": "float32", "
                                      "float16": "float16", "half": "float16", "fp16": "float16",
                                      "bfloat16": "bfloat16", "bf16": "bfloat16",
                                      "float64": "float64", "double": "float64", "fp64": "float64"}
-DEFAULT_MODEL_DTYPE = "float32"
 
-#: ``graphrt.tolerance``: machine epsilon (2**-mantissa bits) of the float dtypes it knows.
-DTYPE_EPS: dict[str, float] = {"float64": 2.0**-52, "float32": 2.0**-23,
-                               "float16": 2.0**-10, "bfloat16": 2.0**-7}
 #: ``graphrt.tolerance``: a step's real outputs at two padded sizes may differ by this many
 #: eps of the accumulation dtype (float32; float64 for float64): another row count makes
 #: the CPU GEMM / GPU BLAS pick another kernel, which sums the same products in another
@@ -214,14 +187,6 @@ TOLERANCE_ROUNDING_EPS = 4
 #: sqrt(width / this), the growth of a reordered sum's rounding with its length.
 TOLERANCE_CALIBRATION_WIDTH = 256
 
-#: ``graphrt.core.numerics.kv_quantization_tolerance``: machine epsilon (2**-mantissa bits) of
-#: the fp8 KV-cache formats; a stored value is off by at most half of it, relatively.
-FP8_DTYPE_EPS: dict[str, float] = {"float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0**-2}
-#: ... and how many of those eps attention over an fp8 cache may differ from attention over
-#: the unquantized cache, relative to the outputs' magnitude (at least 1). Measured at most
-#: 0.68 eps (float8_e4m3fn: 0.085) and 0.56 eps (float8_e5m2: 0.14) over 120 random steps
-#: (head_dim 16-128, contexts up to 330, scales 0.25-3, windows), so 1 eps leaves a 1.5x margin.
-KV_QUANTIZATION_TOLERANCE_EPS = 1.0
 
 #: ``kv_cache_dtype`` (GraphConfig, graphrt.LLM, ``--kv-cache-dtype``): vLLM's spellings and the
 #: KV-cache dtype each means; "auto" is the KV cache spec's own dtype, else the weights'. The fp8
@@ -233,9 +198,6 @@ KV_CACHE_DTYPE_NAMES: dict[str, str] = {**MODEL_DTYPE_NAMES,     # every spellin
 #: A Qwen3 config.json without ``max_window_layers`` slides (with ``use_sliding_window``) the layers
 #: from this one on: transformers' Qwen3Config default, read by models/hf_config.py.
 QWEN3_MAX_WINDOW_LAYERS = 28
-#: Bytes of one element of each KV-cache dtype (core/kv_spec.py sizes the cache with them).
-KV_CACHE_DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-                                        "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 #: Sampling seeds are integers in [0, SAMPLING_SEED_LIMIT): 64 bits, the XLA sampler's whole
 #: threefry2x32 key (two 32-bit halves), a CUDA Philox seed, and the key of the numpy Philox
@@ -294,17 +256,12 @@ DEFAULT_DISABLE_OVERLAP_SCHEDULE = False
 #: What a firing watchdog does after logging: "raise" (the step fails; the engine refuses to
 #: step until ``llm.watchdog.reset()``) or "kill" (SIGKILL its own process, as SGLang does).
 DEFAULT_WATCHDOG_ACTION = "raise"
-#: The watchdog thread wakes this often (at most; timeout / 2 for shorter timeouts) to notice a
-#: new forward -- arming one only stores a timestamp -- then sleeps until its deadline.
-WATCHDOG_POLL_INTERVAL = 1.0
-#: close() waits this long for the watchdog thread to end (it is a daemon thread either way).
-WATCHDOG_JOIN_TIMEOUT = 5.0
 #: ``graphrt.LLM.close()`` waits this long for a step running on another thread to end (the
 #: watchdog's and the tensor-parallel timeout: a step still running then is hung); past it, or
 #: at once after the watchdog fired, it closes under the step, which then fails.
 LLM_CLOSE_WAIT_S = 300.0
 
-#: Tensor-parallel step channel (graphrt.core.step_channel): data bytes of the shared-memory
+#: Tensor-parallel step channel (graphrt.backends.torch.tp_channel): data bytes of the shared-memory
 #: segment (a 256-request step with a 512-column block table is about 0.6 MiB), arrays per
 #: step, and how long rank 0 / a worker waits for the other side before calling it dead.
 STEP_CHANNEL_BYTES = 8 << 20
@@ -345,36 +302,18 @@ TP_FAULT_GRACE_S = 1.0
 #: ... how workers start: "forkserver" (Linux: torch is imported once, in the fork server, so
 #: later engines' workers start in milliseconds) or "spawn" (where forkserver is missing).
 TP_WORKER_START_METHOD = "forkserver"
-#: ... the gloo control group's timeout: under torchrun idle workers wait on it for rank 0's
-#: next call, for as long as the engine lives (rank 0 exiting ends the wait at once).
-TP_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
 #: Tensor parallelism of the torch backends (vLLM's ``tensor_parallel_size``): the ranks each
 #: model is sharded over (models/torch/parallel.py); 1 runs the unsharded model and needs no
 #: process group.
 DEFAULT_TENSOR_PARALLEL_SIZE = 1
 
-#: graphrt.DataParallelLLM: worker processes (SGLang's ``--data-parallel-size``; 1 there means
-#: no DP) and how requests are spread over them (SGLang's ``--load-balance-method`` and default).
-DEFAULT_DATA_PARALLEL_SIZE = 2
-DEFAULT_LOAD_BALANCE_METHOD = "round_robin"
-#: ... the environment variable a worker's ``device_ids`` entry is written to.
-DP_DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
-#: ... seconds: for every worker to load its model and warm up; for workers to stop after
-#: close() asks them (then terminate, then kill, each waited this long); for stats replies.
-DP_WORKER_START_TIMEOUT_S = 600.0
 DP_WORKER_JOIN_TIMEOUT_S = 10.0
-DP_WORKER_KILL_TIMEOUT_S = 5.0
-DP_STATS_TIMEOUT_S = 30.0
-#: ... seconds ``step()`` waits for an output by default, and the longest single wait on the
-#: workers' pipes (a dead worker is seen at once through its process sentinel regardless).
-DP_STEP_WAIT_S = 0.05
 DP_POLL_INTERVAL_S = 0.1
 
 #: Memory bounds checked before allocating (graphrt.core.memory_bounds): where shared-memory
 #: segments live (a tmpfs), and the bytes assumed where the system cannot report its RAM.
 SHARED_MEMORY_DIR = "/dev/shm"
-UNKNOWN_MEMORY_BYTES = 2**40
 
 #: FlashInfer attention (models/torch/flashinfer_attention.py): the float workspace its wrappers
 #: share (FlashInfer's recommended 128 MiB), and the kernel backend asked for. "fa2": its

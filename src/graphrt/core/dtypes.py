@@ -16,14 +16,16 @@ from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 from graphrt.core.numerics import dtype_name
 
+DEFAULT_MODEL_DTYPE = "float32"
+
 
 def model_dtype(value: Any, checkpoint: str | None = None) -> str:
     """The canonical name (``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``) of the
-    weights' dtype ``value``: None is ``defaults.DEFAULT_MODEL_DTYPE``; ``"auto"`` is the
+    weights' dtype ``value``: None is ``DEFAULT_MODEL_DTYPE``; ``"auto"`` is the
     checkpoint's ``torch_dtype`` (``checkpoint``; ``"auto"`` stays ``"auto"`` until a backend
     loading a directory knows it). Raises :class:`ConfigError` naming ``dtype``."""
     if value is None:
-        return defaults.DEFAULT_MODEL_DTYPE
+        return DEFAULT_MODEL_DTYPE
     if isinstance(value, str):
         key = value.strip().lower().removeprefix("torch.")
         if key == "auto":

@@ -192,7 +192,8 @@ class InputPreparer:
         tokens, blocks, rows, computed, scheduled = self._step_arrays(
             token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens,
             int64_requests=True)
-        states = self._state_table(state_slots, blocks.shape[0])
+        states = (self._no_state if state_slots is None and self.num_state_slots is None else
+                  self._state_table(state_slots, blocks.shape[0]))
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
         width = self.table_width or blocks.shape[1]         # a wider table's extra columns: not written
         if width != self._width:
@@ -224,7 +225,8 @@ class InputPreparer:
         tokens, blocks, rows, computed, scheduled = self._step_arrays(
             token_ids, block_table, req_rows, num_computed_tokens, num_scheduled_tokens,
             int64_requests=False)
-        states = self._state_table(state_slots, blocks.shape[0])
+        states = (self._no_state if state_slots is None and self.num_state_slots is None else
+                  self._state_table(state_slots, blocks.shape[0]))
         bs = self.block_size if block_size is None else _check_block_size(int(block_size))
         code, request, at, num_tokens, max_query_len, max_seq_len = self._check_step(
             tokens, blocks, rows, computed, scheduled, bs, self.max_num_tokens, self._vocab_bound,

@@ -35,6 +35,15 @@ from typing import Any, Collection, Iterable
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 
+#: Bytes of one element of each KV-cache dtype (core/kv_spec.py sizes the cache with them).
+KV_CACHE_DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+                                        "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+def blocks_for(tokens: Any, block_size: int) -> Any:
+    """KV blocks that hold ``tokens`` tokens (a ceiling division; ints or arrays alike)."""
+    return -(-tokens // block_size)
+
+
 #: The model method (and the prefix of every field named in an error).
 SPEC_FIELD = "kv_cache_spec"
 
@@ -87,7 +96,7 @@ class KVCacheGroup:
     def row_bytes(self) -> int:
         """Bytes of one token slot of one layer (a resolved group: ``dtype`` a known name)."""
         elements = self.latent_dim if self.is_mla else self.num_kv_heads * (self.head_size + self.v_head_size)
-        return elements * defaults.KV_CACHE_DTYPE_BYTES[self.dtype]
+        return elements * KV_CACHE_DTYPE_BYTES[self.dtype]
 
     def storage_key(self) -> tuple[Any, ...]:
         """What the stored tensors depend on: layers of equal keys share one allocation (the
@@ -284,4 +293,4 @@ def _group_dtype(declared: Any, field: str, config_dtype: str, model_dtype: Any,
     return name
 
 
-__all__ = ["KVCacheGroup", "KVCacheSpec", "SPEC_FIELD", "as_kv_spec", "kv_cache_dtype_name", "resolve_kv_spec"]
+__all__ = ["KVCacheGroup", "blocks_for", "KVCacheSpec", "SPEC_FIELD", "as_kv_spec", "kv_cache_dtype_name", "resolve_kv_spec"]

@@ -24,6 +24,8 @@ from typing import Sequence
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 
+UNKNOWN_MEMORY_BYTES = 2**40
+
 
 @dataclass(frozen=True)
 class Need:
@@ -61,12 +63,12 @@ class ModelShape:
 
 
 def physical_memory_bytes() -> int:
-    """Total physical RAM of this machine; ``defaults.UNKNOWN_MEMORY_BYTES`` where the system
+    """Total physical RAM of this machine; ``UNKNOWN_MEMORY_BYTES`` where the system
     cannot say."""
     try:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, ValueError, OSError):
-        return defaults.UNKNOWN_MEMORY_BYTES
+        return UNKNOWN_MEMORY_BYTES
 
 
 def shared_memory_bytes(path: str = defaults.SHARED_MEMORY_DIR) -> int:

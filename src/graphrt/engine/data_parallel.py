@@ -47,6 +47,21 @@ from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.engine.validation import params_per_prompt, validate_request
 
+#: graphrt.DataParallelLLM: worker processes (SGLang's ``--data-parallel-size``; 1 there means
+#: no DP) and how requests are spread over them (SGLang's ``--load-balance-method`` and default).
+DEFAULT_DATA_PARALLEL_SIZE = 2
+DEFAULT_LOAD_BALANCE_METHOD = "round_robin"
+#: ... the environment variable a worker's ``device_ids`` entry is written to.
+DP_DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
+#: ... seconds: for every worker to load its model and warm up; for workers to stop after
+#: close() asks them (then terminate, then kill, each waited this long); for stats replies.
+DP_WORKER_START_TIMEOUT_S = 600.0
+DP_WORKER_KILL_TIMEOUT_S = 5.0
+DP_STATS_TIMEOUT_S = 30.0
+#: ... seconds ``step()`` waits for an output by default, and the longest single wait on the
+#: workers' pipes (a dead worker is seen at once through its process sentinel regardless).
+DP_STEP_WAIT_S = 0.05
+
 #: SGLang's ``--load-balance-method`` values that graphrt implements.
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
@@ -90,7 +105,7 @@ def _shutdown(key: int) -> None:
         for stop in (w.process.terminate, w.process.kill):
             if w.process.is_alive():
                 stop()
-                w.process.join(defaults.DP_WORKER_KILL_TIMEOUT_S)
+                w.process.join(DP_WORKER_KILL_TIMEOUT_S)
         w.requests.close()
         w.replies.close()
 
@@ -127,11 +142,11 @@ class DataParallelLLM:
     """
 
     def __init__(self, model: str | os.PathLike, *,
-                 data_parallel_size: int = defaults.DEFAULT_DATA_PARALLEL_SIZE,
-                 load_balance_method: str = defaults.DEFAULT_LOAD_BALANCE_METHOD,
+                 data_parallel_size: int = DEFAULT_DATA_PARALLEL_SIZE,
+                 load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
                  device_ids: Sequence[int | str] | None = None,
-                 device_env: str = defaults.DP_DEVICE_ENV,
-                 start_timeout: float = defaults.DP_WORKER_START_TIMEOUT_S,
+                 device_env: str = DP_DEVICE_ENV,
+                 start_timeout: float = DP_WORKER_START_TIMEOUT_S,
                  **llm_kwargs: Any) -> None:
         if not (isinstance(model, str) or hasattr(model, "__fspath__")):
             raise InputError("model", f"pass the model's directory (each worker process loads it), "
@@ -229,7 +244,7 @@ class DataParallelLLM:
             self._streamed.add(rid)
             return rid
 
-    def step(self, timeout: float = defaults.DP_STEP_WAIT_S) -> list[RequestOutput]:
+    def step(self, timeout: float = DP_STEP_WAIT_S) -> list[RequestOutput]:
         """The ``add_request`` outputs received since the last call (in arrival order),
         waiting up to ``timeout`` seconds for one while any is unfinished."""
         deadline = time.monotonic() + timeout
@@ -270,7 +285,7 @@ class DataParallelLLM:
                 except (OSError, ValueError):
                     self._pump(0.0)     # it died: the sentinel says so
             self._await(lambda: all(w.stats is not None or w.dead is not None for w in live),
-                        defaults.DP_STATS_TIMEOUT_S, "to report stats", raise_dead=False)
+                        DP_STATS_TIMEOUT_S, "to report stats", raise_dead=False)
             return {"data_parallel_size": self.data_parallel_size,
                     "load_balance_method": self.load_balance_method,
                     "workers": [{"rank": w.rank, "pid": w.pid, "alive": w.dead is None,
@@ -378,7 +393,7 @@ class DataParallelLLM:
             w.fault = msg[1]
 
     def _mark_dead(self, w: _Worker) -> None:
-        w.process.join(defaults.DP_WORKER_KILL_TIMEOUT_S)   # its pipe closed: it is ending
+        w.process.join(DP_WORKER_KILL_TIMEOUT_S)   # its pipe closed: it is ending
         code = w.process.exitcode
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
                f"exited with code {code}" if code is not None else "closed its pipe")

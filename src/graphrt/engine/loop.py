@@ -138,7 +138,8 @@ class StepLoop:
         A step whose launch fails finishes its requests with an error; KeyboardInterrupt and
         kin leave them queued, unadvanced (the next step recomputes the same tokens, and the
         KV too if it was lost), and a resolve they interrupt is completed by the next step."""
-        self.watchdog.check()               # refused after a watchdog timeout until reset()
+        if self.watchdog.error is not None:
+            self.watchdog.check()           # refused after a watchdog timeout until reset()
         if self.runner.executor.kv_cache_resets != self._kv_resets_seen:
             self._recover_kv(None, [])      # re-created outside a step: cached KV is gone too
         finished: list[RequestOutput] = []

@@ -24,6 +24,7 @@ from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.prefix_cache import Match, Node, PrefixCache, block_keys
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.engine.schedule_policy import SchedulePolicy
+from graphrt.core.kv_spec import blocks_for
 
 
 class Status(enum.Enum):
@@ -157,7 +158,7 @@ class Scheduler:
 
     def _grow(self, req: Request, num_new: int) -> bool:
         """Give ``req`` the blocks it lacks to hold ``num_new`` more tokens; False if none are free."""
-        extra = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.blocks)
+        extra = -(-(req.num_computed_tokens + num_new) // self.block_size) - len(req.blocks)   # blocks_for, inline: every step
         if extra <= 0:
             return True
         got = self.allocator.allocate(extra)
@@ -317,7 +318,7 @@ class Scheduler:
         cached = match.num_blocks * self.block_size if match is not None else 0
         extend = req.num_tokens - cached
         if self._rem_kv is not None:
-            need = -(-extend // self.block_size) * self.block_size + self._estimate_out(req)
+            need = blocks_for(extend, self.block_size) * self.block_size + self._estimate_out(req)
             if need > self._rem_kv and self.running:
                 return None   # with nothing running, the head runs whatever the estimate
             self._rem_kv -= need

@@ -14,6 +14,7 @@ from graphrt.core.errors import InputError
 from graphrt.core.sampling import check_logprobs_limit
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import DecoderConfig, model_max_len
+from graphrt.core.kv_spec import blocks_for
 
 
 def engine_config(model: Any, config: GraphConfig | None, max_model_len: int | None, **fields: Any) -> GraphConfig:
@@ -72,7 +73,7 @@ def validate_request(prompt: Sequence[int], params: SamplingParams, where: str, 
         bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
         raise InputError(where, f"token id {bad} outside the vocabulary [0, {vocab_size})")
     total = min(len(prompt) + params.max_tokens, cfg.max_model_len)
-    blocks = -(-total // cfg.block_size)
+    blocks = blocks_for(total, cfg.block_size)
     if blocks > kv_capacity:
         raise InputError(where, f"needs {blocks} KV blocks for {total} tokens but the cache holds "
                                 f"{kv_capacity}; lower max_tokens or add KV blocks")

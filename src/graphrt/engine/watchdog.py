@@ -3,7 +3,7 @@
 ``graphrt.LLM`` arms the watchdog around each forward (one ``runner.execute`` call) and
 disarms it after; arming stores a monotonic timestamp, a counter and the step, disarming
 clears a flag under an uncontended lock. One daemon thread polls (every
-``defaults.WATCHDOG_POLL_INTERVAL`` s, or timeout / 2 if shorter) and, once it has seen a
+``WATCHDOG_POLL_INTERVAL`` s, or timeout / 2 if shorter) and, once it has seen a
 forward start, sleeps until that forward's deadline. When the deadline passes with the same
 forward still running, it
 
@@ -41,6 +41,12 @@ from typing import Any, Callable
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError, WatchdogTimeout
 
+#: The watchdog thread wakes this often (at most; timeout / 2 for shorter timeouts) to notice a
+#: new forward -- arming one only stores a timestamp -- then sleeps until its deadline.
+WATCHDOG_POLL_INTERVAL = 1.0
+#: close() waits this long for the watchdog thread to end (it is a daemon thread either way).
+WATCHDOG_JOIN_TIMEOUT = 5.0
+
 logger = logging.getLogger(__name__)
 
 #: What a firing watchdog does after logging (``watchdog_action``).
@@ -66,7 +72,7 @@ class Watchdog:
             raise ConfigError("Watchdog: watchdog_timeout must be > 0 (None / 0 means no watchdog)")
         self.timeout = float(timeout)
         self.action = action
-        self.poll_interval = (min(defaults.WATCHDOG_POLL_INTERVAL, self.timeout / 2)
+        self.poll_interval = (min(WATCHDOG_POLL_INTERVAL, self.timeout / 2)
                               if poll_interval is None else float(poll_interval))
         self.error: WatchdogTimeout | None = None   # set when it fires; cleared by reset()
         self.num_fires = 0
@@ -129,7 +135,7 @@ class Watchdog:
         """Stop and join the thread (idempotent; also run when the engine is collected)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(defaults.WATCHDOG_JOIN_TIMEOUT)
+            self._thread.join(WATCHDOG_JOIN_TIMEOUT)
 
     @property
     def alive(self) -> bool:

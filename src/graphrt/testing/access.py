@@ -1,17 +1,16 @@
 """What the properties read and write on the device side, for torch and XLA executors alike.
 
-Every helper takes a :class:`~graphrt.ModelRunner` and works on both kinds of executor
-graphrt ships: torch (``executor.kv_cache`` a ``torch.Tensor``; static buffers in
-``executor.static``) and XLA (``executor.kv_cache`` a ``jax.Array``; no static device
-buffers). torch and jax are imported only when a runner of that framework is seen.
-A backend of your own that keeps its KV cache elsewhere needs only :func:`kv_values`,
-:func:`set_kv` and :func:`kv_bits` adapted.
+Every helper takes a :class:`~graphrt.ModelRunner` and reads its executor only through the
+executor contract (:class:`graphrt.backends.base.Executor`: ``kv_views``, ``kv_cache``,
+``state_caches``, ``device_buffers``, ``build_count``, ...), so a backend of your own is
+tested by implementing that contract. torch and jax are imported only when an array of that
+framework is seen.
 
 The properties address KV slots on axis 2 of a 5-d view. graphrt's usual cache is that view
 (``[layers, 2, slots + 1, kv_heads, head_dim]``); other layouts are shown in one:
 a Pallas-layout XLA cache (TPUs) as the reference layout it stands for, and a torch model
 with several stored layouts (K / V of other head sizes, MLA, mixed dtypes:
-``executor.kv_caches``) as ``[1, 1, slots + 1, features, 1]``, every layout's values of a
+``executor.kv_views()``) as ``[1, 1, slots + 1, features, 1]``, every layout's values of a
 slot side by side.
 """
 
@@ -54,9 +53,9 @@ def _values(value: Any) -> np.ndarray:
 
 
 def _torch_layouts(ex: Any) -> list[Any] | None:
-    """A torch executor's stored KV layouts when there is not one standard tensor, else None."""
-    caches = getattr(ex, "kv_caches", None)
-    if not caches or (len(caches) == 1 and caches[0].dim() == 5):
+    """The executor's stored KV layouts when there is not one standard array, else None."""
+    caches = ex.kv_views()
+    if not caches or (len(caches) == 1 and caches[0].ndim == 5):
         return None
     return list(caches)
 
@@ -68,26 +67,11 @@ def _by_slot(t: Any) -> Any:
     return t.movedim(axis, 0).reshape(t.shape[axis], -1)
 
 
-def _pallas(ex: Any) -> Any:
-    """The XLA programs when graphrt's decoder keeps its cache in the Pallas page layout, else None."""
-    programs = getattr(ex, "programs", None)
-    choice = getattr(programs, "attention", None)
-    return programs if getattr(choice, "kernel", None) == "pallas" else None
-
-
-def _pallas_rows(runner: Any, pages: np.ndarray) -> np.ndarray:
-    from graphrt.models.jax.pallas_attention import pages_to_rows
-
-    return pages_to_rows(pages, runner.executor.model_config.num_hidden_layers, runner.config.block_size)
-
-
 def _no_kv(runner: Any) -> tuple[int, ...] | None:
     """The empty 5-d view of a model without attention layers (a pure Mamba2: no KV cache, only
     recurrent state), else None: ``[0, 2, slots + 1, 1, 1]``."""
     ex = runner.executor
-    if ex.kv_cache is not None or getattr(ex, "kv_caches", None) or getattr(ex, "state_caches", None) is None:
-        return None
-    if getattr(getattr(ex, "kv", None), "spec", None) is not None and ex.kv.spec.owned_by_model:
+    if ex.kv_cache is not None or ex.kv_views() or ex.kv_owned_by_model:
         return None
     return (0, 2, runner.num_kv_blocks * runner.config.block_size + 1, 1, 1)
 
@@ -105,9 +89,7 @@ def kv_values(runner: Any) -> np.ndarray:
 
         flat = torch.cat([_by_slot(t).float() for t in layouts], dim=1)
         return flat.cpu().numpy()[None, None, :, :, None]
-    if _pallas(ex) is not None:
-        return _pallas_rows(runner, _values(ex.kv_cache))
-    return _values(ex.kv_cache)
+    return ex.kv_as_rows(_values(ex.kv_cache), runner.config.block_size)
 
 
 def kv_bits(runner: Any) -> np.ndarray:
@@ -123,9 +105,7 @@ def kv_bits(runner: Any) -> np.ndarray:
 
         flat = torch.cat([_by_slot(t.detach()).contiguous().view(torch.uint8) for t in layouts], dim=1)
         return flat.cpu().numpy()[None, None, :, :, None]
-    if _pallas(ex) is not None:
-        return _pallas_rows(runner, _bits(ex.kv_cache))
-    return _bits(ex.kv_cache)
+    return ex.kv_as_rows(_bits(ex.kv_cache), runner.config.block_size)
 
 
 def set_kv(runner: Any, values: np.ndarray) -> None:
@@ -159,11 +139,7 @@ def set_kv(runner: Any, values: np.ndarray) -> None:
     import jax
     import jax.numpy as jnp
 
-    if _pallas(ex) is not None:
-        from graphrt.models.jax.pallas_attention import rows_to_pages
-
-        values = rows_to_pages(np.asarray(values, np.float32), kv.shape, ex.model_config.num_hidden_layers,
-                               runner.config.block_size)
+    values = ex.kv_from_rows(values, runner.config.block_size)
     ex.kv_cache = jax.device_put(jnp.asarray(values, dtype=kv.dtype), kv.sharding)
 
 
@@ -181,10 +157,10 @@ def kv_dtype(runner: Any) -> str:
 def on_cpu(runner: Any) -> bool:
     """Whether the executor runs on a CPU (same-shape results are then compared bit for bit)."""
     ex = runner.executor
-    device = getattr(ex, "device", None)
+    device = ex.device
     if device is not None:
         return getattr(device, "type", str(device)) == "cpu"
-    kv = ex.kv_cache if ex.kv_cache is not None else (getattr(ex, "state_caches", None) or [None])[0]
+    kv = ex.kv_cache if ex.kv_cache is not None else (list(ex.state_caches) or [None])[0]
     return all(d.platform == "cpu" for d in kv.devices()) if hasattr(kv, "devices") else True
 
 
@@ -198,18 +174,7 @@ def device_state(runner: Any) -> dict[str, np.ndarray]:
     if states is not None:
         out["state_cache"] = states
     out.update({f"host.{name}": np.array(buf, copy=True) for name, buf in ex.host_buffers.items()})
-    static = getattr(ex, "static", None)
-    if static is not None:
-        out.update({f"static.{name}": _bits(t) for name, t in static.items()})
-    for name in ("hidden_out", "logits_out"):
-        if getattr(ex, name, None) is not None:
-            out[name] = _bits(getattr(ex, name))
-    sampler = getattr(ex, "sampler", None)
-    for name, t in (getattr(sampler, "static", None) or {}).items():
-        out[f"sampler.{name}"] = _bits(t)
-    for name in ("noise", "tokens"):              # the sampler's noise and sampled-token buffers
-        if getattr(sampler, name, None) is not None:
-            out[f"sampler.{name}"] = _bits(getattr(sampler, name))
+    out.update({name: _bits(t) for name, t in ex.device_buffers().items()})
     return out
 
 
@@ -222,26 +187,21 @@ def addresses(runner: Any) -> dict[str, int] | None:
     """Device addresses of every buffer a captured graph reads or writes (torch executors), or
     None where the backend has no static buffers (XLA: arrays are immutable, the cache donated)."""
     ex = runner.executor
-    static = getattr(ex, "static", None)
-    caches = getattr(ex, "kv_caches", None) or ([ex.kv_cache] if ex.kv_cache is not None else [])
-    states = list(getattr(ex, "state_caches", None) or [])
-    if static is None or not (caches or states) or not _is_torch((caches or states)[0]):
+    buffers = ex.device_buffers()
+    caches, states = ex.kv_views(), list(ex.state_caches)
+    if not buffers or not (caches or states) or not _is_torch((caches or states)[0]):
         return None
-    out_states = {f"state_cache.{i}": t.data_ptr() for i, t in enumerate(states)}
-    out = {name: t.data_ptr() for name, t in static.items()}
-    sampler = getattr(ex, "sampler", None)
-    out.update({f"sampler.{k}": t.data_ptr() for k, t in (getattr(sampler, "static", None) or {}).items()})
+    out = {name.removeprefix("static."): t.data_ptr() for name, t in buffers.items()
+           if name not in ("sampler.noise", "sampler.tokens")}
     out.update({f"kv_cache.{i}" if i else "kv_cache": t.data_ptr() for i, t in enumerate(caches)})
-    for name in ("hidden_out", "logits_out"):
-        out[name] = getattr(ex, name).data_ptr()
-    out.update(out_states)
+    out.update({f"state_cache.{i}": t.data_ptr() for i, t in enumerate(states)})
     return out
 
 
 # ---- recurrent state (hybrid models, docs/hybrid.md) ---------------------------------------
 
 def _states(runner: Any) -> list[Any]:
-    return list(getattr(runner.executor, "state_caches", None) or [])
+    return list(runner.executor.state_caches or [])
 
 
 def state_values(runner: Any) -> np.ndarray | None:
@@ -285,13 +245,9 @@ def set_state(runner: Any, values: np.ndarray) -> None:
 
 
 def build_count(runner: Any) -> int:
-    """Captures / compiles the executor has done so far (torch: its capture report; XLA: its
-    compile counter, which also sees compiles no cache lookup caused)."""
-    ex = runner.executor
-    compiles = getattr(ex, "compiles", None)
-    if compiles is not None and hasattr(compiles, "compile_count"):
-        return int(compiles.compile_count)
-    return len(getattr(ex, "capture_report", ()))
+    """Captures / compiles the executor has done so far (``executor.build_count``: torch its
+    capture report's rows; XLA its compile counter, which also sees compiles no cache lookup caused)."""
+    return int(runner.executor.build_count)
 
 
 __all__ = ["addresses", "build_count", "changed", "device_state", "kv_bits", "kv_dtype", "kv_values",

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from graphrt.core.kv_spec import blocks_for
+
 
 @dataclass(eq=False)
 class Step:
@@ -113,7 +115,7 @@ class Step:
                  f"{self.block_size}, KV seed {self.seed}"]
         for i, row in enumerate(self.req_rows):
             c, n = int(self.num_computed_tokens[i]), int(self.num_scheduled_tokens[i])
-            need = -(-(c + n) // self.block_size)
+            need = blocks_for(c + n, self.block_size)
             blocks = self.block_table[int(row)].tolist()
             kind = "decode" if n == 1 and c > 0 else ("prefix hit" if c > 0 else "prefill")
             lines.append(f"  request {i}: row {int(row)}, computed {c}, scheduled {n} ({kind}); "

@@ -2,7 +2,7 @@
 vllm-ascend computes it).
 
 Every captured ACL graph takes streams -- in PIECEWISE mode at least one per piece -- and
-a device has 2048, of which 1800 (``defaults.ACL_MAX_CAPTURE_SIZE``) are usable for
+a device has 2048, of which 1800 (``ACL_MAX_CAPTURE_SIZE``) are usable for
 graphs. :func:`capture_budget` is vllm-ascend's empirical formula for the number of
 capture sizes that fit; :func:`limit_policy` cuts a bucket policy to it with
 ``BucketPolicy.limit_to`` (keeping the smallest and the largest size) and logs what it did.
@@ -17,21 +17,28 @@ import logging
 import math
 import os
 
-from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.errors import ConfigError
+
+#: Ascend ACL graph: at most this many captured graphs (2048 streams, 248 kept spare).
+ACL_MAX_CAPTURE_SIZE = 1800
+#: Ascend A3 / FFTS+ path: streams each communication group may take.
+ACL_STREAMS_PER_COMM_GROUP = 40
+#: Ascend: environment variable and value selecting HCCL's AIV expansion mode (vllm-ascend's ACL graph setup).
+ACL_AIV_ENV = "HCCL_OP_EXPANSION_MODE"
+ACL_AIV_VALUE = "AIV"
 
 logger = logging.getLogger(__name__)
 
 
 def aiv_mode_from_env() -> bool:
     """Whether HCCL expands collectives in AIV mode (``HCCL_OP_EXPANSION_MODE=AIV``)."""
-    return os.environ.get(defaults.ACL_AIV_ENV) == defaults.ACL_AIV_VALUE
+    return os.environ.get(ACL_AIV_ENV) == ACL_AIV_VALUE
 
 
 def capture_budget(num_hidden_layers: int, tp_size: int = 1, dp_size: int = 1,
                    expert_parallel: bool = False, aiv_mode: bool = False, draft_layers: int = 0,
-                   *, moe: bool | None = None, max_graphs: int = defaults.ACL_MAX_CAPTURE_SIZE) -> int:
+                   *, moe: bool | None = None, max_graphs: int = ACL_MAX_CAPTURE_SIZE) -> int:
     """Most capture sizes the ACL stream budget allows for this model and parallel layout.
 
     Each graph needs ``num_hidden_layers + 1`` streams (plus ``draft_layers + 1`` with a
@@ -39,7 +46,7 @@ def capture_budget(num_hidden_layers: int, tp_size: int = 1, dp_size: int = 1,
     are communication groups. With ``aiv_mode`` (A2, ``HCCL_OP_EXPANSION_MODE=AIV``) each
     group, and expert parallelism, multiplies the streams per graph; a dense model's
     all-reduce also reserves streams up front. Otherwise (HCCL's default FFTS+ / AICPU
-    expansion, as on A3) each group costs ``defaults.ACL_STREAMS_PER_COMM_GROUP`` streams
+    expansion, as on A3) each group costs ``ACL_STREAMS_PER_COMM_GROUP`` streams
     and two extra streams per graph. ``moe`` defaults to ``expert_parallel``.
     Returns 0 when not even one graph fits.
     """
@@ -61,7 +68,7 @@ def capture_budget(num_hidden_layers: int, tp_size: int = 1, dp_size: int = 1,
         else:
             available -= factor * per_graph
         return max(math.floor(available / per_graph / factor), 0)
-    available -= comm_groups * defaults.ACL_STREAMS_PER_COMM_GROUP
+    available -= comm_groups * ACL_STREAMS_PER_COMM_GROUP
     return max(math.floor(available / per_graph / (1 + comm_groups * 2)), 0)
 
 

@@ -10,7 +10,7 @@ import torch
 from graphrt.backends.base import Backend, Executor
 from graphrt.backends.torch.callable_graphs import TorchGraphs
 from graphrt.backends.torch.executor import TorchExecutor
-from graphrt.backends.torch.graphs import DeviceGraphAPI
+from graphrt.backends.torch.device_graphs import DeviceGraphAPI
 from graphrt.backends.torch.kv_cache import TorchKVCache, model_kv_spec
 from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphrt.backends.torch.graphs import GraphPool, GraphTask, _capturing
+from graphrt.backends.torch.device_graphs import GraphPool, GraphTask, _capturing
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 import torch
 
 from graphrt.backends.torch.breakable_capture import capture_breakable
-from graphrt.backends.torch.graphs import DeviceGraphAPI, GraphPool
+from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphPool
 from graphrt.core import defaults
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key
 from graphrt.core.dispatch import RuntimeMode

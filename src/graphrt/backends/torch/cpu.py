@@ -15,7 +15,7 @@ from typing import Any, ContextManager
 
 from graphrt.backends.torch import recording_graph as rg
 from graphrt.backends.torch.backend import TorchBackend
-from graphrt.backends.torch.graphs import DeviceGraphAPI
+from graphrt.backends.torch.device_graphs import DeviceGraphAPI
 
 
 class CpuGraphAPI(DeviceGraphAPI):

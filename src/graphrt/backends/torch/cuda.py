@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from graphrt.backends.torch.backend import TorchBackend
-from graphrt.backends.torch.graphs import DeviceGraphAPI
+from graphrt.backends.torch.device_graphs import DeviceGraphAPI
 
 
 class CudaGraphAPI(DeviceGraphAPI):
@@ -75,7 +75,7 @@ class CudaGraphAPI(DeviceGraphAPI):
         A capture the forward broke (a host sync invalidates it) makes ``capture_end``
         raise before torch restores the stream and releases the pool (torch 2.11):
         :meth:`_abandon` restores the stream and ends the device pool's recording;
-        :class:`~graphrt.backends.torch.graphs.GraphPool` gives later graphs a fresh pool,
+        :class:`~graphrt.backends.torch.device_graphs.GraphPool` gives later graphs a fresh pool,
         since the pinned-host allocator's recording has no Python call to end it. Without both, every later capture fails
         with "already recording to mempool_id"."""
         stream = self._capture_stream()

@@ -48,13 +48,13 @@ from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
-from graphrt.core.forward_context import forward_context, state_context
+from graphrt.models.torch.forward_context import forward_context, state_context
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
 from graphrt.models.torch.attention_backend import (CaptureHostValues, HostTensorsRefused, HostValues,
                                                     check_metadata, overrides_before_replay)
-from graphrt.backends.torch.graphs import CapturedGraph, DeviceGraphAPI, GraphPool, describe_capture_failure
+from graphrt.backends.torch.device_graphs import CapturedGraph, DeviceGraphAPI, GraphPool, describe_capture_failure
 from graphrt.backends.torch.model_protocol import attention_support, choose_attention, keyed_host_values
 from graphrt.backends.torch.sampled_outputs import FutureInputs, SampledOutputs, device_event
 from graphrt.backends.torch.step_buffers import StepBuffers
@@ -67,10 +67,10 @@ logger = logging.getLogger(__name__)
 TorchEntry = CapturedGraph | PiecewiseEntry
 
 
-class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
+class TorchExecutor(Executor[TorchEntry]):
     """Static buffers, KV cache and graphs for a torch model on one device (what a step hands
     out beyond its replay -- sampled outputs in host slots, logprobs, prompt logprobs, device
-    logits -- is :class:`~graphrt.backends.torch.sampled_outputs.SampledOutputs`')."""
+    logits -- is held as ``outputs``, a :class:`~graphrt.backends.torch.sampled_outputs.SampledOutputs`)."""
 
     def __init__(self, model: torch.nn.Module, config: GraphConfig, device: torch.device,
                  graph_api: DeviceGraphAPI | None, host_arrays: dict[str, np.ndarray] | None = None) -> None:
@@ -112,6 +112,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
                        *probe)
         #: The model's declared extra inputs and their staging buffers (the runner writes them).
         self.extra_inputs, self.extra_buffers = self.buffers.extra, self.buffers.extra_arrays
+        self.dtype = param_dtype
         self.hidden_out = torch.zeros(max_t, self.hidden_size, dtype=param_dtype, device=self.device)
         self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
         q = config.decode_query_len
@@ -128,7 +129,13 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         self.async_execution = graph_api is not None
         self.device_runs_ahead = graph_api is not None and graph_api.asynchronous
         self.futures = FutureInputs(self.static["input_ids"], self.sampler.tokens, pin) if graph_api else None
-        self._slots = None                  # SampledSlots, made by the first step that does not wait
+        #: The step's outputs besides the tokens it waits for (steps that do not wait, logprobs).
+        self.outputs = SampledOutputs(self.sampler, self.logits_out, self.hidden_out,
+                                      lambda hidden: self.model.compute_logits(hidden),
+                                      graph_api.new_event if graph_api is not None else None,
+                                      graph_api is not None and graph_api.pin_memory and self.device.type != "cpu")
+        self.fetch_tokens, self.fetch_logprobs = self.outputs.fetch_tokens, self.outputs.fetch_logprobs
+        self.sample_logprobs, self.prompt_logprobs = self.outputs.sample_logprobs, self.outputs.prompt_logprobs
         self.pool = GraphPool(graph_api) if graph_api is not None else None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None
@@ -206,7 +213,8 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
         if isinstance(host, CaptureHostValues):     # a graph's: no host tensor reachable
             refused = HostTensorsRefused(backend_name(self.attention), object.__getattribute__(host, "_guard")[2])
             return self.attention.build(self.buffers.capture_tensors(num_tokens, num_reqs, refused), host)
-        return self.attention.build(self.buffers.tensors(num_tokens, num_reqs), host)
+        views = self.buffers.views.get((num_tokens, num_reqs))
+        return self.attention.build(views if views is not None else self.buffers.tensors(num_tokens, num_reqs), host)
 
     def dummy_host(self, num_tokens: int, num_reqs: int, key: BatchDescriptor | None = None) -> HostValues:
         """Host values of a padding-only step of that shape (a capture's, a warm-up's): ``key``'s
@@ -294,6 +302,27 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
     def to_device(self, num_tokens: int, num_reqs: int) -> None:
         """Copy a step's rows from the staging buffers to the static device buffers."""
         self.buffers.to_device(num_tokens, num_reqs)
+
+    @property
+    def build_count(self) -> int:
+        """Graphs captured so far (one capture report row each)."""
+        return len(self.capture_report)
+
+    @property
+    def kv_owned_by_model(self) -> bool:  # type: ignore[override]
+        return bool(self.kv.spec is not None and self.kv.spec.owned_by_model)
+
+    def kv_views(self) -> list[torch.Tensor]:
+        return list(self.kv_caches)
+
+    def device_buffers(self) -> dict[str, torch.Tensor]:
+        """Static inputs, the hidden / logits outputs and the sampler's parameters, noise and tokens."""
+        out = {f"static.{name}": t for name, t in self.static.items()}
+        out.update(hidden_out=self.hidden_out, logits_out=self.logits_out)
+        out.update({f"sampler.{name}": t for name, t in self.sampler.static.items()})
+        out.update({f"sampler.{name}": getattr(self.sampler, name) for name in ("noise", "tokens")
+                    if getattr(self.sampler, name, None) is not None})
+        return out
 
     def input_ptrs(self) -> dict[str, int]:
         ptrs = self.buffers.pointers()
@@ -421,12 +450,14 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
                                "stale memory; never reassign executor buffers, copy into them")
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True) -> np.ndarray:
+               padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True,
+               key: SamplerKey | None = None) -> np.ndarray:
         """Fill the sampler's buffers, replay the sampler graph (or run it eagerly); the real
         requests' tokens, a host copy (never a view of the device buffer), or with ``wait=False``
         (graph backends) their copy queued into a host slot (a :class:`Sampled`)."""
         rows = padded_reqs or num_reqs
-        key = sampler_key(sampling, rows, self.vocab_size)
+        if key is None:
+            key = sampler_key(sampling, rows, self.vocab_size)
         sampler = self.sampler
         if not key.greedy:
             sampler.write(sampling, num_reqs, rows)
@@ -440,7 +471,7 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
                     self._check_addresses(entry)
                 entry.graph.replay()
         if not wait:
-            return self.host_slots().launch(num_reqs)
+            return self.outputs.launch(num_reqs)
         tokens = sampler.tokens[:num_reqs].cpu().numpy()
         return tokens.copy() if sampler.tokens.device.type == "cpu" else tokens
 
@@ -462,6 +493,10 @@ class TorchExecutor(SampledOutputs, Executor[TorchEntry]):
 
     def describe_build_failure(self, exc: BaseException) -> str:
         return describe_capture_failure(exc)
+
+    def device_logits(self, num_rows: int) -> torch.Tensor:
+        """The last step's logits rows, a view of the static buffer (the next step overwrites it)."""
+        return self.logits_out[:num_rows]
 
     def free_request(self, request_id: int) -> None:
         self.sampler.free_request(request_id)

@@ -17,7 +17,7 @@ import gc
 import logging
 from typing import Any, Sequence
 
-from graphrt.backends.torch.graphs import GraphPool, describe_capture_failure
+from graphrt.backends.torch.device_graphs import GraphPool, describe_capture_failure
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import RuntimeMode
 

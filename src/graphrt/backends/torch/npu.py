@@ -6,7 +6,7 @@ plus what Ascend needs:
 
 * **Task updates.** Ascend attention kernels take host-side lengths
   (``actual_seq_lengths``) that a captured graph bakes in. An attention backend wraps
-  such an op in :func:`graphrt.backends.torch.graphs.graph_task` while capturing; the
+  such an op in :func:`graphrt.backends.torch.device_graphs.graph_task` while capturing; the
   adapter captures it as a task group (``graph_task_group_begin/end``) preceded by a wait
   on a ``torch.npu.ExternalEvent``. Before each replay, on an update stream that first
   waits for the device's current stream, each task's hook re-issues the op with the
@@ -43,7 +43,7 @@ import torch
 
 from graphrt.backends.torch import acl
 from graphrt.backends.torch.backend import TorchBackend
-from graphrt.backends.torch.graphs import DeviceGraphAPI, GraphTask, PreReplayHook
+from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphTask, PreReplayHook
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import Dispatcher, GraphMode
 from graphrt.core.fields import ModelInputs

@@ -160,24 +160,24 @@ def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidd
 
 
 class SampledOutputs:
-    """The part of :class:`~graphrt.backends.torch.executor.TorchExecutor` that hands out a step's
-    sampled outputs without waiting, its logprobs, prompt logprobs and device logits (read from
-    the executor's ``sampler``, ``logits_out``, ``hidden_out``, ``model`` and ``graph_api``)."""
+    """What a torch executor hands out of a step besides the tokens it waits for: the tokens and
+    logprobs of a step that did not wait (host slots behind an event, made on first use), prompt
+    logprobs and the device logits. Held by the executor (``executor.outputs``), given the
+    buffers it reads: the sampler's state, the logits and hidden outputs, the model's
+    ``compute_logits``, and the device's event and pinning."""
 
-    sampler: SamplerState
-    logits_out: torch.Tensor
-    hidden_out: torch.Tensor
-    model: Any
-    graph_api: Any
-    device: torch.device
-    _slots: SampledSlots | None
+    def __init__(self, sampler: SamplerState, logits_out: torch.Tensor, hidden_out: torch.Tensor,
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor], new_event: Callable[[], Any] | None,
+                 pin_memory: bool) -> None:
+        self.sampler, self.logits_out, self.hidden_out = sampler, logits_out, hidden_out
+        self.compute_logits, self._new_event, self._pin = compute_logits, new_event, pin_memory
+        self._slots: SampledSlots | None = None
 
-    def host_slots(self) -> SampledSlots:
-        """The host slots of ``sample(wait=False)`` steps, made on first use."""
+    def launch(self, num_reqs: int) -> Sampled:
+        """The sampled tokens of a step that does not wait, queued into a host slot."""
         if self._slots is None:
-            pin = self.graph_api.pin_memory and self.device.type != "cpu"
-            self._slots = SampledSlots(self.sampler, self.graph_api.new_event, pin)
-        return self._slots
+            self._slots = SampledSlots(self.sampler, self._new_event, self._pin)
+        return self._slots.launch(num_reqs)
 
     def fetch_tokens(self, tokens: Sampled, num_reqs: int) -> np.ndarray:
         """The tokens of a ``sample(wait=False)`` step, waiting for their copy alone."""
@@ -195,7 +195,7 @@ class SampledOutputs:
                 entry.graph.replay()
         if wait:
             return tuple(t[:num_reqs].cpu().numpy().copy() for t in self.sampler.logprobs)
-        self.host_slots().add_logprobs(sampled)
+        self._slots.add_logprobs(sampled)
         return sampled
 
     def fetch_logprobs(self, handle: Sampled, num_reqs: int) -> tuple[np.ndarray, ...]:
@@ -204,11 +204,7 @@ class SampledOutputs:
 
     def prompt_logprobs(self, rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
         """Logprobs of ``targets`` at the last forward's hidden rows ``rows`` (eager chunks)."""
-        return prompt_logprobs(self.model.compute_logits, self.hidden_out, rows, targets, k)
-
-    def device_logits(self, num_rows: int) -> torch.Tensor:
-        """The last step's logits rows, a view of the static buffer (the next step overwrites it)."""
-        return self.logits_out[:num_rows]
+        return prompt_logprobs(self.compute_logits, self.hidden_out, rows, targets, k)
 
 
 def device_event(device: torch.device) -> Any:

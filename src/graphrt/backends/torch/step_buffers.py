@@ -53,7 +53,8 @@ class StepBuffers:
         self.extra_arrays = {name: t.numpy() for name, t in self.extra_host.items()}
         self.extra_static = self.extra_host if self.same else {n: t.to(device) for n, t in self.extra_host.items()}
         self._padder = Padder(kernel="numpy")     # the default fills: pure padding
-        self._views: dict[tuple[int, int], StepTensors] = {}
+        #: :meth:`tensors` by ``(num_tokens, num_reqs)``, built on first use: a hot path reads it first.
+        self.views: dict[tuple[int, int], StepTensors] = {}
         self._capture_views: dict[tuple[int, int], StepTensors] = {}
 
     def to_device(self, num_tokens: int, num_reqs: int) -> None:
@@ -71,9 +72,9 @@ class StepBuffers:
     def tensors(self, num_tokens: int, num_reqs: int) -> StepTensors:
         """The device views of a step of ``num_tokens`` / ``num_reqs`` (padded) rows; on a device
         apart from the host, ``on_host`` holds the staging buffers' views of the same rows."""
-        views = self._views.get((num_tokens, num_reqs))
+        views = self.views.get((num_tokens, num_reqs))
         if views is None:
-            views = self._views[(num_tokens, num_reqs)] = self._step_views(self.static, self.extra_static,
+            views = self.views[(num_tokens, num_reqs)] = self._step_views(self.static, self.extra_static,
                                                                            num_tokens, num_reqs)
             if not self.same:       # the staging views too, for before_replay (no device sync)
                 views.on_host = self._step_views(self.host, self.extra_host, num_tokens, num_reqs)

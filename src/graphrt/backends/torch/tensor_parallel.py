@@ -158,10 +158,10 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         return self.local.kv_cache_bytes_per_block(block_size)
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
-               padded_reqs: int | None = None, entry: Any = None, wait: bool = True) -> np.ndarray:
+               padded_reqs: int | None = None, entry: Any = None, wait: bool = True, key: Any = None) -> np.ndarray:
         """Rank 0 samples alone: its logits rows are the gathered, full-vocabulary ones (a
         synchronous executor: it always waits)."""
-        return self.local.sample(logits, num_reqs, sampling, padded_reqs=padded_reqs, entry=entry)
+        return self.local.sample(logits, num_reqs, sampling, padded_reqs=padded_reqs, entry=entry, key=key)
 
     def prepare_penalties(self, *args: Any) -> None:
         """Rank 0 samples alone, so it alone keeps the penalties' token counts."""

@@ -28,8 +28,12 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
 from graphrt.core.errors import InputError
 from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
-from graphrt.core.step_channel import (ALIGN, ENTRY_WORDS, HEADER_WORDS, aligned_nbytes, pack_entries,
+from graphrt.backends.torch.tp_channel import (ALIGN, ENTRY_WORDS, HEADER_WORDS, aligned_nbytes, pack_entries,
                                        unpack_arrays)
+
+#: ... the gloo control group's timeout: under torchrun idle workers wait on it for rank 0's
+#: next call, for as long as the engine lives (rank 0 exiting ends the wait at once).
+TP_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
 #: Method codes (StepChannel's ``method``).
 ALLOCATE, BUILD, RUN, RECOVER, SHUTDOWN, MEASURE, MEMORY = range(1, 8)
@@ -110,7 +114,7 @@ def free_port() -> int:
 def control_group() -> Any:
     """A gloo group over every rank (a collective call: every rank makes it, in the same order)
     for agreements and the torchrun step broadcasts; its long timeout lets idle workers wait."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=defaults.TP_CONTROL_TIMEOUT_S))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=TP_CONTROL_TIMEOUT_S))
 
 
 class Agreement:

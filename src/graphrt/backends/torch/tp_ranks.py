@@ -4,7 +4,7 @@ naming the one that failed, and stopping them.
 * :class:`SpawnedRanks` -- rank 0 starts ``tp_size - 1`` worker processes itself
   (``defaults.TP_WORKER_START_METHOD``), creates the process group through its own localhost
   rendezvous store and talks to them through the shared-memory
-  :class:`~graphrt.core.step_channel.StepChannel`. It sees their processes: a worker that
+  :class:`~graphrt.backends.torch.tp_channel.StepChannel`. It sees their processes: a worker that
   exits is named with its exit code and the error it reported -- also while the process group
   forms (its rendezvous waits in short slices, :mod:`~graphrt.backends.torch.tp_rendezvous`)
   -- one that hangs by the call it had not read or not finished (a shared counter).
@@ -34,7 +34,7 @@ from graphrt.backends.torch import tp_protocol as p
 from graphrt.backends.torch import tp_rendezvous as rz
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError
-from graphrt.core.step_channel import StepChannel
+from graphrt.backends.torch.tp_channel import StepChannel
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import RuntimeMode, SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError
 from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
-from graphrt.core.step_channel import ChannelSpec, StepChannel
+from graphrt.backends.torch.tp_channel import ChannelSpec, StepChannel
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ else:
 
     from graphrt.backends.xla import sharding as shd
     from graphrt.backends.xla.executor import XlaExecutor
-    from graphrt.backends.xla.graphs import XlaGraphs
+    from graphrt.backends.xla.callable_graphs import XlaGraphs
     from graphrt.backends.xla.programs import XlaModel, XlaPrograms, xla_kv_spec
 
 
@@ -135,10 +135,11 @@ class XlaBackend(Backend):
         get context buckets where the attention keys ``max_seq_len`` (graphrt's decoder does)."""
         return XlaBuckets.from_config(config).dispatcher(context="max_seq_len" in keyed_host_values)
 
-    def create_executor(self, model: Any, config: GraphConfig) -> "XlaExecutor":
+    def create_executor(self, model: Any, config: GraphConfig, dtype: Any = None) -> "XlaExecutor":
         """An executor for an :class:`XlaModel` (graphrt's decoder, or a model's own forward and
-        config), a ``(DecoderConfig, params)`` pair or an nnx module. LoRA (``max_loras > 0``) is
-        refused with :class:`ConfigError`."""
+        config), a ``(DecoderConfig, params)`` pair or an nnx module (``dtype`` unused: the model
+        is loaded already, sharded by its mesh). LoRA (``max_loras > 0``) is refused with
+        :class:`ConfigError`."""
         if config.max_loras > 0:
             raise ConfigError(f"max_loras={config.max_loras}: the xla backend has no LoRA support (its "
                               "executables take no adapter tables and the JAX reference model has no "

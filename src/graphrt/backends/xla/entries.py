@@ -10,19 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Hashable
 
-import numpy as np
-
-from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, describe_change
+from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch
 from graphrt.core.cache import GraphCache, describe_key
-from graphrt.core.errors import InputError
-
-_I32 = np.dtype(np.int32)
-
-
-def _as_array(value: Any) -> Any:
-    """``None`` stays ``None`` (a structure change), anything else becomes an ndarray."""
-    return None if value is None else np.asarray(value)
-
 
 @dataclasses.dataclass
 class XlaEntry:
@@ -46,19 +35,6 @@ class XlaEntry:
                   if isinstance(spec, XlaBatch) else ())
         return cls(executable, key, spec, shapes, lower_seconds, compile_seconds, _executable_bytes(executable),
                    persistent_cache_hit)
-
-    def check_inputs(self, padded: Any) -> None:
-        """Every padded array has the dtype and shape the executable was compiled for (numpy only;
-        the block table as narrowed to the key's context), else :class:`InputError` naming it."""
-        for name, shape in zip(BATCH_FIELDS, self.shapes):
-            arr = getattr(padded, name)
-            if name == "block_table" and isinstance(arr, np.ndarray) and arr.ndim == 2:
-                arr = arr[:, :shape[1]]
-            if not isinstance(arr, np.ndarray) or arr.dtype != _I32 or arr.shape != shape:
-                got = XlaBatch(**{f: _as_array(getattr(padded, f)) for f in BATCH_FIELDS},
-                               num_tokens=self.spec.num_tokens, num_reqs=self.spec.num_reqs,
-                               uniform_decode=self.spec.uniform_decode)
-                raise InputError(name, f"{describe_change(self.spec, got)} (executable for {self.key})")
 
     @property
     def build_seconds(self) -> float:

@@ -14,24 +14,22 @@ call each for the forward and the sampler, one host copy of the tokens.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import time
 from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from graphrt.backends.base import Built, Executor, SamplingBatch
 from graphrt.backends.xla import extra_inputs as xla_extra, sharding as shd
-from graphrt.backends.xla.batch import XlaBatch, batch_spec, sampling_spec
+from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change, sampling_spec
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
 from graphrt.backends.xla.compile_ledger import CompileLedger
 from graphrt.backends.xla.entries import XlaEntry
 from graphrt.backends.xla.executables import executable_store
+from graphrt.backends.xla.precompile import lower, precompile
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
@@ -40,11 +38,30 @@ from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
+from graphrt.core.kv_spec import blocks_for
 
 logger = logging.getLogger(__name__)
 
 #: The calling thread's compile counters, read directly on the hot path (one attribute load).
 _compiles = thread_counts()
+
+_I32 = np.dtype(np.int32)
+
+
+def _check_padded(entry: XlaEntry, padded: Any) -> None:
+    """Every padded array has the dtype and shape ``entry``'s executable was compiled for (numpy
+    only; the block table as narrowed to the key's context), else :class:`InputError` naming it."""
+    for name, shape in zip(BATCH_FIELDS, entry.shapes):
+        arr = getattr(padded, name)
+        if name == "block_table" and isinstance(arr, np.ndarray) and arr.ndim == 2:
+            arr = arr[:, :shape[1]]
+        if not isinstance(arr, np.ndarray) or arr.dtype != _I32 or arr.shape != shape:
+            got = XlaBatch(**{f: None if getattr(padded, f) is None else np.asarray(getattr(padded, f))
+                              for f in BATCH_FIELDS},
+                           num_tokens=entry.spec.num_tokens, num_reqs=entry.spec.num_reqs,
+                           uniform_decode=entry.spec.uniform_decode)
+            raise InputError(name, f"{describe_change(entry.spec, got)} (executable for {entry.key})")
+
 
 class XlaExecutor(Executor[XlaEntry]):
     """Host staging buffers, the donated KV cache and the compiled executables of one model."""
@@ -110,6 +127,27 @@ class XlaExecutor(Executor[XlaEntry]):
         self._last_positions: jax.Array | None = None
         self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
         self._last_hidden: jax.Array | None = None
+
+    @property
+    def build_count(self) -> int:
+        """Compiles the ledger's counters saw, including those no cache lookup caused."""
+        return int(self.compiles.compile_count)
+
+    def kv_as_rows(self, host: np.ndarray, block_size: int) -> np.ndarray:
+        """A Pallas page-layout cache (TPUs) as the reference layout it stands for."""
+        if getattr(getattr(self.programs, "attention", None), "kernel", None) != "pallas":
+            return host
+        from graphrt.models.jax.pallas_attention import pages_to_rows
+
+        return pages_to_rows(host, self.model_config.num_hidden_layers, block_size)
+
+    def kv_from_rows(self, values: np.ndarray, block_size: int) -> np.ndarray:
+        if getattr(getattr(self.programs, "attention", None), "kernel", None) != "pallas":
+            return values
+        from graphrt.models.jax.pallas_attention import rows_to_pages
+
+        return rows_to_pages(np.asarray(values, np.float32), self.kv_cache.shape,
+                             self.model_config.num_hidden_layers, block_size)
 
     # ---- KV cache --------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -188,7 +226,7 @@ class XlaExecutor(Executor[XlaEntry]):
         jitted, spec, args = self._abstract_inputs(mode, key)
         entry = self.compiles.load(key, spec)
         if entry is None:
-            lowered, seconds = self._lower(jitted, args)
+            lowered, seconds = lower(jitted, args)
             entry = self.compiles.compile(key, lowered, spec, seconds)
         return entry, entry.nbytes
 
@@ -208,37 +246,7 @@ class XlaExecutor(Executor[XlaEntry]):
         """
         workers = max(1, workers or self.compile_workers)
         self.compiles.plan(key for _, key in jobs)
-        todo = list(dict.fromkeys(jobs))
-        built: dict[Hashable, XlaEntry] = {}
-        start = time.perf_counter()
-        bar = tqdm(total=len(todo), desc=f"graphrt xla precompile ({workers} threads)", unit="bucket",
-                   disable=not progress or not todo, leave=False)
-        with bar, concurrent.futures.ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix="graphrt-xla-compile") as pool:
-            futures = []
-            for mode, key in todo:
-                self.compiles.before_build(key)
-                jitted, spec, args = self._abstract_inputs(mode, key)
-                loaded = self.compiles.load(key, spec)
-                if loaded is not None:
-                    built[key] = loaded
-                    bar.set_postfix_str(f"loaded {describe_key(key)}")
-                    bar.update()
-                    continue
-                bar.set_postfix_str(f"lowering {describe_key(key)}")
-                lowered, seconds = self._lower(jitted, args)
-                futures.append(pool.submit(self.compiles.compile, key, lowered, spec, seconds))
-            for fut in concurrent.futures.as_completed(futures):
-                entry = fut.result()
-                built[entry.key] = entry
-                bar.set_postfix_str(f"compiled {describe_key(entry.key)}")
-                bar.update()
-        if todo:
-            logger.info("graphrt: xla precompiled %d executables in %.2f s with %d thread(s): lowering "
-                        "%.2f s, compiling %.2f s, %d loaded from the persistent cache", len(built),
-                        time.perf_counter() - start, workers, sum(e.lower_seconds for e in built.values()),
-                        sum(e.compile_seconds for e in built.values()),
-                        sum(e.persistent_cache_hit for e in built.values()))
+        built = precompile(list(dict.fromkeys(jobs)), self._abstract_inputs, self.compiles, workers, progress)
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
 
     def _abstract_inputs(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
@@ -270,27 +278,18 @@ class XlaExecutor(Executor[XlaEntry]):
         extra = xla_extra.abstract_args(self.extra_inputs, key.num_tokens, key.num_reqs)
         return self.programs.forward, spec, (self.weights, kv, spec, *future, *extra)
 
-    @staticmethod
-    def _lower(jitted: Any, args: tuple[Any, ...]) -> tuple[Any, float]:
-        """(lowered computation, seconds) of ``jitted`` for ``args``."""
-        t0 = time.perf_counter()
-        lowered = jitted.lower(*args)
-        return lowered, time.perf_counter() - t0
-
     # ---- run ---------------------------------------------------------------------------
     @staticmethod
-    def _require(entry: Any, key: Hashable) -> XlaEntry:
-        """``entry`` itself: there is no eager path to run ``key`` without its executable."""
-        if not isinstance(entry, XlaEntry):
-            raise GraphrtError(f"no executable for {describe_key(key)}: the xla backend runs nothing eagerly; "
-                               "pass the entry build() returned (the runner's caches hold them)")
-        return entry
+    def _missing(entry: Any, key: Hashable) -> GraphrtError:
+        """The error of a run without ``key``'s executable: there is no eager path."""
+        return GraphrtError(f"no executable for {describe_key(key)}: the xla backend runs nothing eagerly; "
+                            "pass the entry build() returned (the runner's caches hold them)")
 
     def _table_width(self, key: BatchDescriptor) -> int:
         """Block-table columns of ``key``'s executable: those its context bucket fills."""
         if key.max_seq_len is None:
             return self._width
-        return min(self._width, max(-(-key.max_seq_len // self.config.block_size), 1))
+        return min(self._width, max(blocks_for(key.max_seq_len, self.config.block_size), 1))
 
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: XlaEntry | None,
             padded: ModelInputs, future: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
@@ -305,8 +304,9 @@ class XlaExecutor(Executor[XlaEntry]):
         still on the device; -1: none), resolved inside the executable. The declared extra inputs
         go in as the padded rows of their staging buffers (the runner wrote them).
         """
-        entry = self._require(entry, key)
-        entry.check_inputs(padded)
+        if not isinstance(entry, XlaEntry):
+            raise self._missing(entry, key)
+        _check_padded(entry, padded)
         spec = entry.spec
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
                          padded.query_start_loc.copy(), padded.seq_lens.copy(), padded.state_slots.copy(),
@@ -318,7 +318,8 @@ class XlaExecutor(Executor[XlaEntry]):
             rows[:len(real)] = real
             if isinstance(tokens, np.ndarray):     # a step that waited: its tokens are on the host
                 tokens = np.pad(tokens.astype(np.int32), (0, self.programs.max_reqs - len(tokens)))
-        extra = xla_extra.padded_args(self.extra_inputs, self.extra_buffers, spec.num_tokens, spec.num_reqs)
+        extra = (xla_extra.padded_args(self.extra_inputs, self.extra_buffers, spec.num_tokens, spec.num_reqs)
+                 if self.extra_inputs else ())
         before = _compiles.compiles
         kv = self.kv_cache
         stateful = self.programs.state_spec is not None
@@ -358,7 +359,7 @@ class XlaExecutor(Executor[XlaEntry]):
     # ---- sample ------------------------------------------------------------------------
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: XlaEntry | None = None,
-               wait: bool = True) -> np.ndarray | jax.Array:
+               wait: bool = True, key: SamplerKey | None = None) -> np.ndarray | jax.Array:
         """One token id per real request (int64), from the compiled greedy or random sampler.
 
         ``entry`` is the runner's sampler entry for ``SamplerKey(padded_reqs, all_greedy)`` (required:
@@ -366,19 +367,20 @@ class XlaExecutor(Executor[XlaEntry]):
         without waiting for it: ``[max_reqs]`` int32, the real requests' tokens first
         (:meth:`fetch_tokens` reads them; the next forward can take it as its future tokens).
         """
-        key = entry.key if isinstance(entry, XlaEntry) else sampler_key(
+        key = entry.key if isinstance(entry, XlaEntry) else key or sampler_key(
             sampling, int(logits.shape[0]) if padded_reqs is None else int(padded_reqs), self.vocab_size)
         rows = key.num_reqs
         if logits.shape != (rows, self.vocab_size):
             raise InputError("logits", f"shape {tuple(logits.shape)}; the sampler for {rows} rows "
                                        f"expects ({rows}, {self.vocab_size})")
-        entry = self._require(entry, key)
+        if not isinstance(entry, XlaEntry):
+            raise self._missing(entry, key)
         args = (logits,) if key.greedy else (logits, self.sampling_rows.metadata(num_reqs, rows, sampling))
         before = _compiles.compiles
         tokens = entry.executable(*args)
         if _compiles.compiles != before:
             self.compiles.compiled_while_running(before, key, "sampler")
-        return self.fetch_tokens(tokens, num_reqs) if wait else tokens
+        return np.asarray(tokens)[:num_reqs].astype(np.int64) if wait else tokens
 
     @staticmethod
     def fetch_tokens(tokens: jax.Array, num_reqs: int) -> np.ndarray:
@@ -390,7 +392,8 @@ class XlaExecutor(Executor[XlaEntry]):
                         entry: XlaEntry | None = None, wait: bool = True) -> Any:
         """The logprobs executable (``entry``, required) on the logits rows and the sampler's device
         output ``sampled``: host arrays of the real rows, or with ``wait=False`` the device arrays."""
-        entry = self._require(entry, SamplerKey(int(logits.shape[0]), False, True))
+        if not isinstance(entry, XlaEntry):
+            raise self._missing(entry, SamplerKey(int(logits.shape[0]), False, True))
         before = _compiles.compiles
         out = entry.executable(logits, sampled)
         if _compiles.compiles != before:

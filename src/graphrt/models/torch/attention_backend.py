@@ -6,7 +6,7 @@ per model, chosen once when the runner is built (``backends/torch/model_protocol
 the model's own, else graphrt's FlashInfer, Ascend or paged one, whose kernel is fixed then). Per
 step the executor hands it the step's device tensors (:class:`StepTensors`: views of the static
 buffers a graph reads) and its host values (:class:`HostValues`); it returns its metadata, which
-the model's attention layers read from :func:`graphrt.core.forward_context.get_forward_context`.
+the model's attention layers read from :func:`graphrt.models.torch.forward_context.get_forward_context`.
 
 A captured graph replays ops, not Python: a host value read while building metadata is baked
 into the graph. So a backend declares every host value it reads
@@ -238,7 +238,7 @@ class PagedAttentionBackend(AttentionBackend):
     def build(self, step: StepTensors, host: HostValues) -> TorchAttentionMetadata:
         table = step.block_table
         if self._narrow:
-            table = table[:, :max(-(-host.max_seq_len // step.block_size), 1)]
+            table = table[:, :max(-(-host.max_seq_len // step.block_size), 1)]   # blocks_for, inline: every step
         return TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, table,
                                             step.block_size, kernel=self.kernel or "auto")
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from graphrt.core.errors import ConfigError
-from graphrt.core.forward_context import get_forward_context
+from graphrt.models.torch.forward_context import get_forward_context
 from graphrt.models.torch.kv_quant import is_fp8, quantize_kv, write_kv_rows
 
 #: Device types FlashInfer runs on (the CPU tests add "cpu" to run a fake ``flashinfer``).

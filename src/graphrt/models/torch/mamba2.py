@@ -4,7 +4,7 @@
 ``A_log``, ``D``, ``norm``, ``out_proj``), so checkpoints load as they are. Its state lives in
 ``state_cache`` -- ``(conv [slots + 1, C, conv_dim, K - 1], ssm [slots + 1, C, heads, head_dim,
 d_state])``, assigned by the executor from the model's ``state_spec()`` -- and its per-step
-metadata comes from :func:`graphrt.core.forward_context.get_state_context`.
+metadata comes from :func:`graphrt.models.torch.forward_context.get_state_context`.
 
 The kernel entry point, for any wrapper (a Transformers modeling backend's layer, an engine's
 own module) that has a layer's projections and parameters: :func:`mamba2_mixer_step`, given
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.dispatch import AttentionGraphSupport
-from graphrt.core.forward_context import get_state_context
+from graphrt.models.torch.forward_context import get_state_context
 from graphrt.models.torch.mamba_kernels import causal_conv1d, ssd_scan
 from graphrt.models.torch.state_metadata import StateMetadata, read_states, write_states
 

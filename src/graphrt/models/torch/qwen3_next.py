@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.dispatch import AttentionGraphSupport
-from graphrt.core.forward_context import get_state_context
+from graphrt.models.torch.forward_context import get_state_context
 from graphrt.models.hybrid_config import ATTENTION, HybridConfig
 from graphrt.models.torch.attention import PagedAttention
 from graphrt.models.torch.decoder import RotaryEmbedding, apply_rotary

@@ -3,7 +3,7 @@
 :func:`build_state_metadata` turns the step's static buffers (``query_start_loc``,
 ``num_computed_tokens``, ``state_slots``) into :class:`StateMetadata`, with device ops only (no
 host read: it runs inside graph capture), once per forward; recurrent layers read it from
-:func:`graphrt.core.forward_context.get_state_context`.
+:func:`graphrt.models.torch.forward_context.get_state_context`.
 
 Requests are indexed ``0 .. R - 1`` (the step's padded requests) plus one more, ``R``: the
 **padding request** that owns the padded tokens past the last real one. Every padded request

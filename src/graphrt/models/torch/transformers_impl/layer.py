@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from graphrt.core.forward_context import get_forward_context
+from graphrt.models.torch.forward_context import get_forward_context
 from graphrt.models.torch.attention import PagedAttention
 from graphrt.models.torch.attention_backend import HostValues, PagedAttentionBackend, StepTensors
 from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, read_kv_rows, write_kv_rows

@@ -1,0 +1,64 @@
+"""``graphrt lint`` (issue 33): one forward under the capture checks names every host sync,
+data-dependent shape and baked host value with its module path and the fix; graphrt's own
+reference model is clean."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphrt.backends.torch.capture_lint import FIXES
+from graphrt.cli import main
+from graphrt.cli_lint import lint_model
+from support.lint_models import moe_model
+
+
+def by_kind(report) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for f in report.findings:
+        out.setdefault(f.kind, []).append(f)
+    return out
+
+
+def test_the_planted_router_item_is_named_with_its_module_path():
+    report = lint_model(moe_model())
+    kinds = by_kind(report)
+    sync = [f for f in kinds["host sync"] if f.module == "model.layers.1.mlp.router"]
+    assert sync and ".item()" in sync[0].what and sync[0].fix == FIXES["host sync"]
+    shapes = {(f.module, f.what.split(" (")[0]) for f in kinds["data-dependent shape"]}
+    assert ("model.layers.1.mlp.router", "`torch.bincount`") in shapes
+    assert ("model.layers.1.mlp", "`torch.nonzero` / `torch.where(cond)` / `torch.argwhere`") in shapes
+    baked = [f for f in kinds["baked host value"] if f.module == "model.layers.0.post_attention_layernorm"]
+    assert baked and "on one step" in baked[0].detail
+    # nothing is blamed on modules that are capture-safe
+    assert {f.module for f in report.findings} <= {"model.layers.1.mlp", "model.layers.1.mlp.router",
+                                                    "model.layers.1.mlp.experts.0", "model.layers.1.mlp.experts.1",
+                                                    "model.layers.0.post_attention_layernorm", "model.layers.1",
+                                                    "model.layers.2", "model.layers.3", "model.norm", "model"}
+
+
+def test_the_reference_model_is_clean(model_dir):
+    from graphrt.models.torch.loader import load_torch_model
+
+    report = lint_model(load_torch_model(model_dir))
+    assert report.clean, str(report)
+    assert report.num_ops > 100
+
+
+def test_the_cli_prints_each_finding_and_exits_1(capsys, model_dir):
+    assert main(["lint", "support.lint_models:moe_model"]) == 1
+    out = capsys.readouterr().out
+    assert "model.layers.1.mlp.router: host sync: `.item()`" in out and "fix: keep the value on the device" in out
+    assert main(["lint", model_dir]) == 0
+    assert "no capture hazards" in capsys.readouterr().out
+
+
+def test_a_stock_transformers_model_is_linted_by_its_own_forward(model_dir, capsys):
+    status = main(["lint", model_dir, "--transformers"])
+    out = capsys.readouterr().out
+    assert "Qwen3ForCausalLM" in out
+    assert status in (0, 1) and ("no capture hazards" in out or "fix:" in out)
+
+
+def test_a_bad_model_spec_is_a_usage_error(capsys):
+    assert main(["lint", "no_such_module_xyz:build"]) == 2
+    assert "graphrt lint:" in capsys.readouterr().err
