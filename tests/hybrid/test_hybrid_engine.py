@@ -36,7 +36,9 @@ def _check_teacher_forced(hf, prompt: list[int], got: list[int]) -> None:
     assert got == want, (prompt, got, want)
 
 
-@pytest.mark.parametrize("arch", ["granite", "mamba2", "qwen3_next"])
+#: granite is slow here: the xla engine test below runs it with preemptions, and
+#: tests/hybrid/test_hybrid_models.py's parity preempts it on cpu graphs.
+@pytest.mark.parametrize("arch", [pytest.param("granite", marks=pytest.mark.slow), "mamba2", "qwen3_next"])
 def test_generate_with_preemption_keeps_transformers_tokens(arch):
     d = hybrid_model_dir(arch)
     llm = graphrt.LLM(str(d), backend="cpu", num_kv_blocks=9, schedule_conservativeness=0.0,

@@ -36,7 +36,7 @@ def model(request):
 #: Graphs and executables of the parity runs: few sizes (short warm-ups) that still hold every
 #: step of the schedule (decodes of 1-3 requests, prefill chunks of 5, up to 16 tokens).
 SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16]),
-          "xla": dict(precompile_token_paddings=[4, 16], precompile_bs_paddings=[4])}
+          "xla": dict(precompile_token_paddings=[16], precompile_bs_paddings=[4])}
 
 
 @pytest.mark.parametrize("backend,mode,k", [
