@@ -36,7 +36,10 @@ from graphrt.testing.step import Step
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
 from support.hybrid_parity import reference_logits, run_schedule
 
-LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block_size=4)
+LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4)
+#: Graphs captured by the isolation checks: the steps below need no more (3 to 9 tokens of up
+#: to 4 requests); fewer sizes keep the two warm-ups of each check (as is, planted) short.
+CAPTURE = dict(cudagraph_capture_sizes=[4, 12])
 
 
 def _fails(check, plant, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,7 +67,7 @@ def _isolation_check(arch: str, step: Step, **fields):
     """``state_isolated`` of ``step`` on a runner built (warmed up, graphs captured) inside the
     check, so a plant is in every graph too."""
     def check() -> None:
-        state_isolated(RunnerFactory(str(hybrid_model_dir(arch)), "cpu", **fields), step)
+        state_isolated(RunnerFactory(str(hybrid_model_dir(arch)), "cpu", **CAPTURE, **fields), step)
     return check
 
 
@@ -91,7 +94,8 @@ def test_vllm_57720_full_graphs_refresh_the_state_metadata(monkeypatch):
     refs = reference_logits(load_hf_hybrid(d), seqs)
 
     def check() -> None:
-        runner = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL", progress=False, num_kv_blocks=33, **LIMITS)
+        runner = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL", progress=False, num_kv_blocks=33,
+                                     cudagraph_capture_sizes=[4, 8, 12], **LIMITS)
         run_schedule(runner, seqs, refs, chunk=4, joins=[0, 1, 2])
         assert runner.stats.hits > 0
 

@@ -33,27 +33,37 @@ def model(request):
     return request.param, str(d), seqs, reference_logits(load_hf_hybrid(d), seqs)
 
 
-@pytest.mark.parametrize("backend,mode,k", [("eager", "NONE", 0), ("cpu", "FULL", 0),
-                                            ("cpu", "FULL_AND_PIECEWISE", 0), ("cpu", "FULL", 2),
-                                            ("xla", "FULL", 0), ("xla", "FULL", 1)])
+#: Graphs and executables of the parity runs: few sizes (short warm-ups) that still hold every
+#: step of the schedule (decodes of 1-3 requests, prefill chunks of 5, up to 16 tokens).
+SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16]),
+          "xla": dict(precompile_token_paddings=[16], precompile_bs_paddings=[4])}
+
+
+@pytest.mark.parametrize("backend,mode,k", [
+    ("eager", "NONE", 0), ("cpu", "FULL_AND_PIECEWISE", 0), ("cpu", "FULL", 2), ("xla", "FULL", 1),
+    # the same paths again without drafts' checkpoints (k = 0 is the FULL_AND_PIECEWISE run's)
+    pytest.param("cpu", "FULL", 0, marks=pytest.mark.slow), pytest.param("xla", "FULL", 0, marks=pytest.mark.slow)])
 def test_teacher_forced_parity_with_transformers(model, backend, mode, k):
     """Concurrent requests of different lengths, chunked prefill (chunks of 5 over SSD chunks of
     4), decode, request 0 preempted after its prefill began and recomputed in another slot."""
     arch, d, seqs, refs = model
     runner = graphrt.ModelRunner(d, backend=backend, mode=mode, num_speculative_tokens=k, progress=False,
-                                 num_kv_blocks=4 * 8 + 1, **LIMITS)
+                                 num_kv_blocks=4 * 8 + 1, **SHAPES[backend], **LIMITS)
     steps = run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0})
     assert steps >= 8
     if backend == "cpu":
         assert runner.stats.hits > 0          # graphs replayed, not only eager steps
 
 
+@pytest.mark.slow
 def test_full_graphs_hold_decode_and_mixed_steps():
     """In FULL mode a mixed step (a prefill chunk beside decodes) replays a FULL graph, and so
-    does a uniform decode step; both match transformers (the parity test checks values)."""
+    does a uniform decode step; both match transformers (the parity test checks values).
+    Slow: the state sweep's sample (FULL decode and PIECEWISE steps drawn) and
+    tests/test_hybrid_devices.py (every key FULL in FULL mode, graphs replayed) see the same."""
     d = hybrid_model_dir("granite")
     runner = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL_AND_PIECEWISE", progress=False,
-                                 num_kv_blocks=4 * 8 + 1, **LIMITS)
+                                 num_kv_blocks=4 * 8 + 1, **SHAPES["cpu"], **LIMITS)
     table = np.arange(1, 1 + 3 * 8, dtype=np.int32).reshape(3, 8)
     tokens = np.full((3, 32), 5, np.int32)
     runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([0, 1]), num_computed_tokens=np.array([0, 0]),
@@ -61,7 +71,8 @@ def test_full_graphs_hold_decode_and_mixed_steps():
     runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([0, 1]), num_computed_tokens=np.array([3, 2]),
                    num_scheduled_tokens=np.array([1, 1]))
     assert runner.last_step.mode is graphrt.RuntimeMode.FULL and runner.last_step.key.uniform_decode
-    full = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL", progress=False, num_kv_blocks=4 * 8 + 1, **LIMITS)
+    full = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL", progress=False, num_kv_blocks=4 * 8 + 1,
+                               **SHAPES["cpu"], **LIMITS)
     full.execute(token_ids=tokens, block_table=table, req_rows=np.array([0, 1]), num_computed_tokens=np.array([4, 0]),
                  num_scheduled_tokens=np.array([1, 3]))
     assert full.last_step.mode is graphrt.RuntimeMode.FULL and not full.last_step.key.uniform_decode
@@ -69,7 +80,8 @@ def test_full_graphs_hold_decode_and_mixed_steps():
 
 def test_a_model_without_attention_keeps_no_kv_cache():
     d = hybrid_model_dir("mamba2")
-    runner = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL_AND_PIECEWISE", progress=False, **LIMITS)
+    runner = graphrt.ModelRunner(str(d), backend="cpu", mode="FULL_AND_PIECEWISE", progress=False,
+                                 **SHAPES["cpu"], **LIMITS)
     ex = runner.executor
     assert ex.kv_caches == [] and ex.kv_cache is None and ex.kv_cache_bytes_per_block(4) == 0
     assert runner.num_kv_blocks == LIMITS["max_num_seqs"] * (32 // 4) + 1     # blocks cost nothing

@@ -17,32 +17,14 @@ from typing import Any
 import atexit
 import torch
 
+from graphrt.testing.state_sweep import HYBRID_CONFIG_CLASSES, HYBRID_CONFIGS
 from support.hf_models import _randomize
 
 HYBRID_ARCHS = ("mamba2", "granite", "qwen3_next")
 
-_CONFIGS: dict[str, dict[str, Any]] = {
-    "mamba2": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
-                   n_groups=2, chunk_size=4, conv_kernel=4, expand=2, bos_token_id=1, eos_token_id=2,
-                   pad_token_id=0, tie_word_embeddings=False),
-    "granite": dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-                    num_attention_heads=4, num_key_value_heads=2,
-                    layer_types=["linear_attention", "full_attention", "linear_attention"],
-                    mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=4, mamba_expand=2,
-                    mamba_d_conv=4, shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
-                    position_embedding_type="rope", embedding_multiplier=2.0, residual_multiplier=0.5,
-                    logits_scaling=3.0, attention_multiplier=0.2, max_position_embeddings=256,
-                    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),
-    "qwen3_next": dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-                       linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                       linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1,
-                       mlp_only_layers=[], partial_rotary_factor=0.25, max_position_embeddings=256, linear_chunk_size=4,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),
-}
-_CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig", "qwen3_next": "Qwen3NextConfig"}
+#: The tiny configs (graphrt.testing.state_sweep's, which the state sweep builds too).
+_CONFIGS = HYBRID_CONFIGS
+_CLASSES = HYBRID_CONFIG_CLASSES
 _ROOT: Path | None = None
 
 

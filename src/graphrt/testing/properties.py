@@ -320,6 +320,44 @@ def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
                                        err_msg=f"{what}: logits of request {row}")
 
 
+def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, state: np.ndarray,
+                  kv: np.ndarray) -> Outputs:
+    """Run ``step`` (the runner's path, or eagerly at ``key``) over ``state`` and ``kv``; raise
+    unless it changed no state entry but its real requests' writes and the trash slot, wrote
+    those finite, and computed finite rows (padded ones included)."""
+    c = _checkpoints(runner)
+    trash = state.shape[0] - 1
+    writes = _entries(step, runner, "writes")
+    allowed = np.zeros(state.shape[:2], dtype=bool)
+    allowed[writes] = True
+    allowed[trash] = True
+    access.set_kv(runner, kv)
+    access.set_state(runner, state)
+    before = access.state_bits(runner)
+    out = run_runner(runner, step) if key is None else run_at(runner, step, key)
+    touched = (before != access.state_bits(runner)).any(axis=2)
+    foreign = np.argwhere(touched & ~allowed)
+    if foreign.size:
+        raise AssertionError(f"state isolation: {out.how} changed state entries (slot, checkpoint) "
+                             f"{[tuple(x) for x in foreign.tolist()[:8]]} outside the step's own "
+                             f"{sorted(step.state_writes(c))} and the trash slot {trash}")
+    if not np.isfinite(out.state[writes]).all():
+        raise AssertionError(f"state isolation: {out.how} wrote non-finite states into "
+                             f"{sorted(step.state_writes(c))}")
+    _finite(out, step)
+    return out
+
+
+def state_writes_confined(factory: Factory, step: Step) -> None:
+    """The first check of :func:`state_isolated` alone, one run: with NaN in every state entry
+    the step does not read, the runner's path (its padded rows included) changes no state entry
+    but its real requests' writes and the trash slot, writes those finite, and computes finite
+    rows. The state sweep (:mod:`graphrt.testing.state_sweep`) checks it on thousands of steps."""
+    runner, both = _start(factory, step, nan_unused=True)
+    if both.state is not None:
+        _confined_run(runner, step, None, both.state, both.kv)
+
+
 def state_isolated(factory: Factory, step: Step) -> None:
     """A hybrid model's recurrent states (docs/hybrid.md): with NaN in every state entry the step
     does not read (other requests' slots, a new request's own stale slot, the trash slot), the
@@ -334,34 +372,15 @@ def state_isolated(factory: Factory, step: Step) -> None:
     if both.state is None:
         return
     c = _checkpoints(runner)
-    trash = both.state.shape[0] - 1
-    allowed = np.zeros(both.state.shape[:2], dtype=bool)
     writes = _entries(step, runner, "writes")
-    allowed[writes] = True
-    allowed[trash] = True
     clean_state, clean_kv = np.nan_to_num(both.state, nan=0.0), np.nan_to_num(both.kv, nan=0.0)
     keys = covering_keys(runner, step)
     chosen: list[BatchDescriptor | None] = [None]
     if keys:
         chosen.append(max(keys, key=lambda k: (k.num_tokens, k.num_reqs or 0)))
     for key in dict.fromkeys(chosen):
-        runs = []
-        for state, kv in ((both.state, both.kv), (clean_state, clean_kv)):
-            access.set_kv(runner, kv)
-            access.set_state(runner, state)
-            before = access.state_bits(runner)
-            out = run_runner(runner, step) if key is None else run_at(runner, step, key)
-            touched = (before != access.state_bits(runner)).any(axis=2)
-            foreign = np.argwhere(touched & ~allowed)
-            if foreign.size:
-                raise AssertionError(f"state isolation: {out.how} changed state entries (slot, checkpoint) "
-                                     f"{[tuple(x) for x in foreign.tolist()[:8]]} outside the step's own "
-                                     f"{sorted(step.state_writes(c))} and the trash slot {trash}")
-            if not np.isfinite(out.state[writes]).all():
-                raise AssertionError(f"state isolation: {out.how} wrote non-finite states into "
-                                     f"{sorted(step.state_writes(c))}")
-            _finite(out, step)
-            runs.append(out)
+        runs = [_confined_run(runner, step, key, state, kv)
+                for state, kv in ((both.state, both.kv), (clean_state, clean_kv))]
         nan_run, clean_run = runs
         what = f"NaN in unread state entries reached real outputs ({nan_run.how})"
         _same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
@@ -410,4 +429,5 @@ PROPERTIES: dict[str, tuple[Callable[[Factory, Any], None], str]] = {
 }
 
 __all__ = ["PROPERTIES", "addresses_stable", "bad_input_rejected", "kv_isolated", "lifetime_matches_reference",
-           "no_build_after_warmup", "padding_invisible", "replay_matches_eager", "scrub", "state_isolated"]
+           "no_build_after_warmup", "padding_invisible", "replay_matches_eager", "scrub", "state_isolated",
+           "state_writes_confined"]
