@@ -18,7 +18,6 @@ writes of :mod:`graphrt.core.prepare_numpy`. Both return the reports of
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Mapping, NamedTuple
 
@@ -28,11 +27,10 @@ from graphrt.core import defaults, host_kernels, host_loops
 from graphrt.core.errors import GraphrtError, InputError
 from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, INDEX_MAX, ModelInputs, buffer_shapes, field_rows
 from graphrt.core.host_kernels import RequestArrays, as_int_array
+from graphrt.core.input_forms import compiled_table, shape_error
 from graphrt.core.padding import Padder
 from graphrt.core.prepare_numpy import NumpyPrepare
 from graphrt.core.step_codes import E_OK, StepArrays, StepLimits, StepReport, step_error
-
-logger = logging.getLogger(__name__)
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _ARRAY = np.ndarray
@@ -313,7 +311,8 @@ class InputPreparer:
                 and (tokens.dtype is _INT32 or tokens.dtype is _INT64)
                 and (blocks.dtype is _INT32 or blocks.dtype is _INT64)
                 and tokens.flags.num & blocks.flags.num & _FLAGS == _FLAGS):
-            tokens, blocks = self._table("token_ids", tokens), self._table("block_table", blocks)
+            tokens = compiled_table("token_ids", tokens, self.strict, self._warned)
+            blocks = compiled_table("block_table", blocks, self.strict, self._warned)
         rows, computed, scheduled = req_rows, num_computed_tokens, num_scheduled_tokens
         if not (type(rows) is _ARRAY and type(computed) is _ARRAY and type(scheduled) is _ARRAY
                 and rows.ndim == 1 and computed.ndim == 1 and scheduled.ndim == 1
@@ -327,7 +326,7 @@ class InputPreparer:
                 or scheduled.shape[0] != num_reqs or tokens.shape[0] != num_rows
                 or (self.table_width is not None and width < self.table_width)
                 or num_rows >= INDEX_MAX or tokens.shape[1] >= INDEX_MAX):
-            self._raise_shape_error(tokens, blocks, rows, computed, scheduled)
+            raise shape_error(tokens, blocks, rows, computed, scheduled, self.max_num_reqs, self.table_width)
         if num_rows >= self._row_mark.shape[0]:
             self._row_mark = np.zeros(num_rows + 1, dtype=np.int64)
         return tokens, blocks, rows, computed, scheduled
@@ -357,50 +356,6 @@ class InputPreparer:
             raise InputError("state_slots", f"{table.shape[0]} entries but the tables have {num_rows} rows: "
                                             f"one state slot per table row (indexed by req_rows)")
         return table
-
-    def _table(self, name: str, value: object) -> np.ndarray:
-        """A table the loops have a compiled variant for: ``value`` itself, or (not strict)
-        a converted copy with a one-time warning; strict mode raises instead."""
-        arr = as_int_array(name, value, 2)
-        why = host_kernels.table_variant(arr)
-        if why is None:
-            return arr
-        if self.strict:
-            raise InputError(name, f"{why}; strict mode runs only the host-kernel variants compiled "
-                                   f"at warm-up: pass a C-contiguous, writeable int32 or int64 array, "
-                                   f"e.g. np.array({name}, dtype=np.int32, order='C') (better: keep "
-                                   f"the engine's table in that form)")
-        if (name, why) not in self._warned:
-            self._warned.add((name, why))
-            logger.warning("graphrt: %s %s: copied to a C-contiguous int32 / int64 array on every "
-                           "step (strict mode refuses it); pass one in that form instead", name, why)
-        return host_kernels.canonical_table(arr)
-
-    def _raise_shape_error(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
-                           computed: np.ndarray, scheduled: np.ndarray) -> None:
-        """The error of a failed batch-size or table-shape check."""
-        num_reqs = rows.shape[0]
-        if num_reqs == 0:
-            raise InputError("req_rows", "empty batch: schedule at least one request")
-        if num_reqs > self.max_num_reqs:
-            raise InputError("req_rows", f"{num_reqs} requests exceed max_num_reqs={self.max_num_reqs}")
-        if computed.shape[0] != num_reqs:
-            raise InputError("num_computed_tokens", f"length {computed.shape[0]} does not match "
-                                                    f"req_rows length {num_reqs}")
-        if scheduled.shape[0] != num_reqs:
-            raise InputError("num_scheduled_tokens", f"length {scheduled.shape[0]} does not match "
-                                                     f"req_rows length {num_reqs}")
-        if token_ids.shape[0] != block_table.shape[0]:
-            raise InputError("block_table", f"{block_table.shape[0]} rows but token_ids has "
-                                            f"{token_ids.shape[0]}: both tables are indexed by req_rows")
-        if self.table_width is not None and block_table.shape[1] < self.table_width:
-            raise InputError("block_table", f"{block_table.shape[1]} columns; this preparer was "
-                                            f"configured for {self.table_width} "
-                                            f"(max_model_len / block_size): pass at least that many")
-        if max(token_ids.shape) >= INDEX_MAX:
-            raise InputError("token_ids", f"shape {token_ids.shape}: rows and max_model_len must be "
-                                          f"below {INDEX_MAX} (positions and rows are int32)")
-        raise AssertionError("no shape error to report")
 
 
 def prepare_inputs(*, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,

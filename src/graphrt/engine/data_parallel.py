@@ -25,11 +25,9 @@ manager's exit, garbage collection and interpreter exit) stops and joins every w
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import itertools
 import multiprocessing
-import multiprocessing.util  # noqa: F401 - imported before our atexit hook, so ours runs first
 import os
 import signal
 import threading
@@ -40,6 +38,7 @@ from typing import Any, Sequence
 
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, InputError
+from graphrt.engine.dp_processes import DP_WORKER_KILL_TIMEOUT_S, LIVE, Worker, new_key, shutdown
 from graphrt.engine.dp_worker import worker_main
 from graphrt.engine.engine_args import ENGINE_ARGS, check_engine_args
 from graphrt.engine.llm import LLM
@@ -53,10 +52,9 @@ DEFAULT_DATA_PARALLEL_SIZE = 2
 DEFAULT_LOAD_BALANCE_METHOD = "round_robin"
 #: ... the environment variable a worker's ``device_ids`` entry is written to.
 DP_DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
-#: ... seconds: for every worker to load its model and warm up; for workers to stop after
-#: close() asks them (then terminate, then kill, each waited this long); for stats replies.
+#: ... seconds: for every worker to load its model and warm up; for stats replies (how long
+#: stopping workers waits: engine/dp_processes.py).
 DP_WORKER_START_TIMEOUT_S = 600.0
-DP_WORKER_KILL_TIMEOUT_S = 5.0
 DP_STATS_TIMEOUT_S = 30.0
 #: ... seconds ``step()`` waits for an output by default, and the longest single wait on the
 #: workers' pipes (a dead worker is seen at once through its process sentinel regardless).
@@ -64,59 +62,6 @@ DP_STEP_WAIT_S = 0.05
 
 #: SGLang's ``--load-balance-method`` values that graphrt implements.
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
-
-
-class _Worker:
-    """One engine process and its two pipes, as the front sees it."""
-
-    def __init__(self, rank: int, process: Any, requests: Connection, replies: Connection) -> None:
-        self.rank, self.process, self.requests, self.replies = rank, process, requests, replies
-        self.pid: int = process.pid
-        self.in_flight: set[int] = set()       # sent, output not received yet
-        self.num_requests = 0                   # ever sent
-        self.info: dict[str, Any] | None = None  # the worker's "ready" report
-        self.stats: dict[str, Any] | None = None
-        self.fault: str | None = None          # the traceback a failing worker sent
-        self.dead: GraphrtError | None = None
-
-    @property
-    def name(self) -> str:
-        return f"data-parallel worker {self.rank} (pid {self.pid})"
-
-
-_LIVE: dict[int, list[_Worker]] = {}      # key -> workers of every front not yet shut down
-_KEYS = itertools.count()
-
-
-def _shutdown(key: int) -> None:
-    """Stop a front's workers (once): ask, join, then terminate, then kill; close the pipes."""
-    workers = _LIVE.pop(key, None)
-    if workers is None:
-        return
-    for w in workers:
-        try:
-            w.requests.send(("stop",))
-        except (OSError, ValueError):
-            pass    # already gone
-    deadline = time.monotonic() + defaults.DP_WORKER_JOIN_TIMEOUT_S
-    for w in workers:
-        w.process.join(max(0.0, deadline - time.monotonic()))
-    for w in workers:
-        for stop in (w.process.terminate, w.process.kill):
-            if w.process.is_alive():
-                stop()
-                w.process.join(DP_WORKER_KILL_TIMEOUT_S)
-        w.requests.close()
-        w.replies.close()
-
-
-@atexit.register
-def _shutdown_all() -> None:
-    """At interpreter exit, before multiprocessing joins its children: stop every front's.
-    (Not through the fronts' ``weakref.finalize``: those are disabled once weakref's own exit
-    hook has run, which comes first.)"""
-    for key in list(_LIVE):
-        _shutdown(key)
 
 
 def check_worker_args(model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> None:
@@ -163,7 +108,7 @@ class DataParallelLLM:
         check_worker_args(model, llm_kwargs)
         self.data_parallel_size = data_parallel_size
         self.load_balance_method = load_balance_method
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._next_rr = 0
@@ -173,10 +118,10 @@ class DataParallelLLM:
         self._owner: dict[int, int] = {}             # request id -> worker rank
         self._broken: GraphrtError | None = None
         self._closed = False
-        self._key = next(_KEYS)
-        _LIVE[self._key] = self._workers
-        self._finalizer = weakref.finalize(self, _shutdown, self._key)   # when collected
-        self._finalizer.atexit = False              # at exit: _shutdown_all
+        self._key = new_key()
+        LIVE[self._key] = self._workers
+        self._finalizer = weakref.finalize(self, shutdown, self._key)   # when collected
+        self._finalizer.atexit = False              # at exit: dp_processes.shutdown_all
         ctx = multiprocessing.get_context("spawn")
         try:
             for rank in range(data_parallel_size):
@@ -188,7 +133,7 @@ class DataParallelLLM:
                 proc.start()
                 req_out.close()     # the child has its own copies: EOF now tracks the child
                 rep_in.close()
-                self._workers.append(_Worker(rank, proc, req_in, rep_out))
+                self._workers.append(Worker(rank, proc, req_in, rep_out))
             self._await(lambda: all(w.info is not None for w in self._workers), start_timeout,
                         "to start")
         except BaseException:
@@ -297,7 +242,7 @@ class DataParallelLLM:
         """Stop and join every worker (terminate, then kill, what does not stop in time)."""
         self._closed = True
         self._finalizer.detach()
-        _shutdown(self._key)
+        shutdown(self._key)
 
     def __enter__(self) -> "DataParallelLLM":
         return self
@@ -316,7 +261,7 @@ class DataParallelLLM:
         if self._broken is not None:
             raise GraphrtError(str(self._broken)) from self._broken
 
-    def _pick(self) -> _Worker:
+    def _pick(self) -> Worker:
         if self.load_balance_method == "round_robin":
             w = self._workers[self._next_rr]
             self._next_rr = (self._next_rr + 1) % len(self._workers)
@@ -359,7 +304,7 @@ class DataParallelLLM:
         """Receive what the workers sent, waiting up to ``timeout`` s for something; a worker
         whose process ended is marked dead (``_broken``)."""
         live = [w for w in self._workers if w.dead is None]
-        by_obj: dict[Any, _Worker] = {w.replies: w for w in live}
+        by_obj: dict[Any, Worker] = {w.replies: w for w in live}
         by_obj.update((w.process.sentinel, w) for w in live)
         ready = wait(list(by_obj), timeout) if by_obj else []
         for obj in ready:       # messages first: a dying worker's last words come before its end
@@ -369,14 +314,14 @@ class DataParallelLLM:
             if not isinstance(obj, Connection) and by_obj[obj].dead is None:
                 self._mark_dead(by_obj[obj])
 
-    def _drain(self, w: _Worker) -> None:
+    def _drain(self, w: Worker) -> None:
         try:
             while w.dead is None and w.replies.poll():
                 self._handle(w, w.replies.recv())
         except (EOFError, OSError):
             self._mark_dead(w)
 
-    def _handle(self, w: _Worker, msg: tuple) -> None:
+    def _handle(self, w: Worker, msg: tuple) -> None:
         kind = msg[0]
         if kind == "outs":
             for out in msg[1]:
@@ -392,7 +337,7 @@ class DataParallelLLM:
         elif kind in ("failed", "fault"):
             w.fault = msg[1]
 
-    def _mark_dead(self, w: _Worker) -> None:
+    def _mark_dead(self, w: Worker) -> None:
         w.process.join(DP_WORKER_KILL_TIMEOUT_S)   # its pipe closed: it is ending
         code = w.process.exitcode
         how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else

@@ -18,94 +18,15 @@ import numpy as np
 
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
 from graphrt.core.errors import InputError
-from graphrt.core.numerics import reduction_tolerance, tolerance
+from graphrt.core.numerics import reduction_tolerance
 from graphrt.testing import access
-from graphrt.testing.runners import (Outputs, Planted, built_entry, can_run_unpadded, covering_keys, greedy, plant,
-                                     replay_at, restore, run_at, run_runner)
+from graphrt.testing.runners import (Outputs, built_entry, can_run_unpadded, covering_keys, greedy, replay_at, restore,
+                                     run_at, run_runner)
 from graphrt.testing.step import BadStep, Step
+from graphrt.testing.checks import (checkpoints, close, finite, same_shape, same_tokens, scrub, start,
+                                    state_entries)
 
 Factory = Callable[..., Any]
-
-
-# ----------------------------------------------------------------------------------- helpers
-
-def scrub(runner: Any) -> None:
-    """Run the same step on ``runner`` before every example: one token in each request slot
-    (row ``i`` in block ``i + 1``), so state a backend keeps across steps is the same each time."""
-    cfg = runner.config
-    n = cfg.max_num_seqs
-    table = np.zeros((n, cfg.max_blocks_per_req), np.int32)
-    table[:, 0] = np.arange(1, n + 1)
-    extras = None
-    if runner.extra is not None:          # the model's declared extra inputs: zeros of each
-        extras = {name: np.zeros((spec.rows(n, n), *spec.shape), spec.dtype) for name, spec in runner.extra.specs.items()}
-    runner.execute(token_ids=np.zeros((n, cfg.max_model_len), np.int32), block_table=table,
-                   req_rows=np.arange(n, dtype=np.int32), num_computed_tokens=np.zeros(n, np.int32),
-                   num_scheduled_tokens=np.ones(n, np.int32), extra_inputs=extras)
-
-
-def _start(factory: Factory, step: Step, *, nan_unused: bool = False) -> tuple[Any, Planted]:
-    runner = factory()
-    scrub(runner)
-    return runner, plant(runner, step, nan_unused=nan_unused)
-
-
-def _checkpoints(runner: Any) -> int:
-    """Checkpoints per state slot (1 + num_speculative_tokens)."""
-    return int(runner.config.decode_query_len)
-
-
-def _entries(step: Step, runner: Any, which: str) -> tuple[np.ndarray, np.ndarray]:
-    """The (slots, checkpoints) the step reads or writes, as index arrays."""
-    pairs = (step.state_writes if which == "writes" else step.state_reads)(_checkpoints(runner))
-    return (np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.int64))
-
-
-def _tol(runner: Any) -> tuple[float, float]:
-    tol = tolerance(access.kv_dtype(runner))
-    return tol.rtol, tol.atol
-
-
-def _close(runner: Any, got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """Within ``graphrt.tolerance`` of the model's dtype (the same step at another shape)."""
-    rtol, atol = _tol(runner)
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
-
-
-def _same_shape(runner: Any, got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """The same step at the same padded shape: bit for bit on a CPU, within tolerance elsewhere."""
-    if not access.on_cpu(runner):
-        _close(runner, got, want, what)
-        return
-    if got.shape != want.shape or not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
-        np.testing.assert_array_equal(got, want, err_msg=f"{what} (not bitwise equal)", strict=True)
-        raise AssertionError(f"{what}: equal values but other bits (e.g. -0.0 against 0.0)")
-
-
-def _same_tokens(runner: Any, got: np.ndarray, want_logits: np.ndarray, what: str) -> None:
-    """Greedy tokens equal, except where the reference's best two logits are within tolerance."""
-    rtol, atol = _tol(runner)
-    top2 = np.sort(want_logits, axis=-1)[:, -2:] if want_logits.shape[-1] > 1 else None
-    for i, token in enumerate(np.asarray(got)):
-        best = int(want_logits[i].argmax())
-        if token == best:
-            continue
-        tie = top2 is not None and top2[i, 1] - top2[i, 0] <= atol + rtol * abs(top2[i, 1])
-        if not tie:
-            raise AssertionError(f"{what}: request {i} sampled token {int(token)}, the reference's greedy "
-                                 f"token is {best}")
-
-
-def _finite(out: Outputs, step: Step) -> None:
-    bad_rows = np.flatnonzero(~np.isfinite(out.padded_hidden).all(axis=-1))
-    if bad_rows.size:
-        which = "padded" if bad_rows.min() >= step.num_tokens else "real"
-        raise AssertionError(f"{out.how}: hidden rows {bad_rows.tolist()} are not finite ({which} rows; "
-                             f"the step has {step.num_tokens} real tokens)")
-    bad_reqs = np.flatnonzero(~np.isfinite(out.padded_logits).all(axis=-1))
-    if bad_reqs.size:
-        raise AssertionError(f"{out.how}: logits of requests {bad_reqs.tolist()} are not finite "
-                             f"(the step has {step.num_reqs} real requests)")
 
 
 # ------------------------------------------------------------------------------- properties
@@ -115,7 +36,7 @@ def padding_invisible(factory: Factory, step: Step) -> None:
     or executable warm-up built for that bucket (eagerly at the padded shape where none was
     built); and, where the backend runs eagerly, unpadded: the same greedy tokens; logits,
     real hidden rows and the KV written at its real slots within ``graphrt.tolerance``."""
-    runner, planted = _start(factory, step)
+    runner, planted = start(factory, step)
     got = [run_runner(runner, step)]
     eager = can_run_unpadded(runner)
     runs: list[tuple[Callable[..., Outputs], BatchDescriptor | None]] = [(run_at, None)] if eager else []
@@ -133,15 +54,15 @@ def padding_invisible(factory: Factory, step: Step) -> None:
         got.append(run(runner, step, key))
     ref = got[1] if len(got) > 1 else got[0]
     slots = step.write_slots()
-    written = _entries(step, runner, "writes")
+    written = state_entries(step, runner, "writes")
     for out in got:
         what = f"padding is visible: {out.how} against {ref.how}"
         if out.tokens is not None:
-            _same_tokens(runner, out.tokens, ref.logits, what)
-        _same_tokens(runner, out.logits.argmax(-1), ref.logits, what)
-        _close(runner, out.logits, ref.logits, f"{what}: logits")
-        _close(runner, out.hidden, ref.hidden, f"{what}: hidden rows of the real tokens")
-        _close(runner, out.kv[:, :, slots], ref.kv[:, :, slots], f"{what}: KV written at the real slots")
+            same_tokens(runner, out.tokens, ref.logits, what)
+        same_tokens(runner, out.logits.argmax(-1), ref.logits, what)
+        close(runner, out.logits, ref.logits, f"{what}: logits")
+        close(runner, out.hidden, ref.hidden, f"{what}: hidden rows of the real tokens")
+        close(runner, out.kv[:, :, slots], ref.kv[:, :, slots], f"{what}: KV written at the real slots")
         if out.state is not None:         # a state sums a request's tokens' products: a reordered sum
             for got_row, want_row in zip(out.state[written], ref.state[written]):
                 tol = reduction_tolerance(access.kv_dtype(runner), magnitude=float(np.abs(want_row).max()))
@@ -156,7 +77,7 @@ def kv_isolated(factory: Factory, step: Step) -> None:
     it computes -- padded ones
     included -- is finite, and real outputs equal those of a run with numbers there instead.
     Checked on the runner's own path and padded to its largest covering buckets."""
-    runner, both = _start(factory, step, nan_unused=True)
+    runner, both = start(factory, step, nan_unused=True)
     planted = both.kv
     clean = np.nan_to_num(planted, nan=0.0)
     clean_state = None if both.state is None else np.nan_to_num(both.state, nan=0.0)
@@ -194,12 +115,12 @@ def kv_isolated(factory: Factory, step: Step) -> None:
             if broken.size:
                 raise AssertionError(f"KV isolation: {out.how} wrote non-finite K/V into slots {broken.tolist()[:8]} "
                                      f"(the trash row is {planted.shape[2] - 1})")
-            _finite(out, step)
+            finite(out, step)
             runs.append(out)
         nan_run, clean_run = runs
         what = f"NaN in unused KV slots reached real outputs ({nan_run.how})"
-        _same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
-        _same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
+        same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
+        same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
 
 
 def replay_matches_eager(factory: Factory, step: Step) -> None:
@@ -207,24 +128,24 @@ def replay_matches_eager(factory: Factory, step: Step) -> None:
     hidden rows and the whole KV cache bit for bit on a CPU (within tolerance on a GPU).
     Backends without an eager path (XLA) have nothing to compare: it returns at once (the
     suite reports it N/A)."""
-    runner, planted = _start(factory, step)
+    runner, planted = start(factory, step)
     if not can_run_unpadded(runner):
         return
     replay = run_runner(runner, step)
     restore(runner, planted)
     eager = run_at(runner, step, runner.last_step.key)
     what = f"replay differs from eager at the same shape: {replay.how} against {eager.how}"
-    _same_shape(runner, replay.logits, eager.logits, f"{what}: logits")
-    _same_shape(runner, replay.hidden, eager.hidden, f"{what}: hidden rows")
-    _same_shape(runner, replay.kv, eager.kv, f"{what}: KV cache")
+    same_shape(runner, replay.logits, eager.logits, f"{what}: logits")
+    same_shape(runner, replay.hidden, eager.hidden, f"{what}: hidden rows")
+    same_shape(runner, replay.kv, eager.kv, f"{what}: KV cache")
     if replay.state is not None:                  # the trash slot aside: padding's alone
-        _same_shape(runner, replay.state[:-1], eager.state[:-1], f"{what}: recurrent states")
+        same_shape(runner, replay.state[:-1], eager.state[:-1], f"{what}: recurrent states")
 
 
 def no_build_after_warmup(factory: Factory, step: Step) -> None:
     """A step the bucket policy covers runs a graph / executable built during warm-up: no
     capture or compile, no miss, no failed build, and not eager where the runner has graphs."""
-    runner, _ = _start(factory, step)
+    runner, _ = start(factory, step)
     fwd, smp = runner.stats, runner.sampler_stats
     before = (access.build_count(runner), fwd.misses, fwd.unplanned_builds, fwd.failed_builds, fwd.entries,
               smp.misses, smp.unplanned_builds, smp.entries)
@@ -276,7 +197,7 @@ def bad_input_rejected(factory: Factory, bad: BadStep) -> None:
 def addresses_stable(factory: Factory, step: Step) -> None:
     """Every buffer a captured graph reads stays at its address across replays (torch
     backends; XLA has no static device buffers: it returns at once, the suite reports N/A)."""
-    runner, _ = _start(factory, step)
+    runner, _ = start(factory, step)
     first = access.addresses(runner)
     if first is None:
         return
@@ -303,16 +224,16 @@ def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
     ``graphrt.reduction_tolerance`` of each row's magnitude, the bound of a reordered sum."""
     if not trace:
         return
-    runner, planted = _start(factory, trace[0])
+    runner, planted = start(factory, trace[0])
     got = [run_runner(runner, step) for step in trace]
     restore(runner, planted)
     eager = can_run_unpadded(runner)
     for i, (step, out) in enumerate(zip(trace, got)):
         ref = run_at(runner, step, None if eager else covering_keys(runner, step)[0])
         what = f"step {i} of {len(trace)} of the lifetime: {out.how} against {ref.how}"
-        _same_tokens(runner, out.tokens, ref.logits, what)
+        same_tokens(runner, out.tokens, ref.logits, what)
         if planted.state is None:
-            _close(runner, out.logits, ref.logits, f"{what}: logits")
+            close(runner, out.logits, ref.logits, f"{what}: logits")
             continue
         for row, want in enumerate(ref.logits):
             tol = reduction_tolerance(access.kv_dtype(runner), magnitude=float(np.abs(want).max()))
@@ -325,9 +246,9 @@ def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, state: n
     """Run ``step`` (the runner's path, or eagerly at ``key``) over ``state`` and ``kv``; raise
     unless it changed no state entry but its real requests' writes and the trash slot, wrote
     those finite, and computed finite rows (padded ones included)."""
-    c = _checkpoints(runner)
+    c = checkpoints(runner)
     trash = state.shape[0] - 1
-    writes = _entries(step, runner, "writes")
+    writes = state_entries(step, runner, "writes")
     allowed = np.zeros(state.shape[:2], dtype=bool)
     allowed[writes] = True
     allowed[trash] = True
@@ -344,7 +265,7 @@ def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, state: n
     if not np.isfinite(out.state[writes]).all():
         raise AssertionError(f"state isolation: {out.how} wrote non-finite states into "
                              f"{sorted(step.state_writes(c))}")
-    _finite(out, step)
+    finite(out, step)
     return out
 
 
@@ -353,7 +274,7 @@ def state_writes_confined(factory: Factory, step: Step) -> None:
     the step does not read, the runner's path (its padded rows included) changes no state entry
     but its real requests' writes and the trash slot, writes those finite, and computes finite
     rows. The state sweep (:mod:`graphrt.testing.state_sweep`) checks it on thousands of steps."""
-    runner, both = _start(factory, step, nan_unused=True)
+    runner, both = start(factory, step, nan_unused=True)
     if both.state is not None:
         _confined_run(runner, step, None, both.state, both.kv)
 
@@ -368,11 +289,11 @@ def state_isolated(factory: Factory, step: Step) -> None:
     request's outputs do not depend on who shares its step: with every other request's tokens
     and states replaced, request 0's logits, hidden rows and states are the same (bit for bit
     on a CPU: the same shape). A model without recurrent state has nothing to check."""
-    runner, both = _start(factory, step, nan_unused=True)
+    runner, both = start(factory, step, nan_unused=True)
     if both.state is None:
         return
-    c = _checkpoints(runner)
-    writes = _entries(step, runner, "writes")
+    c = checkpoints(runner)
+    writes = state_entries(step, runner, "writes")
     clean_state, clean_kv = np.nan_to_num(both.state, nan=0.0), np.nan_to_num(both.kv, nan=0.0)
     keys = covering_keys(runner, step)
     chosen: list[BatchDescriptor | None] = [None]
@@ -383,9 +304,9 @@ def state_isolated(factory: Factory, step: Step) -> None:
                 for state, kv in ((both.state, both.kv), (clean_state, clean_kv))]
         nan_run, clean_run = runs
         what = f"NaN in unread state entries reached real outputs ({nan_run.how})"
-        _same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
-        _same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
-        _same_shape(runner, nan_run.state[writes], clean_run.state[writes], f"{what}: states written")
+        same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
+        same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
+        same_shape(runner, nan_run.state[writes], clean_run.state[writes], f"{what}: states written")
     if step.num_reqs < 2:
         return
     # the same step with every other request's scheduled tokens and read states redrawn
@@ -401,7 +322,7 @@ def state_isolated(factory: Factory, step: Step) -> None:
         if start > 0:
             state[int(step.state_slots[row]), (start - 1) % c] = rng.standard_normal(state.shape[2])
     mine = int(step.num_scheduled_tokens[0])
-    mine_writes = _entries(Step(step.token_ids, step.block_table, step.req_rows[:1], step.num_computed_tokens[:1],
+    mine_writes = state_entries(Step(step.token_ids, step.block_table, step.req_rows[:1], step.num_computed_tokens[:1],
                                 step.num_scheduled_tokens[:1], step.block_size, state_slots=step.state_slots),
                            runner, "writes")
     outs = []
@@ -411,9 +332,9 @@ def state_isolated(factory: Factory, step: Step) -> None:
         outs.append(run_runner(runner, tokens_step))
     a, b = outs
     what = f"request 0's outputs depend on the requests sharing its step ({a.how})"
-    _same_shape(runner, a.logits[:1], b.logits[:1], f"{what}: logits")
-    _same_shape(runner, a.hidden[:mine], b.hidden[:mine], f"{what}: hidden rows")
-    _same_shape(runner, a.state[mine_writes], b.state[mine_writes], f"{what}: its states")
+    same_shape(runner, a.logits[:1], b.logits[:1], f"{what}: logits")
+    same_shape(runner, a.hidden[:mine], b.hidden[:mine], f"{what}: hidden rows")
+    same_shape(runner, a.state[mine_writes], b.state[mine_writes], f"{what}: its states")
 
 
 #: Every property, by name, with the strategy kind it takes ("step", "bad", "trace").

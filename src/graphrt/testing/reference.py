@@ -27,7 +27,7 @@ import numpy as np
 from graphrt.core.errors import InputError
 from graphrt.core.numerics import Tolerance, reduction_tolerance
 from graphrt.testing import access
-from graphrt.testing.properties import scrub
+from graphrt.testing.checks import scrub
 from graphrt.testing.runners import Outputs, plant_kv, run_runner
 from graphrt.testing.step import Step
 

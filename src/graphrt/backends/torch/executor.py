@@ -5,18 +5,7 @@ state), the paged KV cache, and the captured graphs. CUDA, Ascend and the CPU re
 graph differ only in their :class:`DeviceGraphAPI`; with no API (``eager``) every step
 runs eagerly on the same buffers.
 
-Capture follows the rules that make device graphs correct: warm-up runs first, the
-largest key first into one shared pool, garbage collection paused, dummy inputs that are
-pure padding (slot -1: no KV write, seq_len 0: attend to nothing), inputs read only from
-static buffers, and outputs written into static buffers the caller slices.
-
-* FULL keys capture the whole forward (and, separately, the sampler) as one graph.
-* PIECEWISE keys capture the pieces between attention calls per token bucket
-  (:mod:`graphrt.backends.torch.fx_split`); attention runs eagerly between them.
-* ``GraphConfig.compile_model`` hands the pieces to the device's ``torch.compile`` backend
-  (Inductor on CUDA) with each bucket's buffers as example inputs -- static shapes, one
-  compile per bucket up to ``compile_max_size`` -- before they are captured; a FULL key
-  then captures the compiled pieces and eager attention as one graph.
+Capturing is :class:`~graphrt.backends.torch.graph_builder.GraphBuilder`'s job.
 
 One refresh path: the attention backend's ``before_replay`` runs before every run (graph or
 eager) where the backend has one -- host-planned metadata written into device buffers
@@ -31,13 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from graphrt.core import defaults
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.torch.baked_values import check_baked, check_refresh, refresh_for_capture
 from graphrt.backends.torch.kv_cache import TorchKVCache
@@ -45,6 +32,8 @@ from graphrt.backends.torch.state_cache import TorchStateCache, model_state_spec
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
 from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
+from graphrt.backends.torch.graph_builder import GraphBuilder, TorchEntry
+from graphrt.backends.torch.graph_memory import measure_graph_memory
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
@@ -62,9 +51,6 @@ from graphrt.backends.torch.sampler import SamplerState
 
 logger = logging.getLogger(__name__)
 
-
-#: What a TorchExecutor captures per key: one graph (FULL, sampler) or a bucket's pieces.
-TorchEntry = CapturedGraph | PiecewiseEntry
 
 
 class TorchExecutor(Executor[TorchEntry]):
@@ -95,8 +81,6 @@ class TorchExecutor(Executor[TorchEntry]):
         self._refresh = overrides_before_replay(self.attention)
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
         self._run_uniform = False           # the running step's key's uniform_decode (recurrent layers)
-        #: Per built key: mode, seconds, graph bytes, whether it was compiled.
-        self.capture_report: list[dict[str, Any]] = []
         self.vocab_size = int(model.config.vocab_size)
         self.hidden_size = int(model.config.hidden_size)
         self.block_size = config.block_size
@@ -122,7 +106,6 @@ class TorchExecutor(Executor[TorchEntry]):
         self._position_offsets = torch.arange(-q, 0, device=self.device)
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs, max_t,
                                     penalties=config.enable_penalties)
-        self._penalty_step = None           # the next penalised step's ledger entry (prepare_penalties)
         self._copied = None if self.buffers.same else device_event(self.device)
         # Graph backends launch steps without waiting (the CPU's events are complete at once);
         # the sampled outputs' host slots are made by the first such step.
@@ -136,7 +119,6 @@ class TorchExecutor(Executor[TorchEntry]):
                                       graph_api is not None and graph_api.pin_memory and self.device.type != "cpu")
         self.fetch_tokens, self.fetch_logprobs = self.outputs.fetch_tokens, self.outputs.fetch_logprobs
         self.sample_logprobs, self.prompt_logprobs = self.outputs.sample_logprobs, self.outputs.prompt_logprobs
-        self.pool = GraphPool(graph_api) if graph_api is not None else None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None
         # A hybrid model's recurrent states (docs/hybrid.md): a slot per running request and the
@@ -154,8 +136,17 @@ class TorchExecutor(Executor[TorchEntry]):
         #: A model's own backend with a refresh gets the check at every FULL capture, in every
         #: mode, and a key whose forward bakes a value that varies is refused (it runs eagerly).
         own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
-        self.check_baked = config.check_baked_values or config.strict or own_refresh
+        checked = config.check_baked_values or config.strict or own_refresh
         self.refuse_baked = config.strict or own_refresh
+        #: Captures every graph (None on the eager backend); handed only what a capture uses.
+        self.builder = GraphBuilder(
+            graph_api, pieces=self.pieces, sampler=self.sampler, logits_out=self.logits_out, lora=self.lora,
+            forward=self.forward, forward_split=self._forward_split, dummy_host=self.dummy_host,
+            load_dummy=self.load_dummy, input_ptrs=self.input_ptrs,
+            check_baked=(lambda key: check_baked(self, key)) if checked else None,
+            check_refresh=(lambda key: check_refresh(self, key)) if self._refresh else None,
+            refresh_for_capture=(lambda padded, key: refresh_for_capture(self, padded, key)) if self._refresh else None,
+        ) if graph_api is not None else None
         note = self.compile_note()
         if note is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
@@ -182,8 +173,12 @@ class TorchExecutor(Executor[TorchEntry]):
 
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Any]]) -> tuple[dict[Any, int], str | None]:
         """Capture ``jobs`` into a throwaway pool before the KV cache exists (backends/torch/graph_memory.py)."""
-        from graphrt.backends.torch.graph_memory import measure_graph_memory
-        return measure_graph_memory(self, jobs)
+        return measure_graph_memory(self.builder, bool(self.kv_caches),
+                                    lambda blocks: self.allocate_kv_cache(blocks, self.block_size), self._release_kv, jobs)
+
+    def _release_kv(self) -> None:
+        self.kv.release()
+        self.kv_caches, self.kv_cache = [], None
 
     # ---- split / compile (graphrt.backends.torch.piecewise_capture) ------------------------------
     @property
@@ -331,81 +326,23 @@ class TorchExecutor(Executor[TorchEntry]):
         ptrs.update({f"state_cache.{i}": t.data_ptr() for i, t in enumerate(self.state_caches)})
         return ptrs
 
-    # ---- build -----------------------------------------------------------------------
+    # ---- build (backends/torch/graph_builder.py) ------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[TorchEntry, int]:
         """Capture the forward for a FULL key, its pieces for a PIECEWISE key, or the
-        sampler for a :class:`SamplerKey`. Returns (entry, graph bytes)."""
-        if self.graph_api is None:
+        sampler for a :class:`SamplerKey` (:class:`GraphBuilder`). Returns (entry, graph bytes)."""
+        if self.builder is None:
             raise GraphrtError("the eager backend captures no graphs")
-        t0 = time.perf_counter()
-        if self.lora is not None:
-            self.lora.use_key(key)
-        baked = None
-        if isinstance(key, SamplerKey):
-            num_reqs, greedy, wide, penalties = key.num_reqs, key.greedy, key.wide_top_k, key.penalties
-            compute = (self.sampler.compute_logprobs if key.logprobs else
-                       lambda logits, rows: self.sampler.compute(logits, rows, greedy, wide, penalties))
-            entry, nbytes = self._capture(lambda: compute(self.logits_out, num_reqs), lambda: None)
-        elif mode is RuntimeMode.FULL:
-            entry, nbytes = self._with_compile_fallback(key, self._build_full)
-            baked = check_baked(self, key) if self.check_baked else None
-        elif mode is RuntimeMode.PIECEWISE:
-            if self.pieces.capture is None:
-                raise GraphrtError(f"PIECEWISE graphs are unavailable: {self.pieces.split_reason}")
-            entry, nbytes = self._with_compile_fallback(key, self.pieces.build)
-        else:
-            raise GraphrtError(f"{mode.value} graphs are not available on this backend")
-        seconds = time.perf_counter() - t0
-        self.capture_report.append({"key": str(key), "mode": mode.value, "seconds": round(seconds, 6),
-                                    "bytes": int(nbytes), "compiled": bool(entry.compiled)})
-        if baked is not None:
-            self.capture_report[-1].update(baked=baked.num_values, varying=baked.varying)
-        logger.debug("graphrt: captured %s %s in %.3f s, %d bytes%s", mode.value, key, seconds,
-                     nbytes, " (compiled)" if entry.compiled else "")
-        return entry, nbytes
+        return self.builder.build(mode, key)
 
-    def _with_compile_fallback(self, key: BatchDescriptor,
-                               build: Callable[[BatchDescriptor, bool], tuple[Any, int]]) -> tuple[Any, int]:
-        """Build from compiled pieces where configured; if compiling fails, build uncompiled."""
-        if not self.pieces.compiles(key.num_tokens):
-            return build(key, False)
-        try:
-            return build(key, True)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a compile failure must not cost the graph
-            logger.warning("graphrt: torch.compile of %s, or capturing its compiled pieces, failed (%s); "
-                           "capturing it uncompiled", key, describe_capture_failure(exc))
-            self.pieces.compiled.pop(key.num_tokens, None)
-            return build(key, False)
+    @property
+    def capture_report(self) -> list[dict[str, Any]]:
+        """Per built key: mode, seconds, graph bytes, whether it was compiled."""
+        return self.builder.report if self.builder is not None else []
 
-    def _build_full(self, key: BatchDescriptor, compiled: bool) -> tuple[CapturedGraph, int]:
-        num_tokens, num_reqs = key.num_tokens, key.num_reqs
-        if self._refresh:       # nothing the refresh leaves behind may reach the graph as a number
-            check_refresh(self, key)
-        host = self.dummy_host(num_tokens, num_reqs, key)     # guarded: only keyed values read
-        if not compiled:
-            return self._capture(lambda: self.forward(num_tokens, num_reqs, host),
-                                 lambda: self._load_for_capture(key))
-        calls, output, held = self.pieces.prepare(num_tokens, compiled=True)
-        entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs, host),
-                                      lambda: self._load_for_capture(key))
-        entry.compiled = True
-        return entry, nbytes + held
-
-    def _load_for_capture(self, key: BatchDescriptor) -> None:
-        """Pure padding for a FULL capture, then the refresh path on it, as before every run:
-        the backend's ``before_replay`` with only its declared host values readable
-        (:func:`~graphrt.backends.torch.baked_values.refresh_for_capture`)."""
-        padded = self.load_dummy(key.num_tokens, key.num_reqs)
-        if self._refresh:
-            refresh_for_capture(self, padded, key)
-
-    def _capture(self, fn: Callable[[], None], load_dummy: Callable[[], None],
-                 warmups: int = defaults.CAPTURE_WARMUP_RUNS) -> tuple[CapturedGraph, int]:
-        load_dummy()
-        graph, nbytes, tasks = self.pool.capture(fn, warmups)
-        return CapturedGraph(graph, self.input_ptrs(), tasks), nbytes
+    @property
+    def pool(self) -> GraphPool | None:
+        """The one pool every graph is captured into (None on the eager backend)."""
+        return self.builder.pool if self.builder is not None else None
 
     # ---- run -------------------------------------------------------------------------
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,
@@ -463,7 +400,7 @@ class TorchExecutor(Executor[TorchEntry]):
             sampler.write(sampling, num_reqs, rows)
         with torch.no_grad():
             if key.penalties:
-                self._fold_penalties(sampling, num_reqs, rows)
+                sampler.fold_penalties(sampling, num_reqs, rows, self.static["input_ids"])
             if entry is None:
                 sampler.compute(self.logits_out, rows, key.greedy, key.wide_top_k, key.penalties)
             else:
@@ -477,19 +414,9 @@ class TorchExecutor(Executor[TorchEntry]):
 
     def prepare_penalties(self, sampling: SamplingBatch, token_ids: np.ndarray, req_rows: np.ndarray,
                           num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray, rows: int) -> None:
-        """Plan a penalised batch's token counts (host only; the runner calls it before the step
-        runs, :meth:`sample` folds them in after the forward wrote the step's ``input_ids``)."""
-        ledger = self.sampler.penalty_state().ledger
-        self._penalty_step = ledger.plan(sampling, token_ids, req_rows, num_computed_tokens,
-                                         num_scheduled_tokens, rows)
-
-    def _fold_penalties(self, sampling: SamplingBatch, num_reqs: int, rows: int) -> None:
-        step, self._penalty_step = self._penalty_step, None
-        if step is None:
-            raise GraphrtError("a penalised batch reached sample() without prepare_penalties()")
-        state = self.sampler.penalty_state()
-        state.write(sampling, step, num_reqs, rows)
-        state.update(step, self.static["input_ids"])
+        """Plan a penalised batch's token counts (``SamplerState.plan_penalties``; :meth:`sample`
+        folds them in after the forward wrote the step's ``input_ids``)."""
+        self.sampler.plan_penalties(sampling, token_ids, req_rows, num_computed_tokens, num_scheduled_tokens, rows)
 
     def describe_build_failure(self, exc: BaseException) -> str:
         return describe_capture_failure(exc)

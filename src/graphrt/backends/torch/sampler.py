@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from graphrt.core.errors import GraphrtError
 from graphrt.core.sampling import write_sampling_rows
 from graphrt.backends.torch.flashinfer_sampling import flashinfer_sampling
 from graphrt.backends.torch.penalties import PenaltyState
@@ -80,6 +81,7 @@ class SamplerState:
         #: Repetition / presence / frequency penalties' device state, made by the first batch
         #: that asks (or here with ``penalties``: their graphs are built at warm-up).
         self.penalties: PenaltyState | None = None
+        self._penalty_step: Any = None      # the next penalised step's ledger entry (plan_penalties)
         if penalties:
             self.penalty_state()
         self._host = {"temperature": torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
@@ -123,6 +125,22 @@ class SamplerState:
         if self.penalties is None:
             self.penalties = PenaltyState(self._max_reqs, self.vocab_size, self._max_tokens, self.device, self._pin)
         return self.penalties
+
+    def plan_penalties(self, sampling: Any, token_ids: np.ndarray, req_rows: np.ndarray,
+                       num_computed_tokens: np.ndarray, num_scheduled_tokens: np.ndarray, rows: int) -> None:
+        """Plan a penalised batch's token counts (host only, before the step runs;
+        :meth:`fold_penalties` folds them in after the forward wrote the step's ``input_ids``)."""
+        self._penalty_step = self.penalty_state().ledger.plan(sampling, token_ids, req_rows, num_computed_tokens,
+                                                              num_scheduled_tokens, rows)
+
+    def fold_penalties(self, sampling: Any, num_reqs: int, rows: int, input_ids: torch.Tensor) -> None:
+        """Write the planned step's penalty parameters and count its ``input_ids`` in."""
+        step, self._penalty_step = self._penalty_step, None
+        if step is None:
+            raise GraphrtError("a penalised batch reached sample() without prepare_penalties()")
+        state = self.penalty_state()
+        state.write(sampling, step, num_reqs, rows)
+        state.update(step, input_ids)
 
     def compute(self, logits: torch.Tensor, rows: int, greedy: bool, wide: bool = False,
                 penalties: bool = False) -> None:

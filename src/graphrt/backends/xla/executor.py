@@ -18,12 +18,12 @@ import logging
 from typing import Any, Hashable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from graphrt.backends.base import Built, Executor, SamplingBatch
 from graphrt.backends.xla import extra_inputs as xla_extra, sharding as shd
-from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, batch_spec, describe_change, sampling_spec
+from graphrt.backends.xla.abstract_inputs import abstract_inputs
+from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, describe_change
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.backends.xla.compile import enable_persistent_cache, install_listeners, thread_counts
 from graphrt.backends.xla.compile_ledger import CompileLedger
@@ -250,33 +250,9 @@ class XlaExecutor(Executor[XlaEntry]):
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
 
     def _abstract_inputs(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
-        """(jitted function, spec, abstract arguments) of ``key``."""
-        if isinstance(key, SamplerKey):
-            num_reqs, greedy = key.num_reqs, key.greedy
-            logits = jax.ShapeDtypeStruct((num_reqs, self.vocab_size), jnp.float32)
-            if key.logprobs:
-                return self.programs.logprobs, None, (logits, jax.ShapeDtypeStruct((self.programs.max_reqs,), jnp.int32))
-            if greedy:
-                return self.programs.greedy, None, (logits,)
-            spec = sampling_spec(num_reqs)
-            if key.penalties:
-                raise GraphrtError("the xla backend has no penalised sampler (repetition / presence / "
-                                   "frequency penalties): they run on the torch backends")
-            return self.programs.sample_wide if key.wide_top_k else self.programs.sample, spec, (logits, spec)
-        if mode is not RuntimeMode.FULL or not isinstance(key, BatchDescriptor) or key.num_reqs is None:
-            raise GraphrtError(f"the xla backend compiles whole forwards (FULL keys with a request "
-                               f"count); got {mode.value} {key}")
-        if self.kv_cache is None:
-            raise GraphrtError("allocate_kv_cache before building executables (they are compiled "
-                               "for the KV cache's shape)")
-        spec = batch_spec(key.num_tokens, key.num_reqs, key.uniform_decode, self._table_width(key))
-        kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
-        if self.programs.state_spec is not None:
-            kv = (kv, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.state_caches))
-        future = (jax.ShapeDtypeStruct((self.programs.max_reqs,), jnp.int32),
-                  jax.ShapeDtypeStruct((key.num_reqs,), jnp.int32))
-        extra = xla_extra.abstract_args(self.extra_inputs, key.num_tokens, key.num_reqs)
-        return self.programs.forward, spec, (self.weights, kv, spec, *future, *extra)
+        """(jitted function, spec, abstract arguments) of ``key`` (:func:`abstract_inputs`)."""
+        return abstract_inputs(self.programs, mode, key, self.kv_cache, self.state_caches, self.extra_inputs,
+                               self._table_width)
 
     # ---- run ---------------------------------------------------------------------------
     @staticmethod
