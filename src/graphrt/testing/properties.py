@@ -316,11 +316,11 @@ def state_isolated(factory: Factory, step: Step) -> None:
                  step.state_slots)
     state = clean_state.copy()
     for i in range(1, step.num_reqs):
-        row, start = int(step.req_rows[i]), int(step.num_computed_tokens[i])
-        stop = start + int(step.num_scheduled_tokens[i])
-        other.token_ids[row, start:stop] = rng.integers(0, runner.vocab_size, size=stop - start)
-        if start > 0:
-            state[int(step.state_slots[row]), (start - 1) % c] = rng.standard_normal(state.shape[2])
+        row, begin = int(step.req_rows[i]), int(step.num_computed_tokens[i])
+        stop = begin + int(step.num_scheduled_tokens[i])
+        other.token_ids[row, begin:stop] = rng.integers(0, runner.vocab_size, size=stop - begin)
+        if begin > 0:
+            state[int(step.state_slots[row]), (begin - 1) % c] = rng.standard_normal(state.shape[2])
     mine = int(step.num_scheduled_tokens[0])
     mine_writes = state_entries(Step(step.token_ids, step.block_table, step.req_rows[:1], step.num_computed_tokens[:1],
                                 step.num_scheduled_tokens[:1], step.block_size, state_slots=step.state_slots),
