@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -288,24 +288,34 @@ def test_top_k_one_is_greedy_and_samples_stay_in_the_allowed_set(runners, tables
             assert allowed[tok], f"row {i}: token {tok} outside top_k={p.top_k} / top_p={p.top_p}"
 
 
+#: Float32 ulps within which two probabilities are a tie for :func:`allowed_tokens`.
+TIE_ULPS = 4
+
+
 def allowed_tokens(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
                    slack: float = 1e-4) -> np.ndarray:
     """Tokens a correct top-k / top-p sampler may return (ties resolved permissively).
 
-    A token is allowed if its scaled logit is at least the k-th largest, and the
-    probability mass (over the top-k set) of tokens strictly more likely than it is below
-    ``top_p`` (plus ``slack`` for float32 cumulative sums).
+    A token is allowed if its float32 probability is at least the k-th largest (the sampler
+    selects on float32 probabilities: logits closer than exp's float32 resolution, e.g. a
+    denormal 2.5e-42 against 0.0, are a tie; and numpy's and torch's float32 exp may round one
+    ulp apart, so probabilities within ``TIE_ULPS`` float32 ulps of the k-th are ties too), and the
+    probability mass (over the top-k set)
+    of tokens strictly more likely than it is below ``top_p`` (plus ``slack`` for float32
+    cumulative sums).
     """
     logits = np.asarray(logits, dtype=np.float32)
     if temperature < 1e-5:
         return logits == logits.max()
     scaled = logits / np.float32(max(temperature, 1e-5))
-    kth = np.sort(scaled)[::-1][min(max(top_k, 1), scaled.shape[0]) - 1]
-    in_k = scaled >= kth
+    p32 = np.exp(scaled - scaled.max())
+    kth = np.sort(p32)[::-1][min(max(top_k, 1), scaled.shape[0]) - 1]
+    in_k = p32 >= kth * np.float32(1 - TIE_ULPS * 2.0 ** -24)
     s = scaled.astype(np.float64)
     p = np.where(in_k, np.exp(s - s.max()), 0.0)
     p /= p.sum()
-    greater = np.array([p[s > v].sum() for v in s])
+    tie = np.float32(1 - TIE_ULPS * 2.0 ** -24)
+    greater = np.array([p[p32 * tie > v].sum() for v in p32])      # strictly more likely, ties aside
     return in_k & (greater < top_p + slack)
 
 
@@ -326,6 +336,8 @@ def sampler_inputs(draw):
 
 @settings(max_examples=examples(200), deadline=None)
 @given(sampler_inputs())
+@example((np.array([[2.472e-42, 0.0]], np.float32), np.array([1.0], np.float32), np.array([1]),
+          np.array([1.0], np.float32), 0))      # equal float32 probabilities: a tie, either token
 def test_random_sample_stays_inside_top_k_and_top_p(inputs):
     logits, temperature, top_k, top_p, seed = inputs
     n, vocab = logits.shape
