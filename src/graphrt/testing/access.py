@@ -55,7 +55,8 @@ def _values(value: Any) -> np.ndarray:
 def _torch_layouts(ex: Any) -> list[Any] | None:
     """The executor's stored KV layouts when there is not one standard array, else None."""
     caches = ex.kv_views()
-    if not caches or (len(caches) == 1 and caches[0].ndim == 5):
+    one_array = len(caches) == 1 and (caches[0].ndim == 5 or not type(caches[0]).__module__.startswith("torch"))
+    if not caches or one_array:       # the reference layout, or one XLA array kv_as_rows converts (Pallas pages)
         return None
     return list(caches)
 
