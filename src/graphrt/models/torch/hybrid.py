@@ -157,19 +157,8 @@ class GraniteHybridForCausalLM(HybridBase):
 
     def __init__(self, config: HybridConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.model.layers = nn.ModuleList(GraniteLayer(config, kind, dtype) for kind in config.layer_kinds)
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.bind_parameters()
-
-    def blocks(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self) -> nn.Embedding:
-        return self.model.embed_tokens
+        self.build_model(config, nn.ModuleList(GraniteLayer(config, kind, dtype) for kind in config.layer_kinds),
+                         RMSNorm(config.hidden_size, config.rms_norm_eps, dtype), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids) * self.config.embedding_multiplier

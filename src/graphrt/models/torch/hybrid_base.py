@@ -25,11 +25,25 @@ class HybridBase(nn.Module):
     config: HybridConfig
     lm_head: nn.Linear
 
+    def build_model(self, config: HybridConfig, layers: nn.ModuleList, norm: nn.Module,
+                    dtype: torch.dtype) -> None:
+        """The ``model.*`` + ``lm_head`` layout transformers' Granite-4-H and Qwen3-Next
+        checkpoints use (``model.embed_tokens``, ``model.layers``, ``model.norm``), tied and bound."""
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.model.layers = layers
+        self.model.norm = norm
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.bind_parameters()
+
     def blocks(self) -> nn.ModuleList:
-        raise NotImplementedError
+        """The decoder layers (``model.layers``; Mamba2 keeps its ``backbone.layers``)."""
+        return self.model.layers
 
     def embed(self) -> nn.Embedding:
-        raise NotImplementedError
+        """The token embedding (``model.embed_tokens``; Mamba2 keeps ``backbone.embeddings``)."""
+        return self.model.embed_tokens
 
     def bind_parameters(self) -> None:
         """Tie ``lm_head`` to the embedding when configured; attach the fused layers' loaders

@@ -214,19 +214,8 @@ class Qwen3NextForCausalLM(HybridBase):
 
     def __init__(self, config: HybridConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.model.layers = nn.ModuleList(Qwen3NextLayer(config, kind, dtype) for kind in config.layer_kinds)
-        self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        self.bind_parameters()
-
-    def blocks(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def embed(self) -> nn.Embedding:
-        return self.model.embed_tokens
+        self.build_model(config, nn.ModuleList(Qwen3NextLayer(config, kind, dtype) for kind in config.layer_kinds),
+                         ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
