@@ -104,7 +104,7 @@ def decode_step(runner: Any, batch: int, context: int) -> tuple[Any, Any, Any, A
     """(mode, key, entry, padded inputs) of a decode step of ``batch`` requests at ``context``."""
     import numpy as np
 
-    from graphrt.core.dispatch import RuntimeMode
+    from graphrt.core.graph_modes import RuntimeMode
     from graphrt.runner import FailedBuild
 
     width = context // BLOCK_SIZE

@@ -192,7 +192,8 @@ def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, 
     import jax
 
     from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch
-    from graphrt.core.dispatch import RuntimeMode, SamplerKey
+    from graphrt.core.dispatch import SamplerKey
+    from graphrt.core.graph_modes import RuntimeMode
 
     ex = runner.executor
     width = runner.config.max_blocks_per_req

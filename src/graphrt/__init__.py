@@ -17,13 +17,13 @@ from graphrt.core import __version__
 from graphrt.core.attention_decl import AttentionDeclarations
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.cache import CacheStats, GraphCache
-from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatch, Dispatcher, GraphMode, RuntimeMode,
-                                  SamplerKey)
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, SamplerKey
 from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GenerationError,
                                  GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
                                  WatchdogTimeout)
 from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.fields import ModelInputs
+from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.core.inputs import InputPreparer, prepare_inputs
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.numerics import Tolerance, reduction_tolerance, tolerance

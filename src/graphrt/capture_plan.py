@@ -35,8 +35,9 @@ from typing import Any, Callable, Sequence
 
 from graphrt.core import __version__
 from graphrt.core.buckets import BucketPolicy
-from graphrt.core.dispatch import BatchDescriptor, Dispatcher, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.warmup import Job, job_target, warmup_keys
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
-from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.dispatch import Dispatcher
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import GraphMode
 from graphrt.core.kv_spec import blocks_for, kv_cache_dtype_name
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
 
 from graphrt.core.cache import FailedBuild, GraphCache
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, RuntimeMode, SamplerKey, logprobs_key
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, SamplerKey, logprobs_key
 from graphrt.core.dp_agreement import DispatchShape
 from graphrt.core.eager import EagerCause
+from graphrt.core.graph_modes import RuntimeMode
 
 logger = logging.getLogger("graphrt.runner")
 

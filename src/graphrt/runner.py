@@ -21,11 +21,12 @@ import numpy as np
 from graphrt.backends.base import Backend, SamplingBatch
 from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
 from graphrt.config import GraphConfig, check_flags
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.inputs import InputPreparer
 from graphrt.core.dp_agreement import DataParallelStep, DispatchShape, StepAgreement
 from graphrt.core.extra_inputs import ExtraInputs

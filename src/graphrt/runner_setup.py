@@ -14,7 +14,8 @@ from typing import Any
 from graphrt.backends.base import Backend, Executor
 from graphrt.backends.preflight import check_before_loading, check_memory
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import Dispatcher, GraphMode, resolve_mode
+from graphrt.core.dispatch import Dispatcher
+from graphrt.core.graph_modes import GraphMode, resolve_mode
 from graphrt.registry import select_backend
 from graphrt.warmup import graphs_for
 

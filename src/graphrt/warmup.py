@@ -21,8 +21,9 @@ from tqdm.auto import tqdm
 
 from graphrt.backends.base import Executor
 from graphrt.core.cache import GraphCache, describe_key
-from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError
+from graphrt.core.graph_modes import GraphMode, RuntimeMode
 
 #: ``warmup=`` values of ``graphrt.LLM`` / ``ModelRunner``, and the LLM's default (docs/api.md,
 #: "Warm-up": why).

@@ -25,8 +25,8 @@ from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.model_protocol import attention_backend
 from graphrt.backends.torch.npu import NpuGraphAPI, NpuGraphBackend, torch_npu_problem
-from graphrt.core.dispatch import RuntimeMode
 from graphrt.core.errors import ConfigError, GraphCaptureError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.models.torch.forward_context import forward_context
 from graphrt.models.torch.ascend_attention import AscendAttentionBackend, ascend_backend
 from graphrt.models.torch.attention import PagedAttention

@@ -22,8 +22,8 @@ from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend, torch_npu_problem
 from graphrt.backends.torch.device_graphs import graph_task
-from graphrt.core.dispatch import RuntimeMode
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.models.torch.attention_backend import PagedAttentionBackend
 from graphrt.runner import ModelRunner
 from support.hf_models import tiny_hf_model_dir

@@ -27,8 +27,9 @@ from graphrt.backends.xla.batch import (SamplingMetadata, XlaBatch, batch_spec, 
                                         describe_change, signature)
 from graphrt.backends.xla.compile import CompileCounter  # noqa: E402
 from graphrt.core.buckets import BucketPolicy  # noqa: E402
-from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode, RuntimeMode, SamplerKey  # noqa: E402
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import CacheMissError, InputError  # noqa: E402
+from graphrt.core.graph_modes import GraphMode, RuntimeMode  # noqa: E402
 from graphrt.runner import ModelRunner, sampling_batch  # noqa: E402
 from support.fast_subset import slow_except
 from support.hf_models import hf_logits, load_hf_model, make_tiny_hf_model, random_prompts, tiny_hf_model_dir  # noqa: E402

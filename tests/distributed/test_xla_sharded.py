@@ -45,7 +45,8 @@ def _main() -> None:
     import graphrt
     from graphrt.backends.xla.backend import XlaBackend
     from graphrt.backends.xla.compile import CompileCounter
-    from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
+    from graphrt.core.dispatch import BatchDescriptor
+    from graphrt.core.graph_modes import RuntimeMode
     from support.hf_models import hf_logits, load_hf_model, tiny_hf_model_dir
 
     rng = np.random.default_rng(0)

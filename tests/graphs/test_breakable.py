@@ -20,11 +20,11 @@ import torch
 
 from graphrt import RuntimeMode
 from graphrt.backends.torch.cpu import CpuGraphBackend
-from graphrt.core.dispatch import GraphMode
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise
 from test_conformance import (BACKENDS, CONFIG, MIXED_STEPS, NUM_KV_BLOCKS, assert_across_shapes, make_backend,
                               make_runner, padded_reference, reference, run_schedule, step_kwargs)
+from graphrt.core.graph_modes import GraphMode
 from graphrt.runner import ModelRunner
 
 GRAPH_BACKENDS = [b for b in BACKENDS if b not in ("eager",)]

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from support.device_fakes import FakeCuda, FakeNpu
+from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.testing import properties
 from graphrt.testing.properties import kv_isolated, replay_matches_eager
 from graphrt.testing.runners import RunnerFactory
@@ -36,7 +37,6 @@ from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend
-from graphrt.core.dispatch import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.runner import ModelRunner
 from support.fast_subset import matrix
 from support.hf_models import tiny_hf_model_dir

@@ -13,7 +13,7 @@ import torch
 from graphrt.backends.torch.cpu import CpuGraphAPI, CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.fx_split import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
-from graphrt.core.dispatch import GraphMode, RuntimeMode
+from graphrt.core.graph_modes import GraphMode, RuntimeMode
 from graphrt.models.torch.forward_context import forward_context
 from graphrt.models.torch.attention_backend import PagedAttentionBackend
 from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, paged_attention_kernel
@@ -130,7 +130,7 @@ def test_unsplittable_models_say_why(model: torch.nn.Module, why: str) -> None:
 def test_unsplittable_model_degrades_piecewise_modes(caplog: pytest.LogCaptureFixture) -> None:
     from graphrt.backends.torch.executor import TorchExecutor
     from graphrt.config import GraphConfig
-    from graphrt.core.dispatch import resolve_mode
+    from graphrt.core.graph_modes import resolve_mode
     executor = TorchExecutor(Branchy(), GraphConfig.create(**CONFIG), torch.device("cpu"), CpuGraphAPI())
     with caplog.at_level(logging.INFO, logger="graphrt"):
         assert not executor.supports_piecewise

@@ -11,9 +11,10 @@ import graphrt
 from graphrt import CacheMissError, GraphCaptureError, ModelRunner
 from graphrt.background import BackgroundWarmup
 from graphrt.core.buckets import BucketPolicy
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.testing.conformance import check_property
 from graphrt.testing.runners import RunnerFactory
 from graphrt.warmup import warmup_keys

@@ -13,7 +13,7 @@ from graphrt.background import BackgroundWarmup
 from graphrt.capture_plan import PLAN_DIR, CapturePlanStore, describe_device
 from graphrt.config import GraphConfig
 from graphrt.core.buckets import BucketPolicy
-from graphrt.core.dispatch import RuntimeMode
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.warmup import warmup_keys
 from support.runner_steps import LIMITS, greedy
 

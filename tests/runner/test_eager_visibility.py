@@ -120,7 +120,8 @@ def test_llm_stats_and_the_demo_show_the_causes(model_dir, capsys):
 
 def test_the_dispatcher_names_the_cause_of_each_eager_step():
     from graphrt.core.buckets import BucketPolicy
-    from graphrt.core.dispatch import Dispatcher, GraphMode
+    from graphrt.core.dispatch import Dispatcher
+    from graphrt.core.graph_modes import GraphMode
 
     decode_only = Dispatcher(GraphMode.FULL_DECODE_ONLY, token_buckets=BucketPolicy([1, 2, 4]), max_num_seqs=8)
     assert decode_only.dispatch(3, 3, True).cause is None                         # a decode graph

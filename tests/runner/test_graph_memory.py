@@ -24,9 +24,10 @@ from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend
 from graphrt.core import defaults
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.graph_memory import (GraphMemory, choose_samples, estimate_graph_memory, extrapolate,
                                        kv_blocks_after_graphs)
+from graphrt.core.graph_modes import RuntimeMode
 
 #: The cache holds at most 8 requests x 32 blocks + 1 = 257 blocks of 2048 bytes.
 LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, block_size=4)

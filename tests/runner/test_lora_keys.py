@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from graphrt import ConfigError, GraphConfig, InputError, ModelRunner, RuntimeMode
 from graphrt.core.buckets import BucketPolicy
-from graphrt.core.dispatch import BatchDescriptor, Dispatcher, GraphMode
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher
+from graphrt.core.graph_modes import GraphMode
 from graphrt.core.lora import LoraInputs
 from graphrt.models.torch.loader import load_torch_model
 from graphrt.models.torch.lora import LoRALinear

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 import graphrt
-from graphrt.core.dispatch import Dispatch, Dispatcher, RuntimeMode
+from graphrt.core.dispatch import Dispatch, Dispatcher
 from graphrt.core.eager import EagerCause
+from graphrt.core.graph_modes import RuntimeMode
 
 
 def _numpy(a: Any) -> np.ndarray:

@@ -17,10 +17,10 @@ import numpy as np
 
 from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
-from graphrt.core.dispatch import (AttentionGraphSupport, BatchDescriptor, Dispatcher, GraphMode, RuntimeMode,
-                                   SamplerKey)
+from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import GraphrtError, InputError
 from graphrt.core.fields import ModelInputs
+from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.core.memory_bounds import ModelShape
 from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
 

@@ -28,10 +28,10 @@ import numpy as np
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
-from graphrt.core.dispatch import GraphMode
 from graphrt.core.dtypes import model_dtype
 from graphrt.core.errors import ConfigError
 from graphrt.core.fields import FIELD_DTYPES, FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
+from graphrt.core.graph_modes import GraphMode
 from graphrt.core.memory_bounds import Need, check_needs, physical_memory_bytes
 from graphrt.models.hf_config import model_max_len
 from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl

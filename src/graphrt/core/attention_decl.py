@@ -6,7 +6,7 @@ The attention seam's torch object (:class:`graphrt.AttentionBackend`) and an XLA
 attention (``XlaModel(attention=...)``) both declare it with :class:`AttentionDeclarations`:
 
 * ``graph_support``: what the kernels can run in a FULL graph (vLLM's four levels,
-  :class:`~graphrt.core.dispatch.AttentionGraphSupport`);
+  :class:`~graphrt.core.graph_modes.AttentionGraphSupport`);
 * ``keyed_host_values(device, dtype)``: host values a graph / executable may fix because its
   key holds them (:data:`KEYABLE_HOST_VALUES`); ``max_seq_len`` among them is **context
   narrowing**: the keys get context buckets and the block table a graph reads is narrowed to
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Iterable
 
-from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.kv_spec import kv_cache_dtype_name
 
 #: The step's host values a backend may read (fields of the torch seam's ``HostValues``).

@@ -38,8 +38,9 @@ from typing import Any, Callable, Hashable, Sequence
 
 from graphrt.core import defaults
 from graphrt.core.cache import describe_key
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, InputError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.state_spec import check_state_fits
 
 logger = logging.getLogger(__name__)

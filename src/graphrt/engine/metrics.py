@@ -15,8 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from graphrt.core.dispatch import RuntimeMode
 from graphrt.core.errors import InputError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.telemetry import prometheus_text as core_prometheus_text
 
 logger = logging.getLogger("graphrt.engine")

@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
+from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import InputError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.numerics import reduction_tolerance
 from graphrt.testing import access
 from graphrt.testing.runners import (Outputs, built_entry, can_run_unpadded, covering_keys, greedy, replay_at, restore,

@@ -27,8 +27,9 @@ import numpy as np
 
 from graphrt.config import GraphConfig
 from graphrt.core.cache import FailedBuild
-from graphrt.core.dispatch import BatchDescriptor, GraphMode, RuntimeMode
+from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import ConfigError, GraphCaptureError
+from graphrt.core.graph_modes import GraphMode, RuntimeMode
 from graphrt.testing import access
 from graphrt.testing.step import Step
 

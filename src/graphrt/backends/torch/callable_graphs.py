@@ -22,9 +22,9 @@ from graphrt.backends.torch.breakable_capture import capture_breakable
 from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphPool
 from graphrt.core import defaults
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key
-from graphrt.core.dispatch import RuntimeMode
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import RuntimeMode
 
 T = TypeVar("T")
 

@@ -35,8 +35,9 @@ from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
 from graphrt.backends.torch.graph_builder import GraphBuilder, TorchEntry
 from graphrt.backends.torch.graph_memory import measure_graph_memory
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.models.torch.forward_context import forward_context, state_context
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs

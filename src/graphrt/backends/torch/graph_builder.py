@@ -35,9 +35,10 @@ from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
 from graphrt.backends.torch.sampler import SamplerState
 from graphrt.core import defaults
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import GraphrtError
 from graphrt.core.fields import ModelInputs
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.models.torch.attention_backend import HostValues
 
 logger = logging.getLogger(__name__)

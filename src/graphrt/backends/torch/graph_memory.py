@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from graphrt.backends.torch.device_graphs import describe_capture_failure
 from graphrt.backends.torch.graph_builder import GraphBuilder
 from graphrt.core.cache import describe_key
-from graphrt.core.dispatch import RuntimeMode
+from graphrt.core.graph_modes import RuntimeMode
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import torch
 
 from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, backend_name, check_declarations, checked_keyed,
                                          least_support)
-from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError
 from graphrt.core.extra_inputs import check_extra_specs
+from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.models.torch.ascend_attention import ascend_backend
 from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel
 from graphrt.models.torch.attention_backend import PagedAttentionBackend

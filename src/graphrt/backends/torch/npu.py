@@ -45,8 +45,9 @@ from graphrt.backends.torch import acl
 from graphrt.backends.torch.backend import TorchBackend
 from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphTask, PreReplayHook
 from graphrt.config import GraphConfig
-from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.dispatch import Dispatcher
 from graphrt.core.fields import ModelInputs
+from graphrt.core.graph_modes import GraphMode
 
 
 def import_torch_npu() -> Any:

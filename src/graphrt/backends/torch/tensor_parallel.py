@@ -43,9 +43,10 @@ from graphrt.backends.torch.executor import TorchEntry, TorchExecutor
 from graphrt.backends.torch.tp_ranks import JoinedRanks, Ranks, SpawnedRanks
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError, InputError
 from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
+from graphrt.core.graph_modes import RuntimeMode
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,12 @@ import torch.distributed as dist
 
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode
+from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import InputError
 from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
 from graphrt.backends.torch.tp_channel import (ALIGN, ENTRY_WORDS, HEADER_WORDS, aligned_nbytes, pack_entries,
                                        unpack_arrays)
+from graphrt.core.graph_modes import RuntimeMode
 
 #: ... the gloo control group's timeout: under torchrun idle workers wait on it for rank 0's
 #: next call, for as long as the engine lives (rank 0 exiting ends the wait at once).

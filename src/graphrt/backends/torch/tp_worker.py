@@ -34,10 +34,11 @@ from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.backends.torch.tp_rendezvous import worker_store
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
-from graphrt.core.dispatch import RuntimeMode, SamplerKey
+from graphrt.core.dispatch import SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError
 from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
 from graphrt.backends.torch.tp_channel import ChannelSpec, StepChannel
+from graphrt.core.graph_modes import RuntimeMode
 
 logger = logging.getLogger(__name__)
 

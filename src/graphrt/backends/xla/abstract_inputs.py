@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from graphrt.backends.xla import extra_inputs as xla_extra
 from graphrt.backends.xla.batch import batch_spec, sampling_spec
 from graphrt.backends.xla.programs import XlaPrograms
-from graphrt.core.dispatch import BatchDescriptor, RuntimeMode, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import GraphrtError
+from graphrt.core.graph_modes import RuntimeMode
 
 
 def abstract_inputs(programs: XlaPrograms, mode: RuntimeMode, key: Hashable, kv_cache: jax.Array | None,

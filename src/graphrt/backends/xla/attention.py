@@ -25,8 +25,8 @@ from typing import Any
 from graphrt.core.attention_decl import (CONTEXT_VALUE, FLOAT_KV_DTYPES, FP8_KV_DTYPES, AttentionDeclarations,
                                          backend_name, check_declarations, check_kv_dtypes, checked_keyed,
                                          least_support)
-from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import AttentionGraphSupport
 
 
 class XlaPagedAttention(AttentionDeclarations):

@@ -20,9 +20,10 @@ from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.cache import GraphCache
-from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.dispatch import Dispatcher
 from graphrt.core.dtypes import model_dtype
 from graphrt.core.errors import BackendUnavailableError, ConfigError
+from graphrt.core.graph_modes import GraphMode
 from graphrt.core.memory_bounds import ModelShape
 from graphrt.models.jax.model_config import check_model_config
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from graphrt.config import GraphConfig, covering_padding
 from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
-from graphrt.core.dispatch import Dispatcher, GraphMode
+from graphrt.core.dispatch import Dispatcher
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import GraphMode
 
 
 @dataclass(frozen=True)

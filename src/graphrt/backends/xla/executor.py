@@ -35,9 +35,10 @@ from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.config import GraphConfig
 from graphrt.core.cache import describe_key
-from graphrt.core.dispatch import AttentionGraphSupport, BatchDescriptor, RuntimeMode, SamplerKey, sampler_key
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
 from graphrt.core.fields import ModelInputs, buffer_shapes
+from graphrt.core.graph_modes import AttentionGraphSupport, RuntimeMode
 from graphrt.core.kv_spec import blocks_for
 
 logger = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
-from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.graph_tasks import capture_active, graph_task
 from graphrt.models.torch.attention import ATTENTION_ENV, PagedAttention, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors

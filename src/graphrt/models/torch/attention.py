@@ -50,8 +50,8 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError
+from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.models.torch.forward_context import get_forward_context
 from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, read_kv_rows, write_kv_rows
 

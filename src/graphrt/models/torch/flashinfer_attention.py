@@ -38,8 +38,8 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
-from graphrt.core.dispatch import AttentionGraphSupport
 from graphrt.core.errors import ConfigError, GraphCaptureError
+from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
 from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature

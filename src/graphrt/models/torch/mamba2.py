@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrt.core.dispatch import AttentionGraphSupport
+from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.models.torch.forward_context import get_state_context
 from graphrt.models.torch.mamba_kernels import causal_conv1d, ssd_scan
 from graphrt.models.torch.state_metadata import StateMetadata, read_states, write_states

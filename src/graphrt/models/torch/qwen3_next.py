@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrt.core.dispatch import AttentionGraphSupport
+from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.models.torch.forward_context import get_state_context
 from graphrt.models.hybrid_config import ATTENTION, HybridConfig
 from graphrt.models.torch.attention import PagedAttention
