@@ -136,19 +136,10 @@ class XlaExecutor(Executor[XlaEntry]):
 
     def kv_as_rows(self, host: np.ndarray, block_size: int) -> np.ndarray:
         """A Pallas page-layout cache (TPUs) as the reference layout it stands for."""
-        if getattr(getattr(self.programs, "attention", None), "kernel", None) != "pallas":
-            return host
-        from graphrt.models.jax.pallas_attention import pages_to_rows
-
-        return pages_to_rows(host, self.model_config.num_hidden_layers, block_size)
+        return self.programs.kv_as_rows(host, block_size)
 
     def kv_from_rows(self, values: np.ndarray, block_size: int) -> np.ndarray:
-        if getattr(getattr(self.programs, "attention", None), "kernel", None) != "pallas":
-            return values
-        from graphrt.models.jax.pallas_attention import rows_to_pages
-
-        return rows_to_pages(np.asarray(values, np.float32), self.kv_cache.shape,
-                             self.model_config.num_hidden_layers, block_size)
+        return self.programs.kv_from_rows(values, self.kv_cache.shape, block_size)
 
     # ---- KV cache --------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from graphrt.backends.xla import sharding as shd
@@ -31,7 +32,7 @@ from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
 from graphrt.models.jax import decoder as jax_decoder
 from graphrt.models.jax.decoder import AttentionMetadata
 from graphrt.models.jax.model_config import check_model_config
-from graphrt.models.jax.pallas_attention import choose_xla_attention, pallas_kv_shape
+from graphrt.models.jax.pallas_attention import choose_xla_attention, pages_to_rows, pallas_kv_shape, rows_to_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +307,19 @@ class XlaPrograms:
         if self.attention.kernel == "pallas":
             return pallas_kv_shape(c, num_blocks, block_size)
         return (c.num_hidden_layers, 2, num_blocks * block_size + 1, c.num_key_value_heads, c.head_dim)
+
+    def kv_as_rows(self, host: Any, block_size: int) -> Any:
+        """A host copy of the cache (:meth:`kv_shape`) in the reference layout: as it is, or with
+        Pallas attention its pages as rows."""
+        if self.attention.kernel != "pallas":
+            return host
+        return pages_to_rows(host, self.model_config.num_hidden_layers, block_size)
+
+    def kv_from_rows(self, values: Any, shape: tuple[int, ...], block_size: int) -> Any:
+        """The inverse of :meth:`kv_as_rows` for a cache of ``shape``."""
+        if self.attention.kernel != "pallas":
+            return values
+        return rows_to_pages(np.asarray(values, np.float32), shape, self.model_config.num_hidden_layers, block_size)
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], Any]]:
         """(shape, dtype) of each recurrent layer's state arrays, in layer order:
