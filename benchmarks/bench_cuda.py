@@ -161,7 +161,7 @@ def reduce_overhead_step(runner: Any, batch: int, context: int) -> Callable[[], 
     static = executor.static
 
     def step() -> Any:
-        executor.to_device(t, r)
+        executor.buffers.to_device(t, r)
         with torch.no_grad(), forward_context(executor.metadata(t, r, executor.dummy_host(t, r))):
             hidden = compiled(static["input_ids"][:t], static["positions"][:t])
             last = (static["query_start_loc"][1:r + 1] - 1).long()

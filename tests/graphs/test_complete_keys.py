@@ -124,8 +124,9 @@ def test_each_key_is_checked_once_when_graph_memory_is_sampled_first(monkeypatch
     from graphrt.backends.torch import baked_values as baked
 
     checked = []
-    real = baked.check_key
-    monkeypatch.setattr(baked, "check_key", lambda ex, key: (checked.append(key), real(ex, key))[1])
+    real = baked.BakedValueChecks.check_key
+    monkeypatch.setattr(baked.BakedValueChecks, "check_key",
+                        lambda checks, key: (checked.append(key), real(checks, key))[1])
     r = ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="cpu", kv_cache_memory=64 << 20, progress=False,
                     strict=True, **LIMITS)
     assert r.graph_memory.deducted and r.graph_memory.sampled

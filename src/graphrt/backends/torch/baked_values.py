@@ -6,15 +6,15 @@ that depends on a step's *contents* -- the longest sequence, a host-side plan an
 backend computed -- is stale for the next step under the same key (transformers' continuous
 batching left ``max_seqlen_k`` out of its key and lost half its GSM8K accuracy, #45323).
 
-:func:`check_key` records the forward of one FULL key twice with the CPU recording graph
+:meth:`BakedValueChecks.check_key` records the forward of one FULL key twice with the CPU recording graph
 (which sees every aten op and its arguments, on any device), under two different steps the
 key holds -- pure padding (what capture uses) and a busy step (every request with tokens,
 the longest sequences the config allows) -- with the attention backend's ``before_replay`` run
 on each step first, as before a replay. Numbers that differ between the two recordings, or a
 different op sequence, mean the key is incomplete.
 
-:func:`refresh_for_capture` runs the backend's ``before_replay`` at a FULL capture with only its
-declared host values readable. :func:`check_refresh` is :func:`check_key`'s small sibling, run
+:meth:`~BakedValueChecks.refresh_for_capture` runs the backend's ``before_replay`` at a FULL capture with only its
+declared host values readable. :meth:`~BakedValueChecks.check_refresh` is ``check_key``'s small sibling, run
 at every FULL capture of a backend with a
 ``before_replay`` (in every mode): the metadata build alone, recorded after a refresh with a busy
 step and after one with padding. A backend that stashes a refreshed value on itself and hands
@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -61,53 +61,6 @@ class BakedReport:
         return not self.varying
 
 
-def _dummy(executor: Any, t: int, r: int, busy: bool, context: int | None) -> ModelInputs:
-    """Host inputs of a step of ``t`` tokens and ``r`` requests that writes no KV slot: pure
-    padding, or (``busy``) every request with tokens and the longest sequences the key allows
-    (its context bucket, else max_model_len), reading the null block."""
-    h = executor.host_buffers
-    padding = executor.load_dummy(t, r)
-    if not busy:
-        return padding
-    max_len = context or executor.config.max_model_len
-    counts = np.full(r, t // r, dtype=np.int64)
-    counts[: t % r] += 1
-    counts = np.minimum(counts, max_len)          # tokens past r * max_len stay padding
-    ends = np.cumsum(counts)
-    n = int(ends[-1])
-    computed = max_len - counts
-    h["query_start_loc"][1:r + 1] = ends
-    h["seq_lens"][:r] = max_len
-    h["num_computed_tokens"][:r] = computed
-    h["positions"][:n] = np.repeat(computed, counts) + np.arange(n) - np.repeat(ends - counts, counts)
-    h["input_ids"][:n] = np.arange(n) % max(executor.vocab_size, 1)
-    executor.to_device(t, r)
-    return ModelInputs(h["input_ids"][:t], h["positions"][:t], h["slot_mapping"][:t],
-                       h["query_start_loc"][:r + 1], h["seq_lens"][:r], h["num_computed_tokens"][:r],
-                       h["block_table"][:r], h["state_slots"][:r], r, n, int(counts.max()), max_len, False)
-
-
-def refresh_for_capture(executor: Any, padded: ModelInputs, key: BatchDescriptor) -> None:
-    """At a FULL capture of ``key``: the backend's ``before_replay`` on ``padded`` (its padding
-    step) with only its declared (keyed or refreshed) host values readable -- reading another
-    raises GraphCaptureError naming it and ``before_replay``."""
-    t, r = key.num_tokens, key.num_reqs
-    attention = executor.attention
-    host = executor.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), padded, key)
-    guarded = CaptureHostValues(host, executor.keyed_host_values, backend_name(attention), key,
-                                reader="before_replay", refreshed=tuple(getattr(attention, "refreshed_host_values", ())))
-    attention.before_replay(executor.buffers.tensors(t, r), guarded)
-
-
-def _refresh(executor: Any, key: BatchDescriptor, busy: bool) -> None:
-    """Load a padding or busy step of ``key`` and run the backend's refresh on it, as before a run."""
-    t, r = key.num_tokens, key.num_reqs
-    inputs = _dummy(executor, t, r, busy, key.max_seq_len)
-    if executor._refresh:
-        host = executor.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), inputs, key)
-        executor.attention.before_replay(executor.buffers.tensors(t, r), host)
-
-
 class TaskMarks:
     """The device graph API as a recorded check sees it: each graph task's ops (``graph_task``)
     are marked, so that on a device with task updates -- which re-issues them with fresh host
@@ -135,34 +88,6 @@ class TaskMarks:
         return values
 
 
-def _record(executor: Any, key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
-    t, r = key.num_tokens, key.num_reqs
-    _refresh(executor, key, busy)
-    graph = rg.RecordingGraph()
-    marks = TaskMarks(executor.graph_api, graph)
-    with torch.no_grad(), graph_tasks.capturing(marks, []), rg.recording_graph(graph):
-        executor.forward(t, r, executor.dummy_host(t, r, key))
-    values = marks.baked_values()
-    graph.reset()
-    return values
-
-
-def check_key(executor: Any, key: BatchDescriptor) -> BakedReport:
-    """Record ``key``'s forward under two steps it holds and list the host values that differ."""
-    quiet, busy = _record(executor, key, False), _record(executor, key, True)
-    executor.load_dummy(key.num_tokens, key.num_reqs)
-    report = BakedReport(sum(len(values) for _, values in quiet))
-    if [op for op, _ in quiet] != [op for op, _ in busy]:
-        first = next(i for i, (a, b) in enumerate(zip(quiet + [("", ())], busy + [("", ())])) if a[0] != b[0])
-        report.varying.append(f"the ops differ from op {first} on ({len(quiet)} ops under padding, "
-                              f"{len(busy)} under a busy step): the forward branches on step data")
-        return report
-    for i, ((op, a), (_, b)) in enumerate(zip(quiet, busy)):
-        if a != b and len(report.varying) < MAX_LISTED:
-            report.varying.append(f"op {i} {op}: {list(a)} under padding, {list(b)} under a busy step")
-    return report
-
-
 def host_leaves(value: Any, depth: int = 0) -> list[Any]:
     """The host numbers metadata carries: its ints, floats, bools and strings, and its tensors'
     shapes, through dataclasses, named tuples, dicts, lists and tuples (other objects skipped)."""
@@ -183,56 +108,143 @@ def host_leaves(value: Any, depth: int = 0) -> list[Any]:
     return [leaf for item in items for leaf in host_leaves(item, depth + 1)]
 
 
-def check_refresh(executor: Any, key: BatchDescriptor) -> None:
-    """Before a FULL capture of ``key`` by a backend with a ``before_replay``: record the metadata
-    build after a refresh with a busy step and after one with padding; host numbers that differ
-    -- in the build's ops or in the metadata -- came from the refresh through the backend's own
-    state, and a graph would bake them in: GraphCaptureError naming the backend and the first
-    differences (the key then runs eagerly; strict mode raises)."""
-    t, r = key.num_tokens, key.num_reqs
-    with torch.no_grad(), graph_tasks.capturing(TaskMarks(executor.graph_api, rg.RecordingGraph()), []):
-        executor.metadata(t, r, executor.dummy_host(t, r, key))     # a warm-up, as a capture's
-    runs = []
-    for busy in (True, False):          # padding last: what the capture then runs on
-        _refresh(executor, key, busy)
+class BakedValueChecks:
+    """The checks of one executor's FULL captures, handed what they read: its step buffers
+    (``StepBuffers``: host arrays, padding, the device copy, tensor views), its attention and the
+    host values the attention keys, the device-graph API (task marks), its forward, metadata
+    build, padding host values (``dummy_host``) and ``step_host_values``; whether the attention
+    has a refresh (``before_replay``), whether varying values refuse a capture (``refuse``), and
+    ``max_model_len`` / ``vocab_size`` for the busy step."""
+
+    def __init__(self, buffers: Any, attention: Any, keyed_host_values: Any, graph_api: Any, *,
+                 forward: Callable[..., None], metadata: Callable[..., Any], dummy_host: Callable[..., HostValues],
+                 step_host_values: Callable[..., HostValues], refresh: bool, refuse: bool, max_model_len: int,
+                 vocab_size: int) -> None:
+        self.buffers, self.attention, self.keyed_host_values, self.graph_api = (buffers, attention,
+                                                                               keyed_host_values, graph_api)
+        self.forward, self.metadata, self.dummy_host = forward, metadata, dummy_host
+        self.step_host_values = step_host_values
+        self.refresh, self.refuse = refresh, refuse
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+
+    def _dummy(self, t: int, r: int, busy: bool, context: int | None) -> ModelInputs:
+        """Host inputs of a step of ``t`` tokens and ``r`` requests that writes no KV slot: pure
+        padding, or (``busy``) every request with tokens and the longest sequences the key allows
+        (its context bucket, else max_model_len), reading the null block."""
+        h = self.buffers.host_arrays
+        padding = self.buffers.load_dummy(t, r)
+        if not busy:
+            return padding
+        max_len = context or self.max_model_len
+        counts = np.full(r, t // r, dtype=np.int64)
+        counts[: t % r] += 1
+        counts = np.minimum(counts, max_len)          # tokens past r * max_len stay padding
+        ends = np.cumsum(counts)
+        n = int(ends[-1])
+        computed = max_len - counts
+        h["query_start_loc"][1:r + 1] = ends
+        h["seq_lens"][:r] = max_len
+        h["num_computed_tokens"][:r] = computed
+        h["positions"][:n] = np.repeat(computed, counts) + np.arange(n) - np.repeat(ends - counts, counts)
+        h["input_ids"][:n] = np.arange(n) % max(self.vocab_size, 1)
+        self.buffers.to_device(t, r)
+        return ModelInputs(h["input_ids"][:t], h["positions"][:t], h["slot_mapping"][:t],
+                           h["query_start_loc"][:r + 1], h["seq_lens"][:r], h["num_computed_tokens"][:r],
+                           h["block_table"][:r], h["state_slots"][:r], r, n, int(counts.max()), max_len, False)
+
+    def refresh_for_capture(self, padded: ModelInputs, key: BatchDescriptor) -> None:
+        """At a FULL capture of ``key``: the backend's ``before_replay`` on ``padded`` (its padding
+        step) with only its declared (keyed or refreshed) host values readable -- reading another
+        raises GraphCaptureError naming it and ``before_replay``."""
+        t, r = key.num_tokens, key.num_reqs
+        attention = self.attention
+        host = self.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), padded, key)
+        guarded = CaptureHostValues(host, self.keyed_host_values, backend_name(attention), key, reader="before_replay",
+                                    refreshed=tuple(getattr(attention, "refreshed_host_values", ())))
+        attention.before_replay(self.buffers.tensors(t, r), guarded)
+
+    def _refresh(self, key: BatchDescriptor, busy: bool) -> None:
+        """Load a padding or busy step of ``key`` and run the backend's refresh on it, as before a run."""
+        t, r = key.num_tokens, key.num_reqs
+        inputs = self._dummy(t, r, busy, key.max_seq_len)
+        if self.refresh:
+            host = self.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), inputs, key)
+            self.attention.before_replay(self.buffers.tensors(t, r), host)
+
+    def _record(self, key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
+        t, r = key.num_tokens, key.num_reqs
+        self._refresh(key, busy)
         graph = rg.RecordingGraph()
-        marks = TaskMarks(executor.graph_api, graph)
+        marks = TaskMarks(self.graph_api, graph)
         with torch.no_grad(), graph_tasks.capturing(marks, []), rg.recording_graph(graph):
-            meta = executor.metadata(t, r, executor.dummy_host(t, r, key))
-        runs.append((marks.baked_values(), host_leaves(meta)))
+            self.forward(t, r, self.dummy_host(t, r, key))
+        values = marks.baked_values()
         graph.reset()
-    (busy_ops, busy_meta), (quiet_ops, quiet_meta) = runs
-    diffs = [f"op {i} {op}: {list(b)} after a busy step's refresh, {list(a)} after padding's"
-             for i, ((op, a), (_, b)) in enumerate(zip(quiet_ops, busy_ops)) if a != b]
-    if [op for op, _ in quiet_ops] != [op for op, _ in busy_ops]:
-        diffs.insert(0, f"the build runs {len(busy_ops)} ops after a busy step's refresh, {len(quiet_ops)} after "
-                        "padding's")
-    if busy_meta != quiet_meta:
-        diffs.append(f"the metadata's host numbers and shapes: {busy_meta} after a busy step's refresh, "
-                     f"{quiet_meta} after padding's")
-    if diffs:
-        raise GraphCaptureError(
-            f"attention backend {backend_name(executor.attention)!r}: the metadata of {key} depends on what "
-            f"before_replay left on the backend -- {'; '.join(diffs[:MAX_LISTED])}. A graph would bake this step's "
-            f"value in; build must read host values only through its host argument (keyed ones), and before_replay "
-            f"must write what a graph reads into device buffers (docs/attention.md, 'The refresh path')")
+        return values
+
+    def check_key(self, key: BatchDescriptor) -> BakedReport:
+        """Record ``key``'s forward under two steps it holds and list the host values that differ."""
+        quiet, busy = self._record(key, False), self._record(key, True)
+        self.buffers.load_dummy(key.num_tokens, key.num_reqs)
+        report = BakedReport(sum(len(values) for _, values in quiet))
+        if [op for op, _ in quiet] != [op for op, _ in busy]:
+            first = next(i for i, (a, b) in enumerate(zip(quiet + [("", ())], busy + [("", ())])) if a[0] != b[0])
+            report.varying.append(f"the ops differ from op {first} on ({len(quiet)} ops under padding, "
+                                  f"{len(busy)} under a busy step): the forward branches on step data")
+            return report
+        for i, ((op, a), (_, b)) in enumerate(zip(quiet, busy)):
+            if a != b and len(report.varying) < MAX_LISTED:
+                report.varying.append(f"op {i} {op}: {list(a)} under padding, {list(b)} under a busy step")
+        return report
+
+    def check_refresh(self, key: BatchDescriptor) -> None:
+        """Before a FULL capture of ``key`` by a backend with a ``before_replay``: record the metadata
+        build after a refresh with a busy step and after one with padding; host numbers that differ
+        -- in the build's ops or in the metadata -- came from the refresh through the backend's own
+        state, and a graph would bake them in: GraphCaptureError naming the backend and the first
+        differences (the key then runs eagerly; strict mode raises)."""
+        t, r = key.num_tokens, key.num_reqs
+        with torch.no_grad(), graph_tasks.capturing(TaskMarks(self.graph_api, rg.RecordingGraph()), []):
+            self.metadata(t, r, self.dummy_host(t, r, key))     # a warm-up, as a capture's
+        runs = []
+        for busy in (True, False):          # padding last: what the capture then runs on
+            self._refresh(key, busy)
+            graph = rg.RecordingGraph()
+            marks = TaskMarks(self.graph_api, graph)
+            with torch.no_grad(), graph_tasks.capturing(marks, []), rg.recording_graph(graph):
+                meta = self.metadata(t, r, self.dummy_host(t, r, key))
+            runs.append((marks.baked_values(), host_leaves(meta)))
+            graph.reset()
+        (busy_ops, busy_meta), (quiet_ops, quiet_meta) = runs
+        diffs = [f"op {i} {op}: {list(b)} after a busy step's refresh, {list(a)} after padding's"
+                 for i, ((op, a), (_, b)) in enumerate(zip(quiet_ops, busy_ops)) if a != b]
+        if [op for op, _ in quiet_ops] != [op for op, _ in busy_ops]:
+            diffs.insert(0, f"the build runs {len(busy_ops)} ops after a busy step's refresh, {len(quiet_ops)} after "
+                            "padding's")
+        if busy_meta != quiet_meta:
+            diffs.append(f"the metadata's host numbers and shapes: {busy_meta} after a busy step's refresh, "
+                         f"{quiet_meta} after padding's")
+        if diffs:
+            raise GraphCaptureError(
+                f"attention backend {backend_name(self.attention)!r}: the metadata of {key} depends on what "
+                f"before_replay left on the backend -- {'; '.join(diffs[:MAX_LISTED])}. A graph would bake this step's "
+                f"value in; build must read host values only through its host argument (keyed ones), and before_replay "
+                f"must write what a graph reads into device buffers (docs/attention.md, 'The refresh path')")
+
+    def check_baked(self, key: BatchDescriptor) -> BakedReport:
+        """``check_baked_values`` / strict mode at a FULL capture (and at every FULL capture of a
+        model's own backend with a ``before_replay``): the host values ``key``'s forward bakes in
+        (:meth:`check_key`); values that differ between two steps the key holds fail the capture in
+        strict mode and for such a backend (``refuse``), and are logged otherwise."""
+        report = self.check_key(key)
+        if not report.complete:
+            message = (f"{key}: the captured forward bakes in host values that differ between steps "
+                       f"under this key -- {'; '.join(report.varying)}. Make them part of the key or "
+                       f"refresh them in the attention backend's before_replay (docs/attention.md)")
+            if self.refuse:
+                raise GraphCaptureError(message)
+            logger.warning("graphrt: %s", message)
+        return report
 
 
-def check_baked(executor: Any, key: BatchDescriptor) -> BakedReport:
-    """``check_baked_values`` / strict mode at a FULL capture (and at every FULL capture of a
-    model's own backend with a ``before_replay``): the host values ``key``'s forward bakes in
-    (:func:`check_key`); values that differ between two steps the key holds fail the capture in
-    strict mode and for such a backend (``executor.refuse_baked``), and are logged otherwise."""
-    report = check_key(executor, key)
-    if not report.complete:
-        message = (f"{key}: the captured forward bakes in host values that differ between steps "
-                   f"under this key -- {'; '.join(report.varying)}. Make them part of the key or "
-                   f"refresh them in the attention backend's before_replay (docs/attention.md)")
-        if executor.config.strict or getattr(executor, "refuse_baked", False):
-            raise GraphCaptureError(message)
-        logger.warning("graphrt: %s", message)
-    return report
-
-
-__all__ = ["BakedReport", "MAX_DEPTH", "MAX_LISTED", "check_baked", "check_key", "check_refresh", "host_leaves",
-           "refresh_for_capture", "TaskMarks"]
+__all__ = ["BakedReport", "BakedValueChecks", "MAX_DEPTH", "MAX_LISTED", "host_leaves", "TaskMarks"]

@@ -12,7 +12,7 @@ eager) where the backend has one -- host-planned metadata written into device bu
 (FlashInfer-style ``plan``), host lists a captured op reads -- then the graph's tasks
 (:func:`graph_task`: on Ascend an op re-issued between ``graph_task_update_begin`` / ``_end``).
 At a FULL capture the same ``before_replay`` runs on the padding step with only its declared
-host values readable, and :func:`~graphrt.backends.torch.baked_values.check_refresh` proves
+host values readable, and :meth:`~graphrt.backends.torch.baked_values.BakedValueChecks.check_refresh` proves
 that nothing it leaves behind reaches the graph as a number.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch.baked_values import check_baked, check_refresh, refresh_for_capture
+from graphrt.backends.torch.baked_values import BakedValueChecks
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.state_cache import TorchStateCache, model_state_spec
 from graphrt.backends.torch.lora import TorchLora
@@ -131,7 +131,9 @@ class TorchExecutor(Executor[TorchEntry]):
         self.state_memory = self.state.memory if self.state is not None else None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
-        self.pieces = PiecewiseCapture(self)
+        self.pieces = PiecewiseCapture(model, config, graph_api, self.static, load_dummy=self.buffers.load_dummy,
+                                       step_context=self.step_context, dummy_host=self.dummy_host,
+                                       input_ptrs=self.input_ptrs)
         #: Check the host values each FULL capture bakes in (off while graph memory is sampled:
         #: warm-up captures, and checks, the same keys again); refuse the capture where they vary.
         #: A model's own backend with a refresh gets the check at every FULL capture, in every
@@ -139,16 +141,21 @@ class TorchExecutor(Executor[TorchEntry]):
         own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
         checked = config.check_baked_values or config.strict or own_refresh
         self.refuse_baked = config.strict or own_refresh
+        checks = BakedValueChecks(self.buffers, self.attention, self.keyed_host_values, graph_api, forward=self.forward,
+                                  metadata=self.metadata, dummy_host=self.dummy_host,
+                                  step_host_values=self.step_host_values, refresh=self._refresh,
+                                  refuse=self.refuse_baked, max_model_len=config.max_model_len,
+                                  vocab_size=self.vocab_size)
         #: Captures every graph (None on the eager backend); handed only what a capture uses.
         self.builder = GraphBuilder(
             graph_api, pieces=self.pieces, sampler=self.sampler, logits_out=self.logits_out, lora=self.lora,
             forward=self.forward, forward_split=self._forward_split, dummy_host=self.dummy_host,
-            load_dummy=self.load_dummy, input_ptrs=self.input_ptrs,
-            check_baked=(lambda key: check_baked(self, key)) if checked else None,
-            check_refresh=(lambda key: check_refresh(self, key)) if self._refresh else None,
-            refresh_for_capture=(lambda padded, key: refresh_for_capture(self, padded, key)) if self._refresh else None,
+            load_dummy=self.buffers.load_dummy, input_ptrs=self.input_ptrs,
+            check_baked=checks.check_baked if checked else None,
+            check_refresh=checks.check_refresh if self._refresh else None,
+            refresh_for_capture=checks.refresh_for_capture if self._refresh else None,
         ) if graph_api is not None else None
-        note = self.compile_note()
+        note = self.pieces.compile_note()
         if note is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
 
@@ -197,10 +204,6 @@ class TorchExecutor(Executor[TorchEntry]):
         """PIECEWISE graphs need a graph API and a model that splits at its attention calls
         (fx) or declares them (breakable)."""
         return self.pieces.capture is not None
-
-    def compile_note(self) -> str | None:
-        """Why ``compile_model`` has no effect here, or None when it works (or is off)."""
-        return self.pieces.compile_note()
 
     # ---- forward -------------------------------------------------------------------
     def metadata(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
@@ -290,14 +293,6 @@ class TorchExecutor(Executor[TorchEntry]):
         logits = self.model.compute_logits(hidden.index_select(0, rows)).view(num_reqs, -1, self.vocab_size)
         self.position_logits_out[:num_reqs].copy_(logits)
         self.logits_out[:num_reqs].copy_(logits[:, -1])
-
-    def load_dummy(self, num_tokens: int, num_reqs: int) -> ModelInputs:
-        """Pure padding in the static buffers (``StepBuffers.load_dummy``): what captures run on."""
-        return self.buffers.load_dummy(num_tokens, num_reqs)
-
-    def to_device(self, num_tokens: int, num_reqs: int) -> None:
-        """Copy a step's rows from the staging buffers to the static device buffers."""
-        self.buffers.to_device(num_tokens, num_reqs)
 
     @property
     def build_count(self) -> int:

@@ -93,7 +93,7 @@ class GraphBuilder:
         elif mode is RuntimeMode.PIECEWISE:
             if self.pieces.capture is None:
                 raise GraphrtError(f"PIECEWISE graphs are unavailable: {self.pieces.split_reason}")
-            entry, nbytes = self._with_compile_fallback(key, self.pieces.build)
+            entry, nbytes = self._with_compile_fallback(key, lambda k, c: self.pieces.build(k, c, self.pool))
         else:
             raise GraphrtError(f"{mode.value} graphs are not available on this backend")
         seconds = time.perf_counter() - t0
@@ -148,7 +148,7 @@ class GraphBuilder:
     def _load_for_capture(self, key: BatchDescriptor) -> None:
         """Pure padding for a FULL capture, then the refresh path on it, as before every run:
         the backend's ``before_replay`` with only its declared host values readable
-        (:func:`~graphrt.backends.torch.baked_values.refresh_for_capture`)."""
+        (:meth:`~graphrt.backends.torch.baked_values.BakedValueChecks.refresh_for_capture`)."""
         padded = self._load_dummy(key.num_tokens, key.num_reqs)
         if self._refresh_for_capture is not None:
             self._refresh_for_capture(padded, key)

@@ -13,13 +13,15 @@ pieces before a key is captured. This module owns how the executor gets them:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from graphrt.backends.torch.breakable_capture import capture_breakable
+from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphPool
 from graphrt.backends.torch.fx_split import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
                                               split_or_reason)
+from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor
 
@@ -27,10 +29,19 @@ logger = logging.getLogger(__name__)
 
 
 class PiecewiseCapture:
-    """The split model, piece buffers, compiled pieces and PIECEWISE capture of one executor."""
+    """The split model, piece buffers, compiled pieces and PIECEWISE capture of one executor,
+    handed what they use: the model, the config, the device-graph API (None: eager), the static
+    ``input_ids`` / ``positions`` buffers, and the executor's padding step (``load_dummy``), its
+    forward context (``step_context``) and a padding step's host values (``dummy_host``), and the
+    addresses a replay reads (``input_ptrs``). Entries are captured into the pool ``build`` is given."""
 
-    def __init__(self, executor: Any) -> None:
-        self.ex = executor
+    def __init__(self, model: torch.nn.Module, config: GraphConfig, graph_api: DeviceGraphAPI | None,
+                 static: Mapping[str, torch.Tensor], *, load_dummy: Callable[[int, int], Any],
+                 step_context: Callable[..., Any], dummy_host: Callable[[int, int], Any],
+                 input_ptrs: Callable[[], dict[str, int]]) -> None:
+        self.model, self.config, self.graph_api, self.static = model, config, graph_api, static
+        self._load_dummy, self._step_context, self._dummy_host = load_dummy, step_context, dummy_host
+        self._input_ptrs = input_ptrs
         self._split: SplitModel | None = None
         self.split_reason: str | None = None
         self._split_tried = False
@@ -42,7 +53,7 @@ class PiecewiseCapture:
         """The model split at its attention calls (None if it cannot be split; see the log)."""
         if not self._split_tried:
             self._split_tried = True
-            self._split, self.split_reason = split_or_reason(self.ex.model)
+            self._split, self.split_reason = split_or_reason(self.model)
             if self._split is None:
                 logger.info("graphrt: no fx-split pieces for this model: %s", self.split_reason)
         return self._split
@@ -51,23 +62,23 @@ class PiecewiseCapture:
     def capture(self) -> str | None:
         """How PIECEWISE graphs are captured: ``fx`` (the split model), ``breakable``, or None
         (no graph API, or neither works for this model)."""
-        choice = self.ex.config.piecewise_capture
-        if self.ex.graph_api is None:
+        choice = self.config.piecewise_capture
+        if self.graph_api is None:
             return None
         if choice != "breakable" and self.split_model is not None:
             return "fx"
-        if choice != "fx" and _break_layers(self.ex.model):
+        if choice != "fx" and _break_layers(self.model):
             return "breakable"
         return None
 
     def compiles(self, num_tokens: int) -> bool:
         """Whether a graph of ``num_tokens`` tokens is captured from compiled pieces."""
-        return self.compile_note() is None and self.ex.config.compile_model \
-            and num_tokens <= self.ex.config.compile_max_size
+        return self.compile_note() is None and self.config.compile_model \
+            and num_tokens <= self.config.compile_max_size
 
     def compile_note(self) -> str | None:
         """Why ``compile_model`` has no effect here, or None when it works (or is off)."""
-        cfg, api = self.ex.config, self.ex.graph_api
+        cfg, api = self.config, self.graph_api
         if not cfg.compile_model:
             return None
         if api is None:
@@ -93,15 +104,15 @@ class PiecewiseCapture:
         is compiled for exactly those views; then every step runs once through the buffers.
         Returns the step calls, the output view, and the bytes of buffers newly allocated.
         """
-        ex, split = self.ex, self.split_model
+        split = self.split_model
         if self.buffers is None:
-            self.buffers = PiecewiseBuffers(split, ex.config.capture_policy().max_size)
+            self.buffers = PiecewiseBuffers(split, self.config.capture_policy().max_size)
         buffers = self.buffers
         held = buffers.nbytes
-        inputs = (ex.static["input_ids"][:num_tokens], ex.static["positions"][:num_tokens])
+        inputs = (self.static["input_ids"][:num_tokens], self.static["positions"][:num_tokens])
         with torch.no_grad():
-            ex.load_dummy(num_tokens, 1)
-            with ex.step_context(num_tokens, 1, ex.dummy_host(num_tokens, 1)):
+            self._load_dummy(num_tokens, 1)
+            with self._step_context(num_tokens, 1, self._dummy_host(num_tokens, 1)):
                 for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                     env = split.run(inputs)
                 views = buffers.bind(env, num_tokens)
@@ -109,52 +120,51 @@ class PiecewiseCapture:
                 if compiled:
                     pieces = self.compiled.get(num_tokens) or [
                         compile_piece(piece.module, [views[a] for a in piece.args],
-                                      ex.graph_api.compile_backend) for piece in split.pieces]
+                                      self.graph_api.compile_backend) for piece in split.pieces]
                     self.compiled[num_tokens] = pieces
                 calls = buffers.bind_calls(views, pieces)
                 for call in calls:
                     call()
         return calls, views[split.output], buffers.nbytes - held
 
-    def build(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
-        """The PIECEWISE entry of ``key.num_tokens`` tokens, captured the configured way."""
+    def build(self, key: BatchDescriptor, compiled: bool, pool: GraphPool) -> tuple[PiecewiseEntry, int]:
+        """The PIECEWISE entry of ``key.num_tokens`` tokens, captured the configured way into ``pool``."""
         if self.capture == "breakable":
-            return self._build_breakable(key)
-        return self._build_fx(key, compiled)
+            return self._build_breakable(key, pool)
+        return self._build_fx(key, compiled, pool)
 
-    def _build_fx(self, key: BatchDescriptor, compiled: bool) -> tuple[PiecewiseEntry, int]:
+    def _build_fx(self, key: BatchDescriptor, compiled: bool, pool: GraphPool) -> tuple[PiecewiseEntry, int]:
         """Capture every fx piece over the shared piece buffers; attention stays outside the
         graphs and runs eagerly between them on replay."""
-        ex, num_tokens = self.ex, key.num_tokens
+        num_tokens = key.num_tokens
         calls, output, nbytes = self.prepare(num_tokens, compiled)
         graphs, tasks, replay_calls = [], [], []
         with torch.no_grad():
             for split_call, call in zip(self.split_model.calls, calls):
                 if split_call.kind == "piece":
-                    graph, added, piece_tasks = ex.pool.record(call)
+                    graph, added, piece_tasks = pool.record(call)
                     graphs.append(graph)
                     tasks += piece_tasks
                     nbytes += added
                     replay_calls.append(graph.replay)
                 else:
                     replay_calls.append(call)
-        return PiecewiseEntry(num_tokens, replay_calls, graphs, output, ex.input_ptrs(), compiled, tasks), nbytes
+        return PiecewiseEntry(num_tokens, replay_calls, graphs, output, self._input_ptrs(), compiled, tasks), nbytes
 
-    def _build_breakable(self, key: BatchDescriptor) -> tuple[PiecewiseEntry, int]:
+    def _build_breakable(self, key: BatchDescriptor, pool: GraphPool) -> tuple[PiecewiseEntry, int]:
         """Capture the forward broken at each attention call (:func:`capture_breakable`);
         replayed like the fx pieces, attention eager between."""
-        ex, t = self.ex, key.num_tokens
-        static = ex.static
+        t, model, static = key.num_tokens, self.model, self.static
 
         def forward() -> torch.Tensor:
-            return ex.model(static["input_ids"][:t], static["positions"][:t])
+            return model(static["input_ids"][:t], static["positions"][:t])
 
-        ex.load_dummy(t, 1)
-        with torch.no_grad(), ex.step_context(t, 1, ex.dummy_host(t, 1)):
+        self._load_dummy(t, 1)
+        with torch.no_grad(), self._step_context(t, 1, self._dummy_host(t, 1)):
             for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                 forward()
-            calls, graphs, output, nbytes, tasks = capture_breakable(ex.pool, forward, _break_layers(ex.model))
-        return PiecewiseEntry(t, calls, graphs, output, ex.input_ptrs(), False, tasks), nbytes
+            calls, graphs, output, nbytes, tasks = capture_breakable(pool, forward, _break_layers(model))
+        return PiecewiseEntry(t, calls, graphs, output, self._input_ptrs(), False, tasks), nbytes
 
 
 def _break_layers(model: Any) -> list[Any]:
