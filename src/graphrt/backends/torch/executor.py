@@ -116,8 +116,7 @@ class TorchExecutor(Executor[TorchEntry]):
         #: The step's outputs besides the tokens it waits for (steps that do not wait, logprobs).
         self.outputs = SampledOutputs(self.sampler, self.logits_out, self.hidden_out,
                                       lambda hidden: self.model.compute_logits(hidden),
-                                      graph_api.new_event if graph_api is not None else None,
-                                      graph_api is not None and graph_api.pin_memory and self.device.type != "cpu")
+                                      graph_api.new_event if graph_api is not None else None, pin)
         self.fetch_tokens, self.fetch_logprobs = self.outputs.fetch_tokens, self.outputs.fetch_logprobs
         self.sample_logprobs, self.prompt_logprobs = self.outputs.sample_logprobs, self.outputs.prompt_logprobs
         self.kv_caches: list[torch.Tensor] = []
