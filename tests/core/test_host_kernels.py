@@ -124,3 +124,21 @@ def test_canonical_flags_are_numpys_own():
     assert "Fortran" in host_kernels.table_variant(np.asfortranarray(ok))
     assert "strided" in host_kernels.table_variant(ok[:, ::2])
     assert "dtype" in host_kernels.table_variant(ok.astype(">i4"))
+
+
+def test_the_loops_disk_cache_is_stamped_with_every_module_they_compile():
+    """numba stamps a cached function with its own file only: the loops' cache is stamped with
+    every module whose functions or constants are compiled into them (each graphrt module a loop
+    module imports), so an edited helper compiles the loops again instead of loading stale code."""
+    pytest.importorskip("numba")
+    import ast
+    from pathlib import Path
+
+    core = Path(host_kernels.__file__).parent
+    for name in host_kernels.LOOP_MODULES:
+        tree = ast.parse((core / f"{name}.py").read_text())
+        imported = {node.module.rpartition(".")[2] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("graphrt.core.")}
+        assert imported <= set(host_kernels.LOOP_SOURCES), (name, imported)
+    locator = host_kernels.compiled("check_step")._cache._impl.locator
+    assert locator.get_source_stamp() == host_kernels.loop_sources_stamp()

@@ -26,9 +26,12 @@ at all. ``InputPreparer.compile_kernels`` compiles those four table variants at 
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import logging
 import os
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -45,10 +48,15 @@ KERNEL_ENV = "GRAPHRT_HOST_KERNEL"
 ENTRY_POINTS = {"check_step": "host_loops", "prepare_step": "host_loops",
                 "write_checked_step": "host_loops", "clamp_requests": "host_loops",
                 "pad_step": "host_loops", "fill_padding": "host_loops"}
+#: The modules (``graphrt.core.<name>``) whose functions are compiled into the loops.
+LOOP_MODULES = ("loop_primitives", "pad_loops", "host_loops")
+#: Every module whose code or constants the compiled loops hold: the stamp of their disk cache
+#: (numba alone stamps an entry point's own file, so an edited helper would load stale code).
+LOOP_SOURCES = LOOP_MODULES + ("fields", "step_codes", "defaults")
 
 _numba: types.ModuleType | None = None     # numba, once imported
 _numba_error: str | None = None
-_registered = False                         # host_loops' functions registered with numba
+_registered = False                         # the loop modules' functions registered with numba
 _compiled: dict[str, Any] = {}
 
 
@@ -70,16 +78,20 @@ def _load() -> bool:
     if not _registered:
         from graphrt.core import fields, host_loops
 
-        register_jitable(**host_loops.JIT_OPTIONS)(fields.field_rows)
-        for module in (host_loops,):
+        options = host_loops.JIT_OPTIONS
+        register_jitable(**options)(fields.field_rows)
+        for module in map(_loop_module, LOOP_MODULES):
             for name, fn in vars(module).items():
-                inline = "always" if name in module.INLINED else "never"
-                if name in module.COMPILED_FORMS:
-                    forms = tuple(getattr(module, form) for form in module.COMPILED_FORMS[name])
-                    overload(fn, jit_options=module.JIT_OPTIONS, strict=False, inline=inline)(
+                if not isinstance(fn, types.FunctionType) or fn.__module__ != module.__name__:
+                    continue            # imported: registered with its own module
+                inline = "always" if name in host_loops.INLINED else "never"
+                if name in host_loops.COMPILED_FORMS:
+                    forms = tuple(getattr(module, form) for form in host_loops.COMPILED_FORMS[name])
+                    overload(fn, jit_options=options, strict=False, inline=inline)(
                         lambda dst, *args, forms=forms: forms[dst.ndim > 1])
-                elif isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
-                    register_jitable(inline=inline, **module.JIT_OPTIONS)(fn)
+                else:
+                    register_jitable(inline=inline, **options)(fn)
+        _stamp_loop_caches()
         _registered = True
     _numba = numba
     return True
@@ -96,9 +108,44 @@ def compiled(name: str) -> Callable[..., Any]:
             raise ConfigError(f"{name!r} is not a host-loop entry point: {sorted(ENTRY_POINTS)}")
         from graphrt.core import host_loops
 
-        module = {"host_loops": host_loops}[ENTRY_POINTS[name]]
-        loop = _compiled[name] = _numba.njit(cache=True, **module.JIT_OPTIONS)(getattr(module, name))
+        loop = _compiled[name] = _numba.njit(cache=True, **host_loops.JIT_OPTIONS)(
+            getattr(_loop_module(ENTRY_POINTS[name]), name))
     return loop
+
+
+def _loop_module(name: str) -> types.ModuleType:
+    return importlib.import_module(f"graphrt.core.{name}")
+
+
+def loop_sources_stamp() -> str:
+    """The loops' disk-cache stamp: a hash of the source of every module in :data:`LOOP_SOURCES`."""
+    digest = hashlib.sha256()
+    for name in LOOP_SOURCES:
+        digest.update(Path(__file__).with_name(f"{name}.py").read_bytes())
+    return digest.hexdigest()
+
+
+def _stamp_loop_caches() -> None:
+    """Make numba stamp the loops' disk cache with :func:`loop_sources_stamp`: a locator class
+    (numba's own, its stamp replaced) ahead of numba's for the functions of ``LOOP_MODULES``."""
+    from numba.core import caching
+
+    def stamped(base: type) -> type:
+        class LoopSources(base):  # type: ignore[misc, valid-type]
+            @classmethod
+            def from_function(cls, py_func: Any, py_file: str) -> Any:
+                if py_func.__module__ not in {f"graphrt.core.{m}" for m in LOOP_MODULES}:
+                    return None
+                return super().from_function(py_func, py_file)
+
+            def get_source_stamp(self) -> str:
+                return loop_sources_stamp()
+        return LoopSources
+
+    classes = getattr(caching, "CacheImpl", None) or caching._CacheImpl    # numba < 0.61: private
+    classes = classes._locator_classes
+    if not any(getattr(c, "__name__", "") == "LoopSources" for c in classes):
+        classes[:0] = [stamped(caching.UserProvidedCacheLocator), stamped(caching.InTreeCacheLocator)]
 
 
 def compiled_loops() -> dict[str, Any]:

@@ -2,7 +2,8 @@
 subset numba compiles (no numba import here). :mod:`graphrt.core.host_kernels` compiles them
 where numba imports; the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the checks in the
 interpreter. Both return the same reports (:mod:`graphrt.core.step_codes`). The padding loops
-(last) apply the padder's rule table (``Padder.kernel_rules``: per field its level, fill and
+(last; their per-field helpers in :mod:`graphrt.core.pad_loops`, the primitives everything is
+built from in :mod:`graphrt.core.loop_primitives`) apply the padder's rule table (``Padder.kernel_rules``: per field its level, fill and
 whether it repeats its last row): no field's fill or length is written here.
 
 ``check_requests`` runs first everywhere: it validates every index the other loops use,
@@ -12,18 +13,18 @@ loops run without bounds checks.
 
 from __future__ import annotations
 
-import numpy as np
-
 from graphrt.core.defaults import NULL_BLOCK
-from graphrt.core.fields import INDEX_MAX, field_rows
+from graphrt.core.loop_primitives import HIGH, LOW, block_of, block_shift, can_reach, clamp, highest, lowest
+from graphrt.core.pad_loops import copy_rows, holds, pad_rows
 from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
                                      E_NULL_BLOCK, E_OK, E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE,
                                      E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_STATE_SLOT_OUT_OF_RANGE,
                                      E_STATE_SLOT_REPEATED, E_TABLE_TOO_NARROW, E_TOKEN_OUT_OF_VOCAB,
                                      E_TOO_MANY_TOKENS)
 
-# How host_kernels compiles this file (numba's disk cache is keyed on this file alone, so
-# whatever changes the compiled code is here).
+# How host_kernels compiles the loops: this file's and the helpers of ``loop_primitives`` and
+# ``pad_loops`` compiled into them (their disk cache is stamped with every module whose code or
+# constants they compile: ``host_kernels.LOOP_SOURCES``).
 #: No GIL, no bounds checks, numpy's division (no zero branch), no reference counting
 #: (``_nrt``): the loops allocate nothing, and numba would count every array argument of every
 #: helper call atomically (4x slower loops).
@@ -37,65 +38,7 @@ INLINED = ("reads_null_block", "holds_block_past", "token_outside", "write_reque
 COMPILED_FORMS = {"lowest": ("lowest_loop", "lowest_loop"), "highest": ("highest_loop", "highest_loop"),
                   "copy_row": ("copy_row", "copy_columns"), "fill_row": ("fill_row", "fill_columns")}
 
-LOW, HIGH = -INDEX_MAX - 1, INDEX_MAX
 WIDEST = (-2**63, 2**63 - 1)          # the int64 range: the widest a table's values can be
-
-
-# ---- primitives ---------------------------------------------------------------------------
-
-def clamp(x):
-    """``x`` as an integer bounded to the int32 range (see ``step_codes``)."""
-    return min(max(int(x), LOW), HIGH)
-
-
-def lowest(table, row, start, stop):
-    """The smallest of ``table[row, start:stop]`` (not empty; one value: a decode's token)."""
-    return table[row, start] if stop - start == 1 else table[row, start:stop].min()
-
-
-def highest(table, row, start, stop):
-    """The largest of ``table[row, start:stop]`` (not empty)."""
-    return table[row, start] if stop - start == 1 else table[row, start:stop].max()
-
-
-def lowest_loop(table, row, start, stop):
-    """:func:`lowest`, compiled: one pass LLVM vectorises (unsigned indices: no wraparound)."""
-    row = np.uint64(row)
-    low = table[row, np.uint64(start)]
-    for col in range(np.uint64(start), np.uint64(stop)):
-        if table[row, col] < low:
-            low = table[row, col]
-    return low
-
-
-def highest_loop(table, row, start, stop):
-    """:func:`highest`, compiled."""
-    row = np.uint64(row)
-    high = table[row, np.uint64(start)]
-    for col in range(np.uint64(start), np.uint64(stop)):
-        if table[row, col] > high:
-            high = table[row, col]
-    return high
-
-
-def block_shift(block_size):
-    """log2(block_size) for a power of two, else -1: see :func:`block_of`."""
-    shift = 0
-    while (1 << shift) < block_size:
-        shift += 1
-    return shift if (1 << shift) == block_size else -1
-
-
-def block_of(position, block_size, shift):
-    """``position // block_size``, by a shift when ``shift`` (``block_shift``) >= 0: a 64-bit
-    division per request or block costs 15-40 cycles."""
-    return position >> shift if shift >= 0 else position // block_size
-
-
-def can_reach(table, bound):
-    """Whether a value of ``table`` (int32 or int64) can be >= ``bound`` (a check against a
-    bound no value reaches is skipped: an int32 table against the int32 outputs' range)."""
-    return bound <= HIGH or table.itemsize > 4
 
 
 # ---- the rules of a valid step ------------------------------------------------------------
@@ -388,43 +331,7 @@ def clamp_requests(rows, computed, scheduled, out):
         out[2, i] = clamp(scheduled[i])
 
 
-# ---- padding: the rows past a step's real ones, by the padder's rules ---------------------
-
-def copy_row(dst, i, src, j):
-    """``dst[i] = src[j]``: a value, or a block-table row (its compiled form for 1-d fields too)."""
-    dst[i] = src[j]
-
-
-def fill_row(dst, i, value):
-    """``dst[i] = value``: a value, or every column of a block-table row."""
-    dst[i] = value
-
-
-def copy_columns(dst, i, src, j):
-    """:func:`copy_row` of a block-table row, compiled."""
-    for col in range(dst.shape[1]):
-        dst[i, col] = src[j, col]
-
-
-def fill_columns(dst, i, value):
-    """:func:`fill_row` of a block-table row, compiled."""
-    for col in range(dst.shape[1]):
-        dst[i, col] = value
-
-
-def pad_rows(arr, rule, num_tokens, num_reqs):
-    """One field's padding rule on its bucket-sized ``arr``: the rows past the real ones get the
-    fill or a copy of the last real row. ``rule``: the field's row of ``Padder.kernel_rules``
-    (per token, per request, extra, fill, repeat_last)."""
-    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
-    fill, repeat_last = rule[3], rule[4]
-    if repeat_last:
-        for i in range(real, arr.shape[0]):
-            copy_row(arr, i, arr, real - 1)
-    else:
-        for i in range(real, arr.shape[0]):
-            fill_row(arr, i, fill)
-
+# ---- padding: the rows past a step's real ones, by the padder's rules (``pad_loops``) ----
 
 def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping,
                  query_start_loc, seq_lens, num_computed, block_table, state_slots):
@@ -438,18 +345,6 @@ def fill_padding(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping
     pad_rows(num_computed, rules[5], num_tokens, num_reqs)
     pad_rows(block_table, rules[6], num_tokens, num_reqs)
     pad_rows(state_slots, rules[7], num_tokens, num_reqs)
-
-
-def holds(src, dst, rule, num_tokens, num_reqs):
-    """Whether ``src`` has a field's real rows and ``dst`` room for them, rows equally wide."""
-    real = field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)
-    return (src.shape[0] >= real) & (dst.shape[0] >= real) & (src.shape[1:] == dst.shape[1:])
-
-
-def copy_rows(src, dst, rule, num_tokens, num_reqs):
-    """A field's real rows from ``src`` into ``dst``."""
-    for i in range(field_rows((rule[0], rule[1], rule[2]), num_tokens, num_reqs)):
-        copy_row(dst, i, src, i)
 
 
 def pad_step(num_tokens, num_reqs, rules, input_ids, positions, slot_mapping, query_start_loc,
