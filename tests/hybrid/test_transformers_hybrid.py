@@ -5,7 +5,7 @@ The backend replaces each recurrent mixer of the loaded transformers model (Gran
 module over the same parameters, so graphrt's kernels and state slots run it
 (``models/torch/transformers_impl/recurrent.py``). Here:
 
-* parity, teacher-forced, with transformers' own forward: several concurrent requests of
+* parity, teacher-forced, with transformers' own forward (and for Bamba's ``BambaMixer``): several concurrent requests of
   different lengths, chunked prefill, a preempted request recomputed -- eagerly and on the CPU
   recording graph (FULL_AND_PIECEWISE and FULL);
 * the routed modules hold transformers' parameters and declare the reference models' state spec;
@@ -66,6 +66,38 @@ def test_teacher_forced_parity_with_transformers(model, backend, mode):
     assert steps >= 8
     if backend == "cpu":
         assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+
+
+#: A tiny Bamba (Mamba2 layers 0 and 2, attention layer 1): ``BambaMixer`` routes like Granite's.
+BAMBA = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+             mamba_n_groups=2, mamba_chunk_size=4, mamba_expand=2, mamba_d_conv=4, max_position_embeddings=256,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):
+    from support.hf_models import _randomize
+
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(transformers.BambaConfig(**BAMBA), dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    _randomize(ref, 0)
+    d = tmp_path_factory.mktemp("bamba")
+    ref.save_pretrained(d)
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in LENGTHS]
+    return d, seqs, reference_logits(ref, seqs)
+
+
+@pytest.mark.parametrize("backend,mode", [("eager", "NONE"), ("cpu", "FULL")])
+def test_bamba_mixers_route_too(bamba, backend, mode):
+    d, seqs, refs = bamba
+    model = graphrt_hf(d)
+    assert [type(w).__name__ for w in model.state_layers()] == ["Mamba2Mixer", "Mamba2Mixer"]
+    runner = graphrt.ModelRunner(model, backend=backend, mode=mode, progress=False, num_kv_blocks=4 * 8 + 1,
+                                 **SHAPES[backend], **LIMITS)
+    assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
 
 
 @pytest.mark.parametrize("arch,mixer", [("granite", "mamba"), ("qwen3_next", "linear_attn")])
