@@ -140,6 +140,17 @@ def test_kit_state_isolation_on_routed_granite():
     assert factory().executor.num_state_slots          # the property ran: the model keeps states
 
 
+@pytest.mark.slow
+def test_the_matrix_check_passes_granitemoehybrid():
+    """The compatibility matrix's workload (graphrt.testing.transformers_matrix): tokens equal
+    transformers' argmax with chunked prefill and preemption; a hybrid runs without prefix
+    caching (docs/hybrid.md), so the check does not ask it for prefix-cache hits."""
+    from graphrt.testing.transformers_matrix import check_mode
+
+    result = check_mode("granitemoehybrid", "eager")
+    assert result.passed, result.reason
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 def _hf_with_graphrt_attention(arch: str, **overrides):

@@ -83,6 +83,15 @@ def _mamba2(path: str, hf: nn.Module) -> Mamba2Mixer:
     mixer.in_proj, mixer.conv1d, mixer.out_proj = hf.in_proj, hf.conv1d, hf.out_proj
     mixer.dt_bias, mixer.A_log, mixer.D = hf.dt_bias, hf.A_log, hf.D
     mixer.norm.weight = hf.norm.weight
+    return _all_shared(path, mixer)
+
+
+def _all_shared(path: str, mixer: nn.Module) -> nn.Module:
+    """``mixer``, checked to hold no parameter of its own (each one transformers')."""
+    own = [name for name, p in mixer.named_parameters() if p.is_meta]
+    if own:
+        raise ConfigError(f"{path}: graphrt's {type(mixer).__name__} has parameters {own} that the transformers "
+                          "module does not provide")
     return mixer
 
 
@@ -103,7 +112,7 @@ def _delta(path: str, hf: nn.Module) -> GatedDeltaNet:
                                                                           hf.out_proj)
     mixer.dt_bias, mixer.A_log = hf.dt_bias, hf.A_log
     mixer.norm.weight = hf.norm.weight
-    return mixer
+    return _all_shared(path, mixer)
 
 
 def _layer_of(path: str) -> int | None:
