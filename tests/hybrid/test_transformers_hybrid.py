@@ -37,11 +37,11 @@ LENGTHS = (13, 7, 18, 9)
 SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16])}
 
 
-def graphrt_hf(model_dir) -> TransformersForCausalLM:
+def graphrt_hf(model_dir, **kwargs) -> TransformersForCausalLM:
     """The checkpoint loaded by transformers with graphrt's attention, wrapped (mixers routed)."""
     register_attention()
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                           attn_implementation=ATTENTION_NAME)
+                                                           attn_implementation=ATTENTION_NAME, **kwargs)
     return wrap_transformers_model(hf)
 
 
@@ -121,19 +121,19 @@ def test_routed_mixers_hold_transformers_weights_and_the_reference_state_spec(ar
         [(g.layers, g.tensors) for g in reference.groups]
 
 
-def test_kit_state_isolation_on_routed_granite():
+@pytest.mark.parametrize("arch", ["granite", "qwen3_next"])
+def test_kit_state_isolation_on_routed_hybrids(arch):
     """FULL decode, PIECEWISE mixed steps and K+1 padding. The experts run ``batched_mm``:
     transformers' ``grouped_mm`` (the backend's default) sorts tokens by expert, so a token's
     expert matmul has batchmate-dependent shapes and its logits move by ~1e-7 with who shares
     the step -- a MoE property the kit's bitwise "same output whoever shares" check sees, not a
     state leak (the Granite without experts passes with either)."""
-    from graphrt.models.torch.transformers_impl import load_transformers_model
     from graphrt.testing.conformance import run_conformance
     from graphrt.testing.runners import RunnerFactory
 
-    d = hybrid_model_dir("granite")
-    factory = RunnerFactory(lambda: load_transformers_model(d, experts="batched_mm"), "cpu", mode="FULL_AND_PIECEWISE",
-                            num_speculative_tokens=1, cudagraph_capture_sizes=[2, 4, 8, 16])
+    d = hybrid_model_dir(arch)
+    factory = RunnerFactory(lambda: graphrt_hf(d, experts_implementation="batched_mm"), "cpu",
+                            mode="FULL_AND_PIECEWISE", num_speculative_tokens=1, cudagraph_capture_sizes=[2, 4, 8, 16])
     results = run_conformance(factory=factory, properties=["state_isolated", "kv_isolated", "padding_invisible"],
                               examples=8, report=None)
     assert [r.status for r in results] == ["PASS"] * 3, [r.line() for r in results]
