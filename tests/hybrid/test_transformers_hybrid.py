@@ -182,3 +182,30 @@ def test_a_class_without_attention_backend_support_is_refused_from_its_directory
     with pytest.raises(ConfigError, match="Qwen3NextForCausalLM does not declare _supports_attention_backend"):
         graphrt.ModelRunner(str(hybrid_model_dir("qwen3_next")), backend="eager", model_impl="transformers",
                             progress=False, **LIMITS)
+
+
+def test_a_stock_hybrid_of_an_unrouted_mixer_class_is_refused_naming_its_layers():
+    """Nemotron-H's ``NemotronHMamba2Mixer`` is no routed class (its own norm and layout)."""
+    from graphrt.testing.transformers_zoo import tiny_config
+
+    register_attention()
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config("nemotron_h"), dtype=torch.float32,
+                                                       attn_implementation=ATTENTION_NAME)
+    with pytest.raises(ConfigError, match=r"NemotronHForCausalLM: layer_types marks layers \[1\] recurrent"):
+        wrap_transformers_model(hf)
+
+
+def test_a_recurrent_looking_module_without_layer_types_is_refused():
+    """A mixer the config does not announce (no ``layer_types``) is still found by its class."""
+    from graphrt.models.torch.transformers_impl.recurrent import served_types
+
+    class FooMambaMixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1d = torch.nn.Conv1d(4, 4, 3, groups=4)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([FooMambaMixer()])
+    with pytest.raises(ConfigError, match=r"recurrent mixers \['layers.0 \(FooMambaMixer\)'\] are of no class"):
+        served_types(model, object(), [])
+    assert served_types(torch.nn.Linear(2, 2), object(), []) == frozenset()
