@@ -20,9 +20,8 @@ $(STAMP): pyproject.toml constraints.txt
 # profile (a fifth of the examples): every module's main behaviour, in under 3 minutes on 2 cores.
 # test-fast on TEST_WORKERS pytest-xdist workers, a file per worker at a time (docs/testing.md); in
 # one process where xdist does not import (expanded when the recipe runs, after the venv).
-# test runs in one process: on two workers a long-lived worker once spent >12 min shrinking
-# tests/kit/test_testing_kit.py::test_steps_shrink_to_few_requests_and_tokens (7 s alone; cause
-# not found yet), and the file-per-worker tail made the run no faster (26.8 min vs 25.7 serial).
+# test runs in one process (the file-per-worker tail made two workers no faster: 26.8 min vs
+# 25.7). pytest-timeout (pyproject.toml) fails any one test that runs past 900 s.
 TEST_WORKERS ?= 2
 XDIST = $(shell $(VPY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile")
 

@@ -285,6 +285,32 @@ def test_the_exception_never_lands_outside_an_armed_forward():
     assert not dog.alive
 
 
+def test_a_pending_exception_is_drained_without_clearing_it_through_the_c_api(monkeypatch):
+    """A fire whose exception is still pending when the forward returns (it was inside one C
+    call) is drained by disarm() at a Python call, never by PyThreadState_SetAsyncExc(ident,
+    NULL): before CPython 3.13 that leaves the eval breaker set for the rest of the process
+    (a later hypothesis shrink in the same pytest process then ran >60 min instead of 7 s)."""
+    from graphrt.engine import watchdog as module
+
+    calls = []
+    real = module._set_async_exc
+    monkeypatch.setattr(module, "_set_async_exc",
+                        lambda ident, exc: calls.append(exc) or real(ident, exc))
+    dog = Watchdog(0.05, poll_interval=0.005)
+    try:
+        dog.arm(0)
+        with pytest.raises(WatchdogTimeout) as err:
+            try:
+                time.sleep(0.4)             # one C call: the injected exception stays pending
+            finally:
+                dog.disarm()
+        assert err.value is dog.error       # disarm's own error, the pending one drained
+        spin(0.01)                          # nothing left pending to land here
+    finally:
+        dog.close()
+    assert dog.num_fires == 1 and len(calls) == 1 and calls[0] is not None
+
+
 def test_arming_and_disarming_cost_microseconds():
     dog = Watchdog(300.0)
     n = 20000

@@ -45,6 +45,8 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "xmod": dict(default_language="en_XX"),
     "zaya": dict(num_experts_per_tok=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # a Mamba2 layer beside an attention layer (its default layer_types are all Mamba2), SSD chunks of 4
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_chunk_size=4),
     "dots3_note_text": dict(num_key_value_heads=4),
     "recurrent_gemma": dict(layer_types=None, block_types=["recurrent", "attention"]),
     "gemma3n_text": dict(num_kv_shared_layers=0, intermediate_size=[128, 128], activation_sparsity_pattern=[0.0, 0.0]),

@@ -145,19 +145,23 @@ def innermost_module(exc: BaseException, paths: dict[int, str]) -> str | None:
     return found if line is None else f"{found} at {line}"
 
 
-def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module) -> list[LayerFacts]:
+def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
+                recurrent: frozenset[str] = frozenset()) -> list[LayerFacts]:
     """Probe ``base`` (the decoder body of ``hf_model``) once and return its attention layers in
-    ``layer_idx`` order, checked against the config (module docstring)."""
+    ``layer_idx`` order, checked against the config (module docstring). ``recurrent``: the
+    ``layer_types`` kinds of recurrent layers whose mixers graphrt routes (``recurrent.py``);
+    any other kind that is not attention is refused."""
     config = text_config(hf_model.config)
     probe = _Probe(module_paths(hf_model))
     device = next(hf_model.parameters()).device
     vocab = int(config.vocab_size)
     ids = (torch.arange(PROBE_TOKENS, device=device) * 7 + 3) % vocab
-    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in FULL_TYPES | SLIDING_TYPES})
+    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in FULL_TYPES | SLIDING_TYPES | recurrent})
     if kinds:
         raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, which graphrt's paged attention "
-                          "does not run (it runs full and sliding-window causal attention; recurrent, convolutional, "
-                          "chunked and sparse layers are not this backend's)")
+                          "does not run (it runs full and sliding-window causal attention, and routes the recurrent "
+                          "mixers of docs/hybrid.md to its own kernels; other recurrent, convolutional, chunked and "
+                          "sparse layers are not this backend's)")
     try:
         with torch.no_grad(), handling(probe):
             base(input_ids=ids[None], position_ids=torch.arange(PROBE_TOKENS, device=device)[None], use_cache=False)
@@ -167,6 +171,8 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module) -> list[LayerF
         where = innermost_module(exc, probe.paths)
         raise ConfigError(f"{type(hf_model).__name__} cannot run on one packed row without transformers' own cache "
                           f"and mask: {type(exc).__name__}: {exc}" + (f" [in {where}]" if where else "")) from exc
+    if not probe.calls and recurrent:
+        return []                       # every layer recurrent: no KV cache
     if not probe.calls:
         raise ConfigError(f"{type(hf_model).__name__} never called its attention implementation: its attention "
                           "does not go through transformers' AttentionInterface")

@@ -20,6 +20,7 @@ from graphrt.models.torch.transformers_impl.facts import layer_facts, position_o
 from graphrt.models.torch.transformers_impl.interface import ATTENTION_NAME, register_attention
 from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_of
 from graphrt.models.torch.transformers_impl.moe import experts_blocker, experts_implementation
+from graphrt.models.torch.transformers_impl.recurrent import recurrent_mixers, route_recurrent_mixers, served_types
 
 #: Tested range of the optional dependency (pyproject's ``transformers`` extra says the same).
 TRANSFORMERS_RANGE = ">=5.0,<6"
@@ -86,7 +87,8 @@ def _no_padding_check(*args: Any, **kwargs: Any) -> None:
 
 def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> TransformersForCausalLM:
     """``hf_model`` (loaded with ``attn_implementation="graphrt"``) as a graphrt model: its layers
-    probed (``facts.py``) and what keeps it out of graphs named."""
+    probed (``facts.py``), its recurrent mixers routed to graphrt's kernels (``recurrent.py``)
+    and what keeps it out of graphs named."""
     if getattr(hf_model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ConfigError(f"{type(hf_model).__name__} attends with {hf_model.config._attn_implementation!r}; load it "
                           f"with attn_implementation={ATTENTION_NAME!r} (load_transformers_model does)")
@@ -94,8 +96,20 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
     silence_padding_check(hf_model)
     blocker = dynamic_rope_blocker(hf_model) or experts_blocker(hf_model)
     body = body_of(hf_model)
-    facts = layer_facts(hf_model, body)
-    return TransformersForCausalLM(hf_model, facts, blocker, tp_rank, tp_size, position_offset(hf_model, body))
+    found = recurrent_mixers(hf_model)
+    _refuse_sharded_state(hf_model, found, tp_size)
+    facts = layer_facts(hf_model, body, served_types(hf_model, text_config(hf_model.config), found))
+    offset = position_offset(hf_model, body)
+    routed = route_recurrent_mixers(hf_model, found)
+    return TransformersForCausalLM(hf_model, facts, blocker, tp_rank, tp_size, offset, routed)
+
+
+def _refuse_sharded_state(hf_model: torch.nn.Module, found: list, tp_size: int) -> None:
+    """Routed recurrent mixers run whole on one rank: refused under tensor parallelism."""
+    if found and tp_size > 1:
+        raise ConfigError(f"{type(hf_model).__name__}: tp_size={tp_size}, but its recurrent mixers "
+                          f"({found[0][1]} ...) are not sharded by graphrt's transformers backend; run it with "
+                          "tp_size=1 (or graphrt's own hybrid model, docs/hybrid.md)")
 
 
 def load_transformers_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -125,6 +139,7 @@ def load_transformers_model(model_dir: str | os.PathLike, dtype: torch.dtype = t
         from graphrt.models.torch.transformers_impl.tensor_parallel import (check_head_shards, shard_by_plan,
                                                                             without_collectives)
 
+        _refuse_sharded_state(hf_model, recurrent_mixers(hf_model), tp_size)
         full = layer_facts(hf_model, body_of(hf_model))
         shard_by_plan(hf_model, tp_rank, tp_size, group)
         with without_collectives():      # rank 0 loads before the process group exists

@@ -11,7 +11,9 @@ graphrt (``interface.py``):
   forward over a stand-in body that returns ``hidden`` -- so final soft-capping and logit
   scales are transformers' own;
 * ``attention_layers()`` / ``kv_cache_spec()``: one paged layer per attention layer, one KV
-  cache group per layout (heads, head sizes, window), from :func:`~.facts.layer_facts`.
+  cache group per layout (heads, head sizes, window), from :func:`~.facts.layer_facts`;
+* ``state_layers()`` / ``state_spec()``: a hybrid's recurrent mixers, routed to graphrt's own
+  modules and kernels (``recurrent.py``, docs/hybrid.md), and their per-request states.
 
 A known reason a model cannot be captured (``graph_blocker``: dynamic RoPE, the eager experts
 loop) is raised as :class:`GraphCaptureError` when a capture reaches the forward, on every
@@ -31,9 +33,11 @@ from torch import nn
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_tasks import capture_active
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
+from graphrt.core.state_spec import StateSpec
 from graphrt.models.torch.transformers_impl.facts import LayerFacts, innermost_module, module_paths, text_config
 from graphrt.models.torch.transformers_impl.interface import handling
 from graphrt.models.torch.transformers_impl.layer import HFPagedAttention, ReferencePagedBackend
+from graphrt.models.torch.transformers_impl.recurrent import RoutedMixer, state_spec_of
 
 
 class _BodyOutput:
@@ -150,13 +154,15 @@ class TransformersForCausalLM(nn.Module):
     ``hf_model``: loaded with ``attn_implementation="graphrt"`` (``loader.py``); ``facts``: its
     layers (:func:`~.facts.layer_facts`); ``graph_blocker``: why no graph can hold its forward,
     or None. ``tp_rank`` / ``tp_size``: this rank's shard (``tensor_parallel.py``);
-    ``position_offset``: :func:`~.facts.position_offset`."""
+    ``position_offset``: :func:`~.facts.position_offset`; ``routed``: the recurrent mixers
+    :func:`~.recurrent.route_recurrent_mixers` put in ``hf_model``, in layer order."""
 
     #: Which implementation this is (``models/model_impl.py``): tensor-parallel ranks load the same.
     model_impl = "transformers"
 
     def __init__(self, hf_model: nn.Module, facts: list[LayerFacts], graph_blocker: str | None = None,
-                 tp_rank: int = 0, tp_size: int = 1, position_offset: int = 0) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, position_offset: int = 0,
+                 routed: list[RoutedMixer] | None = None) -> None:
         super().__init__()
         self.hf = hf_model
         self.config = RuntimeConfig.of(hf_model)
@@ -175,6 +181,7 @@ class TransformersForCausalLM(nn.Module):
             #: soft-capping, sinks or a V head size of its own: graphrt's reference algorithm, extended
             self.attention_backend = ReferencePagedBackend(facts[0].head_dim)
         self._paths: dict[int, str] | None = None
+        self._routed = tuple(routed or ())      # submodules of hf_model already: not registered twice
 
     @property
     def body(self) -> nn.Module:
@@ -226,6 +233,14 @@ class TransformersForCausalLM(nn.Module):
             groups.setdefault((f.num_kv_heads, f.head_dim, f.head_dim_v, f.sliding_window), []).append(i)
         return KVCacheSpec(tuple(KVCacheGroup(tuple(layers), heads, d, None if dv == d else dv, sliding_window=w)
                                  for (heads, d, dv, w), layers in groups.items()))
+
+    def state_layers(self) -> list[nn.Module]:
+        """graphrt's module of each routed recurrent mixer, in layer order (each gets ``state_cache``)."""
+        return [wrapper.mixer for wrapper in self._routed]
+
+    def state_spec(self) -> StateSpec:
+        """The routed mixers' per-request states (empty for a model without recurrent layers)."""
+        return state_spec_of(list(self._routed))
 
     def _where(self, exc: BaseException) -> str | None:
         """The innermost transformers module whose method the traceback of ``exc`` passes through."""
