@@ -154,13 +154,8 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
 def _plan_run(args: argparse.Namespace) -> int:
     try:
         config = from_cli_args(args)
-    except ConfigError as e:
-        print(f"graphrt plan: {e}", file=sys.stderr)
-        return 2
-    if args.steps < 1:
-        print("graphrt plan: --steps must be >= 1", file=sys.stderr)
-        return 2
-    try:
+        if args.steps < 1:
+            raise ConfigError("--steps must be >= 1")
         if args.plot:                    # before any output: no matplotlib, no table either
             require_matplotlib()
             check_path(args.plot)

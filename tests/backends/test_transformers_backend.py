@@ -17,8 +17,8 @@ import torch
 import graphrt
 from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
 from graphrt.core.numerics import tolerance
+from graphrt.models.torch.attention import paged_attention_kernel
 from graphrt.models.torch.transformers_impl import ATTENTION_NAME, load_transformers_model
-from graphrt.models.torch.transformers_impl.layer import extended_paged_attention
 from graphrt.testing.transformers_zoo import SLIDING_WINDOW, tiny_checkpoint
 
 pytest.importorskip("transformers")
@@ -75,8 +75,8 @@ def test_extended_kernel_matches_dense(case):
     req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     pos = torch.cat([torch.arange(n) for n in lens])
     slots = (table[req, pos // bs].long() * bs + pos % bs)
-    out = extended_paged_attention(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), cache, slots, qsl, seq,
-                                   table, req, bs, d ** -0.5, window, softcap, sinks)
+    out = paged_attention_kernel(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), cache, slots, qsl, seq,
+                                 table, req, bs, d ** -0.5, window, softcap=softcap, sinks=sinks)
     want = dense_attention(q, k, v, lens, d ** -0.5, window, softcap, sinks).reshape(t, -1)
     tol = tolerance("float32")
     torch.testing.assert_close(out.double(), want, rtol=tol.rtol, atol=tol.atol)

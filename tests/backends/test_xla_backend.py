@@ -185,10 +185,10 @@ def test_warmup_report_and_entries(qwen):
 def test_planned_keys_are_warmups_from_the_runners_dispatcher(qwen):
     runner = qwen[0].runner
     forward = {k for _, k in runner.dispatcher.keys()}
-    assert runner.executor.compiles.planned_keys == forward | set(runner.sampler_cache)
+    assert runner.executor.compiles.planned == forward | set(runner.sampler_cache)
     assert forward == {k for _, k in runner.cache}
     # One entry store: the runner's caches hold every executable; the executor keeps only keys.
-    assert runner.executor.compiles.compiled_keys == forward | set(runner.sampler_cache)
+    assert set(runner.executor.compiles) == forward | set(runner.sampler_cache)
     assert all(isinstance(runner.cache.lookup(k), XlaEntry) for k in runner.cache)
     held = [x for v in vars(runner.executor.compiles).values() if isinstance(v, (dict, set, frozenset))
             for x in (v.values() if isinstance(v, dict) else v)]
@@ -267,7 +267,7 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
     d = Driver(llm.runner)
     rng = np.random.default_rng(4)
     ex = llm.runner.executor
-    compiled_before = ex.compiles.compile_count
+    compiled_before = ex.compiles.stats.compiles
     with CompileCounter() as counter:
         for rnd in range(3):
             lengths = rng.integers(1, 20, size=4)
@@ -288,7 +288,7 @@ def test_varied_workload_after_warmup_compiles_nothing(qwen):
                 rows = list(range(width))
                 d.step({r: 1 for r in rows}, {rows[-1]: SamplingParams(temperature=1.0, seed=7)})
     assert counter.compiles == 0, counter.names
-    assert ex.compiles.compile_count == compiled_before and ex.compiles.unplanned_compiles == 0
+    assert ex.compiles.stats.compiles == compiled_before and ex.compiles.stats.unplanned_builds == 0
     assert llm.runner.stats.unplanned_builds == 0
 
 
@@ -351,17 +351,17 @@ def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch
     monkeypatch.setattr(runner, "dispatcher", _dispatcher_with_extra_bucket(runner))
     d = Driver(runner)
     d.add(0, random_prompts((20,), seed=6)[0])
-    builds, unplanned = runner.stats.unplanned_builds, ex.compiles.unplanned_compiles
+    builds, unplanned = runner.stats.unplanned_builds, ex.compiles.stats.unplanned_builds
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 20})
     assert runner.last_step.key == BatchDescriptor(24, 4, False, max_seq_len=CTX)
     check_logits(hf, d, [0])
-    assert runner.stats.unplanned_builds == builds + 1 and ex.compiles.unplanned_compiles == unplanned + 1
+    assert runner.stats.unplanned_builds == builds + 1 and ex.compiles.stats.unplanned_builds == unplanned + 1
     assert "input_ids" in caplog.text and "(24,)" in caplog.text
     _leaky(runner.cache.get((RuntimeMode.FULL, BatchDescriptor(2, 2, True, max_seq_len=CTX))), monkeypatch)
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 1})
-    assert ex.compiles.unplanned_compiles == unplanned + 2 and "hot path" in caplog.text
+    assert ex.compiles.stats.unplanned_builds == unplanned + 2 and "hot path" in caplog.text
     check_logits(hf, d, [0])
 
 
@@ -518,7 +518,7 @@ def test_unplanned_build_with_the_executable_store_counts_once(tmp_path, restore
     ex = _cached_runner(tmp_path).executor
     ex.compiles.seal()
     ex.build(RuntimeMode.FULL, SamplerKey(1, True))   # not on disk: looked up there, then compiled
-    assert ex.compiles.unplanned_compiles == 1
+    assert ex.compiles.stats.unplanned_builds == 1
 
 
 def test_loaded_executables_give_identical_results(tmp_path, restore_compilation_cache):
@@ -529,7 +529,7 @@ def test_loaded_executables_give_identical_results(tmp_path, restore_compilation
         runner.warmup()
         with CompileCounter() as again:               # the caches hold every key: nothing twice
             runner.warmup()
-        assert again.compiles == 0 and runner.executor.compiles.unplanned_compiles == 0
+        assert again.compiles == 0 and runner.executor.compiles.stats.unplanned_builds == 0
         table = np.zeros((LIMITS["max_num_seqs"], LIMITS["max_model_len"]), np.int32)
         blocks = np.zeros((LIMITS["max_num_seqs"], runner.config.max_blocks_per_req), np.int32)
         for i, p in enumerate(prompts):
@@ -591,7 +591,7 @@ def test_nnx_module_matches_params_model_with_lazy_compiles():
         d.step({0: 1})
         outs.append((first, runner.logits()[0], d.seqs[0]))
         assert len(compile_report(runner.cache, runner.sampler_cache)) == 4
-        assert runner.executor.compiles.unplanned_compiles == 0 and not runner.executor.compiles.sealed
+        assert runner.executor.compiles.stats.unplanned_builds == 0 and not runner.executor.compiles.sealed
         # Each sampler compiled on first use is in the runner's sampler cache: a hit, as a forward.
         assert len(runner.sampler_cache) == 2 and (runner.sampler_stats.hits, runner.sampler_stats.misses) == (2, 0)
     np.testing.assert_array_equal(outs[0][0], outs[1][0])

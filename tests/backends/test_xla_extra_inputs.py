@@ -70,7 +70,7 @@ def test_logits_equal_the_plain_forward_that_adds_the_embeds_and_nothing_recompi
     for row, p in prompts.items():
         tokens[row, :len(p)] = p
     seen, keys = [], []
-    compiles, thread = ex.compiles.compile_count, thread_compiles()
+    compiles, thread = ex.compiles.stats.compiles, thread_compiles()
     for _ in range(4):                          # the prefill of both (12 tokens -> 16), then three decodes
         rows = sorted(seqs)
         sched = [len(seqs[r]) - done[r] for r in rows]
@@ -86,8 +86,8 @@ def test_logits_equal_the_plain_forward_that_adds_the_embeds_and_nothing_recompi
             seen.append((r, done[r] - 1, logits[i]))
             tokens[r, len(seqs[r])] = int(out[i])
             seqs[r].append(int(out[i]))
-    assert ex.compiles.compile_count == compiles and thread_compiles() == thread     # no recompile
-    assert ex.compiles.unplanned_compiles == 0
+    assert ex.compiles.stats.compiles == compiles and thread_compiles() == thread     # no recompile
+    assert ex.compiles.stats.unplanned_builds == 0
     assert [(k.num_tokens, k.num_reqs) for k in keys] == [(16, 4), (2, 2), (2, 2), (2, 2)]
     # The forward got each key's padded rows: the real ones, then the fill.
     assert [a.shape for a in received[-4:]] == [(16, CFG.hidden_size)] + [(2, CFG.hidden_size)] * 3

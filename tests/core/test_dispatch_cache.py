@@ -361,6 +361,38 @@ def test_unplanned_builds_after_seal():
     assert cache.get("a") is None                # not sealed any more: no raise
 
 
+def test_planned_keys_seal_the_cache_and_unplanned_builds_follow_strict_mode(caplog):
+    """XLA's compile bookkeeping is a GraphCache: planned keys seal it once all have entries,
+    a new plan reopens it, and a build after that raises (strict) or is logged and counted once."""
+    cache = GraphCache()
+    cache.plan(["a", "b"])
+    cache.put("a", 1)
+    assert not cache.sealed
+    cache.check_build("b", "never raised: warm-up")
+    cache.put("b", 2)
+    assert cache.sealed and cache.stats.unplanned_builds == 0
+    cache.plan(["a"])                               # already built: stays sealed
+    assert cache.sealed
+    cache.plan(["c"])                               # a re-fit's new key reopens warm-up
+    assert not cache.sealed and cache.planned == {"a", "b", "c"}
+    cache.put("c", 3)
+    assert cache.sealed
+    with caplog.at_level("WARNING", logger="graphrt"):
+        cache.check_build("d", lambda: "d was never planned")
+        cache.put("d", 4)
+        cache.unplanned("e", "compiled on the hot path")
+    assert cache.stats.unplanned_builds == 2 and "never planned" in caplog.text and "hot path" in caplog.text
+    strict = GraphCache(strict=True)
+    strict.plan(["a"])
+    strict.unplanned("x", "before warm-up ends: nothing to raise")
+    strict.put("a", 1)
+    with pytest.raises(CacheMissError, match="hot path"):
+        strict.unplanned("x", "compiled on the hot path")
+    with pytest.raises(CacheMissError, match="never planned"):
+        strict.check_build("y", "y was never planned")
+    assert strict.stats.unplanned_builds == 0
+
+
 @settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 5)), max_size=40),
        st.integers(0, 40))

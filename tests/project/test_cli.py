@@ -99,3 +99,8 @@ def test_plot_into_a_missing_directory_is_refused(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main(["plan", "--steps", "50", "--plot", str(tmp_path / "nowhere" / "plan.png")]) == 2
     assert "--plot: directory" in capsys.readouterr().err
+
+
+def test_plan_refuses_fewer_than_one_step(capsys):
+    assert main(["plan", "--steps", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "graphrt plan: --steps must be >= 1"

@@ -116,7 +116,7 @@ with CompileCounter() as c:
     assert llm.runner.background.wait(300)
     llm.close()
 print(json.dumps({{'compiles': c.compiles, 'hits': c.persistent_cache_hits,
-                  'tokens': [o.token_ids for o in out], 'unplanned': llm.runner.executor.compiles.unplanned_compiles}}))
+                  'tokens': [o.token_ids for o in out], 'unplanned': llm.runner.executor.compiles.stats.unplanned_builds}}))
 """
     runs = []
     for _ in range(2):

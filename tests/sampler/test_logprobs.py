@@ -191,7 +191,7 @@ def test_warm_up_builds_logprobs_graphs_only_when_they_are_on(runner):
         return
     assert {k.num_reqs for k in keys} == counts, "one logprobs graph per sampler request count"
     if runner.backend.name == "xla":
-        assert runner.executor.compiles.unplanned_compiles == 0
+        assert runner.executor.compiles.stats.unplanned_builds == 0
 
 
 def test_max_logprobs_0_builds_no_logprobs_graph_and_refuses_them():

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import collections
 import enum
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterable, Iterator, TypeVar
 
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.eager import EagerCause, EagerCount, new_eager_counts
 from graphrt.core.errors import CacheMissError, GraphrtError, InputError
 
 E = TypeVar("E")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class CacheStats:
     eager_steps: int = 0
     eager_tokens: int = 0              # real tokens of the eager steps
     unplanned_builds: int = 0          # captures / compiles after warm-up
+    compiles: int = 0                  # backend compiles the executor counted, those no lookup saw included (XLA)
     failed_builds: int = 0             # keys whose capture failed (they run eagerly)
     retired: int = 0                   # entries dropped by a traffic re-fit (their keys no longer pay)
     real_tokens: int = 0
@@ -124,7 +128,7 @@ class CacheStats:
                 "graph_token_share": round(self.graph_token_share, 4),
                 "eager_by_cause": {c.value: {"steps": n.steps, "tokens": n.tokens}
                                    for c, n in self.eager_by_cause.items()},
-                "unplanned_builds": self.unplanned_builds,
+                "unplanned_builds": self.unplanned_builds, "compiles": self.compiles,
                 "failed_builds": self.failed_builds, "retired": self.retired,
                 "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
                 "padding_waste": round(self.padding_waste, 4),
@@ -141,7 +145,10 @@ class CacheStats:
 
 
 class GraphCache(Generic[E]):
-    """Entries by key. ``strict``: after :meth:`seal`, a miss raises ``CacheMissError``."""
+    """Entries by key. ``strict``: after :meth:`seal`, a miss raises ``CacheMissError``.
+
+    Warm-up is over once :meth:`seal` is called or, where keys were :meth:`plan`-ned, once
+    every planned key has an entry."""
 
     def __init__(self, *, strict: bool = False) -> None:
         self.strict = strict
@@ -150,6 +157,8 @@ class GraphCache(Generic[E]):
         #: Bumped by every change of the entries or of ``sealed`` (for callers that memoise lookups).
         self.version = 0
         self._entries: dict[Hashable, E] = {}
+        #: The keys warm-up was asked to build (:meth:`plan`; empty: sealing is :meth:`seal`'s alone).
+        self.planned: frozenset[Hashable] = frozenset()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -170,6 +179,37 @@ class GraphCache(Generic[E]):
         self._entries[key] = entry
         self.stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
         self.version += 1
+        self._seal_if_planned()
+
+    def plan(self, keys: Iterable[Hashable]) -> None:
+        """Warm-up will build ``keys``: once every planned key has an entry the cache seals
+        itself. Planning a key without an entry reopens warm-up (a re-fit's new keys are
+        planned builds)."""
+        new = frozenset(keys)
+        self.planned |= new
+        if not all(k in self._entries for k in new):
+            self.reopen()
+        self._seal_if_planned()
+
+    def _seal_if_planned(self) -> None:
+        if self.planned and not self.sealed and all(k in self._entries for k in self.planned):
+            self.seal()
+
+    def check_build(self, key: Hashable, reason: str | Callable[[], str]) -> None:
+        """A build of ``key`` is about to run: after warm-up, strict mode raises
+        ``CacheMissError`` with ``reason``, else it is logged (:meth:`put` counts it)."""
+        if self.sealed:
+            why = reason() if callable(reason) else reason
+            if self.strict:
+                raise CacheMissError(key, why)
+            logger.warning("graphrt: unplanned build after warm-up: %s", why)
+
+    def unplanned(self, key: Hashable, reason: str) -> None:
+        """A build no :meth:`put` records (a compile on the hot path) after warm-up: raises in
+        strict mode, else logged and counted in ``stats.unplanned_builds``."""
+        if self.sealed:
+            self.check_build(key, reason)
+            self.stats.unplanned_builds += 1
 
     def put_failed(self, key: Hashable, reason: str, *, seconds: float = 0.0) -> FailedBuild:
         """Record that ``key``'s build failed: its entry is a :class:`FailedBuild` (the step

@@ -178,7 +178,7 @@ def as_kv_spec(declared: Any) -> KVCacheSpec:
     is a :class:`ConfigError` naming ``kv_cache_spec``."""
     if isinstance(declared, KVCacheSpec):
         return declared
-    if isinstance(declared, (tuple, list)) and len(declared) == 3 and all(_is_int(v) for v in declared):
+    if isinstance(declared, (tuple, list)) and len(declared) == 3 and all(is_int(v) for v in declared):
         layers, heads, size = (operator.index(v) for v in declared)
         if layers <= 0:
             raise ConfigError(f"{SPEC_FIELD}: (num_layers, num_kv_heads, head_dim) = {tuple(declared)}: "
@@ -207,26 +207,20 @@ def resolve_kv_spec(declared: Any, *, block_size: int, model_dtype: Any, support
         field = f"{SPEC_FIELD}.groups[{i}]"
         if not isinstance(group, KVCacheGroup):
             raise ConfigError(f"{field}: {group!r} is not a graphrt KVCacheGroup")
-        layers = _layers(group.layers, f"{field}.layers", num_layers)
-        for layer in layers:
-            if layer in seen:
-                raise ConfigError(f"{field}.layers: layer {layer} is also in {SPEC_FIELD}.groups[{seen[layer]}]")
-            seen[layer] = i
+        layers = claim_layers(group.layers, SPEC_FIELD, i, seen, num_layers, "attention")
         _check_sizes(group, field)
-        if group.block_size is not None and (not _is_int(group.block_size) or group.block_size != block_size):
+        if group.block_size is not None and (not is_int(group.block_size) or group.block_size != block_size):
             raise ConfigError(f"{field}.block_size: {group.block_size!r}, but the config's block_size is "
                               f"{block_size}: every layer group shares one block table")
         dtype = _group_dtype(group.dtype, f"{field}.dtype", config_dtype, model_dtype, supported, backend)
         groups.append(replace(group, layers=layers, dtype=dtype, block_size=int(block_size),
                               sliding_window=int(group.sliding_window)))
-    if num_layers is not None and groups and len(seen) != num_layers:
-        missing = sorted(set(range(num_layers)) - set(seen))
-        raise ConfigError(f"{SPEC_FIELD}.groups: the model has {num_layers} attention layers; layers "
-                          f"{missing} are in no group")
+    if groups:
+        check_covered(seen, num_layers, SPEC_FIELD, "attention layers")
     return KVCacheSpec(tuple(groups), bool(spec.owned_by_model))
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     try:
         operator.index(value)
     except TypeError:
@@ -234,29 +228,47 @@ def _is_int(value: Any) -> bool:
     return not isinstance(value, bool)
 
 
-def _layers(layers: Any, field: str, num_layers: int | None) -> tuple[int, ...]:
+def claim_layers(layers: Any, spec_field: str, i: int, seen: dict[int, int], num_layers: int | None,
+                 kind: str) -> tuple[int, ...]:
+    """Group ``i``'s layer indices (of ``kind`` layers: "attention", "recurrent") checked -- a
+    non-empty sequence of distinct ints in [0, ``num_layers``) -- and claimed in ``seen`` (layer
+    -> group): a layer in two groups is a :class:`ConfigError` naming ``spec_field.groups[i].layers``.
+    Shared by the KV cache and the recurrent-state specs."""
+    field = f"{spec_field}.groups[{i}].layers"
     try:
         values = tuple(layers)
     except TypeError:
         raise ConfigError(f"{field}: {layers!r} is not a sequence of layer indices") from None
     if not values:
-        raise ConfigError(f"{field}: empty; a group holds at least one attention layer")
-    bad = [v for v in values if not _is_int(v) or v < 0 or (num_layers is not None and v >= num_layers)]
+        raise ConfigError(f"{field}: empty; a group holds at least one {kind} layer")
+    bad = [v for v in values if not is_int(v) or v < 0 or (num_layers is not None and v >= num_layers)]
     if bad:
-        bound = "" if num_layers is None else f" < {num_layers} (the model's attention layers)"
+        bound = "" if num_layers is None else f" < {num_layers} (the model's {kind} layers)"
         raise ConfigError(f"{field}: {bad} are not layer indices >= 0{bound}")
     if len(set(values)) != len(values):
         raise ConfigError(f"{field}: {list(values)} names a layer twice")
+    for layer in values:
+        if layer in seen:
+            raise ConfigError(f"{field}: layer {layer} is also in {spec_field}.groups[{seen[layer]}]")
+        seen[layer] = i
     return tuple(operator.index(v) for v in values)
+
+
+def check_covered(seen: dict[int, int], num_layers: int | None, spec_field: str, what: str) -> None:
+    """Where ``num_layers`` is known, every layer is in some group (``seen``), else a
+    :class:`ConfigError` naming ``spec_field.groups`` and the missing layers."""
+    if num_layers is not None and len(seen) != num_layers:
+        missing = sorted(set(range(num_layers)) - set(seen))
+        raise ConfigError(f"{spec_field}.groups: the model has {num_layers} {what}; layers {missing} are in no group")
 
 
 def _check_sizes(group: KVCacheGroup, field: str) -> None:
     """Heads and head sizes > 0 (an MLA group: a latent size > 0 and no heads); a window >= 0."""
     def positive(name: str, value: Any) -> None:
-        if not _is_int(value) or value <= 0:
+        if not is_int(value) or value <= 0:
             raise ConfigError(f"{field}.{name}: must be an int > 0, got {value!r}")
 
-    if not _is_int(group.latent_dim):
+    if not is_int(group.latent_dim):
         raise ConfigError(f"{field}.latent_dim: must be an int (0: not MLA), got {group.latent_dim!r}")
     if group.is_mla:
         positive("latent_dim", group.latent_dim)
@@ -269,7 +281,7 @@ def _check_sizes(group: KVCacheGroup, field: str) -> None:
         positive("head_size", group.head_size)
         if group.head_size_v is not None:
             positive("head_size_v", group.head_size_v)
-    if not _is_int(group.sliding_window) or group.sliding_window < 0:
+    if not is_int(group.sliding_window) or group.sliding_window < 0:
         raise ConfigError(f"{field}.sliding_window: must be an int >= 0 (0: full attention), "
                           f"got {group.sliding_window!r}")
 
@@ -293,4 +305,5 @@ def _group_dtype(declared: Any, field: str, config_dtype: str, model_dtype: Any,
     return name
 
 
-__all__ = ["KVCacheGroup", "blocks_for", "KVCacheSpec", "SPEC_FIELD", "as_kv_spec", "kv_cache_dtype_name", "resolve_kv_spec"]
+__all__ = ["KVCacheGroup", "blocks_for", "KVCacheSpec", "SPEC_FIELD", "as_kv_spec", "check_covered", "claim_layers",
+           "kv_cache_dtype_name", "resolve_kv_spec"]

@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Iterable
+from typing import Any, Collection
 
 from graphrt.core.errors import ConfigError
-from graphrt.core.kv_spec import kv_cache_dtype_name
+from graphrt.core.kv_spec import KV_CACHE_DTYPE_BYTES as DTYPE_BYTES, is_int, check_covered, claim_layers, \
+    kv_cache_dtype_name
 
 #: The model method (and the prefix of every field named in an error).
 STATE_SPEC_FIELD = "state_spec"
-#: Bytes of one element per canonical dtype name.
-DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -151,40 +150,11 @@ def resolve_state_spec(declared: Any, *, model_dtype: Any, supported: Collection
         field = f"{STATE_SPEC_FIELD}.groups[{i}]"
         if not isinstance(group, StateGroup):
             raise ConfigError(f"{field}: {group!r} is not a graphrt StateGroup")
-        layers = _layers(group.layers, f"{field}.layers", num_layers)
-        for layer in layers:
-            if layer in seen:
-                raise ConfigError(f"{field}.layers: layer {layer} is also in {STATE_SPEC_FIELD}.groups[{seen[layer]}]")
-            seen[layer] = i
+        layers = claim_layers(group.layers, STATE_SPEC_FIELD, i, seen, num_layers, "recurrent")
         tensors = _tensors(group.tensors, field, model_dtype, supported, backend)
         groups.append(replace(group, layers=layers, tensors=tensors))
-    if num_layers is not None and len(seen) != num_layers:
-        missing = sorted(set(range(num_layers)) - set(seen))
-        raise ConfigError(f"{STATE_SPEC_FIELD}.groups: the model has {num_layers} recurrent layers "
-                          f"(state_layers()); layers {missing} are in no group")
+    check_covered(seen, num_layers, STATE_SPEC_FIELD, "recurrent layers (state_layers())")
     return StateSpec(tuple(groups))
-
-
-def _is_int(value: Any) -> bool:
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return not isinstance(value, bool)
-
-
-def _layers(layers: Iterable[Any], field: str, num_layers: int | None) -> tuple[int, ...]:
-    try:
-        values = tuple(layers)
-    except TypeError:
-        raise ConfigError(f"{field}: {layers!r} is not a sequence of layer indices") from None
-    if not values:
-        raise ConfigError(f"{field}: empty; a group holds at least one recurrent layer")
-    bad = [v for v in values if not _is_int(v) or v < 0 or (num_layers is not None and v >= num_layers)]
-    if bad or len(set(values)) != len(values):
-        bound = "" if num_layers is None else f" < {num_layers} (the model's recurrent layers)"
-        raise ConfigError(f"{field}: {list(values)}: each must be a distinct layer index >= 0{bound}")
-    return tuple(operator.index(v) for v in values)
 
 
 def _tensors(tensors: Any, field: str, model_dtype: Any, supported: Collection[str],
@@ -198,7 +168,7 @@ def _tensors(tensors: Any, field: str, model_dtype: Any, supported: Collection[s
             raise ConfigError(f"{where}.name: {tensor.name!r} must be a non-empty name, unique in its group")
         names.add(tensor.name)
         shape = tuple(tensor.shape)
-        if not shape or any(not _is_int(d) or d <= 0 for d in shape):
+        if not shape or any(not is_int(d) or d <= 0 for d in shape):
             raise ConfigError(f"{where}.shape: {shape} must be ints > 0 (one slot's tensor)")
         declared = kv_cache_dtype_name(tensor.dtype, f"{where}.dtype")
         name = kv_cache_dtype_name(model_dtype, "dtype") if declared == "auto" else declared

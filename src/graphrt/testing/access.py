@@ -16,7 +16,7 @@ slot side by side.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -77,36 +77,37 @@ def _no_kv(runner: Any) -> tuple[int, ...] | None:
     return (0, 2, runner.num_kv_blocks * runner.config.block_size + 1, 1, 1)
 
 
-def kv_values(runner: Any) -> np.ndarray:
-    """The KV cache as float32 ``[layers, 2, slots + 1, kv_heads, head_dim]`` (last row: trash),
-    or the 5-d view of another layout (module docstring)."""
+def _kv(runner: Any, empty_dtype: Any, piece: Callable[[Any], Any], whole: Callable[[Any], np.ndarray]) -> np.ndarray:
+    """The KV cache in :func:`kv_values`' view: ``piece`` maps each stored torch layout (slots
+    first, ``[slots + 1, features]``) and ``whole`` the one standard array to the host form."""
     ex = runner.executor
     empty = _no_kv(runner)
     if empty is not None:
-        return np.zeros(empty, np.float32)
+        return np.zeros(empty, empty_dtype)
     layouts = _torch_layouts(ex)
     if layouts is not None:
         import torch
 
-        flat = torch.cat([_by_slot(t).float() for t in layouts], dim=1)
+        flat = torch.cat([piece(_by_slot(t.detach())) for t in layouts], dim=1)
         return flat.cpu().numpy()[None, None, :, :, None]
-    return ex.kv_as_rows(_values(ex.kv_cache), runner.config.block_size)
+    return ex.kv_as_rows(whole(ex.kv_cache), runner.config.block_size)
+
+
+def kv_values(runner: Any) -> np.ndarray:
+    """The KV cache as float32 ``[layers, 2, slots + 1, kv_heads, head_dim]`` (last row: trash),
+    or the 5-d view of another layout (module docstring)."""
+    return _kv(runner, np.float32, lambda t: t.float(), _values)
 
 
 def kv_bits(runner: Any) -> np.ndarray:
     """The KV cache's bits, same shape as :func:`kv_values` (several stored layouts: their bytes
     per slot, ``[1, 1, slots + 1, bytes, 1]``), for byte-exact comparisons."""
-    ex = runner.executor
-    empty = _no_kv(runner)
-    if empty is not None:
-        return np.zeros(empty, np.uint32)
-    layouts = _torch_layouts(ex)
-    if layouts is not None:
+    def piece(t: Any) -> Any:
         import torch
 
-        flat = torch.cat([_by_slot(t.detach()).contiguous().view(torch.uint8) for t in layouts], dim=1)
-        return flat.cpu().numpy()[None, None, :, :, None]
-    return ex.kv_as_rows(_bits(ex.kv_cache), runner.config.block_size)
+        return t.contiguous().view(torch.uint8)
+
+    return _kv(runner, np.uint32, piece, _bits)
 
 
 def set_kv(runner: Any, values: np.ndarray) -> None:

@@ -19,11 +19,8 @@ kind and the violations; exit status 1 on any violation. docs/hybrid.md records 
 from __future__ import annotations
 
 import argparse
-import atexit
 import functools
 import json
-import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -84,28 +81,16 @@ def hybrid_hf_config(arch: str, **overrides: Any) -> Any:
     return getattr(transformers, HYBRID_CONFIG_CLASSES[arch])(**{**HYBRID_CONFIGS[arch], **overrides})
 
 
-_ROOT: list[Path] = []
-
-
 @functools.lru_cache(maxsize=None)
 def _checkpoint(arch: str, seed: int, overrides_json: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    from graphrt.testing.transformers_zoo import randomize
+    from graphrt.testing.transformers_zoo import saved_random_model
 
-    hf_logging.disable_progress_bar()
-    if not _ROOT:
-        _ROOT.append(Path(tempfile.mkdtemp(prefix="graphrt-hybrid-")))
-        atexit.register(shutil.rmtree, _ROOT[0], ignore_errors=True)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hybrid_hf_config(arch, **json.loads(overrides_json)),
-                                             dtype=torch.float32)
-    randomize(model, seed)
-    out = Path(tempfile.mkdtemp(prefix=f"{arch}-seed{seed}-", dir=_ROOT[0]))
-    model.save_pretrained(out)
-    return out
+    config = hybrid_hf_config(arch, **json.loads(overrides_json))
+    return saved_random_model(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+                              f"{arch}-seed{seed}-", seed)
 
 
 def hybrid_checkpoint(arch: str, *, seed: int = 0, **overrides: Any) -> Path:

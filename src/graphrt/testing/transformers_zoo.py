@@ -14,6 +14,7 @@ The matrix (``graphrt.testing.transformers_matrix``) and the tests build their m
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import math
@@ -21,7 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 #: The shape every tiny model shares (keys a config does not have are left out).
 TINY: dict[str, Any] = dict(
@@ -149,10 +150,11 @@ def randomize(model: Any, seed: int = SEED) -> None:
 _ROOT: Path | None = None
 
 
-@functools.lru_cache(maxsize=None)
-def _build(model_type: str, seed: int, overrides_json: str) -> Path:
+def saved_random_model(build: Callable[[], Any], prefix: str, seed: int) -> Path:
+    """``build()``'s model (built after ``torch.manual_seed(seed)``) with seeded random weights
+    (:func:`randomize`), saved to a new directory under this process's temporary root (removed
+    at exit): the tiny checkpoints of this zoo and of the hybrid sweep."""
     import torch
-    import transformers
     from transformers.utils import logging as hf_logging
 
     global _ROOT
@@ -160,16 +162,21 @@ def _build(model_type: str, seed: int, overrides_json: str) -> Path:
     hf_logging.set_verbosity_error()
     if _ROOT is None:
         _ROOT = Path(tempfile.mkdtemp(prefix="graphrt-zoo-"))
-        import atexit
         atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
-    config = tiny_config(model_type, **json.loads(overrides_json))
-    cls = getattr(transformers, causal_lm_name(model_type))
     torch.manual_seed(seed)
-    model = cls(config)
+    model = build()
     randomize(model, seed)
-    out = Path(tempfile.mkdtemp(prefix=f"{model_type}-", dir=_ROOT))
+    out = Path(tempfile.mkdtemp(prefix=prefix, dir=_ROOT))
     model.save_pretrained(out)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _build(model_type: str, seed: int, overrides_json: str) -> Path:
+    import transformers
+
+    config = tiny_config(model_type, **json.loads(overrides_json))
+    return saved_random_model(lambda: getattr(transformers, causal_lm_name(model_type))(config), f"{model_type}-", seed)
 
 
 def tiny_checkpoint(model_type: str, *, seed: int = SEED, **overrides: Any) -> Path:

@@ -131,8 +131,8 @@ class XlaExecutor(Executor[XlaEntry]):
 
     @property
     def build_count(self) -> int:
-        """Compiles the ledger's counters saw, including those no cache lookup caused."""
-        return int(self.compiles.compile_count)
+        """Compiles counted in ``compiles.stats``, including those no cache lookup caused."""
+        return int(self.compiles.stats.compiles)
 
     def kv_as_rows(self, host: np.ndarray, block_size: int) -> np.ndarray:
         """A Pallas page-layout cache (TPUs) as the reference layout it stands for."""

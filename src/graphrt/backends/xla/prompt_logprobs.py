@@ -6,7 +6,7 @@ rows are copied to the host (``H`` floats each) and sent, ``defaults.PROMPT_LOGP
 at a time (the last chunk padded), through one program of fixed shape: the model's logits, then
 :func:`~graphrt.backends.xla.sampler.token_logprobs`. That program is compiled by the first step
 that asks for prompt logprobs; the compile is counted in the executor's ledger
-(``compile_count``), not as an unplanned key.
+(``stats.compiles``), not as an unplanned key.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class PromptLogprobs:
             self._compiled = p.prompt_logprobs.lower(
                 p.weights, jax.ShapeDtypeStruct((self.chunk, width), dtype),
                 jax.ShapeDtypeStruct((self.chunk,), jnp.int32)).compile()
-            self.ledger.compile_count += thread_compiles() - before
+            self.ledger.stats.compiles += thread_compiles() - before
         return self._compiled
 
     def __call__(self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -56,8 +56,6 @@ _LAYER_TENSORS = {
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
 }
-_BIAS_NAMES = ("bq", "bk", "bv", "bo")
-_QK_NORM_NAMES = ("q_norm", "k_norm")
 # Checkpoint tensors that carry no weights (old checkpoints persisted the rotary buffer).
 _IGNORED = re.compile(r"^layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")

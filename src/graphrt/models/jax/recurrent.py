@@ -9,7 +9,7 @@ and write the trash slot, index ``num_slots`` of every state array ``[slots + 1,
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -122,17 +122,35 @@ def ssd_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Arr
     return y + D.astype(jnp.float32)[None, :, None] * xf, states
 
 
-def _ssd_chunked(x, dt, A, B, C, init, meta, size, checkpoints):
-    t, h, p = x.shape
-    n = B.shape[-1]
+def _chunked_scan(init: jax.Array, meta: StateMeta, num_tokens: int, size: int, checkpoints: int,
+                  y_shape: tuple[int, ...], step: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The chunk loop of both scans (see the torch ``chunked_scan``): ``step(rows, valid, lane, at,
+    state)`` -> (y ``[R + 1, L, *y_shape]``, the state at the last C positions, the chunk's end state)."""
     rows_total = meta.starts.shape[0]
     lane = jnp.arange(size)
-    causal = lane[:, None] >= lane[None, :]
     last = meta.query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
 
     def body(k, carry):
         y, state, states = carry
-        rows, valid = _rows(meta, jnp.broadcast_to(k * size + lane[None, :], (rows_total, size)), t)
+        rows, valid = _rows(meta, jnp.broadcast_to(k * size + lane[None, :], (rows_total, size)), num_tokens)
+        local = last - k * size
+        yk, at_state, state = step(rows, valid, lane, jnp.clip(local, 0, size - 1), state)
+        y = y.at[jnp.where(valid, rows, num_tokens).reshape(-1)].set(yk.reshape(-1, *y_shape))
+        states = jnp.where(((local >= 0) & (local < size))[..., None, None, None], at_state, states)
+        return y, state, states
+
+    y0 = jnp.zeros((num_tokens + 1,) + y_shape, jnp.float32)
+    states0 = jnp.zeros((rows_total, checkpoints) + init.shape[1:], jnp.float32)
+    y, _, states = jax.lax.fori_loop(0, -(-num_tokens // size), body, (y0, init, states0))
+    return y[:num_tokens], states
+
+
+def _ssd_chunked(x, dt, A, B, C, init, meta, size, checkpoints):
+    t, h, p = x.shape
+    causal = jnp.arange(size)[:, None] >= jnp.arange(size)[None, :]
+
+    def step(rows, valid, lane, at, state):
         v = valid[..., None]
         dtk = jnp.where(v, dt[rows], 0.0)
         Bk, Ck = jnp.where(v[..., None], B[rows], 0.0), jnp.where(v[..., None], C[rows], 0.0)
@@ -141,24 +159,16 @@ def _ssd_chunked(x, dt, A, B, C, init, meta, size, checkpoints):
         decay = jnp.exp(jnp.where(causal[None, :, :, None], cum[:, :, None, :] - cum[:, None, :, :], -jnp.inf))
         yk = jnp.einsum("rlsh,rshp->rlhp", jnp.einsum("rlhn,rshn->rlsh", Ck, Bk) * decay, u)
         yk = yk + jnp.einsum("rlhn,rhpn->rlhp", Ck, state) * jnp.exp(cum)[..., None]
-        y = y.at[jnp.where(valid, rows, t).reshape(-1)].set(yk.reshape(-1, h, p))
-        local = last - k * size
-        here = (local >= 0) & (local < size)
-        at = jnp.clip(local, 0, size - 1)
-        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[..., None], (rows_total, checkpoints, h)), axis=1)
+        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[..., None], at.shape + (h,)), axis=1)
         weights = jnp.exp(jnp.where((lane[None, None, :] <= at[..., None])[..., None],
                                     cum_at[:, :, None, :] - cum[:, None, :, :], -jnp.inf))
         at_state = jnp.einsum("rcsh,rshn,rshp->rchpn", weights, Bk, u) + \
             jnp.exp(cum_at)[..., None, None] * state[:, None]
-        states = jnp.where(here[..., None, None, None], at_state, states)
         to_end = jnp.exp(cum[:, -1:] - cum)
-        state = jnp.exp(cum[:, -1])[..., None, None] * state + jnp.einsum("rsh,rshn,rshp->rhpn", to_end, Bk, u)
-        return y, state, states
+        end = jnp.exp(cum[:, -1])[..., None, None] * state + jnp.einsum("rsh,rshn,rshp->rhpn", to_end, Bk, u)
+        return yk, at_state, end
 
-    y0 = jnp.zeros((t + 1, h, p), jnp.float32)
-    states0 = jnp.zeros((rows_total, checkpoints, h, p, n), jnp.float32)
-    y, _, states = jax.lax.fori_loop(0, -(-t // size), body, (y0, init, states0))
-    return y[:t], states
+    return _chunked_scan(init, meta, t, size, checkpoints, (h, p), step)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -192,15 +202,11 @@ def gated_delta_rule(q, k, v, g, beta, init, meta: StateMeta, *, chunk_size: int
 
 def _delta_chunked(q, k, v, g, beta, init, meta, size, checkpoints):
     t, h, dv = v.shape
-    rows_total = meta.starts.shape[0]
     lane = jnp.arange(size)
     lower, strict = lane[:, None] >= lane[None, :], lane[:, None] > lane[None, :]
     eye = jnp.eye(size, dtype=jnp.float32)
-    last = meta.query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
 
-    def body(c, carry):
-        y, state, states = carry
-        rows, valid = _rows(meta, jnp.broadcast_to(c * size + lane[None, :], (rows_total, size)), t)
+    def step(rows, valid, lane, at, state):
         m = valid[..., None, None]
         kh = jnp.swapaxes(jnp.where(m, k[rows], 0.0), 1, 2)               # [R + 1, H, L, Dk]
         qh = jnp.swapaxes(jnp.where(m, q[rows], 0.0), 1, 2)
@@ -215,24 +221,16 @@ def _delta_chunked(q, k, v, g, beta, init, meta, size, checkpoints):
                                                           unit_diagonal=True)
         fresh = solve(vh * bk[..., None]) - solve(kb * jnp.exp(cum)[..., None]) @ state
         yk = (qh * jnp.exp(cum)[..., None]) @ state + ((qh @ jnp.swapaxes(kh, -1, -2)) * decay) @ fresh
-        y = y.at[jnp.where(valid, rows, t).reshape(-1)].set(jnp.swapaxes(yk, 1, 2).reshape(-1, h, dv))
-        local = last - c * size
-        here = (local >= 0) & (local < size)
-        at = jnp.clip(local, 0, size - 1)
-        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[:, None, :], (rows_total, h, checkpoints)), axis=2)
+        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[:, None, :], (at.shape[0], h, checkpoints)), axis=2)
         weights = jnp.exp(jnp.where(lane[None, None, None, :] <= at[:, None, :, None],
                                     cum_at[..., None] - cum[:, :, None, :], -jnp.inf))   # [R+1, H, C, L]
         at_state = jnp.einsum("rhcs,rhsk,rhsv->rchkv", weights, kh, fresh) + \
             jnp.swapaxes(jnp.exp(cum_at), 1, 2)[..., None, None] * state[:, None]
-        states = jnp.where(here[..., None, None, None], at_state, states)
         to_end = jnp.exp(cum[..., -1:] - cum)
-        state = jnp.exp(cum[..., -1])[..., None, None] * state + jnp.swapaxes(kh * to_end[..., None], -1, -2) @ fresh
-        return y, state, states
+        end = jnp.exp(cum[..., -1])[..., None, None] * state + jnp.swapaxes(kh * to_end[..., None], -1, -2) @ fresh
+        return jnp.swapaxes(yk, 1, 2), at_state, end
 
-    y0 = jnp.zeros((t + 1, h, dv), jnp.float32)
-    states0 = jnp.zeros((rows_total, checkpoints) + init.shape[1:], jnp.float32)
-    y, _, states = jax.lax.fori_loop(0, -(-t // size), body, (y0, init, states0))
-    return y[:t], states
+    return _chunked_scan(init, meta, t, size, checkpoints, (h, dv), step)
 
 
 __all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "read_states", "ssd_scan", "state_meta", "write_states"]

@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -106,31 +106,36 @@ class TorchAttentionMetadata:
         return cls(slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx, int(block_size), kernel)
 
 
-def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
                            slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_table: torch.Tensor,
                            token_req_idx: torch.Tensor, block_size: int, scale: float,
                            sliding_window: int | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, *, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
-    ``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
+    ``q [T, Hq*D]``, ``k`` / ``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
     Head counts come from the shapes; grouped-query heads share KV heads without
     materialising repeated KV. A float cache computes in its own dtype; an fp8 cache is
-    dequantized (``k_scale`` / ``v_scale``) to float32.
+    dequantized (``k_scale`` / ``v_scale``) to float32. Scores are float32. What transformers'
+    decoders add (``transformers_impl/layer.py``): ``softcap`` (``scores = cap * tanh(scores /
+    cap)``), ``sinks [Hq]`` (a logit per query head that joins each softmax, then dropped), and
+    a V head size ``Dv`` other than K's, with ``kv_cache`` a ``(k [rows, Hkv, D], v [rows, Hkv,
+    Dv])`` pair (-> ``[T, Hq*Dv]``).
     """
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_tokens, out_dtype = q.shape[0], q.dtype
-    hkv, d = kv_cache.shape[2], kv_cache.shape[3]
+    hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     num_heads = q.shape[1] // d
     groups = num_heads // hkv
-    fp8 = is_fp8(kv_cache.dtype)
+    fp8 = is_fp8(k_cache.dtype)
     k_scale, v_scale = (k_scale, v_scale) if fp8 else (1.0, 1.0)
-    compute = torch.float32 if fp8 else kv_cache.dtype
+    compute = torch.float32 if fp8 else k_cache.dtype
 
-    trash_row = kv_cache.shape[1] - 1
-    rows = torch.where(slot_mapping < 0, trash_row, slot_mapping)
-    write_kv_rows(kv_cache[0], rows, quantize_kv(k.reshape(num_tokens, hkv, d), kv_cache.dtype, k_scale))
-    write_kv_rows(kv_cache[1], rows, quantize_kv(v.reshape(num_tokens, hkv, d), kv_cache.dtype, v_scale))
+    rows = torch.where(slot_mapping < 0, k_cache.shape[0] - 1, slot_mapping)      # negative: the trash row
+    write_kv_rows(k_cache, rows, quantize_kv(k.reshape(num_tokens, hkv, d), k_cache.dtype, k_scale))
+    write_kv_rows(v_cache, rows, quantize_kv(v.reshape(num_tokens, hkv, dv), v_cache.dtype, v_scale))
 
     req = token_req_idx
     bs = block_size
@@ -147,16 +152,23 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     if sliding_window:
         valid = valid & (ctx_pos > token_pos.unsqueeze(1) - int(sliding_window))
 
-    keys = dequantize_kv(read_kv_rows(kv_cache[0], key_rows), compute, k_scale)  # [T, L, Hkv, D]
+    keys = dequantize_kv(read_kv_rows(k_cache, key_rows), compute, k_scale)  # [T, L, Hkv, D]
     values = torch.where(valid[:, :, None, None],
-                         dequantize_kv(read_kv_rows(kv_cache[1], key_rows), compute, v_scale), 0)
+                         dequantize_kv(read_kv_rows(v_cache, key_rows), compute, v_scale), 0)
     q = q.reshape(num_tokens, hkv, groups, d).to(compute)
     scores = torch.einsum("tkgd,tlkd->tkgl", q, keys).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     score_mask = valid[:, None, None, :]
     scores = torch.where(score_mask, scores, float("-inf"))
-    probs = torch.where(score_mask, torch.softmax(scores, dim=-1), 0.0)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, hkv, groups, 1).expand(num_tokens, hkv, groups, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(score_mask, probs, 0.0)
     out = torch.einsum("tkgl,tlkd->tkgd", probs.to(values.dtype), values)
-    return out.reshape(num_tokens, num_heads * d).to(out_dtype)
+    return out.reshape(num_tokens, num_heads * dv).to(out_dtype)
 
 
 class AttentionChoice(NamedTuple):

@@ -13,46 +13,43 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-_CONTEXT: Any = None
-_STATE: Any = None          # the recurrent layers' metadata (docs/hybrid.md), beside the attention's
+#: The running forward's attention metadata ("forward") and its recurrent layers' metadata
+#: ("state", docs/hybrid.md); None outside a forward.
+_CONTEXTS: dict[str, Any] = {"forward": None, "state": None}
+
+
+def _get(which: str, setter: str, what: str) -> Any:
+    if _CONTEXTS[which] is None:
+        raise RuntimeError(f"no {what} is set: call the model through graphrt's runner or wrap the call in "
+                           f"graphrt.models.torch.forward_context.{setter}(...)")
+    return _CONTEXTS[which]
+
+
+@contextlib.contextmanager
+def _scoped(which: str, ctx: Any) -> Iterator[Any]:
+    previous, _CONTEXTS[which] = _CONTEXTS[which], ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXTS[which] = previous
 
 
 def get_forward_context() -> Any:
     """Return the current context; raises if no forward is running."""
-    if _CONTEXT is None:
-        raise RuntimeError("no forward context is set: call the model through graphrt's runner "
-                           "or wrap the call in graphrt.models.torch.forward_context.forward_context(...)")
-    return _CONTEXT
+    return _get("forward", "forward_context", "forward context")
 
 
-@contextlib.contextmanager
-def forward_context(ctx: Any) -> Iterator[Any]:
+def forward_context(ctx: Any) -> contextlib.AbstractContextManager[Any]:
     """``with forward_context(meta): model(...)``: set, run, always reset."""
-    global _CONTEXT
-    previous = _CONTEXT
-    _CONTEXT = ctx
-    try:
-        yield ctx
-    finally:
-        _CONTEXT = previous
+    return _scoped("forward", ctx)
 
 
 def get_state_context() -> Any:
     """The recurrent-state metadata of the running forward (slots, starts, checkpoints: set by
     the executor of a model with a ``state_spec``); raises if none is set."""
-    if _STATE is None:
-        raise RuntimeError("no recurrent-state context is set: call the model through graphrt's runner "
-                           "or wrap the call in graphrt.models.torch.forward_context.state_context(...)")
-    return _STATE
+    return _get("state", "state_context", "recurrent-state context")
 
 
-@contextlib.contextmanager
-def state_context(ctx: Any) -> Iterator[Any]:
+def state_context(ctx: Any) -> contextlib.AbstractContextManager[Any]:
     """``with state_context(meta): model(...)``: the recurrent layers' metadata, set and reset."""
-    global _STATE
-    previous = _STATE
-    _STATE = ctx
-    try:
-        yield ctx
-    finally:
-        _STATE = previous
+    return _scoped("state", ctx)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.models.torch.mamba_kernels import request_tokens
+from graphrt.models.torch.mamba_kernels import chunked_scan
 from graphrt.models.torch.state_metadata import StateMetadata
 
 
@@ -62,22 +62,12 @@ def _recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              init: torch.Tensor, meta: StateMetadata, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunks of ``chunk_size`` tokens of each request; the ``k``-th chunk of every request at once."""
+    """By chunks (:func:`chunked_scan`): within a chunk the WY / UT form, between chunks the state."""
     t, h, dv = v.shape
-    size = max(1, min(int(chunk_size), t))
-    rows_total, c = meta.starts.shape[0], meta.checkpoints
-    device = v.device
-    lane = torch.arange(size, device=device)
-    lower = lane.view(-1, 1) >= lane.view(1, -1)                              # s <= l
-    strict = lane.view(-1, 1) > lane.view(1, -1)                              # s < l
-    eye = torch.eye(size, device=device)
-    last = meta.query_lens.unsqueeze(1) - 1 - torch.arange(c, device=device)  # [R + 1, C]
-    y = v.new_zeros(t + 1, h, dv)
-    state = init
-    states = init.new_zeros(rows_total, c, *init.shape[1:])
-    for chunk in range(-(-t // size)):
-        index = chunk * size + lane.view(1, -1)
-        rows, valid = request_tokens(meta, index.expand(rows_total, -1), t)
+
+    def step(rows: torch.Tensor, valid: torch.Tensor, lane: torch.Tensor, at: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size, rows_total, c = lane.shape[0], at.shape[0], at.shape[1]
         m = valid[..., None, None]
         qk, kk = torch.where(m, q[rows], 0.0), torch.where(m, k[rows], 0.0)       # [R + 1, L, H, Dk]
         vk = torch.where(m, v[rows], 0.0)                                         # [R + 1, L, H, Dv]
@@ -85,10 +75,11 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         bk = torch.where(valid[..., None], beta[rows], 0.0)
         cum = torch.cumsum(gk, dim=1).transpose(1, 2)                             # [R + 1, H, L]
         seg = cum.unsqueeze(-1) - cum.unsqueeze(-2)                               # [R + 1, H, L(l), L(s)]
-        decay = torch.exp(torch.where(lower, seg, float("-inf")))
+        decay = torch.exp(torch.where(lane.view(-1, 1) >= lane.view(1, -1), seg, float("-inf")))   # s <= l
         kh, qh, vh = kk.transpose(1, 2), qk.transpose(1, 2), vk.transpose(1, 2)   # [R + 1, H, L, D]
         kb = kh * bk.transpose(1, 2).unsqueeze(-1)
-        system = torch.where(strict, (kb @ kh.transpose(-1, -2)) * decay, 0.0) + eye
+        eye = torch.eye(size, device=v.device)
+        system = torch.where(lane.view(-1, 1) > lane.view(1, -1), (kb @ kh.transpose(-1, -2)) * decay, 0.0) + eye
         values = torch.linalg.solve_triangular(system, vh * bk.transpose(1, 2).unsqueeze(-1), upper=False,
                                                unitriangular=True)
         decayed_keys = torch.linalg.solve_triangular(system, kb * torch.exp(cum).unsqueeze(-1), upper=False,
@@ -96,21 +87,16 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         fresh = values - decayed_keys @ state                                    # [R + 1, H, L, Dv]
         attn = (qh @ kh.transpose(-1, -2)) * decay
         yk = (qh * torch.exp(cum).unsqueeze(-1)) @ state + attn @ fresh           # [R + 1, H, L, Dv]
-        y.index_copy_(0, torch.where(valid, rows, t).reshape(-1), yk.transpose(1, 2).reshape(-1, h, dv))
-        # the state after each of the last C positions that falls in this chunk
-        local = last - chunk * size
-        here = (local >= 0) & (local < size)
-        at = local.clamp(0, size - 1)
         cum_at = cum.gather(2, at.unsqueeze(1).expand(-1, h, -1))                 # [R + 1, H, C]
         weights = torch.exp(torch.where(lane.view(1, 1, 1, -1) <= at.view(rows_total, 1, c, 1),
                                         cum_at.unsqueeze(-1) - cum.unsqueeze(2), float("-inf")))   # [R+1, H, C, L]
         at_state = torch.einsum("rhcs,rhsk,rhsv->rchkv", weights, kh, fresh) + \
             torch.exp(cum_at).transpose(1, 2)[..., None, None] * state.unsqueeze(1)
-        states = torch.where(here[..., None, None, None], at_state, states)
         to_end = torch.exp(cum[..., -1:] - cum)                                   # [R + 1, H, L]
-        state = torch.exp(cum[..., -1])[..., None, None] * state + \
-            (kh * to_end.unsqueeze(-1)).transpose(-1, -2) @ fresh
-    return y[:t], states
+        end = torch.exp(cum[..., -1])[..., None, None] * state + (kh * to_end.unsqueeze(-1)).transpose(-1, -2) @ fresh
+        return yk.transpose(1, 2), at_state, end
+
+    return chunked_scan(init, meta, t, chunk_size, (h, dv), step)
 
 
 __all__ = ["gated_delta_rule", "l2norm"]

@@ -19,6 +19,8 @@ Computation is float32 (as transformers' torch path); masked values are removed 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,34 @@ def request_tokens(meta: StateMetadata, index: torch.Tensor, num_tokens: int) ->
     valid = (index >= 0) & (index < meta.query_lens.view(shape))
     rows = (meta.starts.view(shape) + index).clamp(0, max(num_tokens - 1, 0))
     return rows, valid
+
+
+ChunkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def chunked_scan(init: torch.Tensor, meta: StateMetadata, num_tokens: int, chunk_size: int,
+                 y_shape: tuple[int, ...], step: ChunkStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scan by chunks of ``chunk_size`` tokens of each request, the ``k``-th chunk of every
+    request at once (Mamba2's SSD and the gated delta rule). ``step(rows, valid, lane, at, state)``
+    gets the chunk's token rows and validity ``[R + 1, L]``, the lane index ``[L]``, where in the
+    chunk each of the last C positions would fall ``[R + 1, C]`` (clamped) and the state before
+    the chunk, and returns (``y [R + 1, L, *y_shape]``, the state at those positions ``[R + 1, C,
+    *state]``, the state at the chunk's end). Returns (``y [T, *y_shape]``, the state after
+    each request's last C positions ``[R + 1, C, *state]``)."""
+    size = max(1, min(int(chunk_size), num_tokens))
+    rows_total, device = meta.starts.shape[0], init.device
+    lane = torch.arange(size, device=device)
+    last = meta.query_lens.unsqueeze(1) - 1 - torch.arange(meta.checkpoints, device=device)   # [R + 1, C]
+    y = init.new_zeros(num_tokens + 1, *y_shape)                                 # row T: unused positions
+    state, states = init, init.new_zeros(rows_total, meta.checkpoints, *init.shape[1:])
+    for chunk in range(-(-num_tokens // size)):
+        rows, valid = request_tokens(meta, (chunk * size + lane.view(1, -1)).expand(rows_total, -1), num_tokens)
+        local = last - chunk * size             # the last C positions that fall in this chunk
+        yk, at_state, state = step(rows, valid, lane, local.clamp(0, size - 1), state)
+        y.index_copy_(0, torch.where(valid, rows, num_tokens).reshape(-1), yk.reshape(-1, *y_shape))
+        states = torch.where(((local >= 0) & (local < size))[..., None, None, None], at_state, states)
+    return y[:num_tokens], states
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, init: torch.Tensor,
@@ -119,23 +149,12 @@ def _recurrent(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 
 def _chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              init: torch.Tensor, meta: StateMetadata, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD by chunks of ``chunk_size`` tokens of each request: within a chunk the quadratic
-    (attention-like) form, between chunks the state; the ``k``-th chunk of every request at once."""
+    """SSD by chunks (:func:`chunked_scan`): within a chunk the quadratic (attention-like) form,
+    between chunks the state."""
     t, h, p = x.shape
-    n = B.shape[-1]
-    size = max(1, min(int(chunk_size), t))
-    rows_total = meta.starts.shape[0]
-    c = meta.checkpoints
-    device = x.device
-    lane = torch.arange(size, device=device)
-    causal = lane.view(-1, 1) >= lane.view(1, -1)                              # [L, L]: s <= l
-    last = meta.query_lens.unsqueeze(1) - 1 - torch.arange(c, device=device)   # [R + 1, C]
-    y = x.new_zeros(t + 1, h, p)                                               # row t: unused positions
-    state = init
-    states = init.new_zeros(rows_total, c, h, p, n)
-    for k in range(-(-t // size)):
-        index = k * size + lane.view(1, -1)                                     # [R + 1, L]
-        rows, valid = request_tokens(meta, index.expand(rows_total, -1), t)
+
+    def step(rows: torch.Tensor, valid: torch.Tensor, lane: torch.Tensor, at: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         v = valid.unsqueeze(-1)
         dtk = torch.where(v, dt[rows], 0.0)                                     # [R + 1, L, H]
         Bk = torch.where(v.unsqueeze(-1), B[rows], 0.0)
@@ -143,26 +162,22 @@ def _chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         u = torch.where(v.unsqueeze(-1), x[rows] * dtk.unsqueeze(-1), 0.0)      # [R + 1, L, H, P]
         cum = torch.cumsum(dtk * A, dim=1)                                      # [R + 1, L, H]
         seg = cum.unsqueeze(2) - cum.unsqueeze(1)                               # [R + 1, L(l), L(s), H]
+        causal = lane.view(-1, 1) >= lane.view(1, -1)                           # [L, L]: s <= l
         decay = torch.exp(torch.where(causal[None, :, :, None], seg, float("-inf")))
         scores = torch.einsum("rlhn,rshn->rlsh", Ck, Bk) * decay
         yk = torch.einsum("rlsh,rshp->rlhp", scores, u)
         yk = yk + torch.einsum("rlhn,rhpn->rlhp", Ck, state) * torch.exp(cum).unsqueeze(-1)
-        y.index_copy_(0, torch.where(valid, rows, t).reshape(-1), yk.reshape(-1, h, p))
-        # the state after each of the last C positions that falls in this chunk
-        local = last - k * size                                                 # [R + 1, C]
-        here = (local >= 0) & (local < size)
-        at = local.clamp(0, size - 1)
         cum_at = cum.gather(1, at.unsqueeze(-1).expand(-1, -1, h))              # [R + 1, C, H]
         weights = torch.exp(torch.where((lane.view(1, 1, -1) <= at.unsqueeze(-1)).unsqueeze(-1),
                                         cum_at.unsqueeze(2) - cum.unsqueeze(1), float("-inf")))
         inner = torch.einsum("rcsh,rshn,rshp->rchpn", weights, Bk, u)
         at_state = inner + torch.exp(cum_at)[..., None, None] * state.unsqueeze(1)
-        states = torch.where(here[..., None, None, None], at_state, states)
         # the state at the chunk's end (positions past the request: dt 0, nothing changes)
         to_end = torch.exp(cum[:, -1:] - cum)                                   # [R + 1, L, H]
-        state = torch.exp(cum[:, -1])[..., None, None] * state + \
-            torch.einsum("rsh,rshn,rshp->rhpn", to_end, Bk, u)
-    return y[:t], states
+        end = torch.exp(cum[:, -1])[..., None, None] * state + torch.einsum("rsh,rshn,rshp->rhpn", to_end, Bk, u)
+        return yk, at_state, end
+
+    return chunked_scan(init, meta, t, chunk_size, (h, p), step)
 
 
-__all__ = ["causal_conv1d", "conv_windows", "request_tokens", "ssd_scan"]
+__all__ = ["causal_conv1d", "chunked_scan", "conv_windows", "request_tokens", "ssd_scan"]

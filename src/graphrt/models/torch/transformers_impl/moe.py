@@ -56,13 +56,5 @@ def experts_blocker(model: torch.nn.Module) -> str | None:
             f"experts={DEFAULT_EXPERTS!r} (the default) or 'batched_mm' for graphs; this model runs eagerly")
 
 
-def describe_experts(model: Any) -> str | None:
-    """The experts implementation a loaded transformers model runs, or None without experts."""
-    modules = experts_modules(model)
-    if not modules:
-        return None
-    return getattr(getattr(modules[0][1], "config", None), "_experts_implementation", None)
-
-
-__all__ = ["CAPTURABLE_EXPERTS", "DEFAULT_EXPERTS", "EXPERTS_CHOICES", "describe_experts", "experts_blocker",
+__all__ = ["CAPTURABLE_EXPERTS", "DEFAULT_EXPERTS", "EXPERTS_CHOICES", "experts_blocker",
            "experts_implementation", "experts_modules"]
