@@ -4,8 +4,8 @@ One tiny random Llama (4 layers, 256 wide, built offline from its config class) 
 requests of 24 to 96 prompt tokens, 32 new tokens each, run three ways in one process:
 
 * ``graphrt``: ``graphrt.LLM(model_dir, model_impl="transformers")`` -- the transformers model
-  through graphrt's paged attention, continuous batching and the ``cpu`` backend's graphs (the
-  model's own code, graphrt's runtime);
+  through graphrt's paged attention and continuous batching, on the ``eager`` backend
+  (``--backend cpu``: the recording graph) -- the model's own code, graphrt's runtime;
 * ``generate``: transformers' ``model.generate`` on one left-padded batch of the 32 prompts
   (sdpa attention, its dynamic cache);
 * ``generate_batch``: transformers' continuous batching with paged attention
@@ -96,8 +96,10 @@ class HFGenerate:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
+            # No EOS (as graphrt's ignore_eos and generate_batch's eos_token_id=-1): min_new_tokens would
+            # instead ban the EOS token, and greedy decoding then differs wherever EOS is the argmax.
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS,
-                                      min_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=pad)
+                                      do_sample=False, pad_token_id=pad, eos_token_id=-1)
         return out[:, width:].tolist()
 
 
@@ -131,7 +133,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
     parser.add_argument("--quick", action="store_true", help="2 rounds")
-    parser.add_argument("--backend", default="cpu", choices=["cpu", "eager"])
+    parser.add_argument("--backend", default="eager", choices=["cpu", "eager"],
+                        help="graphrt's backend (default eager: on a CPU the recording graph replays "
+                             "recorded ops from Python, slower than eager; it is for testing graphs)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every arm (default 1: on a shared VM a two-thread pool waits "
                              "milliseconds per op for a descheduled peer, which swamps a tiny model)")

@@ -152,11 +152,17 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     if sliding_window:
         valid = valid & (ctx_pos > token_pos.unsqueeze(1) - int(sliding_window))
 
-    keys = dequantize_kv(read_kv_rows(k_cache, key_rows), compute, k_scale)  # [T, L, Hkv, D]
-    values = torch.where(valid[:, :, None, None],
-                         dequantize_kv(read_kv_rows(v_cache, key_rows), compute, v_scale), 0)
+    # A column a token may not read gathers the token's own row instead, written just above: rows
+    # no token may read can hold anything (NaN too), and there its weight is exactly 0 -- times a
+    # finite value. (Cheaper than masking the gathered V: a broadcast mask over [T, L, Hkv, Dv].)
+    key_rows = torch.where(valid, key_rows, rows.unsqueeze(1))
+    keys = dequantize_kv(read_kv_rows(k_cache, key_rows), compute, k_scale)      # [T, L, Hkv, D]
+    values = dequantize_kv(read_kv_rows(v_cache, key_rows), compute, v_scale)    # [T, L, Hkv, Dv]
     q = q.reshape(num_tokens, hkv, groups, d).to(compute)
-    scores = torch.einsum("tkgd,tlkd->tkgl", q, keys).float() * scale
+    # One batched matmul per KV head over strided views of the gathered rows (an einsum over
+    # [T, L, Hkv, D] copies them into its own layout first).
+    scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
+    scores = scores.float() * scale                                               # [T, Hkv, g, L]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     score_mask = valid[:, None, None, :]
@@ -167,7 +173,8 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     else:
         probs = torch.softmax(scores, dim=-1)
     probs = torch.where(score_mask, probs, 0.0)
-    out = torch.einsum("tkgl,tlkd->tkgd", probs.to(values.dtype), values)
+    probs = probs.to(values.dtype)
+    out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(hkv)], 1)   # [T, Hkv, g, Dv]
     return out.reshape(num_tokens, num_heads * dv).to(out_dtype)
 
 

@@ -39,10 +39,11 @@ def write_kv_rows(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor)
 
 
 def read_kv_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``cache[rows]`` for any index shape; fp8 through a byte view."""
-    if is_fp8(cache.dtype):
-        return cache.view(torch.uint8)[rows].view(cache.dtype)
-    return cache[rows]
+    """``cache[rows]`` for an index of any shape (``index_select``: on a CPU several times faster
+    than advanced indexing); fp8 through a byte view."""
+    source = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+    out = source.index_select(0, rows.reshape(-1)).view(*rows.shape, *cache.shape[1:])
+    return out.view(cache.dtype) if is_fp8(cache.dtype) else out
 
 
 def dequantize_kv(stored: torch.Tensor, compute_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
