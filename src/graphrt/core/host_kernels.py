@@ -26,6 +26,7 @@ at all. ``InputPreparer.compile_kernels`` compiles those four table variants at 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import logging
@@ -117,8 +118,10 @@ def _loop_module(name: str) -> types.ModuleType:
     return importlib.import_module(f"graphrt.core.{name}")
 
 
+@functools.cache
 def loop_sources_stamp() -> str:
-    """The loops' disk-cache stamp: a hash of the source of every module in :data:`LOOP_SOURCES`."""
+    """The loops' disk-cache stamp: a hash of the source of every module in :data:`LOOP_SOURCES`
+    (read once per process: numba asks for it at every cache load and save of every variant)."""
     digest = hashlib.sha256()
     for name in LOOP_SOURCES:
         digest.update(Path(__file__).with_name(f"{name}.py").read_bytes())
