@@ -6,8 +6,8 @@ A step is what the torch executor does for a random batch: fresh Exp(1) noise fo
 
 * ``sort``      -- the old sampler: sort each row, top-k / top-p on the sorted prefix, scatter
   back (kept as the test oracle in ``tests/support/sampler_reference.py``, imported from there);
-* ``threshold`` -- :func:`graphrt.backends.torch.sampler_ops.sample_rows` on a persistent
-  :class:`~graphrt.backends.torch.sampler_ops.Workspace`, as the captured graph runs it (its
+* ``threshold`` -- :func:`graphrt.backends.torch.sampling.sampler_ops.sample_rows` on a persistent
+  :class:`~graphrt.backends.torch.sampling.sampler_ops.Workspace`, as the captured graph runs it (its
   top-p search runs whatever the rows ask: the graph is static).
 
 Settings: ``temperature`` (T=0.8, no filter), ``top-p`` (T=0.8, top_p=0.9), ``top-k+top-p``
@@ -31,7 +31,7 @@ import torch
 
 from bench_common import cpu_line, print_checks
 
-from graphrt.backends.torch.sampler_ops import Workspace, sample_rows
+from graphrt.backends.torch.sampling.sampler_ops import Workspace, sample_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.sampler_reference import sort_sample  # noqa: E402  (the oracle lives with the tests)

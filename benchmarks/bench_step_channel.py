@@ -9,7 +9,7 @@ reaches the table's width is replaced by a new one (its whole row changes). Rank
 to one spawned worker, side by side in one run:
 
 * ``shm resident`` -- the tensor-parallel executor's case: rank 0 prepares the step straight
-  into the :class:`graphrt.backends.torch.tp_channel.StepChannel`'s resident buffers (as the runner
+  into the :class:`graphrt.backends.torch.parallel.tp_channel.StepChannel`'s resident buffers (as the runner
   pads into the executor's staging buffers, which are those buffers) and sends a 14-word row;
   the worker copies the six arrays out and acknowledges; rank 0 waits for that before it
   writes the next step.
@@ -119,7 +119,7 @@ def _pin(cpu: int) -> set[int]:
 
 
 def _shm_worker(spec: Any, steps: int, waiting: Any, spin: float, resident: bool) -> None:
-    from graphrt.backends.torch.tp_channel import StepChannel
+    from graphrt.backends.torch.parallel.tp_channel import StepChannel
 
     _pin(1)
     channel = StepChannel.attach(spec, 0)
@@ -141,7 +141,7 @@ def _shm_worker(spec: Any, steps: int, waiting: Any, spin: float, resident: bool
 def bench_shm(steps: int, warmup: int, spin: float, resident: bool) -> dict[str, Any]:
     """``resident``: rank 0 keeps the step in the channel's resident buffers and sends an
     int64 row (the tensor-parallel executor's case); else it sends the six arrays."""
-    from graphrt.backends.torch.tp_channel import StepChannel
+    from graphrt.backends.torch.parallel.tp_channel import StepChannel
 
     ctx = mp.get_context("spawn")
     channel = StepChannel.create(1, ctx=ctx, resident=LAYOUT if resident else None)
@@ -211,7 +211,7 @@ def _gloo(rank: int, port: int, steps: int, warmup: int, out: Any) -> None:
 
 
 def bench_gloo(steps: int, warmup: int) -> dict[str, Any]:
-    from graphrt.backends.torch.tp_protocol import free_port
+    from graphrt.backends.torch.parallel.tp_protocol import free_port
 
     ctx = mp.get_context("spawn")
     port = free_port()

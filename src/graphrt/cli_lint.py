@@ -1,6 +1,6 @@
 """``graphrt lint MODEL``: one forward of a model under the capture checks, on a CPU, and every
 host sync, data-dependent shape and baked host value named under its module, with the fix
-(:mod:`graphrt.backends.torch.capture_lint` says what is checked and how).
+(:mod:`graphrt.backends.torch.capture.capture_lint` says what is checked and how).
 
 ``MODEL`` is a Hugging Face directory (graphrt's reference model for it; ``--transformers``: the
 stock transformers class, as a Transformers-backend model runs) or ``module:function`` /
@@ -26,10 +26,10 @@ LINT_SCHEDULED, LINT_COMPUTED = 4, (8, 20)
 
 
 def lint_model(model: Any, *, seed: int = 0) -> Any:
-    """The :class:`~graphrt.backends.torch.capture_lint.LintReport` of a torch model (built)."""
+    """The :class:`~graphrt.backends.torch.capture.capture_lint.LintReport` of a torch model (built)."""
     import torch
 
-    from graphrt.backends.torch.capture_lint import lint_forward
+    from graphrt.backends.torch.capture.capture_lint import lint_forward
 
     if hasattr(model, "compute_logits"):
         return lint_forward(model, _runner_steps(model))

@@ -51,7 +51,7 @@ class Steps:
 
 
 def _rank(model_dir: str, rank: int) -> dict:
-    from graphrt.backends.torch.dp_agreement import TorchStepAgreement
+    from graphrt.backends.torch.parallel.dp_agreement import TorchStepAgreement
 
     runner = graphrt.ModelRunner(model_dir, step_agreement=TorchStepAgreement(), **RUNNER)
     kv = runner.executor.kv_cache.clone()
@@ -102,7 +102,7 @@ def test_execute_dummy_needs_an_agreement():
 
 
 def test_the_torch_agreement_needs_a_process_group():
-    from graphrt.backends.torch.dp_agreement import TorchStepAgreement
+    from graphrt.backends.torch.parallel.dp_agreement import TorchStepAgreement
 
     with pytest.raises(ConfigError, match="init_process_group"):
         TorchStepAgreement()

@@ -1,4 +1,4 @@
-"""graphrt.backends.torch.tp_channel: rank 0 sends a step's arrays to its workers through shared
+"""graphrt.backends.torch.parallel.tp_channel: rank 0 sends a step's arrays to its workers through shared
 memory (nano-vllm's shared-memory broadcast, without pickle).
 
 * Any arrays round-trip exactly (hypothesis), in one process and across spawned processes.
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from graphrt import ConfigError, GraphrtError, InputError
-from graphrt.backends.torch.tp_channel import StepChannel
+from graphrt.backends.torch.parallel.tp_channel import StepChannel
 from support.fast_subset import examples
 
 DTYPES = [np.int32, np.int64, np.float32, np.uint8, np.bool_]
@@ -130,7 +130,7 @@ class _Recorder:
     and after: other processes on the machine make and remove their own entries meanwhile."""
 
     def __init__(self, monkeypatch, fail: str | None = None, fail_semaphore: int = 2) -> None:
-        from graphrt.backends.torch import tp_channel as sc
+        from graphrt.backends.torch.parallel import tp_channel as sc
 
         self.names: list[str] = []
         self.spawn, self.fail, self.fail_semaphore, self.made = mp.get_context("spawn"), fail, fail_semaphore, 0
@@ -348,8 +348,8 @@ def test_a_steady_step_reuses_the_layout_and_a_late_reader_sees_it_all():
 def test_workers_on_accelerators_poll_and_cpu_workers_sleep(device_type, polls):
     """A worker on an accelerator polls for rank 0's next step (its host core idles while the
     device runs the forward); a CPU worker sleeps at once, leaving the cores to the forwards."""
-    from graphrt.backends.torch.tp_protocol import WorkerSetup
-    from graphrt.backends.torch.tp_worker import Follower
+    from graphrt.backends.torch.parallel.tp_protocol import WorkerSetup
+    from graphrt.backends.torch.parallel.tp_worker import Follower
     from graphrt.core import defaults
 
     setup = WorkerSetup("m:C", device_type, None, "/nowhere", None, {}, 2, 1.0, 1)
@@ -393,7 +393,7 @@ def test_a_broadcast_channel_holds_the_largest_step_of_a_large_engine():
     """Ranks launched elsewhere broadcast every array: the channel is sized from the config (a
     1024-request engine with 128k-token sequences pads a 32 MiB block table)."""
     from graphrt import GraphConfig
-    from graphrt.backends.torch.tp_protocol import WorkerSetup
+    from graphrt.backends.torch.parallel.tp_protocol import WorkerSetup
     from graphrt.core import defaults
     from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
 
@@ -422,7 +422,7 @@ def test_resident_buffers_pin_for_cuda_copies_and_unpin():
     are pinned, a non-blocking host-to-device copy carries the values, and unregistering works."""
     import torch
 
-    from graphrt.backends.torch.tensor_parallel import _pin
+    from graphrt.backends.torch.parallel.tensor_parallel import _pin
 
     layout = {"ids": ((4096,), np.int32), "table": ((64, 128), np.int32)}
     channel = StepChannel.create(1, capacity=256, resident=layout)

@@ -33,7 +33,7 @@ import torch
 import graphrt
 from graphrt import ConfigError, GraphConfig, GraphMode, GraphrtError, ModelRunner, SamplingParams
 from graphrt.backends.torch import acl
-from graphrt.backends.torch.tp_protocol import RUN, free_port
+from graphrt.backends.torch.parallel.tp_protocol import RUN, free_port
 from graphrt.core import defaults
 from graphrt.core.fields import ARRAY_FIELDS
 from support.fast_subset import slow_except
@@ -56,7 +56,7 @@ def fork_server_and_one_thread():
     the workers start from is started first, so that its imports overlap the checkpoint builds."""
     from multiprocessing import forkserver
 
-    mp.get_context("forkserver").set_forkserver_preload(["graphrt.backends.torch.tp_worker"])
+    mp.get_context("forkserver").set_forkserver_preload(["graphrt.backends.torch.parallel.tp_worker"])
     forkserver.ensure_running()
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -166,7 +166,7 @@ def _launched_rank(rank: int, port: int, model_dir: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         if rank:
-            from graphrt.backends.torch.tp_worker import serve
+            from graphrt.backends.torch.parallel.tp_worker import serve
             serve()
             results.put((rank, None))
             return
@@ -232,7 +232,7 @@ def test_worker_dying_while_rank0_forms_the_group_is_named_at_once(monkeypatch):
     GraphrtError naming its rank and signal -- not after the rendezvous timeout as torch's
     DistStoreError -- and leaves no process, segment or semaphore."""
     import torch.distributed as dist
-    from graphrt.backends.torch.tp_ranks import SpawnedRanks
+    from graphrt.backends.torch.parallel.tp_ranks import SpawnedRanks
 
     monkeypatch.setattr(defaults, "TP_TIMEOUT_S", 60.0)       # the hang this replaces
     monkeypatch.setattr(defaults, "TP_FAULT_GRACE_S", 0.3)

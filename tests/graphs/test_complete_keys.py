@@ -121,7 +121,7 @@ def test_recording_graph_lists_the_numbers_each_op_bakes():
 def test_each_key_is_checked_once_when_graph_memory_is_sampled_first(monkeypatch: pytest.MonkeyPatch):
     """Sizing the KV cache from a budget captures sample keys before warm-up; warm-up checks
     every FULL key, so the samples are not checked too."""
-    from graphrt.backends.torch import baked_values as baked
+    from graphrt.backends.torch.capture import baked_values as baked
 
     checked = []
     real = baked.BakedValueChecks.check_key

@@ -12,7 +12,7 @@ import torch
 
 from graphrt.backends.torch.cpu import CpuGraphAPI, CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
-from graphrt.backends.torch.fx_split import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
+from graphrt.backends.torch.capture.fx_split import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
 from graphrt.core.graph_modes import GraphMode, RuntimeMode
 from graphrt.models.torch.forward_context import forward_context
 from graphrt.models.torch.attention_backend import PagedAttentionBackend

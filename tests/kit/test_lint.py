@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphrt.backends.torch.capture_lint import FIXES
+from graphrt.backends.torch.capture.capture_lint import FIXES
 from graphrt.cli import main
 from graphrt.cli_lint import lint_model
 from support.lint_models import moe_model

@@ -173,4 +173,4 @@ def test_a_planted_private_read_is_caught() -> None:
     planted = ast.parse("def f(runner):\n    return runner.executor._host\n")
     assert foreign_private_reads("graphrt.runner", planted) == ["line 2: runner.executor._host"]
     same_package = ast.parse("def f(ex):\n    return ex._host\n")
-    assert foreign_private_reads("graphrt.backends.torch.piecewise_capture", same_package) == []
+    assert foreign_private_reads("graphrt.backends.torch.capture.piecewise_capture", same_package) == []

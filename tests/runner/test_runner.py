@@ -9,7 +9,7 @@
   even with NaN in the null block; padded rows stay finite.
 * Strict mode, eager fallback above the largest bucket, largest-first capture order.
 * The sampler: greedy, seeded sampling (reproducible, independent of the batch), top-k /
-  top-p (a hypothesis property test on ``graphrt.backends.torch.sampler.random_sample``).
+  top-p (a hypothesis property test on ``graphrt.backends.torch.sampling.sampler.random_sample``).
 * Bad input raises ``InputError`` and touches neither the KV cache nor any static buffer.
 """
 
@@ -29,7 +29,7 @@ from graphrt import BatchDescriptor, CacheMissError, InputError, ModelRunner, Ru
 from graphrt import SamplingParams
 from graphrt.backends.base import SamplingBatch
 from graphrt.runner import sampling_batch
-from graphrt.backends.torch.sampler import random_sample
+from graphrt.backends.torch.sampling.sampler import random_sample
 from graphrt.testing import access, properties
 from graphrt.testing.properties import bad_input_rejected, kv_isolated
 from graphrt.testing.step import BadStep

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
-from graphrt.backends.torch.sampler import SamplerState, greedy_sample, random_sample
-from graphrt.backends.torch.sampler_ops import Workspace, radix_threshold, sample_rows
+from graphrt.backends.torch.sampling.sampler import SamplerState, greedy_sample, random_sample
+from graphrt.backends.torch.sampling.sampler_ops import Workspace, radix_threshold, sample_rows
 from graphrt.core.dispatch import sampler_key
 from graphrt.core.sampling import SamplingBatch
 from support.sampler_reference import chi_square_pvalue, filtered_probs, sort_sample

@@ -1,4 +1,4 @@
-"""FlashInfer's filter kernels behind the torch sampler (backends/torch/flashinfer_sampling.py).
+"""FlashInfer's filter kernels behind the torch sampler (backends/torch/sampling/flashinfer_sampling.py).
 
 On a CPU a stand-in ``flashinfer.sampling`` is injected: its ``top_k_renorm_probs`` /
 ``top_p_renorm_probs`` keep FlashInfer's documented contract (probabilities ``[batch, vocab]``
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from graphrt import ConfigError
-from graphrt.backends.torch import flashinfer_sampling as fs
-from graphrt.backends.torch.sampler_ops import Workspace, sample_rows
+from graphrt.backends.torch.sampling import flashinfer_sampling as fs
+from graphrt.backends.torch.sampling.sampler_ops import Workspace, sample_rows
 
 
 def _fake_sampling() -> types.ModuleType:
@@ -108,7 +108,7 @@ def test_the_sampler_picks_flashinfer_as_documented(fake, monkeypatch):
 
 
 def test_importing_the_adapter_imports_no_flashinfer():
-    code = ("import sys, graphrt.backends.torch.sampler, graphrt.backends.torch.flashinfer_sampling; "
+    code = ("import sys, graphrt.backends.torch.sampling.sampler, graphrt.backends.torch.sampling.flashinfer_sampling; "
             "print('flashinfer' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import graphrt
 from graphrt import InputError, ModelRunner, SamplingParams
-from graphrt.backends.torch.penalties import PenaltyState
-from graphrt.backends.torch.sampler import SamplerState
+from graphrt.backends.torch.sampling.penalties import PenaltyState
+from graphrt.backends.torch.sampling.sampler import SamplerState
 from graphrt.core.numerics import tolerance
 from graphrt.core.sampling import SamplingBatch
 from support.hf_models import hf_logits, load_hf_model, random_prompts, tiny_hf_model_dir

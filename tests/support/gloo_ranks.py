@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from graphrt.backends.torch.tp_protocol import free_port
+from graphrt.backends.torch.parallel.tp_protocol import free_port
 
 
 def _rank(fn: Callable[[int], Any], rank: int, world_size: int, port: int, results: Any) -> None:

@@ -1,9 +1,9 @@
 """The test oracle of the sampler: the sort-based random sampler graphrt shipped before the
-threshold sampler (backends/torch/sampler.py up to b48ab83), extended with min-p (vLLM's order:
+threshold sampler (backends/torch/sampling/sampler.py up to b48ab83), extended with min-p (vLLM's order:
 min-p on the temperature-scaled probabilities, then top-k and top-p on what it keeps), and its
 filtered distribution in float64 numpy; plus a chi-square goodness-of-fit test.
 
-Not shipped: the runtime samples by thresholds (graphrt.backends.torch.sampler_ops).
+Not shipped: the runtime samples by thresholds (graphrt.backends.torch.sampling.sampler_ops).
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ DEFAULT_WATCHDOG_ACTION = "raise"
 #: at once after the watchdog fired, it closes under the step, which then fails.
 LLM_CLOSE_WAIT_S = 300.0
 
-#: Tensor-parallel step channel (graphrt.backends.torch.tp_channel): data bytes of the shared-memory
+#: Tensor-parallel step channel (graphrt.backends.torch.parallel.tp_channel): data bytes of the shared-memory
 #: segment (a 256-request step with a 512-column block table is about 0.6 MiB), arrays per
 #: step, and how long rank 0 / a worker waits for the other side before calling it dead.
 STEP_CHANNEL_BYTES = 8 << 20
@@ -281,7 +281,7 @@ STEP_CHANNEL_SPIN_S = 0.0
 #: too). Workers on the CPU (``cpu``, ``eager``) use STEP_CHANNEL_SPIN_S: their forwards run on
 #: the host's cores, which a polling worker would take from the other ranks.
 TP_WORKER_SPIN_S = 0.05
-#: Tensor-parallel workers driven by rank 0 (backends/torch/tensor_parallel.py). A worker that
+#: Tensor-parallel workers driven by rank 0 (backends/torch/parallel/tensor_parallel.py). A worker that
 #: dies is seen at once (its process sentinel, the collective's closed connection); one that
 #: hangs is seen when a collective or a step-channel wait exceeds TP_TIMEOUT_S -- the process
 #: group's timeout, long enough for the ranks to drift apart while each compiles a bucket.

@@ -23,7 +23,7 @@ import numpy as np
 
 class StepAgreement(Protocol):
     """One collective per step over the data-parallel group (the torch one:
-    ``graphrt.backends.torch.dp_agreement.TorchStepAgreement``)."""
+    ``graphrt.backends.torch.parallel.dp_agreement.TorchStepAgreement``)."""
 
     def agree(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int, context: int
               ) -> tuple[int, int, bool, int, int]:

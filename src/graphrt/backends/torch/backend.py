@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, Hashable
 import torch
 
 from graphrt.backends.base import Backend, Executor
-from graphrt.backends.torch.callable_graphs import TorchGraphs
+from graphrt.backends.torch.capture.callable_graphs import TorchGraphs
 from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.backends.torch.device_graphs import DeviceGraphAPI
 from graphrt.backends.torch.kv_cache import TorchKVCache, model_kv_spec
@@ -104,8 +104,8 @@ class TorchBackend(Backend):
         """A :class:`TorchExecutor` for ``model``; with ``config.tensor_parallel_size > 1`` the
         ranks are started (or joined, under torchrun) and each loads its shard of ``model`` --
         a directory (read as ``dtype``), or a model this backend loaded from one
-        (:mod:`graphrt.backends.torch.tensor_parallel`)."""
+        (:mod:`graphrt.backends.torch.parallel.tensor_parallel`)."""
         if config.tensor_parallel_size > 1:
-            from graphrt.backends.torch.tensor_parallel import start_tensor_parallel
+            from graphrt.backends.torch.parallel.tensor_parallel import start_tensor_parallel
             return start_tensor_parallel(self, model, config, dtype)
         return TorchExecutor(model, config, self.device, self.graph_api())

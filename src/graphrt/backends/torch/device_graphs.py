@@ -6,7 +6,7 @@ graphs, a shared memory pool, a capture context. :func:`record` captures a calla
 the rules that make device graphs correct (the device synchronised, the garbage collector
 out of the way, refreshable tasks collected).
 :class:`~graphrt.backends.torch.executor.TorchExecutor` and the piece an engine with its own
-model runner takes (:class:`~graphrt.backends.torch.callable_graphs.TorchGraphs`) are built on
+model runner takes (:class:`~graphrt.backends.torch.capture.callable_graphs.TorchGraphs`) are built on
 them.
 """
 

@@ -5,14 +5,14 @@ state), the paged KV cache, and the captured graphs. CUDA, Ascend and the CPU re
 graph differ only in their :class:`DeviceGraphAPI`; with no API (``eager``) every step
 runs eagerly on the same buffers.
 
-Capturing is :class:`~graphrt.backends.torch.graph_builder.GraphBuilder`'s job.
+Capturing is :class:`~graphrt.backends.torch.capture.graph_builder.GraphBuilder`'s job.
 
 One refresh path: the attention backend's ``before_replay`` runs before every run (graph or
 eager) where the backend has one -- host-planned metadata written into device buffers
 (FlashInfer-style ``plan``), host lists a captured op reads -- then the graph's tasks
 (:func:`graph_task`: on Ascend an op re-issued between ``graph_task_update_begin`` / ``_end``).
 At a FULL capture the same ``before_replay`` runs on the padding step with only its declared
-host values readable, and :meth:`~graphrt.backends.torch.baked_values.BakedValueChecks.check_refresh` proves
+host values readable, and :meth:`~graphrt.backends.torch.capture.baked_values.BakedValueChecks.check_refresh` proves
 that nothing it leaves behind reaches the graph as a number.
 """
 
@@ -26,14 +26,14 @@ import numpy as np
 import torch
 
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch.baked_values import BakedValueChecks
+from graphrt.backends.torch.capture.baked_values import BakedValueChecks
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.state_cache import TorchStateCache, model_state_spec
 from graphrt.backends.torch.lora import TorchLora
-from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
-from graphrt.backends.torch.fx_split import PiecewiseEntry, SplitModel
-from graphrt.backends.torch.graph_builder import GraphBuilder, TorchEntry
-from graphrt.backends.torch.graph_memory import measure_graph_memory
+from graphrt.backends.torch.capture.piecewise_capture import PiecewiseCapture
+from graphrt.backends.torch.capture.fx_split import PiecewiseEntry, SplitModel
+from graphrt.backends.torch.capture.graph_builder import GraphBuilder, TorchEntry
+from graphrt.backends.torch.capture.graph_memory import measure_graph_memory
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
@@ -46,9 +46,9 @@ from graphrt.models.torch.attention_backend import (CaptureHostValues, HostTenso
                                                     check_metadata, overrides_before_replay)
 from graphrt.backends.torch.device_graphs import CapturedGraph, DeviceGraphAPI, GraphPool, describe_capture_failure
 from graphrt.backends.torch.model_protocol import attention_support, choose_attention, keyed_host_values
-from graphrt.backends.torch.sampled_outputs import FutureInputs, SampledOutputs, device_event
+from graphrt.backends.torch.sampling.sampled_outputs import FutureInputs, SampledOutputs, device_event
 from graphrt.backends.torch.step_buffers import StepBuffers
-from graphrt.backends.torch.sampler import SamplerState
+from graphrt.backends.torch.sampling.sampler import SamplerState
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 class TorchExecutor(Executor[TorchEntry]):
     """Static buffers, KV cache and graphs for a torch model on one device (what a step hands
     out beyond its replay -- sampled outputs in host slots, logprobs, prompt logprobs, device
-    logits -- is held as ``outputs``, a :class:`~graphrt.backends.torch.sampled_outputs.SampledOutputs`)."""
+    logits -- is held as ``outputs``, a :class:`~graphrt.backends.torch.sampling.sampled_outputs.SampledOutputs`)."""
 
     def __init__(self, model: torch.nn.Module, config: GraphConfig, device: torch.device,
                  graph_api: DeviceGraphAPI | None, host_arrays: dict[str, np.ndarray] | None = None) -> None:
@@ -179,7 +179,7 @@ class TorchExecutor(Executor[TorchEntry]):
         return self.graph_api.memory_info() if self.graph_api is not None else None
 
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Any]]) -> tuple[dict[Any, int], str | None]:
-        """Capture ``jobs`` into a throwaway pool before the KV cache exists (backends/torch/graph_memory.py)."""
+        """Capture ``jobs`` into a throwaway pool before the KV cache exists (backends/torch/capture/graph_memory.py)."""
         return measure_graph_memory(self.builder, bool(self.kv_caches),
                                     lambda blocks: self.allocate_kv_cache(blocks, self.block_size), self._release_kv, jobs)
 
@@ -187,7 +187,7 @@ class TorchExecutor(Executor[TorchEntry]):
         self.kv.release()
         self.kv_caches, self.kv_cache = [], None
 
-    # ---- split / compile (graphrt.backends.torch.piecewise_capture) ------------------------------
+    # ---- split / compile (graphrt.backends.torch.capture.piecewise_capture) ------------------------------
     @property
     def split_model(self) -> SplitModel | None:
         """The model split at its attention calls (None if it cannot be split; see the log)."""
@@ -321,7 +321,7 @@ class TorchExecutor(Executor[TorchEntry]):
         ptrs.update({f"state_cache.{i}": t.data_ptr() for i, t in enumerate(self.state_caches)})
         return ptrs
 
-    # ---- build (backends/torch/graph_builder.py) ------------------------------------------
+    # ---- build (backends/torch/capture/graph_builder.py) ------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[TorchEntry, int]:
         """Capture the forward for a FULL key, its pieces for a PIECEWISE key, or the
         sampler for a :class:`SamplerKey` (:class:`GraphBuilder`). Returns (entry, graph bytes)."""

@@ -1,6 +1,6 @@
 """The XLA sampler: greedy, temperature, top-k, top-p and min-p, jitted apart from the forward.
 
-Same rules as the torch sampler (:mod:`graphrt.backends.torch.sampler_ops`): every filter is a
+Same rules as the torch sampler (:mod:`graphrt.backends.torch.sampling.sampler_ops`): every filter is a
 threshold on ``P = exp((logits - max) / T)`` (the most likely token's is 1) -- top-k the k-th
 largest ``P`` from ``lax.top_k`` of ``defaults.SAMPLER_TOP_K_CANDIDATES`` candidates (``wide``:
 counted exactly past them), min-p ``P >= min_p``, top-p the largest ``t`` whose mass
@@ -94,7 +94,7 @@ def sample_tokens(logits: jax.Array, meta: SamplingMetadata, *, wide: bool = Fal
 def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, ...]:
     """Per row of ``logits`` ``[N, V]``: the logprob of ``tokens[i]`` under ``log_softmax`` in
     float32, its rank (1 + tokens more likely) and the ``k`` largest logprobs with their ids,
-    descending (the torch sampler's :func:`~graphrt.backends.torch.sampler.token_logprobs`)."""
+    descending (the torch sampler's :func:`~graphrt.backends.torch.sampling.sampler.token_logprobs`)."""
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens.astype(jnp.int32)[:, None], axis=-1)
     ranks = jnp.sum(logprobs > chosen, axis=-1) + 1

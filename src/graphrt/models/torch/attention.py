@@ -17,7 +17,7 @@ nothing ever reads it.
 The kernel is also registered as the custom op ``graphrt::paged_attention`` (it mutates
 ``kv_cache``). ``PagedAttention`` calls it under ``torch.compile`` so Dynamo and Inductor
 see one opaque op with every metadata tensor as an argument, and the piecewise splitter
-(:mod:`graphrt.backends.torch.fx_split`) cuts the model at ``PagedAttention`` modules (or at
+(:mod:`graphrt.backends.torch.capture.fx_split`) cuts the model at ``PagedAttention`` modules (or at
 this op in a traced graph). Eagerly and during graph capture the kernel runs directly, so
 the CPU recording graph sees, and checks, every aten op inside it.
 

@@ -37,7 +37,7 @@ def rank0_store(world_size: int, timeout: float) -> Any:
 
 def worker_store(port: int, setup: Any) -> Any:
     """A worker's connection to rank 0's store on ``port``, once rank 0 opened the rendezvous
-    (``setup``: the worker's :class:`~graphrt.backends.torch.tp_protocol.WorkerSetup`). Rank 0
+    (``setup``: the worker's :class:`~graphrt.backends.torch.parallel.tp_protocol.WorkerSetup`). Rank 0
     dying meanwhile closes the store, which ends the wait with an error."""
     store = dist.TCPStore("127.0.0.1", port, setup.tp_size, is_master=False,
                           timeout=timedelta(seconds=setup.timeout))

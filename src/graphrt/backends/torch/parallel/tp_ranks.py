@@ -4,12 +4,12 @@ naming the one that failed, and stopping them.
 * :class:`SpawnedRanks` -- rank 0 starts ``tp_size - 1`` worker processes itself
   (``defaults.TP_WORKER_START_METHOD``), creates the process group through its own localhost
   rendezvous store and talks to them through the shared-memory
-  :class:`~graphrt.backends.torch.tp_channel.StepChannel`. It sees their processes: a worker that
+  :class:`~graphrt.backends.torch.parallel.tp_channel.StepChannel`. It sees their processes: a worker that
   exits is named with its exit code and the error it reported -- also while the process group
-  forms (its rendezvous waits in short slices, :mod:`~graphrt.backends.torch.tp_rendezvous`)
+  forms (its rendezvous waits in short slices, :mod:`~graphrt.backends.torch.parallel.tp_rendezvous`)
   -- one that hangs by the call it had not read or not finished (a shared counter).
 * :class:`JoinedRanks` -- ``torch.distributed`` was initialised by whoever launched the ranks
-  (``torchrun``); ranks 1.. run :func:`graphrt.backends.torch.tp_worker.serve`, and calls go
+  (``torchrun``); ranks 1.. run :func:`graphrt.backends.torch.parallel.tp_worker.serve`, and calls go
   as gloo broadcasts. Rank 0 cannot see their processes: a failure names the call only.
 
 Both gather every rank's status for a call on a gloo control group (:class:`Agreement`) and
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from graphrt.backends.torch import tp_protocol as p
-from graphrt.backends.torch import tp_rendezvous as rz
+from graphrt.backends.torch.parallel import tp_protocol as p
+from graphrt.backends.torch.parallel import tp_rendezvous as rz
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError
-from graphrt.backends.torch.tp_channel import StepChannel
+from graphrt.backends.torch.parallel.tp_channel import StepChannel
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +85,14 @@ class SpawnedRanks(Ranks):
                  resident: dict[str, tuple[tuple[int, ...], Any]] | None = None) -> None:
         """Start ``setup.tp_size - 1`` workers; ``resident``: the step channel's resident
         buffers (rank 0's staging buffers, name to shape and dtype)."""
-        from graphrt.backends.torch.tp_worker import spawned_worker
+        from graphrt.backends.torch.parallel.tp_worker import spawned_worker
 
         method = defaults.TP_WORKER_START_METHOD
         if method not in mp.get_all_start_methods():
             method = "spawn"
         ctx = mp.get_context(method)
         if method == "forkserver":
-            ctx.set_forkserver_preload(["graphrt.backends.torch.tp_worker"])
+            ctx.set_forkserver_preload(["graphrt.backends.torch.parallel.tp_worker"])
         self.setup, self.timeout = setup, setup.timeout
         self.store: Any = rz.rank0_store(setup.tp_size, setup.timeout)
         self.channel = StepChannel.create(setup.tp_size - 1, ctx=ctx, resident=resident)
@@ -113,7 +113,7 @@ class SpawnedRanks(Ranks):
 
     def connect(self) -> None:
         """Form the process group and the control group with the workers watched
-        (:mod:`~graphrt.backends.torch.tp_rendezvous`): a worker that exits meanwhile fails
+        (:mod:`~graphrt.backends.torch.parallel.tp_rendezvous`): a worker that exits meanwhile fails
         start-up at once, named, instead of after the rendezvous timeout."""
         device = self.setup.device(0)
         store = rz.WatchedStore(self.store, self._check_alive)
@@ -254,7 +254,7 @@ class JoinedRanks(Ranks):
         if size != setup.tp_size or rank != 0:
             raise ConfigError(f"torch.distributed is initialised with {size} ranks (this is rank {rank}); "
                               f"tensor_parallel_size={setup.tp_size} needs exactly that many, the engine on "
-                              "rank 0 and graphrt.backends.torch.tp_worker.serve() on the others")
+                              "rank 0 and graphrt.backends.torch.parallel.tp_worker.serve() on the others")
         self.setup, self.timeout = setup, setup.timeout
         group = p.control_group()
         dist.broadcast_object_list([setup], 0, group=group)

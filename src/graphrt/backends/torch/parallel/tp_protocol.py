@@ -1,8 +1,8 @@
 """What rank 0 and its tensor-parallel workers say to each other.
 
-Rank 0 (:mod:`graphrt.backends.torch.tensor_parallel`) sends every call that must run on all
+Rank 0 (:mod:`graphrt.backends.torch.parallel.tensor_parallel`) sends every call that must run on all
 ranks in lockstep as a method code and raw int64 / int32 arrays; workers
-(:mod:`graphrt.backends.torch.tp_worker`) follow. This module holds what both sides share:
+(:mod:`graphrt.backends.torch.parallel.tp_worker`) follow. This module holds what both sides share:
 
 * the method codes and the layout of each call's int64 argument row (no pickle per call);
 * :class:`WorkerSetup`, what a worker starts from (pickled once, at start-up);
@@ -28,7 +28,7 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import InputError
 from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
-from graphrt.backends.torch.tp_channel import (ALIGN, ENTRY_WORDS, HEADER_WORDS, aligned_nbytes, pack_entries,
+from graphrt.backends.torch.parallel.tp_channel import (ALIGN, ENTRY_WORDS, HEADER_WORDS, aligned_nbytes, pack_entries,
                                        unpack_arrays)
 from graphrt.core.graph_modes import RuntimeMode
 

@@ -8,7 +8,7 @@ exponential race over the noise buffer), so per-request seeds stay exact: FlashI
 threshold), temperature and penalties stay graphrt's.
 
 ``GRAPHRT_SAMPLER`` picks: ``auto`` (default; FlashInfer on CUDA where it imports, else the
-threshold sampler of :mod:`~graphrt.backends.torch.sampler_ops`), ``torch`` (never FlashInfer) or
+threshold sampler of :mod:`~graphrt.backends.torch.sampling.sampler_ops`), ``torch`` (never FlashInfer) or
 ``flashinfer`` (required: a ConfigError where it is missing or the device is not CUDA).
 ``flashinfer`` is imported on first use only; this module imports without it.
 """
@@ -49,7 +49,7 @@ def flashinfer_sampling(device: torch.device) -> Any | None:
 def flashinfer_filtered(module: Any, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
                         min_p: torch.Tensor | None, scratch: torch.Tensor) -> torch.Tensor:
     """The filtered distribution of ``probs`` ``[R, V]`` (unnormalised, the largest 1, as
-    :func:`~graphrt.backends.torch.sampler_ops.scaled_probs` makes them): min-p here, then
+    :func:`~graphrt.backends.torch.sampling.sampler_ops.scaled_probs` makes them): min-p here, then
     FlashInfer's top-k and top-p renormalisations (top-p on what top-k and min-p keep)."""
     vocab = probs.shape[-1]
     if min_p is not None:

@@ -1,8 +1,8 @@
 """A tensor-parallel worker rank: load this rank's shard, then follow rank 0's calls.
 
-Rank 0 (:mod:`graphrt.backends.torch.tensor_parallel`) sends each call that must run on every
+Rank 0 (:mod:`graphrt.backends.torch.parallel.tensor_parallel`) sends each call that must run on every
 rank -- allocate the KV cache, build a key, run a step, shut down -- as a method code and raw
-arrays (:mod:`graphrt.backends.torch.tp_protocol`). A worker runs the same call on its own
+arrays (:mod:`graphrt.backends.torch.parallel.tp_protocol`). A worker runs the same call on its own
 :class:`~graphrt.backends.torch.executor.TorchExecutor`; the forward's collectives keep the
 ranks in step, and only rank 0 samples. Two ways in:
 
@@ -29,15 +29,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from graphrt.backends.torch import tp_protocol as p
+from graphrt.backends.torch.parallel import tp_protocol as p
 from graphrt.backends.torch.executor import TorchExecutor
-from graphrt.backends.torch.tp_rendezvous import worker_store
+from graphrt.backends.torch.parallel.tp_rendezvous import worker_store
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError
 from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
-from graphrt.backends.torch.tp_channel import ChannelSpec, StepChannel
+from graphrt.backends.torch.parallel.tp_channel import ChannelSpec, StepChannel
 from graphrt.core.graph_modes import RuntimeMode
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from graphrt.backends.torch.device_graphs import describe_capture_failure
-from graphrt.backends.torch.graph_builder import GraphBuilder
+from graphrt.backends.torch.capture.graph_builder import GraphBuilder
 from graphrt.core.cache import describe_key
 from graphrt.core.graph_modes import RuntimeMode
 

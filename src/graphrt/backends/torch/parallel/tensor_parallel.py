@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from graphrt.backends.base import Executor, SamplingBatch
-from graphrt.backends.torch import tp_protocol as p
+from graphrt.backends.torch.parallel import tp_protocol as p
 from graphrt.backends.torch.executor import TorchEntry, TorchExecutor
-from graphrt.backends.torch.tp_ranks import JoinedRanks, Ranks, SpawnedRanks
+from graphrt.backends.torch.parallel.tp_ranks import JoinedRanks, Ranks, SpawnedRanks
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey

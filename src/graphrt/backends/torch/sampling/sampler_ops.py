@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from graphrt.backends.torch.flashinfer_sampling import flashinfer_filtered
+from graphrt.backends.torch.sampling.flashinfer_sampling import flashinfer_filtered
 from graphrt.core import defaults
 
 _DIGITS = 1 << defaults.SAMPLER_RADIX_BITS
@@ -128,7 +128,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     greedy (``argmax`` of the logits, as the greedy sampler); static shapes, nothing read on the
     host: capturable. ``ws`` holds at least ``R`` rows; ``candidates`` defaults to
     ``defaults.SAMPLER_TOP_K_CANDIDATES``. With ``flashinfer`` (its ``sampling`` module) the top-k
-    and top-p filters are FlashInfer's kernels (:mod:`~graphrt.backends.torch.flashinfer_sampling`)."""
+    and top-p filters are FlashInfer's kernels (:mod:`~graphrt.backends.torch.sampling.flashinfer_sampling`)."""
     rows = logits.shape[0]
     logits = logits.float()
     greedy = logits.argmax(dim=-1)

@@ -4,7 +4,7 @@ vLLM's ``CUDAGraphWrapper`` plays).
 
 The engine owns the static buffers; ``fn(key)`` reads them. A key is captured as one graph
 (FULL) or, given the attention modules to break at, as graphs between them with the attention
-run eagerly at replay (PIECEWISE, by :mod:`graphrt.backends.torch.breakable_capture`'s capture: no
+run eagerly at replay (PIECEWISE, by :mod:`graphrt.backends.torch.capture.breakable_capture`'s capture: no
 torch.fx, no compiler). Every call is counted in the :class:`graphrt.GraphCache` as the
 runner counts its steps -- hits, misses, padding where the caller gives the real size, eager
 calls by cause -- and a strict cache refuses a key it has no entry for, on every backend.
@@ -18,7 +18,7 @@ from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
 
 import torch
 
-from graphrt.backends.torch.breakable_capture import capture_breakable
+from graphrt.backends.torch.capture.breakable_capture import capture_breakable
 from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphPool
 from graphrt.core import defaults
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key

@@ -14,7 +14,7 @@ static buffers, and outputs written into static buffers the caller slices.
 
 * FULL keys capture the whole forward (and, separately, the sampler) as one graph.
 * PIECEWISE keys capture the pieces between attention calls per token bucket
-  (:mod:`graphrt.backends.torch.fx_split`); attention runs eagerly between them.
+  (:mod:`graphrt.backends.torch.capture.fx_split`); attention runs eagerly between them.
 * ``GraphConfig.compile_model`` hands the pieces to the device's ``torch.compile`` backend
   (Inductor on CUDA) with each bucket's buffers as example inputs -- static shapes, one
   compile per bucket up to ``compile_max_size`` -- before they are captured; a FULL key
@@ -30,10 +30,10 @@ from typing import Any, Callable
 import torch
 
 from graphrt.backends.torch.device_graphs import CapturedGraph, DeviceGraphAPI, GraphPool, describe_capture_failure
-from graphrt.backends.torch.fx_split import PiecewiseEntry
+from graphrt.backends.torch.capture.fx_split import PiecewiseEntry
 from graphrt.backends.torch.lora import TorchLora
-from graphrt.backends.torch.piecewise_capture import PiecewiseCapture
-from graphrt.backends.torch.sampler import SamplerState
+from graphrt.backends.torch.capture.piecewise_capture import PiecewiseCapture
+from graphrt.backends.torch.sampling.sampler import SamplerState
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import GraphrtError
@@ -148,7 +148,7 @@ class GraphBuilder:
     def _load_for_capture(self, key: BatchDescriptor) -> None:
         """Pure padding for a FULL capture, then the refresh path on it, as before every run:
         the backend's ``before_replay`` with only its declared host values readable
-        (:meth:`~graphrt.backends.torch.baked_values.BakedValueChecks.refresh_for_capture`)."""
+        (:meth:`~graphrt.backends.torch.capture.baked_values.BakedValueChecks.refresh_for_capture`)."""
         padded = self._load_dummy(key.num_tokens, key.num_reqs)
         if self._refresh_for_capture is not None:
             self._refresh_for_capture(padded, key)

@@ -3,11 +3,11 @@
 PIECEWISE keys replay graphs between attention calls; ``compile_model`` compiles the same
 pieces before a key is captured. This module owns how the executor gets them:
 
-* the fx split (:class:`~graphrt.backends.torch.fx_split.SplitModel`), traced lazily, once;
+* the fx split (:class:`~graphrt.backends.torch.capture.fx_split.SplitModel`), traced lazily, once;
 * per token bucket, the persistent buffers its cut values live in and, with
   ``compile_model``, the compiled pieces;
 * PIECEWISE entries, captured from the fx pieces or by breakable capture
-  (:mod:`graphrt.backends.torch.breakable_capture`), as ``GraphConfig.piecewise_capture`` says.
+  (:mod:`graphrt.backends.torch.capture.breakable_capture`), as ``GraphConfig.piecewise_capture`` says.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from graphrt.backends.torch.breakable_capture import capture_breakable
+from graphrt.backends.torch.capture.breakable_capture import capture_breakable
 from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphPool
-from graphrt.backends.torch.fx_split import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
+from graphrt.backends.torch.capture.fx_split import (PiecewiseBuffers, PiecewiseEntry, SplitModel, compile_piece,
                                               split_or_reason)
 from graphrt.config import GraphConfig
 from graphrt.core import defaults

@@ -6,7 +6,7 @@ a noise buffer the runner fills (exponential noise from the device RNG, or from 
 seeded generator), so the captured graph holds no RNG state and seeding is exact.
 Sampling draws ``argmax(probs / noise)`` with ``noise ~ Exp(1)`` over the tokens the filters
 keep: the exponential race, equivalent to drawing from the filtered ``probs``. The filters are
-thresholds found without sorting the vocabulary (:mod:`graphrt.backends.torch.sampler_ops`), on
+thresholds found without sorting the vocabulary (:mod:`graphrt.backends.torch.sampling.sampler_ops`), on
 two persistent ``[max_reqs, vocab]`` buffers every sampler graph shares.
 """
 
@@ -19,9 +19,9 @@ import torch
 
 from graphrt.core.errors import GraphrtError
 from graphrt.core.sampling import write_sampling_rows
-from graphrt.backends.torch.flashinfer_sampling import flashinfer_sampling
-from graphrt.backends.torch.penalties import PenaltyState
-from graphrt.backends.torch.sampler_ops import Workspace, sample_rows
+from graphrt.backends.torch.sampling.flashinfer_sampling import flashinfer_sampling
+from graphrt.backends.torch.sampling.penalties import PenaltyState
+from graphrt.backends.torch.sampling.sampler_ops import Workspace, sample_rows
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -96,7 +96,7 @@ class SamplerState:
         #: The filters' and the logprobs graph's ``[max_reqs, vocab]`` buffers, shared by every graph.
         self.work = Workspace(max_reqs, vocab_size, device)
         #: FlashInfer's sampling module where the top-k / top-p filters run on its kernels (CUDA
-        #: with graphrt[flashinfer]; :mod:`~graphrt.backends.torch.flashinfer_sampling`), else None.
+        #: with graphrt[flashinfer]; :mod:`~graphrt.backends.torch.sampling.flashinfer_sampling`), else None.
         self.flashinfer = flashinfer_sampling(device)
         #: The logprobs graph's outputs (``max_logprobs > 0``): each row's sampled-token logprob and
         #: rank, and its top logprobs and their ids (:func:`token_logprobs`).
@@ -145,7 +145,7 @@ class SamplerState:
     def compute(self, logits: torch.Tensor, rows: int, greedy: bool, wide: bool = False,
                 penalties: bool = False) -> None:
         """Sample ``rows`` rows of ``logits`` into :attr:`tokens` (capturable); ``wide``: some
-        row's top_k is past the candidates (:mod:`~graphrt.backends.torch.sampler_ops`);
+        row's top_k is past the candidates (:mod:`~graphrt.backends.torch.sampling.sampler_ops`);
         ``penalties``: a copy of the rows is penalised first (greedy rows take its argmax)."""
         logits = logits[:rows]
         if penalties:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from graphrt.core import defaults
-from graphrt.backends.torch.sampler import SamplerState, token_logprobs
+from graphrt.backends.torch.sampling.sampler import SamplerState, token_logprobs
 
 
 class Sampled:

@@ -1,6 +1,6 @@
 """Breakable capture: PIECEWISE graphs without a compiler or a traceable model.
 
-The fx path (:mod:`graphrt.backends.torch.fx_split`) splits the model's graph at its
+The fx path (:mod:`graphrt.backends.torch.capture.fx_split`) splits the model's graph at its
 attention calls before capturing, so it needs a model torch.fx can trace. Breakable capture
 (vLLM's ``VLLM_USE_BREAKABLE_CUDAGRAPH``, SGLang's prefill graphs) needs nothing but the
 model's attention layers (``model.attention_layers()``, docs/models.md): it runs the forward
