@@ -14,14 +14,14 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
 from graphrt.backends.base import Backend, SamplingBatch
 from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
 from graphrt.config import GraphConfig, check_flags
-from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
+from graphrt.core.dispatch import sampler_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
@@ -35,13 +35,14 @@ from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
 from graphrt.background import BackgroundWarmup
-from graphrt.capture_plan import CapturePlanStore, describe_device, read_runner_plan, save_runner_plan
+from graphrt.capture_plan import read_runner_plan
 from graphrt.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
                            plan_sampler, plan_step)
 from graphrt.runner_setup import open_executor
 from graphrt.step_outputs import StepOutput, StepOutputs
 from graphrt.traffic import TrafficFit
-from graphrt.warmup import Job, compile_host_kernels, job_target, warm_up, warmup_keys, warmup_mode
+from graphrt.warmup import warm_up, warmup_mode
+from graphrt.warmup_plan import WarmupPlan
 
 #: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
 STEP_PLAN_MEMO_LIMIT = 1 << 16
@@ -69,10 +70,13 @@ class ModelRunner:
     with ``step_agreement``), ``background`` (background warm-up and re-fits' builds), ``traffic``
     (:class:`~graphrt.traffic.TrafficFit`, with ``refit_interval``) and ``capture_plans``
     (:class:`~graphrt.capture_plan.CapturePlanStore`, with ``compilation_cache_dir``); None when off.
+    Always there: ``outputs`` (the last step's readouts and logprobs) and ``warmup_plan``
+    (:class:`~graphrt.warmup_plan.WarmupPlan`: the keys built and served, the capture plan).
 
     Threads: :meth:`execute` serializes its callers (one lock; each caller gets its own
-    step's tokens), but :meth:`logits`, :meth:`hidden_states` and :attr:`last_step` describe
-    whichever step ran last, so read them from the thread that drives the runner.
+    step's tokens), but ``outputs`` (:class:`~graphrt.step_outputs.StepOutputs`: ``logits()``,
+    ``hidden_states()``, ...) and :attr:`last_step` describe whichever step ran last, so read
+    them from the thread that drives the runner.
     """
 
     def __init__(self, model: Any, config: GraphConfig | None = None, *,
@@ -87,16 +91,16 @@ class ModelRunner:
         opened = open_executor(model, cfg, backend, dtype, num_kv_blocks=num_kv_blocks,
                                kv_cache_memory=kv_cache_memory)
         self.backend, self.executor, self.model = opened.backend, opened.executor, opened.model
-        model, tp = self.model, cfg.tensor_parallel_size
         self.vocab_size = self.executor.vocab_size
         #: The graph mode served, and the step kinds (uniform_decode values) the configured mode
         #: had graphs for and this one has not (their eager steps count as ``unsupported_by_attention``).
         self.mode, self.degraded, self.dispatcher = opened.mode, opened.degraded, opened.dispatcher
-        self.capture_plans = (CapturePlanStore(cfg.compilation_cache_dir, backend=self.backend.name,
-                                               device=describe_device(self.executor), model=model, config=cfg)
-                              if cfg.compilation_cache_dir and not cfg.disable_capture_plan and tp == 1 else None)
+        self._plans: dict[DispatchShape, StepPlan] = {}
+        #: Warm-up as a feature object: the keys built and served, the capture plan, re-fits' dispatcher.
+        self.warmup_plan = WarmupPlan(self, self._plans)
+        self.capture_plans = self.warmup_plan.store
         saved = read_runner_plan(self)       # its bucket sizes installed, where it has some
-        self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self._build_keys(),
+        self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self.warmup_plan.jobs(),
                                                               num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
         self.preparer = InputPreparer(max_num_reqs=cfg.max_num_seqs,
@@ -118,85 +122,31 @@ class ModelRunner:
                       if self.executor.extra_inputs else None)
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
-        self._plans: dict[DispatchShape, StepPlan] = {}
         #: Steps served per dispatch shape, with ``refit_interval`` (what a traffic re-fit reads).
         self.step_sizes: dict[DispatchShape, int] = {}
         self._launched = False          # a step launched by execute_async may still run
-        self._last: LastStep | None = None
         self._choice: SamplerChoice | None = None     # the last batch's sampler
         self._host_buffers = self.executor.host_buffers
         can = self.executor.capabilities
         self._async, self._eager_fallback = can.async_execution, can.eager_fallback
         self._builds = OnDemandBuilds(self.executor)
         self._futures = FutureTokens(on_device=self._async)
-        self._outputs = StepOutputs(self.executor, self.sampler_cache, cfg.max_logprobs, self._builds)
+        #: Logprobs, and the last step's readouts (``outputs.logits()``, ``hidden_states()``, ...).
+        self.outputs = StepOutputs(self.executor, self.sampler_cache, cfg.max_logprobs, self._builds)
         self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
-        self.background: BackgroundWarmup | None = None
-        if warmup == "background" and step_agreement is not None:
-            raise ConfigError("warmup='background': data-parallel ranks that step together must run one key "
-                              "per step, and each rank's builds progress on their own; warm up upfront")
-        if warmup == "background" or cfg.refit_interval:
-            self.background = BackgroundWarmup(
-                self.executor, self.cache, self.sampler_cache, self._lock, lambda: not self._launched,
-                memory_cap=self.graph_memory.admitted, raise_failures=cfg.strict or not can.eager_fallback,
-                label=self.backend.name, on_complete=self._warmup_complete)
+        self.background: BackgroundWarmup | None = self.warmup_plan.background(
+            warmup, self._lock, lambda: not self._launched, data_parallel=step_agreement is not None)
         self.traffic = TrafficFit.attach(self, step_agreement) if cfg.refit_interval else None
-        if warmup == "upfront":
-            self.warmup()
-        elif warmup == "background":
-            self.start_background_warmup(saved.demand if saved is not None else None)
-        if self.background is not None:
-            self.background.start()
+        self.warmup_plan.begin(warmup, saved)
 
     # ---- setup ---------------------------------------------------------------------
-    def _build_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]:
-        """Every key warm-up builds, largest first (:func:`graphrt.warmup.warmup_keys`)."""
-        return warmup_keys(self.dispatcher, logprobs=self.config.max_logprobs > 0,
-                           penalties=self.config.enable_penalties)
-
     def warmup(self) -> list[dict[str, Any]]:
         """Capture / compile every key the dispatcher can return, largest first, then seal
         (:func:`graphrt.warmup.warm_up`: a failed capture runs eagerly with a warning; in strict
         mode, and on backends that cannot run a step eagerly, it raises GraphCaptureError)."""
         return warm_up(self)
-
-    def start_background_warmup(self, prior: Mapping[Job, int] | None = None) -> int:
-        """Queue every key warm-up would build for background warm-up, most demanded first
-        (``prior``: demand per job from a saved capture plan); the host kernels are compiled now,
-        the first step needs them. Returns how many keys were queued."""
-        if self.background is None:
-            raise ConfigError("start_background_warmup needs a ModelRunner built with warmup='background'")
-        compile_host_kernels(self.preparer, self.padder, self.executor)
-        with self._lock:
-            return self.background.plan(self._build_keys(), prior, seal_if_none=True)
-
-    def _warmup_complete(self) -> None:
-        """Background warm-up completed (the lock held): the report, graph memory, the plan saved."""
-        self.warmup_report = self.cache.report() + self.sampler_cache.report()
-        self.graph_memory.built(self.cache.stats.build_bytes, self.sampler_cache.stats.build_bytes,
-                                self.executor.sampler_buffer_bytes)
-        self.save_capture_plan()
-
-    def save_capture_plan(self) -> Any:
-        """Write the capture plan (keys, order, demand) beside the compilation cache; its path, or
-        None without ``compilation_cache_dir`` (:func:`graphrt.capture_plan.save_runner_plan`)."""
-        return save_runner_plan(self) if self.capture_plans is not None else None
-
-    def replace_dispatcher(self, dispatcher: Any, retire: Sequence[Job] = ()) -> int:
-        """Serve under ``dispatcher`` from the next step (a traffic re-fit; call with the lock held)
-        and drop the entries of ``retire`` (keys it no longer has); returns how many were dropped."""
-        self.dispatcher = dispatcher
-        self._plans.clear()
-        retired = 0
-        for job in retire:
-            target, cache_key = job_target(job, self.cache, self.sampler_cache)
-            retired += target.retire(cache_key)
-        if self.background is not None:
-            self.background.drop(retire)
-        self.save_capture_plan()
-        return retired
 
     # ---- one step ------------------------------------------------------------------
     def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
@@ -242,7 +192,7 @@ class ModelRunner:
             out = self._execute(StepArgs(token_ids, block_table, req_rows, num_computed_tokens,
                                          num_scheduled_tokens, sampling, lora_ids, future_rows, extra_inputs,
                                          prompt_logprobs, state_slots), wait=False)
-            num_reqs = self._last.num_reqs
+            num_reqs = self.outputs.last.num_reqs
         if type(out) is PendingTokens:
             return out
         if not self._async:
@@ -266,7 +216,7 @@ class ModelRunner:
         prompt_logprobs = a.prompt_logprobs
         logprobs = prompt_logprobs is not None or (sampling is not None and sampling.logprobs is not None)
         if logprobs:
-            prompt_logprobs = self._outputs.check(sampling, prompt_logprobs, r)   # within max_logprobs
+            prompt_logprobs = self.outputs.check(sampling, prompt_logprobs, r)   # within max_logprobs
         future_rows = a.future_rows
         if future_rows is not None:
             future_rows = self._futures.check(future_rows, r, self._sampled)
@@ -314,7 +264,7 @@ class ModelRunner:
         logits = self._run(plan, padded, t, r, future, choice)
         out = None
         if logprobs:
-            out, self._sampled = self._outputs.finish(plan, padded, logits, sampling, wait, prompt_logprobs, a)
+            out, self._sampled = self.outputs.finish(plan, padded, logits, sampling, wait, prompt_logprobs, a)
         elif choice is not None:
             entry = (plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, self.sampler_cache)).entry
             if wait or not self._async:
@@ -324,7 +274,7 @@ class ModelRunner:
                 out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
                                            key=choice.key, wait=False)
             self._sampled = (out, r)
-        self._last = LastStep(plan, t, r, time.perf_counter() - t0)
+        self.outputs.last = LastStep(plan, t, r, time.perf_counter() - t0)
         self._launched = not wait
         if wait and self.background is not None and self.background.active:
             self.background.turn.set()       # between steps: the builder's turn
@@ -381,7 +331,7 @@ class ModelRunner:
             if self.extra is not None:
                 self.extra.write_padding(plan.key.num_tokens, plan.padded_reqs)
             self._run(plan, padded, 0, 0)
-            self._last = LastStep(plan, 0, 0, 0.0)
+            self.outputs.last = LastStep(plan, 0, 0, 0.0)
 
     def _replan(self, shape: DispatchShape) -> StepPlan:
         """Plan every step of this dispatch shape (:func:`~graphrt.plans.plan_step`: the
@@ -397,12 +347,8 @@ class ModelRunner:
 
     @property
     def last_step(self) -> StepInfo | None:
-        """What the last step ran as (built on demand: the step itself only keeps a tuple)."""
-        if self._last is None:
-            return None
-        plan, t, r, seconds = self._last
-        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause,
-                        plan.wanted)
+        """What the last step ran as (:meth:`~graphrt.step_outputs.StepOutputs.last_step`)."""
+        return self.outputs.last_step()
 
     # ---- introspection ---------------------------------------------------------------
     @property
@@ -415,47 +361,6 @@ class ModelRunner:
         """Sampler graph statistics: hits, and steps whose sampler ran eagerly (its capture
         failed: ``eager_steps`` and ``eager_reasons``)."""
         return self.sampler_cache.stats
-
-    def hidden_states(self, num_tokens: int | None = None) -> np.ndarray:
-        """The last step's hidden states of its real tokens (a copy: the next step reuses the buffer)."""
-        return np.array(self.executor.hidden_states(num_tokens or self.last_step.num_tokens), copy=True)
-
-    def logits(self) -> np.ndarray:
-        """The last step's logits at each real request's last token (a copy)."""
-        return np.array(self.executor.logits(self.last_step.num_reqs), copy=True)
-
-    def device_logits(self) -> Any:
-        """The last step's logits on the device, its bucket's rows: a torch view (until the next step) or XLA's array."""
-        return self.executor.device_logits(self._last.plan.padded_reqs)
-
-    def position_logits(self) -> np.ndarray:
-        """With ``num_speculative_tokens = k > 0``: the last step's logits at each real
-        request's last ``1 + k`` scheduled positions, ``[R, 1 + k, V]`` (a copy). In a
-        verification step (every request scheduled its last token and ``k`` drafts), row ``j``
-        is the target's distribution for the token after position ``j``: draft ``j + 1`` is
-        accepted when it is what row ``j`` samples. Rows before a request's first scheduled
-        token are unspecified."""
-        return np.array(self.executor.position_logits(self.last_step.num_reqs), copy=True)
-
-    def load_lora(self, slot: int, weights: Any, scale: float = 1.0) -> None:
-        """Copy an adapter into ``slot`` of the persistent stacks (graphs captured before see it):
-        ``weights`` maps names of :meth:`lora_targets` to ``(lora_a [rank, in], lora_b [out, rank])``
-        (PEFT's layout), ``scale`` is PEFT's ``alpha / rank``. Every value is checked first:
-        ``InputError`` names the bad field and nothing is copied."""
-        self._require_lora().load(slot, weights, scale)
-
-    def remove_lora(self, slot: int) -> bool:
-        """Empty ``slot`` (steps naming it are refused until it is loaded again); False if it was empty."""
-        return self._require_lora().remove(slot)
-
-    def lora_targets(self) -> dict[str, tuple[int, int]]:
-        """The LoRA-capable modules by name, as ``(in_features, out_features)``."""
-        return self._require_lora().targets()
-
-    def _require_lora(self) -> RunnerLora:
-        if self.lora is None:
-            raise lora_off("slot")
-        return self.lora
 
     def free_request(self, request_id: int) -> None:
         """Drop per-request state (seeded sampler generators)."""
@@ -479,7 +384,7 @@ class ModelRunner:
             self.background.stop()
         if self.capture_plans is not None and self.cache.stats.steps:
             with self._lock:
-                self.save_capture_plan()
+                self.warmup_plan.save()
         self.executor.close()
 
     def __enter__(self) -> "ModelRunner":

@@ -1,4 +1,6 @@
-"""A step's outputs beyond its tokens: the sampled tokens' logprobs and prompt logprobs.
+"""A step's outputs beyond its tokens: the sampled tokens' logprobs and prompt logprobs, and the
+last step's readouts (``runner.outputs``: its hidden states, logits, device logits and position
+logits, and what it ran as).
 
 ``ModelRunner`` comes here only for a step that asks for them (its sampling batch has a
 ``logprobs`` column, or ``execute(prompt_logprobs=...)`` is given), so other steps cross none of
@@ -30,19 +32,57 @@ from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.logprobs import StepOutput, TokenLogprobs
 from graphrt.core.sampling import check_logprobs_limit, logprobs as logprobs_count
-from graphrt.plans import LOGPROBS, SamplerEntry, StepArgs, StepPlan, plan_sampler
+from graphrt.plans import LOGPROBS, LastStep, SamplerEntry, StepArgs, StepInfo, StepPlan, plan_sampler
 
 
 class StepOutputs:
-    """The runner's logprobs and prompt logprobs (module doc); ``max_logprobs`` is the config's
-    limit, ``build_missing(cache, cache_key, mode, key)`` builds a logprobs graph an executor
-    without an eager path lacks (the runner's)."""
+    """The runner's logprobs and prompt logprobs, and its last step's readouts (module doc);
+    ``max_logprobs`` is the config's limit, ``build_missing(cache, cache_key, mode, key)`` builds a
+    logprobs graph an executor without an eager path lacks (the runner's).
+
+    The readouts describe whichever step ran last (:attr:`last`, set by the runner after each
+    step): read them from the thread that drives the runner, before its next step."""
 
     def __init__(self, executor: Executor, sampler_cache: GraphCache, max_logprobs: int,
                  build_missing: Callable[..., Any]) -> None:
         self.executor, self.sampler_cache, self.max_logprobs = executor, sampler_cache, max_logprobs
         self.top = min(max_logprobs, executor.vocab_size)     # top columns the graphs compute
         self._build_missing = build_missing
+        #: The last step, kept by the runner (None before the first).
+        self.last: LastStep | None = None
+
+    # ---- the last step's readouts ----------------------------------------------------
+    def last_step(self) -> StepInfo | None:
+        """What the last step ran as (``runner.last_step``; built on demand: a step keeps a tuple)."""
+        if self.last is None:
+            return None
+        plan, t, r, seconds = self.last
+        return StepInfo(plan.dispatch, plan.mode, plan.key, t, r, plan.eager_reason, seconds, plan.eager_cause,
+                        plan.wanted)
+
+    def hidden_states(self, num_tokens: int | None = None) -> np.ndarray:
+        """The last step's hidden states of its real tokens (a copy: the next step reuses the buffer)."""
+        return np.array(self.executor.hidden_states(num_tokens or self.last.num_tokens), copy=True)
+
+    def logits(self) -> np.ndarray:
+        """The last step's logits at each real request's last token (a copy)."""
+        return np.array(self.executor.logits(self.last.num_reqs), copy=True)
+
+    def device_logits(self) -> Any:
+        """The last step's logits on the device, its bucket's rows: a torch view (until the next
+        step) or XLA's array."""
+        return self.executor.device_logits(self.last.plan.padded_reqs)
+
+    def position_logits(self) -> np.ndarray:
+        """With ``num_speculative_tokens = k > 0``: the last step's logits at each real
+        request's last ``1 + k`` scheduled positions, ``[R, 1 + k, V]`` (a copy). In a
+        verification step (every request scheduled its last token and ``k`` drafts), row ``j``
+        is the target's distribution for the token after position ``j``: draft ``j + 1`` is
+        accepted when it is what row ``j`` samples. Rows before a request's first scheduled
+        token are unspecified."""
+        return np.array(self.executor.position_logits(self.last.num_reqs), copy=True)
+
+    # ---- logprobs --------------------------------------------------------------------
 
     def check(self, sampling: SamplingBatch | None, prompt_logprobs: Any, num_reqs: int) -> np.ndarray | None:
         """Refuse a logprobs count above ``max_logprobs`` (in the batch or ``prompt_logprobs``),

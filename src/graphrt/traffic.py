@@ -74,7 +74,7 @@ class TrafficFit:
     """Step-size histograms of a runner and its bucket set re-fitted to them every ``interval`` steps.
 
     Holds the runner (it reads ``runner.step_sizes``, ``runner.dispatcher`` and the caches and
-    calls ``runner.replace_dispatcher``) and its :class:`~graphrt.background.BackgroundWarmup`
+    calls ``runner.warmup_plan.replace_dispatcher``) and its :class:`~graphrt.background.BackgroundWarmup`
     (which builds the new keys and runs :meth:`maybe_refit` between steps).
     """
 
@@ -165,7 +165,7 @@ class TrafficFit:
         self.history.append(record)
         background = runner.background
         if self._must_retire_first(jobs):
-            record["retired"] = runner.replace_dispatcher(new, retire)
+            record["retired"] = runner.warmup_plan.replace_dispatcher(new, retire)
             record["installed"] = True
             record["added"] = background.plan(jobs)
         else:
@@ -199,7 +199,7 @@ class TrafficFit:
             return
         new, retire = self._next
         self._next = None
-        retired = self.runner.replace_dispatcher(new, retire)
+        retired = self.runner.warmup_plan.replace_dispatcher(new, retire)
         if self.history:
             self.history[-1].update(installed=True, retired=retired)
         logger.info("graphrt: traffic re-fit installed: decode buckets %s, token buckets %s; %d keys retired",

@@ -176,7 +176,7 @@ def run_steps(runner: ModelRunner, steps: list = STEPS, seen: list | None = None
     for computed, scheduled in steps:
         runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(len(scheduled)),
                        num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
-        out.append(runner.logits().copy())
+        out.append(runner.outputs.logits().copy())
         if seen is not None:
             seen.append(runner.last_step)
     return out

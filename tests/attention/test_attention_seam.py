@@ -87,7 +87,7 @@ def _run(runner: ModelRunner, embeds: np.ndarray, scheduled: list[int]) -> np.nd
     runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(n, dtype=np.int32),
                    num_computed_tokens=np.zeros(n, np.int32), num_scheduled_tokens=np.asarray(scheduled, np.int32),
                    extra_inputs={"embeds": embeds})
-    return runner.logits()
+    return runner.outputs.logits()
 
 
 def test_extra_inputs_reach_the_graphs_padded_with_their_fill():

@@ -230,7 +230,7 @@ def last_logits(llm: graphrt.LLM) -> np.ndarray:
     rows = []
     for prompt in PROMPTS:
         llm.generate([prompt], SamplingParams(max_tokens=1))
-        rows.append(llm.runner.logits()[0])
+        rows.append(llm.runner.outputs.logits()[0])
     return np.array(rows)
 
 

@@ -254,13 +254,13 @@ def test_xla_backend_runs_the_pallas_layout(pallas_on_cpu, monkeypatch):
     assert ex.programs.attention.kernel == "pallas" and ex.kv_cache.ndim == 4
     assert ex.kv_cache.shape[1:] == (16, 2 * 2, 16) and ex.kv_cache.shape[0] % 2 == 0
     got = pallas.generate(prompts, params)
-    got_logits = pallas.runner.logits()
+    got_logits = pallas.runner.outputs.logits()
     monkeypatch.setenv("GRAPHRT_ATTENTION", "reference")
     reference = graphrt.LLM(d, backend="xla", **XLA)
     assert reference.runner.executor.kv_cache.ndim == 5
     want = reference.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert_close_across_reductions(got_logits, reference.runner.logits(), width=64)
+    assert_close_across_reductions(got_logits, reference.runner.outputs.logits(), width=64)
 
 
 # ---- the choice -----------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def position_logits(llm: graphrt.LLM, outputs) -> np.ndarray:
     rows = []
     for seq in prefixes(outputs):
         llm.generate([seq], SamplingParams(max_tokens=1))
-        rows.append(llm.runner.logits()[0])
+        rows.append(llm.runner.outputs.logits()[0])
     return np.array(rows)
 
 

@@ -178,7 +178,7 @@ def run_scaled(backend: Any, like: ModelRunner | None = None) -> tuple[ModelRunn
         runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(3),
                        num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
         assert runner.last_step.mode is RuntimeMode.FULL or isinstance(backend, EagerBackend)
-        out.append(runner.logits().copy())
+        out.append(runner.outputs.logits().copy())
     return runner, out
 
 
@@ -252,6 +252,6 @@ def test_acl_graph_replay_matches_eager_on_hardware() -> None:
         runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(3),
                        num_computed_tokens=np.zeros(3, dtype=np.int32), num_scheduled_tokens=np.array([1, 1, 1]))
     assert got.last_step.mode is RuntimeMode.FULL and same.last_step.key == got.last_step.key
-    assert_close_across_shapes(got.logits(), same.logits())   # the same padded shape, graph and eager
-    assert_close_across_shapes(got.logits(), want.logits())   # padded and unpadded
-    assert_same_tokens(got.logits(), want.logits())
+    assert_close_across_shapes(got.outputs.logits(), same.outputs.logits())   # the same padded shape, graph and eager
+    assert_close_across_shapes(got.outputs.logits(), want.outputs.logits())   # padded and unpadded
+    assert_same_tokens(got.outputs.logits(), want.outputs.logits())

@@ -4,7 +4,7 @@
   page-locked host slot behind an event, equal to what ``execute`` returns for the same step,
   and the previous step's tokens are read on the device (``future_rows``);
 * ``graphrt.LLM`` overlaps by default on cuda and gives the plain loop's tokens and logprobs;
-* ``runner.device_logits()`` is the CUDA buffer itself.
+* ``runner.outputs.device_logits()`` is the CUDA buffer itself.
 
 The same code runs on the CPU graphs in CI (tests/engine/test_overlap.py, tests/sampler/test_logprobs.py); the
 plain against overlapped step time is ``benchmarks/bench_overlap.py --backend cuda`` (``make
@@ -56,7 +56,7 @@ def test_execute_async_launches_and_resolves_from_an_event():
     np.testing.assert_array_equal(got_first.token_ids, first.token_ids)
     np.testing.assert_array_equal(got_second.token_ids, second.token_ids)
     np.testing.assert_allclose(got_second.logprobs.logprobs, second.logprobs.logprobs, **graphrt.tolerance()._asdict())
-    logits = runner.device_logits()
+    logits = runner.outputs.device_logits()
     assert logits.is_cuda and logits.data_ptr() == ex.logits_out.data_ptr()
 
 

@@ -54,15 +54,15 @@ def run_and_compare(step, runner, ref, twin=None):
     like ``runner``, runs the same shapes and must agree bit for bit, KV cache included."""
     tokens = step.run(runner, greedy(step.num_reqs))
     ref_tokens = step.run(ref, greedy(step.num_reqs))
-    assert_close_across_shapes(runner.hidden_states(), ref.hidden_states())
-    assert_close_across_shapes(runner.logits(), ref.logits())
+    assert_close_across_shapes(runner.outputs.hidden_states(), ref.outputs.hidden_states())
+    assert_close_across_shapes(runner.outputs.logits(), ref.outputs.logits())
     np.testing.assert_array_equal(tokens, ref_tokens)
     if twin is not None:
         np.testing.assert_array_equal(step.run(twin, greedy(step.num_reqs)), tokens)
-        np.testing.assert_array_equal(twin.hidden_states(), runner.hidden_states())
-        np.testing.assert_array_equal(twin.logits(), runner.logits())
+        np.testing.assert_array_equal(twin.outputs.hidden_states(), runner.outputs.hidden_states())
+        np.testing.assert_array_equal(twin.outputs.logits(), runner.outputs.logits())
         assert same_bits(twin.executor.kv_cache, runner.executor.kv_cache)
-    return runner.logits().copy()
+    return runner.outputs.logits().copy()
 
 
 # ---- replay on new inputs --------------------------------------------------------------
@@ -118,9 +118,9 @@ def test_python_value_changed_after_capture_is_not_seen_by_replay(cpu_runner, ea
         for attn in r.model.attention_layers():
             monkeypatch.setattr(attn, "scale", attn.scale * 3.0)
     step.run(cpu_runner)
-    replayed = cpu_runner.logits().copy()
+    replayed = cpu_runner.outputs.logits().copy()
     step.run(eager_runner)
-    eager = eager_runner.logits().copy()
+    eager = eager_runner.outputs.logits().copy()
     np.testing.assert_array_equal(replayed, before)          # the graph kept the captured value
     assert not np.allclose(eager, before, rtol=1e-3, atol=1e-3)   # eager sees the new one
     # A step above the largest bucket runs eagerly on the cpu backend too, and sees it.
@@ -128,7 +128,7 @@ def test_python_value_changed_after_capture_is_not_seen_by_replay(cpu_runner, ea
     big.run(cpu_runner)
     assert cpu_runner.last_step.mode is RuntimeMode.NONE
     big.run(eager_runner)
-    assert_close_across_shapes(cpu_runner.logits(), eager_runner.logits())
+    assert_close_across_shapes(cpu_runner.outputs.logits(), eager_runner.outputs.logits())
 
 
 # ---- a host sync during capture -------------------------------------------------------------

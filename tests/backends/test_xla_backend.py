@@ -105,7 +105,7 @@ class Driver:
 
 def check_logits(hf, driver: Driver, rows: list[int]) -> None:
     """The last step's logits of ``rows`` (in step order) match transformers' for the same prefixes."""
-    logits = driver.runner.logits()
+    logits = driver.runner.outputs.logits()
     for i, r in enumerate(rows):
         ref = hf_logits(hf, driver.seqs[r][:driver.done[r]]).numpy()[-1]
         np.testing.assert_allclose(logits[i], ref, rtol=ATOL, atol=ATOL)
@@ -208,7 +208,7 @@ def test_padding_is_invisible_and_writes_no_real_slot(qwen):
     kv_before = np.asarray(ex.kv_cache)
     d.step({0: 10})                                   # 10 tokens -> bucket (16, 4)
     assert llm.runner.last_step.key == BatchDescriptor(16, 4, False, max_seq_len=CTX)
-    alone, alone_hidden = llm.runner.logits()[0], llm.runner.hidden_states()[:10]
+    alone, alone_hidden = llm.runner.outputs.logits()[0], llm.runner.outputs.hidden_states()[:10]
     kv_after = np.asarray(ex.kv_cache)
     written = (d.blocks[0, :3, None] * 4 + np.arange(4)).reshape(-1)[:10]
     changed = np.flatnonzero((kv_after[:, :, :-1] != kv_before[:, :, :-1]).any(axis=(0, 1, 3, 4)))
@@ -216,19 +216,19 @@ def test_padding_is_invisible_and_writes_no_real_slot(qwen):
     assert np.isfinite(kv_after).all()
     d.step({1: 10, 2: 15})                            # 25 tokens -> bucket (32, 4)
     assert llm.runner.last_step.key == BatchDescriptor(32, 4, False, max_seq_len=CTX)
-    assert_close_across_shapes(llm.runner.logits()[0], alone)       # another bucket: graphrt.tolerance
-    assert_close_across_shapes(llm.runner.hidden_states()[:10], alone_hidden)
-    assert_same_tokens(llm.runner.logits()[0], alone)
+    assert_close_across_shapes(llm.runner.outputs.logits()[0], alone)       # another bucket: graphrt.tolerance
+    assert_close_across_shapes(llm.runner.outputs.hidden_states()[:10], alone_hidden)
+    assert_same_tokens(llm.runner.outputs.logits()[0], alone)
     check_logits(hf, d, [1, 2])
     d.step({0: 1})                                    # decode bucket 1
     assert llm.runner.last_step.key == BatchDescriptor(1, 1, True, max_seq_len=CTX)
-    solo = llm.runner.logits()[0]
+    solo = llm.runner.outputs.logits()[0]
     check_logits(hf, d, [0])
     d.step({3: 3})
     d.step({1: 1, 2: 1, 3: 1})                        # decode bucket 4 with 3 requests
     assert llm.runner.last_step.key == BatchDescriptor(4, 4, True, max_seq_len=CTX)
-    assert_close_across_shapes(llm.runner.logits()[0], solo)
-    assert_same_tokens(llm.runner.logits()[0], solo)
+    assert_close_across_shapes(llm.runner.outputs.logits()[0], solo)
+    assert_same_tokens(llm.runner.outputs.logits()[0], solo)
     check_logits(hf, d, [1, 2, 3])
 
 
@@ -247,7 +247,7 @@ def test_a_wider_block_table_gives_the_trimmed_tables_logits(qwen):
             logits = []
             for d in (trimmed, wide):
                 d.step(sched)
-                logits.append(runner.logits())
+                logits.append(runner.outputs.logits())
             np.testing.assert_array_equal(logits[0], logits[1])
     assert trimmed.seqs[1] == wide.seqs[1] and c.compiles == 0
 
@@ -469,7 +469,7 @@ def test_seeded_sampling_is_reproducible_and_filters_hold(qwen):
     out = d.step({0: 6, 1: 6, 2: 6}, {0: SamplingParams(temperature=5.0, top_k=1),
                                       1: SamplingParams(temperature=5.0, top_p=1e-6),
                                       2: SamplingParams(temperature=5.0, top_k=2, seed=3)})
-    logits = runner.logits()
+    logits = runner.outputs.logits()
     greedy = int(logits[0].argmax())
     assert out[0] == greedy and out[1] == greedy
     assert out[2] in set(np.argsort(logits[2])[-2:].tolist())
@@ -538,7 +538,7 @@ def test_loaded_executables_give_identical_results(tmp_path, restore_compilation
         runner.execute(token_ids=table, block_table=blocks, req_rows=np.array([0, 1]),
                        num_computed_tokens=np.array([0, 0]),
                        num_scheduled_tokens=np.array([len(p) for p in prompts]))
-        outs.append((runner.logits(), compile_report(runner.cache, runner.sampler_cache)))
+        outs.append((runner.outputs.logits(), compile_report(runner.cache, runner.sampler_cache)))
     (cold_logits, cold_report), (warm_logits, warm_report) = outs
     assert not any(r["persistent_cache_hit"] for r in cold_report)
     # Every forward is deserialized; a sampler whose executable XLA cannot serialize (a sort
@@ -587,9 +587,9 @@ def test_nnx_module_matches_params_model_with_lazy_compiles():
         d = Driver(runner)
         d.add(0, [3, 1, 4, 1, 5, 9, 2, 6])
         d.step({0: 8})
-        first = runner.logits()[0]
+        first = runner.outputs.logits()[0]
         d.step({0: 1})
-        outs.append((first, runner.logits()[0], d.seqs[0]))
+        outs.append((first, runner.outputs.logits()[0], d.seqs[0]))
         assert len(compile_report(runner.cache, runner.sampler_cache)) == 4
         assert runner.executor.compiles.stats.unplanned_builds == 0 and not runner.executor.compiles.sealed
         # Each sampler compiled on first use is in the runner's sampler cache: a hit, as a forward.

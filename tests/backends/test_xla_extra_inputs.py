@@ -80,7 +80,7 @@ def test_logits_equal_the_plain_forward_that_adds_the_embeds_and_nothing_recompi
                              num_scheduled_tokens=np.array(sched), sampling=greedy(len(rows)),
                              extra_inputs={"embeds": step_embeds})
         keys.append(runner.last_step.key)
-        logits = runner.logits()
+        logits = runner.outputs.logits()
         for i, r in enumerate(rows):
             done[r] = len(seqs[r])
             seen.append((r, done[r] - 1, logits[i]))
@@ -119,7 +119,7 @@ def test_padded_rows_carry_the_fill_after_a_fuller_step(served):
         runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.array([2, 3]),
                        num_computed_tokens=np.zeros(2, np.int32), num_scheduled_tokens=np.array(scheduled),
                        sampling=greedy(2), extra_inputs={"embeds": values})
-        runner.logits()
+        runner.outputs.logits()
         assert runner.last_step.key.num_tokens == 16
         got = received[-1]
         n = sum(scheduled)
@@ -163,7 +163,7 @@ def test_a_model_without_extra_inputs_keeps_its_signature_and_refuses_them():
         runner.execute(**step, extra_inputs={"embeds": np.zeros((3, CFG.hidden_size), np.float32)})
     runner.execute(**step)
     want = neox.reference_logits(params_of(runner), CFG, [7, 7, 7])
-    np.testing.assert_allclose(runner.logits()[0], want[2], rtol=ATOL, atol=ATOL)
+    np.testing.assert_allclose(runner.outputs.logits()[0], want[2], rtol=ATOL, atol=ATOL)
 
 
 def test_declarations_are_checked_and_graphrts_decoder_reads_none():
@@ -235,7 +235,7 @@ def test_an_nnx_module_declares_them_as_an_attribute():
                    num_computed_tokens=np.zeros(1, np.int32), num_scheduled_tokens=np.array([5]), sampling=greedy(1),
                    extra_inputs={"embeds": embeds})
     want = neox.reference_logits(params, CFG, [3, 9, 4, 1, 7], embeds)
-    np.testing.assert_allclose(runner.logits()[0], want[4], rtol=ATOL, atol=ATOL)
+    np.testing.assert_allclose(runner.outputs.logits()[0], want[4], rtol=ATOL, atol=ATOL)
 
 
 def test_tensor_parallelism_replicates_them_in_subprocess():
@@ -274,7 +274,7 @@ def _tp_main() -> None:
     runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.array([0, 1]),
                    num_computed_tokens=np.zeros(2, np.int32), num_scheduled_tokens=np.array([5, 3]),
                    sampling=greedy(2), extra_inputs={"embeds": embeds})
-    logits = runner.logits()
+    logits = runner.outputs.logits()
     params = params_of(runner)
     for i, (ids, rows) in enumerate(((prompts[0], embeds[:5]), (prompts[1], embeds[5:]))):
         want = neox.reference_logits(params, CFG, ids, rows)[-1]

@@ -82,7 +82,7 @@ def test_a_neox_model_with_its_own_config_matches_its_plain_forward(kind):
         out = runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.array(rows),
                              num_computed_tokens=np.array([done[r] for r in rows]),
                              num_scheduled_tokens=np.array(sched), sampling=greedy(len(rows)))
-        logits = runner.logits()
+        logits = runner.outputs.logits()
         for i, r in enumerate(rows):
             done[r] = len(seqs[r])
             seen.append((r, done[r] - 1, logits[i]))
@@ -163,7 +163,7 @@ def test_a_config_without_intermediate_size_runs_on_one_device():
     for r in (runner, want):
         r.execute(token_ids=tokens, block_table=np.arange(1, 17, dtype=np.int32).reshape(1, 16),
                   req_rows=np.array([0]), num_computed_tokens=np.array([0]), num_scheduled_tokens=np.array([5]))
-    np.testing.assert_allclose(runner.logits(), want.logits(), atol=ATOL)
+    np.testing.assert_allclose(runner.outputs.logits(), want.outputs.logits(), atol=ATOL)
 
 
 class _DevicesLengths(graphrt.AttentionDeclarations):
@@ -192,7 +192,7 @@ def test_an_xla_models_attention_is_declared_as_a_torch_models_is():
         r.execute(token_ids=tokens, block_table=np.arange(1, 17, dtype=np.int32).reshape(1, 16),
                   req_rows=np.array([0]), num_computed_tokens=np.array([0]), num_scheduled_tokens=np.array([5]))
     assert wide.last_step.key.max_seq_len is None and narrow.last_step.key.max_seq_len is not None
-    np.testing.assert_allclose(wide.logits(), narrow.logits(), atol=ATOL)
+    np.testing.assert_allclose(wide.outputs.logits(), narrow.outputs.logits(), atol=ATOL)
 
 
 @pytest.mark.parametrize("attrs,settings,message", [

@@ -103,7 +103,7 @@ def _step(runner: ModelRunner, tokens: np.ndarray, blocks: np.ndarray, computed:
     runner.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(n, dtype=np.int32),
                    num_computed_tokens=np.asarray(computed, np.int32),
                    num_scheduled_tokens=np.asarray(scheduled, np.int32))
-    return runner.logits()
+    return runner.outputs.logits()
 
 
 def _widths(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[int]:

@@ -206,7 +206,7 @@ def test_cpu_runner_gives_the_trimmed_tables_tokens(model_dir, tables):
         for rows, computed, scheduled in steps:
             step = tables.step(rows, computed, scheduled)
             tokens = runner.execute(**{**step.kwargs(), "block_table": table}, sampling=greedy(len(rows)))
-            out.append((tokens.copy(), runner.logits()))
+            out.append((tokens.copy(), runner.outputs.logits()))
         seen.append(out)
     for (tok_a, log_a), (tok_b, log_b) in zip(*seen):
         assert np.array_equal(tok_a, tok_b) and np.array_equal(log_a, log_b)

@@ -41,7 +41,7 @@ class Steps:
             token_ids=self.tok, block_table=self.blocks, req_rows=np.arange(n, dtype=np.int32),
             num_computed_tokens=computed, num_scheduled_tokens=scheduled,
             sampling=sampling_batch([graphrt.SamplingParams()] * n, list(range(n)), self.runner.vocab_size))
-        return tokens, self.runner.logits()
+        return tokens, self.runner.outputs.logits()
 
     def prefill_then_decode(self) -> list[np.ndarray]:
         first, logits1 = self.run(np.zeros(len(self.prompts), np.int32), self.lens)

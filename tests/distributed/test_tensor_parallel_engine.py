@@ -72,7 +72,7 @@ def drive(llm: graphrt.LLM, prompts: list[list[int]]) -> tuple[list[list[int]], 
         for out in llm.step():
             assert out.finish_reason == "length", out.error
             done[out.request_id] = out.token_ids
-        logits.append(llm.runner.logits())
+        logits.append(llm.runner.outputs.logits())
     return [done[i] for i in ids], logits
 
 

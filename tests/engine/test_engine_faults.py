@@ -395,7 +395,7 @@ def test_xla_runner_call_that_loses_the_kv_cache_raises_kv_cache_lost(xla_engine
                 num_computed_tokens=np.array([0], np.int32),
                 num_scheduled_tokens=np.array([len(prompt)], np.int32))
     llm.runner.execute(**step)
-    before = llm.runner.logits()
+    before = llm.runner.outputs.logits()
     with pytest.MonkeyPatch.context() as mp:
         inject(mp, llm, "forward", Fault(1))
         with pytest.raises(KVCacheLostError, match="re-created zeroed") as err:
@@ -403,5 +403,5 @@ def test_xla_runner_call_that_loses_the_kv_cache_raises_kv_cache_lost(xla_engine
     assert isinstance(err.value, graphrt.GraphrtError) and isinstance(err.value.__cause__, InjectedFault)
     assert err.value.request_ids == ()
     llm.runner.execute(**step)
-    np.testing.assert_array_equal(llm.runner.logits(), before)
+    np.testing.assert_array_equal(llm.runner.outputs.logits(), before)
     assert_serves(llm, ref)

@@ -159,7 +159,7 @@ def future_rows_check(runner: graphrt.ModelRunner) -> None:
     first = step([0, 1], [0, 0], lens)
     tok[[0, 1], lens] = first
     second = step([0, 1], lens, [1, 1])
-    want = runner.logits()
+    want = runner.outputs.logits()
     pending = step([2, 3], [0, 0], lens, run=runner.execute_async)
     with pytest.raises(InputError, match="future_rows"):
         step([2, 3], lens, [1, 1], future_rows=[0, 2])        # the last step had 2 requests
@@ -170,7 +170,7 @@ def future_rows_check(runner: graphrt.ModelRunner) -> None:
     later = step([2, 3], lens, [1, 1], run=runner.execute_async, future_rows=[-1, 1])
     assert pending.result().tolist() == first.tolist()
     assert later.result().tolist() == second.tolist()
-    np.testing.assert_array_equal(runner.logits(), want)
+    np.testing.assert_array_equal(runner.outputs.logits(), want)
     step([2, 3], [0, 0], lens)                                  # a step that waited for its tokens
     again = step([2, 3], lens, [1, 1], run=runner.execute_async, future_rows=[-1, 1])
     assert again.result().tolist() == second.tolist()

@@ -133,7 +133,7 @@ def run_schedule(runner: ModelRunner, steps: range | list[int] | None = None) ->
     out = []
     for i in steps if steps is not None else range(len(SCHEDULE)):
         runner.execute(**step_kwargs(i))
-        out.append((runner.last_step.mode, runner.logits().copy()))
+        out.append((runner.last_step.mode, runner.outputs.logits().copy()))
     return out
 
 
@@ -214,7 +214,7 @@ def test_piecewise_parity_on_mixed_batches(backend: str) -> None:
         runner.execute(**step_kwargs(i))
         assert runner.last_step.mode is RuntimeMode.PIECEWISE
         assert runner.last_step.key.num_reqs is None
-        got.append(runner.logits())
+        got.append(runner.outputs.logits())
         assert_across_shapes(got[i], want[i], f"step {i}")
     same, eager = padded_reference(runner, backend, steps)
     for i in steps:

@@ -43,7 +43,7 @@ def run(r: ModelRunner) -> list[tuple[RuntimeMode, np.ndarray]]:
     for computed, scheduled in STEPS:
         r.execute(token_ids=TOKENS, block_table=BLOCKS, req_rows=np.arange(3),
                   num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
-        out.append((r.last_step.mode, r.logits().copy()))
+        out.append((r.last_step.mode, r.outputs.logits().copy()))
     return out
 
 

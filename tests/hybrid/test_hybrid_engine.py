@@ -109,7 +109,7 @@ def _verify_then_continue(runner, prompt: list[int], drafts: list[int], accepted
     tokens[0, :len(kept) + len(follow)] = kept + follow
     runner.execute(token_ids=tokens, num_computed_tokens=np.array([len(kept) - 1]),
                    num_scheduled_tokens=np.array([q]), **args)
-    return runner.position_logits()[0]
+    return runner.outputs.position_logits()[0]
 
 
 @pytest.mark.parametrize("backend", ["eager", "cpu", "xla"])

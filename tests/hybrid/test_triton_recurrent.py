@@ -111,7 +111,7 @@ def test_interpret_models_run_triton_when_asked(arch: str, monkeypatch: pytest.M
             runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([0, 1]),
                            num_computed_tokens=np.array([0, 0]) if c == 0 else np.array([5, 3]),
                            num_scheduled_tokens=np.array(n))
-            out.append(runner.logits())
+            out.append(runner.outputs.logits())
         logits[choice] = np.stack(out)
         assert bool(calls) == (choice == "triton")
         monkeypatch.setattr(triton_recurrent, "_kernels", real)

@@ -51,7 +51,7 @@ def test_same_tokens_as_upfront_across_the_transition(model_dir, tables, manual)
         a, b = step.run(bg, greedy(n)), step.run(up, greedy(n))
         np.testing.assert_array_equal(a, b)
         tol = graphrt.tolerance(np.float32)
-        np.testing.assert_allclose(bg.logits(), up.logits(), rtol=tol.rtol, atol=tol.atol)
+        np.testing.assert_allclose(bg.outputs.logits(), up.outputs.logits(), rtol=tol.rtol, atol=tol.atol)
         info = bg.last_step
         if info.wanted is not None:              # its key is still being built
             seen_eager |= info.mode is RuntimeMode.NONE and info.eager_cause is EagerCause.WARMING_UP
@@ -206,7 +206,7 @@ class Transitioning(RunnerFactory):
             old = runner.dispatcher
             new = old.with_buckets(decode_buckets=BucketPolicy([2, old.decode_buckets.max_size]))
             keep = set(warmup_keys(new))
-            runner.replace_dispatcher(new, [job for job in warmup_keys(old) if job not in keep])
+            runner.warmup_plan.replace_dispatcher(new, [job for job in warmup_keys(old) if job not in keep])
             runner.background.plan(warmup_keys(new))
         return runner
 

@@ -74,7 +74,7 @@ def test_a_refitted_bucket_set_survives_a_restart(model_dir, tables, tmp_path, m
     new = r.dispatcher.with_buckets(decode_buckets=BucketPolicy([2, r.dispatcher.decode_buckets.max_size]))
     keep = set(warmup_keys(new))
     with r._lock:
-        r.replace_dispatcher(new, [j for j in warmup_keys(r.dispatcher) if j not in keep])
+        r.warmup_plan.replace_dispatcher(new, [j for j in warmup_keys(r.dispatcher) if j not in keep])
     again = make(model_dir, tables, tmp_path)
     assert again.dispatcher.decode_buckets == new.decode_buckets
     assert set(again.background.pending) == set(warmup_keys(new, again.config.max_logprobs > 0))
@@ -91,7 +91,7 @@ def test_an_unreadable_plan_is_ignored(model_dir, tables, tmp_path, manual, capl
 
 def test_disable_capture_plan(model_dir, tables, tmp_path, manual):
     r = make(model_dir, tables, tmp_path, disable_capture_plan=True)
-    assert r.capture_plans is None and r.save_capture_plan() is None
+    assert r.capture_plans is None and r.warmup_plan.save() is None
 
 
 @pytest.mark.slow

@@ -158,7 +158,7 @@ def step(r: ModelRunner, tokens, blocks, computed, scheduled, lora_ids) -> np.nd
     n = len(scheduled)
     r.execute(token_ids=tokens, block_table=blocks, req_rows=np.arange(n), num_computed_tokens=np.asarray(computed),
               num_scheduled_tokens=np.asarray(scheduled), lora_ids=lora_ids)
-    return r.logits()
+    return r.outputs.logits()
 
 
 def test_adapters_through_graphs_equal_eager_and_the_merged_weights():
@@ -169,7 +169,7 @@ def test_adapters_through_graphs_equal_eager_and_the_merged_weights():
     built = len(graph.cache)
     for r in (graph, eager):                     # loaded after capture: the replays must see them
         for slot, weights in ADAPTERS.items():
-            r.load_lora(slot, weights, scale=SCALE)
+            r.lora.load(slot, weights, scale=SCALE)
     assert isinstance(graph.model.model.layers[0].self_attn.o_proj, LoRALinear)
 
     prompts = list(PROMPTS)
@@ -202,7 +202,7 @@ def test_adapters_through_graphs_equal_eager_and_the_merged_weights():
     # A new adapter in slot 0 after capture: the FULL decode graph replays with it.
     replaced = adapter(3, RANK)
     for r in (graph, eager):
-        r.load_lora(0, replaced, scale=SCALE)
+        r.lora.load(0, replaced, scale=SCALE)
     computed = [prompts[0], prompts[1], prompts[2] - 1]
     got = step(graph, tokens, blocks, computed, [1, 1, 1], [0, -1, -1])
     assert_bitwise(got, step(eager, tokens, blocks, computed, [1, 1, 1], [0, -1, -1]), "after reloading slot 0")
@@ -217,7 +217,7 @@ def test_adapters_through_graphs_equal_eager_and_the_merged_weights():
     assert graph.last_step.key == BatchDescriptor(4, 4, True, max_seq_len=LIMITS["max_model_len"])
     assert graph.last_step.mode is RuntimeMode.FULL
 
-    assert graph.remove_lora(0) and not graph.remove_lora(0)
+    assert graph.lora.remove(0) and not graph.lora.remove(0)
     with pytest.raises(InputError, match=r"lora_ids\[0\].*slot 0 holds no adapter"):
         step(graph, tokens, blocks, computed, [1, 1, 1], [0, -1, -1])
 
@@ -229,7 +229,7 @@ def test_breakable_pieces_apply_adapters_as_eager():
     eager = pad_like(runner("eager", max_loras=MAX_LORAS, max_lora_rank=RANK), graph)
     for r in (graph, eager):
         for slot, weights in ADAPTERS.items():
-            r.load_lora(slot, weights, scale=SCALE)
+            r.lora.load(slot, weights, scale=SCALE)
     for lora_ids, computed, scheduled in (([0, -1, 1], [0, 0, 0], [p - 2 for p in PROMPTS]),
                                           ([1, -1], [p - 2 for p in PROMPTS[:2]], [1, 1])):
         got = step(graph, tokens, blocks, computed, scheduled, lora_ids)
@@ -242,12 +242,10 @@ def test_breakable_pieces_apply_adapters_as_eager():
 def test_max_loras_zero_leaves_the_model_as_it_was():
     r = runner("eager")
     assert all(type(layer.self_attn.o_proj) is torch.nn.Linear for layer in r.model.model.layers)
-    assert r.executor.lora is None
+    assert r.executor.lora is None and r.lora is None      # no feature object: nothing to load into
     tokens, blocks = tables()
     with pytest.raises(InputError, match="lora_ids.*max_loras=0"):
         step(r, tokens, blocks, [0], [3], [-1])
-    with pytest.raises(InputError, match="slot.*max_loras=0"):
-        r.load_lora(0, ADAPTERS[0])
 
 
 BAD_IDS = [([0, 1], r"lora_ids: 2 rows for 3 requests"), ([[0], [1], [0]], r"lora_ids: must be 1-D"),
@@ -259,7 +257,7 @@ BAD_IDS = [([0, 1], r"lora_ids: 2 rows for 3 requests"), ([[0], [1], [0]], r"lor
 
 def test_bad_lora_ids_are_refused_and_nothing_is_mutated():
     r = runner("eager", max_loras=MAX_LORAS, max_lora_rank=RANK)
-    r.load_lora(0, ADAPTERS[0], scale=SCALE)
+    r.lora.load(0, ADAPTERS[0], scale=SCALE)
     tokens, blocks = tables()
     step(r, tokens, blocks, [0, 0, 0], [2, 2, 2], [0, None, -1])            # None: no adapter
     assert r.last_step.key.num_loras == 1
@@ -275,7 +273,7 @@ def test_bad_lora_ids_are_refused_and_nothing_is_mutated():
 
 def test_bad_adapters_are_refused_and_nothing_is_copied():
     r = runner("eager", max_loras=MAX_LORAS, max_lora_rank=RANK)
-    r.load_lora(1, ADAPTERS[1], scale=SCALE)
+    r.lora.load(1, ADAPTERS[1], scale=SCALE)
     layers = r.executor.lora.layers
     saved = {n: (l.lora_a.clone(), l.lora_b.clone()) for n, l in layers.items()}
     a, b = ADAPTERS[0][O_PROJ.format(0)]
@@ -292,8 +290,8 @@ def test_bad_adapters_are_refused_and_nothing_is_copied():
              (1, ADAPTERS[0], {"scale": float("inf")}, "scale"), (1, {}, {}, "weights")]
     for slot, weights, kw, match in cases:
         with pytest.raises(InputError, match=match):
-            r.load_lora(slot, weights, **kw)
+            r.lora.load(slot, weights, **kw)
     for n, layer in layers.items():
         assert torch.equal(layer.lora_a, saved[n][0]) and torch.equal(layer.lora_b, saved[n][1])
     assert r.executor.lora.loaded.tolist() == [False, True]
-    assert r.lora_targets() == {O_PROJ.format(i): (64, 64) for i in range(2)}
+    assert r.lora.targets() == {O_PROJ.format(i): (64, 64) for i in range(2)}

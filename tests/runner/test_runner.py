@@ -182,7 +182,7 @@ def test_non_strict_missing_key_runs_eagerly_and_counts_why(model_dir, tables, r
     ref = runners["eager"]
     fill_kv(ref)
     ref_tokens = step.run(ref, greedy(2))
-    np.testing.assert_array_equal(runner.logits(), ref.logits())   # both eager, same shapes
+    np.testing.assert_array_equal(runner.outputs.logits(), ref.outputs.logits())   # both eager, same shapes
     np.testing.assert_array_equal(tokens, ref_tokens)
 
 
@@ -199,7 +199,7 @@ def test_eager_fallback_above_the_largest_bucket(runners, tables):
     assert "12 tokens above the largest token bucket (8)" in info.eager_reason
     assert runner.stats.eager_steps == eager_before + 1
     assert runner.stats.eager_reasons[info.eager_reason] >= 1
-    np.testing.assert_array_equal(runner.logits(), ref.logits())
+    np.testing.assert_array_equal(runner.outputs.logits(), ref.outputs.logits())
 
 
 def test_capture_order_is_largest_first(runners):
@@ -228,7 +228,7 @@ def test_greedy_is_argmax_of_logits(runners, tables, name):
     for rows, computed, scheduled in STEPS:
         step = tables.step(rows, computed, scheduled)
         tokens = step.run(runner, greedy(step.num_reqs))
-        np.testing.assert_array_equal(tokens, runner.logits().argmax(axis=-1))
+        np.testing.assert_array_equal(tokens, runner.outputs.logits().argmax(axis=-1))
     if name.startswith("cpu"):
         assert runner.sampler_cache.stats.hits == hits + len(STEPS)   # the sampler graph ran
 
@@ -274,7 +274,7 @@ def test_top_k_one_is_greedy_and_samples_stay_in_the_allowed_set(runners, tables
     step = tables.step([0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [3, 2, 4, 1, 5])
     top1 = [SamplingParams(temperature=1.0, top_k=1)] * 5
     tokens = step.run(runner, sampling_batch(top1, range(5), VOCAB))
-    np.testing.assert_array_equal(tokens, runner.logits().argmax(axis=-1))
+    np.testing.assert_array_equal(tokens, runner.outputs.logits().argmax(axis=-1))
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=2.0, top_k=3),
               SamplingParams(temperature=1.0, top_p=0.3), SamplingParams(temperature=0.5, top_k=5, top_p=0.5),
               SamplingParams(temperature=1.0, top_k=4)]
@@ -282,7 +282,7 @@ def test_top_k_one_is_greedy_and_samples_stay_in_the_allowed_set(runners, tables
         batch = sampling_batch([dataclasses.replace(p, seed=100 * seed + i) for i, p in enumerate(params)],
                                range(10 + 5 * seed, 15 + 5 * seed), VOCAB)
         tokens = step.run(runner, batch)
-        logits = runner.logits().copy()
+        logits = runner.outputs.logits().copy()
         for i, (tok, p) in enumerate(zip(tokens, params)):
             allowed = allowed_tokens(logits[i], p.temperature, VOCAB if p.top_k < 0 else p.top_k, p.top_p)
             assert allowed[tok], f"row {i}: token {tok} outside top_k={p.top_k} / top_p={p.top_p}"
@@ -404,12 +404,12 @@ def test_bad_input_raises_and_touches_nothing(runners, tables, name):
     runner = runners[name]
     fill_kv(runner, seed=4, poison=False)
     good = tables.step(*GOOD)
-    first = good.run(runner, greedy(3)), runner.logits().copy()
+    first = good.run(runner, greedy(3)), runner.outputs.logits().copy()
     for kind in BAD_KINDS:
         bad_input_rejected(lambda: runner, bad_step(tables, kind, runner.num_kv_blocks))
         tokens = good.run(runner, greedy(3))
         np.testing.assert_array_equal(tokens, first[0])
-        np.testing.assert_array_equal(runner.logits(), first[1])
+        np.testing.assert_array_equal(runner.outputs.logits(), first[1])
 
 
 def test_sampling_rows_must_match_even_when_all_greedy(runners, tables):
@@ -458,7 +458,7 @@ def test_host_kernels_agree_through_the_runner(model_dir, tables):
         for runner in pair.values():
             tokens = step.run(runner, greedy(step.num_reqs))
             staged = {name: buf.copy() for name, buf in runner.executor.host_buffers.items()}
-            seen.append((tokens, staged, runner.last_step.key, runner.logits()))
+            seen.append((tokens, staged, runner.last_step.key, runner.outputs.logits()))
         (tok_a, staged_a, key_a, logits_a), (tok_b, staged_b, key_b, logits_b) = seen
         assert key_a == key_b
         np.testing.assert_array_equal(tok_a, tok_b)

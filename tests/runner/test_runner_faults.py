@@ -59,7 +59,7 @@ def test_failed_sampler_capture_is_counted_and_reported(model_dir, tables, monke
     assert runner.sampler_stats.eager_steps == 1 and runner.sampler_stats.real_reqs == 2
     [reason] = runner.sampler_stats.eager_reasons
     assert "sampler capture failed" in reason and "stream is capturing" in reason
-    np.testing.assert_array_equal(tokens, runner.logits().argmax(-1))   # and the tokens are right
+    np.testing.assert_array_equal(tokens, runner.outputs.logits().argmax(-1))   # and the tokens are right
 
 
 def test_strict_warmup_raises_graph_capture_error_with_the_reason(model_dir, tables, monkeypatch):

@@ -163,7 +163,7 @@ def reference(tokens: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.nd
     out = np.zeros((n, Q, ref.vocab_size), np.float32)
     for j in range(Q):
         execute(ref, tokens, blocks, range(n), [p - 1 + j for p in PROMPTS], [1] * n)
-        out[:, j] = ref.logits()
+        out[:, j] = ref.outputs.logits()
         for i, p in enumerate(PROMPTS):
             if j + 1 < Q:
                 tokens[i, p + j] = out[i, j].argmax()     # the next draft: the greedy token
@@ -176,7 +176,7 @@ def verify(r: ModelRunner, tokens: np.ndarray, blocks: np.ndarray) -> np.ndarray
     n = len(PROMPTS)
     execute(r, tokens, blocks, range(n), [0] * n, [p - 1 for p in PROMPTS])
     execute(r, tokens, blocks, range(n), [p - 1 for p in PROMPTS], [Q] * n)
-    return r.position_logits()
+    return r.outputs.position_logits()
 
 
 MODES = ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE"]
@@ -195,7 +195,7 @@ def test_verification_equals_decoding_one_token_at_a_time(backend, mode):
     assert_same_tokens(got, want)
     drafts = np.stack([tokens[i, p:p + K] for i, p in enumerate(PROMPTS)])
     assert np.array_equal(got[:, :K].argmax(-1), drafts)          # every draft accepted
-    assert np.array_equal(r.logits(), got[:, -1])                 # the sampled row is the last one
+    assert np.array_equal(r.outputs.logits(), got[:, -1])                 # the sampled row is the last one
     if backend == "eager":
         assert info.mode is RuntimeMode.NONE
     elif mode == "PIECEWISE":     # 9 tokens padded to the 16-token bucket: not a multiple of Q
@@ -223,7 +223,7 @@ def test_position_logits_need_speculative_tokens():
     tokens, blocks = tables()
     execute(r, tokens, blocks, [0], [0], [3])
     with pytest.raises(Exception, match="num_speculative_tokens > 0"):
-        r.position_logits()
+        r.outputs.position_logits()
 
 
 @pytest.mark.parametrize("mode", slow_except(["FULL_AND_PIECEWISE", "PIECEWISE"], "FULL_AND_PIECEWISE"))

@@ -8,7 +8,7 @@
   logits at every prompt position (the chunk's last position: the next chunk's first token).
 * Counts above ``max_logprobs`` are refused with an ``InputError`` naming the field before the
   step runs (no KV byte written, nothing counted); ``max_logprobs=0`` builds no logprobs graph.
-* ``runner.device_logits()`` is the device buffer itself (torch) or the executable's array (xla).
+* ``runner.outputs.device_logits()`` is the device buffer itself (torch) or the executable's array (xla).
 * ``graphrt.LLM`` returns vLLM-shaped logprobs and prompt logprobs, the same from the plain and the
   overlapped loop; a request asking for prompt logprobs does not take a cached prefix.
 """
@@ -109,7 +109,7 @@ def test_sampled_logprobs_equal_log_softmax_of_the_logits(runner, kind):
     for step, scheduled in enumerate((PROMPTS, [1, 1, 1], [1, 1, 1])):   # a prefill, then padded decodes
         out = run(runner, computed, scheduled, batch, run_async=step == 2)
         assert isinstance(out, StepOutput)
-        ref = log_softmax(runner.logits())
+        ref = log_softmax(runner.outputs.logits())
         check_rows(out.logprobs, ref, out.token_ids, asked)
         if kind == "greedy":
             np.testing.assert_array_equal(out.token_ids, ref.argmax(axis=-1))
@@ -128,7 +128,7 @@ def test_prompt_logprobs_equal_the_unpadded_eager_logits(runner, reference):
     tokens, _ = tables()
     length = 13                                                  # request 1's prompt, in two chunks
     run(reference, [0], [length], rows=[1])
-    hidden = torch.from_numpy(reference.hidden_states(length))
+    hidden = torch.from_numpy(reference.outputs.hidden_states(length))
     with torch.no_grad():
         ref = log_softmax(reference.model.compute_logits(hidden).numpy())   # position j predicts j + 1
     batch = sampling_batch([SamplingParams()] * 2, [0, 1], VOCAB)
@@ -173,14 +173,14 @@ def test_counts_above_max_logprobs_are_refused_before_the_step(runner, change, f
 def test_device_logits_need_no_host_copy(runner):
     run(runner, [0, 0, 0], PROMPTS, sampling_batch([SamplingParams()] * 3, [0, 1, 2], VOCAB))
     run(runner, PROMPTS, [1, 1, 1], sampling_batch([SamplingParams()] * 3, [0, 1, 2], VOCAB))
-    logits = runner.device_logits()
+    logits = runner.outputs.device_logits()
     assert logits.shape[0] >= 3 == runner.last_step.num_reqs
     if isinstance(logits, torch.Tensor):
         assert logits.data_ptr() == runner.executor.logits_out.data_ptr(), "a view of the static buffer"
     else:
         import jax
         assert isinstance(logits, jax.Array)
-    np.testing.assert_array_equal(np.asarray(logits)[:3], runner.logits())
+    np.testing.assert_array_equal(np.asarray(logits)[:3], runner.outputs.logits())
 
 
 def test_warm_up_builds_logprobs_graphs_only_when_they_are_on(runner):
@@ -238,7 +238,7 @@ def test_llm_returns_logprobs_and_prompt_logprobs_from_both_loops(llm, reference
     reference.execute(token_ids=tokens, block_table=blocks, req_rows=np.zeros(1, np.int32),
                       num_computed_tokens=np.zeros(1, np.int32), num_scheduled_tokens=np.array([len(prompt)], np.int32))
     with torch.no_grad():
-        ref = log_softmax(reference.model.compute_logits(torch.from_numpy(reference.hidden_states(len(prompt)))).numpy())
+        ref = log_softmax(reference.model.compute_logits(torch.from_numpy(reference.outputs.hidden_states(len(prompt)))).numpy())
     for j in range(1, len(prompt)):
         entry = first.prompt_logprobs[j]
         assert prompt[j] in entry and len(entry) in (3, 4)

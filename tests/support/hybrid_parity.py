@@ -76,7 +76,7 @@ def run_schedule(runner: graphrt.ModelRunner, seqs: list[list[int]], refs: list[
         runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([r.row for r, _ in batch], np.int32),
                        num_computed_tokens=np.array([r.computed for r, _ in batch], np.int32),
                        num_scheduled_tokens=np.array([n for _, n in batch], np.int32), state_slots=slots)
-        logits = runner.logits()
+        logits = runner.outputs.logits()
         for k, (r, n) in enumerate(batch):
             r.computed += n
             want = refs[r.row][r.computed - 1]

@@ -105,7 +105,7 @@ class LoraInputs:
         if empty.any():
             slot = int(np.flatnonzero(empty)[0])
             row = int(np.flatnonzero(ids == slot)[0])
-            raise InputError(f"lora_ids[{row}]", f"slot {slot} holds no adapter: load_lora({slot}, ...) first")
+            raise InputError(f"lora_ids[{row}]", f"slot {slot} holds no adapter: runner.lora.load({slot}, ...) first")
         return ids, int(np.count_nonzero(seen[1:]))
 
     def write(self, ids: np.ndarray, num_scheduled_tokens: np.ndarray, num_tokens: int,
@@ -132,12 +132,16 @@ class RunnerLora:
         self._none = np.zeros(0, np.int32)
 
     def load(self, slot: int, weights: Mapping[str, tuple[Any, Any]], scale: float = 1.0) -> None:
-        """Copy an adapter into ``slot`` (``ModelRunner.load_lora``)."""
+        """Copy an adapter into ``slot`` of the persistent stacks, so graphs captured before see it
+        (``runner.lora.load``): ``weights`` maps names of :meth:`targets` to ``(lora_a [rank, in],
+        lora_b [out, rank])`` (PEFT's layout), ``scale`` is PEFT's ``alpha / rank``. Every value is
+        checked first: ``InputError`` names the bad field and nothing is copied."""
         with self._lock:
             self.slots.load(slot, weights, scale)
 
     def remove(self, slot: int) -> bool:
-        """Empty ``slot``; False if it held nothing (``ModelRunner.remove_lora``)."""
+        """Empty ``slot``; False if it held nothing (``runner.lora.remove``: steps naming it are
+        refused until it is loaded again)."""
         with self._lock:
             return self.slots.remove(slot)
 

@@ -1,0 +1,110 @@
+"""A runner's warm-up as one feature object: which keys it builds, when (upfront in its constructor
+or in the background between steps), the capture plan that remembers them across restarts, and
+the dispatcher it serves under (a traffic re-fit replaces it).
+
+``ModelRunner`` holds one :class:`WarmupPlan` as ``runner.warmup_plan``; ``runner.warmup()``
+(:func:`graphrt.warmup.warm_up`) builds every key upfront. The pieces it ties together keep their
+own modules: the builds (:mod:`graphrt.warmup`), the background queue and its thread
+(:mod:`graphrt.background`), the plan file (:mod:`graphrt.capture_plan`), re-fits
+(:mod:`graphrt.traffic`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from graphrt.background import BackgroundWarmup
+from graphrt.capture_plan import CapturePlanStore, SavedPlan, describe_device, save_runner_plan
+from graphrt.core.errors import ConfigError
+from graphrt.warmup import Job, compile_host_kernels, job_target, warmup_keys
+
+
+class WarmupPlan:
+    """What ``runner`` builds and serves (module doc). It reads the runner's public parts (config,
+    dispatcher, caches, capture plans, background, executor, preparer, padder, graph memory) and
+    writes ``runner.dispatcher`` (a re-fit) and ``runner.warmup_report``; ``step_plans`` is the
+    runner's memo of step plans, cleared when the dispatcher changes. It makes the runner's
+    ``capture_plans`` (:attr:`store`) and ``background`` (:meth:`background`)."""
+
+    def __init__(self, runner: Any, step_plans: dict) -> None:
+        self.runner, self._step_plans = runner, step_plans
+        cfg = runner.config
+        #: Where the plan file lives (``runner.capture_plans``; None: no plan kept).
+        self.store = (CapturePlanStore(cfg.compilation_cache_dir, backend=runner.backend.name,
+                                       device=describe_device(runner.executor), model=runner.model, config=cfg)
+                      if cfg.compilation_cache_dir and not cfg.disable_capture_plan
+                      and cfg.tensor_parallel_size == 1 else None)
+
+    def jobs(self) -> list[Job]:
+        """Every key warm-up builds, largest first (:func:`graphrt.warmup.warmup_keys`)."""
+        cfg = self.runner.config
+        return warmup_keys(self.runner.dispatcher, logprobs=cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
+
+    def background(self, warmup: str | None, lock: Any, idle: Callable[[], bool], *,
+                   data_parallel: bool) -> BackgroundWarmup | None:
+        """The runner's ``background`` where warm-up runs there or re-fits build there (None
+        otherwise); ``idle()`` says no launched step is in flight."""
+        r, cfg = self.runner, self.runner.config
+        if warmup == "background" and data_parallel:
+            raise ConfigError("warmup='background': data-parallel ranks that step together must run one key "
+                              "per step, and each rank's builds progress on their own; warm up upfront")
+        if warmup != "background" and not cfg.refit_interval:
+            return None
+        return BackgroundWarmup(r.executor, r.cache, r.sampler_cache, lock, idle, memory_cap=r.graph_memory.admitted,
+                                raise_failures=cfg.strict or not r.executor.capabilities.eager_fallback,
+                                label=r.backend.name, on_complete=self.background_complete)
+
+    def begin(self, warmup: str | None, saved: SavedPlan | None) -> None:
+        """The constructor's warm-up: every key now (``"upfront"``), queued for the background
+        (``"background"``, in the ``saved`` plan's demand order), or none yet (None); then the
+        background builder starts where there is one."""
+        r = self.runner
+        if warmup == "upfront":
+            r.warmup()
+        elif warmup == "background":
+            self.start_background(saved.demand if saved is not None else None)
+        if r.background is not None:
+            r.background.start()
+
+    def start_background(self, prior: Mapping[Job, int] | None = None) -> int:
+        """Queue every key warm-up would build for background warm-up, most demanded first
+        (``prior``: demand per job from a saved capture plan); the host kernels are compiled now,
+        the first step needs them. Returns how many keys were queued."""
+        r = self.runner
+        if r.background is None:
+            raise ConfigError("background warm-up needs a ModelRunner built with warmup='background'")
+        compile_host_kernels(r.preparer, r.padder, r.executor)
+        with r.background.lock:
+            return r.background.plan(self.jobs(), prior, seal_if_none=True)
+
+    def background_complete(self) -> None:
+        """Background warm-up completed (the lock held): the report, graph memory, the plan saved."""
+        r = self.runner
+        r.warmup_report = r.cache.report() + r.sampler_cache.report()
+        r.graph_memory.built(r.cache.stats.build_bytes, r.sampler_cache.stats.build_bytes,
+                             r.executor.sampler_buffer_bytes)
+        self.save()
+
+    def save(self) -> Path | None:
+        """Write the capture plan (keys, order, demand) beside the compilation cache; its path, or
+        None without ``compilation_cache_dir`` (:func:`graphrt.capture_plan.save_runner_plan`)."""
+        return save_runner_plan(self.runner) if self.runner.capture_plans is not None else None
+
+    def replace_dispatcher(self, dispatcher: Any, retire: Sequence[Job] = ()) -> int:
+        """Serve under ``dispatcher`` from the next step (a traffic re-fit; call with the lock held)
+        and drop the entries of ``retire`` (keys it no longer has); returns how many were dropped."""
+        r = self.runner
+        r.dispatcher = dispatcher
+        self._step_plans.clear()
+        retired = 0
+        for job in retire:
+            target, cache_key = job_target(job, r.cache, r.sampler_cache)
+            retired += target.retire(cache_key)
+        if r.background is not None:
+            r.background.drop(retire)
+        self.save()
+        return retired
+
+
+__all__ = ["WarmupPlan"]
