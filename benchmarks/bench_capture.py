@@ -40,8 +40,8 @@ def warm_up(model_dir: Path, strategy: str) -> dict[str, Any]:
     runner = ModelRunner(str(model_dir), backend="cpu", num_kv_blocks=64, progress=False,
                          piecewise_capture=strategy, **LIMITS)
     wall = time.perf_counter() - t0
-    report = [r for r in runner.executor.capture_report if r["mode"] == "PIECEWISE"]
-    assert runner.executor.piecewise_capture == strategy, runner.executor.piecewise_capture
+    report = [r for r in runner.executor.builder.report if r["mode"] == "PIECEWISE"]
+    assert runner.executor.pieces.capture == strategy, runner.executor.pieces.capture
     return {"wall_s": wall, "keys": len(report), "capture_s": sum(r["seconds"] for r in report),
             "per_key_ms": float(np.median([r["seconds"] for r in report])) * 1e3,
             "bytes": sum(r["bytes"] for r in report)}

@@ -229,7 +229,7 @@ def measure_capture(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     runner = runner_for(model, GRAPH_BACKEND, None, args.context)
     seconds = time.perf_counter() - t0
     free_after = torch.cuda.mem_get_info()[0]
-    report = runner.executor.capture_report
+    report = runner.executor.builder.report
     forward = [r for r in report if "sample" not in r["key"]]
     sampler = [r for r in report if "sample" in r["key"]]
     return {"sizes": len(runner.config.capture_policy()), "graphs": len(forward),

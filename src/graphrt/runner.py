@@ -96,8 +96,9 @@ class ModelRunner:
         #: had graphs for and this one has not (their eager steps count as ``unsupported_by_attention``).
         self.mode, self.degraded, self.dispatcher = opened.mode, opened.degraded, opened.dispatcher
         self._plans: dict[DispatchShape, StepPlan] = {}
+        self._lock = threading.Lock()
         #: Warm-up as a feature object: the keys built and served, the capture plan, re-fits' dispatcher.
-        self.warmup_plan = WarmupPlan(self, self._plans)
+        self.warmup_plan = WarmupPlan(self, self._plans, self._lock)
         self.capture_plans = self.warmup_plan.store
         saved = read_runner_plan(self)       # its bucket sizes installed, where it has some
         self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self.warmup_plan.jobs(),
@@ -114,7 +115,6 @@ class ModelRunner:
         slots = self.executor.lora
         if cfg.max_loras and slots is None:
             raise ConfigError(f"max_loras={cfg.max_loras}: backend {self.backend.name} has no LoRA support")
-        self._lock = threading.Lock()
         self.lora = RunnerLora(slots, cfg.max_loras, cfg.max_num_seqs, self._lock) if slots is not None else None
         self.data_parallel = DataParallelStep(step_agreement, self.lora) if step_agreement is not None else None
         #: The model's declared per-step inputs, checked and written each step (None: it has none).
@@ -137,7 +137,7 @@ class ModelRunner:
         self.warmup_report: list[dict[str, Any]] = []
         self.progress = progress
         self.background: BackgroundWarmup | None = self.warmup_plan.background(
-            warmup, self._lock, lambda: not self._launched, data_parallel=step_agreement is not None)
+            warmup, lambda: not self._launched, data_parallel=step_agreement is not None)
         self.traffic = TrafficFit.attach(self, step_agreement) if cfg.refit_interval else None
         self.warmup_plan.begin(warmup, saved)
 
@@ -353,8 +353,12 @@ class ModelRunner:
     # ---- introspection ---------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:
-        """Forward cache statistics (hits, misses, padding, eager steps, build cost)."""
-        return self.cache.stats
+        """Forward cache statistics (hits, misses, padding, eager steps, build cost); ``compiles``:
+        the executor's builds, the sampler's included (``executor.build_count``: on XLA its compile
+        ledger's count, compiles no cache lookup saw included; on torch its graph captures)."""
+        stats = self.cache.stats
+        stats.compiles = self.executor.build_count
+        return stats
 
     @property
     def sampler_stats(self) -> CacheStats:
@@ -380,11 +384,7 @@ class ModelRunner:
     def close(self) -> None:
         """Stop background warm-up, save the capture plan, stop what the executor started
         (tensor-parallel workers; docs/distributed.md). Idempotent."""
-        if self.background is not None:
-            self.background.stop()
-        if self.capture_plans is not None and self.cache.stats.steps:
-            with self._lock:
-                self.warmup_plan.save()
+        self.warmup_plan.close()
         self.executor.close()
 
     def __enter__(self) -> "ModelRunner":

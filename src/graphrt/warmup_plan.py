@@ -24,11 +24,11 @@ class WarmupPlan:
     """What ``runner`` builds and serves (module doc). It reads the runner's public parts (config,
     dispatcher, caches, capture plans, background, executor, preparer, padder, graph memory) and
     writes ``runner.dispatcher`` (a re-fit) and ``runner.warmup_report``; ``step_plans`` is the
-    runner's memo of step plans, cleared when the dispatcher changes. It makes the runner's
-    ``capture_plans`` (:attr:`store`) and ``background`` (:meth:`background`)."""
+    runner's memo of step plans, cleared when the dispatcher changes; ``lock`` is its step lock.
+    It makes the runner's ``capture_plans`` (:attr:`store`) and ``background`` (:meth:`background`)."""
 
-    def __init__(self, runner: Any, step_plans: dict) -> None:
-        self.runner, self._step_plans = runner, step_plans
+    def __init__(self, runner: Any, step_plans: dict, lock: Any) -> None:
+        self.runner, self._step_plans, self._lock = runner, step_plans, lock
         cfg = runner.config
         #: Where the plan file lives (``runner.capture_plans``; None: no plan kept).
         self.store = (CapturePlanStore(cfg.compilation_cache_dir, backend=runner.backend.name,
@@ -41,7 +41,7 @@ class WarmupPlan:
         cfg = self.runner.config
         return warmup_keys(self.runner.dispatcher, logprobs=cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
 
-    def background(self, warmup: str | None, lock: Any, idle: Callable[[], bool], *,
+    def background(self, warmup: str | None, idle: Callable[[], bool], *,
                    data_parallel: bool) -> BackgroundWarmup | None:
         """The runner's ``background`` where warm-up runs there or re-fits build there (None
         otherwise); ``idle()`` says no launched step is in flight."""
@@ -51,7 +51,8 @@ class WarmupPlan:
                               "per step, and each rank's builds progress on their own; warm up upfront")
         if warmup != "background" and not cfg.refit_interval:
             return None
-        return BackgroundWarmup(r.executor, r.cache, r.sampler_cache, lock, idle, memory_cap=r.graph_memory.admitted,
+        return BackgroundWarmup(r.executor, r.cache, r.sampler_cache, self._lock, idle,
+                                memory_cap=r.graph_memory.admitted,
                                 raise_failures=cfg.strict or not r.executor.capabilities.eager_fallback,
                                 label=r.backend.name, on_complete=self.background_complete)
 
@@ -75,7 +76,7 @@ class WarmupPlan:
         if r.background is None:
             raise ConfigError("background warm-up needs a ModelRunner built with warmup='background'")
         compile_host_kernels(r.preparer, r.padder, r.executor)
-        with r.background.lock:
+        with self._lock:
             return r.background.plan(self.jobs(), prior, seal_if_none=True)
 
     def background_complete(self) -> None:
@@ -105,6 +106,15 @@ class WarmupPlan:
             r.background.drop(retire)
         self.save()
         return retired
+
+    def close(self) -> None:
+        """The runner closes: stop the background builder, save the plan where steps ran (idempotent)."""
+        r = self.runner
+        if r.background is not None:
+            r.background.stop()
+        if r.capture_plans is not None and r.cache.stats.steps:
+            with self._lock:
+                self.save()
 
 
 __all__ = ["WarmupPlan"]

@@ -352,16 +352,22 @@ def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch
     d = Driver(runner)
     d.add(0, random_prompts((20,), seed=6)[0])
     builds, unplanned = runner.stats.unplanned_builds, ex.compiles.stats.unplanned_builds
+    compiles = runner.stats.compiles         # the runner reports the executor's compile ledger
+    assert compiles == ex.compiles.stats.compiles > 0
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 20})
     assert runner.last_step.key == BatchDescriptor(24, 4, False, max_seq_len=CTX)
     check_logits(hf, d, [0])
     assert runner.stats.unplanned_builds == builds + 1 and ex.compiles.stats.unplanned_builds == unplanned + 1
+    assert runner.stats.compiles == ex.compiles.stats.compiles > compiles
+    compiles = runner.stats.compiles
     assert "input_ids" in caplog.text and "(24,)" in caplog.text
     _leaky(runner.cache.get((RuntimeMode.FULL, BatchDescriptor(2, 2, True, max_seq_len=CTX))), monkeypatch)
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         d.step({0: 1})
     assert ex.compiles.stats.unplanned_builds == unplanned + 2 and "hot path" in caplog.text
+    assert runner.stats.compiles == ex.compiles.stats.compiles > compiles   # one no cache lookup saw
+    assert runner.stats.as_dict()["compiles"] == runner.stats.compiles
     check_logits(hf, d, [0])
 
 

@@ -49,7 +49,7 @@ def test_breakable_changes_nothing_in_modes_without_pieces(mode: str) -> None:
 def check_parity(backend: str, mode: str) -> None:
     breakable = make_runner(backend, mode=mode, piecewise_capture="breakable")
     fx = make_runner(backend, mode=mode, piecewise_capture="fx")
-    assert breakable.executor.piecewise_capture == "breakable" and fx.executor.piecewise_capture == "fx"
+    assert breakable.executor.pieces.capture == "breakable" and fx.executor.pieces.capture == "fx"
     got, want = run_schedule(breakable), run_schedule(fx)
     same, eager = padded_reference(breakable, backend)
     unpadded, _ = reference("cuda" if backend == "cuda" else "cpu")
@@ -63,7 +63,7 @@ def check_parity(backend: str, mode: str) -> None:
         assert_across_shapes(logits, unpadded[i], f"step {i}: against unpadded eager")
     if backend != "cuda":
         assert_bitwise(breakable.executor.kv_cache, eager.executor.kv_cache, "KV cache")
-    report = [r for r in breakable.executor.capture_report if r["mode"] == "PIECEWISE"]
+    report = [r for r in breakable.executor.builder.report if r["mode"] == "PIECEWISE"]
     assert bool(report) == ("PIECEWISE" in mode)
     if breakable.executor.graphs_share_memory:   # later graphs reuse the pool the first one grew
         assert not report or (max(r["bytes"] for r in report) > 0 and min(r["bytes"] for r in report) >= 0)
@@ -89,7 +89,7 @@ def untraceable_model() -> torch.nn.Module:
 def test_a_model_fx_cannot_trace_gets_breakable_piecewise_graphs() -> None:
     auto = ModelRunner(untraceable_model(), backend="cpu", num_kv_blocks=NUM_KV_BLOCKS, progress=False,
                        mode="PIECEWISE", **CONFIG)
-    assert auto.executor.split_model is None and auto.executor.piecewise_capture == "breakable"
+    assert auto.executor.pieces.split_model is None and auto.executor.pieces.capture == "breakable"
     assert auto.mode is GraphMode.PIECEWISE
     assert all("forward" not in layer.__dict__ for layer in auto.executor.model.attention_layers())
     got = run_schedule(auto)
@@ -99,7 +99,7 @@ def test_a_model_fx_cannot_trace_gets_breakable_piecewise_graphs() -> None:
         assert_across_shapes(got[i][1], unpadded[i], f"step {i}")
     fx_only = ModelRunner(untraceable_model(), backend="cpu", num_kv_blocks=NUM_KV_BLOCKS, progress=False,
                           mode="PIECEWISE", piecewise_capture="fx", **CONFIG)
-    assert fx_only.executor.piecewise_capture is None and fx_only.mode is GraphMode.NONE
+    assert fx_only.executor.pieces.capture is None and fx_only.mode is GraphMode.NONE
 
 
 def test_layers_get_their_forward_back_and_a_failed_capture_runs_eagerly() -> None:

@@ -41,7 +41,7 @@ def runner_with(model: torch.nn.Module, backend: Any = None, **overrides: Any) -
 
 def forward_entries(r: ModelRunner) -> list[dict[str, Any]]:
     """The capture report's FULL forward keys (sampler graphs are FULL too, and not checked)."""
-    return [e for e in r.executor.capture_report
+    return [e for e in r.executor.builder.report
             if e["mode"] == "FULL" and not e["key"].startswith("(sample")]
 
 

@@ -220,7 +220,7 @@ def test_piecewise_parity_on_mixed_batches(backend: str) -> None:
     for i in steps:
         assert_same_shape(backend, got[i], same[i], f"step {i}")
     assert_same_shape(backend, runner.executor.kv_cache, eager.executor.kv_cache, "KV cache")
-    report = {r["key"]: r for r in runner.executor.capture_report}
+    report = {r["key"]: r for r in runner.executor.builder.report}
     assert all(r["mode"] == "PIECEWISE" for r in report.values())
     assert report["(mixed, tokens=16, reqs=any)"]["bytes"] > 0
 
@@ -359,7 +359,7 @@ def test_capture_pauses_gc_and_goes_largest_first(backend: str) -> None:
     assert gc.isenabled()
     assert {enabled for captured, enabled in seen if captured} == {False}
     assert {enabled for captured, enabled in seen if not captured} == {True}  # warm-up runs
-    forward = [r for r in runner.executor.capture_report if "sample" not in r["key"]]
+    forward = [r for r in runner.executor.builder.report if "sample" not in r["key"]]
     sizes = [int(r["key"].split("tokens=")[1].split(",")[0]) for r in forward]
     assert sizes == sorted(sizes, reverse=True) == [16, 8, 4, 2, 1]
     assert all(r["seconds"] > 0 for r in forward) and forward[0]["bytes"] > 0
@@ -374,7 +374,7 @@ def test_cuda_adapter_uses_one_side_stream_and_one_pool() -> None:
                          mode="FULL_AND_PIECEWISE", **CONFIG)
     assert gc.collect is collect  # the capture's no-op stand-in is gone again
     graphs = [c for c in backend.fake.calls if c[0] == "graph"]
-    assert len(graphs) == len(runner.executor.capture_report) + 5 * 2  # 3 pieces per piecewise bucket
+    assert len(graphs) == len(runner.executor.builder.report) + 5 * 2  # 3 pieces per piecewise bucket
     assert {stream for _, stream in graphs} == {"s1"}
     assert [c for c in backend.fake.calls if c[0] == "graph_pool_handle"] == [("graph_pool_handle",)]
     assert ("empty_cache",) not in backend.fake.calls

@@ -148,7 +148,7 @@ def test_token_buckets_share_one_set_of_piece_buffers() -> None:
     buffers = r.executor.pieces.buffers
     assert buffers is not None and buffers.capacity == 16
     assert not buffers._own  # every crossing value is token-major
-    report = {x["key"]: x["bytes"] for x in r.executor.capture_report}
+    report = {x["key"]: x["bytes"] for x in r.executor.builder.report}
     assert report["(mixed, tokens=16, reqs=any)"] >= buffers.nbytes > 0
     entries = [e for e in r.cache._entries.values()]
     assert {e.output.untyped_storage().data_ptr() for e in entries} == {
@@ -178,7 +178,7 @@ def test_compile_model_compiles_buckets_up_to_the_maximum(mode: str) -> None:
     want = run(runner(EagerBackend()))
     r = runner(CpuGraphBackend(), mode=mode, compile_model=True, compile_max_size=4,
                cudagraph_capture_sizes=[2, 4, 16])
-    compiled = {x["key"]: x["compiled"] for x in r.executor.capture_report if "sample" not in x["key"]}
+    compiled = {x["key"]: x["compiled"] for x in r.executor.builder.report if "sample" not in x["key"]}
     assert [c for _, c in sorted(compiled.items(), key=lambda kv: int(kv[0].split("tokens=")[1].split(",")[0]))] \
         == [True, True, False]
     assert sorted(r.executor.pieces.compiled) == [2, 4]
@@ -193,7 +193,7 @@ def test_a_failed_compile_captures_uncompiled(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level(logging.WARNING, logger="graphrt"):
         r = runner(CpuGraphBackend(), mode="PIECEWISE", compile_model=True, cudagraph_capture_sizes=[2, 4])
     assert any("torch.compile of" in x.getMessage() for x in caplog.records)
-    assert not any(x["compiled"] for x in r.executor.capture_report)
+    assert not any(x["compiled"] for x in r.executor.builder.report)
     assert run(r)[1][0] is RuntimeMode.PIECEWISE
 
 

@@ -93,7 +93,7 @@ def test_kv_blocks_are_reduced_by_the_recording_graphs_measured_bytes(cpu_runner
     # After warm-up: the actual bytes, every key's, next to the estimate.
     assert gm.actual == sum(built.values()) == r.stats.build_bytes + r.sampler_stats.build_bytes
     assert abs(gm.estimate - gm.actual) <= 0.1 * gm.actual
-    assert r.executor.capture_report and len(r.executor.capture_report) == len(built)   # samples not reported
+    assert r.executor.builder.report and len(r.executor.builder.report) == len(built)   # samples not reported
     summary = gm.summary()
     assert "estimated from 12 of 17 keys" in summary and "actual" in summary and "estimate / actual" in summary
     d = gm.as_dict()

@@ -233,7 +233,7 @@ def test_breakable_pieces_apply_adapters_as_eager():
     for lora_ids, computed, scheduled in (([0, -1, 1], [0, 0, 0], [p - 2 for p in PROMPTS]),
                                           ([1, -1], [p - 2 for p in PROMPTS[:2]], [1, 1])):
         got = step(graph, tokens, blocks, computed, scheduled, lora_ids)
-        assert graph.last_step.mode is RuntimeMode.PIECEWISE and graph.executor.piecewise_capture == "breakable"
+        assert graph.last_step.mode is RuntimeMode.PIECEWISE and graph.executor.pieces.capture == "breakable"
         assert_bitwise(got, step(eager, tokens, blocks, computed, scheduled, lora_ids), str(graph.last_step.key))
         assert_bitwise(graph.executor.kv_cache, eager.executor.kv_cache, "KV")
     assert graph.last_step.key.num_loras == 1 and graph.stats.misses == 0

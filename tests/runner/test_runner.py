@@ -216,6 +216,16 @@ def test_capture_order_is_largest_first(runners):
     assert runner.cache.sealed and runner.stats.unplanned_builds == 0
 
 
+def test_stats_count_the_executors_builds(runners):
+    """``runner.stats.compiles`` is the executor's build count: a torch graph backend's captures
+    (forward and sampler, one capture report row each), none on eager."""
+    graph, eager = runners["cpu[1,4,32]"], runners["eager"]
+    captures = len(graph.executor.builder.report)
+    assert captures == len(graph.cache) + len(graph.sampler_cache) and graph.stats.compiles == captures
+    assert graph.stats.as_dict()["compiles"] == captures
+    assert eager.executor.builder is None and eager.stats.compiles == 0
+
+
 # ---- the sampler ---------------------------------------------------------------------------
 
 SAMPLER_RUNNERS = ["cpu[8]", "eager"]

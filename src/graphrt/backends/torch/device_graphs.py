@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
-from graphrt.core.errors import GraphCaptureError
+from graphrt.core.errors import GraphCaptureError, GraphrtError
 from graphrt.core import graph_tasks
 from graphrt.core.fields import ModelInputs
 
@@ -198,6 +198,16 @@ class GraphPool:
 _HOST_SYNC_MARKERS = ("operation not permitted when stream is capturing",
                       "cudaerrorstreamcaptureunsupported", "cudaerrorstreamcaptureinvalidated",
                       "capture_status", "stream is capturing", "cudaerrorstreamcaptureimplicit")
+
+
+def check_addresses(entry: Any, now: dict[str, int]) -> None:
+    """Debug mode (``debug_check_addresses``): every input ``entry`` (a captured graph or a
+    piecewise entry, with its ``input_ptrs``) reads is still at its captured address; ``now``
+    is the executor's current ``input_ptrs()``."""
+    moved = [k for k, p in entry.input_ptrs.items() if now.get(k) != p]
+    if moved:
+        raise GraphrtError(f"static buffers {moved} moved since capture: a replay would read "
+                           "stale memory; never reassign executor buffers, copy into them")
 
 
 def _root_causes(exc: BaseException) -> list[BaseException]:

@@ -31,7 +31,7 @@ from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.state_cache import TorchStateCache, model_state_spec
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.capture.piecewise_capture import PiecewiseCapture
-from graphrt.backends.torch.capture.fx_split import PiecewiseEntry, SplitModel
+from graphrt.backends.torch.capture.fx_split import PiecewiseEntry
 from graphrt.backends.torch.capture.graph_builder import GraphBuilder, TorchEntry
 from graphrt.backends.torch.capture.graph_memory import measure_graph_memory
 from graphrt.config import GraphConfig
@@ -43,15 +43,15 @@ from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
 from graphrt.models.torch.attention_backend import (CaptureHostValues, HostTensorsRefused, HostValues,
-                                                    check_metadata, overrides_before_replay)
-from graphrt.backends.torch.device_graphs import CapturedGraph, DeviceGraphAPI, GraphPool, describe_capture_failure
+                                                    RemovedPreReplayHooks, check_metadata, overrides_before_replay)
+from graphrt.backends.torch.device_graphs import (CapturedGraph, DeviceGraphAPI, check_addresses,
+                                                 describe_capture_failure)
 from graphrt.backends.torch.model_protocol import attention_support, choose_attention, keyed_host_values
 from graphrt.backends.torch.sampling.sampled_outputs import FutureInputs, SampledOutputs, device_event
 from graphrt.backends.torch.step_buffers import StepBuffers
 from graphrt.backends.torch.sampling.sampler import SamplerState
 
 logger = logging.getLogger(__name__)
-
 
 
 class TorchExecutor(Executor[TorchEntry]):
@@ -107,6 +107,8 @@ class TorchExecutor(Executor[TorchEntry]):
         self._position_offsets = torch.arange(-q, 0, device=self.device)
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs, max_t,
                                     penalties=config.enable_penalties)
+        #: Bytes of the sampler's buffers its graphs share (the warm-up report shows them).
+        self.sampler_buffer_bytes = self.sampler.buffer_bytes
         self._copied = None if self.buffers.same else device_event(self.device)
         # Graph backends launch steps without waiting (the CPU's events are complete at once);
         # the sampled outputs' host slots are made by the first such step.
@@ -130,6 +132,7 @@ class TorchExecutor(Executor[TorchEntry]):
         self.state_memory = self.state.memory if self.state is not None else None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
+        #: PIECEWISE capture (``pieces.split_model``: the fx split; ``pieces.capture``: fx, breakable or None).
         self.pieces = PiecewiseCapture(model, config, graph_api, self.static, load_dummy=self.buffers.load_dummy,
                                        step_context=self.step_context, dummy_host=self.dummy_host,
                                        input_ptrs=self.input_ptrs)
@@ -145,7 +148,8 @@ class TorchExecutor(Executor[TorchEntry]):
                                   step_host_values=self.step_host_values, refresh=self._refresh,
                                   refuse=self.refuse_baked, max_model_len=config.max_model_len,
                                   vocab_size=self.vocab_size)
-        #: Captures every graph (None on the eager backend); handed only what a capture uses.
+        #: Captures every graph (None on the eager backend; ``builder.report``: the capture report per
+        #: key, ``builder.pool``: the pool every graph shares); handed only what a capture uses.
         self.builder = GraphBuilder(
             graph_api, pieces=self.pieces, sampler=self.sampler, logits_out=self.logits_out, lora=self.lora,
             forward=self.forward, forward_split=self._forward_split, dummy_host=self.dummy_host,
@@ -154,16 +158,10 @@ class TorchExecutor(Executor[TorchEntry]):
             check_refresh=checks.check_refresh if self._refresh else None,
             refresh_for_capture=checks.refresh_for_capture if self._refresh else None,
         ) if graph_api is not None else None
-        note = self.pieces.compile_note()
-        if note is not None:
+        if (note := self.pieces.compile_note()) is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
 
     # ---- KV cache (backends/torch/kv_cache.py) -----------------------------------------
-    @property
-    def sampler_buffer_bytes(self) -> int:
-        """Bytes of the sampler's buffers its graphs share (the warm-up report shows them)."""
-        return self.sampler.buffer_bytes
-
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.kv.bytes_per_block(block_size)
 
@@ -186,17 +184,6 @@ class TorchExecutor(Executor[TorchEntry]):
     def _release_kv(self) -> None:
         self.kv.release()
         self.kv_caches, self.kv_cache = [], None
-
-    # ---- split / compile (graphrt.backends.torch.capture.piecewise_capture) ------------------------------
-    @property
-    def split_model(self) -> SplitModel | None:
-        """The model split at its attention calls (None if it cannot be split; see the log)."""
-        return self.pieces.split_model
-
-    @property
-    def piecewise_capture(self) -> str | None:
-        """How PIECEWISE graphs are captured here: ``fx``, ``breakable`` or None (neither works)."""
-        return self.pieces.capture
 
     @property
     def supports_piecewise(self) -> bool:  # type: ignore[override]
@@ -235,13 +222,7 @@ class TorchExecutor(Executor[TorchEntry]):
         host.query_start_loc, host.seq_lens = padded.query_start_loc, padded.seq_lens
         return host
 
-    @property
-    def pre_replay_hooks(self) -> Any:
-        """Gone: what runs before a replay is the attention backend's ``before_replay`` (issue 30)."""
-        raise GraphrtError("executor.pre_replay_hooks is gone: what runs before a run is the attention backend's "
-                           "before_replay(step, host), which runs before every run, graph or eager, declares the "
-                           "host values it reads (refreshed_host_values) and goes through the capture guard and "
-                           "the baked-values check; move the hook there (docs/attention.md, 'The refresh path')")
+    pre_replay_hooks = RemovedPreReplayHooks()     # issue 30: one refresh path, before_replay
 
     def step_context(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
         """The forward context of a step: the attention's metadata and, for a hybrid model, the
@@ -295,8 +276,8 @@ class TorchExecutor(Executor[TorchEntry]):
 
     @property
     def build_count(self) -> int:
-        """Graphs captured so far (one capture report row each)."""
-        return len(self.capture_report)
+        """Graphs captured so far (one row each of ``builder.report``, the capture report)."""
+        return len(self.builder.report) if self.builder is not None else 0
 
     @property
     def kv_owned_by_model(self) -> bool:  # type: ignore[override]
@@ -329,16 +310,6 @@ class TorchExecutor(Executor[TorchEntry]):
             raise GraphrtError("the eager backend captures no graphs")
         return self.builder.build(mode, key)
 
-    @property
-    def capture_report(self) -> list[dict[str, Any]]:
-        """Per built key: mode, seconds, graph bytes, whether it was compiled."""
-        return self.builder.report if self.builder is not None else []
-
-    @property
-    def pool(self) -> GraphPool | None:
-        """The one pool every graph is captured into (None on the eager backend)."""
-        return self.builder.pool if self.builder is not None else None
-
     # ---- run -------------------------------------------------------------------------
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: TorchEntry | None,
             padded: ModelInputs, future: Any = None) -> torch.Tensor:
@@ -361,7 +332,7 @@ class TorchExecutor(Executor[TorchEntry]):
         if entry is not None and self.graph_api is not None and entry.tasks:
             self.graph_api.pre_replay(entry.tasks, padded)
         if entry is not None and self.config.debug_check_addresses:
-            self._check_addresses(entry)
+            check_addresses(entry, self.input_ptrs())
         with torch.no_grad():
             if entry is None:
                 self.forward(t, r, host)
@@ -372,14 +343,6 @@ class TorchExecutor(Executor[TorchEntry]):
         if self._copied is not None:
             self._copied.synchronize()
         return self.logits_out[:r]
-
-    def _check_addresses(self, entry: CapturedGraph | PiecewiseEntry) -> None:
-        """Debug mode: every input the graph reads is still at its captured address."""
-        now = self.input_ptrs()
-        moved = [k for k, p in entry.input_ptrs.items() if now.get(k) != p]
-        if moved:
-            raise GraphrtError(f"static buffers {moved} moved since capture: a replay would read "
-                               "stale memory; never reassign executor buffers, copy into them")
 
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: CapturedGraph | None = None, wait: bool = True,
@@ -400,7 +363,7 @@ class TorchExecutor(Executor[TorchEntry]):
                 sampler.compute(self.logits_out, rows, key.greedy, key.wide_top_k, key.penalties)
             else:
                 if self.config.debug_check_addresses:
-                    self._check_addresses(entry)
+                    check_addresses(entry, self.input_ptrs())
                 entry.graph.replay()
         if not wait:
             return self.outputs.launch(num_reqs)
