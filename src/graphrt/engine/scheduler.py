@@ -35,12 +35,15 @@ class Status(enum.Enum):
 
 @dataclass
 class Request:
-    """One generation request and its progress."""
+    """One generation request and its progress: a plain record (the step reads and writes its
+    fields at attribute cost), each group of fields written by the module its comment names."""
 
+    # What was asked (engine/llm.py) and the generated tokens (engine/loop.py appends them).
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    # Scheduling (this module; engine/loop.py adds each step's computed tokens).
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -48,12 +51,14 @@ class Request:
     state_slot: int = -1     # its recurrent-state slot while it runs (hybrid models: docs/hybrid.md)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0   # tokens whose KV came from the prefix cache, all admissions
+    # The engine's persistent tables (engine/loop.py; reset here when the row changes hands).
     tokens_in_row: int = 0   # tokens already written to the engine's token table at ``row``
     blocks_in_row: int = 0   # blocks already written to the engine's block table at ``row``
-    num_cached_tokens: int = 0   # tokens whose KV came from the prefix cache, all admissions
-    # Prefix cache bookkeeping: keys of the full blocks known so far, the tree node of the
-    # last of this request's blocks that the tree holds (and its epoch), how many of its
-    # blocks that is, and whether its blocks stay private (the tree was reset under it).
+    # Prefix cache bookkeeping (this module, with engine/prefix_cache.py): keys of the full
+    # blocks known so far, the tree node of the last of this request's blocks that the tree
+    # holds (and its epoch), how many of its blocks that is, and whether its blocks stay private
+    # (the tree was reset under it).
     block_keys: list[bytes] = field(default_factory=list, repr=False)
     cache_node: Node | None = field(default=None, repr=False)
     cache_epoch: int = -1
@@ -65,8 +70,9 @@ class Request:
     num_unresolved: int = 0
     future_row: int = -1
     retiring: bool = False
-    # Logprobs asked for by its params (engine/outputs.py): one dict per resolved generated
-    # token, and one per prompt token (None until computed; always None for the first).
+    # Logprobs asked for by its params (engine/loop.py makes the lists, engine/outputs.py fills
+    # them): one dict per resolved generated token, and one per prompt token (None until
+    # computed; always None for the first).
     sample_logprobs: list | None = field(default=None, repr=False)
     prompt_logprobs: list | None = field(default=None, repr=False)
 
