@@ -168,10 +168,10 @@ class RunnerLora:
         self.inputs.write(self.inputs.check(self._none, 0)[0], self._none, 0, padded_tokens)
 
 
-def lora_off(field: str = "lora_ids") -> InputError:
-    """The error for adapters passed to (or loaded into) a runner built without LoRA."""
-    hint = ", or pass lora_ids=None" if field == "lora_ids" else ""
-    return InputError(field, f"LoRA is off (max_loras=0): build the runner with max_loras > 0{hint}")
+def lora_off() -> InputError:
+    """The error for adapters passed to a runner built without LoRA (``runner.lora`` is None)."""
+    return InputError("lora_ids", "LoRA is off (max_loras=0): build the runner with max_loras > 0, "
+                                  "or pass lora_ids=None")
 
 
 __all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "NO_LORA", "RunnerLora", "lora_buckets",
