@@ -18,7 +18,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 import graphrt
 from graphrt import InputError, SamplingParams
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.scheduler import Request, Scheduler, Status
+from graphrt.engine.request import Request, Status
+from graphrt.engine.scheduler import Scheduler
 from support.hf_models import tiny_hf_model_dir
 from support.fast_subset import examples
 

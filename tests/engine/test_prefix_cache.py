@@ -32,7 +32,8 @@ from graphrt import SamplingParams
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.prefix_cache import PrefixCache, block_keys
 from graphrt.engine.schedule_policy import POLICIES
-from graphrt.engine.scheduler import Request, Scheduler, Status
+from graphrt.engine.request import Request, Status
+from graphrt.engine.scheduler import Scheduler
 from graphrt.models.random_checkpoint import write_random_checkpoint
 from support.fast_subset import examples, slow_except
 

@@ -17,7 +17,8 @@ from graphrt.core import defaults
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.prefix_cache import PrefixCache, block_keys
 from graphrt.engine.schedule_policy import POLICIES, SchedulePolicy
-from graphrt.engine.scheduler import Request, Scheduler, Status
+from graphrt.engine.request import Request, Status
+from graphrt.engine.scheduler import Scheduler
 
 BS = 4
 

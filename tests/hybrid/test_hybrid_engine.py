@@ -20,7 +20,7 @@ import pytest
 import graphrt
 from graphrt import ConfigError
 from graphrt.engine.prefix_cache import HYBRID_PREFIX_REASON
-from graphrt.engine.scheduler import Status
+from graphrt.engine.request import Status
 from support.hybrid_models import hf_sequence_logits, hybrid_model_dir, load_hf_hybrid
 from support.parity import assert_close_across_shapes
 

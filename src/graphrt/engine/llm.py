@@ -37,7 +37,8 @@ from graphrt.engine.metrics import EngineMetrics, engine_stats, prometheus_text
 from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.loop import StepLoop, overlap_enabled
 from graphrt.engine.prefix_cache import PrefixCache, prefix_caching
-from graphrt.engine.scheduler import Request, Scheduler
+from graphrt.engine.request import Request
+from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.engine_args import check_engine_args
 from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog

@@ -43,7 +43,8 @@ from graphrt.engine.metrics import EngineMetrics
 from graphrt.core.logprobs import StepOutput
 from graphrt.engine.outputs import RequestOutput, collect_logprobs
 from graphrt.engine.sampling_params import without_seed
-from graphrt.engine.scheduler import Request, ScheduledStep, Scheduler, Status
+from graphrt.engine.request import Request, Status
+from graphrt.engine.scheduler import ScheduledStep, Scheduler
 from graphrt.runner import ModelRunner, SamplingBatch, sampling_batch
 
 logger = logging.getLogger("graphrt.engine.llm")

@@ -14,85 +14,16 @@ recomputed later (its generated tokens become part of what it re-prefills).
 from __future__ import annotations
 
 import collections
-import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.prefix_cache import Match, Node, PrefixCache, block_keys
-from graphrt.engine.sampling_params import SamplingParams
+from graphrt.engine.prefix_cache import Match, PrefixCache, block_keys
+from graphrt.engine.request import Request, Status
 from graphrt.engine.schedule_policy import SchedulePolicy
 from graphrt.core.kv_spec import blocks_for
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class Request:
-    """One generation request and its progress: a plain record (the step reads and writes its
-    fields at attribute cost), each group of fields written by the module its comment names."""
-
-    # What was asked (engine/llm.py) and the generated tokens (engine/loop.py appends them).
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
-    # Scheduling (this module; engine/loop.py adds each step's computed tokens).
-    status: Status = Status.WAITING
-    num_computed_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)
-    row: int = -1
-    state_slot: int = -1     # its recurrent-state slot while it runs (hybrid models: docs/hybrid.md)
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0   # tokens whose KV came from the prefix cache, all admissions
-    # The engine's persistent tables (engine/loop.py; reset here when the row changes hands).
-    tokens_in_row: int = 0   # tokens already written to the engine's token table at ``row``
-    blocks_in_row: int = 0   # blocks already written to the engine's block table at ``row``
-    # Prefix cache bookkeeping (this module, with engine/prefix_cache.py): keys of the full
-    # blocks known so far, the tree node of the last of this request's blocks that the tree
-    # holds (and its epoch), how many of its blocks that is, and whether its blocks stay private
-    # (the tree was reset under it).
-    block_keys: list[bytes] = field(default_factory=list, repr=False)
-    cache_node: Node | None = field(default=None, repr=False)
-    cache_epoch: int = -1
-    cached_blocks: int = 0
-    cache_private: bool = False
-    # Overlap scheduling (engine/loop.py): trailing generated tokens not known yet (their
-    # ids are placeholders), the row of the in-flight step that samples the newest of them,
-    # and whether its launched tokens already reach its length limit (it is not scheduled).
-    num_unresolved: int = 0
-    future_row: int = -1
-    retiring: bool = False
-    # Logprobs asked for by its params (engine/loop.py makes the lists, engine/outputs.py fills
-    # them): one dict per resolved generated token, and one per prompt token (None until
-    # computed; always None for the first).
-    sample_logprobs: list | None = field(default=None, repr=False)
-    prompt_logprobs: list | None = field(default=None, repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_pending(self) -> int:
-        """Known tokens whose KV is not computed yet."""
-        return self.num_tokens - self.num_computed_tokens
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        """Known token ids ``[start, end)`` (prompt, then generated)."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
 @dataclass
