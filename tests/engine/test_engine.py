@@ -130,6 +130,7 @@ def check_step(sched: Scheduler, step, w: Workload) -> None:
     for req, n in zip(step.requests, step.num_scheduled):
         assert req.status is Status.RUNNING and req in sched.running
         assert n <= req.num_pending, "scheduled tokens the request does not know yet"
+        assert req.num_tokens == len(req.prompt_token_ids) + len(req.output_token_ids), "stale token count"
         assert len(req.blocks) * w.block_size >= req.num_computed_tokens + n, "blocks do not cover the step"
         assert 0 <= req.row < w.max_num_seqs
     held = [b for r in sched.running for b in r.blocks]
@@ -171,6 +172,7 @@ def drive(w: Workload, max_steps: int = 2000, conservativeness: float = 0.0
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:          # the fake runner samples
                 req.output_token_ids.append(len(req.output_token_ids))
+                req.num_tokens += 1
                 if len(req.output_token_ids) >= req.params.max_tokens:
                     sched.finish(req, "length")
         step_no += 1

@@ -24,6 +24,8 @@ import graphrt
 from graphrt import SamplingParams
 from graphrt.core.errors import InputError
 from graphrt.core.sampling import sampling_batch
+from graphrt.engine.loop import PLACEHOLDER_TOKEN, drop_unresolved
+from graphrt.engine.request import Request
 from support.hf_models import tiny_hf_model_dir
 from support.loop_outputs import assert_same
 from support.fast_subset import examples
@@ -249,3 +251,13 @@ def test_bad_overlap_flags_and_pending_tokens_are_refused():
     with pytest.raises(InputError, match="exactly one"):
         PendingTokens(lambda: np.zeros(1), np.zeros(1))
     assert PendingTokens(tokens=np.arange(3)).result().tolist() == [0, 1, 2]
+
+
+def test_dropping_placeholders_keeps_the_known_token_count():
+    """``Request.num_tokens`` is a plain attribute the loop keeps: forgetting a request's
+    unresolved placeholders (its KV lost, recomputed) takes them off the count too."""
+    req = Request(0, [1, 2, 3], SamplingParams(max_tokens=8), output_token_ids=[7, PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN])
+    req.num_unresolved = 2
+    assert req.num_tokens == 6
+    drop_unresolved(req)
+    assert req.output_token_ids == [7] and req.num_tokens == 4 == len(req.prompt_token_ids) + len(req.output_token_ids)

@@ -190,6 +190,7 @@ def run_fake(sched: Scheduler, stream: list[tuple[list[int], int, int]], kv_slot
             seen = kv[np.asarray(req.blocks, np.int64)[pos // bs] * bs + pos % bs]
             assert seen.tolist() == req.tokens(0, req.num_tokens), "a request read wrong KV"
             req.output_token_ids.append(fake_token(seen.tolist()))
+            req.num_tokens += 1
             if len(req.output_token_ids) >= req.params.max_tokens:
                 sched.finish(req, "length")
             else:

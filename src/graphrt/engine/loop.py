@@ -84,6 +84,7 @@ def drop_unresolved(req: Request) -> None:
     """Forget ``req``'s placeholder tokens (its KV is recomputed; they are recomputed too)."""
     if req.num_unresolved:
         del req.output_token_ids[-req.num_unresolved:]
+        req.num_tokens -= req.num_unresolved
     req.num_unresolved, req.future_row, req.retiring = 0, -1, False
 
 
@@ -195,6 +196,7 @@ class StepLoop:
             req.num_computed_tokens += n
             if sampled:
                 req.output_token_ids.append(PLACEHOLDER_TOKEN)
+                req.num_tokens += 1
                 req.num_unresolved += 1
                 req.future_row = i
                 req.retiring = len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= limit
@@ -216,8 +218,11 @@ class StepLoop:
         for i, (req, num) in enumerate(zip(reqs, step.num_scheduled)):
             row, end = req.row, req.num_computed_tokens + num
             rows[i], computed[i], scheduled[i] = row, req.num_computed_tokens, num
-            if req.tokens_in_row < end:
-                token_table[row, req.tokens_in_row:end] = req.tokens(req.tokens_in_row, end)
+            start = req.tokens_in_row
+            if start < end:
+                n = len(req.prompt_token_ids)      # a decode's tokens are generated ones: sliced here
+                token_table[row, start:end] = (req.output_token_ids[start - n:end - n] if start >= n
+                                               else req.tokens(start, end))
                 req.tokens_in_row = end
             if req.blocks_in_row < len(req.blocks):
                 if req.blocks_in_row == 0:

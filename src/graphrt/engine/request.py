@@ -1,8 +1,9 @@
 """One generation request as the engine tracks it: a plain record whose fields several engine
 modules own.
 
-Each group of fields below names the module that writes it; the others only read it. A field is
-a plain attribute (no setter runs), so a step reads and writes them at attribute cost.
+Each group of fields below names the module that writes it; the others only read it. Every field
+is a plain attribute, ``num_tokens`` included (no getter runs), so a decode step reads and writes
+them at attribute cost and calls nothing here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Request:
     """One generation request and its progress (module doc: who writes which field)."""
 
     # What was asked (engine/llm.py, once) and the tokens known so far: engine/loop.py appends
-    # the generated ones (placeholders until resolved, see below).
+    # the generated ones (placeholders until resolved, see below) and keeps ``num_tokens``.
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -68,10 +69,11 @@ class Request:
     sample_logprobs: list | None = field(default=None, repr=False)
     prompt_logprobs: list | None = field(default=None, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        """Known tokens: the prompt's and the generated ones (placeholders included)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        #: Known tokens, the prompt's and the generated ones (placeholders included): a plain
+        #: attribute, read per request every step; whoever changes ``output_token_ids``
+        #: (engine/loop.py) changes it too.
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_pending(self) -> int:
@@ -79,7 +81,8 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Known token ids ``[start, end)`` (prompt, then generated)."""
+        """Known token ids ``[start, end)`` (prompt, then generated; a decode's are generated
+        only, and engine/loop.py slices ``output_token_ids`` for them itself)."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
