@@ -2,35 +2,16 @@
 
 ``SamplingParams`` (one request's scalars, :mod:`graphrt.engine.sampling_params`) and
 :class:`SamplingBatch` (a step's arrays, what the runner and every executor read) both check
-their fields with the rules below, so whatever one accepts the other accepts. A bad value
-raises :class:`~graphrt.core.errors.InputError` naming the field (and, in a batch, the row)
-at construction, before any device work.
+their fields with the rules below, so whatever one accepts the other accepts; a bad value raises
+:class:`~graphrt.core.errors.InputError` naming the field (in a batch, the row) before any device
+work. The rules per field are tabled in docs/api.md, "Sampling parameters"; the optional
+penalty columns' rules live in :mod:`graphrt.core.sampling_columns`. The configured
+``max_logprobs`` is checked by whoever knows it (:func:`check_logprobs_limit`).
 
-* ``temperature``: a real number, finite as float32, ``>= 0`` (0: greedy).
-* ``top_p``: a real number in ``(0, 1]`` (1: no top-p filter); NaN is refused.
-* ``top_k``: an integer, ``-1`` (no top-k filter) or in ``[1, SAMPLING_MAX_TOP_K]``.
-* ``min_p``: a real number in ``[0, 1]`` (0: no min-p filter): keep tokens at least ``min_p``
-  times as likely as the most likely one (vLLM's meaning, after temperature).
-* ``repetition_penalty``: a real number, finite as float32, ``> 0`` (1: none); ``presence_penalty``
-  and ``frequency_penalty``: real numbers in ``[-2, 2]`` (0: none). vLLM's meanings: a token seen
-  in the prompt or the output has its logit divided by the repetition penalty (multiplied where
-  the logit is not positive); the output's tokens lose ``frequency_penalty`` per occurrence and
-  ``presence_penalty`` once. A batch with penalties needs ``prompt_lens`` (integers ``>= 0``).
-  (The rules of these optional columns live in :mod:`graphrt.core.sampling_columns`, the
-  :class:`~graphrt.core.sampling_rule.Rule` class in :mod:`graphrt.core.sampling_rule`.)
-* ``seed``: None (the device RNG) or an integer in ``[0, SAMPLING_SEED_LIMIT)`` (64 bits).
-* ``max_tokens``: an integer ``>= 1``; ``ignore_eos``: a bool (``SamplingParams`` only).
-* ``logprobs`` (and ``SamplingParams.prompt_logprobs``): None (none) or an integer ``>= 0``, how
-  many top logprobs to return besides the sampled token's; the configured maximum
-  (``GraphConfig.max_logprobs``) is checked by whoever knows it: ``graphrt.LLM`` when a request
-  is added, ``ModelRunner.execute`` before a step runs (:func:`check_logprobs_limit`).
-* A batch: every field 1-D with one row per request; a seeded row's request id an integer.
-
-Bools, strings and other objects are refused where a number is expected (a bool is not a
-number here). A batch is built once per step, so it checks its three numeric columns by
-their min and max (as Python lists up to ``SAMPLING_CHECK_LIST_ROWS`` rows, else two numpy
-reductions over the concatenated columns): a few microseconds whatever the batch size. Single
-values are looked at only when a bound fails, to name the bad row (or accept a -1 top_k).
+Bools, strings and other objects are refused where a number is expected. A batch checks its
+three numeric columns by their min and max (as lists up to ``SAMPLING_CHECK_LIST_ROWS`` rows,
+else two numpy reductions): a few microseconds whatever the batch size; single values are looked
+at only when a bound fails, to name the bad row.
 """
 
 from __future__ import annotations

@@ -45,14 +45,11 @@ class TorchBackend(Backend):
         from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl
         name = model_dtype(dtype, checkpoint_limits(model_dir)[1] or "float32")   # "bf16", "auto", torch.half...
         if resolve_model_impl(model_dir, model_impl) == "transformers":
-            from graphrt.models.torch.transformers_impl.loader import load_transformers_model
-            model = load_transformers_model(model_dir, dtype=getattr(torch, name), device=self.device,
-                                            tp_rank=tp_rank, tp_size=tp_size, group=group)
-            model.source_dir = model_dir
-            return model
-        from graphrt.models.torch.loader import load_torch_model
-        model = load_torch_model(model_dir, dtype=getattr(torch, name), device=self.device,
-                                 tp_rank=tp_rank, tp_size=tp_size, group=group)
+            from graphrt.models.torch.transformers_impl.loader import load_transformers_model as load
+        else:
+            from graphrt.models.torch.loader import load_torch_model as load
+        model = load(model_dir, dtype=getattr(torch, name), device=self.device, tp_rank=tp_rank, tp_size=tp_size,
+                     group=group)
         model.source_dir = model_dir
         return model
 

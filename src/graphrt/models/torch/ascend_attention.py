@@ -1,32 +1,14 @@
-"""Ascend: graphrt's paged attention through torch_npu's fused inference attention.
+"""Ascend: graphrt's paged attention through torch_npu's fused inference attention ("FIA").
 
-:class:`AscendAttentionBackend` is an attention backend (docs/attention.md) whose metadata
-:class:`~graphrt.models.torch.attention.PagedAttention` runs through
-``torch_npu.npu_fused_infer_attention_score`` ("FIA"): queries in the ``TND`` layout, the
-layer's KV cache read as paged blocks through the step's block table, the causal mask as
-``sparse_mode`` 3 (aligned bottom-right: a request's queries are its last tokens). The KV
-write stays graphrt's: each token's K/V goes to its slot, a padded token's (negative slot) to
-the cache's trash row.
-
-FIA takes the per-request lengths as **host lists** -- ``actual_seq_lengths`` (the cumulative
-query ends, ``query_start_loc[1:]``) and ``actual_seq_lengths_kv`` (``seq_lens``) -- so a
-captured ACL graph bakes them in. The backend declares the padded step's host arrays
-refreshed (``refreshed_host_values``) and turns them into the lists in :meth:`before_replay`,
-before every run. Eagerly the op is called with them. In a capture the op is issued into
-preallocated outputs with a workspace sized for any lengths, inside
-:func:`graphrt.core.graph_tasks.graph_task`: the npu backend captures it as a task group, and
-before each replay re-issues it between ``graph_task_update_begin`` / ``_end`` with the lists
-:meth:`before_replay` just refreshed (vllm-ascend's parameter update before replay). Devices
-without task updates refuse such a capture (the key runs eagerly).
-
-Selection (:func:`ascend_backend`, called by the torch executor for models without their own
-backend): ``GRAPHRT_ATTENTION=auto`` on an NPU where torch_npu imports and the op takes the
-model's dtype, head size and block size; ``ascend`` forces it (``ConfigError`` with the reason
-where it cannot run); ``reference`` never. torch_npu is imported only then: importing this
-module needs neither torch_npu nor CANN.
-
-Verified only over the CPU recording graph with a stand-in ``torch_npu`` (tests/
-test_ascend_attention.py), never on an Ascend device.
+:class:`AscendAttentionBackend` runs :class:`~graphrt.models.torch.attention.PagedAttention`
+through ``torch_npu.npu_fused_infer_attention_score`` (``TND`` queries, the paged cache read
+through the block table, ``sparse_mode`` 3); the KV write stays graphrt's. FIA takes the lengths
+as host lists, which a captured graph bakes in, so the backend declares them refreshed and
+:meth:`before_replay` rebuilds them before every run; in a capture the op is issued inside
+:func:`graphrt.core.graph_tasks.graph_task` and re-issued with the new lists before each replay
+(vllm-ascend's parameter update). Selection (:func:`ascend_backend`), the refusals and what was
+verified (a stand-in ``torch_npu`` over the CPU recording graph only): docs/attention.md,
+"Ascend". Importing this module needs neither torch_npu nor CANN.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """FlashInfer's paged attention behind graphrt's attention seam (``GRAPHRT_ATTENTION=flashinfer``).
 
 :class:`FlashInferAttentionBackend` runs graphrt's :class:`~graphrt.models.torch.attention.PagedAttention`
-layers through FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (decode, chunked prefill and
-mixed steps alike: a decode is a request with one query token). What stays graphrt's:
-
-* **the KV cache and its write.** A layer's cache ``[2, num_blocks * block_size + 1, kv_heads,
-  head_dim]`` is handed to FlashInfer as the pages ``(kv[0, :-1], kv[1, :-1])`` viewed as
-  ``[num_blocks, block_size, kv_heads, head_dim]`` ("NHD"; no copy; the trash row is left out,
-  block 0 is the null block). The step's K/V are written through ``slot_mapping`` as the
-  reference kernel writes them.
-* **the step.** Its block table and lengths become FlashInfer's ``qo_indptr`` (graphrt's
-  ``query_start_loc``), ``paged_kv_indptr`` / ``paged_kv_indices`` (each request's first
-  ``ceil(seq_len / block_size)`` blocks) and ``paged_kv_last_page_len``.
-
-FlashInfer's ``plan()`` runs on the host, so it is never captured: :meth:`before_replay` plans
-before every run, outside any graph, from the step's host staging buffers (``StepTensors.on_host``;
-no device sync), and declares what it reads (``refreshed_host_values``). A graph of ``num_tokens``
-tokens and ``num_reqs`` requests reads one set of wrappers made for it (``use_cuda_graph=True``
-with fixed indptr / indices / last-page-length buffers: FlashInfer fixes the batch size, and the
-most rows, per wrapper); eager runs of other shapes share wrappers without graph buffers. One
-wrapper per distinct layer signature (heads, head size, scale, window). fp8 caches are refused.
-
-Graph support is ``UNIFORM_BATCH``: FULL graphs of uniform batches (decode, spec-decode verify),
-PIECEWISE for the rest, where attention runs eagerly between the pieces. FlashInfer's FA2
-scheduler fixes tiles and grid per wrapper in CUDA-graph mode, so mixed FULL graphs may hold too;
-that is not verified here (docs/attention.md). The kernel call is :mod:`graphrt.models.torch.flashinfer_kernel`'s.
-``flashinfer`` is imported only when a backend is built or a kernel runs: this module imports without it.
+layers through ``BatchPrefillWithPagedKVCacheWrapper`` (decode, chunked prefill and mixed steps
+alike). graphrt keeps the KV cache (handed over as NHD pages without a copy; the trash row left
+out) and its write; the step's block table and lengths become FlashInfer's indptr / indices /
+last-page-length arrays. ``plan()`` runs on the host, so :meth:`before_replay` plans before every
+run, outside any graph, from the host staging buffers; each graph shape reads wrappers made for
+it (``use_cuda_graph=True``), eager runs share others. Graph support ``UNIFORM_BATCH``; fp8
+caches refused. Details: docs/attention.md, "FlashInfer". ``flashinfer`` is imported only when a
+backend is built or a kernel runs.
 """
 
 from __future__ import annotations

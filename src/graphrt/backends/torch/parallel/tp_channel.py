@@ -1,44 +1,13 @@
 """Rank 0 to its workers: one step's arrays through shared memory, with a fixed header.
 
-Seed 004 (nano-vllm) drives tensor-parallel workers this way: rank 0 writes the call into a
-shared-memory segment and sets one event per worker; each worker reads it and runs the same
-forward, whose all-reduces then keep the ranks in step. nano-vllm pickles ``[method, args]``;
-graphrt sends a step as raw arrays instead -- a small fixed header (sequence number, a method
-code, and per array its dtype, shape and offset) followed by the arrays' bytes -- so the hot
-path is one ``memcpy`` per array, no pickle.
-
-* :class:`StepChannel` -- ``StepChannel.create(num_readers, capacity)`` in rank 0, then
-  ``channel.spec`` (a picklable :class:`ChannelSpec`) to each worker, which calls
-  ``StepChannel.attach(spec, reader)``. ``send(method, arrays)`` / ``receive()``.
-* Flow control: each reader has an acknowledgement slot in the header; the writer waits
-  until every reader acknowledged the previous step before it overwrites the segment
-  (normally at once: the workers read before they run the forward). Waits have a timeout, so
-  a dead worker gives :class:`~graphrt.core.errors.GraphrtError`, never a hang.
-* Steady steps: while a step's arrays have last step's dtypes and shapes (a decode loop in
-  one bucket), they keep last step's places and header entries, so a send is the copies,
-  the method and sequence words, and the wake-ups -- no layout, no header packing.
-* Wake-ups: a reader first polls its semaphore for ``spin`` seconds (``os.sched_yield``
-  between polls) and only then sleeps on it. Rank 0's ``release`` of a semaphore nobody sleeps
-  on is an atomic add; waking a sleeping reader is a system call and an interrupt to the
-  reader's core, 11-33 us of the send on the 2-core VM, and the reader gets the step later
-  (docs/benchmarks.md). Tensor-parallel workers on an accelerator poll
-  (``defaults.TP_WORKER_SPIN_S``); plain readers and CPU workers sleep at once.
-* Resident buffers: ``create(..., resident={name: (shape, dtype)})`` adds fixed arrays after the
-  step area, the same on every side (``channel.resident``). Rank 0 prepares its steps straight
-  into them, so a step's send is a few header words and a small array, not a copy of every
-  input: the readers copy what they need out of them. Rank 0 may write them again only once
-  every reader acknowledged the last step (``wait_acks``). They live in a mapping of their
-  own, which stays until the last array over it is gone (an executor may hold them past
-  ``close()``).
-* Bounds first: ``create`` checks ``num_readers`` against ``defaults.STEP_CHANNEL_MAX_READERS``
-  and the segment's bytes against the shared memory the system has (``ConfigError`` naming the
-  argument) before it makes anything, and a failure after that (a semaphore, the segment)
-  removes what it made; ``send`` refuses anything but a sequence of numpy arrays (``InputError``).
-* ``close()`` in every process, ``unlink()`` once in rank 0: no segment is left in /dev/shm.
-  Workers spawned by rank 0 share its resource tracker, so an attach there registers nothing
-  new; rank 0's unlink is the one that counts.
-
-numpy and the standard library only.
+As in nano-vllm, rank 0 writes the call into a shared-memory segment and wakes each worker, whose
+forward's all-reduces then keep the ranks in step; graphrt sends raw arrays behind a small fixed
+header (sequence number, method code, per array its dtype, shape and offset) instead of a pickle,
+so the hot path is one ``memcpy`` per array. :class:`StepChannel`: ``create`` in rank 0,
+``attach(spec, reader)`` in each worker, ``send`` / ``receive``, ``close()`` everywhere and
+``unlink()`` once in rank 0. Flow control (per-reader acknowledgements, timeouts instead of
+hangs), steady-step reuse of the layout, spin-then-sleep wake-ups, resident buffers and the
+bounds checked first: docs/distributed.md, "The step channel". numpy and the standard library only.
 """
 
 from __future__ import annotations
