@@ -1,26 +1,16 @@
 """``graphrt.DataParallelLLM``: ``data_parallel_size`` engine processes behind one front.
 
-Each worker is a process of its own (multiprocessing's ``spawn`` context) holding a whole
-:class:`~graphrt.LLM` -- its own ModelRunner, graphs and KV cache -- loaded from the model
-directory by the worker itself. The front validates every request as ``LLM`` does, sends it to
-one worker by SGLang's ``load_balance_method`` and gathers the outputs::
+Each worker is a spawned process holding a whole :class:`~graphrt.LLM` loaded from the model
+directory by the worker itself. The front validates every request as ``LLM`` does, sends it to one
+worker by SGLang's ``load_balance_method`` (``round_robin``, or ``shortest_queue``: the fewest
+unfinished requests as the front counts them, lowest rank on ties) and gathers the outputs::
 
-    with graphrt.DataParallelLLM(model_dir, data_parallel_size=2, backend="cpu",
-                                 load_balance_method="shortest_queue") as dp:
+    with graphrt.DataParallelLLM(model_dir, data_parallel_size=2, backend="cpu") as dp:
         outs = dp.generate(prompts, graphrt.SamplingParams(max_tokens=8))   # prompt order
 
-* ``round_robin`` (SGLang's default): worker 0, 1, ..., n-1, 0, ...
-* ``shortest_queue``: the worker with the fewest unfinished requests, lowest rank on ties.
-  The front counts them itself (sent, minus outputs received), so a request whose output is
-  still in the pipe counts as unfinished; SGLang balances on the queue lengths its schedulers
-  report, which ``stats`` also shows (each worker's ``waiting`` / ``running``) but which
-  would cost a round trip per request.
-
-The workers never talk to each other: each steps on its own (issue 12's lock-step DP, where
-ranks agree on a graph key every step, is not this). Failure: a worker that dies (killed, or
-its engine loop raised) is seen at once through its process sentinel; the call waiting on it,
-and every later call, raises a ``GraphrtError`` naming it. ``close()`` (also the context
-manager's exit, garbage collection and interpreter exit) stops and joins every worker.
+Workers never talk to each other. A worker that dies is seen at once through its process
+sentinel, and every call then raises a ``GraphrtError`` naming it; ``close()`` (also exit, garbage
+collection) stops and joins every worker. docs/api.md, "Data parallelism".
 """
 
 from __future__ import annotations

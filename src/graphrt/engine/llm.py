@@ -4,21 +4,14 @@ It makes the library usable end to end and is how the parity tests drive real mo
 
     llm = graphrt.LLM(model_dir, backend="cpu", max_num_seqs=8)
     outs = llm.generate([[1, 2, 3]], graphrt.SamplingParams(max_tokens=8))
-    outs[0].token_ids
 
-Warm-up (capture / precompile) happens in the constructor (``warmup="upfront"``), or between
-steps while it serves (``warmup="background"``: docs/api.md, "Warm-up"). The prefix cache
-(``enable_prefix_caching``, on by default) lets a request start from the KV of its longest
-cached full-block prefix; ``schedule_policy`` orders the waiting queue (docs/api.md).
-
-Faults: a step that raises finishes the requests it ran with ``finish_reason="error"`` (and
-frees their blocks); ``generate`` then aborts the rest of its own requests and raises
-:class:`~graphrt.core.errors.GenerationError` carrying every one of its outputs. A lost XLA KV
-cache is re-created and the requests that held KV are recomputed. Threads: one lock
-serializes ``add_request`` / ``step`` / ``abort_request`` and each step of ``generate``, so
-concurrent ``generate`` calls batch together; each call gets exactly its own outputs.
-``close()`` takes it too: it waits for the running step, and every call after it raises
-GraphrtError saying the engine is closed.
+Warm-up runs in the constructor or between steps (``warmup="background"``); the prefix cache and
+``schedule_policy`` are on docs/api.md. A step that raises finishes its requests with
+``finish_reason="error"``; ``generate`` then aborts the rest of its own and raises
+:class:`~graphrt.core.errors.GenerationError` with every output. One lock serializes
+``add_request`` / ``step`` / ``abort_request`` and each step of ``generate`` (concurrent calls
+batch together, each gets its own outputs); ``close()`` takes it too. docs/api.md, "Generate end
+to end".
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Pallas ragged paged attention (TPU) for graphrt's JAX decoder: its cache layout, KV write and call.
 
-With the Pallas path on, the decoder's KV cache is stored in the kernel's own page layout, one
-array for every layer::
+With the Pallas path on, the decoder's KV cache is one array in the kernel's page layout::
 
     kv_cache: [num_layers * (num_blocks + 1), block_size, 2 * num_kv_heads, head_dim]
 
-Layer ``l`` owns pages ``l * (num_blocks + 1) .. (l + 1) * (num_blocks + 1) - 1``; page ``p`` of
-it is block ``p``, and its last page is a trash page: padded tokens (negative slot) write its
-first row, which nothing reads. K and V are interleaved on the head axis (``2h``: K of head ``h``,
-``2h + 1``: its V), as the kernel reads them. The kernel takes the whole cache as its
-``kv_pages`` and each layer's block table offset by the layer's first page, so no step slices,
-copies or transposes the cache: the KV write is one scatter per layer, the read is the kernel's.
-
-The kernel is ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` (imported lazily: only
-where the path runs). A token at position ``p`` of a request with ``seq_len`` keys and ``q_len``
-queries is assumed to be at ``seq_len - q_len + i`` (how graphrt's runner lays steps out); the
-kernel infers positions from that. :func:`choose_xla_attention` decides per model, under
-``GRAPHRT_ATTENTION`` (``auto``, ``reference``, ``pallas``). Tests run the same layout and glue
-with ``ref_ragged_paged_attention`` in the kernel's place (:data:`KERNEL_OVERRIDE`).
+Layer ``l`` owns pages ``l * (num_blocks + 1) ..``; page ``p`` of it is block ``p`` and its last
+page is the trash page padded tokens write. K and V interleave on the head axis (``2h`` K, ``2h +
+1`` V). The kernel takes the whole cache and each layer's block table offset by its first page,
+so no step slices or copies the cache. The kernel
+(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``) is imported lazily;
+:func:`choose_xla_attention` decides per model under ``GRAPHRT_ATTENTION``; tests put
+``ref_ragged_paged_attention`` in its place (:data:`KERNEL_OVERRIDE`). docs/xla.md, "On a TPU".
 """
 
 from __future__ import annotations
