@@ -27,6 +27,11 @@ class TorchBackend(Backend):
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = torch.device(device if device is not None else self.device_type)
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None: torch runs on the CPU wherever graphrt imports it (device backends override)."""
+        return None
+
     def graph_api(self) -> DeviceGraphAPI | None:
         """The device-graph API; ``None`` runs every step eagerly."""
         return None

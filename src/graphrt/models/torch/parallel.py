@@ -102,7 +102,7 @@ class _Parallel(nn.Module):
         if self.tp_size == 1:
             return x
         import torch.distributed._functional_collectives as fc
-        return _waited(fc.all_reduce(x, "sum", self._group()))
+        return waited(fc.all_reduce(x, "sum", self._group()))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dim, in rank order, waited."""
@@ -110,7 +110,7 @@ class _Parallel(nn.Module):
             return x
         import torch.distributed._functional_collectives as fc
         gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor    # the latter: older torch
-        return _waited(gather(x.contiguous(), x.dim() - 1, self._group()))
+        return waited(gather(x.contiguous(), x.dim() - 1, self._group()))
 
     def bind_weight_loaders(self) -> None:
         """Attach ``weight_loader`` to this module's own parameters (again after ``to_empty``)."""
@@ -122,7 +122,7 @@ class _Parallel(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} defines no weight_loader")
 
 
-def _waited(t: torch.Tensor) -> torch.Tensor:
+def waited(t: torch.Tensor) -> torch.Tensor:
     """The result of a functional collective once it has completed."""
     import torch.distributed._functional_collectives as fc
     return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
@@ -296,4 +296,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
-           "RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "divide", "kv_head_replicas", "kv_head_shard"]
+           "RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "divide", "kv_head_replicas", "kv_head_shard", "waited"]
