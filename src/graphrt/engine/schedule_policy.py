@@ -1,26 +1,12 @@
 """Schedule policies: the order in which waiting requests are offered to admission (SGLang's policies).
 
-Cache-agnostic:
-
-* ``fcfs`` -- first come, first served (a preempted or requeued request goes back to the
-  front, so it is served first);
-* ``lof`` -- longest output first: the largest ``max_tokens`` first (ties in arrival order);
-* ``random`` -- a shuffle from a seeded generator.
-
-Cache-aware (need the prefix cache; without it they serve ``fcfs``, as SGLang does):
-
-* ``lpm`` -- longest prefix match first. A request whose own cache match is short but which
-  shares a prefix with a request ahead of it in the queue is held back for this step
-  (SGLang's in-batch prefix check, whose stated aim is to "schedule only one of them"; SGLang
-  sorts such requests last, graphrt leaves them out of this step): the first computes the
-  prefix, the rest find it cached a step later. Above ``LPM_MAX_WAITING`` waiting requests it
-  serves ``fcfs`` (matching every one per step would cost too much).
-* ``dfs-weight`` -- group by where each request's match ends in the tree and walk the tree
-  depth first, heaviest subtree (most waiting requests) first, deeper matches before their
-  ancestors' requests: requests sharing a prefix run together while it is cached.
-
-Every order is a permutation of the queue (``lpm`` without the requests it holds back) and
-is stable: equal keys keep arrival order.
+Cache-agnostic ``fcfs``, ``lof`` (largest ``max_tokens`` first) and ``random`` (seeded); cache-aware
+``lpm`` (longest prefix match first; a request sharing an uncached prefix with one ahead of it is
+held back a step, so the prefix is computed once -- SGLang sorts such requests last, graphrt leaves
+them out of this step; ``fcfs`` above ``LPM_MAX_WAITING`` waiting requests) and ``dfs-weight``
+(depth first over the tree, heaviest subtree first, deeper matches before their ancestors'), which
+serve ``fcfs`` without the prefix cache. Every order is a stable permutation of the queue (``lpm``
+without the requests it holds back). docs/api.md, "Prefix cache and schedule policies".
 """
 
 from __future__ import annotations
