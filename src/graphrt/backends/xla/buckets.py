@@ -1,23 +1,16 @@
 """XLA's bucket grid: which shapes get an executable, built from GraphConfig's validated flags.
 
-XLA has no eager escape, so every step the scheduler can form needs a compiled shape. Two
-kinds of keys (sglang-jax's design):
+XLA has no eager escape, so every step the scheduler can form needs a compiled shape. Two kinds
+of keys (sglang-jax's design; docs/xla.md, "Buckets"): decode steps at the next batch-size
+padding ``b``, key ``(b * q, b, uniform_decode=True)`` with ``q = 1 + num_speculative_tokens``
+and ``b`` capped at the largest decode batch the token budget holds; every other step at the
+next token padding ``t`` and one fixed batch size, key ``(t, max_reqs, False)`` -- so
+``len(token paddings) + len(batch-size paddings)`` executables, not their product, times the
+context buckets (the key's ``max_seq_len``).
 
-* decode steps (every request schedules ``q = 1 + num_speculative_tokens`` tokens) run at the
-  next batch-size padding ``b``: key ``(b * q, b, uniform_decode=True)``, ``b`` capped at the
-  largest decode batch the token budget holds;
-* prefill, chunked-prefill and mixed steps run at the next token padding ``t`` and one fixed
-  batch size, the largest batch-size padding: key ``(t, max_reqs, False)``. So the number of
-  executables is ``len(token paddings) + len(batch-size paddings)``, not their product --
-  times the context buckets (the key's ``max_seq_len``: sglang-jax buckets its cache
-  locations the same way), so a step attends over its longest request's bucket, never over
-  ``max_model_len``.
-
-``max_reqs`` is XLA's largest batch size: the mixed keys' batch, the rows of the executor's
-request-level staging buffers and of every sampler's output. It is
-:func:`graphrt.config.covering_padding` of the batch-size flag -- the same function config
-validation refuses paddings with -- and nothing else recomputes it. Imports no jax (the CLI's
-``plan`` and the runner's preflight read it without the backend).
+``max_reqs`` is :func:`graphrt.config.covering_padding` of the batch-size flag -- the function
+config validation refuses paddings with -- and nothing else recomputes it. Imports no jax (the
+CLI's ``plan`` and the runner's preflight read it without the backend).
 """
 
 from __future__ import annotations
