@@ -36,7 +36,6 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from graphrt.core import defaults
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import AttentionGraphSupport
@@ -44,6 +43,14 @@ from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata
 from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
 from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
 from graphrt.models.torch.kv_quant import is_fp8
+
+#: FlashInfer attention (models/torch/flashinfer_attention.py): the float workspace its wrappers
+#: share (FlashInfer's recommended 128 MiB), and the kernel backend asked for. "fa2": its
+#: scheduler's CUDA-graph mode fixes the tile size and padded grid from a wrapper's tokens and
+#: requests (include/flashinfer/attention/scheduler.cuh, PrefillSplitQOKVIndptr), which is what
+#: replaying one graph under later plans relies on.
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+FLASHINFER_KERNEL_BACKEND = "fa2"
 
 
 def flashinfer_selected() -> bool:
@@ -117,7 +124,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     kv_cache_dtypes = FLOAT_KV_DTYPES          # no k_scale / v_scale are passed: fp8 is refused by name
 
     def __init__(self, layers: Sequence[torch.nn.Module],
-                 workspace_bytes: int = defaults.FLASHINFER_WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = FLASHINFER_WORKSPACE_BYTES) -> None:
         """``layers``: the model's attention layers (graphrt's ``PagedAttention``); the plans
         follow their heads, head size, scale and window."""
         self.layers = list(layers)
@@ -156,7 +163,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                          paged_kv_indices_buf=torch.zeros(max(r * width, 1), **ints),
                          paged_kv_last_page_len_buf=torch.zeros(r, **ints))
         return _WrapperSet({sig: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=defaults.FLASHINFER_KERNEL_BACKEND, **graph) for sig in self.signatures})
+            self._workspace, "NHD", backend=FLASHINFER_KERNEL_BACKEND, **graph) for sig in self.signatures})
 
     def _plan(self, wset: _WrapperSet, layout: PagedLayout, block_size: int) -> bool:
         """Plan every wrapper of ``wset`` for ``layout``; False while the KV cache is unassigned."""

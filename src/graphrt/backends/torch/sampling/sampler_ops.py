@@ -13,7 +13,7 @@ row and a token is kept when its probability is at least ``tau``:
   reaches ``top_p``, found without sorting by :func:`radix_threshold`.
 
 :func:`radix_threshold` is a bisection over the float32 bits of ``P`` (non-negative floats order
-as their bits), ``defaults.SAMPLER_RADIX_BITS`` bits per pass: each pass builds a per-row histogram
+as their bits), ``SAMPLER_RADIX_BITS`` bits per pass: each pass builds a per-row histogram
 (``index_add_``, the weight of each bucket of the next digit, with the rows above and below the
 digits chosen so far in two extra buckets) and keeps the largest digit whose suffix weight still
 reaches the target. Three passes give the exact bit pattern: a fixed number of device ops, no
@@ -34,7 +34,12 @@ import torch
 from graphrt.backends.torch.sampling.flashinfer_sampling import flashinfer_filtered
 from graphrt.core import defaults
 
-_DIGITS = 1 << defaults.SAMPLER_RADIX_BITS
+#: The sampler's threshold search (top-p, wide top-k) over a row's probabilities: float32 bits
+#: of values in [0, 1] fit in 30 bits, chosen ``SAMPLER_RADIX_BITS`` at a time (3 passes of a
+#: 1024-bucket histogram on torch backends).
+SAMPLER_RADIX_BITS = 10
+
+_DIGITS = 1 << SAMPLER_RADIX_BITS
 _BUCKETS = _DIGITS + 2          # below the window, its digits, above it
 _TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23   # the least positive float32
 
@@ -75,7 +80,7 @@ def radix_threshold(probs: torch.Tensor, target: torch.Tensor, ws: Workspace, co
     weights = ws.ones.expand(rows * vocab) if count else probs.reshape(-1)
     target = target.clamp(min=_TINY)           # some weight must reach it: never above every value
     prefix = torch.zeros(rows, 1, dtype=torch.int32, device=probs.device)
-    step = defaults.SAMPLER_RADIX_BITS
+    step = SAMPLER_RADIX_BITS
     for shift in range(defaults.SAMPLER_PROB_BITS - step, -1, -step):
         low = prefix << step                                  # the window's first key
         torch.bitwise_right_shift(bits, shift, out=key)
