@@ -39,6 +39,7 @@ import torch
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import AttentionGraphSupport
+from graphrt.core.kv_spec import blocks_for
 from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
 from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
@@ -72,7 +73,7 @@ def paged_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     """FlashInfer's arrays of a graphrt step (host tensors in, new host tensors out: FlashInfer
     may copy them asynchronously after the staging buffers are rewritten)."""
     seq = seq_lens.to("cpu", torch.int64)
-    pages = (seq + block_size - 1) // block_size
+    pages = blocks_for(seq, block_size)
     kv_indptr = torch.zeros(seq.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(pages, 0, out=kv_indptr[1:])
     table = block_table.to("cpu")
@@ -90,7 +91,7 @@ def padding_layout(num_tokens: int, num_reqs: int, width: int, block_size: int) 
     if num_reqs:
         qo_len[0] += max(num_tokens - num_reqs, 0)
         qo_len[num_tokens:] = 0
-    pages = ((qo_len + block_size - 1) // block_size).clamp(min=1, max=max(width, 1))
+    pages = blocks_for(qo_len, block_size).clamp(min=1, max=max(width, 1))
     last = (qo_len - (pages - 1) * block_size).clamp(min=1, max=block_size)
     qo, kv = torch.zeros(num_reqs + 1, dtype=torch.int64), torch.zeros(num_reqs + 1, dtype=torch.int64)
     torch.cumsum(qo_len, 0, out=qo[1:])
