@@ -5,8 +5,8 @@ steps, the most demanded first.
 built, a step that wants it runs under the smallest built key that covers it, else eagerly
 (``miss_during_warmup``; on XLA, which has no eager path, the step builds its key) and adds one
 to the key's *demand*. The builder thread takes the runner's lock between steps (or when idle,
-``defaults.BACKGROUND_IDLE_S`` / ``BACKGROUND_START_IDLE_S``) and builds the most demanded pending
-jobs for ``defaults.BACKGROUND_SLICE_S``, at least one per turn. Warm-up is *complete* once every
+``BACKGROUND_IDLE_S`` / ``BACKGROUND_START_IDLE_S``) and builds the most demanded pending
+jobs for ``BACKGROUND_SLICE_S``, at least one per turn. Warm-up is *complete* once every
 planned job is built, failed or left out for graph memory: both caches are then sealed, as after
 an upfront warm-up (a re-fit reopens it). A failed build in strict mode, or without an eager path,
 is raised from the runner's next step. The builder never runs while a launched step is
@@ -26,10 +26,19 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from graphrt.backends.base import Executor
-from graphrt.core import defaults
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key
 from graphrt.core.eager import EagerCause
 from graphrt.warmup import Job, build_one, job_target
+
+#: Background warm-up (graphrt/background.py): after a step, the builder keeps building for this
+#: long (at least one key) before the next step may run ...
+BACKGROUND_SLICE_S = 0.05
+#: ... and builds without waiting for a step once the runner has been idle this long (this long
+#: before its first step: a request that comes right after the engine is built runs first).
+BACKGROUND_IDLE_S = 0.05
+BACKGROUND_START_IDLE_S = 1.0
+#: How often the builder thread checks its tasks (traffic re-fits) once nothing is pending.
+BACKGROUND_TASK_S = 0.25
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +147,7 @@ class BackgroundWarmup:
             self._over_memory.discard(job)
 
     # ---- building ------------------------------------------------------------------------
-    def build_next(self, max_seconds: float = defaults.BACKGROUND_SLICE_S) -> int:
+    def build_next(self, max_seconds: float = BACKGROUND_SLICE_S) -> int:
         """Build pending jobs, most demanded first, until ``max_seconds`` passed (at least one);
         call with the runner's lock held and nothing in flight. Returns how many were built or
         failed; completes warm-up when none is left."""
@@ -274,8 +283,8 @@ def _builder(ref: "weakref.ref[BackgroundWarmup]", stop: threading.Event, turn: 
         background = ref()
         if background is None:
             return
-        timeout = (defaults.BACKGROUND_START_IDLE_S if first else defaults.BACKGROUND_IDLE_S) if background._order \
-            else defaults.BACKGROUND_TASK_S
+        timeout = (BACKGROUND_START_IDLE_S if first else BACKGROUND_IDLE_S) if background._order \
+            else BACKGROUND_TASK_S
         del background
         turn.wait(timeout)            # first: the first step's end, so the first request never waits on a build
         first = False

@@ -407,8 +407,12 @@ class ModelRunner:
     # ---- introspection ---------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:
-        """Forward cache statistics (hits, misses, padding, eager steps, build cost)."""
-        return self.cache.stats
+        """Forward cache statistics (hits, misses, padding, eager steps, build cost), with
+        ``compiles``: every build the executor counted, sampler's and those no cache lookup saw
+        included (``Executor.build_count``: XLA's compile ledger, torch's captures)."""
+        stats = self.cache.stats
+        stats.compiles = self.executor.build_count
+        return stats
 
     @property
     def sampler_stats(self) -> CacheStats:

@@ -214,6 +214,8 @@ def test_capture_order_is_largest_first(runners):
     assert len(report) == len(keys) + len(sampler_keys)
     assert [f"tokens={n}," in row for n, row in zip((32, 4, 1), report)] == [True] * 3, report
     assert runner.cache.sealed and runner.stats.unplanned_builds == 0
+    # Every capture counted, the sampler's too (the cache alone counts only its own entries).
+    assert runner.stats.compiles == runner.executor.build_count == len(keys) + len(sampler_keys)
 
 
 # ---- the sampler ---------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
-from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, InputError
 from graphrt.engine.dp_processes import DP_WORKER_KILL_TIMEOUT_S, LIVE, Worker, new_key, shutdown
 from graphrt.engine.dp_worker import worker_main
@@ -35,6 +34,8 @@ from graphrt.engine.llm import LLM
 from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.engine.validation import params_per_prompt, validate_request
+
+DP_POLL_INTERVAL_S = 0.1
 
 #: graphrt.DataParallelLLM: worker processes (SGLang's ``--data-parallel-size``; 1 there means
 #: no DP) and how requests are spread over them (SGLang's ``--load-balance-method`` and default).
@@ -190,7 +191,7 @@ class DataParallelLLM:
                 left = deadline - time.monotonic()
                 if ready or not self._streamed or left <= 0:
                     break
-                self._pump(min(left, defaults.DP_POLL_INTERVAL_S))
+                self._pump(min(left, DP_POLL_INTERVAL_S))
             self._streamed.difference_update(ready)
             return sorted((self._done.pop(i) for i in ready), key=lambda o: o.request_id)
 
@@ -264,7 +265,7 @@ class DataParallelLLM:
         try:
             w.requests.send(("add", rid, [int(t) for t in prompt], params))
         except (OSError, ValueError):
-            self._pump(defaults.DP_POLL_INTERVAL_S)     # its sentinel names the death
+            self._pump(DP_POLL_INTERVAL_S)     # its sentinel names the death
             self._check_usable()
             raise GraphrtError(f"{w.name} stopped taking requests") from None
         w.in_flight.add(rid)
@@ -282,13 +283,13 @@ class DataParallelLLM:
                     self._check_usable()
                 if done():
                     return
-                left = defaults.DP_POLL_INTERVAL_S if deadline is None else deadline - time.monotonic()
+                left = DP_POLL_INTERVAL_S if deadline is None else deadline - time.monotonic()
                 if left <= 0:
                     owing = sorted({w.name for w in self._workers for i in ids if i in w.in_flight})
                     raise GraphrtError(f"DataParallelLLM: the workers took more than {timeout} s "
                                        f"{what}" + (f"; still owing outputs: {', '.join(owing)}"
                                                     if owing else ""))
-                self._pump(min(left, defaults.DP_POLL_INTERVAL_S))
+                self._pump(min(left, DP_POLL_INTERVAL_S))
 
     def _pump(self, timeout: float) -> None:
         """Receive what the workers sent, waiting up to ``timeout`` s for something; a worker

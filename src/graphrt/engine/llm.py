@@ -40,6 +40,11 @@ from graphrt.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_eos_token_ids
 
+#: ``graphrt.LLM.close()`` waits this long for a step running on another thread to end (the
+#: watchdog's and the tensor-parallel timeout: a step still running then is hung); past it, or
+#: at once after the watchdog fired, it closes under the step, which then fails.
+LLM_CLOSE_WAIT_S = 300.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -307,7 +312,7 @@ class LLM:
         GenerationError saying the engine is closed (with its outputs so far); every later call
         raises GraphrtError saying so. Idempotent; the workers also stop when it is collected."""
         fired = self.watchdog.error is not None         # that forward hangs: do not wait for it
-        locked = self._lock.acquire(timeout=0 if fired else defaults.LLM_CLOSE_WAIT_S)
+        locked = self._lock.acquire(timeout=0 if fired else LLM_CLOSE_WAIT_S)
         if not locked:
             logger.error("graphrt: close(): a step still runs on another thread; closing under it")
         try:

@@ -18,6 +18,15 @@ from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.engine.prefix_cache import Match, Node, PrefixCache
 
+#: "lpm" sorts by prefix match only while at most this many requests wait (SGLang: the
+#: matching costs a tree walk per request per step), and serves first-come-first-served above.
+LPM_MAX_WAITING = 128
+#: "lpm" in-batch prefix sharing (SGLang's thresholds, in tokens): a waiting request that
+#: matches at most CHECK tokens of the cache but at least DEPRIORITIZE tokens of a request
+#: ahead of it in the queue waits, so that it finds the prefix cached one step later.
+IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
+IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
+
 POLICIES = ("fcfs", "lof", "random", "lpm", "dfs-weight")
 CACHE_AWARE = frozenset({"lpm", "dfs-weight"})
 
@@ -48,7 +57,7 @@ class SchedulePolicy:
     def order(self, waiting: Sequence[Any], match: Matcher, keys: Keys) -> list[Any]:
         """The requests of ``waiting`` admission should try this step, in order."""
         policy = self.active
-        if policy == "lpm" and len(waiting) > defaults.LPM_MAX_WAITING:
+        if policy == "lpm" and len(waiting) > LPM_MAX_WAITING:
             policy = "fcfs"
         if policy == "fcfs":
             return list(waiting)
@@ -65,8 +74,8 @@ class SchedulePolicy:
 
     def _longest_prefix(self, waiting: Sequence[Any], matches: list[Match], keys: Keys) -> list[Any]:
         bs = self.prefix_cache.block_size
-        check = defaults.IN_BATCH_PREFIX_CHECK_THRESHOLD
-        demote = defaults.IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD
+        check = IN_BATCH_PREFIX_CHECK_THRESHOLD
+        demote = IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD
         trie: dict[bytes, dict] = {}          # the prefixes of the requests seen so far
         later: set[int] = set()
         for i, (req, m) in enumerate(zip(waiting, matches)):

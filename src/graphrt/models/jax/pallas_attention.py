@@ -30,6 +30,13 @@ from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 from graphrt.models.jax.decoder import FP8_KV_DTYPES, quantize_kv
 
+#: The JAX decoder's choices under ``GRAPHRT_ATTENTION``.
+XLA_ATTENTION_CHOICES = ("auto", "reference", "pallas")
+#: The Pallas ragged paged attention kernel needs head_dim a multiple of the TPU lane width.
+PALLAS_HEAD_DIM_MULTIPLE = 128
+#: Activation dtypes the Pallas kernel accumulates from (it folds float32 / bfloat16 rows only).
+PALLAS_Q_DTYPES = ("float32", "bfloat16")
+
 logger = logging.getLogger(__name__)
 
 #: A callable with ``ragged_paged_attention``'s signature that :func:`choose_xla_attention` hands
@@ -89,10 +96,10 @@ def pallas_problem(config: Any, devices: Sequence[Any], dtype: Any, kv_dtype: An
     problem = kernel_import_problem()
     if problem is not None:
         return problem
-    if config.head_dim % defaults.PALLAS_HEAD_DIM_MULTIPLE:
-        return f"head_dim={config.head_dim} is not a multiple of {defaults.PALLAS_HEAD_DIM_MULTIPLE}"
-    if jnp.dtype(dtype).name not in defaults.PALLAS_Q_DTYPES:
-        return f"activations in {jnp.dtype(dtype).name}; the kernel takes {'/'.join(defaults.PALLAS_Q_DTYPES)}"
+    if config.head_dim % PALLAS_HEAD_DIM_MULTIPLE:
+        return f"head_dim={config.head_dim} is not a multiple of {PALLAS_HEAD_DIM_MULTIPLE}"
+    if jnp.dtype(dtype).name not in PALLAS_Q_DTYPES:
+        return f"activations in {jnp.dtype(dtype).name}; the kernel takes {'/'.join(PALLAS_Q_DTYPES)}"
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
 
     try:
@@ -110,8 +117,8 @@ def choose_xla_attention(config: Any, devices: Sequence[Any], dtype: Any, kv_dty
     ``pallas`` always, raising ``ConfigError`` with the reason where it cannot run."""
     env = defaults.ATTENTION_ENV
     choice = os.environ.get(env, "auto").strip().lower() or "auto"
-    if choice not in defaults.XLA_ATTENTION_CHOICES:
-        raise ConfigError(f"{env}={choice!r}: graphrt's JAX decoder takes one of {defaults.XLA_ATTENTION_CHOICES}")
+    if choice not in XLA_ATTENTION_CHOICES:
+        raise ConfigError(f"{env}={choice!r}: graphrt's JAX decoder takes one of {XLA_ATTENTION_CHOICES}")
     if choice == "reference":
         return XlaAttentionChoice("reference", None, f"{env}=reference")
     override = KERNEL_OVERRIDE

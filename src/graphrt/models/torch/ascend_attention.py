@@ -20,7 +20,6 @@ from typing import Any, Sequence
 
 import torch
 
-from graphrt.core import defaults
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
@@ -28,6 +27,16 @@ from graphrt.core.graph_tasks import capture_active, graph_task
 from graphrt.models.torch.attention import ATTENTION_ENV, PagedAttention, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors
 from graphrt.models.torch.kv_quant import is_fp8, quantize_kv, write_kv_rows
+
+#: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, models/torch/ascend_attention.py),
+#: as torch_npu documents it: ``sparse_mode`` 3 is the bottom-right-aligned causal mask, passed as a
+#: compressed upper-triangular ``[2048, 2048]`` bool mask; paged KV blocks of a multiple of 128 tokens,
+#: at most 512; float16 / bfloat16 heads 16-aligned. Checked where the tensors are on an NPU.
+ASCEND_FIA_SPARSE_MODE = 3
+ASCEND_FIA_MASK_SIZE = 2048
+ASCEND_FIA_BLOCK_MULTIPLE = 128
+ASCEND_FIA_MAX_BLOCK_SIZE = 512
+ASCEND_FIA_HEAD_DIM_MULTIPLE = 16
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +72,12 @@ def fia_problem(device: torch.device | str, head_dim: int, dtype: torch.dtype,
         return None
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 or bfloat16 queries, the model's are {dtype}"
-    if head_dim % defaults.ASCEND_FIA_HEAD_DIM_MULTIPLE:
-        return f"head_dim {head_dim} is not a multiple of {defaults.ASCEND_FIA_HEAD_DIM_MULTIPLE}"
-    if block_size is not None and (block_size % defaults.ASCEND_FIA_BLOCK_MULTIPLE
-                                   or block_size > defaults.ASCEND_FIA_MAX_BLOCK_SIZE):
+    if head_dim % ASCEND_FIA_HEAD_DIM_MULTIPLE:
+        return f"head_dim {head_dim} is not a multiple of {ASCEND_FIA_HEAD_DIM_MULTIPLE}"
+    if block_size is not None and (block_size % ASCEND_FIA_BLOCK_MULTIPLE
+                                   or block_size > ASCEND_FIA_MAX_BLOCK_SIZE):
         return (f"block_size {block_size}: paged blocks must hold a multiple of "
-                f"{defaults.ASCEND_FIA_BLOCK_MULTIPLE} tokens, at most {defaults.ASCEND_FIA_MAX_BLOCK_SIZE}")
+                f"{ASCEND_FIA_BLOCK_MULTIPLE} tokens, at most {ASCEND_FIA_MAX_BLOCK_SIZE}")
     return None
 
 
@@ -164,7 +173,7 @@ class AscendAttentionBackend(AttentionBackend):
         """The compressed causal mask ``sparse_mode`` 3 reads (True: masked), made once per device."""
         mask = self._masks.get(device)
         if mask is None:
-            n = defaults.ASCEND_FIA_MASK_SIZE
+            n = ASCEND_FIA_MASK_SIZE
             mask = self._masks[device] = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
         return mask
 
@@ -207,7 +216,7 @@ def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, 
     query = q.reshape(t, hq, d).to(cache.dtype).contiguous()   # the op takes one dtype for Q, K, V
     kwargs = dict(atten_mask=meta.atten_mask, block_table=meta.block_table, input_layout="TND", block_size=bs,
                   num_heads=hq, num_key_value_heads=hkv, scale=float(layer.scale),
-                  sparse_mode=defaults.ASCEND_FIA_SPARSE_MODE)
+                  sparse_mode=ASCEND_FIA_SPARSE_MODE)
     op = getattr(npu, FIA_OP)
     if not capture_active():
         out, _ = op(query, key, value, actual_seq_lengths=meta.lengths.query_ends,

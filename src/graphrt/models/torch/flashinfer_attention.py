@@ -19,14 +19,22 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from graphrt.core import defaults
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import AttentionGraphSupport
+from graphrt.core.kv_spec import blocks_for
 from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
 from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
 from graphrt.models.torch.kv_quant import is_fp8
+
+#: FlashInfer attention (models/torch/flashinfer_attention.py): the float workspace its wrappers
+#: share (FlashInfer's recommended 128 MiB), and the kernel backend asked for. "fa2": its
+#: scheduler's CUDA-graph mode fixes the tile size and padded grid from a wrapper's tokens and
+#: requests (include/flashinfer/attention/scheduler.cuh, PrefillSplitQOKVIndptr), which is what
+#: replaying one graph under later plans relies on.
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+FLASHINFER_KERNEL_BACKEND = "fa2"
 
 
 def flashinfer_selected() -> bool:
@@ -48,7 +56,7 @@ def paged_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     """FlashInfer's arrays of a graphrt step (host tensors in, new host tensors out: FlashInfer
     may copy them asynchronously after the staging buffers are rewritten)."""
     seq = seq_lens.to("cpu", torch.int64)
-    pages = (seq + block_size - 1) // block_size
+    pages = blocks_for(seq, block_size)
     kv_indptr = torch.zeros(seq.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(pages, 0, out=kv_indptr[1:])
     table = block_table.to("cpu")
@@ -66,7 +74,7 @@ def padding_layout(num_tokens: int, num_reqs: int, width: int, block_size: int) 
     if num_reqs:
         qo_len[0] += max(num_tokens - num_reqs, 0)
         qo_len[num_tokens:] = 0
-    pages = ((qo_len + block_size - 1) // block_size).clamp(min=1, max=max(width, 1))
+    pages = blocks_for(qo_len, block_size).clamp(min=1, max=max(width, 1))
     last = (qo_len - (pages - 1) * block_size).clamp(min=1, max=block_size)
     qo, kv = torch.zeros(num_reqs + 1, dtype=torch.int64), torch.zeros(num_reqs + 1, dtype=torch.int64)
     torch.cumsum(qo_len, 0, out=qo[1:])
@@ -100,7 +108,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     kv_cache_dtypes = FLOAT_KV_DTYPES          # no k_scale / v_scale are passed: fp8 is refused by name
 
     def __init__(self, layers: Sequence[torch.nn.Module],
-                 workspace_bytes: int = defaults.FLASHINFER_WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = FLASHINFER_WORKSPACE_BYTES) -> None:
         """``layers``: the model's attention layers (graphrt's ``PagedAttention``); the plans
         follow their heads, head size, scale and window."""
         self.layers = list(layers)
@@ -139,7 +147,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                          paged_kv_indices_buf=torch.zeros(max(r * width, 1), **ints),
                          paged_kv_last_page_len_buf=torch.zeros(r, **ints))
         return _WrapperSet({sig: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=defaults.FLASHINFER_KERNEL_BACKEND, **graph) for sig in self.signatures})
+            self._workspace, "NHD", backend=FLASHINFER_KERNEL_BACKEND, **graph) for sig in self.signatures})
 
     def _plan(self, wset: _WrapperSet, layout: PagedLayout, block_size: int) -> bool:
         """Plan every wrapper of ``wset`` for ``layout``; False while the KV cache is unassigned."""

@@ -31,6 +31,12 @@ from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError, InputError
 from graphrt.core.memory_bounds import Need, check_needs, shared_memory_bytes
 
+STEP_CHANNEL_TIMEOUT_S = 30.0
+#: ... the most readers one channel takes: each costs a named semaphore (a file in /dev/shm and a
+#: mapping of its own), and a channel's readers are one host's tensor-parallel workers -- far
+#: fewer than this, which stays far below the semaphores and mappings a process may hold.
+STEP_CHANNEL_MAX_READERS = 1024
+
 _DTYPES = (np.int32, np.int64, np.float32, np.float16, np.uint8, np.bool_, np.float64, np.int16)
 _CODE = {np.dtype(d): i for i, d in enumerate(_DTYPES)}
 ALIGN = 64
@@ -132,16 +138,16 @@ class StepChannel:
         the ``resident`` buffers (name to shape and dtype), zeroed.
 
         Every bound is checked before anything exists: ``num_readers`` at most
-        ``defaults.STEP_CHANNEL_MAX_READERS``, and the segment's bytes (header, data, resident
+        ``STEP_CHANNEL_MAX_READERS``, and the segment's bytes (header, data, resident
         buffers) within the shared memory the system has (:class:`ConfigError` naming the
         argument). A failure after that -- a semaphore or the segment the system refuses --
         leaves nothing behind: the semaphores made so far and the segment are removed."""
         for name, value in (("num_readers", num_readers), ("capacity", capacity), ("max_arrays", max_arrays)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be an integer >= 1, got {value!r}")
-        if num_readers > defaults.STEP_CHANNEL_MAX_READERS:
-            raise ConfigError(f"num_readers: {num_readers} readers, above the {defaults.STEP_CHANNEL_MAX_READERS} "
-                              "a step channel takes (defaults.STEP_CHANNEL_MAX_READERS; one semaphore each)")
+        if num_readers > STEP_CHANNEL_MAX_READERS:
+            raise ConfigError(f"num_readers: {num_readers} readers, above the {STEP_CHANNEL_MAX_READERS} "
+                              "a step channel takes (STEP_CHANNEL_MAX_READERS; one semaphore each)")
         head = (HEADER_WORDS + ENTRY_WORDS * max_arrays + num_readers) * 8
         start = -(-head // ALIGN) * ALIGN
         offset = start + capacity
@@ -189,7 +195,7 @@ class StepChannel:
         return cls(shared_memory.SharedMemory(name=spec.name), spec, reader)
 
     # ---- writer ----------------------------------------------------------------------
-    def send(self, method: int, arrays: Sequence[np.ndarray], timeout: float = defaults.STEP_CHANNEL_TIMEOUT_S) -> None:
+    def send(self, method: int, arrays: Sequence[np.ndarray], timeout: float = STEP_CHANNEL_TIMEOUT_S) -> None:
         """Write one step (``method`` code and arrays) and wake every reader."""
         if self.reader is not None:
             raise GraphrtError("send() is rank 0's; this channel was attached as a reader")
@@ -229,7 +235,7 @@ class StepChannel:
         _struct(len(arrays)).pack_into(buf, 8, method, len(arrays), *entries)
         return slots
 
-    def wait_acks(self, timeout: float = defaults.STEP_CHANNEL_TIMEOUT_S) -> None:
+    def wait_acks(self, timeout: float = STEP_CHANNEL_TIMEOUT_S) -> None:
         """Rank 0: return once every reader acknowledged the last step (it may then write the
         resident buffers); raises :class:`GraphrtError` after ``timeout`` seconds."""
         if self._seq == 0 or min(self._ack_words) == self._seq:
