@@ -1,27 +1,17 @@
 """Background warm-up: serve from the first step; build the keys a runner lacks between its
 steps, the most demanded first.
 
-``ModelRunner(..., warmup="background")`` (``graphrt.LLM(..., warmup="background")``) holds
-one :class:`BackgroundWarmup`. Until a key is built, a step that wants it runs under the
-smallest *built* key that covers it (more padding, still a graph: padding is invisible), else
-eagerly with the cause ``miss_during_warmup`` -- or, on a backend with no eager path (XLA),
-the key is built on that step. Each such step adds one to the key's *demand*; the builder
-thread takes the runner's lock between steps (after a step returns, or when the runner has been
-idle for ``defaults.BACKGROUND_IDLE_S``; before the first step, for ``BACKGROUND_START_IDLE_S``, so
-the first request never waits on a build) and builds the pending job with the highest demand
-(then the saved plan's demand, then warm-up's order: largest first) until
-``defaults.BACKGROUND_SLICE_S`` has passed, at least one job per turn.
-
-What "after warm-up" means here: warm-up is *complete* once every planned job is built, failed
-(it runs eagerly, ``capture_failed``) or was left out because its graph would exceed the memory
-the KV budget admitted for graphs (``graph_memory``). Then both caches are sealed: from there
-on a step the policy covers never builds again, and strict mode raises on a miss, exactly as
-after an upfront warm-up. A traffic re-fit (:mod:`graphrt.traffic`) plans new jobs and
-reopens warm-up until they are built. In strict mode, and on backends without an eager path,
-a failed build is raised from the runner's next step (it cannot be raised from this thread).
-
-The builder never runs while a step is launched and unresolved (``idle()`` says so): a capture
-writes the static buffers a launched step, or the next step's future tokens, still reads.
+``ModelRunner(..., warmup="background")`` holds one :class:`BackgroundWarmup`. Until a key is
+built, a step that wants it runs under the smallest built key that covers it, else eagerly
+(``miss_during_warmup``; on XLA, which has no eager path, the step builds its key) and adds one
+to the key's *demand*. The builder thread takes the runner's lock between steps (or when idle,
+``BACKGROUND_IDLE_S`` / ``BACKGROUND_START_IDLE_S``) and builds the most demanded pending
+jobs for ``BACKGROUND_SLICE_S``, at least one per turn. Warm-up is *complete* once every
+planned job is built, failed or left out for graph memory: both caches are then sealed, as after
+an upfront warm-up (a re-fit reopens it). A failed build in strict mode, or without an eager path,
+is raised from the runner's next step. The builder never runs while a launched step is
+unresolved (``idle()``): a capture writes the static buffers it still reads. docs/api.md,
+"Warm-up: upfront or in the background".
 """
 
 from __future__ import annotations
@@ -36,10 +26,19 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from graphrt.backends.base import Executor
-from graphrt.core import defaults
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key
 from graphrt.core.eager import EagerCause
 from graphrt.warmup import Job, build_one, job_target
+
+#: Background warm-up (graphrt/background.py): after a step, the builder keeps building for this
+#: long (at least one key) before the next step may run ...
+BACKGROUND_SLICE_S = 0.05
+#: ... and builds without waiting for a step once the runner has been idle this long (this long
+#: before its first step: a request that comes right after the engine is built runs first).
+BACKGROUND_IDLE_S = 0.05
+BACKGROUND_START_IDLE_S = 1.0
+#: How often the builder thread checks its tasks (traffic re-fits) once nothing is pending.
+BACKGROUND_TASK_S = 0.25
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +147,7 @@ class BackgroundWarmup:
             self._over_memory.discard(job)
 
     # ---- building ------------------------------------------------------------------------
-    def build_next(self, max_seconds: float = defaults.BACKGROUND_SLICE_S) -> int:
+    def build_next(self, max_seconds: float = BACKGROUND_SLICE_S) -> int:
         """Build pending jobs, most demanded first, until ``max_seconds`` passed (at least one);
         call with the runner's lock held and nothing in flight. Returns how many were built or
         failed; completes warm-up when none is left."""
@@ -284,8 +283,8 @@ def _builder(ref: "weakref.ref[BackgroundWarmup]", stop: threading.Event, turn: 
         background = ref()
         if background is None:
             return
-        timeout = (defaults.BACKGROUND_START_IDLE_S if first else defaults.BACKGROUND_IDLE_S) if background._order \
-            else defaults.BACKGROUND_TASK_S
+        timeout = (BACKGROUND_START_IDLE_S if first else BACKGROUND_IDLE_S) if background._order \
+            else BACKGROUND_TASK_S
         del background
         turn.wait(timeout)            # first: the first step's end, so the first request never waits on a build
         first = False

@@ -2,17 +2,12 @@
 each -- stored beside the XLA persistent cache so a restart builds in demand order.
 
 With ``compilation_cache_dir`` set (and ``disable_capture_plan`` not), a runner reads
-``<compilation_cache_dir>/graphrt-plans/<backend>-<fingerprint>.json`` when it starts and
-writes it when background warm-up completes, after a traffic re-fit is installed and at
-``close()``. The fingerprint covers what makes the plan mean the same keys: graphrt's version,
-the backend, the device(s), the model's class and config (by value) and every ``GraphConfig``
-field but the cache directory and the plan / re-fit switches. A plan of another fingerprint is
-never read; a file that fails to parse is logged and ignored.
-
-A restart with a plan uses its bucket sizes (a traffic re-fit's, when one was installed) and
-builds the jobs in its demand order (background warm-up: most demanded first). On ``xla`` with
-graphrt's executable store warm under the same directory, every build is a load from disk: no
-compile. The file is JSON (docs/api.md, "Capture plans")::
+``<compilation_cache_dir>/graphrt-plans/<backend>-<fingerprint>.json`` at start and writes it when
+background warm-up completes, after a re-fit and at ``close()``. The fingerprint covers what makes
+the plan mean the same keys (graphrt's version, backend, devices, the model's class and config,
+the ``GraphConfig`` fields but the directory and the plan / re-fit switches); another
+fingerprint's plan is never read, an unparsable file is logged and ignored. The file is JSON
+(docs/api.md, "Capture plans")::
 
     {"format": 1, "fingerprint": "...", "backend": "xla", "device": "...",
      "decode_buckets": [1, 2, 4, 48, 64], "token_buckets": [...],

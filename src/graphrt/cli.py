@@ -18,10 +18,9 @@ status. To add one, write those two functions here and add the entry.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -185,20 +184,6 @@ def benchmarks_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _load_benchmark(path: Path) -> ModuleType:
-    """Import a benchmark script by path (``benchmarks/`` is not a package) under its own name,
-    as the scripts import each other (``bench_common``): with ``benchmarks/`` on ``sys.path`` a
-    spawned worker process can import the module a benchmark's worker function lives in."""
-    name = path.stem
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     parser.add_argument("--check-targets", action="store_true",
@@ -215,11 +200,11 @@ def _bench_run(args: argparse.Namespace) -> int:
               f"(pip install -e .) or `make bench`.", file=sys.stderr)
         return 2
     if str(directory) not in sys.path:
-        sys.path.insert(0, str(directory))   # the scripts share benchmarks/bench_common.py
+        sys.path.insert(0, str(directory))   # imported by name (not a package), as they import bench_common
     failed = []
     for name in BENCHMARKS:
         print(f"=== {name} ===")
-        result = _load_benchmark(directory / f"{name}.py").main(["--quick"] if args.quick else [])
+        result = importlib.import_module(name).main(["--quick"] if args.quick else [])
         if isinstance(result, dict) and result.get("all_pass") is False:
             failed.append(name)
         print()

@@ -5,15 +5,11 @@ one ``auto`` picks and why (``.auto``, ``.auto_reason``); ``select_backend(name)
 backend instance or raises :class:`~graphrt.core.errors.BackendUnavailableError` with that
 reason. Importing this module imports neither torch, jax nor torch_npu.
 
-``auto`` picks what serves fastest where it runs: a device with graphs (``cuda``, ``npu``) when
-there is one; on a machine without an accelerator, ``xla`` for a checkpoint directory or a JAX
-model (XLA compiles each bucket's whole forward into one fused CPU executable), ``eager`` for a
-torch model object (or without jax). Device graphs pay off by removing per-kernel launch
-overhead, which a CPU does not have: the CPU recording graph (``cpu``) replays the same CPU
-kernels op by op on padded shapes -- every step padded to its token bucket, attention to its
-context bucket -- and served 0.05-0.6x xla's tokens/s on the peer benchmark, eager 0.04-0.95x
-(docs/benchmarks.md, "Graphs that follow the traffic", "The default that serves fastest").
-``cpu`` stays what the correctness tests use: name it.
+``auto`` picks what serves fastest where it runs: ``cuda`` or ``npu`` where one is visible; without
+an accelerator ``xla`` for a checkpoint directory or a JAX model, ``eager`` for a torch model
+object (or without jax). Never ``cpu``: the recording graph replays the same CPU kernels op by op
+on padded shapes, slower than running them (docs/backends.md; docs/benchmarks.md, "The default
+that serves fastest"); it stays what the correctness tests name.
 """
 
 from __future__ import annotations

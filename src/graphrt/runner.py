@@ -353,9 +353,9 @@ class ModelRunner:
     # ---- introspection ---------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:
-        """Forward cache statistics (hits, misses, padding, eager steps, build cost); ``compiles``:
-        the executor's builds, the sampler's included (``executor.build_count``: on XLA its compile
-        ledger's count, compiles no cache lookup saw included; on torch its graph captures)."""
+        """Forward cache statistics (hits, misses, padding, eager steps, build cost), with
+        ``compiles``: every build the executor counted, sampler's and those no cache lookup saw
+        included (``Executor.build_count``: XLA's compile ledger, torch's captures)."""
         stats = self.cache.stats
         stats.compiles = self.executor.build_count
         return stats

@@ -1,21 +1,14 @@
 """Buckets fitted from live traffic: the step sizes a runner serves, re-fitted on a schedule.
 
-The runner counts every step by its dispatch shape (``runner.step_sizes``). With
-``refit_interval=N`` (``GraphConfig``), every ``N`` steps :class:`TrafficFit` takes the steps
-since its last look, adds them to a histogram whose earlier windows are weighted down by
-``defaults.TRAFFIC_DECAY``, and fits each bucket family to it with the exact fit of
-:meth:`~graphrt.core.buckets.BucketPolicy.fit` (``graphrt plan``'s): decode batch sizes to the
-decode steps' request counts, token sizes to the mixed steps' token counts. The budget is
-``refit_max_buckets`` sizes per family (default: as many as the starting policy had), and the
-largest size always stays, so every step the old set covered is still covered.
-
-A new set is installed only when it pads the window's steps by ``defaults.TRAFFIC_MIN_GAIN``
-less than the current one, or as little with fewer keys (keys that no longer pay). Its new keys are built by background warm-up (demand order) while
-the old dispatcher still serves; once they are built the runner switches dispatcher and
-retires the keys the new set no longer has (their graphs freed). Where the graph memory the KV
-budget admitted cannot hold old and new keys together, the old ones are retired first and the
-new ones built afterwards (steps run under a covering key or eagerly, ``miss_during_warmup``,
-meanwhile). Each re-fit is logged and kept in :attr:`TrafficFit.history` (``llm.stats``).
+With ``refit_interval=N`` (``GraphConfig``), every ``N`` steps :class:`TrafficFit` adds the
+runner's step sizes (``runner.step_sizes``) to a histogram whose older windows decay
+(``TRAFFIC_DECAY``) and fits each bucket family to it with
+:meth:`~graphrt.core.buckets.BucketPolicy.fit`, at most ``refit_max_buckets`` sizes, the largest
+always kept. A new set is installed only when it pads the window ``TRAFFIC_MIN_GAIN``
+less, or as little with fewer keys; its new keys are built in the background while the old set
+serves, then the runner switches and retires the old keys (first, where graph memory cannot
+hold both). Each re-fit is logged and kept in :attr:`TrafficFit.history`. docs/api.md, "Buckets
+that follow the traffic".
 """
 
 from __future__ import annotations
@@ -23,12 +16,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.dp_agreement import DispatchShape
 from graphrt.core.errors import ConfigError
 from graphrt.warmup import Job, warmup_keys
+
+#: Traffic re-fit (graphrt/traffic.py): the step-size histogram of earlier windows is weighted
+#: by this at each re-fit (0: only the last window counts) ...
+TRAFFIC_DECAY = 0.5
+#: ... a re-fit needs this many steps in its window, and installs the new buckets only when they
+#: pad the window's steps by this fraction less than the current ones (no churn on noise).
+TRAFFIC_MIN_STEPS = 32
+TRAFFIC_MIN_GAIN = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class TrafficFit:
     """
 
     def __init__(self, runner: Any, *, interval: int, max_buckets: int | None = None,
-                 decay: float = defaults.TRAFFIC_DECAY) -> None:
+                 decay: float = TRAFFIC_DECAY) -> None:
         self.runner = runner
         self.interval = int(interval)
         self.max_buckets = max_buckets
@@ -135,7 +135,7 @@ class TrafficFit:
         runner = self.runner
         steps = runner.cache.stats.steps
         self.next_at = steps + self.interval
-        if self.window() < defaults.TRAFFIC_MIN_STEPS:
+        if self.window() < TRAFFIC_MIN_STEPS:
             return None
         old = runner.dispatcher
         decode = tokens = None
@@ -149,7 +149,7 @@ class TrafficFit:
             return None
         new = old.with_buckets(token_buckets=tokens, decode_buckets=decode)
         fewer = len(new.keys()) < len(old.keys())       # keys that no longer pay, at no padding cost
-        if not (after <= (1 - defaults.TRAFFIC_MIN_GAIN) * before or (fewer and after <= before)):
+        if not (after <= (1 - TRAFFIC_MIN_GAIN) * before or (fewer and after <= before)):
             return None
         logprobs = runner.config.max_logprobs > 0
         jobs, old_jobs = warmup_keys(new, logprobs), warmup_keys(old, logprobs)

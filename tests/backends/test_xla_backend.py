@@ -190,6 +190,8 @@ def test_planned_keys_are_warmups_from_the_runners_dispatcher(qwen):
     # One entry store: the runner's caches hold every executable; the executor keeps only keys.
     assert set(runner.executor.compiles) == forward | set(runner.sampler_cache)
     assert all(isinstance(runner.cache.lookup(k), XlaEntry) for k in runner.cache)
+    # The compile ledger's count reaches the runner's statistics (forward and sampler compiles).
+    assert runner.stats.compiles == runner.executor.compiles.stats.compiles >= len(runner.executor.compiles) > 0
     held = [x for v in vars(runner.executor.compiles).values() if isinstance(v, (dict, set, frozenset))
             for x in (v.values() if isinstance(v, dict) else v)]
     assert held and not any(isinstance(x, XlaEntry) for x in held)

@@ -142,3 +142,21 @@ def test_the_loops_disk_cache_is_stamped_with_every_module_they_compile():
         assert imported <= set(host_kernels.LOOP_SOURCES), (name, imported)
     locator = host_kernels.compiled("check_step")._cache._impl.locator
     assert locator.get_source_stamp() == host_kernels.loop_sources_stamp()
+
+
+def test_unexpected_numba_cache_internals_compile_the_loops_without_the_disk_cache(monkeypatch, caplog):
+    """The stamp reaches into numba's cache locators; a numba whose internals differ must not
+    break input preparation: the loops compile without the disk cache, with a warning."""
+    numba = pytest.importorskip("numba")
+    from numba.core import caching
+
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
+    monkeypatch.delattr(impl, "_locator_classes")
+    monkeypatch.setattr(host_kernels, "_numba", None)
+    monkeypatch.setattr(host_kernels, "_compiled", {})
+    monkeypatch.setattr(host_kernels, "_disk_cache", True)
+    with caplog.at_level("WARNING", logger=host_kernels.__name__):
+        loop = host_kernels.compiled("check_step")
+    assert "without numba's disk cache" in caplog.text
+    assert type(loop._cache).__name__ == "NullCache"          # numba's "no disk cache"
+    assert not any(c.__name__ == "LoopSources" for c in getattr(impl, "_locator_classes", []))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import graphrt
-from graphrt.core import defaults
+from graphrt.core import numerics
+from graphrt.core.numerics import TOLERANCE_CALIBRATION_WIDTH
 from graphrt.core.errors import ConfigError
 
 
@@ -37,10 +38,10 @@ def test_rejects_what_it_cannot_bound(dtype: object) -> None:
         graphrt.tolerance(dtype)
 
 
-def test_numbers_live_in_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(defaults, "TOLERANCE_ACCUMULATION_EPS", 128)
+def test_the_tolerance_reads_its_constants_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(numerics, "TOLERANCE_ACCUMULATION_EPS", 128)
     assert graphrt.tolerance("float32").rtol == 128 * 2.0**-23
-    monkeypatch.setattr(defaults, "TOLERANCE_ROUNDING_EPS", 8)
+    monkeypatch.setattr(numerics, "TOLERANCE_ROUNDING_EPS", 8)
     assert graphrt.tolerance("bfloat16").rtol == 8 * 2.0**-7
 
 
@@ -71,7 +72,7 @@ def test_reduction_tolerance_scales_with_the_values_summed() -> None:
     assert tol.rtol == plain.rtol and tol.atol == pytest.approx(20 * plain.atol)
     # O(1) values keep the plain bound; a wider reduction widens it by sqrt(width / calibration)
     assert graphrt.reduction_tolerance("float32", magnitude=0.5) == plain
-    wide = graphrt.reduction_tolerance("float32", magnitude=1.0, width=4 * defaults.TOLERANCE_CALIBRATION_WIDTH)
+    wide = graphrt.reduction_tolerance("float32", magnitude=1.0, width=4 * TOLERANCE_CALIBRATION_WIDTH)
     assert wide.atol == pytest.approx(2 * plain.atol)
     assert graphrt.reduction_tolerance("bfloat16", magnitude=2.0).atol == 2 * graphrt.tolerance("bfloat16").atol
 

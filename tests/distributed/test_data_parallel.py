@@ -25,7 +25,7 @@ import pytest
 
 import graphrt
 from graphrt import ConfigError, GraphrtError, InputError, SamplingParams
-from graphrt.core import defaults
+from graphrt.engine import dp_processes
 from support.fast_subset import slow_except
 
 LLM_KW = dict(backend="eager", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
@@ -272,7 +272,7 @@ def test_close_leaves_no_child_processes(round_robin, monkeypatch):
     held = set().union(*(shm_inodes(pid) for pid in pids))
     busy = [round_robin.add_request([5, 6, 7], SamplingParams(max_tokens=250, ignore_eos=True)) for _ in pids]
     assert sorted(round_robin.worker_of(r) for r in busy) == [0, 1]
-    monkeypatch.setattr(defaults, "DP_WORKER_JOIN_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(dp_processes, "DP_WORKER_JOIN_TIMEOUT_S", 0.0)
     round_robin.close()
     assert multiprocessing.active_children() == []
     assert spawned_children() == [] and all(gone(p) for p in pids)

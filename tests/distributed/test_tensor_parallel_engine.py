@@ -34,6 +34,7 @@ import graphrt
 from graphrt import ConfigError, GraphConfig, GraphMode, GraphrtError, ModelRunner, SamplingParams
 from graphrt.backends.torch import acl
 from graphrt.backends.torch.parallel.tp_protocol import RUN, free_port
+from graphrt.backends.torch.parallel import tp_ranks
 from graphrt.core import defaults
 from graphrt.core.fields import ARRAY_FIELDS
 from support.fast_subset import slow_except
@@ -200,7 +201,7 @@ def test_joins_a_group_launched_elsewhere():
 def test_failed_worker_is_named_and_every_rank_stops(monkeypatch, sig):
     timeout = 10.0  # the group's timeout: a busy machine's first step can take seconds
     monkeypatch.setattr(defaults, "TP_TIMEOUT_S", timeout)
-    monkeypatch.setattr(defaults, "TP_FAULT_GRACE_S", 0.3)
+    monkeypatch.setattr(tp_ranks, "TP_FAULT_GRACE_S", 0.3)
     llm = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", tensor_parallel_size=2, **ENGINE)
     pids, names = handles(llm.runner.executor)
     first = llm.generate(random_prompts((6, 9), seed=0), GREEDY)
@@ -219,7 +220,7 @@ def test_failed_worker_is_named_and_every_rank_stops(monkeypatch, sig):
     what = "exited with code -9 (SIGKILL)" if sig == signal.SIGKILL else "is alive but did not read the call"
     assert f"tensor-parallel worker rank 1 {what}" in out.error
     assert f"during step {steps + 1} (run " in out.error
-    assert elapsed < timeout + defaults.TP_FAULT_GRACE_S + 2.0
+    assert elapsed < timeout + tp_ranks.TP_FAULT_GRACE_S + 2.0
     assert_released(pids, names)                  # the fault stopped every rank already
     llm.add_request([5, 6, 7], GREEDY)
     (again,) = llm.step()                         # later steps fail at once with the same error
@@ -235,7 +236,7 @@ def test_worker_dying_while_rank0_forms_the_group_is_named_at_once(monkeypatch):
     from graphrt.backends.torch.parallel.tp_ranks import SpawnedRanks
 
     monkeypatch.setattr(defaults, "TP_TIMEOUT_S", 60.0)       # the hang this replaces
-    monkeypatch.setattr(defaults, "TP_FAULT_GRACE_S", 0.3)
+    monkeypatch.setattr(tp_ranks, "TP_FAULT_GRACE_S", 0.3)
     seen = {}
     connect, init = SpawnedRanks.connect, dist.init_process_group
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from graphrt import InputError, SamplingParams
-from graphrt.core import defaults
+from graphrt.engine.schedule_policy import IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD, LPM_MAX_WAITING
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.prefix_cache import PrefixCache, block_keys
 from graphrt.engine.schedule_policy import POLICIES, SchedulePolicy
@@ -92,7 +92,7 @@ def test_lpm_defers_requests_that_share_an_uncached_prefix_with_one_ahead():
              req(4, [8] * 12)]
     # 2 and 3 match >= 32 tokens of 0 (ahead of them): they wait; 0 computes the prefix.
     assert order(sched, queue) == [0, 1, 4]
-    assert defaults.IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD == 32
+    assert IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD == 32
     # A cached prefix longer than the check threshold is no reason to wait: plain lpm order.
     cache_prefix(sched, shared)
     assert order(sched, queue) == [0, 2, 3, 1, 4]
@@ -101,7 +101,7 @@ def test_lpm_defers_requests_that_share_an_uncached_prefix_with_one_ahead():
 def test_lpm_serves_fcfs_above_the_queue_limit():
     sched = scheduler("lpm")
     cache_prefix(sched, A)
-    n = defaults.LPM_MAX_WAITING + 1
+    n = LPM_MAX_WAITING + 1
     queue = [req(i, [7, i % 50 + 3]) for i in range(n - 1)] + [req(n - 1, A + [1])]
     assert order(sched, queue) == list(range(n))
     assert order(sched, queue[-3:]) == [n - 1, n - 3, n - 2]

@@ -24,6 +24,8 @@ from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend
 from graphrt.core import defaults
+from graphrt.core import graph_memory
+from graphrt.core.graph_memory import GRAPH_MEMORY_MARGIN
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.graph_memory import (GraphMemory, choose_samples, estimate_graph_memory, extrapolate,
                                        kv_blocks_after_graphs)
@@ -85,7 +87,7 @@ def test_kv_blocks_are_reduced_by_the_recording_graphs_measured_bytes(cpu_runner
     for g in kinds:
         expected += line({n: built[smp[n, g]] for n in (1, 4)}, 2)
     assert gm.estimate == math.ceil(expected)
-    assert gm.margin == math.ceil(gm.estimate * defaults.GRAPH_MEMORY_MARGIN) > 0
+    assert gm.margin == math.ceil(gm.estimate * GRAPH_MEMORY_MARGIN) > 0
     assert r.executor.kv_cache_bytes_per_block(LIMITS["block_size"]) == PER_BLOCK
     assert r.num_kv_blocks == (budget - gm.estimate - gm.margin) // PER_BLOCK == BLOCKS
     assert gm.budget == budget and gm.kv_bytes == BLOCKS * PER_BLOCK
@@ -111,7 +113,7 @@ def test_estimate_and_actual_are_logged(model_dir, caplog):
 
 @pytest.mark.slow
 def test_the_margin_is_the_defaults_fraction(model_dir, monkeypatch):
-    monkeypatch.setattr(defaults, "GRAPH_MEMORY_MARGIN", 0.5)
+    monkeypatch.setattr(graph_memory, "GRAPH_MEMORY_MARGIN", 0.5)
     small = make(model_dir, cudagraph_capture_sizes=[1, 2], kv_cache_memory=1 << 30, warmup=False).graph_memory
     budget = small.estimate + small.margin + 10 * PER_BLOCK
     r = make(model_dir, cudagraph_capture_sizes=[1, 2], kv_cache_memory=budget, warmup=False)

@@ -214,15 +214,15 @@ def test_capture_order_is_largest_first(runners):
     assert len(report) == len(keys) + len(sampler_keys)
     assert [f"tokens={n}," in row for n, row in zip((32, 4, 1), report)] == [True] * 3, report
     assert runner.cache.sealed and runner.stats.unplanned_builds == 0
+    # Every capture counted, the sampler's too (the cache alone counts only its own entries).
+    assert runner.stats.compiles == runner.executor.build_count == len(keys) + len(sampler_keys)
 
 
-def test_stats_count_the_executors_builds(runners):
-    """``runner.stats.compiles`` is the executor's build count: a torch graph backend's captures
-    (forward and sampler, one capture report row each), none on eager."""
+def test_stats_dict_reports_the_builds_and_eager_builds_none(runners):
+    """``runner.stats.compiles`` (the executor's builds: a torch graph backend's captures, one
+    capture report row each) is what the dict for logs says too; on eager nothing is built."""
     graph, eager = runners["cpu[1,4,32]"], runners["eager"]
-    captures = len(graph.executor.builder.report)
-    assert captures == len(graph.cache) + len(graph.sampler_cache) and graph.stats.compiles == captures
-    assert graph.stats.as_dict()["compiles"] == captures
+    assert graph.stats.as_dict()["compiles"] == len(graph.executor.builder.report) > 0
     assert eager.executor.builder is None and eager.stats.compiles == 0
 
 

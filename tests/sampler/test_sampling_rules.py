@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 import graphrt
 from graphrt import InputError, ModelRunner, SamplingParams
 from graphrt.backends.base import SamplingBatch
-from graphrt.core import defaults
+from graphrt.core import sampling as core_sampling
+from graphrt.core.sampling import SAMPLING_MAX_TOP_K, SAMPLING_SEED_LIMIT
 from graphrt.core import sampling as rules
 from graphrt.runner import sampling_batch
 from support.hf_models import tiny_hf_model_dir
@@ -32,7 +33,7 @@ from support.fast_subset import examples
 
 VOCAB = 128
 N = 3
-SEED_LIMIT = defaults.SAMPLING_SEED_LIMIT if hasattr(defaults, "SAMPLING_SEED_LIMIT") else 2**64
+SEED_LIMIT = SAMPLING_SEED_LIMIT
 
 
 def batch(**change) -> SamplingBatch:
@@ -125,7 +126,7 @@ def test_the_batch_fast_check_agrees_with_the_exact_rule(data, n, list_rows):
     """Whatever path takes the columns' bounds (lists or numpy), a batch is refused exactly
     when some value breaks its field's exact rule, and names the first such row."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(defaults, "SAMPLING_CHECK_LIST_ROWS", list_rows)
+        mp.setattr(core_sampling, "SAMPLING_CHECK_LIST_ROWS", list_rows)
         check_batch_against_rows(data, n)
 
 
@@ -139,7 +140,7 @@ def check_batch_against_rows(data, n: int) -> None:
     if not bad:
         b = SamplingBatch(t, k, p, [None] * n, list(range(n)))
         assert b.all_greedy == bool((t == 0).all())
-        np.testing.assert_array_equal(b.top_k, np.where(k == -1, defaults.SAMPLING_MAX_TOP_K, k))
+        np.testing.assert_array_equal(b.top_k, np.where(k == -1, SAMPLING_MAX_TOP_K, k))
         return
     with pytest.raises(InputError) as err:
         SamplingBatch(t, k, p, [None] * n, list(range(n)))

@@ -81,8 +81,7 @@ class CacheStats:
     eager_steps: int = 0
     eager_tokens: int = 0              # real tokens of the eager steps
     unplanned_builds: int = 0          # captures / compiles after warm-up
-    compiles: int = 0                  # the executor's builds (runner.stats: XLA compiles, those no lookup saw
-                                       # included; torch graph captures; 0 eagerly)
+    compiles: int = 0                  # builds the executor counted, those no lookup saw included (runner.stats)
     failed_builds: int = 0             # keys whose capture failed (they run eagerly)
     retired: int = 0                   # entries dropped by a traffic re-fit (their keys no longer pay)
     real_tokens: int = 0

@@ -7,7 +7,7 @@ The rule (docs/backends.md, "Graph memory in the KV budget"):
    (runtime mode, uniform decode), sized by tokens; sampler keys by kind (greedy, random, logprobs,
    penalised), sized by request rows.
 2. **Samples.** Per family, the largest, the smallest and the middle key (by size; at most
-   ``defaults.GRAPH_MEMORY_SAMPLES_PER_FAMILY``; every key of a smaller family). They are
+   ``GRAPH_MEMORY_SAMPLES_PER_FAMILY``; every key of a smaller family). They are
    captured in warm-up order (largest first, one pool, one span), so what one graph leaves
    for the next -- a shared pool's high-water mark, buffers the first capture allocates -- is
    measured once, as it will be at warm-up (vLLM #51590 under-estimated by summing per-mode
@@ -23,7 +23,7 @@ The rule (docs/backends.md, "Graph memory in the KV budget"):
    neighbouring samples' bytes, not a line through two segment-sized steps (vLLM #45178
    multiplied the second graph's bytes by the number of graphs and lost two thirds of its KV
    cache).
-4. **Margin.** ``ceil(estimate * defaults.GRAPH_MEMORY_MARGIN)`` more is kept out of the KV
+4. **Margin.** ``ceil(estimate * GRAPH_MEMORY_MARGIN)`` more is kept out of the KV
    cache for what the line misses (fragmentation, a key that allocates more than its
    neighbours). After warm-up the runner logs the estimate against the bytes actually built.
 """
@@ -42,6 +42,18 @@ from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.state_spec import check_state_fits
+
+#: Graph memory in the KV budget (core/graph_memory.py): keys captured per family (the
+#: largest, the smallest, evenly spaced between) before the KV cache is sized; the rest are
+#: extrapolated along a line through them.
+GRAPH_MEMORY_SAMPLES_PER_FAMILY = 3
+#: ... and this fraction of the estimate is kept out of the KV cache on top of it, for what
+#: the line misses (allocator fragmentation, a key that allocates more than its neighbours).
+#: vLLM's misses ran both ways -- 3x over (#45178: a linear sum over a shared pool), 3.6x
+#: under (#51590: per-mode deltas of one shared pool, two samples per mode); measuring the
+#: samples in one warm-up-order span removes both causes, so the margin covers the residue
+#: only; the runner logs estimate against actual after warm-up to check it.
+GRAPH_MEMORY_MARGIN = 0.10
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +75,7 @@ def family(job: Job) -> tuple[Hashable, int]:
     raise TypeError(f"graph memory: unknown key type {type(key).__name__}")
 
 
-def choose_samples(jobs: Sequence[Job], per_family: int = defaults.GRAPH_MEMORY_SAMPLES_PER_FAMILY
+def choose_samples(jobs: Sequence[Job], per_family: int = GRAPH_MEMORY_SAMPLES_PER_FAMILY
                    ) -> list[Job]:
     """The jobs to capture before the KV cache: per family the largest, the smallest and the
     middle ones (up to ``per_family``), returned in the order of ``jobs`` (warm-up order)."""
@@ -233,7 +245,7 @@ def estimate_graph_memory(jobs: Sequence[Job], measure: Callable[[Sequence[Job]]
         return GraphMemory(num_keys=len(jobs), reason=reason)
     total = extrapolate(jobs, measured, shared_pool)
     names = {key: describe_key(key if isinstance(key, SamplerKey) else (mode, key)) for mode, key in samples}
-    return GraphMemory(estimate=total, margin=int(math.ceil(total * defaults.GRAPH_MEMORY_MARGIN)),
+    return GraphMemory(estimate=total, margin=int(math.ceil(total * GRAPH_MEMORY_MARGIN)),
                        num_keys=len(jobs), sampled={names[k]: int(v) for k, v in measured.items()})
 
 def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int | None,

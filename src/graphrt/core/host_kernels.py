@@ -59,12 +59,13 @@ _numba: types.ModuleType | None = None     # numba, once imported
 _numba_error: str | None = None
 _registered = False                         # the loop modules' functions registered with numba
 _compiled: dict[str, Any] = {}
+_disk_cache = True                          # False where numba's cache locators are not as expected
 
 
 def _load() -> bool:
     """Import numba and register every function of the loop modules with it (helpers are
     compiled into the entry points that call them); False when numba does not import."""
-    global _numba, _numba_error, _registered
+    global _numba, _numba_error, _registered, _disk_cache
     if _numba is not None:
         return True
     if _numba_error is not None:
@@ -92,8 +93,8 @@ def _load() -> bool:
                         lambda dst, *args, forms=forms: forms[dst.ndim > 1])
                 else:
                     register_jitable(inline=inline, **options)(fn)
-        _stamp_loop_caches()
         _registered = True
+    _disk_cache = _stamp_loop_caches()
     _numba = numba
     return True
 
@@ -109,7 +110,7 @@ def compiled(name: str) -> Callable[..., Any]:
             raise ConfigError(f"{name!r} is not a host-loop entry point: {sorted(ENTRY_POINTS)}")
         from graphrt.core import host_loops
 
-        loop = _compiled[name] = _numba.njit(cache=True, **host_loops.JIT_OPTIONS)(
+        loop = _compiled[name] = _numba.njit(cache=_disk_cache, **host_loops.JIT_OPTIONS)(
             getattr(_loop_module(ENTRY_POINTS[name]), name))
     return loop
 
@@ -128,10 +129,25 @@ def loop_sources_stamp() -> str:
     return digest.hexdigest()
 
 
-def _stamp_loop_caches() -> None:
+def _stamp_loop_caches() -> bool:
     """Make numba stamp the loops' disk cache with :func:`loop_sources_stamp`: a locator class
-    (numba's own, its stamp replaced) ahead of numba's for the functions of ``LOOP_MODULES``."""
-    from numba.core import caching
+    (numba's own, its stamp replaced) ahead of numba's for the functions of ``LOOP_MODULES``.
+
+    This reaches into numba's caching internals (the locator list of ``CacheImpl``); where they
+    are not as expected (a numba this was not written for) the loops are compiled without the
+    disk cache - correct, only slower to start - and False is returned, with a warning."""
+    try:
+        from numba.core import caching
+
+        impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl    # numba < 0.61: private
+        classes = impl._locator_classes
+        bases = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator)
+        if not isinstance(classes, list) or not all(hasattr(b, "get_source_stamp") for b in bases):
+            raise TypeError("unexpected locator classes")
+    except Exception as exc:  # noqa: BLE001 - any mismatch means "no disk cache"
+        logger.warning("graphrt: numba's cache locators are not as expected (%s: %s); the host "
+                       "loops compile without numba's disk cache", type(exc).__name__, exc)
+        return False
 
     def stamped(base: type) -> type:
         class LoopSources(base):  # type: ignore[misc, valid-type]
@@ -145,10 +161,9 @@ def _stamp_loop_caches() -> None:
                 return loop_sources_stamp()
         return LoopSources
 
-    classes = getattr(caching, "CacheImpl", None) or caching._CacheImpl    # numba < 0.61: private
-    classes = classes._locator_classes
     if not any(getattr(c, "__name__", "") == "LoopSources" for c in classes):
-        classes[:0] = [stamped(caching.UserProvidedCacheLocator), stamped(caching.InTreeCacheLocator)]
+        classes[:0] = [stamped(base) for base in bases]
+    return True
 
 
 def compiled_loops() -> dict[str, Any]:

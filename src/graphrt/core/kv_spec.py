@@ -1,29 +1,16 @@
 """KV cache specs: what each group of attention layers keeps per token slot.
 
-A model declares its KV cache with ``kv_cache_spec()`` (docs/models.md): a :class:`KVCacheSpec`
-of layer groups, each a :class:`KVCacheGroup` -- KV heads, K and V head sizes, dtype (fp8
-included), block size, sliding window -- or an MLA group (one latent tensor per layer). Every
-group shares the runner's one block table (one row per request, one block id per column), so
-every group has the config's block size, and a block id names the same rows in every layer.
-The executor allocates each group's tensors; the runner and preflight size the cache from
-:meth:`KVCacheSpec.bytes_per_block`, here, without torch or JAX. A model that allocates its
-own cache says so with :meth:`KVCacheSpec.owned` (the executor then asks it for its bytes per
-block and lets it allocate).
-
-Per layer, with ``rows = num_blocks * block_size + 1`` (the last row is the trash row padded
-tokens write into), :meth:`KVCacheGroup.layer_shapes`:
-
-* K and V of one head size: one tensor ``[2, rows, num_kv_heads, head_size]`` (0 = K, 1 = V),
-  the layout of graphrt's ``PagedAttention``;
-* K and V of different head sizes: two tensors, ``[rows, num_kv_heads, head_size]`` and
-  ``[rows, num_kv_heads, head_size_v]``;
-* MLA: one tensor ``[rows, latent_dim]``.
-
-The old protocol, ``kv_cache_spec() -> (num_layers, num_kv_heads, head_dim)``, is still
-accepted: :func:`as_kv_spec` converts it to one group of every layer.
+A model declares its KV cache with ``kv_cache_spec()``: a :class:`KVCacheSpec` of
+:class:`KVCacheGroup` layer groups (KV heads, K and V head sizes, dtype, sliding window, or MLA's
+one latent tensor). Every group shares the runner's one block table, so every group has the
+config's block size and a block id names the same rows in every layer. The runner and preflight
+size the cache from :meth:`KVCacheSpec.bytes_per_block` without torch or JAX; a model that
+allocates its own cache says so with :meth:`KVCacheSpec.owned`. The per-layer shapes
+(:meth:`KVCacheGroup.layer_shapes`, ``rows = num_blocks * block_size + 1``, the last the trash
+row) are tabled in docs/attention.md, "KV cache specs". The old protocol,
+``kv_cache_spec() -> (num_layers, num_kv_heads, head_dim)``, is still accepted (:func:`as_kv_spec`).
 
 The standard library only (no numpy): the models' framework-free config reads it.
-
 """
 
 from __future__ import annotations

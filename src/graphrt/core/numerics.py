@@ -21,9 +21,23 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 from graphrt.core.kv_spec import kv_cache_dtype_name
+
+#: ``graphrt.tolerance``: a step's real outputs at two padded sizes may differ by this many
+#: eps of the accumulation dtype (float32; float64 for float64): another row count makes
+#: the CPU GEMM / GPU BLAS pick another kernel, which sums the same products in another
+#: order. Measured up to 14 eps (1.7e-6) on an AMD EPYC (MKL, every ATEN_CPU_CAPABILITY);
+#: 64 eps is 7.6e-6, within the 1e-5 the tests allowed before this bound had one home.
+TOLERANCE_ACCUMULATION_EPS = 64
+#: ... or this many eps of a low-precision output dtype (bfloat16, float16), whichever is
+#: larger: a reordered float32 sum can round to the neighbouring value of the output dtype,
+#: once per op, and those one-eps flips carry through the layers.
+TOLERANCE_ROUNDING_EPS = 4
+#: ``graphrt.reduction_tolerance``: the reduced width ``TOLERANCE_ACCUMULATION_EPS`` was
+#: calibrated on (the test models' hidden sizes); a wider reduction scales the bound by
+#: sqrt(width / this), the growth of a reordered sum's rounding with its length.
+TOLERANCE_CALIBRATION_WIDTH = 256
 
 #: ``graphrt.tolerance``: machine epsilon (2**-mantissa bits) of the float dtypes it knows.
 DTYPE_EPS: dict[str, float] = {"float64": 2.0**-52, "float32": 2.0**-23,
@@ -68,14 +82,14 @@ def tolerance(dtype: Any = "float32") -> Tolerance:
 
     * the accumulation: matmuls sum in float32 (float64 for float64 inputs), and a
       reordered sum of K products differs by about sqrt(K) eps of that dtype, growing
-      through the layers; ``defaults.TOLERANCE_ACCUMULATION_EPS`` (64) eps of float32 is
+      through the layers; ``TOLERANCE_ACCUMULATION_EPS`` (64) eps of float32 is
       7.6e-6, five times the largest difference measured between a padded and an unpadded
       step of the test models (1.7e-6, 14 eps, on an AMD EPYC whose MKL picks other
       kernels for other row counts);
     * the output rounding: bfloat16 / float16 results are rounded to their own few bits
       after each op, so a tiny accumulation difference can move an output to the
       neighbouring representable value, and those flips carry through the layers;
-      ``defaults.TOLERANCE_ROUNDING_EPS`` (4) eps of the output dtype.
+      ``TOLERANCE_ROUNDING_EPS`` (4) eps of the output dtype.
 
     The larger term is both ``rtol`` and ``atol`` (graphrt compares normalised hidden
     states, logits and K/V rows, whose values are O(1)): float32 7.6e-6, float16 3.9e-3,
@@ -89,12 +103,12 @@ def tolerance(dtype: Any = "float32") -> Tolerance:
     if eps is None:
         raise ConfigError(f"no tolerance for dtype {name}: one of {sorted(DTYPE_EPS)}")
     accumulation = DTYPE_EPS["float64" if name == "float64" else "float32"]
-    bound = max(defaults.TOLERANCE_ACCUMULATION_EPS * accumulation, defaults.TOLERANCE_ROUNDING_EPS * eps)
+    bound = max(TOLERANCE_ACCUMULATION_EPS * accumulation, TOLERANCE_ROUNDING_EPS * eps)
     return Tolerance(rtol=bound, atol=bound)
 
 
 def reduction_tolerance(dtype: Any = "float32", *, magnitude: float,
-                        width: int = defaults.TOLERANCE_CALIBRATION_WIDTH) -> Tolerance:
+                        width: int = TOLERANCE_CALIBRATION_WIDTH) -> Tolerance:
     """How far outputs of the same computation with its reductions in another order may be
     apart: tensor parallelism (each rank sums its shard, then the all-reduce adds the
     partial sums), a sharded XLA matmul, or data-parallel ranks padding to other shapes.
@@ -117,7 +131,7 @@ def reduction_tolerance(dtype: Any = "float32", *, magnitude: float,
     if int(width) <= 0:
         raise ConfigError(f"reduction_tolerance: width must be > 0, got {width!r}")
     base = tolerance(dtype)
-    widen = math.sqrt(max(int(width), defaults.TOLERANCE_CALIBRATION_WIDTH) / defaults.TOLERANCE_CALIBRATION_WIDTH)
+    widen = math.sqrt(max(int(width), TOLERANCE_CALIBRATION_WIDTH) / TOLERANCE_CALIBRATION_WIDTH)
     return Tolerance(rtol=base.rtol, atol=base.atol * max(1.0, float(magnitude)) * widen)
 
 

@@ -1,16 +1,10 @@
 """Padding: every model input grown to a bucket's (tokens, requests) with safe fill values.
 
-The rules (one table, :func:`pad_rules`: each field's level from ``graphrt.core.fields``, its
-fill from ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention backend):
-
-* token level -- ``input_ids`` 0 and ``positions`` 0 (valid, finite), ``slot_mapping`` -1:
-  a padded token never writes a real KV slot (attention stores skip negative slots);
-* request level -- ``seq_lens`` 0 (a padded request attends to nothing),
-  ``num_computed_tokens`` 0, ``block_table`` rows of the null block 0;
-* ``state_slots`` -1: a padded request's recurrent state is the trash slot, never a live one;
-* ``query_start_loc`` repeats its last value, so it stays non-decreasing and padded
-  requests own zero query tokens; padded tokens fall after every real request.
-
+The rules are one table (:func:`pad_rules`: each field's level from ``graphrt.core.fields``, its
+fill from ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention backend): a padded
+token writes no real KV slot (``slot_mapping`` -1), a padded request attends to nothing
+(``seq_lens`` 0, null-block table rows) and owns the trash state slot, and ``query_start_loc``
+repeats its last value so padded requests own no query token (docs/padding.md has the table).
 ``num_tokens`` / ``num_reqs`` of the result stay the real counts.
 """
 

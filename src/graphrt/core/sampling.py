@@ -2,35 +2,16 @@
 
 ``SamplingParams`` (one request's scalars, :mod:`graphrt.engine.sampling_params`) and
 :class:`SamplingBatch` (a step's arrays, what the runner and every executor read) both check
-their fields with the rules below, so whatever one accepts the other accepts. A bad value
-raises :class:`~graphrt.core.errors.InputError` naming the field (and, in a batch, the row)
-at construction, before any device work.
+their fields with the rules below, so whatever one accepts the other accepts; a bad value raises
+:class:`~graphrt.core.errors.InputError` naming the field (in a batch, the row) before any device
+work. The rules per field are tabled in docs/api.md, "Sampling parameters"; the optional
+penalty columns' rules live in :mod:`graphrt.core.sampling_columns`. The configured
+``max_logprobs`` is checked by whoever knows it (:func:`check_logprobs_limit`).
 
-* ``temperature``: a real number, finite as float32, ``>= 0`` (0: greedy).
-* ``top_p``: a real number in ``(0, 1]`` (1: no top-p filter); NaN is refused.
-* ``top_k``: an integer, ``-1`` (no top-k filter) or in ``[1, SAMPLING_MAX_TOP_K]``.
-* ``min_p``: a real number in ``[0, 1]`` (0: no min-p filter): keep tokens at least ``min_p``
-  times as likely as the most likely one (vLLM's meaning, after temperature).
-* ``repetition_penalty``: a real number, finite as float32, ``> 0`` (1: none); ``presence_penalty``
-  and ``frequency_penalty``: real numbers in ``[-2, 2]`` (0: none). vLLM's meanings: a token seen
-  in the prompt or the output has its logit divided by the repetition penalty (multiplied where
-  the logit is not positive); the output's tokens lose ``frequency_penalty`` per occurrence and
-  ``presence_penalty`` once. A batch with penalties needs ``prompt_lens`` (integers ``>= 0``).
-  (The rules of these optional columns live in :mod:`graphrt.core.sampling_columns`, the
-  :class:`~graphrt.core.sampling_rule.Rule` class in :mod:`graphrt.core.sampling_rule`.)
-* ``seed``: None (the device RNG) or an integer in ``[0, SAMPLING_SEED_LIMIT)`` (64 bits).
-* ``max_tokens``: an integer ``>= 1``; ``ignore_eos``: a bool (``SamplingParams`` only).
-* ``logprobs`` (and ``SamplingParams.prompt_logprobs``): None (none) or an integer ``>= 0``, how
-  many top logprobs to return besides the sampled token's; the configured maximum
-  (``GraphConfig.max_logprobs``) is checked by whoever knows it: ``graphrt.LLM`` when a request
-  is added, ``ModelRunner.execute`` before a step runs (:func:`check_logprobs_limit`).
-* A batch: every field 1-D with one row per request; a seeded row's request id an integer.
-
-Bools, strings and other objects are refused where a number is expected (a bool is not a
-number here). A batch is built once per step, so it checks its three numeric columns by
-their min and max (as Python lists up to ``SAMPLING_CHECK_LIST_ROWS`` rows, else two numpy
-reductions over the concatenated columns): a few microseconds whatever the batch size. Single
-values are looked at only when a bound fails, to name the bad row (or accept a -1 top_k).
+Bools, strings and other objects are refused where a number is expected. A batch checks its
+three numeric columns by their min and max (as lists up to ``SAMPLING_CHECK_LIST_ROWS`` rows,
+else two numpy reductions): a few microseconds whatever the batch size; single values are looked
+at only when a bound fails, to name the bad row.
 """
 
 from __future__ import annotations
@@ -41,17 +22,32 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.core.sampling_columns import (FREQUENCY_PENALTY, MIN_P, PENALTY_RULES, PRESENCE_PENALTY, PROMPT_LENS,
                                            REPETITION_PENALTY, filter_columns)
 from graphrt.core.sampling_rule import Rule, check_rows as _rows, is_integer as _is_integer
 
+#: A padded sampler row (request rows past a step's real ones): greedy, no top-k / top-p
+#: filter (its top_k is the vocabulary size). Its token is discarded.
+SAMPLER_PAD_TEMPERATURE = 0.0
+SAMPLER_PAD_TOP_P = 1.0
+#: Sampling seeds are integers in [0, SAMPLING_SEED_LIMIT): 64 bits, the XLA sampler's whole
+#: threefry2x32 key (two 32-bit halves), a CUDA Philox seed, and the key of the numpy Philox
+#: generator the torch sampler draws a CPU request's noise from. No seed is truncated or wrapped.
+SAMPLING_SEED_LIMIT = 2**64
+#: Largest top_k: the XLA sampler holds top_k as int32. Any value at or above the vocabulary
+#: keeps every token; a SamplingBatch stores -1 (disabled) as this value.
+SAMPLING_MAX_TOP_K = 2**31 - 1
+#: A SamplingBatch takes the min / max of its columns as Python lists (``tolist``, ``min``,
+#: ``max``) up to this many rows, with two numpy reductions above: each numpy call costs about
+#: 1 us whatever the size, the lists ~40 ns a value (measured on a 2-core x86 VM).
+SAMPLING_CHECK_LIST_ROWS = 16
+
 #: ``top_k`` that disables the top-k filter.
 TOP_K_DISABLED = -1
 
 _INF = float("inf")
-_SEED = f"None or an integer in [0, 2**{defaults.SAMPLING_SEED_LIMIT.bit_length() - 1})"
+_SEED = f"None or an integer in [0, 2**{SAMPLING_SEED_LIMIT.bit_length() - 1})"
 
 
 TEMPERATURE = Rule("temperature", "real number", "fiu", np.float32, "finite in float32 and >= 0 (0: greedy)",
@@ -60,15 +56,15 @@ TEMPERATURE = Rule("temperature", "real number", "fiu", np.float32, "finite in f
 TOP_P = Rule("top_p", "real number", "fiu", np.float32, "in (0, 1] (1: no top-p filter)",
              rows_ok=lambda p: (p > 0.0) & (p <= 1.0),
              bounds_ok=lambda lo, hi: lo > 0.0 and hi <= 1.0)
-TOP_K = Rule("top_k", "integer", "iu", np.int64, f"-1 (disabled) or in [1, {defaults.SAMPLING_MAX_TOP_K}]",
-             rows_ok=lambda k: ((k >= 1) & (k <= defaults.SAMPLING_MAX_TOP_K)) | (k == TOP_K_DISABLED),
-             bounds_ok=lambda lo, hi: lo >= 1 and hi <= defaults.SAMPLING_MAX_TOP_K)
+TOP_K = Rule("top_k", "integer", "iu", np.int64, f"-1 (disabled) or in [1, {SAMPLING_MAX_TOP_K}]",
+             rows_ok=lambda k: ((k >= 1) & (k <= SAMPLING_MAX_TOP_K)) | (k == TOP_K_DISABLED),
+             bounds_ok=lambda lo, hi: lo >= 1 and hi <= SAMPLING_MAX_TOP_K)
 
 def seed(value: Any, name: str = "seed") -> int | None:
     """``value`` as a Python int in [0, SAMPLING_SEED_LIMIT), or None."""
     if value is None:
         return None
-    if _is_integer(value) and 0 <= value < defaults.SAMPLING_SEED_LIMIT:
+    if _is_integer(value) and 0 <= value < SAMPLING_SEED_LIMIT:
         return int(value)
     raise InputError(name, f"must be {_SEED}, got {value!r}")
 
@@ -121,7 +117,7 @@ def _seeds(seeds: list, request_ids: Sequence[Any]) -> None:
         dup = next(r for r in ids if r in seen or seen.add(r))
         raise InputError("request_ids", f"request id {dup!r} is on two seeded rows; each seeded request "
                                         "has its own generator, so its id must be unique in the batch")
-    if (set(map(type, given)) == {int} and min(given) >= 0 and max(given) < defaults.SAMPLING_SEED_LIMIT
+    if (set(map(type, given)) == {int} and min(given) >= 0 and max(given) < SAMPLING_SEED_LIMIT
             and set(map(type, request_ids)) == {int}):
         return   # plain Python ints, as sampling_batch passes them
     for i, s in enumerate(seeds):
@@ -141,7 +137,7 @@ def _bounds(t: np.ndarray, p: np.ndarray, k: np.ndarray) -> tuple[list, list]:
     ``SAMPLING_CHECK_LIST_ROWS`` rows, any non-finite value: every rule refuses those, and a
     failed bound only sends a column to its exact check)."""
     n = len(t)
-    if n <= defaults.SAMPLING_CHECK_LIST_ROWS:   # a numpy call costs ~1 us: lists are cheaper
+    if n <= SAMPLING_CHECK_LIST_ROWS:   # a numpy call costs ~1 us: lists are cheaper
         tl, pl, kl = t.tolist(), p.tolist(), k.tolist()
         lo, hi = [min(tl), min(pl), min(kl)], [max(tl), max(pl), max(kl)]
         for i, col in enumerate((tl, pl)):
@@ -208,7 +204,7 @@ class SamplingBatch:
             if k.dtype != np.int64:
                 k = k.astype(np.int64)   # in range: checked above
             if lo[2] < 1:   # -1 (disabled): every token
-                k = np.where(k == TOP_K_DISABLED, defaults.SAMPLING_MAX_TOP_K, k)
+                k = np.where(k == TOP_K_DISABLED, SAMPLING_MAX_TOP_K, k)
         seeds = list(seeds)
         try:
             unseeded = seeds.count(None)
@@ -265,16 +261,16 @@ def write_sampling_rows(sampling: SamplingBatch, num_reqs: int, rows: int, vocab
                         out: Mapping[str, np.ndarray]) -> None:
     """Write a step's ``num_reqs`` rows of temperature / top-k / top-p into ``out`` (a
     backend's sampler staging buffers), and rows ``num_reqs..rows`` as padding: greedy, no
-    filter (``defaults.SAMPLER_PAD_TEMPERATURE``, top_k ``vocab_size``,
-    ``defaults.SAMPLER_PAD_TOP_P``, min_p 0 where ``out`` has a min_p row). Every backend pads its
+    filter (``SAMPLER_PAD_TEMPERATURE``, top_k ``vocab_size``,
+    ``SAMPLER_PAD_TOP_P``, min_p 0 where ``out`` has a min_p row). Every backend pads its
     sampler rows through here."""
     temperature, top_k, top_p = out["temperature"], out["top_k"], out["top_p"]
     temperature[:num_reqs] = sampling.temperature
     top_k[:num_reqs] = sampling.top_k
     top_p[:num_reqs] = sampling.top_p
-    temperature[num_reqs:rows] = defaults.SAMPLER_PAD_TEMPERATURE
+    temperature[num_reqs:rows] = SAMPLER_PAD_TEMPERATURE
     top_k[num_reqs:rows] = vocab_size
-    top_p[num_reqs:rows] = defaults.SAMPLER_PAD_TOP_P
+    top_p[num_reqs:rows] = SAMPLER_PAD_TOP_P
     min_p = out.get("min_p")
     if min_p is not None:           # 0: no min-p filter, on padded rows too
         min_p[:num_reqs] = 0.0 if sampling.min_p is None else sampling.min_p

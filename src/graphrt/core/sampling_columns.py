@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.core.sampling_rule import Rule, check_rows
+
+#: Penalty bounds (vLLM's): presence and frequency penalties in [-PENALTY_LIMIT, PENALTY_LIMIT].
+SAMPLING_PENALTY_LIMIT = 2.0
 
 _INF = float("inf")
 
@@ -24,7 +26,7 @@ REPETITION_PENALTY = Rule("repetition_penalty", "real number", "fiu", np.float32
                           "finite in float32 and > 0 (1: no repetition penalty)",
                           rows_ok=lambda r: (r > 0.0) & (r < _INF),
                           bounds_ok=lambda lo, hi: lo > 0.0 and hi < _INF)
-_PENALTY = defaults.SAMPLING_PENALTY_LIMIT
+_PENALTY = SAMPLING_PENALTY_LIMIT
 PRESENCE_PENALTY, FREQUENCY_PENALTY = (
     Rule(name, "real number", "fiu", np.float32, f"in [-{_PENALTY:g}, {_PENALTY:g}] (0: none)",
          rows_ok=lambda v: (v >= -_PENALTY) & (v <= _PENALTY),

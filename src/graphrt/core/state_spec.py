@@ -1,28 +1,14 @@
 """Recurrent-state specs: what each group of recurrent layers keeps per running request.
 
-A hybrid model (Mamba2 / gated-delta-net layers beside attention) declares, beside its KV cache
-spec, a :class:`StateSpec` with ``state_spec()`` (docs/hybrid.md): groups of recurrent layers
-(indices into ``model.state_layers()``), each naming the tensors one request's state is made of
--- e.g. Mamba2's convolution window ``conv [conv_dim, d_conv - 1]`` and SSM state
-``ssm [heads, head_dim, d_state]`` -- with their dtypes. Unlike KV, a state does not grow with
-the sequence: one **slot** per running request holds it, whatever the request's length.
-
-Per layer and tensor the executor allocates ``[num_slots + 1, checkpoints, *shape]``:
-
-* slots ``0 .. num_slots - 1`` belong to running requests (the engine hands a slot out at
-  admission and takes it back at finish or preemption); slot ``num_slots`` is the **trash
-  slot**: a padded request (``state_slots`` -1, ``defaults.PAD_FILL_VALUES``) reads and writes
-  it, so padding can never touch a live request's state (kernels map every negative slot
-  there with ``where``, never by Python's negative indexing);
-* ``checkpoints`` = ``1 + num_speculative_tokens``: a request's state after each of its last
-  ``checkpoints`` positions, kept in a ring indexed by ``position % checkpoints``. A step reads
-  the state after position ``num_computed_tokens - 1``, so speculative decoding's rejected
-  drafts roll back by themselves: the next step's computed length names the checkpoint of the
-  last accepted token (no host call, nothing copied; ``checkpoints`` 1 without drafts).
-
-The slots are sized into the same memory budget as the KV cache (:func:`state_memory`): their
-bytes come out of the budget first, and a model whose states do not fit is refused with the
-numbers (:func:`check_state_fits`).
+A hybrid model declares, beside its KV cache spec, a :class:`StateSpec` (``state_spec()``,
+docs/hybrid.md, "State specs"): groups of recurrent layers (indices into ``model.state_layers()``),
+each naming the tensors one request's state is made of, with their dtypes. Unlike KV a state does
+not grow: one **slot** per running request holds it. Per layer and tensor the executor allocates
+``[num_slots + 1, checkpoints, *shape]``: slot ``num_slots`` is the **trash slot** padding reads
+and writes (kernels map every negative slot there with ``where``), and ``checkpoints`` =
+``1 + num_speculative_tokens`` is a ring indexed by ``position % checkpoints``, so rejected drafts
+roll back by themselves. The slots come out of the KV memory budget first (:func:`state_memory`,
+:func:`check_state_fits`).
 
 The standard library only (no numpy): preflight and the framework-free configs read it.
 """

@@ -1,26 +1,16 @@
 """``graphrt.DataParallelLLM``: ``data_parallel_size`` engine processes behind one front.
 
-Each worker is a process of its own (multiprocessing's ``spawn`` context) holding a whole
-:class:`~graphrt.LLM` -- its own ModelRunner, graphs and KV cache -- loaded from the model
-directory by the worker itself. The front validates every request as ``LLM`` does, sends it to
-one worker by SGLang's ``load_balance_method`` and gathers the outputs::
+Each worker is a spawned process holding a whole :class:`~graphrt.LLM` loaded from the model
+directory by the worker itself. The front validates every request as ``LLM`` does, sends it to one
+worker by SGLang's ``load_balance_method`` (``round_robin``, or ``shortest_queue``: the fewest
+unfinished requests as the front counts them, lowest rank on ties) and gathers the outputs::
 
-    with graphrt.DataParallelLLM(model_dir, data_parallel_size=2, backend="cpu",
-                                 load_balance_method="shortest_queue") as dp:
+    with graphrt.DataParallelLLM(model_dir, data_parallel_size=2, backend="cpu") as dp:
         outs = dp.generate(prompts, graphrt.SamplingParams(max_tokens=8))   # prompt order
 
-* ``round_robin`` (SGLang's default): worker 0, 1, ..., n-1, 0, ...
-* ``shortest_queue``: the worker with the fewest unfinished requests, lowest rank on ties.
-  The front counts them itself (sent, minus outputs received), so a request whose output is
-  still in the pipe counts as unfinished; SGLang balances on the queue lengths its schedulers
-  report, which ``stats`` also shows (each worker's ``waiting`` / ``running``) but which
-  would cost a round trip per request.
-
-The workers never talk to each other: each steps on its own (issue 12's lock-step DP, where
-ranks agree on a graph key every step, is not this). Failure: a worker that dies (killed, or
-its engine loop raised) is seen at once through its process sentinel; the call waiting on it,
-and every later call, raises a ``GraphrtError`` naming it. ``close()`` (also the context
-manager's exit, garbage collection and interpreter exit) stops and joins every worker.
+Workers never talk to each other. A worker that dies is seen at once through its process
+sentinel, and every call then raises a ``GraphrtError`` naming it; ``close()`` (also exit, garbage
+collection) stops and joins every worker. docs/api.md, "Data parallelism".
 """
 
 from __future__ import annotations
@@ -36,7 +26,6 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
-from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, InputError
 from graphrt.engine.dp_processes import DP_WORKER_KILL_TIMEOUT_S, LIVE, Worker, new_key, shutdown
 from graphrt.engine.dp_worker import worker_main
@@ -45,6 +34,8 @@ from graphrt.engine.llm import LLM
 from graphrt.engine.outputs import RequestOutput
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.engine.validation import params_per_prompt, validate_request
+
+DP_POLL_INTERVAL_S = 0.1
 
 #: graphrt.DataParallelLLM: worker processes (SGLang's ``--data-parallel-size``; 1 there means
 #: no DP) and how requests are spread over them (SGLang's ``--load-balance-method`` and default).
@@ -200,7 +191,7 @@ class DataParallelLLM:
                 left = deadline - time.monotonic()
                 if ready or not self._streamed or left <= 0:
                     break
-                self._pump(min(left, defaults.DP_POLL_INTERVAL_S))
+                self._pump(min(left, DP_POLL_INTERVAL_S))
             self._streamed.difference_update(ready)
             return sorted((self._done.pop(i) for i in ready), key=lambda o: o.request_id)
 
@@ -274,7 +265,7 @@ class DataParallelLLM:
         try:
             w.requests.send(("add", rid, [int(t) for t in prompt], params))
         except (OSError, ValueError):
-            self._pump(defaults.DP_POLL_INTERVAL_S)     # its sentinel names the death
+            self._pump(DP_POLL_INTERVAL_S)     # its sentinel names the death
             self._check_usable()
             raise GraphrtError(f"{w.name} stopped taking requests") from None
         w.in_flight.add(rid)
@@ -292,13 +283,13 @@ class DataParallelLLM:
                     self._check_usable()
                 if done():
                     return
-                left = defaults.DP_POLL_INTERVAL_S if deadline is None else deadline - time.monotonic()
+                left = DP_POLL_INTERVAL_S if deadline is None else deadline - time.monotonic()
                 if left <= 0:
                     owing = sorted({w.name for w in self._workers for i in ids if i in w.in_flight})
                     raise GraphrtError(f"DataParallelLLM: the workers took more than {timeout} s "
                                        f"{what}" + (f"; still owing outputs: {', '.join(owing)}"
                                                     if owing else ""))
-                self._pump(min(left, defaults.DP_POLL_INTERVAL_S))
+                self._pump(min(left, DP_POLL_INTERVAL_S))
 
     def _pump(self, timeout: float) -> None:
         """Receive what the workers sent, waiting up to ``timeout`` s for something; a worker

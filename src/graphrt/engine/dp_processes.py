@@ -14,8 +14,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from graphrt.core import defaults
 from graphrt.core.errors import GraphrtError
+
+DP_WORKER_JOIN_TIMEOUT_S = 10.0
 
 #: Seconds a stopping worker is waited for after terminate, then after kill.
 DP_WORKER_KILL_TIMEOUT_S = 5.0
@@ -58,7 +59,7 @@ def shutdown(key: int) -> None:
             w.requests.send(("stop",))
         except (OSError, ValueError):
             pass    # already gone
-    deadline = time.monotonic() + defaults.DP_WORKER_JOIN_TIMEOUT_S
+    deadline = time.monotonic() + DP_WORKER_JOIN_TIMEOUT_S
     for w in workers:
         w.process.join(max(0.0, deadline - time.monotonic()))
     for w in workers:

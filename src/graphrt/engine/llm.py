@@ -4,21 +4,14 @@ It makes the library usable end to end and is how the parity tests drive real mo
 
     llm = graphrt.LLM(model_dir, backend="cpu", max_num_seqs=8)
     outs = llm.generate([[1, 2, 3]], graphrt.SamplingParams(max_tokens=8))
-    outs[0].token_ids
 
-Warm-up (capture / precompile) happens in the constructor (``warmup="upfront"``), or between
-steps while it serves (``warmup="background"``: docs/api.md, "Warm-up"). The prefix cache
-(``enable_prefix_caching``, on by default) lets a request start from the KV of its longest
-cached full-block prefix; ``schedule_policy`` orders the waiting queue (docs/api.md).
-
-Faults: a step that raises finishes the requests it ran with ``finish_reason="error"`` (and
-frees their blocks); ``generate`` then aborts the rest of its own requests and raises
-:class:`~graphrt.core.errors.GenerationError` carrying every one of its outputs. A lost XLA KV
-cache is re-created and the requests that held KV are recomputed. Threads: one lock
-serializes ``add_request`` / ``step`` / ``abort_request`` and each step of ``generate``, so
-concurrent ``generate`` calls batch together; each call gets exactly its own outputs.
-``close()`` takes it too: it waits for the running step, and every call after it raises
-GraphrtError saying the engine is closed.
+Warm-up runs in the constructor or between steps (``warmup="background"``); the prefix cache and
+``schedule_policy`` are on docs/api.md. A step that raises finishes its requests with
+``finish_reason="error"``; ``generate`` then aborts the rest of its own and raises
+:class:`~graphrt.core.errors.GenerationError` with every output. One lock serializes
+``add_request`` / ``step`` / ``abort_request`` and each step of ``generate`` (concurrent calls
+batch together, each gets its own outputs); ``close()`` takes it too. docs/api.md, "Generate end
+to end".
 """
 
 from __future__ import annotations
@@ -47,6 +40,11 @@ from graphrt.runner import ModelRunner
 from graphrt.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_eos_token_ids
+
+#: ``graphrt.LLM.close()`` waits this long for a step running on another thread to end (the
+#: watchdog's and the tensor-parallel timeout: a step still running then is hung); past it, or
+#: at once after the watchdog fired, it closes under the step, which then fails.
+LLM_CLOSE_WAIT_S = 300.0
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +313,7 @@ class LLM:
         GenerationError saying the engine is closed (with its outputs so far); every later call
         raises GraphrtError saying so. Idempotent; the workers also stop when it is collected."""
         fired = self.watchdog.error is not None         # that forward hangs: do not wait for it
-        locked = self._lock.acquire(timeout=0 if fired else defaults.LLM_CLOSE_WAIT_S)
+        locked = self._lock.acquire(timeout=0 if fired else LLM_CLOSE_WAIT_S)
         if not locked:
             logger.error("graphrt: close(): a step still runs on another thread; closing under it")
         try:

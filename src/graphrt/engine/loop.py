@@ -1,31 +1,18 @@
 """The engine loop of :class:`graphrt.LLM`: one loop for every step, plain or overlapped.
 
 A step: schedule, launch (write the tables, run the step on the runner, advance its requests
-optimistically), then resolve launched steps until at most ``depth`` stay in flight. Depth 0
-is the plain loop (launch, then resolve at once; vLLM v1's batch queue of size 1); depth 1
-is overlap scheduling (SGLang's ``event_loop_overlap``): step n + 1 is scheduled and launched
-(``runner.execute_async``) while the device still runs step n, whose tokens are resolved
-after.
+optimistically), then resolve launched steps until at most ``depth`` stay in flight. Depth 0 is
+the plain loop; depth 1 is overlap scheduling (SGLang's ``event_loop_overlap``): step n + 1 is
+launched (``runner.execute_async``) while the device still runs step n.
 
-What makes overlap exact:
-
-* **Optimistic progress.** Launching a step advances each request's computed tokens at once,
-  and a request that samples gets a placeholder token (id 0, counted in ``num_unresolved``),
-  so the scheduler plans the next step as if the token were known.
-* **Future tokens.** A request that decodes its unresolved token in step n + 1 names the
-  row of step n that sampled it (``future_rows``); the backend substitutes the sampled id
-  on the device before the forward reads it (:mod:`graphrt.core.future_tokens`).
-* **Known finishes.** A request whose launched tokens reach ``max_tokens`` or
-  ``max_model_len`` is ``retiring``: the scheduler skips it, so batches are the plain loop's.
-  A request that samples EOS is known only when its step resolves; it has then been
-  scheduled once more, and that step's token for it is dropped.
-* **The prefix cache only sees resolved tokens.** Unresolved tokens are always a request's
-  last ones and lie beyond its computed tokens whenever blocks are cached, so no block
-  key covers a placeholder; cached blocks whose KV an in-flight step still writes are only
-  read by later steps, which the device runs after it.
-* **Faults.** A failed launch fails its requests; a failed resolve fails the step's requests,
-  and if the KV cache was lost the in-flight step is dropped and every running request is
-  recomputed without its placeholders.
+What keeps overlap exact (docs/api.md, "Overlap scheduling"): launching advances computed tokens
+and gives a sampling request a placeholder token (``num_unresolved``); a request decoding it names
+the row that sampled it (``future_rows``), substituted on the device
+(:mod:`graphrt.core.future_tokens`); a request whose launched tokens reach ``max_tokens`` or
+``max_model_len`` is ``retiring`` and not scheduled again (an EOS is known only at resolve: that
+next step's token is dropped); no prefix-cache block key covers a placeholder. A failed launch
+fails its requests, a failed resolve its step's; a lost KV cache drops the in-flight step and
+recomputes every running request without its placeholders.
 """
 
 from __future__ import annotations

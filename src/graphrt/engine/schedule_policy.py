@@ -1,26 +1,12 @@
 """Schedule policies: the order in which waiting requests are offered to admission (SGLang's policies).
 
-Cache-agnostic:
-
-* ``fcfs`` -- first come, first served (a preempted or requeued request goes back to the
-  front, so it is served first);
-* ``lof`` -- longest output first: the largest ``max_tokens`` first (ties in arrival order);
-* ``random`` -- a shuffle from a seeded generator.
-
-Cache-aware (need the prefix cache; without it they serve ``fcfs``, as SGLang does):
-
-* ``lpm`` -- longest prefix match first. A request whose own cache match is short but which
-  shares a prefix with a request ahead of it in the queue is held back for this step
-  (SGLang's in-batch prefix check, whose stated aim is to "schedule only one of them"; SGLang
-  sorts such requests last, graphrt leaves them out of this step): the first computes the
-  prefix, the rest find it cached a step later. Above ``LPM_MAX_WAITING`` waiting requests it
-  serves ``fcfs`` (matching every one per step would cost too much).
-* ``dfs-weight`` -- group by where each request's match ends in the tree and walk the tree
-  depth first, heaviest subtree (most waiting requests) first, deeper matches before their
-  ancestors' requests: requests sharing a prefix run together while it is cached.
-
-Every order is a permutation of the queue (``lpm`` without the requests it holds back) and
-is stable: equal keys keep arrival order.
+Cache-agnostic ``fcfs``, ``lof`` (largest ``max_tokens`` first) and ``random`` (seeded); cache-aware
+``lpm`` (longest prefix match first; a request sharing an uncached prefix with one ahead of it is
+held back a step, so the prefix is computed once -- SGLang sorts such requests last, graphrt leaves
+them out of this step; ``fcfs`` above ``LPM_MAX_WAITING`` waiting requests) and ``dfs-weight``
+(depth first over the tree, heaviest subtree first, deeper matches before their ancestors'), which
+serve ``fcfs`` without the prefix cache. Every order is a stable permutation of the queue (``lpm``
+without the requests it holds back). docs/api.md, "Prefix cache and schedule policies".
 """
 
 from __future__ import annotations
@@ -31,6 +17,15 @@ from typing import Any, Callable, Sequence
 from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.engine.prefix_cache import Match, Node, PrefixCache
+
+#: "lpm" sorts by prefix match only while at most this many requests wait (SGLang: the
+#: matching costs a tree walk per request per step), and serves first-come-first-served above.
+LPM_MAX_WAITING = 128
+#: "lpm" in-batch prefix sharing (SGLang's thresholds, in tokens): a waiting request that
+#: matches at most CHECK tokens of the cache but at least DEPRIORITIZE tokens of a request
+#: ahead of it in the queue waits, so that it finds the prefix cached one step later.
+IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
+IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
 
 POLICIES = ("fcfs", "lof", "random", "lpm", "dfs-weight")
 CACHE_AWARE = frozenset({"lpm", "dfs-weight"})
@@ -62,7 +57,7 @@ class SchedulePolicy:
     def order(self, waiting: Sequence[Any], match: Matcher, keys: Keys) -> list[Any]:
         """The requests of ``waiting`` admission should try this step, in order."""
         policy = self.active
-        if policy == "lpm" and len(waiting) > defaults.LPM_MAX_WAITING:
+        if policy == "lpm" and len(waiting) > LPM_MAX_WAITING:
             policy = "fcfs"
         if policy == "fcfs":
             return list(waiting)
@@ -79,8 +74,8 @@ class SchedulePolicy:
 
     def _longest_prefix(self, waiting: Sequence[Any], matches: list[Match], keys: Keys) -> list[Any]:
         bs = self.prefix_cache.block_size
-        check = defaults.IN_BATCH_PREFIX_CHECK_THRESHOLD
-        demote = defaults.IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD
+        check = IN_BATCH_PREFIX_CHECK_THRESHOLD
+        demote = IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD
         trie: dict[bytes, dict] = {}          # the prefixes of the requests seen so far
         later: set[int] = set()
         for i, (req, m) in enumerate(zip(waiting, matches)):

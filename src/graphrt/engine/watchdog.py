@@ -1,26 +1,17 @@
 """The engine's watchdog (SGLang's ``watchdog_timeout``): a forward that does not finish in time.
 
-``graphrt.LLM`` arms the watchdog around each forward (one ``runner.execute`` call) and
-disarms it after; arming stores a monotonic timestamp, a counter and the step, disarming
-clears a flag under an uncontended lock. One daemon thread polls (every
-``WATCHDOG_POLL_INTERVAL`` s, or timeout / 2 if shorter) and, once it has seen a
-forward start, sleeps until that forward's deadline. When the deadline passes with the same
-forward still running, it
+``graphrt.LLM`` arms it around each forward (a monotonic timestamp, a counter and the step) and
+disarms it after (a flag under an uncontended lock). One daemon thread polls (every
+``WATCHDOG_POLL_INTERVAL`` s, or timeout / 2) and sleeps until a running forward's deadline. When
+it passes, the thread logs the step's shape, its key and mode and every thread's stack, then
+raises :class:`~graphrt.core.errors.WatchdogTimeout` in the stepping thread
+(``PyThreadState_SetAsyncExc``; the engine refuses steps until :meth:`Watchdog.reset`) or, with
+``action="kill"``, SIGKILLs its process (docs/api.md, "Watchdog").
 
-1. logs at ERROR, through :mod:`logging` (logger ``graphrt.engine.watchdog``), the step's
-   shape (requests, tokens, uniform decode or mixed), the key and runtime mode the runner's
-   dispatcher gives that shape, and every thread's stack (``sys._current_frames``);
-2. with ``action="raise"`` (the default: a library must not kill its host), raises
-   :class:`~graphrt.core.errors.WatchdogTimeout` in the stepping thread with
-   ``PyThreadState_SetAsyncExc``; the step then fails like any step fault (its requests
-   finish with ``finish_reason="error"``) and the engine refuses further steps until
-   :meth:`Watchdog.reset`; with ``action="kill"``, SIGKILLs its own process, as SGLang does.
-
-The limit: an asynchronous exception is raised when the thread next runs Python bytecode. A
-forward hung inside one C call (an NCCL collective, a device synchronize, a lock) raises only
-once that call returns -- possibly never; the log dump still happens. A C call that holds the
-GIL while it hangs stops the watchdog thread too (nothing is logged): that needs
-``faulthandler.dump_traceback_later`` or an outside process, which a library cannot own.
+The limit: an asynchronous exception lands when the thread next runs Python bytecode, so a
+forward hung inside one C call raises only once that call returns (the log still happens); a C
+call that hangs holding the GIL stops the watchdog thread too, which only
+``faulthandler.dump_traceback_later`` or an outside process could catch.
 """
 
 from __future__ import annotations

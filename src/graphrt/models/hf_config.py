@@ -14,10 +14,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig
+
+#: A Qwen3 config.json without ``max_window_layers`` slides (with ``use_sliding_window``) the layers
+#: from this one on: transformers' Qwen3Config default, read by models/hf_config.py.
+QWEN3_MAX_WINDOW_LAYERS = 28
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -130,7 +133,7 @@ def sliding_windows(raw: dict, arch: str) -> tuple[int, ...]:
         raise InputError("sliding_window", f"must be a positive int or null, got {window!r}")
     if arch == "MistralForCausalLM":
         return (window,) * layers
-    first = raw.get("max_window_layers", defaults.QWEN3_MAX_WINDOW_LAYERS)
+    first = raw.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
     kinds = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if len(kinds) != layers:
         raise InputError("layer_types", f"{len(kinds)} entries for {layers} layers")

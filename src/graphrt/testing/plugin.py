@@ -2,15 +2,9 @@
 
 Loaded by the ``pytest11`` entry point of an installed graphrt, or explicitly with
 ``-p graphrt.testing.plugin``. Imports nothing heavy: the kit loads when a test asks for it.
-
-Every setting is a command-line option ``--graphrt-NAME`` and an ini key ``graphrt_NAME``
-(``pytest.ini``, ``[tool.pytest.ini_options]``, ...); the option wins. See :data:`OPTIONS`:
-``model`` (a Hugging Face directory, ``package.module:function`` or ``file.py:function``
-returning a fresh model; without it the suite's tests skip), ``backend`` (one or more: the
-suite runs on each, default ``cpu``), ``mode``, ``examples``, ``threads`` (torch's intra-op
-threads while a conformance test runs, default 1; 0 leaves them alone), ``strict``, ``seed``
-and ``reference`` (your own step function, :mod:`graphrt.testing.reference`). A relative file
-or directory in an ini key is relative to the ini file.
+Every setting (:data:`OPTIONS`) is an option ``--graphrt-NAME`` and an ini key ``graphrt_NAME``;
+the option wins, and a relative path in an ini key is relative to the ini file. The settings are
+tabled in docs/testing.md.
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ class TorchBackend(Backend):
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = torch.device(device if device is not None else self.device_type)
 
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None: torch runs on the CPU wherever graphrt imports it (device backends override)."""
+        return None
+
     def graph_api(self) -> DeviceGraphAPI | None:
         """The device-graph API; ``None`` runs every step eagerly."""
         return None
@@ -45,14 +50,11 @@ class TorchBackend(Backend):
         from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl
         name = model_dtype(dtype, checkpoint_limits(model_dir)[1] or "float32")   # "bf16", "auto", torch.half...
         if resolve_model_impl(model_dir, model_impl) == "transformers":
-            from graphrt.models.torch.transformers_impl.loader import load_transformers_model
-            model = load_transformers_model(model_dir, dtype=getattr(torch, name), device=self.device,
-                                            tp_rank=tp_rank, tp_size=tp_size, group=group)
-            model.source_dir = model_dir
-            return model
-        from graphrt.models.torch.loader import load_torch_model
-        model = load_torch_model(model_dir, dtype=getattr(torch, name), device=self.device,
-                                 tp_rank=tp_rank, tp_size=tp_size, group=group)
+            from graphrt.models.torch.transformers_impl.loader import load_transformers_model as load
+        else:
+            from graphrt.models.torch.loader import load_torch_model as load
+        model = load(model_dir, dtype=getattr(torch, name), device=self.device, tp_rank=tp_rank, tp_size=tp_size,
+                     group=group)
         model.source_dir = model_dir
         return model
 

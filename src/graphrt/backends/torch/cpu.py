@@ -52,9 +52,5 @@ class CpuGraphBackend(TorchBackend):
 
     name = "cpu"
 
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None
-
     def graph_api(self) -> CpuGraphAPI:
         return CpuGraphAPI()

@@ -13,7 +13,3 @@ class EagerBackend(TorchBackend):
     """Runs every step eagerly on the same static buffers the graph backends use."""
 
     name = "eager"
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None

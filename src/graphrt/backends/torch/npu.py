@@ -1,35 +1,16 @@
 """``npu`` (alias ``acl``): Ascend ACL graphs (``torch.npu.NPUGraph``) over the shared torch graph code.
 
-The same executor as ``cuda`` (:mod:`graphrt.backends.torch.executor`) with torch_npu's
-calls -- ``torch.npu.NPUGraph``, ``torch.npu.graph``, ``torch.npu.graph_pool_handle`` --
-plus what Ascend needs:
-
-* **Task updates.** Ascend attention kernels take host-side lengths
-  (``actual_seq_lengths``) that a captured graph bakes in. An attention backend wraps
-  such an op in :func:`graphrt.backends.torch.device_graphs.graph_task` while capturing; the
-  adapter captures it as a task group (``graph_task_group_begin/end``) preceded by a wait
-  on a ``torch.npu.ExternalEvent``. Before each replay, on an update stream that first
-  waits for the device's current stream, each task's hook re-issues the op with the
-  step's lengths between ``graph_task_update_begin`` and ``graph_task_update_end``, then
-  records the event the graph waits on.
-* **Stream budget.** :meth:`NpuGraphBackend.dispatcher` limits the capture sizes to
-  :func:`graphrt.backends.torch.acl.capture_budget` and logs it.
-
-``compile_model`` is not supported here (vllm-ascend's ACL graph mode does not support
-``use_inductor``); the executor logs that and captures uncompiled.
-
-``torch_npu`` is imported lazily, only when this backend is probed or selected. Since
-torch 2.5, ``import torch`` itself imports out-of-tree device backends such as torch_npu
-through the ``torch.backends`` entry point unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` is
-set; with autoload on, a broken CANN install already surfaces at ``import torch``. With it
-off, graphrt's own import here is what loads torch_npu, and a failure becomes
-:class:`~graphrt.core.errors.BackendUnavailableError` naming the cause.
-
-This adapter has been tested against the CPU recording graph through the device-graph
-API (a stand-in ``torch.npu`` namespace), never on Ascend hardware.
-
-Pieces: its own dispatcher (the capture sizes cut to the stream budget), the shared
-:class:`graphrt.Padder` and :class:`graphrt.GraphCache`; its own :class:`NpuGraphAPI`.
+The same executor as ``cuda`` (:mod:`graphrt.backends.torch.executor`) with torch_npu's calls,
+plus what Ascend needs: **task updates** (an attention op that takes host-side lengths is captured
+as a task group behind a ``torch.npu.ExternalEvent`` and re-issued with the step's lengths on an
+update stream before each replay; :meth:`NpuGraphAPI.pre_replay`) and the **stream budget**
+(:meth:`NpuGraphBackend.dispatcher` cuts the capture sizes to
+:func:`graphrt.backends.torch.acl.capture_budget`). ``compile_model`` is not supported (the
+executor logs that and captures uncompiled). ``torch_npu`` is imported lazily, only when this
+backend is probed or selected; a failure becomes
+:class:`~graphrt.core.errors.BackendUnavailableError` naming the cause. Tested only against a
+stand-in ``torch.npu`` over the CPU recording graph, never on Ascend hardware
+(docs/backends.md, "Ascend specifics").
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """An XLA model's attention, declared as a torch model's is (:mod:`graphrt.core.attention_decl`).
 
-An executable is compiled per key: a host value read while it was traced is fixed in it, as a
-host value read while a device graph is captured is. So a JAX model's attention declares the
-same things a torch attention backend does, with the same class
-(:class:`~graphrt.core.attention_decl.AttentionDeclarations`), as ``XlaModel(...,
-attention_backend=...)`` or an nnx module's ``attention_backend`` attribute:
-
-* ``keyed_host_values``: ``max_seq_len`` (**context narrowing**: the keys get context buckets
-  and each executable's block table is its bucket's width) or nothing (the kernel reads every
-  length on the device: one executable per token / batch padding serves any context);
-* ``graph_support``: an executable runs every step, so anything below ``ALWAYS`` is refused;
-* ``refreshed_host_values``: refused (an executable takes the step's arrays as arguments and
-  runs no Python before a call);
-* ``kv_cache_dtypes``: the KV-cache dtypes the kernel reads and writes.
-
-Without a declaration a model gets :class:`XlaPagedAttention`, what graphrt's JAX decoder (its
-reference kernel and Pallas) declares: context narrowing, any KV dtype the xla backend holds.
+An executable is compiled per key, so a host value read while it was traced is fixed in it, as in
+a captured graph. A JAX model's attention therefore declares the same things, with the same
+class (:class:`~graphrt.core.attention_decl.AttentionDeclarations`), as ``XlaModel(...,
+attention_backend=...)`` or an nnx module's ``attention_backend``: ``keyed_host_values``
+``max_seq_len`` (context narrowing) or nothing; ``graph_support`` below ``ALWAYS`` and any
+``refreshed_host_values`` are refused (an executable runs every step, and no Python before a
+call); ``kv_cache_dtypes``. Without a declaration a model gets :class:`XlaPagedAttention`, what
+graphrt's JAX decoder declares. docs/attention.md, "The same declarations on XLA".
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from typing import Any, Callable, Sequence
 from graphrt.backends.base import Backend
 from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.config import GraphConfig
-from graphrt.core import defaults
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.dtypes import model_dtype
@@ -41,6 +40,12 @@ else:
     from graphrt.backends.xla.callable_graphs import XlaGraphs
     from graphrt.backends.xla.programs import XlaModel, XlaPrograms, xla_kv_spec
 
+#: XLA backend: most threads compiling precompile buckets at once (one per CPU core up to
+#: this; lowering stays on the caller's thread, XLA's compile releases the GIL). Measured on
+#: 2 cores: 15 buckets in 10.1 s with one thread, 5.1 s with two (no gain while other jobs
+#: kept the second core busy; see docs/benchmarks.md).
+XLA_MAX_COMPILE_WORKERS = 8
+
 
 def _jax_dtype(dtype: Any, model_dir: str) -> Any:
     """A jnp dtype from a jnp / numpy / torch dtype or a name ("bfloat16", "half", "auto" for the
@@ -55,7 +60,7 @@ class XlaBackend(Backend):
     ``tp_size`` builds a 1-D mesh over the first devices; ``mesh`` (axis ``"tp"``) is used
     as given. ``dtype`` is the weights' dtype for :meth:`load_model` (default float32).
     ``compile_workers`` threads compile buckets in parallel during :meth:`XlaExecutor.build_many`
-    (default: one per CPU core, at most ``defaults.XLA_MAX_COMPILE_WORKERS``).
+    (default: one per CPU core, at most ``XLA_MAX_COMPILE_WORKERS``).
     """
 
     name = "xla"
@@ -68,7 +73,7 @@ class XlaBackend(Backend):
         self.mesh = mesh if mesh is not None else shd.make_mesh(tp_size)
         self.tp_size = shd.mesh_size(self.mesh)
         self.dtype = dtype
-        self.compile_workers = compile_workers or min(os.cpu_count() or 1, defaults.XLA_MAX_COMPILE_WORKERS)
+        self.compile_workers = compile_workers or min(os.cpu_count() or 1, XLA_MAX_COMPILE_WORKERS)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

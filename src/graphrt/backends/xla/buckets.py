@@ -1,23 +1,16 @@
 """XLA's bucket grid: which shapes get an executable, built from GraphConfig's validated flags.
 
-XLA has no eager escape, so every step the scheduler can form needs a compiled shape. Two
-kinds of keys (sglang-jax's design):
+XLA has no eager escape, so every step the scheduler can form needs a compiled shape. Two kinds
+of keys (sglang-jax's design; docs/xla.md, "Buckets"): decode steps at the next batch-size
+padding ``b``, key ``(b * q, b, uniform_decode=True)`` with ``q = 1 + num_speculative_tokens``
+and ``b`` capped at the largest decode batch the token budget holds; every other step at the
+next token padding ``t`` and one fixed batch size, key ``(t, max_reqs, False)`` -- so
+``len(token paddings) + len(batch-size paddings)`` executables, not their product, times the
+context buckets (the key's ``max_seq_len``).
 
-* decode steps (every request schedules ``q = 1 + num_speculative_tokens`` tokens) run at the
-  next batch-size padding ``b``: key ``(b * q, b, uniform_decode=True)``, ``b`` capped at the
-  largest decode batch the token budget holds;
-* prefill, chunked-prefill and mixed steps run at the next token padding ``t`` and one fixed
-  batch size, the largest batch-size padding: key ``(t, max_reqs, False)``. So the number of
-  executables is ``len(token paddings) + len(batch-size paddings)``, not their product --
-  times the context buckets (the key's ``max_seq_len``: sglang-jax buckets its cache
-  locations the same way), so a step attends over its longest request's bucket, never over
-  ``max_model_len``.
-
-``max_reqs`` is XLA's largest batch size: the mixed keys' batch, the rows of the executor's
-request-level staging buffers and of every sampler's output. It is
-:func:`graphrt.config.covering_padding` of the batch-size flag -- the same function config
-validation refuses paddings with -- and nothing else recomputes it. Imports no jax (the CLI's
-``plan`` and the runner's preflight read it without the backend).
+``max_reqs`` is :func:`graphrt.config.covering_padding` of the batch-size flag -- the function
+config validation refuses paddings with -- and nothing else recomputes it. Imports no jax (the
+CLI's ``plan`` and the runner's preflight read it without the backend).
 """
 
 from __future__ import annotations
@@ -25,11 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphrt.config import GraphConfig, covering_padding
-from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import GraphMode
+
+#: XLA has no eager path: its context buckets grow by this factor up to max_model_len, so a
+#: step attends over at most this many times its longest request (and a few executables per key).
+XLA_CONTEXT_BUCKET_GROWTH = 4
+#: XLA backend: the smallest default token padding (the default paddings are powers of two
+#: from here up to ``max_num_batched_tokens``; sglang-jax starts its token paddings at 16 too).
+XLA_MIN_TOKEN_PADDING = 16
 
 
 @dataclass(frozen=True)
@@ -49,14 +48,14 @@ class XlaBuckets:
     decode_query_len: int
     #: Context buckets: every key exists once per bucket, whose block table is that many tokens
     #: wide (the JAX reference attends over every column), up to max_model_len by factors of
-    #: ``defaults.XLA_CONTEXT_BUCKET_GROWTH``: a step's cost follows its longest request.
+    #: ``XLA_CONTEXT_BUCKET_GROWTH``: a step's cost follows its longest request.
     contexts: BucketPolicy
 
     @classmethod
     def from_config(cls, config: GraphConfig) -> "XlaBuckets":
         """The grid of ``config``'s ``precompile_token_paddings`` / ``precompile_bs_paddings``,
         or, unset, powers of two up to ``max_num_batched_tokens`` (from
-        ``defaults.XLA_MIN_TOKEN_PADDING``) and up to ``max_num_seqs``."""
+        ``XLA_MIN_TOKEN_PADDING``) and up to ``max_num_seqs``."""
         limit = config.max_num_batched_tokens
         top_tokens = covering_padding(config.precompile_token_paddings, limit)
         max_reqs = covering_padding(config.precompile_bs_paddings, config.max_num_seqs)
@@ -64,13 +63,13 @@ class XlaBuckets:
             if top is None:       # only a config built without validation (model_construct)
                 raise ConfigError(f"{name}: no padding covers the limit; build the config with GraphConfig.create")
         tokens = (BucketPolicy(config.precompile_token_paddings) if config.precompile_token_paddings is not None
-                  else BucketPolicy.powers_of_two(top_tokens, min_size=min(defaults.XLA_MIN_TOKEN_PADDING, top_tokens)))
+                  else BucketPolicy.powers_of_two(top_tokens, min_size=min(XLA_MIN_TOKEN_PADDING, top_tokens)))
         sizes = (BucketPolicy(config.precompile_bs_paddings) if config.precompile_bs_paddings is not None
                  else BucketPolicy.powers_of_two(max_reqs))
         fits = max_reqs * config.decode_query_len <= limit
         return cls(tokens, sizes, sizes if fits else sizes.capped(config.max_decode_batch), max_reqs,
                    config.max_num_seqs, config.decode_query_len,
-                   config.context_policy(growth=defaults.XLA_CONTEXT_BUCKET_GROWTH))
+                   config.context_policy(growth=XLA_CONTEXT_BUCKET_GROWTH))
 
     @property
     def max_tokens(self) -> int:

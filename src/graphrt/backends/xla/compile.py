@@ -15,7 +15,10 @@ from typing import Any
 
 import jax
 
-from graphrt.core import defaults
+#: Compiles at least this long are written to the persistent compilation cache; JAX's own
+#: default (1 s) would skip every bucket of a small model.
+XLA_PERSISTENT_CACHE_MIN_COMPILE_SECONDS = 0.0
+
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,7 @@ def enable_persistent_cache(path: str) -> str:
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(path, exist_ok=True)
     from jax.experimental.compilation_cache import compilation_cache as cc
-    min_secs = defaults.XLA_PERSISTENT_CACHE_MIN_COMPILE_SECONDS
+    min_secs = XLA_PERSISTENT_CACHE_MIN_COMPILE_SECONDS
     if (jax.config.jax_compilation_cache_dir == path
             and jax.config.jax_persistent_cache_min_compile_time_secs == min_secs):
         return path

@@ -1,15 +1,11 @@
 """The XLA sampler: greedy, temperature, top-k, top-p and min-p, jitted apart from the forward.
 
-Same rules as the torch sampler (:mod:`graphrt.backends.torch.sampling.sampler_ops`): every filter is a
-threshold on ``P = exp((logits - max) / T)`` (the most likely token's is 1) -- top-k the k-th
-largest ``P`` from ``lax.top_k`` of ``defaults.SAMPLER_TOP_K_CANDIDATES`` candidates (``wide``:
-counted exactly past them), min-p ``P >= min_p``, top-p the largest ``t`` whose mass
-``sum(P >= t)`` still reaches ``top_p`` of what top-k and min-p keep, found by a bisection over
-the float32 bits of ``P`` (30 fixed iterations of a ``fori_loop``; no sort of the vocabulary).
-Rows below the minimum temperature are greedy. Drawing uses the Gumbel-max trick
-(``argmax(logits / T + Gumbel)`` over the kept tokens, the log form of the exponential race the
-torch sampler uses) with one threefry key per row: the row's raw ``seeds`` folded with its
-``steps`` counter, so a seeded request's draw depends on nothing but its seed and how many
+The torch sampler's rules (:mod:`graphrt.backends.torch.sampling.sampler_ops`, docs/sampling.md):
+every filter is a threshold on ``P = exp((logits - max) / T)``; top-k from ``lax.top_k`` of
+``defaults.SAMPLER_TOP_K_CANDIDATES`` (``wide``: counted past them), top-p by a 30-step
+``fori_loop`` bisection over the float32 bits of ``P``. Rows below the minimum temperature are
+greedy. Drawing is Gumbel-max over the kept tokens with one threefry key per row (its seed folded
+with its ``steps`` counter), so a seeded request's draw depends only on its seed and how many
 tokens it has sampled.
 """
 

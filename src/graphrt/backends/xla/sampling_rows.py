@@ -11,8 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from graphrt.backends.xla.batch import SAMPLING_FIELDS, SamplingMetadata
-from graphrt.core import defaults
 from graphrt.core.sampling import SamplingBatch, write_sampling_rows
+
+#: Seed of the XLA sampler's host generator that keys requests without their own seed
+#: (None: fresh entropy per executor, like the torch device RNG).
+XLA_SAMPLER_HOST_SEED: int | None = None
 
 _U32_MASK = 0xFFFFFFFF
 
@@ -26,7 +29,7 @@ class SamplingRows:
                       "top_p": np.ones(max_reqs, np.float32), "min_p": np.zeros(max_reqs, np.float32),
                       "seeds": np.zeros((max_reqs, 2), np.uint32),
                       "steps": np.zeros(max_reqs, np.uint32)}
-        self._rng = np.random.default_rng(defaults.XLA_SAMPLER_HOST_SEED)
+        self._rng = np.random.default_rng(XLA_SAMPLER_HOST_SEED)
         self._seed_steps: dict[int, int] = {}
 
     def metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:

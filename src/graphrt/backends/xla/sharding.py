@@ -15,11 +15,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 from graphrt.models.jax.model_config import JaxModelConfig
 
-AXIS = defaults.XLA_TP_AXIS
+#: Name of the XLA backend's tensor-parallel mesh axis.
+XLA_TP_AXIS = "tp"
+
+AXIS = XLA_TP_AXIS
 
 _COLUMN = {"wq": P(None, None, AXIS), "bq": P(None, AXIS), "w_gate": P(None, None, AXIS),
            "w_up": P(None, None, AXIS), "lm_head": P(None, AXIS)}

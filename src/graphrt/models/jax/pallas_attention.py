@@ -1,23 +1,16 @@
 """Pallas ragged paged attention (TPU) for graphrt's JAX decoder: its cache layout, KV write and call.
 
-With the Pallas path on, the decoder's KV cache is stored in the kernel's own page layout, one
-array for every layer::
+With the Pallas path on, the decoder's KV cache is one array in the kernel's page layout::
 
     kv_cache: [num_layers * (num_blocks + 1), block_size, 2 * num_kv_heads, head_dim]
 
-Layer ``l`` owns pages ``l * (num_blocks + 1) .. (l + 1) * (num_blocks + 1) - 1``; page ``p`` of
-it is block ``p``, and its last page is a trash page: padded tokens (negative slot) write its
-first row, which nothing reads. K and V are interleaved on the head axis (``2h``: K of head ``h``,
-``2h + 1``: its V), as the kernel reads them. The kernel takes the whole cache as its
-``kv_pages`` and each layer's block table offset by the layer's first page, so no step slices,
-copies or transposes the cache: the KV write is one scatter per layer, the read is the kernel's.
-
-The kernel is ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` (imported lazily: only
-where the path runs). A token at position ``p`` of a request with ``seq_len`` keys and ``q_len``
-queries is assumed to be at ``seq_len - q_len + i`` (how graphrt's runner lays steps out); the
-kernel infers positions from that. :func:`choose_xla_attention` decides per model, under
-``GRAPHRT_ATTENTION`` (``auto``, ``reference``, ``pallas``). Tests run the same layout and glue
-with ``ref_ragged_paged_attention`` in the kernel's place (:data:`KERNEL_OVERRIDE`).
+Layer ``l`` owns pages ``l * (num_blocks + 1) ..``; page ``p`` of it is block ``p`` and its last
+page is the trash page padded tokens write. K and V interleave on the head axis (``2h`` K, ``2h +
+1`` V). The kernel takes the whole cache and each layer's block table offset by its first page,
+so no step slices or copies the cache. The kernel
+(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``) is imported lazily;
+:func:`choose_xla_attention` decides per model under ``GRAPHRT_ATTENTION``; tests put
+``ref_ragged_paged_attention`` in its place (:data:`KERNEL_OVERRIDE`). docs/xla.md, "On a TPU".
 """
 
 from __future__ import annotations
@@ -36,6 +29,13 @@ import numpy as np
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 from graphrt.models.jax.decoder import FP8_KV_DTYPES, quantize_kv
+
+#: The JAX decoder's choices under ``GRAPHRT_ATTENTION``.
+XLA_ATTENTION_CHOICES = ("auto", "reference", "pallas")
+#: The Pallas ragged paged attention kernel needs head_dim a multiple of the TPU lane width.
+PALLAS_HEAD_DIM_MULTIPLE = 128
+#: Activation dtypes the Pallas kernel accumulates from (it folds float32 / bfloat16 rows only).
+PALLAS_Q_DTYPES = ("float32", "bfloat16")
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,10 @@ def pallas_problem(config: Any, devices: Sequence[Any], dtype: Any, kv_dtype: An
     problem = kernel_import_problem()
     if problem is not None:
         return problem
-    if config.head_dim % defaults.PALLAS_HEAD_DIM_MULTIPLE:
-        return f"head_dim={config.head_dim} is not a multiple of {defaults.PALLAS_HEAD_DIM_MULTIPLE}"
-    if jnp.dtype(dtype).name not in defaults.PALLAS_Q_DTYPES:
-        return f"activations in {jnp.dtype(dtype).name}; the kernel takes {'/'.join(defaults.PALLAS_Q_DTYPES)}"
+    if config.head_dim % PALLAS_HEAD_DIM_MULTIPLE:
+        return f"head_dim={config.head_dim} is not a multiple of {PALLAS_HEAD_DIM_MULTIPLE}"
+    if jnp.dtype(dtype).name not in PALLAS_Q_DTYPES:
+        return f"activations in {jnp.dtype(dtype).name}; the kernel takes {'/'.join(PALLAS_Q_DTYPES)}"
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
 
     try:
@@ -117,8 +117,8 @@ def choose_xla_attention(config: Any, devices: Sequence[Any], dtype: Any, kv_dty
     ``pallas`` always, raising ``ConfigError`` with the reason where it cannot run."""
     env = defaults.ATTENTION_ENV
     choice = os.environ.get(env, "auto").strip().lower() or "auto"
-    if choice not in defaults.XLA_ATTENTION_CHOICES:
-        raise ConfigError(f"{env}={choice!r}: graphrt's JAX decoder takes one of {defaults.XLA_ATTENTION_CHOICES}")
+    if choice not in XLA_ATTENTION_CHOICES:
+        raise ConfigError(f"{env}={choice!r}: graphrt's JAX decoder takes one of {XLA_ATTENTION_CHOICES}")
     if choice == "reference":
         return XlaAttentionChoice("reference", None, f"{env}=reference")
     override = KERNEL_OVERRIDE

@@ -1,32 +1,14 @@
-"""Ascend: graphrt's paged attention through torch_npu's fused inference attention.
+"""Ascend: graphrt's paged attention through torch_npu's fused inference attention ("FIA").
 
-:class:`AscendAttentionBackend` is an attention backend (docs/attention.md) whose metadata
-:class:`~graphrt.models.torch.attention.PagedAttention` runs through
-``torch_npu.npu_fused_infer_attention_score`` ("FIA"): queries in the ``TND`` layout, the
-layer's KV cache read as paged blocks through the step's block table, the causal mask as
-``sparse_mode`` 3 (aligned bottom-right: a request's queries are its last tokens). The KV
-write stays graphrt's: each token's K/V goes to its slot, a padded token's (negative slot) to
-the cache's trash row.
-
-FIA takes the per-request lengths as **host lists** -- ``actual_seq_lengths`` (the cumulative
-query ends, ``query_start_loc[1:]``) and ``actual_seq_lengths_kv`` (``seq_lens``) -- so a
-captured ACL graph bakes them in. The backend declares the padded step's host arrays
-refreshed (``refreshed_host_values``) and turns them into the lists in :meth:`before_replay`,
-before every run. Eagerly the op is called with them. In a capture the op is issued into
-preallocated outputs with a workspace sized for any lengths, inside
-:func:`graphrt.core.graph_tasks.graph_task`: the npu backend captures it as a task group, and
-before each replay re-issues it between ``graph_task_update_begin`` / ``_end`` with the lists
-:meth:`before_replay` just refreshed (vllm-ascend's parameter update before replay). Devices
-without task updates refuse such a capture (the key runs eagerly).
-
-Selection (:func:`ascend_backend`, called by the torch executor for models without their own
-backend): ``GRAPHRT_ATTENTION=auto`` on an NPU where torch_npu imports and the op takes the
-model's dtype, head size and block size; ``ascend`` forces it (``ConfigError`` with the reason
-where it cannot run); ``reference`` never. torch_npu is imported only then: importing this
-module needs neither torch_npu nor CANN.
-
-Verified only over the CPU recording graph with a stand-in ``torch_npu`` (tests/
-test_ascend_attention.py), never on an Ascend device.
+:class:`AscendAttentionBackend` runs :class:`~graphrt.models.torch.attention.PagedAttention`
+through ``torch_npu.npu_fused_infer_attention_score`` (``TND`` queries, the paged cache read
+through the block table, ``sparse_mode`` 3); the KV write stays graphrt's. FIA takes the lengths
+as host lists, which a captured graph bakes in, so the backend declares them refreshed and
+:meth:`before_replay` rebuilds them before every run; in a capture the op is issued inside
+:func:`graphrt.core.graph_tasks.graph_task` and re-issued with the new lists before each replay
+(vllm-ascend's parameter update). Selection (:func:`ascend_backend`), the refusals and what was
+verified (a stand-in ``torch_npu`` over the CPU recording graph only): docs/attention.md,
+"Ascend". Importing this module needs neither torch_npu nor CANN.
 """
 
 from __future__ import annotations
@@ -38,7 +20,6 @@ from typing import Any, Sequence
 
 import torch
 
-from graphrt.core import defaults
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
@@ -46,6 +27,16 @@ from graphrt.core.graph_tasks import capture_active, graph_task
 from graphrt.models.torch.attention import ATTENTION_ENV, PagedAttention, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors
 from graphrt.models.torch.kv_quant import is_fp8, quantize_kv, write_kv_rows
+
+#: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, models/torch/ascend_attention.py),
+#: as torch_npu documents it: ``sparse_mode`` 3 is the bottom-right-aligned causal mask, passed as a
+#: compressed upper-triangular ``[2048, 2048]`` bool mask; paged KV blocks of a multiple of 128 tokens,
+#: at most 512; float16 / bfloat16 heads 16-aligned. Checked where the tensors are on an NPU.
+ASCEND_FIA_SPARSE_MODE = 3
+ASCEND_FIA_MASK_SIZE = 2048
+ASCEND_FIA_BLOCK_MULTIPLE = 128
+ASCEND_FIA_MAX_BLOCK_SIZE = 512
+ASCEND_FIA_HEAD_DIM_MULTIPLE = 16
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +72,12 @@ def fia_problem(device: torch.device | str, head_dim: int, dtype: torch.dtype,
         return None
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 or bfloat16 queries, the model's are {dtype}"
-    if head_dim % defaults.ASCEND_FIA_HEAD_DIM_MULTIPLE:
-        return f"head_dim {head_dim} is not a multiple of {defaults.ASCEND_FIA_HEAD_DIM_MULTIPLE}"
-    if block_size is not None and (block_size % defaults.ASCEND_FIA_BLOCK_MULTIPLE
-                                   or block_size > defaults.ASCEND_FIA_MAX_BLOCK_SIZE):
+    if head_dim % ASCEND_FIA_HEAD_DIM_MULTIPLE:
+        return f"head_dim {head_dim} is not a multiple of {ASCEND_FIA_HEAD_DIM_MULTIPLE}"
+    if block_size is not None and (block_size % ASCEND_FIA_BLOCK_MULTIPLE
+                                   or block_size > ASCEND_FIA_MAX_BLOCK_SIZE):
         return (f"block_size {block_size}: paged blocks must hold a multiple of "
-                f"{defaults.ASCEND_FIA_BLOCK_MULTIPLE} tokens, at most {defaults.ASCEND_FIA_MAX_BLOCK_SIZE}")
+                f"{ASCEND_FIA_BLOCK_MULTIPLE} tokens, at most {ASCEND_FIA_MAX_BLOCK_SIZE}")
     return None
 
 
@@ -182,7 +173,7 @@ class AscendAttentionBackend(AttentionBackend):
         """The compressed causal mask ``sparse_mode`` 3 reads (True: masked), made once per device."""
         mask = self._masks.get(device)
         if mask is None:
-            n = defaults.ASCEND_FIA_MASK_SIZE
+            n = ASCEND_FIA_MASK_SIZE
             mask = self._masks[device] = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
         return mask
 
@@ -225,7 +216,7 @@ def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, 
     query = q.reshape(t, hq, d).to(cache.dtype).contiguous()   # the op takes one dtype for Q, K, V
     kwargs = dict(atten_mask=meta.atten_mask, block_table=meta.block_table, input_layout="TND", block_size=bs,
                   num_heads=hq, num_key_value_heads=hkv, scale=float(layer.scale),
-                  sparse_mode=defaults.ASCEND_FIA_SPARSE_MODE)
+                  sparse_mode=ASCEND_FIA_SPARSE_MODE)
     op = getattr(npu, FIA_OP)
     if not capture_active():
         out, _ = op(query, key, value, actual_seq_lengths=meta.lengths.query_ends,

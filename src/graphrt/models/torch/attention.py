@@ -1,43 +1,22 @@
 """Paged attention in plain torch: the reference kernel of graphrt's torch models.
 
-Everything here runs inside device-graph capture, so it is written with static
-shapes only: no host syncs (``.item()``, ``.tolist()``, ``.cpu()``), no boolean-mask
-indexing, no ``nonzero``, no Python branches on tensor values. Masked entries are
-removed with ``torch.where`` rather than multiplied by zero, so stale NaN rows in the
-cache can never leak into a real output.
+Everything here runs inside device-graph capture: static shapes only, no host syncs, no
+boolean-mask indexing, no Python branches on tensor values; masked entries are removed with
+``torch.where`` so stale NaN rows in the cache never reach a real output.
 
 KV cache layout (one tensor per attention layer, allocated by the runner)::
 
     kv_cache: [2, num_blocks * block_size + 1, num_kv_heads, head_dim]   # 0 = K, 1 = V
 
-Slot ``s`` is row ``s``; block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``.
-The last row is a trash row: tokens with a negative slot (padding) write there and
-nothing ever reads it.
+Slot ``s`` is row ``s``; block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``; the
+last row is the trash row padding (a negative slot) writes and nothing reads.
 
-The kernel is also registered as the custom op ``graphrt::paged_attention`` (it mutates
-``kv_cache``). ``PagedAttention`` calls it under ``torch.compile`` so Dynamo and Inductor
-see one opaque op with every metadata tensor as an argument, and the piecewise splitter
-(:mod:`graphrt.backends.torch.capture.fx_split`) cuts the model at ``PagedAttention`` modules (or at
-this op in a traced graph). Eagerly and during graph capture the kernel runs directly, so
-the CPU recording graph sees, and checks, every aten op inside it.
-
-Which kernel runs is chosen once, when a runner chooses the model's attention backend
-(``backends/torch/model_protocol.choose_attention``) under the environment variable
-``GRAPHRT_ATTENTION`` (read then: set it before the runner is built): ``auto`` (or unset) takes
-the Triton kernel (:mod:`graphrt.models.torch.triton_attention`) on CUDA where triton imports
-and takes the head size and dtypes, and this reference otherwise; ``reference`` always the
-reference; ``triton`` requires Triton (``ConfigError`` saying why where it cannot run);
-``flashinfer`` FlashInfer (:mod:`graphrt.models.torch.flashinfer_attention`: its backend plans
-each step), with the same refusal; ``ascend`` (and ``auto`` on an NPU) torch_npu's fused op
-(:mod:`graphrt.models.torch.ascend_attention`: its metadata's ``attend``, which
-:class:`PagedAttention` calls instead of these kernels). The chosen kernel is named in the
-metadata (``TorchAttentionMetadata.kernel``) and every layer runs it; :func:`run_paged_attention`
-called with ``kernel="auto"`` (a direct call) asks :func:`choose_attention_kernel`.
-
-Options of both kernels: ``sliding_window`` (a token at position ``p`` attends to positions
-``p - sliding_window + 1 .. p``; None / 0: no window) and, for fp8 caches
-(``torch.float8_e4m3fn`` / ``float8_e5m2``), per-tensor ``k_scale`` / ``v_scale``
-(:mod:`graphrt.models.torch.kv_quant`: stored = value / scale, read = stored * scale).
+The kernel is also the custom op ``graphrt::paged_attention`` (it mutates ``kv_cache``): one
+opaque op for Dynamo / Inductor and the piecewise splitter; eagerly and under capture the kernel
+runs directly, so the recording graph checks every aten op in it. Which kernel runs
+(``GRAPHRT_ATTENTION``: auto, reference, triton, flashinfer, ascend), the options
+(``sliding_window``, fp8 ``k_scale`` / ``v_scale``) and the refusals: docs/attention.md,
+"graphrt's kernels".
 """
 
 from __future__ import annotations

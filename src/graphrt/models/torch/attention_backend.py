@@ -1,29 +1,16 @@
 """The attention seam on torch: the one attention object of a model, what it builds and declares.
 
 An engine plugs its attention in once as an :class:`AttentionBackend` (``model.attention_backend``;
-exported as ``graphrt.AttentionBackend``) and gets every torch graph backend. It is one object
-per model, chosen once when the runner is built (``backends/torch/model_protocol.choose_attention``:
-the model's own, else graphrt's FlashInfer, Ascend or paged one, whose kernel is fixed then). Per
-step the executor hands it the step's device tensors (:class:`StepTensors`: views of the static
-buffers a graph reads) and its host values (:class:`HostValues`); it returns its metadata, which
-the model's attention layers read from :func:`graphrt.models.torch.forward_context.get_forward_context`.
+exported as ``graphrt.AttentionBackend``), chosen when the runner is built
+(``backends/torch/model_protocol.choose_attention``). Per step the executor hands it the step's
+device tensors (:class:`StepTensors`) and host values (:class:`HostValues`); its metadata is what
+the layers read from :func:`graphrt.models.torch.forward_context.get_forward_context`.
 
-A captured graph replays ops, not Python: a host value read while building metadata is baked
-into the graph. So a backend declares every host value it reads
-(:class:`~graphrt.core.attention_decl.AttentionDeclarations`, shared with the XLA backend):
-
-* ``keyed_host_values(device, dtype)``: values a graph may fix, because its key holds them --
-  ``num_tokens`` / ``num_reqs`` (the padded shape), ``uniform_decode``, and ``max_seq_len``
-  (the key's context bucket: the dispatcher then keys FULL graphs by context, docs/attention.md);
-* ``refreshed_host_values``: values :meth:`AttentionBackend.before_replay` reads before every
-  run, outside the graph, to write device buffers the graph reads (vLLM's and SGLang's
-  replay-time metadata; on Ascend a task update). An overridden ``before_replay`` runs before
-  every run, graph or eager: the one refresh path.
-
-While a graph is captured the backend gets :class:`CaptureHostValues` (and ``step.on_host`` is
-:class:`HostTensorsRefused`): reading an undeclared value -- by name, through ``vars(host)``,
-or a refreshed one inside the graph -- raises :class:`~graphrt.core.errors.GraphCaptureError`
-naming the value, the backend and the line, in every mode, instead of baking it.
+A captured graph bakes in every host value read while building metadata, so a backend declares
+them (:class:`~graphrt.core.attention_decl.AttentionDeclarations`): ``keyed_host_values`` (fixed
+by the graph's key) and ``refreshed_host_values`` (read by :meth:`AttentionBackend.before_replay`
+before every run). Under capture it gets :class:`CaptureHostValues`: reading an undeclared value
+raises :class:`~graphrt.core.errors.GraphCaptureError` naming it. docs/attention.md, "The seam".
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """FlashInfer's paged attention behind graphrt's attention seam (``GRAPHRT_ATTENTION=flashinfer``).
 
 :class:`FlashInferAttentionBackend` runs graphrt's :class:`~graphrt.models.torch.attention.PagedAttention`
-layers through FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (decode, chunked prefill and
-mixed steps alike: a decode is a request with one query token). What stays graphrt's:
-
-* **the KV cache and its write.** A layer's cache ``[2, num_blocks * block_size + 1, kv_heads,
-  head_dim]`` is handed to FlashInfer as the pages ``(kv[0, :-1], kv[1, :-1])`` viewed as
-  ``[num_blocks, block_size, kv_heads, head_dim]`` ("NHD"; no copy; the trash row is left out,
-  block 0 is the null block). The step's K/V are written through ``slot_mapping`` as the
-  reference kernel writes them.
-* **the step.** Its block table and lengths become FlashInfer's ``qo_indptr`` (graphrt's
-  ``query_start_loc``), ``paged_kv_indptr`` / ``paged_kv_indices`` (each request's first
-  ``ceil(seq_len / block_size)`` blocks) and ``paged_kv_last_page_len``.
-
-FlashInfer's ``plan()`` runs on the host, so it is never captured: :meth:`before_replay` plans
-before every run, outside any graph, from the step's host staging buffers (``StepTensors.on_host``;
-no device sync), and declares what it reads (``refreshed_host_values``). A graph of ``num_tokens``
-tokens and ``num_reqs`` requests reads one set of wrappers made for it (``use_cuda_graph=True``
-with fixed indptr / indices / last-page-length buffers: FlashInfer fixes the batch size, and the
-most rows, per wrapper); eager runs of other shapes share wrappers without graph buffers. One
-wrapper per distinct layer signature (heads, head size, scale, window). fp8 caches are refused.
-
-Graph support is ``UNIFORM_BATCH``: FULL graphs of uniform batches (decode, spec-decode verify),
-PIECEWISE for the rest, where attention runs eagerly between the pieces. FlashInfer's FA2
-scheduler fixes tiles and grid per wrapper in CUDA-graph mode, so mixed FULL graphs may hold too;
-that is not verified here (docs/attention.md). The kernel call is :mod:`graphrt.models.torch.flashinfer_kernel`'s.
-``flashinfer`` is imported only when a backend is built or a kernel runs: this module imports without it.
+layers through ``BatchPrefillWithPagedKVCacheWrapper`` (decode, chunked prefill and mixed steps
+alike). graphrt keeps the KV cache (handed over as NHD pages without a copy; the trash row left
+out) and its write; the step's block table and lengths become FlashInfer's indptr / indices /
+last-page-length arrays. ``plan()`` runs on the host, so :meth:`before_replay` plans before every
+run, outside any graph, from the host staging buffers; each graph shape reads wrappers made for
+it (``use_cuda_graph=True``), eager runs share others. Graph support ``UNIFORM_BATCH``; fp8
+caches refused. Details: docs/attention.md, "FlashInfer". ``flashinfer`` is imported only when a
+backend is built or a kernel runs.
 """
 
 from __future__ import annotations
@@ -36,14 +19,22 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from graphrt.core import defaults
 from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import AttentionGraphSupport
+from graphrt.core.kv_spec import blocks_for
 from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
 from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
 from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
 from graphrt.models.torch.kv_quant import is_fp8
+
+#: FlashInfer attention (models/torch/flashinfer_attention.py): the float workspace its wrappers
+#: share (FlashInfer's recommended 128 MiB), and the kernel backend asked for. "fa2": its
+#: scheduler's CUDA-graph mode fixes the tile size and padded grid from a wrapper's tokens and
+#: requests (include/flashinfer/attention/scheduler.cuh, PrefillSplitQOKVIndptr), which is what
+#: replaying one graph under later plans relies on.
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+FLASHINFER_KERNEL_BACKEND = "fa2"
 
 
 def flashinfer_selected() -> bool:
@@ -65,7 +56,7 @@ def paged_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
     """FlashInfer's arrays of a graphrt step (host tensors in, new host tensors out: FlashInfer
     may copy them asynchronously after the staging buffers are rewritten)."""
     seq = seq_lens.to("cpu", torch.int64)
-    pages = (seq + block_size - 1) // block_size
+    pages = blocks_for(seq, block_size)
     kv_indptr = torch.zeros(seq.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(pages, 0, out=kv_indptr[1:])
     table = block_table.to("cpu")
@@ -83,7 +74,7 @@ def padding_layout(num_tokens: int, num_reqs: int, width: int, block_size: int) 
     if num_reqs:
         qo_len[0] += max(num_tokens - num_reqs, 0)
         qo_len[num_tokens:] = 0
-    pages = ((qo_len + block_size - 1) // block_size).clamp(min=1, max=max(width, 1))
+    pages = blocks_for(qo_len, block_size).clamp(min=1, max=max(width, 1))
     last = (qo_len - (pages - 1) * block_size).clamp(min=1, max=block_size)
     qo, kv = torch.zeros(num_reqs + 1, dtype=torch.int64), torch.zeros(num_reqs + 1, dtype=torch.int64)
     torch.cumsum(qo_len, 0, out=qo[1:])
@@ -117,7 +108,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     kv_cache_dtypes = FLOAT_KV_DTYPES          # no k_scale / v_scale are passed: fp8 is refused by name
 
     def __init__(self, layers: Sequence[torch.nn.Module],
-                 workspace_bytes: int = defaults.FLASHINFER_WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = FLASHINFER_WORKSPACE_BYTES) -> None:
         """``layers``: the model's attention layers (graphrt's ``PagedAttention``); the plans
         follow their heads, head size, scale and window."""
         self.layers = list(layers)
@@ -156,7 +147,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                          paged_kv_indices_buf=torch.zeros(max(r * width, 1), **ints),
                          paged_kv_last_page_len_buf=torch.zeros(r, **ints))
         return _WrapperSet({sig: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=defaults.FLASHINFER_KERNEL_BACKEND, **graph) for sig in self.signatures})
+            self._workspace, "NHD", backend=FLASHINFER_KERNEL_BACKEND, **graph) for sig in self.signatures})
 
     def _plan(self, wset: _WrapperSet, layout: PagedLayout, block_size: int) -> bool:
         """Plan every wrapper of ``wset`` for ``layout``; False while the KV cache is unassigned."""

@@ -1,27 +1,15 @@
 """Tensor-parallel building blocks for graphrt's torch reference models (issue 12).
 
 Each layer holds only its rank's slice of the full weight and takes ``(tp_rank, tp_size,
-group)``; ``group`` is a ``torch.distributed`` process group (``None``: the default group).
-Communication goes through ``torch.distributed._functional_collectives`` and is waited on
-before the result is used, so the CPU recording graph records and replays it (its process-
-group twin, ``dist.all_reduce``, is refused at capture). With ``tp_size == 1`` no collective
-runs and no process group is needed: every layer is then its unsharded ``nn`` counterpart.
-
-* :class:`ColumnParallelLinear` splits the output features (rows of ``W``); its output stays
-  split unless ``gather_output``. :class:`MergedColumnParallelLinear` (gate/up) and
-  :class:`QKVParallelLinear` are its fused forms, filled one checkpoint projection at a time.
-* :class:`RowParallelLinear` splits the input features (columns of ``W``), takes the split
-  input a column-parallel layer produced, and all-reduces the partial sums; the bias is added
-  once, after the reduce.
-* :class:`VocabParallelEmbedding` splits the vocabulary rows; a rank embeds the ids it owns
-  (zeros for the rest) and an all-reduce assembles the rows. :class:`ParallelLMHead` uses the
-  same row split (so tied embeddings share one shard) and all-gathers the logits.
-
-Every parameter carries ``weight_loader(param, loaded_weight[, shard_id])``: it takes the
-full checkpoint tensor -- a ``torch.Tensor`` or a safetensors slice (``safe_open(...)
-.get_slice(key)``), indexed so that only this rank's rows or columns are read -- and copies
-this rank's slice. ``nn.Module.to_empty`` drops the attribute: call ``bind_weight_loaders()``
-again after it.
+group)`` (``group``: a ``torch.distributed`` process group, ``None`` the default). Collectives go
+through ``torch.distributed._functional_collectives``, waited before use, so the CPU recording
+graph records and replays them; with ``tp_size == 1`` none runs and each layer is its unsharded
+``nn`` counterpart. Column-parallel layers split output features (merged gate/up and QKV forms
+too), row-parallel ones input features (all-reduce, then the bias once), the embedding and LM
+head the vocabulary rows. Every parameter carries ``weight_loader(param, loaded_weight[,
+shard_id])``, which reads only this rank's slice (also of a safetensors ``get_slice``);
+``nn.Module.to_empty`` drops it: call ``bind_weight_loaders()`` again. docs/distributed.md,
+"Tensor-parallel layers".
 """
 
 from __future__ import annotations
@@ -114,7 +102,7 @@ class _Parallel(nn.Module):
         if self.tp_size == 1:
             return x
         import torch.distributed._functional_collectives as fc
-        return _waited(fc.all_reduce(x, "sum", self._group()))
+        return waited(fc.all_reduce(x, "sum", self._group()))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dim, in rank order, waited."""
@@ -122,7 +110,7 @@ class _Parallel(nn.Module):
             return x
         import torch.distributed._functional_collectives as fc
         gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor    # the latter: older torch
-        return _waited(gather(x.contiguous(), x.dim() - 1, self._group()))
+        return waited(gather(x.contiguous(), x.dim() - 1, self._group()))
 
     def bind_weight_loaders(self) -> None:
         """Attach ``weight_loader`` to this module's own parameters (again after ``to_empty``)."""
@@ -134,7 +122,7 @@ class _Parallel(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} defines no weight_loader")
 
 
-def _waited(t: torch.Tensor) -> torch.Tensor:
+def waited(t: torch.Tensor) -> torch.Tensor:
     """The result of a functional collective once it has completed."""
     import torch.distributed._functional_collectives as fc
     return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
@@ -308,4 +296,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
-           "RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "divide", "kv_head_replicas", "kv_head_shard"]
+           "RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "divide", "kv_head_replicas", "kv_head_shard", "waited"]

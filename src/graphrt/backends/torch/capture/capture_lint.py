@@ -1,24 +1,12 @@
 """``graphrt lint``: what in a model would stop or corrupt a graph capture, named per module.
 
 The recording graph (:mod:`graphrt.backends.torch.recording_graph`) stops a capture at the first
-op a device graph cannot hold. The lint runs a model's forward instead under two modes that
-*note* every such op and let it run, so one forward names all of them, each under the module
-that ran it (its path in ``model.named_modules()``, kept by global forward hooks):
-
-* **host sync** -- an op or Tensor method that reads a device value on the host (``.item()``,
-  ``.tolist()``, ``bool(t)``, ``torch.equal``, printing a tensor ...: ``recording_ops``'
-  ``HOST_SYNC_OPS`` and ``TENSOR_HOST_READS``);
-* **data-dependent shape** -- an op whose output shape follows tensor values (``nonzero``,
-  boolean-mask indexing, ``unique``, ``repeat_interleave`` without ``output_size`` ...);
-* **collective** -- a process-group collective inside the forward;
-* **baked host value** -- the forward is run twice, on two steps of the same shape with
-  different contents; a Python number an op receives (a size, a slice bound, a scalar) that
-  differs between them would be baked into a captured graph and stale for the next step;
-* **data-dependent control flow** -- the two runs issue different ops: Python branches on
-  tensor values (what was read on the host decides what runs).
-
-Each finding carries the fix. The checks are those the recording graph applies at capture;
-like it, the lint sees aten ops only (a host read inside an opaque custom kernel is invisible).
+op a device graph cannot hold. The lint runs a model's forward under two modes that *note* every
+such op and let it run, so one forward names all of them, each under the module that ran it (by
+global forward hooks), with the fix: host syncs (``recording_ops``' ``HOST_SYNC_OPS`` and
+``TENSOR_HOST_READS``), data-dependent shapes, process-group collectives, and -- the forward run
+twice on two steps of one shape -- baked host values and data-dependent control flow. Like the
+recording graph it sees aten ops only. docs/testing.md, "Before capturing: graphrt lint".
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Tensor parallelism for the torch backends: rank 0's executor, driving its workers.
 
 ``TorchBackend.create_executor`` returns a :class:`TensorParallelExecutor` when
-``config.tensor_parallel_size > 1``. It is an ordinary :class:`~graphrt.backends.base.Executor`
-to the runner: rank 0 prepares, dispatches and pads each step once, as with one device, and
-the executor sends every call that must happen on all ranks in lockstep to the workers before
-running it on its own :class:`~graphrt.backends.torch.executor.TorchExecutor` (rank 0's shard):
-
-* ``allocate_kv_cache`` -- rank 0 decided the block count; every rank allocates its heads;
-* ``build(mode, key)`` -- the same keys in the same order (a capture runs the collectives);
-  a capture that fails on any rank makes that key eager on every rank;
-* ``run(mode, key, entry, padded)`` -- an int64 row (the key as ints, whether rank 0 runs it
-  eagerly, the step's counts) through the step channel. Rank 0's staging buffers, into which
-  the runner prepares and pads each step, are the channel's resident buffers, so the seven
-  padded arrays are not copied to be sent: each worker copies them out, acknowledges, and
-  replays its own entry for the key, or runs eagerly exactly when rank 0 does. Rank 0 writes
-  the buffers again only after every worker acknowledged. (Ranks launched elsewhere share no
-  memory: the arrays follow the row in the broadcast.)
-* ``recover_kv_cache``, ``measure_graph_memory``, ``memory_info`` (the least free memory of
-  any rank) and shutdown.
-
-Sampling, logits and hidden states are rank 0's alone (the LM head all-gathers the logits).
-A fault -- a worker that exits, a collective that fails or times out -- raises
-:class:`~graphrt.core.errors.GraphrtError` naming the rank and the call, and stops every rank;
-later calls raise the same error. ``close()`` (also at exit) stops the workers and leaves no
-process or shared-memory segment behind. See docs/distributed.md.
+``config.tensor_parallel_size > 1``: an ordinary :class:`~graphrt.backends.base.Executor` to the
+runner. Rank 0 prepares, dispatches and pads each step once; every call that must run on all ranks
+in lockstep (``allocate_kv_cache``, ``build``, ``run``, ``recover_kv_cache``,
+``measure_graph_memory``, ``memory_info``, shutdown) goes to the workers first, then to rank 0's
+own :class:`~graphrt.backends.torch.executor.TorchExecutor`. A ``run`` is one int64 row through
+the step channel: rank 0's staging buffers are the channel's resident buffers, so the padded
+arrays are not copied to be sent. Sampling is rank 0's alone. A fault raises
+:class:`~graphrt.core.errors.GraphrtError` naming the rank and the call and stops every rank;
+``close()`` leaves no process or segment behind. docs/distributed.md, "Tensor-parallel engines".
 """
 
 from __future__ import annotations

@@ -1,44 +1,13 @@
 """Rank 0 to its workers: one step's arrays through shared memory, with a fixed header.
 
-Seed 004 (nano-vllm) drives tensor-parallel workers this way: rank 0 writes the call into a
-shared-memory segment and sets one event per worker; each worker reads it and runs the same
-forward, whose all-reduces then keep the ranks in step. nano-vllm pickles ``[method, args]``;
-graphrt sends a step as raw arrays instead -- a small fixed header (sequence number, a method
-code, and per array its dtype, shape and offset) followed by the arrays' bytes -- so the hot
-path is one ``memcpy`` per array, no pickle.
-
-* :class:`StepChannel` -- ``StepChannel.create(num_readers, capacity)`` in rank 0, then
-  ``channel.spec`` (a picklable :class:`ChannelSpec`) to each worker, which calls
-  ``StepChannel.attach(spec, reader)``. ``send(method, arrays)`` / ``receive()``.
-* Flow control: each reader has an acknowledgement slot in the header; the writer waits
-  until every reader acknowledged the previous step before it overwrites the segment
-  (normally at once: the workers read before they run the forward). Waits have a timeout, so
-  a dead worker gives :class:`~graphrt.core.errors.GraphrtError`, never a hang.
-* Steady steps: while a step's arrays have last step's dtypes and shapes (a decode loop in
-  one bucket), they keep last step's places and header entries, so a send is the copies,
-  the method and sequence words, and the wake-ups -- no layout, no header packing.
-* Wake-ups: a reader first polls its semaphore for ``spin`` seconds (``os.sched_yield``
-  between polls) and only then sleeps on it. Rank 0's ``release`` of a semaphore nobody sleeps
-  on is an atomic add; waking a sleeping reader is a system call and an interrupt to the
-  reader's core, 11-33 us of the send on the 2-core VM, and the reader gets the step later
-  (docs/benchmarks.md). Tensor-parallel workers on an accelerator poll
-  (``defaults.TP_WORKER_SPIN_S``); plain readers and CPU workers sleep at once.
-* Resident buffers: ``create(..., resident={name: (shape, dtype)})`` adds fixed arrays after the
-  step area, the same on every side (``channel.resident``). Rank 0 prepares its steps straight
-  into them, so a step's send is a few header words and a small array, not a copy of every
-  input: the readers copy what they need out of them. Rank 0 may write them again only once
-  every reader acknowledged the last step (``wait_acks``). They live in a mapping of their
-  own, which stays until the last array over it is gone (an executor may hold them past
-  ``close()``).
-* Bounds first: ``create`` checks ``num_readers`` against ``defaults.STEP_CHANNEL_MAX_READERS``
-  and the segment's bytes against the shared memory the system has (``ConfigError`` naming the
-  argument) before it makes anything, and a failure after that (a semaphore, the segment)
-  removes what it made; ``send`` refuses anything but a sequence of numpy arrays (``InputError``).
-* ``close()`` in every process, ``unlink()`` once in rank 0: no segment is left in /dev/shm.
-  Workers spawned by rank 0 share its resource tracker, so an attach there registers nothing
-  new; rank 0's unlink is the one that counts.
-
-numpy and the standard library only.
+As in nano-vllm, rank 0 writes the call into a shared-memory segment and wakes each worker, whose
+forward's all-reduces then keep the ranks in step; graphrt sends raw arrays behind a small fixed
+header (sequence number, method code, per array its dtype, shape and offset) instead of a pickle,
+so the hot path is one ``memcpy`` per array. :class:`StepChannel`: ``create`` in rank 0,
+``attach(spec, reader)`` in each worker, ``send`` / ``receive``, ``close()`` everywhere and
+``unlink()`` once in rank 0. Flow control (per-reader acknowledgements, timeouts instead of
+hangs), steady-step reuse of the layout, spin-then-sleep wake-ups, resident buffers and the
+bounds checked first: docs/distributed.md, "The step channel". numpy and the standard library only.
 """
 
 from __future__ import annotations
@@ -61,6 +30,12 @@ import numpy as np
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError, InputError
 from graphrt.core.memory_bounds import Need, check_needs, shared_memory_bytes
+
+STEP_CHANNEL_TIMEOUT_S = 30.0
+#: ... the most readers one channel takes: each costs a named semaphore (a file in /dev/shm and a
+#: mapping of its own), and a channel's readers are one host's tensor-parallel workers -- far
+#: fewer than this, which stays far below the semaphores and mappings a process may hold.
+STEP_CHANNEL_MAX_READERS = 1024
 
 _DTYPES = (np.int32, np.int64, np.float32, np.float16, np.uint8, np.bool_, np.float64, np.int16)
 _CODE = {np.dtype(d): i for i, d in enumerate(_DTYPES)}
@@ -163,16 +138,16 @@ class StepChannel:
         the ``resident`` buffers (name to shape and dtype), zeroed.
 
         Every bound is checked before anything exists: ``num_readers`` at most
-        ``defaults.STEP_CHANNEL_MAX_READERS``, and the segment's bytes (header, data, resident
+        ``STEP_CHANNEL_MAX_READERS``, and the segment's bytes (header, data, resident
         buffers) within the shared memory the system has (:class:`ConfigError` naming the
         argument). A failure after that -- a semaphore or the segment the system refuses --
         leaves nothing behind: the semaphores made so far and the segment are removed."""
         for name, value in (("num_readers", num_readers), ("capacity", capacity), ("max_arrays", max_arrays)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be an integer >= 1, got {value!r}")
-        if num_readers > defaults.STEP_CHANNEL_MAX_READERS:
-            raise ConfigError(f"num_readers: {num_readers} readers, above the {defaults.STEP_CHANNEL_MAX_READERS} "
-                              "a step channel takes (defaults.STEP_CHANNEL_MAX_READERS; one semaphore each)")
+        if num_readers > STEP_CHANNEL_MAX_READERS:
+            raise ConfigError(f"num_readers: {num_readers} readers, above the {STEP_CHANNEL_MAX_READERS} "
+                              "a step channel takes (STEP_CHANNEL_MAX_READERS; one semaphore each)")
         head = (HEADER_WORDS + ENTRY_WORDS * max_arrays + num_readers) * 8
         start = -(-head // ALIGN) * ALIGN
         offset = start + capacity
@@ -220,7 +195,7 @@ class StepChannel:
         return cls(shared_memory.SharedMemory(name=spec.name), spec, reader)
 
     # ---- writer ----------------------------------------------------------------------
-    def send(self, method: int, arrays: Sequence[np.ndarray], timeout: float = defaults.STEP_CHANNEL_TIMEOUT_S) -> None:
+    def send(self, method: int, arrays: Sequence[np.ndarray], timeout: float = STEP_CHANNEL_TIMEOUT_S) -> None:
         """Write one step (``method`` code and arrays) and wake every reader."""
         if self.reader is not None:
             raise GraphrtError("send() is rank 0's; this channel was attached as a reader")
@@ -260,7 +235,7 @@ class StepChannel:
         _struct(len(arrays)).pack_into(buf, 8, method, len(arrays), *entries)
         return slots
 
-    def wait_acks(self, timeout: float = defaults.STEP_CHANNEL_TIMEOUT_S) -> None:
+    def wait_acks(self, timeout: float = STEP_CHANNEL_TIMEOUT_S) -> None:
         """Rank 0: return once every reader acknowledged the last step (it may then write the
         resident buffers); raises :class:`GraphrtError` after ``timeout`` seconds."""
         if self._seq == 0 or min(self._ack_words) == self._seq:

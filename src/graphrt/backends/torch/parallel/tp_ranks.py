@@ -2,7 +2,7 @@
 naming the one that failed, and stopping them.
 
 * :class:`SpawnedRanks` -- rank 0 starts ``tp_size - 1`` worker processes itself
-  (``defaults.TP_WORKER_START_METHOD``), creates the process group through its own localhost
+  (``TP_WORKER_START_METHOD``), creates the process group through its own localhost
   rendezvous store and talks to them through the shared-memory
   :class:`~graphrt.backends.torch.parallel.tp_channel.StepChannel`. It sees their processes: a worker that
   exits is named with its exit code and the error it reported -- also while the process group
@@ -32,9 +32,18 @@ import torch.distributed as dist
 
 from graphrt.backends.torch.parallel import tp_protocol as p
 from graphrt.backends.torch.parallel import tp_rendezvous as rz
-from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError
 from graphrt.backends.torch.parallel.tp_channel import StepChannel
+
+#: ... close() waits this long for workers to exit after the shutdown call, then terminates,
+#: then kills, waiting this long after each.
+TP_WORKER_JOIN_TIMEOUT_S = 10.0
+#: ... after a failed collective, how long rank 0 waits for a worker's exit to show before
+#: calling the others hung.
+TP_FAULT_GRACE_S = 1.0
+#: ... how workers start: "forkserver" (Linux: torch is imported once, in the fork server, so
+#: later engines' workers start in milliseconds) or "spawn" (where forkserver is missing).
+TP_WORKER_START_METHOD = "forkserver"
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +96,7 @@ class SpawnedRanks(Ranks):
         buffers (rank 0's staging buffers, name to shape and dtype)."""
         from graphrt.backends.torch.parallel.tp_worker import spawned_worker
 
-        method = defaults.TP_WORKER_START_METHOD
+        method = TP_WORKER_START_METHOD
         if method not in mp.get_all_start_methods():
             method = "spawn"
         ctx = mp.get_context(method)
@@ -184,7 +193,7 @@ class SpawnedRanks(Ranks):
         if self.fault_error is not None:
             return self.fault_error
         if not self._exited():
-            wait_any([proc.sentinel for proc in self.procs], timeout=defaults.TP_FAULT_GRACE_S)
+            wait_any([proc.sentinel for proc in self.procs], timeout=TP_FAULT_GRACE_S)
         self._read_messages()
         parts = []
         for rank, code in self._exited():
@@ -219,12 +228,12 @@ class SpawnedRanks(Ranks):
         healthy = self.fault_error is None and self.group and not self._exited()
         if healthy:
             try:
-                self.channel.send(p.SHUTDOWN, [], timeout=defaults.TP_WORKER_JOIN_TIMEOUT_S)
+                self.channel.send(p.SHUTDOWN, [], timeout=TP_WORKER_JOIN_TIMEOUT_S)
             except GraphrtError:
                 healthy = False
         if healthy:
-            _join(self.procs, defaults.TP_WORKER_JOIN_TIMEOUT_S)
-        for action, seconds in (("terminate", defaults.TP_FAULT_GRACE_S), ("kill", defaults.TP_WORKER_JOIN_TIMEOUT_S)):
+            _join(self.procs, TP_WORKER_JOIN_TIMEOUT_S)
+        for action, seconds in (("terminate", TP_FAULT_GRACE_S), ("kill", TP_WORKER_JOIN_TIMEOUT_S)):
             alive = [proc for proc in self.procs if proc.exitcode is None]
             for proc in alive:
                 getattr(proc, action)()
@@ -280,8 +289,8 @@ class JoinedRanks(Ranks):
         self.closed = True
         try:
             if not self.ready and self.fault_error is None:
-                self.wait(self.agreement.start(1), defaults.TP_WORKER_JOIN_TIMEOUT_S)
-            self.channel.send(p.SHUTDOWN, [], timeout=defaults.TP_WORKER_JOIN_TIMEOUT_S)
+                self.wait(self.agreement.start(1), TP_WORKER_JOIN_TIMEOUT_S)
+            self.channel.send(p.SHUTDOWN, [], timeout=TP_WORKER_JOIN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing anyway
             logger.warning("graphrt: the tensor-parallel shutdown call failed: %s", exc)
         dist.destroy_process_group(self.agreement.group)

@@ -25,6 +25,10 @@ import torch.distributed as dist
 
 from graphrt.core import defaults
 
+#: ... while the process group forms, rank 0 checks for a rendezvous key this often (seconds),
+#: and between checks whether a worker has exited: a dead worker fails start-up at once.
+TP_RENDEZVOUS_POLL_S = 0.01
+
 #: Set in rank 0's store by its first write or wait in the rendezvous; workers wait for it.
 OPEN_KEY = "graphrt/rendezvous-open"
 
@@ -47,7 +51,7 @@ def worker_store(port: int, setup: Any) -> Any:
 
 class WatchedStore(dist.Store):
     """Rank 0's view of ``store`` for forming groups: every wait polls in slices of
-    ``defaults.TP_RENDEZVOUS_POLL_S`` and calls ``check()`` between them (it raises when a
+    ``TP_RENDEZVOUS_POLL_S`` and calls ``check()`` between them (it raises when a
     worker has exited); the first write or wait opens the rendezvous (:data:`OPEN_KEY`).
     Every other call goes straight to ``store``."""
 
@@ -69,7 +73,7 @@ class WatchedStore(dist.Store):
             self.check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rendezvous keys {keys} not set within {limit} s")
-            time.sleep(defaults.TP_RENDEZVOUS_POLL_S)
+            time.sleep(TP_RENDEZVOUS_POLL_S)
 
     def get(self, key: str) -> bytes:
         self.wait([key])

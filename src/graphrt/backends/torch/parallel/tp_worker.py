@@ -40,6 +40,9 @@ from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
 from graphrt.backends.torch.parallel.tp_channel import ChannelSpec, StepChannel
 from graphrt.core.graph_modes import RuntimeMode
 
+#: ... an idle worker checks that rank 0 is alive this often (seconds).
+TP_WORKER_POLL_S = 1.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -91,7 +94,7 @@ class Follower:
             return self.channel.receive(copy=False, spin=self.spin)
         while True:
             try:
-                return self.channel.receive(timeout=defaults.TP_WORKER_POLL_S, copy=False, spin=self.spin)
+                return self.channel.receive(timeout=TP_WORKER_POLL_S, copy=False, spin=self.spin)
             except GraphrtError:
                 if not self.parent.is_alive():
                     raise GraphrtError(f"tensor-parallel worker rank {self.rank}: rank 0 is gone") from None

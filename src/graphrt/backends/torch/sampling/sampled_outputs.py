@@ -2,7 +2,7 @@
 way to the host, the previous step's tokens read on the device, and prompt logprobs.
 
 * :class:`SampledSlots` -- page-locked host copies of the sampler's outputs (tokens, and the
-  logprobs graph's), ``defaults.SAMPLED_OUTPUT_SLOTS`` of them used in turn. A step launched
+  logprobs graph's), ``SAMPLED_OUTPUT_SLOTS`` of them used in turn. A step launched
   without waiting (``sample(wait=False)``) queues its copies into the next slot behind the
   sampler and records the slot's event; :class:`Sampled` waits for that event alone when its
   outputs are read. A slot is reused only after its last step's outputs were read (they are
@@ -27,6 +27,10 @@ import torch
 
 from graphrt.core import defaults
 from graphrt.backends.torch.sampling.sampler import SamplerState, token_logprobs
+
+#: Torch backends that dispatch asynchronously keep this many host copies of a step's sampled
+#: outputs, so step n + 1's copy never overwrites step n's before the host has read it.
+SAMPLED_OUTPUT_SLOTS = 2
 
 
 class Sampled:
@@ -63,7 +67,7 @@ class SampledSlots:
     """Host slots for the sampler's outputs of ``sampler``'s buffers (module doc)."""
 
     def __init__(self, sampler: SamplerState, new_event: Callable[[], Any], pin_memory: bool,
-                 slots: int = defaults.SAMPLED_OUTPUT_SLOTS) -> None:
+                 slots: int = SAMPLED_OUTPUT_SLOTS) -> None:
         self.sampler = sampler
 
         def host(t: torch.Tensor) -> torch.Tensor:

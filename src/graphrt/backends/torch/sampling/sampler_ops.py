@@ -1,28 +1,14 @@
 """The random sampler's filters without a sort of the vocabulary: thresholds on probabilities.
 
-Every filter keeps an upper set of a row's probabilities, so each is one threshold ``tau`` per
-row and a token is kept when its probability is at least ``tau``:
-
-* probabilities ``P = exp((logits - max) / T)`` (unnormalised; the most likely token's is exactly 1);
-* **top-k**: the k-th largest ``P``, read from ``topk`` of ``defaults.SAMPLER_TOP_K_CANDIDATES``
-  candidates (a selection, not a sort); a top_k between the candidates and the vocabulary asks for
-  the *wide* sampler, which counts instead (:func:`radix_threshold`, ``count=True``);
-* **min-p** (vLLM's): ``P >= min_p`` (``P`` is relative to the most likely token);
-* **top-p**, on what top-k and min-p kept: the largest ``t`` whose kept mass ``sum(P >= t)``
-  still reaches ``top_p`` of the kept total -- the smallest prefix of the sorted order whose mass
-  reaches ``top_p``, found without sorting by :func:`radix_threshold`.
-
-:func:`radix_threshold` is a bisection over the float32 bits of ``P`` (non-negative floats order
-as their bits), ``defaults.SAMPLER_RADIX_BITS`` bits per pass: each pass builds a per-row histogram
-(``index_add_``, the weight of each bucket of the next digit, with the rows above and below the
-digits chosen so far in two extra buckets) and keeps the largest digit whose suffix weight still
-reaches the target. Three passes give the exact bit pattern: a fixed number of device ops, no
-host read, so a graph captures it. Ties at a threshold are all kept (vLLM keeps them too).
-
-Drawing is the exponential race ``argmax(P * keep / E)`` with ``E ~ Exp(1)`` from the noise
-buffer, as before: the same noise gives the same token as a sort-based sampler would.
-Everything runs on two ``[rows, vocab]`` float32 buffers of a :class:`Workspace`, persistent and
-shared by every sampler graph; the rest is ``[rows, candidates]`` or smaller.
+Every filter (top-k, min-p, top-p on what those kept) keeps an upper set of a row's
+probabilities ``P = exp((logits - max) / T)``, so each is one threshold per row. top-k reads
+``topk`` of ``defaults.SAMPLER_TOP_K_CANDIDATES`` candidates (a wider top_k asks for the *wide*
+sampler, which counts); top-p's threshold is found by :func:`radix_threshold`, a bisection over the
+float32 bits of ``P``, ``SAMPLER_RADIX_BITS`` bits per ``index_add_`` histogram pass: a
+fixed number of device ops, no host read, so a graph captures it (docs/sampling.md, "Filters
+without a sort"). Drawing is the exponential race ``argmax(P * keep / E)``, ``E ~ Exp(1)`` from the
+noise buffer. Everything runs on two persistent ``[rows, vocab]`` float32 buffers of a
+:class:`Workspace` shared by every sampler graph.
 """
 
 from __future__ import annotations
@@ -34,7 +20,12 @@ import torch
 from graphrt.backends.torch.sampling.flashinfer_sampling import flashinfer_filtered
 from graphrt.core import defaults
 
-_DIGITS = 1 << defaults.SAMPLER_RADIX_BITS
+#: The sampler's threshold search (top-p, wide top-k) over a row's probabilities: float32 bits
+#: of values in [0, 1] fit in 30 bits, chosen ``SAMPLER_RADIX_BITS`` at a time (3 passes of a
+#: 1024-bucket histogram on torch backends).
+SAMPLER_RADIX_BITS = 10
+
+_DIGITS = 1 << SAMPLER_RADIX_BITS
 _BUCKETS = _DIGITS + 2          # below the window, its digits, above it
 _TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23   # the least positive float32
 
@@ -75,7 +66,7 @@ def radix_threshold(probs: torch.Tensor, target: torch.Tensor, ws: Workspace, co
     weights = ws.ones.expand(rows * vocab) if count else probs.reshape(-1)
     target = target.clamp(min=_TINY)           # some weight must reach it: never above every value
     prefix = torch.zeros(rows, 1, dtype=torch.int32, device=probs.device)
-    step = defaults.SAMPLER_RADIX_BITS
+    step = SAMPLER_RADIX_BITS
     for shift in range(defaults.SAMPLER_PROB_BITS - step, -1, -step):
         low = prefix << step                                  # the window's first key
         torch.bitwise_right_shift(bits, shift, out=key)

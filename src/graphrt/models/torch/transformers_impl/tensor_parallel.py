@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from graphrt.core.errors import ConfigError
+from graphrt.models.torch.parallel import waited
 
 #: Styles that leave the module as it is (inference: no gradient, no sequence split).
 REPLICATED = frozenset({"replicated_with_grad_allreduce", "sequence_parallel", "local_params", "replicate",
@@ -48,12 +49,6 @@ REPLICATED = frozenset({"replicated_with_grad_allreduce", "sequence_parallel", "
 SUPPORTED = frozenset({"colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "packed_rowwise", "rowwise",
                        "rowwise_split_input", "rowwise_rep", "embedding_rowwise", "moe_tp_experts",
                        "moe_identity_expert", "all_reduce"}) | REPLICATED
-
-
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed._functional_collectives as fc
-
-    return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
 
 
 _LOCAL = threading.local()
@@ -90,7 +85,7 @@ class _Comm:
 
         if getattr(_LOCAL, "off", False):
             return x
-        return _waited(fc.all_reduce(x, "sum", self.group))
+        return waited(fc.all_reduce(x, "sum", self.group))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed._functional_collectives as fc
@@ -98,7 +93,7 @@ class _Comm:
         if getattr(_LOCAL, "off", False):
             return torch.cat([x] * self.size, dim=-1)
         gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-        return _waited(gather(x.contiguous(), x.dim() - 1, self.group))
+        return waited(gather(x.contiguous(), x.dim() - 1, self.group))
 
     def slice(self, size: int, what: str) -> tuple[int, int]:
         if size % self.size:
