@@ -31,7 +31,7 @@ from graphrt.core.inputs import InputPreparer
 from graphrt.core.dp_agreement import DataParallelStep, DispatchShape, StepAgreement
 from graphrt.core.extra_inputs import ExtraInputs
 from graphrt.core.fields import ModelInputs
-from graphrt.core.lora import RunnerLora, lora_off
+from graphrt.core.lora import LoraOff, RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
 from graphrt.background import BackgroundWarmup
@@ -65,8 +65,9 @@ class ModelRunner:
     serves at once and builds the keys between steps, most demanded first
     (:class:`~graphrt.background.BackgroundWarmup`); ``False`` defers it to :meth:`warmup`.
 
-    Features are objects it holds: ``lora`` (:class:`~graphrt.core.lora.RunnerLora`, with
-    ``max_loras > 0``), ``data_parallel`` (:class:`~graphrt.core.dp_agreement.DataParallelStep`,
+    Features are objects it holds: ``lora`` (:class:`~graphrt.core.lora.RunnerLora` with
+    ``max_loras > 0``, else :class:`~graphrt.core.lora.LoraOff`, whose methods say how to turn
+    it on), ``data_parallel`` (:class:`~graphrt.core.dp_agreement.DataParallelStep`,
     with ``step_agreement``), ``background`` (background warm-up and re-fits' builds), ``traffic``
     (:class:`~graphrt.traffic.TrafficFit`, with ``refit_interval``) and ``capture_plans``
     (:class:`~graphrt.capture_plan.CapturePlanStore`, with ``compilation_cache_dir``); None when off.
@@ -115,7 +116,7 @@ class ModelRunner:
         slots = self.executor.lora
         if cfg.max_loras and slots is None:
             raise ConfigError(f"max_loras={cfg.max_loras}: backend {self.backend.name} has no LoRA support")
-        self.lora = RunnerLora(slots, cfg.max_loras, cfg.max_num_seqs, self._lock) if slots is not None else None
+        self.lora = RunnerLora(slots, cfg.max_loras, cfg.max_num_seqs, self._lock) if slots is not None else LoraOff()
         self.data_parallel = DataParallelStep(step_agreement, self.lora) if step_agreement is not None else None
         #: The model's declared per-step inputs, checked and written each step (None: it has none).
         self.extra = (ExtraInputs(self.executor.extra_inputs, self.executor.extra_buffers)
@@ -226,8 +227,8 @@ class ModelRunner:
                 raise InputError("extra_inputs", "the model declares no extra inputs (model.extra_inputs)")
             extras = self.extra.check(a.extra_inputs, t, r)
         ids, n = None, 0
-        if a.lora_ids is not None or self.lora is not None:
-            if self.lora is None:
+        if a.lora_ids is not None or self.lora.enabled:
+            if not self.lora.enabled:
                 raise lora_off()
             ids, n = self.lora.check(a.lora_ids, r)
         context, contexts = 0, self.dispatcher.context_sizes
@@ -326,7 +327,7 @@ class ModelRunner:
             if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
                 plan = self._replan(shape)
             padded = self.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self._host_buffers)
-            if self.lora is not None:
+            if self.lora.enabled:
                 self.lora.write_padding(plan.key.num_tokens)
             if self.extra is not None:
                 self.extra.write_padding(plan.key.num_tokens, plan.padded_reqs)

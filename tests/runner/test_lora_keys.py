@@ -242,10 +242,13 @@ def test_breakable_pieces_apply_adapters_as_eager():
 def test_max_loras_zero_leaves_the_model_as_it_was():
     r = runner("eager")
     assert all(type(layer.self_attn.o_proj) is torch.nn.Linear for layer in r.model.model.layers)
-    assert r.executor.lora is None and r.lora is None      # no feature object: nothing to load into
+    assert r.executor.lora is None and not r.lora.enabled      # nothing to load into
     tokens, blocks = tables()
     with pytest.raises(InputError, match="lora_ids.*max_loras=0"):
         step(r, tokens, blocks, [0], [3], [-1])
+    for call in (lambda: r.lora.load(0, ADAPTERS[0]), lambda: r.lora.remove(0), r.lora.targets):
+        with pytest.raises(InputError, match="slot.*max_loras=0"):   # named, not an AttributeError on None
+            call()
 
 
 BAD_IDS = [([0, 1], r"lora_ids: 2 rows for 3 requests"), ([[0], [1], [0]], r"lora_ids: must be 1-D"),

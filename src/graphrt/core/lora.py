@@ -125,6 +125,8 @@ class RunnerLora:
     and emptied under the runner's step ``lock``, so no step reads a half-copied adapter) and
     each step's adapter tables (:class:`LoraInputs`)."""
 
+    enabled = True
+
     def __init__(self, slots: Any, max_loras: int, max_num_reqs: int, lock: Any) -> None:
         self.slots = slots
         self.inputs = LoraInputs(max_loras, max_num_reqs, slots.host_buffers, slots.loaded)
@@ -168,11 +170,27 @@ class RunnerLora:
         self.inputs.write(self.inputs.check(self._none, 0)[0], self._none, 0, padded_tokens)
 
 
-def lora_off() -> InputError:
-    """The error for adapters passed to a runner built without LoRA (``runner.lora`` is None)."""
-    return InputError("lora_ids", "LoRA is off (max_loras=0): build the runner with max_loras > 0, "
-                                  "or pass lora_ids=None")
+def lora_off(field: str = "lora_ids") -> InputError:
+    """The error for adapters passed to (or loaded into) a runner built without LoRA."""
+    hint = ", or pass lora_ids=None" if field == "lora_ids" else ""
+    return InputError(field, f"LoRA is off (max_loras=0): build the runner with max_loras > 0{hint}")
 
 
-__all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "NO_LORA", "RunnerLora", "lora_buckets",
+class LoraOff:
+    """``runner.lora`` of a runner built without LoRA (``max_loras=0``): ``enabled`` is False, and
+    loading, removing or listing adapters raises the error that says how to turn LoRA on."""
+
+    enabled = False
+
+    def load(self, slot: int, weights: Mapping[str, tuple[Any, Any]], scale: float = 1.0) -> None:
+        raise lora_off("slot")
+
+    def remove(self, slot: int) -> bool:
+        raise lora_off("slot")
+
+    def targets(self) -> dict[str, tuple[int, int]]:
+        raise lora_off("slot")
+
+
+__all__ = ["LORA_GROUPS", "LORA_GROUP_PAD", "LORA_INDEX", "LoraInputs", "LoraOff", "NO_LORA", "RunnerLora", "lora_buckets",
            "lora_off"]
