@@ -78,7 +78,10 @@ def test_penalised_greedy_tokens_match_transformers(hf_model, run, penalties):
     prompts = PROMPTS if "preempted" not in run else random_prompts((18, 22, 26, 30, 20, 24, 28, 19), seed=1)
     llm = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend=backend, **{**LIMITS, **extra})
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **PENALTIES[penalties])
+    shared_bytes = llm.runner.executor.sampler_buffer_bytes
     outputs = llm.generate(prompts, params)
+    if "enable_penalties" not in extra:     # the first penalised batch made the penalty state: reported
+        assert llm.runner.executor.sampler_buffer_bytes > shared_bytes
     assert assert_penalised_greedy(hf_model, outputs, prompts, params) > 0, "no token changed: penalties ignored?"
     stats = llm.stats
     if "preempted" in run:

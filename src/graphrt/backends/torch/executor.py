@@ -107,8 +107,6 @@ class TorchExecutor(Executor[TorchEntry]):
         self._position_offsets = torch.arange(-q, 0, device=self.device)
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs, max_t,
                                     penalties=config.enable_penalties)
-        #: Bytes of the sampler's buffers its graphs share (the warm-up report shows them).
-        self.sampler_buffer_bytes = self.sampler.buffer_bytes
         self._copied = None if self.buffers.same else device_event(self.device)
         # Graph backends launch steps without waiting (the CPU's events are complete at once);
         # the sampled outputs' host slots are made by the first such step.
@@ -273,6 +271,12 @@ class TorchExecutor(Executor[TorchEntry]):
         logits = self.model.compute_logits(hidden.index_select(0, rows)).view(num_reqs, -1, self.vocab_size)
         self.position_logits_out[:num_reqs].copy_(logits)
         self.logits_out[:num_reqs].copy_(logits[:, -1])
+
+    @property
+    def sampler_buffer_bytes(self) -> int:
+        """Bytes of the sampler's shared buffers, read when reported: penalty state made by a
+        later batch counts too."""
+        return self.sampler.buffer_bytes
 
     @property
     def build_count(self) -> int:
