@@ -33,7 +33,7 @@ from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.warmup import Job, job_target, warmup_keys
+from graphrt.warmup import Job, job_target
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def save_runner_plan(runner: Any) -> Path:
         e = target.stats.per_key.get(cache_key)
         return (e.build_bytes, e.build_seconds) if e is not None else (0, 0.0)
 
-    return runner.capture_plans.save(runner.dispatcher, warmup_keys(runner.dispatcher, runner.config.max_logprobs > 0),
+    return runner.capture_plans.save(runner.dispatcher, runner.warmup_plan.jobs(),
                                      lambda job: demand_of(job, runner.background, runner.cache, runner.sampler_cache),
                                      cost)
 

@@ -20,7 +20,7 @@ from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.dp_agreement import DispatchShape
 from graphrt.core.errors import ConfigError
-from graphrt.warmup import Job, warmup_keys
+from graphrt.warmup import Job
 
 #: Traffic re-fit (graphrt/traffic.py): the step-size histogram of earlier windows is weighted
 #: by this at each re-fit (0: only the last window counts) ...
@@ -151,8 +151,7 @@ class TrafficFit:
         fewer = len(new.keys()) < len(old.keys())       # keys that no longer pay, at no padding cost
         if not (after <= (1 - TRAFFIC_MIN_GAIN) * before or (fewer and after <= before)):
             return None
-        logprobs = runner.config.max_logprobs > 0
-        jobs, old_jobs = warmup_keys(new, logprobs), warmup_keys(old, logprobs)
+        jobs, old_jobs = runner.warmup_plan.jobs(new), runner.warmup_plan.jobs(old)
         kept = set(jobs)
         retire = [job for job in old_jobs if job not in kept]
         real = sum(n * c for n, c in self.decode.items()) + sum(n * c for n, c in self.mixed.items())

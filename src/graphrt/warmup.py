@@ -62,7 +62,7 @@ def warm_up(runner: Any) -> list[dict[str, Any]]:
         return []
     compile_host_kernels(runner.preparer, runner.padder, ex)
     cache, sampler = runner.cache, runner.sampler_cache
-    keys = warmup_keys(runner.dispatcher, cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
+    keys = runner.warmup_plan.jobs()
     total = build_every_key(ex, keys, cache, sampler,
                             strict=cfg.strict, progress=runner.progress, label=runner.backend.name)
     runner.warmup_report = cache.report() + sampler.report()

@@ -36,10 +36,13 @@ class WarmupPlan:
                       if cfg.compilation_cache_dir and not cfg.disable_capture_plan
                       and cfg.tensor_parallel_size == 1 else None)
 
-    def jobs(self) -> list[Job]:
-        """Every key warm-up builds, largest first (:func:`graphrt.warmup.warmup_keys`)."""
+    def jobs(self, dispatcher: Any = None) -> list[Job]:
+        """Every key warm-up builds under ``dispatcher`` (default: the runner's), largest first, with
+        the sampler kinds the config asks for (:func:`graphrt.warmup.warmup_keys`): warm-up, the
+        capture plan and a traffic re-fit all take the runner's jobs from here."""
         cfg = self.runner.config
-        return warmup_keys(self.runner.dispatcher, logprobs=cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
+        return warmup_keys(dispatcher if dispatcher is not None else self.runner.dispatcher,
+                           logprobs=cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
 
     def background(self, warmup: str | None, idle: Callable[[], bool], *,
                    data_parallel: bool) -> BackgroundWarmup | None:
@@ -90,7 +93,7 @@ class WarmupPlan:
     def save(self) -> Path | None:
         """Write the capture plan (keys, order, demand) beside the compilation cache; its path, or
         None without ``compilation_cache_dir`` (:func:`graphrt.capture_plan.save_runner_plan`)."""
-        return save_runner_plan(self.runner) if self.runner.capture_plans is not None else None
+        return save_runner_plan(self.runner) if self.store is not None else None
 
     def replace_dispatcher(self, dispatcher: Any, retire: Sequence[Job] = ()) -> int:
         """Serve under ``dispatcher`` from the next step (a traffic re-fit; call with the lock held)
@@ -112,7 +115,7 @@ class WarmupPlan:
         r = self.runner
         if r.background is not None:
             r.background.stop()
-        if r.capture_plans is not None and r.cache.stats.steps:
+        if self.store is not None and r.cache.stats.steps:
             with self._lock:
                 self.save()
 

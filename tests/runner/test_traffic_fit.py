@@ -110,3 +110,24 @@ def test_refit_is_refused_with_data_parallel_agreement(model_dir):
     with pytest.raises(ConfigError, match="refit_interval"):
         ModelRunner(model_dir, backend="cpu", refit_interval=10, step_agreement=Agreement(), progress=False,
                     max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
+
+
+def test_a_refit_plans_every_sampler_kind_warm_up_builds(model_dir, manual):
+    """A re-fit takes its jobs where warm-up does (``runner.warmup_plan.jobs``): with
+    ``enable_penalties`` the new bucket's penalised sampler is planned beside its other samplers."""
+    config = GraphConfig.create(**LIMITS)
+    tables = Tables(config, 128, seed=1)
+    live = ModelRunner(model_dir, backend="cpu", num_kv_blocks=tables.num_kv_blocks, progress=False,
+                       refit_interval=40, enable_penalties=True, **LIMITS)
+    for step in decode_steps(tables, 44, 0, 40):
+        step.run(live, greedy(44))
+    record = live.traffic.refit()
+    assert record is not None and not record["installed"]
+    new_samplers = {key for _, key in live.background.pending if getattr(key, "num_reqs", None) == 44
+                    and not hasattr(key, "num_tokens")}
+    assert any(key.penalties for key in new_samplers), new_samplers
+    live.background.build_all()
+    assert record["installed"] and 44 in live.dispatcher.decode_buckets
+    built = {key for key in live.sampler_cache if key.num_reqs == 44}
+    assert {k for _, k in live.warmup_plan.jobs() if getattr(k, "num_reqs", None) == 44
+            and not hasattr(k, "num_tokens")} <= built
