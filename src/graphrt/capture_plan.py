@@ -164,7 +164,8 @@ class CapturePlanStore:
 def read_runner_plan(runner: Any) -> SavedPlan | None:
     """A runner's saved plan, with its bucket sizes installed in ``runner.dispatcher`` (None: no
     store, no plan, or its buckets do not fit this config: logged, the config's kept)."""
-    saved = runner.capture_plans.load() if runner.capture_plans is not None else None
+    store = runner.warmup_plan.store
+    saved = store.load() if store is not None else None
     if saved is not None and (saved.decode_buckets or saved.token_buckets):
         try:
             runner.dispatcher = saved.dispatcher(runner.dispatcher)
@@ -184,9 +185,9 @@ def save_runner_plan(runner: Any) -> Path:
         e = target.stats.per_key.get(cache_key)
         return (e.build_bytes, e.build_seconds) if e is not None else (0, 0.0)
 
-    return runner.capture_plans.save(runner.dispatcher, runner.warmup_plan.jobs(),
-                                     lambda job: demand_of(job, runner.background, runner.cache, runner.sampler_cache),
-                                     cost)
+    return runner.warmup_plan.store.save(
+        runner.dispatcher, runner.warmup_plan.jobs(),
+        lambda job: demand_of(job, runner.background, runner.cache, runner.sampler_cache), cost)
 
 
 __all__ = ["CapturePlanStore", "read_runner_plan", "save_runner_plan", "PLAN_DIR", "SavedPlan", "describe_device", "fingerprint"]

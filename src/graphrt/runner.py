@@ -69,8 +69,7 @@ class ModelRunner:
     ``max_loras > 0``, else :class:`~graphrt.core.lora.LoraOff`, whose methods say how to turn
     it on), ``data_parallel`` (:class:`~graphrt.core.dp_agreement.DataParallelStep`,
     with ``step_agreement``), ``background`` (background warm-up and re-fits' builds), ``traffic``
-    (:class:`~graphrt.traffic.TrafficFit`, with ``refit_interval``) and ``capture_plans``
-    (:class:`~graphrt.capture_plan.CapturePlanStore`, with ``compilation_cache_dir``); None when off.
+    (:class:`~graphrt.traffic.TrafficFit`, with ``refit_interval``); None when off.
     Always there: ``outputs`` (the last step's readouts and logprobs) and ``warmup_plan``
     (:class:`~graphrt.warmup_plan.WarmupPlan`: the keys built and served, the capture plan).
 
@@ -100,7 +99,6 @@ class ModelRunner:
         self._lock = threading.Lock()
         #: Warm-up as a feature object: the keys built and served, the capture plan, re-fits' dispatcher.
         self.warmup_plan = WarmupPlan(self, self._plans, self._lock)
-        self.capture_plans = self.warmup_plan.store
         saved = read_runner_plan(self)       # its bucket sizes installed, where it has some
         self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self.warmup_plan.jobs(),
                                                               num_kv_blocks, kv_cache_memory)

@@ -25,12 +25,12 @@ class WarmupPlan:
     dispatcher, caches, capture plans, background, executor, preparer, padder, graph memory) and
     writes ``runner.dispatcher`` (a re-fit) and ``runner.warmup_report``; ``step_plans`` is the
     runner's memo of step plans, cleared when the dispatcher changes; ``lock`` is its step lock.
-    It makes the runner's ``capture_plans`` (:attr:`store`) and ``background`` (:meth:`background`)."""
+    It makes the runner's capture plan store (:attr:`store`) and ``background`` (:meth:`background`)."""
 
     def __init__(self, runner: Any, step_plans: dict, lock: Any) -> None:
         self.runner, self._step_plans, self._lock = runner, step_plans, lock
         cfg = runner.config
-        #: Where the plan file lives (``runner.capture_plans``; None: no plan kept).
+        #: The capture plan's file (with ``compilation_cache_dir``; None: no plan kept).
         self.store = (CapturePlanStore(cfg.compilation_cache_dir, backend=runner.backend.name,
                                        device=describe_device(runner.executor), model=runner.model, config=cfg)
                       if cfg.compilation_cache_dir and not cfg.disable_capture_plan

@@ -31,15 +31,15 @@ def make(model_dir, tables, cache_dir, **kw):
 
 def test_a_restart_builds_in_the_saved_demand_order(model_dir, tables, tmp_path, manual):
     first = make(model_dir, tables, tmp_path)
-    assert first.capture_plans is not None and first.capture_plans.load() is None
+    assert first.warmup_plan.store is not None and first.warmup_plan.store.load() is None
     default_first = first.background.pending[0]
     first.background.build_all()                      # completion saves the plan (no demand yet)
-    assert first.capture_plans.path.is_file() and first.capture_plans.path.parent.name == PLAN_DIR
+    assert first.warmup_plan.store.path.is_file() and first.warmup_plan.store.path.parent.name == PLAN_DIR
     for _ in range(5):                                # demand: decode steps of 2 requests
         tables.step([0, 1], [3, 3], [1, 1]).run(first, greedy(2))
     key = first.last_step.key
     first.close()                                     # saves the demand
-    data = json.loads(first.capture_plans.path.read_text())
+    data = json.loads(first.warmup_plan.store.path.read_text())
     assert data["jobs"][0]["key"]["num_reqs"] == 2 and data["jobs"][0]["demand"] == 5
     assert data["backend"] == "cpu" and data["device"] == describe_device(first.executor)
 
@@ -53,8 +53,8 @@ def test_the_plan_is_keyed_by_config_and_model(model_dir, tables, tmp_path, manu
     a = make(model_dir, tables, tmp_path)
     a.background.build_all()
     other_config = make(model_dir, tables, tmp_path, max_num_seqs=4)
-    assert other_config.capture_plans.fingerprint != a.capture_plans.fingerprint
-    assert other_config.capture_plans.load() is None
+    assert other_config.warmup_plan.store.fingerprint != a.warmup_plan.store.fingerprint
+    assert other_config.warmup_plan.store.load() is None
     cfg = GraphConfig.create(**LIMITS)
     store = CapturePlanStore(tmp_path, backend="cpu", device="cpu", model=a.model, config=cfg)
     changed = GraphConfig.create(**{**LIMITS, "max_model_len": 32})
@@ -83,7 +83,7 @@ def test_a_refitted_bucket_set_survives_a_restart(model_dir, tables, tmp_path, m
 def test_an_unreadable_plan_is_ignored(model_dir, tables, tmp_path, manual, caplog):
     r = make(model_dir, tables, tmp_path)
     r.background.build_all()
-    r.capture_plans.path.write_text("{not json")
+    r.warmup_plan.store.path.write_text("{not json")
     again = make(model_dir, tables, tmp_path)
     assert again.background.pending[0] == warmup_keys(again.dispatcher)[0]
     assert any("ignoring the capture plan" in rec.getMessage() for rec in caplog.records)
@@ -91,7 +91,7 @@ def test_an_unreadable_plan_is_ignored(model_dir, tables, tmp_path, manual, capl
 
 def test_disable_capture_plan(model_dir, tables, tmp_path, manual):
     r = make(model_dir, tables, tmp_path, disable_capture_plan=True)
-    assert r.capture_plans is None and r.warmup_plan.save() is None
+    assert r.warmup_plan.store is None and r.warmup_plan.save() is None
 
 
 @pytest.mark.slow
