@@ -93,24 +93,11 @@ class _Parallel(nn.Module):
             raise ConfigError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
 
-    def _group(self) -> Any:
-        import torch.distributed as dist
-        return self.group if self.group is not None else dist.group.WORLD
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, waited (a functional collective: recorded by CPU graphs)."""
-        if self.tp_size == 1:
-            return x
-        import torch.distributed._functional_collectives as fc
-        return waited(fc.all_reduce(x, "sum", self._group()))
+        return x if self.tp_size == 1 else all_reduce(x, self.group)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along the last dim, in rank order, waited."""
-        if self.tp_size == 1:
-            return x
-        import torch.distributed._functional_collectives as fc
-        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor    # the latter: older torch
-        return waited(gather(x.contiguous(), x.dim() - 1, self._group()))
+        return x if self.tp_size == 1 else all_gather_last(x, self.group)
 
     def bind_weight_loaders(self) -> None:
         """Attach ``weight_loader`` to this module's own parameters (again after ``to_empty``)."""
@@ -126,6 +113,25 @@ def waited(t: torch.Tensor) -> torch.Tensor:
     """The result of a functional collective once it has completed."""
     import torch.distributed._functional_collectives as fc
     return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
+
+
+def _world(group: Any) -> Any:
+    import torch.distributed as dist
+    return group if group is not None else dist.group.WORLD
+
+
+def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over ``group`` (None: the default group), waited (a functional collective: recorded
+    by CPU graphs)."""
+    import torch.distributed._functional_collectives as fc
+    return waited(fc.all_reduce(x, "sum", _world(group)))
+
+
+def all_gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along the last dim, in rank order, waited."""
+    import torch.distributed._functional_collectives as fc
+    gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor    # the latter: older torch
+    return waited(gather(x.contiguous(), x.dim() - 1, _world(group)))
 
 
 class ColumnParallelLinear(_Parallel):

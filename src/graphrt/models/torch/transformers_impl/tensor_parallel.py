@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from graphrt.core.errors import ConfigError
-from graphrt.models.torch.parallel import waited
+from graphrt.models.torch.parallel import all_gather_last, all_reduce
 
 #: Styles that leave the module as it is (inference: no gradient, no sequence split).
 REPLICATED = frozenset({"replicated_with_grad_allreduce", "sequence_parallel", "local_params", "replicate",
@@ -72,28 +72,15 @@ class _Comm:
     group, looked up at the first collective)."""
 
     def __init__(self, rank: int, size: int, group: Any) -> None:
-        self.rank, self.size, self._group = rank, size, group
-
-    @property
-    def group(self) -> Any:
-        import torch.distributed as dist
-
-        return self._group if self._group is not None else dist.group.WORLD
+        self.rank, self.size, self.group = rank, size, group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed._functional_collectives as fc
-
-        if getattr(_LOCAL, "off", False):
-            return x
-        return waited(fc.all_reduce(x, "sum", self.group))
+        return x if getattr(_LOCAL, "off", False) else all_reduce(x, self.group)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed._functional_collectives as fc
-
         if getattr(_LOCAL, "off", False):
             return torch.cat([x] * self.size, dim=-1)
-        gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-        return waited(gather(x.contiguous(), x.dim() - 1, self.group))
+        return all_gather_last(x, self.group)
 
     def slice(self, size: int, what: str) -> tuple[int, int]:
         if size % self.size:
