@@ -61,13 +61,7 @@ def fit_family(hist: Histogram, current: BucketPolicy, budget: int) -> BucketPol
 
 def padded(hist: Histogram, policy: BucketPolicy | None) -> float:
     """Items ``hist`` runs under ``policy``, padding included (above the largest: unpadded)."""
-    if policy is None:
-        return sum(n * c for n, c in hist.items())
-    total = 0.0
-    for n, c in hist.items():
-        b = policy.bucket_for(n)
-        total += (n if b is None else b) * c
-    return total
+    return sum(n * c for n, c in hist.items()) if policy is None else policy.padded_total(hist)
 
 
 class TrafficFit:

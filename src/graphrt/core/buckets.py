@@ -77,7 +77,7 @@ class BucketPolicy:
         i = bisect.bisect_left(self._sizes, n)
         return self._sizes[i] if i < len(self._sizes) else None
 
-    def padded_total(self, counts: Mapping[int, int]) -> int:
+    def padded_total(self, counts: Mapping[int, float]) -> float:
         """Total padded items for a histogram ``{size: count}``; sizes above the largest run unpadded."""
         total = 0
         for n, c in counts.items():
