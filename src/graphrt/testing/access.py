@@ -1,17 +1,9 @@
-"""What the properties read and write on the device side, for torch and XLA executors alike.
+"""What the properties read and write on the device side, through the executor contract only
+(:class:`graphrt.backends.base.Executor`), so a backend of your own is tested by implementing it.
 
-Every helper takes a :class:`~graphrt.ModelRunner` and reads its executor only through the
-executor contract (:class:`graphrt.backends.base.Executor`: ``kv_views``, ``kv_cache``,
-``state_caches``, ``device_buffers``, ``build_count``, ...), so a backend of your own is
-tested by implementing that contract. torch and jax are imported only when an array of that
-framework is seen.
-
-The properties address KV slots on axis 2 of a 5-d view. graphrt's usual cache is that view
-(``[layers, 2, slots + 1, kv_heads, head_dim]``); other layouts are shown in one:
-a Pallas-layout XLA cache (TPUs) as the reference layout it stands for, and a torch model
-with several stored layouts (K / V of other head sizes, MLA, mixed dtypes:
-``executor.kv_views()``) as ``[1, 1, slots + 1, features, 1]``, every layout's values of a
-slot side by side.
+KV slots sit on axis 2 of a 5-d view: graphrt's usual ``[layers, 2, slots + 1, kv_heads,
+head_dim]`` cache as it is, a Pallas-layout XLA cache as that reference layout, and a torch
+model's several stored layouts (``executor.kv_views()``) as ``[1, 1, slots + 1, features, 1]``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """``npu`` (alias ``acl``): Ascend ACL graphs (``torch.npu.NPUGraph``) over the shared torch graph code.
 
-The same executor as ``cuda`` (:mod:`graphrt.backends.torch.executor`) with torch_npu's calls,
-plus what Ascend needs: **task updates** (an attention op that takes host-side lengths is captured
-as a task group behind a ``torch.npu.ExternalEvent`` and re-issued with the step's lengths on an
-update stream before each replay; :meth:`NpuGraphAPI.pre_replay`) and the **stream budget**
-(:meth:`NpuGraphBackend.dispatcher` cuts the capture sizes to
-:func:`graphrt.backends.torch.acl.capture_budget`). ``compile_model`` is not supported (the
-executor logs that and captures uncompiled). ``torch_npu`` is imported lazily, only when this
-backend is probed or selected; a failure becomes
-:class:`~graphrt.core.errors.BackendUnavailableError` naming the cause. Tested only against a
-stand-in ``torch.npu`` over the CPU recording graph, never on Ascend hardware
-(docs/backends.md, "Ascend specifics").
+The ``cuda`` executor with torch_npu's calls, plus **task updates** (an attention op taking host
+lengths is captured as a task group and re-issued with the step's lengths before each replay:
+:meth:`NpuGraphAPI.pre_replay`) and the **stream budget** (capture sizes cut to
+:func:`graphrt.backends.torch.acl.capture_budget`). ``torch_npu`` is imported lazily; a failure
+is a :class:`~graphrt.core.errors.BackendUnavailableError` naming the cause. Tested only against
+a stand-in ``torch.npu`` over the CPU recording graph (docs/backends.md, "Ascend specifics").
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Ascend: graphrt's paged attention through torch_npu's fused inference attention ("FIA").
 
-:class:`AscendAttentionBackend` runs :class:`~graphrt.models.torch.attention.PagedAttention`
-through ``torch_npu.npu_fused_infer_attention_score`` (``TND`` queries, the paged cache read
-through the block table, ``sparse_mode`` 3); the KV write stays graphrt's. FIA takes the lengths
-as host lists, which a captured graph bakes in, so the backend declares them refreshed and
-:meth:`before_replay` rebuilds them before every run; in a capture the op is issued inside
-:func:`graphrt.core.graph_tasks.graph_task` and re-issued with the new lists before each replay
-(vllm-ascend's parameter update). Selection (:func:`ascend_backend`), the refusals and what was
-verified (a stand-in ``torch_npu`` over the CPU recording graph only): docs/attention.md,
-"Ascend". Importing this module needs neither torch_npu nor CANN.
+The KV write stays graphrt's; FIA reads the paged cache through the block table. It takes the
+lengths as host lists, which a graph would bake in, so the backend declares them refreshed and
+:meth:`AscendAttentionBackend.before_replay` rebuilds them before every run, re-issuing the
+captured op as a graph task (vllm-ascend's parameter update). Verified only with a stand-in
+``torch_npu`` over the CPU recording graph: docs/attention.md, "Ascend". Importing this module
+needs neither torch_npu nor CANN.
 """
 
 from __future__ import annotations
