@@ -1,25 +1,12 @@
 """What an attention backend declares, read alike by the torch and the XLA backends.
 
-A captured graph or a compiled executable fixes every host value read while it was made, so
-the runner must know what a model's attention reads on the host and what its kernels can run.
-The attention seam's torch object (:class:`graphrt.AttentionBackend`) and an XLA model's
-attention (``XlaModel(attention=...)``) both declare it with :class:`AttentionDeclarations`:
-
-* ``graph_support``: what the kernels can run in a FULL graph (vLLM's four levels,
-  :class:`~graphrt.core.graph_modes.AttentionGraphSupport`);
-* ``keyed_host_values(device, dtype)``: host values a graph / executable may fix because its
-  key holds them (:data:`KEYABLE_HOST_VALUES`); ``max_seq_len`` among them is **context
-  narrowing**: the keys get context buckets and the block table a graph reads is narrowed to
-  its bucket (:func:`narrows_context`);
-* ``refreshed_host_values``: host values read before every run, outside the graph (the torch
-  backend's ``before_replay``);
-* ``kv_cache_dtypes``: the KV-cache dtypes the kernels read and write (fp8 only where
-  declared: an fp8 cache given to a kernel that cannot write it is refused by name).
-
-The checks here (:func:`check_declarations`, :func:`checked_keyed`, :func:`check_kv_dtypes`)
-raise :class:`~graphrt.core.errors.ConfigError` naming the backend and the declaration, when a
-runner is built. The standard library only: torch and JAX import this alike.
-"""
+A graph or executable fixes every host value read while it was made, so the runner must know
+what the attention reads on the host (:class:`AttentionDeclarations`): ``graph_support`` (vLLM's
+four FULL-graph levels), ``keyed_host_values`` (values a key may fix; ``max_seq_len`` among them
+narrows the context per bucket: :func:`narrows_context`), ``refreshed_host_values`` (read before
+every run, outside the graph) and ``kv_cache_dtypes``. The checks raise
+:class:`~graphrt.core.errors.ConfigError` naming the backend when a runner is built. The
+standard library only."""
 
 from __future__ import annotations
 

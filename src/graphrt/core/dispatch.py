@@ -24,14 +24,10 @@ from graphrt.core.lora import lora_buckets
 class BatchDescriptor:
     """A step's shape; once padded, the key of a graph or executable.
 
-    ``num_reqs`` is ``None`` for PIECEWISE keys: pieces between attention calls see only
-    token-level shapes. ``num_loras`` is the step's distinct LoRA adapters, bucketed in a key
-    (0: none; always 0 with LoRA off), shown only when nonzero. ``max_seq_len`` is the key's
-    context bucket where the attention reads the context length as a host value (graphrt's
-    reference kernels attend over that many tokens of each request, whatever
-    ``max_model_len``): every request of a step under the key has at most that many
-    tokens; None where the key holds any context (kernels that read the lengths on the
-    device, PIECEWISE keys, whose attention runs outside the graphs).
+    ``num_reqs`` is None for PIECEWISE keys (pieces see token shapes only). ``num_loras``: the
+    step's distinct LoRA adapters, bucketed (0: none). ``max_seq_len``: the key's context bucket
+    where the attention reads the context length as a host value (every request of the step
+    has at most that many tokens); None where the key holds any context.
     """
 
     num_tokens: int
@@ -111,42 +107,25 @@ class Dispatch:
 class Dispatcher:
     """Maps steps to (runtime mode, padded key) by looking them up in its key set.
 
-    The key set is built once, from the mode and the bucket policies, and is data:
-    :meth:`keys` lists it (warm-up builds exactly those), and :meth:`dispatch` pads a step to
-    its candidate keys and returns the first one the set holds -- so every key a step can
-    run under is one warm-up built, by construction.
+    The key set is built once from the mode and the bucket policies: :meth:`keys` lists it
+    (warm-up builds exactly those) and :meth:`dispatch` returns the first candidate key the set
+    holds, so every key a step can run under is one warm-up built.
 
-    * ``token_buckets`` -- token counts of mixed keys (graph capture sizes / XLA token paddings).
-    * ``decode_buckets`` -- batch sizes of uniform-decode keys (defaults to ``token_buckets``
-      capped at ``max_num_seqs``).
-    * ``mixed_num_reqs`` -- request count of FULL mixed keys: ``None`` means
-      ``min(padded tokens, max_num_seqs)`` (graph backends); an int fixes it (XLA's fixed
-      batch size, as sglang-jax pads it).
-    * ``eager_fallback`` -- graph backends run a step above the largest bucket eagerly; XLA
-      has no eager escape, so such a step is an :class:`InputError`.
-    * ``separate_decode`` -- whether uniform-decode steps get their own keys
-      ``(b * q, b, uniform_decode=True)``; defaults to what the mode says (XLA sets it).
-    * ``decode_query_len`` -- ``q``, the tokens every request of a uniform-decode step
-      schedules: 1, or ``1 + num_speculative_tokens`` when verifying drafts (vLLM's
-      ``uniform_decode_query_len``). Decode keys hold ``b`` requests and ``b * q`` tokens, so
-      their token counts are multiples of ``q``; the default decode buckets are the token
-      buckets divided by ``q``, always including the largest decode batch the token buckets
-      hold (``min(max_num_seqs, largest token bucket // q)``).
-    * ``max_loras`` -- LoRA adapter slots (0: LoRA off). Every key then exists once per adapter
-      count bucket -- 0 and :func:`~graphrt.core.lora.lora_buckets` (1, 2, 4, ..., max_loras) --
-      and a step with ``n`` distinct adapters runs under the smallest bucket ``>= n`` (0 only
-      when ``n`` is 0), so steps with and without adapters never share a graph.
-    * ``context_buckets`` -- where the attention reads the context length as a host value:
-      every FULL key exists once per context bucket (its ``max_seq_len``), and a step runs
-      under the smallest bucket holding its longest request (the largest bucket is at most
-      ``max_context``, the model's ``max_model_len``: the whole block table). Every FULL key
-      then names its context, so an eager run at the key attends over what its graph does,
-      while a step run eagerly under its own shape attends over its own longest request. A
-      step longer than the largest bucket has no
-      FULL key: a PIECEWISE one where the mode has them, else eager. :meth:`context_bucket`
-      maps a step's ``max_seq_len`` to the value :meth:`dispatch` takes.
+    * ``token_buckets`` -- token counts of mixed keys; ``decode_buckets`` -- batch sizes of
+      uniform-decode keys (default: ``token_buckets / q`` capped at ``max_num_seqs``, with the
+      largest decode batch the token buckets hold).
+    * ``mixed_num_reqs`` -- requests of FULL mixed keys: None is ``min(tokens, max_num_seqs)``;
+      an int fixes it (XLA).
+    * ``eager_fallback`` -- a step above the largest bucket runs eagerly; without it (XLA) it
+      is an :class:`InputError`.
+    * ``separate_decode`` -- uniform-decode steps get keys ``(b * q, b, uniform_decode=True)``.
+    * ``decode_query_len`` -- ``q`` = 1 + num_speculative_tokens, tokens per decode request.
+    * ``max_loras`` -- every key exists per adapter-count bucket (0, 1, 2, 4, ..., max_loras);
+      steps with and without adapters never share a graph.
+    * ``context_buckets`` -- every FULL key exists per context bucket (``max_seq_len``, at most
+      ``max_context``); a longer step runs PIECEWISE where the mode has it, else eagerly.
 
-    A decode step above the largest decode bucket is handled as a mixed step.
+    A decode step above the largest decode bucket is handled as a mixed step. docs/api.md.
     """
 
     def __init__(self, mode: GraphMode, *, token_buckets: BucketPolicy | None,

@@ -1,18 +1,11 @@
 """Data-parallel graph agreement: ranks that step together replay the same bucket.
 
-Data-parallel ranks of one expert-parallel MoE model (or any model whose forward runs a
-collective across the DP ranks) must enter every step together and with the same shapes:
-an all-to-all in a captured graph of 16 tokens cannot meet one of 32. So before each step
-the ranks agree on its shape -- the largest token count, the largest request count, uniform
-decode only if every rank's step is one, the most LoRA adapters -- through one small
-collective (:class:`StepAgreement`), and each rank pads its own step to the bucket of that
-shape. A rank with nothing scheduled calls ``ModelRunner.execute_dummy``: it agrees with
-(0, 0) and runs the agreed bucket on padding only, which writes no KV slot and samples
-nothing.
-
-Independent data-parallel engines (``graphrt.DataParallelLLM``, dense models) never need
-this: their forwards share nothing, so each picks its own bucket.
-"""
+Ranks of one expert-parallel MoE model (any forward with a collective across DP ranks) must
+step together with the same shapes: before each step they agree on the largest token and
+request counts, uniform decode only if every rank's step is one, and the most LoRA adapters
+(:class:`StepAgreement`, one small collective), and each pads to that bucket. A rank with
+nothing scheduled calls ``ModelRunner.execute_dummy`` (padding only: no KV write, no sample).
+Independent engines (``graphrt.DataParallelLLM``, dense models) never need this."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The weights' ``dtype`` as users write it: ``"bfloat16"``, ``"half"``, ``"auto"``, ``torch.float16``.
 
-``graphrt.LLM(..., dtype="bfloat16")`` used to reach ``torch.empty(dtype="bfloat16")`` deep in
-loading and fail with ``TypeError: empty(): argument 'dtype' must be torch.dtype, not str``.
-:func:`model_dtype` is the one place a dtype argument is read: a name from
-``defaults.MODEL_DTYPE_NAMES`` (vLLM's and torch's spellings), a torch / numpy / JAX dtype, or
-``"auto"`` (the checkpoint's own ``torch_dtype``), to the canonical name each backend maps to
-its framework's dtype; anything else is a :class:`ConfigError` naming ``dtype``.
-"""
+:func:`model_dtype` is the one place a dtype argument is read (a name of
+``defaults.MODEL_DTYPE_NAMES``, a torch / numpy / JAX dtype, or ``"auto"``: the checkpoint's);
+anything else is a :class:`ConfigError` naming ``dtype``, not a TypeError deep in loading."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Why a step ran without a graph: the causes, in one place, and the per-cause counters.
 
-Every eager step is counted under exactly one :class:`EagerCause`, with the real tokens it
-ran (``CacheStats.eager_by_cause``); the free-text reason (a failed capture's error, the
-bucket it was above) stays in ``eager_reasons``. The dispatcher names the cause of the steps
-it sends eager (``Dispatch.cause``); the runner, of those whose key has no graph. A step
-counted eagerly without a cause is a bug: ``CacheStats`` refuses it.
-
-The list is fixed and documented in docs/api.md ("Eager steps by cause"). ``strict`` is not
-on it on purpose: in strict mode a step the policy covers never runs eagerly once warm-up is
-complete -- the miss raises :class:`~graphrt.core.errors.CacheMissError` instead -- and a
-capture that fails in strict mode raises :class:`~graphrt.core.errors.GraphCaptureError`.
-"""
+Every eager step counts under exactly one :class:`EagerCause` with its real tokens
+(``CacheStats.eager_by_cause``; the free-text reason in ``eager_reasons``); ``CacheStats``
+refuses an eager step without a cause. The list is documented in docs/api.md ("Eager steps by
+cause"). Strict mode is not a cause: there a miss raises ``CacheMissError`` instead."""
 
 from __future__ import annotations
 

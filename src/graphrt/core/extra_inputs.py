@@ -1,13 +1,9 @@
 """Per-step extra inputs: arrays a model reads besides graphrt's step fields.
 
-A model declares them (``model.extra_inputs = {name: ExtraInput(...)}``): one row per token or
-per request, a trailing shape, a dtype and a padding fill. The executor keeps a staging buffer
-and a static device buffer for each (so captured graphs read them); an engine passes
-``execute(..., extra_inputs={name: array})`` and the runner checks every array (InputError
-naming it, before anything is written), copies its real rows into the staging buffer and pads
-the rest with the fill -- the Padder's rule for a field of that level. Models read them from
-the attention metadata's step tensors (``StepTensors.extra``, docs/attention.md).
-"""
+A model declares them (``model.extra_inputs = {name: ExtraInput(...)}``: a row per token or per
+request, trailing shape, dtype, padding fill); the executor keeps a staging and a static device
+buffer for each, and the runner checks every array an engine passes (InputError naming it,
+before any write), copies its real rows and pads with the fill. docs/attention.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Future tokens: step n + 1 reads step n's sampled tokens before the host has them.
 
-An overlapped engine (SGLang's ``event_loop_overlap``) schedules and prepares step n + 1
-while the device still runs step n. A request that samples in step n decodes that token in
-step n + 1, so its id is not known when step n + 1's inputs are written: the engine writes
-any valid id there and names, per request, the row of step n whose sampled token replaces
-the request's last scheduled token (``future_rows``; -1: none). On an asynchronous backend
-the replacement happens on the device, from the sampler's device output: inside the next
-executable (XLA), or queued after the step's input copies (the torch graph backends); on a
-synchronous one (eager) the tokens are already on the host and are written into the padded
-``input_ids`` before the step is copied to the device. Either way the step computes exactly
-what it would have with the real id in the table.
-"""
+An overlapped engine (SGLang's ``event_loop_overlap``) writes any valid id for a token not yet
+sampled and names, per request, the row of step n whose token replaces its last scheduled one
+(``future_rows``; -1: none). Asynchronous backends replace it on the device (inside the next
+XLA executable, or after the torch graphs' input copies); eager writes the host tokens into
+``input_ids``. Either way the step computes what it would with the real id."""
 
 from __future__ import annotations
 

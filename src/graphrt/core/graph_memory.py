@@ -1,32 +1,13 @@
 """Graph memory in the KV budget: which keys to capture before the KV cache exists, how their
 bytes extrapolate to every key, and what is left for the KV cache.
 
-The rule (docs/backends.md, "Graph memory in the KV budget"):
-
-1. **Families.** Keys whose bytes grow along one size share a family: forward keys by
-   (runtime mode, uniform decode), sized by tokens; sampler keys by kind (greedy, random, logprobs,
-   penalised), sized by request rows.
-2. **Samples.** Per family, the largest, the smallest and the middle key (by size; at most
-   ``GRAPH_MEMORY_SAMPLES_PER_FAMILY``; every key of a smaller family). They are
-   captured in warm-up order (largest first, one pool, one span), so what one graph leaves
-   for the next -- a shared pool's high-water mark, buffers the first capture allocates -- is
-   measured once, as it will be at warm-up (vLLM #51590 under-estimated by summing per-mode
-   deltas of graphs that share a pool).
-3. **Extrapolation.** The span's first capture counts as measured and is no point of the
-   line: its bytes include the pool itself. Every other unsampled key gets the piecewise
-   linear interpolation, over size, of its family's other samples' bytes (what each added
-   to a pool that already held a larger graph), extended beyond them along the nearest
-   segment and never below 0: graphs that keep their own memory (the CPU recording graph)
-   grow linearly with their size, which the line follows. In a shared pool (a device caching
-   allocator: CUDA, NPU) a graph captured after a larger one reuses its freed blocks and adds
-   what it keeps, in whole allocator segments: an unsampled key gets the smaller of its two
-   neighbouring samples' bytes, not a line through two segment-sized steps (vLLM #45178
-   multiplied the second graph's bytes by the number of graphs and lost two thirds of its KV
-   cache).
-4. **Margin.** ``ceil(estimate * GRAPH_MEMORY_MARGIN)`` more is kept out of the KV
-   cache for what the line misses (fragmentation, a key that allocates more than its
-   neighbours). After warm-up the runner logs the estimate against the bytes actually built.
-"""
+The rule (docs/backends.md, "Graph memory in the KV budget"): keys form **families** (forward
+keys by mode and uniform decode, sized by tokens; sampler keys by kind, sized by rows); per
+family the largest, smallest and middle key are **sampled**, captured in warm-up order in one
+pool, so what one graph leaves for the next is measured as at warm-up (vLLM #51590 summed
+per-mode deltas of graphs sharing a pool); every other key is **extrapolated** along its
+family's line (in a shared caching-allocator pool, the smaller neighbour's bytes instead: vLLM
+#45178 multiplied one allocator segment by every graph); ``GRAPH_MEMORY_MARGIN`` is kept on top."""
 
 from __future__ import annotations
 
@@ -118,15 +99,11 @@ def _lower_envelope(points: list[tuple[int, int]], size: int) -> int:
 
 
 def extrapolate(jobs: Sequence[Job], measured: dict[Any, int], shared_pool: bool = False) -> int:
-    """Estimated bytes of building every job: each sampled key's measured bytes, plus, per
-    unsampled key, its family's line (module docstring, point 3) -- or, in a ``shared_pool``
-    (a caching allocator whose graphs reuse each other's freed blocks), the smaller of the
-    bytes its two neighbouring samples added: a graph captured after a larger one adds only
-    what it keeps, and what the samples add comes in the allocator's segments (2 or 20 MiB
-    on CUDA, 0 for most graphs), so a line through two of them multiplies one segment by
-    every key in between (105 MiB estimated against 4.5 MiB built on an H200). ``measured``
-    maps keys to bytes in capture order; its first key is the span's first capture, no point
-    of a line unless it is its family's only sample."""
+    """Estimated bytes of building every job: each sampled key's measured bytes, plus per unsampled
+    key its family's line, or in a ``shared_pool`` the smaller of its two neighbouring samples'
+    bytes (graphs add whole allocator segments there: a line through two multiplies one segment
+    by every key between, 105 MiB estimated against 4.5 MiB built on an H200). ``measured``
+    maps keys to bytes in capture order; the first is no point of a line unless it is alone."""
     first = next(iter(measured), None)
     lines: dict[Hashable, dict[int, int]] = {}
     for job in jobs:

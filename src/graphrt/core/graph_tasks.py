@@ -1,15 +1,9 @@
 """Graph tasks: ops whose host-side arguments a captured graph would bake in, refreshed per replay.
 
-A model-level kernel (an attention op taking host lists, as Ascend's fused attention does)
-wraps its op in :func:`graph_task`. While a device graph is captured -- the torch backends
-open :func:`capturing` around each capture -- the op becomes a task of that graph, and its
-hook runs before every replay: on Ascend between ``graph_task_update_begin`` and
-``graph_task_update_end``, re-issuing the op with the step's values. Outside a capture
-nothing happens and the op runs with the current values.
-
-Framework-free, so that kernels of the model layer can mark their ops without importing
-the backends that capture them.
-"""
+A model kernel (Ascend's fused attention, taking host lists) wraps its op in
+:func:`graph_task`; while a torch backend captures (:func:`capturing`), the op becomes a task
+of the graph whose hook re-issues it with the step's values before every replay. Framework-free,
+so model kernels mark ops without importing the backends."""
 
 from __future__ import annotations
 
@@ -42,15 +36,11 @@ def capturing(api: Any, tasks: list) -> Iterator[None]:
 def graph_task(hook: Callable[[Any], None], *, needs_task_update: bool = False) -> Iterator[None]:
     """Mark the enclosed op as one whose host-side arguments a graph would bake in.
 
-    While a graph is being captured, the op becomes a task of that graph and ``hook`` runs
-    before every replay of it, with the padded step inputs: on Ascend between
-    ``graph_task_update_begin`` and ``graph_task_update_end`` of the op's task group, so
-    the hook re-issues the op with fresh host values (ordered by an external event);
-    elsewhere as a plain pre-replay hook, which must then write device buffers the op
-    reads. ``needs_task_update``: the hook re-issues the op, which only a device with task
-    updates (``task_updates`` on its graph API) can splice into the graph; elsewhere the
-    capture fails with :class:`GraphCaptureError` (the key then runs eagerly). Outside a
-    capture it does nothing: the op runs with the current values.
+    While a graph is captured, the op becomes its task and ``hook`` runs before every replay
+    with the padded step inputs (on Ascend inside the task group's update, re-issuing the op;
+    elsewhere as a pre-replay hook writing device buffers the op reads). ``needs_task_update``:
+    only a graph API with ``task_updates`` can splice the re-issued op in; elsewhere the capture
+    fails with :class:`GraphCaptureError` (the key runs eagerly). Outside a capture: nothing.
     """
     active = getattr(_ACTIVE, "capture", None)
     if active is None:

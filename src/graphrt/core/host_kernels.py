@@ -1,28 +1,14 @@
 """Compiled host kernels: the loops behind the fast path of input preparation and padding.
 
-Every step, the engine's host does the same small jobs (vLLM's ``_prepare_inputs``): spread each request's
-schedule over its tokens, gather ids and KV slots from the engine's tables, copy block-table
-rows, pad to the bucket. numpy does each job in one call, but a step needs 25-40 of them,
-and at a few hundred requests their fixed cost (and the caches a forward evicts between
-steps) outweighs the work. Here each job is one loop compiled by numba (as vLLM does for its
-n-gram proposer): one call per step, every check before the first write.
+A step needs 25-40 small numpy calls whose fixed cost outweighs the work at a few hundred
+requests; here each job is one numba-compiled loop (written once in :mod:`graphrt.core.host_loops`),
+one call per step, every check before the first write. ``kernel="numpy"``, or no numba, runs
+:mod:`graphrt.core.prepare_numpy` instead; ``GRAPHRT_HOST_KERNEL`` sets the default.
 
-The loops are written once, as plain Python in :mod:`graphrt.core.host_loops` (input
-preparation) and its padding loops; this module compiles them
-(:func:`compiled`). Where numba does not import, or ``kernel="numpy"`` asks for
-it, the numpy path runs the same check loops in the interpreter and writes with vectorised
-numpy (:mod:`graphrt.core.prepare_numpy`, the oracle the compiled writes are tested against).
-``kernel="auto"`` uses numba when it imports and numpy otherwise; ``GRAPHRT_HOST_KERNEL``
-(``numba`` / ``numpy``) sets the default.
-
-numba compiles one variant of a loop per combination of its arguments' dtypes, layouts,
-alignment and writeability (1.4-2.4 s each). So the preparer hands both implementations the
-step's arrays in one form: request arrays as int32 (:class:`RequestArrays`, into persistent
-buffers; ``InputPreparer.prepare`` also passes three int64 ones as they are), tables as they
-are when :func:`table_variant` finds them compiled for (int32 or int64, C-contiguous,
-writeable, aligned) and otherwise as a :func:`canonical_table` copy, or, in strict mode, not
-at all. ``InputPreparer.compile_kernels`` compiles those four table variants at warm-up.
-"""
+numba compiles a variant per argument dtype / layout (1.4-2.4 s each), so arrays come in one
+form: request arrays int32 (:class:`RequestArrays`), tables as compiled for
+(:func:`table_variant`: int32 / int64, C-contiguous, writeable, aligned) or a
+:func:`canonical_table` copy; ``InputPreparer.compile_kernels`` compiles the variants at warm-up."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""Every host loop of input preparation, written once: plain Python over numpy arrays, in the
-subset numba compiles (no numba import here). :mod:`graphrt.core.host_kernels` compiles them
-where numba imports; the numpy path (:mod:`graphrt.core.prepare_numpy`) runs the checks in the
-interpreter. Both return the same reports (:mod:`graphrt.core.step_codes`). The padding loops
-(last; their per-field helpers in :mod:`graphrt.core.pad_loops`, the primitives everything is
-built from in :mod:`graphrt.core.loop_primitives`) apply the padder's rule table (``Padder.kernel_rules``: per field its level, fill and
-whether it repeats its last row): no field's fill or length is written here.
-
-``check_requests`` runs first everywhere: it validates every index the other loops use,
-clamping each request value to the int32 range before any sum, so nothing overflows and the
-loops run without bounds checks.
-"""
+"""Every host loop of input preparation, written once: plain Python over numpy arrays in the
+subset numba compiles (:mod:`graphrt.core.host_kernels` compiles them; the numpy path runs the
+checks interpreted; both return :mod:`graphrt.core.step_codes` reports). The padding loops
+apply the padder's rule table (``Padder.kernel_rules``): no fill or length is written here.
+``check_requests`` runs first everywhere: it validates every index and clamps request values
+to int32 before any sum, so the other loops run without bounds checks."""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
-"""Input preparation: from the engine's persistent tables and this step's schedule to
-everything the model and its attention need (vLLM's GPU model runner's ``_prepare_inputs``).
+"""Input preparation: from the engine's persistent tables and this step's schedule to everything
+the model and its attention need (vLLM's ``_prepare_inputs``).
 
-Token level (length T = total scheduled tokens): ``input_ids``, ``positions``,
-``slot_mapping``. Request level (length R): ``seq_lens``, ``num_computed_tokens``,
-``block_table`` rows, ``state_slots`` (each request's recurrent-state slot, -1 for a model
-without state), and ``query_start_loc`` (length R + 1).
-
-``InputPreparer`` writes into persistent buffers (no allocation per step, results valid
-until the next call); ``prepare_inputs`` is the allocating convenience with the same values.
-Every bad input raises :class:`~graphrt.core.errors.InputError` before any output is written.
-This module is the front: argument checks, the one form both implementations take the
-step's arrays in (:mod:`graphrt.core.host_kernels`), and the choice of implementation: the
-loops of :mod:`graphrt.core.host_loops` compiled, or their checks interpreted with the numpy
-writes of :mod:`graphrt.core.prepare_numpy`. Both return the reports of
-:mod:`graphrt.core.step_codes`, which words each error.
-"""
+Token level: ``input_ids``, ``positions``, ``slot_mapping``; request level: ``seq_lens``,
+``num_computed_tokens``, ``block_table`` rows, ``state_slots``, ``query_start_loc`` (R + 1).
+``InputPreparer`` writes persistent buffers (valid until the next call); ``prepare_inputs``
+allocates. Every bad input raises :class:`~graphrt.core.errors.InputError` before any write.
+This module is the front: argument checks, the one array form, and the choice between the
+compiled loops (:mod:`graphrt.core.host_loops`) and the numpy path (:mod:`graphrt.core.prepare_numpy`)."""
 
 from __future__ import annotations
 
@@ -96,29 +88,19 @@ def _check_block_size(bs: int) -> int:
 class InputPreparer:
     """Prepares model inputs into persistent host buffers (the fast path).
 
-    ``max_num_reqs`` / ``max_num_tokens`` bound one step; the block-table width is taken
-    from the table on first use. ``vocab_size`` / ``num_blocks``, when given, bound every
-    scheduled token id and every block id in the scheduled rows (a runner passes its
-    model's vocabulary and its KV cache's size; without them the int32 outputs' range bounds
-    them); ``table_width`` fixes the outputs' block-table columns: a table has at least that
-    many, and a wider one's extra columns are checked (their block ids) but never written out
-    nor needed by a request. Every block-table column a scheduled request's attention reads
-    ([0, ceil(seq_len / block_size))) must hold a block id >= 1 (block 0 is the null block). ``decode_query_len`` is the tokens per request
-    of a uniform decode step (1, or 1 + num_speculative_tokens): a step is ``uniform_decode``
-    when every request schedules exactly that many. ``num_state_slots``: a model with recurrent
-    state (docs/hybrid.md) holds that many slots, one per running request; each step then maps
-    its requests to slots through ``state_slots`` (one entry per table row; default: the row
-    itself), each in [0, num_state_slots) and none held by two requests of a step.
+    ``max_num_reqs`` / ``max_num_tokens`` bound one step. ``vocab_size`` / ``num_blocks`` bound
+    every scheduled token id and block id (without them: the int32 range). ``table_width``
+    fixes the outputs' block-table columns (a wider table's extra columns are checked, never
+    written). Every column a request's attention reads must hold a block id >= 1 (0 is the null
+    block). ``decode_query_len``: tokens per request of a uniform decode step.
+    ``num_state_slots``: a model with recurrent state maps each request to a slot through
+    ``state_slots`` (default: its row), distinct within a step.
 
-    ``kernel`` picks the implementation: ``numba`` (the compiled loops, see
-    :mod:`graphrt.core.host_kernels`), ``numpy`` (the same checks interpreted, numpy writes:
-    the reference) or ``auto`` (numba when it imports). Both give identical results and raise
-    identical errors, and accept the same arrays: request arrays of any integer dtype and
-    layout (copied as int32 into persistent buffers unless they are int32 already, or, for
-    :meth:`prepare`, all three int64), tables of int32 or int64, C-contiguous, writeable (the
-    variants :meth:`compile_kernels` compiles). Any other table is copied to that form every
-    step with a one-time warning, or with ``strict`` refused with an :class:`InputError`
-    naming the field and what to pass, so nothing compiles after warm-up.
+    ``kernel``: ``numba``, ``numpy`` (the reference) or ``auto``; both give identical results
+    and errors. Request arrays of any integer dtype are copied as int32; tables must be int32 or
+    int64, C-contiguous and writeable (the variants :meth:`compile_kernels` compiles), else they
+    are copied with a one-time warning, or refused with ``strict``, so nothing compiles after
+    warm-up.
     """
 
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, block_size: int,

@@ -1,17 +1,10 @@
 """KV cache specs: what each group of attention layers keeps per token slot.
 
-A model declares its KV cache with ``kv_cache_spec()``: a :class:`KVCacheSpec` of
-:class:`KVCacheGroup` layer groups (KV heads, K and V head sizes, dtype, sliding window, or MLA's
-one latent tensor). Every group shares the runner's one block table, so every group has the
-config's block size and a block id names the same rows in every layer. The runner and preflight
-size the cache from :meth:`KVCacheSpec.bytes_per_block` without torch or JAX; a model that
-allocates its own cache says so with :meth:`KVCacheSpec.owned`. The per-layer shapes
-(:meth:`KVCacheGroup.layer_shapes`, ``rows = num_blocks * block_size + 1``, the last the trash
-row) are tabled in docs/attention.md, "KV cache specs". The old protocol,
-``kv_cache_spec() -> (num_layers, num_kv_heads, head_dim)``, is still accepted (:func:`as_kv_spec`).
-
-The standard library only (no numpy): the models' framework-free config reads it.
-"""
+``kv_cache_spec()`` returns a :class:`KVCacheSpec` of :class:`KVCacheGroup` layer groups (KV
+heads, K / V head sizes, dtype, sliding window, or MLA's latent). Groups share the runner's one
+block table and block size. The cache is sized from :meth:`KVCacheSpec.bytes_per_block`
+without torch or JAX; layer shapes are tabled in docs/attention.md, "KV cache specs". The old
+``(num_layers, num_kv_heads, head_dim)`` tuple is still accepted (:func:`as_kv_spec`)."""
 
 from __future__ import annotations
 
@@ -39,12 +32,9 @@ SPEC_FIELD = "kv_cache_spec"
 class KVCacheGroup:
     """Attention layers (indices into ``model.attention_layers()``) sharing one KV layout.
 
-    ``head_size_v`` None: V's head size is K's. ``dtype`` "auto": the config's ``kv_cache_dtype``
-    where it is set, else the weights' dtype; or a name of ``defaults.KV_CACHE_DTYPE_NAMES`` /
-    a torch, numpy or JAX dtype. ``block_size`` None: the config's (any other value is refused:
-    groups share one block table). ``sliding_window`` 0: full attention; W: a token at position
-    p sees p - W + 1 .. p. ``latent_dim`` > 0: an MLA group (use :meth:`mla`), one latent tensor
-    per layer and no heads.
+    ``head_size_v`` None: K's. ``dtype`` "auto": the config's ``kv_cache_dtype``, else the
+    weights'. ``block_size`` None: the config's (no other value). ``sliding_window`` W > 0: a
+    token at p sees p - W + 1 .. p. ``latent_dim`` > 0: an MLA group (:meth:`mla`).
     """
 
     layers: tuple[int, ...]

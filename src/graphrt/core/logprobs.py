@@ -1,13 +1,9 @@
 """Logprobs as graphrt returns them, and what a step returns when it was asked for them.
 
-Every backend computes them on the device, in float32, from the logits rows the step produced:
-``log_softmax`` of the raw logits (before temperature and the top-k / top-p filters, vLLM's
-default ``raw_logprobs``), the logprob and rank of one token per row, and the ``max_logprobs``
-largest logprobs of the row in descending order. Sampled tokens' logprobs come from the
-sampler's logprobs graph (one per request count, ``SamplerKey(..., logprobs=True)``); prompt
-logprobs from the forward's hidden rows at a request's scheduled positions, the token after each
-position being the one whose logprob is taken. Only host numpy arrays live here.
-"""
+Every backend computes them on the device in float32 from the raw logits (vLLM's default
+``raw_logprobs``: before temperature and top-k / top-p): the chosen token's logprob and rank,
+and the ``max_logprobs`` largest in descending order; sampled tokens' from the sampler's
+logprobs graph, prompt logprobs from the forward's hidden rows. Host numpy arrays only here."""
 
 from __future__ import annotations
 

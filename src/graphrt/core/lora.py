@@ -1,17 +1,11 @@
-"""LoRA adapters in a step, host side: each request's adapter slot, checked; how many
-distinct adapters the step runs (the key's ``num_loras``, bucketed by the dispatcher); and
-the two small tables a captured graph reads (written into the executor's staging buffers):
+"""LoRA adapters in a step, host side: each request's slot, checked; how many distinct adapters
+the step runs (the key's ``num_loras``); and the two tables a graph reads:
 
-* ``lora_index`` ``[T]`` -- each token's adapter slot, ``NO_LORA`` (-1) for a token of a
-  request without an adapter and for every padded token;
-* ``lora_groups`` ``[max_loras]`` -- the step's active slots in ascending order, then
-  ``LORA_GROUP_PAD`` (a slot no token holds). A graph of key ``num_loras = n`` applies the
-  first ``n`` groups, each to the tokens whose slot is the group's.
+* ``lora_index`` ``[T]`` -- each token's slot, ``NO_LORA`` (-1) for no adapter and padding;
+* ``lora_groups`` ``[max_loras]`` -- the active slots ascending, then ``LORA_GROUP_PAD``; a graph
+  of ``num_loras = n`` applies the first ``n`` groups.
 
-Everything is checked before anything is written: a bad ``lora_ids`` raises
-:class:`~graphrt.core.errors.InputError` naming the field (and the row), like the step's
-other inputs.
-"""
+A bad ``lora_ids`` raises :class:`~graphrt.core.errors.InputError` before anything is written."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """What a setting will allocate, checked against what the machine has before anything is allocated.
 
-A size far past memory (``num_kv_blocks=10**9``, ``max_model_len=10**9``, a step channel of
-``2**50`` bytes) used to end in a raw allocator error -- a numpy ``MemoryError`` after seconds of
-allocation, ``OSError: [Errno 12]``, a device OOM -- naming no setting. Each allocation is
-described instead as a :class:`Need` (the setting that sizes it, what it is, its bytes), and
-:func:`check_needs` refuses the lot with a :class:`ConfigError` naming the setting behind the
-largest need, the bytes it implies and what is available, before the first allocation.
-
-The bound is the memory the allocation lands in: the host's physical RAM
-(:func:`physical_memory_bytes`), the free space of ``/dev/shm`` for shared memory, or the
-device's total memory (its backend says). It refuses what cannot fit at all; it is no
-estimate of everything a process holds.
-
-numpy-free; the standard library only.
-"""
+Each allocation is a :class:`Need` (the setting behind it, what it is, its bytes);
+:func:`check_needs` refuses them with a :class:`ConfigError` naming the setting of the largest,
+the bytes and what is available, instead of a raw ``MemoryError`` / OOM naming nothing. The
+bound is where it lands: physical RAM, ``/dev/shm``'s free space, or the device's memory. The
+standard library only."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """What "the same result" means for a padded step: the tolerance between two padded sizes.
 
-graphrt's padding guarantees (docs/padding.md):
-
-* the same step padded to the same bucket is bitwise the same, replayed or eager, run
-  once or twice: the same kernels run on the same rows;
-* the same step padded to two different buckets gives real outputs (hidden rows, logits,
-  KV writes) within :func:`tolerance` of each other, and the same greedy tokens: another
-  row count may select another matmul kernel, which adds the same products in another
-  order, so the last bits can differ;
-* KV slots outside the step's real slots are byte-identical, whatever the bucket.
-
-:func:`tolerance` is the one place the second bound is defined; graphrt's own tests use it
-and so can an engine's.
-"""
+The same step at the same bucket is bitwise the same, replayed or eager; at two buckets its
+real outputs are within :func:`tolerance` with the same greedy tokens (another row count may
+pick another matmul kernel); KV slots outside the step's are byte-identical (docs/padding.md).
+This is the one place that bound is defined, for graphrt's tests and an engine's."""
 
 from __future__ import annotations
 
@@ -76,27 +67,13 @@ def dtype_name(dtype: Any) -> str:
 def tolerance(dtype: Any = "float32") -> Tolerance:
     """How far a step's real outputs at two padded sizes may be apart, for outputs of ``dtype``.
 
-    A different row count may make the matmul pick a different kernel (CPU GEMMs choose by
-    shape, so do GPU BLAS heuristics), which adds the same products in a different order.
-    The results then differ by rounding only, and that rounding is bounded by two terms:
-
-    * the accumulation: matmuls sum in float32 (float64 for float64 inputs), and a
-      reordered sum of K products differs by about sqrt(K) eps of that dtype, growing
-      through the layers; ``TOLERANCE_ACCUMULATION_EPS`` (64) eps of float32 is
-      7.6e-6, five times the largest difference measured between a padded and an unpadded
-      step of the test models (1.7e-6, 14 eps, on an AMD EPYC whose MKL picks other
-      kernels for other row counts);
-    * the output rounding: bfloat16 / float16 results are rounded to their own few bits
-      after each op, so a tiny accumulation difference can move an output to the
-      neighbouring representable value, and those flips carry through the layers;
-      ``TOLERANCE_ROUNDING_EPS`` (4) eps of the output dtype.
-
-    The larger term is both ``rtol`` and ``atol`` (graphrt compares normalised hidden
-    states, logits and K/V rows, whose values are O(1)): float32 7.6e-6, float16 3.9e-3,
-    bfloat16 3.1e-2, float64 1.4e-14. It is calibrated on short sums (hidden sizes of
-    hundreds, a few layers); a model thousands wide and dozens of layers deep accumulates
-    more and may need a looser bound. It is for comparisons across shapes only: at the
-    same padded shape on a CPU graphrt's results are bitwise equal.
+    Another row count may pick another kernel, which sums the same products in another order.
+    Two terms bound it: the accumulation, ``TOLERANCE_ACCUMULATION_EPS`` (64) eps of float32,
+    7.6e-6, five times the largest difference measured on the test models (1.7e-6 on an AMD
+    EPYC); and the output rounding of bfloat16 / float16, ``TOLERANCE_ROUNDING_EPS`` (4) eps of
+    the dtype. The larger is both ``rtol`` and ``atol`` (compared values are O(1)): float32
+    7.6e-6, float16 3.9e-3, bfloat16 3.1e-2, float64 1.4e-14. Calibrated on small models; for
+    comparisons across shapes only (at one shape on a CPU results are bitwise equal).
     """
     name = dtype_name(dtype)
     eps = DTYPE_EPS.get(name)
@@ -109,22 +86,14 @@ def tolerance(dtype: Any = "float32") -> Tolerance:
 
 def reduction_tolerance(dtype: Any = "float32", *, magnitude: float,
                         width: int = TOLERANCE_CALIBRATION_WIDTH) -> Tolerance:
-    """How far outputs of the same computation with its reductions in another order may be
-    apart: tensor parallelism (each rank sums its shard, then the all-reduce adds the
-    partial sums), a sharded XLA matmul, or data-parallel ranks padding to other shapes.
+    """How far outputs of the same computation with reductions in another order may be apart
+    (tensor parallelism, a sharded XLA matmul, DP ranks at other shapes).
 
-    A reordered sum rounds relative to the terms it adds, not to its result, so an output
-    near 0 in a row whose other outputs reach ``magnitude`` can move by about eps times
-    ``magnitude`` (issue 26: a logit of 0.0054 moved by 9.1e-6 in a row reaching 20, over
-    :func:`tolerance`'s 7.6e-6). The bound is therefore :func:`tolerance` of ``dtype`` for
-    ``rtol``, and for ``atol`` the same bound scaled by the magnitude of the compared values
-    (at least 1: :func:`tolerance` already covers O(1) values) and by
-    ``sqrt(width / TOLERANCE_CALIBRATION_WIDTH)`` for a reduction wider than the ones
-    :func:`tolerance` was calibrated on (``width``: the reduced dimension, e.g. the hidden
-    size; at most the calibration width counts as it).
-
-    ``magnitude`` is the largest absolute value of the reference (per row or per step, as
-    the caller compares).
+    A reordered sum rounds relative to its terms, so an output near 0 in a row reaching
+    ``magnitude`` moves by about eps times ``magnitude`` (issue 26). ``rtol`` is
+    :func:`tolerance`; ``atol`` is it scaled by ``magnitude`` (at least 1) and by
+    ``sqrt(width / TOLERANCE_CALIBRATION_WIDTH)`` for a reduced dimension wider than the
+    calibration. ``magnitude``: the reference's largest absolute value (per row or step).
     """
     if not np.isfinite(magnitude) or magnitude < 0:
         raise ConfigError(f"reduction_tolerance: magnitude must be finite and >= 0, got {magnitude!r}")

@@ -1,12 +1,9 @@
 """Padding: every model input grown to a bucket's (tokens, requests) with safe fill values.
 
-The rules are one table (:func:`pad_rules`: each field's level from ``graphrt.core.fields``, its
-fill from ``graphrt.core.defaults.PAD_FILL_VALUES``, overridable per attention backend): a padded
-token writes no real KV slot (``slot_mapping`` -1), a padded request attends to nothing
-(``seq_lens`` 0, null-block table rows) and owns the trash state slot, and ``query_start_loc``
-repeats its last value so padded requests own no query token (docs/padding.md has the table).
-``num_tokens`` / ``num_reqs`` of the result stay the real counts.
-"""
+One rule table (:func:`pad_rules`: level from ``graphrt.core.fields``, fill from
+``defaults.PAD_FILL_VALUES``, overridable per attention backend): a padded token writes no real
+KV slot, a padded request attends to nothing and owns the trash state slot, ``query_start_loc``
+repeats its last value (docs/padding.md). ``num_tokens`` / ``num_reqs`` stay the real counts."""
 
 from __future__ import annotations
 

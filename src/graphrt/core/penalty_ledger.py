@@ -1,23 +1,12 @@
 """Which device row holds each penalised request's token counts, and what a step adds to them.
 
-Repetition / presence / frequency penalties (vLLM's) read, per request, how often each token
-occurs in its output and whether it occurs in its prompt or output. A backend keeps both as
-persistent ``[slots + 1, vocab]`` device buffers -- row 0 stays zero: rows without penalties and
-padded rows read it -- and this ledger, on the host, lends each penalised request a row and says
-what each step folds in, with no per-token Python loop:
-
-* every token the step schedules, as it is scheduled: its id is on the device (the step's
-  ``input_ids``, future tokens included), its position says prompt (``< prompt_len``) or output;
-  a position folded in before (a request recomputed after preemption) is skipped;
-* a request's tokens before its first scheduled position (a prefix-cache hit, or steps run
-  without a sampling batch), once, from the caller's host token table;
-* a request new to its row starts from zeros.
-
-:meth:`PenaltyLedger.free` returns a request's row; when every row is lent, the least recently
-used request not in the step loses its row (rebuilt from the token table if it comes back).
-Counting by position assumes a request's tokens never change once scheduled: an engine that
-rewinds a request to other tokens frees it first.
-"""
+A backend keeps per-row output counts and prompt-or-output flags as ``[slots + 1, vocab]``
+buffers (row 0 stays zero for rows without penalties); this host ledger lends each penalised
+request a row and says what each step folds in, without a per-token loop: every scheduled
+token (by position: prompt or output; a position folded before is skipped), a request's tokens
+before its first scheduled position once from the host table, zeros for a new row. When every
+row is lent the least recently used request outside the step loses its row. An engine that
+rewinds a request to other tokens frees it first."""
 
 from __future__ import annotations
 

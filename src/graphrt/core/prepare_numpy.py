@@ -1,13 +1,9 @@
-"""The numpy path of input preparation: the checks of :mod:`graphrt.core.host_loops` run in the
-interpreter, then vectorised numpy writes on persistent scratch (no per-token Python loop).
+"""The numpy path of input preparation: :mod:`graphrt.core.host_loops`' checks interpreted, then
+vectorised numpy writes on persistent scratch.
 
-Its writes are written independently of the compiled ``write_step``: they are the oracle the
-compiled outputs are tested against. Its checks are the host loops' own (no second set), so
-both paths accept and refuse the same steps with the same reports. It is also the fallback
-where numba does not import: correct, but its checks run at Python speed (about a millisecond
-per 256-request step). :class:`NumpyPrepare` offers the compiled entry points' signatures, so
-:class:`graphrt.InputPreparer` drives both paths the same way.
-"""
+Its writes are independent of the compiled ``write_step`` (the oracle it is tested against);
+its checks are the host loops' own, so both paths refuse the same steps alike. It is also the
+fallback where numba does not import (about 1 ms per 256-request step)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Sampling parameters: one rule per field, in one place.
 
-``SamplingParams`` (one request's scalars, :mod:`graphrt.engine.sampling_params`) and
-:class:`SamplingBatch` (a step's arrays, what the runner and every executor read) both check
-their fields with the rules below, so whatever one accepts the other accepts; a bad value raises
-:class:`~graphrt.core.errors.InputError` naming the field (in a batch, the row) before any device
-work. The rules per field are tabled in docs/api.md, "Sampling parameters"; the optional
-penalty columns' rules live in :mod:`graphrt.core.sampling_columns`. The configured
-``max_logprobs`` is checked by whoever knows it (:func:`check_logprobs_limit`).
-
-Bools, strings and other objects are refused where a number is expected. A batch checks its
-three numeric columns by their min and max (as lists up to ``SAMPLING_CHECK_LIST_ROWS`` rows,
-else two numpy reductions): a few microseconds whatever the batch size; single values are looked
-at only when a bound fails, to name the bad row.
-"""
+``SamplingParams`` (one request) and :class:`SamplingBatch` (a step's arrays) check their
+fields with the rules below, so both accept the same values; a bad one raises
+:class:`~graphrt.core.errors.InputError` naming the field (and row) before any device work
+(docs/api.md, "Sampling parameters"). A batch checks its numeric columns by min and max: a few
+microseconds whatever its size; rows are looked at only to name a bad one."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Recurrent-state specs: what each group of recurrent layers keeps per running request.
 
-A hybrid model declares, beside its KV cache spec, a :class:`StateSpec` (``state_spec()``,
-docs/hybrid.md, "State specs"): groups of recurrent layers (indices into ``model.state_layers()``),
-each naming the tensors one request's state is made of, with their dtypes. Unlike KV a state does
-not grow: one **slot** per running request holds it. Per layer and tensor the executor allocates
-``[num_slots + 1, checkpoints, *shape]``: slot ``num_slots`` is the **trash slot** padding reads
-and writes (kernels map every negative slot there with ``where``), and ``checkpoints`` =
-``1 + num_speculative_tokens`` is a ring indexed by ``position % checkpoints``, so rejected drafts
-roll back by themselves. The slots come out of the KV memory budget first (:func:`state_memory`,
-:func:`check_state_fits`).
-
-The standard library only (no numpy): preflight and the framework-free configs read it.
-"""
+A hybrid model's ``state_spec()`` (docs/hybrid.md, "State specs") names groups of recurrent
+layers and the tensors of one request's state. One slot per running request; per layer and
+tensor the executor allocates ``[num_slots + 1, checkpoints, *shape]``: slot ``num_slots`` is
+the trash slot padding uses, and ``checkpoints`` = 1 + num_speculative_tokens is a ring indexed
+by ``position % checkpoints``, so rejected drafts roll back by themselves. Slots are taken from
+the KV budget first (:func:`state_memory`). The standard library only."""
 
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""What a step check found, and what it says: the codes the checks of ``host_loops`` return
-(compiled or interpreted, see ``host_kernels``) and the one message for each.
+"""What a step check found and what it says: the codes ``host_loops`` returns, one message each.
 
-A check returns a report, six ints (:class:`StepReport`): the code, the request it names
-(-1: none), what in that request (a block-table column, a token position, blocks needed;
--1: none), then the step's shape when the request-level bounds passed (num_tokens,
-max_query_len, max_seq_len). :func:`step_error` turns a failed report into the
-:class:`~graphrt.InputError` naming the field, quoting the caller's own arrays (not the clamped
-copies the loops read).
-
-Every request value (row, computed, scheduled) is clamped to the int32 range
-(``fields.INDEX_MAX``) before any sum, then compared and summed in int64: nothing overflows,
-and a clamped value fails exactly the checks its true value fails (the tables have fewer than
-``INDEX_MAX`` rows and columns). "First minimum" below is over the clamped values.
-"""
+A report is six ints (:class:`StepReport`): the code, the request it names (-1: none), what in
+that request (column, position, blocks; -1: none), then num_tokens, max_query_len,
+max_seq_len. :func:`step_error` turns a failed report into the :class:`~graphrt.InputError`
+naming the field and quoting the caller's arrays. Request values are clamped to the int32
+range before any sum and summed in int64: nothing overflows, and a clamped value fails exactly
+the checks its true value fails."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Graph coverage as Prometheus text: how many steps and tokens ran on graphs, every eager step
-by cause, builds, warm-up and re-fits (docs/api.md, "Coverage telemetry").
+"""Graph coverage as Prometheus text (docs/api.md, "Coverage telemetry").
 
-:func:`prometheus_text` renders the counters of a runner's forward and sampler caches (and,
-where given, background warm-up's and the traffic re-fit's reports) in Prometheus' text
-exposition format: ``# HELP`` and ``# TYPE`` lines, then one sample per line, every eager
-cause present (zero until it happens) so a dashboard's series exist from the start.
-``graphrt.LLM.metrics_text()`` and ``ModelRunner``'s users serve it at ``/metrics``.
-"""
+:func:`prometheus_text` renders a runner's forward and sampler cache counters (and background
+warm-up's and re-fits' reports): steps and tokens on graphs, every eager cause (zero until it
+happens, so series exist from the start), builds. ``graphrt.LLM.metrics_text()`` serves it."""
 
 from __future__ import annotations
 
