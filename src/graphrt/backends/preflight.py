@@ -1,22 +1,12 @@
 """What a ModelRunner (and graphrt.LLM) refuses before it allocates anything.
 
-Configuration that used to be accepted and to fail later -- deep in loading, after seconds of
-allocation, or at the first prefill -- is a :class:`ConfigError` naming the field here:
-
-* :func:`check_before_loading`, before the model is loaded: a backend that shards where
-  ``tensor_parallel_size > 1``, ``dtype`` a name graphrt knows
-  (``core/dtypes.py``), an implementation for a checkpoint directory (``model_impl``) and
-  ``max_model_len`` within the model's ``max_position_embeddings``
-  unless ``allow_long_max_model_len`` (``GraphConfig.check_model_len``);
-* :func:`check_memory`, once the model is loaded and before the executor allocates: the bytes
-  each setting implies (:func:`runner_needs`: host tables and staging buffers, static buffers,
-  the activations of the largest graph and step, the KV cache of ``num_kv_blocks``, LoRA slots)
-  against the host's RAM and the device's memory (``core/memory_bounds.py``);
-* :func:`engine_host_needs`: what ``graphrt.LLM`` adds on the host (its token and block tables).
-
-The byte counts are lower bounds of what each setting allocates -- enough to refuse a size
-that can never fit, not an estimate of the whole process.
-"""
+Settings that used to fail late (deep in loading, at the first prefill) are a
+:class:`ConfigError` naming the field here: :func:`check_before_loading` (a backend that shards
+for ``tensor_parallel_size > 1``, a known ``dtype``, a ``model_impl`` for the directory,
+``max_model_len`` within ``max_position_embeddings``); :func:`check_memory`, after loading (the
+bytes each setting implies, :func:`runner_needs`, against host RAM and device memory); and
+:func:`engine_host_needs` (graphrt.LLM's tables). The counts are lower bounds: enough to refuse
+what can never fit, not an estimate of the process."""
 
 from __future__ import annotations
 

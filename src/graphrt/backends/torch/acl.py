@@ -1,15 +1,9 @@
-"""Ascend ACL graph limits: how many graphs the device's streams allow (as
-vllm-ascend computes it).
+"""Ascend ACL graph limits: how many graphs the device's streams allow (vllm-ascend's formula).
 
-Every captured ACL graph takes streams -- in PIECEWISE mode at least one per piece -- and
-a device has 2048, of which 1800 (``ACL_MAX_CAPTURE_SIZE``) are usable for
-graphs. :func:`capture_budget` is vllm-ascend's empirical formula for the number of
-capture sizes that fit; :func:`limit_policy` cuts a bucket policy to it with
-``BucketPolicy.limit_to`` (keeping the smallest and the largest size) and logs what it did.
-The ``npu`` backend's dispatcher is built over the limited policy.
-
-Pure Python: importing this module needs neither torch nor torch_npu.
-"""
+Every ACL graph takes streams (PIECEWISE: one per piece at least) of the 1800 usable
+(``ACL_MAX_CAPTURE_SIZE``); :func:`limit_policy` cuts a bucket policy to
+:func:`capture_budget` (keeping the smallest and largest size) and logs it. Imports neither
+torch nor torch_npu."""
 
 from __future__ import annotations
 
@@ -41,13 +35,10 @@ def capture_budget(num_hidden_layers: int, tp_size: int = 1, dp_size: int = 1,
                    *, moe: bool | None = None, max_graphs: int = ACL_MAX_CAPTURE_SIZE) -> int:
     """Most capture sizes the ACL stream budget allows for this model and parallel layout.
 
-    Each graph needs ``num_hidden_layers + 1`` streams (plus ``draft_layers + 1`` with a
-    draft model for speculative decoding). Tensor and data parallel groups larger than one
-    are communication groups. With ``aiv_mode`` (A2, ``HCCL_OP_EXPANSION_MODE=AIV``) each
-    group, and expert parallelism, multiplies the streams per graph; a dense model's
-    all-reduce also reserves streams up front. Otherwise (HCCL's default FFTS+ / AICPU
-    expansion, as on A3) each group costs ``ACL_STREAMS_PER_COMM_GROUP`` streams
-    and two extra streams per graph. ``moe`` defaults to ``expert_parallel``.
+    Each graph needs ``num_hidden_layers + 1`` streams (plus ``draft_layers + 1`` with a draft
+    model). With ``aiv_mode`` (A2, ``HCCL_OP_EXPANSION_MODE=AIV``) each communication group and
+    expert parallelism multiply the streams per graph; otherwise (A3's default) each group costs
+    ``ACL_STREAMS_PER_COMM_GROUP`` plus two per graph. ``moe`` defaults to ``expert_parallel``.
     Returns 0 when not even one graph fits.
     """
     if num_hidden_layers < 1:

@@ -38,15 +38,11 @@ class TorchBackend(Backend):
 
     def load_model(self, model_dir: str, dtype: Any = None, *, tp_rank: int = 0, tp_size: int = 1,
                    group: Any = None, model_impl: str = "auto") -> torch.nn.Module:
-        """graphrt's torch decoder from a Hugging Face directory on this backend's device -- or,
-        by ``model_impl`` (``models/model_impl.py``: "auto" where graphrt has no decoder of it,
-        "transformers"), transformers' model over graphrt's attention (``transformers_impl``) --
-        its weights in ``dtype`` (a torch dtype or a name: "bfloat16", "half", "auto" for the
-        checkpoint's, ...; :func:`~graphrt.core.dtypes.model_dtype`; default float32);
-        ``tp_size > 1`` loads rank ``tp_rank``'s shard over the process group ``group``
-        (``None``: the default group), reading only its slices of the checkpoint (graphrt's
-        decoder) or sharding by the model's ``base_model_tp_plan`` (transformers'). The model
-        remembers ``source_dir``: a tensor-parallel executor given it loads the shards from there."""
+        """graphrt's torch decoder from a Hugging Face directory, or by ``model_impl``
+        transformers' model over graphrt's attention, on this backend's device, its weights in
+        ``dtype`` (a torch dtype or a name, :func:`~graphrt.core.dtypes.model_dtype`; default
+        float32). ``tp_size > 1`` loads rank ``tp_rank``'s shard over ``group`` (None: the default
+        group). The model remembers ``source_dir`` for a tensor-parallel executor's workers."""
         from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl
         name = model_dtype(dtype, checkpoint_limits(model_dir)[1] or "float32")   # "bf16", "auto", torch.half...
         if resolve_model_impl(model_dir, model_impl) == "transformers":

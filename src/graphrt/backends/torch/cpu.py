@@ -1,13 +1,8 @@
 """``cpu``: a real graph backend for machines with no accelerator.
 
-Capture records the aten ops on static buffers
-(:mod:`graphrt.backends.torch.recording_graph`); replay re-executes them on the same storage. It
-reproduces what makes device graphs hard -- baked-in Python values, static addresses, no
-host sync while capturing -- so every graph-correctness test runs in CI on a CPU.
-
-Pieces: the shared dispatcher (the capture sizes), :class:`graphrt.Padder` and
-:class:`graphrt.GraphCache`; its own :class:`CpuGraphAPI` over the recording graph.
-"""
+Capture records the aten ops on static buffers (:mod:`graphrt.backends.torch.recording_graph`);
+replay re-executes them on the same storage. It reproduces what makes device graphs hard (baked
+Python values, static addresses, no host sync while capturing), so graph tests run in CI."""
 
 from __future__ import annotations
 

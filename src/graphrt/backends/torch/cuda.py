@@ -1,19 +1,9 @@
 """``cuda``: CUDA Graphs (``torch.cuda.CUDAGraph``) over the shared torch graph code.
 
-Everything device-independent -- warm-up before capture, largest bucket first into one
-shared memory pool, the garbage collector paused while capturing, inputs copied into
-static buffers and outputs sliced from them, per-bucket capture time and memory, the
-debug address check, PIECEWISE splitting and ``compile_model`` -- lives in
-:mod:`graphrt.backends.torch.executor`. This adapter supplies the CUDA calls: graphs are
-captured on one dedicated side stream, memory is what the caching allocator reserves
-(graph pools included), and ``compile_model`` uses Inductor.
-
-A capture that fails (out of memory, an op that cannot be captured such as ``.item()``)
-makes that bucket run eagerly with a warning saying why and what to change.
-
-Pieces: the shared dispatcher (the capture sizes), :class:`graphrt.Padder` and
-:class:`graphrt.GraphCache`; its own :class:`CudaGraphAPI`.
-"""
+This adapter supplies the CUDA calls (capture on one side stream, memory as the caching
+allocator reserves it, Inductor for ``compile_model``); everything else is
+:mod:`graphrt.backends.torch.executor`'s. A failed capture runs its bucket eagerly, with a
+warning."""
 
 from __future__ import annotations
 
@@ -69,15 +59,12 @@ class CudaGraphAPI(DeviceGraphAPI):
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: Any) -> Iterator[Any]:
         """``torch.cuda.graph`` on one side stream, without its per-graph collect and
-        ``empty_cache`` (the executor collects once; emptying the cache before every graph
-        only makes the next capture allocate again).
+        ``empty_cache`` (which only make the next capture allocate again).
 
-        A capture the forward broke (a host sync invalidates it) makes ``capture_end``
-        raise before torch restores the stream and releases the pool (torch 2.11):
-        :meth:`_abandon` restores the stream and ends the device pool's recording;
-        :class:`~graphrt.backends.torch.device_graphs.GraphPool` gives later graphs a fresh pool,
-        since the pinned-host allocator's recording has no Python call to end it. Without both, every later capture fails
-        with "already recording to mempool_id"."""
+        A capture the forward broke makes ``capture_end`` raise before torch restores the stream
+        and releases the pool (torch 2.11): :meth:`_abandon` restores both, and
+        :class:`~graphrt.backends.torch.device_graphs.GraphPool` gives later graphs a fresh pool;
+        without that every later capture fails with "already recording to mempool_id"."""
         stream = self._capture_stream()
         with _no_collect(self.cuda):
             ctx = self.cuda.graph(graph, pool=pool, stream=stream)
@@ -94,13 +81,9 @@ class CudaGraphAPI(DeviceGraphAPI):
     def _prime(self, stream: Any) -> None:
         """Run a few matmuls on the capture stream before its first capture, outside any graph.
 
-        cuBLAS keeps one workspace per (handle, stream), allocated by the caching allocator at
-        the stream's first matmul (32 MiB on Hopper). Allocated inside the first capture, it
-        lands in that graph's pool, counts as that graph's bytes and stays there for the life
-        of the process: the graph-memory samples then measured 38 MiB for a key that took
-        2.4 MiB at warm-up (H200, 2026-11-26). Allocated here -- when the first pool is made,
-        before any capture's bytes are counted -- it is ordinary memory that neither the
-        samples nor warm-up count."""
+        cuBLAS allocates a workspace per (handle, stream) at the stream's first matmul (32 MiB on
+        Hopper); inside the first capture it would land in that graph's pool for good (38 MiB
+        measured for a 2.4 MiB key, H200). Allocated here it is ordinary memory no sample counts."""
         if self.cuda is not torch.cuda:
             return
         with self.cuda.stream(stream):

@@ -1,14 +1,7 @@
-"""Torch device graphs, the small API each device supplies, and capture / replay of any
-callable per key.
-
-A device (CUDA, Ascend, the CPU recording graph) supplies a :class:`DeviceGraphAPI`: new
-graphs, a shared memory pool, a capture context. :func:`record` captures a callable with
-the rules that make device graphs correct (the device synchronised, the garbage collector
-out of the way, refreshable tasks collected).
-:class:`~graphrt.backends.torch.executor.TorchExecutor` and the piece an engine with its own
-model runner takes (:class:`~graphrt.backends.torch.capture.callable_graphs.TorchGraphs`) are built on
-them.
-"""
+"""Torch device graphs, the small API each device supplies, and capture / replay of any callable
+per key. A device supplies a :class:`DeviceGraphAPI` (graphs, a shared pool, a capture
+context); :func:`record` captures with the rules that make graphs correct (device synchronised,
+GC paused, refreshable tasks collected)."""
 
 from __future__ import annotations
 

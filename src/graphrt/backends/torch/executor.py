@@ -1,20 +1,12 @@
 """The torch graph logic, written once over a small device-graph API.
 
-``TorchExecutor`` owns static device buffers (inputs, hidden states, logits, sampler
-state), the paged KV cache, and the captured graphs. CUDA, Ascend and the CPU recording
-graph differ only in their :class:`DeviceGraphAPI`; with no API (``eager``) every step
-runs eagerly on the same buffers.
-
-Capturing is :class:`~graphrt.backends.torch.capture.graph_builder.GraphBuilder`'s job.
-
-One refresh path: the attention backend's ``before_replay`` runs before every run (graph or
-eager) where the backend has one -- host-planned metadata written into device buffers
-(FlashInfer-style ``plan``), host lists a captured op reads -- then the graph's tasks
-(:func:`graph_task`: on Ascend an op re-issued between ``graph_task_update_begin`` / ``_end``).
-At a FULL capture the same ``before_replay`` runs on the padding step with only its declared
-host values readable, and :meth:`~graphrt.backends.torch.capture.baked_values.BakedValueChecks.check_refresh` proves
-that nothing it leaves behind reaches the graph as a number.
-"""
+``TorchExecutor`` owns the static device buffers, the paged KV cache and the captured graphs;
+CUDA, Ascend and the CPU recording graph differ only in their :class:`DeviceGraphAPI` (none:
+``eager``). Capturing is :class:`~graphrt.backends.torch.capture.graph_builder.GraphBuilder`'s.
+One refresh path: the attention backend's ``before_replay`` runs before every run, then the
+graph's tasks (:func:`graph_task`); at a FULL capture it runs on the padding step with only its
+declared host values readable, and ``BakedValueChecks.check_refresh`` proves nothing it leaves
+reaches the graph as a number."""
 
 from __future__ import annotations
 

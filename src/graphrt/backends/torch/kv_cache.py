@@ -1,14 +1,9 @@
 """The torch executor's KV cache, allocated per the model's KV cache spec (core/kv_spec.py).
 
-:func:`model_kv_spec` reads ``model.kv_cache_spec()`` (a :class:`~graphrt.core.kv_spec.KVCacheSpec`,
-or the old ``(num_layers, num_kv_heads, head_dim)`` tuple) and checks it against the config and
-the dtypes torch holds, so a bad spec is a ``ConfigError`` naming its field before anything is
-allocated (the backend's ``model_shape`` calls it in preflight). :class:`TorchKVCache` allocates
-one zeroed tensor per stored layout (or two: K and V of different head sizes), ``[layers of
-that layout, *layer shape]``, and assigns each attention layer its view as ``layer.kv_cache``:
-a tensor, or a ``(k, v)`` pair where K and V have different head sizes. A model that owns its
-cache allocates it itself.
-"""
+:func:`model_kv_spec` reads and checks ``model.kv_cache_spec()`` (ConfigError naming the field
+before any allocation). :class:`TorchKVCache` allocates one zeroed tensor per stored layout and
+sets each attention layer's ``layer.kv_cache`` (a tensor, or ``(k, v)`` where K and V head
+sizes differ). A model that owns its cache allocates it itself."""
 
 from __future__ import annotations
 

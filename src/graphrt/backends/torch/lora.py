@@ -1,12 +1,7 @@
-"""LoRA adapters of a :class:`~graphrt.backends.torch.executor.TorchExecutor`.
-
-:class:`TorchLora` swaps the model's LoRA target linears for
-:class:`~graphrt.models.torch.lora.LoRALinear` (only when ``max_loras > 0``), owns the step's
-LoRA tables (page-locked staging buffers on a device, the same tensors on a CPU), copies them
-with each step, sets the key's adapter count before a capture or an eager run, and loads
-adapters by copying into the layers' persistent stacks -- never reallocating them, so graphs
-captured before a load replay with the new weights.
-"""
+"""LoRA adapters of a :class:`~graphrt.backends.torch.executor.TorchExecutor`: :class:`TorchLora`
+swaps the target linears for :class:`~graphrt.models.torch.lora.LoRALinear`, copies the step's
+LoRA tables, sets the key's adapter count, and loads adapters into the layers' persistent
+stacks (never reallocated, so graphs captured before a load replay with the new weights)."""
 
 from __future__ import annotations
 

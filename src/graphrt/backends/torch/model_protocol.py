@@ -2,16 +2,10 @@
 
 A torch model (docs/models.md) has ``forward(input_ids, positions)``, ``compute_logits(hidden)``,
 ``attention_layers()``, ``kv_cache_spec()`` and a ``config`` with ``vocab_size`` and
-``hidden_size``; optionally ``attention_backend`` (the attention seam, docs/attention.md) and
-``extra_inputs`` (per-step inputs it reads, :mod:`graphrt.core.extra_inputs`).
-:func:`check_torch_model` names each missing or ill-typed member with what to implement, and
-refuses a model of another framework with a sentence, before anything is allocated.
-
-The model's attention is one object, chosen once (:func:`choose_attention`, the only place a
-kernel is chosen): its own, or graphrt's (FlashInfer, Ascend, or
-:class:`~graphrt.models.torch.attention_backend.PagedAttentionBackend` with its kernel fixed);
-its FULL-graph support is the least of its and its layers' (``graph_support``).
-"""
+``hidden_size``; optionally ``attention_backend`` and ``extra_inputs``.
+:func:`check_torch_model` names what is missing before anything is allocated.
+:func:`choose_attention` is the one place a kernel is chosen (the model's own, FlashInfer,
+Ascend, or graphrt's paged attention); its FULL-graph support is the least of its layers'."""
 
 from __future__ import annotations
 

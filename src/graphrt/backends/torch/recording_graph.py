@@ -1,45 +1,15 @@
 """A CPU "recording graph" with the semantics of a captured device graph.
 
-``torch.cuda.CUDAGraph`` records the kernels a forward launches and replays them on
-the same memory; Python never runs again. :class:`RecordingGraph` reproduces that on
-a machine without an accelerator, so every graph-correctness test can run in CI:
-
-* Capture runs the forward for real under a ``TorchDispatchMode`` and records each
-  aten op with its arguments and outputs. Python values (ints, shapes, a tensor's
-  value read before capture) are baked in exactly as captured.
-* Replay re-executes the recorded ops, in order, on the same tensors. Values copied
-  into the input tensors before a replay give new results in the same output tensors.
-* What would break a device graph (host syncs, value-dependent shapes, process-group
-  collectives, nested capture) raises :class:`GraphCaptureError` at the op that does
-  it, and the capture is abandoned. With the context manager the modes are popped at
-  once; with bare ``capture_begin()`` they stay installed, passing ops through, until
-  ``capture_end()`` (which then raises again) or ``reset()``: a mode cannot remove itself
-  from inside its own handler.
-
-Tensors created during capture stay alive as long as the graph (graph-private memory,
-reported by :attr:`RecordingGraph.captured_bytes`). A :class:`RecordingPool` groups
-graphs the way a CUDA mempool handle does, but CPU graphs never share memory: every
-graph keeps its own intermediates, so ``captured_bytes`` is an upper bound on what the
-same graph would hold on a device, where the caching allocator reuses freed blocks.
-
-Replay runs under ``torch.inference_mode`` (no autograd bookkeeping), whichever of
-``no_grad``, ``inference_mode`` or plain grad mode the capture used; under
-``inference_mode`` composite ops are decomposed so the recording is the same as under
-``no_grad``.
-
-Limits: the recorder sees aten ops only. A host read done inside an opaque custom op
-kernel, a device-to-host ``.cpu()`` copy (every tensor here is already on the CPU) and
-Python side effects during capture cannot be detected. A few CPU kernels validate their
-input on the host where the CUDA kernel does not (``F.one_hot(x, n)`` under ``no_grad``
-checks its range with ``.item()``), so they are rejected here although a CUDA graph
-could hold them.
-
-Which ops a capture refuses (:data:`HOST_SYNC_OPS`, :data:`DYNAMIC_SHAPE_OPS` and the
-argument patterns around them), and how each recorded op is replayed (not at all for views,
-in place, through its ``.out`` overload, recomputed and copied, or a collective re-issued),
-live in :mod:`graphrt.backends.torch.recording_ops`; this module is the graph, its modes and
-its pool.
-"""
+Capture runs the forward under a ``TorchDispatchMode`` and records each aten op with its
+arguments and outputs, Python values baked in as captured; replay re-executes the ops in order
+on the same tensors (under ``inference_mode``). What would break a device graph (host syncs,
+value-dependent shapes, process-group collectives, nested capture) raises
+:class:`GraphCaptureError` at the op. Tensors made during capture live with the graph
+(:attr:`RecordingGraph.captured_bytes`, an upper bound of a device's: CPU graphs share no
+memory). Limits: aten ops only (not host reads inside opaque custom kernels, ``.cpu()`` copies
+or Python side effects); a few CPU kernels check values on the host where CUDA's do not
+(``F.one_hot``). Which ops are refused and how each replays:
+:mod:`graphrt.backends.torch.recording_ops`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
-"""What the recording graph knows about aten ops: which ones a capture must refuse, and how
-each recorded op is replayed.
+"""What the recording graph knows about aten ops: which a capture refuses, and how each recorded
+op is replayed.
 
-* :data:`HOST_SYNC_OPS`, :data:`DYNAMIC_SHAPE_OPS` and :func:`capture_violation`: the ops (and
-  argument patterns: boolean masks, ``repeat_interleave`` without ``output_size``, ``one_hot``
-  without ``num_classes``, process-group collectives) that would break a device graph, each
-  with the message that says what to use instead; :data:`TENSOR_HOST_READS`, the Tensor
-  methods that read values on the host without always reaching an aten op.
-* :func:`plan_step`: decided once per op at capture -- not re-run (views, metadata-only ops),
-  re-run in place (ops that mutate their arguments), re-run through the ``.out`` overload into
-  the captured outputs (when it reproduces the op bit for bit), recomputed and copied (RNG
-  ops always are, so each replay draws fresh numbers as CUDA's philox offset does), or a
-  functional collective re-issued and waited for.
-
-Kept apart from :mod:`graphrt.backends.torch.recording_graph` (the graph object, its modes and
-pool), which imports it.
-"""
+:func:`capture_violation` names the ops and argument patterns that would break a device graph
+(host syncs, dynamic shapes, process-group collectives) with what to use instead;
+:func:`plan_step` decides once per op whether a replay skips it (views), re-runs it in place,
+through its ``.out`` overload, recomputes and copies it (RNG ops, so each replay draws afresh),
+or re-issues a functional collective."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """The torch executor's recurrent-state cache, per the model's state spec (core/state_spec.py).
 
-A hybrid model (docs/hybrid.md) declares ``state_spec()`` and ``state_layers()``;
-:func:`model_state_spec` resolves and checks it (a ``ConfigError`` naming the field before
-anything is allocated; None for a model without state). :class:`TorchStateCache` allocates, per
-recurrent layer and state tensor, a zeroed ``[num_slots + 1, checkpoints, *shape]`` tensor
-(slot ``num_slots`` the trash slot; ``checkpoints`` = ``decode_query_len``) and assigns each
-layer its tuple as ``layer.state_cache``. Its size does not depend on the KV cache's, so it is
-allocated with the executor, before graph memory is measured and the KV cache sized (its bytes
-are out of the device's free memory by then; a budget given in bytes has them deducted:
-``core/graph_memory.size_kv_cache``). Per forward, :meth:`TorchStateCache.metadata` builds the
-step's :class:`~graphrt.models.torch.state_metadata.StateMetadata` from the static buffers.
-"""
+:func:`model_state_spec` resolves and checks ``state_spec()`` (ConfigError before any
+allocation; None without state). :class:`TorchStateCache` allocates a zeroed ``[num_slots + 1,
+checkpoints, *shape]`` tensor per layer and state tensor and sets ``layer.state_cache``. It is
+allocated with the executor, before graph memory is measured and the KV cache sized (a byte
+budget has it deducted). :meth:`TorchStateCache.metadata` builds each step's
+:class:`~graphrt.models.torch.state_metadata.StateMetadata`."""
 
 from __future__ import annotations
 

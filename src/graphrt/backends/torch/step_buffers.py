@@ -1,13 +1,9 @@
 """A torch executor's step buffers: host staging and the static device buffers graphs read.
 
-Per field of a step (``core/fields.py``) and per extra input the model declares
-(``core/extra_inputs.py``): a host staging buffer (numpy views of it are what the runner writes
-each padded step into) and a static device buffer that captured graphs read (the same tensor
-on a CPU device). :meth:`StepBuffers.to_device` copies a step's rows across;
-:meth:`StepBuffers.tensors` gives the step's device views as the attention seam's
-:class:`~graphrt.models.torch.attention_backend.StepTensors` (remembered per shape: a step
-allocates no view); :meth:`StepBuffers.load_dummy` writes pure padding for captures.
-"""
+Per step field and declared extra input: a host staging buffer the runner writes and a static
+device buffer graphs read (the same tensor on a CPU). :meth:`StepBuffers.tensors` gives the
+step's device views as :class:`~graphrt.models.torch.attention_backend.StepTensors`, remembered
+per shape (no allocation per step); :meth:`StepBuffers.load_dummy` writes pure padding."""
 
 from __future__ import annotations
 

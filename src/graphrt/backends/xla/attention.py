@@ -1,14 +1,10 @@
 """An XLA model's attention, declared as a torch model's is (:mod:`graphrt.core.attention_decl`).
 
-An executable is compiled per key, so a host value read while it was traced is fixed in it, as in
-a captured graph. A JAX model's attention therefore declares the same things, with the same
-class (:class:`~graphrt.core.attention_decl.AttentionDeclarations`), as ``XlaModel(...,
-attention_backend=...)`` or an nnx module's ``attention_backend``: ``keyed_host_values``
-``max_seq_len`` (context narrowing) or nothing; ``graph_support`` below ``ALWAYS`` and any
-``refreshed_host_values`` are refused (an executable runs every step, and no Python before a
-call); ``kv_cache_dtypes``. Without a declaration a model gets :class:`XlaPagedAttention`, what
-graphrt's JAX decoder declares. docs/attention.md, "The same declarations on XLA".
-"""
+An executable fixes the host values read while traced, like a graph, so a JAX model declares
+them with :class:`~graphrt.core.attention_decl.AttentionDeclarations` (``XlaModel(...,
+attention_backend=...)``): ``max_seq_len`` keyed or nothing; ``graph_support`` below ``ALWAYS``
+and ``refreshed_host_values`` are refused (no Python runs before a call). Undeclared:
+:class:`XlaPagedAttention`. docs/attention.md, "The same declarations on XLA"."""
 
 from __future__ import annotations
 

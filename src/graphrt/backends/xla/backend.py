@@ -1,14 +1,9 @@
 """``xla`` (alias ``jax``): one ahead-of-time compiled XLA executable per bucket.
 
-The backend's pieces: its dispatcher is the token x batch-size grid of
-:class:`~graphrt.backends.xla.buckets.XlaBuckets` (``buckets.py``: mixed / prefill steps at the
-next token bucket and a fixed batch size, decode steps at the next batch-size bucket; no eager
-path); the padder is the shared :class:`graphrt.Padder`; the runner's :class:`graphrt.GraphCache`
-holds the entries.
-Its own parts: :class:`XlaPrograms` (the jitted forward and samplers, ``programs.py``), the
-:class:`XlaExecutor` (``executor.py``) and its compile bookkeeping (``compile_ledger.py``).
-This module imports without jax, so the registry can say why the backend is unavailable.
-"""
+Its dispatcher is the token x batch-size grid of :class:`~graphrt.backends.xla.buckets.XlaBuckets`
+(no eager path), its padder the shared :class:`graphrt.Padder`, its entries in the runner's
+:class:`graphrt.GraphCache`; its own parts are :class:`XlaPrograms` and :class:`XlaExecutor`.
+This module imports without jax, so the registry can say why the backend is unavailable."""
 
 from __future__ import annotations
 

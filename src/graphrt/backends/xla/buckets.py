@@ -1,17 +1,10 @@
 """XLA's bucket grid: which shapes get an executable, built from GraphConfig's validated flags.
 
-XLA has no eager escape, so every step the scheduler can form needs a compiled shape. Two kinds
-of keys (sglang-jax's design; docs/xla.md, "Buckets"): decode steps at the next batch-size
-padding ``b``, key ``(b * q, b, uniform_decode=True)`` with ``q = 1 + num_speculative_tokens``
-and ``b`` capped at the largest decode batch the token budget holds; every other step at the
-next token padding ``t`` and one fixed batch size, key ``(t, max_reqs, False)`` -- so
-``len(token paddings) + len(batch-size paddings)`` executables, not their product, times the
-context buckets (the key's ``max_seq_len``).
-
-``max_reqs`` is :func:`graphrt.config.covering_padding` of the batch-size flag -- the function
-config validation refuses paddings with -- and nothing else recomputes it. Imports no jax (the
-CLI's ``plan`` and the runner's preflight read it without the backend).
-"""
+XLA has no eager escape, so every step needs a compiled shape (sglang-jax's design; docs/xla.md,
+"Buckets"): decode steps at the next batch-size padding ``b``, key ``(b * q, b, True)``; every
+other step at the next token padding ``t`` and one batch size, ``(t, max_reqs, False)``: the sum
+of the two lists, not their product, times the context buckets. ``max_reqs`` is
+:func:`graphrt.config.covering_padding`'s, nowhere recomputed. Imports no jax."""
 
 from __future__ import annotations
 

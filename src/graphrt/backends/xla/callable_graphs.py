@@ -1,13 +1,9 @@
-"""Any JAX function compiled ahead of time once per key: the XLA piece an engine with its
-own model runner takes instead of :class:`graphrt.ModelRunner`.
+"""Any JAX function compiled ahead of time once per key: the XLA piece an engine with its own
+model runner takes instead of :class:`graphrt.ModelRunner`.
 
-JAX is functional, so there are no static buffers to capture over: a key's shapes are the
-shapes of the arguments it is compiled for. :meth:`XlaGraphs.build` lowers and compiles
-the function for one key's example arguments; a call runs that executable, which refuses
-arguments of any other shape, so nothing ever compiles behind the caller's back. Every call
-is counted in the :class:`graphrt.GraphCache` as the runner counts its steps (hits, misses,
-padding where the caller gives the real size); there is no eager path.
-"""
+:meth:`XlaGraphs.build` compiles the function for a key's example arguments; a call runs that
+executable, which refuses other shapes, so nothing compiles behind the caller's back. Calls are
+counted in the :class:`graphrt.GraphCache` as the runner counts steps; no eager path."""
 
 from __future__ import annotations
 

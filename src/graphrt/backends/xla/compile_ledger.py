@@ -1,14 +1,8 @@
-"""The XLA executor's compile bookkeeping: a :class:`~graphrt.core.cache.GraphCache` of the
-keys compiled for the current KV cache shape, so that planning, sealing, strict mode and the
-counters (``stats.unplanned_builds``, ``stats.compiles``) are the one mechanism every backend's
-cache has. The runner's caches hold the entries it steps with; this one holds what the executor
-compiled, including compiles no lookup sees (an eager op on the hot path, a direct ``build``).
-
-:class:`CompileLedger` adds what only XLA needs: the nearest compiled key of a miss and the
-input field that differs (:meth:`explain_miss`), the KV cache shape every executable is compiled
-against, and the on-disk executable store (:mod:`graphrt.backends.xla.executables`), read before
-a key is lowered and written after it is compiled.
-"""
+"""The XLA executor's compile bookkeeping: a :class:`~graphrt.core.cache.GraphCache` of the keys
+compiled for the current KV cache shape, so planning, sealing, strict mode and the counters are
+every backend's one mechanism, including compiles no lookup sees. :class:`CompileLedger` adds
+the nearest compiled key of a miss (:meth:`explain_miss`), the KV shape executables are compiled
+against, and the on-disk executable store (:mod:`graphrt.backends.xla.executables`)."""
 
 from __future__ import annotations
 

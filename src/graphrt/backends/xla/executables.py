@@ -1,20 +1,11 @@
 """Serialized XLA executables on disk: a restart skips lowering as well as compiling.
 
-JAX's persistent compilation cache skips the compile, but every bucket is still traced
-and lowered to find its cache key (most of a warm start for a small model). This cache
-stores each compiled executable (``jax.experimental.serialize_executable``) under a key
-that covers everything that shapes it, so a warm start only deserializes:
-
-* the fingerprint of the executor: graphrt, jax and jaxlib versions, the devices and mesh,
-  the source of every module whose functions are traced, the model config, the weights'
-  and KV cache's shapes, dtypes and shardings, the shape-setting config fields and the
-  model's declared extra inputs (name, level, shape, dtype, fill);
-* the bucket key itself.
-
-Anything else (weights' values, requests) is an argument, not part of the executable. A
-file that fails to load is ignored and rebuilt; writes are atomic. An executable XLA cannot
-serialize (on CPU, one with a sort comparator may not be) is simply not cached.
-"""
+JAX's persistent cache skips the compile, but every bucket is still traced and lowered to find
+its key. This store keeps each compiled executable under a fingerprint of everything that
+shapes it (graphrt / jax / jaxlib versions, devices and mesh, the traced modules' source, the
+model config, weights' and KV cache's shapes, dtypes and shardings, shape-setting config fields,
+declared extra inputs) and the bucket key. A file that fails to load is rebuilt; writes are
+atomic; an executable XLA cannot serialize is not cached."""
 
 from __future__ import annotations
 

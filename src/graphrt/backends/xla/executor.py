@@ -1,16 +1,11 @@
 """The XLA executor: host staging buffers, the donated KV cache, building executables per key,
 and running a padded step and its sampler.
 
-Builds lower a key's jitted program (:mod:`graphrt.backends.xla.programs`) on the calling
-thread and compile it -- :meth:`XlaExecutor.build_many` on a thread pool, as XLA's compile
-releases the GIL. The entries go to the runner's caches; which keys were planned and compiled,
-and what a compile after warm-up means, is
-:class:`~graphrt.backends.xla.compile_ledger.CompileLedger`'s (``executor.compiles``).
-There is no eager escape: the largest buckets cover ``max_num_batched_tokens`` and
-``max_num_seqs`` (config validation), and anything larger is an ``InputError``. The hot path
-does no eager ``jnp`` work: numpy checks and copies of the padded host rows, one executable
-call each for the forward and the sampler, one host copy of the tokens.
-"""
+Builds lower a key's program (:mod:`graphrt.backends.xla.programs`) and compile it
+(:meth:`XlaExecutor.build_many` on a thread pool: XLA's compile releases the GIL); the compile
+bookkeeping is :class:`~graphrt.backends.xla.compile_ledger.CompileLedger`'s. No eager escape:
+anything above the largest buckets is an ``InputError``. The hot path does no eager ``jnp``
+work: numpy copies of the padded rows, one call each for forward and sampler, one token copy."""
 
 from __future__ import annotations
 
@@ -263,14 +258,11 @@ class XlaExecutor(Executor[XlaEntry]):
             padded: ModelInputs, future: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
         """Run the executable for ``key`` on the padded step; returns device logits ``[R_pad, V]``.
 
-        The executable gets host copies of the padded rows and transfers them itself (JAX's
-        C++ argument path: a quarter of the cost of a Python ``jax.device_put`` of six arrays).
-        Copies, because on CPU JAX aliases numpy arguments and reads them asynchronously, while
-        the runner rewrites its host buffers on the next step. The KV cache is donated and
-        replaced by the executable's updated one. ``future``: ``(rows [R] int32, tokens)`` --
-        the real requests whose last token is ``tokens[row]`` (a previous step's sampler output,
-        still on the device; -1: none), resolved inside the executable. The declared extra inputs
-        go in as the padded rows of their staging buffers (the runner wrote them).
+        Takes host copies of the padded rows (JAX's C++ argument path; copies because CPU JAX
+        reads numpy arguments asynchronously while the runner rewrites them). The KV cache is
+        donated and replaced. ``future``: ``(rows [R] int32, tokens)``, the requests whose last
+        token is ``tokens[row]`` of a previous step still on the device (-1: none), resolved
+        inside the executable. Declared extra inputs go in as their staging buffers' rows.
         """
         if not isinstance(entry, XlaEntry):
             raise self._missing(entry, key)

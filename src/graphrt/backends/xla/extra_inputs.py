@@ -1,15 +1,9 @@
-"""Per-step extra inputs on the XLA backend: what a JAX model declares, the host staging
-buffers the runner writes, and the padded rows each executable takes.
+"""Per-step extra inputs on the XLA backend (:mod:`graphrt.core.extra_inputs`).
 
-A JAX model declares them as a torch model does (``XlaModel(..., extra_inputs={name:
-ExtraInput(...)})`` or an nnx module's ``extra_inputs`` attribute; :mod:`graphrt.core.extra_inputs`).
-The executor keeps one numpy staging buffer per input, sized for the grid's largest key, which
-the runner's :class:`~graphrt.core.extra_inputs.ExtraInputs` checks and writes (padded rows get
-the fill). Each forward key takes the first ``rows(padded tokens, padded requests)`` rows of each
-buffer as one more pytree argument, a dict of arrays whose shapes are fixed by the key, so
-nothing compiles per step. The model's forward receives that dict as ``extra=``. A model that
-declares none gets no such argument: its executables' signature is unchanged.
-"""
+The executor keeps one numpy staging buffer per declared input, sized for the grid's largest
+key; each forward key takes its first ``rows(tokens, requests)`` rows as one more pytree
+argument (shapes fixed by the key: nothing compiles per step), passed to the forward as
+``extra=``. A model that declares none keeps its executables' signature."""
 
 from __future__ import annotations
 

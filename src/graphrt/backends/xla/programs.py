@@ -1,12 +1,6 @@
-"""The model as XLA runs it: the step function of each kind of model, and the jitted forward
-and samplers placed on a mesh.
-
-:class:`XlaPrograms` turns an :class:`XlaModel` (graphrt's decoder, or a model's own forward
-over a config of its own: :mod:`graphrt.models.jax.model_config`), a ``(DecoderConfig, params)``
-pair or a flax nnx module into three ``jax.jit`` functions with explicit shardings -- the forward of
-one padded step (the KV cache donated) and the greedy and random samplers -- plus the
-weights on the mesh. It compiles nothing: the executor lowers and compiles these per key.
-"""
+"""The model as XLA runs it: each kind of model's step function, and the jitted forward and
+samplers placed on a mesh. :class:`XlaPrograms` compiles nothing: the executor lowers and
+compiles them per key."""
 
 from __future__ import annotations
 
@@ -41,16 +35,11 @@ class XlaModel:
 
     ``forward(params, kv_cache, input_ids, positions, meta, *, config, block_size) -> (hidden
     [T, H], kv_cache)`` over the paged cache ``[layers, 2, blocks * block_size + 1, kv_heads,
-    head_dim]`` (negative slots: the last, trash row) and ``compute_logits(params, hidden, *,
-    config) -> float32 [N, V]``: the signatures of :mod:`graphrt.models.jax.decoder`, whose Llama /
-    Qwen3 decoder (``jax_loader``'s params) runs when both are None, with a ``DecoderConfig``.
-    A model of its own passes both, with any ``config`` that has the members of
-    :class:`~graphrt.models.jax.model_config.JaxModelConfig`. ``extra_inputs`` (name ->
-    :class:`~graphrt.ExtraInput`) are per-step arrays it reads: declared, its forward is called
-    with one more keyword, ``extra`` (a dict of each input's padded rows; docs/xla.md).
-    ``attention_backend`` declares its attention as a torch model's is
-    (:class:`~graphrt.AttentionDeclarations`; :mod:`graphrt.backends.xla.attention`): None, what
-    graphrt's decoder declares (context narrowing).
+    head_dim]`` (negative slots: the trash row), and ``compute_logits(params, hidden, *, config)
+    -> float32 [N, V]``; both None runs graphrt's decoder. ``config`` has the members of
+    :class:`~graphrt.models.jax.model_config.JaxModelConfig`. ``extra_inputs``: declared per-step
+    arrays, passed as ``extra=``. ``attention_backend``: its declarations (None: graphrt's).
+    docs/xla.md.
     """
 
     config: Any
@@ -215,20 +204,12 @@ def xla_kv_spec(model_config: Any, weights_dtype: Any, config: Any) -> KVCacheSp
 class XlaPrograms:
     """One model's jitted forward and samplers on ``mesh``, and its weights placed there.
 
-    ``forward(weights, kv_cache, batch, future_tokens, future_rows[, extra])`` donates the KV cache
-    (with ``decode_query_len > 1`` it also returns each request's position logits);
-    ``greedy(logits)`` and ``sample(logits, metadata)`` are the samplers, whose tokens come
-    padded to ``max_reqs`` rows (the forward's ``future_tokens``). With ``max_logprobs > 0``,
-    ``logprobs(logits, tokens)`` is a sampler step's logprobs and ``prompt_logprobs(weights,
-    hidden rows, targets)`` those of chosen hidden rows (:mod:`graphrt.backends.xla.sampler`).
-    ``own_code`` is False for an nnx module, whose code lives in its graphdef (the on-disk
-    executable store cannot fingerprint it). ``kv_spec`` is the KV cache spec
-    (:func:`xla_kv_spec`) and ``kv_dtype`` the cache array's dtype (``config.kv_cache_dtype``,
-    else the weights'). ``attention`` says whether graphrt's decoder runs Pallas ragged paged
-    attention (TPUs; the cache then in the kernel's page layout: :meth:`kv_shape`) or its
-    reference, and why (:func:`~graphrt.models.jax.pallas_attention.choose_xla_attention`).
-    ``extra_inputs`` are the model's declared per-step inputs (``extra``: a dict of their padded
-    rows; an argument only when it declares some), replicated over the mesh.
+    ``forward(weights, kv_cache, batch, future_tokens, future_rows[, extra])`` donates the KV
+    cache (with ``decode_query_len > 1`` it also returns position logits); ``greedy`` and
+    ``sample`` return tokens padded to ``max_reqs``; with ``max_logprobs > 0``, ``logprobs`` and
+    ``prompt_logprobs``. ``own_code`` is False for an nnx module (its code is in its graphdef,
+    which the executable store cannot fingerprint). ``attention`` says whether Pallas ragged
+    paged attention runs (TPUs; the cache in page layout, :meth:`kv_shape`) and why.
     """
 
     def __init__(self, model: Any, block_size: int, mesh: Mesh, decode_query_len: int = 1,

@@ -1,13 +1,10 @@
 """Prompt logprobs on the XLA backend: logprobs at chosen rows of the last forward's hidden states.
 
-The forward's hidden states come back as a ``[T_pad, H]`` device array whose row count is the
-step's bucket, so a program taking them would compile once per token bucket. Instead the chosen
-rows are copied to the host (``H`` floats each) and sent, ``defaults.PROMPT_LOGPROBS_CHUNK_ROWS``
-at a time (the last chunk padded), through one program of fixed shape: the model's logits, then
-:func:`~graphrt.backends.xla.sampler.token_logprobs`. That program is compiled by the first step
-that asks for prompt logprobs; the compile is counted in the executor's ledger
-(``stats.compiles``), not as an unplanned key.
-"""
+A program taking the ``[T_pad, H]`` hidden states would compile per token bucket, so the chosen
+rows go to the host and back through one fixed-shape program,
+``defaults.PROMPT_LOGPROBS_CHUNK_ROWS`` at a time: the logits, then
+:func:`~graphrt.backends.xla.sampler.token_logprobs`. Compiled at first use, counted in
+``stats.compiles``, not as an unplanned key."""
 
 from __future__ import annotations
 

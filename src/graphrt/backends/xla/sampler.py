@@ -1,13 +1,9 @@
 """The XLA sampler: greedy, temperature, top-k, top-p and min-p, jitted apart from the forward.
 
-The torch sampler's rules (:mod:`graphrt.backends.torch.sampling.sampler_ops`, docs/sampling.md):
-every filter is a threshold on ``P = exp((logits - max) / T)``; top-k from ``lax.top_k`` of
-``defaults.SAMPLER_TOP_K_CANDIDATES`` (``wide``: counted past them), top-p by a 30-step
-``fori_loop`` bisection over the float32 bits of ``P``. Rows below the minimum temperature are
-greedy. Drawing is Gumbel-max over the kept tokens with one threefry key per row (its seed folded
-with its ``steps`` counter), so a seeded request's draw depends only on its seed and how many
-tokens it has sampled.
-"""
+The torch sampler's rules (docs/sampling.md): thresholds on ``P = exp((logits - max) / T)``,
+top-k from ``lax.top_k`` of ``defaults.SAMPLER_TOP_K_CANDIDATES`` (``wide``: counted), top-p by
+bisection over ``P``'s float32 bits. Gumbel-max with one threefry key per row (seed folded with
+its ``steps``), so a seeded request's draw depends only on its seed and tokens sampled."""
 
 from __future__ import annotations
 

@@ -1,26 +1,13 @@
 """Complete keys: is every host value a captured forward bakes in a function of its key?
 
-A device graph replays the kernels it captured with the host values they were launched with
-(sizes, slice bounds, scalars). graphrt keys a graph by its padded shape, so any host value
-that depends on a step's *contents* -- the longest sequence, a host-side plan an attention
-backend computed -- is stale for the next step under the same key (transformers' continuous
-batching left ``max_seqlen_k`` out of its key and lost half its GSM8K accuracy, #45323).
-
-:meth:`BakedValueChecks.check_key` records the forward of one FULL key twice with the CPU recording graph
-(which sees every aten op and its arguments, on any device), under two different steps the
-key holds -- pure padding (what capture uses) and a busy step (every request with tokens,
-the longest sequences the config allows) -- with the attention backend's ``before_replay`` run
-on each step first, as before a replay. Numbers that differ between the two recordings, or a
-different op sequence, mean the key is incomplete.
-
-:meth:`~BakedValueChecks.refresh_for_capture` runs the backend's ``before_replay`` at a FULL capture with only its
-declared host values readable. :meth:`~BakedValueChecks.check_refresh` is ``check_key``'s small sibling, run
-at every FULL capture of a backend with a
-``before_replay`` (in every mode): the metadata build alone, recorded after a refresh with a busy
-step and after one with padding. A backend that stashes a refreshed value on itself and hands
-it to ``build`` as a Python number bakes that number in; the two recordings then differ, and
-the capture is refused naming the backend and the ops.
-"""
+A graph replays its kernels with the host values they were captured with; a value that depends
+on a step's contents (the longest sequence, a host-side plan) is stale for the next step under
+the key (transformers #45323 lost half its GSM8K accuracy so). :meth:`BakedValueChecks.check_key`
+records a FULL key's forward twice on the CPU recording graph, under pure padding and a busy
+step, ``before_replay`` run first; differing numbers or ops mean the key is incomplete.
+:meth:`~BakedValueChecks.check_refresh` does the same for the metadata build alone at every FULL
+capture of a backend with ``before_replay``: a refreshed value handed to ``build`` as a Python
+number is refused, naming the backend and the ops."""
 
 from __future__ import annotations
 

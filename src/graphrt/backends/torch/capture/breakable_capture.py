@@ -1,19 +1,11 @@
 """Breakable capture: PIECEWISE graphs without a compiler or a traceable model.
 
-The fx path (:mod:`graphrt.backends.torch.capture.fx_split`) splits the model's graph at its
-attention calls before capturing, so it needs a model torch.fx can trace. Breakable capture
-(vLLM's ``VLLM_USE_BREAKABLE_CUDAGRAPH``, SGLang's prefill graphs) needs nothing but the
-model's attention layers (``model.attention_layers()``, docs/models.md): it runs the forward
-once while capturing, and each time an attention layer is called it *breaks* the capture --
-ends the current graph, runs the attention eagerly, remembers its arguments and its output
-tensor -- and begins the next graph. A replay replays each segment and, between them, calls
-each attention layer again on the same argument tensors (which the segment before has just
-refreshed) under the step's own forward context, copying the result into the captured
-output tensor the next segment reads.
-
-The segments share the executor's graph pool; tensors that cross a break stay alive with the
-entry, so their addresses are the ones the segments were captured with.
-"""
+Needing only ``model.attention_layers()`` (vLLM's ``VLLM_USE_BREAKABLE_CUDAGRAPH``, SGLang's
+prefill graphs), it runs the forward once while capturing and at each attention call ends the
+graph, runs attention eagerly (remembering its arguments and output) and begins the next. A
+replay replays each segment and re-runs each attention on the same tensors between them,
+copying into the captured output. Segments share the pool; tensors crossing a break live with
+the entry, so their addresses stay the captured ones."""
 
 from __future__ import annotations
 

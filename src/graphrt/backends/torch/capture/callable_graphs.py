@@ -1,14 +1,8 @@
-"""Any callable captured per key on a torch device: the piece an engine with its own model
-runner takes instead of :class:`graphrt.ModelRunner` (``Backend.graphs(fn, cache)``; the role
-vLLM's ``CUDAGraphWrapper`` plays).
-
-The engine owns the static buffers; ``fn(key)`` reads them. A key is captured as one graph
-(FULL) or, given the attention modules to break at, as graphs between them with the attention
-run eagerly at replay (PIECEWISE, by :mod:`graphrt.backends.torch.capture.breakable_capture`'s capture: no
-torch.fx, no compiler). Every call is counted in the :class:`graphrt.GraphCache` as the
-runner counts its steps -- hits, misses, padding where the caller gives the real size, eager
-calls by cause -- and a strict cache refuses a key it has no entry for, on every backend.
-"""
+"""Any callable captured per key on a torch device: the piece an engine with its own model runner
+takes instead of :class:`graphrt.ModelRunner` (vLLM's ``CUDAGraphWrapper`` role). A key is one
+graph (FULL) or graphs between given attention modules (PIECEWISE, by breakable capture); calls
+are counted in the :class:`graphrt.GraphCache` as the runner counts steps, and a strict cache
+refuses a key it has no entry for."""
 
 from __future__ import annotations
 
@@ -56,14 +50,10 @@ class _Graph(Generic[T]):
 class TorchGraphs(Generic[T]):
     """``fn(key)`` captured once per key over the caller's static buffers, then replayed.
 
-    The caller owns the buffers: before a replay it copies the step's inputs, padded to the
-    key, into the tensors ``fn`` reads, and afterwards reads the tensors ``fn`` returned while it
-    was captured (a replay refreshes them in place). Entries live in ``cache`` (a
-    :class:`graphrt.GraphCache`); every graph shares one memory pool. With ``api=None`` (the
-    ``eager`` backend) nothing is captured and ``fn`` runs.
-
-    ``attention_layers``: the modules ``fn`` calls that :meth:`build` may break a PIECEWISE
-    capture at (``supports_piecewise``; their own ``forward`` is restored afterwards).
+    The caller copies each step's inputs, padded to the key, into the tensors ``fn`` reads, and
+    reads the tensors ``fn`` returned at capture (a replay refreshes them). Entries live in
+    ``cache``; graphs share one pool. ``api=None`` (``eager``): ``fn`` runs.
+    ``attention_layers``: modules a PIECEWISE capture may break at (restored afterwards).
     """
 
     def __init__(self, fn: Callable[[Hashable], T], api: DeviceGraphAPI | None,

@@ -1,13 +1,9 @@
 """``graphrt lint``: what in a model would stop or corrupt a graph capture, named per module.
 
-The recording graph (:mod:`graphrt.backends.torch.recording_graph`) stops a capture at the first
-op a device graph cannot hold. The lint runs a model's forward under two modes that *note* every
-such op and let it run, so one forward names all of them, each under the module that ran it (by
-global forward hooks), with the fix: host syncs (``recording_ops``' ``HOST_SYNC_OPS`` and
-``TENSOR_HOST_READS``), data-dependent shapes, process-group collectives, and -- the forward run
-twice on two steps of one shape -- baked host values and data-dependent control flow. Like the
-recording graph it sees aten ops only. docs/testing.md, "Before capturing: graphrt lint".
-"""
+Where the recording graph stops at the first bad op, the lint's modes note every one and let it
+run, so one forward names all of them under their modules, with the fix: host syncs,
+data-dependent shapes, process-group collectives, and (two steps of one shape) baked host
+values. aten ops only. docs/testing.md, "Before capturing: graphrt lint"."""
 
 from __future__ import annotations
 

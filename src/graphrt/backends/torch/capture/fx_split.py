@@ -1,23 +1,11 @@
 """PIECEWISE graphs: the model split at its attention calls.
 
-:class:`SplitModel` traces the model with ``torch.fx`` (attention modules are leaves),
-then cuts the graph at every attention call: ``piece 0 | attention 0 | piece 1 | ... |
-piece L``. The pieces see only token-level shapes, so one set of piece graphs per token
-bucket serves any number of requests; attention runs eagerly between them and reads the
-step's real metadata, so mixed prefill + decode batches get graphs too.
-
-A split point is a call of a module whose class sets ``graphrt_attention = True``
-(graphrt's ``PagedAttention`` does; an engine's own attention module can too), or a call
-of the registered op ``torch.ops.graphrt.paged_attention`` in the traced graph.
-
-:class:`PiecewiseBuffers` gives every value that crosses a cut a persistent buffer:
-token-major values (leading dimension = the bucket's token count) share one buffer of
-the largest bucket's size across all buckets; anything else gets a buffer per bucket. A
-captured piece reads its inputs from these buffers and copies its outputs into them
-inside the graph, so each piece's pool memory is free for the next capture, and a replay
-costs one graph launch per piece plus the eager attention calls and one copy of each
-attention output.
-"""
+:class:`SplitModel` traces the model with ``torch.fx`` (attention modules are leaves) and cuts
+it at every attention call (a module with ``graphrt_attention = True``, or the op
+``torch.ops.graphrt.paged_attention``). Pieces see token shapes only, so one set per token
+bucket serves any request count; attention runs eagerly between them on the real metadata.
+:class:`PiecewiseBuffers` gives every value crossing a cut a persistent buffer (token-major ones
+shared across buckets), which the captured pieces read and write inside the graph."""
 
 from __future__ import annotations
 

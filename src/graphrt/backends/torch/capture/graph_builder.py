@@ -1,25 +1,11 @@
 """How a :class:`~graphrt.backends.torch.executor.TorchExecutor` captures its graphs.
 
-:class:`GraphBuilder` owns the graph pool, the capture report and the build of every key:
-a FULL key's whole forward (compiled pieces where ``compile_model`` says, uncompiled if the
-compile fails), a PIECEWISE key's pieces (:class:`PiecewiseCapture`), a :class:`SamplerKey`'s
-sampler. It is handed only what a capture uses -- the forward callables, the padding loader,
-the sampler and its logits buffer, the input pointers, the refresh and baked-values checks --
-never the executor, and nothing here runs on a warm step.
-
-Capture follows the rules that make device graphs correct: warm-up runs first, the
-largest key first into one shared pool, garbage collection paused, dummy inputs that are
-pure padding (slot -1: no KV write, seq_len 0: attend to nothing), inputs read only from
-static buffers, and outputs written into static buffers the caller slices.
-
-* FULL keys capture the whole forward (and, separately, the sampler) as one graph.
-* PIECEWISE keys capture the pieces between attention calls per token bucket
-  (:mod:`graphrt.backends.torch.capture.fx_split`); attention runs eagerly between them.
-* ``GraphConfig.compile_model`` hands the pieces to the device's ``torch.compile`` backend
-  (Inductor on CUDA) with each bucket's buffers as example inputs -- static shapes, one
-  compile per bucket up to ``compile_max_size`` -- before they are captured; a FULL key
-  then captures the compiled pieces and eager attention as one graph.
-"""
+:class:`GraphBuilder` owns the graph pool, the capture report and the build of every key: a
+FULL key's whole forward (compiled pieces with ``compile_model``), a PIECEWISE key's pieces, a
+:class:`SamplerKey`'s sampler. It is handed only what a capture uses, never the executor, and
+nothing here runs on a warm step. The rules: warm-up first, largest key first into one pool, GC
+paused, dummy inputs that are pure padding, inputs only from static buffers, outputs into static
+buffers the caller slices."""
 
 from __future__ import annotations
 

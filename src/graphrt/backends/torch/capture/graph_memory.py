@@ -1,15 +1,9 @@
 """Graph memory measured before the KV cache exists, on every torch graph device.
 
-:func:`measure_graph_memory` (behind :meth:`TorchExecutor.measure_graph_memory`) captures
-sample keys exactly as warm-up will (same builds, largest first, one fresh pool, every graph
-kept until the last is measured -- a CUDA pool whose graphs are all gone is released, and the
-next capture would pay a fresh segment that warm-up never pays) against a
-throwaway two-block KV cache, records the bytes each capture added -- what the device
-counts: ``torch.cuda`` / ``torch.npu`` reserved memory, the CPU recording graph's captured
-bytes -- and then drops every graph, the pool, the piecewise buffers and compiled pieces it
-made and the KV cache, and hands the memory back (``DeviceGraphAPI.release_memory``), so
-warm-up starts from the same state and measures the same bytes again.
-"""
+:func:`measure_graph_memory` captures sample keys as warm-up will (same builds, largest first,
+one fresh pool, every graph kept until the last is measured, so no fresh segment is paid that
+warm-up never pays) against a throwaway two-block KV cache, records the bytes each added, then
+drops all it made and releases the memory, so warm-up measures the same bytes again."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The pieces of a :class:`~graphrt.backends.torch.executor.TorchExecutor`'s forward.
-
-PIECEWISE keys replay graphs between attention calls; ``compile_model`` compiles the same
-pieces before a key is captured. This module owns how the executor gets them:
-
-* the fx split (:class:`~graphrt.backends.torch.capture.fx_split.SplitModel`), traced lazily, once;
-* per token bucket, the persistent buffers its cut values live in and, with
-  ``compile_model``, the compiled pieces;
-* PIECEWISE entries, captured from the fx pieces or by breakable capture
-  (:mod:`graphrt.backends.torch.capture.breakable_capture`), as ``GraphConfig.piecewise_capture`` says.
-"""
+"""The pieces of a :class:`~graphrt.backends.torch.executor.TorchExecutor`'s forward: the fx split
+(traced once, lazily), per token bucket the buffers its cut values live in and, with
+``compile_model``, the compiled pieces, and PIECEWISE entries captured from them or by
+breakable capture, as ``GraphConfig.piecewise_capture`` says."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Tensor parallelism for the torch backends: rank 0's executor, driving its workers.
 
-``TorchBackend.create_executor`` returns a :class:`TensorParallelExecutor` when
-``config.tensor_parallel_size > 1``: an ordinary :class:`~graphrt.backends.base.Executor` to the
-runner. Rank 0 prepares, dispatches and pads each step once; every call that must run on all ranks
-in lockstep (``allocate_kv_cache``, ``build``, ``run``, ``recover_kv_cache``,
-``measure_graph_memory``, ``memory_info``, shutdown) goes to the workers first, then to rank 0's
-own :class:`~graphrt.backends.torch.executor.TorchExecutor`. A ``run`` is one int64 row through
-the step channel: rank 0's staging buffers are the channel's resident buffers, so the padded
-arrays are not copied to be sent. Sampling is rank 0's alone. A fault raises
-:class:`~graphrt.core.errors.GraphrtError` naming the rank and the call and stops every rank;
-``close()`` leaves no process or segment behind. docs/distributed.md, "Tensor-parallel engines".
-"""
+With ``tensor_parallel_size > 1`` the runner gets a :class:`TensorParallelExecutor`, an ordinary
+executor to it: rank 0 prepares and pads each step once, and every lockstep call goes to the
+workers first, then to its own :class:`~graphrt.backends.torch.executor.TorchExecutor`. A
+``run`` is one int64 row through the step channel (the staging buffers are the channel's).
+Sampling is rank 0's. A fault raises :class:`~graphrt.core.errors.GraphrtError` naming the rank
+and call and stops every rank. docs/distributed.md, "Tensor-parallel engines"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Rank 0 to its workers: one step's arrays through shared memory, with a fixed header.
 
-As in nano-vllm, rank 0 writes the call into a shared-memory segment and wakes each worker, whose
-forward's all-reduces then keep the ranks in step; graphrt sends raw arrays behind a small fixed
-header (sequence number, method code, per array its dtype, shape and offset) instead of a pickle,
-so the hot path is one ``memcpy`` per array. :class:`StepChannel`: ``create`` in rank 0,
-``attach(spec, reader)`` in each worker, ``send`` / ``receive``, ``close()`` everywhere and
-``unlink()`` once in rank 0. Flow control (per-reader acknowledgements, timeouts instead of
-hangs), steady-step reuse of the layout, spin-then-sleep wake-ups, resident buffers and the
-bounds checked first: docs/distributed.md, "The step channel". numpy and the standard library only.
-"""
+As in nano-vllm, rank 0 writes each call into a shared-memory segment and wakes the workers,
+but as raw arrays behind a small fixed header (sequence, method code, per array dtype, shape,
+offset) instead of a pickle: one ``memcpy`` per array. :class:`StepChannel`: ``create`` (rank
+0), ``attach`` (workers), ``send`` / ``receive``, ``close``, ``unlink`` (rank 0). Flow control,
+timeouts and wake-ups: docs/distributed.md, "The step channel". numpy and the standard library."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""What rank 0 and its tensor-parallel workers say to each other.
-
-Rank 0 (:mod:`graphrt.backends.torch.parallel.tensor_parallel`) sends every call that must run on all
-ranks in lockstep as a method code and raw int64 / int32 arrays; workers
-(:mod:`graphrt.backends.torch.parallel.tp_worker`) follow. This module holds what both sides share:
-
-* the method codes and the layout of each call's int64 argument row (no pickle per call);
-* :class:`WorkerSetup`, what a worker starts from (pickled once, at start-up);
-* :class:`Agreement`, every rank's status for one call gathered on the gloo control group
-  (a build that failed on any rank runs eagerly on all of them);
-* :class:`BroadcastChannel`, the step channel's ``send`` / ``receive`` over gloo broadcasts,
-  for ranks that share no memory (``torchrun``, several nodes).
-"""
+"""What rank 0 and its tensor-parallel workers say to each other: the method codes and each call's
+int64 argument row (no pickle per call), :class:`WorkerSetup` (pickled once at start-up),
+:class:`Agreement` (every rank's status per call on the gloo control group: a build failed on
+any rank runs eagerly on all) and :class:`BroadcastChannel` (the step channel over gloo, for
+ranks that share no memory)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """Rank 0's side of its tensor-parallel workers: starting or joining them, waiting on them,
 naming the one that failed, and stopping them.
 
-* :class:`SpawnedRanks` -- rank 0 starts ``tp_size - 1`` worker processes itself
-  (``TP_WORKER_START_METHOD``), creates the process group through its own localhost
-  rendezvous store and talks to them through the shared-memory
-  :class:`~graphrt.backends.torch.parallel.tp_channel.StepChannel`. It sees their processes: a worker that
-  exits is named with its exit code and the error it reported -- also while the process group
-  forms (its rendezvous waits in short slices, :mod:`~graphrt.backends.torch.parallel.tp_rendezvous`)
-  -- one that hangs by the call it had not read or not finished (a shared counter).
-* :class:`JoinedRanks` -- ``torch.distributed`` was initialised by whoever launched the ranks
-  (``torchrun``); ranks 1.. run :func:`graphrt.backends.torch.parallel.tp_worker.serve`, and calls go
-  as gloo broadcasts. Rank 0 cannot see their processes: a failure names the call only.
+* :class:`SpawnedRanks` -- rank 0 starts the workers, forms the group through its own
+  rendezvous store and talks over the shared-memory step channel; a worker that exits is named
+  with its exit code and error (also while the group forms), one that hangs by its call.
+* :class:`JoinedRanks` -- ranks launched by someone else (``torchrun``) serve calls sent as gloo
+  broadcasts; a failure names the call only.
 
-Both gather every rank's status for a call on a gloo control group (:class:`Agreement`) and
-wait for it with a deadline, watching the workers meanwhile.
-"""
+Both gather every rank's status per call on a gloo control group (:class:`Agreement`), with a
+deadline."""
 
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """How spawned tensor-parallel ranks form their process group without rank 0 waiting on a dead
 worker (docs/distributed.md, "Faults").
 
-``init_process_group`` and ``new_group`` block in their store's waits until every rank has
-published its address; torch waits for a rank that died until the timeout (300 s), then raises
-a ``DistStoreError`` naming no rank. So rank 0 owns the rendezvous store
-(:func:`rank0_store`, on a port the OS picks) and forms its groups through a
-:class:`WatchedStore`, whose waits run in short slices with a check between them that raises as
-soon as a worker has exited; rank 0 then names the worker and how it ended.
-
-Workers (:func:`worker_store`) join only once rank 0 is inside the rendezvous
-(:data:`OPEN_KEY`): a worker that published its address while rank 0 was still loading its
-shard, then died, would leave gloo's connect to that address retrying until the timeout, which
-no store wait can cut short. One killed in the milliseconds between publishing its address and
-rank 0 connecting to it still is seen only at the timeout.
-"""
+torch waits for a dead rank until the store timeout (300 s) and names none, so rank 0 owns the
+store (:func:`rank0_store`) and forms its groups through a :class:`WatchedStore`, whose waits
+run in short slices that raise as soon as a worker has exited. Workers (:func:`worker_store`)
+join only once rank 0 is inside the rendezvous (:data:`OPEN_KEY`), so gloo never retries the
+address of a worker that died earlier. One killed between publishing its address and rank 0
+connecting is still seen only at the timeout."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """A tensor-parallel worker rank: load this rank's shard, then follow rank 0's calls.
 
-Rank 0 (:mod:`graphrt.backends.torch.parallel.tensor_parallel`) sends each call that must run on every
-rank -- allocate the KV cache, build a key, run a step, shut down -- as a method code and raw
-arrays (:mod:`graphrt.backends.torch.parallel.tp_protocol`). A worker runs the same call on its own
-:class:`~graphrt.backends.torch.executor.TorchExecutor`; the forward's collectives keep the
-ranks in step, and only rank 0 samples. Two ways in:
-
-* :func:`spawned_worker` -- the process target rank 0 starts itself (``tensor_parallel_size``
-  on one machine): the shared-memory step channel, a pipe for its error, and a
-  shared ``[read, done]`` call counter per rank that rank 0 reads to name a hung rank;
-* :func:`serve` -- ranks 1.. of a group someone else launched (``torchrun``, env://): the
-  setup comes from rank 0 once, the calls as gloo broadcasts (docs/distributed.md).
-"""
+Each call that must run on every rank (allocate the KV cache, build, run, shut down) arrives as
+a method code and raw arrays; the worker runs it on its own
+:class:`~graphrt.backends.torch.executor.TorchExecutor` (only rank 0 samples).
+:func:`spawned_worker` is the process target rank 0 starts (shared-memory channel, an error
+pipe, a call counter that names a hung rank); :func:`serve` serves ranks of a group launched
+elsewhere (``torchrun``; docs/distributed.md)."""
 
 from __future__ import annotations
 

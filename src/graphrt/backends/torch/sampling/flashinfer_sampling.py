@@ -1,17 +1,9 @@
 """FlashInfer's sort-free filter kernels behind the torch sampler (CUDA, ``graphrt[flashinfer]``).
 
-FlashInfer's ``top_k_renorm_probs`` / ``top_p_renorm_probs`` find each row's top-k and top-p
-threshold by pivot search on the GPU (no sort) and renormalise; they read nothing on the host
-and keep no RNG state, so a CUDA graph captures them. graphrt keeps its own draw (the
-exponential race over the noise buffer), so per-request seeds stay exact: FlashInfer's own
-``*_sampling_from_probs`` draw from one generator per batch and are not used. min-p (a plain
-threshold), temperature and penalties stay graphrt's.
-
-``GRAPHRT_SAMPLER`` picks: ``auto`` (default; FlashInfer on CUDA where it imports, else the
-threshold sampler of :mod:`~graphrt.backends.torch.sampling.sampler_ops`), ``torch`` (never FlashInfer) or
-``flashinfer`` (required: a ConfigError where it is missing or the device is not CUDA).
-``flashinfer`` is imported on first use only; this module imports without it.
-"""
+``top_k_renorm_probs`` / ``top_p_renorm_probs`` find the thresholds on the GPU with no host read
+or RNG state, so a graph captures them; graphrt keeps its own draw (per-request seeds stay
+exact). ``GRAPHRT_SAMPLER``: ``auto`` (FlashInfer on CUDA where it imports), ``torch`` or
+``flashinfer`` (required: ConfigError where missing). Imports without flashinfer."""
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
-"""Repetition / presence / frequency penalties on the device (vLLM's meanings), for the
-penalised sampler graph.
+"""Repetition / presence / frequency penalties on the device (vLLM's meanings).
 
-Per request, two persistent ``[max_reqs + 1, vocab]`` float32 rows: ``counts`` (occurrences in
-the output) and ``seen`` (occurrences in the prompt or the output); row 0 stays zero. The host's
-:class:`~graphrt.core.penalty_ledger.PenaltyLedger` says which row is whose and what a step adds;
-:meth:`PenaltyState.update` adds it (a few eager ``index_add_`` calls, before the sampler graph
-replays: the scheduled tokens' ids are read from the step's device ``input_ids``), and
-:meth:`PenaltyState.apply` (captured in the graph) penalises a copy of the logits rows::
+Two persistent ``[max_reqs + 1, vocab]`` float32 planes, ``counts`` (output) and ``seen`` (prompt
+or output), row 0 zero; the host's :class:`~graphrt.core.penalty_ledger.PenaltyLedger` says which
+row is whose. :meth:`PenaltyState.update` adds a step's tokens eagerly before the sampler graph;
+:meth:`PenaltyState.apply` (captured) penalises a copy of the logits::
 
-    x = x / r   where x > 0 and the token was seen,  x * r  where x <= 0 and seen
+    x = x / r   where x > 0 and seen,  x * r  where x <= 0 and seen
     x = x - frequency * count - presence * (count > 0)
 
-with one more ``[max_reqs, vocab]`` plane besides the sampler's two. Nothing is allocated
-unless a batch asks for penalties (or ``GraphConfig.enable_penalties`` builds their graphs).
-"""
+Nothing is allocated unless a batch asks for penalties (or ``enable_penalties``)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
-"""What a torch executor hands out of a step beyond replaying it: the sampler's outputs on their
-way to the host, the previous step's tokens read on the device, and prompt logprobs.
+"""What a torch executor hands out of a step beyond replaying it.
 
-* :class:`SampledSlots` -- page-locked host copies of the sampler's outputs (tokens, and the
-  logprobs graph's), ``SAMPLED_OUTPUT_SLOTS`` of them used in turn. A step launched
-  without waiting (``sample(wait=False)``) queues its copies into the next slot behind the
-  sampler and records the slot's event; :class:`Sampled` waits for that event alone when its
-  outputs are read. A slot is reused only after its last step's outputs were read (they are
-  read first if nobody did), so step n + 1's copy never overwrites what step n's reader gets.
-* :class:`FutureInputs` -- ``run(future=...)``: the previous sampled step's tokens, still in the
-  sampler's device buffer, written into this step's static ``input_ids`` before the forward,
-  queued on the device after the step's own input copies (nothing waits on the host).
-* :func:`prompt_logprobs` -- logprobs at chosen token rows of the forward's hidden states,
-  computed eagerly in chunks of ``defaults.PROMPT_LOGPROBS_CHUNK_ROWS``.
+* :class:`SampledSlots` -- page-locked host copies of the sampler's outputs, used in turn; a
+  step launched without waiting queues its copies and records an event, and a slot is reused
+  only after its outputs were read, so step n + 1 never overwrites step n's.
+* :class:`FutureInputs` -- the previous step's tokens written into ``input_ids`` on the device.
+* :func:`prompt_logprobs` -- logprobs at chosen hidden rows, in chunks.
 
-Events come from the device-graph API (:meth:`DeviceGraphAPI.new_event`): CUDA and Ascend
-events, or on the CPU recording graph events that are complete when recorded, so the same code
-runs there, synchronously.
-"""
+Events come from :meth:`DeviceGraphAPI.new_event` (complete when recorded on the CPU graph)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The torch sampler: greedy, temperature, top-k, top-p and min-p, with static shapes.
 
-It runs as its own graph, separate from the forward (as sglang-jax jits its sampler): its inputs
-are rows of the forward's logits buffer plus per-request temperature / top-k / top-p / min-p and
-a noise buffer the runner fills (exponential noise from the device RNG, or from a request's own
-seeded generator), so the captured graph holds no RNG state and seeding is exact.
-Sampling draws ``argmax(probs / noise)`` with ``noise ~ Exp(1)`` over the tokens the filters
-keep: the exponential race, equivalent to drawing from the filtered ``probs``. The filters are
-thresholds found without sorting the vocabulary (:mod:`graphrt.backends.torch.sampling.sampler_ops`), on
-two persistent ``[max_reqs, vocab]`` buffers every sampler graph shares.
-"""
+Its own graph, apart from the forward (as sglang-jax jits its sampler): rows of the logits buffer,
+per-request parameters and a noise buffer the runner fills (device RNG, or a request's seeded
+generator), so the graph holds no RNG state and seeding is exact. The draw is
+``argmax(probs / noise)``, ``noise ~ Exp(1)``, over the tokens the filters keep
+(:mod:`graphrt.backends.torch.sampling.sampler_ops`)."""
 
 from __future__ import annotations
 

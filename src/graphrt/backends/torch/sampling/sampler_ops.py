@@ -1,15 +1,10 @@
 """The random sampler's filters without a sort of the vocabulary: thresholds on probabilities.
 
-Every filter (top-k, min-p, top-p on what those kept) keeps an upper set of a row's
-probabilities ``P = exp((logits - max) / T)``, so each is one threshold per row. top-k reads
-``topk`` of ``defaults.SAMPLER_TOP_K_CANDIDATES`` candidates (a wider top_k asks for the *wide*
-sampler, which counts); top-p's threshold is found by :func:`radix_threshold`, a bisection over the
-float32 bits of ``P``, ``SAMPLER_RADIX_BITS`` bits per ``index_add_`` histogram pass: a
-fixed number of device ops, no host read, so a graph captures it (docs/sampling.md, "Filters
-without a sort"). Drawing is the exponential race ``argmax(P * keep / E)``, ``E ~ Exp(1)`` from the
-noise buffer. Everything runs on two persistent ``[rows, vocab]`` float32 buffers of a
-:class:`Workspace` shared by every sampler graph.
-"""
+Each filter keeps an upper set of ``P = exp((logits - max) / T)``: one threshold per row.
+top-k reads ``topk`` of ``defaults.SAMPLER_TOP_K_CANDIDATES`` (wider: the counting sampler);
+top-p's threshold is :func:`radix_threshold`, a bisection over ``P``'s float32 bits with
+``index_add_`` histograms: fixed device ops, no host read (docs/sampling.md). The draw is
+``argmax(P * keep / E)``, ``E ~ Exp(1)``, on a :class:`Workspace` shared by every sampler graph."""
 
 from __future__ import annotations
 
