@@ -1,17 +1,10 @@
-"""Background warm-up: serve from the first step; build the keys a runner lacks between its
-steps, the most demanded first.
+"""Background warm-up: serve from the first step; build missing keys between steps, most
+demanded first.
 
-``ModelRunner(..., warmup="background")`` holds one :class:`BackgroundWarmup`. Until a key is
-built, a step that wants it runs under the smallest built key that covers it, else eagerly
-(``miss_during_warmup``; on XLA, which has no eager path, the step builds its key) and adds one
-to the key's *demand*. The builder thread takes the runner's lock between steps (or when idle,
-``BACKGROUND_IDLE_S`` / ``BACKGROUND_START_IDLE_S``) and builds the most demanded pending
-jobs for ``BACKGROUND_SLICE_S``, at least one per turn. Warm-up is *complete* once every
-planned job is built, failed or left out for graph memory: both caches are then sealed, as after
-an upfront warm-up (a re-fit reopens it). A failed build in strict mode, or without an eager path,
-is raised from the runner's next step. The builder never runs while a launched step is
-unresolved (``idle()``): a capture writes the static buffers it still reads. docs/api.md,
-"Warm-up: upfront or in the background".
+Until a key is built, a step runs under the smallest built key that covers it, else eagerly (on
+XLA it builds its key), and adds to the key's demand. The builder never runs while a launched step
+is unresolved: a capture writes the static buffers it still reads. See docs/api.md, "Warm-up:
+upfront or in the background".
 """
 
 from __future__ import annotations
@@ -30,11 +23,10 @@ from graphrt.core.cache import FailedBuild, GraphCache, describe_key
 from graphrt.core.eager import EagerCause
 from graphrt.warmup import Job, build_one, job_target
 
-#: Background warm-up (graphrt/background.py): after a step, the builder keeps building for this
-#: long (at least one key) before the next step may run ...
+#: After a step, the builder keeps building this long (at least one key) before the next step ...
 BACKGROUND_SLICE_S = 0.05
-#: ... and builds without waiting for a step once the runner has been idle this long (this long
-#: before its first step: a request that comes right after the engine is built runs first).
+#: ... and builds without a step once the runner is idle this long (this long before its first
+#: step: a request that comes right after the engine is built runs first).
 BACKGROUND_IDLE_S = 0.05
 BACKGROUND_START_IDLE_S = 1.0
 #: How often the builder thread checks its tasks (traffic re-fits) once nothing is pending.
@@ -46,11 +38,10 @@ logger = logging.getLogger(__name__)
 class BackgroundWarmup:
     """The jobs a runner still has to build, their demand, and the thread that builds them.
 
-    ``lock``: the runner's step lock (the builder holds it while it builds). ``idle()``: whether
-    nothing launched is in flight (builds wait otherwise). ``memory_cap``: bytes of graphs the
-    KV budget admitted (None: no budget). ``prior``: demand per job from a saved capture plan.
-    ``raise_failures``: strict mode, or no eager path: a failed build is kept in :attr:`error`
-    and raised from the next step instead of running that key eagerly.
+    ``lock``: the runner's step lock (held while building). ``idle()``: nothing launched is in
+    flight. ``memory_cap``: graph bytes the KV budget admitted (None: no budget). ``prior``:
+    demand per job from a saved plan. ``raise_failures``: a failed build is kept in
+    :attr:`error` and raised from the next step instead of running that key eagerly.
     """
 
     def __init__(self, executor: Executor, cache: GraphCache, sampler_cache: GraphCache, lock: threading.Lock,
@@ -92,9 +83,8 @@ class BackgroundWarmup:
     # ---- the plan ------------------------------------------------------------------------
     def plan(self, jobs: Sequence[Job], prior: Mapping[Job, int] | None = None, *,
              seal_if_none: bool = False) -> int:
-        """Queue ``jobs`` (in warm-up's order) that the caches lack; ``prior``: their demand from a
-        saved plan. Reopens warm-up (the caches unsealed) when any is queued; with nothing to
-        queue and ``seal_if_none``, seals the caches (warm-up is complete). Returns how many."""
+        """Queue the ``jobs`` the caches lack (``prior``: saved demand), reopening warm-up; with
+        none queued and ``seal_if_none``, seal the caches. Returns how many were queued."""
         if prior:
             self.prior.update(prior)
         new = [job for job in dict.fromkeys(jobs) if not self.has(job) and job not in self._order]
@@ -127,8 +117,7 @@ class BackgroundWarmup:
         return (-self.demand[job], -self.prior.get(job, 0), self._order[job])
 
     def cause_of(self, job: Job) -> EagerCause | None:
-        """Why ``job`` has no entry: ``WARMING_UP`` while it is pending, ``GRAPH_MEMORY`` when it
-        was left out for memory; None when it is not this warm-up's."""
+        """``WARMING_UP`` while ``job`` is pending, ``GRAPH_MEMORY`` if left out; else None."""
         if job in self._order:
             return EagerCause.WARMING_UP
         if job in self._over_memory:
@@ -148,9 +137,8 @@ class BackgroundWarmup:
 
     # ---- building ------------------------------------------------------------------------
     def build_next(self, max_seconds: float = BACKGROUND_SLICE_S) -> int:
-        """Build pending jobs, most demanded first, until ``max_seconds`` passed (at least one);
-        call with the runner's lock held and nothing in flight. Returns how many were built or
-        failed; completes warm-up when none is left."""
+        """Build pending jobs, most demanded first, for ``max_seconds`` (at least one); lock held,
+        nothing in flight. Returns how many were built or failed."""
         start, done = time.perf_counter(), 0
         while self._order and (done == 0 or time.perf_counter() - start < max_seconds):
             job = min(self._order, key=self._rank)
@@ -213,8 +201,7 @@ class BackgroundWarmup:
             callback()
 
     def build_all(self) -> int:
-        """Build every pending job now (the caller holds the lock): what ``warmup="upfront"``
-        would have done, in demand order."""
+        """Build every pending job now, in demand order (the caller holds the lock)."""
         n = 0
         while self._order:
             n += self.build_next(max_seconds=float("inf"))
@@ -222,9 +209,8 @@ class BackgroundWarmup:
 
     # ---- the thread ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the builder thread (a daemon; idempotent). It holds this object only weakly, so a
-        runner dropped without ``close()`` is still collected, and ends when nothing is left to
-        do (no pending job, no task); :meth:`plan` starts it again. Stopped at interpreter exit."""
+        """Start the daemon builder thread (idempotent). It holds this object weakly, so an
+        unclosed runner is still collected, and ends when idle; :meth:`plan` restarts it."""
         self._started = True
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
@@ -252,8 +238,7 @@ class BackgroundWarmup:
         return self.complete
 
     def _turn(self) -> bool:
-        """One turn of the builder (the lock taken): the tasks, then a slice of builds; False
-        when the thread has nothing left to do."""
+        """One builder turn (lock taken): the tasks, then a slice of builds; False when done."""
         with self.lock:
             if self._stop.is_set():
                 return False
@@ -276,8 +261,7 @@ class BackgroundWarmup:
 
 
 def _builder(ref: "weakref.ref[BackgroundWarmup]", stop: threading.Event, turn: threading.Event) -> None:
-    """The builder thread: wait for a step to end (or the idle time), take a turn; between turns
-    it holds its warm-up only weakly."""
+    """The builder thread: wait for a step to end (or the idle time), take a turn."""
     first = True
     while not stop.is_set():
         background = ref()

@@ -1,18 +1,10 @@
 """The saved capture plan: which keys a runner built, in which order, and how many steps wanted
 each -- stored beside the XLA persistent cache so a restart builds in demand order.
 
-With ``compilation_cache_dir`` set (and ``disable_capture_plan`` not), a runner reads
-``<compilation_cache_dir>/graphrt-plans/<backend>-<fingerprint>.json`` at start and writes it when
-background warm-up completes, after a re-fit and at ``close()``. The fingerprint covers what makes
-the plan mean the same keys (graphrt's version, backend, devices, the model's class and config,
-the ``GraphConfig`` fields but the directory and the plan / re-fit switches); another
-fingerprint's plan is never read, an unparsable file is logged and ignored. The file is JSON
-(docs/api.md, "Capture plans")::
-
-    {"format": 1, "fingerprint": "...", "backend": "xla", "device": "...",
-     "decode_buckets": [1, 2, 4, 48, 64], "token_buckets": [...],
-     "jobs": [{"mode": "FULL", "key": {"num_tokens": 48, "num_reqs": 48, "uniform_decode": true, ...},
-               "demand": 912, "bytes": 123456, "seconds": 0.41}, ...]}
+Read from ``<compilation_cache_dir>/graphrt-plans/<backend>-<fingerprint>.json`` at start and
+written when background warm-up completes, after a re-fit and at ``close()``. The fingerprint
+covers what makes the plan mean the same keys; another fingerprint's plan is never read, an
+unparsable file is logged and ignored. Format: docs/api.md, "Capture plans".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """``graphrt`` command line: ``graphrt <subcommand> [flags]`` (also ``python -m graphrt.cli``).
 
-Every subcommand is one entry of :data:`SUBCOMMANDS`: a help line, a function that adds
-its flags to an ``argparse`` parser and a function that runs it and returns the exit
-status. To add one, write those two functions here and add the entry.
-
-* ``plan``  -- bucket policies compared on a synthetic decode trace (padding waste, eager steps;
-  ``--plot FILE.png`` draws it, :mod:`graphrt.plots`);
-* ``bench`` -- the host-side benchmarks of ``benchmarks/`` (a source checkout), then ``plan``;
-* ``demo``  -- generate on a small random model: backends, warm-up report, each step's
-  graph key and padding, statistics;
-* ``conformance`` -- the properties of :mod:`graphrt.testing` on a model and backend, one
-  line per property (docs/testing.md);
-* ``lint`` -- one forward of a model under the capture checks: every host sync,
-  data-dependent shape and baked host value, per module, with the fix (:mod:`graphrt.cli_lint`).
+Every subcommand is one entry of :data:`SUBCOMMANDS` (help line, flag adder, runner returning
+the exit status): ``plan``, ``bench``, ``demo``, ``conformance``, ``lint``. To add one, write
+those two functions and add the entry.
 """
 
 from __future__ import annotations
@@ -45,13 +35,9 @@ class Subcommand(NamedTuple):
 # ---------------------------------------------------------------------------------------- plan
 
 def decode_trace(max_num_seqs: int, num_steps: int, seed: int) -> np.ndarray:
-    """Decode batch sizes of a synthetic serving run, one per step.
-
-    A ramp up from an idle server, then steady load levels (one in each of the lower three
-    quarters of ``max_num_seqs`` and saturation at ``max_num_seqs``, with small jitter as
-    requests finish and join) joined by ramps (arrivals, drains). Seeded, so every run
-    compares policies on the same trace.
-    """
+    """Decode batch sizes of a synthetic serving run, one per step: a ramp up, then steady
+    levels (three lower quarters of ``max_num_seqs`` and saturation, jittered) joined by ramps.
+    Seeded, so every run compares policies on the same trace."""
     rng = np.random.default_rng(seed)
     bands = np.linspace(1, max_num_seqs, 5).round().astype(np.int64)
     levels = [int(rng.integers(lo, hi + 1)) for lo, hi in zip(bands[:-2], bands[1:-1])]
@@ -86,11 +72,8 @@ def _sizes_preview(policy: BucketPolicy, head: int = 5, tail: int = 3) -> str:
 
 
 def plan_policies(config: GraphConfig, counts: dict[int, int]) -> list[tuple[str, BucketPolicy]]:
-    """The compared policies: the engines' defaults up to the capture limit, and exact fits.
-
-    Fits see only the sizes within the capture limit, so every policy leaves the same
-    steps to run eagerly.
-    """
+    """The compared policies: the engines' defaults up to the capture limit, and exact fits
+    (which see only sizes within it, so every policy leaves the same steps eager)."""
     cap = config.capture_policy().max_size
     vllm = BucketPolicy.vllm_default(cap)
     policies = [("vLLM default", vllm), ("SGLang default", BucketPolicy.sglang_default(cap)),

@@ -1,10 +1,8 @@
 """``GraphConfig``: the flags engine authors know from vLLM and sglang-jax, validated.
 
-Graph backends (cuda, npu, cpu) read ``mode``, ``cudagraph_capture_sizes`` and
-``max_cudagraph_capture_size``; the XLA backend reads ``precompile_token_paddings``,
-``precompile_bs_paddings`` and ``disable_precompile`` (its bucket grid is built in
-``backends/xla/buckets.py``; here the flags are validated). ``add_cli_args`` / ``from_cli_args``
-expose every field as ``--kebab-case`` flags.
+Graph backends read ``mode`` and the capture sizes; XLA reads the ``precompile_*`` paddings (its
+grid is built in ``backends/xla/buckets.py``). ``add_cli_args`` / ``from_cli_args`` expose every
+field as ``--kebab-case`` flags.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def _whole_number(value: Any) -> int:
-    """A count or size as an int: an int (or numpy integer), never a float, a string or a bool
-    (``4.0``, ``"4"``, ``True`` were taken as 4, 4 and 1)."""
+    """A count or size as an int (or numpy integer), never a float, a string or a bool."""
     if isinstance(value, bool):
         raise ValueError(f"must be an integer, got the bool {value!r}")
     try:
@@ -54,9 +51,8 @@ def _sizes(name: str, values: Optional[list[int]]) -> Optional[list[int]]:
 
 
 def check_flags(**flags: Any) -> None:
-    """Refuse a boolean keyword that is not a bool, as strictly as GraphConfig's own flags
-    (``"yes"``, ``"no"``, 0, 1 and None are not booleans): ConfigError naming it. graphrt.LLM's
-    and ModelRunner's keywords go through here."""
+    """Refuse a boolean keyword that is not a bool (``"yes"``, 0, 1, None are not): ConfigError
+    naming it. graphrt.LLM's and ModelRunner's keywords go through here."""
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ConfigError(f"{name}: Input should be a valid boolean, got {value!r}")
@@ -74,10 +70,8 @@ def _describe(err: Any) -> str:
 
 def covering_padding(sizes: Optional[Sequence[int]], bound: int) -> Optional[int]:
     """The padding a step at the limit ``bound`` runs at: the first of ``sizes`` >= ``bound``;
-    ``bound`` itself when ``sizes`` is unset (the default paddings end there); None when none
-    covers it. Of ``precompile_bs_paddings`` and ``max_num_seqs`` it is XLA's largest batch size
-    (every mixed step's batch), of the token paddings and ``max_num_batched_tokens`` its largest
-    token bucket: validation below and ``backends/xla/buckets.py`` both take them from here."""
+    ``bound`` when ``sizes`` is unset; None when none covers it. The one rule validation and
+    ``backends/xla/buckets.py`` share for XLA's largest batch size and token bucket."""
     if sizes is None:
         return bound
     return min((s for s in sizes if s >= bound), default=None)
@@ -85,9 +79,8 @@ def covering_padding(sizes: Optional[Sequence[int]], bound: int) -> Optional[int
 
 def _refuse_unusable(name: str, values: Optional[list[int]], cover: int, limit: str, bound: int,
                      cost: str) -> None:
-    """XLA paddings past ``cover``, the first one that covers ``bound``, can never be used by a
-    step, yet each costs an executable (``cost``): ``precompile_bs_paddings=[4, 2**24]`` with
-    ``max_num_seqs=4`` padded every prefill to 2**24 requests and ran out of memory."""
+    """Refuse XLA paddings past ``cover`` (the first covering ``bound``): no step uses them, yet
+    each costs an executable (``[4, 2**24]`` with ``max_num_seqs=4`` once ran out of memory)."""
     if values is None:
         return
     unused = [v for v in values if v > cover]
@@ -258,10 +251,8 @@ class GraphConfig(BaseModel):
         return data
 
     def check_model_len(self, model_len: int | None) -> None:
-        """Refuse a ``max_model_len`` above the model's ``max_position_embeddings`` (``model_len``;
-        None: unknown) unless ``allow_long_max_model_len`` (vLLM refuses too, unless overridden):
-        positions past it were never trained. A max_model_len left at its default is only
-        logged: it was never asked for."""
+        """Refuse a ``max_model_len`` above the model's ``max_position_embeddings`` (None:
+        unknown) unless ``allow_long_max_model_len``, as vLLM does; a default one is only logged."""
         if model_len is None or self.max_model_len <= model_len or self.allow_long_max_model_len:
             return
         if "max_model_len" not in self.model_fields_set:
@@ -302,12 +293,10 @@ class GraphConfig(BaseModel):
     def capture_policy(self) -> BucketPolicy:
         """Token buckets of graph backends (capture sizes).
 
-        Unset, they are vLLM's sizes counted in requests and multiplied by the decode query
-        length ``q = 1 + num_speculative_tokens`` (vLLM scales its default largest size by
-        ``q``): every size is a multiple of ``q``, so each is a decode batch exactly. The
-        requests go up to ``min(2 * max_num_seqs, 512)``, and never below ``max_num_seqs``:
-        the largest decode batch the token budget holds (:attr:`max_decode_batch`) always has
-        a FULL graph. ``max_cudagraph_capture_size`` alone sets the largest size in tokens."""
+        Unset: vLLM's sizes in requests times ``q = 1 + num_speculative_tokens`` (each a decode
+        batch exactly), up to ``min(2 * max_num_seqs, 512)`` requests and never below
+        ``max_num_seqs``, so the largest decode batch always has a FULL graph.
+        ``max_cudagraph_capture_size`` alone sets the largest size in tokens."""
         if self.cudagraph_capture_sizes is not None:
             return BucketPolicy(self.cudagraph_capture_sizes)
         q, tokens = self.decode_query_len, self.max_num_batched_tokens
@@ -324,10 +313,9 @@ class GraphConfig(BaseModel):
         return self.decode_query_len * reqs
 
     def context_policy(self, largest: int | None = None, growth: int = 2) -> BucketPolicy:
-        """Context buckets: ``context_buckets`` as given (those above ``max_model_len`` dropped,
-        ``max_model_len`` added where they stop short of it and ``largest`` is None), else
-        ``DEFAULT_MIN_CONTEXT_BUCKET`` times powers of ``growth`` up to ``largest`` (default
-        ``max_model_len``), which is always the last bucket."""
+        """Context buckets: ``context_buckets`` as given (capped at ``max_model_len``, which is
+        added unless ``largest`` is given), else ``DEFAULT_MIN_CONTEXT_BUCKET`` times powers of
+        ``growth`` up to ``largest`` (default ``max_model_len``), always the last bucket."""
         top = self.max_model_len if largest is None else min(largest, self.max_model_len)
         if self.context_buckets is not None:
             sizes = [c for c in self.context_buckets if c <= top]
@@ -340,9 +328,8 @@ class GraphConfig(BaseModel):
 
     def graph_dispatcher(self, mode: GraphMode | None = None, token_buckets: BucketPolicy | None = None,
                          keyed_context: bool = False) -> Dispatcher:
-        """The dispatcher of graph backends (eager above the largest capture size), over
-        ``token_buckets`` (default: the configured capture sizes); with ``keyed_context`` (the
-        attention reads each step's longest context as a host value) every FULL key once per
+        """The dispatcher of graph backends (eager above the largest capture size) over
+        ``token_buckets`` (default: capture sizes); with ``keyed_context`` every FULL key once per
         context bucket up to ``DEFAULT_MAX_GRAPH_CONTEXT``."""
         m = GraphMode.NONE if self.enforce_eager else (mode or self.mode)
         buckets = token_buckets if token_buckets is not None else self.capture_policy()

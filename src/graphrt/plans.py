@@ -1,10 +1,8 @@
 """Step plans: how every step of one dispatch shape runs, decided once and remembered.
 
-A plan is the dispatcher's answer for a :class:`~graphrt.core.dp_agreement.DispatchShape`
-(mode and padded key), the cache entry for that key (or why the step runs eagerly: the mode
-says so, the key's build failed, it was never built), the padded request count and the
-sampler entries (greedy, random, and the logprobs graph). ``ModelRunner`` makes one on the first step of a shape and
-reuses it until either cache changes (``version``); each step still counts its hit or miss.
+A plan holds the dispatcher's mode and key, the cache entry (or why the step runs eagerly), the
+padded request count and the sampler entries; it is reused until either cache changes
+(``version``), each step still counting its hit or miss.
 """
 
 from __future__ import annotations
@@ -69,14 +67,12 @@ class StepPlan:
     padded_reqs: int
     cache_key: tuple | None          # the forward cache's key looked up (None: eager by dispatch)
     hit: bool
-    #: :attr:`SamplerKey.kind` (``greedy``, ``random``, :data:`LOGPROBS`; a random variant once a
-    #: step used it, :func:`plan_sampler`) -> its :class:`SamplerEntry` (the logprobs graph's cause
-    #: is unused: logprobs steps are not counted per cause)
+    #: :attr:`SamplerKey.kind` -> its :class:`SamplerEntry` (random variants added on first use,
+    #: :func:`plan_sampler`).
     sampler: dict[str, SamplerEntry]
     version: int                     # cache.version + sampler_cache.version when planned
     eager_cause: EagerCause | None = None
-    #: The job the step wants built and lacks ((mode, key): it ran eagerly or under a larger
-    #: built key meanwhile): background warm-up builds the most wanted first. None: nothing.
+    #: The job the step wants built and lacks (it ran eagerly or under a larger key); None: none.
     wanted: tuple[RuntimeMode, BatchDescriptor] | None = None
 
 
@@ -142,13 +138,11 @@ def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, s
               build_missing: BuildMissing | None, *, pending: Pending | None = None,
               degraded: frozenset[bool] = frozenset()) -> StepPlan:
     """The plan of ``shape``: the dispatcher's key, its entry in ``cache`` (or the reason to run
-    eagerly, the step then keyed by its own shape), the padded sizes and the sampler entries.
+    eagerly), the padded sizes and the sampler entries.
 
-    ``pending``: background warm-up; a key it has not built yet is stood in for by the smallest
-    built key that covers the step (``Dispatcher.covering``), else the step runs eagerly
-    (``WARMING_UP`` / ``GRAPH_MEMORY``), or on a backend without an eager path the key is built
-    now. ``degraded``: the step kinds (``uniform_decode`` values) whose graphs the configured
-    mode had but the attention backend or the model could not hold (``UNSUPPORTED``)."""
+    ``pending``: background warm-up; an unbuilt key is stood in for by the smallest built covering
+    key, else the step runs eagerly (or, without an eager path, the key is built now).
+    ``degraded``: step kinds whose graphs the attention backend or model could not hold."""
     t, r, uniform, n, context = shape
     d = dispatcher.dispatch(t, r, uniform, n, context)
     mode, key, entry, eager_reason, cache_key, hit = d.mode, d.key, None, None, None, False
@@ -203,8 +197,7 @@ def _sampler_lookup(sampler_cache: GraphCache, key: SamplerKey,
 
 def plan_sampler(plan: StepPlan, key: SamplerKey, sampler_cache: GraphCache,
                  pending: Pending | None = None) -> SamplerEntry:
-    """The :class:`SamplerEntry` of the sampler ``key`` (from
-    :func:`~graphrt.core.dispatch.sampler_key`) in ``plan``, looked up on first use for the
+    """The :class:`SamplerEntry` of sampler ``key`` in ``plan``, looked up on first use for the
     variants a plan does not list ahead (wide top-k, penalties)."""
     kind = key.kind
     got = plan.sampler.get(kind)

@@ -1,9 +1,7 @@
 """``ModelRunner``: the one front end every backend sits behind.
 
-Per step: prepare inputs (numpy, persistent buffers) -> ask the dispatcher for the key
--> pad into the executor's staging buffers -> replay the captured graph / call the
-compiled executable / run eagerly -> logits at each request's last token -> the sampler,
-its own graph. Host-side work is identical for every backend; only the executor differs.
+Per step: prepare inputs -> dispatch -> pad into staging buffers -> replay / call / run eagerly
+-> sample. See docs/architecture.md, 'One engine step, file by file'.
 """
 
 from __future__ import annotations
@@ -53,30 +51,24 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Runs a model's steps on one backend with graphs / executables per bucket.
 
-    ``model`` is a Hugging Face directory (loaded with graphrt's reference models for the
-    backend's framework) or an already-built model object that follows the protocol in
-    ``docs/models.md``. The KV cache has ``num_kv_blocks`` blocks, or as many as
-    ``kv_cache_memory`` bytes (or the device's free memory) hold; block 0 is the null block.
+    ``model`` is a Hugging Face directory or a model object following ``docs/models.md``. The KV
+    cache has ``num_kv_blocks`` blocks, or as many as ``kv_cache_memory`` bytes (or the device's
+    free memory) hold; block 0 is the null block.
 
-    ``step_agreement``: data-parallel ranks that step together agree on each step's bucket, and
-    a rank with no work calls :meth:`execute_dummy` (docs/distributed.md).
+    ``step_agreement``: data-parallel ranks agree on each step's bucket; a rank with no work calls
+    :meth:`execute_dummy` (docs/distributed.md).
 
     ``warmup``: ``True`` / ``"upfront"`` builds every key in the constructor; ``"background"``
-    serves at once and builds the keys between steps, most demanded first
-    (:class:`~graphrt.background.BackgroundWarmup`); ``False`` defers it to :meth:`warmup`.
+    serves at once and builds keys between steps, most demanded first; ``False`` defers it to
+    :meth:`warmup`.
 
-    Features are objects it holds: ``lora`` (:class:`~graphrt.core.lora.RunnerLora` with
-    ``max_loras > 0``, else :class:`~graphrt.core.lora.LoraOff`, whose methods say how to turn
-    it on), ``data_parallel`` (:class:`~graphrt.core.dp_agreement.DataParallelStep`,
-    with ``step_agreement``), ``background`` (background warm-up and re-fits' builds), ``traffic``
-    (:class:`~graphrt.traffic.TrafficFit`, with ``refit_interval``); None when off.
-    Always there: ``outputs`` (the last step's readouts and logprobs) and ``warmup_plan``
-    (:class:`~graphrt.warmup_plan.WarmupPlan`: the keys built and served, the capture plan).
+    Feature objects (None when off): ``lora`` (``LoraOff``, whose methods say how to turn it on,
+    with ``max_loras=0``), ``data_parallel``, ``background``, ``traffic``. Always there:
+    ``outputs`` (last step's readouts and logprobs) and ``warmup_plan`` (keys built and served,
+    the capture plan store).
 
-    Threads: :meth:`execute` serializes its callers (one lock; each caller gets its own
-    step's tokens), but ``outputs`` (:class:`~graphrt.step_outputs.StepOutputs`: ``logits()``,
-    ``hidden_states()``, ...) and :attr:`last_step` describe whichever step ran last, so read
-    them from the thread that drives the runner.
+    Threads: :meth:`execute` serializes its callers, but ``outputs`` and :attr:`last_step`
+    describe whichever step ran last, so read them from the thread that drives the runner.
     """
 
     def __init__(self, model: Any, config: GraphConfig | None = None, *,
@@ -92,12 +84,12 @@ class ModelRunner:
                                kv_cache_memory=kv_cache_memory)
         self.backend, self.executor, self.model = opened.backend, opened.executor, opened.model
         self.vocab_size = self.executor.vocab_size
-        #: The graph mode served, and the step kinds (uniform_decode values) the configured mode
-        #: had graphs for and this one has not (their eager steps count as ``unsupported_by_attention``).
+        #: The graph mode served, and the step kinds the configured mode had graphs for and this
+        #: one has not (their eager steps count as ``unsupported_by_attention``).
         self.mode, self.degraded, self.dispatcher = opened.mode, opened.degraded, opened.dispatcher
         self._plans: dict[DispatchShape, StepPlan] = {}
         self._lock = threading.Lock()
-        #: Warm-up as a feature object: the keys built and served, the capture plan, re-fits' dispatcher.
+        #: Warm-up: the keys built and served, the capture plan, re-fits' dispatcher.
         self.warmup_plan = WarmupPlan(self, self._plans, self._lock)
         saved = read_runner_plan(self)       # its bucket sizes installed, where it has some
         self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self.warmup_plan.jobs(),
@@ -142,9 +134,8 @@ class ModelRunner:
 
     # ---- setup ---------------------------------------------------------------------
     def warmup(self) -> list[dict[str, Any]]:
-        """Capture / compile every key the dispatcher can return, largest first, then seal
-        (:func:`graphrt.warmup.warm_up`: a failed capture runs eagerly with a warning; in strict
-        mode, and on backends that cannot run a step eagerly, it raises GraphCaptureError)."""
+        """Capture / compile every key, largest first, then seal; a failed capture runs eagerly
+        with a warning, or raises GraphCaptureError in strict mode / without an eager path."""
         return warm_up(self)
 
     # ---- one step ------------------------------------------------------------------
@@ -154,17 +145,14 @@ class ModelRunner:
                 future_rows: Any = None, extra_inputs: Mapping[str, Any] | None = None,
                 prompt_logprobs: Any = None, state_slots: Any = None) -> np.ndarray | StepOutput | None:
         """Run one scheduled step; returns one sampled token per request (or None without sampling).
-        ``lora_ids``: each request's LoRA adapter slot (-1 or None: none; needs ``max_loras > 0``).
-        ``future_rows``: see :meth:`execute_async`. ``extra_inputs``: an array per input the model
-        declares (``model.extra_inputs``: a row per token or per request; docs/attention.md).
-        With logprobs asked (the batch's ``logprobs``; ``prompt_logprobs``: per request None or a
-        top count) it returns a :class:`StepOutput`. ``state_slots``: for a model with recurrent
-        state (docs/hybrid.md), each table row's state slot (default: the row itself).
 
-        Bad input raises :class:`InputError` before any static buffer or the KV cache is touched:
-        the preparer checks the step, the dispatcher picks its bucket, and only then are the
-        inputs written, padded, into the executor's staging buffers. Calls from several
-        threads run one at a time.
+        ``lora_ids``: per-request LoRA slot (-1 or None: none). ``future_rows``: see
+        :meth:`execute_async`. ``extra_inputs``: an array per ``model.extra_inputs`` entry.
+        With logprobs asked (``logprobs`` / ``prompt_logprobs``) it returns a :class:`StepOutput`.
+        ``state_slots``: each table row's recurrent-state slot (default: the row itself).
+
+        Bad input raises :class:`InputError` before any static buffer or the KV cache is touched.
+        Calls from several threads run one at a time.
         """
         with self._lock:
             return self._execute(StepArgs(token_ids, block_table, req_rows, num_computed_tokens,
@@ -176,14 +164,11 @@ class ModelRunner:
                       sampling: SamplingBatch, lora_ids: Any = None, future_rows: Any = None,
                       extra_inputs: Mapping[str, Any] | None = None, prompt_logprobs: Any = None,
                       state_slots: Any = None) -> PendingTokens:
-        """:meth:`execute` without waiting for the device: the step's result comes as a
-        :class:`~graphrt.core.future_tokens.PendingTokens` whose ``result()`` waits for it.
+        """:meth:`execute` without waiting: returns a :class:`PendingTokens` (``result()`` waits).
 
-        ``future_rows`` (one int per request, -1: none) lets this step read the tokens of the
-        previous sampled step before the host has them: request ``i``'s last scheduled token
-        is replaced by that step's token at row ``future_rows[i]`` (the table may hold any valid
-        id there). Backends that dispatch asynchronously (``capabilities.async_execution``: XLA,
-        torch graphs) resolve it on the device and return at once; the others run the step to the end.
+        ``future_rows`` (one int per request, -1: none): request ``i``'s last scheduled token is
+        replaced by the previous sampled step's token at row ``future_rows[i]``, before the host
+        has it. Asynchronous backends resolve it on the device; the others run the step to the end.
         """
         if sampling is None:
             raise InputError("sampling", "execute_async returns sampled tokens: pass a SamplingBatch")
@@ -199,9 +184,8 @@ class ModelRunner:
         return PendingTokens(functools.partial(self.executor.fetch_tokens, out, num_reqs))
 
     def _execute(self, a: StepArgs, wait: bool = True) -> Any:
-        """Check, dispatch, write, run and sample one step (the lock held): the host tokens, or
-        with ``wait=False`` on an asynchronous backend the sampler's device output; None
-        without ``sampling``. Logprobs go through :class:`~graphrt.step_outputs.StepOutputs`."""
+        """Check, dispatch, write, run and sample one step (lock held): host tokens, the sampler's
+        device output with ``wait=False``, or None without ``sampling``."""
         t0 = time.perf_counter()
         if self.background is not None and self.background.error is not None:
             error, self.background.error = self.background.error, None
@@ -281,10 +265,8 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan, padded: ModelInputs, real_tokens: int, real_reqs: int,
              future: Any = None, choice: SamplerChoice | None = None) -> Any:
-        """Count the step in the statistics, then run ``plan`` on the written ``padded`` step
-        (every step, real or a data-parallel dummy, goes through here). Statistics are counted
-        before the forward: it evicts the host's caches (on a CPU device), and the runner's
-        objects are still warm from checking and writing."""
+        """Count the step, then run ``plan`` on the written ``padded`` step (real or dummy).
+        Counted before the forward, which evicts the host's caches on a CPU device."""
         self.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
                                padded_reqs=plan.padded_reqs, eager_reason=plan.eager_reason,
                                eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
@@ -311,9 +293,8 @@ class ModelRunner:
         return self.executor.run(plan.mode, plan.key, plan.entry, padded)
 
     def execute_dummy(self) -> None:
-        """Join a step with nothing scheduled on this rank (data-parallel ranks that step
-        together, ``step_agreement``): agree, then run the agreed bucket on padding only (no
-        KV slot written, nothing sampled). Nothing runs when no rank has work."""
+        """Join a data-parallel step with nothing scheduled here: run the agreed bucket on padding
+        only (no KV written, nothing sampled). Nothing runs when no rank has work."""
         if self.data_parallel is None:
             raise ConfigError("execute_dummy needs a ModelRunner built with step_agreement= "
                               "(data-parallel ranks that step together)")
@@ -333,9 +314,8 @@ class ModelRunner:
             self.outputs.last = LastStep(plan, 0, 0, 0.0)
 
     def _replan(self, shape: DispatchShape) -> StepPlan:
-        """Plan every step of this dispatch shape (:func:`~graphrt.plans.plan_step`: the
-        dispatcher's key, the cache entry or the reason to run eagerly, the padded sizes and the
-        sampler entries), remembered until either cache changes; each step still counts its hit."""
+        """Plan every step of this dispatch shape (:func:`~graphrt.plans.plan_step`), remembered
+        until either cache changes; each step still counts its hit."""
         plan = plan_step(shape, self.dispatcher, self.cache, self.sampler_cache,
                          None if self._eager_fallback else self._builds,
                          pending=self.background, degraded=self.degraded)
@@ -352,17 +332,15 @@ class ModelRunner:
     # ---- introspection ---------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:
-        """Forward cache statistics (hits, misses, padding, eager steps, build cost), with
-        ``compiles``: every build the executor counted, sampler's and those no cache lookup saw
-        included (``Executor.build_count``: XLA's compile ledger, torch's captures)."""
+        """Forward cache statistics, with ``compiles``: every build the executor counted
+        (sampler's and those no cache lookup saw included)."""
         stats = self.cache.stats
         stats.compiles = self.executor.build_count
         return stats
 
     @property
     def sampler_stats(self) -> CacheStats:
-        """Sampler graph statistics: hits, and steps whose sampler ran eagerly (its capture
-        failed: ``eager_steps`` and ``eager_reasons``)."""
+        """Sampler graph statistics: hits, and eager steps after a failed capture."""
         return self.sampler_cache.stats
 
     def free_request(self, request_id: int) -> None:

@@ -1,20 +1,9 @@
-"""A step's outputs beyond its tokens: the sampled tokens' logprobs and prompt logprobs, and the
-last step's readouts (``runner.outputs``: its hidden states, logits, device logits and position
-logits, and what it ran as).
+"""A step's outputs beyond its tokens: logprobs, prompt logprobs, and the last step's readouts.
 
-``ModelRunner`` comes here only for a step that asks for them (its sampling batch has a
-``logprobs`` column, or ``execute(prompt_logprobs=...)`` is given), so other steps cross none of
-it. Such a step returns a :class:`~graphrt.core.logprobs.StepOutput` instead of the tokens alone.
-
-* **Logprobs of sampled tokens**: right after the sampler, the logprobs graph of the step's
-  sampler rows (``SamplerKey(padded_reqs, False, logprobs=True)``, built at warm-up when
-  ``max_logprobs > 0``) reads the same logits rows and the tokens just sampled; on a backend that
-  dispatches asynchronously both outputs travel to the host together, and only a caller that
-  reads them waits.
-* **Prompt logprobs**: for each request that asks, the logprob at each of its scheduled
-  positions of the token the caller's table holds at the next position, with the top logprobs
-  there, from the forward's hidden rows (the executor's ``prompt_logprobs``). They are computed
-  when the step launches, so such a step waits for its forward.
+Only a step asking for logprobs comes here (it returns a :class:`StepOutput`). Sampled tokens'
+logprobs come from a logprobs graph run right after the sampler (built at warm-up when
+``max_logprobs > 0``); prompt logprobs from the forward's hidden rows, computed at launch, so
+such a step waits for its forward. See docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -36,12 +25,10 @@ from graphrt.plans import LOGPROBS, LastStep, SamplerEntry, StepArgs, StepInfo, 
 
 
 class StepOutputs:
-    """The runner's logprobs and prompt logprobs, and its last step's readouts (module doc);
-    ``max_logprobs`` is the config's limit, ``build_missing(cache, cache_key, mode, key)`` builds a
-    logprobs graph an executor without an eager path lacks (the runner's).
+    """The runner's logprobs and prompt logprobs, and its last step's readouts; ``build_missing``
+    builds a logprobs graph an executor without an eager path lacks.
 
-    The readouts describe whichever step ran last (:attr:`last`, set by the runner after each
-    step): read them from the thread that drives the runner, before its next step."""
+    Readouts describe whichever step ran last: read them from the thread that drives the runner."""
 
     def __init__(self, executor: Executor, sampler_cache: GraphCache, max_logprobs: int,
                  build_missing: Callable[..., Any]) -> None:
@@ -74,12 +61,10 @@ class StepOutputs:
         return self.executor.device_logits(self.last.plan.padded_reqs)
 
     def position_logits(self) -> np.ndarray:
-        """With ``num_speculative_tokens = k > 0``: the last step's logits at each real
-        request's last ``1 + k`` scheduled positions, ``[R, 1 + k, V]`` (a copy). In a
-        verification step (every request scheduled its last token and ``k`` drafts), row ``j``
-        is the target's distribution for the token after position ``j``: draft ``j + 1`` is
-        accepted when it is what row ``j`` samples. Rows before a request's first scheduled
-        token are unspecified."""
+        """With ``num_speculative_tokens = k > 0``: the last step's logits at each real request's
+        last ``1 + k`` scheduled positions, ``[R, 1 + k, V]`` (a copy). In a verification step row
+        ``j`` is the target's distribution after position ``j`` (draft ``j + 1`` is accepted when
+        row ``j`` samples it); rows before a request's first scheduled token are unspecified."""
         return np.array(self.executor.position_logits(self.last.num_reqs), copy=True)
 
     # ---- logprobs --------------------------------------------------------------------
@@ -105,11 +90,9 @@ class StepOutputs:
 
     def finish(self, plan: StepPlan, padded: ModelInputs, logits: Any, sampling: SamplingBatch | None, wait: bool,
                prompt_counts: np.ndarray | None, step: StepArgs) -> tuple[Any, Any]:
-        """After the forward: prompt logprobs (``prompt_counts`` from :meth:`check`; ``step`` the
-        caller's arguments: its token table, rows, computed and scheduled tokens), then the sampler and the
-        logprobs graph. Returns ``(the step's result, (the sampler's output, requests) for future
-        tokens, or None)``; the result is a :class:`StepOutput`, or with ``wait=False`` on an
-        asynchronous executor a :class:`PendingTokens` of it."""
+        """After the forward: prompt logprobs, then the sampler and the logprobs graph. Returns
+        ``(result, (sampler output, requests) for future tokens, or None)``; the result is a
+        :class:`StepOutput`, or a :class:`PendingTokens` with ``wait=False`` when asynchronous."""
         prompt = None if prompt_counts is None else self.prompt(
             prompt_counts, padded, step.token_ids, step.req_rows, step.num_computed_tokens, step.num_scheduled_tokens)
         if sampling is None:
@@ -147,9 +130,8 @@ class StepOutputs:
 
     def sample(self, plan: StepPlan, logits: Any, num_reqs: int, sampling: SamplingBatch, wait: bool,
                prompt: list[TokenLogprobs | None] | None) -> tuple[Any, Any]:
-        """Sample the step (and run its logprobs graph when the batch asks): ``(the step's result,
-        the sampler's output for future tokens)``. The result is a :class:`StepOutput`, or with
-        ``wait=False`` on an asynchronous executor a :class:`PendingTokens` of it."""
+        """Sample the step (and its logprobs graph when asked): ``(result, sampler output)``; the
+        result is a :class:`StepOutput`, or a :class:`PendingTokens` with ``wait=False``."""
         ex, r = self.executor, num_reqs
         entry = plan_sampler(plan, sampler_key(sampling, plan.padded_reqs, ex.vocab_size), self.sampler_cache).entry
         on_device = ex.async_execution

@@ -1,14 +1,9 @@
 """Buckets fitted from live traffic: the step sizes a runner serves, re-fitted on a schedule.
 
-With ``refit_interval=N`` (``GraphConfig``), every ``N`` steps :class:`TrafficFit` adds the
-runner's step sizes (``runner.step_sizes``) to a histogram whose older windows decay
-(``TRAFFIC_DECAY``) and fits each bucket family to it with
-:meth:`~graphrt.core.buckets.BucketPolicy.fit`, at most ``refit_max_buckets`` sizes, the largest
-always kept. A new set is installed only when it pads the window ``TRAFFIC_MIN_GAIN``
-less, or as little with fewer keys; its new keys are built in the background while the old set
-serves, then the runner switches and retires the old keys (first, where graph memory cannot
-hold both). Each re-fit is logged and kept in :attr:`TrafficFit.history`. docs/api.md, "Buckets
-that follow the traffic".
+With ``refit_interval=N`` every ``N`` steps :class:`TrafficFit` fits each bucket family to a
+decaying histogram of step sizes; a new set is installed only when it pads the window
+``TRAFFIC_MIN_GAIN`` less (or as little with fewer keys), built in the background while the old
+set serves. See docs/api.md, "Buckets that follow the traffic".
 """
 
 from __future__ import annotations
@@ -67,9 +62,8 @@ def padded(hist: Histogram, policy: BucketPolicy | None) -> float:
 class TrafficFit:
     """Step-size histograms of a runner and its bucket set re-fitted to them every ``interval`` steps.
 
-    Holds the runner (it reads ``runner.step_sizes``, ``runner.dispatcher`` and the caches and
-    calls ``runner.warmup_plan.replace_dispatcher``) and its :class:`~graphrt.background.BackgroundWarmup`
-    (which builds the new keys and runs :meth:`maybe_refit` between steps).
+    Reads the runner's step sizes, dispatcher and caches; its :class:`BackgroundWarmup` builds the
+    new keys and runs :meth:`maybe_refit` between steps.
     """
 
     def __init__(self, runner: Any, *, interval: int, max_buckets: int | None = None,
@@ -124,8 +118,8 @@ class TrafficFit:
         return sum(delta.values())
 
     def refit(self) -> dict[str, Any] | None:
-        """Fit the bucket sets to the histograms; queue the new keys (or install at once when
-        nothing new is needed). Returns the re-fit's record, or None when nothing changed."""
+        """Fit the bucket sets to the histograms and queue the new keys (or install at once);
+        returns the re-fit's record, or None when nothing changed."""
         runner = self.runner
         steps = runner.cache.stats.steps
         self.next_at = steps + self.interval

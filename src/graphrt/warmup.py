@@ -1,12 +1,9 @@
-"""Warm-up: every key a runner's dispatcher can return, built (captured / compiled) ahead of
-serving, largest first, into the runner's caches; then the caches are sealed. The garbage
-collector runs once first and every object alive then is frozen out of its sight until the
-builds end (vLLM #21146: a collection scanning a large heap between captures costs seconds),
-on top of each capture running with the collector off.
+"""Warm-up: every key a runner's dispatcher can return, built ahead of serving, largest first;
+then the caches are sealed. Objects alive before the builds are frozen out of the garbage
+collector's sight (vLLM #21146: a collection between captures costs seconds).
 
-A failed build makes its key run eagerly, with a warning saying why (the cache keeps a
-:class:`~graphrt.core.cache.FailedBuild` for it and counts it); in strict mode, or on a
-backend with no eager path (XLA), it raises :class:`~graphrt.core.errors.GraphCaptureError`.
+A failed build runs its key eagerly with a warning; in strict mode, or without an eager path
+(XLA), it raises :class:`~graphrt.core.errors.GraphCaptureError`.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ Job = tuple[RuntimeMode, BatchDescriptor | SamplerKey]
 
 def warmup_keys(dispatcher: Dispatcher, logprobs: bool = False, penalties: bool = False) -> list[Job]:
     """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
-    sampler for each request count a FULL key can have, with ``logprobs`` (``max_logprobs >
-    0``) the logprobs graph of that count, and with ``penalties`` (``enable_penalties``) the
-    penalised sampler's."""
+    sampler per FULL request count, plus the logprobs graph (``logprobs``) and the penalised
+    sampler (``penalties``) of that count."""
     keys = dispatcher.keys()
     sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
     kinds = ([SamplerKey(0, True), SamplerKey(0, False)] + ([SamplerKey(0, False, True)] if logprobs else [])
@@ -77,11 +73,9 @@ def warm_up(runner: Any) -> list[dict[str, Any]]:
 
 def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, sampler_cache: GraphCache, *,
                     strict: bool, progress: bool, label: str) -> float:
-    """Build ``jobs`` in order into ``cache`` (forward keys, as ``(mode, key)``) and
-    ``sampler_cache`` (sampler keys), then seal both; returns the seconds it took. Executors
-    that build faster all at once (XLA's parallel compiles) get, through ``build_many``, the
-    keys the caches still lack (a second warm-up compiles nothing again); the others build
-    every key here, one at a time."""
+    """Build ``jobs`` in order into ``cache`` / ``sampler_cache``, then seal both; returns the
+    seconds taken. Executors that build faster at once (XLA) get the missing keys through
+    ``build_many``; the others build one at a time."""
     entries = [(sampler_cache, key, mode, key) if isinstance(key, SamplerKey) else (cache, (mode, key), mode, key)
                for mode, key in jobs]
     missing = [(target, cache_key, mode, key) for target, cache_key, mode, key in entries
@@ -118,10 +112,8 @@ def _build_missing(executor: Executor, missing: list, entries: list, *, strict: 
 
 def build_one(executor: Executor, target: GraphCache, cache_key: Any, mode: RuntimeMode,
               key: BatchDescriptor | SamplerKey, *, strict: bool) -> bool:
-    """Build one key into ``target`` under ``cache_key``; True when it was built. A failure is
-    stored as a :class:`~graphrt.core.cache.FailedBuild` (the key runs eagerly) with a warning,
-    or raised as :class:`GraphCaptureError` in strict mode and where the executor cannot run
-    a step eagerly (XLA)."""
+    """Build one key into ``target``; True when built. A failure is stored as a
+    :class:`FailedBuild` with a warning, or raised as GraphCaptureError in strict mode / on XLA."""
     t0 = time.perf_counter()
     try:
         entry, nbytes = executor.build(mode, key)

@@ -1,12 +1,7 @@
-"""A runner's warm-up as one feature object: which keys it builds, when (upfront in its constructor
-or in the background between steps), the capture plan that remembers them across restarts, and
-the dispatcher it serves under (a traffic re-fit replaces it).
-
-``ModelRunner`` holds one :class:`WarmupPlan` as ``runner.warmup_plan``; ``runner.warmup()``
-(:func:`graphrt.warmup.warm_up`) builds every key upfront. The pieces it ties together keep their
-own modules: the builds (:mod:`graphrt.warmup`), the background queue and its thread
-(:mod:`graphrt.background`), the plan file (:mod:`graphrt.capture_plan`), re-fits
-(:mod:`graphrt.traffic`).
+"""A runner's warm-up as one feature object: which keys it builds, when (upfront or in the
+background), the capture plan that remembers them across restarts, and the dispatcher it serves
+under. The pieces keep their own modules (:mod:`graphrt.warmup`, :mod:`graphrt.background`,
+:mod:`graphrt.capture_plan`, :mod:`graphrt.traffic`).
 """
 
 from __future__ import annotations
@@ -21,11 +16,10 @@ from graphrt.warmup import Job, compile_host_kernels, job_target, warmup_keys
 
 
 class WarmupPlan:
-    """What ``runner`` builds and serves (module doc). It reads the runner's public parts (config,
-    dispatcher, caches, capture plans, background, executor, preparer, padder, graph memory) and
-    writes ``runner.dispatcher`` (a re-fit) and ``runner.warmup_report``; ``step_plans`` is the
-    runner's memo of step plans, cleared when the dispatcher changes; ``lock`` is its step lock.
-    It makes the runner's capture plan store (:attr:`store`) and ``background`` (:meth:`background`)."""
+    """What ``runner`` builds and serves. Reads the runner's public parts and writes
+    ``runner.dispatcher`` (a re-fit) and ``runner.warmup_report``; ``step_plans`` is the runner's
+    plan memo (cleared when the dispatcher changes); ``lock`` its step lock. It makes the
+    capture plan store (:attr:`store`) and ``background`` (:meth:`background`)."""
 
     def __init__(self, runner: Any, step_plans: dict, lock: Any) -> None:
         self.runner, self._step_plans, self._lock = runner, step_plans, lock
@@ -37,9 +31,8 @@ class WarmupPlan:
                       and cfg.tensor_parallel_size == 1 else None)
 
     def jobs(self, dispatcher: Any = None) -> list[Job]:
-        """Every key warm-up builds under ``dispatcher`` (default: the runner's), largest first, with
-        the sampler kinds the config asks for (:func:`graphrt.warmup.warmup_keys`): warm-up, the
-        capture plan and a traffic re-fit all take the runner's jobs from here."""
+        """Every key warm-up builds under ``dispatcher`` (default: the runner's), largest first,
+        with the configured sampler kinds: warm-up, the capture plan and re-fits all use this."""
         cfg = self.runner.config
         return warmup_keys(dispatcher if dispatcher is not None else self.runner.dispatcher,
                            logprobs=cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
@@ -60,9 +53,8 @@ class WarmupPlan:
                                 label=r.backend.name, on_complete=self.background_complete)
 
     def begin(self, warmup: str | None, saved: SavedPlan | None) -> None:
-        """The constructor's warm-up: every key now (``"upfront"``), queued for the background
-        (``"background"``, in the ``saved`` plan's demand order), or none yet (None); then the
-        background builder starts where there is one."""
+        """The constructor's warm-up: every key now (``"upfront"``), queued in the ``saved`` plan's
+        demand order (``"background"``), or none yet (None); then start the background builder."""
         r = self.runner
         if warmup == "upfront":
             r.warmup()
@@ -72,9 +64,8 @@ class WarmupPlan:
             r.background.start()
 
     def start_background(self, prior: Mapping[Job, int] | None = None) -> int:
-        """Queue every key warm-up would build for background warm-up, most demanded first
-        (``prior``: demand per job from a saved capture plan); the host kernels are compiled now,
-        the first step needs them. Returns how many keys were queued."""
+        """Queue every warm-up key for the background, most demanded first (``prior``: saved
+        demand); the host kernels compile now, the first step needs them. Returns how many."""
         r = self.runner
         if r.background is None:
             raise ConfigError("background warm-up needs a ModelRunner built with warmup='background'")

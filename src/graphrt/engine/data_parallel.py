@@ -1,16 +1,12 @@
 """``graphrt.DataParallelLLM``: ``data_parallel_size`` engine processes behind one front.
 
-Each worker is a spawned process holding a whole :class:`~graphrt.LLM` loaded from the model
-directory by the worker itself. The front validates every request as ``LLM`` does, sends it to one
-worker by SGLang's ``load_balance_method`` (``round_robin``, or ``shortest_queue``: the fewest
-unfinished requests as the front counts them, lowest rank on ties) and gathers the outputs::
-
     with graphrt.DataParallelLLM(model_dir, data_parallel_size=2, backend="cpu") as dp:
         outs = dp.generate(prompts, graphrt.SamplingParams(max_tokens=8))   # prompt order
 
-Workers never talk to each other. A worker that dies is seen at once through its process
-sentinel, and every call then raises a ``GraphrtError`` naming it; ``close()`` (also exit, garbage
-collection) stops and joins every worker. docs/api.md, "Data parallelism".
+Each worker is a spawned process holding a whole :class:`~graphrt.LLM`; the front validates
+requests, spreads them by SGLang's ``load_balance_method`` and gathers outputs. A dead worker is
+seen at once through its sentinel, and every call then raises a ``GraphrtError`` naming it. See
+docs/api.md, "Data parallelism".
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ DEFAULT_DATA_PARALLEL_SIZE = 2
 DEFAULT_LOAD_BALANCE_METHOD = "round_robin"
 #: ... the environment variable a worker's ``device_ids`` entry is written to.
 DP_DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
-#: ... seconds: for every worker to load its model and warm up; for stats replies (how long
-#: stopping workers waits: engine/dp_processes.py).
+#: ... seconds for every worker to load and warm up; for stats replies.
 DP_WORKER_START_TIMEOUT_S = 600.0
 DP_STATS_TIMEOUT_S = 30.0
 #: ... seconds ``step()`` waits for an output by default, and the longest single wait on the
@@ -56,9 +51,8 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
 
 def check_worker_args(model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> None:
-    """Refuse at the front what each worker's ``graphrt.LLM(model, **llm_kwargs)`` would refuse
-    before loading anything (engine/engine_args.py), as LLM raises it: a bad value costs no
-    process start, and no worker's traceback has to say it."""
+    """Refuse at the front what each worker's ``LLM(model, **llm_kwargs)`` would refuse before
+    loading, as LLM raises it: a bad value costs no process start."""
     bound = inspect.signature(LLM).bind(os.fspath(model), **llm_kwargs)   # others: graph_fields
     bound.apply_defaults()
     args = bound.arguments
@@ -69,12 +63,10 @@ def check_worker_args(model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> N
 class DataParallelLLM:
     """``data_parallel_size`` :class:`~graphrt.LLM` worker processes behind one front.
 
-    ``model`` must be a directory (each worker loads it); every other keyword goes to each
-    worker's ``LLM``, and what that would refuse before loading the model is refused here,
-    before any worker starts. ``device_ids[i]``, if given, is put in worker i's ``device_env``
-    environment variable (``CUDA_VISIBLE_DEVICES`` by default; ``ASCEND_RT_VISIBLE_DEVICES``
-    on Ascend) before it imports a framework, so ``backend="cuda"`` there means that device.
-    Without it every worker sees every device (on a CPU: all of them share the CPU).
+    ``model`` must be a directory (each worker loads it); other keywords go to each worker's
+    ``LLM`` and are checked here first. ``device_ids[i]``, if given, is put in worker i's
+    ``device_env`` variable (``CUDA_VISIBLE_DEVICES`` by default; ``ASCEND_RT_VISIBLE_DEVICES``
+    on Ascend) before it imports a framework; without it every worker sees every device.
     """
 
     def __init__(self, model: str | os.PathLike, *,
@@ -141,10 +133,9 @@ class DataParallelLLM:
                  timeout: float | None = None) -> list[RequestOutput]:
         """Generate for every prompt across the workers; outputs in prompt order.
 
-        Every prompt is validated before any is sent (InputError naming its index). If a
-        request fails in its worker's step, the call waits for the rest, then raises
-        ``GenerationError`` with all outputs. ``timeout`` (seconds, None: none) bounds the
-        wait: past it a ``GraphrtError`` names the workers still owing outputs.
+        Every prompt is validated first (InputError naming its index). A request failing in its
+        worker makes the call wait for the rest, then raise ``GenerationError`` with all outputs.
+        ``timeout`` (s, None: none): past it a ``GraphrtError`` names the workers still owing.
         """
         prompts = list(prompt_token_ids)
         params = params_per_prompt(prompts, sampling_params)
@@ -207,9 +198,8 @@ class DataParallelLLM:
     # ---- state ------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
-        """Per worker: rank, pid, alive, ``requests`` sent, ``queue_length`` (the front's count
-        of its unfinished requests) and ``engine`` (its LLM.stats plus its own ``waiting`` /
-        ``running`` counts; None for a dead worker)."""
+        """Per worker: rank, pid, alive, ``requests`` sent, ``queue_length`` and ``engine`` (its
+        LLM.stats plus ``waiting`` / ``running``; None for a dead worker)."""
         with self._lock:
             if self._closed:
                 raise GraphrtError("DataParallelLLM is closed")
@@ -292,8 +282,7 @@ class DataParallelLLM:
                 self._pump(min(left, DP_POLL_INTERVAL_S))
 
     def _pump(self, timeout: float) -> None:
-        """Receive what the workers sent, waiting up to ``timeout`` s for something; a worker
-        whose process ended is marked dead (``_broken``)."""
+        """Receive what the workers sent, waiting up to ``timeout`` s; mark dead workers."""
         live = [w for w in self._workers if w.dead is None]
         by_obj: dict[Any, Worker] = {w.replies: w for w in live}
         by_obj.update((w.process.sentinel, w) for w in live)

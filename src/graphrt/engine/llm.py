@@ -1,17 +1,12 @@
 """``graphrt.LLM``: the embedded default engine -- scheduler, block allocator, ModelRunner.
 
-It makes the library usable end to end and is how the parity tests drive real models::
-
     llm = graphrt.LLM(model_dir, backend="cpu", max_num_seqs=8)
     outs = llm.generate([[1, 2, 3]], graphrt.SamplingParams(max_tokens=8))
 
-Warm-up runs in the constructor or between steps (``warmup="background"``); the prefix cache and
-``schedule_policy`` are on docs/api.md. A step that raises finishes its requests with
-``finish_reason="error"``; ``generate`` then aborts the rest of its own and raises
-:class:`~graphrt.core.errors.GenerationError` with every output. One lock serializes
-``add_request`` / ``step`` / ``abort_request`` and each step of ``generate`` (concurrent calls
-batch together, each gets its own outputs); ``close()`` takes it too. docs/api.md, "Generate end
-to end".
+A step that raises finishes its requests with ``finish_reason="error"``; ``generate`` then aborts
+the rest of its own and raises :class:`~graphrt.core.errors.GenerationError` with every output.
+One lock serializes ``add_request`` / ``step`` / ``abort_request`` / ``close`` and each step of
+``generate`` (concurrent calls batch together). See docs/api.md, "Generate end to end".
 """
 
 from __future__ import annotations
@@ -41,9 +36,9 @@ from graphrt.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_eos_token_ids
 
-#: ``graphrt.LLM.close()`` waits this long for a step running on another thread to end (the
-#: watchdog's and the tensor-parallel timeout: a step still running then is hung); past it, or
-#: at once after the watchdog fired, it closes under the step, which then fails.
+#: ``LLM.close()`` waits this long for a step on another thread (the watchdog's and the TP
+#: timeout: a step still running then is hung); past it, or once the watchdog fired, it closes
+#: under the step, which then fails.
 LLM_CLOSE_WAIT_S = 300.0
 
 logger = logging.getLogger(__name__)
@@ -52,19 +47,15 @@ logger = logging.getLogger(__name__)
 class LLM:
     """Continuous batching over a :class:`ModelRunner`, with a prefix cache and schedule policies.
 
-    ``enable_prefix_caching`` (default on; off for a model with recurrent state, which refuses
-    it: docs/hybrid.md): finished and running requests' full computed KV blocks stay cached in
-    a radix tree and are shared, by reference, with later requests of the same prefix. ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or
-    "dfs-weight". ``schedule_conservativeness`` (default 1, as in SGLang): admission reserves
-    KV for estimated outputs, scaled by it (0: admit without the estimate; see
-    :class:`~graphrt.engine.scheduler.Scheduler`). SGLang's prefill and decode log lines (every
-    ``decode_log_interval`` decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps
-    their numbers. ``watchdog_timeout`` (s; None / 0: off) fails a hung forward (docs/api.md).
-    One loop runs every step: schedule and launch a step, then resolve launched steps until
-    at most ``depth`` are in flight. Depth 1 is overlap scheduling (SGLang's, on unless
-    ``disable_overlap_schedule``, where the device runs ahead of the host: xla, cuda, npu): the next
-    step is prepared while the device runs the previous one (engine/loop.py says what
-    makes it exact). Depth 0 is the plain loop: launch, then resolve at once.
+    ``enable_prefix_caching`` (default on; refused by models with recurrent state): full computed
+    KV blocks stay in a radix tree, shared by reference with later requests of the same prefix.
+    ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or "dfs-weight".
+    ``schedule_conservativeness`` (default 1, as in SGLang): scales the KV admission reserves for
+    estimated outputs (0: no estimate). Prefill / decode log lines (every ``decode_log_interval``
+    decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps their numbers.
+    ``watchdog_timeout`` (s; None / 0: off) fails a hung forward. ``disable_overlap_schedule``
+    turns off overlap scheduling (depth 1: the next step is prepared while the device runs the
+    previous one, on xla, cuda, npu; engine/loop.py says why it is exact); depth 0: plain loop.
     """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
@@ -121,8 +112,8 @@ class LLM:
                              watchdog=self.watchdog, depth=1 if overlap_enabled(self.runner, disable_overlap_schedule)
                              else 0)
         self._closed = False                        # close() was called: every call refused
-        #: While background warm-up (or a re-fit) builds between steps the loop runs plain (depth
-        #: 0: nothing in flight at the builder's turn); the overlap depth comes back once it is done.
+        #: While background warm-up builds between steps the loop runs plain (nothing in flight
+        #: at the builder's turn); the overlap depth comes back once it is done.
         self._background = self.runner.background
         self._overlap_after_warmup: int | None = None
         if self._background is not None:
@@ -139,8 +130,7 @@ class LLM:
 
     def abort_request(self, request_id: int) -> RequestOutput | None:
         """Abort an unfinished request and free its blocks; returns its output (finish_reason
-        "abort"), or None if no such request is unfinished. A ``generate`` call that owns it
-        returns that output in its place; ``step()`` does not return it again."""
+        "abort"), or None. An owning ``generate`` returns it; ``step()`` does not."""
         with self._lock:
             req = self.loop.requests.get(request_id)
             if req is None:
@@ -166,11 +156,8 @@ class LLM:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order.
-
-        Every prompt is validated before any is queued, so a bad one raises InputError
-        (naming its index) and leaves the engine serving as before.
-        """
+        """Generate for every prompt; outputs in prompt order. Every prompt is validated first,
+        so a bad one raises InputError (naming its index) and changes nothing."""
         prompts = list(prompt_token_ids)
         params = params_per_prompt(prompts, sampling_params)
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -229,12 +216,10 @@ class LLM:
             return self.loop.busy() or bool(self._outbox[None])
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the ``add_request`` requests that finished since
-        the last call (in this step, or in one a concurrent ``generate`` ran), failed ones with
-        finish_reason "error". Requests of ``generate`` calls are kept for those calls.
+        """Schedule and run one step; returns the ``add_request`` requests finished since the
+        last call (failed ones with finish_reason "error"); ``generate``'s are kept for it.
 
-        Raises only if scheduling itself failed: then nothing ran and every request is still
-        queued, consistent, for the next step.
+        Raises only if scheduling failed: then nothing ran and every request is still queued.
         """
         with self._lock:
             if self._closed:
@@ -248,8 +233,7 @@ class LLM:
             return outs
 
     def _follow_warmup(self) -> None:
-        """Between steps: the plain loop while background warm-up has keys to build, the overlap
-        depth back once it has none."""
+        """Between steps: the plain loop while background warm-up has keys to build."""
         if self._background.active:
             if self._overlap_after_warmup is None:
                 self._overlap_after_warmup, self.loop.depth = self.loop.depth, 0
@@ -307,11 +291,10 @@ class LLM:
             self.scheduler.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the engine, from any thread: wait for the step running now (its lock; at most
-        ``LLM_CLOSE_WAIT_S``, not at all once the watchdog fired), then stop the watchdog thread
-        and the runner's tensor-parallel workers. A ``generate`` in flight then raises
-        GenerationError saying the engine is closed (with its outputs so far); every later call
-        raises GraphrtError saying so. Idempotent; the workers also stop when it is collected."""
+        """Stop the engine, from any thread: wait for the running step (at most
+        ``LLM_CLOSE_WAIT_S``; not once the watchdog fired), then stop the watchdog and TP workers.
+        A ``generate`` in flight raises GenerationError (with its outputs so far); later calls
+        raise GraphrtError. Idempotent; the workers also stop when it is collected."""
         fired = self.watchdog.error is not None         # that forward hangs: do not wait for it
         locked = self._lock.acquire(timeout=0 if fired else LLM_CLOSE_WAIT_S)
         if not locked:

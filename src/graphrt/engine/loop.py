@@ -1,18 +1,11 @@
 """The engine loop of :class:`graphrt.LLM`: one loop for every step, plain or overlapped.
 
-A step: schedule, launch (write the tables, run the step on the runner, advance its requests
-optimistically), then resolve launched steps until at most ``depth`` stay in flight. Depth 0 is
-the plain loop; depth 1 is overlap scheduling (SGLang's ``event_loop_overlap``): step n + 1 is
-launched (``runner.execute_async``) while the device still runs step n.
-
-What keeps overlap exact (docs/api.md, "Overlap scheduling"): launching advances computed tokens
-and gives a sampling request a placeholder token (``num_unresolved``); a request decoding it names
-the row that sampled it (``future_rows``), substituted on the device
-(:mod:`graphrt.core.future_tokens`); a request whose launched tokens reach ``max_tokens`` or
-``max_model_len`` is ``retiring`` and not scheduled again (an EOS is known only at resolve: that
-next step's token is dropped); no prefix-cache block key covers a placeholder. A failed launch
-fails its requests, a failed resolve its step's; a lost KV cache drops the in-flight step and
-recomputes every running request without its placeholders.
+A step: schedule, launch (write tables, run on the runner, advance requests optimistically), then
+resolve launched steps until at most ``depth`` stay in flight (0: plain; 1: overlap, as SGLang's
+``event_loop_overlap``). Overlap is exact because a launched sampling request gets a placeholder
+token that the next step reads on the device (``future_rows``), a request reaching its limit is
+``retiring`` and not scheduled again, and no prefix-cache key covers a placeholder. See
+docs/api.md, "Overlap scheduling".
 """
 
 from __future__ import annotations
@@ -42,8 +35,8 @@ PLACEHOLDER_TOKEN = 0
 
 @dataclass(eq=False)
 class Launched:
-    """A step launched but not yet resolved: its requests, whether each samples, and its
-    tokens (run synchronously) or the handle that waits for them (launched asynchronously)."""
+    """A step launched but not yet resolved: its requests, which sample, and its tokens (or the
+    handle that waits for them)."""
 
     step: ScheduledStep
     samples: list[bool]
@@ -53,10 +46,8 @@ class Launched:
 
 
 def overlap_enabled(runner: Any, disable_overlap_schedule: bool) -> bool:
-    """Whether the engine overlaps its steps by default: asked for, and the device runs ahead of
-    the host (``executor.device_runs_ahead``: xla, cuda, npu). Elsewhere overlap would hide
-    nothing (said once, at INFO); ``llm.overlap = True`` still runs it, on the same code path
-    where the backend launches asynchronously (the cpu graphs' events complete at once)."""
+    """Whether overlap is on by default: asked for, and the device runs ahead of the host (xla,
+    cuda, npu); elsewhere it would hide nothing. ``llm.overlap = True`` still forces it."""
     check_flags(disable_overlap_schedule=disable_overlap_schedule)
     if disable_overlap_schedule:
         return False
@@ -78,9 +69,8 @@ def drop_unresolved(req: Request) -> None:
 class StepLoop:
     """Schedules, launches and resolves :class:`graphrt.LLM`'s steps and finishes its requests.
 
-    It owns the unfinished requests (``requests``), the persistent token and block tables the
-    runner reads, the steps in flight, and each failed request's fault until it is delivered
-    (``faults``). ``lock`` is the engine's, held by every caller of :meth:`step`."""
+    Owns the unfinished requests, the persistent token and block tables, the steps in flight and
+    undelivered faults. ``lock`` is the engine's, held by every caller of :meth:`step`."""
 
     def __init__(self, *, runner: ModelRunner, scheduler: Scheduler, config: GraphConfig,
                  eos_token_ids: frozenset[int], metrics: EngineMetrics, watchdog: Any, depth: int) -> None:
@@ -120,13 +110,11 @@ class StepLoop:
             r.status is not Status.FINISHED for s in self.inflight for r in s.step.requests)
 
     def step(self) -> list[RequestOutput]:
-        """One step (the lock held): schedule and launch the next step, then resolve launched
-        steps until ``depth`` stay in flight (none when nothing new was launched); every
-        request that finished, whoever owns it.
+        """One step (lock held): launch the next step, then resolve until ``depth`` stay in flight
+        (none when nothing new launched); returns every request that finished.
 
-        A step whose launch fails finishes its requests with an error; KeyboardInterrupt and
-        kin leave them queued, unadvanced (the next step recomputes the same tokens, and the
-        KV too if it was lost), and a resolve they interrupt is completed by the next step."""
+        A failed launch finishes its requests with an error; KeyboardInterrupt and kin leave them
+        queued, unadvanced, and an interrupted resolve is completed by the next step."""
         if self.watchdog.error is not None:
             self.watchdog.check()           # refused after a watchdog timeout until reset()
         if self.runner.executor.kv_cache_resets != self._kv_resets_seen:
@@ -158,9 +146,8 @@ class StepLoop:
         return finished
 
     def _launch(self, step: ScheduledStep) -> Launched:
-        """Write the step's inputs, run it (depth 0) or launch it (depth 1), and advance its
-        requests optimistically: each computed its tokens, each that samples has a placeholder
-        token until :meth:`_resolve` puts the sampled one in its place."""
+        """Write the step's inputs, run (depth 0) or launch (depth 1) it, and advance its requests
+        optimistically (a placeholder token per sampling request until :meth:`_resolve`)."""
         inputs, samples = self._step_inputs(step)
         reqs = step.requests
         tokens = pending = starts = None
@@ -190,11 +177,9 @@ class StepLoop:
         return Launched(step, samples, tokens, pending, starts)
 
     def _step_inputs(self, step: ScheduledStep) -> tuple[dict[str, Any], list[bool]]:
-        """Write what the persistent tables lack for ``step`` (new token ids, new blocks; a row
-        freshly given to a request is cleared once) and fill the runner's request arrays;
-        returns the runner's arguments and which requests sample. The sampling batch is the
-        last one while the same requests sample (a request that does not sample keeps its
-        seed's stream: ``without_seed``)."""
+        """Write what the persistent tables lack for ``step`` and fill the request arrays; returns
+        the runner's arguments and which requests sample. The sampling batch is reused while the
+        same requests sample (a non-sampling request keeps its seed's stream: ``without_seed``)."""
         reqs = step.requests
         n = len(reqs)
         arrays = self._req_arrays[:, :n]
@@ -233,9 +218,8 @@ class StepLoop:
         return inputs, samples
 
     def _prompt_inputs(self, step: ScheduledStep, inputs: dict[str, Any]) -> list[int] | None:
-        """For the step's requests whose prompt logprobs are incomplete: ask for them (the
-        runner's ``prompt_logprobs``) and write each one's next prompt token into the table (the
-        logprob at a chunk's last position is that token's). Their computed tokens at launch."""
+        """Ask for incomplete prompt logprobs and write each request's next prompt token (the
+        logprob at a chunk's last position is that token's); returns computed tokens at launch."""
         counts, starts, table = [], [], self.token_table
         for req, n in zip(step.requests, step.num_scheduled):
             start, prompt = req.num_computed_tokens, req.prompt_token_ids
@@ -250,9 +234,8 @@ class StepLoop:
         return None
 
     def _resolve(self, launched: Launched) -> list[RequestOutput]:
-        """Wait for the oldest launched step's tokens (if it was launched asynchronously) and put
-        them in place of its placeholders; returns the requests it finished. It stays in flight
-        if waiting is interrupted; a fault fails the step's unfinished requests."""
+        """Wait for the oldest launched step's tokens and replace its placeholders; returns the
+        requests it finished. Stays in flight if interrupted; a fault fails its requests."""
         step = launched.step
         tokens = launched.tokens
         if tokens is None and launched.pending is not None:

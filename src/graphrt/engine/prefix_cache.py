@@ -1,21 +1,10 @@
 """Prefix cache: a radix tree over full KV blocks (SGLang's RadixCache with page = block_size).
 
-Each node below the root is one full block: its key is the ``block_size`` token ids it holds
-(as bytes), its value the KV block id, and the path from the root spells the token prefix
-whose KV that block continues. Nodes are one block each (no path compression), so eviction
-is block-granular: the least-recently-used leaf that no request references goes first.
-
-Rules that keep shared KV correct:
-
-* only **full, computed** blocks are inserted, so a cached block is never written again;
-* a match is capped at ``(num_tokens - 1) // block_size`` blocks, so a request always
-  computes at least its last known token, into a block of its own;
-* a request that computed a block the tree already holds (two requests computed the same
-  prefix at once) swaps its copy for the tree's (SGLang does the same): so whoever
-  references a node references all of its ancestors too, and every unreferenced cached
-  block can be reached by evicting leaves;
-* references are the allocator's (:class:`BlockAllocator`); a cached block nobody references
-  counts as free there and is evicted here when the allocator runs short.
+Each node is one full block (key: its ``block_size`` token ids as bytes; value: the KV block id),
+so eviction is block-granular, least-recently-used unreferenced leaf first. Shared KV stays
+correct because only full computed blocks are inserted (never written again), a match leaves at
+least the last token to compute, a duplicate block is swapped for the tree's (so a referenced
+node's ancestors are referenced too), and references are the :class:`BlockAllocator`'s.
 """
 
 from __future__ import annotations
@@ -83,14 +72,12 @@ class PrefixCache:
 
     # ---- lookup ---------------------------------------------------------------------
     def max_match_blocks(self, num_tokens: int) -> int:
-        """Most blocks a request of ``num_tokens`` known tokens may take from the cache: its
-        last token is always computed, so the block it writes next is never shared."""
+        """Most blocks a request of ``num_tokens`` tokens may take (its last token is computed)."""
         return max(num_tokens - 1, 0) // self.block_size
 
     def match_prefix(self, token_ids: Sequence[int], *, touch: bool = True) -> Match:
-        """The cached blocks of the longest cached full-block prefix of ``token_ids``, capped so
-        that at least the last token is left to compute. ``touch`` marks the path as used now
-        (least-recently-used eviction goes by it)."""
+        """The longest cached full-block prefix of ``token_ids``, capped by
+        :meth:`max_match_blocks`; ``touch`` marks the path as used now (for LRU eviction)."""
         limit = self.max_match_blocks(len(token_ids))
         return self.match_keys(block_keys(token_ids, self.block_size, limit), touch=touch)
 
@@ -111,12 +98,10 @@ class PrefixCache:
 
     # ---- insertion ------------------------------------------------------------------
     def insert(self, node: Node, keys: Sequence[bytes], blocks: Sequence[int]) -> tuple[Node, list[int]]:
-        """Extend the tree below ``node`` with full computed ``blocks`` whose keys are ``keys``.
+        """Extend the tree below ``node`` with full computed ``blocks`` keyed by ``keys``.
 
-        Where the tree already holds a key with another block (two requests computed the same
-        prefix at once), the tree's block stays. Returns the last node and the tree's block
-        for each key: the caller swaps its own duplicates for those, so that whoever holds a
-        node holds its whole path."""
+        Where the tree already holds a key, its block stays. Returns the last node and the tree's
+        block per key: the caller swaps its duplicates for those."""
         now = next(self._clock)
         path: list[int] = []
         new: list[int] = []
@@ -158,8 +143,7 @@ class PrefixCache:
         return len(evicted)
 
     def reset(self) -> None:
-        """Forget every cached block (the KV cache was lost, or the caller asked). Blocks that
-        requests still reference stay theirs; the others become plain free blocks."""
+        """Forget every cached block; blocks requests still reference stay theirs."""
         blocks = [n.block for n in self._nodes()]
         self.root = Node(b"", -1, None, 0)
         self.epoch += 1

@@ -1,9 +1,6 @@
 """One generation request as the engine tracks it: a plain record whose fields several engine
-modules own.
-
-Each group of fields below names the module that writes it; the others only read it. Every field
-is a plain attribute, ``num_tokens`` included (no getter runs), so a decode step reads and writes
-them at attribute cost and calls nothing here.
+modules own (each group below names its writer). Plain attributes, ``num_tokens`` included, so a
+decode step reads and writes them at attribute cost.
 """
 
 from __future__ import annotations
@@ -48,10 +45,8 @@ class Request:
     # counts when the row changes hands): tokens / blocks already written at ``row``.
     tokens_in_row: int = 0
     blocks_in_row: int = 0
-    # Prefix cache bookkeeping (engine/scheduler.py, through engine/prefix_cache.py): keys of the
-    # full blocks known so far, the tree node of the last of this request's blocks that the tree
-    # holds (and its epoch), how many of its blocks that is, and whether its blocks stay private
-    # (the tree was reset under it).
+    # Prefix cache bookkeeping (engine/scheduler.py): full-block keys, the tree node of the last
+    # block the tree holds (and its epoch), how many that is, and whether its blocks stay private.
     block_keys: list[bytes] = field(default_factory=list, repr=False)
     cache_node: Node | None = field(default=None, repr=False)
     cache_epoch: int = -1
@@ -70,9 +65,8 @@ class Request:
     prompt_logprobs: list | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        #: Known tokens, the prompt's and the generated ones (placeholders included): a plain
-        #: attribute, read per request every step; whoever changes ``output_token_ids``
-        #: (engine/loop.py) changes it too.
+        #: Known tokens (prompt, generated, placeholders): read per request every step, so a
+        #: plain attribute; engine/loop.py updates it with ``output_token_ids``.
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

@@ -1,14 +1,9 @@
 """Continuous-batching scheduler (SGLang's waiting queue and running batch, vLLM's token budget).
 
-Each step: prefills first (continuing chunked prefills, then waiting requests in the order
-of the schedule policy), then decodes, all within ``max_num_batched_tokens`` tokens and
-``max_num_seqs`` requests. Admission (SGLang's ``PrefillAdder``) takes waiting requests while
-the token budget, the request slots and the KV blocks allow -- with
-``schedule_conservativeness`` > 0 also the estimated total KV -- and prefills the last one
-admitted in chunks if it does not fit the budget. With a prefix cache a request starts from
-its longest cached full-block prefix. When a running request needs a block and none is
-free, the most recently admitted request is preempted: its blocks are freed and it is
-recomputed later (its generated tokens become part of what it re-prefills).
+Each step: continuing prefills, then waiting requests in policy order (admission as SGLang's
+``PrefillAdder``, the last one chunked), then decodes, within ``max_num_batched_tokens`` and
+``max_num_seqs``. When a running request needs a block and none is free, the most recently
+admitted request is preempted and later recomputed.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ from graphrt.core.kv_spec import blocks_for
 
 @dataclass
 class ScheduledStep:
-    """The requests of one step and how many tokens each computes; of them, the one-token
-    decodes of requests that have generated before, and the rest (prefill work: new
-    requests, chunks, recomputation) with their tokens."""
+    """The requests of one step and their token counts: one-token decodes, and prefill work
+    (new requests, chunks, recomputation) with its tokens."""
 
     requests: list[Request]
     num_scheduled: list[int]
@@ -73,9 +67,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        # A hybrid model's recurrent-state slots: one per running request, handed out at
-        # admission with its row and taken back with it (finish, preemption, requeue), so a
-        # preempted request restarts from an empty state in whatever slot it gets next.
+        # Recurrent-state slots (hybrid models): one per running request, taken back with its
+        # row, so a preempted request restarts from an empty state.
         self._free_slots = list(range(num_state_slots - 1, -1, -1)) if num_state_slots else None
         self.num_preemptions = 0
         self.num_recomputed = 0    # requests requeued because their KV was lost
@@ -122,10 +115,9 @@ class Scheduler:
         return cache.match_keys(self.keys(req, cache.max_match_blocks(req.num_tokens)), touch=touch)
 
     def cache_computed(self, req: Request) -> None:
-        """Insert ``req``'s newly full, computed blocks into the prefix cache (SGLang's
-        cache_unfinished_req): later requests can share them while it still runs. Where the
-        tree already had a block for the same tokens, ``req`` takes the tree's block and frees
-        its own copy (its block-table row is rewritten before its next step)."""
+        """Insert ``req``'s newly full computed blocks into the prefix cache (SGLang's
+        cache_unfinished_req); where the tree has the same tokens, ``req`` takes the tree's block
+        and frees its copy (its block-table row is rewritten before its next step)."""
         cache = self.prefix_cache
         if cache is None or req.cache_private:
             return
@@ -192,9 +184,8 @@ class Scheduler:
                 self._schedule_running(req, step)
             elif pending == 1:
                 decodes.append(req)
-        # A request preempted this step goes back to the front of the queue. Admitting
-        # anything now would take back the blocks and the budget the running requests need;
-        # a prefill preempting itself would then starve the decodes holding the rest (livelock).
+        # A request preempted this step goes back to the front; admitting now would take the
+        # blocks the running requests need (a prefill preempting itself: livelock).
         if self.waiting and self._budget > 0 and not self._preempted_now:
             self._admit(step)
         for req in decodes:
@@ -304,9 +295,8 @@ class Scheduler:
         self._budget -= n
 
     def finish(self, req: Request, reason: str) -> None:
-        """Mark ``req`` finished -- running or still waiting (an abort) -- and release its row
-        and blocks; its computed full blocks stay in the prefix cache unless it failed
-        ("error": its KV is not trusted). Finishing a finished request does nothing."""
+        """Mark ``req`` finished (running or waiting) and release its row and blocks; its full
+        blocks stay cached unless it failed ("error"). Idempotent."""
         if req.status is Status.FINISHED:
             return
         if req.status is Status.RUNNING:
@@ -318,9 +308,8 @@ class Scheduler:
         self._release(req, cache=reason != "error")
 
     def requeue(self, requests: list[Request]) -> None:
-        """Requests whose computed KV was lost (not for want of blocks): free their blocks and
-        rows and recompute them first, in their current order, like a preemption. Nothing of
-        theirs is cached; the caller resets the prefix cache (its KV is gone too)."""
+        """Requeue requests whose KV was lost: free blocks and rows, recompute them first, in
+        order; nothing cached (the caller resets the prefix cache)."""
         for req in reversed(requests):
             self.running.remove(req)
             self._release(req, cache=False)

@@ -1,17 +1,12 @@
 """The engine's watchdog (SGLang's ``watchdog_timeout``): a forward that does not finish in time.
 
-``graphrt.LLM`` arms it around each forward (a monotonic timestamp, a counter and the step) and
-disarms it after (a flag under an uncontended lock). One daemon thread polls (every
-``WATCHDOG_POLL_INTERVAL`` s, or timeout / 2) and sleeps until a running forward's deadline. When
-it passes, the thread logs the step's shape, its key and mode and every thread's stack, then
-raises :class:`~graphrt.core.errors.WatchdogTimeout` in the stepping thread
-(``PyThreadState_SetAsyncExc``; the engine refuses steps until :meth:`Watchdog.reset`) or, with
-``action="kill"``, SIGKILLs its process (docs/api.md, "Watchdog").
+One daemon thread sleeps until an armed forward's deadline; then it logs the step and every
+thread's stack and raises :class:`~graphrt.core.errors.WatchdogTimeout` in the stepping thread
+(``PyThreadState_SetAsyncExc``; steps refused until :meth:`Watchdog.reset`) or, with
+``action="kill"``, SIGKILLs the process. See docs/api.md, "Watchdog".
 
-The limit: an asynchronous exception lands when the thread next runs Python bytecode, so a
-forward hung inside one C call raises only once that call returns (the log still happens); a C
-call that hangs holding the GIL stops the watchdog thread too, which only
-``faulthandler.dump_traceback_later`` or an outside process could catch.
+Limit: the exception lands at the thread's next bytecode, so a forward hung in one C call raises
+only once it returns; a C call hanging with the GIL held stops the watchdog thread too.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError, WatchdogTimeout
 
 #: The watchdog thread wakes this often (at most; timeout / 2 for shorter timeouts) to notice a
-#: new forward -- arming one only stores a timestamp -- then sleeps until its deadline.
+#: new forward (arming only stores a timestamp), then sleeps until its deadline.
 WATCHDOG_POLL_INTERVAL = 1.0
 #: close() waits this long for the watchdog thread to end (it is a daemon thread either way).
 WATCHDOG_JOIN_TIMEOUT = 5.0
@@ -47,10 +42,9 @@ ACTIONS = ("raise", "kill")
 class Watchdog:
     """One daemon thread watching the forwards that :meth:`arm` / :meth:`disarm` bracket.
 
-    ``describe(context)`` (called on the watchdog thread, only when it fires) says what the
-    forward armed with ``context`` was running. ``lock``: the engine's lock, which a stepping
-    thread holds; :meth:`reset` takes it, so it cannot succeed while the timed-out forward
-    has not returned.
+    ``describe(context)`` (on the watchdog thread, when it fires) says what the forward was
+    running. ``lock``: the engine's lock; :meth:`reset` takes it, so it fails while the timed-out
+    forward has not returned.
     """
 
     enabled = True
@@ -91,8 +85,7 @@ class Watchdog:
 
     def disarm(self) -> None:
         """The forward returned (or raised). If the watchdog fired for it, raise its
-        :class:`WatchdogTimeout` here (any exception still pending is dropped first), so the
-        step fails whatever the forward did with the injected exception."""
+        :class:`WatchdogTimeout` here (a still pending one dropped first), so the step fails."""
         self._armed = False
         with self._lock:    # a fire in progress completes first; none can start after this
             if self._fired != self._count or self.error is None:
@@ -113,8 +106,7 @@ class Watchdog:
     # ---- the user ----------------------------------------------------------------------
     def reset(self, timeout: float = 1.0) -> None:
         """Let the engine step again after a fire. Waits up to ``timeout`` s for the engine's
-        lock: if the timed-out forward is still hung (inside a C call), this raises
-        :class:`GraphrtError` and the engine stays refused -- it cannot be recovered in-process."""
+        lock; if the forward is still hung, raises :class:`GraphrtError` and stays refused."""
         lock = self._engine_lock
         if lock is not None and not lock.acquire(timeout=timeout):
             raise GraphrtError("watchdog reset: the timed-out forward still holds the engine (hung "
@@ -259,8 +251,7 @@ def thread_stacks(target: int | None = None) -> str:
 
 
 def _injectable(message: str, step: str, elapsed: float) -> type[WatchdogTimeout]:
-    """A WatchdogTimeout subclass CPython can instantiate without arguments (an asynchronous
-    exception is a class) that still carries this fire's message."""
+    """A WatchdogTimeout subclass carrying this message (an async exception must be a class)."""
     def __init__(self: WatchdogTimeout, *args: Any) -> None:
         WatchdogTimeout.__init__(self, *(args or (message, step, elapsed)))
     return type("WatchdogTimeout", (WatchdogTimeout,), {"__init__": __init__,
@@ -268,11 +259,9 @@ def _injectable(message: str, step: str, elapsed: float) -> type[WatchdogTimeout
 
 
 def _bytecode_boundary() -> None:
-    """A Python call: CPython raises a pending asynchronous exception on entering it. disarm()
-    drains a pending one this way rather than with ``PyThreadState_SetAsyncExc(ident, NULL)``:
-    before 3.13 that drops the exception but leaves the interpreter's eval breaker set for good,
-    so every later call in the process takes the slow path (a hypothesis shrink once ran >60
-    min instead of 7 s after one watchdog test)."""
+    """A Python call: CPython raises a pending async exception on entering it. Used rather than
+    ``PyThreadState_SetAsyncExc(ident, NULL)``, which before 3.13 leaves the eval breaker set
+    for good (every later call slow: a hypothesis shrink took >60 min instead of 7 s)."""
 
 
 def _set_async_exc(ident: int, exc_type: type[BaseException]) -> bool:

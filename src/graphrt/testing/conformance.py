@@ -1,17 +1,10 @@
 """The conformance suite: every property of :mod:`graphrt.testing.properties`, N examples each.
 
-Two ways to run it, the same checks either way:
-
-* ``graphrt conformance --model DIR --backend cpu [--examples N] [--mode FULL]`` (the CLI
-  calls :func:`run_conformance`), one line per property;
-* ``pytest --pyargs graphrt.testing.conformance --graphrt-model DIR --graphrt-backend cpu``:
-  one test per property below, with the options of :mod:`graphrt.testing.plugin` (loaded by
-  its ``pytest11`` entry point, or ``-p graphrt.testing.plugin``).
-
-``--model`` is a Hugging Face directory, or ``package.module:function`` or
-``path/to/file.py:function`` naming a zero-argument function that returns a fresh model
-following docs/models.md (your own model, with your own attention; a file's sibling modules
-are importable: :mod:`graphrt.testing.loading`). Needs ``hypothesis``.
+Run as ``graphrt conformance --model DIR --backend cpu`` (:func:`run_conformance`, a line per
+property) or ``pytest --pyargs graphrt.testing.conformance --graphrt-model DIR
+--graphrt-backend cpu`` (a test per property; options from :mod:`graphrt.testing.plugin`).
+``--model``: a Hugging Face directory, or ``module:function`` / ``file.py:function`` returning a
+fresh model (docs/models.md). Needs ``hypothesis``. See docs/testing.md.
 """
 
 from __future__ import annotations
@@ -33,10 +26,8 @@ from graphrt.testing.runners import RunnerFactory, can_run_unpadded
 DEFAULT_EXAMPLES = 100
 #: torch intra-op threads while the suite runs (see :func:`torch_threads`).
 DEFAULT_THREADS = 1
-#: What a runner raises when it, or a graph or executable it needs, cannot be built (a capture
-#: that fails in strict mode, a step strict mode finds no graph for, a model or attention the
-#: runner refuses: a KV spec its layers contradict, a KV dtype its kernel does not write, ...):
-#: a FAIL line naming it, not a crash.
+#: What a runner raises when it, or a graph it needs, cannot be built (strict-mode capture
+#: failure, a refused model or attention): a FAIL line naming it, not a crash.
 BUILD_ERRORS: tuple[type[BaseException], ...] = (GraphCaptureError, CacheMissError, ConfigError)
 
 
@@ -80,8 +71,7 @@ class Result:
 
 
 def summary(results: Sequence[Result]) -> str:
-    """``5 of 5 properties hold, 2 not applicable`` (``; failed: ...`` when some failed): a
-    property that does not apply is counted apart, neither held nor failed."""
+    """``5 of 5 properties hold, 2 not applicable`` (``; failed: ...`` when some failed)."""
     checked = [r for r in results if r.applicable or not r.passed]
     failed = [r.name for r in checked if not r.passed]
     text = f"{len(checked) - len(failed)} of {len(checked)} properties hold"
@@ -144,10 +134,9 @@ def _failed_captures(runner: Any) -> str:
 def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EXAMPLES, *,
                    seed: int = 0, reference: Reference | None = None,
                    reference_tolerance: Tolerance | None = None) -> Result:
-    """Run property ``name`` on ``examples`` drawn examples; a failure (an ``AssertionError``,
-    or a graphrt error on a valid example) is shrunk and reported. A property that does not
-    apply to the factory's backend runs no example (N/A). ``reference`` /
-    ``reference_tolerance``: for ``matches_reference`` (:mod:`graphrt.testing.reference`)."""
+    """Run property ``name`` on ``examples`` drawn examples; a failure (``AssertionError``, or a
+    graphrt error on a valid example) is shrunk and reported; N/A runs no example.
+    ``reference`` / ``reference_tolerance``: for ``matches_reference``."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
@@ -188,9 +177,8 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to ``threads`` for the block (None or 0: left alone). The
-    kit's steps are small: on a CPU a second thread mostly waits, and on a busy machine it can
-    make a step many times slower."""
+    """torch's intra-op threads set to ``threads`` for the block (None or 0: left alone); the
+    kit's steps are small, and on a busy CPU a second thread can make them many times slower."""
     if not threads:
         yield
         return
@@ -217,12 +205,10 @@ def run_conformance(model: str | Callable[[], Any] | None = None, backend: Any =
                     threads: int | None = DEFAULT_THREADS, reference: Reference | str | None = None,
                     reference_tolerance: Tolerance | None = None, **config_fields: Any) -> list[Result]:
     """Every property (or ``properties``) on ``model`` and ``backend``, ``examples`` each;
-    ``report`` gets one line per property as it finishes (and one for the warm-up). ``factory``
-    replaces model / backend / config (build it yourself for other limits, a KV block count or
-    a dtype). ``threads``: torch intra-op threads meanwhile (None or 0: as they are).
-    ``reference``: your own step function (or ``file.py:function``), ``reference(step) ->
-    logits or tokens``; with it ``matches_reference`` runs too (:mod:`graphrt.testing.reference`),
-    its logits within ``reference_tolerance`` (default ``graphrt.reduction_tolerance``)."""
+    ``report`` gets a line per property (and one for the warm-up). ``factory`` replaces model /
+    backend / config. ``threads``: torch intra-op threads (None or 0: as they are).
+    ``reference(step) -> logits or tokens`` (or ``file.py:function``) adds ``matches_reference``,
+    within ``reference_tolerance`` (default ``graphrt.reduction_tolerance``)."""
     if isinstance(reference, str):
         reference = load_callable(reference, "reference")
     if factory is None:
@@ -266,10 +252,8 @@ def _framework(backend: Any) -> str:
 
 
 # ------------------------------------------------------------------------------ pytest entry
-# Collected by ``pytest --pyargs graphrt.testing.conformance``. ``graphrt_check`` comes from
-# graphrt.testing.plugin (options and ini keys: model, backend(s), mode, examples, threads,
-# strict, seed, reference); each test runs once per configured backend. Without a reference,
-# test_matches_reference skips.
+# Collected by ``pytest --pyargs graphrt.testing.conformance``; ``graphrt_check`` comes from
+# graphrt.testing.plugin. Without a reference, test_matches_reference skips.
 
 
 def test_padding_invisible(graphrt_check: Callable[[str], None]) -> None:

@@ -1,13 +1,9 @@
 """The properties every backend, model and attention kernel under graphrt must have.
 
-Each property is a function ``property(factory, example)``: ``factory`` a runner factory
-(:mod:`graphrt.testing.runners`: ``factory(**overrides)`` returns a warmed-up, reused
-:class:`~graphrt.ModelRunner`), ``example`` a :class:`~graphrt.testing.step.Step` (or what its
-strategy draws). It returns nothing and raises an ``AssertionError`` that says what broke.
-
-Every example starts from the same runner history -- a scrub step over every request slot,
-then seeded KV contents -- so a backend with state of its own fails the same way when
-hypothesis replays an example to shrink it.
+Each is ``property(factory, example)``: a runner factory (:mod:`graphrt.testing.runners`) and a
+:class:`~graphrt.testing.step.Step` (or what its strategy draws); it raises an ``AssertionError``
+saying what broke. Every example starts from the same runner history (a scrub step, then seeded
+KV), so a stateful backend fails the same way when hypothesis shrinks it.
 """
 
 from __future__ import annotations
@@ -33,10 +29,9 @@ Factory = Callable[..., Any]
 # ------------------------------------------------------------------------------- properties
 
 def padding_invisible(factory: Factory, step: Step) -> None:
-    """The step run by the runner; padded to every bucket that covers it and run by the graph
-    or executable warm-up built for that bucket (eagerly at the padded shape where none was
-    built); and, where the backend runs eagerly, unpadded: the same greedy tokens; logits,
-    real hidden rows and the KV written at its real slots within ``graphrt.tolerance``."""
+    """Run by the runner, by the graph of every covering bucket (eagerly at the padded shape
+    where none was built) and, with an eager path, unpadded: the same greedy tokens; logits,
+    real hidden rows and real-slot KV within ``graphrt.tolerance``."""
     runner, planted = start(factory, step)
     got = [run_runner(runner, step)]
     eager = can_run_unpadded(runner)
@@ -72,12 +67,10 @@ def padding_invisible(factory: Factory, step: Step) -> None:
 
 
 def kv_isolated(factory: Factory, step: Step) -> None:
-    """With NaN in every KV slot the step does not read and in the slots it writes (stored
-    before they are read): the step changes no byte of the KV
-    cache outside its real slots (the trash row aside) and writes every real slot, every row
-    it computes -- padded ones
-    included -- is finite, and real outputs equal those of a run with numbers there instead.
-    Checked on the runner's own path and padded to its largest covering buckets."""
+    """With NaN in every KV slot the step does not read and in those it writes: the step changes
+    no KV byte outside its real slots (the trash row aside), writes every real slot, computes
+    only finite rows (padded included), and real outputs equal a run with numbers there.
+    Checked on the runner's path and at its largest covering buckets."""
     runner, both = start(factory, step, nan_unused=True)
     planted = both.kv
     clean = np.nan_to_num(planted, nan=0.0)
@@ -126,9 +119,8 @@ def kv_isolated(factory: Factory, step: Step) -> None:
 
 def replay_matches_eager(factory: Factory, step: Step) -> None:
     """The runner's replay equals the step run eagerly at the same padded shape: logits, real
-    hidden rows and the whole KV cache bit for bit on a CPU (within tolerance on a GPU).
-    Backends without an eager path (XLA) have nothing to compare: it returns at once (the
-    suite reports it N/A)."""
+    hidden rows and the whole KV bit for bit on a CPU (within tolerance on a GPU). N/A without
+    an eager path (XLA)."""
     runner, planted = start(factory, step)
     if not can_run_unpadded(runner):
         return
@@ -167,9 +159,8 @@ def no_build_after_warmup(factory: Factory, step: Step) -> None:
 
 def bad_input_rejected(factory: Factory, bad: BadStep) -> None:
     """A step breaking one bound raises :class:`~graphrt.InputError` naming the field (and
-    saying ``bad.message`` where given), and changes nothing: KV cache, staging and static
-    buffers, outputs, sampler state. The step comes with a greedy sampling batch (of
-    ``bad.sampling_rows`` rows, else one row per request), so sampling is rejected too."""
+    ``bad.message``) and changes nothing: KV, staging and static buffers, outputs, sampler state.
+    It carries a greedy batch (``bad.sampling_rows`` rows, else one per request)."""
     runner = factory()
     scrub(runner)
     before = access.device_state(runner)
@@ -217,12 +208,10 @@ def addresses_stable(factory: Factory, step: Step) -> None:
 
 
 def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
-    """A few requests' whole lifetimes through the runner (each step reading the KV earlier
-    steps wrote) equal the same steps run unpadded, or at the smallest covering bucket where
-    the backend cannot run eagerly: the same greedy tokens, logits within tolerance. A model with
-    recurrent state carries each step's rounding into the next (and may run a step's recurrence
-    in another form at another shape: chunked or token by token), so its logits are held to
-    ``graphrt.reduction_tolerance`` of each row's magnitude, the bound of a reordered sum."""
+    """Requests' whole lifetimes through the runner equal the same steps run unpadded (or at the
+    smallest covering bucket without an eager path): same greedy tokens, logits within tolerance;
+    with recurrent state, within ``graphrt.reduction_tolerance`` of each row's magnitude (rounding
+    carries across steps, and the recurrence may take another form at another shape)."""
     if not trace:
         return
     runner, planted = start(factory, trace[0])
@@ -245,8 +234,7 @@ def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
 def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, state: np.ndarray,
                   kv: np.ndarray) -> Outputs:
     """Run ``step`` (the runner's path, or eagerly at ``key``) over ``state`` and ``kv``; raise
-    unless it changed no state entry but its real requests' writes and the trash slot, wrote
-    those finite, and computed finite rows (padded ones included)."""
+    unless only real requests' entries and the trash slot changed, finite, and rows are finite."""
     c = checkpoints(runner)
     trash = state.shape[0] - 1
     writes = state_entries(step, runner, "writes")
@@ -271,25 +259,20 @@ def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, state: n
 
 
 def state_writes_confined(factory: Factory, step: Step) -> None:
-    """The first check of :func:`state_isolated` alone, one run: with NaN in every state entry
-    the step does not read, the runner's path (its padded rows included) changes no state entry
-    but its real requests' writes and the trash slot, writes those finite, and computes finite
-    rows. The state sweep (:mod:`graphrt.testing.state_sweep`) checks it on thousands of steps."""
+    """:func:`state_isolated`'s first check alone, one run on the runner's path; the state sweep
+    (:mod:`graphrt.testing.state_sweep`) checks it on thousands of steps."""
     runner, both = start(factory, step, nan_unused=True)
     if both.state is not None:
         _confined_run(runner, step, None, both.state, both.kv)
 
 
 def state_isolated(factory: Factory, step: Step) -> None:
-    """A hybrid model's recurrent states (docs/hybrid.md): with NaN in every state entry the step
-    does not read (other requests' slots, a new request's own stale slot, the trash slot), the
-    step changes no byte of the state cache outside the entries its real requests write (and
-    the trash slot padded requests write), writes each of those with finite values, computes
-    only finite rows (padded ones included), and its real outputs equal those of a run with
-    zeros there instead -- on the runner's path and at its largest covering buckets. And a
-    request's outputs do not depend on who shares its step: with every other request's tokens
-    and states replaced, request 0's logits, hidden rows and states are the same (bit for bit
-    on a CPU: the same shape). A model without recurrent state has nothing to check."""
+    """A hybrid model's recurrent states: with NaN in every entry the step does not read, it
+    changes no state byte but its real requests' entries and the trash slot, writes those finite,
+    computes only finite rows, and real outputs equal a run with zeros there -- on the runner's
+    path and at its largest covering buckets. And request 0's outputs and states do not change
+    when every other request's tokens and states are replaced (bit for bit on a CPU). Without
+    recurrent state: nothing to check."""
     runner, both = start(factory, step, nan_unused=True)
     if both.state is None:
         return

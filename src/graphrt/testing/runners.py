@@ -1,21 +1,12 @@
 """Runner factories and the ways the properties run one step.
 
 A *runner factory* is any callable ``factory(**overrides) -> ModelRunner`` (overrides are
-:class:`~graphrt.GraphConfig` fields) that returns a warmed-up runner and, called again with
-the same overrides, the same runner: building one captures or compiles every bucket, so the
-properties reuse runners across examples and plant the KV contents they need before each.
-:class:`RunnerFactory` is one for a model directory or a model builder and a backend.
+:class:`~graphrt.GraphConfig` fields) returning a warmed-up runner, the same one for the same
+overrides, so properties reuse runners and plant the KV they need before each example.
 
-Each property runs a step in up to three ways, all on the factory's runner:
-
-* :func:`run_runner` -- ``runner.execute`` (dispatch, pad, replay / call the executable, sample);
-* :func:`run_at` -- the same step padded to a chosen key, run eagerly at that shape
-  (``executor.run`` with no entry) where the backend can run eagerly, else by that key's
-  executable (XLA): the same-shape reference of a replay;
-* :func:`replay_at` -- the same step padded to a chosen key and run by the graph or executable
-  warm-up built for that key, though the runner would pick a smaller one: a step's other buckets.
-
-:func:`covering_keys` lists every key of the runner's bucket policy that can hold a step.
+A step runs in up to three ways on the factory's runner: :func:`run_runner` (``runner.execute``),
+:func:`run_at` (padded to a chosen key, run eagerly at that shape, or by its executable on XLA)
+and :func:`replay_at` (padded to a chosen key, run by the graph warm-up built for it).
 """
 
 from __future__ import annotations
@@ -33,20 +24,17 @@ from graphrt.core.graph_modes import GraphMode, RuntimeMode
 from graphrt.testing import access
 from graphrt.testing.step import Step
 
-#: Limits of the runners the conformance suite builds: small enough to warm up in seconds,
-#: with chunked prefills (model length 64 over blocks of 4). Unless capture sizes are given,
-#: graph backends capture up to the token budget, so every step the strategies draw is covered.
+#: Limits of the conformance suite's runners: small enough to warm up in seconds, with chunked
+#: prefills; graph backends capture up to the token budget, so every drawn step is covered.
 KIT_LIMITS: dict[str, Any] = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
 
 
 class RunnerFactory:
     """Warmed-up runners of one model on one backend, one per distinct set of overrides.
 
-    ``model`` is a Hugging Face directory (graphrt's reference model for the backend's
-    framework) or a zero-argument callable returning a fresh model object that follows
-    docs/models.md (runners must not share a model: each assigns its attention layers a KV
-    cache). ``config_fields`` default to :data:`KIT_LIMITS`; ``num_kv_blocks`` to one block
-    table row of blocks per request slot, plus the null block.
+    ``model``: a Hugging Face directory or a zero-argument callable returning a fresh model object
+    (runners must not share one: each assigns its layers a KV cache). ``config_fields`` default to
+    :data:`KIT_LIMITS`; ``num_kv_blocks`` to a block-table row per request slot plus the null block.
     """
 
     def __init__(self, model: str | Callable[[], Any], backend: Any = "cpu", *,
@@ -64,9 +52,8 @@ class RunnerFactory:
         self._failed: dict[tuple, Exception] = {}      # warm-ups that failed (strict mode), runners refused
 
     def __call__(self, **overrides: Any) -> Any:
-        """The runner for ``overrides`` (built and warmed up on first use). A warm-up that
-        failed (:class:`~graphrt.GraphCaptureError`, strict mode) or a runner refused
-        (:class:`~graphrt.ConfigError`) is raised again, not retried."""
+        """The runner for ``overrides`` (built and warmed up on first use); a failed warm-up or a
+        refused runner raises again, not retried."""
         key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
         if key in self._failed:               # a failed warm-up fails the same way again
             raise self._failed[key]
@@ -140,8 +127,7 @@ def run_runner(runner: Any, step: Step) -> Outputs:
 
 
 def _write(runner: Any, step: Step, key: BatchDescriptor) -> Any:
-    """``step``'s inputs, padded to ``key``, in the executor's host buffers (its extra inputs
-    too, padded with their fills)."""
+    """Write ``step``'s inputs (extra inputs too), padded to ``key``, in the host buffers."""
     args = step.kwargs()
     extras = args.pop("extra_inputs", None)
     runner.preparer.check(**args)
@@ -174,8 +160,7 @@ def run_at(runner: Any, step: Step, key: BatchDescriptor | None) -> Outputs:
 
 
 def built_entry(runner: Any, key: BatchDescriptor) -> tuple[RuntimeMode, Any] | None:
-    """The mode and graph / executable warm-up built for ``key`` (None if none was, or its
-    capture failed)."""
+    """The mode and graph / executable warm-up built for ``key`` (None: none, or it failed)."""
     for mode in (RuntimeMode.FULL, RuntimeMode.PIECEWISE):
         if (mode, key) in runner.cache:
             entry = runner.cache.lookup((mode, key))
@@ -186,7 +171,7 @@ def built_entry(runner: Any, key: BatchDescriptor) -> tuple[RuntimeMode, Any] | 
 
 def replay_at(runner: Any, step: Step, key: BatchDescriptor) -> Outputs:
     """``step`` padded to ``key`` and run by the graph or executable built for ``key``
-    (:func:`built_entry` must find one), whichever key the runner itself would pick."""
+    (:func:`built_entry` must find one), whichever key the runner would pick."""
     built = built_entry(runner, key)
     if built is None:
         raise ValueError(f"no graph or executable was built for {key}")
@@ -211,9 +196,8 @@ def bucket_keys(runner: Any) -> list[BatchDescriptor]:
 
 
 def covering_keys(runner: Any, step: Step) -> list[BatchDescriptor]:
-    """Every bucket key that can hold ``step``, smallest first: enough tokens and requests, and
-    a decode key only for a decode step (every request schedules the config's
-    ``decode_query_len`` tokens: one, or 1 + k drafts with speculative decoding)."""
+    """Every bucket key that can hold ``step``, smallest first; a decode key only for a decode
+    step (each request schedules ``decode_query_len`` tokens)."""
     t, r = step.num_tokens, step.num_reqs
     q = runner.config.decode_query_len
     uniform = bool((np.asarray(step.num_scheduled_tokens) == q).all())
@@ -242,10 +226,8 @@ def restore(runner: Any, planted: Planted) -> None:
 
 
 def plant_state(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray | None:
-    """Seeded values in every recurrent-state slot and checkpoint (a hybrid model; None
-    otherwise); with ``nan_unused`` NaN in every entry but those the step reads (each continuing
-    request's checkpoint): a new request's own slot, other requests' slots and the trash slot
-    hold NaN, which must reach no real output."""
+    """Seeded values in every recurrent-state slot and checkpoint (None without state); with
+    ``nan_unused`` NaN in every entry the step does not read, which must reach no real output."""
     current = access.state_values(runner)
     if current is None:
         return None
@@ -260,10 +242,9 @@ def plant_state(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray | No
 
 
 def plant_kv(runner: Any, step: Step, *, nan_unused: bool) -> np.ndarray:
-    """Seeded values in every KV slot; with ``nan_unused`` NaN in every slot the step's real
-    tokens never read (the null block, other requests' and stale blocks, the trash row) and
-    in the slots they write (a kernel must store a token's K/V before attention reads it).
-    Returns the planted values (float32)."""
+    """Seeded values in every KV slot; with ``nan_unused`` NaN in every slot the real tokens never
+    read and in those they write (a kernel must store K/V before reading it). Returns the
+    planted values (float32)."""
     shape = access.kv_values(runner).shape
     values = np.random.default_rng(step.seed).standard_normal(shape).astype(np.float32)
     if nan_unused:

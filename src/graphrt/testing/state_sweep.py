@@ -1,19 +1,10 @@
 """The state-isolation sweep: thousands of drawn steps on tiny hybrid models, one command.
 
-``python -m graphrt.testing.state_sweep --steps 10000`` draws steps (hypothesis, seeded) for
-tiny random Mamba2, Granite-4-H and Qwen3-Next checkpoints built offline from their
-transformers config classes, and checks each: by default
-:func:`~graphrt.testing.properties.state_writes_confined` (with NaN in every state entry the
-step does not read, the runner's path -- padded rows included -- changes no state entry, bit
-for bit, but its real requests' own writes and the trash slot, writes those finite and computes
-finite rows), or with ``--property state_isolated`` the whole property (also: unread entries
-never reach an output, at the largest covering bucket too, and a request's outputs do not
-depend on who shares its step; about 7 runs a step instead of 1). The draws span
-FULL graphs of uniform decode and of mixed steps, PIECEWISE graphs, eager, XLA executables,
-speculative decoding's ``1 + k`` verification steps padded to more requests, and restarts (a
-request at position 0 in a slot holding another request's stale state: a preempted or
-readmitted request). It prints one line per configuration and a total with the counts of each
-kind and the violations; exit status 1 on any violation. docs/hybrid.md records its figures.
+``python -m graphrt.testing.state_sweep --steps 10000`` draws seeded steps for tiny random Mamba2,
+Granite-4-H and Qwen3-Next checkpoints and checks each with
+:func:`~graphrt.testing.properties.state_writes_confined` (or ``--property state_isolated``, about
+7 runs a step). Draws span FULL, PIECEWISE and eager modes, XLA, speculative ``1 + k`` steps and
+restarts; one line per configuration, exit status 1 on any violation. docs/hybrid.md has figures.
 """
 
 from __future__ import annotations
@@ -56,9 +47,8 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
 HYBRID_CONFIG_CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig",
                          "qwen3_next": "Qwen3NextConfig"}
 
-#: (model, backend, graph mode, speculative tokens) and its share of the draws. FULL: uniform
-#: decode and mixed steps both replay FULL graphs; FULL_AND_PIECEWISE: decode FULL, mixed
-#: PIECEWISE (the pieces break at the recurrent layers); k > 0: 1 + k tokens per decode request.
+#: (model, backend, graph mode, speculative tokens) and its share of the draws;
+#: FULL_AND_PIECEWISE breaks mixed steps at the recurrent layers.
 SWEEP: tuple[tuple[str, str, str, int, int], ...] = (
     ("granite", "cpu", "FULL", 0, 3), ("granite", "cpu", "FULL", 2, 3),
     ("granite", "cpu", "FULL_AND_PIECEWISE", 0, 3), ("mamba2", "cpu", "FULL", 0, 2),
@@ -119,10 +109,8 @@ class SweepLine:
 
 
 def classify(runner: Any, step: Any) -> list[str]:
-    """The kinds of a step just run by ``runner``: its graph mode and whether it was a uniform
-    decode (``FULL decode``, ``FULL mixed``, ``PIECEWISE``, ``NONE`` / eager), ``K+1`` (a
-    verification step: ``1 + k`` tokens per request, ``k > 0``), ``padded`` (the bucket added requests or
-    tokens), ``restart`` (a request at position 0 in a slot: preempted or new)."""
+    """The kinds of a step just run: graph mode and decode / mixed, ``K+1`` (a verification step),
+    ``padded``, ``restart`` (a request at position 0 in a slot: preempted or new)."""
     info = runner.last_step
     mode = info.mode.value
     out = [f"{mode} {'decode' if info.key.uniform_decode else 'mixed'}" if mode == "FULL" else mode]
@@ -149,10 +137,9 @@ def factory_for(arch: str, backend: str, mode: str, k: int) -> Any:
 def sweep_config(config: tuple[str, str, str, int], steps: int, *, seed: int = 0,
                  check: Callable[[Any, Any], None] | None = None,
                  progress: Callable[[str], None] | None = None, shrink: bool = True) -> SweepLine:
-    """``steps`` drawn steps of one configuration, each checked by ``check`` (default
-    ``state_writes_confined``); the first violation is shrunk and reported, ending the draws.
-    ``progress`` gets a line every :data:`PROGRESS_EVERY` steps; ``shrink=False`` reports the
-    violation as drawn."""
+    """``steps`` drawn steps of one configuration checked by ``check`` (default
+    ``state_writes_confined``); the first violation is shrunk (unless ``shrink=False``) and ends
+    the draws. ``progress`` gets a line every :data:`PROGRESS_EVERY` steps."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 

@@ -19,14 +19,11 @@ from graphrt.core.kv_spec import blocks_for
 class Step:
     """One ``ModelRunner.execute`` call: persistent tables and this step's schedule.
 
-    ``token_ids [rows, max_model_len]`` and ``block_table [rows, max_blocks_per_req]`` are the
-    engine's tables (one row per request slot); request ``i`` is table row ``req_rows[i]`` with
-    ``num_computed_tokens[i]`` tokens already in the KV cache and ``num_scheduled_tokens[i]``
-    new ones. ``seed`` seeds the KV contents the properties plant before running it.
-    ``extra_inputs``: the step's array per extra input the model declares (``model.extra_inputs``),
-    drawn by the strategies when the runner's model has any; None otherwise. ``state_slots``:
-    for a model with recurrent state (docs/hybrid.md), each table row's state slot (the
-    scheduled rows' distinct); None otherwise.
+    ``token_ids [rows, max_model_len]`` / ``block_table [rows, max_blocks_per_req]``: the engine's
+    tables; request ``i`` is row ``req_rows[i]`` with ``num_computed_tokens[i]`` tokens in the KV
+    and ``num_scheduled_tokens[i]`` new ones. ``seed`` seeds the planted KV. ``extra_inputs``: an
+    array per declared extra input, or None. ``state_slots``: each row's recurrent-state slot
+    (scheduled rows distinct), or None.
     """
 
     token_ids: np.ndarray
@@ -135,10 +132,8 @@ class Step:
 class BadStep:
     """A step that breaks exactly one bound: the :class:`InputError` must name ``field``.
 
-    ``kind`` says which bound (e.g. ``"block id beyond the KV cache"``); ``sampling_rows`` is
-    set when the bad part is the sampling batch (its row count), else None (the step is run
-    with a greedy batch of its own row count); ``message``, when set, is a fragment the
-    error's text must contain.
+    ``kind``: which bound; ``sampling_rows``: the bad sampling batch's row count (None: a greedy
+    batch per request); ``message``: a fragment the error's text must contain, when set.
     """
 
     step: Step

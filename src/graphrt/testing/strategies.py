@@ -1,25 +1,14 @@
 """Hypothesis strategies for scheduler steps over an engine's persistent tables.
 
-* :func:`steps` -- valid steps bounded by a :class:`~graphrt.GraphConfig`: prefills, chunked
-  prefills, prefix hits (tokens already computed at a request's first schedule), decodes
-  (``1 + num_speculative_tokens`` tokens per request: drafts verified) and mixed batches, table rows in any order, block tables whose requests share full prefix blocks
-  and whose unused columns hold the null block or stale ids of other requests.
-* :func:`bad_steps` -- a valid step with exactly one bound broken, and the field the
-  :class:`~graphrt.InputError` must name.
-* :func:`traces` -- every step of a few requests' lifetimes: chunked prefill, then decodes,
-  with the block table growing as the requests need blocks.
+* :func:`steps` -- valid steps within a :class:`~graphrt.GraphConfig`: prefills, chunks, prefix
+  hits, decodes (``1 + num_speculative_tokens`` tokens) and mixed batches; rows in any order,
+  shared prefix blocks, unused columns holding the null block or stale ids.
+* :func:`bad_steps` -- a valid step with one bound broken, and the field the InputError must name.
+* :func:`traces` -- a few requests' whole lifetimes, the block table growing as they need blocks.
 
-Given ``num_state_slots`` (a model with recurrent state, docs/hybrid.md), every step carries a
-state-slot table: the scheduled rows distinct slots in any order, the other rows (requests parked
-between steps) the remaining slots while they last, so a step that touched any slot but its own
-would show; bad steps then also break a slot (outside the slots, or held twice).
-
-Given the model's declared extra inputs (``extra_inputs``: name -> :class:`~graphrt.ExtraInput`),
-every step carries a seeded array for each, of its level's rows, shape and dtype; bad steps
-then also break one of them (wrong shape, wrong dtype, missing).
-
-Everything shrinks towards one request with one token at position 0, in table row 0, with
-null tails and no shared blocks: counterexamples come out small. Needs ``hypothesis``.
+With ``num_state_slots`` every step carries a state-slot table, and with ``extra_inputs`` a seeded
+array per declared input; bad steps then also break those. Everything shrinks towards one
+request with one token at position 0. Needs ``hypothesis``.
 """
 
 from __future__ import annotations
@@ -290,12 +279,10 @@ def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows
            max_requests: int = 3, max_decodes: int = 4, prefix_hits: bool = True,
            extra_inputs: Mapping[str, ExtraInput] | None = None,
            num_state_slots: int | None = None) -> st.SearchStrategy[list[Step]]:
-    """The steps of up to ``max_requests`` requests' whole lifetimes, in order: each request
-    joins at some step with a prompt (maybe, with ``prefix_hits``, a prefix hit: tokens already
-    computed, whose KV the trace never writes), prefills it in chunks within the token budget,
-    then decodes up to ``max_decodes`` tokens. Blocks are allocated as a request first needs
-    them, so the block table grows over the trace; each step holds the table as it was then.
-    Without ``prefix_hits`` every KV slot a step reads was written by an earlier step."""
+    """The steps of up to ``max_requests`` requests' whole lifetimes, in order: each joins with a
+    prompt (with ``prefix_hits`` maybe already partly computed), prefills in chunks, then decodes
+    up to ``max_decodes`` tokens; blocks are allocated as first needed. Without ``prefix_hits``
+    every KV slot a step reads was written by an earlier step."""
     rows_ = config.max_num_seqs + 2 if num_rows is None else num_rows
     _check_room(config, num_kv_blocks, rows_)
     bs, model_len = config.block_size, config.max_model_len

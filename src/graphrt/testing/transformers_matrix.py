@@ -1,24 +1,13 @@
 """The compatibility matrix of graphrt's transformers backend: each architecture, each mode.
 
-For a tiny random model of each architecture (``transformers_zoo``), :func:`check_mode` runs one
-workload through ``graphrt.LLM(model_impl="transformers")`` in one mode and says ``pass`` or the
-named reason it cannot:
+For a tiny random model of each architecture, :func:`check_mode` runs one workload through
+``graphrt.LLM(model_impl="transformers")`` in one mode and says ``pass`` or why not. The workload
+forces prefix hits, chunked prefill and preemption (and checks they happened); modes are
+``eager``, the three ``cpu`` graph modes (strict) and ``TP=2``. ``pass``: every greedy token is
+transformers' own argmax (exact ties allowed), and TP=2's tokens are TP=1's.
 
-* the workload: prompts of 1 to 40 tokens, two sharing a 16-token prefix (prefix cache hits),
-  more prompts than request slots, steps of at most 16 tokens (longer prompts are prefilled in
-  chunks), and so few KV blocks that running requests are preempted and recomputed; greedy, 6
-  tokens each. Each mode checks that chunking, preemption and prefix hits happened;
-* ``eager`` (the eager backend), ``FULL_DECODE_ONLY``, ``PIECEWISE``, ``FULL_AND_PIECEWISE`` (the
-  ``cpu`` recording-graph backend, strict: a key that cannot be captured fails with its reason,
-  and every step that mode graphs must replay a graph), ``TP=2`` (``cpu``,
-  ``FULL_AND_PIECEWISE``, two ranks over gloo);
-* ``pass``: every generated token is transformers' own argmax (float32, eager attention,
-  teacher-forced on the same sequence; exact ties allowed), and TP=2's tokens are TP=1's.
-
-``python -m graphrt.testing.transformers_matrix`` runs every architecture (each in a subprocess,
-``--jobs`` at once) and writes docs/transformers-models.md; ``--archs a b`` runs some. The test
-suite runs a sample through the same :func:`check_mode` (tests/backends/test_transformers_matrix.py) and
-checks the page says what it found.
+``python -m graphrt.testing.transformers_matrix`` runs every architecture (a subprocess each) and
+writes docs/transformers-models.md; tests/backends/test_transformers_matrix.py runs a sample.
 """
 
 from __future__ import annotations

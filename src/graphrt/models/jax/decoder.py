@@ -1,17 +1,12 @@
 """JAX reference Llama / Mistral / Qwen3 decoder over a paged KV cache, jit-able with static shapes.
 
-Plain functions over the params pytree built by :mod:`graphrt.models.jax.loader`. Layers run under
-``jax.lax.scan``; the KV cache is carried through the scan and written with scatters, so a jitted
-``forward`` can donate it and update it in place.
+Plain functions over the params pytree of :mod:`graphrt.models.jax.loader`; layers run under
+``jax.lax.scan`` with the KV cache carried and scattered into, so a jitted ``forward`` donates it.
 
-KV cache layout: ``[num_layers, 2 (k, v), num_blocks * block_size + 1, num_kv_heads, head_dim]``.
-Block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``; the last row is a trash row that
-padded tokens (negative slot) write into and that is never read. An fp8 cache (``jnp.float8_e4m3fn`` /
-``float8_e5m2``) stores value / scale, saturated to the format's range, and reads stored * scale
-(per-tensor ``kv_scales``, as the torch kernels do). A layer with a sliding window W (the config's
-``sliding_windows``) lets a token at position p see p - W + 1 .. p. On TPUs the xla backend may
-store the cache in the Pallas kernel's page layout instead (``forward(attention=...)``,
-:mod:`graphrt.models.jax.pallas_attention`).
+KV cache: ``[num_layers, 2 (k, v), num_blocks * block_size + 1, num_kv_heads, head_dim]``; the
+last row is the trash row padded tokens write. fp8 caches store value / scale, saturated, and read
+stored * scale (per-tensor ``kv_scales``, as the torch kernels). On TPUs the cache may use the
+Pallas page layout instead (:mod:`graphrt.models.jax.pallas_attention`).
 """
 
 from __future__ import annotations
@@ -31,10 +26,9 @@ Params = dict[str, Any]
 class AttentionMetadata(NamedTuple):
     """Per-step batch layout, a pytree of arrays only (static values travel separately).
 
-    ``slot_mapping`` int32 [T]: cache row each token's K/V is written to; negative = padded token.
-    ``query_start_loc`` int32 [R+1]: non-decreasing token offsets; padded requests repeat the last value.
-    ``seq_lens`` int32 [R]: tokens in the cache for each request after this step; 0 for a padded request.
-    ``block_table`` int32 [R, B]: the blocks holding each request's cache; padded entries are 0.
+    ``slot_mapping`` int32 [T] (negative: padded token); ``query_start_loc`` int32 [R+1],
+    non-decreasing; ``seq_lens`` int32 [R] (0: padded request); ``block_table`` int32 [R, B]
+    (padded entries 0).
     """
 
     slot_mapping: jax.Array
@@ -106,9 +100,8 @@ def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positi
                     kv_scales: tuple[float, float] = (1.0, 1.0)) -> jax.Array:
     """Causal attention of ``q`` [T, Hq, D] over one layer's paged cache ``layer_k/v`` [rows, Hkv, D].
 
-    Token t reads its request's keys j < seq_len and j <= positions[t] and, with a
-    ``sliding_window`` W > 0 (an int or a traced scalar), j > positions[t] - W; zeros where none
-    is visible. An fp8 cache is read as stored * ``kv_scales`` (k, v).
+    Token t reads keys j < seq_len, j <= positions[t] and, with ``sliding_window`` W > 0 (int or
+    traced), j > positions[t] - W; zeros where none is visible. fp8: stored * ``kv_scales``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = layer_k.shape[1]
@@ -155,8 +148,7 @@ def _reference_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Ar
 def _layer(x: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any, lp: Params,
            positions: jax.Array, cos: jax.Array, sin: jax.Array, write_rows: jax.Array, meta: AttentionMetadata,
            config: DecoderConfig, attend: Callable[..., Any]) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer: ``attend`` writes this step's K/V into layer ``layer_idx`` of the cache,
-    then attends (over its sliding ``window``: 0 none)."""
+    """One decoder layer; ``attend`` writes the K/V into layer ``layer_idx``, then attends."""
     num_tokens = x.shape[0]
     d, eps = config.head_dim, config.rms_norm_eps
     h = rms_norm(x, lp["input_norm"], eps)
@@ -184,14 +176,11 @@ def forward(params: Params, kv_cache: jax.Array, input_ids: jax.Array, positions
             kv_scales: tuple[float, float] = (1.0, 1.0), attention: Any = None) -> tuple[jax.Array, jax.Array]:
     """Run the decoder on ``T`` flattened tokens; returns (final-normed hidden [T, H], new kv_cache).
 
-    Jit with ``static_argnames=("config", "block_size")`` (and ``"kv_scales"`` where given: an fp8
-    cache's per-tensor (k, v) scales; ``"attention"`` where given) and ``donate_argnames=("kv_cache",)``.
-    Padded tokens (negative slot) write only the trash row; tokens of a request with seq_len 0, or
-    past ``query_start_loc[-1]``, see no keys and get a zero attention output. ``attention``: None
-    for this module's layout and attention, or another layout's (hashable) with
-    ``trash_row(kv_cache, num_layers, block_size)`` and ``layer_attention(config, block_size,
-    kv_scales)`` returning :func:`_reference_attend`'s positional signature -- the Pallas one:
-    :class:`graphrt.models.jax.pallas_attention.PallasAttention`.
+    Jit with ``static_argnames=("config", "block_size")`` (plus ``"kv_scales"`` / ``"attention"``
+    where given) and ``donate_argnames=("kv_cache",)``. Padded tokens write only the trash row;
+    tokens of a request with seq_len 0, or past ``query_start_loc[-1]``, get zero attention.
+    ``attention``: None for this module's layout, or a hashable object with ``trash_row`` and
+    ``layer_attention`` (:class:`~graphrt.models.jax.pallas_attention.PallasAttention`).
     """
     layers = config.num_hidden_layers
     if attention is None:

@@ -4,13 +4,10 @@ With the Pallas path on, the decoder's KV cache is one array in the kernel's pag
 
     kv_cache: [num_layers * (num_blocks + 1), block_size, 2 * num_kv_heads, head_dim]
 
-Layer ``l`` owns pages ``l * (num_blocks + 1) ..``; page ``p`` of it is block ``p`` and its last
-page is the trash page padded tokens write. K and V interleave on the head axis (``2h`` K, ``2h +
-1`` V). The kernel takes the whole cache and each layer's block table offset by its first page,
-so no step slices or copies the cache. The kernel
-(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``) is imported lazily;
-:func:`choose_xla_attention` decides per model under ``GRAPHRT_ATTENTION``; tests put
-``ref_ragged_paged_attention`` in its place (:data:`KERNEL_OVERRIDE`). docs/xla.md, "On a TPU".
+Layer ``l`` owns pages ``l * (num_blocks + 1) ..``, its last the trash page; K and V interleave on
+the head axis (``2h`` K, ``2h + 1`` V). Block tables are offset by the layer's first page, so no
+step copies the cache. Tests substitute the kernel (:data:`KERNEL_OVERRIDE`). See docs/xla.md,
+"On a TPU".
 """
 
 from __future__ import annotations
@@ -161,8 +158,7 @@ def trash_row(kv_cache: jax.Array, num_layers: int, block_size: int) -> int:
 
 def pages_to_rows(pages: np.ndarray, num_layers: int, block_size: int) -> np.ndarray:
     """A Pallas-layout cache (host array) in the reference layout ``[layers, 2, blocks *
-    block_size + 1, kv_heads, head_dim]`` (the last row: the trash page's first row), for tools
-    that address KV slots (the conformance kit)."""
+    block_size + 1, kv_heads, head_dim]``, for tools that address KV slots."""
     per_layer = pages.shape[0] // num_layers
     heads = pages.shape[2] // 2
     rows = pages.reshape(num_layers, per_layer * block_size, heads, 2, pages.shape[3]).transpose(0, 3, 1, 2, 4)
@@ -205,10 +201,8 @@ def attend(q: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any,
            kv_scales: tuple[float, float]) -> jax.Array:
     """The kernel's attention of ``q`` [T, Hq, D] over layer ``layer_idx`` of the Pallas-layout cache.
 
-    ``window`` is the layer's sliding window (traced under the decoder's scan, or None) and
-    ``windows`` every layer's (static, 0: none): the kernel takes its window as a static value,
-    so layers with different windows pick theirs with ``lax.switch``. Tokens past
-    ``query_start_loc[-1]`` (padding) get zeros, as from the reference.
+    The kernel's window is static, so layers with different ``windows`` pick theirs with
+    ``lax.switch`` on the traced ``window``. Padding tokens get zeros, as from the reference.
     """
     num_tokens, _, head_dim = q.shape
     kernel = _kernel(attention)

@@ -1,22 +1,16 @@
 """Paged attention in plain torch: the reference kernel of graphrt's torch models.
 
-Everything here runs inside device-graph capture: static shapes only, no host syncs, no
-boolean-mask indexing, no Python branches on tensor values; masked entries are removed with
-``torch.where`` so stale NaN rows in the cache never reach a real output.
+Capture-safe: static shapes, no host syncs, no boolean-mask indexing, no branches on tensor
+values; masked entries are removed with ``torch.where`` so stale NaN cache rows never leak.
 
-KV cache layout (one tensor per attention layer, allocated by the runner)::
+KV cache layout (one tensor per attention layer)::
 
     kv_cache: [2, num_blocks * block_size + 1, num_kv_heads, head_dim]   # 0 = K, 1 = V
 
-Slot ``s`` is row ``s``; block ``b`` covers rows ``[b * block_size, (b + 1) * block_size)``; the
-last row is the trash row padding (a negative slot) writes and nothing reads.
-
-The kernel is also the custom op ``graphrt::paged_attention`` (it mutates ``kv_cache``): one
-opaque op for Dynamo / Inductor and the piecewise splitter; eagerly and under capture the kernel
-runs directly, so the recording graph checks every aten op in it. Which kernel runs
-(``GRAPHRT_ATTENTION``: auto, reference, triton, flashinfer, ascend), the options
-(``sliding_window``, fp8 ``k_scale`` / ``v_scale``) and the refusals: docs/attention.md,
-"graphrt's kernels".
+Slot ``s`` is row ``s``; the last row is the trash row padding writes and nothing reads. The
+kernel is also the custom op ``graphrt::paged_attention`` (opaque to Dynamo and the piecewise
+splitter). Kernel choice (``GRAPHRT_ATTENTION``) and options: docs/attention.md, "graphrt's
+kernels".
 """
 
 from __future__ import annotations
@@ -46,9 +40,8 @@ ATTENTION_CHOICES = ("auto", "reference", "triton", "flashinfer", "ascend")
 class TorchAttentionMetadata:
     """Per-step attention inputs shared by every layer, all on the model's device.
 
-    ``T`` (tokens) and ``R`` (requests) come from the tensor shapes, so a padded batch
-    is described by the same fields: padded tokens have a negative slot, padded
-    requests have ``seq_len`` 0, a repeated ``query_start_loc`` and a zero block row.
+    ``T`` and ``R`` come from the shapes: padded tokens have a negative slot, padded requests
+    ``seq_len`` 0, a repeated ``query_start_loc`` and a zero block row.
     """
 
     slot_mapping: torch.Tensor  # int64 [T]; negative = padded token
@@ -71,12 +64,8 @@ class TorchAttentionMetadata:
         block_size: int,
         kernel: str = "auto",
     ) -> "TorchAttentionMetadata":
-        """Derive ``token_req_idx`` with device ops only (safe inside graph capture).
-
-        Token ``t`` belongs to the last request ``r`` with ``query_start_loc[r] <= t``;
-        tokens past the last real request land on the last request (clamped), which
-        is a padded request when the batch has one.
-        """
+        """Derive ``token_req_idx`` with device ops only (capture-safe); tokens past the last
+        real request are clamped onto the last (padded) request."""
         num_tokens = slot_mapping.shape[0]
         num_reqs = seq_lens.shape[0]
         token_ids = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
@@ -95,12 +84,10 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
     ``q [T, Hq*D]``, ``k`` / ``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
-    Head counts come from the shapes; grouped-query heads share KV heads without
-    materialising repeated KV. A float cache computes in its own dtype; an fp8 cache is
-    dequantized (``k_scale`` / ``v_scale``) to float32. Scores are float32. What transformers'
-    decoders add (``transformers_impl/layer.py``): ``softcap`` (``scores = cap * tanh(scores /
-    cap)``), ``sinks [Hq]`` (a logit per query head that joins each softmax, then dropped), and
-    a V head size ``Dv`` other than K's, with ``kv_cache`` a ``(k [rows, Hkv, D], v [rows, Hkv,
+    GQA without repeating KV. A float cache computes in its dtype; fp8 is dequantized
+    (``k_scale`` / ``v_scale``) to float32; scores are float32. For transformers' decoders:
+    ``softcap`` (``cap * tanh(scores / cap)``), ``sinks [Hq]`` (a per-head logit joining each
+    softmax), and a V head size ``Dv`` with ``kv_cache`` a ``(k [rows, Hkv, D], v [rows, Hkv,
     Dv])`` pair (-> ``[T, Hq*Dv]``).
     """
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -178,9 +165,8 @@ def requested_attention() -> str:
 
 def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: torch.dtype,
                             cache_dtype: torch.dtype) -> AttentionChoice:
-    """The kernel graphrt's paged attention runs for these tensors under ``GRAPHRT_ATTENTION``
-    (module docstring): called once per runner, when its attention backend is chosen, and per
-    call only by a kernel call that names none (``kernel="auto"``); raises ``ConfigError`` for an
+    """The kernel paged attention runs for these tensors under ``GRAPHRT_ATTENTION``: called
+    once per runner, and per call only for ``kernel="auto"``. Raises ``ConfigError`` for an
     unknown value, or for ``triton`` where it cannot run."""
     choice = requested_attention()
     if choice in ("reference", "ascend"):   # ascend: only metadata without its own ``attend`` gets here
@@ -256,13 +242,9 @@ PAGED_ATTENTION_OP = torch.ops.graphrt.paged_attention.default
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends causally over it.
 
-    ``kv_cache`` is a plain attribute (not a buffer) that the runner assigns once the
-    cache is allocated. Every query token reads its request's blocks through the block
-    table; grouped-query heads share KV heads without materialising repeated KV.
-
-    ``graph_support`` declares what the kernel can run inside FULL graphs (any batch: it
-    reads only device tensors); ``graphrt_attention`` marks the module as a split point
-    for PIECEWISE graphs. Attention backends with other limits set their own values.
+    ``kv_cache`` is a plain attribute the runner assigns once the cache is allocated.
+    ``graph_support`` declares what the kernel can run in FULL graphs; ``graphrt_attention``
+    marks the module as a PIECEWISE split point. Other attention backends set their own values.
     """
 
     graph_support: ClassVar[AttentionGraphSupport] = AttentionGraphSupport.ALWAYS

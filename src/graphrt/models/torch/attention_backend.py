@@ -1,16 +1,10 @@
 """The attention seam on torch: the one attention object of a model, what it builds and declares.
 
-An engine plugs its attention in once as an :class:`AttentionBackend` (``model.attention_backend``;
-exported as ``graphrt.AttentionBackend``), chosen when the runner is built
-(``backends/torch/model_protocol.choose_attention``). Per step the executor hands it the step's
-device tensors (:class:`StepTensors`) and host values (:class:`HostValues`); its metadata is what
-the layers read from :func:`graphrt.models.torch.forward_context.get_forward_context`.
-
-A captured graph bakes in every host value read while building metadata, so a backend declares
-them (:class:`~graphrt.core.attention_decl.AttentionDeclarations`): ``keyed_host_values`` (fixed
-by the graph's key) and ``refreshed_host_values`` (read by :meth:`AttentionBackend.before_replay`
-before every run). Under capture it gets :class:`CaptureHostValues`: reading an undeclared value
-raises :class:`~graphrt.core.errors.GraphCaptureError` naming it. docs/attention.md, "The seam".
+Per step the executor hands an :class:`AttentionBackend` the step's device tensors
+(:class:`StepTensors`) and host values (:class:`HostValues`); its metadata is what the layers read
+from the forward context. A captured graph bakes in every host value read, so a backend declares
+them; under capture reading an undeclared one raises GraphCaptureError. See docs/attention.md,
+"The seam".
 """
 
 from __future__ import annotations
@@ -30,11 +24,9 @@ from graphrt.models.torch.attention import TorchAttentionMetadata, choose_attent
 
 @dataclass
 class HostValues:
-    """The step's host values. ``num_tokens`` / ``num_reqs`` are the padded sizes (the key's),
-    ``real_*`` the real ones; ``max_seq_len`` is the longest request's length -- for a graph, its
-    key's context bucket (every request is at most that long); ``max_query_len`` the most
-    tokens a request schedules. ``query_start_loc`` [R + 1] / ``seq_lens`` [R]: the padded
-    step's host arrays (numpy), for kernels that take per-request lengths as host lists --
+    """The step's host values. ``num_tokens`` / ``num_reqs``: padded sizes (the key's), ``real_*``
+    the real ones; ``max_seq_len``: longest request (a graph's context bucket); ``max_query_len``:
+    most tokens a request schedules. ``query_start_loc`` / ``seq_lens``: padded host arrays,
     never keyed, so only ``before_replay`` may read them."""
 
     num_tokens: int
@@ -79,11 +71,9 @@ del _name
 
 
 class CaptureHostValues(HostValues):
-    """:class:`HostValues` of a graph being captured: only the backend's keyed values can be read
-    (in ``before_replay``, which runs outside the graph, its refreshed ones too). Reading another
-    -- by name, through ``vars(host)`` / ``host.__dict__`` or ``dataclasses.asdict`` -- raises
-    :class:`~graphrt.core.errors.GraphCaptureError` naming the value, the backend and the line;
-    the instance holds nothing else (a value reached around the guard is :class:`Refused`)."""
+    """:class:`HostValues` of a graph being captured: only keyed values can be read (and refreshed
+    ones in ``before_replay``). Reading another, by any route, raises GraphCaptureError naming the
+    value, the backend and the line."""
 
     def __init__(self, values: HostValues, keyed: tuple[str, ...], backend: str, key: Any, *,
                  reader: str = "build", refreshed: tuple[str, ...] = ()) -> None:
@@ -116,9 +106,8 @@ class CaptureHostValues(HostValues):
 
 
 class HostTensorsRefused:
-    """``StepTensors.on_host`` while a graph's metadata is built: the host staging buffers are
-    invisible to a device graph (a CUDA capture cannot see a host read), so any use raises
-    GraphCaptureError; ``before_replay`` reads them, outside the graph."""
+    """``StepTensors.on_host`` while a graph's metadata is built: a capture cannot see host reads,
+    so any use raises GraphCaptureError; ``before_replay`` reads them, outside the graph."""
 
     __slots__ = ("_backend", "_key")
 
@@ -168,12 +157,9 @@ class StepTensors:
 class AttentionBackend(AttentionDeclarations):
     """What a model's attention needs from a step, built into device tensors, and what it declares.
 
-    Subclass it (or duck-type it) and set it as ``model.attention_backend``: the one attention
-    object of the model, which owns its kernel choice, its metadata (:meth:`build`), its refresh
-    before every run (:meth:`before_replay`), its graph-support level and its declarations
-    (:class:`~graphrt.core.attention_decl.AttentionDeclarations`: ``graph_support``,
-    ``keyed_host_values``, ``refreshed_host_values``, ``kv_cache_dtypes``). Defaults: runs in any
-    FULL graph, reads no host value, builds nothing, float KV caches only."""
+    Set it (subclassed or duck-typed) as ``model.attention_backend``: it owns its kernel choice,
+    metadata (:meth:`build`), refresh (:meth:`before_replay`) and declarations. Defaults: any
+    FULL graph, no host value read, nothing built, float KV caches only."""
 
     def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
         """Host values :meth:`build` reads and a graph may fix, on this device / dtype (called
@@ -187,14 +173,12 @@ class AttentionBackend(AttentionDeclarations):
         return step
 
     def before_replay(self, step: StepTensors, host: HostValues) -> None:
-        """Before every run (replayed or eager), outside any graph, when overridden: refresh the
-        device buffers a graph reads from the declared ``refreshed_host_values`` (and the step's
-        host staging buffers, ``step.on_host``). Default: nothing (and it is not called)."""
+        """Before every run, outside any graph, when overridden: refresh the device buffers a
+        graph reads from ``refreshed_host_values`` / ``step.on_host``. Default: not called."""
 
 
 def overrides_before_replay(backend: Any) -> bool:
-    """Whether ``backend`` has a refresh of its own to run before every run (an override of
-    :meth:`AttentionBackend.before_replay`, or any ``before_replay`` of a duck-typed backend)."""
+    """Whether ``backend`` overrides (or duck-types) :meth:`AttentionBackend.before_replay`."""
     method = getattr(type(backend), "before_replay", None)
     return method is not None and method is not AttentionBackend.before_replay
 
@@ -213,13 +197,10 @@ class RemovedPreReplayHooks:
 
 
 class PagedAttentionBackend(AttentionBackend):
-    """graphrt's own: :class:`~graphrt.models.torch.attention.TorchAttentionMetadata` for
-    :class:`~graphrt.models.torch.attention.PagedAttention`. ``kernel`` (``"triton"``,
-    ``"reference"``; None: chosen from ``GRAPHRT_ATTENTION``, the device and dtype when the runner
-    is built) is named in the metadata, so every layer runs it. The reference kernel attends over
-    every column of the block table, so the table is narrowed to ``max_seq_len`` (keyed: the
-    key's context bucket in a graph, the step's own length eagerly); Triton reads every length
-    on the device and keys nothing. Its kernels quantize fp8 caches (``kv_cache_dtypes``)."""
+    """graphrt's own: :class:`TorchAttentionMetadata` for :class:`PagedAttention`. ``kernel``
+    (``"triton"``, ``"reference"``; None: from ``GRAPHRT_ATTENTION``, device and dtype) is named
+    in the metadata. The reference kernel attends over every table column, so the table is
+    narrowed to ``max_seq_len`` (keyed); Triton reads lengths on the device and keys nothing."""
 
     name = "graphrt-paged"
     kv_cache_dtypes = FLOAT_KV_DTYPES + FP8_KV_DTYPES

@@ -1,16 +1,9 @@
 """Llama, Mistral and Qwen3 decoders in plain torch, over graphrt's paged KV cache.
 
-The forward takes flat token batches (``input_ids [T]``, ``positions [T]``) and reads
-its attention metadata from the forward context, so one captured graph serves any
-batch of the captured size. Numerics follow Hugging Face transformers (RMSNorm in
-float32, half-split rotary, SiLU-gated MLP); q/k/v and gate/up projections are fused
-into one matmul each and filled from the separate checkpoint tensors by the loader.
-
-Tensor parallelism (``tp_size > 1``): each rank builds its shard from
-:mod:`graphrt.models.torch.parallel` -- column-parallel q/k/v and gate/up, row-parallel o and
-down (all-reduced), a vocabulary-parallel embedding and LM head -- and holds its own query
-and KV heads (:func:`~graphrt.models.torch.parallel.kv_head_shard`). With ``tp_size == 1``
-the model is built from the plain layers below, exactly as without tensor parallelism.
+Flat token batches (``input_ids [T]``, ``positions [T]``), attention metadata from the forward
+context, so one captured graph serves any batch of its size. Numerics follow transformers;
+q/k/v and gate/up are fused. ``tp_size > 1`` builds the rank's shard from
+:mod:`graphrt.models.torch.parallel` (docs/distributed.md, "Tensor-parallel layers").
 """
 
 from __future__ import annotations
@@ -46,11 +39,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (unscaled) rotary embedding; cos/sin are computed per step from positions.
-
-    Computing the inverse frequencies on the fly keeps them float32 whatever dtype or
-    device the module is moved to, and costs a handful of tiny kernels per forward.
-    """
+    """Default rotary embedding; cos/sin per step from positions, inverse frequencies on the fly
+    so they stay float32 whatever dtype or device the module is moved to."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -74,12 +64,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class FusedLinear(nn.Linear):
-    """One linear layer whose output rows stack several checkpoint projections.
-
-    ``shard_sizes`` maps each shard id (``"q"``/``"k"``/``"v"`` or ``0``/``1``) to its row
-    count, in order. The weight (and bias) carry ``weight_loader`` so the loader can fill
-    one shard at a time.
-    """
+    """One linear layer whose output rows stack several checkpoint projections; ``shard_sizes``
+    maps each shard id (``"q"``/``"k"``/``"v"`` or ``0``/``1``) to its row count, in order."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str | int, int], bias: bool,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -97,8 +83,7 @@ class FusedLinear(nn.Linear):
             param.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
-        """Copy one checkpoint projection (a tensor or a safetensors slice, read whole) into
-        its rows of the fused ``param``."""
+        """Copy one checkpoint projection (tensor or safetensors slice) into its rows."""
         if shard_id not in self.shard_offsets:
             raise InputError("shard_id", f"{shard_id!r} is not one of {list(self.shard_offsets)}")
         if not isinstance(loaded_weight, torch.Tensor):
@@ -113,11 +98,8 @@ class FusedLinear(nn.Linear):
 
 
 class DecoderAttention(nn.Module):
-    """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention.
-
-    Sharded (``tp.size > 1``), the rank projects and attends with its own query and KV heads
-    and the row-parallel ``o_proj`` all-reduces the heads' contributions.
-    """
+    """Fused QKV projection, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention;
+    sharded, each rank attends with its own heads and ``o_proj`` all-reduces."""
 
     def __init__(self, config: DecoderConfig, dtype: torch.dtype, tp: TPGroup = TPGroup(),
                  sliding_window: int = 0) -> None:
@@ -214,13 +196,9 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """A Llama, Mistral or Qwen3 causal LM over a paged KV cache; capturable as a device graph.
 
-    ``forward`` returns final hidden states; ``compute_logits`` is separate so the
-    runner can project only the rows it samples from.
-
-    ``tp_rank`` / ``tp_size`` / ``group`` build rank ``tp_rank``'s shard of a tensor-parallel
-    model over ``group`` (a ``torch.distributed`` process group; ``None``: the default group,
-    needed only once the forward runs). Every rank returns the full hidden states and
-    logits; ``kv_cache_spec`` gives this rank's KV heads, so its cache holds only those.
+    ``forward`` returns hidden states; ``compute_logits`` is separate so the runner projects only
+    the rows it samples. ``tp_rank`` / ``tp_size`` / ``group`` (None: the default process group)
+    build one rank's shard; every rank returns full hidden states and logits.
     """
 
     packed_modules_mapping: dict[str, tuple[str, str | int]] = {
@@ -252,12 +230,8 @@ class DecoderForCausalLM(nn.Module):
         self.bind_parameters()
 
     def bind_parameters(self) -> None:
-        """Tie ``lm_head`` to ``embed_tokens`` when configured (sharded: the two share the
-        rank's vocabulary rows) and attach the fused and sharded layers' weight loaders.
-
-        ``nn.Module.to_empty`` replaces parameter objects, dropping ties and attributes;
-        call this again after it.
-        """
+        """Tie ``lm_head`` to ``embed_tokens`` when configured and attach weight loaders; call
+        again after ``nn.Module.to_empty``, which drops ties and attributes."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for module in self.modules():
@@ -278,8 +252,6 @@ class DecoderForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """The KV cache the runner allocates (core/kv_spec.py): every layer's heads of ``head_dim``,
-        one group per sliding window; sharded, this rank's KV heads (a replicated head counts
-        once per rank that holds it). The dtype is "auto": the config's ``kv_cache_dtype``, else
-        the weights'."""
+        """The KV cache the runner allocates: every layer's heads, one group per sliding window;
+        sharded, this rank's KV heads. dtype "auto": config's ``kv_cache_dtype``, else weights'."""
         return self.config.kv_cache_spec(self.num_kv_heads)

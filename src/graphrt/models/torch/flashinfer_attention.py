@@ -1,14 +1,9 @@
 """FlashInfer's paged attention behind graphrt's attention seam (``GRAPHRT_ATTENTION=flashinfer``).
 
-:class:`FlashInferAttentionBackend` runs graphrt's :class:`~graphrt.models.torch.attention.PagedAttention`
-layers through ``BatchPrefillWithPagedKVCacheWrapper`` (decode, chunked prefill and mixed steps
-alike). graphrt keeps the KV cache (handed over as NHD pages without a copy; the trash row left
-out) and its write; the step's block table and lengths become FlashInfer's indptr / indices /
-last-page-length arrays. ``plan()`` runs on the host, so :meth:`before_replay` plans before every
-run, outside any graph, from the host staging buffers; each graph shape reads wrappers made for
-it (``use_cuda_graph=True``), eager runs share others. Graph support ``UNIFORM_BATCH``; fp8
-caches refused. Details: docs/attention.md, "FlashInfer". ``flashinfer`` is imported only when a
-backend is built or a kernel runs.
+graphrt keeps the KV cache (NHD pages, no copy) and its write; FlashInfer's ``plan()`` is host
+work, so :meth:`before_replay` plans before every run, outside any graph, and each graph shape
+reads wrappers made for it. Graph support ``UNIFORM_BATCH``; fp8 refused. ``flashinfer`` is
+imported lazily. See docs/attention.md, "FlashInfer".
 """
 
 from __future__ import annotations
@@ -28,11 +23,9 @@ from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHost
 from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
 from graphrt.models.torch.kv_quant import is_fp8
 
-#: FlashInfer attention (models/torch/flashinfer_attention.py): the float workspace its wrappers
-#: share (FlashInfer's recommended 128 MiB), and the kernel backend asked for. "fa2": its
-#: scheduler's CUDA-graph mode fixes the tile size and padded grid from a wrapper's tokens and
-#: requests (include/flashinfer/attention/scheduler.cuh, PrefillSplitQOKVIndptr), which is what
-#: replaying one graph under later plans relies on.
+#: The float workspace FlashInfer's wrappers share (its recommended 128 MiB), and the kernel
+#: backend: "fa2", whose CUDA-graph mode fixes tile size and padded grid from a wrapper's tokens
+#: and requests (scheduler.cuh, PrefillSplitQOKVIndptr): replaying under later plans relies on it.
 FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 FLASHINFER_KERNEL_BACKEND = "fa2"
 
@@ -178,10 +171,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._fresh = (shape, wset) if self._plan(wset, layout, step.block_size) else None
 
     def build(self, step: StepTensors, host: HostValues) -> FlashInferMetadata:
-        """graphrt's metadata and the wrappers to run: in a capture, its shape's graph wrappers
-        (planned once with padding if new: FlashInfer's plan is host work and must not be
-        captured); after ``before_replay``, the wrappers it planned; else (warm-ups) the eager
-        ones, planned with padding."""
+        """graphrt's metadata and the wrappers to run: in a capture its shape's (planned once with
+        padding: plan() must not be captured); after ``before_replay`` the ones it planned; else
+        the eager ones, planned with padding."""
         shape = (step.slot_mapping.shape[0], step.seq_lens.shape[0])
         if isinstance(host, CaptureHostValues):
             wset = self._graph_sets.get(shape)

@@ -1,19 +1,11 @@
 """A LoRA-capable linear for graphrt's torch models: ``y = x W^T + b + (x A_s^T) (scale_s B_s^T)``
-for each token's adapter slot ``s``, written to be captured (no host syncs, no data-dependent
-shapes) and to read every adapter from persistent stacked tensors, so a graph captured before
-an adapter was loaded applies it.
+for each token's adapter slot ``s``, capturable and reading adapters from persistent stacked
+tensors, so a graph captured before an adapter was loaded applies it.
 
-A model opts in by naming the ``nn.Linear`` children to adapt in ``lora_target_modules``
-(graphrt's decoder: ``("o_proj",)``); :func:`enable_lora` swaps them for :class:`LoRALinear`
-(sharing the base weight) only when LoRA is on, so with ``max_loras = 0`` the model runs
-exactly the ops it ran before.
-
-Per step the layers read one shared :class:`LoraState`: ``index [max_tokens]``, each token's
-slot (-1: none), and ``groups [max_loras]``, the step's active slots then a pad no token holds.
-``num_groups`` -- the key's ``num_loras`` -- is a Python int set per key before a capture or an
-eager run: the layer applies the first ``num_groups`` groups (one batched matmul pair over
-``[num_groups, T, rank]``) and with 0 runs no LoRA op at all. It is part of the key, so the
-value a graph bakes in is the same for every step that replays it.
+A model names its adaptable ``nn.Linear`` children in ``lora_target_modules``; :func:`enable_lora`
+swaps them only when LoRA is on. Per step the layers read one :class:`LoraState`; ``num_groups``
+(the key's ``num_loras``) is a Python int set per key, so the value a graph bakes in is the same
+for every step that replays it (0: no LoRA op at all).
 """
 
 from __future__ import annotations
@@ -40,10 +32,7 @@ class LoraState:
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` (same weight and bias objects) plus stacked adapters ``lora_a
     [max_loras, in, rank]`` and ``lora_b [max_loras, rank, out]`` (the scale folded in).
-
-    ``graphrt_fx_leaf`` keeps it whole in the PIECEWISE fx split, so each bucket's pieces run
-    its forward -- and read ``num_groups`` -- when they are captured, as FULL graphs do.
-    """
+    ``graphrt_fx_leaf`` keeps it whole in the PIECEWISE split, so pieces read ``num_groups``."""
 
     graphrt_fx_leaf: ClassVar[bool] = True
 

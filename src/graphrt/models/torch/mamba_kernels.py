@@ -1,20 +1,11 @@
 """Reference kernels of Mamba2 layers over a step of many requests, in plain torch.
 
-Every function works on the packed tokens of a step (``[T, ...]``, requests back to back, the
-padded tokens last) with a :class:`~graphrt.models.torch.state_metadata.StateMetadata`, reads
-its lengths from device tensors only and has static shapes (``T``, ``R``, the chunk size, the
-checkpoints), so it runs inside a captured graph whatever the step holds.
-
-* :func:`causal_conv1d` -- the depthwise causal convolution, each token's window taken from
-  its own request's tokens and, before them, the request's convolution state; returns the
-  window after each of the request's last C positions (the states to store).
-* :func:`ssd_scan` -- the selective state-space scan (Mamba2's SSD): chunked (the state passed
-  from chunk to chunk of each request, the ``k``-th chunk of every request at once), or, where
-  every request schedules the same few tokens (uniform decode, speculative verification), one
-  recurrent step per token. Returns the outputs and the state after each of the last C positions.
-
-Computation is float32 (as transformers' torch path); masked values are removed with
-``where``, never multiplied by a zero mask, so NaN in an unused row cannot leak.
+Each works on a step's packed tokens (``[T, ...]``, padding last) with a :class:`StateMetadata`,
+reads lengths from device tensors only and has static shapes, so it runs inside a captured graph.
+:func:`causal_conv1d` is the depthwise causal convolution; :func:`ssd_scan` the selective scan,
+chunked or, for uniform decode / verification, one recurrent step per token. Both return the
+states after each request's last C positions. Float32 throughout (as transformers' torch path);
+masked values are removed with ``where``, so NaN in an unused row cannot leak.
 """
 
 from __future__ import annotations
@@ -42,13 +33,11 @@ ChunkStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, to
 
 def chunked_scan(init: torch.Tensor, meta: StateMetadata, num_tokens: int, chunk_size: int,
                  y_shape: tuple[int, ...], step: ChunkStep) -> tuple[torch.Tensor, torch.Tensor]:
-    """A scan by chunks of ``chunk_size`` tokens of each request, the ``k``-th chunk of every
-    request at once (Mamba2's SSD and the gated delta rule). ``step(rows, valid, lane, at, state)``
-    gets the chunk's token rows and validity ``[R + 1, L]``, the lane index ``[L]``, where in the
-    chunk each of the last C positions would fall ``[R + 1, C]`` (clamped) and the state before
-    the chunk, and returns (``y [R + 1, L, *y_shape]``, the state at those positions ``[R + 1, C,
-    *state]``, the state at the chunk's end). Returns (``y [T, *y_shape]``, the state after
-    each request's last C positions ``[R + 1, C, *state]``)."""
+    """A scan by chunks of ``chunk_size`` tokens, the ``k``-th chunk of every request at once.
+    ``step(rows, valid, lane, at, state)`` gets the chunk's rows and validity ``[R + 1, L]``, the
+    lane index ``[L]``, the chunk positions of the last C positions ``[R + 1, C]`` and the state
+    before the chunk; returns (``y [R + 1, L, *y_shape]``, the states at those positions, the
+    state at the chunk's end). Returns (``y [T, *y_shape]``, states ``[R + 1, C, *state]``)."""
     size = max(1, min(int(chunk_size), num_tokens))
     rows_total, device = meta.starts.shape[0], init.device
     lane = torch.arange(size, device=device)

@@ -1,15 +1,9 @@
-"""Tensor-parallel building blocks for graphrt's torch reference models (issue 12).
+"""Tensor-parallel building blocks for graphrt's torch reference models.
 
-Each layer holds only its rank's slice of the full weight and takes ``(tp_rank, tp_size,
-group)`` (``group``: a ``torch.distributed`` process group, ``None`` the default). Collectives go
-through ``torch.distributed._functional_collectives``, waited before use, so the CPU recording
-graph records and replays them; with ``tp_size == 1`` none runs and each layer is its unsharded
-``nn`` counterpart. Column-parallel layers split output features (merged gate/up and QKV forms
-too), row-parallel ones input features (all-reduce, then the bias once), the embedding and LM
-head the vocabulary rows. Every parameter carries ``weight_loader(param, loaded_weight[,
-shard_id])``, which reads only this rank's slice (also of a safetensors ``get_slice``);
-``nn.Module.to_empty`` drops it: call ``bind_weight_loaders()`` again. docs/distributed.md,
-"Tensor-parallel layers".
+Each layer holds its rank's weight slice and takes ``(tp_rank, tp_size, group)``. Collectives are
+functional (recorded by the CPU graph) and waited; with ``tp_size == 1`` each layer is its ``nn``
+counterpart. ``weight_loader`` reads only this rank's slice; ``nn.Module.to_empty`` drops it:
+call ``bind_weight_loaders()`` again. See docs/distributed.md, "Tensor-parallel layers".
 """
 
 from __future__ import annotations
@@ -42,13 +36,9 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 def kv_head_shard(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """``(first KV head, number of KV heads)`` that rank ``tp_rank`` of ``tp_size`` holds.
 
-    The rule: with at least as many KV heads as ranks, the heads are split evenly
-    (``num_kv_heads % tp_size == 0``): rank r holds heads ``[r * n, (r + 1) * n)``,
-    ``n = num_kv_heads // tp_size``. With fewer KV heads than ranks, each rank holds one KV
-    head, replicated on ``tp_size // num_kv_heads`` consecutive ranks (``tp_size %
-    num_kv_heads == 0``): rank r holds head ``r // replicas``. Query heads are always split
-    evenly, so rank r's query heads are exactly those (GQA) that read its KV head(s).
-    Example: 4 ranks, 2 KV heads -> ranks 0, 1 hold head 0 and ranks 2, 3 head 1.
+    At least as many KV heads as ranks: split evenly. Fewer: each rank holds one head, replicated
+    on ``tp_size // num_kv_heads`` consecutive ranks (4 ranks, 2 heads -> 0, 0, 1, 1). Query heads
+    are always split evenly, so a rank's query heads are those reading its KV head(s).
     """
     if not 0 <= tp_rank < tp_size:
         raise ConfigError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
@@ -162,9 +152,8 @@ class ColumnParallelLinear(_Parallel):
 
 
 class _FusedColumnParallelLinear(ColumnParallelLinear):
-    """A column-parallel linear whose local rows stack several checkpoint projections'
-    slices; ``shard_offsets`` maps shard id -> (local start, local rows, checkpoint start row,
-    checkpoint rows)."""
+    """A column-parallel linear whose local rows stack several checkpoint projections' slices;
+    ``shard_offsets``: shard id -> (local start, local rows, checkpoint start, checkpoint rows)."""
 
     shard_offsets: dict[Any, tuple[int, int, int, int]]
 
@@ -195,10 +184,8 @@ class MergedColumnParallelLinear(_FusedColumnParallelLinear):
 
 
 class QKVParallelLinear(_FusedColumnParallelLinear):
-    """Fused q/k/v projection with the heads split over the ranks (shard ids ``"q"``, ``"k"``,
-    ``"v"``); the KV heads follow :func:`kv_head_shard` (split, or replicated when fewer than
-    the ranks). The local output is ``[q (num_heads), k (num_kv_heads), v (num_kv_heads)]``
-    with the per-rank head counts below."""
+    """Fused q/k/v with heads split over the ranks (shard ids ``"q"``, ``"k"``, ``"v"``; KV heads
+    per :func:`kv_head_shard`). Local output: ``[q, k, v]`` with the per-rank head counts."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool, tp_rank: int = 0, tp_size: int = 1, group: Any = None,
@@ -255,10 +242,9 @@ class RowParallelLinear(_Parallel):
 
 
 class VocabParallelEmbedding(_Parallel):
-    """An embedding whose vocabulary rows are split over the ranks: rank r owns ids
-    ``[r * per_rank, (r + 1) * per_rank)``, ``per_rank = ceil(vocab / tp_size)`` (the last
-    rank's rows past the vocabulary are zero padding). Each rank embeds the ids it owns,
-    zeros for the rest (``torch.where``: no data-dependent shapes), then an all-reduce sums."""
+    """Embedding with vocabulary rows split: rank r owns ``[r * per_rank, (r + 1) * per_rank)``,
+    ``per_rank = ceil(vocab / tp_size)``; each rank embeds its ids, zeros elsewhere
+    (``torch.where``), then an all-reduce sums."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
                  group: Any = None, dtype: torch.dtype = torch.float32) -> None:
@@ -291,10 +277,8 @@ class VocabParallelEmbedding(_Parallel):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The LM head over the same vocabulary split as :class:`VocabParallelEmbedding` (tie it by
-    sharing that module's ``weight``): each rank computes its ``[N, per_rank]`` logits, an
-    all-gather concatenates them in rank order and the padding columns are cut off, so every
-    rank returns float32 ``[N, vocab]``."""
+    """LM head over :class:`VocabParallelEmbedding`'s split (tie by sharing ``weight``): rank
+    logits are all-gathered and padding columns cut; every rank returns float32 ``[N, vocab]``."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         logits = self.all_gather_last(F.linear(hidden, self.weight))

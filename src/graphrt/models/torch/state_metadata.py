@@ -1,21 +1,12 @@
 """What a step tells the recurrent layers of a hybrid model (docs/hybrid.md), built on the device.
 
-:func:`build_state_metadata` turns the step's static buffers (``query_start_loc``,
-``num_computed_tokens``, ``state_slots``) into :class:`StateMetadata`, with device ops only (no
-host read: it runs inside graph capture), once per forward; recurrent layers read it from
-:func:`graphrt.models.torch.forward_context.get_state_context`.
-
-Requests are indexed ``0 .. R - 1`` (the step's padded requests) plus one more, ``R``: the
-**padding request** that owns the padded tokens past the last real one. Every padded request
-(``state_slots`` -1) and the padding request write the **trash slot** (index ``num_slots`` of
-every state tensor) and start from zeros, never from a slot's contents: a padded row can
-neither change a live state nor read garbage (SGLang #30974's ``torch.empty`` rows). Negative
-slots are mapped with ``where``, never used as Python indices (vllm-ascend #7506).
-
-Checkpoints (``checkpoints`` = 1 + num_speculative_tokens): a request reads the state after
-position ``num_computed_tokens - 1`` (ring entry ``(num_computed - 1) % checkpoints``) and writes
-the state after each of its last ``min(query_len, checkpoints)`` positions ``p`` into entry
-``p % checkpoints``, so a step after rejected drafts reads the state of the last accepted token.
+:func:`build_state_metadata` builds :class:`StateMetadata` from the step's static buffers with
+device ops only (capturable), once per forward. Request ``R`` is the padding request owning the
+padded tokens. Padded requests write the trash slot (index ``num_slots``) and start from zeros,
+never a slot's contents (SGLang #30974's ``torch.empty`` rows); negative slots are mapped with
+``where``, never used as indices (vllm-ascend #7506). A request reads ring entry
+``(num_computed - 1) % checkpoints`` and writes its last ``min(query_len, checkpoints)``
+positions, so a step after rejected drafts reads the last accepted token's state.
 """
 
 from __future__ import annotations

@@ -1,41 +1,28 @@
 """Paged attention in Triton: graphrt's default attention on CUDA.
 
 :func:`triton_paged_attention` has the contract of the reference
-:func:`graphrt.models.torch.attention.paged_attention_kernel` (write this step's K/V into the
-paged cache, then attend causally over each request's blocks), for decode, chunked prefill
-and mixed batches in one call, grouped-query heads, an optional sliding window and fp8 KV
-caches. Everything data-dependent (where requests start, their lengths, their blocks) is read
-on the device; the grid and every host-side choice follow the tensor shapes only, so the
-call is capturable in a CUDA graph and a replay with new metadata is correct.
+:func:`graphrt.models.torch.attention.paged_attention_kernel` (decode, chunked prefill and mixed
+batches, GQA, sliding window, fp8 KV). Everything data-dependent is read on the device; the grid
+and host-side choices follow tensor shapes only, so the call is capturable and replays correctly.
 
-Design (the kernels are in :mod:`graphrt.models.torch.triton_attention_kernels`):
+Design (kernels in :mod:`graphrt.models.torch.triton_attention_kernels`):
 
-* **K/V write**: one small kernel, grid ``(T, row chunks)``, copies each token's K and V rows
-  into its slot (a negative slot writes the trash row). Values are converted / quantized
-  first by :func:`graphrt.models.torch.kv_quant.quantize_kv`, the reference's own function,
-  and copied as integers, so the bytes equal the reference's.
-* **Attention**: grid ``(query tiles, KV heads, KV splits)``. A tile is ``BLOCK_Q``
-  consecutive query tokens of one request times the query heads sharing the program's KV
-  head (GQA packing: ``BLOCK_M = BLOCK_Q * next_pow2(groups)`` rows in one ``tl.dot``, at least
-  16), so each K/V tile loaded serves every query head of its group and every token of the
-  tile. Request ``r``'s tiles are numbered from ``query_start_loc[r] // BLOCK_Q + r``; there
-  are at most ``ceil(T / BLOCK_Q) + R`` tiles, and a program finds its request by binary
-  search over ``query_start_loc`` on the device. Padded tokens after the last request form
-  one more pseudo-request that attends to nothing (zeros). Each program walks only the KV
-  tiles between its first token's window start (0 without a window) and its last token's
-  position, reading block ids from the block table, with an online softmax in float32
-  (``exp2``; fully masked rows stay exactly 0, never NaN).
-* **Split-KV**: when the tiles times KV heads cannot fill the GPU (decode at small batch),
-  each program takes one of ``num_splits`` equal shares of its tiles and stores an
-  unnormalised partial result; a combine kernel merges them. ``num_splits`` is chosen from
-  the shapes and the SM count, the shares from each request's real length on the device.
-* **fp8**: K/V tiles are converted to the query dtype for ``tl.dot`` (exact: every fp8 value is
-  a bf16 / fp16 value); ``k_scale`` is folded into the score scale and ``v_scale`` into the
-  final normalisation.
+* **K/V write**: grid ``(T, row chunks)``; values are quantized by the reference's own
+  :func:`~graphrt.models.torch.kv_quant.quantize_kv` and copied as integers (bytes equal).
+* **Attention**: grid ``(query tiles, KV heads, KV splits)``. A tile is ``BLOCK_Q`` query tokens
+  of one request times the query heads of the program's KV head (``BLOCK_M = BLOCK_Q *
+  next_pow2(groups)``, at least 16), so each K/V tile serves its whole group. Request ``r``'s
+  tiles start at ``query_start_loc[r] // BLOCK_Q + r`` (at most ``ceil(T / BLOCK_Q) + R``
+  tiles); a program finds its request by binary search on the device. Padded tokens form a
+  pseudo-request that attends to nothing. Only KV tiles from the window start to the last
+  token's position are read; online softmax in float32 (``exp2``; masked rows stay 0, not NaN).
+* **Split-KV**: when tiles x KV heads cannot fill the GPU, each program takes one of
+  ``num_splits`` shares and stores an unnormalised partial; a combine kernel merges them.
+* **fp8**: K/V tiles convert exactly to the query dtype for ``tl.dot``; ``k_scale`` is folded
+  into the score scale, ``v_scale`` into the final normalisation.
 
-Cost follows each request's real context (and window), never the block table's width.
-Tuning constants are at the top of this module. CPU tensors run through Triton's interpreter
-(tests) only when ``TRITON_INTERPRET=1`` was set before ``triton`` was first imported.
+Cost follows each request's real context, never the block table's width. CPU tensors run
+through Triton's interpreter only when ``TRITON_INTERPRET=1`` was set before importing triton.
 """
 
 from __future__ import annotations
@@ -114,9 +101,8 @@ def _interpreting() -> bool:
 def triton_unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """Why :func:`triton_paged_attention` cannot run on ``device`` here (None: it can).
 
-    CUDA needs triton and a GPU of compute capability 8.0 or newer; any other device needs
-    Triton's interpreter, i.e. ``TRITON_INTERPRET=1`` set before triton was first imported.
-    ``device=None`` asks about CUDA when a GPU is present, else about the interpreter.
+    CUDA needs triton and compute capability >= 8.0; other devices need ``TRITON_INTERPRET=1``
+    set before triton's first import. ``device=None``: CUDA when a GPU is present, else CPU.
     """
     if _IMPORT_PROBLEM is not None:
         return _IMPORT_PROBLEM
@@ -244,11 +230,10 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
                            v_scale: float = 1.0, num_splits: int | None = None) -> torch.Tensor:
     """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
-    The arguments are the reference kernel's (``token_req_idx`` is not needed: each program
-    finds its request itself); ``sliding_window`` (None or 0: none) lets a token at position
-    ``p`` see positions ``p - sliding_window + 1 .. p``; ``k_scale`` / ``v_scale`` are the
-    per-tensor scales of an fp8 cache (ignored for float caches); ``num_splits`` overrides the
-    split-KV choice (tests). Returns ``[T, Hq * D]`` in ``q``'s dtype; padded tokens get zeros.
+    Arguments as the reference kernel's (no ``token_req_idx``); ``sliding_window`` (None or 0:
+    none) lets position ``p`` see ``p - sliding_window + 1 .. p``; ``k_scale`` / ``v_scale``:
+    fp8 per-tensor scales; ``num_splits`` overrides split-KV (tests). Returns ``[T, Hq * D]`` in
+    ``q``'s dtype; padded tokens get zeros.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[0] != 2:
         raise ConfigError(f"kv_cache must be [2, rows, kv_heads, head_dim], got {tuple(kv_cache.shape)}")

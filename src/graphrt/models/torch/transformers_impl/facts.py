@@ -1,15 +1,10 @@
 """What each attention layer of a transformers model needs from graphrt's paged attention.
 
-:func:`layer_facts` reads them once, when the model is loaded, from the config and from one
-probe forward: the model runs a few tokens with the registered attention function answering
-every call with zeros while it records what the layer passes (``interface.py``): its query and
-KV heads and head sizes (this rank's under tensor parallelism), ``scaling``, ``sliding_window``,
-``softcap`` and attention sinks (``s_aux``). The config says which layers slide
-(``layer_types``: "sliding_attention" over ``sliding_window`` tokens); a layer whose call
-disagrees with it is refused, as is anything graphrt's attention cannot do: a mask of the
-model's own (ALiBi, bidirectional or chunked attention), a keyword it does not know, a layer
-without ``layer_idx`` or called twice. Each refusal is a :class:`ConfigError` naming the
-module path and what stops it.
+:func:`layer_facts` reads them once at load, from the config and one probe forward in which the
+attention function answers zeros and records each call: heads and head sizes (this rank's),
+``scaling``, ``sliding_window``, ``softcap``, sinks. A layer disagreeing with ``layer_types``, a
+mask of the model's own, an unknown keyword, a layer without ``layer_idx`` or called twice is
+refused with a :class:`ConfigError` naming the module path.
 """
 
 from __future__ import annotations
@@ -190,11 +185,9 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
 
 
 def position_offset(hf_model: torch.nn.Module, base: torch.nn.Module) -> int:
-    """What to add to graphrt's positions (0, 1, 2 ...) to get the ``position_ids`` the model gives
-    itself for a fresh sequence: 0 for most, ``padding_idx + 1`` for RoBERTa-like embeddings. Read
-    by running the probe row with ``position_ids=None`` and with each candidate (attention
-    answering zeros, so only absolute position embeddings matter); a model whose own positions
-    are no offset of graphrt's is refused (ConfigError)."""
+    """What to add to graphrt's positions to get the ``position_ids`` the model gives itself: 0
+    for most, ``padding_idx + 1`` for RoBERTa-like embeddings; read from probe forwards. A model
+    whose positions are no offset of graphrt's is refused (ConfigError)."""
     config = text_config(hf_model.config)
     device = next(hf_model.parameters()).device
     pad = getattr(config, "pad_token_id", None)

@@ -1,24 +1,12 @@
 """A transformers causal LM as a graphrt torch model (docs/models.md's protocol).
 
 :class:`TransformersForCausalLM` wraps a loaded ``*ForCausalLM`` whose config routes attention to
-graphrt (``interface.py``):
-
-* ``forward(input_ids [T], positions [T])`` runs the decoder body on one packed row
-  (``input_ids[None]``, ``position_ids[None]``, ``use_cache=False``); every attention call
-  reaches the :class:`~graphrt.models.torch.transformers_impl.layer.HFPagedAttention` of its
-  ``layer_idx``, which reads the step's metadata from the forward context;
-* ``compute_logits(hidden [N, hidden])`` runs the model's own head -- the ``*ForCausalLM``
-  forward over a stand-in body that returns ``hidden`` -- so final soft-capping and logit
-  scales are transformers' own;
-* ``attention_layers()`` / ``kv_cache_spec()``: one paged layer per attention layer, one KV
-  cache group per layout (heads, head sizes, window), from :func:`~.facts.layer_facts`;
-* ``state_layers()`` / ``state_spec()``: a hybrid's recurrent mixers, routed to graphrt's own
-  modules and kernels (``recurrent.py``, docs/hybrid.md), and their per-request states.
-
-A known reason a model cannot be captured (``graph_blocker``: dynamic RoPE, the eager experts
-loop) is raised as :class:`GraphCaptureError` when a capture reaches the forward, on every
-device; any other capture failure inside the model is re-raised with the module path it came
-from (the innermost ``forward`` of a transformers module in the traceback).
+graphrt (``interface.py``): ``forward`` runs the decoder body on one packed row, each attention
+call reaching its layer's :class:`HFPagedAttention`; ``compute_logits`` runs the model's own head
+over a stand-in body, so soft-capping and logit scales are transformers' own. A known capture
+blocker (``graph_blocker``) raises :class:`GraphCaptureError` when a capture reaches the forward;
+other capture failures are re-raised naming the module they came from.
+See docs/transformers-models.md.
 """
 
 from __future__ import annotations
@@ -41,8 +29,7 @@ from graphrt.models.torch.transformers_impl.recurrent import RoutedMixer, state_
 
 
 class _BodyOutput:
-    """What the stand-in body returns: ``last_hidden_state`` (also item 0); every other output a
-    body may have (router logits, cross attentions, shared KV states ...) is None."""
+    """What the stand-in body returns: ``last_hidden_state`` (also item 0); all else None."""
 
     def __init__(self, hidden: torch.Tensor | None) -> None:
         self.last_hidden_state = hidden
@@ -102,9 +89,8 @@ class _LayerDispatch:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """What graphrt's runner reads of a model's ``config`` (docs/models.md), taken from the
-    transformers config: ``hf`` is that config itself. ``intermediate_size`` is the widest layer's
-    (Gemma 3n lists one per layer); ``eos_token_id`` the generation config's, else the config's."""
+    """What graphrt's runner reads of a model's ``config``, from the transformers config ``hf``;
+    ``intermediate_size``: the widest layer's; ``eos_token_id``: generation config's, else hf's."""
 
     vocab_size: int
     hidden_size: int
@@ -151,11 +137,9 @@ def body_of(hf_model: nn.Module) -> nn.Module:
 class TransformersForCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` under graphrt's runner (module docstring).
 
-    ``hf_model``: loaded with ``attn_implementation="graphrt"`` (``loader.py``); ``facts``: its
-    layers (:func:`~.facts.layer_facts`); ``graph_blocker``: why no graph can hold its forward,
-    or None. ``tp_rank`` / ``tp_size``: this rank's shard (``tensor_parallel.py``);
-    ``position_offset``: :func:`~.facts.position_offset`; ``routed``: the recurrent mixers
-    :func:`~.recurrent.route_recurrent_mixers` put in ``hf_model``, in layer order."""
+    ``hf_model``: loaded with ``attn_implementation="graphrt"``; ``facts``: its layers;
+    ``graph_blocker``: why no graph can hold its forward, or None; ``tp_rank`` / ``tp_size``: this
+    rank's shard; ``routed``: the recurrent mixers routed into ``hf_model``, in layer order."""
 
     #: Which implementation this is (``models/model_impl.py``): tensor-parallel ranks load the same.
     model_impl = "transformers"

@@ -1,20 +1,12 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
-A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next) keeps each request's recurrent state in
-its own ``Cache`` object, one batch row per sequence: nothing graphrt's packed rows of many
-requests can use. :func:`route_recurrent_mixers` replaces each recurrent mixer of a loaded model
-with a :class:`RoutedMixer` whose ``mixer`` is graphrt's own module for that layer kind --
-:class:`~graphrt.models.torch.mamba2.Mamba2Mixer` or
-:class:`~graphrt.models.torch.qwen3_next.GatedDeltaNet`, the modules of graphrt's reference
-hybrid models (docs/hybrid.md) -- holding the transformers module's very parameters (shared,
-not copied). Those modules read the step's state metadata from the forward context and their
-``state_cache`` (a slot per request plus the trash slot, assigned by the runner from
-:func:`state_spec_of`), and they are the PIECEWISE split points, as in the reference models.
-
-Which mixers are routed is a list of classes whose computation graphrt's module reproduces
-(:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`), each checked for what the kernels assume (SiLU
-convolution, the projections' shapes); any other recurrent layer is refused by
-:func:`served_types` with its module path and class.
+A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next) keeps recurrent state in its own per-sequence
+``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
+recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
+(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`) sharing the transformers parameters; these read
+their ``state_cache`` slots and are the PIECEWISE split points. Only classes whose computation
+graphrt reproduces are routed (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`); any other recurrent
+layer is refused by :func:`served_types`. See docs/hybrid.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Tensor parallelism of transformers models from their own plan, over torch.distributed.
 
-A transformers model says how it shards in ``model.tp_plan`` (its config's ``base_model_tp_plan``
-under the body's prefix, plus the class's, e.g. ``lm_head``): a module-path pattern (``*`` a
-layer index) and a style. :func:`shard_by_plan` applies it to a model every rank loaded whole: each
-rank keeps its slice of every planned weight and gets forward hooks doing the collectives, through
-``torch.distributed._functional_collectives`` (waited), which graphrt's graphs record and
-replay -- as graphrt's own parallel layers do (``models/torch/parallel.py``). transformers' own TP
-(DTensor, at load) is not used.
+:func:`shard_by_plan` applies ``model.tp_plan`` (module-path pattern -> style) to a model every
+rank loaded whole: each rank keeps its weight slices and gets forward hooks doing waited
+functional collectives, which graphrt's graphs record (transformers' DTensor TP is not used).
 
 Styles (transformers' names; weights ``[out, in]``, expert stacks ``[E, out, in]``):
 
