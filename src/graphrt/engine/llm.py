@@ -1,4 +1,4 @@
-"""``graphrt.LLM``: the embedded default engine -- scheduler, block allocator, ModelRunner.
+"""``graphrt.LLM``: the embedded default engine -- scheduler, block allocator, ModelRunner::
 
     llm = graphrt.LLM(model_dir, backend="cpu", max_num_seqs=8)
     outs = llm.generate([[1, 2, 3]], graphrt.SamplingParams(max_tokens=8))
