@@ -5,24 +5,9 @@
 batches, GQA, sliding window, fp8 KV). Everything data-dependent is read on the device; the grid
 and host-side choices follow tensor shapes only, so the call is capturable and replays correctly.
 
-Design (kernels in :mod:`graphrt.models.torch.triton_attention_kernels`):
-
-* **K/V write**: grid ``(T, row chunks)``; values are quantized by the reference's own
-  :func:`~graphrt.models.torch.kv_quant.quantize_kv` and copied as integers (bytes equal).
-* **Attention**: grid ``(query tiles, KV heads, KV splits)``. A tile is ``BLOCK_Q`` query tokens
-  of one request times the query heads of the program's KV head (``BLOCK_M = BLOCK_Q *
-  next_pow2(groups)``, at least 16), so each K/V tile serves its whole group. Request ``r``'s
-  tiles start at ``query_start_loc[r] // BLOCK_Q + r`` (at most ``ceil(T / BLOCK_Q) + R``
-  tiles); a program finds its request by binary search on the device. Padded tokens form a
-  pseudo-request that attends to nothing. Only KV tiles from the window start to the last
-  token's position are read; online softmax in float32 (``exp2``; masked rows stay 0, not NaN).
-* **Split-KV**: when tiles x KV heads cannot fill the GPU, each program takes one of
-  ``num_splits`` shares and stores an unnormalised partial; a combine kernel merges them.
-* **fp8**: K/V tiles convert exactly to the query dtype for ``tl.dot``; ``k_scale`` is folded
-  into the score scale, ``v_scale`` into the final normalisation.
-
-Cost follows each request's real context, never the block table's width. CPU tensors run
-through Triton's interpreter only when ``TRITON_INTERPRET=1`` was set before importing triton.
+Kernels in :mod:`graphrt.models.torch.triton_attention_kernels`; their design (GQA tiles,
+split-KV, fp8) is on docs/attention.md, "The Triton kernel's design". CPU tensors run through
+Triton's interpreter only when ``TRITON_INTERPRET=1`` was set before importing triton.
 """
 
 from __future__ import annotations
