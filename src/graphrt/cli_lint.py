@@ -80,10 +80,12 @@ def _load(spec: str, transformers: bool) -> Any:
     if transformers:
         from transformers import AutoModelForCausalLM
 
-        return run_user_code(f"loading the model directory {spec}", lambda: AutoModelForCausalLM.from_pretrained(loaded))
-    from graphrt.models.torch.loader import load_torch_model
+        load = AutoModelForCausalLM.from_pretrained
+    else:
+        from graphrt.models.torch.loader import load_torch_model
 
-    return run_user_code(f"loading the model directory {spec}", lambda: load_torch_model(loaded))
+        load = load_torch_model
+    return run_user_code(f"loading the model directory {spec}", lambda: load(loaded))
 
 
 def lint_args(parser: argparse.ArgumentParser) -> None:
