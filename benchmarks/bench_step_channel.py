@@ -154,6 +154,7 @@ def bench_shm(steps: int, warmup: int, spin: float, resident: bool) -> dict[str,
     cpus = _pin(0)
     try:
         worker.start()
+        channel.wait_ready([worker])        # the start-up handshake: a worker dead at start is named, not spun on
         for i in range(steps + warmup):
             p0 = time.perf_counter_ns()
             if i:

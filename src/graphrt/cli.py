@@ -1,13 +1,15 @@
 """``graphrt`` command line: ``graphrt <subcommand> [flags]`` (also ``python -m graphrt.cli``).
 
 Every subcommand is one entry of :data:`SUBCOMMANDS` (help line, flag adder, runner returning
-the exit status): ``plan``, ``bench``, ``demo``, ``conformance``, ``lint``. To add one, write
-those two functions and add the entry.
+the exit status: 0 done, 1 findings, 2 a usage error said in one line on stderr,
+:mod:`graphrt.cli_usage`): ``plan``, ``bench``, ``demo``, ``conformance``, ``lint``. To add
+one, write those two functions and add the entry.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ from graphrt.config import GraphConfig, add_cli_args, from_cli_args
 from graphrt.core.errors import BackendUnavailableError, ConfigError
 from graphrt.cli_demo import demo_args, demo_run, add_engine_args, engine_kwargs
 from graphrt.cli_lint import lint_args, lint_run
+from graphrt.cli_usage import EXIT_FINDINGS, EXIT_OK, UsageError, run_user_code, usage_error
 from graphrt.plots import PolicyWaste, check_path, plot_plan, require_matplotlib
 
 
@@ -133,24 +136,30 @@ def _plan_args(parser: argparse.ArgumentParser) -> None:
                         help="also draw the padding waste per policy to this file (needs graphrt[plot]: matplotlib)")
 
 
+def _plan_config(args: argparse.Namespace) -> GraphConfig:
+    """The config of ``plan``'s flags, and its other flags checked (ConfigError), before any output:
+    no matplotlib, no table either."""
+    config = from_cli_args(args)
+    if args.steps < 1:
+        raise ConfigError("--steps must be >= 1")
+    if args.plot:
+        require_matplotlib()
+        check_path(args.plot)
+    return config
+
+
 def _plan_run(args: argparse.Namespace) -> int:
     try:
-        config = from_cli_args(args)
-        if args.steps < 1:
-            raise ConfigError("--steps must be >= 1")
-        if args.plot:                    # before any output: no matplotlib, no table either
-            require_matplotlib()
-            check_path(args.plot)
+        config = _plan_config(args)
     except ConfigError as e:
-        print(f"graphrt plan: {e}", file=sys.stderr)
-        return 2
+        return usage_error("plan", e)
     trace = decode_trace(config.max_num_seqs, args.steps, args.seed)
     print(plan_table(config, trace))
     if args.plot:
         counts = _histogram(trace)
         rows = [row for row, _ in plan_rows(config, counts)]
         print(f"\nplot: {plot_plan(rows, counts, args.plot, plan_title(config, trace))}")
-    return 0
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------------------- bench
@@ -178,10 +187,13 @@ def _bench_run(args: argparse.Namespace) -> int:
     directory = benchmarks_dir()
     missing = [name for name in BENCHMARKS if not (directory / f"{name}.py").is_file()]
     if missing:
-        print(f"graphrt bench: benchmark scripts {missing} not found under {directory}; "
-              f"they ship with the source checkout, not the installed package. Run from a clone "
-              f"(pip install -e .) or `make bench`.", file=sys.stderr)
-        return 2
+        return usage_error("bench", f"benchmark scripts {missing} not found under {directory}; they ship with "
+                                    "the source checkout, not the installed package. Run from a clone "
+                                    "(pip install -e .) or `make bench`.")
+    try:
+        _plan_config(args)               # its flags are checked before minutes of benchmarks, not after
+    except ConfigError as e:
+        return usage_error("bench", e)
     if str(directory) not in sys.path:
         sys.path.insert(0, str(directory))   # imported by name (not a package), as they import bench_common
     failed = []
@@ -195,7 +207,7 @@ def _bench_run(args: argparse.Namespace) -> int:
     status = _plan_run(args)
     if failed:
         print(f"\nbenchmarks missing a target: {', '.join(failed)}")
-    return status or (1 if args.check_targets and failed else 0)
+    return status or (EXIT_FINDINGS if args.check_targets and failed else EXIT_OK)
 
 
 # --------------------------------------------------------------------------------- conformance
@@ -226,12 +238,19 @@ def _conformance_run(args: argparse.Namespace) -> int:
     from graphrt.testing.runners import RunnerFactory
 
     fields = {k: getattr(args, k) for k in GraphConfig.model_fields if getattr(args, k, None) is not None}
+    if args.examples is not None and args.examples < 1:
+        return usage_error("conformance", f"--examples must be >= 1, got {args.examples}")
+    if args.threads is not None and args.threads < 0:
+        return usage_error("conformance", f"--threads must be >= 0 (0: as they are), got {args.threads}")
+    model = run_user_code(f"loading the model {args.model!r}", lambda: load_model(args.model))
+    if callable(model):                  # the kit builds a model per runner: a builder that raises is named
+        model = functools.partial(run_user_code, f"the model builder {args.model}", model)
+    reference = (run_user_code(f"loading the reference {args.reference!r}",
+                               lambda: load_callable(args.reference, "--reference")) if args.reference else None)
     try:
-        factory = RunnerFactory(load_model(args.model), args.backend, **fields)
-        reference = load_callable(args.reference, "--reference") if args.reference else None
+        factory = RunnerFactory(model, args.backend, **fields)
     except ConfigError as e:
-        print(f"graphrt conformance: {e}", file=sys.stderr)
-        return 2
+        return usage_error("conformance", e)
     examples = DEFAULT_EXAMPLES if args.examples is None else args.examples
     print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property"
           + (f", reference {args.reference}" if reference else ""))
@@ -240,10 +259,9 @@ def _conformance_run(args: argparse.Namespace) -> int:
                                   seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads,
                                   reference=reference)
     except (ValueError, BackendUnavailableError) as e:
-        print(f"graphrt conformance: {e}", file=sys.stderr)
-        return 2
+        return usage_error("conformance", e)
     print(summary(results))
-    return 0 if all(r.passed for r in results) else 1
+    return EXIT_OK if all(r.passed for r in results) else EXIT_FINDINGS
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -273,7 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit status."""
     args = build_parser().parse_args(argv)
-    return SUBCOMMANDS[args.command].run(args)
+    try:
+        return SUBCOMMANDS[args.command].run(args)
+    except UsageError as e:              # one line on stderr, exit 2, as argparse's own errors
+        return usage_error(args.command, e)
 
 
 __all__ = ["main", "build_parser", "add_engine_args", "engine_kwargs", "BENCHMARKS"]

@@ -8,14 +8,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
+from graphrt.cli_usage import EXIT_OK, usage_error
 from graphrt.config import add_cli_args, from_cli_args
-from graphrt.core.errors import ConfigError
+from graphrt.core.errors import ConfigError, GraphrtError
 from graphrt.plots import check_path, plot_warmup, require_matplotlib
 
 
@@ -82,16 +82,24 @@ def demo_run(args: argparse.Namespace) -> int:
 
     import graphrt
     from graphrt.models.random_checkpoint import write_random_checkpoint
+    from graphrt.registry import canonical_name
 
-    try:
+    try:                                 # every flag checked before any output or loading
+        if args.num_prompts < 1:
+            raise ConfigError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+        if args.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.backend != "auto":
+            canonical_name(args.backend)     # an unknown name: ValueError listing the valid ones
+        params = graphrt.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                        ignore_eos=True, seed=args.seed if args.temperature > 0 else None)
         if args.plot:                    # before loading anything: a missing matplotlib fails fast
             if args.data_parallel_size > 1:
                 raise ConfigError("--plot: the warm-up report is per engine; not with --data-parallel-size > 1")
             require_matplotlib()
             check_path(args.plot)
-    except ConfigError as e:
-        print(f"graphrt demo: {e}", file=sys.stderr)
-        return 2
+    except (GraphrtError, ValueError) as e:
+        return usage_error("demo", e)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print("backends:")
     for name, reason in graphrt.available_backends().items():
@@ -107,11 +115,13 @@ def demo_run(args: argparse.Namespace) -> int:
         config = from_cli_args(args, **{k: v for k, v in demo_defaults.items()
                                         if getattr(args, k, None) is None})
     except ConfigError as e:
-        print(f"graphrt demo: {e}", file=sys.stderr)
-        return 2
+        return usage_error("demo", e)
     if args.data_parallel_size > 1:
         return _demo_data_parallel(args, model_dir, config)
-    llm = graphrt.LLM(model_dir, backend=args.backend, config=config, progress=True, **engine_kwargs(args))
+    try:                                 # a model directory, backend or engine flag it refuses
+        llm = graphrt.LLM(model_dir, backend=args.backend, config=config, progress=True, **engine_kwargs(args))
+    except (GraphrtError, ValueError) as e:
+        return usage_error("demo", e)
     runner = llm.runner
     print(f"\nmodel {model_dir}\nbackend {runner.backend.name}, graph mode {runner.mode.value}, "
           f"{runner.num_kv_blocks} KV blocks of {config.block_size} tokens")
@@ -127,8 +137,6 @@ def demo_run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     vocab = runner.vocab_size
     lengths = rng.integers(1, config.max_num_batched_tokens * 2, args.num_prompts)
-    params = graphrt.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                    ignore_eos=True, seed=args.seed if args.temperature > 0 else None)
     for n in lengths:
         llm.add_request(rng.integers(0, vocab, int(n)).tolist(), params)
     print(f"\n{args.num_prompts} prompts of {lengths.min()}..{lengths.max()} tokens, "
@@ -151,7 +159,7 @@ def demo_run(args: argparse.Namespace) -> int:
         print(f"    {cause:<22} {n['steps']:>5} / {n['tokens']}")
     print(f"  {runner.stats.summary()}")
     print(f"  {runner.graph_memory.summary()}")
-    return 0
+    return EXIT_OK
 
 
 def _demo_data_parallel(args: argparse.Namespace, model_dir: str, config: Any) -> int:
@@ -160,9 +168,13 @@ def _demo_data_parallel(args: argparse.Namespace, model_dir: str, config: Any) -
 
     rng = np.random.default_rng(args.seed)
     params = graphrt.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
-    with graphrt.DataParallelLLM(model_dir, data_parallel_size=args.data_parallel_size,
-                                 load_balance_method=args.load_balance_method, backend=args.backend,
-                                 config=config, **engine_kwargs(args)) as dp:
+    try:
+        dp = graphrt.DataParallelLLM(model_dir, data_parallel_size=args.data_parallel_size,
+                                     load_balance_method=args.load_balance_method, backend=args.backend,
+                                     config=config, **engine_kwargs(args))
+    except (GraphrtError, ValueError) as e:
+        return usage_error("demo", e)
+    with dp:
         prompts = [rng.integers(0, 100, int(n)).tolist() for n in rng.integers(1, 64, args.num_prompts)]
         t0 = time.perf_counter()
         outs = dp.generate(prompts, params)
@@ -172,7 +184,7 @@ def _demo_data_parallel(args: argparse.Namespace, model_dir: str, config: Any) -
         for w in dp.stats["workers"]:
             print(f"  rank {w['rank']} pid {w['pid']}: {w['requests']} requests, "
                   f"{w['engine']['hits']} graph hits, {w['engine']['eager_steps']} eager steps")
-    return 0
+    return EXIT_OK
 
 
 __all__ = ["add_engine_args", "demo_args", "demo_run", "engine_kwargs"]

@@ -7,18 +7,19 @@ stock transformers class, as a Transformers-backend model runs) or ``module:func
 ``file.py:function`` returning a model. A model with ``compute_logits`` (graphrt's model
 protocol, docs/models.md) runs one mixed step of two requests through an eager
 :class:`~graphrt.ModelRunner`; any other module is called as ``model(input_ids=ids[None],
-use_cache=False)``. Exit status: 0 clean, 1 findings, 2 a usage error.
+use_cache=False)``. Exit status (:mod:`graphrt.cli_usage`): 0 clean, 1 findings, 2 a usage
+error, one line on stderr: a spec that does not load, a builder that raises or returns no
+``torch.nn.Module``, a directory that does not load, a forward that raises.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 import numpy as np
 
-from graphrt.core.errors import ConfigError, GraphrtError
+from graphrt.cli_usage import EXIT_FINDINGS, EXIT_OK, UsageError, run_user_code
 
 #: The lint's steps: two requests with this many tokens each, their contexts swapped between runs.
 LINT_LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
@@ -61,18 +62,30 @@ def _runner_steps(model: Any) -> Any:
 
 
 def _load(spec: str, transformers: bool) -> Any:
+    """The torch model ``spec`` names, or :class:`~graphrt.cli_usage.UsageError` saying what was
+    wrong: the spec, the builder (what it raised or returned) or the directory."""
+    import torch
+
     from graphrt.testing.loading import load_model
 
-    loaded = load_model(spec)
+    loaded = run_user_code(f"loading the model {spec!r}", lambda: load_model(spec))
     if callable(loaded):
-        return loaded()
+        model = run_user_code(f"the model builder {spec}", loaded)
+        if not isinstance(model, torch.nn.Module):
+            shown = repr(model)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise UsageError(f"the model builder {spec} returned {type(model).__name__} ({shown}), "
+                             "not a torch.nn.Module")
+        return model
     if transformers:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(loaded)
-    from graphrt.models.torch.loader import load_torch_model
+        load = AutoModelForCausalLM.from_pretrained
+    else:
+        from graphrt.models.torch.loader import load_torch_model
 
-    return load_torch_model(loaded)
+        load = load_torch_model
+    return run_user_code(f"loading the model directory {spec}", lambda: load(loaded))
 
 
 def lint_args(parser: argparse.ArgumentParser) -> None:
@@ -84,19 +97,14 @@ def lint_args(parser: argparse.ArgumentParser) -> None:
 
 
 def lint_run(args: argparse.Namespace) -> int:
-    try:
-        model = _load(args.model, args.transformers)
-    except (ConfigError, OSError, ValueError, ImportError) as exc:
-        print(f"graphrt lint: {exc}", file=sys.stderr)
-        return 2
-    try:
-        report = lint_model(model)
-    except GraphrtError as exc:
-        print(f"graphrt lint: {exc}", file=sys.stderr)
-        return 2
+    """``graphrt lint``: the report on stdout; exit 0 clean, 1 findings; a
+    :class:`~graphrt.cli_usage.UsageError` (exit 2, one line on stderr) when there is no report:
+    the model could not be loaded or built, or its forward raised."""
+    model = _load(args.model, args.transformers)
+    report = run_user_code(f"one forward of {args.model} ({type(model).__name__})", lambda: lint_model(model))
     print(f"graphrt lint: {args.model} ({type(model).__name__}), one forward under the capture checks")
     print(report)
-    return 0 if report.clean else 1
+    return EXIT_OK if report.clean else EXIT_FINDINGS
 
 
 __all__ = ["LINT_LIMITS", "lint_args", "lint_model", "lint_run"]

@@ -4,6 +4,9 @@ memory (nano-vllm's shared-memory broadcast, without pickle).
 * Any arrays round-trip exactly (hypothesis), in one process and across spawned processes.
 * Flow control: rank 0 never overwrites a step a worker has not read; a worker that died
   makes rank 0 raise a GraphrtError naming it within the timeout, not hang.
+* Start-up: each worker says it is ready by attaching; the step timeout starts after that
+  handshake (a slow start is not a late step), and a worker that dies or hangs before it is
+  named (issue 46).
 * Nothing is left behind: no segment in /dev/shm, no child process.
 * Steady steps reuse last step's layout: over sequences of steps whose arrays stay, change
   in part, change shape or dtype, appear or go, every reader gets exactly the arrays sent
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,7 @@ from hypothesis.extra import numpy as hnp
 
 from graphrt import ConfigError, GraphrtError, InputError
 from graphrt.backends.torch.parallel.tp_channel import StepChannel
+from support.channel_workers import read_steps
 from support.fast_subset import examples
 
 DTYPES = [np.int32, np.int64, np.float32, np.uint8, np.bool_]
@@ -201,31 +206,94 @@ def test_a_failed_create_leaves_no_segment_and_no_semaphore(where, monkeypatch):
     assert rec.left() == []
 
 
-def _worker(spec, reader: int, steps: int, results) -> None:
-    channel = StepChannel.attach(spec, reader)
+def test_the_start_up_handshake_in_one_process():
+    """Each reader says it is ready by attaching; rank 0 waits for every one (naming the
+    missing ones at its start-up timeout); the wait is rank 0's only."""
+    writer = StepChannel.create(2, capacity=1 << 12)
+    readers = []
     try:
-        for _ in range(steps):
-            method, arrays = channel.receive(timeout=20)
-            results.put((reader, method, [int(a.astype(np.int64).sum()) for a in arrays]))
+        assert writer.not_ready() == [0, 1]
+        readers.append(StepChannel.attach(writer.spec, 1))
+        assert writer.not_ready() == [0]
+        with pytest.raises(GraphrtError, match=r"workers \[0\] did not attach within 0.05 s of start-up"):
+            writer.wait_ready(timeout=0.05)
+        with pytest.raises(InputError, match="one per reader"):
+            writer.wait_ready([object()])
+        readers.append(StepChannel.attach(writer.spec, 0))
+        writer.wait_ready(timeout=0.05)
+        with pytest.raises(GraphrtError, match="rank 0's"):
+            readers[0].wait_ready()
     finally:
-        channel.close()
+        for r in readers:
+            r.close()
+        writer.close()
+        writer.unlink()
+
+
+@pytest.mark.parametrize("target, args, says", [
+    pytest.param(os._exit, (3,), r"worker 0 \(pid \d+\) exited with code 3 during start-up, before it attached",
+                 id="dies"),
+    pytest.param(time.sleep, (60,), r"workers \[0\] did not attach within 1.0 s of start-up \(alive but hung",
+                 id="hangs"),
+])
+def test_a_worker_that_dies_or_hangs_during_start_up_is_named(target, args, says):
+    """A worker process that exits before attaching is named at once, by its liveness, not at
+    the start-up timeout (600 s here); one alive that never attaches, at the timeout."""
+    ctx = mp.get_context("spawn")
+    writer = StepChannel.create(1, ctx=ctx)
+    worker = ctx.Process(target=target, args=args)
+    worker.start()
+    timeout = 1.0 if target is time.sleep else 600.0
+    start = time.monotonic()
+    try:
+        with pytest.raises(GraphrtError, match=says):
+            writer.wait_ready([worker], timeout=timeout)
+        assert time.monotonic() - start < 120
+    finally:
+        worker.kill()
+        worker.join(timeout=60)
+        writer.close()
+        writer.unlink()
+    assert not shm_exists(writer.spec.name) and not mp.active_children()
+
+
+def test_a_slow_worker_start_is_not_counted_against_a_step():
+    """Issue 46: the step timeout included the workers' start (spawning, importing torch: more
+    than 20 s on a loaded machine). A worker that takes longer to start than a step's timeout
+    still gets every step: the send waits for its handshake first, then the timeout runs."""
+    ctx = mp.get_context("spawn")
+    writer = StepChannel.create(1, ctx=ctx)
+    results = ctx.Queue()
+    worker = ctx.Process(target=read_steps, args=(writer.spec, 0, 3, results, 0.5))
+    worker.start()
+    try:
+        for method in range(3):          # no explicit wait_ready: the second send waits for it
+            writer.send(method, [np.full(4, method, np.int32)], timeout=0.25)
+        got = [results.get(timeout=60) for _ in range(3)]
+    finally:
+        worker.join(timeout=60)
+        writer.close()
+        writer.unlink()
+    assert got == [(0, m, [4 * m]) for m in range(3)] and worker.exitcode == 0
+    assert not shm_exists(writer.spec.name) and not mp.active_children()
 
 
 def test_spawned_workers_receive_every_step_and_leave_nothing_behind():
     ctx = mp.get_context("spawn")
     writer = StepChannel.create(2, ctx=ctx)
     results = ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(writer.spec, i, 3, results)) for i in range(2)]
+    workers = [ctx.Process(target=read_steps, args=(writer.spec, i, 3, results)) for i in range(2)]
     for w in workers:
         w.start()
     steps = [[np.arange(n, dtype=np.int32), np.full((n, 5), n, dtype=np.int64)] for n in (3, 256, 7)]
     try:
+        writer.wait_ready(workers)        # the handshake: the step timeouts start after it
         for method, arrays in enumerate(steps):
             writer.send(method, arrays, timeout=20)
-        got = sorted(results.get(timeout=20) for _ in range(6))
+        got = sorted(results.get(timeout=60) for _ in range(6))
     finally:
         for w in workers:
-            w.join(timeout=20)
+            w.join(timeout=60)
         writer.close()
         writer.unlink()
     want = sorted((r, m, [int(a.sum()) for a in arrays]) for r in range(2) for m, arrays in enumerate(steps))
@@ -236,29 +304,35 @@ def test_spawned_workers_receive_every_step_and_leave_nothing_behind():
 
 @pytest.mark.slow
 def test_a_dead_worker_is_named_within_the_timeout():
+    """A worker known to be alive (after the handshake, having read a step) is killed: the next
+    send but one names it within the step timeout."""
     ctx = mp.get_context("spawn")
     writer = StepChannel.create(2, ctx=ctx)
     results = ctx.Queue()
-    alive = ctx.Process(target=_worker, args=(writer.spec, 0, 3, results))
-    dies = ctx.Process(target=_worker, args=(writer.spec, 1, 1, results))    # reads one step, exits
-    for w in (alive, dies):
+    workers = [ctx.Process(target=read_steps, args=(writer.spec, i, 3, results)) for i in range(2)]
+    for w in workers:
         w.start()
+    alive, dies = workers
     try:
+        writer.wait_ready(workers)
         writer.send(0, [np.ones(3, np.int32)], timeout=20)
-        writer.send(1, [np.ones(3, np.int32)], timeout=20)
-        dies.join(timeout=20)
-        # Both of the live reader's steps are in (a busy machine can start it late): only the
-        # dead reader can be behind when step 2 is sent.
-        assert sorted(results.get(timeout=60)[0] for _ in range(3)) == [0, 0, 1]
-        with pytest.raises(GraphrtError, match=r"workers \[1\] did not read step 2"):
+        assert sorted(results.get(timeout=60)[0] for _ in range(2)) == [0, 1]     # both read step 1
+        dies.kill()
+        dies.join(timeout=60)
+        writer.send(1, [np.ones(3, np.int32)], timeout=20)       # step 1 was read by both
+        assert results.get(timeout=60)[:2] == (0, 1)              # the live worker has step 2
+        start = time.monotonic()
+        with pytest.raises(GraphrtError, match=r"workers \[1\] did not read step 2 within 1.0 s"):
             writer.send(2, [np.ones(3, np.int32)], timeout=1.0)
+        assert 1.0 <= time.monotonic() - start < 30
     finally:
         alive.kill()
-        for w in (alive, dies):
-            w.join(timeout=20)
+        for w in workers:
+            w.join(timeout=60)
         writer.close()
         writer.unlink()
-    assert not shm_exists(writer.spec.name) and os.getpid() and not mp.active_children()
+    assert dies.exitcode == -9
+    assert not shm_exists(writer.spec.name) and not mp.active_children()
 
 
 def _next_step(data, arrays: list[np.ndarray]) -> list[np.ndarray]:

@@ -62,3 +62,66 @@ def test_a_stock_transformers_model_is_linted_by_its_own_forward(model_dir, caps
 def test_a_bad_model_spec_is_a_usage_error(capsys):
     assert main(["lint", "no_such_module_xyz:build"]) == 2
     assert "graphrt lint:" in capsys.readouterr().err
+
+
+# ---- exit status: 0 clean, 1 findings, 2 a usage error in one line (issue 46, item 11) ----------
+
+BROKEN_MODELS = '''
+import torch
+
+
+class Boom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, input_ids=None, use_cache=False):
+        raise RuntimeError("boom in forward")
+
+
+def not_a_model():
+    return 42
+
+
+def raises():
+    raise ValueError("no weights here")
+
+
+def forward_raises():
+    return Boom()
+'''
+
+
+@pytest.fixture
+def broken(tmp_path):
+    path = tmp_path / "broken_models.py"
+    path.write_text(BROKEN_MODELS)
+    return str(path)
+
+
+@pytest.mark.parametrize("function, line", [
+    ("not_a_model", "graphrt lint: the model builder {spec} returned int (42), not a torch.nn.Module"),
+    ("raises", "graphrt lint: the model builder {spec} raised ValueError: no weights here"),
+    ("forward_raises", "graphrt lint: one forward of {spec} (Boom) raised RuntimeError: boom in forward"),
+    ("no_such_function", "graphrt lint: loading the model '{spec}' raised ConfigError: model: {path} has no "
+                         "function 'no_such_function'"),
+])
+def test_a_model_that_cannot_be_linted_is_a_one_line_usage_error(broken, capsys, function, line):
+    """Not a finding (exit 1) and no traceback: exit 2, one line on stderr naming the builder
+    and what it returned or raised, nothing on stdout."""
+    spec = f"{broken}:{function}"
+    assert main(["lint", spec]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [line.format(spec=spec, path=broken)]
+
+
+def test_a_module_that_fails_to_import_and_a_missing_directory_are_usage_errors(tmp_path, capsys):
+    bad = tmp_path / "syntax_error.py"
+    bad.write_text("def build(:\n")
+    assert main(["lint", f"{bad}:build"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"graphrt lint: loading the model '{bad}:build' raised SyntaxError: ")
+    assert main(["lint", str(tmp_path / "nowhere")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"graphrt lint: loading the model directory {tmp_path / 'nowhere'} raised InputError: ")

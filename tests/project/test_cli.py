@@ -104,3 +104,70 @@ def test_plot_into_a_missing_directory_is_refused(tmp_path, capsys):
 def test_plan_refuses_fewer_than_one_step(capsys):
     assert main(["plan", "--steps", "0"]) == 2
     assert capsys.readouterr().err.strip() == "graphrt plan: --steps must be >= 1"
+
+
+# ---- usage errors: exit 2 and one line on stderr, as argparse's own (issue 46, item 11) ---------
+
+def one_line_usage_error(capsys, command: str) -> str:
+    """The one stderr line of a usage error (nothing on stdout)."""
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and len(lines) == 1 and lines[0].startswith(f"graphrt {command}: "), captured
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--backend", "nosuch"], "unknown backend 'nosuch'; valid names:"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["--max-tokens", "0"], "max_tokens: must be >= 1, got 0"),
+    (["--temperature", "-1"], "temperature: must be finite in float32 and >= 0"),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
+])
+def test_demo_flags_are_checked_before_any_work(flags, says, capsys):
+    assert main(["demo", "--backend", "eager", "--num-prompts", "1", "--max-tokens", "1", *flags]) == 2
+    assert says in one_line_usage_error(capsys, "demo")
+
+
+def test_demo_reports_a_model_directory_the_engine_refuses_in_one_line(tmp_path, capsys):
+    assert main(["demo", "--backend", "eager", "--model-dir", str(tmp_path), "--num-prompts", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"graphrt demo: model_dir: {tmp_path} has no config.json"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model", "no_such_module_xyz:build"],
+     "loading the model 'no_such_module_xyz:build' raised ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    (["--model", "{dir}/build.py:build", "--reference", "no_such_module_xyz:ref"],
+     "loading the reference 'no_such_module_xyz:ref' raised ModuleNotFoundError"),
+    (["--model", "{dir}/build.py:build", "--examples", "0"], "--examples must be >= 1, got 0"),
+])
+def test_conformance_refuses_what_it_cannot_load_in_one_line(flags, says, tmp_path, capsys):
+    (tmp_path / "build.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    flags = [f.format(dir=tmp_path) for f in flags]
+    assert main(["conformance", "--backend", "cpu", *flags]) == 2
+    assert says in one_line_usage_error(capsys, "conformance")
+
+
+def test_conformance_names_a_builder_that_raises(tmp_path, capsys):
+    (tmp_path / "build.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    spec = f"{tmp_path / 'build.py'}:build"
+    assert main(["conformance", "--model", spec, "--backend", "cpu", "--examples", "1",
+                 "--property", "kv_isolated"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"graphrt conformance: the model builder {spec} raised RuntimeError: no weights here"]
+
+
+def test_bench_checks_its_flags_before_running_a_benchmark(tmp_path, capsys, monkeypatch):
+    """A bad plan flag is refused before minutes of benchmarks, not after them."""
+    import graphrt.cli as cli
+
+    (tmp_path / "bench_probe.py").write_text("def main(argv):\n    print('PROBE RAN')\n    return {}\n")
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: tmp_path)
+    monkeypatch.setattr(cli, "BENCHMARKS", ["bench_probe"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bench_probe", raising=False)     # and gone again after the test
+    assert main(["bench", "--quick", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs" in one_line_usage_error(capsys, "bench")
+    assert main(["bench", "--quick", "--steps", "10", "--max-num-seqs", "8"]) == 0
+    assert "PROBE RAN" in capsys.readouterr().out     # the probe is a benchmark the command runs

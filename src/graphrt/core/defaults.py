@@ -152,6 +152,14 @@ DEFAULT_WATCHDOG_ACTION = "raise"
 #: step, and how long rank 0 / a worker waits for the other side before calling it dead.
 STEP_CHANNEL_BYTES = 8 << 20
 STEP_CHANNEL_MAX_ARRAYS = 16
+#: ... how long rank 0 waits for a reader's start-up handshake (``StepChannel.wait_ready``: the
+#: reader attached, after its process started and imported what it needs -- torch, tens of
+#: seconds on a loaded machine). Generous: a reader process that dies meanwhile is named at
+#: once (its liveness is polled); only a live reader that never attaches waits this out. The
+#: per-step timeout starts after the handshake and covers reading a step only.
+STEP_CHANNEL_START_TIMEOUT_S = 300.0
+#: ... and how often it checks the handshake and the readers' processes meanwhile (seconds).
+STEP_CHANNEL_START_POLL_S = 0.01
 #: ``StepChannel.receive(spin=...)``'s default: how long a reader polls for the next step
 #: (``os.sched_yield`` between polls) before it sleeps on its semaphore. Polled, rank 0's post
 #: is an atomic add; asleep, it is a system call plus an interrupt to the reader's core, and the

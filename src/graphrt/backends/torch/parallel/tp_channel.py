@@ -3,8 +3,9 @@
 As in nano-vllm, rank 0 writes each call into a shared-memory segment and wakes the workers,
 but as raw arrays behind a small fixed header (sequence, method code, per array dtype, shape,
 offset) instead of a pickle: one ``memcpy`` per array. :class:`StepChannel`: ``create`` (rank
-0), ``attach`` (workers), ``send`` / ``receive``, ``close``, ``unlink`` (rank 0). Flow control,
-timeouts and wake-ups: docs/distributed.md, "The step channel". numpy and the standard library."""
+0), ``attach`` (workers: their start-up handshake), ``wait_ready`` (rank 0), ``send`` /
+``receive``, ``close``, ``unlink`` (rank 0). Flow control, the handshake, timeouts and wake-ups:
+docs/distributed.md, "The step channel". numpy and the standard library."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import math
 import mmap
 import multiprocessing as mp
 import os
+import signal
 import struct
 import time
 import traceback
 from collections import abc
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from multiprocessing.connection import wait as wait_any
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -27,6 +30,8 @@ from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError, InputError
 from graphrt.core.memory_bounds import Need, check_needs, shared_memory_bytes
 
+#: How long a send waits for every reader to have read the previous step (seconds), counted
+#: once the readers are ready (their start-up is ``defaults.STEP_CHANNEL_START_TIMEOUT_S``'s).
 STEP_CHANNEL_TIMEOUT_S = 30.0
 #: ... the most readers one channel takes: each costs a named semaphore (a file in /dev/shm and a
 #: mapping of its own), and a channel's readers are one host's tensor-parallel workers -- far
@@ -116,11 +121,17 @@ class StepChannel:
 
     def __init__(self, shm: shared_memory.SharedMemory, spec: ChannelSpec, reader: int | None) -> None:
         self._shm, self.spec, self.reader = shm, spec, reader
-        words = HEADER_WORDS + ENTRY_WORDS * spec.max_arrays
+        words, n = HEADER_WORDS + ENTRY_WORDS * spec.max_arrays, spec.num_readers
         self._header = np.ndarray((words,), dtype=np.int64, buffer=shm.buf)
-        self._ack_words = shm.buf[words * 8:(words + spec.num_readers) * 8].cast("q")
-        self._data_start = -(-(words + spec.num_readers) * 8 // ALIGN) * ALIGN
+        self._ack_words = shm.buf[words * 8:(words + n) * 8].cast("q")
+        #: Per reader, the pid of the process that attached as it (0: none yet): the handshake.
+        self._ready_words = shm.buf[(words + n) * 8:(words + 2 * n) * 8].cast("q")
+        self._data_start = -(-(words + 2 * n) * 8 // ALIGN) * ALIGN
         self._seq = 0
+        #: Rank 0: per reader its process, watched while waiting for the handshake (wait_ready),
+        #: and whether every reader has attached (then sends never look again).
+        self._processes: Sequence[Any] | None = None
+        self._all_ready = False
         #: Per array of the last step (rank 0): see ``_layout``.
         self._slots: list[Any] = []
         #: The resident buffers by name (see the module doc), on every side.
@@ -144,7 +155,7 @@ class StepChannel:
         if num_readers > STEP_CHANNEL_MAX_READERS:
             raise ConfigError(f"num_readers: {num_readers} readers, above the {STEP_CHANNEL_MAX_READERS} "
                               "a step channel takes (STEP_CHANNEL_MAX_READERS; one semaphore each)")
-        head = (HEADER_WORDS + ENTRY_WORDS * max_arrays + num_readers) * 8
+        head = (HEADER_WORDS + ENTRY_WORDS * max_arrays + 2 * num_readers) * 8     # + ack and ready words
         start = -(-head // ALIGN) * ALIGN
         offset = start + capacity
         layout, needs = [], [Need("max_arrays", "step channel header", start), Need("capacity", "step data", capacity)]
@@ -166,7 +177,7 @@ class StepChannel:
             channel = cls(shm, spec, None)
             channel._header[:] = 0
             for i in range(num_readers):
-                channel._ack_words[i] = 0
+                channel._ack_words[i] = channel._ready_words[i] = 0
             return channel
         except BaseException as exc:
             # Nothing left behind: the frames of the failure (which may hold the channel and its
@@ -185,10 +196,58 @@ class StepChannel:
 
     @classmethod
     def attach(cls, spec: ChannelSpec, reader: int) -> "StepChannel":
-        """A worker: attach to rank 0's segment as reader ``reader`` (0-based)."""
+        """A worker: attach to rank 0's segment as reader ``reader`` (0-based), and say so: this
+        is the worker's half of the start-up handshake (:meth:`wait_ready`), so a worker
+        attaches once it has imported and set up what it needs to read steps."""
         if not 0 <= reader < spec.num_readers:
             raise InputError("reader", f"must be in [0, {spec.num_readers}), got {reader}")
-        return cls(shared_memory.SharedMemory(name=spec.name), spec, reader)
+        channel = cls(shared_memory.SharedMemory(name=spec.name), spec, reader)
+        channel._ready_words[reader] = os.getpid()
+        return channel
+
+    # ---- start-up handshake ----------------------------------------------------------
+    def not_ready(self) -> list[int]:
+        """The readers no process has attached as yet."""
+        return [i for i, pid in enumerate(self._ready_words) if pid == 0]
+
+    def wait_ready(self, processes: Sequence[Any] | None = None,
+                   timeout: float = defaults.STEP_CHANNEL_START_TIMEOUT_S) -> None:
+        """Rank 0: return once every reader has attached (the start-up handshake), so that a
+        step's timeout never includes a worker's start -- a spawned process importing torch
+        takes tens of seconds on a loaded machine. ``processes[i]``: reader ``i``'s process (a
+        ``multiprocessing`` process: ``exitcode``, ``sentinel``), remembered for later waits
+        and watched meanwhile: one that exits before attaching raises :class:`GraphrtError`
+        at once, naming it and its exit code. Without processes only the clock runs. A live
+        reader not attached after ``timeout`` seconds raises, naming it."""
+        if self.reader is not None:
+            raise GraphrtError("wait_ready() is rank 0's; this channel was attached as a reader")
+        if processes is not None:
+            processes = list(processes)
+            if len(processes) != self.spec.num_readers:
+                raise InputError("processes", f"one per reader ({self.spec.num_readers}), got {len(processes)}")
+            self._processes = processes
+        processes = self._processes
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = self.not_ready()
+            if not waiting:
+                self._all_ready = True
+                return
+            if processes is not None:
+                dead = [(i, processes[i].exitcode) for i in waiting if processes[i].exitcode is not None]
+                if dead:
+                    raise GraphrtError("step channel: " + "; ".join(
+                        f"worker {i} (pid {processes[i].pid}) exited with code {_exit_code(code)} during start-up, "
+                        "before it attached" for i, code in dead))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GraphrtError(f"step channel: workers {waiting} did not attach within {timeout} s of start-up "
+                                   "(alive but hung, or still starting: STEP_CHANNEL_START_TIMEOUT_S)")
+            pause = min(left, defaults.STEP_CHANNEL_START_POLL_S)
+            if processes is not None:                  # wakes at once when one exits
+                wait_any([processes[i].sentinel for i in waiting], timeout=pause)
+            else:
+                time.sleep(pause)
 
     # ---- writer ----------------------------------------------------------------------
     def send(self, method: int, arrays: Sequence[np.ndarray], timeout: float = STEP_CHANNEL_TIMEOUT_S) -> None:
@@ -233,9 +292,13 @@ class StepChannel:
 
     def wait_acks(self, timeout: float = STEP_CHANNEL_TIMEOUT_S) -> None:
         """Rank 0: return once every reader acknowledged the last step (it may then write the
-        resident buffers); raises :class:`GraphrtError` after ``timeout`` seconds."""
+        resident buffers); raises :class:`GraphrtError` after ``timeout`` seconds. A reader
+        that has not attached yet is waited for first (:meth:`wait_ready`, with the processes
+        it was given): ``timeout`` starts once every reader is ready and covers reading only."""
         if self._seq == 0 or min(self._ack_words) == self._seq:
             return
+        if not self._all_ready:
+            self.wait_ready()              # at once when every reader has attached
         deadline = time.monotonic() + timeout
         while min(self._ack_words) != self._seq:
             if time.monotonic() > deadline:
@@ -282,6 +345,7 @@ class StepChannel:
     def close(self) -> None:
         """Detach this process from the segment (every process, once)."""
         self._ack_words.release()
+        self._ready_words.release()
         self._slots = []
         self.resident = {}                 # (the mapping goes with the last array over it)
         self._header = None   # type: ignore[assignment] - views must go before the buffer
@@ -290,6 +354,13 @@ class StepChannel:
     def unlink(self) -> None:
         """Remove the segment from the system (rank 0, once, after the workers closed)."""
         self._shm.unlink()
+
+
+def _exit_code(code: int) -> str:
+    """An exit code as ``-9 (SIGKILL)`` for a signal, else the number."""
+    if code < 0 and -code in signal.valid_signals():
+        return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
 
 
 def _resident_items(resident: Mapping[str, tuple[tuple[int, ...], Any]] | None
