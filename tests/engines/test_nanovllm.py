@@ -152,6 +152,21 @@ def test_refusals_name_the_setting(model_dir):
         LLM(model_dir, backend="cpu", gpu_memory_utilization=0.5)
 
 
+def test_a_model_with_recurrent_state_is_refused(tmp_path):
+    """nano-vllm's block manager shares prefix blocks by hash: a hybrid model's recurrent state
+    is not in them, so the runner refuses it before building any graph."""
+    import json
+    import shutil
+
+    from support.hybrid_models import hybrid_model_dir
+
+    path = tmp_path / "granite"
+    shutil.copytree(hybrid_model_dir("granite"), path)
+    save_tiny_tokenizer(path, vocab_size=json.loads((path / "config.json").read_text())["vocab_size"])
+    with pytest.raises(graphrt.ConfigError, match="recurrent state per request"):
+        LLM(str(path), backend="cpu", max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256)
+
+
 def test_nano_vllms_own_runner_says_why_it_cannot_run(model_dir):
     """Without flash-attn, nano-vllm imported through the integration keeps its own LLM, whose
     CUDA runner raises a named error (the stand-in is gone from sys.modules)."""

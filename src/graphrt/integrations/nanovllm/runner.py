@@ -54,12 +54,13 @@ class GraphrtModelRunner:
             config.model, backend=backend, num_kv_blocks=blocks + BLOCK_OFFSET if blocks > 0 else None,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, block_size=config.kvcache_block_size,
-            enforce_eager=config.enforce_eager, max_logprobs=0, progress=False, **graph_fields)
-        if self.runner.executor.num_state_slots:
+            enforce_eager=config.enforce_eager, max_logprobs=0, progress=False, warmup=False, **graph_fields)
+        if self.runner.executor.num_state_slots:         # refused before any graph is built
             self.runner.close()
             raise ConfigError("graphrt.integrations.nanovllm: the model keeps recurrent state per request, "
                               "which nano-vllm's block manager (prefix blocks shared by hash) cannot hold; "
                               "use graphrt.LLM for it (docs/hybrid.md)")
+        self.runner.warmup()
         config.num_kvcache_blocks = self.runner.num_kv_blocks - BLOCK_OFFSET
         cfg = self.runner.config
         self.tokens = np.zeros((cfg.max_num_seqs, cfg.max_model_len), dtype=np.int32)
