@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.graphrt-installed
 
-.PHONY: venv test test-fast bench plan gpu-check clean
+.PHONY: venv test test-fast bench plan gpu-check clean test-engines test-engine-nanovllm
 
 venv: $(STAMP)
 
@@ -43,5 +43,25 @@ GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py
 
+# Real engines on graphrt (docs/engines.md): a venv per engine under .venv-engines/ (their pins are
+# not graphrt's dev set), each running its tests/engines/ file; a test skips, saying why, where its
+# engine does not import. nano-vllm: from the checkout NANOVLLM_SRC names (flash-attn, one of its
+# declared dependencies, cannot install without CUDA, hence --no-deps; xxhash is the one it uses here).
+ENGINES := .venv-engines
+NANOVLLM_SRC ?=
+NANO_PY := $(ENGINES)/nanovllm/bin/python
+
+$(ENGINES)/nanovllm/.graphrt-installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(ENGINES)/nanovllm
+	$(NANO_PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch
+	$(NANO_PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]" xxhash
+	touch $@
+
+test-engines: test-engine-nanovllm
+
+test-engine-nanovllm: $(ENGINES)/nanovllm/.graphrt-installed
+	$(if $(NANOVLLM_SRC),$(NANO_PY) -m pip install -q --disable-pip-version-check --no-deps -e "$(NANOVLLM_SRC)")
+	$(NANO_PY) -m pytest -q tests/engines/test_nanovllm.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build src/*.egg-info
+	rm -rf $(VENV) $(ENGINES) .pytest_cache .hypothesis build src/*.egg-info
