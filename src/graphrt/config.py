@@ -13,7 +13,7 @@ import operator
 import typing
 from typing import Annotated, Any, Literal, Optional, Sequence
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
@@ -37,6 +37,8 @@ def _whole_number(value: Any) -> int:
 
 #: An int field that takes ints only (GraphConfig's counts and sizes).
 Count = Annotated[int, BeforeValidator(_whole_number)]
+#: A list of counts: any sequence of ints (a tuple too); each element a :data:`Count`.
+Sizes = Annotated[list[Count], Strict(False)]
 
 
 def _sizes(name: str, values: Optional[list[int]]) -> Optional[list[int]]:
@@ -64,7 +66,8 @@ def _describe(err: Any) -> str:
     if not err["loc"]:
         return err["msg"].removeprefix("Value error, ")
     got = (f", got {err['input']!r}" if err["type"] in ("bool_type", "int_type", "int_parsing", "less_than_equal",
-                                                   "greater_than", "greater_than_equal") else "")
+                                                   "greater_than", "greater_than_equal", "string_type",
+                                                   "list_type") else "")
     return f"{'.'.join(map(str, err['loc']))}: {err['msg']}{got}"
 
 
@@ -92,18 +95,21 @@ def _refuse_unusable(name: str, values: Optional[list[int]], cover: int, limit: 
 class GraphConfig(BaseModel):
     """Graph capture / precompile and scheduler limits, validated together."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    #: Strict: no field takes ``"5"`` or ``True`` for a number, or a number for a bool (pydantic's
+    #: lax mode took ``refit_interval="5"`` as 5); ``mode`` and the size lists convert on purpose.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True)
 
-    mode: GraphMode = Field(GraphMode.FULL_AND_PIECEWISE, description="graph mode (vLLM's cudagraph_mode)")
-    cudagraph_capture_sizes: Optional[list[Count]] = Field(
+    mode: GraphMode = Field(GraphMode.FULL_AND_PIECEWISE, strict=False,
+                            description="graph mode (vLLM's cudagraph_mode; a GraphMode or its name)")
+    cudagraph_capture_sizes: Optional[Sizes] = Field(
         None, description="token counts to capture; default vLLM's list up to max_cudagraph_capture_size, in "
                           "multiples of 1 + num_speculative_tokens")
     max_cudagraph_capture_size: Optional[Count] = Field(
         None, description="largest captured size; default (1 + num_speculative_tokens) * max(max_num_seqs, "
                           "min(2 * max_num_seqs, 512)), at most max_num_batched_tokens")
-    precompile_token_paddings: Optional[list[Count]] = Field(
+    precompile_token_paddings: Optional[Sizes] = Field(
         None, description="XLA token buckets of prefill/mixed steps; default powers of two to max_num_batched_tokens")
-    precompile_bs_paddings: Optional[list[Count]] = Field(
+    precompile_bs_paddings: Optional[Sizes] = Field(
         None, description="XLA batch-size buckets of decode steps; default powers of two to max_num_seqs")
     disable_precompile: bool = Field(False, strict=True, description="XLA: compile lazily instead of before serving")
     enforce_eager: bool = Field(False, strict=True, description="never capture or compile graphs; run eagerly")
@@ -128,10 +134,10 @@ class GraphConfig(BaseModel):
         False, strict=True, description="with compilation_cache_dir: neither read nor save the capture plan (the "
                                         "keys, their order and observed demand, keyed by model, config and device) "
                                         "that lets a restart build in demand order")
-    refit_interval: int = Field(
+    refit_interval: Count = Field(
         0, ge=0, description="re-fit the bucket sizes to the step sizes served every this many steps (exact fit "
                              "under the graph budget; new keys built in the background, unused ones retired); 0: off")
-    refit_max_buckets: Optional[int] = Field(
+    refit_max_buckets: Optional[Count] = Field(
         None, gt=0, description="graph budget of a re-fit: bucket sizes per family (decode batch sizes, token "
                                 "sizes); default: as many as the starting policy has")
     check_baked_values: bool = Field(
@@ -147,7 +153,7 @@ class GraphConfig(BaseModel):
         "auto", description="how PIECEWISE graphs are captured: fx (split the traced model at attention), "
                             "breakable (capture the forward once, breaking at each attention call; no tracing), "
                             "or auto (fx when the model traces, else breakable)")
-    context_buckets: Optional[list[Count]] = Field(
+    context_buckets: Optional[Sizes] = Field(
         None, description="context buckets (tokens) of the keys whose attention reads each step's longest "
                           "context as a host value (graphrt's reference kernels; not Triton): a step runs under "
                           "the smallest bucket holding its longest request; default powers of two from 256 to "
@@ -346,6 +352,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         ann = info.annotation
         base = typing.get_args(ann)[0] if typing.get_origin(ann) is typing.Union else ann
+        while typing.get_origin(base) is Annotated:     # Count, Sizes: the type they annotate
+            base = typing.get_args(base)[0]
         help_text = f"{info.description} (default: {info.default if info.default is not None else 'auto'})"
         if base is bool:
             group.add_argument(flag, dest=name, action="store_true", default=None, help=help_text)

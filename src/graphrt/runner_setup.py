@@ -15,6 +15,7 @@ from graphrt.backends.base import Backend, Executor
 from graphrt.backends.preflight import check_before_loading, check_memory
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import Dispatcher
+from graphrt.core.graph_memory import check_kv_args
 from graphrt.core.graph_modes import GraphMode, resolve_mode
 from graphrt.registry import select_backend
 from graphrt.warmup import graphs_for
@@ -42,6 +43,7 @@ def open_executor(model: Any, cfg: GraphConfig, backend: str | Backend, dtype: A
     ``max_model_len``, memory), load and check the model, create the executor (with
     ``tensor_parallel_size > 1`` the backend starts the worker ranks, each loading its own
     shard), and resolve the graph mode the executor's attention can hold."""
+    check_kv_args(num_kv_blocks, kv_cache_memory)
     chosen = select_backend(backend, model=model) if isinstance(backend, str) else backend
     tp = cfg.tensor_parallel_size
     dtype = check_before_loading(chosen, model, cfg, dtype)   # sharding, dtype, max_model_len

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
@@ -224,6 +225,21 @@ def estimate_graph_memory(jobs: Sequence[Job], measure: Callable[[Sequence[Job]]
     names = {key: describe_key(key if isinstance(key, SamplerKey) else (mode, key)) for mode, key in samples}
     return GraphMemory(estimate=total, margin=int(math.ceil(total * GRAPH_MEMORY_MARGIN)),
                        num_keys=len(jobs), sampled={names[k]: int(v) for k, v in measured.items()})
+
+def check_kv_args(num_kv_blocks: Any, kv_cache_memory: Any) -> None:
+    """Refuse, before anything is loaded, a ``num_kv_blocks`` that is not None or an integer (a
+    bool, a float or a string is not) and a ``kv_cache_memory`` that is not None or a finite
+    number of bytes >= 0 (a bool or a string is not): InputError naming it."""
+    blocks = num_kv_blocks
+    if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, numbers.Integral)):
+        raise InputError("num_kv_blocks", f"must be None or an integer >= 2 (KV blocks), got {type(blocks).__name__} "
+                                          f"{blocks!r}")
+    budget = kv_cache_memory
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
+                               or not math.isfinite(budget) or budget < 0):
+        raise InputError("kv_cache_memory", f"must be None or a finite number of bytes >= 0, got "
+                                            f"{type(budget).__name__} {budget!r}")
+
 
 def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int | None,
                   budget: int | None) -> tuple[int, GraphMemory]:

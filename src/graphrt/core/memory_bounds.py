@@ -62,6 +62,22 @@ def physical_memory_bytes() -> int:
         return UNKNOWN_MEMORY_BYTES
 
 
+def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """RAM a new allocation can take now: the kernel's ``MemAvailable`` (free pages plus what
+    it can reclaim), else the free pages, else physical RAM where the system cannot say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return physical_memory_bytes()
+
+
 def shared_memory_bytes(path: str = defaults.SHARED_MEMORY_DIR) -> int:
     """Bytes a new shared-memory segment can take: the free space of ``path`` (a tmpfs whose
     pages are RAM; touching a page past it is SIGBUS, not an error), at most physical RAM."""
@@ -95,4 +111,5 @@ def check_needs(needs: Sequence[Need], available: int, where: str) -> None:
                       f"({_size(available)}) of {where}: lower {worst.field}")
 
 
-__all__ = ["ModelShape", "Need", "check_needs", "physical_memory_bytes", "shared_memory_bytes"]
+__all__ = ["ModelShape", "Need", "available_memory_bytes", "check_needs", "physical_memory_bytes",
+           "shared_memory_bytes"]

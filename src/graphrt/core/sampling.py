@@ -37,14 +37,19 @@ SAMPLING_CHECK_LIST_ROWS = 16
 
 #: ``top_k`` that disables the top-k filter.
 TOP_K_DISABLED = -1
+#: The largest temperature (vLLM takes [0, 2], SGLang any finite value >= 0). At 1e6 logits
+#: tens apart are already equally likely to float32's precision; near float32's top the XLA
+#: sampler, which divides by multiplying by ``1 / T``, saw that reciprocal flush to 0 (past
+#: ~8.5e37) and drew every token alike whatever min_p / top_p kept.
+SAMPLING_MAX_TEMPERATURE = 1e6
 
-_INF = float("inf")
 _SEED = f"None or an integer in [0, 2**{SAMPLING_SEED_LIMIT.bit_length() - 1})"
 
 
-TEMPERATURE = Rule("temperature", "real number", "fiu", np.float32, "finite in float32 and >= 0 (0: greedy)",
-                   rows_ok=lambda t: (t >= 0.0) & (t < _INF),        # NaN fails both
-                   bounds_ok=lambda lo, hi: lo >= 0.0 and hi < _INF)
+_MAX_T = SAMPLING_MAX_TEMPERATURE   # exact in float32
+TEMPERATURE = Rule("temperature", "real number", "fiu", np.float32, f"in [0, {_MAX_T:g}] (0: greedy)",
+                   rows_ok=lambda t: (t >= 0.0) & (t <= _MAX_T),        # NaN fails both
+                   bounds_ok=lambda lo, hi: lo >= 0.0 and hi <= _MAX_T)
 TOP_P = Rule("top_p", "real number", "fiu", np.float32, "in (0, 1] (1: no top-p filter)",
              rows_ok=lambda p: (p > 0.0) & (p <= 1.0),
              bounds_ok=lambda lo, hi: lo > 0.0 and hi <= 1.0)

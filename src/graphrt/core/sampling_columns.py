@@ -14,18 +14,26 @@ import numpy as np
 from graphrt.core.errors import InputError
 from graphrt.core.sampling_rule import Rule, check_rows
 
-#: Penalty bounds (vLLM's): presence and frequency penalties in [-PENALTY_LIMIT, PENALTY_LIMIT].
+#: Presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (vLLM's and SGLang's bound).
 SAMPLING_PENALTY_LIMIT = 2.0
-
-_INF = float("inf")
+#: ``repetition_penalty`` bounds. vLLM takes any finite value > 0, SGLang (0, 2]; graphrt takes
+#: [1/100, 100]: a factor of 100 already takes a seen logit of 20 to 0.2 (or -20 to -2000), and
+#: past it a penalty changes little but how close the penalised logits come to float32's
+#: overflow (the sampler's arithmetic stays finite for any factor, clamping at float32's max).
+SAMPLING_MIN_REPETITION_PENALTY = 0.01
+SAMPLING_MAX_REPETITION_PENALTY = 100.0
 
 MIN_P = Rule("min_p", "real number", "fiu", np.float32, "in [0, 1] (0: no min-p filter)",
              rows_ok=lambda p: (p >= 0.0) & (p <= 1.0),
              bounds_ok=lambda lo, hi: lo >= 0.0 and hi <= 1.0)
+# The bounds as float32 holds them (the rules compare float32 values).
+_REP_LO = float(np.float32(SAMPLING_MIN_REPETITION_PENALTY))
+_REP_HI = float(np.float32(SAMPLING_MAX_REPETITION_PENALTY))
 REPETITION_PENALTY = Rule("repetition_penalty", "real number", "fiu", np.float32,
-                          "finite in float32 and > 0 (1: no repetition penalty)",
-                          rows_ok=lambda r: (r > 0.0) & (r < _INF),
-                          bounds_ok=lambda lo, hi: lo > 0.0 and hi < _INF)
+                          f"in [{SAMPLING_MIN_REPETITION_PENALTY:g}, {SAMPLING_MAX_REPETITION_PENALTY:g}] "
+                          "(1: no repetition penalty)",
+                          rows_ok=lambda r: (r >= _REP_LO) & (r <= _REP_HI),
+                          bounds_ok=lambda lo, hi: lo >= _REP_LO and hi <= _REP_HI)
 _PENALTY = SAMPLING_PENALTY_LIMIT
 PRESENCE_PENALTY, FREQUENCY_PENALTY = (
     Rule(name, "real number", "fiu", np.float32, f"in [-{_PENALTY:g}, {_PENALTY:g}] (0: none)",
@@ -66,5 +74,6 @@ def filter_columns(n: int, min_p: Any, penalties: tuple, prompt_lens: Any) -> tu
     return mp, cols, lens
 
 
-__all__ = ["MIN_P", "REPETITION_PENALTY", "PRESENCE_PENALTY", "FREQUENCY_PENALTY", "PROMPT_LENS", "PENALTY_RULES",
+__all__ = ["SAMPLING_PENALTY_LIMIT", "SAMPLING_MIN_REPETITION_PENALTY", "SAMPLING_MAX_REPETITION_PENALTY", "MIN_P",
+           "REPETITION_PENALTY", "PRESENCE_PENALTY", "FREQUENCY_PENALTY", "PROMPT_LENS", "PENALTY_RULES",
            "filter_columns"]

@@ -10,11 +10,12 @@ from graphrt.core import sampling as rules
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when ``temperature == 0``; otherwise temperature, top-k, top-p and min-p sampling.
+    """Greedy when ``temperature == 0``; otherwise temperature (at most 1e6; rows below 1e-5 are
+    greedy too), top-k, top-p and min-p sampling.
 
     ``top_k=-1``, ``top_p=1.0`` and ``min_p=0.0`` disable those filters (``min_p``: keep tokens at
     least ``min_p`` times as likely as the most likely one, after temperature). Penalties (vLLM's):
-    ``repetition_penalty`` (> 0, 1: none) divides the logit of every token already in the prompt
+    ``repetition_penalty`` (in [0.01, 100], 1: none) divides the logit of every token already in the prompt
     or the output (multiplies it where it is not positive); ``frequency_penalty`` and
     ``presence_penalty`` (in [-2, 2], 0: none) subtract, from each generated token's logit, the
     penalty times its count and the penalty once. They apply to greedy requests too. ``seed`` (an integer in

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 from dataclasses import dataclass
 
 from graphrt.core import defaults
@@ -41,8 +42,9 @@ class ScheduledStep:
 
 
 def check_conservativeness(value: float) -> None:
-    """Refuse a ``schedule_conservativeness`` that is not a finite number >= 0 (InputError)."""
-    if not (value >= 0 and math.isfinite(value)):
+    """Refuse a ``schedule_conservativeness`` that is not a finite number >= 0 (an int or a
+    float; a bool or a string is not): InputError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (value >= 0 and math.isfinite(value)):
         raise InputError("schedule_conservativeness", f"must be a finite number >= 0, got {value!r}")
 
 

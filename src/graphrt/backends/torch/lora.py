@@ -13,10 +13,46 @@ import torch
 
 from graphrt.backends.base import LoraSlots
 from graphrt.config import GraphConfig
+from graphrt.core import defaults, memory_bounds
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import InputError
 from graphrt.core.lora import LORA_GROUP_PAD, LORA_GROUPS, LORA_INDEX, NO_LORA
-from graphrt.models.torch.lora import LoRALinear, LoraState, enable_lora
+from graphrt.core.memory_bounds import Need, check_needs
+from graphrt.models.torch.lora import LoRALinear, LoraState, enable_lora, lora_slot_bytes
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes an allocation on ``device`` can take now: the host's available RAM for the CPU;
+    the device's free memory where torch can say (``mem_get_info``) plus what its caching
+    allocator holds unused; else None."""
+    if device.type == "cpu":
+        return memory_bounds.available_memory_bytes()
+    module = getattr(torch, device.type, None)
+    info = getattr(module, "mem_get_info", None)
+    if info is None:
+        return None
+    try:
+        free = int(info(device)[0])
+        cached = int(module.memory_reserved(device)) - int(module.memory_allocated(device))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return free + max(cached, 0)
+
+
+def check_lora_fits(model: torch.nn.Module, config: GraphConfig, device: torch.device) -> None:
+    """Refuse adapter slots that do not fit in the memory free on ``device`` now, before they are
+    allocated: ConfigError naming ``max_lora_rank`` or ``max_loras`` (the one further above its
+    default), both values and the bytes. The preflight check (backends/preflight.py) bounds them
+    by the device's total memory before loading; this one sees what the model and the buffers
+    made since left (a raw allocator error, or the OOM killer, otherwise)."""
+    free = free_memory_bytes(device)
+    if free is None:
+        return
+    field = ("max_lora_rank" if config.max_lora_rank / defaults.DEFAULT_MAX_LORA_RANK >= config.max_loras
+             else "max_loras")
+    what = f"LoRA slots (max_loras={config.max_loras} x max_lora_rank={config.max_lora_rank})"
+    where = "available host RAM" if device.type == "cpu" else f"free {device.type} memory"
+    check_needs([Need(field, what, lora_slot_bytes(model, config.max_loras, config.max_lora_rank))], free, where)
 
 
 class TorchLora(LoraSlots):
@@ -32,6 +68,7 @@ class TorchLora(LoraSlots):
         static = self._host if same else {name: t.to(device) for name, t in self._host.items()}
         self._copy = not same
         self.state = LoraState(static[LORA_INDEX], static[LORA_GROUPS])
+        check_lora_fits(model, config, device)
         self.layers: dict[str, LoRALinear] = enable_lora(model, self.state, self.max_loras, self.max_rank)
         self.loaded = np.zeros(self.max_loras, dtype=bool)
 
@@ -117,4 +154,4 @@ class TorchLora(LoraSlots):
         return True
 
 
-__all__ = ["TorchLora"]
+__all__ = ["TorchLora", "check_lora_fits", "free_memory_bytes"]

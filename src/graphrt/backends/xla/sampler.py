@@ -73,8 +73,11 @@ def sample_tokens(logits: jax.Array, meta: SamplingMetadata, *, wide: bool = Fal
     vocab = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1)
     t = jnp.maximum(meta.temperature, min_t)[:, None]
-    scaled = logits / t
-    probs = jnp.exp((logits - jnp.max(logits, axis=-1, keepdims=True)) / t)
+    # Shifted by the row's max before dividing: ``logits / t`` overflowed to inf for large
+    # logits at a small temperature (ties among infs, not the most likely token); these are
+    # <= 0 (the max exactly 0), and -inf only where the probability is 0.
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / t
+    probs = jnp.exp(scaled)
     tau = filter_threshold(probs, meta, defaults.SAMPLER_TOP_K_CANDIDATES if candidates is None else candidates,
                            wide)
     filtered = jnp.where(probs >= tau[:, None], scaled, -jnp.inf)

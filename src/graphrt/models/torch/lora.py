@@ -64,6 +64,23 @@ class LoRALinear(nn.Linear):
         return torch.where((index >= 0).unsqueeze(-1), base + delta, base)
 
 
+def lora_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str, nn.Linear]]:
+    """By module name, ``(parent, child name, linear)`` of every ``nn.Linear`` child named in
+    ``model.lora_target_modules``: what :func:`enable_lora` swaps (and what it allocates for)."""
+    names = tuple(getattr(model, "lora_target_modules", ()))
+    return {f"{prefix}.{child_name}" if prefix else child_name: (module, child_name, child)
+            for prefix, module in list(model.named_modules())
+            for child_name, child in list(module.named_children())
+            if child_name in names and isinstance(child, nn.Linear)}
+
+
+def lora_slot_bytes(model: nn.Module, max_loras: int, max_rank: int) -> int:
+    """Bytes of the adapter stacks :func:`enable_lora` allocates: ``max_loras`` slots of rank
+    ``max_rank`` over each target's in + out features, in its weight's dtype."""
+    return sum(max_loras * max_rank * (child.in_features + child.out_features) * child.weight.element_size()
+               for _, _, child in lora_targets(model).values())
+
+
 def enable_lora(model: nn.Module, state: LoraState, max_loras: int, max_rank: int) -> dict[str, LoRALinear]:
     """Swap every ``nn.Linear`` child named in ``model.lora_target_modules`` for a
     :class:`LoRALinear` over the same weights reading ``state``; returns them by module name.
@@ -73,14 +90,11 @@ def enable_lora(model: nn.Module, state: LoraState, max_loras: int, max_rank: in
     if tp_size > 1:
         raise ConfigError(f"max_loras > 0 with tensor_parallel_size {tp_size}: LoRA adapters run on "
                           "unsharded models only (tensor_parallel_size 1)")
-    names = tuple(getattr(model, "lora_target_modules", ()))
     layers: dict[str, LoRALinear] = {}
-    for prefix, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if child_name in names and isinstance(child, nn.Linear):
-                layer = LoRALinear(child, state, max_loras, max_rank)
-                setattr(module, child_name, layer)
-                layers[f"{prefix}.{child_name}" if prefix else child_name] = layer
+    for name, (module, child_name, child) in lora_targets(model).items():
+        layer = LoRALinear(child, state, max_loras, max_rank)
+        setattr(module, child_name, layer)
+        layers[name] = layer
     if not layers:
         raise ConfigError(f"max_loras > 0 but {type(model).__name__} has no LoRA-capable linear: name the "
                           "nn.Linear children to adapt in its lora_target_modules (docs/models.md)")
@@ -91,4 +105,4 @@ def enable_lora(model: nn.Module, state: LoraState, max_loras: int, max_rank: in
 NO_LORA = defaults.NO_LORA
 LORA_GROUP_PAD = defaults.LORA_GROUP_PAD
 
-__all__ = ["LORA_GROUP_PAD", "LoRALinear", "LoraState", "NO_LORA", "enable_lora"]
+__all__ = ["LORA_GROUP_PAD", "LoRALinear", "LoraState", "NO_LORA", "enable_lora", "lora_slot_bytes", "lora_targets"]

@@ -6,7 +6,7 @@ row is whose. :meth:`PenaltyState.update` adds a step's tokens eagerly before th
 :meth:`PenaltyState.apply` (captured) penalises a copy of the logits::
 
     x = x / r   where x > 0 and seen,  x * r  where x <= 0 and seen
-    x = x - frequency * count - presence * (count > 0)
+    x = x - frequency * count - presence * (count > 0),  clamped to float32's finite range
 
 Nothing is allocated unless a batch asks for penalties (or ``enable_penalties``)."""
 
@@ -17,6 +17,10 @@ from typing import Any
 import torch
 
 from graphrt.core.penalty_ledger import PenaltyLedger, PenaltyStep
+
+#: Penalised logits are clamped to float32's finite range: a logit the penalties push past it
+#: keeps its place at the end of the order instead of becoming inf (and NaN in the sampler).
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class PenaltyState:
@@ -80,20 +84,25 @@ class PenaltyState:
 
     def apply(self, x: torch.Tensor, scratch: torch.Tensor) -> None:
         """Penalise the logits rows ``x`` ``[R, V]`` in place (capturable; ``scratch`` is a
-        ``[R, V]`` float32 buffer it may overwrite)."""
+        ``[R, V]`` float32 buffer it may overwrite). Each seen logit is divided by ``r`` or
+        ``1 / r`` once (no ``r**2``, which overflowed float32 past ``r ~ 1.8e19`` and lost the
+        logit below ``r ~ 2.4e-4``), and the result is clamped to float32's finite range, so
+        any finite logits and accepted penalties give finite ones."""
         rows = x.shape[0]
         rep, pres, freq = (p[:rows].unsqueeze(1) for p in self.static["params"])
         slots = self.static["slots"][:rows]
         factor = self.plane[:rows]
         torch.index_select(self.seen, 0, slots, out=factor)
-        factor.clamp_(max=1.0).mul_(rep - 1.0).add_(1.0)           # r where seen, else 1
+        factor.clamp_(max=1.0)                                     # 1 where seen, else 0
+        torch.mul(factor, rep, out=scratch)                        # r where seen, else 0
+        factor.neg_().add_(1.0).add_(scratch)                      # r where seen, else 1 (exactly)
         torch.gt(x, 0.0, out=scratch)                              # 1 where the logit is positive
-        x.mul_(factor)                                             # x * r everywhere ...
-        factor.mul_(factor).sub_(1.0).mul_(scratch).add_(1.0)
-        x.div_(factor)                                             # ... / r**2 where positive: x / r
+        scratch.mul_(2.0).sub_(1.0)                                # 1 where positive, else -1
+        factor.pow_(scratch)                                       # r where positive, 1 / r where not
+        x.div_(factor)                                             # x / r, or x * r where not positive
         torch.index_select(self.counts, 0, slots, out=scratch)
         torch.clamp(scratch, max=1.0, out=factor).mul_(pres).addcmul_(scratch, freq)
-        x.sub_(factor)
+        x.sub_(factor).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
 
     def free(self, request_id: int) -> None:
         self.ledger.free(request_id)
