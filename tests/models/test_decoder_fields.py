@@ -4,7 +4,8 @@ models/decoder_fields.py is an allow-list per architecture: the keys the own dec
 values it implements, and the keys that change nothing at inference. Any other key or value makes
 ``model_impl="auto"`` fall through to transformers' model (the reason logged), and
 ``model_impl="graphrt"`` / the XLA backend raise an InputError naming the key. Before, a Qwen3 with
-``hidden_act="relu"`` ran graphrt's SiLU MLP: other tokens, no warning.
+``hidden_act="relu"`` ran graphrt's SiLU MLP: other tokens, no warning. At the end, Check A: a
+hypothesis property over the config space, ``"auto"`` against transformers' argmax.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import graphrt
 from graphrt.core.errors import InputError
 from graphrt.models import decoder_fields
 from graphrt.models.hf_config import SUPPORTED_ARCHITECTURES, DecoderConfig
 from graphrt.models.model_impl import resolve_model_impl
+from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint
 from support.fast_subset import examples
 from support.hf_greedy import argmax_problem
 from support.hf_models import SLIDING, load_hf_model, random_prompts, tiny_hf_config, tiny_hf_model_dir
@@ -162,12 +164,14 @@ def test_the_suites_tiny_checkpoints_still_take_graphrts_own_decoder():
                          ids=["qwen3-relu", "llama-mlp_bias"])
 def test_auto_gives_transformers_tokens_for_a_config_graphrt_does_not_implement(arch, overrides):
     """The issue's case: a tiny Qwen3 with hidden_act="relu" ran graphrt's SiLU MLP ([115, 117, 102, 49, ...]
-    against transformers' [115, 117, 102, 34, ...]); a Llama with mlp_bias=True was an InputError."""
+    against transformers' [115, 117, 102, 34, ...]); a Llama with mlp_bias=True was an InputError. No
+    max_model_len: the default is read from any architecture's config, not through graphrt's decoder's."""
     from graphrt.models.torch.transformers_impl import TransformersForCausalLM
 
     path = str(tiny_hf_model_dir(arch, **overrides))
     prompts = random_prompts([5, 9, 3], seed=1)
-    llm = graphrt.LLM(path, backend="eager", **KW)
+    llm = graphrt.LLM(path, backend="eager", **{k: v for k, v in KW.items() if k != "max_model_len"})
+    assert llm.config.max_model_len == 256             # the checkpoint's max_position_embeddings
     assert isinstance(llm.runner.model, TransformersForCausalLM)
     outs = llm.generate(prompts, GREEDY)
     hf = load_hf_model(path)
@@ -180,3 +184,95 @@ def test_the_xla_backend_names_the_key_it_cannot_run():
     with pytest.raises(InputError) as exc:
         graphrt.LLM(str(tiny_hf_model_dir("qwen3", hidden_act="relu")), backend="xla", **KW)
     assert exc.value.field == "hidden_act" and "relu" in str(exc.value)
+
+
+# ---- Check A: model_impl="auto" gives transformers' argmax on every drawn config ------------------
+#
+# Over the fields of a Llama / Qwen3 / Mistral config that change the computation -- activation,
+# biases, RoPE type and parameters, norm eps, head sizes (head_dim != hidden / heads), KV heads, tied
+# embeddings, sliding windows -- "auto" picks graphrt's own decoder exactly where the allow-list
+# implements the config and transformers' model elsewhere, and either way every greedy token is
+# transformers' argmax (exact ties allowed), on eager and cpu graphs. The reference runs transformers
+# one token at a time (support/hf_greedy.py), as graphrt's length-dependent RoPE follows each token's
+# own length (transformers_impl/rope.py).
+
+THRESHOLD = 16      # where dynamic / longrope RoPE change frequencies (prompts run to 30)
+PROPERTY_KW = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_kv_blocks=64,
+                   cudagraph_capture_sizes=[4, 8, 16, 32], allow_long_max_model_len=True)
+
+
+def rope(kind: str, theta: float, factor: float, half: int) -> dict:
+    """``rope_parameters`` (and the max_position_embeddings dynamic reads) of one RoPE type."""
+    params = {"rope_type": kind, "rope_theta": theta}
+    if kind != "default":
+        params["factor"] = factor
+    if kind in ("yarn", "llama3", "longrope"):
+        params["original_max_position_embeddings"] = THRESHOLD
+    if kind == "llama3":
+        params.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    if kind == "longrope":
+        del params["factor"]
+        params.update(short_factor=[1.0 + 0.05 * i for i in range(half)], long_factor=[factor + i for i in range(half)])
+    out = {"rope_parameters": params, "max_position_embeddings": 64}
+    if kind == "dynamic":
+        out["max_position_embeddings"] = THRESHOLD
+    return out
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> tuple[str, dict]:
+    """(model type, config overrides) of a tiny decoder over the fields that change the computation."""
+    arch = draw(st.sampled_from(["llama", "qwen3", "mistral"]))
+    heads = draw(st.sampled_from([2, 4]))
+    head_dim = draw(st.sampled_from([8, 16]))
+    layers = draw(st.integers(1, 2))
+    cfg = dict(hidden_size=draw(st.sampled_from([32, 64])), num_attention_heads=heads, head_dim=head_dim,
+               num_key_value_heads=draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0])),
+               num_hidden_layers=layers, intermediate_size=64,
+               hidden_act=draw(st.sampled_from(["silu", "silu", "gelu", "relu", "gelu_pytorch_tanh"])),
+               rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5, 1e-2])),
+               tie_word_embeddings=draw(st.booleans()))
+    cfg.update(rope(draw(st.sampled_from(["default", "default", "linear", "dynamic", "yarn", "llama3", "longrope"])),
+                    draw(st.sampled_from([10000.0, 500.0])), draw(st.sampled_from([2.0, 4.0])), head_dim // 2))
+    if arch in ("llama", "qwen3"):
+        cfg["attention_bias"] = draw(st.booleans())
+    if arch == "llama":
+        cfg["mlp_bias"] = draw(st.booleans())
+    if arch == "mistral":
+        cfg["sliding_window"] = draw(st.sampled_from([None, 5]))
+    if arch == "qwen3" and draw(st.booleans()):
+        cfg.update(use_sliding_window=True, sliding_window=5, max_window_layers=layers - 1,
+                   layer_types=["full_attention"] * (layers - 1) + ["sliding_attention"])
+    elif arch == "qwen3":
+        cfg["layer_types"] = ["full_attention"] * layers
+    return arch, cfg
+
+
+def graphrt_implements(cfg: dict) -> bool:
+    """Whether graphrt's own decoder implements the drawn config (what auto must pick)."""
+    return (cfg["hidden_act"] == "silu" and cfg["rope_parameters"]["rope_type"] == "default"
+            and not cfg.get("mlp_bias"))
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(drawn=configs(), backend=st.sampled_from(["eager", "cpu"]), lengths=st.lists(st.integers(1, 30), min_size=1,
+                                                                                  max_size=3),
+       seed=st.integers(0, 2**16))
+@example(drawn=("qwen3", dict(hidden_act="relu")), backend="eager", lengths=[6, 9], seed=1)      # the issue's case
+@example(drawn=("llama", dict(mlp_bias=True, **rope("longrope", 10000.0, 4.0, 8))), backend="cpu", lengths=[28, 5],
+         seed=2)
+@example(drawn=("mistral", dict(sliding_window=5, head_dim=8, **rope("default", 500.0, 1.0, 4))), backend="cpu",
+         lengths=[20, 3], seed=3)
+def test_auto_gives_transformers_argmax_on_every_drawn_config(drawn, backend, lengths, seed):
+    from graphrt.models.torch.decoder import DecoderForCausalLM
+
+    arch, cfg = drawn
+    cfg = {"hidden_act": "silu", "rope_parameters": {"rope_type": "default"}, **cfg}
+    path = str(tiny_checkpoint(arch, seed=seed % 4, **cfg))
+    prompts = random_prompts(lengths, seed=seed)
+    with graphrt.LLM(path, backend=backend, model_impl="auto", **PROPERTY_KW, **({"strict": True} if backend == "cpu" else {})
+                     ) as llm:
+        assert isinstance(llm.runner.model, DecoderForCausalLM) == graphrt_implements(cfg)
+        outs = llm.generate(prompts, graphrt.SamplingParams(max_tokens=4, ignore_eos=True))
+    reference = load_reference(path)
+    assert [argmax_problem(reference, p, o.token_ids) for p, o in zip(prompts, outs)] == [None] * len(prompts)
