@@ -128,12 +128,14 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 #: Keys that change nothing graphrt or transformers computes at inference: names, ids, dtype
-#: flags, transformers' bookkeeping, training-only settings (initialisation, dropout: off in
+#: flags, transformers' bookkeeping (its attention choice too: graphrt attends with its own
+#: kernels and checks them against transformers' eager attention), training-only settings (initialisation, dropout: off in
 #: eval), generation defaults of older configs (graphrt samples by SamplingParams), and
 #: ``auto_map`` (graphrt runs, as transformers without ``trust_remote_code`` does, transformers'
 #: own class for ``model_type``).
 NEUTRAL = frozenset({
-    "_name_or_path", "transformers_version", "model_type", "auto_map", "tokenizer_class",
+    "_name_or_path", "_commit_hash", "_attn_implementation", "_attn_implementation_autoset",
+    "transformers_version", "model_type", "auto_map", "tokenizer_class",
     "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "prefix", "task_specific_params",
     "bos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     "use_cache", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript",
