@@ -16,6 +16,7 @@ from typing import Any
 
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
+from graphrt.models.decoder_fields import unimplemented_field
 from graphrt.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig
 
 #: A Qwen3 config.json without ``max_window_layers`` slides (with ``use_sliding_window``) the layers
@@ -69,16 +70,18 @@ class DecoderConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DecoderConfig":
+        """The config of graphrt's own decoder; InputError naming the first key of ``raw`` it does
+        not implement with its value (:func:`graphrt.models.decoder_fields.unimplemented_field`:
+        an allow-list per architecture, unknown keys refused), or an unsupported architecture."""
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise InputError("architectures", f"{archs} not supported; graphrt's reference models "
                                               f"are {list(SUPPORTED_ARCHITECTURES)}")
+        problem = unimplemented_field(raw, arch)
+        if problem is not None:
+            raise InputError(*problem)
         rope_params = raw.get("rope_parameters") or {}
-        for field in ("rope_scaling", "rope_parameters"):
-            rope = raw.get(field)
-            if rope and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-                raise InputError(field, f"{rope} not supported (only default rotary)")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
@@ -96,7 +99,7 @@ class DecoderConfig:
             rope_theta=float(raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),    # False for Mistral (decoder_fields)
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_id=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),

@@ -2,10 +2,12 @@
 
 ``model_impl`` (``graphrt.LLM``, ``GraphConfig``, ``--model-impl``):
 
-* ``"auto"`` (default): graphrt's own decoder where it implements the checkpoint (Llama,
-  Mistral, Qwen3 with the features graphrt's decoder reads, ``hf_config.DecoderConfig``), else
-  transformers' model through graphrt's attention (torch backends only);
-* ``"graphrt"``: graphrt's own, or the error saying why it cannot;
+* ``"auto"`` (default): graphrt's own decoder where it implements every key of the checkpoint's
+  config that changes the computation (Llama, Mistral, Qwen3: the allow-list of
+  ``decoder_fields.py``; an unknown key or an unimplemented value is not), else transformers'
+  model through graphrt's attention (torch backends only), the reason logged;
+* ``"graphrt"``: graphrt's own, or the InputError naming the key it does not implement (also
+  on a backend that is not torch's, where nothing falls back);
 * ``"transformers"``: transformers' model (``models/torch/transformers_impl``), on torch backends.
 
 Reads ``config.json`` only: no torch, no transformers import.
@@ -63,7 +65,7 @@ def resolve_model_impl(model_dir: str | os.PathLike, model_impl: str = "auto", f
         if model_impl == "graphrt" or framework != "torch":
             raise
         logger.info("graphrt: model_impl=auto runs %s with transformers' model: graphrt's own decoder does not "
-                    "(%s)", model_dir, exc)
+                    "implement its config (%s)", model_dir, exc)
         return "transformers"
     return "graphrt"
 

@@ -21,6 +21,7 @@ from graphrt.models.torch.transformers_impl.interface import ATTENTION_NAME, reg
 from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_of
 from graphrt.models.torch.transformers_impl.moe import experts_blocker, experts_implementation
 from graphrt.models.torch.transformers_impl.recurrent import recurrent_mixers, route_recurrent_mixers, served_types
+from graphrt.models.torch.transformers_impl.rope import route_length_rope
 
 #: Tested range of the optional dependency (pyproject's ``transformers`` extra says the same).
 TRANSFORMERS_RANGE = ">=5.0,<6"
@@ -94,6 +95,7 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
                           f"with attn_implementation={ATTENTION_NAME!r} (load_transformers_model does)")
     hf_model.eval().requires_grad_(False)
     silence_padding_check(hf_model)
+    route_length_rope(hf_model)          # dynamic / longrope RoPE per token, not per step (rope.py)
     blocker = dynamic_rope_blocker(hf_model) or experts_blocker(hf_model)
     body = body_of(hf_model)
     found = recurrent_mixers(hf_model)
