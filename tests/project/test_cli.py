@@ -120,7 +120,7 @@ def one_line_usage_error(capsys, command: str) -> str:
     (["--backend", "nosuch"], "unknown backend 'nosuch'; valid names:"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
     (["--max-tokens", "0"], "max_tokens: must be >= 1, got 0"),
-    (["--temperature", "-1"], "temperature: must be finite in float32 and >= 0"),
+    (["--temperature", "-1"], "temperature: must be in [0, 1e+06]"),
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
 ])
 def test_demo_flags_are_checked_before_any_work(flags, says, capsys):
