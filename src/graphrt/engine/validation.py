@@ -13,7 +13,8 @@ from graphrt.core import defaults
 from graphrt.core.errors import InputError
 from graphrt.core.sampling import check_logprobs_limit
 from graphrt.engine.sampling_params import SamplingParams
-from graphrt.models.hf_config import DecoderConfig, model_max_len
+from graphrt.models.hf_config import model_max_len
+from graphrt.models.model_impl import checkpoint_limits
 from graphrt.core.kv_spec import blocks_for
 
 
@@ -24,7 +25,7 @@ def engine_config(model: Any, config: GraphConfig | None, max_model_len: int | N
     if config is None:
         if max_model_len is None:
             path = isinstance(model, str) or hasattr(model, "__fspath__")
-            model_len = DecoderConfig.from_dir(model).max_position_embeddings if path else model_max_len(model)
+            model_len = checkpoint_limits(model)[0] if path else model_max_len(model)   # any architecture's
             max_model_len = min(model_len or defaults.DEFAULT_MAX_MODEL_LEN, defaults.DEFAULT_MAX_MODEL_LEN)
         config = GraphConfig.create(max_model_len=max_model_len, **fields)
     check_engine(config)
