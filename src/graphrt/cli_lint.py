@@ -69,7 +69,7 @@ def _load(spec: str, transformers: bool) -> Any:
     if transformers:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(loaded)
+        return AutoModelForCausalLM.from_pretrained(loaded, trust_remote_code=False)   # never a stdin prompt
     from graphrt.models.torch.loader import load_torch_model
 
     return load_torch_model(loaded)
