@@ -80,7 +80,8 @@ def _load(spec: str, transformers: bool) -> Any:
     if transformers:
         from transformers import AutoModelForCausalLM
 
-        load = AutoModelForCausalLM.from_pretrained
+        def load(path):
+            return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False)   # never a stdin prompt
     else:
         from graphrt.models.torch.loader import load_torch_model
 

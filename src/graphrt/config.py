@@ -190,6 +190,10 @@ class GraphConfig(BaseModel):
                             "Llama / Mistral / Qwen3 decoder), transformers (the transformers model through graphrt's "
                             "paged attention; torch backends; pip install graphrt[transformers]), or auto (graphrt's "
                             "where it implements the checkpoint, else transformers)")
+    trust_remote_code: bool = Field(
+        False, strict=True, description="run a checkpoint's own Python code where its config.json's auto_map names "
+                                        "some (vLLM's trust_remote_code; transformers backend); off, such a checkpoint "
+                                        "is a ConfigError saying so -- never a question on stdin")
     tensor_parallel_size: Count = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
         description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "

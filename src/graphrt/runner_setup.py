@@ -48,7 +48,8 @@ def open_executor(model: Any, cfg: GraphConfig, backend: str | Backend, dtype: A
     tp = cfg.tensor_parallel_size
     dtype = check_before_loading(chosen, model, cfg, dtype)   # sharding, dtype, max_model_len
     if isinstance(model, (str, os.PathLike)) and tp == 1:
-        model = chosen.load_model(os.fspath(model), dtype, model_impl=cfg.model_impl)
+        model = chosen.load_model(os.fspath(model), dtype, model_impl=cfg.model_impl,
+                                  trust_remote_code=cfg.trust_remote_code)
     if tp == 1 and not isinstance(model, (str, os.PathLike)):
         chosen.check_model(model)                # the model protocol, named member by member
     check_memory(chosen, model, cfg, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory)

@@ -225,6 +225,81 @@ def test_transformers_and_graphrt_llama_agree():
     assert [o.token_ids for o in hf.generate(PROMPTS, GREEDY)] == own
 
 
+# ---- trust_remote_code (issue 46, item 6) ----------------------------------------------------------
+
+REMOTE_CONFIG = ("from transformers import Qwen3Config\n\n\n"
+                 "class TinyRemoteConfig(Qwen3Config):\n    model_type = 'tinyremote'\n")
+REMOTE_MODEL = ("from transformers import Qwen3ForCausalLM\n\nfrom .configuration_tinyremote import TinyRemoteConfig\n"
+                "\n\nclass TinyRemoteForCausalLM(Qwen3ForCausalLM):\n    config_class = TinyRemoteConfig\n")
+
+
+@pytest.fixture
+def remote_checkpoint(tmp_path, monkeypatch):
+    """A tiny Qwen3 whose config.json's auto_map names classes in .py files of its own directory
+    (a Qwen3 subclass: the same weights, the same tokens); transformers' module cache in tmp_path."""
+    import json
+    import sys
+
+    import transformers.dynamic_module_utils as dynamic
+    from support.hf_models import make_tiny_hf_model
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    path = make_tiny_hf_model(tmp_path, "qwen3")
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="tinyremote", architectures=["TinyRemoteForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_tinyremote.TinyRemoteConfig",
+                            "AutoModelForCausalLM": "modeling_tinyremote.TinyRemoteForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "configuration_tinyremote.py").write_text(REMOTE_CONFIG)
+    (path / "modeling_tinyremote.py").write_text(REMOTE_MODEL)
+    yield path
+    for name in set(sys.modules) - before:
+        if name.startswith("transformers_modules"):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+def test_a_checkpoints_own_code_is_refused_by_default_without_reading_stdin(remote_checkpoint, monkeypatch,
+                                                                           model_impl):
+    """Without trust_remote_code, a ConfigError saying how to opt in, at once: stdin (here one
+    that would answer "y") is never read, no code of the checkpoint runs."""
+    import io
+    import sys
+
+    stdin = io.StringIO("y\n")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    with pytest.raises(ConfigError, match=r"^trust_remote_code: .*config\.json maps \['AutoConfig', "
+                                          r"'AutoModelForCausalLM'\]") as err:
+        graphrt.LLM(str(remote_checkpoint), backend="eager", model_impl=model_impl, **KW)
+    assert "trust_remote_code=True" in str(err.value) and "--trust-remote-code" in str(err.value)
+    assert stdin.tell() == 0
+    assert not [name for name in sys.modules if "tinyremote" in name]
+
+
+def test_trust_remote_code_runs_the_checkpoints_own_class(remote_checkpoint):
+    llm = graphrt.LLM(str(remote_checkpoint), backend="eager", trust_remote_code=True, **KW)
+    assert type(llm.runner.model.hf).__name__ == "TinyRemoteForCausalLM"
+    from support.hf_models import tiny_hf_model_dir
+
+    stock = graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", model_impl="transformers", **KW)
+    assert llm.generate(PROMPTS[1:2], GREEDY)[0].token_ids == stock.generate(PROMPTS[1:2], GREEDY)[0].token_ids
+
+
+def test_trust_remote_code_is_off_by_default_strict_and_a_cli_flag():
+    import argparse
+
+    from graphrt.config import GraphConfig, add_cli_args, from_cli_args
+
+    assert GraphConfig().trust_remote_code is False
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        GraphConfig.create(trust_remote_code="yes")
+    parser = add_cli_args(argparse.ArgumentParser())
+    assert from_cli_args(parser.parse_args(["--trust-remote-code"])).trust_remote_code is True
+    assert from_cli_args(parser.parse_args([])).trust_remote_code is False
+
+
 # ---- the kit's properties on a sample ------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["gemma2", "qwen2_moe"])

@@ -327,9 +327,11 @@ class Backend(abc.ABC):
         """``None`` when this backend can run here, else why not (one sentence)."""
 
     @abc.abstractmethod
-    def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto") -> Any:
+    def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto",
+                   trust_remote_code: bool = False) -> Any:
         """Load a Hugging Face directory for this framework: graphrt's reference model, or with
-        ``model_impl`` (``models/model_impl.py``) transformers' model where the backend runs it."""
+        ``model_impl`` (``models/model_impl.py``) transformers' model where the backend runs it
+        (running the checkpoint's own code only with ``trust_remote_code``)."""
 
     def check_model(self, model: Any) -> None:
         """Refuse, before anything is allocated, a model this backend cannot run: a missing or

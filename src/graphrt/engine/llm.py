@@ -56,6 +56,9 @@ class LLM:
     ``watchdog_timeout`` (s; None / 0: off) fails a hung forward. ``disable_overlap_schedule``
     turns off overlap scheduling (depth 1: the next step is prepared while the device runs the
     previous one, on xla, cuda, npu; engine/loop.py says why it is exact); depth 0: plain loop.
+    ``graph_fields`` are :class:`~graphrt.config.GraphConfig`'s, among them ``model_impl`` and
+    ``trust_remote_code`` (default False: a checkpoint whose ``auto_map`` needs its own code is a
+    ConfigError saying how to opt in; nothing is ever asked on stdin).
     """
 
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
@@ -84,7 +87,7 @@ class LLM:
         dtype = check_before_loading(backend_obj, model, config, dtype)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
             model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(
-                str(model), dtype, model_impl=config.model_impl)
+                str(model), dtype, model_impl=config.model_impl, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
                                   dtype=dtype, progress=progress, warmup=warmup)
         cfg = self.config

@@ -29,12 +29,23 @@ MODEL_IMPLS = ("auto", "graphrt", "transformers")
 
 
 def read_config_json(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """``model_dir/config.json`` as a dict (InputError naming ``model_dir`` if it has none)."""
+    """``model_dir/config.json`` as a dict: InputError naming ``model_dir`` if it has none, or
+    naming the file and where it breaks if it is not a JSON object."""
     path = os.path.join(os.fspath(model_dir), "config.json")
     if not os.path.exists(path):
         raise InputError("model_dir", f"{model_dir!s} has no config.json")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except UnicodeDecodeError as exc:
+        raise InputError("config.json", f"{path} is not UTF-8 text ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError("config.json", f"{path} is not JSON: {exc.msg} at line {exc.lineno} column "
+                                        f"{exc.colno}") from None
+    if not isinstance(raw, dict):
+        raise InputError("config.json", f"{path} holds a JSON {type(raw).__name__}, not an object of config "
+                                        "fields")
+    return raw
 
 
 def checkpoint_limits(model_dir: str | os.PathLike) -> tuple[int | None, str | None]:

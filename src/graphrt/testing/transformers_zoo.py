@@ -191,9 +191,10 @@ def load_reference(model_dir: str | os.PathLike) -> Any:
     import transformers
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     cls = getattr(transformers, causal_lm_name(config.model_type))
-    return cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                               trust_remote_code=False).eval()
 
 
 def reference_logits(model: Any, token_ids: list[int], position_offset: int = 0) -> Any:

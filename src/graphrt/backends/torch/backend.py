@@ -37,20 +37,23 @@ class TorchBackend(Backend):
         return None
 
     def load_model(self, model_dir: str, dtype: Any = None, *, tp_rank: int = 0, tp_size: int = 1,
-                   group: Any = None, model_impl: str = "auto") -> torch.nn.Module:
+                   group: Any = None, model_impl: str = "auto", trust_remote_code: bool = False) -> torch.nn.Module:
         """graphrt's torch decoder from a Hugging Face directory, or by ``model_impl``
         transformers' model over graphrt's attention, on this backend's device, its weights in
         ``dtype`` (a torch dtype or a name, :func:`~graphrt.core.dtypes.model_dtype`; default
         float32). ``tp_size > 1`` loads rank ``tp_rank``'s shard over ``group`` (None: the default
-        group). The model remembers ``source_dir`` for a tensor-parallel executor's workers."""
+        group). The model remembers ``source_dir`` for a tensor-parallel executor's workers.
+        ``trust_remote_code``: transformers' model may run the checkpoint's own code (its auto_map)."""
         from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl
         name = model_dtype(dtype, checkpoint_limits(model_dir)[1] or "float32")   # "bf16", "auto", torch.half...
+        kwargs: dict[str, Any] = {}
         if resolve_model_impl(model_dir, model_impl) == "transformers":
             from graphrt.models.torch.transformers_impl.loader import load_transformers_model as load
+            kwargs["trust_remote_code"] = trust_remote_code
         else:
             from graphrt.models.torch.loader import load_torch_model as load
         model = load(model_dir, dtype=getattr(torch, name), device=self.device, tp_rank=tp_rank, tp_size=tp_size,
-                     group=group)
+                     group=group, **kwargs)
         model.source_dir = model_dir
         return model
 

@@ -76,10 +76,12 @@ class XlaBackend(Backend):
             return f"jax cannot be imported: {_IMPORT_ERROR}"
         return None
 
-    def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto") -> "XlaModel":
+    def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto",
+                   trust_remote_code: bool = False) -> "XlaModel":
         """The JAX reference Llama / Mistral / Qwen3 -- or hybrid Mamba2 / Granite-4-H / Qwen3-Next
         (docs/hybrid.md) -- of a Hugging Face directory (``model_impl`` "auto" or "graphrt";
-        "transformers" runs on torch backends only: ConfigError)."""
+        "transformers" runs on torch backends only: ConfigError). graphrt's own models run no
+        code of the checkpoint: ``trust_remote_code`` changes nothing here."""
         from graphrt.models.hf_config import DecoderConfig
         from graphrt.models.hybrid_config import HybridConfig
         from graphrt.models.model_impl import resolve_model_impl

@@ -15,7 +15,7 @@ Linear weights are stored as ``[in, out]`` (HF stores ``[out, in]``), so a proje
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import re
 from typing import Any
@@ -26,7 +26,12 @@ import ml_dtypes
 import numpy as np
 
 from graphrt.core.errors import InputError
+from graphrt.models.checkpoint import (names_with_files, non_finite_message, safetensors_files, safetensors_header,
+                                      tensor_files)
 from graphrt.models.hf_config import DecoderConfig
+from graphrt.models.model_impl import read_config_json
+
+logger = logging.getLogger(__name__)
 
 Params = dict[str, Any]
 
@@ -37,6 +42,7 @@ _SAFETENSORS_DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
+_FLOAT_DTYPES = frozenset(_SAFETENSORS_DTYPES[t] for t in ("F64", "F32", "F16", "BF16"))
 
 # HF per-layer tensor suffix -> (our name, transpose?) for every layer tensor we read.
 _LAYER_TENSORS = {
@@ -78,15 +84,15 @@ def layer_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Memory-map every tensor of one ``.safetensors`` file as a numpy array (bf16 via ml_dtypes)."""
+    """Memory-map every tensor of one ``.safetensors`` file as a numpy array (bf16 via ml_dtypes),
+    its header checked first (``checkpoint.safetensors_header``: a truncated or malformed file is
+    an InputError naming the file and the tensor)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    data_start = 8 + header_len
-    tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+    tensors = safetensors_header(path)
     if not tensors:
         return {}
+    with open(path, "rb") as f:
+        data_start = 8 + int.from_bytes(f.read(8), "little")
     buf = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start)
     out = {}
     for name, info in tensors.items():
@@ -98,43 +104,63 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
-def _checkpoint_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    if not names:
-        raise InputError("model_dir", f"{model_dir} has no .safetensors files")
-    return [os.path.join(model_dir, n) for n in names]
-
-
 def read_checkpoint(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, keyed by their HF names."""
+    """All tensors of a (possibly sharded) safetensors checkpoint, keyed by their HF names; a
+    warning names those holding NaN or inf (:func:`warn_non_finite`)."""
     model_dir = os.fspath(model_dir)
+    files = safetensors_files(model_dir)
+    if not files:
+        raise InputError("model_dir", f"{model_dir} has no .safetensors files")
     out: dict[str, np.ndarray] = {}
-    for path in _checkpoint_files(model_dir):
+    where: dict[str, str] = {}
+    for path in files:
         for name, arr in read_safetensors(path).items():
             if name in out:
-                raise InputError(name, f"tensor appears in more than one file of {model_dir}")
-            out[name] = arr
+                raise InputError(name, f"the tensor is in both {where[name]} and {os.path.basename(path)} of "
+                                       f"{model_dir}")
+            out[name], where[name] = arr, os.path.basename(path)
+    warn_non_finite(out, model_dir)
     return out
 
 
-def _check_shape(key: str, arr: np.ndarray, shape: tuple[int, ...]) -> None:
+def non_finite_arrays(tensors: dict[str, np.ndarray]) -> list[tuple[str, int, int, int]]:
+    """``(name, NaN count, inf count, elements)`` of each floating-point array holding NaN or
+    inf: one float32 sum per array (NaN and inf carry through it), the flagged ones then counted."""
+    bad = []
+    for name, arr in tensors.items():
+        if arr.size and arr.dtype in _FLOAT_DTYPES and not np.isfinite(np.sum(arr, dtype=np.float32)):
+            nan, inf = int(np.isnan(arr).sum()), int(np.isinf(arr).sum())
+            if nan or inf:               # not a float32 overflow of finite values
+                bad.append((name, nan, inf, int(arr.size)))
+    return bad
+
+
+def warn_non_finite(tensors: dict[str, np.ndarray], source: str) -> list[tuple[str, int, int, int]]:
+    """Log a warning naming the arrays of ``tensors`` (read from ``source``) that hold NaN or inf."""
+    bad = non_finite_arrays(tensors)
+    if bad:
+        logger.warning(non_finite_message(source, bad))
+    return bad
+
+
+def _check_shape(key: str, arr: np.ndarray, shape: tuple[int, ...], files: dict[str, str]) -> None:
     if tuple(arr.shape) != tuple(shape):
-        raise InputError(key, f"has shape {tuple(arr.shape)}, config expects {tuple(shape)}")
+        where = f"in {files[key]}: " if key in files else ""
+        raise InputError(key, f"{where}has shape {tuple(arr.shape)}, config expects {tuple(shape)}")
 
 
 def params_from_hf_tensors(config: DecoderConfig, tensors: dict[str, np.ndarray],
-                           dtype: Any = jnp.float32) -> Params:
-    """Convert HF-named tensors into the stacked params pytree, checking every key and shape."""
+                           dtype: Any = jnp.float32, files: dict[str, str] | None = None) -> Params:
+    """Convert HF-named tensors into the stacked params pytree, checking every key and shape:
+    tensors the config has no place for and tensors it needs that are absent are one InputError
+    listing them all (its field the first of them); ``files`` (tensor -> file) names each one's file."""
+    files = files or {}
     target = jnp.dtype(dtype)
     h, v, n_layers = config.hidden_size, config.vocab_size, config.num_hidden_layers
     wanted = layer_shapes(config)
     per_layer: dict[str, list[np.ndarray | None]] = {name: [None] * n_layers for name in wanted}
     top: dict[str, np.ndarray] = {}
+    unexpected: list[str] = []
     for key, arr in tensors.items():
         name = key.removeprefix("model.")
         if _IGNORED.match(name):
@@ -145,18 +171,17 @@ def params_from_hf_tensors(config: DecoderConfig, tensors: dict[str, np.ndarray]
         m = _LAYER_KEY.match(name)
         entry = _LAYER_TENSORS.get(m.group(2)) if m else None
         if entry is None or entry[0] not in wanted or int(m.group(1)) >= n_layers:
-            raise InputError(key, f"unexpected checkpoint tensor for {config.architecture} "
-                                  f"(attention_bias={config.attention_bias}, layers={n_layers})")
+            unexpected.append(key)
+            continue
         ours, transpose = entry
         arr = arr.T if transpose else arr
-        _check_shape(key, arr, wanted[ours])
+        _check_shape(key, arr, wanted[ours], files)
         per_layer[ours][int(m.group(1))] = arr
+    _refuse_unmatched(config, tensors, top, per_layer, unexpected, files)
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        key = next((k for k in (f"model.{name}", name) if k in tensors), f"model.{name}")
-        if name not in top:
-            raise InputError(key, "missing from checkpoint")
-        _check_shape(key, top[name], shape)
+        key = next(k for k in (f"model.{name}", name) if k in tensors)
+        _check_shape(key, top[name], shape, files)
         return top[name]
 
     # jax.device_put, not jnp.asarray: jax compiles a staging program per shape for the latter
@@ -166,26 +191,43 @@ def params_from_hf_tensors(config: DecoderConfig, tensors: dict[str, np.ndarray]
         "norm": jax.device_put(take("norm.weight", (h,)).astype(target)),
     }
     if not config.tie_word_embeddings:
-        if "lm_head.weight" not in top:
-            raise InputError("lm_head.weight", "missing from checkpoint (tie_word_embeddings is false)")
-        _check_shape("lm_head.weight", top["lm_head.weight"], (v, h))
-        params["lm_head"] = jax.device_put(np.ascontiguousarray(top["lm_head.weight"].T).astype(target))
-    layers = {}
-    for ours, arrs in per_layer.items():
-        missing = [i for i, a in enumerate(arrs) if a is None]
-        if missing:
-            suffix = next(k for k, e in _LAYER_TENSORS.items() if e[0] == ours)
-            raise InputError(f"model.layers.{missing[0]}.{suffix}", "missing from checkpoint")
-        layers[ours] = jax.device_put(np.stack([a.astype(target) for a in arrs]))
-    params["layers"] = layers
+        params["lm_head"] = jax.device_put(np.ascontiguousarray(take("lm_head.weight", (v, h)).T).astype(target))
+    params["layers"] = {ours: jax.device_put(np.stack([a.astype(target) for a in arrs]))
+                        for ours, arrs in per_layer.items()}
     return params
+
+
+def _refuse_unmatched(config: DecoderConfig, tensors: dict[str, np.ndarray], top: dict[str, np.ndarray],
+                      per_layer: dict[str, list[np.ndarray | None]], unexpected: list[str],
+                      files: dict[str, str]) -> None:
+    """One InputError listing the tensors the config needs that are absent and those it has no
+    place for (its field: the first of them), or nothing."""
+    needed = ["embed_tokens.weight", "norm.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+    missing = [next((k for k in (f"model.{n}", n) if k in tensors), f"model.{n}") for n in needed if n not in top]
+    suffix = {ours: hf for hf, (ours, _) in _LAYER_TENSORS.items()}
+    missing += [f"model.layers.{i}.{suffix[ours]}" for ours, arrs in per_layer.items()
+                for i, a in enumerate(arrs) if a is None]
+    if not (missing or unexpected):
+        return
+    found = []
+    if missing:
+        tied = "" if config.tie_word_embeddings else "; tie_word_embeddings is false"
+        found.append(f"missing from checkpoint: {names_with_files(missing, {})}{tied}")
+    if unexpected:
+        found.append(f"unexpected checkpoint tensors for {config.architecture} (attention_bias="
+                     f"{config.attention_bias}, layers={config.num_hidden_layers}): "
+                     f"{names_with_files(unexpected, files)}")
+    raise InputError((missing or sorted(unexpected))[0], "; ".join(found))
 
 
 def load_jax_params(model_dir: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[DecoderConfig, Params]:
     """Read ``config.json`` and the safetensors weights of ``model_dir`` into ``(config, params)``.
 
     Every tensor is cast to ``dtype``. Unknown or missing checkpoint tensors raise
-    :class:`graphrt.core.errors.InputError` naming the tensor.
+    :class:`graphrt.core.errors.InputError` naming the tensors and their files, as does a broken
+    file (truncated: the tensor cut off); a ``config.json`` that is not JSON names the file.
     """
+    read_config_json(model_dir)
     config = DecoderConfig.from_dir(model_dir)
-    return config, params_from_hf_tensors(config, read_checkpoint(model_dir), dtype)
+    files = tensor_files(model_dir)
+    return config, params_from_hf_tensors(config, read_checkpoint(model_dir), dtype, files)

@@ -12,20 +12,22 @@ columns from the file; replicated parameters (the norms) are read whole.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from graphrt.core.errors import InputError
+from graphrt.models.checkpoint import names_with_files, safetensors_files, tensor_files
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.hybrid_config import HybridConfig
+from graphrt.models.model_impl import read_config_json
 from graphrt.models.torch.decoder import DecoderForCausalLM
+from graphrt.models.torch.weight_check import warn_non_finite
 
 # Checkpoint tensors that carry no model state (old HF checkpoints saved these buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -52,15 +54,18 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, str | int]]) -> tupl
 
 
 def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> None:
-    """Fill every parameter of ``model`` from ``model_dir/*.safetensors``; a sharded model
+    """Fill every parameter of ``model`` from ``model_dir``'s safetensors files; a sharded model
     (built with ``tp_rank`` / ``tp_size``) reads only its rank's slices.
 
-    Raises :class:`InputError` for an unknown checkpoint key, a shape mismatch, or a
-    parameter (or fused shard) that no checkpoint tensor filled.
+    Raises :class:`InputError` for a broken file (``checkpoint.safetensors_header``: a truncated
+    one names the tensor cut off), a shape mismatch (naming the key and its file), or checkpoint
+    keys the model has no place for and parameters (or fused shards) that no tensor filled,
+    every one of them listed.
     """
-    files = sorted(glob.glob(os.path.join(os.fspath(model_dir), "*.safetensors")))
+    files = safetensors_files(model_dir)
     if not files:
         raise InputError("model_dir", f"{model_dir!s} has no *.safetensors files")
+    where = tensor_files(model_dir)            # every header checked before a byte is copied
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
     expected: set[tuple[str, str | int | None]] = set()
@@ -71,31 +76,50 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
                 expected.update((name, shard_id) for shard_id in shard_ids)
 
     loaded: set[tuple[str, str | int | None]] = set()
+    unknown: list[str] = []
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
-                    continue
-                scale = _KV_SCALE.match(key)
-                if scale is not None:
-                    _load_kv_scale(model, key, int(scale.group(1)), "".join(filter(None, scale.groups()[1:])),
-                                   f.get_tensor(key))
-                    continue
-                packed = _packed_target(key, model.packed_modules_mapping)
-                name, shard_id = packed if packed is not None else (key, None)
-                param = params.get(name)
-                if param is None:
-                    raise InputError("checkpoint", f"unknown key {key!r} in {os.path.basename(path)}: "
-                                                   f"the {model.config.architecture} model has no such parameter")
-                try:
-                    _load_one(param, f, key, shard_id)
-                except InputError as err:
-                    raise InputError("checkpoint", f"{key!r}: {err}") from None
-                loaded.add((name, shard_id))
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    done = _load_key(model, params, f, key, os.path.basename(path), tied)
+                    if done is None:
+                        unknown.append(key)
+                    elif done:
+                        loaded.add(done)
+        except SafetensorError as exc:
+            raise InputError(os.path.basename(path), f"{path} cannot be read as safetensors: {exc}") from None
 
     missing = sorted(name + ("" if shard is None else f"[{shard}]") for name, shard in expected - loaded)
-    if missing:
-        raise InputError("checkpoint", f"{model_dir!s} is missing parameters: {missing}")
+    if missing or unknown:
+        found = [f"is missing parameters: {names_with_files(missing, {})}"] if missing else []
+        if unknown:
+            found.append(f"has unknown keys {names_with_files(unknown, where)}: the {model.config.architecture} "
+                         "model has no such parameter")
+        raise InputError("checkpoint", f"{model_dir!s} " + "; it ".join(found))
+
+
+def _load_key(model: DecoderForCausalLM, params: dict[str, nn.Parameter], f: Any, key: str, file: str,
+              tied: bool) -> tuple[str, str | int | None] | tuple[()] | None:
+    """Load checkpoint tensor ``key`` of the open file ``f`` into ``model``: the (parameter,
+    shard) it filled, ``()`` for a key that fills none by design (a KV scale, an ignored buffer,
+    the tied head), None for a key the model has no place for."""
+    if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+        return ()
+    scale = _KV_SCALE.match(key)
+    if scale is not None:
+        _load_kv_scale(model, key, int(scale.group(1)), "".join(filter(None, scale.groups()[1:])),
+                       f.get_tensor(key))
+        return ()
+    packed = _packed_target(key, model.packed_modules_mapping)
+    name, shard_id = packed if packed is not None else (key, None)
+    param = params.get(name)
+    if param is None:
+        return None
+    try:
+        _load_one(param, f, key, shard_id)
+    except InputError as err:
+        raise InputError("checkpoint", f"{key!r} in {file}: {err}") from None
+    return name, shard_id
 
 
 def _load_kv_scale(model: DecoderForCausalLM, key: str, layer: int, which: str, value: torch.Tensor) -> None:
@@ -130,7 +154,9 @@ def load_torch_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.fl
                      device: str | torch.device = "cpu", tp_rank: int = 0, tp_size: int = 1,
                      group: Any = None) -> DecoderForCausalLM:
     """Read ``config.json`` + ``*.safetensors`` from ``model_dir`` into an eval-mode model;
-    with ``tp_size > 1``, rank ``tp_rank``'s shard over ``group`` (see :class:`DecoderForCausalLM`)."""
+    with ``tp_size > 1``, rank ``tp_rank``'s shard over ``group`` (see :class:`DecoderForCausalLM`).
+    Weights holding NaN or inf are named in a warning (``weight_check``)."""
+    read_config_json(model_dir)                    # a config.json that is not JSON: InputError naming it
     config = DecoderConfig.from_dir(model_dir)
     if isinstance(config, HybridConfig):           # Mamba2, Granite-4-H, Qwen3-Next (docs/hybrid.md)
         if tp_size > 1:
@@ -145,4 +171,5 @@ def load_torch_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.fl
     model.to_empty(device=device)
     model.bind_parameters()
     load_weights(model, model_dir)
+    warn_non_finite(model, os.fspath(model_dir))
     return model.eval().requires_grad_(False)

@@ -56,15 +56,17 @@ def start_tensor_parallel(backend: Any, model: Any, config: GraphConfig, dtype: 
                           "run on unsharded models only")
     model_dir, dtype = model_source(model, dtype, tp)
     impl = getattr(model, "model_impl", None) or config.model_impl     # a model built by transformers' loader
+    trust = bool(getattr(model, "trust_remote_code", False)) or config.trust_remote_code    # ... of its own code
     cls = type(backend)
     setup = p.WorkerSetup(f"{cls.__module__}:{cls.__qualname__}", backend.device.type, backend.device.index,
-                          model_dir, dtype, {**config.model_dump(), "model_impl": impl}, tp, defaults.TP_TIMEOUT_S,
-                          torch.get_num_threads(), dict(os.environ))
+                          model_dir, dtype, {**config.model_dump(), "model_impl": impl, "trust_remote_code": trust},
+                          tp, defaults.TP_TIMEOUT_S, torch.get_num_threads(), dict(os.environ))
     shapes = buffer_shapes(config.max_num_batched_tokens, config.max_num_seqs, config.max_blocks_per_req)
     resident = {name: (shape, FIELD_DTYPES[name]) for name, shape in shapes.items()}
     ranks: Ranks = JoinedRanks(setup) if dist.is_initialized() else SpawnedRanks(setup, resident)
     try:
-        shard = backend.load_model(model_dir, dtype, tp_rank=0, tp_size=tp, model_impl=impl)
+        shard = backend.load_model(model_dir, dtype, tp_rank=0, tp_size=tp, model_impl=impl,
+                                   trust_remote_code=trust)
         host = ranks.channel.resident or None
         pinned = _pin(host) if host is not None and backend.device.type == "cuda" else None
         local = TorchExecutor(shard, config, backend.device, backend.graph_api(), host_arrays=host)

@@ -61,7 +61,8 @@ class Follower:
             module, cls = s.backend.split(":")
             backend = getattr(importlib.import_module(module), cls)(s.device(self.rank))
             model = backend.load_model(s.model_dir, s.dtype, tp_rank=self.rank, tp_size=s.tp_size,
-                                       model_impl=s.config.get("model_impl", "auto"))
+                                       model_impl=s.config.get("model_impl", "auto"),
+                                       trust_remote_code=s.config.get("trust_remote_code", False))
             self.executor = TorchExecutor(model, GraphConfig.create(**s.config), backend.device, backend.graph_api())
             status = 0
         finally:

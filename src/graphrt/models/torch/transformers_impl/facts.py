@@ -205,10 +205,17 @@ def position_offset(hf_model: torch.nn.Module, base: torch.nn.Module) -> int:
     own = run(None)
     candidates = [0, 1, 2] + ([pad + 1] if isinstance(pad, int) and pad + 1 > 2 else [])
     for offset in candidates:
-        if torch.equal(run(torch.arange(PROBE_TOKENS, device=device)[None] + offset), own):
+        if _same(run(torch.arange(PROBE_TOKENS, device=device)[None] + offset), own):
             return offset
     raise ConfigError(f"{type(hf_model).__name__} numbers positions its own way (position_ids=None is no offset of "
                       f"0, 1, 2 ... among {candidates}): graphrt gives each token its position in its request")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN where the other is NaN (a model with NaN weights probes as any other;
+    its loader has named them)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
 
 def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> int:
