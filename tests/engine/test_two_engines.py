@@ -1,0 +1,132 @@
+"""Two engines in one process (issue 46, item 1): a draft and a target, two models served side
+by side, a test harness. Each engine's forward must read its own step's metadata even while the
+other engine's main thread or background warm-up thread runs a forward at the same time, and each
+engine's compile statistics count only its own compiles.
+
+The torch cases drive a ``warmup="background"`` engine on the ``cpu`` graph backend (its builder
+thread captures between steps) beside an eager engine (or a second background one) of the same
+tiny model, ``generate()`` called from two threads at once, several rounds: every request must get
+the greedy tokens it gets alone. With one process-wide forward context the engines read each
+other's metadata (``IndexError`` in ``write_kv_rows``, captures failing and running eagerly)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import graphrt
+from graphrt.models.torch.forward_context import (forward_context, get_forward_context, get_state_context,
+                                                  state_context)
+from support.hf_models import random_prompts, tiny_hf_model_dir
+
+LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
+#: Few graphs, so the background builder is still capturing while both engines serve.
+CPU_GRAPHS = dict(cudagraph_capture_sizes=[1, 2, 4], progress=False)
+GREEDY = graphrt.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = random_prompts([3 + (7 * i) % 20 for i in range(12)], seed=46)
+#: ``generate()`` calls per thread: the builder takes turns between the steps of the first ones.
+ROUNDS = 3
+
+
+def _engine(kind: str, **extra: Any) -> graphrt.LLM:
+    model = str(tiny_hf_model_dir("qwen3"))
+    if kind == "eager":
+        return graphrt.LLM(model, backend="eager", **LIMITS, **extra)
+    return graphrt.LLM(model, backend="cpu", warmup="background", **CPU_GRAPHS, **LIMITS, **extra)
+
+
+def _generate_concurrently(engines: dict[str, graphrt.LLM], prompts: list[list[int]],
+                           params: graphrt.SamplingParams, rounds: int) -> dict[str, list[Any]]:
+    """``rounds`` generate() calls per engine, each engine on its own thread, started together;
+    per engine the list of each call's token ids, or the exception a call raised."""
+    results: dict[str, list[Any]] = {name: [] for name in engines}
+    start = threading.Barrier(len(engines))
+
+    def serve(name: str) -> None:
+        start.wait()
+        for _ in range(rounds):
+            try:
+                results[name].append([o.token_ids for o in engines[name].generate(prompts, params)])
+            except Exception as exc:  # noqa: BLE001 - reported by the test, with the engine's name
+                results[name].append(exc)
+
+    threads = [threading.Thread(target=serve, args=(name,), name=f"serve-{name}") for name in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.fixture(scope="module")
+def solo() -> list[list[int]]:
+    """Each prompt's greedy tokens from an engine alone in the process."""
+    with _engine("eager") as llm:
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _check(results: dict[str, list[Any]], solo: list[list[int]]) -> None:
+    for name, calls in results.items():
+        errors = [c for c in calls if isinstance(c, BaseException)]
+        assert not errors, f"engine {name}: {len(errors)} of {len(calls)} generate() calls failed: {errors[0]!r}"
+        for call in calls:
+            wrong = [i for i, (got, want) in enumerate(zip(call, solo)) if got != want]
+            assert not wrong, f"engine {name}: requests {wrong} got other tokens than alone"
+
+
+def test_the_forward_and_state_contexts_belong_to_the_thread_that_set_them():
+    seen: dict[str, Any] = {}
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait()
+        for name, get in (("forward", get_forward_context), ("state", get_state_context)):
+            try:
+                seen[name] = get()
+            except RuntimeError as exc:
+                seen[name] = exc
+        with forward_context("other's"):
+            seen["own"] = get_forward_context()
+        release.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with forward_context("mine"), state_context("my state"):
+        inside.set()
+        release.wait(10)
+        assert (get_forward_context(), get_state_context()) == ("mine", "my state")
+    thread.join()
+    assert isinstance(seen["forward"], RuntimeError) and "no forward context is set" in str(seen["forward"])
+    assert isinstance(seen["state"], RuntimeError) and "state_context" in str(seen["state"])
+    assert seen["own"] == "other's"
+    with pytest.raises(RuntimeError, match="no forward context is set"):
+        get_forward_context()
+
+
+@pytest.mark.parametrize("kinds", [("background", "eager"), ("background", "background")])
+def test_two_torch_engines_generating_at_once_give_each_request_its_solo_tokens(solo, kinds):
+    engines = {f"{kind}{i}": _engine(kind) for i, kind in enumerate(kinds)}
+    try:
+        results = _generate_concurrently(engines, PROMPTS, GREEDY, ROUNDS)
+        _check(results, solo)
+        for name, llm in engines.items():   # the background engines' builds: none broken by the other
+            if llm.runner.background is not None:
+                assert llm.runner.background.wait(60)
+                assert llm.stats["warmup"]["failed"] == 0, (name, llm.stats["warmup"])
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
+def test_two_transformers_backend_engines_generating_at_once_keep_their_own_attention(solo):
+    """``model_impl="transformers"``: each engine's attention calls reach its own paged layers
+    (and its own KV cache), not the other engine's."""
+    engines = {"background": _engine("background", model_impl="transformers"),
+               "eager": _engine("eager", model_impl="transformers")}
+    try:
+        _check(_generate_concurrently(engines, PROMPTS, GREEDY, ROUNDS), solo)
+    finally:
+        for llm in engines.values():
+            llm.close()
