@@ -7,11 +7,16 @@ The torch cases drive a ``warmup="background"`` engine on the ``cpu`` graph back
 thread captures between steps) beside an eager engine (or a second background one) of the same
 tiny model, ``generate()`` called from two threads at once, several rounds: every request must get
 the greedy tokens it gets alone. With one process-wide forward context the engines read each
-other's metadata (``IndexError`` in ``write_kv_rows``, captures failing and running eagerly)."""
+other's metadata (``IndexError`` in ``write_kv_rows``, captures failing and running eagerly).
+
+The XLA case holds a strict engine's step inside its executable call until the other engine has
+compiled a key on its own threads: a compile listener counting process-wide would charge that
+compile to the strict engine's step ("compile(s) while running the precompiled forward")."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -105,7 +110,8 @@ def test_the_forward_and_state_contexts_belong_to_the_thread_that_set_them():
         get_forward_context()
 
 
-@pytest.mark.parametrize("kinds", [("background", "eager"), ("background", "background")])
+@pytest.mark.parametrize("kinds", [("background", "eager"), ("background", "background")],
+                         ids=["background+eager", "background+background"])
 def test_two_torch_engines_generating_at_once_give_each_request_its_solo_tokens(solo, kinds):
     engines = {f"{kind}{i}": _engine(kind) for i, kind in enumerate(kinds)}
     try:
@@ -127,6 +133,54 @@ def test_two_transformers_backend_engines_generating_at_once_keep_their_own_atte
                "eager": _engine("eager", model_impl="transformers")}
     try:
         _check(_generate_concurrently(engines, PROMPTS, GREEDY, ROUNDS), solo)
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
+#: Two XLA buckets (one mixed, one decode) and their samplers: few compiles per engine.
+XLA = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=4, precompile_token_paddings=[16],
+           precompile_bs_paddings=[4], progress=False, strict=True)
+XLA_PROMPTS = random_prompts([3 + (7 * i) % 12 for i in range(8)], seed=46)
+
+
+def test_two_xla_engines_generating_at_once_count_only_their_own_compiles():
+    pytest.importorskip("jax")
+    from graphrt.core.graph_modes import RuntimeMode
+
+    model = str(tiny_hf_model_dir("qwen3"))
+    engines = {"upfront": graphrt.LLM(model, backend="xla", **XLA)}
+    try:
+        ready = engines["upfront"]
+        solo = [o.token_ids for o in ready.generate(XLA_PROMPTS, GREEDY)]
+        compiled, counted = ready.runner.stats.compiles, ready.runner.executor.compiles.stats.compiles
+        engines["background"] = warming = graphrt.LLM(model, backend="xla", warmup="background", **XLA)
+        own = warming.runner.executor.compiles.stats
+        overlapped = threading.Event()
+
+        def hold(real: Any) -> Any:
+            def call(*args: Any) -> Any:        # the first call: until the other engine compiled once
+                if not overlapped.is_set():
+                    before, deadline = own.compiles, time.monotonic() + 120
+                    while own.compiles == before and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    if own.compiles > before:
+                        overlapped.set()
+                return real(*args)
+            return call
+
+        for mode, key in ready.runner.cache.keys():
+            entry = ready.runner.cache.lookup((mode, key))
+            if mode is RuntimeMode.FULL:
+                entry.executable = hold(entry.executable)
+        results = _generate_concurrently(engines, XLA_PROMPTS, GREEDY, ROUNDS)
+        assert overlapped.is_set(), "the background engine compiled nothing while the strict engine ran a step"
+        _check(results, solo)
+        assert ready.runner.stats.compiles == compiled and ready.runner.executor.compiles.stats.compiles == counted
+        assert ready.runner.stats.unplanned_builds == 0
+        assert warming.runner.background.wait(120) and warming.stats["warmup"]["failed"] == 0
+        built = len(warming.runner.cache) + len(warming.runner.sampler_cache)
+        assert warming.runner.stats.compiles == own.compiles == built, "the background engine's own compiles"
     finally:
         for llm in engines.values():
             llm.close()
