@@ -15,6 +15,7 @@ compile to the strict engine's step ("compile(s) while running the precompiled f
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -24,6 +25,8 @@ import pytest
 import graphrt
 from graphrt.models.torch.forward_context import (forward_context, get_forward_context, get_state_context,
                                                   state_context)
+from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
+from support.device_fakes import FakeCuda
 from support.hf_models import random_prompts, tiny_hf_model_dir
 
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
@@ -134,6 +137,45 @@ def test_two_transformers_backend_engines_generating_at_once_keep_their_own_atte
     try:
         _check(_generate_concurrently(engines, PROMPTS, GREEDY, ROUNDS), solo)
     finally:
+        for llm in engines.values():
+            llm.close()
+
+
+#: The KV cache's size given (no graph memory sampled first); steps resolved before the next is
+#: launched, so the builder takes its turns between steps here as on the ``cpu`` backend.
+SIM_CUDA = dict(num_kv_blocks=LIMITS["max_num_seqs"] * LIMITS["max_model_len"] // LIMITS["block_size"] + 1,
+                disable_overlap_schedule=True)
+
+
+class _SimCuda(CudaGraphBackend):
+    """The CUDA adapter's own code over a stand-in ``torch.cuda`` (support/device_fakes.py), whose
+    captures in CUDA's "global" mode fail every other thread's synchronize, as a GPU does."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.fake = FakeCuda()
+
+    def graph_api(self) -> CudaGraphAPI:
+        return CudaGraphAPI(self.device, self.fake)
+
+
+def test_two_cuda_engines_capturing_and_stepping_at_once_leave_each_other_alone(solo):
+    """Each engine's background thread captures while the other engine's thread waits on its
+    step's tokens: captures in thread-local mode, and nothing process-wide (``gc.collect``,
+    ``torch.cuda.empty_cache``) swapped out for a capture, where two captures at once would
+    leave it swapped."""
+    collect = gc.collect
+    model = str(tiny_hf_model_dir("qwen3"))
+    engines = {f"cuda{i}": graphrt.LLM(model, backend=_SimCuda(), warmup="background", **SIM_CUDA, **CPU_GRAPHS,
+                                       **LIMITS) for i in range(2)}
+    try:
+        _check(_generate_concurrently(engines, PROMPTS, GREEDY, ROUNDS), solo)
+        for name, llm in engines.items():
+            assert llm.runner.background.wait(60)
+            assert llm.stats["warmup"]["failed"] == 0, (name, llm.stats["warmup"])
+        assert gc.collect is collect
+    finally:
+        gc.collect = collect
         for llm in engines.values():
             llm.close()
 
