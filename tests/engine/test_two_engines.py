@@ -141,6 +141,52 @@ def test_two_transformers_backend_engines_generating_at_once_keep_their_own_atte
             llm.close()
 
 
+def test_a_capture_keeps_the_collector_off_while_another_threads_capture_ends():
+    """Two captures at once on two threads (two engines' builders): the one that started first
+    ends first, and the collector stays off for the other until it ends too, then is on again."""
+    from graphrt.backends.torch.cpu import CpuGraphAPI
+    from graphrt.backends.torch.device_graphs import record
+
+    a_in, b_in, a_done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        api = CpuGraphAPI()
+        record(api, api.new_pool(), lambda: (a_in.set(), b_in.wait(10)))
+        a_done.set()
+
+    def second() -> None:
+        a_in.wait(10)
+        api = CpuGraphAPI()
+
+        def during() -> None:
+            b_in.set()
+            a_done.wait(10)
+            seen["enabled"] = gc.isenabled()
+        record(api, api.new_pool(), during)
+
+    assert gc.isenabled()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"enabled": False}, "the first capture's end turned the collector on under the second"
+    assert gc.isenabled()
+
+
+def test_frozen_objects_stay_frozen_until_the_last_warm_up_ends():
+    from graphrt.core.collector import objects_frozen
+
+    assert gc.get_freeze_count() == 0
+    first = objects_frozen()
+    first.__enter__()
+    with objects_frozen():
+        first.__exit__(None, None, None)           # the first warm-up ends inside the second
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
 #: The KV cache's size given (no graph memory sampled first); steps resolved before the next is
 #: launched, so the builder takes its turns between steps here as on the ``cpu`` backend.
 SIM_CUDA = dict(num_kv_blocks=LIMITS["max_num_seqs"] * LIMITS["max_model_len"] // LIMITS["block_size"] + 1,
