@@ -272,3 +272,24 @@ def test_two_xla_engines_generating_at_once_count_only_their_own_compiles():
     finally:
         for llm in engines.values():
             llm.close()
+
+
+def test_a_second_xla_engine_with_another_cache_directory_says_it_moves_the_process_wide_cache(tmp_path, caplog):
+    jax = pytest.importorskip("jax")
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from graphrt import ModelRunner
+
+    model = str(tiny_hf_model_dir("qwen3"))
+    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    try:
+        with caplog.at_level("WARNING", logger="graphrt"):
+            for name in ("first", "second"):
+                ModelRunner(model, backend="xla", warmup=False, compilation_cache_dir=str(tmp_path / name),
+                            **{k: v for k, v in XLA.items() if k != "strict"})
+        moved = [r.getMessage() for r in caplog.records if "persistent compilation cache" in r.getMessage()]
+        assert len(moved) == 1 and str(tmp_path / "second") in moved[0] and str(tmp_path / "first") in moved[0]
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+        cc.reset_cache()
