@@ -9,6 +9,10 @@ tiny model, ``generate()`` called from two threads at once, several rounds: ever
 the greedy tokens it gets alone. With one process-wide forward context the engines read each
 other's metadata (``IndexError`` in ``write_kv_rows``, captures failing and running eagerly).
 
+The CUDA case runs the CUDA adapter over a stand-in ``torch.cuda`` whose global-mode captures
+fail other threads' synchronizes, as a GPU does; the collector cases start and end two captures
+(two warm-ups) on two threads out of order.
+
 The XLA case holds a strict engine's step inside its executable call until the other engine has
 compiled a key on its own threads: a compile listener counting process-wide would charge that
 compile to the strict engine's step ("compile(s) while running the precompiled forward")."""
