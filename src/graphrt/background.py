@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import gc
 import logging
 import threading
 import time
@@ -19,6 +18,7 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from graphrt.backends.base import Executor
+from graphrt.core.collector import collector_paused
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key
 from graphrt.core.eager import EagerCause
 from graphrt.warmup import Job, build_one, job_target
@@ -162,17 +162,13 @@ class BackgroundWarmup:
         mode, key = job
         target, cache_key = job_target(job, self.cache, self.sampler_cache)
         t0 = time.perf_counter()
-        enabled = gc.isenabled()
-        gc.disable()
         try:
-            ok = build_one(self.executor, target, cache_key, mode, key, strict=self.raise_failures)
+            with collector_paused():
+                ok = build_one(self.executor, target, cache_key, mode, key, strict=self.raise_failures)
         except Exception as exc:  # noqa: BLE001 - raised from the next step (this is not its thread)
             self.error = exc
             target.put_failed(cache_key, str(exc), seconds=time.perf_counter() - t0)
             ok = False
-        finally:
-            if enabled:
-                gc.enable()
         self.build_seconds += time.perf_counter() - t0
         self.built += ok
         self.failed += not ok

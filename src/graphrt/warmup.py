@@ -9,7 +9,6 @@ A failed build runs its key eagerly with a warning; in strict mode, or without a
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 from typing import Any, Sequence
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 
 from graphrt.backends.base import Executor
 from graphrt.core.cache import GraphCache, describe_key
+from graphrt.core.collector import objects_frozen
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import GraphMode, RuntimeMode
@@ -81,12 +81,8 @@ def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, 
     missing = [(target, cache_key, mode, key) for target, cache_key, mode, key in entries
                if cache_key not in target]
     start = time.perf_counter()
-    gc.collect()
-    gc.freeze()         # every object alive now out of the collector's sight while graphs are built
-    try:
+    with objects_frozen():      # every object alive now out of the collector's sight while graphs are built
         _build_missing(executor, missing, entries, strict=strict, progress=progress, label=label)
-    finally:
-        gc.unfreeze()
     cache.seal()
     sampler_cache.seal()
     return time.perf_counter() - start

@@ -5,6 +5,10 @@ fakes let the adapters' own code (streams, pools, memory accounting, Ascend task
 task updates and external events) run through the shared executor on a CPU. Every call
 is appended to ``calls`` so tests can check the protocol.
 
+CUDA's stream-capture modes are kept as far as they reach other threads: while a
+:class:`FakeCudaGraph` captures in "global" mode (torch's default), a synchronize from any other
+thread fails as it does on a GPU ("operation not permitted when stream is capturing").
+
 Ascend task updates are simulated faithfully enough to matter: ``graph_task_group_begin``
 / ``end`` remember which recorded steps of the graph being captured form the task, and
 ``graph_task_update_begin`` / ``end`` record the ops issued in between and splice them in
@@ -14,9 +18,47 @@ place of the task's steps, so a replay runs the op with the updated host-side ar
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 from graphrt.backends.torch import recording_graph as rg
+
+
+#: Captures running in CUDA's "global" mode, process-wide as CUDA keeps them: graph -> its thread.
+_GLOBAL_CAPTURES: dict[int, int] = {}
+
+
+def _check_sync(what: str) -> None:
+    """Fail ``what`` (a synchronizing call) while another thread captures in "global" mode."""
+    others = [t for t in list(_GLOBAL_CAPTURES.values()) if t != threading.get_ident()]
+    if others:
+        raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({what} while "
+                           f"thread {others[0]} captures a graph in capture_error_mode='global')")
+
+
+class FakeCudaGraph(rg.RecordingGraph):
+    """``torch.cuda.CUDAGraph`` over the recording graph, with the reach of its capture mode; each
+    capture is logged as ``("capture_begin", current stream, mode)``."""
+
+    def __init__(self, owner: "FakeGraphNamespace") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        self.owner.calls.append(("capture_begin", self.owner.current_stream().name, capture_error_mode))
+        super().capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        if capture_error_mode == "global":
+            _GLOBAL_CAPTURES[id(self)] = threading.get_ident()
+
+    def capture_end(self) -> None:
+        try:
+            super().capture_end()
+        finally:
+            _GLOBAL_CAPTURES.pop(id(self), None)
+
+    def _cancel(self, reason: str) -> None:
+        super()._cancel(reason)
+        _GLOBAL_CAPTURES.pop(id(self), None)
 
 
 class FakeStream:
@@ -64,6 +106,7 @@ class FakeEvent:
         self.owner.calls.append(("event.record", self.id, (stream or self.owner.current_stream()).name))
 
     def synchronize(self) -> None:
+        _check_sync("Event.synchronize")
         self.owner.calls.append(("event.synchronize", self.id))
 
     def query(self) -> bool:
@@ -109,6 +152,7 @@ class FakeGraphNamespace:
             self._current = previous
 
     def synchronize(self, device: Any = None) -> None:
+        _check_sync("synchronize")
         self.calls.append(("synchronize",))
 
     def memory_reserved(self, device: Any = None) -> int:
@@ -125,7 +169,7 @@ class FakeGraphNamespace:
         self._current = stream if stream is not None else self._current
         self.capturing = graph
         try:
-            with rg.recording_graph(graph, pool=pool):
+            with rg.recording_graph(graph, pool=pool, capture_error_mode=capture_error_mode):
                 yield graph
         finally:
             self.capturing = None
@@ -135,7 +179,8 @@ class FakeGraphNamespace:
 class FakeCuda(FakeGraphNamespace):
     """``torch.cuda`` as far as graphrt's CUDA adapter uses it."""
 
-    CUDAGraph = rg.RecordingGraph
+    def CUDAGraph(self) -> FakeCudaGraph:  # noqa: N802 - torch's name
+        return FakeCudaGraph(self)
 
     def empty_cache(self) -> None:
         self.calls.append(("empty_cache",))

@@ -8,7 +8,6 @@ warning."""
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Any, Iterator
 
 import torch
@@ -16,6 +15,11 @@ import torch
 from graphrt.backends.torch.backend import TorchBackend
 from graphrt.backends.torch.device_graphs import DeviceGraphAPI
 
+#: The CUDA stream-capture mode of every capture: "thread_local", so only a synchronizing or
+#: allocating CUDA call made by the capturing thread breaks the capture. torch's default,
+#: "global", also fails such calls made by any other thread while the capture runs: another
+#: engine's steps in the same process (their syncs on their tokens) and the capture both fail.
+CUDA_CAPTURE_ERROR_MODE = "thread_local"
 
 class CudaGraphAPI(DeviceGraphAPI):
     """``torch.cuda`` graphs behind the device-graph API.
@@ -58,25 +62,26 @@ class CudaGraphAPI(DeviceGraphAPI):
 
     @contextlib.contextmanager
     def capture(self, graph: Any, pool: Any) -> Iterator[Any]:
-        """``torch.cuda.graph`` on one side stream, without its per-graph collect and
-        ``empty_cache`` (which only make the next capture allocate again).
+        """``graph.capture_begin`` / ``capture_end`` on one side stream, in
+        :data:`CUDA_CAPTURE_ERROR_MODE`: what ``torch.cuda.graph`` does, without its per-graph
+        ``empty_cache`` (which only makes the next capture allocate again) and without touching
+        anything process-wide, so another engine's thread keeps running its steps meanwhile.
 
-        A capture the forward broke makes ``capture_end`` raise before torch restores the stream
-        and releases the pool (torch 2.11): :meth:`_abandon` restores both, and
+        A capture the forward broke makes ``capture_end`` raise before torch releases the pool
+        (torch 2.11): :meth:`_abandon` releases it, and
         :class:`~graphrt.backends.torch.device_graphs.GraphPool` gives later graphs a fresh pool;
         without that every later capture fails with "already recording to mempool_id"."""
         stream = self._capture_stream()
-        with _no_collect(self.cuda):
-            ctx = self.cuda.graph(graph, pool=pool, stream=stream)
-            ctx.__enter__()
-        try:
-            yield graph
-        finally:
+        with self.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode=CUDA_CAPTURE_ERROR_MODE)
             try:
-                ctx.__exit__(None, None, None)
-            except BaseException:
-                self._abandon(ctx, graph, pool)
-                raise
+                yield graph
+            finally:
+                try:
+                    graph.capture_end()
+                except BaseException:
+                    self._abandon(graph, pool)
+                    raise
 
     def _prime(self, stream: Any) -> None:
         """Run a few matmuls on the capture stream before its first capture, outside any graph.
@@ -93,12 +98,9 @@ class CudaGraphAPI(DeviceGraphAPI):
                 torch.addmm(a[0], a, a)           # the cuBLASLt path (a bias epilogue)
         stream.synchronize()
 
-    def _abandon(self, ctx: Any, graph: Any, pool: Any) -> None:
-        """Undo what a failed ``capture_end`` left behind: the side stream still current,
-        the allocator still routing the stream's allocations into ``pool``."""
-        stream_ctx = getattr(ctx, "stream_ctx", None)
-        if stream_ctx is not None and self.cuda.current_stream(self.device) == self._stream:
-            stream_ctx.__exit__(None, None, None)
+    def _abandon(self, graph: Any, pool: Any) -> None:
+        """Undo what a failed ``capture_end`` left behind: the allocator still routing the capture
+        stream's allocations into ``pool`` (the stream itself is restored by :meth:`capture`)."""
         end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
         if end_pool is not None and self.cuda is torch.cuda:
             with contextlib.suppress(RuntimeError):  # raises when torch already released it
@@ -122,21 +124,6 @@ class CudaGraphAPI(DeviceGraphAPI):
         """``torch.cuda.empty_cache``: reserved blocks of dropped graph pools go back to the device."""
         self.synchronize()
         self.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def _no_collect(cuda: Any) -> Iterator[None]:
-    """Make ``gc.collect`` and ``cuda.empty_cache`` no-ops for the block."""
-    saved_collect, saved_empty = gc.collect, getattr(cuda, "empty_cache", None)
-    gc.collect = lambda *args, **kwargs: 0
-    if saved_empty is not None:
-        cuda.empty_cache = lambda: None
-    try:
-        yield
-    finally:
-        gc.collect = saved_collect
-        if saved_empty is not None:
-            cuda.empty_cache = saved_empty
 
 
 class CudaGraphBackend(TorchBackend):

@@ -15,6 +15,7 @@ import torch
 
 from graphrt.core.errors import GraphCaptureError, GraphrtError
 from graphrt.core import graph_tasks
+from graphrt.core.collector import collector_paused
 from graphrt.core.fields import ModelInputs
 
 #: A graph task's hook: run before each replay of its graph with the padded inputs (host numpy arrays).
@@ -145,14 +146,8 @@ def record(api: DeviceGraphAPI, pool: Any, fn: Callable[[], Any], *,
     before = api.memory_in_use()
     if collect and api.collect_before_capture:
         gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with _capturing(api, tasks), api.capture(graph, pool):
-            fn()
-    finally:
-        if enabled:
-            gc.enable()
+    with collector_paused(), _capturing(api, tasks), api.capture(graph, pool):
+        fn()
     api.synchronize()
     return graph, max(api.memory_in_use() - before, 0), tasks
 

@@ -76,6 +76,9 @@ def graph_pool_handle() -> RecordingPool:
 
 _THREAD = threading.local()
 
+#: ``torch.cuda.CUDAGraph.capture_begin``'s modes (:meth:`RecordingGraph.capture_begin` checks them).
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
 
 def is_current_stream_capturing() -> bool:
     """Whether a :class:`RecordingGraph` capture is running on this thread."""
@@ -178,8 +181,15 @@ class RecordingGraph:
                                     "successful capture")
         return self._pool
 
-    def capture_begin(self, pool: RecordingPool | None = None) -> None:
-        """Start recording every aten op run on this thread until :meth:`capture_end`."""
+    def capture_begin(self, pool: RecordingPool | None = None, capture_error_mode: str = "global") -> None:
+        """Start recording every aten op run on this thread until :meth:`capture_end`.
+
+        ``capture_error_mode`` is ``torch.cuda.CUDAGraph``'s ("global", "thread_local" or
+        "relaxed"), checked and otherwise without effect: a recording capture sees only its own
+        thread's ops, whatever the mode (other threads run as usual)."""
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise GraphCaptureError(f"capture_error_mode must be one of {list(CAPTURE_ERROR_MODES)}, "
+                                    f"got {capture_error_mode!r}")
         outer = getattr(_THREAD, "graph", None)
         if outer is not None:
             message = ("nested capture: capture_begin() was called while another "
@@ -314,12 +324,14 @@ class recording_graph:
     exception propagates unchanged.
     """
 
-    def __init__(self, graph: RecordingGraph, pool: RecordingPool | None = None) -> None:
+    def __init__(self, graph: RecordingGraph, pool: RecordingPool | None = None,
+                 capture_error_mode: str = "global") -> None:
         self.graph = graph
         self.pool = pool
+        self.capture_error_mode = capture_error_mode
 
     def __enter__(self) -> RecordingGraph:
-        self.graph.capture_begin(pool=self.pool)
+        self.graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
         return self.graph
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

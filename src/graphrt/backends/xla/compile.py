@@ -119,16 +119,22 @@ class CompileCounter:
 def enable_persistent_cache(path: str) -> str:
     """Make compiled executables persist under ``path`` and be reused on restart.
 
-    Process-wide (JAX has one cache). Small compiles are kept too: JAX's default skips
-    anything that compiled in under a second, which would be every bucket of a small model.
+    Process-wide (JAX has one cache): a second engine of the process with another directory
+    moves every engine's cache there, with a warning naming both. Small compiles are kept too:
+    JAX's default skips anything that compiled in under a second, which would be every bucket
+    of a small model.
     """
     path = os.path.abspath(os.path.expanduser(path))
     os.makedirs(path, exist_ok=True)
     from jax.experimental.compilation_cache import compilation_cache as cc
     min_secs = XLA_PERSISTENT_CACHE_MIN_COMPILE_SECONDS
-    if (jax.config.jax_compilation_cache_dir == path
-            and jax.config.jax_persistent_cache_min_compile_time_secs == min_secs):
+    current = jax.config.jax_compilation_cache_dir
+    if current == path and jax.config.jax_persistent_cache_min_compile_time_secs == min_secs:
         return path
+    if current and os.path.abspath(os.path.expanduser(current)) != path:
+        logger.warning("graphrt: compilation_cache_dir=%s replaces %s as JAX's persistent compilation cache, "
+                       "which is one per process: every engine of this process uses %s from now on (each "
+                       "engine's own executable cache stays in its own directory)", path, current, path)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
     # JAX decides once per process whether the cache is in use; an earlier compile may

@@ -1,4 +1,4 @@
-"""A small global forward context (as in nano-vllm).
+"""The forward context of the running thread (as in nano-vllm, made per thread).
 
 The torch executor sets it around each model forward so attention layers can read their
 metadata (slot mapping, block table, sequence lengths...) without every module's
@@ -6,50 +6,68 @@ signature changing. During graph capture it holds views of the static buffers, s
 the captured attention reads exactly the buffers that replay refreshes. It is the torch
 models' side of the step (only they and the torch executor use it); importing it needs
 neither torch nor jax.
+
+It belongs to the thread that set it: two engines in one process (a draft and a target, one
+engine's background warm-up thread capturing while another engine's thread runs a step) each
+read their own. A ``threading.local``: the executor sets and reads it in one synchronous call
+on one thread (a capture on a side stream included), every thread starts with none (a builder
+thread, a tensor-parallel rank's thread or process sets its own), and graphrt's other per-capture
+state (``core.graph_tasks``, the recording graph) is kept per thread the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
-#: The running forward's attention metadata ("forward") and its recurrent layers' metadata
-#: ("state", docs/hybrid.md); None outside a forward.
-_CONTEXTS: dict[str, Any] = {"forward": None, "state": None}
+
+class _Contexts(threading.local):
+    """The running forward's attention metadata (``forward``) and its recurrent layers'
+    metadata (``state``, docs/hybrid.md) on this thread; None outside a forward."""
+
+    forward: Any = None
+    state: Any = None
+
+
+_CONTEXTS = _Contexts()
 
 
 def _get(which: str, setter: str, what: str) -> Any:
-    if _CONTEXTS[which] is None:
-        raise RuntimeError(f"no {what} is set: call the model through graphrt's runner or wrap the call in "
-                           f"graphrt.models.torch.forward_context.{setter}(...)")
-    return _CONTEXTS[which]
+    ctx = getattr(_CONTEXTS, which)
+    if ctx is None:
+        raise RuntimeError(f"no {what} is set on this thread: call the model through graphrt's runner or wrap "
+                           f"the call in graphrt.models.torch.forward_context.{setter}(...)")
+    return ctx
 
 
 @contextlib.contextmanager
 def _scoped(which: str, ctx: Any) -> Iterator[Any]:
-    previous, _CONTEXTS[which] = _CONTEXTS[which], ctx
+    previous = getattr(_CONTEXTS, which)
+    setattr(_CONTEXTS, which, ctx)
     try:
         yield ctx
     finally:
-        _CONTEXTS[which] = previous
+        setattr(_CONTEXTS, which, previous)
 
 
 def get_forward_context() -> Any:
-    """Return the current context; raises if no forward is running."""
+    """Return this thread's current context; raises if no forward is running on it."""
     return _get("forward", "forward_context", "forward context")
 
 
 def forward_context(ctx: Any) -> contextlib.AbstractContextManager[Any]:
-    """``with forward_context(meta): model(...)``: set, run, always reset."""
+    """``with forward_context(meta): model(...)``: set for this thread, run, always reset."""
     return _scoped("forward", ctx)
 
 
 def get_state_context() -> Any:
-    """The recurrent-state metadata of the running forward (slots, starts, checkpoints: set by
-    the executor of a model with a ``state_spec``); raises if none is set."""
+    """The recurrent-state metadata of the forward running on this thread (slots, starts,
+    checkpoints: set by the executor of a model with a ``state_spec``); raises if none is set."""
     return _get("state", "state_context", "recurrent-state context")
 
 
 def state_context(ctx: Any) -> contextlib.AbstractContextManager[Any]:
-    """``with state_context(meta): model(...)``: the recurrent layers' metadata, set and reset."""
+    """``with state_context(meta): model(...)``: the recurrent layers' metadata, set for this
+    thread and reset."""
     return _scoped("state", ctx)

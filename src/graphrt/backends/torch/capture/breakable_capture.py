@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphrt.backends.torch.device_graphs import GraphPool, GraphTask, _capturing
+from graphrt.core.collector import collector_paused
 
 
 @dataclass
@@ -97,12 +98,10 @@ def capture_breakable(pool: GraphPool, fn: Callable[[], Any], layers: list[torch
     api = pool.api
     segments = _Segments(pool)
     before = api.memory_in_use()
-    enabled = gc.isenabled()
     if api.collect_before_capture:
         gc.collect()
-    gc.disable()
     try:
-        with torch.no_grad(), _breaking_at(layers, segments):
+        with collector_paused(), torch.no_grad(), _breaking_at(layers, segments):
             segments.begin()
             try:
                 output = fn()
@@ -114,9 +113,6 @@ def capture_breakable(pool: GraphPool, fn: Callable[[], Any], layers: list[torch
     except BaseException:
         pool.handle = api.new_pool()
         raise
-    finally:
-        if enabled:
-            gc.enable()
     return segments.calls, segments.graphs, output, max(api.memory_in_use() - before, 0), segments.tasks
 
 

@@ -8,7 +8,7 @@ Dv]``, the model's mask (None: transformers builds no mask for an implementation
 function for) and the layer's keyword arguments (``scaling``, ``sliding_window``, ``softcap``,
 ``s_aux`` ...). It must return ``(out [1, T, Hq, Dv], weights or None)``.
 
-What handles the call is the innermost :func:`handling` handler: the layer probe while a model
+What handles the call is the calling thread's innermost :func:`handling` handler: the layer probe while a model
 is inspected (``facts.py``), graphrt's paged layers while it runs (``model.py``). Outside both
 the call is an error: the model is a graphrt model now, run it through graphrt.
 """
@@ -16,6 +16,7 @@ the call is an error: the model is a graphrt model now, run it through graphrt.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -24,27 +25,40 @@ import torch
 ATTENTION_NAME = "graphrt"
 
 Handler = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any, dict], tuple]
-_HANDLERS: list[Handler] = []
+
+
+class _Handlers(threading.local):
+    """This thread's stack of handlers: each engine's forward (its main thread's, its background
+    builder's) routes the attention calls it makes to its own paged layers, never to those of
+    another engine's forward running on another thread at the same time."""
+
+    def __init__(self) -> None:
+        self.stack: list[Handler] = []
+
+
+_HANDLERS = _Handlers()
 
 
 def graphrt_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature, dispatched to the innermost handler."""
-    if not _HANDLERS:
+    handlers = _HANDLERS.stack
+    if not handlers:
         raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} called outside graphrt: this model's "
                            "attention runs over graphrt's paged KV cache; run it through graphrt (ModelRunner, "
                            "graphrt.LLM) or set model.set_attn_implementation('sdpa') to use it on its own")
-    return _HANDLERS[-1](module, query, key, value, attention_mask, kwargs)
+    return handlers[-1](module, query, key, value, attention_mask, kwargs)
 
 
 @contextlib.contextmanager
 def handling(handler: Handler) -> Iterator[None]:
-    """Route the registered attention function to ``handler`` inside the block."""
-    _HANDLERS.append(handler)
+    """Route the registered attention function to ``handler`` inside the block, on this thread."""
+    handlers = _HANDLERS.stack
+    handlers.append(handler)
     try:
         yield
     finally:
-        _HANDLERS.pop()
+        handlers.pop()
 
 
 def register_attention() -> None:
