@@ -69,7 +69,7 @@ class PenaltyState:
         if len(step.host_index):
             index = torch.from_numpy(step.host_index).to(self.device)
             counts.index_add_(0, index, torch.from_numpy(step.host_output).to(self.device))
-            seen.index_add_(0, index, torch.ones(len(step.host_index), device=self.device))
+            seen.index_add_(0, index, torch.ones(len(step.host_index), dtype=seen.dtype, device=self.device))
         t = len(step.token_base)
         if not t:
             return
