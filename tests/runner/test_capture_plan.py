@@ -63,7 +63,7 @@ def test_the_plan_is_keyed_by_config_and_model(model_dir, tables, tmp_path, manu
     assert CapturePlanStore(tmp_path, backend="cpu", device="cuda:0", model=a.model, config=cfg).fingerprint \
         != store.fingerprint
     # switches that do not change the keys share the plan
-    strict = GraphConfig.create(**{**LIMITS, "strict": True, "refit_interval": 10})
+    strict = GraphConfig.create(**{**LIMITS, "strict": True, "refit_interval": 32})
     assert CapturePlanStore(tmp_path, backend="cpu", device="cpu", model=a.model, config=strict).fingerprint \
         == store.fingerprint
 
