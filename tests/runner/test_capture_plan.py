@@ -5,8 +5,11 @@ buckets, and on xla with a warm persistent cache compiles nothing."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from graphrt import ModelRunner
 from graphrt.background import BackgroundWarmup
@@ -129,3 +132,131 @@ print(json.dumps({{'compiles': c.compiles, 'hits': c.persistent_cache_hits,
     assert warm["compiles"] - warm["hits"] == 0, warm          # nothing compiled from scratch
     assert warm["tokens"] == cold["tokens"] and warm["unplanned"] == 0
     assert list((tmp_path / PLAN_DIR).glob("xla-*.json"))
+
+
+# ---- issue 46, item 8: a plan file that is not a plan is ignored, with the file and the field ----
+
+class Warnings(logging.Handler):
+    """The capture plan module's warnings (hypothesis runs many examples in one test: no caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "Warnings":
+        logging.getLogger("graphrt.capture_plan").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("graphrt.capture_plan").removeHandler(self)
+
+
+PLAN_LIMITS = dict(backend="cpu", progress=False, warmup=False, **LIMITS, cudagraph_capture_sizes=[2, 4, 8])
+
+
+@pytest.fixture(scope="module")
+def saved_plan(model_dir, tmp_path_factory):
+    """(cache dir, plan path, the plan's JSON): a valid plan whose decode buckets (4, 8) differ
+    from the config's (2, 4, 8), so a runner that reads it serves (4, 8)."""
+    cache = tmp_path_factory.mktemp("plans")
+    r = ModelRunner(model_dir, compilation_cache_dir=str(cache), **PLAN_LIMITS)
+    assert r.dispatcher.decode_buckets.sizes == (2, 4, 8)
+    with r._lock:
+        r.warmup_plan.replace_dispatcher(r.dispatcher.with_buckets(decode_buckets=BucketPolicy([4, 8])))
+    path = r.warmup_plan.store.path
+    plan = json.loads(path.read_text())
+    r.close()
+    return cache, path, plan
+
+
+def start_with(model_dir, cache, path, text: str):
+    """A runner started over a plan file holding ``text``, and the warnings it logged."""
+    path.write_text(text)
+    with Warnings() as seen:
+        runner = ModelRunner(model_dir, compilation_cache_dir=str(cache), **PLAN_LIMITS)
+    return runner, seen.messages
+
+
+def test_a_valid_plan_is_read(model_dir, saved_plan):
+    """The control of the tests below: the unchanged plan's buckets are served, nothing warned."""
+    cache, path, plan = saved_plan
+    runner, warned = start_with(model_dir, cache, path, json.dumps(plan))
+    assert runner.dispatcher.decode_buckets.sizes == (4, 8) and not warned
+
+
+def _set(plan: dict, where: tuple, value) -> dict:
+    plan = json.loads(json.dumps(plan))
+    *parents, last = where
+    node = plan
+    for step in parents:
+        node = node[step]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return plan
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("text, field", [
+    ("[]", "top level"), ("null", "top level"), ("42", "top level"), ('"a plan"', "top level"),
+    ("{not json", "top level"),
+    ({("decode_buckets",): "4, 8"}, "decode_buckets"), ({("decode_buckets",): [4, "8"]}, "decode_buckets.1"),
+    ({("decode_buckets",): [4.5, 8]}, "decode_buckets.0"), ({("jobs",): {"a": 1}}, "jobs"),
+    ({("jobs", 0, "demand"): 2.5}, "jobs.0.demand"), ({("jobs", 0, "demand"): "3"}, "jobs.0.demand"),
+    ({("jobs", 0, "mode"): "FAST"}, "jobs.0.mode"), ({("jobs", 0, "key"): [8, 8]}, "jobs.0.key"),
+    ({("jobs", 0, "key", "num_tokens"): True}, "jobs.0.key"), ({("jobs", 0, "key", "kind"): 7}, "jobs.0.key"),
+    ({("format",): True}, "format"), ({("jobs",): _DELETE}, "jobs"),
+])
+def test_a_plan_of_the_wrong_shape_is_ignored_and_the_engine_starts(model_dir, saved_plan, text, field):
+    """Valid JSON of the wrong shape, or a field of the wrong type, crashed the constructor with
+    a raw AttributeError / ValueError / TypeError (or was read, 2.5 demand as 2); the docs say
+    such a file is logged and ignored: now the warning names the file and the field."""
+    cache, path, plan = saved_plan
+    if isinstance(text, dict):
+        (where, value), = text.items()
+        text = json.dumps(_set(plan, where, value))
+    runner, warned = start_with(model_dir, cache, path, text)
+    assert runner.dispatcher.decode_buckets.sizes == (2, 4, 8)          # the config's: the plan ignored
+    assert len(warned) == 1 and str(path) in warned[0] and field in warned[0], warned
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=8)
+#: A plan's fields by type: where a drawn value of another JSON type makes the file no plan.
+_FIELDS = {("format",): "int", ("fingerprint",): "str", ("backend",): "str", ("device",): "str",
+           ("decode_buckets",): "list?", ("decode_buckets", 0): "int", ("token_buckets",): "list?",
+           ("jobs",): "list", ("jobs", 0): "dict", ("jobs", 0, "mode"): "mode", ("jobs", 0, "key"): "dict",
+           ("jobs", 0, "demand"): "int", ("jobs", 0, "bytes"): "int", ("jobs", 0, "seconds"): "number",
+           ("jobs", 0, "key", "kind"): "kind", ("jobs", 0, "key", "num_tokens"): "int",
+           ("jobs", 0, "key", "uniform_decode"): "bool", ("jobs", 0, "key", "num_loras"): "int"}
+_OF_TYPE = {"int": lambda v: type(v) is int, "str": lambda v: isinstance(v, str),
+            "bool": lambda v: isinstance(v, bool), "list": lambda v: isinstance(v, list),
+            "list?": lambda v: v is None or isinstance(v, list), "dict": lambda v: isinstance(v, dict),
+            "number": lambda v: type(v) in (int, float), "mode": lambda v: v in ("NONE", "PIECEWISE", "FULL"),
+            "kind": lambda v: v in ("forward", "sampler")}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_json_that_is_not_a_plan_is_ignored_and_the_engine_starts(model_dir, saved_plan, data):
+    """Property: a plan file holding any JSON value that is not a plan -- a drawn value, or the
+    saved plan with one field given a value of another JSON type -- leaves the engine starting,
+    one warning naming the file, and the plan unread."""
+    cache, path, plan = saved_plan
+    if data.draw(st.booleans(), label="whole file"):
+        value = data.draw(JSON.filter(lambda v: not isinstance(v, dict) or "jobs" not in v), label="file")
+    else:
+        where = data.draw(st.sampled_from(sorted(_FIELDS)), label="field")
+        wrong = data.draw(JSON.filter(lambda v: not _OF_TYPE[_FIELDS[where]](v)), label="value")
+        value = _set(plan, where, wrong)
+    runner, warned = start_with(model_dir, cache, path, json.dumps(value))
+    assert runner.dispatcher.decode_buckets.sizes == (2, 4, 8)
+    assert len(warned) == 1 and str(path) in warned[0] and "not a capture plan" in warned[0], warned
