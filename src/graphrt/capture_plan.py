@@ -5,7 +5,9 @@ Read from ``<compilation_cache_dir>/graphrt-plans/<backend>-<fingerprint>.json``
 written when background warm-up completes, after a re-fit and at ``close()``. The fingerprint
 covers what makes the plan mean the same keys; another fingerprint's plan is never read. A file
 is validated against :class:`PlanFile` (pydantic, strict types): one that is not JSON, or not a
-plan, is logged (the file and the field) and ignored. Format: docs/api.md, "Capture plans".
+plan, is logged (the file and the field) and ignored. A plan path that cannot be written turns
+the plan off for the runner, with a warning: it never fails a step, the builder or ``close()``.
+Format: docs/api.md, "Capture plans".
 """
 
 from __future__ import annotations
@@ -169,7 +171,10 @@ def _key_json(key: BatchDescriptor | SamplerKey) -> dict[str, Any]:
 
 
 class CapturePlanStore:
-    """One runner's plan file: :meth:`load` on start, :meth:`save` when there is news."""
+    """One runner's plan file: :meth:`load` on start, :meth:`save` when there is news.
+
+    :attr:`off` says why the plan is not kept (its path is taken by something that is not a plan
+    file, or a save failed: logged once), else None."""
 
     def __init__(self, directory: str | os.PathLike, *, backend: str, device: str, model: Any, config: Any) -> None:
         self.backend = backend
@@ -177,11 +182,22 @@ class CapturePlanStore:
         self.fingerprint = fingerprint(backend, device, model, config)
         self.path = Path(os.path.expanduser(os.fspath(directory))) / PLAN_DIR / f"{backend}-{self.fingerprint}.json"
         self.saves = 0
+        self.off: str | None = None
+        for where, taken in ((self.path.parent, lambda p: p.exists() and not p.is_dir()),
+                             (self.path, lambda p: p.exists() and not p.is_file())):
+            if taken(where):
+                self._turn_off(f"{where} is in the way (not a {'directory' if where != self.path else 'file'}); "
+                               "remove it to keep plans")
+                break
+
+    def _turn_off(self, why: str) -> None:
+        self.off = why
+        logger.warning("graphrt: the capture plan is off for this runner (nothing read or saved): %s", why)
 
     def load(self) -> SavedPlan | None:
         """The saved plan, or None (none yet, another fingerprint's, or not a plan: logged with
         the file and the field)."""
-        if not self.path.is_file():
+        if self.off is not None or not self.path.is_file():
             return None
         try:
             data = PlanFile.model_validate_json(self.path.read_bytes())
@@ -201,9 +217,13 @@ class CapturePlanStore:
         return plan
 
     def save(self, dispatcher: Dispatcher, jobs: Sequence[Job], demand: Callable[[Job], int],
-             cost: Callable[[Job], tuple[int, float]]) -> Path:
+             cost: Callable[[Job], tuple[int, float]]) -> Path | None:
         """Write the plan: ``dispatcher``'s bucket sizes and ``jobs`` most demanded first (ties in
-        their given order), each with its demand and its build bytes and seconds."""
+        their given order), each with its demand and its build bytes and seconds. Its path, or
+        None when the plan is :attr:`off` (a failed write turns it off: it runs on the builder's
+        thread and in ``close()``, which it must never fail)."""
+        if self.off is not None:
+            return None
         ranked = sorted(enumerate(jobs), key=lambda ij: (-demand(ij[1]), ij[0]))
         rows = []
         for _, job in ranked:
@@ -215,11 +235,18 @@ class CapturePlanStore:
                 "decode_buckets": list(dispatcher.decode_buckets) if dispatcher.decode_buckets else None,
                 "token_buckets": list(dispatcher.token_buckets) if dispatcher.token_buckets else None,
                 "jobs": rows}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plan-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)           # atomic: a reader never sees half a plan
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plan-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)           # atomic: a reader never sees half a plan
+        except OSError as exc:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            self._turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
+            return None
         self.saves += 1
         return self.path
 
@@ -238,9 +265,9 @@ def read_runner_plan(runner: Any) -> SavedPlan | None:
     return saved
 
 
-def save_runner_plan(runner: Any) -> Path:
+def save_runner_plan(runner: Any) -> Path | None:
     """Save a runner's plan: its dispatcher's buckets and keys, each key's demand (hits plus
-    steps that wanted it while it was missing) and build cost."""
+    steps that wanted it while it was missing) and build cost. None when the plan is off."""
     from graphrt.background import demand_of
 
     def cost(job: Job) -> tuple[int, float]:

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import graphrt
 from graphrt import ModelRunner
 from graphrt.background import BackgroundWarmup
 from graphrt.capture_plan import PLAN_DIR, CapturePlanStore, describe_device
 from graphrt.config import GraphConfig
 from graphrt.core.buckets import BucketPolicy
+from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.warmup import warmup_keys
 from support.runner_steps import LIMITS, greedy
@@ -260,3 +265,71 @@ def test_any_json_that_is_not_a_plan_is_ignored_and_the_engine_starts(model_dir,
     runner, warned = start_with(model_dir, cache, path, json.dumps(value))
     assert runner.dispatcher.decode_buckets.sizes == (2, 4, 8)
     assert len(warned) == 1 and str(path) in warned[0] and "not a capture plan" in warned[0], warned
+
+
+# ---- issue 46, item 9: a cache directory that cannot hold the caches is refused at construction ----
+
+def _unwritable_dir() -> str:
+    """/proc: a directory even root cannot create a file in (chmod does not stop root)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir="/proc"):
+            pass
+    except OSError:
+        return "/proc"
+    pytest.skip("/proc is writable here")
+
+
+@pytest.mark.parametrize("kind", ["regular file", "under a regular file", "unwritable"])
+def test_a_cache_dir_that_cannot_hold_the_caches_is_a_config_error(model_dir, tmp_path, kind):
+    """Before issue 46 the runner started and its background builder died on the first save
+    (a traceback on its thread), and close() raised the raw OSError."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    where = {"regular file": str(afile), "under a regular file": str(afile / "cache"),
+             "unwritable": _unwritable_dir() if kind == "unwritable" else ""}[kind]
+    with pytest.raises(ConfigError, match=f"compilation_cache_dir: {where}"):
+        ModelRunner(model_dir, compilation_cache_dir=where, **{**PLAN_LIMITS, "warmup": "background"})
+    if kind == "regular file":
+        with pytest.raises(ConfigError, match="compilation_cache_dir.*not a directory"):
+            graphrt.LLM(model_dir, compilation_cache_dir=where, **{**PLAN_LIMITS, "warmup": "background"})
+
+
+@pytest.fixture
+def thread_errors(monkeypatch):
+    """Exceptions that ended a thread (the background builder's)."""
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    return errors
+
+
+def test_a_plan_path_taken_by_a_directory_turns_the_plan_off(model_dir, tables, tmp_path, thread_errors, caplog):
+    """The plan's own path is a directory: the plan is off for this runner (a warning says
+    why); background warm-up completes, steps run, close() returns."""
+    first = ModelRunner(model_dir, compilation_cache_dir=str(tmp_path), **PLAN_LIMITS)
+    path = first.warmup_plan.store.path
+    first.close()
+    path.mkdir(parents=True)
+    r = make(model_dir, tables, tmp_path)
+    assert r.warmup_plan.store is None
+    assert any("capture plan is off" in m and str(path) in m for m in caplog.messages), caplog.messages
+    for _ in range(3):
+        tables.step([0, 1], [3, 3], [1, 1]).run(r, greedy(2))
+    assert r.background.wait(120) and not thread_errors
+    r.close()
+    assert path.is_dir() and not thread_errors
+
+
+def test_a_plan_that_cannot_be_saved_later_is_turned_off_not_raised(model_dir, tables, tmp_path, thread_errors,
+                                                                    caplog):
+    """The plans' directory turns into a file after the start: the builder's save and close()
+    log it and turn the plan off instead of raising the OSError."""
+    r = make(model_dir, tables, tmp_path)
+    plans = r.warmup_plan.store.path.parent
+    shutil.rmtree(plans, ignore_errors=True)
+    plans.write_text("in the way")
+    for _ in range(3):
+        tables.step([0, 1], [3, 3], [1, 1]).run(r, greedy(2))
+    assert r.background.wait(120) and not thread_errors
+    r.close()
+    assert r.warmup_plan.store.off is not None and "cannot write" in r.warmup_plan.store.off
+    assert any("capture plan is off" in m for m in caplog.messages) and not thread_errors
