@@ -181,4 +181,4 @@ def check_engine(config: GraphConfig) -> None:
     check_needs(engine_host_needs(config), physical_memory_bytes(), "host RAM")
 
 
-__all__ = ["check_before_loading", "check_engine", "check_memory", "engine_host_needs", "runner_needs"]
+__all__ = ["check_before_loading", "check_cache_dir", "check_engine", "check_memory", "engine_host_needs", "runner_needs"]
