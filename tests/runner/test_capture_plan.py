@@ -249,7 +249,7 @@ _OF_TYPE = {"int": lambda v: type(v) is int, "str": lambda v: isinstance(v, str)
             "kind": lambda v: v in ("forward", "sampler")}
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_json_that_is_not_a_plan_is_ignored_and_the_engine_starts(model_dir, saved_plan, data):
     """Property: a plan file holding any JSON value that is not a plan -- a drawn value, or the
