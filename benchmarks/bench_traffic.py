@@ -156,8 +156,7 @@ def refit(model_dir: str, phase_steps: int) -> dict[str, Any]:
         deadline = time.perf_counter() + 600
         while llm.has_unfinished() and time.perf_counter() < deadline:
             llm.step()
-        time.sleep(2 * 0.25)                              # the builder's last look at the window
-        runner.background.wait(120)
+        runner.background.wait(120)                       # the last re-fit's keys built and installed
         delta = {s: n - before.get(s, 0) for s, n in runner.step_sizes.items() if n > before.get(s, 0)}
         decode, _ = split_sizes(delta, 1)
         decode = {n: c for n, c in decode.items() if n == batch}   # the phase's steady decode steps

@@ -29,8 +29,9 @@ BACKGROUND_SLICE_S = 0.05
 #: step: a request that comes right after the engine is built runs first).
 BACKGROUND_IDLE_S = 0.05
 BACKGROUND_START_IDLE_S = 1.0
-#: How often the builder thread checks its tasks (traffic re-fits) once nothing is pending.
-BACKGROUND_TASK_S = 0.25
+#: How long the builder thread waits for a step's end before it looks for due work (a traffic
+#: re-fit's switch of key sets) when nothing is left to build.
+BACKGROUND_POLL_S = 0.25
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,9 @@ class BackgroundWarmup:
         self.completed_at: float | None = None
         #: Called (with the lock held) each time warm-up completes.
         self.on_complete: list[Callable[[], None]] = [on_complete] if on_complete is not None else []
-        #: Called (with the lock held) at each of the builder's turns before it builds (traffic re-fits).
-        self.tasks: list[Callable[[], None]] = []
+        #: Called once (with the lock held) at the builder's next turn with nothing launched in
+        #: flight, before it builds (:meth:`at_idle`: a traffic re-fit's switch of key sets).
+        self._due: list[Callable[[], None]] = []
         self._thread: threading.Thread | None = None
         self._started = False
         self._stop = threading.Event()
@@ -128,6 +130,24 @@ class BackgroundWarmup:
         """Whether ``job`` has an entry (built, or failed)."""
         target, cache_key = job_target(job, self.cache, self.sampler_cache)
         return cache_key in target
+
+    def at_idle(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (lock held) at the builder's next turn with no launched step in flight,
+        before any build: work that must not touch a key a launched step may still run. Marks
+        warm-up :attr:`active` meanwhile, so the runner hands the builder its turn after each
+        step and ``graphrt.LLM`` runs its plain loop until then."""
+        self._due.append(callback)
+        self.active = True
+        if self._started:
+            self.start()
+
+    def _run_due(self) -> None:
+        """The :meth:`at_idle` callbacks, once each; inactive after them when nothing is pending."""
+        due, self._due = self._due, []
+        for callback in due:
+            callback()
+        if not self._order and self.complete:
+            self.active = False
 
     def drop(self, jobs: Iterable[Job]) -> None:
         """Forget pending jobs (a re-fit that no longer wants them)."""
@@ -197,9 +217,11 @@ class BackgroundWarmup:
             callback()
 
     def build_all(self) -> int:
-        """Build every pending job now, in demand order (the caller holds the lock)."""
+        """Run what is due (:meth:`at_idle`), then build every pending job now, in demand order
+        (the caller holds the lock, nothing launched in flight)."""
+        self._run_due()
         n = 0
-        while self._order:
+        while self._order or not self.complete:
             n += self.build_next(max_seconds=float("inf"))
         return n
 
@@ -234,16 +256,15 @@ class BackgroundWarmup:
         return self.complete
 
     def _turn(self) -> bool:
-        """One builder turn (lock taken): the tasks, then a slice of builds; False when done."""
+        """One builder turn (lock taken): what is due, then a slice of builds; False when done."""
         with self.lock:
             if self._stop.is_set():
                 return False
             if self.idle():
-                for task in list(self.tasks):
-                    task()
-                if self._order:
+                self._run_due()
+                if self._order or not self.complete:
                     self.build_next()
-            return bool(self._order or self.tasks)
+            return bool(self._order or self._due or not self.complete)
 
     def report(self) -> dict[str, Any]:
         """Numbers for stats and logs: built, failed, pending, left out for memory, seconds spent
@@ -264,7 +285,7 @@ def _builder(ref: "weakref.ref[BackgroundWarmup]", stop: threading.Event, turn: 
         if background is None:
             return
         timeout = (BACKGROUND_START_IDLE_S if first else BACKGROUND_IDLE_S) if background._order \
-            else BACKGROUND_TASK_S
+            else BACKGROUND_POLL_S
         del background
         turn.wait(timeout)            # first: the first step's end, so the first request never waits on a build
         first = False

@@ -3,8 +3,11 @@ each -- stored beside the XLA persistent cache so a restart builds in demand ord
 
 Read from ``<compilation_cache_dir>/graphrt-plans/<backend>-<fingerprint>.json`` at start and
 written when background warm-up completes, after a re-fit and at ``close()``. The fingerprint
-covers what makes the plan mean the same keys; another fingerprint's plan is never read, an
-unparsable file is logged and ignored. Format: docs/api.md, "Capture plans".
+covers what makes the plan mean the same keys; another fingerprint's plan is never read. A file
+is validated against :class:`PlanFile` (pydantic, strict types): one that is not JSON, or not a
+plan, is logged (the file and the field) and ignored. A plan path that cannot be written turns
+the plan off for the runner, with a warning: it never fails a step, the builder or ``close()``.
+Format: docs/api.md, "Capture plans".
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import platform
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from graphrt.core import __version__
 from graphrt.core.buckets import BucketPolicy
@@ -34,6 +39,75 @@ PLAN_DIR = "graphrt-plans"
 #: GraphConfig fields that do not change which keys a plan names.
 _NOT_FINGERPRINTED = frozenset({"compilation_cache_dir", "disable_capture_plan", "refit_interval",
                                 "refit_max_buckets", "strict", "debug_check_addresses", "host_kernel"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class ForwardKeyJson(_Strict):
+    """A forward key in a plan file (:class:`~graphrt.core.dispatch.BatchDescriptor`'s fields)."""
+
+    kind: Literal["forward"]
+    num_tokens: int = Field(ge=1)
+    num_reqs: Optional[int] = Field(ge=1)
+    uniform_decode: bool
+    num_loras: int = Field(0, ge=0)
+    max_seq_len: Optional[int] = None
+
+    def key(self) -> BatchDescriptor:
+        return BatchDescriptor(self.num_tokens, self.num_reqs, self.uniform_decode, self.num_loras, self.max_seq_len)
+
+
+class SamplerKeyJson(_Strict):
+    """A sampler key in a plan file (:class:`~graphrt.core.dispatch.SamplerKey`'s fields)."""
+
+    kind: Literal["sampler"]
+    num_reqs: int = Field(ge=1)
+    greedy: bool
+    logprobs: bool = False
+    wide_top_k: bool = False
+    penalties: bool = False
+
+    def key(self) -> SamplerKey:
+        return SamplerKey(self.num_reqs, self.greedy, self.logprobs, self.wide_top_k, self.penalties)
+
+
+class PlanJobJson(_Strict):
+    """One planned key: its mode, the key, its demand, and what building it cost."""
+
+    mode: RuntimeMode
+    key: Annotated[Union[ForwardKeyJson, SamplerKeyJson], Field(discriminator="kind")]
+    demand: int = Field(ge=0)
+    bytes: int = Field(0, ge=0)
+    seconds: float = Field(0.0, ge=0, allow_inf_nan=False)
+
+
+class PlanFile(_Strict):
+    """The schema of a capture plan file (what :meth:`CapturePlanStore.save` writes)."""
+
+    format: int
+    fingerprint: str
+    backend: str = ""
+    device: str = ""
+    decode_buckets: Optional[list[Annotated[int, Field(ge=1)]]] = None
+    token_buckets: Optional[list[Annotated[int, Field(ge=1)]]] = None
+    jobs: list[PlanJobJson]
+
+    @field_validator("format")
+    @classmethod
+    def _this_format(cls, value: int) -> int:
+        if value != PLAN_FORMAT:
+            raise ValueError(f"format {value} is not the one this graphrt reads ({PLAN_FORMAT})")
+        return value
+
+
+def _first_problem(error: ValidationError) -> str:
+    """A plan file's first schema error: the field (``jobs.3.key.num_tokens``) and what is wrong."""
+    e = error.errors()[0]
+    where = ".".join(map(str, e["loc"])) or "the top level"
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"{where}: {e['msg']}{more}"
 
 
 @dataclass
@@ -96,14 +170,11 @@ def _key_json(key: BatchDescriptor | SamplerKey) -> dict[str, Any]:
     return {"kind": kind, **dataclasses.asdict(key)}
 
 
-def _key_from(data: dict[str, Any]) -> BatchDescriptor | SamplerKey:
-    data = dict(data)
-    kind = data.pop("kind")
-    return SamplerKey(**data) if kind == "sampler" else BatchDescriptor(**data)
-
-
 class CapturePlanStore:
-    """One runner's plan file: :meth:`load` on start, :meth:`save` when there is news."""
+    """One runner's plan file: :meth:`load` on start, :meth:`save` when there is news.
+
+    :attr:`off` says why the plan is not kept (its path is taken by something that is not a plan
+    file, or a save failed: logged once), else None."""
 
     def __init__(self, directory: str | os.PathLike, *, backend: str, device: str, model: Any, config: Any) -> None:
         self.backend = backend
@@ -111,28 +182,48 @@ class CapturePlanStore:
         self.fingerprint = fingerprint(backend, device, model, config)
         self.path = Path(os.path.expanduser(os.fspath(directory))) / PLAN_DIR / f"{backend}-{self.fingerprint}.json"
         self.saves = 0
+        self.off: str | None = None
+        for where, taken in ((self.path.parent, lambda p: p.exists() and not p.is_dir()),
+                             (self.path, lambda p: p.exists() and not p.is_file())):
+            if taken(where):
+                self._turn_off(f"{where} is in the way (not a {'directory' if where != self.path else 'file'}); "
+                               "remove it to keep plans")
+                break
+
+    def _turn_off(self, why: str) -> None:
+        self.off = why
+        logger.warning("graphrt: the capture plan is off for this runner (nothing read or saved): %s", why)
 
     def load(self) -> SavedPlan | None:
-        """The saved plan, or None (none yet, or unreadable: logged)."""
-        if not self.path.is_file():
+        """The saved plan, or None (none yet, another fingerprint's, or not a plan: logged with
+        the file and the field)."""
+        if self.off is not None or not self.path.is_file():
             return None
         try:
-            data = json.loads(self.path.read_text())
-            if data.get("format") != PLAN_FORMAT or data.get("fingerprint") != self.fingerprint:
-                return None
-            jobs = [((RuntimeMode(j["mode"]), _key_from(j["key"])), int(j["demand"])) for j in data["jobs"]]
-            plan = SavedPlan(data.get("decode_buckets"), data.get("token_buckets"), jobs)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("graphrt: ignoring the capture plan %s: %s", self.path, exc)
+            data = PlanFile.model_validate_json(self.path.read_bytes())
+        except OSError as exc:
+            logger.warning("graphrt: ignoring the capture plan %s: cannot read it: %s", self.path, exc)
             return None
+        except ValidationError as exc:
+            logger.warning("graphrt: ignoring the capture plan %s: not a capture plan: %s", self.path,
+                           _first_problem(exc))
+            return None
+        if data.fingerprint != self.fingerprint:
+            return None
+        jobs = [((j.mode, j.key.key()), j.demand) for j in data.jobs]
+        plan = SavedPlan(data.decode_buckets, data.token_buckets, jobs)
         logger.info("graphrt: capture plan %s: %d keys, %d steps of demand", self.path.name, len(plan.jobs),
                     sum(d for _, d in plan.jobs))
         return plan
 
     def save(self, dispatcher: Dispatcher, jobs: Sequence[Job], demand: Callable[[Job], int],
-             cost: Callable[[Job], tuple[int, float]]) -> Path:
+             cost: Callable[[Job], tuple[int, float]]) -> Path | None:
         """Write the plan: ``dispatcher``'s bucket sizes and ``jobs`` most demanded first (ties in
-        their given order), each with its demand and its build bytes and seconds."""
+        their given order), each with its demand and its build bytes and seconds. Its path, or
+        None when the plan is :attr:`off` (a failed write turns it off: it runs on the builder's
+        thread and in ``close()``, which it must never fail)."""
+        if self.off is not None:
+            return None
         ranked = sorted(enumerate(jobs), key=lambda ij: (-demand(ij[1]), ij[0]))
         rows = []
         for _, job in ranked:
@@ -144,11 +235,18 @@ class CapturePlanStore:
                 "decode_buckets": list(dispatcher.decode_buckets) if dispatcher.decode_buckets else None,
                 "token_buckets": list(dispatcher.token_buckets) if dispatcher.token_buckets else None,
                 "jobs": rows}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plan-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)           # atomic: a reader never sees half a plan
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plan-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)           # atomic: a reader never sees half a plan
+        except OSError as exc:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            self._turn_off(f"cannot write {self.path}: {exc.strerror or exc}")
+            return None
         self.saves += 1
         return self.path
 
@@ -167,9 +265,9 @@ def read_runner_plan(runner: Any) -> SavedPlan | None:
     return saved
 
 
-def save_runner_plan(runner: Any) -> Path:
+def save_runner_plan(runner: Any) -> Path | None:
     """Save a runner's plan: its dispatcher's buckets and keys, each key's demand (hits plus
-    steps that wanted it while it was missing) and build cost."""
+    steps that wanted it while it was missing) and build cost. None when the plan is off."""
     from graphrt.background import demand_of
 
     def cost(job: Job) -> tuple[int, float]:
@@ -182,4 +280,5 @@ def save_runner_plan(runner: Any) -> Path:
         lambda job: demand_of(job, runner.background, runner.cache, runner.sampler_cache), cost)
 
 
-__all__ = ["CapturePlanStore", "read_runner_plan", "save_runner_plan", "PLAN_DIR", "SavedPlan", "describe_device", "fingerprint"]
+__all__ = ["CapturePlanStore", "PlanFile", "read_runner_plan", "save_runner_plan", "PLAN_DIR", "SavedPlan",
+           "describe_device", "fingerprint"]

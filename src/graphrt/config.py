@@ -136,7 +136,8 @@ class GraphConfig(BaseModel):
                                         "that lets a restart build in demand order")
     refit_interval: Count = Field(
         0, ge=0, description="re-fit the bucket sizes to the step sizes served every this many steps (exact fit "
-                             "under the graph budget; new keys built in the background, unused ones retired); 0: off")
+                             "under the graph budget; new keys built in the background, unused ones retired); 0: off, "
+                             f"else at least {defaults.MIN_REFIT_INTERVAL}")
     refit_max_buckets: Optional[Count] = Field(
         None, gt=0, description="graph budget of a re-fit: bucket sizes per family (decode batch sizes, token "
                                 "sizes); default: as many as the starting policy has")
@@ -202,6 +203,16 @@ class GraphConfig(BaseModel):
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings", "context_buckets")(
         classmethod(lambda cls, v, info: _sizes(info.field_name, v)))
+
+    @field_validator("refit_interval")
+    @classmethod
+    def _check_refit_interval(cls, value: int) -> int:
+        """0 (off) or at least ``defaults.MIN_REFIT_INTERVAL``: a shorter window never re-fits."""
+        if 0 < value < defaults.MIN_REFIT_INTERVAL:
+            raise ValueError(f"must be 0 (off) or at least {defaults.MIN_REFIT_INTERVAL} steps "
+                             f"(graphrt.core.defaults.MIN_REFIT_INTERVAL: each re-fit fits the buckets to the "
+                             f"last interval's steps, and fewer are noise), got {value}")
+        return value
 
     @field_validator("kv_cache_dtype")
     @classmethod

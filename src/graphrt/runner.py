@@ -130,6 +130,8 @@ class ModelRunner:
         self.background: BackgroundWarmup | None = self.warmup_plan.background(
             warmup, lambda: not self._launched, data_parallel=step_agreement is not None)
         self.traffic = TrafficFit.attach(self, step_agreement) if cfg.refit_interval else None
+        #: Steps left before the traffic re-fit decides (counted only with ``refit_interval``).
+        self._until_refit = cfg.refit_interval or 1
         self.warmup_plan.begin(warmup, saved)
 
     # ---- setup ---------------------------------------------------------------------
@@ -223,9 +225,10 @@ class ModelRunner:
         plan = self._plans.get(shape)           # remembered until either cache changes
         if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
             plan = self._replan(shape)
-        if self.traffic is not None:         # the step-size distribution a re-fit reads
+        if self.traffic is not None:         # the step-size distribution a re-fit reads, and its schedule
             sizes = self.step_sizes
             sizes[shape] = sizes.get(shape, 0) + 1
+            self._until_refit -= 1
         padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
                                      out=self._host_buffers)
         if n:
@@ -259,6 +262,9 @@ class ModelRunner:
             self._sampled = (out, r)
         self.outputs.last = LastStep(plan, t, r, time.perf_counter() - t0)
         self._launched = not wait
+        if self._until_refit <= 0:           # every refit_interval-th step: the re-fit decides, here
+            self._until_refit = self.traffic.interval
+            self.traffic.refit(idle=wait)
         if wait and self.background is not None and self.background.active:
             self.background.turn.set()       # between steps: the builder's turn
         return out

@@ -1,9 +1,10 @@
 """Buckets fitted from live traffic: the step sizes a runner serves, re-fitted on a schedule.
 
-With ``refit_interval=N`` every ``N`` steps :class:`TrafficFit` fits each bucket family to a
-decaying histogram of step sizes; a new set is installed only when it pads the window
-``TRAFFIC_MIN_GAIN`` less (or as little with fewer keys), built in the background while the old
-set serves. See docs/api.md, "Buckets that follow the traffic".
+With ``refit_interval=N`` the runner's step loop calls :meth:`TrafficFit.refit` at the end of
+every ``N``-th step: it fits each bucket family to a decaying histogram of step sizes, so the
+same traffic re-fits at the same steps. A new set is chosen only when it pads the window
+``TRAFFIC_MIN_GAIN`` less (or as little with fewer keys); its keys are built in the background
+while the old set serves. See docs/api.md, "Buckets that follow the traffic".
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.dp_agreement import DispatchShape
@@ -20,10 +22,13 @@ from graphrt.warmup import Job
 #: Traffic re-fit (graphrt/traffic.py): the step-size histogram of earlier windows is weighted
 #: by this at each re-fit (0: only the last window counts) ...
 TRAFFIC_DECAY = 0.5
-#: ... a re-fit needs this many steps in its window, and installs the new buckets only when they
-#: pad the window's steps by this fraction less than the current ones (no churn on noise).
-TRAFFIC_MIN_STEPS = 32
+#: ... a re-fit installs the new buckets only when they pad the window's steps by this fraction
+#: less than the current ones (no churn on noise); its window holds at least
+#: ``defaults.MIN_REFIT_INTERVAL`` steps ...
 TRAFFIC_MIN_GAIN = 0.05
+#: ... and a family's histogram is binned to at most this many distinct sizes before the exact
+#: fit (O(n^2 k): 256 sizes take milliseconds, 4096 take seconds), as the fit runs in the step loop.
+TRAFFIC_MAX_SIZES = 256
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +55,18 @@ def fit_family(hist: Histogram, current: BucketPolicy, budget: int) -> BucketPol
     within = {n: max(1, round(c * 1000)) for n, c in hist.items() if n <= top and c > 0}
     if not within or budget <= 1:
         return BucketPolicy([top])
-    fitted = BucketPolicy.fit(within, budget - 1)
+    fitted = BucketPolicy.fit(binned(within, TRAFFIC_MAX_SIZES), budget - 1)
     return BucketPolicy(list(fitted.sizes) + [top])
+
+
+def binned(counts: dict[int, int], max_sizes: int) -> dict[int, int]:
+    """``counts`` with at most ``max_sizes`` distinct sizes: consecutive sizes merged into the
+    largest of their run (a bucket chosen for it still covers every merged step)."""
+    sizes = sorted(counts)
+    if len(sizes) <= max_sizes:
+        return counts
+    per = -(-len(sizes) // max_sizes)
+    return {run[-1]: sum(counts[n] for n in run) for run in (sizes[i:i + per] for i in range(0, len(sizes), per))}
 
 
 def padded(hist: Histogram, policy: BucketPolicy | None) -> float:
@@ -62,8 +77,10 @@ def padded(hist: Histogram, policy: BucketPolicy | None) -> float:
 class TrafficFit:
     """Step-size histograms of a runner and its bucket set re-fitted to them every ``interval`` steps.
 
-    Reads the runner's step sizes, dispatcher and caches; its :class:`BackgroundWarmup` builds the
-    new keys and runs :meth:`maybe_refit` between steps.
+    Reads the runner's step sizes, dispatcher and caches. The runner's step loop counts steps and
+    calls :meth:`refit` every ``interval`` of them (the decision: a function of the traffic alone);
+    its :class:`BackgroundWarmup` builds the new keys, and switches key sets at a turn with no
+    launched step in flight when the step that decided had one.
     """
 
     def __init__(self, runner: Any, *, interval: int, max_buckets: int | None = None,
@@ -85,22 +102,20 @@ class TrafficFit:
 
     @classmethod
     def attach(cls, runner: Any, step_agreement: Any = None) -> "TrafficFit":
-        """The re-fit of ``runner`` (its config's ``refit_interval`` / ``refit_max_buckets``), run by
-        its background builder between steps. Refused with data-parallel step agreement: every
-        rank must keep one key set, and re-fits are per runner."""
+        """The re-fit of ``runner`` (its config's ``refit_interval`` / ``refit_max_buckets``), called
+        by its step loop. Refused with data-parallel step agreement: every rank must keep one key
+        set, and re-fits are per runner."""
         if step_agreement is not None:
             raise ConfigError("refit_interval: data-parallel ranks must keep one key set; re-fits are per "
                               "runner, so they cannot be combined with step_agreement")
         cfg = runner.config
-        fit = cls(runner, interval=cfg.refit_interval, max_buckets=cfg.refit_max_buckets)
-        runner.background.tasks.append(fit.maybe_refit)
-        return fit
+        return cls(runner, interval=cfg.refit_interval, max_buckets=cfg.refit_max_buckets)
 
-    def maybe_refit(self) -> None:
-        """Re-fit when ``interval`` steps passed since the last one (the builder thread's task;
-        the runner's lock is held)."""
-        if self.runner.cache.stats.steps >= self.next_at and self._next is None:
-            self.refit()
+    @property
+    def target(self) -> Dispatcher:
+        """The bucket set the last re-fit chose (the served one once it is installed): a re-fit
+        compares against it, so its decision never depends on how far the builds got."""
+        return self._next[0] if self._next is not None else self.runner.dispatcher
 
     def window(self) -> int:
         """Fold the steps since the last look into the histograms; how many there were."""
@@ -117,15 +132,17 @@ class TrafficFit:
                 hist[size] = hist.get(size, 0.0) + n
         return sum(delta.values())
 
-    def refit(self) -> dict[str, Any] | None:
+    def refit(self, *, idle: bool = True) -> dict[str, Any] | None:
         """Fit the bucket sets to the histograms and queue the new keys (or install at once);
-        returns the re-fit's record, or None when nothing changed."""
+        returns the re-fit's record, or None when nothing changed. The runner's step loop calls
+        it every ``interval`` steps, its lock held; ``idle``: no launched step is in flight, so
+        keys may be retired now (else the switch waits for the builder's next turn)."""
         runner = self.runner
         steps = runner.cache.stats.steps
         self.next_at = steps + self.interval
-        if self.window() < TRAFFIC_MIN_STEPS:
+        if self.window() < defaults.MIN_REFIT_INTERVAL:
             return None
-        old = runner.dispatcher
+        old = self.target
         decode = tokens = None
         if old.decode_buckets is not None and old.separate_decode and self.decode:
             decode = fit_family(self.decode, old.decode_buckets, self.budget["decode"])
@@ -139,9 +156,12 @@ class TrafficFit:
         fewer = len(new.keys()) < len(old.keys())       # keys that no longer pay, at no padding cost
         if not (after <= (1 - TRAFFIC_MIN_GAIN) * before or (fewer and after <= before)):
             return None
-        jobs, old_jobs = runner.warmup_plan.jobs(new), runner.warmup_plan.jobs(old)
-        kept = set(jobs)
-        retire = [job for job in old_jobs if job not in kept]
+        plan = runner.warmup_plan
+        jobs, served = plan.jobs(new), plan.jobs(runner.dispatcher)
+        kept, serving = set(jobs), set(served)
+        superseded = plan.jobs(old) if self._next is not None else []    # chosen, never installed
+        retire = [job for job in dict.fromkeys(served + superseded) if job not in kept]
+        runner.background.drop(job for job in superseded if job not in kept and job not in serving)
         real = sum(n * c for n, c in self.decode.items()) + sum(n * c for n, c in self.mixed.items())
         record = {"step": steps, "decode_buckets": list(new.decode_buckets or ()),
                   "token_buckets": list(new.token_buckets or ()),
@@ -151,21 +171,22 @@ class TrafficFit:
                   "added": 0, "retired": 0, "installed": False}
         self.history.append(record)
         background = runner.background
-        if self._must_retire_first(jobs):
-            record["retired"] = runner.warmup_plan.replace_dispatcher(new, retire)
-            record["installed"] = True
-            record["added"] = background.plan(jobs)
-        else:
-            record["added"] = background.plan(jobs)
-            self._next = (new, retire)
+        self._next = (new, retire)
+        first = self._must_retire_first(jobs)      # the old keys go before the new ones are built
+        if first and idle:
+            self._install_pending()
+        record["added"] = background.plan(jobs)
         logger.info("graphrt: traffic re-fit at step %d: decode buckets %s -> %s, token buckets %s -> %s; "
                     "padding waste over the window %.1f%% -> %.1f%%; %d keys to build in the background, %s",
                     steps, record["old_decode_buckets"], record["decode_buckets"], record["old_token_buckets"],
                     record["token_buckets"], 100 * record["waste_before"], 100 * record["waste_after"],
                     record["added"], f"{record['retired']} retired" if record["installed"]
                     else f"{len(retire)} to retire once they are built")
-        if self._next is not None and not background.active:      # nothing to build: switch now
-            self._install_pending()
+        if self._next is not None and (first or not background.active):    # switch before any build
+            if idle:
+                self._install_pending()
+            else:           # a launched step may still run a key it retires: at the builder's turn
+                background.at_idle(self._install_pending)
         return record
 
     def _must_retire_first(self, jobs: list[Job]) -> bool:
@@ -200,4 +221,4 @@ class TrafficFit:
                 "history": list(self.history[-8:])}
 
 
-__all__ = ["TrafficFit", "fit_family", "padded", "split_sizes"]
+__all__ = ["TrafficFit", "binned", "fit_family", "padded", "split_sizes"]

@@ -24,11 +24,13 @@ class WarmupPlan:
     def __init__(self, runner: Any, step_plans: dict, lock: Any) -> None:
         self.runner, self._step_plans, self._lock = runner, step_plans, lock
         cfg = runner.config
-        #: The capture plan's file (with ``compilation_cache_dir``; None: no plan kept).
-        self.store = (CapturePlanStore(cfg.compilation_cache_dir, backend=runner.backend.name,
-                                       device=describe_device(runner.executor), model=runner.model, config=cfg)
-                      if cfg.compilation_cache_dir and not cfg.disable_capture_plan
-                      and cfg.tensor_parallel_size == 1 else None)
+        #: The capture plan's file (with ``compilation_cache_dir``; None: no plan kept, or its path
+        #: is taken by something that is not a plan file: logged).
+        store = (CapturePlanStore(cfg.compilation_cache_dir, backend=runner.backend.name,
+                                  device=describe_device(runner.executor), model=runner.model, config=cfg)
+                 if cfg.compilation_cache_dir and not cfg.disable_capture_plan
+                 and cfg.tensor_parallel_size == 1 else None)
+        self.store = store if store is not None and store.off is None else None
 
     def jobs(self, dispatcher: Any = None) -> list[Job]:
         """Every key warm-up builds under ``dispatcher`` (default: the runner's), largest first,

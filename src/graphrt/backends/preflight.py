@@ -3,7 +3,8 @@
 Settings that used to fail late (deep in loading, at the first prefill) are a
 :class:`ConfigError` naming the field here: :func:`check_before_loading` (a backend that shards
 for ``tensor_parallel_size > 1``, a known ``dtype``, a ``model_impl`` for the directory,
-``max_model_len`` within ``max_position_embeddings``); :func:`check_memory`, after loading (the
+``max_model_len`` within ``max_position_embeddings``, a ``compilation_cache_dir`` this process
+can write: :func:`check_cache_dir`); :func:`check_memory`, after loading (the
 bytes each setting implies, :func:`runner_needs`, against host RAM and device memory); and
 :func:`engine_host_needs` (graphrt.LLM's tables). The counts are lower bounds: enough to refuse
 what can never fit, not an estimate of the process."""
@@ -11,6 +12,8 @@ what can never fit, not an estimate of the process."""
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,8 @@ def check_before_loading(backend: Any, model: Any, config: GraphConfig, dtype: A
     tp = config.tensor_parallel_size
     if tp > 1 and backend.framework != "torch":
         raise ConfigError(f"tensor_parallel_size={tp}: backend {backend.name} does not shard (torch ones do)")
+    if config.compilation_cache_dir:
+        check_cache_dir(config.compilation_cache_dir)
     path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
     if path is not None:    # which implementation loads it (model_impl), refused here if none can
         resolve_model_impl(path, config.model_impl, backend.framework)
@@ -50,6 +55,27 @@ def check_before_loading(backend: Any, model: Any, config: GraphConfig, dtype: A
     if dtype is None:
         return None
     return model_dtype(dtype, (checkpoint_dtype or "float32") if path is not None else None)
+
+
+def check_cache_dir(directory: str | os.PathLike) -> Path:
+    """``compilation_cache_dir`` as a directory this process can write, created when missing:
+    proved by writing a file in it (permission bits say nothing for root, nor for a read-only or
+    virtual file system), so the XLA caches and the capture plan never fail later on a thread
+    or in ``close()``. Raises :class:`ConfigError` naming the field, the path and why."""
+    path = Path(os.path.expanduser(os.fspath(directory)))
+    fix = "give a directory this process can create and write, or leave compilation_cache_dir unset"
+    step = "cannot be created"
+    try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"compilation_cache_dir: {path} exists and is not a directory; {fix}")
+        path.mkdir(parents=True, exist_ok=True)
+        step = "cannot be written (creating a file in it failed)"
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".graphrt-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"compilation_cache_dir: {path} {step}: {exc.strerror or exc}; {fix}") from None
+    return path
 
 
 def _table_field(config: GraphConfig) -> str:
@@ -155,4 +181,4 @@ def check_engine(config: GraphConfig) -> None:
     check_needs(engine_host_needs(config), physical_memory_bytes(), "host RAM")
 
 
-__all__ = ["check_before_loading", "check_engine", "check_memory", "engine_host_needs", "runner_needs"]
+__all__ = ["check_before_loading", "check_cache_dir", "check_engine", "check_memory", "engine_host_needs", "runner_needs"]

@@ -51,6 +51,11 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 DEFAULT_LLM_WARMUP = "upfront"
 
+#: The shortest ``refit_interval`` (steps) a traffic re-fit honours: each re-fit fits the bucket
+#: sizes to the steps of its last interval (graphrt/traffic.py), and fewer steps than this are
+#: noise, not traffic. GraphConfig refuses a shorter interval (0 turns re-fits off).
+MIN_REFIT_INTERVAL = 32
+
 
 #: KV cache budget on devices that cannot report free memory (the CPU backends). A KV size,
 #: not a device budget: graph memory is deducted only from a given ``kv_cache_memory`` or
