@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,13 +65,28 @@ def key_policies(cb_config: Any, cache: Any, capture_sizes: Any = None,
     return token_policy, config.context_policy()
 
 
+@dataclass
+class ReadStats:
+    """Cache tokens the steps read (``max_kv_read``, summed): the real ones and, padding to the
+    keys' context buckets included, those the attention ran over. The token padding is in the
+    :class:`~graphrt.CacheStats`; this is the other dimension of a key."""
+
+    real: int = 0
+    padded: int = 0
+
+    @property
+    def padding_waste(self) -> float:
+        """Fraction of the cache tokens read that were padding."""
+        return 0.0 if self.padded == 0 else 1.0 - self.real / self.padded
+
+
 class GraphrtCBRunner(ModelRunner):
     """transformers' ``ModelRunner`` whose steps run under graphrt's keys, padding and graphs.
 
     ``base``: the runner transformers made (its logits processors, config, IOs, cache and
     sampling flags are taken over); ``model``: the manager's model; ``settings``: what
-    ``enable`` was given. ``cache`` (a :class:`~graphrt.GraphCache`) holds the graphs and the
-    statistics.
+    ``enable`` was given. ``graph_cache`` (a :class:`~graphrt.GraphCache`) holds the graphs and
+    the statistics; ``reads`` the cache tokens read, real and padded.
     """
 
     def __init__(self, base: ModelRunner, model: torch.nn.Module, settings: Any) -> None:
@@ -95,8 +111,11 @@ class GraphrtCBRunner(ModelRunner):
         self.layer_types = list(io.cumulative_seqlens_k)
         self.warmed_up = False
         self.warmup_seconds = 0.0
+        self.reads = ReadStats()
         self._step: Dispatch | None = None
         self._batch: dict | None = None
+        #: The dispatcher's answers by (query tokens, context bucket): a pure function of the shape.
+        self._dispatches: dict[tuple[int, int], Dispatch] = {}
 
     # ------------------------------------------------------------------ shapes
     def maybe_pad_inputs(self, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool) -> tuple[int, int]:
@@ -108,12 +127,17 @@ class GraphrtCBRunner(ModelRunner):
                               "step, which activation turns off (max_blocks_per_request=0)")
         if self.settings.ahead and not self.warmed_up:
             self.warmup(self.model)
-        d = self.dispatcher.dispatch(num_q_tokens, min(num_q_tokens, self.inputs_and_outputs.max_requests_per_batch),
-                                     False, context=self.dispatcher.context_bucket(max_kv_read))
+        context = self.dispatcher.context_bucket(max_kv_read)
+        d = self._dispatches.get((num_q_tokens, context))
+        if d is None:
+            reqs = min(num_q_tokens, self.inputs_and_outputs.max_requests_per_batch)
+            d = self._dispatches[num_q_tokens, context] = self.dispatcher.dispatch(num_q_tokens, reqs, False,
+                                                                                   context=context)
         self._step = d
-        if d.mode is RuntimeMode.NONE:
-            return num_q_tokens, max_kv_read
-        return d.key.num_tokens, int(d.key.max_seq_len)
+        padded = max_kv_read if d.mode is RuntimeMode.NONE else int(d.key.max_seq_len)
+        self.reads.real += max_kv_read
+        self.reads.padded += padded
+        return (num_q_tokens if d.mode is RuntimeMode.NONE else d.key.num_tokens), padded
 
     # ------------------------------------------------------------------ steps
     def compute_batch(self, model: torch.nn.Module, batch_data: dict) -> None:
