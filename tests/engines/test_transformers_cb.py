@@ -90,13 +90,15 @@ def test_greedy_tokens_equal_eager_and_every_decode_step_replays_a_graph(arch, e
     decodes = [replays for decode, replays in step_log if decode]
     assert len(decodes) >= NEW_TOKENS - 1 and decodes == [1] * len(decodes), step_log
     stats = transformers_cb.stats(model)
-    runner = activation.runner(model)
+    runner = transformers_cb.runner_of(model)
     assert stats.hits == sum(replays for _, replays in step_log) and stats.misses == 0
     assert 0 < stats.entries <= len(runner.dispatcher.keys())          # each key captured once, on first use
     # Only the steps above the largest token bucket (chunked prefills of 64 tokens) ran eagerly.
     assert stats.eager_steps == stats.eager_by_cause[EagerCause.ABOVE_LARGEST_BUCKET].steps > 0
     tokens_policy, contexts = runner.dispatcher.token_buckets, runner.dispatcher.context_buckets
     assert all(k.num_tokens in tokens_policy and k.max_seq_len in contexts for k in stats.per_key)
+    # graphrt's capture sizes for 8 requests a step; cache reads every 256 tokens of the 1024 cached.
+    assert tokens_policy.sizes == (1, 2, 4, 8, 16) and contexts.sizes == (256, 512, 768, 1024)
 
 
 @pytest.mark.parametrize("arch", ["qwen3"], scope="module")
@@ -110,7 +112,7 @@ def test_keys_captured_ahead_strict_padding_writes_only_the_trash(eager_tokens, 
                                  context_buckets=[256]):
         tokens = generate(model, persistent_manager=True)
     assert tokens == eager_tokens
-    runner = activation.runner(model)
+    runner = transformers_cb.runner_of(model)
     stats = runner.graph_cache.stats
     assert runner.graph_cache.sealed and stats.unplanned_builds == 0 and stats.failed_builds == 0
     assert stats.entries == len(runner.dispatcher.keys()) == 2         # tokens=8 x contexts 256, 1024
@@ -132,7 +134,7 @@ def test_activation_is_explicit_and_reversible():
     plain, graphed = (load_hf_model(tiny_hf_model_dir("llama")) for _ in range(2))
     assert not activation.is_patched()
 
-    def runner_of(model):
+    def runner_type(model):
         manager = model.init_continuous_batching(generation_config=generation_config(),
                                                  continuous_batching_config=cb_config())
         manager.warmup()                              # builds the batch processor, starts no thread
@@ -140,10 +142,10 @@ def test_activation_is_explicit_and_reversible():
 
     with transformers_cb.enabled(graphed, backend="cpu"):
         assert activation.is_patched() and activation.is_enabled(graphed) and not activation.is_enabled(plain)
-        assert runner_of(graphed) is GraphrtCBRunner
-        assert runner_of(plain) is not GraphrtCBRunner
+        assert runner_type(graphed) is GraphrtCBRunner
+        assert runner_type(plain) is not GraphrtCBRunner
     assert ContinuousBatchingManager.__dict__["_create_batch_processor"] is original
-    assert not activation.is_patched() and runner_of(graphed) is not GraphrtCBRunner
+    assert not activation.is_patched() and runner_type(graphed) is not GraphrtCBRunner
 
 
 def test_refusals_name_the_setting(monkeypatch):

@@ -83,11 +83,11 @@ def stats(model: Any) -> Any:
     return _activation().stats(model)
 
 
-def runner(model: Any) -> Any:
+def runner_of(model: Any) -> Any:
     """``model``'s latest :class:`~.runner.GraphrtCBRunner` (its dispatcher, graph cache and
     ``reads``: cache tokens read, real and padded), or None before its first batch processor."""
-    return _activation().runner(model)
+    return _activation().runner_of(model)
 
 
-__all__ = ["TESTED_RANGE", "disable", "enable", "enabled", "runner", "stats", "unavailable_reason",
+__all__ = ["TESTED_RANGE", "disable", "enable", "enabled", "runner_of", "stats", "unavailable_reason",
            "version_reason"]

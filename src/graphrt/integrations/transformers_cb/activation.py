@@ -68,7 +68,7 @@ def enable(model: torch.nn.Module, backend: str = "cpu", *, capture_sizes: Seque
     graph; ``cuda``; ``npu``/``acl``; ``eager``: graphrt's padding and keys, no graph).
     ``capture_sizes``: token buckets (default: graphrt's capture sizes for the processor's
     ``max_requests_per_batch`` and ``max_batch_tokens``); ``context_buckets``: buckets of the
-    cache tokens a step reads (default: graphrt's, 256 doubling up to the whole cache).
+    cache tokens a step reads (default: every 256 tokens up to 8192, then doubling, the whole cache last).
     ``ahead``: capture every key at transformers' warm-up (else each on first use);
     ``strict`` (needs ``ahead``): a step whose key was not captured then raises
     :class:`~graphrt.CacheMissError`.
@@ -116,6 +116,7 @@ def enabled(model: torch.nn.Module, backend: str = "cpu", **options: Any) -> Ite
 
 
 def is_enabled(model: torch.nn.Module) -> bool:
+    """Whether batch processors made for ``model`` now run on graphrt."""
     return model in _ENABLED
 
 
@@ -124,7 +125,7 @@ def is_patched() -> bool:
     return _ORIGINAL is not None
 
 
-def runner(model: torch.nn.Module) -> GraphrtCBRunner | None:
+def runner_of(model: torch.nn.Module) -> GraphrtCBRunner | None:
     """The latest graphrt runner made for ``model`` (None before its first batch processor)."""
     return _RUNNERS.get(model)
 

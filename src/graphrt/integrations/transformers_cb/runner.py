@@ -32,6 +32,7 @@ from transformers.generation.continuous_batching.utils import stream_context
 
 from graphrt.backends.torch.device_graphs import describe_capture_failure
 from graphrt.config import GraphConfig
+from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.cache import GraphCache, describe_key
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher
@@ -45,10 +46,14 @@ logger = logging.getLogger(__name__)
 
 def key_policies(cb_config: Any, cache: Any, capture_sizes: Any = None,
                  context_buckets: Any = None) -> tuple[BucketPolicy, BucketPolicy]:
-    """graphrt's token and context bucket policies for a batch processor: its
-    ``max_requests_per_batch``, ``max_batch_tokens``, page size and the cache tokens a step can
-    read (``cache.max_tokens_read``), through :class:`~graphrt.GraphConfig` as graphrt's runner
-    derives them. ``capture_sizes`` / ``context_buckets`` replace the defaults (capped there)."""
+    """graphrt's token and context bucket policies for a batch processor.
+
+    Tokens: graphrt's capture sizes (:meth:`~graphrt.GraphConfig.capture_policy`) for its
+    ``max_requests_per_batch`` and ``max_batch_tokens``. Context (the cache tokens a step reads,
+    up to ``cache.max_tokens_read``, always the last bucket): every
+    ``DEFAULT_MIN_CONTEXT_BUCKET`` tokens ``LINEAR_CONTEXT_BUCKETS`` times, then graphrt's
+    doubling context buckets (:meth:`~graphrt.GraphConfig.context_policy`). ``capture_sizes`` /
+    ``context_buckets`` replace the defaults (capped at those limits)."""
     tokens, top = int(cache.max_batch_tokens), int(cache.max_tokens_read)
     config = GraphConfig.create(
         max_num_seqs=min(int(cb_config.max_requests_per_batch), tokens), max_num_batched_tokens=tokens,
@@ -62,7 +67,13 @@ def key_policies(cb_config: Any, cache: Any, capture_sizes: Any = None,
             raise ConfigError(f"capture_sizes: none of {list(capture_sizes)} is within the processor's "
                               f"max_batch_tokens={tokens}")
         token_policy = BucketPolicy(sizes)
-    return token_policy, config.context_policy()
+    contexts = config.context_policy()
+    if context_buckets is None:
+        step = defaults.DEFAULT_MIN_CONTEXT_BUCKET
+        linear_top = min(top, step * defaults.LINEAR_CONTEXT_BUCKETS)
+        sizes = list(range(step, linear_top + 1, step)) + [c for c in contexts if c > linear_top]
+        contexts = BucketPolicy(sizes + [top])
+    return token_policy, contexts
 
 
 @dataclass
