@@ -10,10 +10,10 @@ four ways in one process, each arm its own model and persistent manager:
 * ``eager CB``: transformers as it is on a CPU (no accelerator graph: every step eager);
 * ``CB on graphrt``: ``graphrt.integrations.transformers_cb.enable(model, backend="cpu")`` --
   the same manager, each step padded to a graphrt key (graphrt's token buckets x context
-  buckets: 256 cache tokens doubling) and replayed from graphrt's recording graph, each key
-  captured on first use;
-* ``CB on graphrt, context every 256``: the same with ``context_buckets`` every 256 cache
-  tokens: less attention over padding, more keys;
+  buckets: every 256 cache tokens, 32 of them, then doubling) and replayed from graphrt's
+  recording graph, each key captured on first use;
+* ``CB on graphrt, doubling contexts``: the same with ``context_buckets`` 256 doubling (those of
+  graphrt's own runner): fewer keys, more attention over padding;
 * ``CB own graphs -> recording graph``: transformers' own graph path, its five accelerator-graph
   functions pointed at graphrt's recording graph (the issue's experiment): its coarse padding
   intervals (queries to multiples of 64 tokens, cache reads to multiples of 16384 tokens, capped
@@ -54,8 +54,8 @@ MODELS = {"tiny": dict(COMMON, vocab_size=128, hidden_size=64, intermediate_size
 CB = dict(page_size=32, num_blocks=96, max_batch_tokens=256, max_requests_per_batch=NUM_REQUESTS)
 
 
-#: Cache tokens per context bucket of the ``context every 256`` arm.
-CONTEXT_STEP = 256
+#: The smallest context bucket of the ``doubling contexts`` arm.
+CONTEXT_START = 256
 
 
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -92,7 +92,8 @@ def own_graphs_on_recording_graph() -> Iterator[None]:
     replaced = {
         (initialization, "get_accelerator_graph_name"): lambda: "RecordingGraph",
         (model_runner, "create_accelerator_graph"): rg.RecordingGraph,
-        (model_runner, "accelerator_graph_capture_context"): lambda graph, stream, pool: rg.recording_graph(graph, pool),
+        (model_runner, "accelerator_graph_capture_context"):
+            lambda graph, stream, pool: rg.recording_graph(graph, pool),
         (model_runner, "get_memory_pools"): lambda: (None, rg.graph_pool_handle()),
         (model_runner, "memory_pool_context"): lambda pool: contextlib.nullcontext(),
     }
@@ -153,7 +154,7 @@ class Arm:
 
         if not self.on_graphrt:
             return "no graph"
-        s, reads = transformers_cb.stats(self.model), transformers_cb.runner(self.model).reads
+        s, reads = transformers_cb.stats(self.model), transformers_cb.runner_of(self.model).reads
         return (f"{s.entries} graphs, {s.hits}/{s.steps} steps replayed, padding {100 * s.padding_waste:.0f}% "
                 f"of tokens, {100 * reads.padding_waste:.0f}% of cache reads")
 
@@ -167,10 +168,10 @@ def run(model: str, rounds: int) -> dict[str, Any]:
     sizes = MODELS[model]
     batch = prompts(sizes["vocab_size"])
     top = CB["page_size"] * CB["num_blocks"]
+    doubling = [CONTEXT_START << k for k in range(top.bit_length()) if CONTEXT_START << k < top]
     with own_graphs_on_recording_graph():
         arms = [Arm("eager CB", sizes, None, False), Arm("CB on graphrt", sizes, {}, False),
-                Arm(f"CB on graphrt, context every {CONTEXT_STEP}", sizes,
-                    {"context_buckets": list(range(CONTEXT_STEP, top, CONTEXT_STEP))}, False),
+                Arm("CB on graphrt, doubling contexts", sizes, {"context_buckets": doubling}, False),
                 Arm("CB own graphs -> recording graph", sizes, None, True)]
         try:
             tokens, first, seconds, cpu = {}, {}, {a.name: [] for a in arms}, {a.name: [] for a in arms}
