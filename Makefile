@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.graphrt-installed
 
-.PHONY: venv test test-fast bench plan gpu-check clean test-engines test-engine-nanovllm
+.PHONY: venv test test-fast bench plan gpu-check clean test-engines test-engine-nanovllm test-engine-transformers-cb
 
 venv: $(STAMP)
 
@@ -47,6 +47,8 @@ gpu-check:
 # not graphrt's dev set), each running its tests/engines/ file; a test skips, saying why, where its
 # engine does not import. nano-vllm: from the checkout NANOVLLM_SRC names (flash-attn, one of its
 # declared dependencies, cannot install without CUDA, hence --no-deps; xxhash is the one it uses here).
+# transformers' continuous batching needs no venv of its own: transformers is graphrt's test oracle,
+# in .venv already, so `make test` runs its file too.
 ENGINES := .venv-engines
 NANOVLLM_SRC ?=
 NANO_PY := $(ENGINES)/nanovllm/bin/python
@@ -57,11 +59,14 @@ $(ENGINES)/nanovllm/.graphrt-installed: pyproject.toml constraints.txt
 	$(NANO_PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]" xxhash
 	touch $@
 
-test-engines: test-engine-nanovllm
+test-engines: test-engine-nanovllm test-engine-transformers-cb
 
 test-engine-nanovllm: $(ENGINES)/nanovllm/.graphrt-installed
 	$(if $(NANOVLLM_SRC),$(NANO_PY) -m pip install -q --disable-pip-version-check --no-deps -e "$(NANOVLLM_SRC)")
 	$(NANO_PY) -m pytest -q tests/engines/test_nanovllm.py
+
+test-engine-transformers-cb: $(STAMP)
+	$(VPY) -m pytest -q tests/engines/test_transformers_cb.py
 
 clean:
 	rm -rf $(VENV) $(ENGINES) .pytest_cache .hypothesis build src/*.egg-info

@@ -44,6 +44,12 @@ DEFAULT_MIN_CONTEXT_BUCKET = 256
 #: of the reference kernel holds its whole bucket's gather, so longer steps run PIECEWISE (their
 #: attention eager, at its exact length), and the graphs do not grow with max_model_len.
 DEFAULT_MAX_GRAPH_CONTEXT = 512
+#: Where a step's attention reads all of its cache tokens through one padded index
+#: (transformers' continuous batching), its context buckets step by DEFAULT_MIN_CONTEXT_BUCKET
+#: tokens this many times before they double: on a CPU padded cache tokens cost as much as real
+#: ones (doubling alone left 36 % of them padding, docs/benchmarks.md), and the key set stays
+#: logarithmic in the cache size beyond.
+LINEAR_CONTEXT_BUCKETS = 32
 DEFAULT_BLOCK_SIZE = 16
 #: Fraction of free device memory the KV cache may take when sized from a budget.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
