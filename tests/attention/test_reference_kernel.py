@@ -117,7 +117,7 @@ def dense(s: dict, q, cache, sinks, req_slots) -> torch.Tensor:
     return torch.cat(outs)
 
 
-@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps())
 def test_the_kernel_is_dense_attention(s: dict) -> None:
     q, k, v, cache, meta, sinks, req_slots, real = build(s)
@@ -155,7 +155,7 @@ def _model(tmp_path, kv_heads: int, groups: int):
 
 
 def test_the_op_count_does_not_grow_with_heads(tmp_path) -> None:
-    reports = {heads: lint_model(_model(tmp_path, *heads)) for heads in ((2, 2), (8, 2), (8, 1), (4, 4))}
+    reports = {heads: lint_model(_model(tmp_path, *heads)) for heads in ((2, 2), (8, 2), (8, 1))}
     for heads, report in reports.items():
         assert report.clean, f"{heads}: {report}"
     counts = {heads: report.num_ops for heads, report in reports.items()}
