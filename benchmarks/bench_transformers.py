@@ -17,9 +17,10 @@ Tokens/s is generated tokens over the wall time of the call (warm: an untimed fi
 builds graphs and caches), the median of the rounds, the three interleaved. Agreement: the
 share of requests whose tokens equal graphrt's. One table at the end: a row per shape and
 arm; an arm that fails on a model (its untimed round does not generate every token:
-``generate_batch`` on the MLA model in transformers 5.24: its paged cache is shaped from the
-config's head fields, not the latent K/V the model stores) is listed as failed and not timed. Target (issues 31, 46):
-graphrt >= 1.3x ``generate`` in tokens/s on every shape, with the same tokens.
+``generate_batch`` on the MLA model in transformers 5.24, whose paged cache is shaped from the
+config's head fields, not the latent K/V the model stores) is listed as failed and not timed.
+Target (issues 31, 46): graphrt >= 1.3x ``generate`` in tokens/s on every shape, with the same
+tokens.
 
 Run: ``python benchmarks/bench_transformers.py [--rounds N] [--quick] [--backend cpu|eager]
 [--shapes 4x64,8x32-gqa,16x64-gqa,mla] [--prompts LO-HI] [--no-batch]``.
