@@ -5,7 +5,7 @@
 * It catches padding and KV bugs planted in the reference model's attention, each with a
   shrunk counterexample of at most 3 requests: a -1 slot used as a Python index (writes the
   last real KV slot), padded rows that come out NaN, and stale block-table rows read by
-  attention (a plan buffer that keeps padded requests' rows from an earlier step); and
+  attention (a plan buffer that re-plans a row only for a new request, not as it grows); and
   attention that reads a token's own slot before storing its K/V.
 * A user's own reference (transformers) sees a bug no other property can: a doubled
   softmax scale.
@@ -110,8 +110,10 @@ class UnguardedSoftmax(PagedAttention):
 
 
 class StalePlan(PagedAttention):
-    """Keeps its own block table and lengths (a FlashInfer-style plan) and refreshes only the
-    rows of requests with tokens: padded requests read an earlier step's stale rows."""
+    """Keeps its own block table (a FlashInfer-style plan) and re-plans a request's row only when
+    a new request takes the row (a length no longer than the plan's), not as its request grows:
+    a request that reaches a new block reads whatever block the plan held there before.
+    (Stale rows of padded requests alone are harmless: the kernel reads nothing for them.)"""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context()
@@ -119,11 +121,11 @@ class StalePlan(PagedAttention):
         if getattr(self, "plan_table", None) is None:
             self.plan_table = torch.zeros(KIT_LIMITS["max_num_batched_tokens"], width, dtype=meta.block_table.dtype)
             self.plan_lens = torch.zeros(KIT_LIMITS["max_num_batched_tokens"], dtype=meta.seq_lens.dtype)
-        live = meta.seq_lens > 0
-        self.plan_table[:r].copy_(torch.where(live[:, None], meta.block_table, self.plan_table[:r]))
-        self.plan_lens[:r].copy_(torch.where(live, meta.seq_lens, self.plan_lens[:r]))
+        fresh = (meta.seq_lens > 0) & (meta.seq_lens <= self.plan_lens[:r])
+        self.plan_table[:r].copy_(torch.where(fresh[:, None], meta.block_table, self.plan_table[:r]))
+        self.plan_lens[:r].copy_(meta.seq_lens)
         return paged_attention_kernel(q, k, v, self.kv_cache, meta.slot_mapping, meta.query_start_loc,
-                                      self.plan_lens[:r], self.plan_table[:r], meta.token_req_idx,
+                                      meta.seq_lens, self.plan_table[:r], meta.token_req_idx,
                                       meta.block_size, self.scale)
 
 

@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the reference kernel of graphrt's torch models.
 
-Capture-safe: static shapes, no host syncs, no boolean-mask indexing, no branches on tensor
-values; masked entries are removed with ``torch.where`` so stale NaN cache rows never leak.
+Capture-safe: static shapes, no host syncs, no boolean-mask indexing, branches on shapes only
+(never on tensor values); a context column a token may not read is gathered from a row this
+step wrote, so stale (even NaN) cache rows never leak.
 
 KV cache layout (one tensor per attention layer)::
 
@@ -26,7 +27,7 @@ from torch import nn
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.models.torch.forward_context import get_forward_context
-from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, read_kv_rows, write_kv_rows
+from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, write_kv_rows
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,155 @@ class TorchAttentionMetadata:
         return cls(slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx, int(block_size), kernel)
 
 
+#: The most query tokens of one request a tile of the reference kernel holds (query_tile).
+MAX_QUERY_TILE = 32
+
+
+def query_tile(num_tokens: int, num_reqs: int) -> int:
+    """Query tokens per tile of the reference kernel, from the step's shapes only (graph-safe).
+
+    A tile is up to this many consecutive tokens of one request; the kernel gathers each tile's
+    context once for all its tokens and heads. A step of ``T`` tokens and ``R`` requests has at
+    most ``T // tile + R`` tiles, each computing ``tile`` rows, so the tile is 1 (one tile per
+    token, nothing padded) for decode-like steps, and for prefills the largest power of two up to
+    half the mean query length (at most :data:`MAX_QUERY_TILE`): padding then adds at most half
+    the rows while the gathered context shrinks by the tile size.
+    """
+    mean = num_tokens // max(num_reqs, 1)
+    if mean < 4:
+        return 1
+    return min(MAX_QUERY_TILE, 1 << ((mean // 2).bit_length() - 1))
+
+
+class AttentionPlan(NamedTuple):
+    """What the reference kernel reads of a step besides K/V (the same in every layer of a
+    window): ``N`` query tiles of ``tile`` tokens (:func:`query_tile`), each of one request.
+
+    ``tokens [N, tile]``: the step's token at each tile row (clamped into the step); ``live [N,
+    tile]``: whether it is a token of the tile's request; ``key_rows [N, L]``: the cache row of
+    each context column (a column no row of the tile may read points at the tile's first
+    token's row, written this step, so stale or NaN rows are never read); ``masked [N, tile,
+    L]``: what the causal (and window) mask hides; ``rows_of_tokens [T]``: each token's row of
+    the flattened tiles (None when ``tile`` is 1: the identity); ``token_live [T]``: whether
+    each token of the step belongs to a request (padding does not).
+    """
+
+    tile: int
+    tokens: torch.Tensor
+    live: torch.Tensor
+    key_rows: torch.Tensor
+    masked: torch.Tensor
+    rows_of_tokens: torch.Tensor | None
+    token_live: torch.Tensor
+
+
+def attention_plan(rows: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
+                   sliding_window: int | None = None) -> AttentionPlan:
+    """The step's :class:`AttentionPlan` (device ops only; every shape from the tensors' shapes).
+
+    ``rows [T]``: each token's cache row this step (the trash row for padding). Request ``r``'s
+    tiles are numbered from ``query_start_loc[r] // tile + r``, so ``T // tile + R`` tiles hold
+    them all; tokens past the last request (padding) fall to the last request's tiles, not live.
+    """
+    num_tokens, num_reqs = rows.shape[0], seq_lens.shape[0]
+    tile = query_tile(num_tokens, num_reqs)
+    device = rows.device
+    i64 = torch.int64
+    qsl = query_start_loc.to(i64)
+    if tile == 1:
+        req = token_req_idx
+        tokens = torch.arange(num_tokens, device=device, dtype=i64).unsqueeze(1)
+        num_tiles = num_tokens
+    else:
+        first = qsl[:-1] // tile + torch.arange(num_reqs, device=device, dtype=i64)     # [R], ascending
+        num_tiles = num_tokens // tile + num_reqs
+        n = torch.arange(num_tiles, device=device, dtype=i64)
+        req = (torch.searchsorted(first, n, right=True) - 1).clamp(0, max(num_reqs - 1, 0))
+        start = qsl.index_select(0, req) + (n - first.index_select(0, req)) * tile
+        tokens = start.unsqueeze(1) + torch.arange(tile, device=device, dtype=i64)       # [N, tile]
+    q_end = qsl.index_select(0, req + 1).unsqueeze(1)
+    seq_len = seq_lens.index_select(0, req).to(i64).unsqueeze(1)                         # [N, 1]
+    live = tokens < q_end
+    pos = (seq_len - (q_end - tokens)).unsqueeze(2)                                      # [N, tile, 1]
+    tokens = tokens.clamp(max=max(num_tokens - 1, 0))
+
+    bs = block_size
+    blocks = block_table.index_select(0, req).to(i64)                                    # [N, B]
+    ctx_len = blocks.shape[1] * bs
+    key_rows = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=device, dtype=i64)).reshape(num_tiles, ctx_len)
+    ctx_pos = torch.arange(ctx_len, device=device, dtype=i64)
+    readable = ctx_pos < seq_len                                                         # [N, L]
+    valid = readable.unsqueeze(1) & (ctx_pos <= pos) & live.unsqueeze(2)                 # [N, tile, L]
+    if sliding_window:
+        valid = valid & (ctx_pos > pos - int(sliding_window))
+        readable = readable & (ctx_pos > pos[:, 0] - int(sliding_window))
+    if tile == 1:
+        readable = valid[:, 0]
+    key_rows = torch.where(readable, key_rows, rows.index_select(0, tokens[:, 0]).unsqueeze(1))
+    if tile == 1:
+        return AttentionPlan(tile, tokens, live, key_rows, ~valid, None, live[:, 0])
+    local = torch.arange(num_tokens, device=device, dtype=i64) - qsl.index_select(0, token_req_idx)
+    rows_of_tokens = ((first.index_select(0, token_req_idx) + local // tile) * tile + local % tile)
+    rows_of_tokens = rows_of_tokens.clamp(0, num_tiles * tile - 1)
+    return AttentionPlan(tile, tokens, live, key_rows, ~valid, rows_of_tokens,
+                         live.reshape(-1).index_select(0, rows_of_tokens))
+
+
+def _gather_heads(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache [rows, H, D]`` at ``index [N, H, L]`` (``row * H + head``) -> ``[N * H, L, D]``,
+    head-major (the layout the batched matmuls read), one ``index_select`` (fp8 as bytes)."""
+    rows, heads, dim = cache.shape
+    source = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+    out = source.reshape(rows * heads, dim).index_select(0, index.reshape(-1))
+    out = out.view(index.shape[0] * heads, index.shape[2], dim)
+    return out.view(cache.dtype) if is_fp8(cache.dtype) else out
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+            compute: torch.dtype, k_scale: float, v_scale: float, softcap: float,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """The tiles' attention -> ``[N, tile, Hq, Dv]``: each tile's context gathered once,
+    head-major, and every query head of a KV head's group in one batched matmul (GQA by
+    reshaping the queries, never repeating K/V); scores and softmax in float32.
+
+    With one token per tile (decode) on a CPU and a float cache, ``P @ V`` is one
+    ``embedding_bag`` (a weighted sum of cache rows) straight from the cache: the gathered V,
+    as large as the context, is never written and read back."""
+    num_tiles, tile = plan.tokens.shape
+    hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
+    groups = q.shape[1] // d // hkv
+    index = plan.key_rows.unsqueeze(1) * hkv + torch.arange(hkv, device=q.device, dtype=torch.int64)[:, None]
+    keys = dequantize_kv(_gather_heads(k_cache, index), compute, k_scale)              # [N*Hkv, L, D]
+    ctx_len = keys.shape[1]
+    qt = q.reshape(q.shape[0], hkv, groups, d).to(compute)
+    if tile > 1:      # [N, tile, Hkv, g, D] -> [N, Hkv, tile, g, D]
+        qt = qt.index_select(0, plan.tokens.reshape(-1)).view(num_tiles, tile, hkv, groups, d).transpose(1, 2)
+    scores = torch.bmm(qt.reshape(num_tiles * hkv, tile * groups, d), keys.transpose(1, 2))
+    scores = scores.mul_(scale) if scores.dtype == torch.float32 else scores.float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(num_tiles, hkv, tile, groups, ctx_len)
+    # Masked scores are the least finite float, not -inf: exp gives exactly 0 beside any real
+    # score, and a row with none (a padded token) stays finite (the caller zeroes it).
+    scores = scores.masked_fill_(plan.masked[:, None, :, None, :], torch.finfo(torch.float32).min)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, hkv, 1, groups, 1).expand(num_tiles, hkv, tile, groups, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if tile == 1 and q.device.type == "cpu" and not is_fp8(v_cache.dtype):
+        bags = index.view(num_tiles, hkv, 1, ctx_len).expand(num_tiles, hkv, groups, ctx_len)
+        out = torch.nn.functional.embedding_bag(
+            bags.reshape(-1, ctx_len), v_cache.reshape(-1, dv),
+            per_sample_weights=probs.to(v_cache.dtype).reshape(-1, ctx_len), mode="sum")
+        return out.view(num_tiles, 1, hkv * groups, dv)
+    values = dequantize_kv(_gather_heads(v_cache, index), compute, v_scale)            # [N*Hkv, L, Dv]
+    probs = probs.to(values.dtype).reshape(num_tiles * hkv, tile * groups, ctx_len)
+    out = torch.bmm(probs, values)                                                       # [N*Hkv, tile*g, Dv]
+    return out.view(num_tiles, hkv, tile, groups * dv).transpose(1, 2)
+
+
 def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
                            slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -84,17 +234,21 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
     ``q [T, Hq*D]``, ``k`` / ``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
-    GQA without repeating KV. A float cache computes in its dtype; fp8 is dequantized
-    (``k_scale`` / ``v_scale``) to float32; scores are float32. For transformers' decoders:
-    ``softcap`` (``cap * tanh(scores / cap)``), ``sinks [Hq]`` (a per-head logit joining each
-    softmax), and a V head size ``Dv`` with ``kv_cache`` a ``(k [rows, Hkv, D], v [rows, Hkv,
-    Dv])`` pair (-> ``[T, Hq*Dv]``).
+    A float cache computes in its dtype; fp8 is dequantized (``k_scale`` / ``v_scale``) to
+    float32. For transformers' decoders: ``softcap`` (``cap * tanh(scores / cap)``), ``sinks
+    [Hq]`` (a per-head logit joining each softmax), and a V head size ``Dv`` with ``kv_cache`` a
+    ``(k [rows, Hkv, D], v [rows, Hkv, Dv])`` pair (-> ``[T, Hq*Dv]``). Padded tokens (past the
+    last request's queries) get zeros.
+
+    A fixed few ops per call, whatever the head count (docs/attention.md, "The reference
+    kernel"): the queries are cut into tiles of :func:`query_tile` tokens of one request
+    (:func:`attention_plan`), each tile's context is gathered once for all its tokens and heads,
+    and every query head attends in one batched matmul (:func:`_attend`).
     """
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_tokens, out_dtype = q.shape[0], q.dtype
     hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     num_heads = q.shape[1] // d
-    groups = num_heads // hkv
     fp8 = is_fp8(k_cache.dtype)
     k_scale, v_scale = (k_scale, v_scale) if fp8 else (1.0, 1.0)
     compute = torch.float32 if fp8 else k_cache.dtype
@@ -103,45 +257,14 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     write_kv_rows(k_cache, rows, quantize_kv(k.reshape(num_tokens, hkv, d), k_cache.dtype, k_scale))
     write_kv_rows(v_cache, rows, quantize_kv(v.reshape(num_tokens, hkv, dv), v_cache.dtype, v_scale))
 
-    req = token_req_idx
-    bs = block_size
-    blocks = block_table.index_select(0, req).to(torch.int64)  # [T, B]
-    ctx_len = blocks.shape[1] * bs
-    offsets = torch.arange(bs, device=blocks.device, dtype=torch.int64)
-    key_rows = (blocks.unsqueeze(-1) * bs + offsets).reshape(num_tokens, ctx_len)  # [T, L]
-
-    seq_len = seq_lens.index_select(0, req).to(torch.int64)  # [T]
-    q_end = query_start_loc.index_select(0, req + 1).to(torch.int64)
-    token_pos = seq_len - (q_end - torch.arange(num_tokens, device=req.device, dtype=torch.int64))
-    ctx_pos = torch.arange(ctx_len, device=req.device, dtype=torch.int64)
-    valid = (ctx_pos < seq_len.unsqueeze(1)) & (ctx_pos <= token_pos.unsqueeze(1))  # [T, L]
-    if sliding_window:
-        valid = valid & (ctx_pos > token_pos.unsqueeze(1) - int(sliding_window))
-
-    # A column a token may not read gathers the token's own row instead, written just above: rows
-    # no token may read can hold anything (NaN too), and there its weight is exactly 0 -- times a
-    # finite value. (Cheaper than masking the gathered V: a broadcast mask over [T, L, Hkv, Dv].)
-    key_rows = torch.where(valid, key_rows, rows.unsqueeze(1))
-    keys = dequantize_kv(read_kv_rows(k_cache, key_rows), compute, k_scale)      # [T, L, Hkv, D]
-    values = dequantize_kv(read_kv_rows(v_cache, key_rows), compute, v_scale)    # [T, L, Hkv, Dv]
-    q = q.reshape(num_tokens, hkv, groups, d).to(compute)
-    # One batched matmul per KV head over strided views of the gathered rows (an einsum over
-    # [T, L, Hkv, D] copies them into its own layout first).
-    scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2)) for h in range(hkv)], 1)
-    scores = scores.float() * scale                                               # [T, Hkv, g, L]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    score_mask = valid[:, None, None, :]
-    scores = torch.where(score_mask, scores, float("-inf"))
-    if sinks is not None:
-        sink = sinks.float().reshape(1, hkv, groups, 1).expand(num_tokens, hkv, groups, 1)
-        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size, sliding_window)
+    out = _attend(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks)
+    if plan.tile == 1:
+        out = out.reshape(num_tokens, num_heads * dv)
     else:
-        probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(score_mask, probs, 0.0)
-    probs = probs.to(values.dtype)
-    out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(hkv)], 1)   # [T, Hkv, g, Dv]
-    return out.reshape(num_tokens, num_heads * dv).to(out_dtype)
+        out = out.reshape(-1, num_heads * dv).index_select(0, plan.rows_of_tokens)
+    # Padded tokens read nothing: zeros (finite, whatever their masked rows computed).
+    return torch.where(plan.token_live.unsqueeze(1), out, 0.0).to(out_dtype)
 
 
 class AttentionChoice(NamedTuple):
