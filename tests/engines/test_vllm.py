@@ -1,0 +1,100 @@
+"""vLLM on graphrt (issue 40; docs/engines.md, "vLLM"): the platform plugin, through vLLM's own
+``LLM`` on tiny random Llama and Qwen3 checkpoints (head_dim 32, block size 32: vLLM's CPU attention
+refuses head_dim 16 and wants blocks in multiples of 32).
+
+The oracle is vLLM itself: its ``enforce_eager=True`` run without the plugin. vLLM resolves its
+platform once per process, so every configuration runs in a fresh interpreter
+(:mod:`support.vllm_engine`), both models in one (an interpreter start with vLLM costs ~30 s here).
+The workload: 8 concurrent requests whose prompts (5 to 40 tokens) are prefilled together in one
+step above the largest capture size (8), then decode with 8, 7, ..., 1 requests left (each request
+stops at its own ``max_tokens``), so the decode keys pad (7 -> 8, 3 -> 4, ...).
+
+Runs where vLLM imports (``make test-engine-vllm`` builds that venv); skips, saying why, elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphrt.integrations import vllm as integration
+
+if (reason := integration.unavailable_reason()) is not None:
+    pytest.skip(reason, allow_module_level=True)
+
+from support.hf_models import make_tiny_hf_model, random_prompts  # noqa: E402
+from support.hf_tokenizer import save_tiny_tokenizer  # noqa: E402
+
+TESTS = Path(__file__).resolve().parents[1]
+#: head_dim 32 and block size 32: the smallest vLLM's CPU attention takes.
+SHAPE = dict(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+PROMPTS = random_prompts((5, 9, 14, 20, 26, 31, 35, 40), seed=40)
+MAX_TOKENS = [12, 11, 10, 9, 8, 7, 6, 12]
+CAPTURE_SIZES = [1, 2, 4, 8]
+ENGINE = dict(block_size=32, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256, dtype="float32",
+              seed=0)
+#: The engine steps of the workload: one prefill of every prompt, then a decode step per further token.
+DECODE_STEPS = max(MAX_TOKENS) - 1
+MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")
+
+
+def run_engines(models: list[str], engine: dict, *, plugin: bool, version: str | None = None,
+                timeout: int = 1200) -> tuple[dict, str]:
+    """Run :mod:`support.vllm_engine` in a fresh interpreter: (its result per model, its log)."""
+    env = dict(os.environ)
+    env.pop("VLLM_PLUGINS", None)
+    if plugin:
+        env["VLLM_PLUGINS"] = integration.PLUGIN_NAME
+    spec = {"models": models, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engine": engine, "version": version}
+    proc = subprocess.run([sys.executable, "-m", "support.vllm_engine", json.dumps(spec)], cwd=TESTS, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, log[-6000:]
+    return json.loads(lines[-1][len("RESULT "):]), log
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("vllm")
+    return [str(save_tiny_tokenizer(make_tiny_hf_model(root, arch, **SHAPE))) for arch in ("llama", "qwen3")]
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(models) -> dict[str, list[list[int]]]:
+    """vLLM's own eager run, without the plugin: the oracle."""
+    result, _ = run_engines(models, dict(ENGINE, enforce_eager=True), plugin=False)
+    assert all(r["stats"] is None and r["platform"] == "CpuPlatform" for r in result.values())
+    return {model: r["tokens"] for model, r in result.items()}
+
+
+def graph_engine(mode: str) -> dict:
+    return dict(ENGINE, compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES})
+
+
+def test_piecewise_tokens_equal_vllm_eager_and_every_decode_step_replays(models, eager_tokens):
+    result, log = run_engines(models, graph_engine("PIECEWISE"), plugin=True)
+    for model, run in result.items():
+        assert run["platform"] == "GraphrtCpuPlatform"
+        assert run["tokens"] == eager_tokens[model], model
+        stats = run["stats"]
+        assert stats["mode"] == "PIECEWISE" and stats["keys"] == len(CAPTURE_SIZES)
+        # The prefill (241 tokens) is above the largest capture size; every decode step replayed a key.
+        assert stats["hits"] == DECODE_STEPS and stats["misses"] == 0 and stats["unplanned_builds"] == 0
+        assert stats["eager_steps"] == 1 and stats["eager_by_cause"]["above_largest_bucket"] == {
+            "steps": 1, "tokens": sum(map(len, PROMPTS))}
+    assert "graphrt under vLLM (PIECEWISE)" in log          # the worker's shutdown line
+
+
+def test_without_vllm_plugins_vllm_runs_stock(models, eager_tokens):
+    """The plugin is installed but ``VLLM_PLUGINS`` is unset: vLLM loads every platform plugin and
+    calls it, and it must answer None -- vLLM's own CPU platform, no graphrt graph."""
+    result, _ = run_engines(models, graph_engine("PIECEWISE"), plugin=False)
+    for model, run in result.items():
+        assert run["platform"] == "CpuPlatform" and run["stats"] is None
+        assert run["tokens"] == eager_tokens[model]

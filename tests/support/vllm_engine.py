@@ -1,0 +1,68 @@
+"""One vLLM engine run in its own process, for tests/engines/test_vllm.py.
+
+vLLM resolves its platform once per process (and the plugin only when ``VLLM_PLUGINS`` names it),
+so every configuration runs in a fresh interpreter: ``python -m support.vllm_engine SPEC_JSON``
+(cwd: tests/) runs each model of the spec with the same engine settings, greedy, and prints one
+line ``RESULT <json>``: per model the tokens of every request, and graphrt's statistics where the
+plugin was active (None where it was not: vLLM ran stock). The spec's keys: ``models`` (checkpoint
+directories), ``prompts`` (token ids), ``max_tokens`` (one per prompt), ``engine`` (vLLM ``LLM``
+keywords), ``version`` (a vLLM version to pretend, for the plugin's range check), ``kit`` (run
+graphrt's properties on the model instead of generating: :func:`run_kit`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+#: vLLM settings every run shares: one engine process, a small KV cache, CPU threads left alone.
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+       "TOKENIZERS_PARALLELISM": "false"}
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def plugin_stats() -> dict[str, Any] | None:
+    """graphrt's statistics if the plugin ran this engine, else None."""
+    from vllm.platforms import current_platform
+
+    if not type(current_platform).__module__.startswith("graphrt."):
+        return None
+    from graphrt.integrations.vllm.session import SESSION
+
+    return {"keys": len(SESSION.cache), "graphs": SESSION.graphs, "mode": SESSION.mode_name,
+            **SESSION.cache.stats.as_dict()}
+
+
+def main(spec: dict[str, Any]) -> dict[str, Any]:
+    for name, value in ENV.items():
+        os.environ.setdefault(name, value)
+    if spec.get("version"):
+        from vllm import version
+
+        version.__version__ = spec["version"]
+    from vllm import LLM
+
+    results = {}
+    for model in spec["models"]:
+        llm = LLM(model=model, **spec["engine"])
+        tokens = generate(llm, spec["prompts"], spec["max_tokens"])
+        from vllm.platforms import current_platform
+
+        results[model] = {"tokens": tokens, "stats": plugin_stats(), "platform": type(current_platform).__name__}
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return results
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
