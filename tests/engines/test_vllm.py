@@ -43,18 +43,22 @@ DECODE_STEPS = max(MAX_TOKENS) - 1
 MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")
 
 
-def run_engines(models: list[str], engine: dict, *, plugin: bool, version: str | None = None,
-                timeout: int = 1200) -> tuple[dict, str]:
-    """Run :mod:`support.vllm_engine` in a fresh interpreter: (its result per model, its log)."""
+def run_engines(models: list[str], engine: dict, *, plugin: bool, fails: bool = False, timeout: int = 1200,
+                **spec: object) -> tuple[dict | None, str]:
+    """Run :mod:`support.vllm_engine` in a fresh interpreter (``spec``: its other keys): (its result
+    per model, or None where it was expected to fail -- ``fails`` --, and its log)."""
     env = dict(os.environ)
     env.pop("VLLM_PLUGINS", None)
     if plugin:
         env["VLLM_PLUGINS"] = integration.PLUGIN_NAME
-    spec = {"models": models, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engine": engine, "version": version}
+    spec = {"models": models, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engine": engine, **spec}
     proc = subprocess.run([sys.executable, "-m", "support.vllm_engine", json.dumps(spec)], cwd=TESTS, env=env,
                           capture_output=True, text=True, timeout=timeout)
     log = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if fails:
+        assert proc.returncode != 0 and not lines, log[-6000:]
+        return None, log
     assert proc.returncode == 0 and lines, log[-6000:]
     return json.loads(lines[-1][len("RESULT "):]), log
 
@@ -77,18 +81,25 @@ def graph_engine(mode: str) -> dict:
     return dict(ENGINE, compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES})
 
 
-def test_piecewise_tokens_equal_vllm_eager_and_every_decode_step_replays(models, eager_tokens):
-    result, log = run_engines(models, graph_engine("PIECEWISE"), plugin=True)
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_equal_vllm_eager_and_every_decode_step_replays(models, eager_tokens, mode):
+    """PIECEWISE: vLLM's CPU attention between graphrt's piece graphs. FULL_AND_PIECEWISE: decode
+    steps replay one FULL graph each, graphrt's attention inside (vLLM's CPU attention cannot)."""
+    result, log = run_engines(models, graph_engine(mode), plugin=True)
+    decode_mode = "FULL" if mode == "FULL_AND_PIECEWISE" else "PIECEWISE"
     for model, run in result.items():
         assert run["platform"] == "GraphrtCpuPlatform"
         assert run["tokens"] == eager_tokens[model], model
         stats = run["stats"]
-        assert stats["mode"] == "PIECEWISE" and stats["keys"] == len(CAPTURE_SIZES)
-        # The prefill (241 tokens) is above the largest capture size; every decode step replayed a key.
-        assert stats["hits"] == DECODE_STEPS and stats["misses"] == 0 and stats["unplanned_builds"] == 0
+        # PIECEWISE keys per capture size, and (FULL_AND_PIECEWISE) a FULL decode key per size too.
+        assert stats["mode"] == mode and stats["keys"] == len(CAPTURE_SIZES) * (2 if decode_mode == "FULL" else 1)
+        # The prefill (180 tokens) is above the largest capture size; every decode step replayed a key.
+        assert stats["hits"] == DECODE_STEPS and stats["replays_by_mode"].get(decode_mode) == DECODE_STEPS
+        assert stats["misses"] == 0 and stats["unplanned_builds"] == 0
         assert stats["eager_steps"] == 1 and stats["eager_by_cause"]["above_largest_bucket"] == {
             "steps": 1, "tokens": sum(map(len, PROMPTS))}
-    assert "graphrt under vLLM (PIECEWISE)" in log          # the worker's shutdown line
+        assert stats["padded_tokens"] > stats["real_tokens"]     # 7 requests ran a key of 8, 3 one of 4, ...
+    assert f"graphrt under vLLM ({mode})" in log          # the worker's shutdown line
 
 
 def test_without_vllm_plugins_vllm_runs_stock(models, eager_tokens):
@@ -98,3 +109,27 @@ def test_without_vllm_plugins_vllm_runs_stock(models, eager_tokens):
     for model, run in result.items():
         assert run["platform"] == "CpuPlatform" and run["stats"] is None
         assert run["tokens"] == eager_tokens[model]
+
+
+def test_outside_the_tested_versions_the_plugin_refuses_and_vllm_runs_stock(models, eager_tokens):
+    result, log = run_engines(models[:1], graph_engine("PIECEWISE"), plugin=True, version="0.31.2")
+    run = result[models[0]]
+    assert run["platform"] == "CpuPlatform" and run["stats"] is None
+    assert run["tokens"] == eager_tokens[models[0]]
+    assert f"tested with vLLM {integration.TESTED_RANGE}, and this is vLLM 0.31.2" in log
+
+
+def test_a_late_capture_is_an_error_naming_the_key_and_the_module(models):
+    """After warm-up graphrt is strict: a key vLLM's dispatcher did not have at capture time (here
+    planted into it) is refused, not captured on first use."""
+    _, log = run_engines(models[:1], graph_engine("PIECEWISE"), plugin=True, fails=True,
+                         prompts=PROMPTS[:3], max_tokens=MAX_TOKENS[:3], after_init="ask_for_an_uncaptured_key")
+    assert "CacheMissError" in log and "no captured graph / compiled executable for PIECEWISE" in log
+    assert "BatchDescriptor(num_tokens=3" in log and "piece submod_0 of LlamaForCausalLM's fx split" in log
+
+
+def test_a_host_sync_in_a_full_graph_is_an_error_naming_the_module(models):
+    _, log = run_engines(models[:1], graph_engine("FULL_AND_PIECEWISE"), plugin=True, fails=True,
+                         plant="plant_host_sync_in_attention")
+    assert "GraphCaptureError: graphrt cannot capture LlamaForCausalLM" in log
+    assert "as a FULL graph for BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True" in log and ".item()" in log

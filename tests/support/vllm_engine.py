@@ -6,8 +6,9 @@ so every configuration runs in a fresh interpreter: ``python -m support.vllm_eng
 line ``RESULT <json>``: per model the tokens of every request, and graphrt's statistics where the
 plugin was active (None where it was not: vLLM ran stock). The spec's keys: ``models`` (checkpoint
 directories), ``prompts`` (token ids), ``max_tokens`` (one per prompt), ``engine`` (vLLM ``LLM``
-keywords), ``version`` (a vLLM version to pretend, for the plugin's range check), ``kit`` (run
-graphrt's properties on the model instead of generating: :func:`run_kit`).
+keywords), ``version`` (a vLLM version to pretend, for the plugin's range check), ``plant`` (the
+name of a function here run before the engine starts: a planted bug), ``after_init`` (the name of a
+function here each worker runs once the engine is up, through ``collective_rpc``).
 """
 
 from __future__ import annotations
@@ -31,15 +32,40 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[
 
 
 def plugin_stats() -> dict[str, Any] | None:
-    """graphrt's statistics if the plugin ran this engine, else None."""
+    """graphrt's statistics if the plugin ran this engine (the worker's ``graphrt_stats``), else None."""
     from vllm.platforms import current_platform
 
     if not type(current_platform).__module__.startswith("graphrt."):
         return None
     from graphrt.integrations.vllm.session import SESSION
 
-    return {"keys": len(SESSION.cache), "graphs": SESSION.graphs, "mode": SESSION.mode_name,
-            **SESSION.cache.stats.as_dict()}
+    return SESSION.report()
+
+
+def plant_host_sync_in_attention() -> None:
+    """A planted bug: graphrt's vLLM attention reads a tensor on the host (``.item()``) each call --
+    harmless eagerly, a host sync a FULL graph cannot hold."""
+    from graphrt.integrations.vllm.attention import GraphrtAttentionImpl
+
+    forward = GraphrtAttentionImpl.forward
+
+    def forward_with_host_sync(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        if attn_metadata is not None:
+            int(attn_metadata.seq_lens.max().item())
+        return forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+    GraphrtAttentionImpl.forward = forward_with_host_sync
+
+
+def ask_for_an_uncaptured_key(worker: Any) -> None:
+    """After warm-up, make vLLM's dispatcher send 3-token steps to a PIECEWISE key of 3 tokens,
+    which was never captured (vLLM's capture sizes pad 3 to 4)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    dispatcher = worker.model_runner.cudagraph_dispatcher
+    dispatcher._bs_to_padded_graph_size[3] = 3
+    dispatcher.add_cudagraph_key(CUDAGraphMode.PIECEWISE, BatchDescriptor(num_tokens=3))
 
 
 def main(spec: dict[str, Any]) -> dict[str, Any]:
@@ -49,11 +75,15 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm import version
 
         version.__version__ = spec["version"]
+    if spec.get("plant"):
+        globals()[spec["plant"]]()
     from vllm import LLM
 
     results = {}
     for model in spec["models"]:
         llm = LLM(model=model, **spec["engine"])
+        if spec.get("after_init"):
+            llm.collective_rpc(globals()[spec["after_init"]])
         tokens = generate(llm, spec["prompts"], spec["max_tokens"])
         from vllm.platforms import current_platform
 

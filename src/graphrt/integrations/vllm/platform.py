@@ -25,6 +25,7 @@ logger = logging.getLogger(LOGGER)
 WRAPPER = "graphrt.integrations.vllm.wrapper.GraphrtGraphWrapper"
 CPU_WORKER = "graphrt.integrations.vllm.worker.GraphrtCPUWorker"
 ATTENTION = "graphrt.integrations.vllm.attention.GraphrtAttentionBackend"
+ATTENTION_NAME = "GRAPHRT"
 VLLM_CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 #: vLLM's fusion passes (``compilation_config.pass_config``) that exist only on CUDA / ROCm / XPU; its
 #: optimisation levels turn some on where custom ops run, as they do with the eager backend.
@@ -66,6 +67,15 @@ def refuse_unsupported(vllm_config: Any, settings: dict[str, Any]) -> None:
         raise ConfigError(f"compilation_config.backend={settings['backend']!r}: on a CPU graphrt's recording graph "
                           "replays aten ops, and Inductor's CPU kernels are C++ it cannot see (a replay would skip "
                           "them); use backend 'eager' (the plugin's default)")
+
+
+def register_attention() -> None:
+    """Name graphrt's attention ``GRAPHRT`` among vLLM's attention backends (vLLM looks a layer's
+    backend up by its name), once per process."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if ATTENTION_NAME not in AttentionBackendEnum.__members__:
+        register_backend(ATTENTION_NAME, ATTENTION)
 
 
 class GraphrtCpuPlatform(CpuPlatform):
@@ -117,6 +127,7 @@ class GraphrtCpuPlatform(CpuPlatform):
 
         mode = get_current_vllm_config().compilation_config.cudagraph_mode
         if mode is not None and mode.has_full_cudagraphs() and not attn_selector_config.use_mla:
+            register_attention()
             return ATTENTION
         return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
 

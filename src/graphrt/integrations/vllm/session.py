@@ -123,6 +123,14 @@ class Session:
         self.cache.record_step(real_tokens=self.step.tokens, padded_tokens=num_tokens, real_reqs=self.step.reqs,
                                padded_reqs=self.step.reqs, eager_reason=reason, eager_cause=cause)
 
+    def report(self) -> dict[str, Any]:
+        """Plain numbers: keys and graphs captured, replays per runtime mode, and the cache's statistics."""
+        by_mode: dict[str, int] = {}
+        for key, entry in self.cache.stats.per_key.items():
+            by_mode[key[0]] = by_mode.get(key[0], 0) + entry.hits
+        return {"keys": len(self.cache), "graphs": self.graphs, "mode": self.mode_name, "replays_by_mode": by_mode,
+                **self.cache.stats.as_dict()}
+
     def summary(self) -> str:
         """One line for the engine's log."""
         s = self.cache.stats

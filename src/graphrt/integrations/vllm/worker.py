@@ -95,8 +95,7 @@ class GraphrtCPUWorker(cpu_worker.CPUWorker):
 
     def graphrt_stats(self) -> dict[str, Any]:
         """graphrt's statistics of this worker (``llm.collective_rpc("graphrt_stats")``)."""
-        return {"keys": len(SESSION.cache), "graphs": SESSION.graphs, "mode": SESSION.mode_name,
-                **SESSION.cache.stats.as_dict()}
+        return SESSION.report()
 
     def shutdown(self) -> None:
         logger.info("%s", SESSION.summary())

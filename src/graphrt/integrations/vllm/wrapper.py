@@ -9,18 +9,38 @@ inside ``capture_model`` (warm-up); afterwards a missing key raises
 refuses (a host sync, a data-dependent shape) raises :class:`~graphrt.core.errors.GraphCaptureError`
 naming the module and the key. vLLM keeps the inputs at fixed addresses (its persistent buffers
 and the previous piece's outputs), as a replay needs.
+
+On a CPU a FULL graph records vLLM's attention ops (``vllm::unified_attention_with_output``, whose
+Python looks up the step's metadata in the forward context) op by op, as a CUDA graph holds the
+kernels they launch: a replay then reads the metadata tensors captured, so an attention backend
+whose metadata is not in persistent buffers goes stale, as it would on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
+from graphrt.backends.torch.recording_graph import inline_ops
 from graphrt.core.errors import GraphCaptureError
 from graphrt.integrations.vllm.session import SESSION
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
+
+
+@functools.lru_cache(maxsize=1)
+def attention_kernels() -> dict[Any, Callable[..., Any]]:
+    """vLLM's attention ops and their Python kernels, recorded op by op in a CPU capture."""
+    from vllm.model_executor.layers.attention import attention as vllm_attention
+
+    ops = torch.ops.vllm
+    return {ops.unified_attention_with_output.default: vllm_attention.unified_attention_with_output,
+            ops.unified_kv_cache_update.default: vllm_attention.unified_kv_cache_update}
 
 
 @dataclass
@@ -103,8 +123,10 @@ class GraphrtGraphWrapper:
         pool = SESSION.pool(self.device_type)
         outputs: list[Any] = []
         t0 = time.perf_counter()
+        inline = inline_ops(attention_kernels()) if self.device_type == "cpu" else contextlib.nullcontext()
         try:
-            graph, nbytes, _ = pool.record(lambda: outputs.append(self.runnable(*args, **kwargs)))
+            with inline:
+                graph, nbytes, _ = pool.record(lambda: outputs.append(self.runnable(*args, **kwargs)))
         except GraphCaptureError as exc:
             raise GraphCaptureError(f"graphrt cannot capture {self.name} as a {self.runtime_mode.name} graph for "
                                     f"{key}: {exc}. Fix that module, or run vLLM without graphrt's graphs "
