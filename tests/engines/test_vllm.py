@@ -14,11 +14,18 @@ Runs where vLLM imports (``make test-engine-vllm`` builds that venv); skips, say
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -133,3 +140,86 @@ def test_a_host_sync_in_a_full_graph_is_an_error_naming_the_module(models):
                          plant="plant_host_sync_in_attention")
     assert "GraphCaptureError: graphrt cannot capture LlamaForCausalLM" in log
     assert "as a FULL graph for BatchDescriptor(num_tokens=8, num_reqs=8, uniform=True" in log and ".item()" in log
+
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, args: list[str], *, plugin: bool, log_path: Path) -> Iterator[str]:
+    """``vllm serve model`` on a free loopback port, until the block ends: yields its base URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    if plugin:
+        env["VLLM_PLUGINS"] = integration.PLUGIN_NAME
+    log = open(log_path, "w")
+    server = subprocess.Popen([sys.executable, "-m", "support.vllm_cli", "serve", model, "--host", "127.0.0.1",
+                               "--port", str(port), *args], cwd=TESTS, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert server.poll() is None, log_path.read_text()[-6000:]
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()[-6000:]
+            time.sleep(2)
+        yield url
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def ask_concurrently(url: str, model: str, n: int = 16) -> list[str]:
+    """``n`` OpenAI requests at once over loopback (half completions on token ids, half chat), greedy."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    prompts = random_prompts([5 + 3 * i for i in range(n)], seed=41)
+
+    def ask(i: int) -> str:
+        if i % 2:
+            chat = client.chat.completions.create(
+                model=model, temperature=0.0, max_tokens=8,
+                messages=[{"role": "user", "content": " ".join(f"t{t}" for t in prompts[i])}])
+            return chat.choices[0].message.content
+        completion = client.completions.create(model=model, prompt=prompts[i], temperature=0.0, max_tokens=8)
+        return completion.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(ask, range(n)))
+
+
+def test_vllm_serve_with_the_plugin_answers_as_the_eager_server(models, tmp_path):
+    """16 concurrent OpenAI requests (completions and chat) over loopback to ``vllm serve`` with the
+    plugin (FULL_AND_PIECEWISE) and to an eager server without it: the same completions."""
+    model = models[0]
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    common = ["--block-size", "32", "--max-model-len", "256", "--max-num-seqs", "16", "--dtype", "float32",
+              "--chat-template", str(template), "--served-model-name", "tiny"]
+    graphs = ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                                  "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})]
+    answers = {}
+    for plugin, args in ((False, ["--enforce-eager"]), (True, graphs)):
+        log_path = tmp_path / f"serve-{plugin}.log"
+        with vllm_server(model, common + args, plugin=plugin, log_path=log_path) as url:
+            answers[plugin] = ask_concurrently(url, "tiny")
+        log = log_path.read_text()
+        assert ("graphrt: captured 10 keys" in log) == plugin, log[-4000:]
+        assert ("graphrt under vLLM (FULL_AND_PIECEWISE)" in log) == plugin        # logged at shutdown
+    assert all(answers[False]) and answers[True] == answers[False]
