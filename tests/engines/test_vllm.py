@@ -223,3 +223,26 @@ def test_vllm_serve_with_the_plugin_answers_as_the_eager_server(models, tmp_path
         assert ("graphrt: captured 10 keys" in log) == plugin, log[-4000:]
         assert ("graphrt under vLLM (FULL_AND_PIECEWISE)" in log) == plugin        # logged at shutdown
     assert all(answers[False]) and answers[True] == answers[False]
+
+
+#: The kit's engine: a KV cache of 64 blocks (the checks copy the blocks a step does not use).
+KIT_ENGINE = dict(graph_engine("FULL_AND_PIECEWISE"), kv_cache_memory_bytes=64 * 32 * 1024)
+KIT_ENV = {"VLLM_CPU_KVCACHE_SPACE": None}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_kit_passes_vllm_models_through_the_plugin(models, mode):
+    """graphrt's padding-invisible and KV-isolation properties, hypothesis-drawn workloads, every
+    traffic step checked in vLLM's runner: graphrt's attention in FULL graphs, vLLM's CPU attention
+    between PIECEWISE pieces."""
+    engine = dict(KIT_ENGINE, compilation_config=graph_engine(mode)["compilation_config"])
+    result, _ = run_engines(models, engine, plugin=True, kit=6, env=KIT_ENV)
+    for model, run in result.items():
+        assert run["findings"] is None and run["kit_steps"] > 6, (model, run)
+
+
+def test_the_kit_finds_a_padded_row_writing_the_kv_cache(models):
+    result, _ = run_engines(models[:1], KIT_ENGINE, plugin=True, kit=6, env=KIT_ENV, plant="plant_padded_kv_write")
+    findings = result[models[0]]["findings"]
+    assert findings is not None and "KV isolation: step BatchDescriptor(" in findings, findings
+    assert "wrote KV rows" in findings and "outside its real ones" in findings

@@ -8,7 +8,9 @@ plugin was active (None where it was not: vLLM ran stock). The spec's keys: ``mo
 directories), ``prompts`` (token ids), ``max_tokens`` (one per prompt), ``engine`` (vLLM ``LLM``
 keywords), ``version`` (a vLLM version to pretend, for the plugin's range check), ``plant`` (the
 name of a function here run before the engine starts: a planted bug), ``after_init`` (the name of a
-function here each worker runs once the engine is up, through ``collective_rpc``).
+function here each worker runs once the engine is up, through ``collective_rpc``), ``kit`` (run
+:func:`graphrt.integrations.vllm.kit.check_engine` instead of the prompts: its findings or the
+steps it checked), ``env`` (environment variables to set first; None unsets one).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import json
 import os
 import sys
 from typing import Any
+
+import torch
 
 #: vLLM settings every run shares: one engine process, a small KV cache, CPU threads left alone.
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
@@ -57,6 +61,14 @@ def plant_host_sync_in_attention() -> None:
     GraphrtAttentionImpl.forward = forward_with_host_sync
 
 
+def plant_padded_kv_write() -> None:
+    """A planted bug: graphrt's vLLM attention has padded tokens write the row after the step's last
+    slot (a real, unused slot) instead of vLLM's null block."""
+    from graphrt.integrations.vllm.attention import GraphrtAttentionImpl
+
+    GraphrtAttentionImpl.write_slots = staticmethod(lambda slots: torch.where(slots < 0, slots.max() + 1, slots))
+
+
 def ask_for_an_uncaptured_key(worker: Any) -> None:
     """After warm-up, make vLLM's dispatcher send 3-token steps to a PIECEWISE key of 3 tokens,
     which was never captured (vLLM's capture sizes pad 3 to 4)."""
@@ -71,6 +83,11 @@ def ask_for_an_uncaptured_key(worker: Any) -> None:
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
+    for name, value in (spec.get("env") or {}).items():     # None: unset
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     if spec.get("version"):
         from vllm import version
 
@@ -84,10 +101,18 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         llm = LLM(model=model, **spec["engine"])
         if spec.get("after_init"):
             llm.collective_rpc(globals()[spec["after_init"]])
-        tokens = generate(llm, spec["prompts"], spec["max_tokens"])
         from vllm.platforms import current_platform
 
-        results[model] = {"tokens": tokens, "stats": plugin_stats(), "platform": type(current_platform).__name__}
+        if spec.get("kit"):
+            from graphrt.integrations.vllm.kit import check_engine
+
+            try:
+                results[model] = {"kit_steps": check_engine(llm, max_examples=spec["kit"]), "findings": None}
+            except AssertionError as finding:
+                results[model] = {"kit_steps": None, "findings": str(finding)}
+        else:
+            tokens = generate(llm, spec["prompts"], spec["max_tokens"])
+            results[model] = {"tokens": tokens, "stats": plugin_stats(), "platform": type(current_platform).__name__}
         llm.llm_engine.engine_core.shutdown()
         del llm
     return results

@@ -79,6 +79,11 @@ class GraphrtAttentionImpl(AttentionImpl[GraphrtAttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
 
+    @staticmethod
+    def write_slots(slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The KV row each token writes: its slot, and row 0 (vLLM's null block) for a padded token (-1)."""
+        return slot_mapping.clamp(min=0)
+
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: GraphrtAttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None
@@ -91,7 +96,7 @@ class GraphrtAttentionImpl(AttentionImpl[GraphrtAttentionMetadata]):
         n = m.num_actual_tokens
         rows = kv_rows(kv_cache, self.head_size)
         d = self.head_size
-        meta = TorchAttentionMetadata.build(m.slot_mapping[:n].clamp(min=0), m.query_start_loc, m.seq_lens,
+        meta = TorchAttentionMetadata.build(self.write_slots(m.slot_mapping[:n]), m.query_start_loc, m.seq_lens,
                                             m.block_table, kv_cache.shape[2])
         out = paged_attention_kernel(query[:n].reshape(n, -1), key[:n].reshape(n, -1), value[:n].reshape(n, -1),
                                      (rows[..., :d], rows[..., d:]), meta.slot_mapping, meta.query_start_loc,

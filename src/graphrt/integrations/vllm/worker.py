@@ -97,6 +97,19 @@ class GraphrtCPUWorker(cpu_worker.CPUWorker):
         """graphrt's statistics of this worker (``llm.collective_rpc("graphrt_stats")``)."""
         return SESSION.report()
 
+    def graphrt_kit(self, seed: int = 0) -> None:
+        """Check every traffic step's forward from now on (:mod:`.kit`: padding and KV properties)."""
+        from graphrt.integrations.vllm.kit import StepProperties
+
+        if getattr(self, "_graphrt_kit", None) is None:
+            self._graphrt_kit = StepProperties(self.model_runner, seed=seed)
+            self._graphrt_kit.install()
+
+    def graphrt_kit_findings(self) -> dict[str, Any]:
+        """What the checks found since the last call, and how many steps they checked."""
+        kit = getattr(self, "_graphrt_kit", None)
+        return kit.take() if kit is not None else {"findings": [], "steps": 0}
+
     def shutdown(self) -> None:
         logger.info("%s", SESSION.summary())
         super().shutdown()
