@@ -48,6 +48,8 @@ ENGINE = dict(block_size=32, max_model_len=256, max_num_seqs=8, max_num_batched_
 #: The engine steps of the workload: one prefill of every prompt, then a decode step per further token.
 DECODE_STEPS = max(MAX_TOKENS) - 1
 MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")
+#: Per cudagraph mode: the runtime mode of the decode steps, and the keys per capture size.
+DECODES = {"PIECEWISE": ("PIECEWISE", 1), "FULL_AND_PIECEWISE": ("FULL", 2), "FULL_DECODE_ONLY": ("FULL", 1)}
 
 
 def run_engines(models: list[str], engine: dict, *, plugin: bool, fails: bool = False, timeout: int = 1200,
@@ -88,18 +90,19 @@ def graph_engine(mode: str) -> dict:
     return dict(ENGINE, compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": CAPTURE_SIZES})
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", list(DECODES))
 def test_tokens_equal_vllm_eager_and_every_decode_step_replays(models, eager_tokens, mode):
-    """PIECEWISE: vLLM's CPU attention between graphrt's piece graphs. FULL_AND_PIECEWISE: decode
-    steps replay one FULL graph each, graphrt's attention inside (vLLM's CPU attention cannot)."""
+    """PIECEWISE: vLLM's CPU attention between graphrt's piece graphs. FULL_AND_PIECEWISE and
+    FULL_DECODE_ONLY: decode steps replay one FULL graph each, graphrt's attention inside (vLLM's
+    CPU attention cannot be held in one)."""
     result, log = run_engines(models, graph_engine(mode), plugin=True)
-    decode_mode = "FULL" if mode == "FULL_AND_PIECEWISE" else "PIECEWISE"
+    decode_mode, keys_per_size = DECODES[mode]
     for model, run in result.items():
         assert run["platform"] == "GraphrtCpuPlatform"
         assert run["tokens"] == eager_tokens[model], model
         stats = run["stats"]
         # PIECEWISE keys per capture size, and (FULL_AND_PIECEWISE) a FULL decode key per size too.
-        assert stats["mode"] == mode and stats["keys"] == len(CAPTURE_SIZES) * (2 if decode_mode == "FULL" else 1)
+        assert stats["mode"] == mode and stats["keys"] == len(CAPTURE_SIZES) * keys_per_size
         # The prefill (180 tokens) is above the largest capture size; every decode step replayed a key.
         assert stats["hits"] == DECODE_STEPS and stats["replays_by_mode"].get(decode_mode) == DECODE_STEPS
         assert stats["misses"] == 0 and stats["unplanned_builds"] == 0
@@ -246,3 +249,12 @@ def test_the_kit_finds_a_padded_row_writing_the_kv_cache(models):
     findings = result[models[0]]["findings"]
     assert findings is not None and "KV isolation: step BatchDescriptor(" in findings, findings
     assert "wrote KV rows" in findings and "outside its real ones" in findings
+
+
+def test_an_option_graphrt_cannot_honour_is_a_named_error_at_engine_start(models):
+    engine = dict(ENGINE, compilation_config={"cudagraph_mode": "PIECEWISE", "backend": "inductor"})
+    _, log = run_engines(models[:1], engine, plugin=True, fails=True)
+    # graphrt's ConfigError is a ValueError: vLLM's pydantic config reports it as its own validation error.
+    assert "ValidationError: 1 validation error for VllmConfig" in log
+    assert "compilation_config.backend='inductor': on a CPU graphrt's recording graph" in log
+    assert "use backend 'eager'" in log

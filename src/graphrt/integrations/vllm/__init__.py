@@ -4,16 +4,18 @@ The entry point ``graphrt`` of the group ``vllm.platform_plugins`` names :func:`
 calls every platform plugin it finds (all of them when ``VLLM_PLUGINS`` is unset), so the plugin
 stays inactive -- :func:`register` returns None and vLLM runs as without graphrt -- unless the user
 names it: ``VLLM_PLUGINS=graphrt``. Active, vLLM's own dispatcher, fx split and padding run on
-graphrt's graphs (the CPU recording graph on a CPU, CUDA graphs where vLLM finds CUDA):
+graphrt's graphs (the CPU recording graph; on another device the plugin stays inactive, saying
+why):
 
 * PIECEWISE graphs through vLLM's static-graph-wrapper seam (:mod:`.wrapper`), captured by vLLM's
   ``capture_model`` from its own capture sizes before traffic, then strict;
 * FULL graphs (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``) with graphrt's paged attention as a
   vLLM attention backend (:mod:`.attention`) and a worker whose runner wraps the model (:mod:`.worker`);
-* graphrt's statistics in the engine process (:func:`stats`), logged when the worker shuts down.
+* graphrt's statistics in the engine process (:func:`stats`), logged when the worker shuts down;
+* graphrt.testing's padding and KV properties on every step of a vLLM engine (:mod:`.kit`).
 
-Importing this package does not import vLLM; :mod:`.platform`, :mod:`.wrapper`, :mod:`.worker` and
-:mod:`.attention` do.
+Importing this package does not import vLLM; :mod:`.platform`, :mod:`.wrapper`, :mod:`.worker`,
+:mod:`.attention` and :mod:`.kit` do.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ PLUGIN_NAME = "graphrt"
 TESTED_FROM = (0, 32, 0)
 TESTED_BELOW = (0, 33, 0)
 TESTED_RANGE = ">=0.32.0, <0.33"
-#: The platform classes :func:`register` hands vLLM, by the built-in platform vLLM detected.
-PLATFORMS = {"cpu": "graphrt.integrations.vllm.platform.GraphrtCpuPlatform",
-             "cuda": "graphrt.integrations.vllm.cuda_platform.GraphrtCudaPlatform"}
+#: The platform classes :func:`register` hands vLLM, by the built-in platform vLLM detected. Only
+#: the CPU one exists: the wrapper would take graphrt's CUDA graph API as it is (:mod:`.session`), but
+#: a CUDA platform and worker were never run (no GPU here), so on CUDA the plugin stays inactive.
+PLATFORMS = {"cpu": "graphrt.integrations.vllm.platform.GraphrtCpuPlatform"}
 
 
 def unavailable_reason() -> str | None:
@@ -94,7 +97,7 @@ def version_problem(version: str) -> str | None:
 def register() -> str | None:
     """The ``vllm.platform_plugins`` entry point: the platform class vLLM should use, or None
     (inactive) unless ``VLLM_PLUGINS`` names ``graphrt``, the vLLM version is in
-    :data:`TESTED_RANGE` and vLLM detected a device graphrt has graphs for (CPU, CUDA). Refusals
+    :data:`TESTED_RANGE` and vLLM detected the CPU platform (:data:`PLATFORMS`). Refusals
     are logged as warnings, never raised: vLLM then runs as without graphrt."""
     if not requested():
         return None
@@ -109,7 +112,7 @@ def register() -> str | None:
 
 def detected_device() -> tuple[str, str | None]:
     """The built-in vLLM platform this machine gets without plugins, and why graphrt cannot take
-    it over (None where it can: ``cpu``, ``cuda``)."""
+    it over (None where it can: :data:`PLATFORMS`)."""
     from vllm.platforms import builtin_platform_plugins
 
     found = []
@@ -123,8 +126,8 @@ def detected_device() -> tuple[str, str | None]:
         return "", (f"vLLM detects {found or 'no'} platform(s) here; graphrt's plugin takes over exactly one "
                     f"of {sorted(PLATFORMS)} (an importable libtpu makes vLLM see a TPU: uninstall it)")
     if found[0] not in PLATFORMS:
-        return found[0], (f"vLLM runs on {found[0]} here, and graphrt's plugin has graphs for {sorted(PLATFORMS)} "
-                          f"only (Ascend's vLLM is its own platform plugin, vllm-ascend)")
+        return found[0], (f"vLLM runs on {found[0]} here, and graphrt's plugin takes over {sorted(PLATFORMS)} only "
+                          f"(the one it was run on); vLLM keeps its own graphs there")
     return found[0], None
 
 

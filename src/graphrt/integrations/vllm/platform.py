@@ -1,4 +1,4 @@
-"""The platforms :func:`graphrt.integrations.vllm.register` hands vLLM: vLLM's own (CPU, CUDA),
+"""The platform :func:`graphrt.integrations.vllm.register` hands vLLM: vLLM's own CPU platform,
 answering its static-graph questions with graphrt's wrapper and keeping the graph settings vLLM
 resolved (its CPU platform would wipe them).
 

@@ -56,7 +56,8 @@ class Session:
 
     def pool(self, device_type: str) -> Any:
         """The :class:`~graphrt.backends.torch.device_graphs.GraphPool` of graphrt's graph API for
-        ``device_type`` (``cpu``: the recording graph; ``cuda``: CUDA graphs), made once."""
+        ``device_type`` (``cpu``: the recording graph; ``cuda``: CUDA graphs, for a CUDA platform,
+        which the plugin does not hand vLLM yet: :data:`graphrt.integrations.vllm.PLATFORMS`), made once."""
         if self.device is None:
             from graphrt.backends.torch.device_graphs import GraphPool
 
