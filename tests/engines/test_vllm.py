@@ -251,10 +251,19 @@ def test_the_kit_finds_a_padded_row_writing_the_kv_cache(models):
     assert "wrote KV rows" in findings and "outside its real ones" in findings
 
 
-def test_an_option_graphrt_cannot_honour_is_a_named_error_at_engine_start(models):
-    engine = dict(ENGINE, compilation_config={"cudagraph_mode": "PIECEWISE", "backend": "inductor"})
-    _, log = run_engines(models[:1], engine, plugin=True, fails=True)
+REFUSED = {
+    "inductor": ({"compilation_config": {"cudagraph_mode": "PIECEWISE", "backend": "inductor"}},
+                 ["compilation_config.backend='inductor': on a CPU graphrt's recording graph", "use backend 'eager'"]),
+    "worker": ({"worker_cls": "my_engine.worker.MyWorker"},
+               ["parallel_config.worker_cls='my_engine.worker.MyWorker': graphrt's graphs need "
+                "graphrt's worker"]),
+}
+
+
+@pytest.mark.parametrize("option", list(REFUSED))
+def test_an_option_graphrt_cannot_honour_is_a_named_error_at_engine_start(models, option):
+    settings, messages = REFUSED[option]
+    _, log = run_engines(models[:1], dict(ENGINE, **settings), plugin=True, fails=True)
     # graphrt's ConfigError is a ValueError: vLLM's pydantic config reports it as its own validation error.
     assert "ValidationError: 1 validation error for VllmConfig" in log
-    assert "compilation_config.backend='inductor': on a CPU graphrt's recording graph" in log
-    assert "use backend 'eager'" in log
+    assert all(message in log for message in messages), log[-3000:]

@@ -63,6 +63,11 @@ def refuse_unsupported(vllm_config: Any, settings: dict[str, Any]) -> None:
     if vllm_config.speculative_config is not None:
         raise ConfigError("speculative decoding with graphrt's vLLM plugin: the drafter's graphs are not wrapped "
                           "by graphrt (untested); drop speculative_config or VLLM_PLUGINS=graphrt")
+    worker = vllm_config.parallel_config.worker_cls
+    if worker not in ("auto", VLLM_CPU_WORKER, CPU_WORKER):
+        raise ConfigError(f"parallel_config.worker_cls={worker!r}: graphrt's graphs need graphrt's worker "
+                          f"({CPU_WORKER}, a subclass of vLLM's CPUWorker: it captures before traffic and runs FULL "
+                          "keys); leave worker_cls 'auto', or subclass that worker")
     if settings["mode"] == CompilationMode.VLLM_COMPILE and settings["backend"] not in ("eager", ""):
         raise ConfigError(f"compilation_config.backend={settings['backend']!r}: on a CPU graphrt's recording graph "
                           "replays aten ops, and Inductor's CPU kernels are C++ it cannot see (a replay would skip "
@@ -114,7 +119,7 @@ class GraphrtCpuPlatform(CpuPlatform):
             if hasattr(cc.pass_config, name):
                 setattr(cc.pass_config, name, False)
         parallel = vllm_config.parallel_config
-        if parallel.worker_cls in ("auto", VLLM_CPU_WORKER):
+        if parallel.worker_cls == VLLM_CPU_WORKER:     # vLLM's CPU hook turned "auto" into its own worker
             parallel.worker_cls = CPU_WORKER
         logger.info("graphrt: vLLM runs on graphrt's recording graphs: cudagraph_mode %s, capture sizes %s",
                     cc.cudagraph_mode.name, settings["sizes"])

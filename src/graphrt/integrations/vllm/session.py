@@ -114,13 +114,13 @@ class Session:
         chose none. The cause: above the largest capture size, or the mode does not cover it."""
         if not self.sealed:
             return
-        if num_tokens > self.max_capture_size:
+        if num_tokens > self.max_capture_size:      # reasons are counted: no per-step numbers in them
             cause = EagerCause.ABOVE_LARGEST_BUCKET
-            reason = f"{num_tokens} tokens > vLLM's largest capture size {self.max_capture_size}"
+            reason = f"more tokens than vLLM's largest capture size ({self.max_capture_size})"
         else:
             cause = EagerCause.MODE
             kind = "uniform decode" if uniform else "mixed / prefill"
-            reason = f"cudagraph_mode {self.mode_name} has no graph for a {kind} step of {num_tokens} tokens"
+            reason = f"cudagraph_mode {self.mode_name} has no graph for a {kind} step"
         self.cache.record_step(real_tokens=self.step.tokens, padded_tokens=num_tokens, real_reqs=self.step.reqs,
                                padded_reqs=self.step.reqs, eager_reason=reason, eager_cause=cause)
 

@@ -47,6 +47,7 @@ def attention_kernels() -> dict[Any, Callable[..., Any]]:
 class _Entry:
     graph: Any
     output: Any
+    cache_key: tuple[str, Any]        # the key in graphrt's cache: (runtime mode, BatchDescriptor)
 
 
 def module_name(runnable: Any, vllm_config: VllmConfig) -> str:
@@ -106,7 +107,7 @@ class GraphrtGraphWrapper:
         if entry is None:
             return self._capture(key, args, kwargs)
         if self.counts_steps:
-            SESSION.replayed(self._cache_key(key), key.num_tokens, key.num_reqs)
+            SESSION.replayed(entry.cache_key, key.num_tokens, key.num_reqs)
         entry.graph.replay()
         return entry.output
 
@@ -131,9 +132,9 @@ class GraphrtGraphWrapper:
             raise GraphCaptureError(f"graphrt cannot capture {self.name} as a {self.runtime_mode.name} graph for "
                                     f"{key}: {exc}. Fix that module, or run vLLM without graphrt's graphs "
                                     f"(enforce_eager=True or cudagraph_mode NONE)") from exc
-        SESSION.captured(self._cache_key(key), seconds=time.perf_counter() - t0, nbytes=nbytes,
-                         first=self.counts_steps)
-        self.entries[key] = _Entry(graph, outputs[-1])
+        cache_key = self._cache_key(key)
+        SESSION.captured(cache_key, seconds=time.perf_counter() - t0, nbytes=nbytes, first=self.counts_steps)
+        self.entries[key] = _Entry(graph, outputs[-1], cache_key)
         return outputs[-1]
 
 
