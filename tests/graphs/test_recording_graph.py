@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -17,6 +18,7 @@ from graphrt.backends.torch.recording_graph import (
                                                     RecordingGraph,
                                                     RecordingPool,
                                                     graph_pool_handle,
+                                                    inline_ops,
                                                     is_current_stream_capturing,
                                                     recording_graph,
                                                     )
@@ -367,3 +369,49 @@ def test_capture_with_grad_enabled_replays() -> None:
     graph.replay()
     with torch.no_grad():
         assert torch.equal(y, lin(x).relu())
+
+
+# An engine's opaque op whose Python kernel looks up per-step state (vLLM's attention op reads its
+# metadata from a forward context): ``_STEP["scale"]`` is that state.
+_STEP: dict[str, torch.Tensor] = {}
+_LIB = torch.library.Library("graphrt_test_inline", "DEF")
+_LIB.define("scaled(Tensor x, Tensor(a!) out) -> ()")
+
+
+def _scaled(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * _STEP["scale"])
+
+
+def _scaled_reading_the_host(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * _STEP["scale"].item())
+
+
+_LIB.impl("scaled", _scaled, "CPU")
+SCALED = torch.ops.graphrt_test_inline.scaled.default
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_inline_ops_record_the_kernel_a_device_graph_would_hold(inline: bool) -> None:
+    """Recorded whole, an opaque op re-runs its Python at replay and finds the step's new state;
+    inlined, the graph holds the ops its kernel ran at capture, on the tensor it chose then -- as a
+    device graph does, so a kernel whose state is not in persistent buffers goes stale."""
+    x, out = torch.ones(4), torch.zeros(4)
+    _STEP["scale"] = torch.full((4,), 2.0)
+    graph = RecordingGraph()
+    with torch.no_grad(), (inline_ops({SCALED: _scaled}) if inline else contextlib.nullcontext()):
+        with recording_graph(graph):
+            SCALED(x, out)
+    _STEP["scale"] = torch.full((4,), 3.0)          # the next step's state, in a new tensor
+    graph.replay()
+    assert out.tolist() == ([2.0] * 4 if inline else [3.0] * 4)
+    assert _no_capture_left()
+
+
+def test_inlined_kernels_are_checked_like_any_capture() -> None:
+    """A host read inside an inlined kernel is refused, as in the model's own code."""
+    _STEP["scale"] = torch.tensor(2.0)
+    graph = RecordingGraph()
+    with torch.no_grad(), inline_ops({SCALED: _scaled_reading_the_host}), pytest.raises(GraphCaptureError, match="item"):
+        with recording_graph(graph):
+            SCALED(torch.ones(4), torch.zeros(4))
+    assert not graph.is_captured and _no_capture_left()

@@ -13,9 +13,10 @@ or Python side effects); a few CPU kernels check values on the host where CUDA's
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
@@ -40,6 +41,7 @@ __all__ = [
     "RecordingGraph",
     "RecordingPool",
     "graph_pool_handle",
+    "inline_ops",
     "is_current_stream_capturing",
     "recording_graph",
 ]
@@ -85,6 +87,22 @@ def is_current_stream_capturing() -> bool:
     return getattr(_THREAD, "graph", None) is not None
 
 
+@contextlib.contextmanager
+def inline_ops(kernels: Mapping[Any, Callable[..., Any]]) -> Iterator[None]:
+    """While open, a capture on this thread records each op of ``kernels`` (an ``OpOverload``) by
+    running its Python kernel with the recorder active -- the ops it runs, op by op -- instead of
+    recording the op whole. An opaque op recorded whole re-runs its Python at replay (reading host
+    state then); a device graph holds the kernels that Python launched at capture, with the
+    arguments it chose then, and so does a recording of its inner ops (e.g. an engine's attention
+    op that looks up per-step metadata in a forward context)."""
+    previous = getattr(_THREAD, "inline", None)
+    _THREAD.inline = {**(previous or {}), **kernels}
+    try:
+        yield
+    finally:
+        _THREAD.inline = previous
+
+
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
@@ -106,6 +124,10 @@ class _DispatchRecorder(TorchDispatchMode):
         if self.graph is None:
             return func(*args, **kwargs)
         self.graph._check(func, args, kwargs)
+        inline = getattr(_THREAD, "inline", None)
+        if inline and func in inline:
+            with self:
+                return inline[func](*args, **kwargs)
         if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
             with self:
                 out = func.decompose(*args, **kwargs)
