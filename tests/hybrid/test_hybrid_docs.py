@@ -99,7 +99,7 @@ def _lying(spec: StateSpec, tensor: int, shape: tuple[int, ...]) -> StateSpec:
     return StateSpec((dataclasses.replace(group, tensors=tuple(tensors)),))
 
 
-LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=8, kv_cache_memory=1 << 20)
+LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, kv_cache_memory=1 << 20, progress=False)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "eager"])
@@ -114,12 +114,12 @@ def test_a_spec_that_contradicts_its_layer_is_refused_at_build_on_torch(backend)
     with pytest.raises(ConfigError, match=re.escape(
             "state_spec.groups[0].tensors[1] ('conv').shape: (16, 2), but recurrent layer 0 (ShiftConvDecay) "
             "keeps (16, 3) per request (its state_shapes())")):
-        graphrt.LLM(model, backend=backend, **LIMITS)
+        graphrt.ModelRunner(model, backend=backend, **LIMITS)
     fewer = StateSpec((dataclasses.replace(lie.groups[0], tensors=lie.groups[0].tensors[:2]),))
     model.state_spec = lambda: fewer
     with pytest.raises(ConfigError, match=r"state_spec.groups\[0\].tensors: 2 state tensors \(shift, conv\), but "
                                           r"recurrent layer 0 \(ShiftConvDecay\) keeps 3"):
-        graphrt.LLM(model, backend=backend, **LIMITS)
+        graphrt.ModelRunner(model, backend=backend, **LIMITS)
 
 
 def test_graphrts_own_mamba2_mixer_says_what_it_keeps():
@@ -158,7 +158,7 @@ def test_a_spec_that_contradicts_what_the_jax_layer_writes_is_refused_at_build_o
     with pytest.raises(ConfigError, match=re.escape(
             "state_spec.groups[0].tensors[1] ('conv').shape: (16, 2), but recurrent layer 0 keeps (16, 3) per "
             "request (the states its forward writes through write_states)")):
-        graphrt.LLM(model, backend="xla", disable_precompile=True, **LIMITS)   # nothing compiled: refused at build
+        graphrt.ModelRunner(model, backend="xla", disable_precompile=True, **LIMITS)   # nothing compiled: refused at build
 
 
 def test_a_jax_config_without_state_layers_is_a_config_error_naming_it():
@@ -169,4 +169,4 @@ def test_a_jax_config_without_state_layers_is_a_config_error_naming_it():
 
     model = _jax_model(config_of=without)
     with pytest.raises(ConfigError, match=r"model.config.state_layers: .* \(NoStateLayers\) has no state_layers"):
-        graphrt.LLM(model, backend="xla", disable_precompile=True, **LIMITS)
+        graphrt.ModelRunner(model, backend="xla", disable_precompile=True, **LIMITS)
