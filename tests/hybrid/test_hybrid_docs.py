@@ -5,7 +5,8 @@
   example run on ``cpu`` with tiny random checkpoints in place of ``path/to/...``.
 * "A recurrent layer of your own": its torch block (an RWKV / GLA-style mixer on ``cpu`` graphs
   with chunked prefills and shared steps, against each request alone on ``eager``) and its JAX
-  block (the same model on ``xla``, the torch model's tokens) run as written.
+  block (the same model on ``xla``, the torch model's tokens) run as written; its ring is
+  written newest first, so rejected drafts roll back (oldest first, planted, does not).
 * A state spec that contradicts what its layer keeps is a ConfigError naming the group, the
   tensor, the layer and both shapes, when the runner is built: on torch (the layer's
   ``state_shapes()``: the docs' mixer and graphrt's own Mamba2 mixer) and on ``xla`` (what the
@@ -19,12 +20,14 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import graphrt
 from graphrt import ConfigError, StateSpec, StateTensor
 from support.hybrid_models import hybrid_model_dir
+from support.parity import assert_close_across_shapes
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "hybrid.md"
 OWN = "## A recurrent layer of your own"
@@ -170,3 +173,48 @@ def test_a_jax_config_without_state_layers_is_a_config_error_naming_it():
     model = _jax_model(config_of=without)
     with pytest.raises(ConfigError, match=r"model.config.state_layers: .* \(NoStateLayers\) has no state_layers"):
         graphrt.ModelRunner(model, backend="xla", disable_precompile=True, **LIMITS)
+
+
+def _continue_after(runner, history: list[int], drafts: list[int] | None, tail: list[int]) -> np.ndarray:
+    """``history`` computed -- prefilled whole, or (``drafts``) prefilled but its last token, which
+    a verification step of ``[history[-1], *drafts]`` then computes with drafts all rejected --
+    then a verification step of ``tail`` (1 + k tokens): its position logits."""
+    tokens = np.zeros((1, 64), np.int32)
+    table = np.arange(1, 17, dtype=np.int32).reshape(1, 16)
+
+    def step(seq: list[int], computed: int, scheduled: int) -> None:
+        tokens[0] = 0
+        tokens[0, :len(seq)] = seq
+        runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([0]),
+                       num_computed_tokens=np.array([computed]), num_scheduled_tokens=np.array([scheduled]))
+
+    n = len(history)
+    if drafts is None:
+        step(history, 0, n)
+    else:
+        step(history, 0, n - 1)
+        step(history + drafts, n - 1, 1 + len(drafts))
+    step(history + tail, n, len(tail))
+    return runner.outputs.position_logits()[0].copy()
+
+
+def test_the_own_mixer_rolls_back_rejected_drafts_newest_first():
+    """The docs' mixer writes its ring newest first: after a verification step whose drafts are
+    all rejected, the next verification continues from the state after the last accepted token
+    (the ring's oldest entry of that step) and gives the logits of a history without the drafts.
+    Written oldest first (the natural guess the docs warn about), it does not."""
+    ns = definitions()
+    torch.manual_seed(0)
+    model = ns["TinyRecurrentLM"]()
+    limits = dict(num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64,
+                  block_size=4, num_kv_blocks=17, progress=False)
+    history, drafts, tail = [5, 9, 17, 33, 2, 7, 11], [40, 41], [3, 8, 13]
+
+    def logits(drafts):
+        return _continue_after(graphrt.ModelRunner(model, backend="eager", **limits), history, drafts, tail)
+
+    want = logits(None)
+    assert_close_across_shapes(logits(drafts), want, np.float32, "after the rejected drafts")
+    write = ns["write_states"]
+    ns["write_states"] = lambda cache, meta, states: write(cache, meta, states.flip(1))   # planted: oldest first
+    assert not np.allclose(logits(drafts), want, atol=1e-2)
