@@ -161,7 +161,7 @@ def test_a_spec_that_contradicts_what_the_jax_layer_writes_is_refused_at_build_o
     with pytest.raises(ConfigError, match=re.escape(
             "state_spec.groups[0].tensors[1] ('conv').shape: (16, 2), but recurrent layer 0 keeps (16, 3) per "
             "request (the states its forward writes through write_states)")):
-        graphrt.ModelRunner(model, backend="xla", disable_precompile=True, **LIMITS)   # nothing compiled: refused at build
+        graphrt.ModelRunner(model, backend="xla", disable_precompile=True, **LIMITS)   # refused before compiling
 
 
 def test_a_jax_config_without_state_layers_is_a_config_error_naming_it():
