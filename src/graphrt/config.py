@@ -69,13 +69,15 @@ def close_names(name: str, known: Sequence[str]) -> str:
 
 def check_unknown_fields(fields: Any, keywords: Sequence[str] | Any, owner: str) -> None:
     """Refuse keywords of ``owner`` (``graphrt.LLM``, ``ModelRunner``) that are neither its own
-    (``keywords``: names, or ``inspect.signature(...).parameters``) nor :class:`GraphConfig` fields: a ConfigError naming each and the close
-    names it may have meant, before pydantic's bare "Extra inputs are not permitted"."""
+    (``keywords``: names, or ``inspect.signature(...).parameters``) nor :class:`GraphConfig`
+    fields: a ConfigError naming each and the close names it may have meant, before pydantic's
+    bare "Extra inputs are not permitted"."""
     unknown = [name for name in fields if name not in GraphConfig.model_fields]
     if unknown:
-        own = [name for name, p in keywords.items() if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-               ] if hasattr(keywords, "items") else list(keywords)      # an inspect signature's parameters
-        known = [*GraphConfig.model_fields, *own]
+        if hasattr(keywords, "items"):          # a signature's parameters: not self, not **fields
+            keywords = [name for name, p in keywords.items()
+                        if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        known = [*GraphConfig.model_fields, *keywords]
         raise ConfigError("; ".join(f"{name}: not a keyword {owner} or GraphConfig takes{close_names(name, known)}"
                                     for name in unknown) + " (docs/api.md lists them)")
 
