@@ -1,12 +1,15 @@
-"""The default that serves fastest (issue 33): ``graphrt.LLM(model_dir)`` with ``backend="auto"``
-against every backend that runs here, on the peer benchmark.
+"""The default backend (issues 33, 47): ``graphrt.LLM(model_dir)`` with ``backend="auto"`` against
+every backend that runs here, on the peer benchmark: how soon each starts, how fast it serves.
 
 The peer benchmark: a 4-layer, 256-wide Qwen3 (vocabulary 512), 32 greedy requests of 32-token
 prompts, 64 generated tokens each (EOS ignored), through one ``graphrt.LLM`` per arm
 (``max_num_seqs=32``), warm-up done before timing; tokens per second of a ``generate`` call,
 arms interleaved, the median of ``--rounds``. transformers' own batched ``generate`` of the same
-prompts is shown for reference. Target: the backend ``auto`` picks serves >= 0.95x the fastest
-(``auto`` is that backend: its own median, in the table, differs by the machine's noise only).
+prompts is shown for reference. Start: seconds from ``graphrt.LLM(...)`` to its first
+``generate`` returning (one request, one token): the model load, warm-up (capture, compile) and a
+step. Target (issue 47: ``auto`` picks with start-up in mind): the backend ``auto`` picks starts
+within 1.25x the quickest backend; its tokens/s against the fastest is reported (issue 33's
+target, >= 0.95x, held while ``auto`` picked ``xla`` on a CPU, which it no longer does there).
 
 Run: ``python benchmarks/bench_peer.py [--quick] [--json out.json]`` or ``graphrt bench``.
 """
@@ -26,7 +29,7 @@ from bench_common import cpu_line, print_checks, random_prompts, tiny_model_dir
 MODEL = dict(vocab=512, hidden=256, layers=4)
 REQUESTS, PROMPT_LEN, MAX_TOKENS = 32, 32, 64
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=256)
-TARGET = 0.95
+TARGET = 1.25
 
 
 def arms() -> dict[str, dict[str, Any]]:
@@ -60,7 +63,13 @@ def bench(model_dir: str, rounds: int) -> dict[str, Any]:
 
     prompts = random_prompts(REQUESTS, PROMPT_LEN, MODEL["vocab"], 0)
     params = graphrt.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    engines = {name: graphrt.LLM(model_dir, **kw, **ENGINE) for name, kw in arms().items()}
+    engines, start = {}, {}
+    first = graphrt.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for name, kw in arms().items():
+        t = time.perf_counter()
+        engines[name] = graphrt.LLM(model_dir, **kw, **ENGINE)
+        engines[name].generate(prompts[:1], first)
+        start[name] = time.perf_counter() - t
     picked = engines["auto"].runner.backend.name
     hf = hf_generate(model_dir, prompts)
     rates: dict[str, list[float]] = {name: [] for name in [*engines, "transformers generate"]}
@@ -78,7 +87,7 @@ def bench(model_dir: str, rounds: int) -> dict[str, Any]:
         rates["transformers generate"].append(n / (time.perf_counter() - t))
     for llm in engines.values():
         llm.close()
-    return {"picked": picked, "reason": graphrt.available_backends().auto_reason,
+    return {"picked": picked, "reason": graphrt.available_backends().auto_reason, "start_s": start,
             "tok_s": {k: statistics.median(v) for k, v in rates.items()}, "rounds": {k: v for k, v in rates.items()},
             "same_tokens": all(t == tokens["auto"] for t in tokens.values())}
 
@@ -99,18 +108,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     backends = {k: v for k, v in res["tok_s"].items() if k not in ("auto", "transformers generate")}
     fastest = max(backends, key=backends.get)
     lines = [f"bench_peer on {machine}: 4-layer 256-wide Qwen3, {REQUESTS} greedy requests x {MAX_TOKENS} tokens",
-             f"auto picks {res['picked']}: {res['reason']}", "", f"{'arm':<24}{'tok/s':>9}{'vs fastest':>12}",
-             "-" * 45]
+             f"auto picks {res['picked']}: {res['reason']}", "",
+             f"{'arm':<24}{'start s':>9}{'tok/s':>9}{'vs fastest':>12}", "-" * 54]
     for name, rate in sorted(res["tok_s"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"{name:<24}{rate:>9.0f}{rate / backends[fastest]:>11.2f}x")
+        began = f"{res['start_s'][name]:>9.1f}" if name in res["start_s"] else f"{'':>9}"
+        lines.append(f"{name:<24}{began}{rate:>9.0f}{rate / backends[fastest]:>11.2f}x")
     print("\n".join(lines))
-    # auto *is* the backend it picks (the same engine): their medians differ by the CPU's noise
-    # only, so the check is on the pick; auto's own median is in the table.
+    # auto *is* the backend it picks (the same engine): the check is on the pick's own arm.
     picked = res["picked"]
-    checks = {f"auto picks {picked}, serving >= {TARGET}x the fastest backend ({fastest})":
-              backends[picked] >= TARGET * backends[fastest],
+    starts = {k: v for k, v in res["start_s"].items() if k != "auto"}
+    quickest = min(starts, key=starts.get)
+    checks = {f"auto picks {picked}, starting within {TARGET}x the quickest backend ({quickest})":
+              starts[picked] <= TARGET * starts[quickest],
               "identical greedy tokens in every graphrt arm": res["same_tokens"]}
-    out = {"machine": machine, **res, "fastest": fastest, "checks": checks, "all_pass": print_checks(checks)}
+    out = {"machine": machine, **res, "fastest": fastest, "quickest": quickest, "checks": checks,
+           "all_pass": print_checks(checks)}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out

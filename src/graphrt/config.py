@@ -8,6 +8,7 @@ field as ``--kebab-case`` flags.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import operator
 import typing
@@ -60,11 +61,35 @@ def check_flags(**flags: Any) -> None:
             raise ConfigError(f"{name}: Input should be a valid boolean, got {value!r}")
 
 
+def close_names(name: str, known: Sequence[str]) -> str:
+    """``"; did you mean a or b?"`` for the names of ``known`` close to ``name`` ("" if none)."""
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def check_unknown_fields(fields: Any, keywords: Sequence[str] | Any, owner: str) -> None:
+    """Refuse keywords of ``owner`` (``graphrt.LLM``, ``ModelRunner``) that are neither its own
+    (``keywords``: names, or ``inspect.signature(...).parameters``) nor :class:`GraphConfig`
+    fields: a ConfigError naming each and the close names it may have meant, before pydantic's
+    bare "Extra inputs are not permitted"."""
+    unknown = [name for name in fields if name not in GraphConfig.model_fields]
+    if unknown:
+        if hasattr(keywords, "items"):          # a signature's parameters: not self, not **fields
+            keywords = [name for name, p in keywords.items()
+                        if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        known = [*GraphConfig.model_fields, *keywords]
+        raise ConfigError("; ".join(f"{name}: not a keyword {owner} or GraphConfig takes{close_names(name, known)}"
+                                    for name in unknown) + " (docs/api.md lists them)")
+
+
 def _describe(err: Any) -> str:
     """One pydantic error as ``field: what, got value``; a check of several fields (whose
     message names them) as its message alone."""
     if not err["loc"]:
         return err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":            # an unknown field: name the close ones
+        name = str(err["loc"][0])
+        return f"{name}: not a GraphConfig field{close_names(name, list(GraphConfig.model_fields))}"
     got = (f", got {err['input']!r}" if err["type"] in ("bool_type", "int_type", "int_parsing", "less_than_equal",
                                                    "greater_than", "greater_than_equal", "string_type",
                                                    "list_type") else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ import numpy as np
 
 from graphrt.backends.base import Backend, SamplingBatch
 from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
-from graphrt.config import GraphConfig, check_flags
+from graphrt.config import GraphConfig, check_flags, check_unknown_fields
 from graphrt.core.dispatch import sampler_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
@@ -76,6 +77,7 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, dtype: Any = None, warmup: bool | str = True,
                  progress: bool = True, step_agreement: StepAgreement | None = None,
                  **config_fields: Any) -> None:
+        check_unknown_fields(config_fields, inspect.signature(ModelRunner.__init__).parameters, "ModelRunner")
         fields = {**(config.model_dump(exclude_unset=True) if config is not None else {}), **config_fields}
         self.config = cfg = config if config is not None and not config_fields else GraphConfig.create(**fields)
         check_flags(progress=progress)

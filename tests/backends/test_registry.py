@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 
@@ -89,18 +90,58 @@ def test_xla_available_with_jax():
 
 @pytest.mark.skipif(_has_cuda() or HAS_NPU or not HAS_TORCH, reason="an accelerator is present")
 @pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
-def test_auto_picks_what_serves_fastest_here_and_says_why():
-    """No accelerator: xla for a checkpoint (one fused executable per bucket; the recording graph
-    replays CPU kernels op by op on padded shapes; docs/benchmarks.md), eager for a torch module,
-    and available_backends() says so."""
+def test_auto_picks_with_start_up_in_mind_on_a_cpu_and_says_why(caplog, monkeypatch):
+    """issue 47: on a CPU, auto picked xla for a checkpoint, which compiled every bucket before
+    README's first token (minutes for a two-layer toy). Now eager, which starts at once, for a
+    checkpoint or a torch module, xla for a JAX model; the pick and its reason are logged and in
+    available_backends()."""
     import torch
 
-    assert select_backend("auto").name == "xla"
-    assert select_backend("AUTO").name == "xla"
+    monkeypatch.setattr(registry, "jax_accelerator", lambda: None)
+    with caplog.at_level(logging.INFO, logger="graphrt.registry"):
+        assert select_backend("auto").name == "eager"
+    assert "backend auto -> eager: no accelerator, so start-up decides: eager serves the first token at once" \
+        in caplog.text and "backend='xla'" in caplog.text
+    assert select_backend("AUTO").name == "eager"
     assert select_backend("auto", model=torch.nn.Linear(2, 2)).name == "eager"
     avail = available_backends()
-    assert avail.auto == "xla" and "no accelerator" in avail.auto_reason and "backend='cpu'" in avail.auto_reason
+    assert avail.auto == "eager" and "start-up" in avail.auto_reason and "backend='cpu'" in avail.auto_reason
     assert avail["cpu"] is None and dict(avail) == {k: avail[k] for k in registry.BACKENDS}
+    from graphrt.backends.xla.programs import XlaModel
+    from graphrt.models.hf_config import DecoderConfig
+
+    jax_model = XlaModel(config=None, params={})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="graphrt.registry"):
+        assert select_backend("auto", model=jax_model).name == "xla"
+    assert "backend auto -> xla: a JAX model" in caplog.text
+    pair = (DecoderConfig.__new__(DecoderConfig), {})
+    assert available_backends(pair).auto == "xla" and available_backends(jax_model).auto == "xla"
+
+
+@pytest.mark.skipif(not HAS_TORCH or not HAS_JAX, reason="torch and jax")
+def test_auto_keeps_the_device_picks(caplog, monkeypatch):
+    """Where a device is visible the pick is as before: cuda, npu, and xla where JAX sees a TPU
+    (before eager; a torch module still gets a torch backend)."""
+    import torch
+
+    reasons = dict(available_backends())
+    monkeypatch.setattr(registry, "jax_accelerator", lambda: "tpu")
+    with caplog.at_level(logging.INFO, logger="graphrt.registry"):
+        assert select_backend("auto").name == "xla"
+    assert "backend auto -> xla: JAX sees an accelerator (tpu)" in caplog.text
+    assert available_backends().auto == "xla"
+    assert select_backend("auto", model=torch.nn.Linear(2, 2)).name == "eager"
+    for device in ("cuda", "npu"):
+        seen = {**reasons, device: None}
+        assert registry.auto_choice(None, seen.get) == (device, registry.AUTO_REASONS[device])
+        assert registry.auto_choice(torch.nn.Linear(2, 2), seen.get)[0] == device
+    monkeypatch.setattr(registry, "jax_accelerator", lambda: None)
+    none = {name: "missing" for name in registry.BACKENDS}
+    assert registry.auto_choice(None, none.get) == (None, "no backend is available: cuda: missing; npu: missing; "
+                                                          "eager: missing; xla: missing; cpu: missing")
+    no_torch = {**none, "xla": None}
+    assert registry.auto_choice(None, no_torch.get)[0] == "xla"
 
 
 def test_aliases_and_case():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch
 import graphrt
 from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
 from graphrt.core.numerics import tolerance
-from graphrt.models.torch.attention import paged_attention_kernel
+from graphrt.models.torch.attention import TorchAttentionMetadata, paged_attention_kernel
 from graphrt.models.torch.transformers_impl import ATTENTION_NAME, load_transformers_model
 from graphrt.testing.transformers_zoo import SLIDING_WINDOW, tiny_checkpoint
 
@@ -312,3 +314,77 @@ def test_kit_padding_and_kv_isolation(arch):
     results = run_conformance(factory=factory, properties=["padding_invisible", "kv_isolated"], examples=4,
                               report=None)
     assert [r.status for r in results] == ["PASS", "PASS"], [r.line() for r in results]
+
+
+# ---- the attention contract: graphrt's layers and a backend of one's own (issue 47) ---------------
+
+@dataclass
+class OwnMeta:
+    """A backend's own metadata, of none of graphrt's fields."""
+
+    slots: torch.Tensor
+
+
+class OwnMetaBackend(graphrt.AttentionBackend):
+    name = "own-meta"
+
+    def build(self, step, host):
+        return OwnMeta(step.slot_mapping)
+
+
+@dataclass
+class AttendingMeta:
+    """graphrt's paged metadata kept whole inside, plus the backend's own kernel: ``attend``."""
+
+    paged: Any
+    calls: list
+
+    def attend(self, layer, q, k, v):
+        self.calls.append(type(layer).__name__)
+        m = self.paged
+        return paged_attention_kernel(q, k, v, layer.kv_cache, m.slot_mapping, m.query_start_loc, m.seq_lens,
+                                      m.block_table, m.token_req_idx, m.block_size, layer.scale,
+                                      layer.sliding_window, layer.k_scale, layer.v_scale)
+
+
+class AttendingBackend(graphrt.AttentionBackend):
+    name = "own-kernel"
+
+    def __init__(self):
+        self.calls = []
+
+    def build(self, step, host):
+        paged = TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_table,
+                                             step.block_size)
+        return AttendingMeta(paged, self.calls)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_a_backend_whose_metadata_the_layers_cannot_read_is_refused_at_build(arch):
+    """issue 47: accepted, then ~20 "capture failed" warnings and a raw AttributeError ('OwnMeta'
+    object has no attribute 'token_req_idx'); now a ConfigError naming the backend, the metadata
+    type, the layer and the fields it reads, before the KV cache is allocated."""
+    model = load_transformers_model(tiny_checkpoint(arch))
+    model.attention_backend = OwnMetaBackend()
+    with pytest.raises(ConfigError, match=r"attention backend 'own-meta' builds OwnMeta metadata, but attention layer "
+                                          r"0 \(HFPagedAttention, graphrt's paged attention\) reads slot_mapping, "
+                                          r"query_start_loc, seq_lens, block_table, token_req_idx, block_size of it"):
+        _llm(model)
+    if arch == "gpt_oss":            # sinks: graphrt's reference kernel's additions, never the backend's attend()
+        model.attention_backend = type("Attending", (AttendingBackend,), {"build": lambda self, step, host: (
+            AttendingMeta(None, self.calls))})()
+        with pytest.raises(ConfigError, match=r"never calls attend\(\)"):
+            _llm(model)
+
+
+def test_graphrts_layers_call_a_backends_own_kernel_through_attend():
+    """A backend's metadata with attend(layer, q, k, v) runs its own kernel in every layer, in
+    graphs and eagerly, and gives graphrt's own tokens (here the kernel is graphrt's reference)."""
+    path = tiny_checkpoint("llama")
+    plain = [o.token_ids for o in _llm(load_transformers_model(path)).generate(PROMPTS, GREEDY)]
+    model = load_transformers_model(path)
+    model.attention_backend = backend = AttendingBackend()
+    llm = _llm(model)
+    backend.calls.clear()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+    assert set(backend.calls) == {"HFPagedAttention"} and llm.stats["hits"] > 0

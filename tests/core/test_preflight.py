@@ -174,6 +174,33 @@ def test_the_runners_warmup_keyword_names_its_choices_before_loading(value, mode
         graphrt.ModelRunner(model_dir, backend="cpu", **{**SMALL, "warmup": value})
 
 
+# ------------------------------------------------------- kv_cache_memory, unknown keywords
+
+def test_llm_takes_kv_cache_memory_as_the_runner_does(model_dir):
+    """issue 47: graphrt.LLM refused kv_cache_memory (Extra inputs are not permitted) while
+    docs/hybrid.md sizes the states out of it; the LLM's cache is the runner's for the budget."""
+    per_block = 2 * 2 * 2 * 16 * 4 * 4        # layers x (K, V) x KV heads x head_dim x block_size x fp32
+    llm = graphrt.LLM(model_dir, backend="eager", kv_cache_memory=10 * per_block + 7, **SMALL)
+    assert llm.runner.num_kv_blocks == 10 and llm.runner.graph_memory.budget == 10 * per_block + 7
+    assert llm.allocator.capacity == 9                          # block 0 is the null block
+    assert len(llm.generate([[5, 6, 7]], graphrt.SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("budget", ["8GB", True, -1, float("nan")])
+def test_llm_refuses_a_bad_kv_cache_memory_before_loading(budget, model_dir, nothing_loaded):
+    with pytest.raises(graphrt.InputError, match="kv_cache_memory: must be None or a finite number of bytes"):
+        graphrt.LLM(model_dir, backend="eager", kv_cache_memory=budget, **SMALL)
+
+
+@pytest.mark.parametrize("make", [graphrt.LLM, graphrt.ModelRunner])
+def test_an_unknown_keyword_names_the_close_one_before_loading(make, model_dir, nothing_loaded):
+    """issue 47: a misspelt keyword named no alternative ("Extra inputs are not permitted")."""
+    with pytest.raises(ConfigError, match=r"kv_cache_memroy: not a keyword .* did you mean kv_cache_memory\b"):
+        make(model_dir, backend="eager", kv_cache_memroy=1 << 20, **SMALL)
+    with pytest.raises(ConfigError, match=r"max_num_seq: not a keyword .* did you mean max_num_seqs"):
+        make(model_dir, backend="eager", **{**SMALL, "max_num_seq": 4})
+
+
 # --------------------------------------------------------------------------------- dtype
 
 @pytest.mark.parametrize("name,want", [("bfloat16", torch.bfloat16), ("BF16", torch.bfloat16),

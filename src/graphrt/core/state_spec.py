@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, replace
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 from graphrt.core.errors import ConfigError
 from graphrt.core.kv_spec import KV_CACHE_DTYPE_BYTES as DTYPE_BYTES, is_int, check_covered, claim_layers, \
@@ -19,6 +19,9 @@ from graphrt.core.kv_spec import KV_CACHE_DTYPE_BYTES as DTYPE_BYTES, is_int, ch
 
 #: The model method (and the prefix of every field named in an error).
 STATE_SPEC_FIELD = "state_spec"
+#: The recurrent layer's method saying what it keeps per request: one shape per state tensor,
+#: in the spec's tensor order, without the slot and checkpoint dimensions.
+STATE_SHAPES = "state_shapes"
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,44 @@ def resolve_state_spec(declared: Any, *, model_dtype: Any, supported: Collection
     return StateSpec(tuple(groups))
 
 
+def check_against_state_layers(spec: StateSpec, kept: Sequence[Sequence[tuple[int, ...]] | None],
+                               kinds: Sequence[str] | None = None) -> None:
+    """Every group agrees with what its layers say they keep: ``kept[i]`` is recurrent layer
+    ``i``'s per-request state shapes in the spec's tensor order (its ``state_shapes()``; None:
+    it says nothing). A :class:`ConfigError` names the group, the tensor, the layer and both
+    shapes -- before anything is allocated (a lying spec made every capture fail on an index
+    error and the first step die inside a GenerationError)."""
+    for i, group in enumerate(spec.groups):
+        for layer in group.layers:
+            shapes = kept[layer] if layer < len(kept) else None
+            if shapes is None:
+                continue
+            where = f"recurrent layer {layer}" + (f" ({kinds[layer]})" if kinds is not None else "")
+            if len(shapes) != len(group.tensors):
+                raise ConfigError(
+                    f"{STATE_SPEC_FIELD}.groups[{i}].tensors: {len(group.tensors)} state tensors "
+                    f"({', '.join(t.name for t in group.tensors)}), but {where} keeps {len(shapes)} "
+                    f"({', '.join(str(tuple(s)) for s in shapes)}, its {STATE_SHAPES}())")
+            for j, (tensor, shape) in enumerate(zip(group.tensors, shapes)):
+                if tuple(tensor.shape) != tuple(shape):
+                    raise ConfigError(
+                        f"{STATE_SPEC_FIELD}.groups[{i}].tensors[{j}] ({tensor.name!r}).shape: {tuple(tensor.shape)}, "
+                        f"but {where} keeps {tuple(shape)} per request (its {STATE_SHAPES}()); declare what the "
+                        "layer keeps")
+
+
+def state_array_names(spec: StateSpec) -> list[tuple[str, int]]:
+    """(field, layer) of each state array in the order the xla backend hands them to the forward
+    -- layer-major, tensor-minor: recurrent layer 0's tensors in the spec's order, then layer 1's
+    -- where ``field`` is ``state_spec.groups[i].tensors[j] ('name')`` (for errors)."""
+    out = []
+    for layer in range(spec.num_layers):
+        i = next(k for k, g in enumerate(spec.groups) if layer in g.layers)
+        out.extend((f"{STATE_SPEC_FIELD}.groups[{i}].tensors[{j}] ({t.name!r})", layer)
+                   for j, t in enumerate(spec.groups[i].tensors))
+    return out
+
+
 def _tensors(tensors: Any, field: str, model_dtype: Any, supported: Collection[str],
              backend: str) -> tuple[StateTensor, ...]:
     out, names = [], set()
@@ -161,5 +202,6 @@ def _tensors(tensors: Any, field: str, model_dtype: Any, supported: Collection[s
     return tuple(out)
 
 
-__all__ = ["STATE_SPEC_FIELD", "StateGroup", "StateMemory", "StateSpec", "StateTensor", "check_state_fits",
-           "resolve_state_spec", "state_memory"]
+__all__ = ["STATE_SHAPES", "STATE_SPEC_FIELD", "StateGroup", "StateMemory", "StateSpec", "StateTensor",
+           "check_against_state_layers", "check_state_fits", "resolve_state_spec", "state_array_names",
+           "state_memory"]

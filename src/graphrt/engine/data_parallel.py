@@ -57,7 +57,7 @@ def check_worker_args(model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> N
     bound.apply_defaults()
     args = bound.arguments
     check_engine_args(args["model"], args["config"], graph_fields=args["graph_fields"],
-                      **{name: args[name] for name in ENGINE_ARGS})
+                      keywords=inspect.signature(LLM.__init__).parameters, **{name: args[name] for name in ENGINE_ARGS})
 
 
 class DataParallelLLM:

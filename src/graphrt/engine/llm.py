@@ -11,6 +11,7 @@ One lock serializes ``add_request`` / ``step`` / ``abort_request`` / ``close`` a
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import threading
@@ -56,6 +57,8 @@ class LLM:
     ``watchdog_timeout`` (s; None / 0: off) fails a hung forward. ``disable_overlap_schedule``
     turns off overlap scheduling (depth 1: the next step is prepared while the device runs the
     previous one, on xla, cuda, npu; engine/loop.py says why it is exact); depth 0: plain loop.
+    ``num_kv_blocks`` / ``kv_cache_memory`` size the KV cache as :class:`ModelRunner`'s do (a
+    hybrid model's recurrent states come out of ``kv_cache_memory`` first: docs/hybrid.md).
     ``graph_fields`` are :class:`~graphrt.config.GraphConfig`'s, among them ``model_impl`` and
     ``trust_remote_code`` (default False: a checkpoint whose ``auto_map`` needs its own code is a
     ConfigError saying how to opt in; nothing is ever asked on stdin).
@@ -64,7 +67,7 @@ class LLM:
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  block_size: int = defaults.DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
-                 strict: bool = False, dtype: Any = None, progress: bool = False,
+                 kv_cache_memory: int | None = None, strict: bool = False, dtype: Any = None, progress: bool = False,
                  enable_prefix_caching: bool | None = None,
                  schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
                  schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
@@ -81,7 +84,8 @@ class LLM:
             schedule_conservativeness=schedule_conservativeness, decode_log_interval=decode_log_interval,
             watchdog_timeout=watchdog_timeout, watchdog_action=watchdog_action,
             disable_overlap_schedule=disable_overlap_schedule, enable_prefix_caching=enable_prefix_caching,
-            progress=progress, graph_fields=graph_fields)
+            progress=progress, graph_fields=graph_fields, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            keywords=inspect.signature(LLM.__init__).parameters)
         warmup_mode(warmup if warmup is not True else "upfront")    # a bad value: ConfigError before loading
         backend_obj = select_backend(backend, model=model) if isinstance(backend, str) else backend
         dtype = check_before_loading(backend_obj, model, config, dtype)
@@ -89,7 +93,7 @@ class LLM:
             model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(
                 str(model), dtype, model_impl=config.model_impl, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
-                                  dtype=dtype, progress=progress, warmup=warmup)
+                                  kv_cache_memory=kv_cache_memory, dtype=dtype, progress=progress, warmup=warmup)
         cfg = self.config
         slots = self.runner.executor.num_state_slots
         enable_prefix_caching = prefix_caching(enable_prefix_caching, slots is not None)

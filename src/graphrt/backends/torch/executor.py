@@ -35,7 +35,8 @@ from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
 from graphrt.models.torch.attention_backend import (CaptureHostValues, HostTensorsRefused, HostValues,
-                                                    RemovedPreReplayHooks, check_metadata, overrides_before_replay)
+                                                    RemovedPreReplayHooks, check_layers_read, check_metadata,
+                                                    overrides_before_replay)
 from graphrt.backends.torch.device_graphs import (CapturedGraph, DeviceGraphAPI, check_addresses,
                                                  describe_capture_failure)
 from graphrt.backends.torch.model_protocol import attention_support, choose_attention, keyed_host_values
@@ -85,8 +86,10 @@ class TorchExecutor(Executor[TorchEntry]):
                                                                   type(model).__name__))
         self.host_buffers, self.static = self.buffers.host_arrays, self.buffers.static
         probe = min(2, max_t), 1                      # the builder's metadata must fit a step
-        check_metadata(self.attention, self.attention.build(self.buffers.tensors(*probe), self.dummy_host(*probe)),
-                       *probe)
+        probe_meta = self.attention.build(self.buffers.tensors(*probe), self.dummy_host(*probe))
+        check_metadata(self.attention, probe_meta, *probe)
+        check_layers_read(self.attention, probe_meta, model.attention_layers() if hasattr(model, "attention_layers")
+                          else [])
         #: The model's declared extra inputs and their staging buffers (the runner writes them).
         self.extra_inputs, self.extra_buffers = self.buffers.extra, self.buffers.extra_arrays
         self.dtype = param_dtype

@@ -1,7 +1,8 @@
 """The torch executor's recurrent-state cache, per the model's state spec (core/state_spec.py).
 
 :func:`model_state_spec` resolves and checks ``state_spec()`` (ConfigError before any
-allocation; None without state). :class:`TorchStateCache` allocates a zeroed ``[num_slots + 1,
+allocation; None without state), and checks it against what each recurrent layer says it keeps
+(``state_shapes()``, :func:`check_against_state_layers`). :class:`TorchStateCache` allocates a zeroed ``[num_slots + 1,
 checkpoints, *shape]`` tensor per layer and state tensor and sets ``layer.state_cache``. It is
 allocated with the executor, before graph memory is measured and the KV cache sized (a byte
 budget has it deducted). :meth:`TorchStateCache.metadata` builds each step's
@@ -16,7 +17,8 @@ import torch
 from graphrt.backends.torch.kv_cache import TORCH_KV_DTYPES
 from graphrt.core.errors import ConfigError
 from graphrt.core.numerics import dtype_name
-from graphrt.core.state_spec import STATE_SPEC_FIELD, StateMemory, StateSpec, resolve_state_spec, state_memory
+from graphrt.core.state_spec import (STATE_SHAPES, STATE_SPEC_FIELD, StateMemory, StateSpec, check_against_state_layers,
+                                     resolve_state_spec, state_memory)
 from graphrt.models.torch.state_metadata import StateMetadata, build_state_metadata
 
 
@@ -33,7 +35,24 @@ def model_state_spec(model: torch.nn.Module, backend: str) -> StateSpec | None:
     param = next(model.parameters(), None)
     spec = resolve_state_spec(declare(), model_dtype=dtype_name(param.dtype) if param is not None else "float32",
                               supported=TORCH_KV_DTYPES, backend=backend, num_layers=len(layers))
+    check_against_state_layers(spec, [layer_state_shapes(layer) for layer in layers],
+                               [type(layer).__name__ for layer in layers])
     return spec if spec.groups else None
+
+
+def layer_state_shapes(layer: Any) -> tuple[tuple[int, ...], ...] | None:
+    """What a recurrent layer says it keeps per request: its ``state_shapes()`` -- one shape per
+    state tensor, in the spec's tensor order (``layer.state_cache``'s order), without the slot
+    and checkpoint dimensions -- or None where it says nothing."""
+    declare = getattr(layer, STATE_SHAPES, None)
+    if declare is None:
+        return None
+    shapes = declare() if callable(declare) else declare
+    try:
+        return tuple(tuple(int(d) for d in shape) for shape in shapes)
+    except TypeError:
+        raise ConfigError(f"{type(layer).__name__}.{STATE_SHAPES}(): {shapes!r} is not a sequence of shapes (one "
+                          "per state tensor, in the state spec's order)") from None
 
 
 class TorchStateCache:
@@ -68,4 +87,4 @@ class TorchStateCache:
                                     uniform_query_len=self.decode_query_len if uniform_decode else 0)
 
 
-__all__ = ["TorchStateCache", "model_state_spec"]
+__all__ = ["TorchStateCache", "layer_state_shapes", "model_state_spec"]

@@ -4,8 +4,10 @@ compiles them per key."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 from typing import Any, Callable, Mapping
 
 import jax
@@ -15,18 +17,21 @@ from jax.sharding import Mesh
 
 from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.attention import checked_attention, model_attention
-from graphrt.backends.xla.batch import XlaBatch
-from graphrt.backends.xla.extra_inputs import model_extra_specs
+from graphrt.backends.xla.batch import XlaBatch, batch_spec
+from graphrt.backends.xla.extra_inputs import abstract_args, model_extra_specs
 from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens, sampled_logprobs, token_logprobs
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
-from graphrt.core.state_spec import StateSpec, resolve_state_spec, state_memory
+from graphrt.core.state_spec import StateSpec, resolve_state_spec, state_array_names, state_memory
 from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
 from graphrt.models.jax import decoder as jax_decoder
 from graphrt.models.jax.decoder import AttentionMetadata
-from graphrt.models.jax.model_config import check_model_config
+from graphrt.models.jax.model_config import check_model_config, state_layers_of
 from graphrt.models.jax.pallas_attention import choose_xla_attention, pages_to_rows, pallas_kv_shape, rows_to_pages
+from graphrt.models.jax.recurrent import naming_states
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +154,14 @@ def model_program(model: Any, block_size: int, decode_query_len: int = 1, tp_siz
         def run_model(params: Any, kv_cache: jax.Array, batch: XlaBatch, meta: AttentionMetadata,
                       last: jax.Array, extra: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
             more = {"extra": extra} if declares else {}
+            names = contextlib.nullcontext()
             if state is not None:        # the cache is (kv, states); the step's slots and form
                 more.update(state, state_slots=batch.state_slots,
                             uniform=decode_query_len if batch.uniform_decode else 0)
-            hidden, kv_cache = forward(params, kv_cache, batch.input_ids, batch.positions, meta,
-                                       config=cfg, block_size=block_size, **more)
+                names = naming_states(kv_cache[1], state_array_names(model.state))   # for write_states' errors
+            with names:
+                hidden, kv_cache = forward(params, kv_cache, batch.input_ids, batch.positions, meta,
+                                           config=cfg, block_size=block_size, **more)
             return logits(params, hidden[last]), hidden, kv_cache
 
         return cfg, model.params, _make_step(run_model, decode_query_len), logits
@@ -244,7 +252,7 @@ class XlaPrograms:
                 raise ConfigError("tensor_parallel_size: graphrt's hybrid models run on one device on xla; "
                                   "sharding recurrent layers is not implemented")
             self.state_spec = resolve_state_spec(declared, model_dtype=self.dtype, supported=xla_kv_dtypes(),
-                                                 backend="xla", num_layers=int(self.model_config.state_layers))
+                                                 backend="xla", num_layers=state_layers_of(self.model_config))
             self.state_memory = state_memory(self.state_spec, max_num_seqs=slots, decode_query_len=decode_query_len)
         #: Graphrt's decoder's attention (GRAPHRT_ATTENTION): Pallas stores the cache in its page layout.
         self.attention = choose_xla_attention(self.model_config, list(mesh.devices.flat), self.dtype, self.kv_dtype,
@@ -266,6 +274,8 @@ class XlaPrograms:
                                in_shardings=(weight_shardings, cache_sharding, repl, repl, repl)
                                + ((repl,) if self.extra_inputs else ()),
                                out_shardings=(repl, repl, cache_sharding) + ((repl,) if decode_query_len > 1 else ()))
+        if self.state_spec is not None:
+            self.check_state_writes(block_size)
         self.greedy = jax.jit(padded_tokens(greedy_tokens, self.max_reqs), in_shardings=(repl,), out_shardings=repl)
         self.sample = jax.jit(padded_tokens(sample_tokens, self.max_reqs), in_shardings=(repl, repl),
                               out_shardings=repl)
@@ -280,6 +290,24 @@ class XlaPrograms:
 
         self.prompt_logprobs = (jax.jit(prompt, in_shardings=(weight_shardings, repl, repl), out_shardings=repl)
                                 if k else None)
+
+    def check_state_writes(self, block_size: int) -> None:
+        """Trace the forward once, abstractly (``jax.eval_shape``: nothing compiled or run), on a
+        step of 2 tokens of 1 request over the spec's state arrays: a layer that writes states of
+        another per-request shape than the spec declares (``write_states``) is a ConfigError
+        naming the group, the tensor and both shapes now, when the runner is built, not at the
+        first compile or step. A trace that fails otherwise is left to the compile, which
+        raises it where it always did."""
+        kv = jax.ShapeDtypeStruct(self.kv_shape(1, block_size), self.kv_dtype)
+        states = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.state_shapes())
+        future = (jax.ShapeDtypeStruct((self.max_reqs,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+        try:
+            jax.eval_shape(self.forward, self.weights, (kv, states), batch_spec(2, 1, False, 1), *future,
+                           *abstract_args(self.extra_inputs, 2, 1))
+        except ConfigError:
+            raise
+        except Exception as exc:        # noqa: BLE001 -- not a state shape: the compile raises it
+            logger.debug("xla: the state-shape probe's trace failed (%s); the first compile reports it", exc)
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` (the last row: trash), or

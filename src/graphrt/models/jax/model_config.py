@@ -27,6 +27,9 @@ TENSOR_PARALLEL = ("num_attention_heads", "intermediate_size")
 #: cache's dtype (default: the weights' first leaf's), ``intermediate_size`` refines the
 #: memory estimate.
 OPTIONAL = ("max_position_embeddings", "eos_token_id", "dtype", "intermediate_size")
+#: The member a model with recurrent state (``XlaModel(state=...)``, docs/hybrid.md) adds: how
+#: many recurrent layers it has (its forward gets their states in layer order).
+STATE_LAYERS = "state_layers"
 
 
 @runtime_checkable
@@ -57,7 +60,25 @@ def check_model_config(config: Any, tp_size: int = 1) -> None:
         if name == "num_hidden_layers" and value == 0 and getattr(config, "state_layers", 0):
             continue                # a model of recurrent layers only (a pure Mamba2) keeps no KV
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-            raise ConfigError(f"model.config.{name}: must be a positive integer, got {value!r}")
+            hint = (f" (0 attention layers: a model of recurrent layers only also sets {STATE_LAYERS}, their number; "
+                    "docs/hybrid.md)" if name == "num_hidden_layers" and value == 0 else "")
+            raise ConfigError(f"model.config.{name}: must be a positive integer, got {value!r}{hint}")
 
 
-__all__ = ["JaxModelConfig", "OPTIONAL", "REQUIRED", "TENSOR_PARALLEL", "check_model_config"]
+def state_layers_of(config: Any) -> int:
+    """The number of recurrent layers of a model with recurrent state: ``config.state_layers``, a
+    positive int. A ConfigError naming it where it is missing or not one (before, a raw
+    AttributeError deep in the XLA backend)."""
+    value = getattr(config, STATE_LAYERS, None)
+    if value is None:
+        raise ConfigError(f"model.config.{STATE_LAYERS}: the model declares recurrent state (XlaModel(state=...)) "
+                          f"but its config ({type(config).__name__}) has no {STATE_LAYERS}: set it to the number of "
+                          "recurrent layers, whose states the forward gets in layer order (docs/hybrid.md)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ConfigError(f"model.config.{STATE_LAYERS}: must be a positive integer (the recurrent layers), "
+                          f"got {value!r}")
+    return int(value)
+
+
+__all__ = ["JaxModelConfig", "OPTIONAL", "REQUIRED", "STATE_LAYERS", "TENSOR_PARALLEL", "check_model_config",
+           "state_layers_of"]

@@ -9,10 +9,19 @@ and write the trash slot, index ``num_slots`` of every state array ``[slots + 1,
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from graphrt.core.errors import ConfigError
+
+#: While the xla backend traces a forward: each state array (by id) -> (its spec field, its
+#: recurrent layer), so a write of another per-request shape names them (:func:`write_states`).
+_STATE_NAMES: contextvars.ContextVar[dict[int, tuple[str, int]]] = contextvars.ContextVar("graphrt_state_names",
+                                                                                            default={})
 
 
 class StateMeta(NamedTuple):
@@ -55,15 +64,47 @@ def state_meta(query_start_loc: jax.Array, seq_lens: jax.Array, state_slots: jax
 
 
 def read_states(cache: jax.Array, meta: StateMeta) -> jax.Array:
-    """Each request's initial state ``[R + 1, *shape]`` (float32), zeros where it has none."""
+    """Each request's initial state ``[R + 1, *shape]`` (float32) from ``cache [slots + 1, C,
+    *shape]``: the state after its last computed token, zeros where it has none (a new or
+    preempted request, a padded one, the padding request ``R``)."""
     state = cache[meta.read_slot, meta.read_checkpoint].astype(jnp.float32)
     mask = meta.has_initial.reshape((-1,) + (1,) * (state.ndim - 1))
     return jnp.where(mask, state, 0.0)
 
 
 def write_states(cache: jax.Array, meta: StateMeta, states: jax.Array) -> jax.Array:
-    """``cache`` with ``states [R + 1, C, *shape]`` stored (what has no position: the trash slot)."""
+    """``cache`` with ``states [R + 1, C, *shape]`` stored: ``states[r, c]`` is request ``r``'s
+    state after its position ``end - 1 - c`` (newest first: entry 0 is the state after the
+    step's last token), where ``end`` is the request's tokens so far; what has no such position
+    goes to the trash slot. A ``shape`` other than the array's is a ConfigError naming the spec's
+    group and tensor (checked when the forward is traced: when the runner is built)."""
+    want = tuple(meta.write_slot.shape) + tuple(cache.shape[2:])
+    if tuple(states.shape) != want:
+        raise _shape_error(cache, tuple(states.shape), want)
     return cache.at[meta.write_slot, meta.write_checkpoint].set(states.astype(cache.dtype))
+
+
+@contextlib.contextmanager
+def naming_states(arrays: Sequence[Any], names: Sequence[tuple[str, int]]) -> Iterator[None]:
+    """While a forward is traced over ``arrays`` (the states pytree, layer-major, tensor-minor):
+    name each by its spec field and layer in :func:`write_states`' errors."""
+    token = _STATE_NAMES.set({id(a): name for a, name in zip(arrays, names)})
+    try:
+        yield
+    finally:
+        _STATE_NAMES.reset(token)
+
+
+def _shape_error(cache: jax.Array, got: tuple[int, ...], want: tuple[int, ...]) -> ConfigError:
+    named = _STATE_NAMES.get().get(id(cache))
+    if named is not None and got[2:] != want[2:]:
+        field, layer = named
+        return ConfigError(f"{field}.shape: {tuple(cache.shape[2:])}, but recurrent layer {layer} keeps "
+                           f"{got[2:]} per request (the states its forward writes through write_states); declare "
+                           "what the layer keeps")
+    return ConfigError(f"write_states: states of shape {got} for a state array of shape {tuple(cache.shape)} "
+                       f"([slots + 1, checkpoints, *shape]); pass [R + 1, checkpoints, *shape] = {want}: each "
+                       "request's state after each of its last checkpoints positions, newest first (docs/hybrid.md)")
 
 
 def _rows(meta: StateMeta, index: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -233,4 +274,5 @@ def _delta_chunked(q, k, v, g, beta, init, meta, size, checkpoints):
     return _chunked_scan(init, meta, t, size, checkpoints, (h, dv), step)
 
 
-__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "read_states", "ssd_scan", "state_meta", "write_states"]
+__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "naming_states", "read_states", "ssd_scan", "state_meta",
+           "write_states"]

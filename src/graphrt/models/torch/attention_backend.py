@@ -19,7 +19,13 @@ import torch
 from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, FP8_KV_DTYPES, HOST_VALUES, KEYABLE_HOST_VALUES,
                                          AttentionDeclarations, backend_name)
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError
-from graphrt.models.torch.attention import TorchAttentionMetadata, choose_attention_kernel
+from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, choose_attention_kernel
+
+#: What graphrt's attention layers (``PagedAttention``: graphrt's decoders, the Transformers
+#: backend's ``HFPagedAttention``) read of the step's metadata to run graphrt's kernels: the fields
+#: of :class:`TorchAttentionMetadata`. A metadata with ``attend(layer, q, k, v)`` runs the
+#: backend's own kernel instead (docs/attention.md, "graphrt's layers and a backend of your own").
+PAGED_METADATA_FIELDS = ("slot_mapping", "query_start_loc", "seq_lens", "block_table", "token_req_idx", "block_size")
 
 
 @dataclass
@@ -244,6 +250,34 @@ def check_metadata(backend: Any, metadata: Any, num_tokens: int, num_reqs: int) 
                               f"requests + 1 (list it in the backend's free_shape_fields if it is sized otherwise)")
 
 
+def check_layers_read(backend: Any, metadata: Any, layers: Any) -> None:
+    """Refuse a backend whose metadata the model's graphrt attention layers cannot read: each
+    ``PagedAttention`` reads :data:`PAGED_METADATA_FIELDS` (graphrt's kernels) unless the metadata
+    has a callable ``attend(layer, q, k, v)`` (the backend's own kernel), which a layer with
+    graphrt's reference-kernel additions (``extended``: soft-capping, sinks, a V head size of its
+    own) never calls. ConfigError naming the backend, the metadata type, the layer and what it
+    needs, when the runner is built (before: ~20 failed captures, then a raw AttributeError)."""
+    attend = callable(getattr(metadata, "attend", None))
+    for index, layer in enumerate(layers or ()):
+        if not isinstance(layer, PagedAttention) or (attend and not getattr(layer, "extended", False)):
+            continue
+        missing = [name for name in PAGED_METADATA_FIELDS if not hasattr(metadata, name)]
+        if not missing:
+            continue
+        extended = attend and getattr(layer, "extended", False)
+        fix = ("this layer runs graphrt's reference kernel with its additions (soft-capping, sinks or its own V "
+               "head size) and never calls attend(); return graphrt's metadata (TorchAttentionMetadata, e.g. "
+               "from PagedAttentionBackend().build) with your fields added" if extended else
+               "return graphrt's TorchAttentionMetadata (e.g. PagedAttentionBackend().build's, your fields added), "
+               "or give the metadata an attend(layer, q, k, v) -> [T, heads * head_dim] that runs your kernel, "
+               "which graphrt's layers then call; or make the model's attention layers your own modules")
+        raise ConfigError(
+            f"attention backend {backend_name(backend)!r} builds {type(metadata).__name__} metadata, but attention "
+            f"layer {index} ({type(layer).__name__}, graphrt's paged attention) reads {', '.join(missing)} of it to "
+            f"run graphrt's kernels: {fix} (docs/attention.md, \"graphrt's layers and a backend of your own\")")
+
+
 __all__ = ["AttentionBackend", "CaptureHostValues", "HOST_VALUES", "HostTensorsRefused", "HostValues",
-           "KEYABLE_HOST_VALUES", "PagedAttentionBackend", "Refused", "StepTensors", "check_metadata",
+           "KEYABLE_HOST_VALUES", "PAGED_METADATA_FIELDS", "PagedAttentionBackend", "Refused", "StepTensors",
+           "check_layers_read", "check_metadata",
            "overrides_before_replay"]

@@ -104,6 +104,11 @@ class Mamba2Mixer(nn.Module):
         #: (conv, ssm), assigned by the executor from the model's state_spec().
         self.state_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """What it keeps per request (the runner checks ``state_spec()`` against it): the
+        convolution window ``[conv_dim, K - 1]`` and the SSM state ``[heads, head_dim, d_state]``."""
+        return (self.conv_dim, self.conv1d.kernel_size[0] - 1), (self.heads, self.head_dim, self.d_state)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.state_cache is None:
             raise RuntimeError("Mamba2Mixer.state_cache is not set: the runner assigns it from state_spec()")

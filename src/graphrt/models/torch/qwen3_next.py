@@ -99,6 +99,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.hv * self.dv, c.hidden_size, bias=False, dtype=dtype)
         self.state_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """What it keeps per request (the runner checks ``state_spec()`` against it): the
+        convolution window ``[2 Hk Dk + Hv Dv, K - 1]`` and the delta-rule state ``[Hv, Dk, Dv]``."""
+        return (self.conv1d.in_channels, self.conv1d.kernel_size[0] - 1), (self.hv, self.dk, self.dv)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.state_cache is None:
             raise RuntimeError("GatedDeltaNet.state_cache is not set: the runner assigns it from state_spec()")

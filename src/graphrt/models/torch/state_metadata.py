@@ -7,6 +7,11 @@ never a slot's contents (SGLang #30974's ``torch.empty`` rows); negative slots a
 ``where``, never used as indices (vllm-ascend #7506). A request reads ring entry
 ``(num_computed - 1) % checkpoints`` and writes its last ``min(query_len, checkpoints)``
 positions, so a step after rejected drafts reads the last accepted token's state.
+
+An own recurrent layer (docs/hybrid.md, "A recurrent layer of your own") reads its initial
+states with :func:`read_states` and stores the states after its last C positions, newest first,
+with :func:`write_states`; both are exported as ``graphrt.models.torch.read_states`` /
+``write_states``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from graphrt.core.errors import ConfigError
 
 
 @dataclass
@@ -69,7 +76,8 @@ def build_state_metadata(query_start_loc: torch.Tensor, num_computed: torch.Tens
 
 def read_states(cache: torch.Tensor, meta: StateMetadata, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each request's initial state from ``cache [slots + 1, C, *shape]``: ``[R + 1, *shape]``,
-    zeros where the request has none (``where``: NaN in a slot never leaks)."""
+    the state after its last computed token, zeros where it has none -- a new or preempted
+    request, a padded one, the padding request ``R`` (``where``: NaN in a slot never leaks)."""
     state = cache[meta.read_slot, meta.read_checkpoint]
     if dtype is not None:
         state = state.to(dtype)
@@ -78,8 +86,20 @@ def read_states(cache: torch.Tensor, meta: StateMetadata, dtype: torch.dtype | N
 
 
 def write_states(cache: torch.Tensor, meta: StateMetadata, states: torch.Tensor) -> None:
-    """Store ``states [R + 1, C, *shape]`` (the state after each request's last C positions) at
-    their slots and ring entries; what has no position goes to the trash slot."""
+    """Store ``states [R + 1, C, *shape]`` at each request's slot and ring entries:
+    ``states[r, c]`` is request ``r``'s state after its position ``end - 1 - c`` -- **newest
+    first**: entry 0 is the state after the step's last token, entry 1 after the one before,
+    ... -- where ``end`` is the request's tokens so far (``num_computed_tokens`` + its tokens of
+    the step). What has no such position (a request of fewer than C tokens, a padded one, the
+    padding request) goes to the trash slot. A ``states`` of another shape is a ConfigError
+    (the layer keeps another shape than its ``state_spec()`` says: docs/hybrid.md)."""
+    want = (*meta.write_slot.shape, *cache.shape[2:])
+    if tuple(states.shape) != want:
+        raise ConfigError(f"write_states: states of shape {tuple(states.shape)} for a state cache of shape "
+                          f"{tuple(cache.shape)} ([slots + 1, checkpoints, *shape]); pass [R + 1, checkpoints, "
+                          f"*shape] = {want}, each request's state after each of its last checkpoints positions, "
+                          "newest first (a per-request shape the spec does not declare: declare what the layer "
+                          "keeps, docs/hybrid.md)")
     cache.index_put_((meta.write_slot, meta.write_checkpoint), states.to(cache.dtype))
 
 

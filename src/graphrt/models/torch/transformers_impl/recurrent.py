@@ -171,15 +171,8 @@ def state_spec_of(routed: list[RoutedMixer]) -> StateSpec:
     reference hybrids declare it: a convolution window and an SSM / delta-rule matrix each."""
     groups: dict[tuple, list[int]] = {}
     for i, wrapper in enumerate(routed):
-        m = wrapper.mixer
-        if wrapper.kind == "mamba2":
-            k = m.conv1d.kernel_size[0]
-            tensors = (StateTensor("conv", (m.conv_dim, k - 1)),
-                       StateTensor("ssm", (m.heads, m.head_dim, m.d_state)))
-        else:
-            k = m.conv1d.kernel_size[0]
-            tensors = (StateTensor("conv", (m.conv1d.in_channels, k - 1)),
-                       StateTensor("delta", (m.hv, m.dk, m.dv)))
+        names = ("conv", "ssm") if wrapper.kind == "mamba2" else ("conv", "delta")
+        tensors = tuple(StateTensor(name, shape) for name, shape in zip(names, wrapper.mixer.state_shapes()))
         groups.setdefault((wrapper.kind, tensors), []).append(i)
     return StateSpec(tuple(StateGroup(tuple(layers), tensors, kind) for (kind, tensors), layers in groups.items()))
 
