@@ -132,11 +132,11 @@ def test_the_cli_writes_no_hypothesis_directory_into_the_current_one(tmp_path: P
     database=None; ``graphrt conformance`` keeps it in a temporary directory (a fresh process:
     in this one the cache is filled already)."""
     code = ("import sys; from graphrt.cli import main; sys.exit(main(['conformance', '--model', sys.argv[1], "
-            "'--examples', '1', '--property', 'bad_input_rejected']))")
+            "'--examples', '3', '--property', 'kv_isolated']))")
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     env.pop("HYPOTHESIS_STORAGE_DIRECTORY", None)
     done = subprocess.run([sys.executable, "-c", code, model_dir()], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "PASS bad_input_rejected" in done.stdout
+    assert "PASS kv_isolated" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == []
