@@ -233,7 +233,8 @@ def _conformance_args(parser: argparse.ArgumentParser) -> None:
 
 def _conformance_run(args: argparse.Namespace) -> int:
     from graphrt.config import GraphConfig
-    from graphrt.testing.conformance import DEFAULT_EXAMPLES, DEFAULT_THREADS, run_conformance, summary
+    from graphrt.testing.conformance import (DEFAULT_EXAMPLES, DEFAULT_THREADS, private_hypothesis_storage,
+                                             run_conformance, summary)
     from graphrt.testing.loading import load_callable, load_model
     from graphrt.testing.runners import RunnerFactory
 
@@ -255,9 +256,10 @@ def _conformance_run(args: argparse.Namespace) -> int:
     print(f"graphrt conformance: {args.model} on {args.backend}, {examples} examples per property"
           + (f", reference {args.reference}" if reference else ""))
     try:
-        results = run_conformance(factory=factory, examples=examples, properties=args.properties,
-                                  seed=args.seed, threads=DEFAULT_THREADS if args.threads is None else args.threads,
-                                  reference=reference)
+        with private_hypothesis_storage():        # no .hypothesis/ in the current directory
+            results = run_conformance(factory=factory, examples=examples, properties=args.properties, seed=args.seed,
+                                      threads=DEFAULT_THREADS if args.threads is None else args.threads,
+                                      reference=reference)
     except (ValueError, BackendUnavailableError) as e:
         return usage_error("conformance", e)
     print(summary(results))

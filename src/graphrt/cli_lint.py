@@ -6,8 +6,9 @@ host sync, data-dependent shape and baked host value named under its module, wit
 stock transformers class, as a Transformers-backend model runs) or ``module:function`` /
 ``file.py:function`` returning a model. A model with ``compute_logits`` (graphrt's model
 protocol, docs/models.md) runs one mixed step of two requests through an eager
-:class:`~graphrt.ModelRunner`; any other module is called as ``model(input_ids=ids[None],
-use_cache=False)``. Exit status (:mod:`graphrt.cli_usage`): 0 clean, 1 findings, 2 a usage
+:class:`~graphrt.ModelRunner` twice, a step of another shape between; any other module is
+called as ``model(input_ids=ids[None], use_cache=False)``, likewise. Each finding names the
+module, and the file and line that issued the op. Exit status (:mod:`graphrt.cli_usage`): 0 clean, 1 findings, 2 a usage
 error, one line on stderr: a spec that does not load, a builder that raises or returns no
 ``torch.nn.Module``, a directory that does not load, a forward that raises.
 """
@@ -21,9 +22,10 @@ import numpy as np
 
 from graphrt.cli_usage import EXIT_FINDINGS, EXIT_OK, UsageError, run_user_code
 
-#: The lint's steps: two requests with this many tokens each, their contexts swapped between runs.
+#: The lint's steps: two requests with this many tokens each, their contexts swapped between runs;
+#: between the two runs, one request of LINT_BETWEEN tokens (another shape).
 LINT_LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
-LINT_SCHEDULED, LINT_COMPUTED = 4, (8, 20)
+LINT_SCHEDULED, LINT_COMPUTED, LINT_BETWEEN = 4, (8, 20), 7
 
 
 def lint_model(model: Any, *, seed: int = 0) -> Any:
@@ -33,17 +35,19 @@ def lint_model(model: Any, *, seed: int = 0) -> Any:
     from graphrt.backends.torch.capture.capture_lint import lint_forward
 
     if hasattr(model, "compute_logits"):
-        return lint_forward(model, _runner_steps(model))
+        return lint_forward(model, *_runner_steps(model))
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 128))
     rng = np.random.default_rng(seed)
-    ids = [torch.as_tensor(rng.integers(3, vocab, 16), dtype=torch.long)[None] for _ in range(2)]
+    ids = [torch.as_tensor(rng.integers(3, vocab, n), dtype=torch.long)[None] for n in (16, 16, LINT_BETWEEN)]
     model.eval()
-    return lint_forward(model, lambda i: model(input_ids=ids[i], use_cache=False))
+    return lint_forward(model, lambda i: model(input_ids=ids[i], use_cache=False),
+                        lambda: model(input_ids=ids[2], use_cache=False))
 
 
-def _runner_steps(model: Any) -> Any:
+def _runner_steps(model: Any) -> tuple[Any, Any]:
     """``run(i)``: step ``i`` of two, through an eager runner: the same shape (two requests of
-    ``LINT_SCHEDULED`` tokens, the same longest context), other contents and context lengths."""
+    ``LINT_SCHEDULED`` tokens, the same longest context), other contents and context lengths;
+    and ``between()``: one request of ``LINT_BETWEEN`` tokens, a step of another shape."""
     from graphrt.runner import ModelRunner
 
     runner = ModelRunner(model, backend="eager", warmup=False, progress=False, **LINT_LIMITS)
@@ -58,7 +62,12 @@ def _runner_steps(model: Any) -> Any:
         computed = np.array(LINT_COMPUTED if i == 0 else LINT_COMPUTED[::-1], np.int32)
         runner.execute(token_ids=np.roll(tokens, i, axis=1), block_table=table, req_rows=np.array([0, 1], np.int32),
                        num_computed_tokens=computed, num_scheduled_tokens=np.full(2, LINT_SCHEDULED, np.int32))
-    return run
+
+    def between() -> None:
+        runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([2], np.int32),
+                       num_computed_tokens=np.zeros(1, np.int32),
+                       num_scheduled_tokens=np.array([LINT_BETWEEN], np.int32))
+    return run, between
 
 
 def _load(spec: str, transformers: bool) -> Any:

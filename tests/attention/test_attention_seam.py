@@ -164,10 +164,12 @@ def test_a_backend_that_keys_what_no_key_holds_is_refused():
                     block_size=4, num_kv_blocks=40)
 
 
-@pytest.mark.parametrize("prop", ["padding_invisible", "kv_isolated", "replay_matches_eager", "bad_input_rejected"])
+@pytest.mark.parametrize("prop", ["padding_invisible", "kv_isolated", "replay_matches_eager", "bad_input_rejected",
+                                  "chunking_invariant"])
 def test_the_kit_draws_and_checks_a_models_extra_inputs(prop):
     """The kit's steps carry an array per declared extra input (padded by the runner with its
-    fill); bad steps also break one (wrong shape, dtype, missing), named by the InputError."""
+    fill; cut to each chunk's tokens when a step runs in chunks); bad steps also break one
+    (wrong shape, dtype, missing), named by the InputError."""
     factory = RunnerFactory(extra_input_model, "cpu", mode="FULL_AND_PIECEWISE")
     assert factory.strategy_args()["extra_inputs"].keys() == {"embeds"}
     result = check_property(prop, factory, examples=examples(8))

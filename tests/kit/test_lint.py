@@ -125,3 +125,27 @@ def test_a_module_that_fails_to_import_and_a_missing_directory_are_usage_errors(
     assert main(["lint", str(tmp_path / "nowhere")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"graphrt lint: loading the model directory {tmp_path / 'nowhere'} raised InputError: ")
+
+
+# ---- file and line; a value carried between forwards (issue 47) ---------------------------------
+
+def test_a_finding_names_the_file_and_line_that_issued_the_op():
+    report = lint_model(moe_model())
+    sync = next(f for f in report.findings if f.kind == "host sync" and f.module == "model.layers.1.mlp.router")
+    path, line, source = sync.where.split(":", 2)
+    assert path.endswith("support/lint_models.py") and ".item()" in source, sync.where
+    import support.lint_models as planted
+    assert ".item()" in open(planted.__file__).read().splitlines()[int(line) - 1]
+    assert f"\n    at {sync.where}\n" in str(sync)
+
+
+def test_a_value_carried_between_forwards_is_a_baked_host_value_at_its_line(capsys):
+    """The own mixer keeps the previous forward's token count (tests/support/own_mixer.py): two
+    runs back to back see the same carried number; a step of another shape between them makes it
+    differ, and the finding names the line that uses it."""
+    assert main(["lint", "support.own_mixer:carried_model"]) == 1
+    out = capsys.readouterr().out
+    assert "layers.0.mixer: baked host value: aten.mul.Tensor" in out, out
+    assert "own_mixer.py:" in out and "mix = mix * (1.0 + 0.05 * self._carried)" in out, out
+    assert main(["lint", "support.own_mixer:clean_model"]) == 0
+    assert "no capture hazards" in capsys.readouterr().out

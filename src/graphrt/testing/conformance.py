@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from graphrt.core.errors import CacheMissError, ConfigError, GraphCaptureError, GraphrtError
 from graphrt.core.numerics import Tolerance
+from graphrt.testing.history import CAUSE
 from graphrt.testing.loading import load_callable, load_model
 from graphrt.testing.properties import PROPERTIES
 from graphrt.testing.reference import REFERENCE_KIND, REFERENCE_PROPERTY, Reference, matches_reference
@@ -113,14 +116,15 @@ def _describe(exc: BaseException) -> str:
 
 
 def strategy_for(kind: str, factory: RunnerFactory) -> Any:
-    """The strategy of a property's ``kind`` ("step", "bad", "trace", "fresh_trace": lifetimes
-    without prefix hits) for ``factory``'s runners."""
+    """The strategy of a property's ``kind`` ("step", "bad", "trace", "split": a step and its
+    chunks, "fresh_trace": lifetimes without prefix hits) for ``factory``'s runners."""
     from graphrt.testing import strategies
 
     args = factory.strategy_args()
     if kind == REFERENCE_KIND:
         return strategies.traces(**args, prefix_hits=False)
-    return {"step": strategies.steps, "bad": strategies.bad_steps, "trace": strategies.traces}[kind](**args)
+    return {"step": strategies.steps, "bad": strategies.bad_steps, "trace": strategies.traces,
+            "split": strategies.splits}[kind](**args)
 
 
 def _failed_captures(runner: Any) -> str:
@@ -139,6 +143,7 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
     ``reference`` / ``reference_tolerance``: for ``matches_reference``."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
+    from hypothesis.errors import Flaky
 
     if name not in known_properties():
         raise ValueError(f"unknown property {name!r}; known: {known_properties()}")
@@ -168,11 +173,31 @@ def check_property(name: str, factory: RunnerFactory, examples: int = DEFAULT_EX
     error = counterexample = None
     try:
         check()
-    except (AssertionError, GraphrtError) as exc:
-        error = (str(exc) if isinstance(exc, AssertionError) else _describe(exc)).strip().replace("\n", "\n  ")
+    except (AssertionError, GraphrtError, Flaky) as exc:
+        error = failure_text(exc).strip().replace("\n", "\n  ")
         failing = state["failing"]
         counterexample = "\n".join(repr(s) for s in failing) if isinstance(failing, list) else repr(failing)
     return Result(name, state["runs"], time.perf_counter() - start, error, counterexample, note)
+
+
+#: The FAIL line of a property hypothesis found flaky (failed, then passed on the same example).
+FLAKY = "flaky: the same example failed, then passed when hypothesis ran it again; {cause}"
+
+
+def failure_text(exc: BaseException) -> str:
+    """A failure's line: an ``AssertionError``'s message, a graphrt error named, or for
+    hypothesis' ``Flaky`` (an example that failed and then passed) :data:`FLAKY` and the first
+    failure -- never the raw ``FlakyFailure``."""
+    from hypothesis.errors import Flaky
+
+    if isinstance(exc, Flaky):
+        first = next((e for e in getattr(exc, "exceptions", ()) if isinstance(e, (AssertionError, GraphrtError))),
+                     None)
+        if first is not None and CAUSE in str(first):     # the first failure already names the cause
+            return f"{FLAKY.format(cause='the first failure:')}\n{str(first).strip()}"
+        text = FLAKY.format(cause=CAUSE)
+        return text if first is None else f"{text}\nthe first failure: {failure_text(first).strip()}"
+    return str(exc) if isinstance(exc, AssertionError) else _describe(exc)
 
 
 @contextlib.contextmanager
@@ -190,6 +215,26 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def private_hypothesis_storage() -> Iterator[str | None]:
+    """Hypothesis' storage directory (``.hypothesis/``: the cache of constants it collects from
+    local source files, written even with ``database=None``) in a temporary directory for the
+    block, removed after it, so ``graphrt conformance`` writes nothing into the current
+    directory; left alone where ``HYPOTHESIS_STORAGE_DIRECTORY`` names one. Yields the
+    directory (None: left alone). The kit keeps no example database (``database=None``)."""
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield None
+        return
+    from hypothesis import configuration
+
+    with tempfile.TemporaryDirectory(prefix="graphrt-hypothesis-") as where:
+        configuration.set_hypothesis_home_dir(where)
+        try:
+            yield where
+        finally:
+            configuration.set_hypothesis_home_dir(None)        # hypothesis' default again
 
 
 def kit_threads(factory: RunnerFactory, threads: int | None) -> contextlib.AbstractContextManager[None]:
@@ -284,9 +329,22 @@ def test_lifetime_matches_reference(graphrt_check: Callable[[str], None]) -> Non
     graphrt_check("lifetime_matches_reference")
 
 
+def test_state_isolated(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("state_isolated")
+
+
+def test_chunking_invariant(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("chunking_invariant")
+
+
+def test_replay_deterministic(graphrt_check: Callable[[str], None]) -> None:
+    graphrt_check("replay_deterministic")
+
+
 def test_matches_reference(graphrt_check: Callable[[str], None]) -> None:
     graphrt_check("matches_reference")
 
 
-__all__ = ["BUILD_ERRORS", "DEFAULT_EXAMPLES", "DEFAULT_THREADS", "Result", "check_property", "kit_threads",
-           "known_properties", "load_model", "run_conformance", "strategy_for", "summary", "torch_threads"]
+__all__ = ["BUILD_ERRORS", "DEFAULT_EXAMPLES", "DEFAULT_THREADS", "FLAKY", "Result", "check_property", "failure_text",
+           "kit_threads", "known_properties", "load_model", "private_hypothesis_storage", "run_conformance",
+           "strategy_for", "summary", "torch_threads"]

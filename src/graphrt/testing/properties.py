@@ -8,6 +8,7 @@ KV), so a stateful backend fails the same way when hypothesis shrinks it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -15,19 +16,38 @@ import numpy as np
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import InputError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.core.numerics import reduction_tolerance
 from graphrt.testing import access
-from graphrt.testing.runners import (Outputs, built_entry, can_run_unpadded, covering_keys, greedy, replay_at, restore,
-                                     run_at, run_runner)
-from graphrt.testing.step import BadStep, Step
-from graphrt.testing.checks import (checkpoints, close, finite, same_shape, same_tokens, scrub, start,
-                                    state_entries)
+from graphrt.testing.history import check_reproducible, history_cause
+from graphrt.testing.runners import (Outputs, Planted, built_entry, can_run_unpadded, covering_keys, greedy,
+                                     replay_at, restore, run_at, run_runner)
+from graphrt.testing.step import BadStep, Split, Step
+from graphrt.testing.checks import (checkpoints, close, close_rows, finite, same_shape, same_tokens,
+                                    scrub, start, state_entries)
 
 Factory = Callable[..., Any]
 
 
+def blames_history(prop: Callable[[Factory, Any], None]) -> Callable[[Factory, Any], None]:
+    """``prop``, whose failure first asks whether the example's step differs from itself
+    (:func:`graphrt.testing.history.history_cause`): if it does, that is the cause the error
+    leads with, and what ``prop`` saw follows, rather than blaming padding, NaN or a batchmate
+    for a value a layer carried over from an earlier forward."""
+    @functools.wraps(prop)
+    def checked(factory: Factory, example: Any) -> None:
+        try:
+            prop(factory, example)
+        except AssertionError as exc:
+            cause = history_cause(factory, example)
+            if cause is None:
+                raise
+            seen = str(exc).strip().splitlines()[0]
+            raise AssertionError(f"{cause}\n  ({prop.__name__} saw it as: {seen})") from None
+    return checked
+
+
 # ------------------------------------------------------------------------------- properties
 
+@blames_history
 def padding_invisible(factory: Factory, step: Step) -> None:
     """Run by the runner, by the graph of every covering bucket (eagerly at the padded shape
     where none was built) and, with an eager path, unpadded: the same greedy tokens; logits,
@@ -60,12 +80,10 @@ def padding_invisible(factory: Factory, step: Step) -> None:
         close(runner, out.hidden, ref.hidden, f"{what}: hidden rows of the real tokens")
         close(runner, out.kv[:, :, slots], ref.kv[:, :, slots], f"{what}: KV written at the real slots")
         if out.state is not None:         # a state sums a request's tokens' products: a reordered sum
-            for got_row, want_row in zip(out.state[written], ref.state[written]):
-                tol = reduction_tolerance(access.kv_dtype(runner), magnitude=float(np.abs(want_row).max()))
-                np.testing.assert_allclose(got_row, want_row, rtol=tol.rtol, atol=tol.atol,
-                                           err_msg=f"{what}: recurrent states written")
+            close_rows(runner, out.state[written], ref.state[written], f"{what}: recurrent states written")
 
 
+@blames_history
 def kv_isolated(factory: Factory, step: Step) -> None:
     """With NaN in every KV slot the step does not read and in those it writes: the step changes
     no KV byte outside its real slots (the trash row aside), writes every real slot, computes
@@ -99,24 +117,29 @@ def kv_isolated(factory: Factory, step: Step) -> None:
                                      f"step's real slots {sorted(step.write_slots().tolist())} and the trash row "
                                      f"{planted.shape[2] - 1}")
             written = np.flatnonzero(touched.any(axis=(0, 1, 3)))
+            if values is planted:               # NaN planted in states too: which NaN reached the rows
+                _finite_or_blame(runner, step, key, out, both)
+            else:
+                finite(out, step)
+            broken = written[~np.isfinite(out.kv[:, :, written]).all(axis=(0, 1, 3, 4))]
+            if broken.size:
+                raise AssertionError(f"KV isolation: {out.how} wrote non-finite K/V into slots {broken.tolist()[:8]} "
+                                     f"(the trash row is {planted.shape[2] - 1})")
             if values is planted and planted.shape[0]:   # NaN was there: a real token's store changes it
                                                          # (no attention layer: no KV to store)
                 unwritten = np.setdiff1d(step.write_slots(), written)
                 if unwritten.size:
                     raise AssertionError(f"KV isolation: {out.how} did not write the real slots "
                                          f"{unwritten.tolist()[:8]} of the step's tokens")
-            broken = written[~np.isfinite(out.kv[:, :, written]).all(axis=(0, 1, 3, 4))]
-            if broken.size:
-                raise AssertionError(f"KV isolation: {out.how} wrote non-finite K/V into slots {broken.tolist()[:8]} "
-                                     f"(the trash row is {planted.shape[2] - 1})")
-            finite(out, step)
             runs.append(out)
         nan_run, clean_run = runs
-        what = f"NaN in unused KV slots reached real outputs ({nan_run.how})"
+        what = (f"with NaN in the KV slots it does not read, the step's real outputs differ from a run with "
+                f"numbers there ({nan_run.how})")
         same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
         same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
 
 
+@blames_history
 def replay_matches_eager(factory: Factory, step: Step) -> None:
     """The runner's replay equals the step run eagerly at the same padded shape: logits, real
     hidden rows and the whole KV bit for bit on a CPU (within tolerance on a GPU). N/A without
@@ -207,6 +230,7 @@ def addresses_stable(factory: Factory, step: Step) -> None:
         raise AssertionError(f"{info.mode.value} {info.key} was captured reading {stale} at other addresses")
 
 
+@blames_history
 def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
     """Requests' whole lifetimes through the runner equal the same steps run unpadded (or at the
     smallest covering bucket without an eager path): same greedy tokens, logits within tolerance;
@@ -225,16 +249,151 @@ def lifetime_matches_reference(factory: Factory, trace: list[Step]) -> None:
         if planted.state is None:
             close(runner, out.logits, ref.logits, f"{what}: logits")
             continue
-        for row, want in enumerate(ref.logits):
-            tol = reduction_tolerance(access.kv_dtype(runner), magnitude=float(np.abs(want).max()))
-            np.testing.assert_allclose(out.logits[row], want, rtol=tol.rtol, atol=tol.atol,
-                                       err_msg=f"{what}: logits of request {row}")
+        close_rows(runner, out.logits, ref.logits, f"{what}: logits by request")
 
 
-def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, state: np.ndarray,
-                  kv: np.ndarray) -> Outputs:
-    """Run ``step`` (the runner's path, or eagerly at ``key``) over ``state`` and ``kv``; raise
-    unless only real requests' entries and the trash slot changed, finite, and rows are finite."""
+def replay_deterministic(factory: Factory, step: Step) -> None:
+    """The same step, on the same KV and states, run twice with a step of another shape before
+    each run, gives the same logits, hidden rows, KV and states (bit for bit on a CPU): on the
+    runner's path and, with an eager path, eagerly at its own shape (where a layer's Python code
+    runs every step). Catches a value a layer carries from one forward to the next."""
+    runner, planted = start(factory, step)
+    check_reproducible(runner, step, planted, run_runner, "by the runner")
+    if can_run_unpadded(runner):
+        check_reproducible(runner, step, planted, lambda r, s: run_at(r, s, None), "eagerly")
+
+
+def _rows_of(step: Step, rounds: list[Step]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per round: for each of its tokens the row of the same token in the whole ``step``, and
+    for each of its requests the request's index in ``step`` (whose last round it may be)."""
+    starts = np.concatenate(([0], np.cumsum(step.num_scheduled_tokens)))
+    row_of = {int(r): i for i, r in enumerate(step.req_rows)}
+    done = [0] * step.num_reqs
+    out = []
+    for rnd in rounds:
+        rows, reqs = [], []
+        for row, n in zip(rnd.req_rows, rnd.num_scheduled_tokens):
+            i = row_of[int(row)]
+            rows.append(np.arange(starts[i] + done[i], starts[i] + done[i] + int(n)))
+            done[i] += int(n)
+            reqs.append(i)
+        out.append((np.concatenate(rows), np.array(reqs)))
+    return out
+
+
+@blames_history
+def chunking_invariant(factory: Factory, split: Split) -> None:
+    """The step's tokens run in the split's chunks (``1 + k`` verification tokens as ``k + 1``
+    single steps, a prefill in pieces) give what the whole step gives: each request's greedy
+    token and last logits, every token's hidden row, the KV written at its slots and the
+    recurrent states it leaves (its ring's entries of the last positions) -- within
+    ``graphrt.tolerance`` of the model's dtype, row by row within ``graphrt.reduction_tolerance``
+    of each row's magnitude for a model with recurrent state (a state's sum runs in another
+    order). Catches a checkpoint ring written in the wrong order, a convolution window not
+    shifted, a state read from the wrong entry: bugs every single step hides."""
+    step = split.step
+    rounds = split.rounds()
+    if len(rounds) < 2:
+        return
+    runner, planted = start(factory, step)
+    whole = run_runner(runner, step)
+    restore(runner, planted)
+    parts = [run_runner(runner, rnd) for rnd in rounds]
+    compare = close_rows if planted.state is not None else close
+    sizes = "; ".join(f"request {i}: {p}" for i, p in enumerate(split.pieces) if len(p) > 1)
+    what = f"the step's tokens in chunks ({sizes}) differ from the whole step ({whole.how})"
+    hidden = np.empty_like(whole.hidden)
+    logits = np.empty_like(whole.logits)
+    tokens = np.empty_like(whole.tokens)
+    for out, (rows, reqs) in zip(parts, _rows_of(step, rounds)):
+        hidden[rows] = out.hidden
+        logits[reqs] = out.logits
+        tokens[reqs] = out.tokens
+    same_tokens(runner, tokens, whole.logits, what)
+    compare(runner, logits, whole.logits, f"{what}: last logits of each request")
+    compare(runner, hidden, whole.hidden, f"{what}: hidden rows")
+    slots = step.write_slots()
+    kv = parts[-1].kv
+    if kv.shape[0]:
+        rows_kv = np.moveaxis(kv[:, :, slots], 2, 0).reshape(len(slots), -1)
+        want_kv = np.moveaxis(whole.kv[:, :, slots], 2, 0).reshape(len(slots), -1)
+        compare(runner, rows_kv, want_kv, f"{what}: KV written at the step's slots")
+    if planted.state is not None:
+        written = state_entries(step, runner, "writes")
+        entries = sorted(step.state_writes(checkpoints(runner)))
+        close_rows(runner, parts[-1].state[written], whole.state[written],
+                   f"{what}: recurrent states of the last positions (ring entries {entries})")
+
+
+def _state_reads_blamed(runner: Any, step: Step, out: Outputs, rows_bad: np.ndarray, writes_bad: set[int]) -> str:
+    """Which requests read state they must not, from the rows (``rows_bad``: padded hidden rows)
+    and written states' requests (``writes_bad``) that came out non-finite."""
+    c, t, r = checkpoints(runner), step.num_tokens, step.num_reqs
+    owner = np.repeat(np.arange(r), np.asarray(step.num_scheduled_tokens, np.int64))
+    reqs = set(owner[np.flatnonzero(rows_bad[:t])].tolist()) | writes_bad
+    reqs |= set(np.flatnonzero(~np.isfinite(out.logits).all(axis=-1)).tolist())
+    parts = []
+    for i in sorted(reqs):
+        row, computed = int(step.req_rows[i]), int(step.num_computed_tokens[i])
+        slot = int(step.state_slots[row]) if step.state_slots is not None else row
+        if computed == 0:
+            parts.append(f"request {i} (slot {slot}) is new, 0 computed tokens: it must start from zeros, not read "
+                         f"its slot's stale entries")
+        else:
+            parts.append(f"request {i} (slot {slot}, {computed} computed tokens) must read only checkpoint "
+                         f"{(computed - 1) % c} of its slot, the state after its last computed token")
+    if rows_bad[t:].any() or not np.isfinite(out.padded_logits[r:]).all():
+        parts.append("padded rows must read no slot (they start from zeros)")
+    return "; ".join(parts) or "no request's rows came out non-finite, but what it wrote did"
+
+
+def _non_finite(out: Outputs, writes: tuple[np.ndarray, np.ndarray] | None) -> bool:
+    bad = not (np.isfinite(out.padded_hidden).all() and np.isfinite(out.padded_logits).all())
+    return bad or (writes is not None and out.state is not None and not np.isfinite(out.state[writes]).all())
+
+
+def _finite_or_blame(runner: Any, step: Step, key: BatchDescriptor | None, out: Outputs, planted: Planted) -> None:
+    """:func:`~graphrt.testing.checks.finite`, for a run with NaN planted in every KV slot and
+    state entry the step does not read. Where NaN reached a row or a written state, the step runs
+    again with numbers in those state entries (the KV as it was) to say what happened: a state
+    entry the step must write and did not (it still holds what was planted), or one it read and
+    must not (named per request) -- before blaming the rows."""
+    writes = state_entries(step, runner, "writes") if planted.state is not None else None
+    if planted.state is None or not np.isnan(planted.state).any() or not _non_finite(out, writes):
+        finite(out, step)
+        return
+    numbers = planted.state.copy()
+    nan = np.isnan(numbers)
+    numbers[nan] = 0.5 * np.random.default_rng(step.seed + 13).standard_normal(int(nan.sum())).astype(np.float32)
+    access.set_kv(runner, planted.kv)
+    access.set_state(runner, numbers)
+    before = access.state_bits(runner)
+    again = run_runner(runner, step) if key is None else run_at(runner, step, key)
+    touched = (before != access.state_bits(runner)).any(axis=2)
+    c = checkpoints(runner)
+    unwritten = [(int(a), int(b)) for a, b in zip(*writes) if not touched[a, b]]
+    if unwritten:
+        raise AssertionError(f"state isolation: {out.how} did not write its state entries (slot, checkpoint) "
+                             f"{unwritten[:8]}: each request writes the state after each of its last "
+                             f"min(scheduled, {c}) positions p at checkpoint p % {c} of its own slot (docs/hybrid.md)")
+    if not _non_finite(again, writes):
+        rows_bad = ~np.isfinite(out.padded_hidden).all(axis=-1)
+        bad_writes = np.flatnonzero(~np.isfinite(out.state[writes]).all(axis=-1))
+        slot_req = {} if step.state_slots is None else {int(step.state_slots[int(row)]): i
+                                                        for i, row in enumerate(step.req_rows)}
+        reqs = {slot_req[int(writes[0][i])] for i in bad_writes if int(writes[0][i]) in slot_req}
+        what = f"hidden rows {np.flatnonzero(rows_bad).tolist()}" if rows_bad.any() else "states written"
+        raise AssertionError(f"state isolation: {out.how} read recurrent state it must not: NaN was planted in "
+                             f"every state entry the step does not read, and its {what} came out non-finite "
+                             f"(finite with numbers there): {_state_reads_blamed(runner, step, out, rows_bad, reqs)}")
+    finite(out, step)
+
+
+def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, planted: Planted) -> Outputs:
+    """Run ``step`` (the runner's path, or eagerly at ``key``) over the ``planted`` states and KV;
+    raise unless only real requests' entries and the trash slot changed, every one of those
+    written, finite, and rows are finite."""
+    state, kv = planted.state, planted.kv
     c = checkpoints(runner)
     trash = state.shape[0] - 1
     writes = state_entries(step, runner, "writes")
@@ -251,10 +410,11 @@ def _confined_run(runner: Any, step: Step, key: BatchDescriptor | None, state: n
         raise AssertionError(f"state isolation: {out.how} changed state entries (slot, checkpoint) "
                              f"{[tuple(x) for x in foreign.tolist()[:8]]} outside the step's own "
                              f"{sorted(step.state_writes(c))} and the trash slot {trash}")
-    if not np.isfinite(out.state[writes]).all():
+    _finite_or_blame(runner, step, key, out, planted)
+    bad = np.flatnonzero(~np.isfinite(out.state[writes]).all(axis=-1))
+    if bad.size:
         raise AssertionError(f"state isolation: {out.how} wrote non-finite states into "
-                             f"{sorted(step.state_writes(c))}")
-    finite(out, step)
+                             f"{[(int(writes[0][i]), int(writes[1][i])) for i in bad][:8]}")
     return out
 
 
@@ -263,9 +423,10 @@ def state_writes_confined(factory: Factory, step: Step) -> None:
     (:mod:`graphrt.testing.state_sweep`) checks it on thousands of steps."""
     runner, both = start(factory, step, nan_unused=True)
     if both.state is not None:
-        _confined_run(runner, step, None, both.state, both.kv)
+        _confined_run(runner, step, None, both)
 
 
+@blames_history
 def state_isolated(factory: Factory, step: Step) -> None:
     """A hybrid model's recurrent states: with NaN in every entry the step does not read, it
     changes no state byte but its real requests' entries and the trash slot, writes those finite,
@@ -284,10 +445,11 @@ def state_isolated(factory: Factory, step: Step) -> None:
     if keys:
         chosen.append(max(keys, key=lambda k: (k.num_tokens, k.num_reqs or 0)))
     for key in dict.fromkeys(chosen):
-        runs = [_confined_run(runner, step, key, state, kv)
-                for state, kv in ((both.state, both.kv), (clean_state, clean_kv))]
+        runs = [_confined_run(runner, step, key, planted)
+                for planted in (both, Planted(clean_kv, clean_state))]
         nan_run, clean_run = runs
-        what = f"NaN in unread state entries reached real outputs ({nan_run.how})"
+        what = (f"with NaN in the state entries it does not read, the step's real outputs differ from a run with "
+                f"zeros there ({nan_run.how})")
         same_shape(runner, nan_run.logits, clean_run.logits, f"{what}: logits")
         same_shape(runner, nan_run.hidden, clean_run.hidden, f"{what}: hidden rows")
         same_shape(runner, nan_run.state[writes], clean_run.state[writes], f"{what}: states written")
@@ -321,7 +483,7 @@ def state_isolated(factory: Factory, step: Step) -> None:
     same_shape(runner, a.state[mine_writes], b.state[mine_writes], f"{what}: its states")
 
 
-#: Every property, by name, with the strategy kind it takes ("step", "bad", "trace").
+#: Every property, by name, with the strategy kind it takes ("step", "bad", "trace", "split").
 PROPERTIES: dict[str, tuple[Callable[[Factory, Any], None], str]] = {
     "padding_invisible": (padding_invisible, "step"),
     "kv_isolated": (kv_isolated, "step"),
@@ -331,8 +493,10 @@ PROPERTIES: dict[str, tuple[Callable[[Factory, Any], None], str]] = {
     "addresses_stable": (addresses_stable, "step"),
     "lifetime_matches_reference": (lifetime_matches_reference, "trace"),
     "state_isolated": (state_isolated, "step"),
+    "chunking_invariant": (chunking_invariant, "split"),
+    "replay_deterministic": (replay_deterministic, "step"),
 }
 
-__all__ = ["PROPERTIES", "addresses_stable", "bad_input_rejected", "kv_isolated", "lifetime_matches_reference",
-           "no_build_after_warmup", "padding_invisible", "replay_matches_eager", "scrub", "state_isolated",
-           "state_writes_confined"]
+__all__ = ["PROPERTIES", "addresses_stable", "bad_input_rejected", "blames_history", "chunking_invariant",
+           "kv_isolated", "lifetime_matches_reference", "no_build_after_warmup", "padding_invisible",
+           "replay_deterministic", "replay_matches_eager", "scrub", "state_isolated", "state_writes_confined"]

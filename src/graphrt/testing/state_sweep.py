@@ -143,7 +143,9 @@ def sweep_config(config: tuple[str, str, str, int], steps: int, *, seed: int = 0
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    from graphrt.testing.conformance import kit_threads, strategy_for
+    from hypothesis.errors import Flaky
+
+    from graphrt.testing.conformance import failure_text, kit_threads, strategy_for
     from graphrt.testing.properties import state_writes_confined
 
     prop = check or state_writes_confined
@@ -174,8 +176,8 @@ def sweep_config(config: tuple[str, str, str, int], steps: int, *, seed: int = 0
     with kit_threads(factory, 1):
         try:
             draw()
-        except AssertionError as exc:
-            result.violation = f"{str(exc).strip()}\n  counterexample: {failing[0]!r}"
+        except (AssertionError, Flaky) as exc:       # a flaky example: a line naming the cause, no traceback
+            result.violation = f"{failure_text(exc).strip()}\n  counterexample: {failing[0]!r}"
     result.seconds = time.perf_counter() - start
     return result
 
@@ -218,8 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"state sweep: {args.steps} drawn steps over {len(SWEEP)} configurations, {args.property} on each",
           flush=True)
-    lines = run_sweep(args.steps, seed=args.seed, report=lambda s: print(s, flush=True),
-                      check=getattr(properties, args.property))
+    from graphrt.testing.conformance import private_hypothesis_storage
+
+    with private_hypothesis_storage():            # no .hypothesis/ in the current directory
+        lines = run_sweep(args.steps, seed=args.seed, report=lambda s: print(s, flush=True),
+                          check=getattr(properties, args.property))
     print(totals(lines))
     return 0 if all(x.violation is None for x in lines) else 1
 

@@ -129,6 +129,50 @@ class Step:
 
 
 @dataclass(eq=False)
+class Split:
+    """A step and the chunks each request's scheduled tokens are split into (``pieces[i]`` sums
+    to request ``i``'s scheduled tokens): the same tokens run as :meth:`rounds`, round ``j``
+    scheduling each request's ``j``-th chunk, must give what the whole step gives."""
+
+    step: Step
+    pieces: list[list[int]]
+
+    def rounds(self) -> list[Step]:
+        """The steps of the split, in order (the step itself where nothing is split); each
+        request's token-level extra inputs are cut to its chunk, request-level ones kept."""
+        step = self.step
+        if all(len(p) == 1 for p in self.pieces):
+            return [step]
+        starts = np.concatenate(([0], np.cumsum(step.num_scheduled_tokens)))[:-1]
+        done = [0] * step.num_reqs
+        out = []
+        for j in range(max(len(p) for p in self.pieces)):
+            reqs = [i for i, p in enumerate(self.pieces) if j < len(p)]
+            sizes = [self.pieces[i][j] for i in reqs]
+            tokens = np.concatenate([np.arange(starts[i] + done[i], starts[i] + done[i] + n)
+                                     for i, n in zip(reqs, sizes)])
+            extras = None
+            if step.extra_inputs is not None:        # a token-level input has a row per token of the step
+                extras = {name: np.ascontiguousarray(a[tokens] if a.shape[0] == step.num_tokens else a[reqs])
+                          for name, a in step.extra_inputs.items()}
+            computed = np.array([int(step.num_computed_tokens[i]) + done[i] for i in reqs], np.int32)
+            out.append(Step(step.token_ids, step.block_table, step.req_rows[reqs].copy(), computed,
+                            np.array(sizes, np.int32), step.block_size, step.seed, extra_inputs=extras,
+                            state_slots=step.state_slots))
+            for i, n in zip(reqs, sizes):
+                done[i] += n
+        return out
+
+    def describe(self) -> str:
+        """The step, then each request's chunks."""
+        chunks = "; ".join(f"request {i}: {p}" for i, p in enumerate(self.pieces))
+        return f"{self.step.describe()}\n  split into chunks: {chunks}"
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+@dataclass(eq=False)
 class BadStep:
     """A step that breaks exactly one bound: the :class:`InputError` must name ``field``.
 
@@ -146,4 +190,4 @@ class BadStep:
         return f"BadStep({self.kind}; the error must name {self.field!r})\n{self.step.describe()}"
 
 
-__all__ = ["BadStep", "Step"]
+__all__ = ["BadStep", "Split", "Step"]

@@ -5,6 +5,7 @@
   shared prefix blocks, unused columns holding the null block or stale ids.
 * :func:`bad_steps` -- a valid step with one bound broken, and the field the InputError must name.
 * :func:`traces` -- a few requests' whole lifetimes, the block table growing as they need blocks.
+* :func:`splits` -- a step and a split of its requests' tokens into chunks (or single tokens).
 
 With ``num_state_slots`` every step carries a state-slot table, and with ``extra_inputs`` a seeded
 array per declared input; bad steps then also break those. Everything shrinks towards one
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.extra_inputs import ExtraInput
-from graphrt.testing.step import BadStep, Step
+from graphrt.testing.step import BadStep, Split, Step
 
 _I32 = np.int32
 
@@ -135,6 +136,32 @@ def steps(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows:
                      num_state_slots)
 
     return draw_step()
+
+
+def splits(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows: int | None = None,
+           extra_inputs: Mapping[str, ExtraInput] | None = None,
+           num_state_slots: int | None = None) -> st.SearchStrategy[Split]:
+    """A step of :func:`steps` and a split of each request's scheduled tokens into chunks: one
+    token each half of the time (a ``1 + k`` verification step against ``k + 1`` single steps),
+    else up to 4 chunks at drawn cuts. Shrinks towards a single cut. Arguments as for :func:`steps`."""
+    base = steps(config, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size, num_rows=num_rows,
+                 extra_inputs=extra_inputs, num_state_slots=num_state_slots)
+
+    @st.composite
+    def draw_split(draw: Callable[[Any], Any]) -> Split:
+        step = draw(base)
+        singles = draw(st.booleans())
+        pieces = []
+        for n in (int(x) for x in step.num_scheduled_tokens):
+            if singles or n == 1:
+                pieces.append([1] * n)
+                continue
+            cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=3, unique=True)))
+            bounds = [0, *cuts, n]
+            pieces.append([b - a for a, b in zip(bounds, bounds[1:])])
+        return Split(step, pieces)
+
+    return draw_split()
 
 
 # ---------------------------------------------------------------------------------- bad steps
@@ -330,4 +357,4 @@ def traces(config: GraphConfig, *, num_kv_blocks: int, vocab_size: int, num_rows
     return draw_trace()
 
 
-__all__ = ["BAD_KINDS", "EXTRA_KINDS", "STATE_KINDS", "bad_steps", "steps", "traces"]
+__all__ = ["BAD_KINDS", "EXTRA_KINDS", "STATE_KINDS", "bad_steps", "splits", "steps", "traces"]

@@ -1,13 +1,19 @@
 """``graphrt lint``: what in a model would stop or corrupt a graph capture, named per module.
 
 Where the recording graph stops at the first bad op, the lint's modes note every one and let it
-run, so one forward names all of them under their modules, with the fix: host syncs,
-data-dependent shapes, process-group collectives, and (two steps of one shape) baked host
-values. aten ops only. docs/testing.md, "Before capturing: graphrt lint"."""
+run, so one forward names all of them under their modules and at the file and line that issued
+them, with the fix: host syncs, data-dependent shapes, process-group collectives, and (two
+steps of one shape, a step of another shape between them) baked host values -- a value a layer
+carries from one forward to the next included. aten ops only. docs/testing.md, "Before
+capturing: graphrt lint"."""
 
 from __future__ import annotations
 
 import contextlib
+import linecache
+import os
+import sys
+import sysconfig
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -27,11 +33,28 @@ FIXES: dict[str, str] = {
                             "nonzero_static, scatter_add_ into a fixed length, output_size=)",
     "collective": "use torch.distributed._functional_collectives, which graphs record and replay",
     "baked host value": "make the value part of the graph key (a bucket) or write it into a device buffer "
-                        "the graph reads and refresh that buffer before each replay",
+                        "the graph reads and refresh that buffer before each replay; a value kept from the "
+                        "previous forward (self.n = ...) is stale in a graph: take it from the step's inputs",
     "data-dependent control flow": "replace the Python branch on a tensor value by device ops (torch.where), "
                                    "so every step of a shape runs the same ops",
 }
 OUTSIDE = "(outside the model's modules)"
+#: Code a hazard is never blamed on: torch, the standard library, this module.
+_NOT_USER_CODE = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__, contextlib.__file__)) + (
+    sysconfig.get_paths()["stdlib"] + os.sep, __file__)
+
+
+def _where() -> str:
+    """``file:line: source`` of the innermost frame outside torch, the standard library and this
+    module: the line of the model's code that issued the op being noted."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER_CODE):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    return f"{shown}:{line}: {linecache.getline(path, line).strip()}"
 
 
 @dataclass
@@ -43,6 +66,7 @@ class Finding:
     what: str
     detail: str = ""
     count: int = 1
+    where: str = ""           # "file:line: source" of the model's code that issued the op
 
     @property
     def fix(self) -> str:
@@ -51,7 +75,8 @@ class Finding:
     def __str__(self) -> str:
         times = f" (x{self.count})" if self.count > 1 else ""
         detail = f": {self.detail}" if self.detail else ""
-        return f"{self.module}: {self.kind}: {self.what}{times}{detail}\n    fix: {self.fix}"
+        where = f"\n    at {self.where}" if self.where else ""
+        return f"{self.module}: {self.kind}: {self.what}{times}{detail}{where}\n    fix: {self.fix}"
 
 
 @dataclass
@@ -111,7 +136,7 @@ class _Notes:
     def __init__(self, tracker: _Tracker) -> None:
         self.tracker = tracker
         self.findings: dict[tuple[str, str, str], Finding] = {}
-        self.ops: list[tuple[str, str, tuple[Any, ...]]] = []
+        self.ops: list[tuple[str, str, tuple[Any, ...], str]] = []    # module, op, its numbers, where
         self.host_read_depth = 0
 
     def note(self, kind: str, what: str, detail: str = "") -> None:
@@ -119,7 +144,7 @@ class _Notes:
         if key in self.findings:
             self.findings[key].count += 1
         else:
-            self.findings[key] = Finding(self.tracker.here, kind, what, detail)
+            self.findings[key] = Finding(self.tracker.here, kind, what, detail, where=_where())
 
 
 def _kind(func: Any) -> str:
@@ -149,7 +174,7 @@ class _DispatchNotes(TorchDispatchMode):
         if violation is not None and not (notes.host_read_depth and func.overloadpacket in HOST_SYNC_OPS):
             notes.note(_kind(func), _what(func))
         numbers = tuple(v for v in tree_leaves((args, kwargs)) if isinstance(v, (bool, int, float)))
-        notes.ops.append((notes.tracker.here, str(func), numbers))
+        notes.ops.append((notes.tracker.here, str(func), numbers, _where()))
         return func(*args, **kwargs)
 
 
@@ -179,14 +204,20 @@ def noting(model: torch.nn.Module) -> Iterator[_Notes]:
             yield notes
 
 
-def lint_forward(model: torch.nn.Module, run: Callable[[int], Any]) -> LintReport:
+def lint_forward(model: torch.nn.Module, run: Callable[[int], Any],
+                 between: Callable[[], Any] | None = None) -> LintReport:
     """Lint ``model`` over ``run(0)`` and ``run(1)``: two forwards of the same shape on different
     contents (``run`` calls the model; whatever else it runs is outside the model's modules and
-    not compared), after one unnoted ``run(0)`` for one-time work."""
+    not compared), after one unnoted ``run(0)`` for one-time work, with ``between()`` -- a step of
+    another shape -- run unnoted between them, so a value the model carries from one forward to
+    the next differs between the two."""
     with torch.no_grad():
         run(0)                           # one-time work (lazy initialisation) out of the comparison
     notes = []
     for i in range(2):
+        if i and between is not None:
+            with torch.no_grad():
+                between()
         with noting(model) as n:
             run(i)
         notes.append(n)
@@ -200,20 +231,23 @@ def lint_forward(model: torch.nn.Module, run: Callable[[int], Any]) -> LintRepor
         if a[:2] != b[:2]:
             key = (b[0], "data-dependent control flow", a[1])
             found.setdefault(key, Finding(b[0], "data-dependent control flow", f"ran {a[1]} on one step and {b[1]} "
-                                                                               "on another of the same shape"))
+                                                                               "on another of the same shape",
+                                          where=b[3]))
             break
         if a[2] != b[2]:
             differing = [(x, y) for x, y in zip(a[2], b[2]) if x != y][:3]
             key = (a[0], "baked host value", a[1])
             if key not in found:
                 found[key] = Finding(a[0], "baked host value", a[1],
-                                     "; ".join(f"{x!r} on one step, {y!r} on another" for x, y in differing))
+                                     "; ".join(f"{x!r} on one step, {y!r} on another" for x, y in differing),
+                                     where=a[3])
             else:
                 found[key].count += 1
     if len(first.ops) != len(second.ops) and not any(f.kind == "data-dependent control flow" for f in found.values()):
-        where = first.ops[-1][0] if first.ops else OUTSIDE
-        found[(where, "data-dependent control flow", "")] = Finding(
-            where, "data-dependent control flow", f"{len(first.ops)} ops on one step, {len(second.ops)} on another")
+        last = first.ops[-1] if first.ops else (OUTSIDE, "", (), "")
+        found[(last[0], "data-dependent control flow", "")] = Finding(
+            last[0], "data-dependent control flow", f"{len(first.ops)} ops on one step, {len(second.ops)} on another",
+            where=last[3])
     findings = [f for f in found.values() if f.module != OUTSIDE]
     return LintReport(findings, len(first.ops))
 
