@@ -19,6 +19,9 @@ from support.device_fakes import FakeCuda
 #: A small engine: two capture sizes, prefix caching on (a refit must forget the cached KV).
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4, num_kv_blocks=40,
               cudagraph_capture_sizes=[4, 32])
+#: XLA: a grid of two token paddings, keys compiled when first needed (warm-up would compile them all).
+XLA_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4, num_kv_blocks=40,
+                  precompile_token_paddings=[16, 32], warmup=False)
 GREEDY = graphrt.SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
 
@@ -32,6 +35,11 @@ class SimCudaBackend(CudaGraphBackend):
 
     def graph_api(self) -> CudaGraphAPI:
         return CudaGraphAPI(self.device, self.fake)
+
+
+def engine(name: str) -> dict[str, Any]:
+    """The engine settings of backend ``name``."""
+    return XLA_ENGINE if name == "xla" else ENGINE
 
 
 def backend(name: str) -> Any:
@@ -68,5 +76,5 @@ def fresh_tokens(model_dir: str | Path, name: str, prompts: list[list[int]] = PR
 
 @functools.lru_cache(maxsize=None)
 def _fresh(model_dir: str, name: str, prompts: tuple, kw: tuple) -> tuple:
-    with graphrt.LLM(model_dir, backend=backend(name), **{**ENGINE, **dict(kw)}) as llm:
+    with graphrt.LLM(model_dir, backend=backend(name), **{**engine(name), **dict(kw)}) as llm:
         return tuple(map(tuple, greedy_tokens(llm, [list(p) for p in prompts])))

@@ -11,7 +11,18 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from graphrt.core.cache import describe_key
-from graphrt.core.errors import StaleBufferError
+from graphrt.core.errors import InputError, StaleBufferError
+
+#: The sleep levels: 1 offloads the weights to host memory, 2 drops them; both drop the caches.
+SLEEP_LEVELS = (1, 2)
+
+
+def check_level(level: Any) -> int:
+    """``level`` as 1 or 2, else InputError naming it."""
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise InputError("level", f"sleep level must be 1 (weights offloaded to host memory, caches dropped) or 2 "
+                                  f"(weights dropped too), got {level!r}")
+    return int(level)
 
 
 @dataclass(frozen=True)
@@ -83,4 +94,4 @@ def stale_error(stale: dict[Hashable, list[str]]) -> StaleBufferError:
         "these keys again over the current buffers", tuple(buffers), keys)
 
 
-__all__ = ["SleepReport", "WakeReport", "WeightsUpdate", "stale_error"]
+__all__ = ["SLEEP_LEVELS", "SleepReport", "WakeReport", "WeightsUpdate", "check_level", "stale_error"]

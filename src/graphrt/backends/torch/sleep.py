@@ -21,22 +21,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from graphrt.core.errors import ConfigError, GraphrtError, InputError
-from graphrt.core.weight_reports import SleepReport, WakeReport
+from graphrt.core.errors import ConfigError, GraphrtError
+from graphrt.core.weight_reports import SleepReport, WakeReport, check_level
 
 logger = logging.getLogger(__name__)
-
-#: The sleep levels: 1 offloads the weights, 2 drops them.
-SLEEP_LEVELS = (1, 2)
-
-
-def check_level(level: Any) -> int:
-    """``level`` as 1 or 2, else InputError naming it."""
-    if isinstance(level, bool) or level not in SLEEP_LEVELS:
-        raise InputError("level", f"sleep level must be 1 (weights offloaded to host memory, caches dropped) or 2 "
-                                  f"(weights dropped too), got {level!r}")
-    return int(level)
-
 
 @dataclass
 class _Held:
@@ -159,4 +147,4 @@ class TorchSleep:
         return None
 
 
-__all__ = ["SLEEP_LEVELS", "TorchSleep", "check_level", "resident_bytes"]
+__all__ = ["TorchSleep", "resident_bytes"]
