@@ -196,6 +196,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.weights.blocked:            # asleep, weights dropped, or a buffer moved under the graphs
             raise self.weights.refusal()
+        self.weights.verify_if_changed()     # re-bound / reallocated since the last check: check now
         if self.background is not None and self.background.error is not None:
             error, self.background.error = self.background.error, None
             raise error                      # a background build failed in strict mode / without an eager path

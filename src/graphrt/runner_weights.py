@@ -125,6 +125,20 @@ class RunnerWeights:
         with self._lock:
             self.verify()
 
+    def verify_if_changed(self) -> None:
+        """Before a step (the runner's lock held): :meth:`verify` when the executor says something
+        may have moved since the last check (``buffers_changed``: one comparison by default)."""
+        if self.executor.buffers_changed():
+            self.verify()
+
+    def ready(self) -> None:
+        """Whether a step may run now, before any is scheduled (``graphrt.LLM`` refuses requests
+        early): the refusal when :attr:`blocked`, else the due live-buffer check."""
+        with self._lock:
+            if self.blocked:
+                raise self.refusal()
+            self.verify_if_changed()
+
     def recapture(self) -> int:
         """Build again every key whose buffers moved, over the current buffers; steps run again.
         Returns how many keys were recaptured."""

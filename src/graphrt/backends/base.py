@@ -332,6 +332,12 @@ class Executor(abc.ABC, Generic[EntryT]):
         that came back at another address (``moved``: the entries reading them are stale)."""
         raise ConfigError(f"{type(self).__name__} cannot sleep")
 
+    def buffers_changed(self) -> bool:
+        """Whether something may have moved under the built entries since the last
+        :meth:`stale_buffers` (cheap: the runner asks before every step and runs the check when
+        True). Default: never (entries take their buffers as arguments)."""
+        return False
+
     def stale_buffers(self, entries: Iterable[tuple[Hashable, Any]]) -> dict[Hashable, list[str]]:
         """For each ``(cache key, entry)`` whose captured buffers (parameters, caches, LoRA slots,
         workspaces) moved or were re-bound since it was built, what moved. Default: nothing can

@@ -30,7 +30,7 @@ from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.engine_args import check_engine_args
 from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog
-from graphrt.core.errors import EngineAsleepError, GenerationError, GraphrtError, RequestsInFlightError
+from graphrt.core.errors import GenerationError, GraphrtError, RequestsInFlightError
 from graphrt.runner import ModelRunner
 from graphrt.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
@@ -366,9 +366,9 @@ class LLM:
             raise GraphrtError("this graphrt.LLM is closed (close() was called); build a new engine")
 
     def _check_awake(self) -> None:
-        """New requests wait for a runner that can run them: refused while it sleeps or lacks weights."""
-        if self.runner.weights.level is not None or self.runner.weights.unfilled:
-            raise EngineAsleepError(str(self.runner.weights.refusal()))
+        """New requests wait for a runner that can run them: refused while it sleeps, lacks
+        weights or has graphs over moved buffers (EngineAsleepError, StaleBufferError)."""
+        self.runner.weights.ready()
 
     def __enter__(self) -> "LLM":
         return self

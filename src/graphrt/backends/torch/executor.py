@@ -170,6 +170,8 @@ class TorchExecutor(Executor[TorchEntry]):
         the model owns its cache), ``kv_cache`` the only one where there is one -- every layer of
         one layout: ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]``; the last row of
         each layer is the trash row padded tokens write into."""
+        if self.kv_caches:                  # graphs captured before read the old tensors
+            self.live.reallocated = True
         self.kv_caches = self.kv.allocate(num_blocks, block_size)
         self.kv_cache = self.kv_caches[0] if len(self.kv_caches) == 1 else None
 
@@ -324,6 +326,12 @@ class TorchExecutor(Executor[TorchEntry]):
 
     def stale_buffers(self, entries: Any) -> dict[Any, list[str]]:
         return self.live.stale(entries)
+
+    def buffers_changed(self) -> bool:
+        """Whether the live-buffer check is due before the next replay: one comparison (a
+        re-binding anywhere, a cache allocated again); in strict mode also every parameter's,
+        buffer's and cache view's address (LiveBuffers.changed)."""
+        return self.builder is not None and self.live.changed(thorough=self.config.strict)
 
     def _cache_tensors(self) -> dict[str, torch.Tensor]:
         """The KV and state cache tensors by name (what a sleep drops)."""

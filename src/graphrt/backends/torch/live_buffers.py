@@ -17,8 +17,24 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, NamedTuple
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from graphrt.core.weight_reports import stale_error
+
+#: Parameters, buffers and submodules registered on any module of the process since import: a
+#: re-binding (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``) counts,
+#: so a step can tell for one comparison whether a full check is due.
+_REGISTRATIONS = [0]
+
+
+def _count(*args: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+for _register in (nn_module.register_module_parameter_registration_hook,
+                  nn_module.register_module_buffer_registration_hook,
+                  nn_module.register_module_module_registration_hook):
+    _register(_count)
 
 
 class BufferId(NamedTuple):
@@ -52,6 +68,33 @@ class LiveBuffers:
         self.model = model
         self._caches, self._device_buffers = caches, device_buffers
         self._last: dict[bool, Snapshot] = {}
+        #: Set by the executor when it allocates its caches again (graphs hold the old ones).
+        self.reallocated = False
+        self._seen = _REGISTRATIONS[0]
+        self._watch: list[tuple[torch.Tensor, int]] = []     # (tensor, address) of the last check
+
+    def changed(self, thorough: bool = False) -> bool:
+        """Whether a full check is due before the next replay: a module anywhere registered a
+        parameter, buffer or submodule, or the caches were allocated again, since the last check
+        (one comparison); ``thorough`` also compares the address of every parameter, buffer and
+        cache view seen then (a ``.to()`` of a submodule moves them without registering)."""
+        if _REGISTRATIONS[0] != self._seen or self.reallocated:
+            return True
+        return thorough and any(t.data_ptr() != ptr for t, ptr in self._watch)
+
+    def _checked(self) -> None:
+        """A full check (or a capture) read every buffer: remember what it saw."""
+        self._seen, self.reallocated = _REGISTRATIONS[0], False
+        model = self.model
+        tensors = [t for _, t in model.named_parameters(remove_duplicate=False)]
+        tensors += [t for _, t in model.named_buffers(remove_duplicate=False)]
+        for attr, layers in (("kv_cache", _layers(model, "attention_layers")),
+                             ("state_cache", _layers(model, "state_layers"))):
+            for layer in layers:
+                views = getattr(layer, attr, None)
+                tensors += [t for t in (views if isinstance(views, (tuple, list)) else (views,))
+                            if isinstance(t, torch.Tensor)]
+        self._watch = [(t, t.data_ptr()) for t in tensors]
 
     def read(self, sampler: bool = False) -> Snapshot:
         """The buffers a forward graph reads now (a sampler graph's: the logits and the sampler's)."""
@@ -85,6 +128,8 @@ class LiveBuffers:
 
     def snapshot(self, sampler: bool = False) -> Snapshot:
         """:meth:`read`, as the same object while nothing moved (graphs share it)."""
+        if not sampler:
+            self._checked()
         now = self.read(sampler)
         last = self._last.get(sampler)
         if last is not None and last.buffers == now.buffers:
@@ -115,6 +160,7 @@ class LiveBuffers:
     def stale(self, entries: Iterable[tuple[Hashable, Any]]) -> dict[Hashable, list[str]]:
         """For every ``(cache key, entry)`` whose recorded buffers moved, what moved; each distinct
         snapshot is compared once."""
+        self._checked()
         now: dict[bool, Snapshot] = {}
         done: dict[int, list[str]] = {}
         out: dict[Hashable, list[str]] = {}

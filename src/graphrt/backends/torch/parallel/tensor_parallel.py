@@ -281,6 +281,9 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         """Rank 0's graphs (the runner's entries) checked on rank 0; each worker's mirror them."""
         return self.local.stale_buffers(entries)
 
+    def buffers_changed(self) -> bool:
+        return self.local.buffers_changed()
+
     def _refit(self, write: int, words: list[int], path: str) -> WeightsUpdate:
         """One REFIT call on every rank (``write`` 0: check only)."""
         doing = "update_weights" if write else "update_weights (check)"
