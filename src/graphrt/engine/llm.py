@@ -304,11 +304,15 @@ class LLM:
         Launched steps are resolved first and the prefix cache is forgotten (its KV came from the
         old weights). ``recompute`` (default): running requests are requeued and recompute their
         KV, so every token sampled from now on is the new weights' for its context; False: they
-        go on over the KV the old weights wrote. Returns the runner's report and ``recomputed``."""
+        go on over the KV the old weights wrote. Returns the runner's report, ``recomputed`` (the
+        requests requeued) and ``requests``: every unfinished request's id -> the tokens it had
+        generated with the old weights (an RL rollout's policy boundary)."""
         with self._lock:
             self._check_open()
             self._deliver(self.loop.settle())
+            before = {rid: len(req.output_token_ids) for rid, req in self.loop.requests.items()}
             result = self.runner.update_weights(weights)
+            result["requests"] = before
             if recompute:
                 result["recomputed"] = self.loop.recompute_all("the weights were refit")
             else:
