@@ -27,8 +27,12 @@ OLD, NEW = (str(tiny_hf_model_dir("qwen3", seed=s)) for s in (0, 1))
 MODES = [("cpu", False), ("cpu", True), ("cuda-sim", False), ("cuda-sim", True)]
 
 
+#: One capture size: decodes replay a FULL graph (and a PIECEWISE one), prefills run eagerly.
+SMALL = dict(ENGINE, cudagraph_capture_sizes=[4])
+
+
 def _engine(name: str, strict: bool, **kw) -> graphrt.LLM:
-    return graphrt.LLM(OLD, backend=backend(name), strict=strict, **{**ENGINE, **kw})
+    return graphrt.LLM(OLD, backend=backend(name), strict=strict, **{**SMALL, **kw})
 
 
 def _replays(llm: graphrt.LLM) -> int:
@@ -85,7 +89,7 @@ def test_to_of_a_submodule_is_named(name: str, strict: bool) -> None:
         mlp.to(torch.float32)             # back, for the comparison: recaptured again
         llm.runner.recapture()
         llm.update_weights(NEW)
-        assert greedy_tokens(llm) == fresh_tokens(NEW, name)
+        assert greedy_tokens(llm) == fresh_tokens(NEW, name, cudagraph_capture_sizes=(4,))
 
 
 def test_debug_mode_checks_every_replay() -> None:
@@ -111,7 +115,7 @@ def test_a_reallocated_kv_cache_is_named(name: str, strict: bool) -> None:
 
 
 def test_a_lora_load_checks_first() -> None:
-    with graphrt.LLM(OLD, backend="cpu", max_loras=1, max_lora_rank=4, **ENGINE) as llm:
+    with graphrt.LLM(OLD, backend="cpu", max_loras=1, max_lora_rank=4, **SMALL) as llm:
         greedy_tokens(llm)
         llm.runner.model.model.layers[0].self_attn.o_proj.to(torch.float64)
         targets = llm.runner.lora.targets()
