@@ -44,3 +44,19 @@ def test_xla_refit_sleep_and_wake_without_recompiling(tmp_path) -> None:
         llm.update_weights(NEW)
         assert greedy_tokens(llm) == want
         assert llm.runner.stats.compiles == compiles
+
+
+def test_xla_refit_of_a_hybrid_model() -> None:
+    """Granite-4-H on xla: its params are checkpoint names, refit whole leaves."""
+    from support.hybrid_models import hybrid_model_dir
+
+    old, new = (str(hybrid_model_dir("granite", seed=s)) for s in (0, 1))
+    kw = dict(precompile_token_paddings=(16,), max_num_batched_tokens=16, max_model_len=32, num_kv_blocks=24,
+              max_num_seqs=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = fresh_tokens(new, "xla", prompts, **kw)
+    with graphrt.LLM(old, backend="xla", **{**XLA_ENGINE, **kw}) as llm:
+        greedy_tokens(llm, prompts)
+        compiles = llm.runner.stats.compiles
+        llm.update_weights(new)
+        assert greedy_tokens(llm, prompts) == want and llm.runner.stats.compiles == compiles

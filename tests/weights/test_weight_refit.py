@@ -130,3 +130,13 @@ def test_runner_refit_takes_numpy_and_a_safetensors_file() -> None:
             runner.update_weights(f"{NEW}/config.json")
         with pytest.raises(InputError, match="a torch tensor or numpy array"):
             runner.update_weights([("model.norm.weight", [1.0] * 64)])
+
+
+def test_refit_of_a_transformers_model() -> None:
+    """``model_impl="transformers"``: the checkpoint's names are its parameters' (under ``hf``)."""
+    want = fresh_tokens(NEW, "cpu", model_impl="transformers")
+    with graphrt.LLM(OLD, backend="cpu", model_impl="transformers", **ENGINE) as llm:
+        greedy_tokens(llm)
+        compiles = llm.runner.stats.compiles
+        assert llm.update_weights(NEW)["tensors"] == len(tensors(NEW))
+        assert greedy_tokens(llm) == want and llm.runner.stats.compiles == compiles
