@@ -115,7 +115,8 @@ class ModelRunner:
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
         #: In-place refit, sleep / wake and the live-buffer check (runner_weights.py).
-        self.weights = RunnerWeights(self.executor, self.cache, self.sampler_cache, self._lock)
+        self.weights = RunnerWeights(self.executor, self.cache, self.sampler_cache, self._lock,
+                                     lambda: self.background is not None and self.background.active)
         if isinstance(self.lora, RunnerLora):       # a LoRA load is checked first: no slot under stale graphs
             self.lora.before_load = self.weights.verify
         #: Steps served per dispatch shape, with ``refit_interval`` (what a traffic re-fit reads).
@@ -315,6 +316,7 @@ class ModelRunner:
         with self._lock:
             if self.weights.blocked:
                 raise self.weights.refusal()
+            self.weights.verify_if_changed()
             shape = self.data_parallel.agree_idle()
             if shape is None:
                 return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key
 from graphrt.core.dispatch import SamplerKey
@@ -64,9 +64,12 @@ class RunnerWeights:
     """The runner's weights feature (module docstring), over ``executor`` and the runner's two
     caches; every public method takes the runner's step ``lock``."""
 
-    def __init__(self, executor: Any, cache: GraphCache, sampler_cache: GraphCache, lock: Any) -> None:
+    def __init__(self, executor: Any, cache: GraphCache, sampler_cache: GraphCache, lock: Any,
+                 building: Callable[[], bool] = lambda: False) -> None:
+        """``building()``: whether background warm-up still builds keys (a sleep waits for it)."""
         self.executor, self.cache, self.sampler_cache = executor, cache, sampler_cache
         self._lock = lock
+        self._building = building
         #: The sleep level while asleep, else None.
         self.level: int | None = None
         #: Weights a level-2 wake left unwritten: steps are refused until a refit fills them.
@@ -203,6 +206,9 @@ class RunnerWeights:
         with self._lock:
             if self.level is not None:
                 raise EngineAsleepError(f"sleep: the runner already sleeps (level {self.level})")
+            if self._building():
+                raise GraphrtError("sleep: background warm-up still builds keys over these buffers; wait for it "
+                                   "(runner.background.wait()) first")
             self.verify()                    # nothing stale goes to sleep unseen
             report = self.executor.sleep(level)
             self.level = report.level

@@ -132,3 +132,13 @@ def test_a_hybrid_model_keeps_no_state_across_sleep() -> None:
         _woke_clean(llm, report)
         llm.update_weights(new)
         assert greedy_tokens(llm, prompts) == want
+
+
+def test_sleep_waits_for_background_warmup() -> None:
+    """Background warm-up builds between steps over the buffers a sleep would release: refused."""
+    kw = {k: v for k, v in ENGINE.items() if k != "num_kv_blocks"}
+    with graphrt.ModelRunner(OLD, backend="cpu", num_kv_blocks=16, warmup="background", **kw) as runner:
+        assert runner.background is not None and runner.background.active     # no step: nothing built yet
+        with pytest.raises(graphrt.GraphrtError, match="background warm-up"):
+            runner.sleep(1)
+        assert runner.weights.level is None

@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from graphrt.core.errors import InputError
 from graphrt.core.weight_reports import WeightsUpdate
 from graphrt.models.checkpoint import NAMES_SHOWN, safetensors_files, safetensors_header, tensor_files
+from graphrt.models.torch.loader import checkpoint_target, expected_targets
 
 #: safetensors dtype tags as torch dtypes.
 SAFETENSORS_TORCH_DTYPES = {
@@ -177,7 +178,6 @@ class TorchWeights:
     def names(self) -> frozenset[str]:
         """Every weight a full refit fills: ``param`` or ``param[shard]`` for a fused parameter."""
         if self.own_names:
-            from graphrt.models.torch.loader import expected_targets
             return frozenset(_label(name, shard) for name, shard in expected_targets(self.model))
         return frozenset(name for name, _ in self.model.named_parameters())
 
@@ -235,7 +235,6 @@ class TorchWeights:
                 if name in params:
                     return name, None
             return f"has no parameter in {type(self.model).__name__}"
-        from graphrt.models.torch.loader import checkpoint_target
         target = checkpoint_target(self.model, item.name)
         if target.kv_scale is not None:
             return self._kv_scale(item, *target.kv_scale)
