@@ -284,6 +284,12 @@ class TensorParallelExecutor(Executor[TorchEntry]):
     def buffers_changed(self) -> bool:
         return self.local.buffers_changed()
 
+    def sleep(self, level: int) -> Any:
+        """Not implemented: every rank would release and take back its shard (and recapture the
+        same keys where an address moved) together."""
+        raise ConfigError(f"sleep(level={level}) under tensor_parallel_size={self.tp_size} is not implemented; "
+                          "refit in place (update_weights) works on every rank")
+
     def _refit(self, write: int, words: list[int], path: str) -> WeightsUpdate:
         """One REFIT call on every rank (``write`` 0: check only)."""
         doing = "update_weights" if write else "update_weights (check)"
