@@ -18,9 +18,9 @@ from graphrt.core.attention_decl import AttentionDeclarations
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.cache import CacheStats, GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, SamplerKey
-from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, GenerationError,
-                                 GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
-                                 WatchdogTimeout)
+from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, EngineAsleepError,
+                                 GenerationError, GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
+                                 RequestsInFlightError, StaleBufferError, WatchdogTimeout)
 from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.fields import ModelInputs
 from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
@@ -51,11 +51,13 @@ __all__ = [
     "AttentionBackend", "AttentionDeclarations", "AttentionGraphSupport",
     "BackendUnavailableError", "BatchDescriptor", "BucketPolicy", "CacheMissError", "CacheStats",
     "DataParallelLLM",
-    "ConfigError", "Dispatch", "Dispatcher", "ExtraInput", "GenerationError", "GraphCache", "GraphCaptureError",
+    "ConfigError", "Dispatch", "Dispatcher", "EngineAsleepError", "ExtraInput", "GenerationError", "GraphCache",
+    "GraphCaptureError",
     "GraphConfig", "GraphMode", "GraphrtError", "InputError", "InputPreparer", "KVCacheGroup", "KVCacheLostError",
     "KVCacheSpec", "LLM",
     "ModelInputs",
-    "ModelRunner", "Padder", "RequestOutput", "RuntimeMode", "SamplerKey", "SamplingParams", "StateGroup",
+    "ModelRunner", "Padder", "RequestOutput", "RequestsInFlightError", "RuntimeMode", "SamplerKey", "SamplingParams",
+    "StaleBufferError", "StateGroup",
     "StateSpec", "StateTensor", "add_cli_args",
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
     "tolerance", "reduction_tolerance", "WatchdogTimeout",

@@ -168,7 +168,7 @@ def _plan_run(args: argparse.Namespace) -> int:
 #: ``main(argv) -> dict``; a result with ``"all_pass": False`` fails ``--check-targets``.
 BENCHMARKS: list[str] = ["bench_inputs", "bench_runner", "bench_xla", "bench_cuda", "bench_attention", "bench_context",
                          "bench_prefix_cache", "bench_overlap", "bench_capture", "bench_step_channel",
-                         "bench_tensor_parallel", "bench_sampler", "bench_traffic", "bench_peer"]
+                         "bench_tensor_parallel", "bench_sampler", "bench_traffic", "bench_peer", "bench_refit"]
 
 
 def benchmarks_dir() -> Path:

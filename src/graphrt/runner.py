@@ -38,6 +38,7 @@ from graphrt.capture_plan import read_runner_plan
 from graphrt.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
                            plan_sampler, plan_step)
 from graphrt.runner_setup import open_executor
+from graphrt.runner_weights import RunnerWeights
 from graphrt.step_outputs import StepOutput, StepOutputs
 from graphrt.traffic import TrafficFit
 from graphrt.warmup import warm_up, warmup_mode
@@ -65,8 +66,8 @@ class ModelRunner:
 
     Feature objects (None when off): ``lora`` (``LoraOff``, whose methods say how to turn it on,
     with ``max_loras=0``), ``data_parallel``, ``background``, ``traffic``. Always there:
-    ``outputs`` (last step's readouts and logprobs) and ``warmup_plan`` (keys built and served,
-    the capture plan store).
+    ``outputs`` (last step's readouts and logprobs), ``warmup_plan`` (keys built and served,
+    the capture plan store) and ``weights`` (in-place refit, sleep / wake, the live-buffer check).
 
     Threads: :meth:`execute` serializes its callers, but ``outputs`` and :attr:`last_step`
     describe whichever step ran last, so read them from the thread that drives the runner.
@@ -115,6 +116,11 @@ class ModelRunner:
                       if self.executor.extra_inputs else None)
         self.cache: GraphCache = GraphCache(strict=cfg.strict)
         self.sampler_cache: GraphCache = GraphCache(strict=False)
+        #: In-place refit, sleep / wake and the live-buffer check (runner_weights.py).
+        self.weights = RunnerWeights(self.executor, self.cache, self.sampler_cache, self._lock,
+                                     lambda: self.background is not None and self.background.active)
+        if isinstance(self.lora, RunnerLora):       # a LoRA load is checked first: no slot under stale graphs
+            self.lora.before_load = self.weights.verify
         #: Steps served per dispatch shape, with ``refit_interval`` (what a traffic re-fit reads).
         self.step_sizes: dict[DispatchShape, int] = {}
         self._launched = False          # a step launched by execute_async may still run
@@ -191,6 +197,9 @@ class ModelRunner:
         """Check, dispatch, write, run and sample one step (lock held): host tokens, the sampler's
         device output with ``wait=False``, or None without ``sampling``."""
         t0 = time.perf_counter()
+        if self.weights.blocked:            # asleep, weights dropped, or a buffer moved under the graphs
+            raise self.weights.refusal()
+        self.weights.verify_if_changed()     # re-bound / reallocated since the last check: check now
         if self.background is not None and self.background.error is not None:
             error, self.background.error = self.background.error, None
             raise error                      # a background build failed in strict mode / without an eager path
@@ -307,6 +316,9 @@ class ModelRunner:
             raise ConfigError("execute_dummy needs a ModelRunner built with step_agreement= "
                               "(data-parallel ranks that step together)")
         with self._lock:
+            if self.weights.blocked:
+                raise self.weights.refusal()
+            self.weights.verify_if_changed()
             shape = self.data_parallel.agree_idle()
             if shape is None:
                 return
@@ -336,6 +348,32 @@ class ModelRunner:
     def last_step(self) -> StepInfo | None:
         """What the last step ran as (:meth:`~graphrt.step_outputs.StepOutputs.last_step`)."""
         return self.outputs.last_step()
+
+    # ---- weights and memory (runner_weights.py) ---------------------------------------
+    def update_weights(self, weights: Any) -> dict[str, Any]:
+        """Copy new weights into the parameters in place, so every graph / executable built uses
+        them with nothing rebuilt: ``weights`` is a checkpoint directory or ``.safetensors`` file,
+        a mapping or an iterable of ``(name, tensor)`` in the checkpoint's names, all or some of
+        them (fused and tensor-parallel parameters take their part as the loader does). Every
+        tensor is checked first: an unknown name, a wrong shape or a dtype that does not cast is
+        an InputError naming it, and nothing is written. Returns the tensors, bytes and seconds."""
+        return self.weights.update(weights)
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Give the device memory back: ``level=1`` keeps the weights in host memory, ``level=2``
+        drops them (refit after :meth:`wake`); both drop the KV and state caches (every request's
+        KV is gone). Steps are refused until :meth:`wake`. Returns the bytes released and measured."""
+        return self.weights.sleep(level)
+
+    def wake(self) -> dict[str, Any]:
+        """Take the memory back at the buffers the graphs read; keys whose buffers came back at
+        another address are recaptured (``recaptured``, also in ``stats``), never replayed stale."""
+        return self.weights.wake()
+
+    def recapture(self) -> int:
+        """Capture again every key whose buffers were re-bound or moved (after a StaleBufferError
+        named them), over the buffers bound now; steps run again. Returns how many keys."""
+        return self.weights.recapture()
 
     # ---- introspection ---------------------------------------------------------------
     @property

@@ -63,5 +63,6 @@ def test_the_check_finds_a_planted_access() -> None:
 def test_the_contract_declares_what_the_runner_uses() -> None:
     """The members the runner and the kit rely on are declared, with the capabilities as one record."""
     for name in ("capabilities", "build_count", "input_ptrs", "kv_views", "dtype", "device", "run", "sample",
-                 "host_buffers", "kv_cache", "state_caches", "device_buffers"):
+                 "host_buffers", "kv_cache", "state_caches", "device_buffers", "update_weights", "weight_names",
+                 "sleep", "wake", "stale_buffers", "buffers_changed"):
         assert name in CONTRACT, name

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
 from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
-from graphrt.core.errors import GraphrtError, InputError
+from graphrt.core.errors import ConfigError, GraphrtError, InputError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.core.memory_bounds import ModelShape
 from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
+from graphrt.core.weight_reports import SleepReport, WakeReport, WeightsUpdate
 
 
 #: What one backend builds per key: a captured graph, a compiled executable, ...
@@ -305,6 +306,43 @@ class Executor(abc.ABC, Generic[EntryT]):
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) device bytes where the device can say, for KV cache sizing."""
         return None
+
+    # ---- weights and memory (graphrt/runner_weights.py drives these) -------------------------
+    def update_weights(self, source: Any, *, check_only: bool = False) -> WeightsUpdate:
+        """Copy new weights into the storage every built entry reads, without rebuilding any:
+        ``source`` is a checkpoint (a directory of safetensors or one file), a mapping or an
+        iterable of ``(name, tensor)`` in the checkpoint's names, all or part of them. Every
+        tensor is checked before the first is written (an unknown name, a wrong shape, a dtype
+        that does not cast: one InputError naming them, nothing written); ``check_only`` stops
+        there. Default: this executor cannot (ConfigError)."""
+        raise ConfigError(f"{type(self).__name__} cannot refit weights in place")
+
+    def weight_names(self) -> frozenset[str]:
+        """The names :meth:`update_weights` reports as ``filled``: every weight a full refit
+        writes (what a level-2 sleep drops). Default: none."""
+        return frozenset()
+
+    def sleep(self, level: int) -> SleepReport:
+        """Give memory back: level 1 keeps the weights in host memory, level 2 drops them; both
+        drop the KV and state caches. Nothing may run until :meth:`wake`. Default: cannot."""
+        raise ConfigError(f"{type(self).__name__} cannot sleep")
+
+    def wake(self) -> WakeReport:
+        """Take the memory back: the same buffers (weights restored, caches zeroed), naming those
+        that came back at another address (``moved``: the entries reading them are stale)."""
+        raise ConfigError(f"{type(self).__name__} cannot sleep")
+
+    def buffers_changed(self) -> bool:
+        """Whether something may have moved under the built entries since the last
+        :meth:`stale_buffers` (cheap: the runner asks before every step and runs the check when
+        True). Default: never (entries take their buffers as arguments)."""
+        return False
+
+    def stale_buffers(self, entries: Iterable[tuple[Hashable, Any]]) -> dict[Hashable, list[str]]:
+        """For each ``(cache key, entry)`` whose captured buffers (parameters, caches, LoRA slots,
+        workspaces) moved or were re-bound since it was built, what moved. Default: nothing can
+        (entries that take their buffers as arguments, XLA)."""
+        return {}
 
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]
                              ) -> tuple[dict[Any, int], str | None]:

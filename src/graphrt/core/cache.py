@@ -84,6 +84,7 @@ class CacheStats:
     compiles: int = 0                  # builds the executor counted, those no lookup saw included (runner.stats)
     failed_builds: int = 0             # keys whose capture failed (they run eagerly)
     retired: int = 0                   # entries dropped by a traffic re-fit (their keys no longer pay)
+    recaptured: int = 0                # entries built again over buffers that moved (a wake, runner.recapture)
     real_tokens: int = 0
     padded_tokens: int = 0             # tokens actually run, padding included
     real_reqs: int = 0
@@ -129,7 +130,7 @@ class CacheStats:
                 "eager_by_cause": {c.value: {"steps": n.steps, "tokens": n.tokens}
                                    for c, n in self.eager_by_cause.items()},
                 "unplanned_builds": self.unplanned_builds, "compiles": self.compiles,
-                "failed_builds": self.failed_builds, "retired": self.retired,
+                "failed_builds": self.failed_builds, "retired": self.retired, "recaptured": self.recaptured,
                 "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
                 "padding_waste": round(self.padding_waste, 4),
                 "build_seconds": round(self.build_seconds, 4), "build_bytes": self.build_bytes,
@@ -273,6 +274,18 @@ class GraphCache(Generic[E]):
         self.stats.retired += 1
         self.version += 1
         return True
+
+    def replace(self, key: Hashable, entry: E, *, seconds: float = 0.0, nbytes: int = 0) -> None:
+        """Swap ``key``'s entry for one built again over buffers that moved (the old one is
+        dropped): counted in ``stats.recaptured``, not as an unplanned build; hits are kept."""
+        if key not in self._entries:
+            raise GraphrtError(f"GraphCache.replace: {describe_key(key)} has no entry")
+        self._entries[key] = entry
+        stats = self.stats.per_key.setdefault(key, EntryStats())
+        stats.build_seconds += seconds
+        stats.build_bytes = int(nbytes)
+        self.stats.recaptured += 1
+        self.version += 1
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, real_reqs: int,
                     padded_reqs: int, eager_reason: str | None = None,

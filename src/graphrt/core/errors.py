@@ -79,3 +79,32 @@ class WatchdogTimeout(GraphrtError, RuntimeError):
         self.step = step
         self.elapsed = elapsed
         super().__init__(message)
+
+
+class StaleBufferError(GraphrtError, RuntimeError):
+    """A buffer captured graphs read (a parameter, a module buffer, the KV or state cache, a LoRA
+    slot, a sampler workspace) is no longer the one they captured: re-bound, moved by ``.to()``,
+    reallocated. A replay would read the old memory, so every step is refused until
+    ``runner.recapture()`` captures the named keys again (or the buffer is put back).
+
+    ``buffers``: each moved buffer as ``"name (module m)"``; ``keys``: the graph keys reading them.
+    """
+
+    def __init__(self, message: str, buffers: tuple[str, ...] = (), keys: tuple[object, ...] = ()) -> None:
+        self.buffers = tuple(buffers)
+        self.keys = tuple(keys)
+        super().__init__(message)
+
+
+class EngineAsleepError(GraphrtError, RuntimeError):
+    """A step (or a request) reached an engine that sleeps (``sleep()``), or that woke from a
+    level-2 sleep and still lacks weights: ``wake()`` first, then refit what was dropped."""
+
+
+class RequestsInFlightError(GraphrtError, RuntimeError):
+    """``sleep()`` found requests queued or running and was not asked to drain them
+    (``sleep(drain=True)``); ``request_ids`` names them. Nothing was released."""
+
+    def __init__(self, message: str, request_ids: tuple[int, ...] = ()) -> None:
+        self.request_ids = tuple(request_ids)
+        super().__init__(message)

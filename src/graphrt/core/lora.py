@@ -9,7 +9,7 @@ A bad ``lora_ids`` raises :class:`~graphrt.core.errors.InputError` before anythi
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -125,6 +125,8 @@ class RunnerLora:
         self.slots = slots
         self.inputs = LoraInputs(max_loras, max_num_reqs, slots.host_buffers, slots.loaded)
         self._lock = lock
+        #: Run under the lock before a load (the runner's live-buffer check); None: nothing.
+        self.before_load: Callable[[], None] | None = None
         self._none = np.zeros(0, np.int32)
 
     def load(self, slot: int, weights: Mapping[str, tuple[Any, Any]], scale: float = 1.0) -> None:
@@ -133,6 +135,8 @@ class RunnerLora:
         lora_b [out, rank])`` (PEFT's layout), ``scale`` is PEFT's ``alpha / rank``. Every value is
         checked first: ``InputError`` names the bad field and nothing is copied."""
         with self._lock:
+            if self.before_load is not None:
+                self.before_load()
             self.slots.load(slot, weights, scale)
 
     def remove(self, slot: int) -> bool:

@@ -31,7 +31,7 @@ from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.engine_args import check_engine_args
 from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog
-from graphrt.core.errors import GenerationError, GraphrtError
+from graphrt.core.errors import GenerationError, GraphrtError, RequestsInFlightError
 from graphrt.runner import ModelRunner
 from graphrt.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
@@ -133,6 +133,7 @@ class LLM:
         self._validate(prompt_token_ids, params, "prompt_token_ids")
         with self._lock:
             self._check_open()
+            self._check_awake()
             return self._enqueue(prompt_token_ids, params, None)
 
     def abort_request(self, request_id: int) -> RequestOutput | None:
@@ -171,6 +172,7 @@ class LLM:
             self._validate(p, sp, f"prompt_token_ids[{i}]")
         with self._lock:
             self._check_open()
+            self._check_awake()
             call = next(self._calls)
             ids = [self._enqueue(p, sp, call) for p, sp in zip(prompts, params)]
             mine = self._outbox[call] = {}
@@ -297,6 +299,59 @@ class LLM:
         with self._lock:
             self.scheduler.reset_prefix_cache()
 
+    # ---- weights and memory (runner_weights.py; docs/api.md, "Reinforcement-learning rollouts") --
+    def update_weights(self, weights: Any, *, recompute: bool = True) -> dict[str, Any]:
+        """Copy new weights into the model in place (:meth:`ModelRunner.update_weights`: a checkpoint
+        directory or ``.safetensors`` file, a mapping or an iterable of ``(name, tensor)``, all or
+        some; checked first, nothing written on an InputError); no graph or executable is rebuilt.
+
+        Launched steps are resolved first and the prefix cache is forgotten (its KV came from the
+        old weights). ``recompute`` (default): running requests are requeued and recompute their
+        KV, so every token sampled from now on is the new weights' for its context; False: they
+        go on over the KV the old weights wrote. Returns the runner's report, ``recomputed`` (the
+        requests requeued) and ``requests``: every unfinished request's id -> the tokens it had
+        generated with the old weights (an RL rollout's policy boundary)."""
+        with self._lock:
+            self._check_open()
+            self._deliver(self.loop.settle())
+            before = {rid: len(req.output_token_ids) for rid, req in self.loop.requests.items()}
+            result = self.runner.update_weights(weights)
+            result["requests"] = before
+            if recompute:
+                result["recomputed"] = self.loop.recompute_all("the weights were refit")
+            else:
+                self.scheduler.reset_prefix_cache()
+                result["recomputed"] = []
+            return result
+
+    def sleep(self, level: int = 1, *, drain: bool = False) -> dict[str, Any]:
+        """Give the device memory back (:meth:`ModelRunner.sleep`: level 1 offloads the weights to
+        host memory, level 2 drops them; the KV and state caches are dropped, the prefix cache
+        forgotten). Requests queued or running are refused with :class:`RequestsInFlightError`
+        (nothing released), or with ``drain=True`` run to the end first. Every request and step is
+        refused (:class:`EngineAsleepError`) until :meth:`wake`. Returns the bytes released."""
+        with self._lock:
+            self._check_open()
+            self._deliver(self.loop.settle())
+            if self.loop.busy():
+                if not drain:
+                    ids = tuple(sorted(self.loop.requests))
+                    raise RequestsInFlightError(f"sleep: {len(ids)} request(s) queued or running ({list(ids[:8])}"
+                                                f"{', ...' if len(ids) > 8 else ''}); abort them, or pass "
+                                                "drain=True to finish them first", ids)
+                while self.loop.busy():
+                    self._deliver(self.loop.step())
+            result = self.runner.sleep(level)
+            self.scheduler.reset_prefix_cache()      # the KV is gone
+            return result
+
+    def wake(self) -> dict[str, Any]:
+        """Take the memory back (:meth:`ModelRunner.wake`); after a level-2 sleep call
+        :meth:`update_weights` before generating. Returns what was restored and recaptured."""
+        with self._lock:
+            self._check_open()
+            return self.runner.wake()
+
     def close(self) -> None:
         """Stop the engine, from any thread: wait for the running step (at most
         ``LLM_CLOSE_WAIT_S``; not once the watchdog fired), then stop the watchdog and TP workers.
@@ -317,6 +372,11 @@ class LLM:
     def _check_open(self) -> None:
         if self._closed:
             raise GraphrtError("this graphrt.LLM is closed (close() was called); build a new engine")
+
+    def _check_awake(self) -> None:
+        """New requests wait for a runner that can run them: refused while it sleeps, lacks
+        weights or has graphs over moved buffers (EngineAsleepError, StaleBufferError)."""
+        self.runner.weights.ready()
 
     def __enter__(self) -> "LLM":
         return self

@@ -145,6 +145,26 @@ class StepLoop:
             self.metrics.record(step, self.scheduler, self.runner)     # a log line is due
         return finished
 
+    def settle(self) -> list[RequestOutput]:
+        """Resolve every launched step (lock held): nothing stays in flight; returns the requests
+        that finished (before the weights or the memory change under the requests)."""
+        finished: list[RequestOutput] = []
+        while self.inflight:
+            finished.extend(self._resolve(self.inflight[0]))
+        return finished
+
+    def recompute_all(self, why: str) -> list[int]:
+        """Requeue every running request for recompute (its KV is dropped, as after a preemption)
+        and forget the cached prefixes; call :meth:`settle` first. Returns the requeued ids."""
+        lost = list(self.scheduler.running)
+        self.scheduler.requeue(lost)
+        for req in lost:
+            drop_unresolved(req)
+        self.scheduler.reset_prefix_cache()
+        if lost:
+            logger.info("graphrt: %s; requests %s are recomputed", why, [r.request_id for r in lost])
+        return [r.request_id for r in lost]
+
     def _launch(self, step: ScheduledStep) -> Launched:
         """Write the step's inputs, run (depth 0) or launch (depth 1) it, and advance its requests
         optimistically (a placeholder token per sampling request until :meth:`_resolve`)."""

@@ -152,7 +152,8 @@ def prometheus_text(runner: Any) -> str:
 
 def engine_stats(llm: Any) -> dict[str, Any]:
     """``graphrt.LLM.stats``: its runner's cache statistics, the scheduler's and the prefix
-    cache's counters, fault counts, graph memory and the log lines' numbers."""
+    cache's counters, fault counts, graph memory, the log lines' numbers and the weights feature's
+    (refits, sleeps, recaptured keys: ``weights``)."""
     runner, scheduler = llm.runner, llm.scheduler
     out = runner.stats.as_dict()
     out.update(preemptions=scheduler.num_preemptions, log_lines=llm.metrics.as_dict(),
@@ -164,7 +165,7 @@ def engine_stats(llm: Any) -> dict[str, Any]:
                decode_tokens=scheduler.num_decode_tokens, prefix_cache_hit_tokens=scheduler.num_cached_tokens,
                prefix_cache_blocks=llm.allocator.num_cached,
                prefix_cache_evictions=llm.prefix_cache.num_evicted if llm.prefix_cache else 0,
-               overlap=llm.overlap,
+               overlap=llm.overlap, weights=runner.weights.stats.as_dict(),
                warmup=runner.background.report() if runner.background is not None else None,
                traffic=runner.traffic.report() if runner.traffic is not None else None)
     return out

@@ -126,6 +126,8 @@ class CapturedGraph:
     input_ptrs: dict[str, int]
     tasks: list[GraphTask] = field(default_factory=list)
     compiled: bool = False
+    #: The buffers it reads beyond its inputs, as captured (backends/torch/live_buffers.py).
+    buffers: Any = None
 
 
 #: :func:`graph_task` lives in the framework-free core (:mod:`graphrt.core.graph_tasks`: model

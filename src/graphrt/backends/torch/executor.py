@@ -43,6 +43,10 @@ from graphrt.backends.torch.model_protocol import attention_support, choose_atte
 from graphrt.backends.torch.sampling.sampled_outputs import FutureInputs, SampledOutputs, device_event
 from graphrt.backends.torch.step_buffers import StepBuffers
 from graphrt.backends.torch.sampling.sampler import SamplerState
+from graphrt.backends.torch.live_buffers import LiveBuffers
+from graphrt.backends.torch.sleep import TorchSleep
+from graphrt.backends.torch.weights import TorchWeights, WeightSource
+from graphrt.core.weight_reports import SleepReport, WakeReport, WeightsUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +145,11 @@ class TorchExecutor(Executor[TorchEntry]):
                                   step_host_values=self.step_host_values, refresh=self._refresh,
                                   refuse=self.refuse_baked, max_model_len=config.max_model_len,
                                   vocab_size=self.vocab_size)
+        #: In-place refit, sleep / wake, and the buffers every graph reads (recorded at capture,
+        #: checked at refit, wake and LoRA load; before every replay with ``debug_check_addresses``).
+        self.refit = TorchWeights(model)
+        self.sleeper = TorchSleep(model, self._cache_tensors, self.device, graph_api, pin)
+        self.live = LiveBuffers(model, self._cache_tensors, self.device_buffers)
         #: Captures every graph (None on the eager backend; ``builder.report``: the capture report per
         #: key, ``builder.pool``: the pool every graph shares); handed only what a capture uses.
         self.builder = GraphBuilder(
@@ -150,6 +159,7 @@ class TorchExecutor(Executor[TorchEntry]):
             check_baked=checks.check_baked if checked else None,
             check_refresh=checks.check_refresh if self._refresh else None,
             refresh_for_capture=checks.refresh_for_capture if self._refresh else None,
+            live_buffers=self.live.snapshot,
         ) if graph_api is not None else None
         if (note := self.pieces.compile_note()) is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
@@ -163,6 +173,8 @@ class TorchExecutor(Executor[TorchEntry]):
         the model owns its cache), ``kv_cache`` the only one where there is one -- every layer of
         one layout: ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]``; the last row of
         each layer is the trash row padded tokens write into."""
+        if self.kv_caches:                  # graphs captured before read the old tensors
+            self.live.reallocated = True
         self.kv_caches = self.kv.allocate(num_blocks, block_size)
         self.kv_cache = self.kv_caches[0] if len(self.kv_caches) == 1 else None
 
@@ -301,6 +313,35 @@ class TorchExecutor(Executor[TorchEntry]):
         ptrs.update({f"state_cache.{i}": t.data_ptr() for i, t in enumerate(self.state_caches)})
         return ptrs
 
+    # ---- weights, sleep and the live-buffer check (weights.py, sleep.py, live_buffers.py) -----
+    def update_weights(self, source: WeightSource, *, check_only: bool = False) -> WeightsUpdate:
+        """Copy a checkpoint's (or an iterable's) tensors into the parameters in place (TorchWeights)."""
+        return self.refit.update(source, check_only=check_only)
+
+    def weight_names(self) -> frozenset[str]:
+        return self.refit.names()
+
+    def sleep(self, level: int) -> SleepReport:
+        return self.sleeper.sleep(level)
+
+    def wake(self) -> WakeReport:
+        return self.sleeper.wake()
+
+    def stale_buffers(self, entries: Any) -> dict[Any, list[str]]:
+        return self.live.stale(entries)
+
+    def buffers_changed(self) -> bool:
+        """Whether the live-buffer check is due before the next replay: one comparison (a
+        re-binding anywhere, a cache allocated again); in strict mode also every parameter's,
+        buffer's and cache view's address (LiveBuffers.changed)."""
+        return self.builder is not None and self.live.changed(thorough=self.config.strict)
+
+    def _cache_tensors(self) -> dict[str, torch.Tensor]:
+        """The KV and state cache tensors by name (what a sleep drops)."""
+        out = {f"kv_cache.{i}" if i else "kv_cache": t for i, t in enumerate(self.kv_caches)}
+        out.update({f"state_cache.{i}": t for i, t in enumerate(self.state_caches)})
+        return out
+
     # ---- build (backends/torch/capture/graph_builder.py) ------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[TorchEntry, int]:
         """Capture the forward for a FULL key, its pieces for a PIECEWISE key, or the
@@ -332,6 +373,7 @@ class TorchExecutor(Executor[TorchEntry]):
             self.graph_api.pre_replay(entry.tasks, padded)
         if entry is not None and self.config.debug_check_addresses:
             check_addresses(entry, self.input_ptrs())
+            self.live.check_entry(entry, (mode, key))
         with torch.no_grad():
             if entry is None:
                 self.forward(t, r, host)
@@ -363,6 +405,7 @@ class TorchExecutor(Executor[TorchEntry]):
             else:
                 if self.config.debug_check_addresses:
                     check_addresses(entry, self.input_ptrs())
+                    self.live.check_entry(entry, key)
                 entry.graph.replay()
         if not wait:
             return self.outputs.launch(num_reqs)

@@ -28,6 +28,7 @@ from graphrt.backends.xla.precompile import lower, precompile
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
+from graphrt.backends.xla.weights import XlaWeights
 from graphrt.config import GraphConfig
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
@@ -35,6 +36,7 @@ from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLo
 from graphrt.core.fields import ModelInputs, buffer_shapes
 from graphrt.core.graph_modes import AttentionGraphSupport, RuntimeMode
 from graphrt.core.kv_spec import blocks_for
+from graphrt.core.weight_reports import SleepReport, WakeReport, WeightsUpdate, check_level
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ class XlaExecutor(Executor[XlaEntry]):
         self.model_config = programs.model_config
         self.vocab_size = int(self.model_config.vocab_size)
         self.weights = programs.weights
+        #: In-place refit and sleep / wake of ``weights`` (backends/xla/weights.py).
+        self.refit = XlaWeights(self.model_config, programs.weights, programs.own_code)
         self.dtype = programs.dtype
         self._width = config.max_blocks_per_req
         # Sized for the largest key of the grid: a decode key (b, b) or a mixed key (t, largest b).
@@ -202,6 +206,37 @@ class XlaExecutor(Executor[XlaEntry]):
         ``bytes``) are compared after warm-up, not deducted."""
         return {}, ("xla compiles each executable against the KV cache's shape, unknown before it "
                     "is sized; executables' code and scratch bytes are reported after warm-up")
+
+    # ---- weights and memory (backends/xla/weights.py) ----------------------------------------
+    def update_weights(self, source: Any, *, check_only: bool = False) -> WeightsUpdate:
+        """New parameter buffers of the same shapes, dtypes and shardings in place of the refit's:
+        the executables take them as arguments, so nothing recompiles."""
+        weights, result = self.refit.update(self.weights, source, check_only=check_only)
+        self.weights = self.programs.weights = weights
+        return result
+
+    def weight_names(self) -> frozenset[str]:
+        return self.refit.names()
+
+    def sleep(self, level: int) -> SleepReport:
+        """Delete the weights (kept on the host at level 1) and the KV and state caches; the
+        executables stay, waiting for the same shapes at :meth:`wake`."""
+        level = check_level(level)
+        if self.refit.asleep:
+            raise GraphrtError("sleep: already asleep; wake() first")
+        report = self.refit.sleep(level, self.weights, [self.kv_cache, *self.state_caches])
+        self.kv_cache, self.state_caches = None, []
+        self._last_logits = self._last_hidden = self._last_positions = None
+        return report
+
+    def wake(self) -> WakeReport:
+        """Weights back on their shardings (zeros after level 2), the caches re-created zeroed:
+        the executables take them as arguments, so nothing recompiles and nothing moved."""
+        self.weights, report = self.refit.wake()
+        self.programs.weights = self.weights
+        self.kv_cache = self.programs.zeros_kv_cache(self._kv_shape)
+        self.state_caches = self.programs.zeros_states()
+        return report
 
     # ---- build -------------------------------------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[XlaEntry, int]:

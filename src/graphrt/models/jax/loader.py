@@ -83,6 +83,38 @@ def layer_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+#: Where the top-level HF tensors go in the params pytree: (leaf, stored transposed?).
+_TOP_TENSORS = {"embed_tokens.weight": ("embed", False), "norm.weight": ("norm", False),
+                "lm_head.weight": ("lm_head", True)}
+
+
+def param_target(config: DecoderConfig, key: str) -> tuple[tuple[str, ...], int | None, bool] | None:
+    """The params-pytree place of HF checkpoint tensor ``key`` (with or without ``model.``): the
+    leaf's path, the layer it fills on the stacked layer axis (None: the whole leaf) and whether
+    it is stored transposed; ``((), None, False)`` for a tensor that fills nothing by design (an
+    old rotary buffer, the head of tied embeddings); None for one the config has no place for."""
+    name = key.removeprefix("model.")
+    if _IGNORED.match(name) or (config.tie_word_embeddings and name == "lm_head.weight"):
+        return (), None, False
+    if name in _TOP_TENSORS:
+        leaf, transpose = _TOP_TENSORS[name]
+        return (leaf,), None, transpose
+    m = _LAYER_KEY.match(name)
+    entry = _LAYER_TENSORS.get(m.group(2)) if m else None
+    if entry is None or entry[0] not in layer_shapes(config) or int(m.group(1)) >= config.num_hidden_layers:
+        return None
+    return ("layers", entry[0]), int(m.group(1)), entry[1]
+
+
+def hf_names(config: DecoderConfig) -> list[str]:
+    """Every HF tensor name a checkpoint of ``config`` holds (what a full refit fills)."""
+    suffix = {ours: hf for hf, (ours, _) in _LAYER_TENSORS.items()}
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if config.tie_word_embeddings
+                                                                   else ["lm_head.weight"])
+    return names + [f"model.layers.{i}.{suffix[ours]}" for ours in layer_shapes(config)
+                    for i in range(config.num_hidden_layers)]
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Memory-map every tensor of one ``.safetensors`` file as a numpy array (bf16 via ml_dtypes),
     its header checked first (``checkpoint.safetensors_header``: a truncated or malformed file is

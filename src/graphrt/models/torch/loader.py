@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,12 +69,7 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
     where = tensor_files(model_dir)            # every header checked before a byte is copied
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
-    expected: set[tuple[str, str | int | None]] = set()
-    for module_name, module in model.named_modules():
-        shard_ids = list(getattr(module, "shard_offsets", None) or [None])
-        for name, _ in module.named_parameters(prefix=module_name, recurse=False):
-            if not (tied and name == "lm_head.weight"):
-                expected.update((name, shard_id) for shard_id in shard_ids)
+    expected = expected_targets(model)
 
     loaded: set[tuple[str, str | int | None]] = set()
     unknown: list[str] = []
@@ -98,20 +94,54 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
         raise InputError("checkpoint", f"{model_dir!s} " + "; it ".join(found))
 
 
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """Where checkpoint tensor ``key`` goes in a graphrt torch model (:func:`checkpoint_target`):
+    parameter ``param`` (its fused shard ``shard_id``), or nothing by design (``param`` None: an
+    ignored buffer, the tied head), or layer ``kv_scale[0]``'s fp8 KV scale ``kv_scale[1]``."""
+
+    param: str | None
+    shard_id: str | int | None = None
+    kv_scale: tuple[int, str] | None = None
+
+
+def checkpoint_target(model: Any, key: str) -> CheckpointTarget:
+    """What the loader does with checkpoint tensor ``key`` (packed q/k/v and gate/up names mapped
+    to their fused parameter and shard): shared by loading and the in-place refit."""
+    if key.endswith(_IGNORED_SUFFIXES) or (model.config.tie_word_embeddings and key == "lm_head.weight"):
+        return CheckpointTarget(None)
+    scale = _KV_SCALE.match(key)
+    if scale is not None:
+        return CheckpointTarget(None, kv_scale=(int(scale.group(1)), "".join(filter(None, scale.groups()[1:]))))
+    packed = _packed_target(key, model.packed_modules_mapping)
+    name, shard_id = packed if packed is not None else (key, None)
+    return CheckpointTarget(name, shard_id)
+
+
+def expected_targets(model: Any) -> set[tuple[str, str | int | None]]:
+    """Every (parameter, fused shard) a checkpoint must fill (the tied head's excepted)."""
+    tied = model.config.tie_word_embeddings
+    expected: set[tuple[str, str | int | None]] = set()
+    for module_name, module in model.named_modules():
+        shard_ids = list(getattr(module, "shard_offsets", None) or [None])
+        for name, _ in module.named_parameters(prefix=module_name, recurse=False):
+            if not (tied and name == "lm_head.weight"):
+                expected.update((name, shard_id) for shard_id in shard_ids)
+    return expected
+
+
 def _load_key(model: DecoderForCausalLM, params: dict[str, nn.Parameter], f: Any, key: str, file: str,
               tied: bool) -> tuple[str, str | int | None] | tuple[()] | None:
     """Load checkpoint tensor ``key`` of the open file ``f`` into ``model``: the (parameter,
     shard) it filled, ``()`` for a key that fills none by design (a KV scale, an ignored buffer,
     the tied head), None for a key the model has no place for."""
-    if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+    target = checkpoint_target(model, key)
+    if target.kv_scale is not None:
+        _load_kv_scale(model, key, *target.kv_scale, f.get_tensor(key))
         return ()
-    scale = _KV_SCALE.match(key)
-    if scale is not None:
-        _load_kv_scale(model, key, int(scale.group(1)), "".join(filter(None, scale.groups()[1:])),
-                       f.get_tensor(key))
+    if target.param is None:
         return ()
-    packed = _packed_target(key, model.packed_modules_mapping)
-    name, shard_id = packed if packed is not None else (key, None)
+    name, shard_id = target.param, target.shard_id
     param = params.get(name)
     if param is None:
         return None

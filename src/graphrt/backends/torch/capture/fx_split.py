@@ -181,6 +181,8 @@ class PiecewiseEntry:
     input_ptrs: dict[str, int]
     compiled: bool
     tasks: list[Any] = field(default_factory=list)
+    #: The buffers its pieces read beyond their inputs, as captured (backends/torch/live_buffers.py).
+    buffers: Any = None
 
 
 def _attr(module: torch.nn.Module, path: str) -> Any:

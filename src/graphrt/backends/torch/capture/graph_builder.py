@@ -46,9 +46,11 @@ class GraphBuilder:
                  input_ptrs: Callable[[], dict[str, int]],
                  check_baked: Callable[[BatchDescriptor], Any] | None,
                  check_refresh: Callable[[BatchDescriptor], None] | None,
-                 refresh_for_capture: Callable[[ModelInputs, BatchDescriptor], None] | None) -> None:
+                 refresh_for_capture: Callable[[ModelInputs, BatchDescriptor], None] | None,
+                 live_buffers: Callable[[bool], Any] | None = None) -> None:
         """``check_baked``: None where FULL captures are not checked for baked host values;
-        ``check_refresh`` / ``refresh_for_capture``: None where the attention has no refresh."""
+        ``check_refresh`` / ``refresh_for_capture``: None where the attention has no refresh;
+        ``live_buffers(sampler)``: the buffers a graph captured now reads, kept as its ``buffers``."""
         self.graph_api = graph_api
         self.pool = GraphPool(graph_api)
         self.pieces, self.sampler, self.logits_out, self.lora = pieces, sampler, logits_out, lora
@@ -56,6 +58,7 @@ class GraphBuilder:
         self._dummy_host, self._load_dummy, self._input_ptrs = dummy_host, load_dummy, input_ptrs
         self._check_baked, self._check_refresh = check_baked, check_refresh
         self._refresh_for_capture = refresh_for_capture
+        self._live_buffers = live_buffers
         self.report: list[dict[str, Any]] = []
 
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey,
@@ -82,6 +85,8 @@ class GraphBuilder:
             entry, nbytes = self._with_compile_fallback(key, lambda k, c: self.pieces.build(k, c, self.pool))
         else:
             raise GraphrtError(f"{mode.value} graphs are not available on this backend")
+        if self._live_buffers is not None:       # what it reads, for the live-buffer check
+            entry.buffers = self._live_buffers(isinstance(key, SamplerKey))
         seconds = time.perf_counter() - t0
         self.report.append({"key": str(key), "mode": mode.value, "seconds": round(seconds, 6),
                             "bytes": int(nbytes), "compiled": bool(entry.compiled)})

@@ -28,6 +28,8 @@ from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError, InputError
 from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
 from graphrt.core.graph_modes import RuntimeMode
+from graphrt.core.weight_reports import WeightsUpdate
+from graphrt.backends.torch.weights import staged_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +264,53 @@ class TensorParallelExecutor(Executor[TorchEntry]):
             words += [int(isinstance(key, SamplerKey))] + row.tolist()
         return self._everywhere(p.MEASURE, words, "measure_graph_memory",
                                 lambda: self.local.measure_graph_memory(jobs))
+
+    def update_weights(self, source: Any, *, check_only: bool = False) -> WeightsUpdate:
+        """Every rank refits its shard from one checkpoint (a path as it is, tensors staged in a
+        temporary safetensors file): each rank checks first, and only when none refused does each
+        write. A rank failing while writing stops every rank (their weights would differ)."""
+        with staged_checkpoint(source) as path:
+            words = p.encode_text(path)
+            checked = self._refit(0, words, path)
+            return checked if check_only else self._refit(1, words, path)
+
+    def weight_names(self) -> frozenset[str]:
+        return self.local.weight_names()
+
+    def stale_buffers(self, entries: Any) -> dict[Any, list[str]]:
+        """Rank 0's graphs (the runner's entries) checked on rank 0; each worker's mirror them."""
+        return self.local.stale_buffers(entries)
+
+    def buffers_changed(self) -> bool:
+        return self.local.buffers_changed()
+
+    def sleep(self, level: int) -> Any:
+        """Not implemented: every rank would release and take back its shard (and recapture the
+        same keys where an address moved) together."""
+        raise ConfigError(f"sleep(level={level}) under tensor_parallel_size={self.tp_size} is not implemented; "
+                          "refit in place (update_weights) works on every rank")
+
+    def _refit(self, write: int, words: list[int], path: str) -> WeightsUpdate:
+        """One REFIT call on every rank (``write`` 0: check only)."""
+        doing = "update_weights" if write else "update_weights (check)"
+        self._send(p.REFIT, [np.asarray([write, *words], dtype=np.int64)], doing)
+        try:
+            result = self.local.update_weights(path, check_only=not write)
+        except Exception as exc:
+            self._agree(1, doing)
+            if write:                   # part of rank 0's shard may be written: the ranks differ
+                raise self._fail(doing, exc) from exc
+            raise
+        except BaseException as exc:    # KeyboardInterrupt: the ranks are out of step for good
+            self._fail(doing, exc)
+            raise
+        failed = [rank for rank, row in enumerate(self._agree(0, doing)) if row[0]]
+        if failed and write:
+            raise self._fail(doing, GraphrtError(f"ranks {failed} failed while writing their shards"))
+        if failed:
+            raise InputError("weights", f"tensor-parallel rank(s) {failed} refused the refit (their log says why); "
+                                        "nothing was written")
+        return result
 
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[TorchEntry, int]:
         """Samplers are rank 0's; a forward key is captured on every rank, and fails (runs

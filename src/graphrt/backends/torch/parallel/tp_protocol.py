@@ -28,10 +28,12 @@ from graphrt.core.graph_modes import RuntimeMode
 #: next call, for as long as the engine lives (rank 0 exiting ends the wait at once).
 TP_CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
-#: Method codes (StepChannel's ``method``).
-ALLOCATE, BUILD, RUN, RECOVER, SHUTDOWN, MEASURE, MEMORY = range(1, 8)
+#: Method codes (StepChannel's ``method``). REFIT's row: 1 to write (0: check only), then the
+#: checkpoint's path (:func:`encode_text`) every rank reads its shard from.
+ALLOCATE, BUILD, RUN, RECOVER, SHUTDOWN, MEASURE, MEMORY, REFIT = range(1, 9)
 METHOD_NAMES = {ALLOCATE: "allocate_kv_cache", BUILD: "build", RUN: "run", RECOVER: "recover_kv_cache",
-                SHUTDOWN: "shutdown", MEASURE: "measure_graph_memory", MEMORY: "memory_info"}
+                SHUTDOWN: "shutdown", MEASURE: "measure_graph_memory", MEMORY: "memory_info",
+                REFIT: "update_weights"}
 
 MODES = (RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL)
 MODE_CODE = {mode: code for code, mode in enumerate(MODES)}
@@ -58,6 +60,16 @@ def encode_key(row: np.ndarray, mode: RuntimeMode, key: BatchDescriptor) -> None
     row[3] = key.uniform_decode
     row[4] = key.num_loras
     row[5] = -1 if key.max_seq_len is None else key.max_seq_len
+
+
+def encode_text(text: str) -> list[int]:
+    """``text`` as int64 words (its UTF-8 bytes, one per word) for a call's argument row."""
+    return list(text.encode("utf-8"))
+
+
+def decode_text(words: Sequence[int]) -> str:
+    """The text :func:`encode_text` wrote."""
+    return bytes(int(w) for w in words).decode("utf-8")
 
 
 def decode_key(words: Sequence[int]) -> tuple[RuntimeMode, BatchDescriptor]:
@@ -182,5 +194,5 @@ class BroadcastChannel:
 
 
 __all__ = ["ALLOCATE", "Agreement", "BUILD", "BroadcastChannel", "GROUP_BACKENDS", "MEASURE", "MEMORY",
-           "METHOD_NAMES", "RECOVER", "RUN", "RUN_WORDS", "SHUTDOWN", "WorkerSetup", "control_group",
-           "decode_key", "encode_key", "free_port"]
+           "METHOD_NAMES", "RECOVER", "REFIT", "RUN", "RUN_WORDS", "SHUTDOWN", "WorkerSetup", "control_group",
+           "decode_key", "decode_text", "encode_key", "encode_text", "free_port"]

@@ -136,6 +136,8 @@ class Follower:
                 ex.measure_graph_memory(_jobs(words))
             elif method == p.MEMORY:
                 a, b = ex.memory_info() or (0, 0)
+            elif method == p.REFIT:          # this rank's shard of the checkpoint rank 0 names
+                ex.update_weights(p.decode_text(words[1:]), check_only=not words[0])
             else:
                 raise GraphrtError(f"unknown tensor-parallel method {method}")
         except Exception as exc:  # noqa: BLE001 - every rank learns it through the agreement
