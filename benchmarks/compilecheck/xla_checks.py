@@ -95,7 +95,7 @@ def judge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = [dict(r, problems=check_program(r)) for r in records]
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in out:
-        if r.get("role") == "forward":
+        if r.get("role") == "forward" and "num_blocks" in r:
             groups.setdefault((r["chip"], r["config"], r["kernel"], r["program"]), []).append(r)
     for group in groups.values():
         group.sort(key=lambda r: r["num_blocks"])

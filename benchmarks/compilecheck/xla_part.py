@@ -7,7 +7,7 @@ The programs are graphrt's own: :class:`~graphrt.backends.xla.programs.XlaProgra
 topology's devices with abstract weights, and each key's jitted function and arguments from
 :func:`~graphrt.backends.xla.abstract_inputs.abstract_inputs`, as warm-up lowers them. Compiled:
 the decode and mixed forwards of a Qwen3-shaped decoder (reference and Pallas attention, and
-Pallas again at ``block_size=128``), its greedy and random samplers, a Granite-4-H-shaped hybrid
+Pallas again at ``block_size=128``), its greedy and random samplers, a Granite-4-H hybrid
 model's forwards (KV cache and Mamba2 state donated together), and the decoder's forwards with
 tensor parallelism over two chips of a ``v5e:2x2`` slice -- every forward at two cache sizes.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -38,15 +39,14 @@ DECODER = dict(architectures=["Qwen3ForCausalLM"], vocab_size=32768, hidden_size
                num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True, torch_dtype="bfloat16",
                eos_token_id=1)
-#: A Granite-4-H-shaped hybrid (transformers' GraniteMoeHybridConfig fields): Mamba2 layers with
-#: an attention layer, shared MLP and experts.
-HYBRID = dict(architectures=["GraniteMoeHybridForCausalLM"], vocab_size=32768, hidden_size=1024,
-              intermediate_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-              layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=32, mamba_d_state=128,
-              mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=256,
-              shared_intermediate_size=1024, num_local_experts=4, num_experts_per_tok=2,
-              position_embedding_type="rope", max_position_embeddings=4096, tie_word_embeddings=False,
-              torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+#: A Granite-4-H-shaped hybrid: graphrt's testing kit's random Granite-4-H checkpoint
+#: (``graphrt.testing.state_sweep.hybrid_checkpoint``) with these transformers config overrides --
+#: Mamba2 layers (state 128) and an attention layer, shared MLP and experts -- loaded by
+#: ``XlaBackend.load_model``, its weights then made abstract (bfloat16).
+HYBRID = dict(vocab_size=8192, hidden_size=512, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=4, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=16,
+              mamba_d_state=128, mamba_n_groups=1, mamba_chunk_size=256, shared_intermediate_size=512,
+              max_position_embeddings=4096)
 #: The engine limits of the configuration (graphrt's own bucket grid is built from them).
 GRAPH = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, block_size=16)
 #: The smaller cache size (blocks); each forward is also compiled at ``CACHE_GROWTH`` times it.
@@ -118,42 +118,24 @@ def no_donation() -> Iterator[None]:
         jax.jit = real
 
 
-def abstract_hybrid(raw: dict[str, Any]) -> tuple[Any, Any]:
-    """(HybridConfig, abstract params by checkpoint name) of a transformers config: the model
-    built on torch's meta device, so only the tensors' names and shapes exist."""
-    import jax
-    import jax.numpy as jnp
-    import torch
-    import transformers
-
-    from graphrt.models.hybrid_config import HybridConfig
-
-    fields = {k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype")}
-    hf = transformers.GraniteMoeHybridConfig(**fields)
-    cfg = HybridConfig.from_dict({**hf.to_dict(), "architectures": raw["architectures"],
-                                  "torch_dtype": raw["torch_dtype"]})
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf)
-    dtype = jnp.dtype(raw["torch_dtype"])
-    return cfg, {k: jax.ShapeDtypeStruct(tuple(v.shape), dtype) for k, v in model.state_dict().items()}
-
-
 def build_model(name: str) -> Any:
     """The configuration's :class:`XlaModel`, weights abstract (as ``XlaBackend.load_model``
     wraps a checkpoint's)."""
+    import jax
     import jax.numpy as jnp
 
+    from graphrt.backends.xla.backend import XlaBackend
     from graphrt.backends.xla.programs import XlaModel
     from graphrt.models.hf_config import DecoderConfig
-    from graphrt.models.jax import hybrid as jax_hybrid
     from graphrt.models.jax.loader import abstract_params
+    from graphrt.testing.state_sweep import hybrid_checkpoint
 
     if name == "decoder":
         cfg = DecoderConfig.from_dict(DECODER)
         return XlaModel(cfg, abstract_params(cfg, jnp.bfloat16))
-    cfg, params = abstract_hybrid(HYBRID)
-    return XlaModel(jax_hybrid.JaxHybridConfig.of(cfg), params, forward=jax_hybrid.forward,
-                    compute_logits=jax_hybrid.compute_logits, state=cfg.state_spec())
+    model = XlaBackend().load_model(str(hybrid_checkpoint("granite", **HYBRID)), jnp.bfloat16)
+    weights = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params)
+    return dataclasses.replace(model, params=weights)
 
 
 def keys(buckets: Any) -> dict[str, Any]:
@@ -259,6 +241,7 @@ def run_group(group: dict[str, Any]) -> list[dict[str, Any]]:
                     _say(rec)
     except Exception as exc:  # noqa: BLE001 - a group that cannot be built is its result
         records.append(dict(base, program="(build)", error=f"{type(exc).__name__}: {str(exc)[:1500]}"))
+        _say(records[-1])
     return records
 
 
@@ -279,7 +262,9 @@ def _say(rec: dict[str, Any]) -> None:
 
 
 def _init_worker() -> None:
-    # Quiet libtpu's complaints about the TPU host it is not on (it compiles all the same).
+    # libtpu holds /tmp/libtpu_lockfile for its process unless told that several may load it
+    # (these only compile: no chip is shared); quiet its complaints about the host it is not on.
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -315,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from importlib.metadata import version
 
     data = {"jax": jax.__version__, "libtpu": version("libtpu"), "seconds": round(time.perf_counter() - t0, 1),
-            "workers": args.workers, "configuration": {"decoder": DECODER, "hybrid": HYBRID, "graph": GRAPH,
+            "workers": args.workers, "configuration": {"decoder": DECODER, "hybrid (granite overrides)": HYBRID, "graph": GRAPH,
                                                        "num_blocks": NUM_BLOCKS, "growth": xla_checks.CACHE_GROWTH},
             "bounds": {"temp_growth_fraction": xla_checks.TEMP_GROWTH_FRACTION,
                        "pallas_temp_bound": xla_checks.PALLAS_TEMP_BOUND,

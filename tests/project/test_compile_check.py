@@ -49,7 +49,8 @@ def test_kernel_limits_per_target():
     assert "shared memory 196608 B > 166912 B" in limits.check_kernel(big, sm80)[0]
     assert limits.check_kernel(big, sm90) == []
     assert "registers x 1024 threads" in limits.check_kernel(_kernel(registers=255, num_warps=32), sm90)[0]
-    assert "spills" in limits.check_kernel(_kernel(spill_bytes=28), sm80)[0]
+    assert limits.check_kernel(_kernel(spill_bytes=28), sm80) == []             # within the spill budget
+    assert "16680 B of register spills" in limits.check_kernel(_kernel(spill_bytes=16680), sm80)[0]
     gfx = limits.TARGETS["gfx942"]
     assert limits.check_kernel(_kernel(target="gfx942", registers=512, shared=65536), gfx) == []
     assert "65537 B > 65536 B" in limits.check_kernel(_kernel(target="gfx942", shared=65537), gfx)[0]
