@@ -2,8 +2,9 @@
 the optimised HLO say (plain Python: records in, problems out).
 
 * **Donation**: the forward donates its cache (the KV cache, and a hybrid model's state arrays);
-  the executable must alias exactly those bytes (``alias_size_in_bytes == cache bytes``, per
-  device) and its optimised HLO must hold no ``copy`` of a whole cache array.
+  the executable must alias those bytes (``alias_size_in_bytes >= cache bytes``, per
+  device; TPU layouts pad small arrays, so at least them) and its optimised HLO must hold no
+  ``copy`` of a whole cache array.
 * **Temp bounded by the step, not the cache**: the same program compiled at two cache sizes
   (``num_blocks`` and 4x that) must differ in temp bytes by less than
   :data:`TEMP_GROWTH_FRACTION` of the smaller cache (issue 41's check), and stay within
@@ -64,7 +65,7 @@ def check_program(record: dict[str, Any]) -> list[str]:
     if record.get("role") != "forward":
         return []
     problems = []
-    if record["alias_bytes"] != record["cache_bytes"]:
+    if record["alias_bytes"] < record["cache_bytes"]:
         problems.append(f"donation: {record['alias_bytes']} B aliased, the cache is {record['cache_bytes']} B "
                         f"per device (a cache not donated is copied every step)")
     if record["copies"]:
