@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.graphrt-installed
 
-.PHONY: venv test test-fast bench plan gpu-check clean test-engines test-engine-nanovllm test-engine-transformers-cb test-engine-vllm
+.PHONY: venv test test-fast bench plan gpu-check compile-check clean test-engines test-engine-nanovllm test-engine-transformers-cb test-engine-vllm
 
 venv: $(STAMP)
 
@@ -42,6 +42,26 @@ plan: $(STAMP)
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py
+
+# No device needed: graphrt's Triton kernels compiled ahead of time for sm_80/89/90 and AMD gfx942,
+# its XLA programs for TPU v5e/v6e (deviceless), exported for cpu/cuda/tpu and reloaded; one report
+# in .compile-check/ (benchmarks/compile_check.py, docs/backends.md). Its own venv: triton with its
+# bundled ptxas, and jax with the libtpu release its [tpu] extra pins (COMPILE_JAX: the one jax).
+# `make compile-check PLANT=1` adds the planted regressions: it must then fail.
+COMPILE_VENV := .venv-compile
+COMPILE_PY := $(COMPILE_VENV)/bin/python
+COMPILE_JAX ?= 0.10.2
+PLANT ?=
+
+$(COMPILE_VENV)/.graphrt-installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(COMPILE_VENV)
+	$(COMPILE_PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch
+	$(COMPILE_PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e . "triton>=3.9" \
+		"jax[tpu]==$(COMPILE_JAX)" flatbuffers transformers safetensors
+	touch $@
+
+compile-check: $(COMPILE_VENV)/.graphrt-installed
+	$(COMPILE_PY) benchmarks/compile_check.py $(if $(PLANT),--plant)
 
 # Real engines on graphrt (docs/engines.md): a venv per engine under .venv-engines/ (their pins are
 # not graphrt's dev set), each running its tests/engines/ file; a test skips, saying why, where its
@@ -90,4 +110,4 @@ test-engine-transformers-cb: $(STAMP)
 	$(VPY) -m pytest -q tests/engines/test_transformers_cb.py
 
 clean:
-	rm -rf $(VENV) $(ENGINES) .pytest_cache .hypothesis build src/*.egg-info
+	rm -rf $(VENV) $(ENGINES) $(COMPILE_VENV) .pytest_cache .hypothesis build src/*.egg-info

@@ -238,7 +238,7 @@ class XlaPrograms:
         self.replicated = shd.replicated(mesh)
         self.kv_sharding = shd.kv_cache_sharding(mesh, self.model_config)
         weight_shardings = shd.weight_shardings(weights, mesh, self.model_config)
-        self.weights = jax.device_put(weights, weight_shardings)
+        self.weights = shd.place(weights, weight_shardings)     # abstract weights stay abstract
         # The weights' dtype, or the model config's ``dtype`` where it has one: the KV cache's
         # unless the spec (``kv_cache_dtype``) says otherwise.
         own = getattr(self.model_config, "dtype", None)

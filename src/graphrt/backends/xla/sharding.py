@@ -95,6 +95,16 @@ def weight_shardings(weights: Any, mesh: Mesh, config: JaxModelConfig) -> Any:
         lambda path, _: NamedSharding(mesh, weight_spec(_leaf_name(path), config, tp)), weights)
 
 
+def place(weights: Any, shardings: Any) -> Any:
+    """``weights`` on their devices (``jax.device_put``); abstract leaves (``jax.ShapeDtypeStruct``)
+    become structs carrying their sharding instead, so programs can be built and compiled ahead
+    of time for devices this host does not have (deviceless TPU compiles: ``make compile-check``)."""
+    if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(weights)):
+        return jax.device_put(weights, shardings)
+    return jax.tree_util.tree_map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                                  weights, shardings)
+
+
 def kv_cache_sharding(mesh: Mesh, config: JaxModelConfig) -> NamedSharding:
     """The KV cache ``[layers, 2, rows, kv_heads, head_dim]``: split on heads when they divide."""
     tp = mesh_size(mesh)

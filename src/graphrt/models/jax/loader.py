@@ -115,6 +115,19 @@ def hf_names(config: DecoderConfig) -> list[str]:
                     for i in range(config.num_hidden_layers)]
 
 
+def abstract_params(config: DecoderConfig, dtype: Any = jnp.float32) -> Params:
+    """The params pytree :func:`params_from_hf_tensors` builds for ``config``, as
+    ``jax.ShapeDtypeStruct`` leaves: programs lowered and compiled ahead of time without the
+    weights (deviceless TPU compiles, ``make compile-check``)."""
+    h, v, n = config.hidden_size, config.vocab_size, config.num_hidden_layers
+    arr = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
+    params: Params = {"embed": arr(v, h), "norm": arr(h)}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = arr(h, v)
+    params["layers"] = {name: arr(n, *shape) for name, shape in layer_shapes(config).items()}
+    return params
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Memory-map every tensor of one ``.safetensors`` file as a numpy array (bf16 via ml_dtypes),
     its header checked first (``checkpoint.safetensors_header``: a truncated or malformed file is
