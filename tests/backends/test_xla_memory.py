@@ -14,6 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import graphrt  # noqa: E402
+from graphrt.core.cache import describe_key  # noqa: E402
 from support.hf_models import tiny_hf_model_dir  # noqa: E402
 
 LIMITS = dict(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=4,
@@ -48,3 +49,33 @@ def test_temp_memory_does_not_grow_with_the_kv_cache(kv):
             f"{'decode' if decode else 'mixed'}: temp {temps} bytes for caches of {small} and {large} bytes")
         assert [m[decode].alias_size_in_bytes for m in mem] == [small, large]
 
+
+def test_warmup_report_and_kv_budget_hold_xlas_figures():
+    """Each executable's temp, alias and code bytes are in the warm-up report, as XLA's memory
+    analysis says; the graph-memory budget deducts them before the KV cache is sized (compiled
+    against a two-block cache: the figures hold at any size), and the estimate meets the actual."""
+    d = str(tiny_hf_model_dir("qwen3"))
+    per_block = 2 * 2 * 4 * 2 * 16 * 2                  # layers x (K, V) x block x heads x head_dim x bf16
+    budget = 4 << 20
+    runner = graphrt.ModelRunner(d, backend="xla", kv_cache_memory=budget, dtype="bfloat16", progress=False,
+                                 **LIMITS)
+    gm = runner.graph_memory
+    assert runner.executor.kv_cache_bytes_per_block(4) == per_block
+    assert gm.reason is None and gm.estimate > 0 and len(gm.sampled) == gm.num_keys
+    full = LIMITS["max_num_seqs"] * LIMITS["max_model_len"] // 4 + 1
+    assert gm.budget == budget and runner.num_kv_blocks == min((budget - gm.deducted) // per_block, full)
+    kv_bytes = runner.executor.kv_cache.nbytes
+    rows = {row["key"]: row for row in runner.warmup_report}
+    entries = [(key, runner.cache.lookup(key)) for key in runner.cache]
+    entries += [(key, runner.sampler_cache.lookup(key)) for key in runner.sampler_cache]
+    assert len(rows) == len(entries) == gm.num_keys and len(runner.cache) == 2
+    for key, entry in entries:
+        row = rows[describe_key(key)]
+        m = entry.executable.memory_analysis()
+        assert (row["temp_bytes"], row["alias_bytes"], row["code_bytes"]) == (
+            m.temp_size_in_bytes, m.alias_size_in_bytes, m.generated_code_size_in_bytes), key
+        assert row["bytes"] == row["temp_bytes"] + row["code_bytes"] > 0
+        # A forward updates the donated cache in place; a sampler donates nothing.
+        assert row["alias_bytes"] == (kv_bytes if key in runner.cache else 0), key
+    assert gm.actual == sum(row["bytes"] for row in rows.values())
+    assert abs(gm.estimate - gm.actual) <= 0.1 * gm.actual, gm.summary()

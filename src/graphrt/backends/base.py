@@ -306,6 +306,12 @@ class Executor(abc.ABC, Generic[EntryT]):
         """(free, total) device bytes where the device can say, for KV cache sizing."""
         return None
 
+    def entry_memory(self, entry: Any) -> dict[str, int]:
+        """What the backend's compiler says one built entry takes, beside its ``bytes``, for the
+        warm-up report (XLA: ``temp_bytes``, ``alias_bytes``, ``code_bytes``); empty where it says
+        nothing (captured graphs are measured, not analysed)."""
+        return {}
+
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]
                              ) -> tuple[dict[Any, int], str | None]:
         """Before the KV cache is allocated: build ``jobs`` in order (largest first) into a

@@ -29,6 +29,7 @@ from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.config import GraphConfig
+from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
@@ -196,12 +197,25 @@ class XlaExecutor(Executor[XlaEntry]):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         return int(free), int(min(s["bytes_limit"] for s in stats))
 
+    def entry_memory(self, entry: Any) -> dict[str, int]:
+        """XLA's memory analysis of a built entry: temp, alias and code bytes."""
+        return entry.memory() if isinstance(entry, XlaEntry) else {}
+
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> tuple[dict[Any, int], str | None]:
-        """XLA cannot: each executable is compiled against the KV cache's shape, unknown until
-        the cache is sized. The code and scratch bytes XLA reports per executable (warm-up's
-        ``bytes``) are compared after warm-up, not deducted."""
-        return {}, ("xla compiles each executable against the KV cache's shape, unknown before it "
-                    "is sized; executables' code and scratch bytes are reported after warm-up")
+        """Before the KV cache is sized: compile ``jobs`` against a throwaway
+        ``defaults.SAMPLE_KV_BLOCKS``-block cache (abstract: nothing is allocated) and return each
+        executable's code and temp bytes (warm-up's ``bytes``). They hold at any cache size: no
+        executable's temp memory grows with the number of blocks (docs/xla.md, "Memory"). The
+        executables are dropped; the executor's compile ledger does not count them."""
+        kv = jax.ShapeDtypeStruct(self.programs.kv_shape(defaults.SAMPLE_KV_BLOCKS, self.config.block_size),
+                                  self.programs.kv_dtype)
+        states = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.programs.state_shapes()]
+
+        def inputs(mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
+            return abstract_inputs(self.programs, mode, key, kv, states, self.extra_inputs, self._table_width)
+        ledger = CompileLedger(strict=False, vocab_size=self.vocab_size, table_width=self._width)
+        built = precompile(list(dict.fromkeys(jobs)), inputs, ledger, self.compile_workers, progress=False)
+        return {key: built[key].nbytes for _, key in jobs}, None
 
     # ---- build -------------------------------------------------------------------------
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[XlaEntry, int]:
