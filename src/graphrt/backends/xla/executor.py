@@ -250,6 +250,12 @@ class XlaExecutor(Executor[XlaEntry]):
         built = precompile(list(dict.fromkeys(jobs)), self._abstract_inputs, self.compiles, workers, progress)
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
 
+    def program(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
+        """(jitted function, spec, abstract arguments) of ``key`` as this executor compiles it,
+        against its allocated KV cache: what :func:`graphrt.backends.xla.export.export_programs`
+        exports."""
+        return self._abstract_inputs(mode, key)
+
     def _abstract_inputs(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
         """(jitted function, spec, abstract arguments) of ``key`` (:func:`abstract_inputs`)."""
         return abstract_inputs(self.programs, mode, key, self.kv_cache, self.state_caches, self.extra_inputs,

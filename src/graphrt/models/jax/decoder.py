@@ -15,6 +15,7 @@ import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,6 +37,9 @@ class AttentionMetadata(NamedTuple):
     seq_lens: jax.Array
     block_table: jax.Array
 
+
+# Serializable in a jax.export artifact's calling convention (a program that takes or returns it).
+jax.export.register_namedtuple_serialization(AttentionMetadata, serialized_name="graphrt.AttentionMetadata")
 
 #: The fp8 KV-cache dtypes the decoder quantizes to with a scale.
 FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
