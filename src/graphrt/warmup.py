@@ -63,7 +63,8 @@ def warm_up(runner: Any) -> list[dict[str, Any]]:
                             strict=cfg.strict, progress=runner.progress, label=runner.backend.name)
     runner.warmup_report = warmup_report(ex, cache, sampler)
     failed = cache.stats.failed_builds + sampler.stats.failed_builds
-    runner.graph_memory.built(cache.stats.build_bytes, sampler.stats.build_bytes, ex.sampler_buffer_bytes)
+    runner.graph_memory.built(cache.stats.build_bytes, sampler.stats.build_bytes, ex.sampler_buffer_bytes,
+                              ex.scratch_bytes)
     logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %s%s",
                 runner.backend.name, len(cache), len(sampler), total, runner.graph_memory.split(),
                 f"; {failed} failed and run eagerly" if failed else "")

@@ -80,7 +80,7 @@ class WarmupPlan:
         r = self.runner
         r.warmup_report = warmup_report(r.executor, r.cache, r.sampler_cache)
         r.graph_memory.built(r.cache.stats.build_bytes, r.sampler_cache.stats.build_bytes,
-                             r.executor.sampler_buffer_bytes)
+                             r.executor.sampler_buffer_bytes, r.executor.scratch_bytes)
         self.save()
 
     def save(self) -> Path | None:

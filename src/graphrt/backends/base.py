@@ -117,6 +117,10 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: Bytes of buffers the sampler entries share, allocated with the executor outside every
     #: entry (the torch sampler's noise and workspace); the warm-up report shows them.
     sampler_buffer_bytes: int = 0
+    #: Bytes the built entries need only while one of them runs, beyond what each holds (XLA: the
+    #: temp memory of an execution, allocated per run: the largest forward's plus the largest
+    #: sampler's); counted once in the graph-memory budget. 0 where every entry holds its own.
+    scratch_bytes: int = 0
 
     #: The model the executor runs (rank 0's shard under tensor parallelism).
     model: Any

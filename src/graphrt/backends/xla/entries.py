@@ -23,7 +23,7 @@ class XlaEntry:
     shapes: tuple[tuple[int, ...], ...]  # forward keys: the shape of each BATCH_FIELDS entry
     lower_seconds: float
     compile_seconds: float
-    nbytes: int
+    nbytes: int                          # held while loaded: the generated code (temp is per run)
     persistent_cache_hit: bool
     #: XLA's memory analysis (``memory_analysis()``): scratch, donated-and-aliased (the KV cache
     #: of a forward) and generated-code bytes; zeros where the platform does not say.
@@ -39,7 +39,7 @@ class XlaEntry:
         shapes = (tuple(tuple(getattr(spec, f).shape) for f in BATCH_FIELDS)
                   if isinstance(spec, XlaBatch) else ())
         temp, alias, code = executable_memory(executable)
-        return cls(executable, key, spec, shapes, lower_seconds, compile_seconds, code + temp, persistent_cache_hit,
+        return cls(executable, key, spec, shapes, lower_seconds, compile_seconds, code, persistent_cache_hit,
                    temp, alias, code)
 
     @property
@@ -50,7 +50,9 @@ class XlaEntry:
     def memory(self) -> dict[str, int]:
         """XLA's figures for the warm-up report: ``temp_bytes`` (scratch while it runs),
         ``alias_bytes`` (arguments donated and updated in place: a forward's KV cache) and
-        ``code_bytes``; ``bytes`` (what the graph-memory budget counts) is temp + code."""
+        ``code_bytes``. ``bytes`` (what the executable holds, counted per key in the graph-memory
+        budget) is its code: temp memory is allocated per run, so the budget counts the largest
+        once (``XlaExecutor.scratch_bytes``)."""
         return {"temp_bytes": self.temp_bytes, "alias_bytes": self.alias_bytes, "code_bytes": self.code_bytes}
 
     def report(self) -> dict[str, Any]:

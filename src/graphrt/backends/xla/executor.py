@@ -124,6 +124,19 @@ class XlaExecutor(Executor[XlaEntry]):
         self._last_positions: jax.Array | None = None
         self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
         self._last_hidden: jax.Array | None = None
+        #: The largest temp bytes of a forward (False) and of a sampler (True) compiled so far.
+        self._largest_temp = {False: 0, True: 0}
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Temp memory of the largest forward plus the largest sampler compiled (measured samples
+        included): XLA allocates it per run, so the graph-memory budget counts it once."""
+        return sum(self._largest_temp.values())
+
+    def _note_temp(self, entries: Any) -> None:
+        for entry in entries:
+            sampler = isinstance(entry.key, SamplerKey)
+            self._largest_temp[sampler] = max(self._largest_temp[sampler], entry.temp_bytes)
 
     @property
     def build_count(self) -> int:
@@ -204,9 +217,10 @@ class XlaExecutor(Executor[XlaEntry]):
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> tuple[dict[Any, int], str | None]:
         """Before the KV cache is sized: compile ``jobs`` against a throwaway
         ``defaults.SAMPLE_KV_BLOCKS``-block cache (abstract: nothing is allocated) and return each
-        executable's code and temp bytes (warm-up's ``bytes``). They hold at any cache size: no
-        executable's temp memory grows with the number of blocks (docs/xla.md, "Memory"). The
-        executables are dropped; the executor's compile ledger does not count them."""
+        executable's code bytes (warm-up's ``bytes``), the largest temp bytes noted for
+        :attr:`scratch_bytes`. They hold at any cache size: no executable's temp memory grows
+        with the number of blocks (docs/xla.md, "Memory"). The executables are dropped; the
+        executor's compile ledger does not count them."""
         kv = jax.ShapeDtypeStruct(self.programs.kv_shape(defaults.SAMPLE_KV_BLOCKS, self.config.block_size),
                                   self.programs.kv_dtype)
         states = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.programs.state_shapes()]
@@ -215,6 +229,7 @@ class XlaExecutor(Executor[XlaEntry]):
             return abstract_inputs(self.programs, mode, key, kv, states, self.extra_inputs, self._table_width)
         ledger = CompileLedger(strict=False, vocab_size=self.vocab_size, table_width=self._width)
         built = precompile(list(dict.fromkeys(jobs)), inputs, ledger, self.compile_workers, progress=False)
+        self._note_temp(built.values())
         return {key: built[key].nbytes for _, key in jobs}, None
 
     # ---- build -------------------------------------------------------------------------
@@ -229,6 +244,7 @@ class XlaExecutor(Executor[XlaEntry]):
         if entry is None:
             lowered, seconds = lower(jitted, args)
             entry = self.compiles.compile(key, lowered, spec, seconds)
+        self._note_temp([entry])
         return entry, entry.nbytes
 
     def expect_builds(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> None:
@@ -248,6 +264,7 @@ class XlaExecutor(Executor[XlaEntry]):
         workers = max(1, workers or self.compile_workers)
         self.compiles.plan(key for _, key in jobs)
         built = precompile(list(dict.fromkeys(jobs)), self._abstract_inputs, self.compiles, workers, progress)
+        self._note_temp(built.values())
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
 
     def program(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
