@@ -31,6 +31,7 @@ from graphrt.engine.engine_args import check_engine_args
 from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog
 from graphrt.core.errors import GenerationError, GraphrtError
+from graphrt.core.graph_memory import check_kv_args
 from graphrt.runner import ModelRunner
 from graphrt.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
@@ -50,6 +51,8 @@ class LLM:
     ``enable_prefix_caching`` (default on; refused by models with recurrent state): full computed
     KV blocks stay in a radix tree, shared by reference with later requests of the same prefix.
     ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or "dfs-weight".
+    ``num_kv_blocks`` / ``kv_cache_memory``: the KV cache's blocks, or the bytes it shares with the
+    graphs / executables (:class:`ModelRunner`'s; neither: the device's free memory).
     ``schedule_conservativeness`` (default 1, as in SGLang): scales the KV admission reserves for
     estimated outputs (0: no estimate). Prefill / decode log lines (every ``decode_log_interval``
     decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps their numbers.
@@ -64,7 +67,8 @@ class LLM:
     def __init__(self, model: Any, backend: Any = "auto", *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  block_size: int = defaults.DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
-                 strict: bool = False, dtype: Any = None, progress: bool = False,
+                 kv_cache_memory: int | None = None, strict: bool = False, dtype: Any = None,
+                 progress: bool = False,
                  enable_prefix_caching: bool | None = None,
                  schedule_policy: str = defaults.DEFAULT_SCHEDULE_POLICY,
                  schedule_conservativeness: float = defaults.DEFAULT_SCHEDULE_CONSERVATIVENESS,
@@ -83,13 +87,14 @@ class LLM:
             disable_overlap_schedule=disable_overlap_schedule, enable_prefix_caching=enable_prefix_caching,
             progress=progress, graph_fields=graph_fields)
         warmup_mode(warmup if warmup is not True else "upfront")    # a bad value: ConfigError before loading
+        check_kv_args(num_kv_blocks, kv_cache_memory)
         backend_obj = select_backend(backend, model=model) if isinstance(backend, str) else backend
         dtype = check_before_loading(backend_obj, model, config, dtype)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
             model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(
                 str(model), dtype, model_impl=config.model_impl, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model, config, backend=backend_obj, num_kv_blocks=num_kv_blocks,
-                                  dtype=dtype, progress=progress, warmup=warmup)
+                                  kv_cache_memory=kv_cache_memory, dtype=dtype, progress=progress, warmup=warmup)
         cfg = self.config
         slots = self.runner.executor.num_state_slots
         enable_prefix_caching = prefix_caching(enable_prefix_caching, slots is not None)
