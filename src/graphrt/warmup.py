@@ -61,14 +61,26 @@ def warm_up(runner: Any) -> list[dict[str, Any]]:
     keys = runner.warmup_plan.jobs()
     total = build_every_key(ex, keys, cache, sampler,
                             strict=cfg.strict, progress=runner.progress, label=runner.backend.name)
-    runner.warmup_report = cache.report() + sampler.report()
+    runner.warmup_report = warmup_report(ex, cache, sampler)
     failed = cache.stats.failed_builds + sampler.stats.failed_builds
-    runner.graph_memory.built(cache.stats.build_bytes, sampler.stats.build_bytes, ex.sampler_buffer_bytes)
+    runner.graph_memory.built(cache.stats.build_bytes, sampler.stats.build_bytes, ex.sampler_buffer_bytes,
+                              ex.scratch_bytes)
     logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %s%s",
                 runner.backend.name, len(cache), len(sampler), total, runner.graph_memory.split(),
                 f"; {failed} failed and run eagerly" if failed else "")
     logger.info("graphrt: %s", runner.graph_memory.summary())
     return runner.warmup_report
+
+
+def warmup_report(executor: Executor, *caches: GraphCache) -> list[dict[str, Any]]:
+    """The rows of ``caches``' reports (key, seconds, bytes, hits, failed), each with what the
+    executor's compiler says its entry takes (:meth:`Executor.entry_memory`; on XLA
+    ``temp_bytes``, ``alias_bytes``, ``code_bytes``)."""
+    rows = []
+    for cache in caches:
+        entries = [cache.lookup(key) if key in cache else None for key in cache.stats.per_key]
+        rows += [{**row, **executor.entry_memory(entry)} for row, entry in zip(cache.report(), entries)]
+    return rows
 
 
 def build_every_key(executor: Executor, jobs: Sequence[Job], cache: GraphCache, sampler_cache: GraphCache, *,
@@ -150,4 +162,4 @@ def graphs_for(mode: GraphMode, uniform: bool) -> bool:
 
 
 __all__ = ["Job", "build_every_key", "build_one", "compile_host_kernels", "graphs_for", "job_target", "warm_up",
-           "warmup_keys", "warmup_mode"]
+           "warmup_keys", "warmup_mode", "warmup_report"]

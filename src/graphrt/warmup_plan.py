@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 from graphrt.background import BackgroundWarmup
 from graphrt.capture_plan import CapturePlanStore, SavedPlan, describe_device, save_runner_plan
 from graphrt.core.errors import ConfigError
-from graphrt.warmup import Job, compile_host_kernels, job_target, warmup_keys
+from graphrt.warmup import Job, compile_host_kernels, job_target, warmup_keys, warmup_report
 
 
 class WarmupPlan:
@@ -78,9 +78,9 @@ class WarmupPlan:
     def background_complete(self) -> None:
         """Background warm-up completed (the lock held): the report, graph memory, the plan saved."""
         r = self.runner
-        r.warmup_report = r.cache.report() + r.sampler_cache.report()
+        r.warmup_report = warmup_report(r.executor, r.cache, r.sampler_cache)
         r.graph_memory.built(r.cache.stats.build_bytes, r.sampler_cache.stats.build_bytes,
-                             r.executor.sampler_buffer_bytes)
+                             r.executor.sampler_buffer_bytes, r.executor.scratch_bytes)
         self.save()
 
     def save(self) -> Path | None:

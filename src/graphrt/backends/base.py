@@ -118,6 +118,10 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: Bytes of buffers the sampler entries share, allocated with the executor outside every
     #: entry (the torch sampler's noise and workspace); the warm-up report shows them.
     sampler_buffer_bytes: int = 0
+    #: Bytes the built entries need only while one of them runs, beyond what each holds (XLA: the
+    #: temp memory of an execution, allocated per run: the largest forward's plus the largest
+    #: sampler's); counted once in the graph-memory budget. 0 where every entry holds its own.
+    scratch_bytes: int = 0
 
     #: The model the executor runs (rank 0's shard under tensor parallelism).
     model: Any
@@ -342,6 +346,12 @@ class Executor(abc.ABC, Generic[EntryT]):
         """For each ``(cache key, entry)`` whose captured buffers (parameters, caches, LoRA slots,
         workspaces) moved or were re-bound since it was built, what moved. Default: nothing can
         (entries that take their buffers as arguments, XLA)."""
+        return {}
+
+    def entry_memory(self, entry: Any) -> dict[str, int]:
+        """What the backend's compiler says one built entry takes, beside its ``bytes``, for the
+        warm-up report (XLA: ``temp_bytes``, ``alias_bytes``, ``code_bytes``); empty where it says
+        nothing (captured graphs are measured, not analysed)."""
         return {}
 
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]

@@ -27,6 +27,10 @@ QUERY_START_LOC_FILL = PAD_REPEAT_LAST
 #: Block 0 of every KV cache is reserved: it is the fill for unused block-table entries.
 NULL_BLOCK = 0
 
+#: Blocks of the throwaway KV cache graph-memory samples are built against before the real cache
+#: is sized (core/graph_memory.py): the null block and one (torch captures, XLA compiles).
+SAMPLE_KV_BLOCKS = 2
+
 #: vLLM caps the default largest capture size at this many tokens (times 1 + num_speculative_tokens
 #: with speculative decoding: decode requests, not tokens); graphrt never caps it below max_num_seqs,
 #: so the configured largest decode batch always has a FULL graph.

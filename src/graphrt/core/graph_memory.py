@@ -145,16 +145,26 @@ class GraphMemory:
     state: Any = None                  # a hybrid model's recurrent states (core.state_spec.StateMemory), in the budget
     sampler: int | None = None         # of ``actual``, the sampler entries' bytes
     sampler_buffers: int = 0           # bytes of the buffers every sampler entry shares (noise, workspace)
+    #: Bytes needed only while one entry runs (XLA's temp memory: the largest forward's plus the
+    #: largest sampler's), counted once, not per key: measured before the KV cache, and after warm-up.
+    scratch: int = 0
+    actual_scratch: int | None = None
 
-    def built(self, forward: int, sampler: int, sampler_buffers: int) -> None:
-        """Record what warm-up built: forward and sampler entries' bytes, and the sampler's
-        shared buffers (allocated with the executor, outside every entry)."""
+    def built(self, forward: int, sampler: int, sampler_buffers: int, scratch: int = 0) -> None:
+        """Record what warm-up built: forward and sampler entries' bytes, the sampler's shared
+        buffers (allocated with the executor, outside every entry) and the scratch of one run."""
         self.actual, self.sampler, self.sampler_buffers = forward + sampler, sampler, sampler_buffers
+        self.actual_scratch = scratch
+
+    def add_scratch(self, scratch: int) -> None:
+        """Count ``scratch`` bytes once in the deduction (the margin grows with it)."""
+        self.scratch = int(scratch)
+        self.margin = int(math.ceil((self.estimate + self.scratch) * GRAPH_MEMORY_MARGIN))
 
     @property
     def deducted(self) -> int:
-        """Bytes taken out of the KV budget for graphs: the estimate plus the margin."""
-        return self.estimate + self.margin
+        """Bytes taken out of the KV budget for graphs: the estimate, the scratch and the margin."""
+        return self.estimate + self.scratch + self.margin
 
     @property
     def admitted(self) -> int | None:
@@ -167,7 +177,7 @@ class GraphMemory:
         out = {"estimate": self.estimate, "margin": self.margin, "actual": self.actual,
                "num_keys": self.num_keys, "sampled": dict(self.sampled), "budget": self.budget,
                "kv_bytes": self.kv_bytes, "reason": self.reason, "sampler": self.sampler,
-               "sampler_buffers": self.sampler_buffers}
+               "sampler_buffers": self.sampler_buffers, "scratch": self.scratch, "actual_scratch": self.actual_scratch}
         if self.state is not None:
             out.update(self.state.as_dict())
         return out
@@ -191,8 +201,11 @@ class GraphMemory:
         if self.reason is not None:
             return f"graph memory: not deducted from the KV budget ({self.reason}); {actual}{state}"
         ratio = "" if not self.actual else f", estimate / actual {self.estimate / self.actual:.2f}"
+        scratch = f" + {self.scratch / 2**20:.2f} MiB scratch while one runs" if self.scratch else ""
+        if self.actual_scratch:
+            actual += f" + {self.actual_scratch / 2**20:.2f} MiB scratch"
         return (f"graph memory: {self.estimate / 2**20:.2f} MiB estimated from {len(self.sampled)} of "
-                f"{self.num_keys} keys (+ {self.margin / 2**20:.2f} MiB margin), {actual}{ratio}{state}")
+                f"{self.num_keys} keys{scratch} (+ {self.margin / 2**20:.2f} MiB margin), {actual}{ratio}{state}")
 
 
 def kv_blocks_after_graphs(budget: int, per_block: int, full: int, graphs: GraphMemory) -> int:
@@ -204,7 +217,8 @@ def kv_blocks_after_graphs(budget: int, per_block: int, full: int, graphs: Graph
     if blocks < 2:
         raise ConfigError(
             f"kv_cache_memory: {budget} bytes leave {left} for the KV cache after {graphs.estimate} bytes "
-            f"of graphs (estimated from {len(graphs.sampled)} of {graphs.num_keys} keys) and a "
+            f"of graphs (estimated from {len(graphs.sampled)} of {graphs.num_keys} keys)"
+            + (f", {graphs.scratch} bytes of scratch" if graphs.scratch else "") + " and a "
             f"{graphs.margin}-byte margin; one request needs 2 KV blocks of {per_block} bytes "
             f"({2 * per_block}): raise the budget or capture fewer sizes")
     graphs.budget, graphs.kv_bytes = budget, int(blocks) * per_block
@@ -267,6 +281,8 @@ def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int
             budget = check_state_fits(state, budget, per_block)
         memory = estimate_graph_memory(jobs, executor.measure_graph_memory, executor.graphs_share_memory)
         memory.state = state
+        if memory.reason is None and executor.scratch_bytes:
+            memory.add_scratch(executor.scratch_bytes)
         logger.info("graphrt: %s", memory.summary())
         if memory.deducted:
             return kv_blocks_after_graphs(budget, per_block, full, memory), memory

@@ -51,6 +51,8 @@ class LLM:
     ``enable_prefix_caching`` (default on; refused by models with recurrent state): full computed
     KV blocks stay in a radix tree, shared by reference with later requests of the same prefix.
     ``schedule_policy``: "fcfs" (default), "lof", "random", "lpm" or "dfs-weight".
+    ``num_kv_blocks`` / ``kv_cache_memory``: the KV cache's blocks, or the bytes it shares with the
+    graphs / executables (:class:`ModelRunner`'s; neither: the device's free memory).
     ``schedule_conservativeness`` (default 1, as in SGLang): scales the KV admission reserves for
     estimated outputs (0: no estimate). Prefill / decode log lines (every ``decode_log_interval``
     decode steps) go to the ``graphrt.engine`` logger; ``metrics`` keeps their numbers.

@@ -10,9 +10,11 @@ differs, for ``CacheMissError`` and ``InputError`` messages.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
+import jax.export
 import numpy as np
 
 #: Forward input fields, in the order they travel (all int32).
@@ -58,9 +60,24 @@ class SamplingMetadata:
     min_p: Any = None  # float32 [R]; 0.0 where disabled (None: no row has a min-p filter)
 
 
-jax.tree_util.register_dataclass(XlaBatch, data_fields=list(BATCH_FIELDS),
-                                 meta_fields=["num_tokens", "num_reqs", "uniform_decode"])
+BATCH_META_FIELDS = ("num_tokens", "num_reqs", "uniform_decode")
+jax.tree_util.register_dataclass(XlaBatch, data_fields=list(BATCH_FIELDS), meta_fields=list(BATCH_META_FIELDS))
 jax.tree_util.register_dataclass(SamplingMetadata, data_fields=list(SAMPLING_FIELDS), meta_fields=[])
+
+
+def _register_export(cls: type, data_fields: tuple[str, ...], meta_fields: tuple[str, ...]) -> None:
+    """``cls`` (a registered dataclass) serializable in a ``jax.export`` artifact's calling
+    convention: its static fields as JSON (ints and bools), rebuilt with its array fields."""
+    def from_children(aux: tuple[Any, ...], children: Any) -> Any:
+        return cls(**dict(zip(data_fields, children)), **dict(zip(meta_fields, aux)))
+
+    jax.export.register_pytree_node_serialization(
+        cls, serialized_name=f"graphrt.{cls.__name__}", serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+        deserialize_auxdata=lambda data: tuple(json.loads(data.decode())), from_children=from_children)
+
+
+_register_export(XlaBatch, BATCH_FIELDS, BATCH_META_FIELDS)
+_register_export(SamplingMetadata, SAMPLING_FIELDS, ())
 
 
 def batch_spec(num_tokens: int, num_reqs: int, uniform_decode: bool, width: int) -> XlaBatch:

@@ -30,6 +30,7 @@ from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
 from graphrt.backends.xla.sampling_rows import SamplingRows
 from graphrt.backends.xla.weights import XlaWeights
 from graphrt.config import GraphConfig
+from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
@@ -127,6 +128,19 @@ class XlaExecutor(Executor[XlaEntry]):
         self._last_positions: jax.Array | None = None
         self._with_positions = programs.decode_query_len > 1   # the forward also returns position logits
         self._last_hidden: jax.Array | None = None
+        #: The largest temp bytes of a forward (False) and of a sampler (True) compiled so far.
+        self._largest_temp = {False: 0, True: 0}
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Temp memory of the largest forward plus the largest sampler compiled (measured samples
+        included): XLA allocates it per run, so the graph-memory budget counts it once."""
+        return sum(self._largest_temp.values())
+
+    def _note_temp(self, entries: Any) -> None:
+        for entry in entries:
+            sampler = isinstance(entry.key, SamplerKey)
+            self._largest_temp[sampler] = max(self._largest_temp[sampler], entry.temp_bytes)
 
     @property
     def build_count(self) -> int:
@@ -200,12 +214,27 @@ class XlaExecutor(Executor[XlaEntry]):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         return int(free), int(min(s["bytes_limit"] for s in stats))
 
+    def entry_memory(self, entry: Any) -> dict[str, int]:
+        """XLA's memory analysis of a built entry: temp, alias and code bytes."""
+        return entry.memory() if isinstance(entry, XlaEntry) else {}
+
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> tuple[dict[Any, int], str | None]:
-        """XLA cannot: each executable is compiled against the KV cache's shape, unknown until
-        the cache is sized. The code and scratch bytes XLA reports per executable (warm-up's
-        ``bytes``) are compared after warm-up, not deducted."""
-        return {}, ("xla compiles each executable against the KV cache's shape, unknown before it "
-                    "is sized; executables' code and scratch bytes are reported after warm-up")
+        """Before the KV cache is sized: compile ``jobs`` against a throwaway
+        ``defaults.SAMPLE_KV_BLOCKS``-block cache (abstract: nothing is allocated) and return each
+        executable's code bytes (warm-up's ``bytes``), the largest temp bytes noted for
+        :attr:`scratch_bytes`. They hold at any cache size: no executable's temp memory grows
+        with the number of blocks (docs/xla.md, "Memory"). The executables are dropped; the
+        executor's compile ledger does not count them."""
+        kv = jax.ShapeDtypeStruct(self.programs.kv_shape(defaults.SAMPLE_KV_BLOCKS, self.config.block_size),
+                                  self.programs.kv_dtype)
+        states = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.programs.state_shapes()]
+
+        def inputs(mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
+            return abstract_inputs(self.programs, mode, key, kv, states, self.extra_inputs, self._table_width)
+        ledger = CompileLedger(strict=False, vocab_size=self.vocab_size, table_width=self._width)
+        built = precompile(list(dict.fromkeys(jobs)), inputs, ledger, self.compile_workers, progress=False)
+        self._note_temp(built.values())
+        return {key: built[key].nbytes for _, key in jobs}, None
 
     # ---- weights and memory (backends/xla/weights.py) ----------------------------------------
     def update_weights(self, source: Any, *, check_only: bool = False) -> WeightsUpdate:
@@ -250,6 +279,7 @@ class XlaExecutor(Executor[XlaEntry]):
         if entry is None:
             lowered, seconds = lower(jitted, args)
             entry = self.compiles.compile(key, lowered, spec, seconds)
+        self._note_temp([entry])
         return entry, entry.nbytes
 
     def expect_builds(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> None:
@@ -269,7 +299,14 @@ class XlaExecutor(Executor[XlaEntry]):
         workers = max(1, workers or self.compile_workers)
         self.compiles.plan(key for _, key in jobs)
         built = precompile(list(dict.fromkeys(jobs)), self._abstract_inputs, self.compiles, workers, progress)
+        self._note_temp(built.values())
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
+
+    def program(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
+        """(jitted function, spec, abstract arguments) of ``key`` as this executor compiles it,
+        against its allocated KV cache: what :func:`graphrt.backends.xla.export.export_programs`
+        exports."""
+        return self._abstract_inputs(mode, key)
 
     def _abstract_inputs(self, mode: RuntimeMode, key: Hashable) -> tuple[Any, Any, tuple[Any, ...]]:
         """(jitted function, spec, abstract arguments) of ``key`` (:func:`abstract_inputs`)."""

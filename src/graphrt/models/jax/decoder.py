@@ -15,6 +15,7 @@ import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,6 +37,9 @@ class AttentionMetadata(NamedTuple):
     seq_lens: jax.Array
     block_table: jax.Array
 
+
+# Serializable in a jax.export artifact's calling convention (a program that takes or returns it).
+jax.export.register_namedtuple_serialization(AttentionMetadata, serialized_name="graphrt.AttentionMetadata")
 
 #: The fp8 KV-cache dtypes the decoder quantizes to with a scale.
 FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -88,6 +92,37 @@ def quantize_kv(x: jax.Array, cache_dtype: Any, scale: float = 1.0) -> jax.Array
     return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(cache_dtype)
 
 
+def _write_each_row(layer_idx: jax.Array, rows: jax.Array, cache: jax.Array, kv: jax.Array) -> jax.Array:
+    """``cache`` with ``kv`` [T, 2, Hkv, D] stored at layer ``layer_idx``'s ``rows`` [T], one
+    in-place dynamic-update-slice per token."""
+    zero = jnp.zeros((), jnp.int32)
+
+    def one(t: jax.Array, cache: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(cache, kv[t][None, :, None], (layer_idx, zero, rows[t], zero, zero))
+    return jax.lax.fori_loop(0, rows.shape[0], one, cache)
+
+
+def write_kv_rows(cache: jax.Array, layer_idx: jax.Array, rows: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``cache`` ``[layers, 2, rows, Hkv, D]`` with ``k`` / ``v`` [T, Hkv, D] (in its dtype) stored at
+    layer ``layer_idx``'s ``rows`` [T]: the KV write.
+
+    A cache of a float narrower than 32 bits (bfloat16, float16, fp8) is written on XLA:CPU one
+    token at a time with dynamic-update-slice: XLA:CPU's float normalization widens a scatter of
+    such a float to float32 over its whole operand, so each layer's write made float32 copies of
+    the whole cache (temp memory 4x the cache: it grew with ``num_blocks``). Other platforms, and
+    float32 caches, scatter as before (``lax.platform_dependent``: decided when the program is
+    lowered for its platform)."""
+    dtype = jnp.dtype(cache.dtype)
+
+    def scatter(cache: jax.Array, kv: jax.Array) -> jax.Array:
+        return cache.at[layer_idx, :, rows].set(kv)
+    kv = jnp.stack([k, v], axis=1)              # [T, 2, Hkv, D]
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        return scatter(cache, kv)
+    return jax.lax.platform_dependent(cache, kv, cpu=functools.partial(_write_each_row, layer_idx, rows),
+                                      default=scatter)
+
+
 def dequantize_kv(stored: jax.Array, dtype: Any, scale: float = 1.0) -> jax.Array:
     """Stored K/V rows as ``dtype`` values (fp8: stored * scale, in float32 first)."""
     if stored.dtype not in FP8_KV_DTYPES:
@@ -103,8 +138,29 @@ def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positi
     Token t reads keys j < seq_len, j <= positions[t] and, with ``sliding_window`` W > 0 (int or
     traced), j > positions[t] - W; zeros where none is visible. fp8: stored * ``kv_scales``.
     """
+    return _attend_rows(q, lambda rows: (layer_k[rows], layer_v[rows]), layer_k.shape[1], positions, meta,
+                        block_size, sliding_window, kv_scales)
+
+
+def cache_paged_attention(q: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, positions: jax.Array,
+                          meta: AttentionMetadata, block_size: int, sliding_window: Any = 0,
+                          kv_scales: tuple[float, float] = (1.0, 1.0)) -> jax.Array:
+    """:func:`paged_attention` over layer ``layer_idx`` of the whole cache ``[layers, 2, rows, Hkv,
+    D]``, gathering the rows of the step's block-table columns straight from the cache: no slice
+    of the layer is made (XLA:CPU materialized one for a bfloat16 cache, a copy that grew with
+    ``num_blocks``), so temp memory is bounded by the tokens and the key's context."""
+    def read(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return kv_cache[layer_idx, 0, rows], kv_cache[layer_idx, 1, rows]
+    return _attend_rows(q, read, kv_cache.shape[3], positions, meta, block_size, sliding_window, kv_scales)
+
+
+def _attend_rows(q: jax.Array, read: Callable[[jax.Array], tuple[jax.Array, jax.Array]], num_kv_heads: int,
+                 positions: jax.Array, meta: AttentionMetadata, block_size: int, sliding_window: Any,
+                 kv_scales: tuple[float, float]) -> jax.Array:
+    """:func:`paged_attention` with the stored K / V rows ``[T, S, Hkv, D]`` of row indices
+    ``[T, S]`` given by ``read``: each token's request's block-table columns only, so what is
+    gathered is bounded by the key's context (its table width), never by the cache."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = layer_k.shape[1]
     group = num_heads // num_kv_heads
     req = token_request_index(meta.query_start_loc, num_tokens)
     blocks = meta.block_table[req]  # [T, B]
@@ -117,8 +173,9 @@ def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positi
                & in_batch[:, None])  # [T, S]
     if not isinstance(sliding_window, int) or sliding_window:
         visible = visible & ((sliding_window <= 0) | (j > positions[:, None] - sliding_window))
-    k = dequantize_kv(layer_k[rows], q.dtype, kv_scales[0])  # [T, S, Hkv, D]
-    v = jnp.where(visible[:, :, None, None], dequantize_kv(layer_v[rows], q.dtype, kv_scales[1]), 0)
+    stored_k, stored_v = read(rows)
+    k = dequantize_kv(stored_k, q.dtype, kv_scales[0])  # [T, S, Hkv, D]
+    v = jnp.where(visible[:, :, None, None], dequantize_kv(stored_v, q.dtype, kv_scales[1]), 0)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
@@ -137,11 +194,10 @@ def _reference_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Ar
                       block_size: int, kv_scales: tuple[float, float]) -> tuple[jax.Array, jax.Array]:
     """Write this step's K/V into layer ``layer_idx`` of the reference-layout cache, then attend
     (over its sliding ``window``: None / 0 none): (attention [T, Hq, D], new cache)."""
-    kv_cache = kv_cache.at[layer_idx, 0, write_rows].set(quantize_kv(k, kv_cache.dtype, kv_scales[0]))
-    kv_cache = kv_cache.at[layer_idx, 1, write_rows].set(quantize_kv(v, kv_cache.dtype, kv_scales[1]))
-    layer_kv = kv_cache[layer_idx]
-    attn = paged_attention(q, layer_kv[0], layer_kv[1], positions, meta, block_size,
-                           0 if window is None else window, kv_scales)
+    kv_cache = write_kv_rows(kv_cache, layer_idx, write_rows, quantize_kv(k, kv_cache.dtype, kv_scales[0]),
+                             quantize_kv(v, kv_cache.dtype, kv_scales[1]))
+    attn = cache_paged_attention(q, kv_cache, layer_idx, positions, meta, block_size,
+                                 0 if window is None else window, kv_scales)
     return attn, kv_cache
 
 

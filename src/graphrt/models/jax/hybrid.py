@@ -22,7 +22,8 @@ from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
 from graphrt.models.hybrid_config import ATTENTION, DELTA, HybridConfig
-from graphrt.models.jax.decoder import AttentionMetadata, apply_rotary, paged_attention, rms_norm, rotary_cos_sin
+from graphrt.models.jax.decoder import (AttentionMetadata, apply_rotary, cache_paged_attention, rms_norm,
+                                       rotary_cos_sin, write_kv_rows)
 from graphrt.models.jax import recurrent as rec
 
 Params = dict[str, Any]
@@ -156,8 +157,9 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
     if c.attention_scale is not None:                 # paged_attention scales by head_dim ** -0.5
         q = q * (c.attention_scale * hd ** 0.5)
     rows = jnp.where(meta.slot_mapping < 0, kv.shape[2] - 1, meta.slot_mapping)
-    kv = kv.at[index, 0, rows].set(k.astype(kv.dtype)).at[index, 1, rows].set(v.astype(kv.dtype))
-    out = paged_attention(q, kv[index, 0], kv[index, 1], positions, meta, block_size).reshape(t, -1)
+    kv = write_kv_rows(kv, jnp.asarray(index, jnp.int32), rows.astype(jnp.int32), k.astype(kv.dtype),
+                       v.astype(kv.dtype))
+    out = cache_paged_attention(q, kv, index, positions, meta, block_size).reshape(t, -1)
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)
     return _linear(p, f"{pre}.o_proj", out), kv

@@ -13,13 +13,14 @@ from typing import Any, Callable, Sequence
 
 from graphrt.backends.torch.device_graphs import describe_capture_failure
 from graphrt.backends.torch.capture.graph_builder import GraphBuilder
+from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.graph_modes import RuntimeMode
 
 logger = logging.getLogger(__name__)
 
 #: Blocks of the throwaway KV cache the samples are captured against (null block + one).
-SAMPLE_KV_BLOCKS = 2
+SAMPLE_KV_BLOCKS = defaults.SAMPLE_KV_BLOCKS
 
 
 def measure_graph_memory(builder: GraphBuilder | None, kv_allocated: bool, allocate_kv: Callable[[int], None],
