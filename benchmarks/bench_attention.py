@@ -45,7 +45,7 @@ MEMORY_FRACTION = 0.8
 TARGET_REPLAY_MS = 2.0
 MAX_REPS = 100
 ITERS, QUICK_ITERS = 30, 10
-#: Sweep: tuning constants of graphrt.models.torch.triton_attention to try, one dict per row.
+#: Sweep: tuning constants of graphrt.layers.torch.attention.triton_attention to try, one dict per row.
 SWEEP = (
     {},
     {"DECODE_LAUNCH": (4, 2)},
@@ -173,8 +173,8 @@ def measure(kind: str, batch: int, context: int, new: int, iters: int) -> dict[s
         if kind == "sdpa":
             fn = sdpa_call(batch, context, new)
         else:
-            from graphrt.models.torch.attention import paged_attention_kernel
-            from graphrt.models.torch.triton_attention import triton_paged_attention
+            from graphrt.layers.torch.attention.paged import paged_attention_kernel
+            from graphrt.layers.torch.attention.triton_attention import triton_paged_attention
 
             fn = paged_call(triton_paged_attention if kind == "triton" else paged_attention_kernel,
                             make_step(batch, context, new))
@@ -199,7 +199,7 @@ def throughput(batch: int, context: int, new: int, ms: float) -> str:
 def plan_text(batch: int, context: int, new: int) -> str:
     import torch
 
-    from graphrt.models.torch.triton_attention import plan_attention
+    from graphrt.layers.torch.attention.triton_attention import plan_attention
 
     p = plan_attention(batch * new, batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, torch.bfloat16,
                        -(-context // BLOCK_SIZE), BLOCK_SIZE, "cuda")
@@ -248,7 +248,7 @@ def table(rows: list[dict[str, Any]], header: str) -> str:
 
 def sweep(iters: int) -> list[dict[str, Any]]:
     """Triton alone under each SWEEP setting of triton_attention's tuning constants."""
-    from graphrt.models.torch import triton_attention as ta
+    from graphrt.layers.torch.attention import triton_attention as ta
 
     out = []
     for setting in SWEEP:
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_attention: no CUDA GPU is available here (torch.cuda.is_available() is False); "
               "this benchmark needs one and measured nothing")
         return 0
-    from graphrt.models.torch.triton_attention import triton_unavailable_reason
+    from graphrt.layers.torch.attention.triton_attention import triton_unavailable_reason
 
     problem = triton_unavailable_reason("cuda")
     if problem:

@@ -29,7 +29,7 @@ at any batch size; replay overhead within 2 % of bare replay; 51 sizes captured 
 under 10 s.
 
 The attention kernel is graphrt's default on CUDA (Triton where it runs, else the reference;
-``models/torch/attention.py``); ``--attention reference|triton`` sets ``GRAPHRT_ATTENTION`` to
+``layers/torch/attention/paged.py``); ``--attention reference|triton`` sets ``GRAPHRT_ATTENTION`` to
 compare both, and the first line of the output names the kernel used.
 
 Run: ``python benchmarks/bench_cuda.py [--quick] [--attention KERNEL] [--json out.json]``.
@@ -143,7 +143,7 @@ def reduce_overhead_step(runner: Any, batch: int, context: int) -> Callable[[], 
     """A step of ``torch.compile(model, mode="reduce-overhead")`` on the eager runner's buffers."""
     import torch
 
-    from graphrt.models.torch.forward_context import forward_context
+    from graphrt.layers.torch.forward_context import forward_context
 
     executor = runner.executor
     model = executor.model
@@ -247,7 +247,7 @@ def attention_kernel_used(choice: str | None) -> str:
     for this model on the GPU, and why."""
     import torch
 
-    from graphrt.models.torch.attention import ATTENTION_ENV, choose_attention_kernel
+    from graphrt.layers.torch.attention.paged import ATTENTION_ENV, choose_attention_kernel
 
     if choice:
         os.environ[ATTENTION_ENV] = choice

@@ -2,7 +2,7 @@
 picks over a stated domain, as plain job records (JSON-able, for worker processes).
 
 Paged attention (``models/torch/triton_attention*.py``): the planner
-(:func:`~graphrt.models.torch.triton_attention.plan_attention`) is asked for every phase x head
+(:func:`~graphrt.layers.torch.attention.triton_attention.plan_attention`) is asked for every phase x head
 size x GQA group x dtype of :data:`ATTENTION_DOMAIN`, and each distinct plan becomes one job per
 target, with the constants, launch configuration and argument types ``triton_paged_attention``
 passes at run time. The KV write and split-KV combine kernels, and the recurrent kernels
@@ -21,10 +21,10 @@ from typing import Any, Iterator
 
 import torch
 
-from graphrt.models.torch import triton_attention as ta
-from graphrt.models.torch import triton_attention_kernels as tak
-from graphrt.models.torch import triton_recurrent as tr
-from graphrt.models.torch import triton_recurrent_kernels as trk
+from graphrt.layers.torch.attention import triton_attention as ta
+from graphrt.layers.torch.attention import triton_attention_kernels as tak
+from graphrt.layers.torch.state import triton_recurrent as tr
+from graphrt.layers.torch.state import triton_recurrent_kernels as trk
 
 from compilecheck.limits import AMD, NVIDIA, TARGETS
 

@@ -32,7 +32,7 @@ from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 from graphrt.registry import available_backends, select_backend
 
 _LAZY = {
-    "AttentionBackend": "graphrt.models.torch.attention_backend",
+    "AttentionBackend": "graphrt.layers.torch.attention.backend",
     "ModelRunner": "graphrt.runner",
     "LLM": "graphrt.engine.llm",
     "DataParallelLLM": "graphrt.engine.data_parallel",

@@ -1,4 +1,4 @@
-"""Ascend's fused attention as graphrt's attention backend (models/torch/ascend_attention.py).
+"""Ascend's fused attention as graphrt's attention backend (layers/torch/attention/ascend_attention.py).
 
 Everything here runs on a CPU: torch_npu is a stand-in module (``fake_torch_npu``) whose
 ``npu_fused_infer_attention_score`` is a dense masked softmax reading the host lists it is
@@ -27,10 +27,10 @@ from graphrt.backends.torch.model_protocol import attention_backend
 from graphrt.backends.torch.npu import NpuGraphAPI, NpuGraphBackend, torch_npu_problem
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.models.torch.forward_context import forward_context
-from graphrt.models.torch.ascend_attention import AscendAttentionBackend, ascend_backend
-from graphrt.models.torch.attention import PagedAttention
-from graphrt.models.torch.attention_backend import (CaptureHostValues, HostValues, PagedAttentionBackend,
+from graphrt.layers.torch.forward_context import forward_context
+from graphrt.layers.torch.attention.ascend_attention import AscendAttentionBackend, ascend_backend
+from graphrt.layers.torch.attention.paged import PagedAttention
+from graphrt.layers.torch.attention.backend import (CaptureHostValues, HostValues, PagedAttentionBackend,
                                                      StepTensors)
 from graphrt.runner import ModelRunner
 from support.hf_models import tiny_hf_model_dir
@@ -59,7 +59,7 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_importing_the_module_does_not_import_torch_npu() -> None:
-    code = ("import sys, torch, graphrt.models.torch.ascend_attention, graphrt.backends.torch.model_protocol; "
+    code = ("import sys, torch, graphrt.layers.torch.attention.ascend_attention, graphrt.backends.torch.model_protocol; "
             "print('torch_npu' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

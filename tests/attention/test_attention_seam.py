@@ -202,7 +202,7 @@ def test_the_kits_bad_extra_inputs_name_the_input():
 
 def test_graphrt_exports_the_attention_backend_and_its_declarations():
     from graphrt.core.attention_decl import AttentionDeclarations
-    from graphrt.models.torch.attention_backend import AttentionBackend
+    from graphrt.layers.torch.attention.backend import AttentionBackend
 
     assert graphrt.AttentionBackend is AttentionBackend and issubclass(AttentionBackend, AttentionDeclarations)
     assert graphrt.AttentionDeclarations is AttentionDeclarations

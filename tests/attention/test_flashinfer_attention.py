@@ -1,4 +1,4 @@
-"""FlashInfer behind the attention seam (models/torch/flashinfer_attention.py, GRAPHRT_ATTENTION=flashinfer).
+"""FlashInfer behind the attention seam (layers/torch/attention/flashinfer_attention.py, GRAPHRT_ATTENTION=flashinfer).
 
 On a CPU (every machine) a fake ``flashinfer`` module is injected: its wrapper keeps FlashInfer's
 contract as documented and as its source checks it (NHD pages ``[pages, page_size, H, D]``; in
@@ -34,12 +34,12 @@ from hypothesis import HealthCheck, given, settings
 import graphrt
 from support.attention_steps import FLOAT_STEPS, SLOW_OK, Spec, build_step, bytes_of, run_kernel
 from graphrt import ConfigError, SamplingParams, reduction_tolerance
-from graphrt.models.torch.forward_context import forward_context
-from graphrt.models.torch import attention as attention_mod
-from graphrt.models.torch import flashinfer_attention as fi
-from graphrt.models.torch import flashinfer_kernel as fk
-from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel, paged_attention_kernel
-from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues, StepTensors
+from graphrt.layers.torch.forward_context import forward_context
+from graphrt.layers.torch.attention import paged as attention_mod
+from graphrt.layers.torch.attention import flashinfer_attention as fi
+from graphrt.layers.torch.attention import flashinfer_kernel as fk
+from graphrt.layers.torch.attention.paged import PagedAttention, choose_attention_kernel, paged_attention_kernel
+from graphrt.layers.torch.attention.backend import CaptureHostValues, HostValues, StepTensors
 from graphrt.testing import RunnerFactory, check_property
 from support.hf_models import random_prompts, tiny_hf_model_dir
 from support.fast_subset import examples
@@ -288,8 +288,8 @@ def test_a_plan_baked_into_the_graph_gives_other_tokens(fake_flashinfer, monkeyp
 # ---- imports and refusals ------------------------------------------------------------------------
 
 def test_importing_the_adapter_imports_no_flashinfer() -> None:
-    code = ("import sys\nimport graphrt.models.torch.flashinfer_attention\n"
-            "import graphrt.models.torch.flashinfer_kernel as f\n"
+    code = ("import sys\nimport graphrt.layers.torch.attention.flashinfer_attention\n"
+            "import graphrt.layers.torch.attention.flashinfer_kernel as f\n"
             "from graphrt.backends.torch import model_protocol\n"
             "print('flashinfer' in sys.modules, f.flashinfer_unavailable_reason('cpu'))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
@@ -341,7 +341,7 @@ GPU_SPECS = {
 @pytest.mark.parametrize("name", sorted(GPU_SPECS))
 def test_gpu_flashinfer_matches_triton(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _real_flashinfer()
-    from graphrt.models.torch.triton_attention import triton_paged_attention, triton_unavailable_reason
+    from graphrt.layers.torch.attention.triton_attention import triton_paged_attention, triton_unavailable_reason
 
     if triton_unavailable_reason("cuda"):
         pytest.skip(f"Triton: {triton_unavailable_reason('cuda')}")

@@ -27,7 +27,7 @@ from graphrt.backends import preflight
 from graphrt.backends.torch.backend import TorchBackend
 from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.core.kv_spec import resolve_kv_spec
-from graphrt.models.torch.attention import PagedAttention
+from graphrt.layers.torch.attention.paged import PagedAttention
 from graphrt.models.torch.loader import load_torch_model
 from support.hf_models import SLIDING, make_tiny_hf_model, random_prompts, tiny_hf_model_dir
 from support.fast_subset import examples, slow_except

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # 
 import graphrt  # noqa: E402
 from graphrt import SamplingParams  # noqa: E402
 from graphrt.core.errors import ConfigError  # noqa: E402
-from graphrt.models.jax import pallas_attention as pa  # noqa: E402
-from graphrt.models.jax.decoder import (AttentionMetadata, compute_logits, forward, init_kv_cache,  # noqa: E402
-                                        paged_attention, quantize_kv)
+from graphrt.layers.jax import pallas_attention as pa  # noqa: E402
+from graphrt.layers.jax.paged_attention import AttentionMetadata, paged_attention, quantize_kv  # noqa: E402
+from graphrt.models.jax.decoder import compute_logits, forward, init_kv_cache  # noqa: E402
 from graphrt.models.jax.loader import load_jax_params  # noqa: E402
 from support.hf_models import SLIDING, random_prompts, tiny_hf_model_dir  # noqa: E402
 from support.parity import assert_close_across_reductions, assert_same_tokens  # noqa: E402

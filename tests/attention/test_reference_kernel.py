@@ -1,4 +1,4 @@
-"""graphrt's reference paged-attention kernel (``models/torch/attention.py``, issue 46 item 13).
+"""graphrt's reference paged-attention kernel (``layers/torch/attention/paged.py``, issue 46 item 13).
 
 * Against dense attention written out per request in float64, on drawn steps: query and KV
   heads (GQA, MQA, MHA), K and V head sizes, block sizes, decodes, chunked and fresh prefills
@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
 from graphrt.cli_lint import lint_model
 from graphrt.models.random_checkpoint import write_random_checkpoint
-from graphrt.models.torch.attention import MAX_QUERY_TILE, TorchAttentionMetadata, paged_attention_kernel, query_tile
-from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv
+from graphrt.layers.torch.attention.paged import MAX_QUERY_TILE, TorchAttentionMetadata, paged_attention_kernel, query_tile
+from graphrt.layers.torch.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from graphrt.models.torch.loader import load_torch_model
 from support.fast_subset import examples
 from support.parity import assert_close_across_reductions

@@ -26,7 +26,7 @@ import torch
 import graphrt
 from graphrt import GraphCaptureError, SamplingParams
 from graphrt.backends.torch.cpu import CpuGraphBackend
-from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues, Refused
+from graphrt.layers.torch.attention.backend import CaptureHostValues, HostValues, Refused
 from support.hf_models import random_prompts, tiny_hf_model_dir
 from support.seam_bugs import SimCuda, apart_executor, planted_model
 

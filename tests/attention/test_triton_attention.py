@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernel (models/torch/triton_attention.py) against the reference.
+"""The Triton paged-attention kernel (layers/torch/attention/triton_attention.py) against the reference.
 
 Two ways to run the kernel:
 
@@ -33,10 +33,10 @@ from support.attention_steps import (FLOAT_STEPS, FP8_STEPS, SLOW_OK, Spec, buil
                              check_parity, run_kernel)
 from support.fast_subset import examples  # noqa: E402
 from graphrt.core.errors import ConfigError  # noqa: E402
-from graphrt.models.torch import attention as attention_mod  # noqa: E402
-from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel, paged_attention_kernel  # noqa: E402
-from graphrt.models.torch.kv_quant import quantize_kv  # noqa: E402
-from graphrt.models.torch.triton_attention import triton_config_problem, triton_paged_attention  # noqa: E402
+from graphrt.layers.torch.attention import paged as attention_mod  # noqa: E402
+from graphrt.layers.torch.attention.paged import PagedAttention, choose_attention_kernel, paged_attention_kernel  # noqa: E402
+from graphrt.layers.torch.attention.kv_quant import quantize_kv  # noqa: E402
+from graphrt.layers.torch.attention.triton_attention import triton_config_problem, triton_paged_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
@@ -79,7 +79,7 @@ def test_interpret_decodes_chunked_prefill_padding_and_window(splits: int) -> No
 def test_interpret_paged_attention_module_runs_triton_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """``GRAPHRT_ATTENTION=triton``: the model's attention module runs the Triton kernel (here
     interpreted) with its window and scales, and matches ``reference``."""
-    from graphrt.models.torch.forward_context import forward_context
+    from graphrt.layers.torch.forward_context import forward_context
 
     spec = Spec(kv_heads=2, groups=2, head_dim=16, block_size=16, q_dtype=torch.float32,
                 cache_dtype=torch.float8_e4m3fn, reqs=[(5, 3), (0, 1)], pad_tokens=1, window=4, k_scale=2.0,

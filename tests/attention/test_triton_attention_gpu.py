@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from support.attention_steps import FLOAT_STEPS, FP8, FP8_STEPS, SLOW_OK, Spec, build_step, bytes_of, check_parity
 from support.fast_subset import examples
 from graphrt import reduction_tolerance
-from graphrt.models.torch import attention as attention_mod
-from graphrt.models.torch.attention import choose_attention_kernel, paged_attention_kernel
-from graphrt.models.torch.triton_attention import triton_paged_attention, triton_unavailable_reason
+from graphrt.layers.torch.attention import paged as attention_mod
+from graphrt.layers.torch.attention.paged import choose_attention_kernel, paged_attention_kernel
+from graphrt.layers.torch.attention.triton_attention import triton_paged_attention, triton_unavailable_reason
 
 CUDA_PROBLEM = triton_unavailable_reason("cuda") if torch.cuda.is_available() else "needs a CUDA GPU"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(CUDA_PROBLEM is not None, reason=f"Triton on CUDA: {CUDA_PROBLEM}")]

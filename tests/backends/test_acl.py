@@ -24,7 +24,7 @@ from graphrt.backends.torch.npu import NpuGraphBackend, torch_npu_problem
 from graphrt.backends.torch.device_graphs import graph_task
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.models.torch.attention_backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.backend import PagedAttentionBackend
 from graphrt.runner import ModelRunner
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like

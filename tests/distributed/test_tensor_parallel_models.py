@@ -16,11 +16,11 @@ from safetensors import safe_open
 from support.fast_subset import slow_except
 from support.gloo_ranks import run_ranks
 from graphrt import ConfigError, GraphConfig, add_cli_args, from_cli_args
-from graphrt.models.torch.forward_context import forward_context
+from graphrt.layers.torch.forward_context import forward_context
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.torch import loader as loader_module
-from graphrt.models.torch.attention import TorchAttentionMetadata
+from graphrt.layers.torch.attention.paged import TorchAttentionMetadata
 from graphrt.models.torch.decoder import DecoderForCausalLM, FusedLinear
 from graphrt.models.torch.loader import load_torch_model
 from graphrt.models.torch.parallel import kv_head_shard

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import graphrt
-from graphrt.models.torch.forward_context import (forward_context, get_forward_context, get_state_context,
+from graphrt.layers.torch.forward_context import (forward_context, get_forward_context, get_state_context,
                                                   state_context)
 from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
 from support.device_fakes import FakeCuda

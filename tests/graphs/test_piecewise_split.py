@@ -14,9 +14,9 @@ from graphrt.backends.torch.cpu import CpuGraphAPI, CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.capture.fx_split import ATTENTION, PIECE, SplitError, SplitModel, split_or_reason
 from graphrt.core.graph_modes import GraphMode, RuntimeMode
-from graphrt.models.torch.forward_context import forward_context
-from graphrt.models.torch.attention_backend import PagedAttentionBackend
-from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, paged_attention_kernel
+from graphrt.layers.torch.forward_context import forward_context
+from graphrt.layers.torch.attention.backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.paged import PagedAttention, TorchAttentionMetadata, paged_attention_kernel
 from graphrt.runner import ModelRunner
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like

@@ -29,7 +29,7 @@ import torch
 import graphrt
 from graphrt import ConfigError
 from graphrt.backends.torch import state_cache
-from graphrt.models.torch import state_metadata
+from graphrt.layers.torch.state import metadata as state_metadata
 from graphrt.testing.properties import state_isolated
 from graphrt.testing.runners import RunnerFactory
 from graphrt.testing.step import Step

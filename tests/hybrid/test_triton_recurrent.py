@@ -1,4 +1,4 @@
-"""The Triton kernels of recurrent layers (models/torch/triton_recurrent.py) against the reference.
+"""The Triton kernels of recurrent layers (layers/torch/state/triton_recurrent.py) against the reference.
 
 Interpreted on a CPU (``TRITON_INTERPRET=1`` before triton is imported: the attention kernel
 tests' setup, reused; in a full-suite run where triton was imported earlier the interpreter
@@ -28,9 +28,10 @@ import torch
 
 import graphrt
 from graphrt import ConfigError
-from graphrt.models.torch import mamba_kernels, triton_recurrent
-from graphrt.models.torch.gated_delta import gated_delta_rule
-from graphrt.models.torch.state_metadata import build_state_metadata
+from graphrt.layers.torch.state import mamba_kernels
+from graphrt.layers.torch.state import triton_recurrent
+from graphrt.layers.torch.state.gated_delta import gated_delta_rule
+from graphrt.layers.torch.state.metadata import build_state_metadata
 from support.hybrid_models import hybrid_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,8 +22,8 @@ import pytest
 import torch
 from hypothesis import find, settings
 
-from graphrt.models.torch.forward_context import get_forward_context
-from graphrt.models.torch.attention import PagedAttention, paged_attention_kernel
+from graphrt.layers.torch.forward_context import get_forward_context
+from graphrt.layers.torch.attention.paged import PagedAttention, paged_attention_kernel
 from graphrt.models.torch.loader import load_torch_model
 from graphrt.testing.conformance import Result, check_property, run_conformance, summary
 from graphrt.testing.runners import KIT_LIMITS, RunnerFactory

@@ -14,9 +14,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from graphrt.core.errors import InputError  # noqa: E402
-from graphrt.models.jax.decoder import (  # noqa: E402
-                                        AttentionMetadata, compute_logits, forward, init_kv_cache, paged_attention,
-                                        )
+from graphrt.layers.jax.paged_attention import AttentionMetadata, paged_attention  # noqa: E402
+from graphrt.models.jax.decoder import compute_logits, forward, init_kv_cache  # noqa: E402
 from graphrt.models.jax.loader import load_jax_params  # noqa: E402
 from support.hf_models import SLIDING, hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir  # noqa: E402
 

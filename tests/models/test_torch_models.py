@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from graphrt.core.errors import InputError
-from graphrt.models.torch.forward_context import forward_context
+from graphrt.layers.torch.forward_context import forward_context
 from graphrt.models.hf_config import DecoderConfig
-from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata
+from graphrt.layers.torch.attention.paged import PagedAttention, TorchAttentionMetadata
 from graphrt.models.torch.decoder import DecoderForCausalLM
 from graphrt.models.torch.loader import load_torch_model
 from support.hf_models import SLIDING, hf_logits, load_hf_model, make_tiny_hf_model, tiny_hf_model_dir

@@ -10,7 +10,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 #: Layer of each package or module, lowest first; a module may import its own layer or below.
-LAYERS = {"graphrt.core": 0, "graphrt.config": 1, "graphrt.models": 2, "graphrt.backends": 3,
+LAYERS = {"graphrt.core": 0, "graphrt.config": 1, "graphrt.layers": 1, "graphrt.models": 2, "graphrt.backends": 3,
           "graphrt.registry": 4, "graphrt.plans": 5, "graphrt.warmup": 5, "graphrt.background": 5, "graphrt.traffic": 5, "graphrt.capture_plan": 5, "graphrt.runner": 5, "graphrt.runner_setup": 5, "graphrt.runner_weights": 5, "graphrt.step_outputs": 5, "graphrt.warmup_plan": 5, "graphrt.engine": 6, "graphrt.cli": 7, "graphrt.cli_lint": 7, "graphrt.testing": 7, "graphrt": 7,
           "graphrt.integrations": 8}
 FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "torch_npu", "safetensors", "transformers", "triton"}

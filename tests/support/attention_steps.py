@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 from graphrt import reduction_tolerance
 from graphrt.core.numerics import kv_quantization_tolerance
-from graphrt.models.torch.attention import TorchAttentionMetadata, paged_attention_kernel
-from graphrt.models.torch.kv_quant import FP8_KV_DTYPES, quantize_kv
-from graphrt.models.torch.triton_attention import triton_paged_attention
+from graphrt.layers.torch.attention.paged import TorchAttentionMetadata, paged_attention_kernel
+from graphrt.layers.torch.attention.kv_quant import FP8_KV_DTYPES, quantize_kv
+from graphrt.layers.torch.attention.triton_attention import triton_paged_attention
 
 FP8 = FP8_KV_DTYPES
 

@@ -1,7 +1,7 @@
 """A stand-in ``torch_npu`` module with ``npu_fused_infer_attention_score`` in plain torch.
 
 Enough of torch_npu's fused inference attention for graphrt's Ascend backend
-(``models/torch/ascend_attention.py``) to run on a CPU: the ``TND`` query layout, a paged KV
+(``layers/torch/attention/ascend_attention.py``) to run on a CPU: the ``TND`` query layout, a paged KV
 cache ``[blocks, block_size, Hkv*D]`` read through ``block_table``, ``sparse_mode`` 3 (causal,
 aligned bottom-right) and -- what matters for graphs -- the per-request lengths taken as
 **host lists** (``actual_seq_lengths``: cumulative query ends; ``actual_seq_lengths_kv``).

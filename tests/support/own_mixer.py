@@ -5,7 +5,7 @@ attention layer -- and the state bugs an author makes in such a layer, planted o
 
 ``own_hybrid(bug=None)`` builds the model (seeded random weights); ``bug`` is one of
 :data:`BUGS`. Built from graphrt's public pieces only: ``read_states`` / ``write_states`` and
-:class:`StateMetadata` (``models/torch/state_metadata.py``), ``get_state_context``,
+:class:`StateMetadata` (``layers/torch/state/metadata.py``), ``get_state_context``,
 ``PagedAttention``, :class:`graphrt.StateSpec`.
 """
 
@@ -21,9 +21,9 @@ from torch import nn
 
 from graphrt import KVCacheSpec, StateGroup, StateSpec, StateTensor
 from graphrt.core.graph_modes import AttentionGraphSupport
-from graphrt.models.torch.attention import PagedAttention
-from graphrt.models.torch.forward_context import get_state_context
-from graphrt.models.torch.state_metadata import StateMetadata, read_states, write_states
+from graphrt.layers.torch.attention.paged import PagedAttention
+from graphrt.layers.torch.forward_context import get_state_context
+from graphrt.layers.torch.state.metadata import StateMetadata, read_states, write_states
 
 VOCAB, HIDDEN, HEADS, WIDTH = 48, 16, 2, 4
 HEAD_DIM = HIDDEN // HEADS

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from graphrt.backends.torch.cpu import CpuGraphBackend
-from graphrt.models.torch.attention_backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.backend import PagedAttentionBackend
 from support.hf_models import tiny_hf_model_dir
 
 

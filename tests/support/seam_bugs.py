@@ -27,7 +27,7 @@ from graphrt.backends.torch import executor as executor_mod
 from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
 from graphrt.backends.torch.device_graphs import CompletedEvent
 from graphrt.backends.torch.step_buffers import StepBuffers
-from graphrt.models.torch.attention_backend import HostValues, StepTensors
+from graphrt.layers.torch.attention.backend import HostValues, StepTensors
 from support.user_attention import DenseBackend, DenseMeta, dense_model
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrt.models.torch.forward_context import forward_context
-from graphrt.models.torch.attention import TorchAttentionMetadata
+from graphrt.layers.torch.forward_context import forward_context
+from graphrt.layers.torch.attention.paged import TorchAttentionMetadata
 from graphrt.models.torch.decoder import DecoderForCausalLM
 
 BLOCK_SIZE = 4

@@ -20,8 +20,8 @@ from torch import nn
 
 from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.core.extra_inputs import ExtraInput
-from graphrt.models.torch.forward_context import get_forward_context
-from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors
+from graphrt.layers.torch.forward_context import get_forward_context
+from graphrt.layers.torch.attention.backend import AttentionBackend, HostValues, StepTensors
 from support.hf_models import tiny_hf_model_dir
 
 
@@ -123,7 +123,7 @@ class ExtraBackend(AttentionBackend):
     name = "paged-with-extra"
 
     def __init__(self, head_dim: int) -> None:
-        from graphrt.models.torch.attention_backend import PagedAttentionBackend
+        from graphrt.layers.torch.attention.backend import PagedAttentionBackend
         self.paged = PagedAttentionBackend(head_dim)
 
     def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

@@ -30,11 +30,11 @@ from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.models.torch.forward_context import forward_context, state_context
+from graphrt.layers.torch.forward_context import forward_context, state_context
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
-from graphrt.models.torch.attention_backend import (CaptureHostValues, HostTensorsRefused, HostValues,
+from graphrt.layers.torch.attention.backend import (CaptureHostValues, HostTensorsRefused, HostValues,
                                                     RemovedPreReplayHooks, check_layers_read, check_metadata,
                                                     overrides_before_replay)
 from graphrt.backends.torch.device_graphs import (CapturedGraph, DeviceGraphAPI, check_addresses,

@@ -14,10 +14,10 @@ import torch
 from graphrt.core.errors import ConfigError
 from graphrt.core.kv_spec import SPEC_FIELD, KVCacheSpec, resolve_kv_spec
 from graphrt.core.numerics import dtype_name
-from graphrt.models.torch.attention import PagedAttention
+from graphrt.layers.torch.attention.paged import PagedAttention
 
 #: The KV-cache dtypes torch holds, by canonical name (fp8 on every device through byte views:
-#: models/torch/kv_quant.py).
+#: layers/torch/attention/kv_quant.py).
 TORCH_KV_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}

@@ -18,9 +18,9 @@ from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, backend_name, check_de
 from graphrt.core.errors import ConfigError
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.graph_modes import AttentionGraphSupport
-from graphrt.models.torch.ascend_attention import ascend_backend
-from graphrt.models.torch.attention import PagedAttention, choose_attention_kernel
-from graphrt.models.torch.attention_backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.ascend_attention import ascend_backend
+from graphrt.layers.torch.attention.paged import PagedAttention, choose_attention_kernel
+from graphrt.layers.torch.attention.backend import PagedAttentionBackend
 
 #: Members every torch model has: name -> what it must be, for the error.
 REQUIRED = {"forward": "forward(input_ids [T] int32, positions [T] int32) -> hidden [T, hidden]",
@@ -81,7 +81,7 @@ def choose_attention(model: torch.nn.Module, device: torch.device | str | None =
     if own is not None:
         return own
     layers = model.attention_layers() if hasattr(model, "attention_layers") else []
-    from graphrt.models.torch.flashinfer_attention import FlashInferAttentionBackend, flashinfer_selected
+    from graphrt.layers.torch.attention.flashinfer_attention import FlashInferAttentionBackend, flashinfer_selected
 
     if flashinfer_selected():           # GRAPHRT_ATTENTION=flashinfer: FlashInfer plans graphrt's layers
         return FlashInferAttentionBackend(layers)

@@ -6,7 +6,7 @@ allocation; None without state), and checks it against what each recurrent layer
 checkpoints, *shape]`` tensor per layer and state tensor and sets ``layer.state_cache``. It is
 allocated with the executor, before graph memory is measured and the KV cache sized (a byte
 budget has it deducted). :meth:`TorchStateCache.metadata` builds each step's
-:class:`~graphrt.models.torch.state_metadata.StateMetadata`."""
+:class:`~graphrt.layers.torch.state.metadata.StateMetadata`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from graphrt.core.errors import ConfigError
 from graphrt.core.numerics import dtype_name
 from graphrt.core.state_spec import (STATE_SHAPES, STATE_SPEC_FIELD, StateMemory, StateSpec, check_against_state_layers,
                                      resolve_state_spec, state_memory)
-from graphrt.models.torch.state_metadata import StateMetadata, build_state_metadata
+from graphrt.layers.torch.state.metadata import StateMetadata, build_state_metadata
 
 
 def model_state_spec(model: torch.nn.Module, backend: str) -> StateSpec | None:

@@ -2,7 +2,7 @@
 
 Per step field and declared extra input: a host staging buffer the runner writes and a static
 device buffer graphs read (the same tensor on a CPU). :meth:`StepBuffers.tensors` gives the
-step's device views as :class:`~graphrt.models.torch.attention_backend.StepTensors`, remembered
+step's device views as :class:`~graphrt.layers.torch.attention.backend.StepTensors`, remembered
 per shape (no allocation per step); :meth:`StepBuffers.load_dummy` writes pure padding."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.fields import FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
 from graphrt.core.padding import Padder
-from graphrt.models.torch.attention_backend import StepTensors
+from graphrt.layers.torch.attention.backend import StepTensors
 
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
 
@@ -78,7 +78,7 @@ class StepBuffers:
 
     def capture_tensors(self, num_tokens: int, num_reqs: int, refused: Any) -> StepTensors:
         """:meth:`tensors` as a graph's metadata build sees them: ``on_host`` is ``refused`` (a
-        :class:`~graphrt.models.torch.attention_backend.HostTensorsRefused`: a device graph cannot
+        :class:`~graphrt.layers.torch.attention.backend.HostTensorsRefused`: a device graph cannot
         see a host read, so none may happen while it is captured), on every device alike."""
         views = self._capture_views.get((num_tokens, num_reqs))
         if views is None:

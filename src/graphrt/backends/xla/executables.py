@@ -25,7 +25,8 @@ from graphrt.backends.xla import sharding as shd
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.config import GraphConfig
 from graphrt.core import __version__
-from graphrt.models.jax import decoder as jax_decoder, pallas_attention
+from graphrt.models.jax import decoder as jax_decoder
+from graphrt.layers.jax import pallas_attention
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
 from graphrt.core.state_spec import StateSpec, resolve_state_spec, state_array_names, state_memory
 from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec
 from graphrt.models.jax import decoder as jax_decoder
-from graphrt.models.jax.decoder import AttentionMetadata
+from graphrt.layers.jax.paged_attention import AttentionMetadata
 from graphrt.models.jax.model_config import check_model_config, state_layers_of
-from graphrt.models.jax.pallas_attention import choose_xla_attention, pages_to_rows, pallas_kv_shape, rows_to_pages
-from graphrt.models.jax.recurrent import naming_states
+from graphrt.layers.jax.pallas_attention import choose_xla_attention, pages_to_rows, pallas_kv_shape, rows_to_pages
+from graphrt.layers.jax.recurrent import naming_states
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ vLLM's CPU attention cannot sit in a FULL graph: its builder makes new host-plan
 step (``AttentionCGSupport.NEVER``). This backend's metadata is only what vLLM's runner already
 keeps in persistent buffers -- ``query_start_loc``, ``seq_lens``, the block table and the slot
 mapping, sliced to the step's padded sizes -- and its forward is graphrt's reference kernel
-(:func:`graphrt.models.torch.attention.paged_attention_kernel`: device ops only, no host reads), so
+(:func:`graphrt.layers.torch.attention.paged.paged_attention_kernel`: device ops only, no host reads), so
 a graph replays it on fresh values: it declares ``AttentionCGSupport.ALWAYS``. The platform picks
 it where the cudagraph mode has FULL graphs (:mod:`.platform`).
 
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from graphrt.core.errors import ConfigError
-from graphrt.models.torch.attention import TorchAttentionMetadata, paged_attention_kernel
+from graphrt.layers.torch.attention.paged import TorchAttentionMetadata, paged_attention_kernel
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_layout import KVCacheLayout

@@ -25,7 +25,7 @@ import numpy as np
 
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
-from graphrt.models.jax.decoder import FP8_KV_DTYPES, quantize_kv
+from graphrt.layers.jax.paged_attention import FP8_KV_DTYPES, quantize_kv
 
 #: The JAX decoder's choices under ``GRAPHRT_ATTENTION``.
 XLA_ATTENTION_CHOICES = ("auto", "reference", "pallas")

@@ -1,6 +1,6 @@
 """Recurrent layers of hybrid models in JAX (docs/hybrid.md): the step's state metadata, the
 causal conv1d with state, Mamba2's SSD scan and the gated delta rule -- the torch reference
-kernels (:mod:`graphrt.models.torch.mamba_kernels`, ``gated_delta``) in ``jnp``, jit-able with
+kernels (:mod:`graphrt.layers.torch.state.mamba_kernels`, ``gated_delta``) in ``jnp``, jit-able with
 static shapes: lengths come from the batch's arrays, chunks are a ``lax.fori_loop`` (the
 ``k``-th chunk of every request at once), uniform decode / verification steps one update per
 token. Padded requests and the padding request (the tokens past the last real one) read zeros
@@ -25,7 +25,7 @@ _STATE_NAMES: contextvars.ContextVar[dict[int, tuple[str, int]]] = contextvars.C
 
 
 class StateMeta(NamedTuple):
-    """The torch :class:`~graphrt.models.torch.state_metadata.StateMetadata`, as a pytree of
+    """The torch :class:`~graphrt.layers.torch.state.metadata.StateMetadata`, as a pytree of
     arrays (``num_slots``, ``checkpoints`` and ``uniform`` are static: passed alongside)."""
 
     starts: jax.Array           # [R + 1]

@@ -37,7 +37,7 @@ def _get(which: str, setter: str, what: str) -> Any:
     ctx = getattr(_CONTEXTS, which)
     if ctx is None:
         raise RuntimeError(f"no {what} is set on this thread: call the model through graphrt's runner or wrap "
-                           f"the call in graphrt.models.torch.forward_context.{setter}(...)")
+                           f"the call in graphrt.layers.torch.forward_context.{setter}(...)")
     return ctx
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {name: "graphrt.models.jax.recurrent" for name in ("StateMeta", "read_states", "state_meta", "write_states")}
+_LAZY = {name: "graphrt.layers.jax.recurrent" for name in ("StateMeta", "read_states", "state_meta", "write_states")}
 
 
 def __getattr__(name: str) -> Any:

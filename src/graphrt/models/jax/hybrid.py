@@ -22,9 +22,9 @@ from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
 from graphrt.models.hybrid_config import ATTENTION, DELTA, HybridConfig
-from graphrt.models.jax.decoder import (AttentionMetadata, apply_rotary, cache_paged_attention, rms_norm,
-                                       rotary_cos_sin, write_kv_rows)
-from graphrt.models.jax import recurrent as rec
+from graphrt.layers.jax import recurrent as rec
+from graphrt.layers.jax.paged_attention import AttentionMetadata, cache_paged_attention, write_kv_rows
+from graphrt.models.jax.decoder import apply_rotary, rms_norm, rotary_cos_sin
 
 Params = dict[str, Any]
 

@@ -13,7 +13,8 @@ import jax
 from flax import nnx
 
 from graphrt.models.hf_config import DecoderConfig
-from graphrt.models.jax.decoder import AttentionMetadata, Params, compute_logits, forward
+from graphrt.layers.jax.paged_attention import AttentionMetadata
+from graphrt.models.jax.decoder import Params, compute_logits, forward
 
 
 def _values(tree: Any) -> Params:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"StateMetadata": "graphrt.models.torch.state_metadata",
-         "read_states": "graphrt.models.torch.state_metadata",
-         "write_states": "graphrt.models.torch.state_metadata",
-         "get_state_context": "graphrt.models.torch.forward_context"}
+_LAZY = {"StateMetadata": "graphrt.layers.torch.state.metadata",
+         "read_states": "graphrt.layers.torch.state.metadata",
+         "write_states": "graphrt.layers.torch.state.metadata",
+         "get_state_context": "graphrt.layers.torch.forward_context"}
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ from torch import nn
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.models.hf_config import DecoderConfig
-from graphrt.models.torch.attention import PagedAttention
+from graphrt.layers.torch.attention.paged import PagedAttention
 from graphrt.models.torch.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                            RowParallelLinear, TPGroup, VocabParallelEmbedding,
                                            kv_head_shard)

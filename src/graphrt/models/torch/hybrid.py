@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.models.hybrid_config import ATTENTION, HybridConfig
-from graphrt.models.torch.attention import PagedAttention
+from graphrt.layers.torch.attention.paged import PagedAttention
 from graphrt.models.torch.decoder import FusedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from graphrt.models.torch.hybrid_base import HybridBase
 from graphrt.models.torch.mamba2 import Mamba2Mixer

@@ -12,7 +12,7 @@ from torch import nn
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
 from graphrt.models.hybrid_config import ATTENTION, HybridConfig
-from graphrt.models.torch.attention import PagedAttention
+from graphrt.layers.torch.attention.paged import PagedAttention
 
 
 class HybridBase(nn.Module):

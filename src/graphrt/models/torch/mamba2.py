@@ -4,11 +4,11 @@
 ``A_log``, ``D``, ``norm``, ``out_proj``), so checkpoints load as they are. Its state lives in
 ``state_cache`` -- ``(conv [slots + 1, C, conv_dim, K - 1], ssm [slots + 1, C, heads, head_dim,
 d_state])``, assigned by the executor from the model's ``state_spec()`` -- and its per-step
-metadata comes from :func:`graphrt.models.torch.forward_context.get_state_context`.
+metadata comes from :func:`graphrt.layers.torch.forward_context.get_state_context`.
 
 The kernel entry point, for any wrapper (a Transformers modeling backend's layer, an engine's
 own module) that has a layer's projections and parameters: :func:`mamba2_mixer_step`, given
-the step's :class:`~graphrt.models.torch.state_metadata.StateMetadata` and the layer's two state
+the step's :class:`~graphrt.layers.torch.state.metadata.StateMetadata` and the layer's two state
 tensors. It reads lengths from device tensors only, so it runs inside FULL graphs of any step
 (uniform decode and mixed); the module is a PIECEWISE split point (``graphrt_attention``): its
 state metadata has the step's requests, which pieces keyed by tokens alone cannot hold.
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.graph_modes import AttentionGraphSupport
-from graphrt.models.torch.forward_context import get_state_context
-from graphrt.models.torch.mamba_kernels import causal_conv1d, ssd_scan
-from graphrt.models.torch.state_metadata import StateMetadata, read_states, write_states
+from graphrt.layers.torch.forward_context import get_state_context
+from graphrt.layers.torch.state.mamba_kernels import causal_conv1d, ssd_scan
+from graphrt.layers.torch.state.metadata import StateMetadata, read_states, write_states
 
 
 class GatedRMSNorm(nn.Module):
@@ -46,8 +46,8 @@ class GatedRMSNorm(nn.Module):
 
 
 def _kernels(device: torch.device) -> tuple[Any, Any]:
-    """(conv1d, scan): Triton's or the reference's (``GRAPHRT_RECURRENT``: models/torch/triton_recurrent.py)."""
-    from graphrt.models.torch.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_ssd_scan
+    """(conv1d, scan): Triton's or the reference's (``GRAPHRT_RECURRENT``: layers/torch/state/triton_recurrent.py)."""
+    from graphrt.layers.torch.state.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_ssd_scan
     if recurrent_backend(device) == "triton":
         return triton_causal_conv1d, triton_ssd_scan
     return causal_conv1d, ssd_scan

@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.graph_modes import AttentionGraphSupport
-from graphrt.models.torch.forward_context import get_state_context
+from graphrt.layers.torch.forward_context import get_state_context
 from graphrt.models.hybrid_config import ATTENTION, HybridConfig
-from graphrt.models.torch.attention import PagedAttention
+from graphrt.layers.torch.attention.paged import PagedAttention
 from graphrt.models.torch.decoder import RotaryEmbedding, apply_rotary
-from graphrt.models.torch.gated_delta import gated_delta_rule
+from graphrt.layers.torch.state.gated_delta import gated_delta_rule
 from graphrt.models.torch.hybrid_base import HybridBase
-from graphrt.models.torch.mamba_kernels import causal_conv1d
-from graphrt.models.torch.state_metadata import StateMetadata, read_states, write_states
+from graphrt.layers.torch.state.mamba_kernels import causal_conv1d
+from graphrt.layers.torch.state.metadata import StateMetadata, read_states, write_states
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -62,7 +62,7 @@ def gated_delta_net_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     Hv Dv]`` (before the convolution), ``g`` / ``beta [T, Hv]``; the layer's ``conv_state`` /
     ``delta_state`` (``[slots + 1, C, ...]``) read and written. Returns ``[T, Hv, Dv]`` float32."""
     t = qkv.shape[0]
-    from graphrt.models.torch.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_gated_delta_rule
+    from graphrt.layers.torch.state.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_gated_delta_rule
     triton = recurrent_backend(qkv.device) == "triton"
     conv, rule = (triton_causal_conv1d, triton_gated_delta_rule) if triton else (causal_conv1d, gated_delta_rule)
     mixed, window = conv(qkv, conv_weight, None, read_states(conv_state, meta, torch.float32), meta)

@@ -26,7 +26,7 @@ from graphrt.core.attention_decl import backend_name
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import GraphCaptureError
 from graphrt.core.fields import ModelInputs
-from graphrt.models.torch.attention_backend import CaptureHostValues, HostValues
+from graphrt.layers.torch.attention.backend import CaptureHostValues, HostValues
 
 logger = logging.getLogger(__name__)
 

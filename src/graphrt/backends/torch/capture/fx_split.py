@@ -34,7 +34,7 @@ def is_attention_module(module: torch.nn.Module) -> bool:
 
 def _attention_ops() -> tuple[Any, ...]:
     """The registered graphrt attention op (both its packet and its default overload)."""
-    from graphrt.models.torch.attention import PAGED_ATTENTION_OP
+    from graphrt.layers.torch.attention.paged import PAGED_ATTENTION_OP
     return (PAGED_ATTENTION_OP, PAGED_ATTENTION_OP.overloadpacket)
 
 

@@ -25,7 +25,7 @@ from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import GraphrtError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.models.torch.attention_backend import HostValues
+from graphrt.layers.torch.attention.backend import HostValues
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.graph_tasks import capture_active, graph_task
-from graphrt.models.torch.attention import ATTENTION_ENV, PagedAttention, requested_attention
-from graphrt.models.torch.attention_backend import AttentionBackend, HostValues, StepTensors
-from graphrt.models.torch.kv_quant import is_fp8, quantize_kv, write_kv_rows
+from graphrt.layers.torch.attention.paged import ATTENTION_ENV, PagedAttention, requested_attention
+from graphrt.layers.torch.attention.backend import AttentionBackend, HostValues, StepTensors
+from graphrt.layers.torch.attention.kv_quant import is_fp8, quantize_kv, write_kv_rows
 
-#: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, models/torch/ascend_attention.py),
+#: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, layers/torch/attention/ascend_attention.py),
 #: as torch_npu documents it: ``sparse_mode`` 3 is the bottom-right-aligned causal mask, passed as a
 #: compressed upper-triangular ``[2048, 2048]`` bool mask; paged KV blocks of a multiple of 128 tokens,
 #: at most 512; float16 / bfloat16 heads 16-aligned. Checked where the tensors are on an NPU.

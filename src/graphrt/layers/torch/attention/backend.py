@@ -19,7 +19,7 @@ import torch
 from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, FP8_KV_DTYPES, HOST_VALUES, KEYABLE_HOST_VALUES,
                                          AttentionDeclarations, backend_name)
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError
-from graphrt.models.torch.attention import PagedAttention, TorchAttentionMetadata, choose_attention_kernel
+from graphrt.layers.torch.attention.paged import PagedAttention, TorchAttentionMetadata, choose_attention_kernel
 
 #: What graphrt's attention layers (``PagedAttention``: graphrt's decoders, the Transformers
 #: backend's ``HFPagedAttention``) read of the step's metadata to run graphrt's kernels: the fields

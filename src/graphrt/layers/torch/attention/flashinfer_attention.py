@@ -18,10 +18,10 @@ from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.kv_spec import blocks_for
-from graphrt.models.torch.attention import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
-from graphrt.models.torch.attention_backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
-from graphrt.models.torch.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
-from graphrt.models.torch.kv_quant import is_fp8
+from graphrt.layers.torch.attention.paged import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
+from graphrt.layers.torch.attention.backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
+from graphrt.layers.torch.attention.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
+from graphrt.layers.torch.attention.kv_quant import is_fp8
 
 #: The float workspace FlashInfer's wrappers share (its recommended 128 MiB), and the kernel
 #: backend: "fa2", whose CUDA-graph mode fixes tile size and padded grid from a wrapper's tokens

@@ -1,8 +1,8 @@
 """FlashInfer's side of graphrt's FlashInfer attention: whether it can run, and the kernel call.
 
-:func:`flashinfer_paged_attention` keeps :func:`~graphrt.models.torch.attention.paged_attention_kernel`'s
+:func:`flashinfer_paged_attention` keeps :func:`~graphrt.layers.torch.attention.paged.paged_attention_kernel`'s
 contract (``GRAPHRT_ATTENTION=flashinfer`` makes ``run_paged_attention`` call it): graphrt's K/V
-write, then the wrapper that :mod:`graphrt.models.torch.flashinfer_attention`'s backend planned for
+write, then the wrapper that :mod:`graphrt.layers.torch.attention.flashinfer_attention`'s backend planned for
 the layer, on the cache's no-copy NHD page view. It imports neither graphrt's attention module
 (which imports this one lazily) nor ``flashinfer``: the wrapper comes from the step's metadata.
 """
@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 
 from graphrt.core.errors import ConfigError
-from graphrt.models.torch.forward_context import get_forward_context
-from graphrt.models.torch.kv_quant import is_fp8, quantize_kv, write_kv_rows
+from graphrt.layers.torch.forward_context import get_forward_context
+from graphrt.layers.torch.attention.kv_quant import is_fp8, quantize_kv, write_kv_rows
 
 #: Device types FlashInfer runs on (the CPU tests add "cpu" to run a fake ``flashinfer``).
 SUPPORTED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
@@ -65,7 +65,7 @@ def flashinfer_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
                                scale: float, sliding_window: int | None = None, k_scale: float = 1.0,
                                v_scale: float = 1.0) -> torch.Tensor:
-    """:func:`~graphrt.models.torch.attention.paged_attention_kernel`'s contract through the
+    """:func:`~graphrt.layers.torch.attention.paged.paged_attention_kernel`'s contract through the
     FlashInfer wrapper the step's :class:`FlashInferMetadata` holds for this layer: graphrt's
     K/V write, then FlashInfer on the paged view; padded tokens get zeros."""
     wrappers = getattr(get_forward_context(), "flashinfer_wrappers", None)

@@ -26,8 +26,8 @@ from torch import nn
 
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
-from graphrt.models.torch.forward_context import get_forward_context
-from graphrt.models.torch.kv_quant import dequantize_kv, is_fp8, quantize_kv, write_kv_rows
+from graphrt.layers.torch.forward_context import get_forward_context
+from graphrt.layers.torch.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv, write_kv_rows
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +295,8 @@ def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: 
     if choice in ("reference", "ascend"):   # ascend: only metadata without its own ``attend`` gets here
         return AttentionChoice("reference", f"{ATTENTION_ENV}={choice}")
     device = torch.device(device)
-    if choice == "flashinfer":          # models/torch/flashinfer_attention.py: its backend plans the steps
-        from graphrt.models.torch.flashinfer_kernel import flashinfer_unavailable_reason
+    if choice == "flashinfer":          # layers/torch/attention/flashinfer_attention.py: its backend plans the steps
+        from graphrt.layers.torch.attention.flashinfer_kernel import flashinfer_unavailable_reason
 
         problem = flashinfer_unavailable_reason(device)
         if problem is not None:
@@ -304,7 +304,7 @@ def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: 
         return AttentionChoice("flashinfer", f"{ATTENTION_ENV}=flashinfer")
     if choice == "auto" and device.type != "cuda":
         return AttentionChoice("reference", f"tensors on {device.type}; Triton is the default on cuda only")
-    from graphrt.models.torch import triton_attention
+    from graphrt.layers.torch.attention import triton_attention
 
     problem = (triton_attention.triton_unavailable_reason(device)
                or triton_attention.triton_config_problem(head_dim, q_dtype, cache_dtype, device))
@@ -328,9 +328,9 @@ def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
     if kernel == "auto":
         kernel = choose_attention_kernel(q.device, kv_cache.shape[-1], q.dtype, kv_cache.dtype).kernel
     if kernel == "triton":
-        from graphrt.models.torch.triton_attention import triton_paged_attention as run
+        from graphrt.layers.torch.attention.triton_attention import triton_paged_attention as run
     elif kernel == "flashinfer":
-        from graphrt.models.torch.flashinfer_kernel import flashinfer_paged_attention as run
+        from graphrt.layers.torch.attention.flashinfer_kernel import flashinfer_paged_attention as run
     else:
         run = paged_attention_kernel
     return run(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx,

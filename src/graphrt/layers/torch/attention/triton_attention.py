@@ -1,11 +1,11 @@
 """Paged attention in Triton: graphrt's default attention on CUDA.
 
 :func:`triton_paged_attention` has the contract of the reference
-:func:`graphrt.models.torch.attention.paged_attention_kernel` (decode, chunked prefill and mixed
+:func:`graphrt.layers.torch.attention.paged.paged_attention_kernel` (decode, chunked prefill and mixed
 batches, GQA, sliding window, fp8 KV). Everything data-dependent is read on the device; the grid
 and host-side choices follow tensor shapes only, so the call is capturable and replays correctly.
 
-Kernels in :mod:`graphrt.models.torch.triton_attention_kernels`; their design (GQA tiles,
+Kernels in :mod:`graphrt.layers.torch.attention.triton_attention_kernels`; their design (GQA tiles,
 split-KV, fp8) is on docs/attention.md, "The Triton kernel's design". CPU tensors run through
 Triton's interpreter only when ``TRITON_INTERPRET=1`` was set before importing triton.
 """
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from graphrt.core.errors import ConfigError
-from graphrt.models.torch.kv_quant import KV_CACHE_DTYPES, is_fp8, quantize_kv
+from graphrt.layers.torch.attention.kv_quant import KV_CACHE_DTYPES, is_fp8, quantize_kv
 
 try:  # optional: graphrt imports, and the reference kernel runs, without triton
     import triton
@@ -173,7 +173,7 @@ def plan_attention(num_tokens: int, num_reqs: int, num_kv_heads: int, groups: in
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
     """(store, attention, combine), compiled with triton.jit or wrapped by the interpreter."""
-    from graphrt.models.torch import triton_attention_kernels as src
+    from graphrt.layers.torch.attention import triton_attention_kernels as src
 
     fns = (src.kv_store_kernel, src.attention_kernel, src.combine_kernel)
     if interpret:

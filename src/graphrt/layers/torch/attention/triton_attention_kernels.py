@@ -1,4 +1,4 @@
-"""The Triton kernels behind :mod:`graphrt.models.torch.triton_attention` (read that first).
+"""The Triton kernels behind :mod:`graphrt.layers.torch.attention.triton_attention` (read that first).
 
 They are plain functions here, not decorated: ``triton_attention`` wraps each one with
 ``triton.jit`` for CUDA tensors or with Triton's interpreter for CPU tensors, on first use,

@@ -4,7 +4,7 @@ Per value head a state ``S [Dk, Dv]``; per token (``q``, ``k`` L2-normalised, ``
 ``Dk ** -0.5``): ``S <- exp(g) S``; ``S <- S + k (beta (v - S^T k))^T``; output ``S^T q``.
 
 :func:`gated_delta_rule` works on the packed tokens of a step with a
-:class:`~graphrt.models.torch.state_metadata.StateMetadata`, lengths from device tensors only:
+:class:`~graphrt.layers.torch.state.metadata.StateMetadata`, lengths from device tensors only:
 chunked (within a chunk the WY / UT form -- one unit-triangular solve -- between chunks the
 state, the ``k``-th chunk of every request at once), or for uniform decode / verification
 steps one recurrent update per token. Both return the state after each request's last C
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.models.torch.mamba_kernels import chunked_scan
-from graphrt.models.torch.state_metadata import StateMetadata
+from graphrt.layers.torch.state.mamba_kernels import chunked_scan
+from graphrt.layers.torch.state.metadata import StateMetadata
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from graphrt.models.torch.state_metadata import StateMetadata
+from graphrt.layers.torch.state.metadata import StateMetadata
 
 
 def request_tokens(meta: StateMetadata, index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from graphrt.core.errors import ConfigError
-from graphrt.models.torch.state_metadata import StateMetadata
+from graphrt.layers.torch.state.metadata import StateMetadata
 
 #: Environment variable choosing the recurrent kernels: auto (default), reference, triton.
 RECURRENT_ENV = "GRAPHRT_RECURRENT"
@@ -67,7 +67,7 @@ def recurrent_backend(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
-    from graphrt.models.torch import triton_recurrent_kernels as src
+    from graphrt.layers.torch.state import triton_recurrent_kernels as src
 
     fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel)
     if interpret:
@@ -85,8 +85,8 @@ def _pow2(n: int) -> int:
 
 def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, init: torch.Tensor,
                          meta: StateMetadata, activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~graphrt.models.torch.mamba_kernels.causal_conv1d` in Triton (SiLU always)."""
-    from graphrt.models.torch.mamba_kernels import conv_windows
+    """:func:`~graphrt.layers.torch.state.mamba_kernels.causal_conv1d` in Triton (SiLU always)."""
+    from graphrt.layers.torch.state.mamba_kernels import conv_windows
 
     conv, _, _ = _kernels(x.device.type != "cuda")
     t, d = x.shape
@@ -103,7 +103,7 @@ def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def triton_ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                     D: torch.Tensor | None, init: torch.Tensor, meta: StateMetadata,
                     chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~graphrt.models.torch.mamba_kernels.ssd_scan` in Triton (a sequential scan per request)."""
+    """:func:`~graphrt.layers.torch.state.mamba_kernels.ssd_scan` in Triton (a sequential scan per request)."""
     _, scan, _ = _kernels(x.device.type != "cuda")
     t, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
@@ -122,8 +122,8 @@ def triton_ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
 def triton_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             init: torch.Tensor, meta: StateMetadata,
                             chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~graphrt.models.torch.gated_delta.gated_delta_rule` in Triton (sequential per request)."""
-    from graphrt.models.torch.gated_delta import l2norm
+    """:func:`~graphrt.layers.torch.state.gated_delta.gated_delta_rule` in Triton (sequential per request)."""
+    from graphrt.layers.torch.state.gated_delta import l2norm
 
     _, _, delta = _kernels(q.device.type != "cuda")
     t, hv, dv = v.shape

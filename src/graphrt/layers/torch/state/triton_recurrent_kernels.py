@@ -1,4 +1,4 @@
-"""The Triton kernels behind :mod:`graphrt.models.torch.triton_recurrent` (read that first).
+"""The Triton kernels behind :mod:`graphrt.layers.torch.state.triton_recurrent` (read that first).
 
 Plain functions, not decorated: the wrapper compiles them with ``triton.jit`` for CUDA tensors
 or wraps them in Triton's interpreter for CPU tensors. Every length is loaded from device

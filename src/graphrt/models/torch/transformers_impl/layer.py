@@ -1,6 +1,6 @@
 """graphrt's attention layer for one attention layer of a transformers model.
 
-:class:`HFPagedAttention` is graphrt's :class:`~graphrt.models.torch.attention.PagedAttention`
+:class:`HFPagedAttention` is graphrt's :class:`~graphrt.layers.torch.attention.paged.PagedAttention`
 (the runner assigns its ``kv_cache``; it is a PIECEWISE split point) with what transformers'
 decoders add to plain causal attention, read from the model when it is loaded (``facts.py``):
 
@@ -13,7 +13,7 @@ decoders add to plain causal attention, read from the model when it is loaded (`
 A layer with none of these runs graphrt's own kernels exactly as graphrt's decoders do
 (reference, Triton on CUDA, FlashInfer / Ascend where their backends are selected). A layer with
 any of them runs graphrt's reference kernel
-(:func:`~graphrt.models.torch.attention.paged_attention_kernel`) with the three additions, under
+(:func:`~graphrt.layers.torch.attention.paged.paged_attention_kernel`) with the three additions, under
 graphrt's paged metadata (the model's attention backend is then
 :class:`ReferencePagedBackend`, which narrows the block table to the step's context bucket).
 """
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from graphrt.models.torch.forward_context import get_forward_context
-from graphrt.models.torch.attention import PagedAttention, paged_attention_kernel
-from graphrt.models.torch.attention_backend import HostValues, PagedAttentionBackend, StepTensors
+from graphrt.layers.torch.forward_context import get_forward_context
+from graphrt.layers.torch.attention.paged import PagedAttention, paged_attention_kernel
+from graphrt.layers.torch.attention.backend import HostValues, PagedAttentionBackend, StepTensors
 
 
 class HFPagedAttention(PagedAttention):
