@@ -42,8 +42,9 @@ def child(budget: int, quick: bool = False) -> dict:
     from graphrt.models.random_checkpoint import write_random_checkpoint
 
     sizes, limits = (QUICK_SIZES, QUICK_LIMITS) if quick else (SIZES, LIMITS)
-    model = write_random_checkpoint(tempfile.mkdtemp(prefix="graphrt-xla-memory-"), "qwen3", **sizes)
-    llm = graphrt.LLM(str(model), backend="xla", dtype="bfloat16", kv_cache_memory=budget, **limits)
+    with tempfile.TemporaryDirectory(prefix="graphrt-xla-memory-") as scratch:
+        model = write_random_checkpoint(scratch, "qwen3", **sizes)
+        llm = graphrt.LLM(str(model), backend="xla", dtype="bfloat16", kv_cache_memory=budget, **limits)
     prompts = [[3 + (7 * i + j) % 500 for j in range(40 + 9 * i)] for i in range(6)]
     outs = llm.generate(prompts, graphrt.SamplingParams(max_tokens=8, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in outs)
