@@ -3,7 +3,7 @@
 
 Each budget runs in a fresh process (``--child``): a random bfloat16 Qwen3 (8 layers, 4 KV heads
 of 128: 256 KiB a 16-token block), ``kv_cache_memory`` bytes for the cache and the executables,
-warm-up, then a few requests generated; the child prints its ``ru_maxrss``, the cache's bytes and
+warm-up, then a few requests generated; the child prints its peak RSS (``VmHWM``), the cache's bytes and
 the largest executable temp bytes. The parent prints each run and the growth of the peak between
 them over the growth of the cache. Run it once per source tree to compare:
 ``PYTHONPATH=<tree>/src python benchmarks/bench_xla_memory.py --budget-mib 256 768``.
@@ -42,8 +42,9 @@ def child(budget: int, quick: bool = False) -> dict:
     from graphrt.models.random_checkpoint import write_random_checkpoint
 
     sizes, limits = (QUICK_SIZES, QUICK_LIMITS) if quick else (SIZES, LIMITS)
-    model = write_random_checkpoint(tempfile.mkdtemp(prefix="graphrt-xla-memory-"), "qwen3", **sizes)
-    llm = graphrt.LLM(str(model), backend="xla", dtype="bfloat16", kv_cache_memory=budget, **limits)
+    with tempfile.TemporaryDirectory(prefix="graphrt-xla-memory-") as scratch:
+        model = write_random_checkpoint(scratch, "qwen3", **sizes)
+        llm = graphrt.LLM(str(model), backend="xla", dtype="bfloat16", kv_cache_memory=budget, **limits)
     prompts = [[3 + (7 * i + j) % 500 for j in range(40 + 9 * i)] for i in range(6)]
     outs = llm.generate(prompts, graphrt.SamplingParams(max_tokens=8, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in outs)
@@ -52,7 +53,21 @@ def child(budget: int, quick: bool = False) -> dict:
     return {"cache_bytes": int(runner.num_kv_blocks * runner.executor.kv_cache_bytes_per_block(limits["block_size"])),
             "num_kv_blocks": int(runner.num_kv_blocks),
             "max_temp_bytes": max((r.get("temp_bytes", 0) for r in report), default=0),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak RSS: ``VmHWM`` of /proc/self/status, which exec resets. Not
+    ``ru_maxrss``: Linux carries it across fork and exec, so a child started by a large parent (a
+    pytest worker at 2.3 GB) reports the parent's peak whatever it uses itself."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def measure(budget_mib: int, quick: bool = False, env: dict | None = None) -> dict:

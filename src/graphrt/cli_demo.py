@@ -104,8 +104,16 @@ def demo_run(args: argparse.Namespace) -> int:
     print("backends:")
     for name, reason in graphrt.available_backends().items():
         print(f"  {name:<6} {'available' if reason is None else reason}")
-    model_dir = args.model_dir or str(write_random_checkpoint(
-        tempfile.mkdtemp(prefix="graphrt-demo-"), args.arch, seed=args.seed))
+    # The random checkpoint lives only as long as the demo: each run used to leave its weights in /tmp.
+    with tempfile.TemporaryDirectory(prefix="graphrt-demo-") as scratch:
+        model_dir = args.model_dir or str(write_random_checkpoint(scratch, args.arch, seed=args.seed))
+        return _demo_on(args, model_dir, params)
+
+
+def _demo_on(args: argparse.Namespace, model_dir: str, params: Any) -> int:
+    """The demo's engine on ``model_dir``: built from the flags, run, its steps printed."""
+    import graphrt
+
     try:
         demo_defaults = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256}
         if args.cudagraph_capture_sizes is None and args.max_cudagraph_capture_size is None:

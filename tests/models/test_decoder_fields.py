@@ -42,9 +42,14 @@ def base_config(arch: str) -> dict:
     return json.loads(json.dumps(raw))
 
 
+#: One directory for the module's configs, removed with the interpreter (a directory per call used
+#: to be left in /tmp: ~700 per suite run).
+_SCRATCH = tempfile.TemporaryDirectory(prefix="decoder-fields-")
+
+
 def write(raw: dict) -> str:
     """A directory holding only ``raw`` as config.json (model_impl reads nothing else)."""
-    path = Path(tempfile.mkdtemp(prefix="decoder-fields-"))
+    path = Path(tempfile.mkdtemp(dir=_SCRATCH.name))
     (path / "config.json").write_text(json.dumps(raw))
     return str(path)
 
