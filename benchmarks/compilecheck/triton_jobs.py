@@ -1,12 +1,12 @@
 """What the Triton part compiles: every Triton kernel graphrt ships, at every plan its planner
 picks over a stated domain, as plain job records (JSON-able, for worker processes).
 
-Paged attention (``models/torch/triton_attention*.py``): the planner
+Paged attention (``layers/torch/attention/triton_attention*.py``): the planner
 (:func:`~graphrt.layers.torch.attention.triton_attention.plan_attention`) is asked for every phase x head
 size x GQA group x dtype of :data:`ATTENTION_DOMAIN`, and each distinct plan becomes one job per
 target, with the constants, launch configuration and argument types ``triton_paged_attention``
 passes at run time. The KV write and split-KV combine kernels, and the recurrent kernels
-(``models/torch/triton_recurrent*.py``: causal conv1d, the SSD scan, the gated delta rule) at the
+(``layers/torch/state/triton_recurrent*.py``: causal conv1d, the SSD scan, the gated delta rule) at the
 block sizes their wrappers pick for common model shapes. graphrt has no Triton sampling kernel of
 its own (sampling is torch ops, or FlashInfer's kernels).
 

@@ -276,7 +276,11 @@ def test_the_choice_on_this_machine(monkeypatch):
     monkeypatch.delenv("GRAPHRT_ATTENTION", raising=False)
     assert choose().kernel == ("pallas" if ON_TPU else "reference")
     monkeypatch.setenv("GRAPHRT_ATTENTION", "reference")
-    assert choose() == ("reference", None, "GRAPHRT_ATTENTION=reference")
+    chosen = choose()
+    assert chosen[:3] == ("reference", None, "GRAPHRT_ATTENTION=reference")
+    # the choice returns what its kernel declares: the executables key the context (buckets)
+    assert chosen.declarations.keyed_host_values(devices, jnp.bfloat16) == ("max_seq_len",)
+    assert "float8_e4m3fn" in chosen.declarations.kv_cache_dtypes
     monkeypatch.setenv("GRAPHRT_ATTENTION", "triton")
     with pytest.raises(ConfigError, match="GRAPHRT_ATTENTION='triton'"):
         choose()
@@ -289,7 +293,7 @@ def test_the_choice_on_this_machine(monkeypatch):
     with pytest.raises(ConfigError, match="forward of its own"):
         pa.choose_xla_attention(_cfg(), devices, jnp.bfloat16, jnp.bfloat16, own_decoder=False, tp_size=1)
     monkeypatch.setattr(pa, "KERNEL_OVERRIDE", reference_kernel)
-    assert choose() == ("pallas", pa.PallasAttention(reference_kernel),
+    assert choose()[:3] == ("pallas", pa.PallasAttention(reference_kernel),
                         "GRAPHRT_ATTENTION=pallas: Pallas ragged paged attention runs")
 
 
@@ -394,3 +398,18 @@ def test_the_kit_checks_kv_isolation_in_the_page_layout(pallas_on_cpu):
     np.testing.assert_array_equal(access.kv_values(runner), planted)
     result = check_property("kv_isolated", factory, examples=examples(2))
     assert result.passed, result.line()
+
+
+def test_one_parser_reads_the_kernel_variable_for_torch_and_xla(monkeypatch):
+    """GRAPHRT_ATTENTION is parsed in one place: torch's and XLA's choices name the same variable
+    and value, each with the kernels it takes."""
+    from graphrt.core.attention_decl import requested_kernel
+    from graphrt.layers.torch.attention.paged import requested_attention
+
+    monkeypatch.setenv("GRAPHRT_ATTENTION", " Pallas ")
+    assert requested_kernel(("auto", "pallas"), "x") == "pallas"
+    with pytest.raises(ConfigError, match=r"GRAPHRT_ATTENTION='pallas': graphrt's torch attention takes one of"):
+        requested_attention()
+    monkeypatch.setenv("GRAPHRT_ATTENTION", "triton")
+    with pytest.raises(ConfigError, match=r"GRAPHRT_ATTENTION='triton': graphrt's JAX decoder takes one of"):
+        pa.choose_xla_attention(_cfg(), jax.devices(), jnp.bfloat16, jnp.bfloat16, own_decoder=True, tp_size=1)

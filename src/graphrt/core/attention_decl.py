@@ -10,8 +10,10 @@ standard library only."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable
+import os
+from typing import Any, ClassVar, Iterable, Sequence
 
+from graphrt.core.defaults import ATTENTION_ENV
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.kv_spec import kv_cache_dtype_name
@@ -96,6 +98,15 @@ def checked_keyed(backend: Any, device: Any, dtype: Any) -> tuple[str, ...]:
     return keyed
 
 
+def requested_kernel(choices: Sequence[str], taker: str) -> str:
+    """The one parser of ``GRAPHRT_ATTENTION`` (torch and XLA alike): its value, lower-cased,
+    ``auto`` where unset or empty; ConfigError naming ``taker`` and ``choices`` for another."""
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in choices:
+        raise ConfigError(f"{ATTENTION_ENV}={choice!r}: {taker} takes one of {tuple(choices)}")
+    return choice
+
+
 def narrows_context(keyed: Iterable[str]) -> bool:
     """Whether keys get context buckets: the attention keys ``max_seq_len`` (its cost follows the
     block table's width, which a graph then fixes at its bucket)."""
@@ -128,4 +139,4 @@ def check_kv_dtypes(backend: Any, group_dtypes: Iterable[tuple[int, str]]) -> No
 
 __all__ = ["AttentionDeclarations", "CONTEXT_VALUE", "FLOAT_KV_DTYPES", "FP8_KV_DTYPES", "HOST_VALUES",
            "KEYABLE_HOST_VALUES", "backend_name", "check_declarations", "check_kv_dtypes", "checked_keyed",
-           "least_support", "narrows_context", "supported_kv_dtypes"]
+           "least_support", "narrows_context", "requested_kernel", "supported_kv_dtypes"]

@@ -3,35 +3,27 @@
 An executable fixes the host values read while traced, like a graph, so a JAX model declares
 them with :class:`~graphrt.core.attention_decl.AttentionDeclarations` (``XlaModel(...,
 attention_backend=...)``): ``max_seq_len`` keyed or nothing; ``graph_support`` below ``ALWAYS``
-and ``refreshed_host_values`` are refused (no Python runs before a call). Undeclared:
-:class:`XlaPagedAttention`. docs/attention.md, "The same declarations on XLA"."""
+and ``refreshed_host_values`` are refused (no Python runs before a call). Undeclared: what
+graphrt's chosen kernel declares (its choice returns them:
+:class:`~graphrt.layers.jax.paged_attention.XlaPagedAttention`). docs/attention.md, "The same
+declarations on XLA"."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from graphrt.core.attention_decl import (CONTEXT_VALUE, FLOAT_KV_DTYPES, FP8_KV_DTYPES, AttentionDeclarations,
-                                         backend_name, check_declarations, check_kv_dtypes, checked_keyed,
-                                         least_support)
+from graphrt.core.attention_decl import (AttentionDeclarations, backend_name, check_declarations, check_kv_dtypes,
+                                         checked_keyed, least_support)
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
+from graphrt.layers.jax.paged_attention import XlaPagedAttention
 
 
-class XlaPagedAttention(AttentionDeclarations):
-    """graphrt's JAX decoder's attention, and a JAX model's unless it declares its own: it
-    attends over every column of the block table it is given, so it keys ``max_seq_len``."""
-
-    name = "jax-paged"
-    kv_cache_dtypes = FLOAT_KV_DTYPES + FP8_KV_DTYPES
-
-    def keyed_host_values(self, device: Any, dtype: Any) -> tuple[str, ...]:
-        return (CONTEXT_VALUE,)
-
-
-def model_attention(model: Any) -> Any:
-    """``model``'s declared attention (``attention_backend``), else :class:`XlaPagedAttention`."""
+def model_attention(model: Any, chosen: AttentionDeclarations) -> Any:
+    """``model``'s declared attention (``attention_backend``), else what graphrt's chosen kernel
+    declares (``chosen``: :func:`~graphrt.layers.jax.pallas_attention.choose_xla_attention`'s)."""
     own = getattr(model, "attention_backend", None)
-    return own if own is not None else XlaPagedAttention()
+    return own if own is not None else chosen
 
 
 def checked_attention(attention: Any, devices: Any, dtype: Any, group_dtypes: list[tuple[int, str]]

@@ -262,7 +262,7 @@ class XlaPrograms:
                                           attention=self.attention.attention)
         #: The model's declared attention (the seam's declarations, shared with torch), checked:
         #: what the executables key (``max_seq_len``: context buckets) and run.
-        self.attention_backend = model_attention(model)
+        self.attention_backend = model_attention(model, self.attention.declarations)
         groups = [] if self.kv_spec is None else [(i, g.dtype) for i, g in enumerate(self.kv_spec.groups)]
         self.keyed_host_values, self.attention_support = checked_attention(
             self.attention_backend, list(mesh.devices.flat), self.dtype, groups)

@@ -19,6 +19,20 @@ import jax
 import jax.export
 import jax.numpy as jnp
 
+from graphrt.core.attention_decl import CONTEXT_VALUE, FLOAT_KV_DTYPES, FP8_KV_DTYPES as FP8_KV_NAMES, AttentionDeclarations
+
+
+class XlaPagedAttention(AttentionDeclarations):
+    """What graphrt's JAX kernels declare (the reference one here and Pallas): they attend over
+    every column of the block table they are given, so they key ``max_seq_len`` (context
+    buckets); float and fp8 caches. A JAX model that declares no attention of its own gets it."""
+
+    name = "jax-paged"
+    kv_cache_dtypes = FLOAT_KV_DTYPES + FP8_KV_NAMES
+
+    def keyed_host_values(self, device: Any, dtype: Any) -> tuple[str, ...]:
+        return (CONTEXT_VALUE,)
+
 
 class AttentionMetadata(NamedTuple):
     """Per-step batch layout, a pytree of arrays only (static values travel separately).
@@ -167,4 +181,4 @@ def reference_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arr
 
 
 __all__ = ["AttentionMetadata", "FP8_KV_DTYPES", "cache_paged_attention", "dequantize_kv", "paged_attention",
-           "quantize_kv", "reference_attend", "token_request_index", "write_kv_rows"]
+           "quantize_kv", "reference_attend", "token_request_index", "write_kv_rows", "XlaPagedAttention"]

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import importlib
 import logging
-import os
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -24,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from graphrt.core import defaults
+from graphrt.core.attention_decl import AttentionDeclarations, requested_kernel
 from graphrt.core.errors import ConfigError
-from graphrt.layers.jax.paged_attention import FP8_KV_DTYPES, quantize_kv
+from graphrt.layers.jax.paged_attention import FP8_KV_DTYPES, XlaPagedAttention, quantize_kv
 
 #: The JAX decoder's choices under ``GRAPHRT_ATTENTION``.
 XLA_ATTENTION_CHOICES = ("auto", "reference", "pallas")
@@ -61,11 +61,14 @@ class PallasAttention:
 
 class XlaAttentionChoice(NamedTuple):
     """The JAX decoder's attention: ``kernel`` ``"pallas"`` or ``"reference"``, the decoder's
-    ``attention`` argument (None: the reference; a :class:`PallasAttention`), and why."""
+    ``attention`` argument (None: the reference; a :class:`PallasAttention`), why, and what the
+    chosen kernel declares (``declarations``: what the executables key, the KV dtypes it takes;
+    a model's own attention declares for itself)."""
 
     kernel: str
     attention: PallasAttention | None
     reason: str
+    declarations: AttentionDeclarations
 
 
 def kernel_import_problem() -> str | None:
@@ -113,22 +116,20 @@ def choose_xla_attention(config: Any, devices: Sequence[Any], dtype: Any, kv_dty
     where it can run (TPUs, the module imports, the shapes tile), ``reference`` never, and
     ``pallas`` always, raising ``ConfigError`` with the reason where it cannot run."""
     env = defaults.ATTENTION_ENV
-    choice = os.environ.get(env, "auto").strip().lower() or "auto"
-    if choice not in XLA_ATTENTION_CHOICES:
-        raise ConfigError(f"{env}={choice!r}: graphrt's JAX decoder takes one of {XLA_ATTENTION_CHOICES}")
+    choice = requested_kernel(XLA_ATTENTION_CHOICES, "graphrt's JAX decoder")
     if choice == "reference":
-        return XlaAttentionChoice("reference", None, f"{env}=reference")
+        return XlaAttentionChoice("reference", None, f"{env}=reference", XlaPagedAttention())
     override = KERNEL_OVERRIDE
     problem = pallas_problem(config, devices, dtype, kv_dtype, own_decoder=own_decoder, tp_size=tp_size,
                              override=override is not None)
     if problem is None:
         return XlaAttentionChoice("pallas", PallasAttention("pallas" if override is None else override),
-                                  f"{env}={choice}: Pallas ragged paged attention runs")
+                                  f"{env}={choice}: Pallas ragged paged attention runs", XlaPagedAttention())
     if choice == "pallas":
         raise ConfigError(f"{env}=pallas, but Pallas ragged paged attention cannot run: {problem}")
     if any(d.platform == "tpu" for d in devices):
         logger.warning("graphrt's JAX decoder on TPU attends with its reference, not Pallas: %s", problem)
-    return XlaAttentionChoice("reference", None, problem)
+    return XlaAttentionChoice("reference", None, problem, XlaPagedAttention())
 
 
 def pages_per_layer(num_blocks: int) -> int:

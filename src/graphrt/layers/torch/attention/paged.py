@@ -17,13 +17,14 @@ kernels".
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
+from graphrt.core import defaults
+from graphrt.core.attention_decl import requested_kernel
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.layers.torch.forward_context import get_forward_context
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable choosing the kernel: ``auto`` (default), ``reference``, ``triton``,
 #: ``flashinfer`` or ``ascend``.
-ATTENTION_ENV = "GRAPHRT_ATTENTION"
+ATTENTION_ENV = defaults.ATTENTION_ENV
 ATTENTION_CHOICES = ("auto", "reference", "triton", "flashinfer", "ascend")
 
 
@@ -280,10 +281,7 @@ _LOGGED_FALLBACKS: set[str] = set()
 def requested_attention() -> str:
     """``GRAPHRT_ATTENTION``, checked: one of :data:`ATTENTION_CHOICES` (unset: ``auto``); read
     once, when a runner chooses its attention (ConfigError for another value)."""
-    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if choice not in ATTENTION_CHOICES:
-        raise ConfigError(f"{ATTENTION_ENV}={choice!r}: expected one of {ATTENTION_CHOICES}")
-    return choice
+    return requested_kernel(ATTENTION_CHOICES, "graphrt's torch attention")
 
 
 def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: torch.dtype,
