@@ -242,7 +242,7 @@ def test_a_skipped_refresh_gives_wrong_logits(skip: str, fake_npu: Any, monkeypa
     if skip == "before_replay":
         monkeypatch.setattr(AscendAttentionBackend, "before_replay", lambda self, step, host: None)
     else:
-        monkeypatch.setattr(NpuGraphAPI, "pre_replay", lambda self, tasks, padded: None)
+        monkeypatch.setattr(NpuGraphAPI, "pre_replay", lambda self, tasks: None)
     runner = acl_runner(monkeypatch, FakeNpu())
     got = run_steps(runner)
     assert runner.last_step.mode is RuntimeMode.FULL

@@ -144,7 +144,7 @@ def _run_adapter(spec: Spec, step) -> tuple[torch.Tensor, torch.Tensor, fi.Flash
     layer = PagedAttention(spec.kv_heads * spec.groups, spec.kv_heads, spec.head_dim, sliding_window=spec.window)
     layer.kv_cache = step.cache.clone()
     backend = fi.FlashInferAttentionBackend([layer], workspace_bytes=16)
-    assert backend.keyed_host_values(torch.device("cpu"), spec.q_dtype) == ()
+    assert backend.setup(torch.device("cpu"), spec.q_dtype) == ()
     tensors = _tensors(step)
     t, r = tensors.slot_mapping.shape[0], tensors.seq_lens.shape[0]
     host = HostValues(t, r, step.real_tokens, len(spec.reqs), max(s for _, s in spec.reqs), step.max_context, False)
@@ -204,14 +204,14 @@ def test_captures_plan_once_with_padding_and_steps_plan_in_before_replay(fake_fl
     layer = PagedAttention(2, 1, 8)
     layer.kv_cache = step.cache.clone()
     backend = fi.FlashInferAttentionBackend([layer], workspace_bytes=16)
-    backend.keyed_host_values(torch.device("cpu"), torch.float32)
+    assert backend.setup(torch.device("cpu"), torch.float32) == ()
     tensors = _tensors(step)
     host = HostValues(4, 3, 3, 2, 2, 9, False)
     guarded = CaptureHostValues(host, (), "flashinfer", "key")
-    backend.build(tensors, guarded)                             # reads no host value
+    backend.build_for_capture(tensors, guarded)                 # the capture phase: reads no host value
     (first,) = FAKE_PLANS
     assert first["graph"] and first["arrays"][0].tolist() == [0, 2, 3, 4]
-    backend.build(tensors, guarded)
+    backend.build_for_capture(tensors, guarded)
     assert len(FAKE_PLANS) == 1
     backend.before_replay(tensors, host)
     assert len(FAKE_PLANS) == 2 and FAKE_PLANS[1]["wrapper"] == first["wrapper"]
@@ -351,7 +351,7 @@ def test_gpu_flashinfer_matches_triton(name: str, monkeypatch: pytest.MonkeyPatc
     layer = PagedAttention(spec.kv_heads * spec.groups, spec.kv_heads, spec.head_dim, sliding_window=spec.window)
     layer.kv_cache = step.cache.clone()
     backend = fi.FlashInferAttentionBackend([layer])
-    backend.keyed_host_values(torch.device("cuda"), spec.q_dtype)
+    backend.setup(torch.device("cuda"), spec.q_dtype)
     m = step.meta
     t, r = m.slot_mapping.shape[0], m.seq_lens.shape[0]
     ints = torch.zeros(t, dtype=torch.int32, device="cuda")

@@ -124,16 +124,12 @@ def test_importing_the_adapter_does_not_import_torch_npu() -> None:
 HOST: dict[str, float] = {"scale": 1.0}
 
 
-def host_scale(padded: Any) -> float:
-    """A host-side value per step, like Ascend attention's ``actual_seq_lengths``."""
-    return float(padded.seq_lens[:padded.num_reqs].sum()) / 8.0
-
-
 class HostScaled(torch.nn.Module):
     """Scales its input by a host-side value passed to the op as a Python number.
 
-    A graph bakes that number in; wrapping the op in ``graph_task`` lets a hook re-issue
-    it with the step's value before each replay (Ascend's task update).
+    A graph bakes that number in; wrapping the op in ``graph_task`` lets a hook re-issue it
+    before each replay with the value the attention's ``before_replay`` refreshed (Ascend's task
+    update; the hook takes no step).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +138,7 @@ class HostScaled(torch.nn.Module):
         def issue(value: float) -> None:
             torch.mul(x, value, out=out)
 
-        with graph_task(lambda padded: issue(host_scale(padded))):
+        with graph_task(lambda: issue(HOST["scale"])):       # before_replay set it
             issue(HOST["scale"])
         return out
 

@@ -126,8 +126,8 @@ class ExtraBackend(AttentionBackend):
         from graphrt.layers.torch.attention.backend import PagedAttentionBackend
         self.paged = PagedAttentionBackend(head_dim)
 
-    def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-        return self.paged.keyed_host_values(device, dtype)
+    def setup(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        return self.paged.setup(device, dtype)          # the composed backend's kernel, chosen once
 
     def build(self, step: StepTensors, host: HostValues):
         meta = self.paged.build(step, host)

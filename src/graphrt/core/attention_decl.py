@@ -88,8 +88,10 @@ def supported_kv_dtypes(backend: Any) -> tuple[str, ...]:
 
 
 def checked_keyed(backend: Any, device: Any, dtype: Any) -> tuple[str, ...]:
-    """What ``backend`` fixes when a graph is built (sorted), checked to be values a key holds."""
-    keyed = tuple(sorted(backend.keyed_host_values(device, dtype)))
+    """Run ``backend``'s setup phase (once, when the runner is built): what it fixes when a graph
+    is built (sorted), checked to be values a key holds."""
+    setup = getattr(backend, "setup", None)        # the setup phase (once); a duck-typed backend: its declaration
+    keyed = tuple(sorted(setup(device, dtype) if callable(setup) else backend.keyed_host_values(device, dtype)))
     bad = [v for v in keyed if v not in KEYABLE_HOST_VALUES]
     if bad:
         raise ConfigError(f"attention backend {backend_name(backend)!r} keys on {bad}, which no graph key holds: "

@@ -33,12 +33,13 @@ def capturing(api: Any, tasks: list) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def graph_task(hook: Callable[[Any], None], *, needs_task_update: bool = False) -> Iterator[None]:
+def graph_task(hook: Callable[[], None], *, needs_task_update: bool = False) -> Iterator[None]:
     """Mark the enclosed op as one whose host-side arguments a graph would bake in.
 
-    While a graph is captured, the op becomes its task and ``hook`` runs before every replay
-    with the padded step inputs (on Ascend inside the task group's update, re-issuing the op;
-    elsewhere as a pre-replay hook writing device buffers the op reads). ``needs_task_update``:
+    While a graph is captured, the op becomes its task and ``hook()`` runs before every replay,
+    after the attention backend's ``before_replay`` (the one reader of the step's host values:
+    the hook reads what it refreshed, never the step), on Ascend inside the task group's update,
+    re-issuing the op; elsewhere as a pre-replay hook writing device buffers the op reads. ``needs_task_update``:
     only a graph API with ``task_updates`` can splice the re-issued op in; elsewhere the capture
     fails with :class:`GraphCaptureError` (the key runs eagerly). Outside a capture: nothing.
     """

@@ -16,10 +16,9 @@ import torch
 from graphrt.core.errors import GraphCaptureError, GraphrtError
 from graphrt.core import graph_tasks
 from graphrt.core.collector import collector_paused
-from graphrt.core.fields import ModelInputs
 
 #: A graph task's hook: run before each replay of its graph with the padded inputs (host numpy arrays).
-PreReplayHook = Callable[[ModelInputs], None]
+PreReplayHook = Callable[[], None]
 
 
 @dataclass
@@ -97,10 +96,11 @@ class DeviceGraphAPI(abc.ABC):
         tasks.append(GraphTask(hook))
         yield
 
-    def pre_replay(self, tasks: Sequence[GraphTask], padded: ModelInputs) -> None:
-        """Run each captured task's hook before a replay (after the attention's ``before_replay``)."""
+    def pre_replay(self, tasks: Sequence[GraphTask]) -> None:
+        """Run each captured task's hook before a replay (after the attention's ``before_replay``,
+        whose refreshed values the hooks read: they take no step)."""
         for task in tasks:
-            task.hook(padded)
+            task.hook()
 
 
 class CompletedEvent:

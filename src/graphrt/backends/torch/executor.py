@@ -74,7 +74,9 @@ class TorchExecutor(Executor[TorchEntry]):
         check_declarations(self.attention)
         check_kv_dtypes(self.attention, self.kv.group_dtypes())
         self.attention_support = attention_support(model, self.attention)
-        self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)
+        self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)   # its setup, once
+        #: The capture phase's build (a duck-typed backend without one: its build).
+        self._build_for_capture = getattr(self.attention, "build_for_capture", self.attention.build)
         #: The refresh path: the backend's own before_replay, run before every run when it has one.
         self._refresh = overrides_before_replay(self.attention)
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
@@ -201,8 +203,8 @@ class TorchExecutor(Executor[TorchEntry]):
         """The attention backend's metadata of the static buffers' first ``num_tokens`` /
         ``num_reqs`` rows and the step's ``host`` values (inside a capture: guarded ones)."""
         if isinstance(host, CaptureHostValues):     # a graph's: no host tensor reachable
-            refused = HostTensorsRefused(backend_name(self.attention), object.__getattribute__(host, "_guard")[2])
-            return self.attention.build(self.buffers.capture_tensors(num_tokens, num_reqs, refused), host)
+            refused = HostTensorsRefused(backend_name(self.attention), host.captured_key)
+            return self._build_for_capture(self.buffers.capture_tensors(num_tokens, num_reqs, refused), host)
         views = self.buffers.views.get((num_tokens, num_reqs))
         return self.attention.build(views if views is not None else self.buffers.tensors(num_tokens, num_reqs), host)
 
@@ -240,7 +242,7 @@ class TorchExecutor(Executor[TorchEntry]):
         if host is self._host_values:
             uniform = self._run_uniform
         elif isinstance(host, CaptureHostValues):   # the captured key's (its guard holds the key)
-            uniform = bool(getattr(object.__getattribute__(host, "_guard")[2], "uniform_decode", False))
+            uniform = bool(getattr(host.captured_key, "uniform_decode", False))
         else:
             uniform = bool(host.uniform_decode)
         stack = contextlib.ExitStack()
@@ -370,7 +372,7 @@ class TorchExecutor(Executor[TorchEntry]):
         if self._refresh:                 # the one refresh path, before every run
             self.attention.before_replay(self.buffers.tensors(t, r), host)
         if entry is not None and self.graph_api is not None and entry.tasks:
-            self.graph_api.pre_replay(entry.tasks, padded)
+            self.graph_api.pre_replay(entry.tasks)
         if entry is not None and self.config.debug_check_addresses:
             check_addresses(entry, self.input_ptrs())
             self.live.check_entry(entry, (mode, key))

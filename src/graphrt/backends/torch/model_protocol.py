@@ -4,8 +4,8 @@ A torch model (docs/models.md) has ``forward(input_ids, positions)``, ``compute_
 ``attention_layers()``, ``kv_cache_spec()`` and a ``config`` with ``vocab_size`` and
 ``hidden_size``; optionally ``attention_backend`` and ``extra_inputs``.
 :func:`check_torch_model` names what is missing before anything is allocated.
-:func:`choose_attention` is the one place a kernel is chosen (the model's own, FlashInfer,
-Ascend, or graphrt's paged attention); its FULL-graph support is the least of its layers'."""
+:func:`choose_attention` is the selector's (layers/torch/attention/selector.py: the one place a
+kernel is chosen); the attention's FULL-graph support is the least of its layers'."""
 
 from __future__ import annotations
 
@@ -13,14 +13,11 @@ from typing import Any
 
 import torch
 
-from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, backend_name, check_declarations, checked_keyed,
-                                         least_support)
+from graphrt.core.attention_decl import backend_name, check_declarations, checked_keyed, least_support
 from graphrt.core.errors import ConfigError
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.graph_modes import AttentionGraphSupport
-from graphrt.layers.torch.attention.ascend_attention import ascend_backend
-from graphrt.layers.torch.attention.paged import PagedAttention, choose_attention_kernel
-from graphrt.layers.torch.attention.backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.selector import select_attention
 
 #: Members every torch model has: name -> what it must be, for the error.
 REQUIRED = {"forward": "forward(input_ids [T] int32, positions [T] int32) -> hidden [T, hidden]",
@@ -67,37 +64,9 @@ def _check_backend(backend: Any) -> None:
     check_declarations(backend)
 
 
-def choose_attention(model: torch.nn.Module, device: torch.device | str | None = None,
-                     dtype: torch.dtype | None = None, block_size: int | None = None,
-                     kv_dtype: torch.dtype | None = None) -> Any:
-    """The model's one attention object, chosen once when the runner is built (the only place a
-    kernel is chosen): ``model.attention_backend``, else graphrt's -- FlashInfer's where
-    ``GRAPHRT_ATTENTION=flashinfer``, Ascend's fused attention where it runs on ``device``
-    (``ascend_attention.ascend_backend``), else the paged one with its kernel (Triton or the
-    reference) fixed for ``device``, ``dtype`` and the cache's ``kv_dtype``. A model whose
-    layers are not all graphrt's ``PagedAttention`` gets float KV caches only (its layers may
-    not quantize fp8) unless they declare ``kv_cache_dtypes``."""
-    own = getattr(model, "attention_backend", None)
-    if own is not None:
-        return own
-    layers = model.attention_layers() if hasattr(model, "attention_layers") else []
-    from graphrt.layers.torch.attention.flashinfer_attention import FlashInferAttentionBackend, flashinfer_selected
-
-    if flashinfer_selected():           # GRAPHRT_ATTENTION=flashinfer: FlashInfer plans graphrt's layers
-        return FlashInferAttentionBackend(layers)
-    head_dim = next((getattr(layer, "head_dim", None) for layer in layers), None)
-    ascend = ascend_backend(layers, device, dtype, block_size) if device is not None else None
-    if ascend is not None:
-        return ascend
-    kernel = None
-    if device is not None and dtype is not None:
-        kernel = choose_attention_kernel(device, head_dim or 64, dtype, kv_dtype or dtype).kernel
-    paged = PagedAttentionBackend(head_dim, kernel)
-    foreign = [layer for layer in layers if not isinstance(layer, PagedAttention)]
-    if foreign:
-        declared = [set(getattr(layer, "kv_cache_dtypes", FLOAT_KV_DTYPES)) for layer in foreign]
-        paged.kv_cache_dtypes = tuple(d for d in paged.kv_cache_dtypes if all(d in allowed for allowed in declared))
-    return paged
+#: The model's one attention object, chosen once when the runner is built: the selector's
+#: (layers/torch/attention/selector.py; the only place a kernel is chosen).
+choose_attention = select_attention
 
 
 #: The name engines used before the choice had one place (kept: same arguments, same result).
@@ -105,7 +74,8 @@ attention_backend = choose_attention
 
 
 def keyed_host_values(backend: Any, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """What ``backend`` fixes when a graph is built, checked to be values a key holds."""
+    """``backend``'s setup phase (once): what it fixes when a graph is built, checked to be
+    values a key holds."""
     return checked_keyed(backend, device, dtype)
 
 

@@ -22,7 +22,6 @@ from graphrt.backends.torch.backend import TorchBackend
 from graphrt.backends.torch.device_graphs import DeviceGraphAPI, GraphTask, PreReplayHook
 from graphrt.config import GraphConfig
 from graphrt.core.dispatch import Dispatcher
-from graphrt.core.fields import ModelInputs
 from graphrt.core.graph_modes import GraphMode
 
 
@@ -116,7 +115,7 @@ class NpuGraphAPI(DeviceGraphAPI):
         handle = npu.graph_task_group_end(stream)
         tasks.append(GraphTask(hook, handle, event))
 
-    def pre_replay(self, tasks: Sequence[GraphTask], padded: ModelInputs) -> None:
+    def pre_replay(self, tasks: Sequence[GraphTask]) -> None:
         """Refresh every captured task on the update stream (after the attention's ``before_replay``)."""
         if not tasks:
             return
@@ -128,7 +127,7 @@ class NpuGraphAPI(DeviceGraphAPI):
         with npu.stream(stream):
             for task in tasks:
                 npu.graph_task_update_begin(stream, task.handle)
-                task.hook(padded)
+                task.hook()
                 npu.graph_task_update_end(stream)
                 task.event.record(stream)
 

@@ -21,6 +21,7 @@ from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.graph_tasks import capture_active, graph_task
+from graphrt.layers.torch.forward_context import get_forward_context
 from graphrt.layers.torch.attention.paged import ATTENTION_ENV, PagedAttention, requested_attention
 from graphrt.layers.torch.attention.backend import AttentionBackend, HostValues, StepTensors
 from graphrt.layers.torch.attention.kv_quant import is_fp8, quantize_kv, write_kv_rows
@@ -89,11 +90,11 @@ def layers_problem(layers: Sequence[torch.nn.Module]) -> str | None:
 
 
 def ascend_backend(layers: Sequence[torch.nn.Module], device: torch.device | str, dtype: torch.dtype | None,
-                   block_size: int | None = None) -> "AscendAttentionBackend | None":
-    """The Ascend backend for graphrt's attention ``layers`` on ``device`` where
-    ``GRAPHRT_ATTENTION`` selects it and it can run, else None (``auto``: the reason is logged
-    once); ``ascend`` where it cannot run raises ``ConfigError`` saying why."""
-    choice = requested_attention()
+                   block_size: int | None = None, requested: str | None = None) -> "AscendAttentionBackend | None":
+    """The Ascend backend for graphrt's attention ``layers`` on ``device`` where ``requested``
+    (None: ``GRAPHRT_ATTENTION``) selects it and it can run, else None (``auto``: the reason is
+    logged once); ``ascend`` where it cannot run raises ``ConfigError`` saying why."""
+    choice = requested_attention() if requested is None else requested
     if not (choice == "ascend" or (choice == "auto" and device_type(device) == "npu")):
         return None
     head_dim = next((int(layer.head_dim) for layer in layers if hasattr(layer, "head_dim")), 0)
@@ -135,8 +136,8 @@ class AscendAttentionMetadata:
     backend: "AscendAttentionBackend"   # where a replay's task update reads the refreshed lists
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``layer``'s attention: ``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``."""
-        return fused_paged_attention(self, layer, q, k, v)
+        """``layer``'s attention: its backend's kernel (:meth:`AscendAttentionBackend.attend`)."""
+        return self.backend.attend(layer, q, k, v)
 
 
 class AscendAttentionBackend(AttentionBackend):
@@ -186,13 +187,23 @@ class AscendAttentionBackend(AttentionBackend):
         return ws
 
     def build(self, step: StepTensors, host: HostValues) -> AscendAttentionMetadata:
-        """Device views only; the lists are this step's where refreshed (a capture's: empty)."""
+        """Device views only; the lists are this step's where refreshed (a run follows its
+        before_replay), else a padding step's."""
         t, r = step.slot_mapping.shape[0], step.seq_lens.shape[0]
-        # A real step's run follows its before_replay; captures and their warm-ups run on padding
-        # (a warm-up may see an earlier step's lists of its shape: within that shape's bounds).
-        lengths = FiaLengths.empty(r) if capture_active() else self.lengths(t, r)
+        return self._metadata(step, self.lengths(t, r))
+
+    def build_for_capture(self, step: StepTensors, host: HostValues) -> AscendAttentionMetadata:
+        """A capture's (and its warm-up's): the padding step's lists; each replay's task update
+        re-issues the op with the refreshed ones."""
+        return self._metadata(step, FiaLengths.empty(step.seq_lens.shape[0]))
+
+    def _metadata(self, step: StepTensors, lengths: FiaLengths) -> AscendAttentionMetadata:
         return AscendAttentionMetadata(step.slot_mapping, step.block_table, self.mask(step.block_table.device),
                                        step.block_size, lengths, self)
+
+    def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``layer``'s attention through the fused op (:func:`fused_paged_attention`)."""
+        return fused_paged_attention(get_forward_context(), layer, q, k, v)
 
 
 def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, q: torch.Tensor,
@@ -228,7 +239,7 @@ def fused_paged_attention(meta: AscendAttentionMetadata, layer: PagedAttention, 
         op.out(query, key, value, actual_seq_lengths=lengths.query_ends, actual_seq_lengths_kv=lengths.kv_lens,
                workspace=workspace, out=[out, lse], **kwargs)
 
-    with graph_task(lambda padded: issue(backend.lengths(t, r)), needs_task_update=True):
+    with graph_task(lambda: issue(backend.lengths(t, r)), needs_task_update=True):
         issue(meta.lengths)
     return out.reshape(t, hq * d).to(q.dtype)
 

@@ -19,12 +19,13 @@ import torch
 from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, FP8_KV_DTYPES, HOST_VALUES, KEYABLE_HOST_VALUES,
                                          AttentionDeclarations, backend_name)
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError
-from graphrt.layers.torch.attention.paged import PagedAttention, TorchAttentionMetadata, choose_attention_kernel
+from graphrt.layers.torch.attention.paged import (PagedAttention, TorchAttentionMetadata, choose_attention_kernel,
+                                                  paged_attend)
 
-#: What graphrt's attention layers (``PagedAttention``: graphrt's decoders, the Transformers
-#: backend's ``HFPagedAttention``) read of the step's metadata to run graphrt's kernels: the fields
-#: of :class:`TorchAttentionMetadata`. A metadata with ``attend(layer, q, k, v)`` runs the
-#: backend's own kernel instead (docs/attention.md, "graphrt's layers and a backend of your own").
+#: What graphrt's kernels read of the step's metadata (the fields of
+#: :class:`TorchAttentionMetadata`); graphrt's attention layers (``PagedAttention``: graphrt's
+#: decoders, the Transformers backend's ``HFPagedAttention``) call its ``attend(layer, q, k, v)``
+#: (docs/attention.md, "graphrt's layers and a backend of your own").
 PAGED_METADATA_FIELDS = ("slot_mapping", "query_start_loc", "seq_lens", "block_table", "token_req_idx", "block_size")
 
 
@@ -88,6 +89,11 @@ class CaptureHostValues(HostValues):
         for name in HOST_VALUES:
             state[name] = getattr(values, name) if name in allowed else Refused(f"host value {name!r}")
         state["_guard"] = (allowed, backend, key, reader)
+
+    @property
+    def captured_key(self) -> Any:
+        """The key of the graph being captured (what the guard's errors name)."""
+        return object.__getattribute__(self, "_guard")[2]
 
     def __getattribute__(self, name: str) -> Any:
         if name in HOST_VALUES or name == "__dict__":
@@ -161,26 +167,50 @@ class StepTensors:
 
 
 class AttentionBackend(AttentionDeclarations):
-    """What a model's attention needs from a step, built into device tensors, and what it declares.
+    """What a model's attention needs from a step, built into device tensors, what it declares,
+    and its kernel. The executor runs its phases, each in one place:
 
-    Set it (subclassed or duck-typed) as ``model.attention_backend``: it owns its kernel choice,
-    metadata (:meth:`build`), refresh (:meth:`before_replay`) and declarations. Defaults: any
-    FULL graph, no host value read, nothing built, float KV caches only."""
+    * :meth:`setup`, once, when the runner is built: prepare for the device and dtype, return
+      the keyed host values;
+    * :meth:`build` for an eager run or a replay, :meth:`build_for_capture` inside a capture
+      (keyed values only: the phase says it is a capture);
+    * :meth:`before_replay`, before every run, outside any graph: the one reader of the
+      refreshed host values;
+    * :meth:`attend`, the kernel graphrt's attention layers run (through the metadata's
+      ``attend``, which graphrt's backends bind to it).
+
+    Set it (subclassed or duck-typed) as ``model.attention_backend``, or register a kernel with
+    the selector (selector.py). Defaults: any FULL graph, no host value read, nothing built,
+    float KV caches only."""
+
+    def setup(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        """Once, when the runner is built: prepare for ``device`` / ``dtype`` and return the host
+        values :meth:`build` reads that a graph may fix. Default: :meth:`keyed_host_values`."""
+        return tuple(self.keyed_host_values(device, dtype))
 
     def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-        """Host values :meth:`build` reads and a graph may fix, on this device / dtype (called
-        once, when the runner is built: choose the kernel here)."""
+        """Host values :meth:`build` reads and a graph may fix, on this device / dtype (a
+        declaration: :meth:`setup` returns it)."""
         return ()
 
     def build(self, step: StepTensors, host: HostValues) -> Any:
-        """The step's metadata, from device ops on ``step`` (it runs inside graph capture) and
-        the declared ``host`` values; the attention layers read it from the forward context.
-        In a capture ``host`` holds the keyed values only and ``step.on_host`` is refused."""
+        """The step's metadata for an eager run or a replay, from device ops on ``step`` and the
+        declared ``host`` values; the attention layers read it from the forward context."""
         return step
+
+    def build_for_capture(self, step: StepTensors, host: HostValues) -> Any:
+        """The metadata a graph captures: device ops only (they are recorded); ``host`` holds
+        the keyed values only and ``step.on_host`` is refused. Default: :meth:`build`."""
+        return self.build(step, host)
 
     def before_replay(self, step: StepTensors, host: HostValues) -> None:
         """Before every run, outside any graph, when overridden: refresh the device buffers a
         graph reads from ``refreshed_host_values`` / ``step.on_host``. Default: not called."""
+
+    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``layer``'s attention over the step (the forward context's metadata): ``q [T, Hq*D]``,
+        ``k`` / ``v`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``. Default: graphrt's reference kernel."""
+        return paged_attend("reference", layer, q, k, v)
 
 
 def overrides_before_replay(backend: Any) -> bool:
@@ -203,10 +233,12 @@ class RemovedPreReplayHooks:
 
 
 class PagedAttentionBackend(AttentionBackend):
-    """graphrt's own: :class:`TorchAttentionMetadata` for :class:`PagedAttention`. ``kernel``
-    (``"triton"``, ``"reference"``; None: from ``GRAPHRT_ATTENTION``, device and dtype) is named
-    in the metadata. The reference kernel attends over every table column, so the table is
-    narrowed to ``max_seq_len`` (keyed); Triton reads lengths on the device and keys nothing."""
+    """graphrt's own: :class:`TorchAttentionMetadata` for :class:`PagedAttention`, its kernel
+    (``"triton"``, ``"reference"``) fixed by the selector, or (None: constructed by a model or
+    composed in another backend) chosen once at :meth:`setup` the selector's way; never set up,
+    it runs the reference kernel over the whole table. The reference kernel attends over every
+    table column, so a set-up one narrows the table to ``max_seq_len`` (keyed); Triton reads
+    lengths on the device and keys nothing."""
 
     name = "graphrt-paged"
     kv_cache_dtypes = FLOAT_KV_DTYPES + FP8_KV_DTYPES
@@ -214,20 +246,28 @@ class PagedAttentionBackend(AttentionBackend):
     def __init__(self, head_dim: int | None = None, kernel: str | None = None) -> None:
         self.head_dim = head_dim
         self.kernel = kernel
-        self._narrow = kernel is not None and kernel != "triton"
+        self._narrow = False           # set up: the table narrowed to the keyed context
 
-    def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    def setup(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
         if self.kernel is None:
             self.kernel = choose_attention_kernel(device, self.head_dim or 64, dtype, dtype).kernel
-        self._narrow = self.kernel != "triton"
-        return ("max_seq_len",) if self._narrow else ()
+        keyed = tuple(self.keyed_host_values(device, dtype))
+        self._narrow = "max_seq_len" in keyed
+        return keyed
+
+    def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+        return () if self.kernel == "triton" else ("max_seq_len",)
 
     def build(self, step: StepTensors, host: HostValues) -> TorchAttentionMetadata:
         table = step.block_table
         if self._narrow:
             table = table[:, :max(-(-host.max_seq_len // step.block_size), 1)]   # blocks_for, inline: every step
         return TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, table,
-                                            step.block_size, kernel=self.kernel or "auto")
+                                            step.block_size, attend=self.attend)
+
+    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``layer``'s attention by the kernel :meth:`setup` fixed (the reference one if never set up)."""
+        return paged_attend(self.kernel or "reference", layer, q, k, v)
 
 
 def check_metadata(backend: Any, metadata: Any, num_tokens: int, num_reqs: int) -> None:
@@ -251,30 +291,36 @@ def check_metadata(backend: Any, metadata: Any, num_tokens: int, num_reqs: int) 
 
 
 def check_layers_read(backend: Any, metadata: Any, layers: Any) -> None:
-    """Refuse a backend whose metadata the model's graphrt attention layers cannot read: each
-    ``PagedAttention`` reads :data:`PAGED_METADATA_FIELDS` (graphrt's kernels) unless the metadata
-    has a callable ``attend(layer, q, k, v)`` (the backend's own kernel), which a layer with
-    graphrt's reference-kernel additions (``extended``: soft-capping, sinks, a V head size of its
-    own) never calls. ConfigError naming the backend, the metadata type, the layer and what it
-    needs, when the runner is built (before: ~20 failed captures, then a raw AttributeError)."""
+    """Refuse a backend whose metadata the model's graphrt attention layers cannot run: each
+    ``PagedAttention`` calls the metadata's ``attend(layer, q, k, v)`` (graphrt's
+    :class:`TorchAttentionMetadata` binds it to its backend's kernel), and a layer with graphrt's
+    reference-kernel additions (``extended``: soft-capping, sinks, a V head size of its own) needs
+    a backend whose kernel runs them (``attends_extended``). ConfigError naming the backend, the
+    metadata type, the layer and what it needs, when the runner is built (before: ~20 failed
+    captures, then a raw AttributeError)."""
     attend = callable(getattr(metadata, "attend", None))
     for index, layer in enumerate(layers or ()):
-        if not isinstance(layer, PagedAttention) or (attend and not getattr(layer, "extended", False)):
+        if not isinstance(layer, PagedAttention):
             continue
-        missing = [name for name in PAGED_METADATA_FIELDS if not hasattr(metadata, name)]
-        if not missing:
+        extended = getattr(layer, "extended", False)
+        if attend and (not extended or getattr(backend, "attends_extended", False)):
             continue
-        extended = attend and getattr(layer, "extended", False)
-        fix = ("this layer runs graphrt's reference kernel with its additions (soft-capping, sinks or its own V "
-               "head size) and never calls attend(); return graphrt's metadata (TorchAttentionMetadata, e.g. "
-               "from PagedAttentionBackend().build) with your fields added" if extended else
-               "return graphrt's TorchAttentionMetadata (e.g. PagedAttentionBackend().build's, your fields added), "
-               "or give the metadata an attend(layer, q, k, v) -> [T, heads * head_dim] that runs your kernel, "
-               "which graphrt's layers then call; or make the model's attention layers your own modules")
+        if extended and attend:
+            what = ("runs graphrt's reference kernel with its additions (soft-capping, sinks or its own V head size), "
+                    "which this backend's attend() does not run")
+            fix = ("keep the model's own backend (ReferencePagedBackend, whose kernel runs them), or subclass it and "
+                   "return its metadata with your fields added")
+        else:
+            missing = [name for name in PAGED_METADATA_FIELDS if not hasattr(metadata, name)]
+            what = (f"reads {', '.join(missing)} of it to run graphrt's kernels" if missing else
+                    "calls its attend(layer, q, k, v), which it has not")
+            fix = ("return graphrt's TorchAttentionMetadata (e.g. PagedAttentionBackend's build, set up, your fields "
+                   "added), or give the metadata an attend(layer, q, k, v) -> [T, heads * head_dim] that runs your "
+                   "kernel, which graphrt's layers then call; or make the model's attention layers your own modules")
         raise ConfigError(
             f"attention backend {backend_name(backend)!r} builds {type(metadata).__name__} metadata, but attention "
-            f"layer {index} ({type(layer).__name__}, graphrt's paged attention) reads {', '.join(missing)} of it to "
-            f"run graphrt's kernels: {fix} (docs/attention.md, \"graphrt's layers and a backend of your own\")")
+            f"layer {index} ({type(layer).__name__}, graphrt's paged attention) {what}: {fix} (docs/attention.md, "
+            f"\"graphrt's layers and a backend of your own\")")
 
 
 __all__ = ["AttentionBackend", "CaptureHostValues", "HOST_VALUES", "HostTensorsRefused", "HostValues",

@@ -18,8 +18,8 @@ from graphrt.core.attention_decl import FLOAT_KV_DTYPES
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.kv_spec import blocks_for
-from graphrt.layers.torch.attention.paged import ATTENTION_ENV, TorchAttentionMetadata, requested_attention
-from graphrt.layers.torch.attention.backend import AttentionBackend, CaptureHostValues, HostValues, StepTensors
+from graphrt.layers.torch.attention.paged import ATTENTION_ENV, TorchAttentionMetadata, paged_attend, requested_attention
+from graphrt.layers.torch.attention.backend import AttentionBackend, HostValues, StepTensors
 from graphrt.layers.torch.attention.flashinfer_kernel import PlanSignature, flashinfer_unavailable_reason, plan_signature
 from graphrt.layers.torch.attention.kv_quant import is_fp8
 
@@ -118,7 +118,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._eager: _WrapperSet | None = None
         self._fresh: tuple[tuple[int, int], _WrapperSet] | None = None  # planned by before_replay
 
-    def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    def setup(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
         """Nothing keyed (every length is planned per step); refuses a device FlashInfer cannot run on."""
         problem = flashinfer_unavailable_reason(device)
         if problem is not None:
@@ -170,32 +170,43 @@ class FlashInferAttentionBackend(AttentionBackend):
         layout = paged_layout(src.query_start_loc, src.seq_lens, src.block_table, step.block_size)
         self._fresh = (shape, wset) if self._plan(wset, layout, step.block_size) else None
 
-    def build(self, step: StepTensors, host: HostValues) -> FlashInferMetadata:
-        """graphrt's metadata and the wrappers to run: in a capture its shape's (planned once with
-        padding: plan() must not be captured); after ``before_replay`` the ones it planned; else
-        the eager ones, planned with padding."""
+    def build_for_capture(self, step: StepTensors, host: HostValues) -> FlashInferMetadata:
+        """A capture's metadata: its shape's wrappers, planned once with padding before the
+        capture (plan() must not be captured: the capture's warm-up plans them)."""
         shape = (step.slot_mapping.shape[0], step.seq_lens.shape[0])
-        if isinstance(host, CaptureHostValues):
-            wset = self._graph_sets.get(shape)
-            if wset is None:
-                wset = self._graph_sets[shape] = self._new_set(shape, step.block_table.shape[1])
-            if not wset.planned:
-                if self.device is not None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                    raise GraphCaptureError(f"attention backend 'flashinfer': the graph of {shape[0]} tokens and "
-                                            f"{shape[1]} requests was captured before FlashInfer was planned for it "
-                                            "(captures must be warmed up first)")
-                self._plan(wset, padding_layout(*shape, step.block_table.shape[1], step.block_size), step.block_size)
-        elif self._fresh is not None and self._fresh[0] == shape:
+        wset = self._graph_sets.get(shape)
+        if wset is None:
+            wset = self._graph_sets[shape] = self._new_set(shape, step.block_table.shape[1])
+        if not wset.planned:
+            if self.device is not None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise GraphCaptureError(f"attention backend 'flashinfer': the graph of {shape[0]} tokens and "
+                                        f"{shape[1]} requests was captured before FlashInfer was planned for it "
+                                        "(captures must be warmed up first)")
+            self._plan(wset, padding_layout(*shape, step.block_table.shape[1], step.block_size), step.block_size)
+        return self._metadata(step, wset)
+
+    def build(self, step: StepTensors, host: HostValues) -> FlashInferMetadata:
+        """An eager run's or a replay's metadata: after ``before_replay`` the wrappers it planned;
+        else the eager ones, planned with padding."""
+        shape = (step.slot_mapping.shape[0], step.seq_lens.shape[0])
+        if self._fresh is not None and self._fresh[0] == shape:
             wset = self._fresh[1]
         else:
             wset = self._eager = self._eager or self._new_set(None, step.block_table.shape[1])
             self._plan(wset, padding_layout(*shape, step.block_table.shape[1], step.block_size), step.block_size)
+        return self._metadata(step, wset)
+
+    def _metadata(self, step: StepTensors, wset: _WrapperSet) -> FlashInferMetadata:
         self._fresh = None
         base = TorchAttentionMetadata.build(step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_table,
                                             step.block_size)
         return FlashInferMetadata(base.slot_mapping, base.query_start_loc, base.seq_lens, base.block_table,
-                                  base.token_req_idx, base.block_size, kernel="flashinfer",
+                                  base.token_req_idx, base.block_size, self.attend,
                                   flashinfer_wrappers=dict(wset.wrappers))
+
+    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """FlashInfer's kernel with the wrappers this step's metadata holds."""
+        return paged_attend("flashinfer", layer, q, k, v)
 
 
 __all__ = ["FlashInferAttentionBackend", "FlashInferMetadata", "PagedLayout", "flashinfer_selected", "padding_layout",

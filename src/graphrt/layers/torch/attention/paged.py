@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -32,9 +32,10 @@ from graphrt.layers.torch.attention.kv_quant import dequantize_kv, is_fp8, quant
 
 logger = logging.getLogger(__name__)
 
-#: Environment variable choosing the kernel: ``auto`` (default), ``reference``, ``triton``,
-#: ``flashinfer`` or ``ascend``.
+#: Environment variable choosing the kernel: ``auto`` (default) or a kernel the selector
+#: registers (graphrt's: ``reference``, ``triton``, ``flashinfer``, ``ascend``; selector.py).
 ATTENTION_ENV = defaults.ATTENTION_ENV
+#: graphrt's own kernels' names (the selector registers them, and may register more).
 ATTENTION_CHOICES = ("auto", "reference", "triton", "flashinfer", "ascend")
 
 
@@ -52,9 +53,14 @@ class TorchAttentionMetadata:
     block_table: torch.Tensor  # int32 [R, B]; padded rows are all 0; B covers every request's blocks
     token_req_idx: torch.Tensor  # int64 [T]; request index of each token
     block_size: int
-    #: The kernel every layer runs ("triton", "reference", "flashinfer"), chosen once with the
-    #: attention backend; "auto": choose per call (:func:`choose_attention_kernel`).
-    kernel: str = "auto"
+    #: What every graphrt attention layer calls, ``attend(layer, q, k, v)``: the attention
+    #: backend's kernel, fixed when the backend was set up (its ``attend``); metadata built
+    #: without a backend runs the reference kernel.
+    attend: Callable[..., torch.Tensor] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.attend is None:
+            self.attend = reference_attend
 
     @classmethod
     def build(
@@ -64,7 +70,7 @@ class TorchAttentionMetadata:
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
-        kernel: str = "auto",
+        attend: Callable[..., torch.Tensor] | None = None,
     ) -> "TorchAttentionMetadata":
         """Derive ``token_req_idx`` with device ops only (capture-safe); tokens past the last
         real request are clamped onto the last (padded) request."""
@@ -73,7 +79,7 @@ class TorchAttentionMetadata:
         token_ids = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
         req = torch.searchsorted(query_start_loc, token_ids, right=True) - 1
         token_req_idx = req.clamp(0, max(num_reqs - 1, 0)).to(torch.int64)
-        return cls(slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx, int(block_size), kernel)
+        return cls(slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx, int(block_size), attend)
 
 
 #: The most query tokens of one request a tile of the reference kernel holds (query_tile).
@@ -279,17 +285,17 @@ _LOGGED_FALLBACKS: set[str] = set()
 
 
 def requested_attention() -> str:
-    """``GRAPHRT_ATTENTION``, checked: one of :data:`ATTENTION_CHOICES` (unset: ``auto``); read
-    once, when a runner chooses its attention (ConfigError for another value)."""
+    """``GRAPHRT_ATTENTION`` checked against graphrt's own kernels (:data:`ATTENTION_CHOICES`), for
+    a choice made outside the selector (whose parse also takes the kernels registered with it)."""
     return requested_kernel(ATTENTION_CHOICES, "graphrt's torch attention")
 
 
 def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: torch.dtype,
-                            cache_dtype: torch.dtype) -> AttentionChoice:
-    """The kernel paged attention runs for these tensors under ``GRAPHRT_ATTENTION``: called
-    once per runner, and per call only for ``kernel="auto"``. Raises ``ConfigError`` for an
-    unknown value, or for ``triton`` where it cannot run."""
-    choice = requested_attention()
+                            cache_dtype: torch.dtype, requested: str | None = None) -> AttentionChoice:
+    """The kernel graphrt's paged backend runs for these tensors under ``requested`` (None:
+    ``GRAPHRT_ATTENTION``): called once, by the selector, when a runner is built. Raises
+    ``ConfigError`` for an unknown value, or for ``triton`` where it cannot run."""
+    choice = requested_attention() if requested is None else requested
     if choice in ("reference", "ascend"):   # ascend: only metadata without its own ``attend`` gets here
         return AttentionChoice("reference", f"{ATTENTION_ENV}={choice}")
     device = torch.device(device)
@@ -316,23 +322,33 @@ def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: 
     return AttentionChoice("reference", problem)
 
 
+def _triton(*args: Any) -> torch.Tensor:
+    from graphrt.layers.torch.attention.triton_attention import triton_paged_attention
+
+    return triton_paged_attention(*args)
+
+
+def _flashinfer(*args: Any) -> torch.Tensor:
+    from graphrt.layers.torch.attention.flashinfer_kernel import flashinfer_paged_attention
+
+    return flashinfer_paged_attention(*args)
+
+
+#: graphrt's kernels of :func:`paged_attention_kernel`'s contract, by the name a backend fixed at
+#: setup (the name crosses the opaque op ``graphrt::paged_attention`` as a string).
+PAGED_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"reference": paged_attention_kernel,
+                                                        "triton": _triton, "flashinfer": _flashinfer}
+
+
 def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int, scale: float,
                         sliding_window: int | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, kernel: str = "auto") -> torch.Tensor:
-    """:func:`paged_attention_kernel`'s contract, run by ``kernel`` (the one its attention backend
-    chose); ``"auto"``: the one :func:`choose_attention_kernel` picks for these tensors."""
-    if kernel == "auto":
-        kernel = choose_attention_kernel(q.device, kv_cache.shape[-1], q.dtype, kv_cache.dtype).kernel
-    if kernel == "triton":
-        from graphrt.layers.torch.attention.triton_attention import triton_paged_attention as run
-    elif kernel == "flashinfer":
-        from graphrt.layers.torch.attention.flashinfer_kernel import flashinfer_paged_attention as run
-    else:
-        run = paged_attention_kernel
-    return run(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table, token_req_idx,
-                  block_size, scale, sliding_window, k_scale, v_scale)
+                        v_scale: float = 1.0, kernel: str = "reference") -> torch.Tensor:
+    """:func:`paged_attention_kernel`'s contract, run by ``kernel``: the one of
+    :data:`PAGED_KERNELS` its attention backend fixed when it was set up (never chosen here)."""
+    return PAGED_KERNELS[kernel](q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
+                                 token_req_idx, block_size, scale, sliding_window, k_scale, v_scale)
 
 
 @torch.library.custom_op("graphrt::paged_attention", mutates_args=("kv_cache",))
@@ -340,7 +356,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
                     scale: float, sliding_window: int = 0, k_scale: float = 1.0,
-                    v_scale: float = 1.0, kernel: str = "auto") -> torch.Tensor:
+                    v_scale: float = 1.0, kernel: str = "reference") -> torch.Tensor:
     """``torch.ops.graphrt.paged_attention``: :func:`run_paged_attention` as one opaque op."""
     return run_paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                                token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, kernel)
@@ -352,12 +368,31 @@ def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                           seq_lens: torch.Tensor, block_table: torch.Tensor,
                           token_req_idx: torch.Tensor, block_size: int, scale: float,
                           sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                          kernel: str = "auto") -> torch.Tensor:
+                          kernel: str = "reference") -> torch.Tensor:
     return torch.empty_like(q)
 
 
 #: The registered op, for graph passes that look for it (the piecewise splitter).
 PAGED_ATTENTION_OP = torch.ops.graphrt.paged_attention.default
+
+
+def paged_attend(kernel: str, layer: "PagedAttention", q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+    """``layer``'s attention by graphrt's paged ``kernel`` (a :data:`PAGED_KERNELS` name) over the
+    step's metadata (the forward context); under torch.compile as the opaque op."""
+    meta = get_forward_context()
+    cache = layer.kv_cache
+    if cache is None:
+        raise RuntimeError(f"{type(layer).__name__}.kv_cache is not set: the runner must assign the KV cache")
+    run = paged_attention if torch.compiler.is_compiling() else run_paged_attention
+    return run(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table,
+               meta.token_req_idx, meta.block_size, layer.scale, layer.sliding_window, layer.k_scale,
+               layer.v_scale, kernel)
+
+
+def reference_attend(layer: "PagedAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The reference kernel's ``attend``: what metadata built without a backend runs."""
+    return paged_attend("reference", layer, q, k, v)
 
 
 class PagedAttention(nn.Module):
@@ -387,15 +422,8 @@ class PagedAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``."""
-        meta: TorchAttentionMetadata = get_forward_context()
-        cache = self.kv_cache
-        if cache is None:
+        """``q [T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` -> ``[T, Hq*D]``: the kernel the step's
+        attention backend fixed at setup (the metadata's ``attend``)."""
+        if self.kv_cache is None:
             raise RuntimeError("PagedAttention.kv_cache is not set: the runner must assign the KV cache")
-        attend = getattr(meta, "attend", None)
-        if attend is not None:             # a backend's own kernel (ascend_attention.py)
-            return attend(self, q, k, v)
-        kernel = paged_attention if torch.compiler.is_compiling() else run_paged_attention
-        return kernel(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                      meta.block_table, meta.token_req_idx, meta.block_size, self.scale,
-                      self.sliding_window, self.k_scale, self.v_scale, getattr(meta, "kernel", "auto"))
+        return get_forward_context().attend(self, q, k, v)

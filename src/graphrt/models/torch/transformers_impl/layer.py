@@ -10,12 +10,12 @@ decoders add to plain causal attention, read from the model when it is loaded (`
 * a V head size other than K's (MLA decoders: DeepSeek-V2/V3 ...): the cache is a ``(k, v)``
   pair (docs/models.md, "KV cache specs").
 
-A layer with none of these runs graphrt's own kernels exactly as graphrt's decoders do
-(reference, Triton on CUDA, FlashInfer / Ascend where their backends are selected). A layer with
-any of them runs graphrt's reference kernel
-(:func:`~graphrt.layers.torch.attention.paged.paged_attention_kernel`) with the three additions, under
-graphrt's paged metadata (the model's attention backend is then
-:class:`ReferencePagedBackend`, which narrows the block table to the step's context bucket).
+Every layer calls its step's ``attend`` (the attention backend's kernel, fixed once). A model
+with none of these runs graphrt's own kernels exactly as graphrt's decoders do (reference,
+Triton on CUDA, FlashInfer / Ascend where their backends are selected). A model with any of
+them gets :class:`ReferencePagedBackend`, whose kernel is graphrt's reference one
+(:func:`~graphrt.layers.torch.attention.paged.paged_attention_kernel`) with the three additions,
+and which narrows the block table to the step's context bucket.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from graphrt.layers.torch.forward_context import get_forward_context
 from graphrt.layers.torch.attention.paged import PagedAttention, paged_attention_kernel
-from graphrt.layers.torch.attention.backend import HostValues, PagedAttentionBackend, StepTensors
+from graphrt.layers.torch.attention.backend import PagedAttentionBackend
 
 
 class HFPagedAttention(PagedAttention):
@@ -54,15 +54,12 @@ class HFPagedAttention(PagedAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.extended:
-            return super().forward(q, k, v)
+        """The step's ``attend`` (the backend's kernel); ``sinks`` (a layer with sinks only)
+        passed on to it, which only :class:`ReferencePagedBackend`'s takes."""
         if self.kv_cache is None:
             raise RuntimeError("HFPagedAttention.kv_cache is not set: the runner must assign the KV cache")
-        meta = get_forward_context()
-        return paged_attention_kernel(q, k, v, self.kv_cache, meta.slot_mapping, meta.query_start_loc,
-                                      meta.seq_lens, meta.block_table, meta.token_req_idx, meta.block_size,
-                                      self.scale, self.sliding_window, self.k_scale, self.v_scale,
-                                      softcap=self.softcap, sinks=sinks if self.sinks else None)
+        attend = get_forward_context().attend
+        return attend(self, q, k, v) if sinks is None else attend(self, q, k, v, sinks=sinks)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
@@ -72,17 +69,25 @@ class HFPagedAttention(PagedAttention):
 
 class ReferencePagedBackend(PagedAttentionBackend):
     """graphrt's paged metadata with the block table always narrowed to ``max_seq_len`` (keyed: the
-    context bucket in a graph), for models whose layers run the reference kernel with
-    :class:`HFPagedAttention`'s additions, which gathers every column it is given, on every device."""
+    context bucket in a graph), for models whose layers need :class:`HFPagedAttention`'s additions:
+    its kernel is the reference one with them, which gathers every column it is given, on every
+    device."""
 
     name = "graphrt-paged-transformers"
+    #: Its kernel runs the additions (soft-capping, sinks, a V head size of its own).
+    attends_extended = True
 
-    def keyed_host_values(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-        self._narrow = True
-        return ("max_seq_len",)
+    def __init__(self, head_dim: int | None = None) -> None:
+        super().__init__(head_dim, kernel="reference")
 
-    def build(self, step: StepTensors, host: HostValues) -> Any:
-        return super().build(step, host)
+    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference kernel with ``layer``'s soft-capping and ``sinks``."""
+        meta = get_forward_context()
+        return paged_attention_kernel(q, k, v, layer.kv_cache, meta.slot_mapping, meta.query_start_loc,
+                                      meta.seq_lens, meta.block_table, meta.token_req_idx, meta.block_size,
+                                      layer.scale, layer.sliding_window, layer.k_scale, layer.v_scale,
+                                      softcap=getattr(layer, "softcap", 0.0), sinks=sinks)
 
 
 __all__ = ["HFPagedAttention", "ReferencePagedBackend"]

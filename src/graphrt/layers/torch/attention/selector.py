@@ -1,0 +1,133 @@
+"""The one selector of graphrt's torch attention: which backend, and so which kernel, a model's
+attention runs, chosen once when the runner is built.
+
+A kernel is one module holding its backend (the phases and ``attend``, backend.py) and a maker,
+registered here by name (:func:`register_attention_kernel`): ``GRAPHRT_ATTENTION=<name>`` selects
+it, and ``auto`` (the default) tries the kernels registered ``auto=True`` in order. A model's own
+``attention_backend`` is kept. docs/attention.md, "Adding a kernel".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from graphrt.core.attention_decl import FLOAT_KV_DTYPES, requested_kernel
+from graphrt.core.defaults import ATTENTION_ENV
+from graphrt.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """What a kernel is selected for: the model's attention layers, their device (None: not
+    known yet), the weights' and the KV cache's dtypes, the block size, and the requested name
+    (``auto`` or a registered kernel's)."""
+
+    layers: Sequence[torch.nn.Module]
+    device: torch.device | str | None
+    dtype: torch.dtype | None
+    kv_dtype: torch.dtype | None
+    block_size: int | None
+    requested: str
+
+    @property
+    def head_dim(self) -> int | None:
+        """The first layer's head size (None: no layer declares one)."""
+        return next((getattr(layer, "head_dim", None) for layer in self.layers), None)
+
+
+#: A kernel's maker: its backend for a site, or None where it does not run there under ``auto``
+#: (a kernel requested by name that cannot run raises ConfigError saying why).
+AttentionMaker = Callable[[AttentionSite], Any]
+
+_KERNELS: dict[str, tuple[AttentionMaker, bool]] = {}
+
+
+def register_attention_kernel(name: str, maker: AttentionMaker, *, auto: bool = False) -> None:
+    """Register kernel ``name`` (a ``GRAPHRT_ATTENTION`` value): ``maker(site)`` makes its backend;
+    ``auto``: tried, in registration order, when the variable is ``auto`` or unset."""
+    _KERNELS[name.strip().lower()] = (maker, auto)
+
+
+def unregister_attention_kernel(name: str) -> None:
+    """Remove a kernel :func:`register_attention_kernel` added (a test's toy kernel)."""
+    _KERNELS.pop(name, None)
+
+
+def attention_kernels() -> tuple[str, ...]:
+    """The registered kernels' names, in registration order."""
+    return tuple(_KERNELS)
+
+
+def requested_attention() -> str:
+    """``GRAPHRT_ATTENTION``: ``auto`` (also where unset) or a registered kernel (ConfigError
+    naming the choices for another)."""
+    return requested_kernel(("auto",) + attention_kernels(), "graphrt's torch attention")
+
+
+def select_attention(model: torch.nn.Module, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None, block_size: int | None = None,
+                     kv_dtype: torch.dtype | None = None) -> Any:
+    """The model's one attention backend: ``model.attention_backend`` where it declares one, else
+    the requested kernel's, else (``auto``, or a kernel that makes none here: no device given)
+    the first registered ``auto`` kernel that runs here."""
+    own = getattr(model, "attention_backend", None)
+    if own is not None:
+        return own
+    layers = tuple(model.attention_layers()) if hasattr(model, "attention_layers") else ()
+    site = AttentionSite(layers, device, dtype, kv_dtype, block_size, requested_attention())
+    makers = [m for m, auto in _KERNELS.values() if auto]     # a named kernel first (None: not here, e.g. no device)
+    if site.requested != "auto":
+        makers.insert(0, _KERNELS[site.requested][0])
+    for maker in makers:
+        if (backend := maker(site)) is not None:
+            return backend
+    raise ConfigError(f"{ATTENTION_ENV}={site.requested}: no registered attention kernel runs on {site.device} "
+                      f"(registered: {attention_kernels()})")
+
+
+# ---- graphrt's kernels (one module each; the makers beside their backends) -------------------
+
+def _ascend(site: AttentionSite) -> Any:
+    from graphrt.layers.torch.attention.ascend_attention import ascend_backend
+
+    return None if site.device is None else ascend_backend(site.layers, site.device, site.dtype, site.block_size,
+                                                             site.requested)
+
+
+def _flashinfer(site: AttentionSite) -> Any:
+    from graphrt.layers.torch.attention.flashinfer_attention import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(site.layers)
+
+
+def _paged(site: AttentionSite) -> Any:
+    """graphrt's paged backend with Triton or the reference kernel (Triton where ``auto`` or
+    ``triton`` and it runs; ``triton`` where it cannot run raises). A model whose layers are not
+    all graphrt's gets float KV caches only (its layers may not quantize fp8) unless they
+    declare ``kv_cache_dtypes``."""
+    from graphrt.layers.torch.attention.backend import PagedAttentionBackend
+    from graphrt.layers.torch.attention.paged import PagedAttention, choose_attention_kernel
+
+    kernel = None
+    if site.device is not None and site.dtype is not None:
+        kernel = choose_attention_kernel(site.device, site.head_dim or 64, site.dtype, site.kv_dtype or site.dtype,
+                                         site.requested).kernel
+    paged = PagedAttentionBackend(site.head_dim, kernel)
+    foreign = [layer for layer in site.layers if not isinstance(layer, PagedAttention)]
+    if foreign:
+        declared = [set(getattr(layer, "kv_cache_dtypes", FLOAT_KV_DTYPES)) for layer in foreign]
+        paged.kv_cache_dtypes = tuple(d for d in paged.kv_cache_dtypes if all(d in allowed for allowed in declared))
+    return paged
+
+
+register_attention_kernel("ascend", _ascend, auto=True)        # ascend_attention.py: NPUs under auto
+register_attention_kernel("flashinfer", _flashinfer)           # flashinfer_attention.py: by name only
+register_attention_kernel("triton", _paged)                    # triton_attention.py, in graphrt's paged backend
+register_attention_kernel("reference", _paged, auto=True)      # paged.py: Triton first where it runs
+
+
+__all__ = ["AttentionMaker", "AttentionSite", "attention_kernels", "register_attention_kernel", "requested_attention",
+           "select_attention", "unregister_attention_kernel"]
