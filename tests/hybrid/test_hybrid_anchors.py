@@ -28,7 +28,7 @@ import torch
 
 import graphrt
 from graphrt import ConfigError
-from graphrt.backends.torch import state_cache
+from graphrt.layers.torch.state import backend as state_cache   # where the state backend builds its metadata
 from graphrt.layers.torch.state import metadata as state_metadata
 from graphrt.testing.properties import state_isolated
 from graphrt.testing.runners import RunnerFactory

@@ -139,6 +139,6 @@ def test_rejected_drafts_roll_the_state_back(backend):
     check()
     if backend == "xla":                          # the torch executor's ring is the one planted below
         return
-    runner.executor.state.checkpoints = 1         # planted: one checkpoint, the state after the last draft
+    runner.executor.state_backend.checkpoints = 1  # planted: one checkpoint, the state after the last draft
     with pytest.raises(AssertionError):
         check()

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from graphrt.backends.torch import state_cache
+from graphrt.layers.torch.state import backend as state_cache   # where the state backend builds its metadata
 from graphrt.testing import state_sweep
 from graphrt.testing.conformance import run_conformance
 from graphrt.testing.runners import RunnerFactory

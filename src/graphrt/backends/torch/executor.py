@@ -31,6 +31,7 @@ from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.layers.torch.forward_context import forward_context, state_context
+from graphrt.layers.torch.state.backend import RecurrentStateBackend
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
 from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
@@ -80,7 +81,6 @@ class TorchExecutor(Executor[TorchEntry]):
         #: The refresh path: the backend's own before_replay, run before every run when it has one.
         self._refresh = overrides_before_replay(self.attention)
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
-        self._run_uniform = False           # the running step's key's uniform_decode (recurrent layers)
         self.vocab_size = int(model.config.vocab_size)
         self.hidden_size = int(model.config.hidden_size)
         self.block_size = config.block_size
@@ -128,6 +128,11 @@ class TorchExecutor(Executor[TorchEntry]):
         self.state = TorchStateCache(model, spec, config, self.device) if spec is not None else None
         self.state_caches: list[torch.Tensor] = self.state.allocate() if self.state is not None else []
         self.num_state_slots = self.state.num_slots if self.state is not None else None
+        #: The recurrent state's backend, beside the attention one (same phases; set up here, once).
+        self.state_backend = (RecurrentStateBackend(self.state.num_slots, self.state.checkpoints,
+                                                    config.decode_query_len) if self.state is not None else None)
+        if self.state_backend is not None:
+            self.state_backend.setup(self.device, param_dtype)
         self.state_memory = self.state.memory if self.state is not None else None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
@@ -224,7 +229,10 @@ class TorchExecutor(Executor[TorchEntry]):
         ``max_seq_len``, else the step's longest request) and return it."""
         host.num_tokens, host.num_reqs = len(padded.input_ids), len(padded.seq_lens)
         host.real_num_tokens, host.real_num_reqs = padded.num_tokens, padded.num_reqs
-        host.max_query_len, host.uniform_decode = padded.max_query_len, padded.uniform_decode
+        host.max_query_len = padded.max_query_len
+        # the key's flag (every key holds it), like its context: a step run eagerly at a key takes
+        # the graph's form (the recurrent layers' uniform decode)
+        host.uniform_decode = bool(key.uniform_decode)
         host.max_seq_len = key.max_seq_len or padded.max_seq_len
         host.query_start_loc, host.seq_lens = padded.query_start_loc, padded.seq_lens
         return host
@@ -232,22 +240,18 @@ class TorchExecutor(Executor[TorchEntry]):
     pre_replay_hooks = RemovedPreReplayHooks()     # issue 30: one refresh path, before_replay
 
     def step_context(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
-        """The forward context of a step: the attention's metadata and, for a hybrid model, the
-        recurrent layers' (``state_context``; built from device buffers, the uniform-decode flag
-        the key's own)."""
+        """The forward context of a step: the attention backend's metadata and, for a hybrid
+        model, the recurrent state backend's (``state_context``), each from its phase (a
+        capture's or a run's)."""
         meta = self.metadata(num_tokens, num_reqs, host)
-        if self.state is None:
+        if self.state_backend is None:
             return forward_context(meta)
-        # the key's flag (every key holds it): a step run eagerly at a key takes the graph's form
-        if host is self._host_values:
-            uniform = self._run_uniform
-        elif isinstance(host, CaptureHostValues):   # the captured key's (its guard holds the key)
-            uniform = bool(getattr(host.captured_key, "uniform_decode", False))
-        else:
-            uniform = bool(host.uniform_decode)
+        views = self.buffers.tensors(num_tokens, num_reqs)
+        state = (self.state_backend.build_for_capture(views, host) if isinstance(host, CaptureHostValues)
+                 else self.state_backend.build(views, host))
         stack = contextlib.ExitStack()
         stack.enter_context(forward_context(meta))
-        stack.enter_context(state_context(self.state.metadata(self.static, num_tokens, num_reqs, uniform)))
+        stack.enter_context(state_context(state))
         return stack
 
     def forward(self, num_tokens: int, num_reqs: int, host: HostValues) -> None:
@@ -368,7 +372,6 @@ class TorchExecutor(Executor[TorchEntry]):
         if self._copied is not None:
             self._copied.record()
         host = self.step_host_values(self._host_values, padded, key)   # eager at a key: the key's context
-        self._run_uniform = bool(key.uniform_decode)
         if self._refresh:                 # the one refresh path, before every run
             self.attention.before_replay(self.buffers.tensors(t, r), host)
         if entry is not None and self.graph_api is not None and entry.tasks:

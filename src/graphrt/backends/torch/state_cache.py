@@ -5,12 +5,13 @@ allocation; None without state), and checks it against what each recurrent layer
 (``state_shapes()``, :func:`check_against_state_layers`). :class:`TorchStateCache` allocates a zeroed ``[num_slots + 1,
 checkpoints, *shape]`` tensor per layer and state tensor and sets ``layer.state_cache``. It is
 allocated with the executor, before graph memory is measured and the KV cache sized (a byte
-budget has it deducted). :meth:`TorchStateCache.metadata` builds each step's
-:class:`~graphrt.layers.torch.state.metadata.StateMetadata`."""
+budget has it deducted). Each step's metadata is the recurrent state backend's
+(:mod:`graphrt.layers.torch.state.backend`), which the executor composes beside the attention
+backend."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -19,7 +20,6 @@ from graphrt.core.errors import ConfigError
 from graphrt.core.numerics import dtype_name
 from graphrt.core.state_spec import (STATE_SHAPES, STATE_SPEC_FIELD, StateMemory, StateSpec, check_against_state_layers,
                                      resolve_state_spec, state_memory)
-from graphrt.layers.torch.state.metadata import StateMetadata, build_state_metadata
 
 
 def model_state_spec(model: torch.nn.Module, backend: str) -> StateSpec | None:
@@ -56,7 +56,7 @@ def layer_state_shapes(layer: Any) -> tuple[tuple[int, ...], ...] | None:
 
 
 class TorchStateCache:
-    """Allocates a hybrid model's state slots on ``device`` and builds each step's metadata."""
+    """Allocates a hybrid model's state slots on ``device``."""
 
     def __init__(self, model: torch.nn.Module, spec: StateSpec, config: Any, device: torch.device) -> None:
         self.model, self.spec, self.device = model, spec, device
@@ -77,14 +77,6 @@ class TorchStateCache:
             layer.state_cache = own
             self.tensors.extend(own)
         return self.tensors
-
-    def metadata(self, static: Mapping[str, torch.Tensor], num_tokens: int, num_reqs: int,
-                 uniform_decode: bool) -> StateMetadata:
-        """The step's metadata from the static buffers' first rows (device ops only: captured)."""
-        return build_state_metadata(static["query_start_loc"][:num_reqs + 1], static["num_computed_tokens"][:num_reqs],
-                                    static["state_slots"][:num_reqs], num_tokens, num_slots=self.num_slots,
-                                    checkpoints=self.checkpoints,
-                                    uniform_query_len=self.decode_query_len if uniform_decode else 0)
 
 
 __all__ = ["TorchStateCache", "layer_state_shapes", "model_state_spec"]

@@ -92,7 +92,8 @@ class StepBuffers:
             s["input_ids"][:num_tokens], s["positions"][:num_tokens], s["slot_mapping"][:num_tokens],
             s["query_start_loc"][:num_reqs + 1], s["seq_lens"][:num_reqs], s["num_computed_tokens"][:num_reqs],
             s["block_table"][:num_reqs], self.block_size,
-            {name: t[:spec.rows(num_tokens, num_reqs)] for (name, t), spec in zip(extra.items(), self.extra.values())})
+            {name: t[:spec.rows(num_tokens, num_reqs)] for (name, t), spec in zip(extra.items(), self.extra.values())},
+            state_slots=s["state_slots"][:num_reqs] if "state_slots" in s else None)
 
     def load_dummy(self, num_tokens: int, num_reqs: int) -> ModelInputs:
         """Pure padding (the padder's fills: no KV write, every request empty; extra inputs their

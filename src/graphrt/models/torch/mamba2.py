@@ -24,7 +24,7 @@ from torch import nn
 
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.layers.torch.forward_context import get_state_context
-from graphrt.layers.torch.state.mamba_kernels import causal_conv1d, ssd_scan
+from graphrt.layers.torch.state.kernels import REFERENCE_KERNELS
 from graphrt.layers.torch.state.metadata import StateMetadata, read_states, write_states
 
 
@@ -45,14 +45,6 @@ class GatedRMSNorm(nn.Module):
         return self.weight * grouped.view_as(h).to(dtype)
 
 
-def _kernels(device: torch.device) -> tuple[Any, Any]:
-    """(conv1d, scan): Triton's or the reference's (``GRAPHRT_RECURRENT``: layers/torch/state/triton_recurrent.py)."""
-    from graphrt.layers.torch.state.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_ssd_scan
-    if recurrent_backend(device) == "triton":
-        return triton_causal_conv1d, triton_ssd_scan
-    return causal_conv1d, ssd_scan
-
-
 def mamba2_mixer_step(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                       dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor, conv_state: torch.Tensor,
                       ssm_state: torch.Tensor, meta: StateMetadata, *, heads: int, head_dim: int, groups: int,
@@ -65,7 +57,8 @@ def mamba2_mixer_step(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Te
     ``xbc [T, conv_dim]`` and ``dt [T, heads]`` are the input projection's x|B|C and dt parts;
     returns the scan's output ``[T, heads * head_dim]`` (float32) for the gated norm."""
     t = xbc.shape[0]
-    conv, scan = _kernels(xbc.device)
+    kernels = meta.kernels or REFERENCE_KERNELS          # chosen once by the state backend (kernels.py)
+    conv, scan = kernels.causal_conv1d, kernels.ssd_scan
     conv_init = read_states(conv_state, meta, torch.float32)
     xbc, window = conv(xbc, conv_weight, conv_bias, conv_init, meta)
     intermediate = heads * head_dim

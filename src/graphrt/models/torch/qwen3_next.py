@@ -19,9 +19,8 @@ from graphrt.layers.torch.forward_context import get_state_context
 from graphrt.models.hybrid_config import ATTENTION, HybridConfig
 from graphrt.layers.torch.attention.paged import PagedAttention
 from graphrt.models.torch.decoder import RotaryEmbedding, apply_rotary
-from graphrt.layers.torch.state.gated_delta import gated_delta_rule
 from graphrt.models.torch.hybrid_base import HybridBase
-from graphrt.layers.torch.state.mamba_kernels import causal_conv1d
+from graphrt.layers.torch.state.kernels import REFERENCE_KERNELS
 from graphrt.layers.torch.state.metadata import StateMetadata, read_states, write_states
 
 
@@ -62,9 +61,8 @@ def gated_delta_net_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     Hv Dv]`` (before the convolution), ``g`` / ``beta [T, Hv]``; the layer's ``conv_state`` /
     ``delta_state`` (``[slots + 1, C, ...]``) read and written. Returns ``[T, Hv, Dv]`` float32."""
     t = qkv.shape[0]
-    from graphrt.layers.torch.state.triton_recurrent import recurrent_backend, triton_causal_conv1d, triton_gated_delta_rule
-    triton = recurrent_backend(qkv.device) == "triton"
-    conv, rule = (triton_causal_conv1d, triton_gated_delta_rule) if triton else (causal_conv1d, gated_delta_rule)
+    kernels = meta.kernels or REFERENCE_KERNELS          # chosen once by the state backend (kernels.py)
+    conv, rule = kernels.causal_conv1d, kernels.gated_delta_rule
     mixed, window = conv(qkv, conv_weight, None, read_states(conv_state, meta, torch.float32), meta)
     kd = key_heads * key_dim
     q, k, v = torch.split(mixed, [kd, kd, value_heads * value_dim], dim=-1)

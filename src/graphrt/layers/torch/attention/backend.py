@@ -164,6 +164,9 @@ class StepTensors:
     #: The same step in the host staging buffers the device ones are copied from (None where
     #: the tensors above are host ones): what ``before_replay`` reads without a device sync.
     on_host: "StepTensors | None" = None
+    #: int32 [R]: each request's recurrent-state slot (negative: none); what the recurrent state
+    #: backend reads (None where the buffers have no such field).
+    state_slots: torch.Tensor | None = None
 
 
 class AttentionBackend(AttentionDeclarations):

@@ -17,6 +17,7 @@ with :func:`write_states`; both are exported as ``graphrt.models.torch.read_stat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,15 +41,19 @@ class StateMetadata:
     checkpoints: int              # C
     uniform_query_len: int        # q > 0: every one of the R requests owns exactly q tokens, token r*q + j
                                   # its j-th (uniform decode: a recurrent step per token); 0 otherwise
+    #: The recurrent kernels the layers run (a ``kernels.RecurrentKernels``, chosen once by the
+    #: state backend); None: graphrt's reference kernels.
+    kernels: Any = None
 
 
 def build_state_metadata(query_start_loc: torch.Tensor, num_computed: torch.Tensor, state_slots: torch.Tensor,
                          num_tokens: int, *, num_slots: int, checkpoints: int,
-                         uniform_query_len: int = 0) -> StateMetadata:
+                         uniform_query_len: int = 0, kernels: Any = None) -> StateMetadata:
     """The metadata of a step of ``num_tokens`` tokens and ``len(state_slots)`` requests from its
     device buffers (views of the static buffers: every op here is captured). ``uniform_query_len``
     (q) asks for the recurrent form: only where every request schedules q tokens and
-    ``num_tokens == R * q`` (a uniform-decode key), else it is ignored."""
+    ``num_tokens == R * q`` (a uniform-decode key), else it is ignored. ``kernels``: the set the
+    layers run (None: the reference)."""
     r = state_slots.shape[0]
     device = state_slots.device
     qsl = query_start_loc[:r + 1].long()
@@ -71,7 +76,7 @@ def build_state_metadata(query_start_loc: torch.Tensor, num_computed: torch.Tens
     write_checkpoint = torch.where(writes, (computed.unsqueeze(1) + index).remainder(checkpoints), 0)
     q = uniform_query_len if uniform_query_len > 0 and num_tokens == r * uniform_query_len else 0
     return StateMetadata(starts, query_lens, token_req, token_index, slot, read_checkpoint, has_initial,
-                         write_slot, write_checkpoint, num_slots, checkpoints, q)
+                         write_slot, write_checkpoint, num_slots, checkpoints, q, kernels)
 
 
 def read_states(cache: torch.Tensor, meta: StateMetadata, dtype: torch.dtype | None = None) -> torch.Tensor:

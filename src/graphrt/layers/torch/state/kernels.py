@@ -1,0 +1,73 @@
+"""The recurrent kernels a hybrid model's layers run, chosen once (docs/hybrid.md).
+
+:class:`RecurrentKernels` is a set of the three kernels with the reference ones' signatures
+(``causal_conv1d``, ``ssd_scan``, ``gated_delta_rule``); graphrt's two sets are registered here,
+the reference (``mamba_kernels``, ``gated_delta``) and Triton (``triton_recurrent``).
+:func:`select_recurrent_kernels` picks one when the runner is built (``GRAPHRT_RECURRENT``:
+``auto``, Triton on CUDA where it runs, else the reference; ``reference``; ``triton``; or a set
+registered with :func:`register_recurrent_kernels`); the state backend puts it in each step's
+metadata, which the layers call. Adding a set touches its module and its registration.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from graphrt.layers.torch.state.gated_delta import gated_delta_rule
+from graphrt.layers.torch.state.mamba_kernels import causal_conv1d, ssd_scan
+
+
+class RecurrentKernels(NamedTuple):
+    """One set of the recurrent kernels, each with the reference kernel's signature."""
+
+    name: str
+    causal_conv1d: Callable
+    ssd_scan: Callable
+    gated_delta_rule: Callable
+
+
+#: graphrt's reference kernels: what metadata built without a backend runs.
+REFERENCE_KERNELS = RecurrentKernels("reference", causal_conv1d, ssd_scan, gated_delta_rule)
+
+
+def _triton(device: torch.device) -> RecurrentKernels:
+    from graphrt.layers.torch.state.triton_recurrent import (triton_causal_conv1d, triton_gated_delta_rule,
+                                                               triton_ssd_scan)
+
+    return RecurrentKernels("triton", triton_causal_conv1d, triton_ssd_scan, triton_gated_delta_rule)
+
+
+_KERNELS: dict[str, Callable[[torch.device], RecurrentKernels]] = {"reference": lambda device: REFERENCE_KERNELS,
+                                                                   "triton": _triton}
+
+
+def register_recurrent_kernels(name: str, make: Callable[[torch.device], RecurrentKernels]) -> None:
+    """Register a set ``name`` (a ``GRAPHRT_RECURRENT`` value): ``make(device)`` returns it."""
+    _KERNELS[name] = make
+
+
+def unregister_recurrent_kernels(name: str) -> None:
+    """Remove a set :func:`register_recurrent_kernels` added (a test's toy set)."""
+    if name not in ("reference", "triton"):
+        _KERNELS.pop(name, None)
+
+
+def select_recurrent_kernels(device: torch.device | str) -> RecurrentKernels:
+    """The set the layers run on ``device``, chosen once: a registered set ``GRAPHRT_RECURRENT``
+    names, else graphrt's choice between Triton and the reference
+    (:func:`~graphrt.layers.torch.state.triton_recurrent.recurrent_backend`: ConfigError for an
+    unknown value, or ``triton`` where it cannot run)."""
+    from graphrt.layers.torch.state.triton_recurrent import RECURRENT_ENV, recurrent_backend
+
+    device = torch.device(device)
+    own = os.environ.get(RECURRENT_ENV, "auto")
+    if own in _KERNELS and own not in ("reference", "triton"):
+        return _KERNELS[own](device)
+    return _KERNELS[recurrent_backend(device)](device)
+
+
+__all__ = ["REFERENCE_KERNELS", "RecurrentKernels", "register_recurrent_kernels", "select_recurrent_kernels",
+           "unregister_recurrent_kernels"]
