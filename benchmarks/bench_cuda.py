@@ -162,7 +162,7 @@ def reduce_overhead_step(runner: Any, batch: int, context: int) -> Callable[[], 
 
     def step() -> Any:
         executor.buffers.to_device(t, r)
-        with torch.no_grad(), forward_context(executor.metadata(t, r, executor.dummy_host(t, r))):
+        with torch.no_grad(), forward_context(executor.fwd.metadata(t, r, executor.fwd.dummy_host(t, r))):
             hidden = compiled(static["input_ids"][:t], static["positions"][:t])
             last = (static["query_start_loc"][1:r + 1] - 1).long()
             return model.compute_logits(hidden.index_select(0, last))

@@ -109,13 +109,13 @@ def _step(runner: ModelRunner, tokens: np.ndarray, blocks: np.ndarray, computed:
 def _widths(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[int]:
     """Record the block-table width of every metadata the executor builds from now on."""
     seen: list[int] = []
-    build = runner.executor.metadata
+    build = runner.executor.fwd.metadata
 
     def spy(num_tokens, num_reqs, host):
         meta = build(num_tokens, num_reqs, host)
         seen.append(int(meta.block_table.shape[1]))
         return meta
-    monkeypatch.setattr(runner.executor, "metadata", spy)
+    monkeypatch.setattr(runner.executor.fwd, "metadata", spy)
     return seen
 
 

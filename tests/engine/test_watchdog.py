@@ -80,15 +80,15 @@ def test_a_hung_forward_fails_generate_within_timeout_plus_one_second(reference,
         bystander_go.wait(30)
     bystander = threading.Thread(target=bystander_waits, name="bystander")
     bystander.start()
-    executor = llm.runner.executor
-    executor.forward = lambda *args, _run=executor.forward: (hang.hang_in_forward(), _run(*args))[1]
+    forward = llm.runner.executor.fwd          # the executor's forward object: its run hangs
+    forward.run = lambda *args, _run=forward.run: (hang.hang_in_forward(), _run(*args))[1]
     try:
         with caplog.at_level(logging.ERROR, logger=LOGGER):
             with pytest.raises(GenerationError) as err:
                 llm.generate(PROMPTS, GREEDY)
             raised = time.monotonic()
     finally:
-        del executor.forward
+        del forward.run
         bystander_go.set()
         bystander.join()
     assert hang.started is not None and raised - hang.started < TIMEOUT + 1.0

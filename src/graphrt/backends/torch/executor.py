@@ -10,9 +10,8 @@ reaches the graph as a number."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ import torch
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.torch.capture.baked_values import BakedValueChecks
 from graphrt.backends.torch.kv_cache import TorchKVCache
+from graphrt.backends.torch.forward import TorchForward
 from graphrt.backends.torch.state_cache import TorchStateCache, model_state_spec
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.capture.piecewise_capture import PiecewiseCapture
@@ -30,14 +30,12 @@ from graphrt.config import GraphConfig
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.layers.torch.forward_context import forward_context, state_context
 from graphrt.layers.torch.state.backend import RecurrentStateBackend
 from graphrt.core.extra_inputs import check_extra_specs
 from graphrt.core.fields import ModelInputs
-from graphrt.core.attention_decl import backend_name, check_declarations, check_kv_dtypes
-from graphrt.layers.torch.attention.backend import (CaptureHostValues, HostTensorsRefused, HostValues,
-                                                    RemovedPreReplayHooks, check_layers_read, check_metadata,
-                                                    overrides_before_replay)
+from graphrt.core.attention_decl import check_declarations, check_kv_dtypes
+from graphrt.layers.torch.attention.backend import (HostValues, RemovedPreReplayHooks, check_layers_read,
+                                                    check_metadata, overrides_before_replay)
 from graphrt.backends.torch.device_graphs import (CapturedGraph, DeviceGraphAPI, check_addresses,
                                                  describe_capture_failure)
 from graphrt.backends.torch.model_protocol import attention_support, choose_attention, keyed_host_values
@@ -76,8 +74,6 @@ class TorchExecutor(Executor[TorchEntry]):
         check_kv_dtypes(self.attention, self.kv.group_dtypes())
         self.attention_support = attention_support(model, self.attention)
         self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)   # its setup, once
-        #: The capture phase's build (a duck-typed backend without one: its build).
-        self._build_for_capture = getattr(self.attention, "build_for_capture", self.attention.build)
         #: The refresh path: the backend's own before_replay, run before every run when it has one.
         self._refresh = overrides_before_replay(self.attention)
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
@@ -91,21 +87,32 @@ class TorchExecutor(Executor[TorchEntry]):
                                    host_arrays, check_extra_specs(getattr(model, "extra_inputs", None) or {},
                                                                   type(model).__name__))
         self.host_buffers, self.static = self.buffers.host_arrays, self.buffers.static
+        # A hybrid model's recurrent states (docs/hybrid.md): a slot per running request and the
+        # trash slot, allocated now (their size does not depend on the KV cache's).
+        spec = model_state_spec(model, f"torch {self.device.type}")
+        self.state = TorchStateCache(model, spec, config, self.device) if spec is not None else None
+        self.state_caches: list[torch.Tensor] = self.state.allocate() if self.state is not None else []
+        self.num_state_slots = self.state.num_slots if self.state is not None else None
+        #: The recurrent state's backend, beside the attention one (same phases; set up here, once).
+        self.state_backend = (RecurrentStateBackend(self.state.num_slots, self.state.checkpoints,
+                                                    config.decode_query_len) if self.state is not None else None)
+        if self.state_backend is not None:
+            self.state_backend.setup(self.device, param_dtype)
+        self.state_memory = self.state.memory if self.state is not None else None
+        #: The forward on the static buffers (host values, both backends' metadata, the model run,
+        #: its outputs): one object this executor, the builder, PIECEWISE capture and the checks share.
+        self.fwd = TorchForward(model, config, self.buffers, self.attention, self.keyed_host_values,
+                                self.state_backend, self.device, param_dtype)
         probe = min(2, max_t), 1                      # the builder's metadata must fit a step
-        probe_meta = self.attention.build(self.buffers.tensors(*probe), self.dummy_host(*probe))
+        probe_meta = self.attention.build(self.buffers.tensors(*probe), self.fwd.dummy_host(*probe))
         check_metadata(self.attention, probe_meta, *probe)
         check_layers_read(self.attention, probe_meta, model.attention_layers() if hasattr(model, "attention_layers")
                           else [])
         #: The model's declared extra inputs and their staging buffers (the runner writes them).
         self.extra_inputs, self.extra_buffers = self.buffers.extra, self.buffers.extra_arrays
         self.dtype = param_dtype
-        self.hidden_out = torch.zeros(max_t, self.hidden_size, dtype=param_dtype, device=self.device)
-        self.logits_out = torch.zeros(max_r, self.vocab_size, dtype=torch.float32, device=self.device)
-        q = config.decode_query_len
-        # Speculative decoding: logits at each request's last q positions (drafts verified).
-        self.position_logits_out = (torch.zeros(max_r, q, self.vocab_size, dtype=torch.float32, device=self.device)
-                                    if q > 1 else None)
-        self._position_offsets = torch.arange(-q, 0, device=self.device)
+        self.hidden_out, self.logits_out = self.fwd.hidden_out, self.fwd.logits_out
+        self.position_logits_out = self.fwd.position_logits_out
         self.sampler = SamplerState(max_r, self.vocab_size, self.device, pin, config.max_logprobs, max_t,
                                     penalties=config.enable_penalties)
         self._copied = None if self.buffers.same else device_event(self.device)
@@ -122,23 +129,10 @@ class TorchExecutor(Executor[TorchEntry]):
         self.sample_logprobs, self.prompt_logprobs = self.outputs.sample_logprobs, self.outputs.prompt_logprobs
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache: torch.Tensor | None = None
-        # A hybrid model's recurrent states (docs/hybrid.md): a slot per running request and the
-        # trash slot, allocated now (their size does not depend on the KV cache's).
-        spec = model_state_spec(model, f"torch {self.device.type}")
-        self.state = TorchStateCache(model, spec, config, self.device) if spec is not None else None
-        self.state_caches: list[torch.Tensor] = self.state.allocate() if self.state is not None else []
-        self.num_state_slots = self.state.num_slots if self.state is not None else None
-        #: The recurrent state's backend, beside the attention one (same phases; set up here, once).
-        self.state_backend = (RecurrentStateBackend(self.state.num_slots, self.state.checkpoints,
-                                                    config.decode_query_len) if self.state is not None else None)
-        if self.state_backend is not None:
-            self.state_backend.setup(self.device, param_dtype)
-        self.state_memory = self.state.memory if self.state is not None else None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
         #: PIECEWISE capture (``pieces.split_model``: the fx split; ``pieces.capture``: fx, breakable or None).
-        self.pieces = PiecewiseCapture(model, config, graph_api, self.static, load_dummy=self.buffers.load_dummy,
-                                       step_context=self.step_context, dummy_host=self.dummy_host,
+        self.pieces = PiecewiseCapture(model, config, graph_api, self.static, forward=self.fwd,
                                        input_ptrs=self.input_ptrs)
         #: Check the host values each FULL capture bakes in (off while graph memory is sampled:
         #: warm-up captures, and checks, the same keys again); refuse the capture where they vary.
@@ -147,10 +141,8 @@ class TorchExecutor(Executor[TorchEntry]):
         own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
         checked = config.check_baked_values or config.strict or own_refresh
         self.refuse_baked = config.strict or own_refresh
-        checks = BakedValueChecks(self.buffers, self.attention, self.keyed_host_values, graph_api, forward=self.forward,
-                                  metadata=self.metadata, dummy_host=self.dummy_host,
-                                  step_host_values=self.step_host_values, refresh=self._refresh,
-                                  refuse=self.refuse_baked, max_model_len=config.max_model_len,
+        checks = BakedValueChecks(self.buffers, self.attention, self.keyed_host_values, graph_api, forward=self.fwd,
+                                  refresh=self._refresh, refuse=self.refuse_baked, max_model_len=config.max_model_len,
                                   vocab_size=self.vocab_size)
         #: In-place refit, sleep / wake, and the buffers every graph reads (recorded at capture,
         #: checked at refit, wake and LoRA load; before every replay with ``debug_check_addresses``).
@@ -161,8 +153,7 @@ class TorchExecutor(Executor[TorchEntry]):
         #: key, ``builder.pool``: the pool every graph shares); handed only what a capture uses.
         self.builder = GraphBuilder(
             graph_api, pieces=self.pieces, sampler=self.sampler, logits_out=self.logits_out, lora=self.lora,
-            forward=self.forward, forward_split=self._forward_split, dummy_host=self.dummy_host,
-            load_dummy=self.buffers.load_dummy, input_ptrs=self.input_ptrs,
+            forward=self.fwd, input_ptrs=self.input_ptrs,
             check_baked=checks.check_baked if checked else None,
             check_refresh=checks.check_refresh if self._refresh else None,
             refresh_for_capture=checks.refresh_for_capture if self._refresh else None,
@@ -203,87 +194,7 @@ class TorchExecutor(Executor[TorchEntry]):
         (fx) or declares them (breakable)."""
         return self.pieces.capture is not None
 
-    # ---- forward -------------------------------------------------------------------
-    def metadata(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
-        """The attention backend's metadata of the static buffers' first ``num_tokens`` /
-        ``num_reqs`` rows and the step's ``host`` values (inside a capture: guarded ones)."""
-        if isinstance(host, CaptureHostValues):     # a graph's: no host tensor reachable
-            refused = HostTensorsRefused(backend_name(self.attention), host.captured_key)
-            return self._build_for_capture(self.buffers.capture_tensors(num_tokens, num_reqs, refused), host)
-        views = self.buffers.views.get((num_tokens, num_reqs))
-        return self.attention.build(views if views is not None else self.buffers.tensors(num_tokens, num_reqs), host)
-
-    def dummy_host(self, num_tokens: int, num_reqs: int, key: BatchDescriptor | None = None) -> HostValues:
-        """Host values of a padding-only step of that shape (a capture's, a warm-up's): ``key``'s
-        context bucket as ``max_seq_len`` where it has one, else ``max_model_len``; within a
-        capture of ``key`` only the attention's keyed values can be read (CaptureHostValues)."""
-        uniform = key.uniform_decode if key is not None else False
-        context = (key.max_seq_len if key is not None else None) or self.config.max_model_len
-        values = HostValues(num_tokens, num_reqs, 0, 0, 0, context, uniform)
-        if key is None:
-            return values
-        return CaptureHostValues(values, self.keyed_host_values, backend_name(self.attention), key)
-
-    def step_host_values(self, host: HostValues, padded: ModelInputs, key: BatchDescriptor) -> HostValues:
-        """Fill ``host`` with the padded step's values (a graph's key: its context bucket as
-        ``max_seq_len``, else the step's longest request) and return it."""
-        host.num_tokens, host.num_reqs = len(padded.input_ids), len(padded.seq_lens)
-        host.real_num_tokens, host.real_num_reqs = padded.num_tokens, padded.num_reqs
-        host.max_query_len = padded.max_query_len
-        # the key's flag (every key holds it), like its context: a step run eagerly at a key takes
-        # the graph's form (the recurrent layers' uniform decode)
-        host.uniform_decode = bool(key.uniform_decode)
-        host.max_seq_len = key.max_seq_len or padded.max_seq_len
-        host.query_start_loc, host.seq_lens = padded.query_start_loc, padded.seq_lens
-        return host
-
     pre_replay_hooks = RemovedPreReplayHooks()     # issue 30: one refresh path, before_replay
-
-    def step_context(self, num_tokens: int, num_reqs: int, host: HostValues) -> Any:
-        """The forward context of a step: the attention backend's metadata and, for a hybrid
-        model, the recurrent state backend's (``state_context``), each from its phase (a
-        capture's or a run's)."""
-        meta = self.metadata(num_tokens, num_reqs, host)
-        if self.state_backend is None:
-            return forward_context(meta)
-        views = self.buffers.tensors(num_tokens, num_reqs)
-        state = (self.state_backend.build_for_capture(views, host) if isinstance(host, CaptureHostValues)
-                 else self.state_backend.build(views, host))
-        stack = contextlib.ExitStack()
-        stack.enter_context(forward_context(meta))
-        stack.enter_context(state_context(state))
-        return stack
-
-    def forward(self, num_tokens: int, num_reqs: int, host: HostValues) -> None:
-        """Run the model on the static buffers' first rows; write hidden and logits outputs.
-
-        Everything here reads tensors only, so it can be captured; the sizes (and the keyed
-        host values, e.g. a context bucket) are the key.
-        """
-        s = self.static
-        with self.step_context(num_tokens, num_reqs, host):
-            hidden = self.model(s["input_ids"][:num_tokens], s["positions"][:num_tokens])
-        self._outputs(hidden, num_tokens, num_reqs)
-
-    def _forward_split(self, calls: Sequence[Callable[[], None]], output: torch.Tensor,
-                       num_tokens: int, num_reqs: int, host: HostValues) -> None:
-        """The forward as the split model's step calls over the piece buffers."""
-        with self.step_context(num_tokens, num_reqs, host):
-            for call in calls:
-                call()
-        self._outputs(output, num_tokens, num_reqs)
-
-    def _outputs(self, hidden: torch.Tensor, num_tokens: int, num_reqs: int) -> None:
-        self.hidden_out[:num_tokens].copy_(hidden)
-        ends = self.static["query_start_loc"][1:num_reqs + 1]
-        if self.position_logits_out is None:
-            last = (ends - 1).clamp(min=0).long()
-            self.logits_out[:num_reqs].copy_(self.model.compute_logits(hidden.index_select(0, last)))
-            return
-        rows = (ends.unsqueeze(1) + self._position_offsets).clamp(min=0).long().flatten()
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).view(num_reqs, -1, self.vocab_size)
-        self.position_logits_out[:num_reqs].copy_(logits)
-        self.logits_out[:num_reqs].copy_(logits[:, -1])
 
     @property
     def sampler_buffer_bytes(self) -> int:
@@ -371,7 +282,7 @@ class TorchExecutor(Executor[TorchEntry]):
             self.lora.before_step(key, t)
         if self._copied is not None:
             self._copied.record()
-        host = self.step_host_values(self._host_values, padded, key)   # eager at a key: the key's context
+        host = self.fwd.step_host_values(self._host_values, padded, key)   # eager at a key: the key's context
         if self._refresh:                 # the one refresh path, before every run
             self.attention.before_replay(self.buffers.tensors(t, r), host)
         if entry is not None and self.graph_api is not None and entry.tasks:
@@ -381,9 +292,9 @@ class TorchExecutor(Executor[TorchEntry]):
             self.live.check_entry(entry, (mode, key))
         with torch.no_grad():
             if entry is None:
-                self.forward(t, r, host)
+                self.fwd.run(t, r, host)
             elif isinstance(entry, PiecewiseEntry):   # attention eager: the step's own values
-                self._forward_split(entry.calls, entry.output, t, r, host)
+                self.fwd.run_split(entry.calls, entry.output, t, r, host)
             else:
                 entry.graph.replay()
         if self._copied is not None:

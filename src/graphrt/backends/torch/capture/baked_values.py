@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -104,13 +104,12 @@ class BakedValueChecks:
     ``max_model_len`` / ``vocab_size`` for the busy step."""
 
     def __init__(self, buffers: Any, attention: Any, keyed_host_values: Any, graph_api: Any, *,
-                 forward: Callable[..., None], metadata: Callable[..., Any], dummy_host: Callable[..., HostValues],
-                 step_host_values: Callable[..., HostValues], refresh: bool, refuse: bool, max_model_len: int,
-                 vocab_size: int) -> None:
+                 forward: Any, refresh: bool, refuse: bool, max_model_len: int, vocab_size: int) -> None:
+        """``forward``: the executor's :class:`~graphrt.backends.torch.forward.TorchForward` (the
+        run, the metadata build and the host values the checks replay)."""
         self.buffers, self.attention, self.keyed_host_values, self.graph_api = (buffers, attention,
                                                                                keyed_host_values, graph_api)
-        self.forward, self.metadata, self.dummy_host = forward, metadata, dummy_host
-        self.step_host_values = step_host_values
+        self.fwd = forward
         self.refresh, self.refuse = refresh, refuse
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
 
@@ -145,7 +144,7 @@ class BakedValueChecks:
         raises GraphCaptureError naming it and ``before_replay``."""
         t, r = key.num_tokens, key.num_reqs
         attention = self.attention
-        host = self.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), padded, key)
+        host = self.fwd.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), padded, key)
         guarded = CaptureHostValues(host, self.keyed_host_values, backend_name(attention), key, reader="before_replay",
                                     refreshed=tuple(getattr(attention, "refreshed_host_values", ())))
         attention.before_replay(self.buffers.tensors(t, r), guarded)
@@ -155,7 +154,7 @@ class BakedValueChecks:
         t, r = key.num_tokens, key.num_reqs
         inputs = self._dummy(t, r, busy, key.max_seq_len)
         if self.refresh:
-            host = self.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), inputs, key)
+            host = self.fwd.step_host_values(HostValues(0, 0, 0, 0, 0, 0, False), inputs, key)
             self.attention.before_replay(self.buffers.tensors(t, r), host)
 
     def _record(self, key: BatchDescriptor, busy: bool) -> list[tuple[str, tuple[Any, ...]]]:
@@ -164,7 +163,7 @@ class BakedValueChecks:
         graph = rg.RecordingGraph()
         marks = TaskMarks(self.graph_api, graph)
         with torch.no_grad(), graph_tasks.capturing(marks, []), rg.recording_graph(graph):
-            self.forward(t, r, self.dummy_host(t, r, key))
+            self.fwd.run(t, r, self.fwd.dummy_host(t, r, key))
         values = marks.baked_values()
         graph.reset()
         return values
@@ -192,14 +191,14 @@ class BakedValueChecks:
         differences (the key then runs eagerly; strict mode raises)."""
         t, r = key.num_tokens, key.num_reqs
         with torch.no_grad(), graph_tasks.capturing(TaskMarks(self.graph_api, rg.RecordingGraph()), []):
-            self.metadata(t, r, self.dummy_host(t, r, key))     # a warm-up, as a capture's
+            self.fwd.metadata(t, r, self.fwd.dummy_host(t, r, key))     # a warm-up, as a capture's
         runs = []
         for busy in (True, False):          # padding last: what the capture then runs on
             self._refresh(key, busy)
             graph = rg.RecordingGraph()
             marks = TaskMarks(self.graph_api, graph)
             with torch.no_grad(), graph_tasks.capturing(marks, []), rg.recording_graph(graph):
-                meta = self.metadata(t, r, self.dummy_host(t, r, key))
+                meta = self.fwd.metadata(t, r, self.fwd.dummy_host(t, r, key))
             runs.append((marks.baked_values(), host_leaves(meta)))
             graph.reset()
         (busy_ops, busy_meta), (quiet_ops, quiet_meta) = runs

@@ -19,13 +19,13 @@ from graphrt.backends.torch.device_graphs import CapturedGraph, DeviceGraphAPI, 
 from graphrt.backends.torch.capture.fx_split import PiecewiseEntry
 from graphrt.backends.torch.lora import TorchLora
 from graphrt.backends.torch.capture.piecewise_capture import PiecewiseCapture
+from graphrt.backends.torch.forward import TorchForward
 from graphrt.backends.torch.sampling.sampler import SamplerState
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import GraphrtError
 from graphrt.core.fields import ModelInputs
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.layers.torch.attention.backend import HostValues
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,7 @@ class GraphBuilder:
 
     def __init__(self, graph_api: DeviceGraphAPI, *, pieces: PiecewiseCapture, sampler: SamplerState,
                  logits_out: torch.Tensor, lora: TorchLora | None,
-                 forward: Callable[[int, int, HostValues], None],
-                 forward_split: Callable[..., None],
-                 dummy_host: Callable[..., HostValues],
-                 load_dummy: Callable[[int, int], ModelInputs],
+                 forward: TorchForward,
                  input_ptrs: Callable[[], dict[str, int]],
                  check_baked: Callable[[BatchDescriptor], Any] | None,
                  check_refresh: Callable[[BatchDescriptor], None] | None,
@@ -54,8 +51,7 @@ class GraphBuilder:
         self.graph_api = graph_api
         self.pool = GraphPool(graph_api)
         self.pieces, self.sampler, self.logits_out, self.lora = pieces, sampler, logits_out, lora
-        self._forward, self._forward_split = forward, forward_split
-        self._dummy_host, self._load_dummy, self._input_ptrs = dummy_host, load_dummy, input_ptrs
+        self.forward, self._input_ptrs = forward, input_ptrs
         self._check_baked, self._check_refresh = check_baked, check_refresh
         self._refresh_for_capture = refresh_for_capture
         self._live_buffers = live_buffers
@@ -126,12 +122,12 @@ class GraphBuilder:
         num_tokens, num_reqs = key.num_tokens, key.num_reqs
         if self._check_refresh is not None:   # nothing the refresh leaves behind may reach the graph as a number
             self._check_refresh(key)
-        host = self._dummy_host(num_tokens, num_reqs, key)     # guarded: only keyed values read
+        host = self.forward.dummy_host(num_tokens, num_reqs, key)     # guarded: only keyed values read
         if not compiled:
-            return self._capture(lambda: self._forward(num_tokens, num_reqs, host),
+            return self._capture(lambda: self.forward.run(num_tokens, num_reqs, host),
                                  lambda: self._load_for_capture(key))
         calls, output, held = self.pieces.prepare(num_tokens, compiled=True)
-        entry, nbytes = self._capture(lambda: self._forward_split(calls, output, num_tokens, num_reqs, host),
+        entry, nbytes = self._capture(lambda: self.forward.run_split(calls, output, num_tokens, num_reqs, host),
                                       lambda: self._load_for_capture(key))
         entry.compiled = True
         return entry, nbytes + held
@@ -140,7 +136,7 @@ class GraphBuilder:
         """Pure padding for a FULL capture, then the refresh path on it, as before every run:
         the backend's ``before_replay`` with only its declared host values readable
         (:meth:`~graphrt.backends.torch.capture.baked_values.BakedValueChecks.refresh_for_capture`)."""
-        padded = self._load_dummy(key.num_tokens, key.num_reqs)
+        padded = self.forward.load_dummy(key.num_tokens, key.num_reqs)
         if self._refresh_for_capture is not None:
             self._refresh_for_capture(padded, key)
 

@@ -29,11 +29,12 @@ class PiecewiseCapture:
     addresses a replay reads (``input_ptrs``). Entries are captured into the pool ``build`` is given."""
 
     def __init__(self, model: torch.nn.Module, config: GraphConfig, graph_api: DeviceGraphAPI | None,
-                 static: Mapping[str, torch.Tensor], *, load_dummy: Callable[[int, int], Any],
-                 step_context: Callable[..., Any], dummy_host: Callable[[int, int], Any],
+                 static: Mapping[str, torch.Tensor], *, forward: Any,
                  input_ptrs: Callable[[], dict[str, int]]) -> None:
+        """``forward``: the executor's :class:`~graphrt.backends.torch.forward.TorchForward` (its
+        padding steps, host values and step context)."""
         self.model, self.config, self.graph_api, self.static = model, config, graph_api, static
-        self._load_dummy, self._step_context, self._dummy_host = load_dummy, step_context, dummy_host
+        self.forward = forward
         self._input_ptrs = input_ptrs
         self._split: SplitModel | None = None
         self.split_reason: str | None = None
@@ -104,8 +105,8 @@ class PiecewiseCapture:
         held = buffers.nbytes
         inputs = (self.static["input_ids"][:num_tokens], self.static["positions"][:num_tokens])
         with torch.no_grad():
-            self._load_dummy(num_tokens, 1)
-            with self._step_context(num_tokens, 1, self._dummy_host(num_tokens, 1)):
+            self.forward.load_dummy(num_tokens, 1)
+            with self.forward.step_context(num_tokens, 1, self.forward.dummy_host(num_tokens, 1)):
                 for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                     env = split.run(inputs)
                 views = buffers.bind(env, num_tokens)
@@ -152,8 +153,8 @@ class PiecewiseCapture:
         def forward() -> torch.Tensor:
             return model(static["input_ids"][:t], static["positions"][:t])
 
-        self._load_dummy(t, 1)
-        with torch.no_grad(), self._step_context(t, 1, self._dummy_host(t, 1)):
+        self.forward.load_dummy(t, 1)
+        with torch.no_grad(), self.forward.step_context(t, 1, self.forward.dummy_host(t, 1)):
             for _ in range(defaults.CAPTURE_WARMUP_RUNS):
                 forward()
             calls, graphs, output, nbytes, tasks = capture_breakable(pool, forward, _break_layers(model))
