@@ -12,6 +12,7 @@ deadline."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing as mp
 import signal
@@ -55,11 +56,16 @@ class Ranks:
     ready = False                        # every rank built its executor
     fault_error: GraphrtError | None = None
     closed = False
+    #: The workers left on their own (each raised the same fault): no shutdown call to send.
+    peers_left = False
 
     def check(self) -> None:
-        """Raise the fault already seen (a fresh error with its message), or refuse calls after close()."""
+        """Raise the fault already seen (a fresh error of its class, with its message and
+        fields), or refuse calls after close()."""
         if self.fault_error is not None:
-            raise GraphrtError(str(self.fault_error))
+            error = copy.copy(self.fault_error)
+            error.__traceback__ = error.__cause__ = error.__context__ = None
+            raise error
         if self.closed:
             raise GraphrtError("the tensor-parallel executor is closed")
 
@@ -284,7 +290,8 @@ class JoinedRanks(Ranks):
         try:
             if not self.ready and self.fault_error is None:
                 self.wait(self.agreement.start(1), TP_WORKER_JOIN_TIMEOUT_S)
-            self.channel.send(p.SHUTDOWN, [], timeout=TP_WORKER_JOIN_TIMEOUT_S)
+            if not self.peers_left:
+                self.channel.send(p.SHUTDOWN, [], timeout=TP_WORKER_JOIN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing anyway
             logger.warning("graphrt: the tensor-parallel shutdown call failed: %s", exc)
         dist.destroy_process_group(self.agreement.group)
