@@ -203,3 +203,6 @@ DEFAULT_TENSOR_PARALLEL_SIZE = 1
 #: segments live (a tmpfs), and the bytes assumed where the system cannot report its RAM.
 SHARED_MEMORY_DIR = "/dev/shm"
 
+
+#: graphrt.launch: the rendezvous port when the launcher names none (torchrun's default).
+LAUNCH_MASTER_PORT = 29500
