@@ -30,7 +30,8 @@ from graphrt.backends.torch.parallel.tp_rendezvous import worker_store
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import SamplerKey
-from graphrt.core.errors import ConfigError, GraphrtError
+from graphrt.backends.torch.parallel.tp_liveness import Heartbeat, default_store
+from graphrt.core.errors import CollectiveMismatchError, ConfigError, GraphrtError, RankLostError
 from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
 from graphrt.backends.torch.parallel.tp_channel import ChannelSpec, StepChannel
 from graphrt.core.graph_modes import RuntimeMode
@@ -224,6 +225,7 @@ def serve() -> None:
                           "rank 0 builds the engine with tensor_parallel_size = the world size")
     rank, size = dist.get_rank(), dist.get_world_size()
     group = p.control_group()
+    heartbeat = Heartbeat(default_store(), rank, size, group.group_name)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, 0, group=group)
     setup: p.WorkerSetup = box[0]
@@ -238,7 +240,19 @@ def serve() -> None:
     try:
         follower.start()
         follower.loop()
+    except (CollectiveMismatchError, RankLostError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a peer gone is named; anything else is raised as it is
+        lost = heartbeat.lost()
+        if lost is None:                     # the store does not answer: it lived on rank 0's node
+            lost = [0]
+        if lost:
+            raise RankLostError(f"tensor-parallel rank {rank}: rank{'s' if len(lost) > 1 else ''} "
+                                f"{', '.join(map(str, lost))} lost during call {follower.calls} "
+                                f"({type(exc).__name__}: {str(exc).strip()[:200]}); this rank stops", lost[0]) from exc
+        raise
     finally:
+        heartbeat.stop()
         dist.destroy_process_group(group)
 
 
