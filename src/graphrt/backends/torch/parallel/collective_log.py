@@ -17,18 +17,14 @@ the log only records (``dry=False``); docs/distributed.md says what is proven wh
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from graphrt.core.collectives import Collective, describe, first_differences, mismatch_error, signature
 from graphrt.core.errors import CollectiveMismatchError
-
-#: One logged collective: op name, its scalar arguments (reduce op, group size, group name),
-#: the shapes and dtypes of its tensor inputs.
-Collective = tuple[str, tuple[str, ...], tuple[tuple[int, ...], ...], tuple[str, ...]]
 
 _NAMESPACE = "_c10d_functional"
 _WAIT = "wait_tensor"
@@ -78,41 +74,6 @@ def _stand_in(func: Any, args: tuple, kwargs: dict) -> Any:
         same = next((t for t in inputs if t.shape == m.shape and t.dtype == m.dtype), None)
         return same.clone() if same is not None else torch.zeros(m.shape, dtype=m.dtype, device=device)
     return tree_map(local, shapes)
-
-
-def signature(entries: Sequence[Collective]) -> int:
-    """A stable 62-bit hash of a collective list (equal lists, equal hashes, on any process)."""
-    digest = hashlib.blake2b(repr(list(entries)).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def describe(entry: Collective) -> str:
-    """One collective as text: ``all_reduce(sum, 0) [4x64 float32]``."""
-    name, scalars, shapes, dtypes = entry
-    tensors = ", ".join(f"{'x'.join(map(str, s)) or 'scalar'} {d}" for s, d in zip(shapes, dtypes))
-    return f"{name}({', '.join(scalars)}) [{tensors}]"
-
-
-def first_differences(lists: Sequence[Sequence[Collective]]) -> tuple[int, dict[int, str]]:
-    """The index of the first collective where the ranks' lists differ, and per rank its
-    collective there (``"none (N in all)"`` where its list is shorter)."""
-    longest = max(len(entries) for entries in lists)
-    index = next((i for i in range(longest)
-                  if len({entries[i] if i < len(entries) else None for entries in lists}) > 1), longest)
-    first = {rank: describe(entries[index]) if index < len(entries) else f"none ({len(entries)} in all)"
-             for rank, entries in enumerate(lists)}
-    return index, first
-
-
-def mismatch_error(key: Any, lists: Sequence[Sequence[Collective]]) -> CollectiveMismatchError:
-    """The error every rank raises when the ranks' collective lists for ``key`` differ."""
-    index, first = first_differences(lists)
-    ranks = "; ".join(f"rank {rank}: {text}" for rank, text in first.items())
-    counts = ", ".join(str(len(entries)) for entries in lists)
-    return CollectiveMismatchError(
-        f"the tensor-parallel ranks captured different collectives for {key} (collectives per rank: {counts}); "
-        f"first difference at collective #{index}: {ranks}. The key is not replayed and the engine stops: "
-        "every rank must run the same model code and configuration", key=key, first=first)
 
 
 def agreed(rows: Sequence[Sequence[int]]) -> bool:
