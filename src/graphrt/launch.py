@@ -166,6 +166,8 @@ def init_distributed(world: World, backend: str = "gloo", timeout: float = defau
     if backend == "xla":
         import jax
 
+        if not jax.config.jax_cpu_collectives_implementation:    # host devices talk over gloo
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=f"{_bracket(world.master_addr)}:{world.master_port}",
                                    num_processes=world.world_size, process_id=world.rank,
                                    initialization_timeout=int(timeout))

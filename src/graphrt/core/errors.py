@@ -134,3 +134,14 @@ class RankLostError(GraphrtError, RuntimeError):
     def __init__(self, message: str, rank: int | None = None) -> None:
         self.rank = rank
         super().__init__(message)
+
+
+class StepMismatchError(GraphrtError, RuntimeError):
+    """Multi-controller XLA: the ``jax.distributed`` processes of one engine were about to run
+    different steps (another key, other inputs) -- their requests or schedules differ. Raised on
+    every process before the step runs (running it would hang or mix the processes' data);
+    ``steps`` has each process's key and input checksums."""
+
+    def __init__(self, message: str, steps: list | None = None) -> None:
+        self.steps = list(steps or [])
+        super().__init__(message)
