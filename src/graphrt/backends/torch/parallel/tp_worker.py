@@ -225,7 +225,6 @@ def serve() -> None:
                           "rank 0 builds the engine with tensor_parallel_size = the world size")
     rank, size = dist.get_rank(), dist.get_world_size()
     group = p.control_group()
-    heartbeat = Heartbeat(default_store(), rank, size, group.group_name)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, 0, group=group)
     setup: p.WorkerSetup = box[0]
@@ -237,6 +236,7 @@ def serve() -> None:
     _configure(setup, rank)
     channel = p.BroadcastChannel(group, capacity=setup.step_bytes())
     follower = Follower(setup, rank, channel, p.Agreement(group, size))
+    heartbeat = Heartbeat(default_store(), rank, size, group.group_name)    # names a lost peer below
     try:
         follower.start()
         follower.loop()
