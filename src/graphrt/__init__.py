@@ -21,6 +21,7 @@ from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, Sampler
 from graphrt.core.errors import (BackendUnavailableError, CacheMissError, ConfigError, EngineAsleepError,
                                  GenerationError, GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
                                  RequestsInFlightError, StaleBufferError, WatchdogTimeout)
+from graphrt.core.errors import CollectiveMismatchError, RankLostError, StepMismatchError
 from graphrt.core.extra_inputs import ExtraInput
 from graphrt.core.fields import ModelInputs
 from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
@@ -62,3 +63,4 @@ __all__ = [
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
     "tolerance", "reduction_tolerance", "WatchdogTimeout",
 ]
+__all__ += ["CollectiveMismatchError", "RankLostError", "StepMismatchError"]

@@ -203,3 +203,16 @@ DEFAULT_TENSOR_PARALLEL_SIZE = 1
 #: segments live (a tmpfs), and the bytes assumed where the system cannot report its RAM.
 SHARED_MEMORY_DIR = "/dev/shm"
 
+
+#: graphrt.launch: the rendezvous port when the launcher names none (torchrun's default).
+LAUNCH_MASTER_PORT = 29500
+
+#: Ranks of a tensor-parallel group launched outside graphrt (torchrun, graphrt.launch) each
+#: bump a counter in the job's store this often (seconds), so that after a failed collective
+#: the survivors can name the rank that is gone (backends/torch/parallel/tp_liveness.py) ...
+RANK_HEARTBEAT_S = 1.0
+#: ... for this long after a failed collective they watch the counters: a rank whose counter
+#: did not move is named lost (RankLostError). A killed process fails the collective at once
+#: (its connections close), so the error comes within about this bound; a node that goes
+#: silent without closing its connections is seen at the process group's timeout (TP_TIMEOUT_S).
+RANK_LOST_NAMING_S = 3.0

@@ -108,3 +108,40 @@ class RequestsInFlightError(GraphrtError, RuntimeError):
     def __init__(self, message: str, request_ids: tuple[int, ...] = ()) -> None:
         self.request_ids = tuple(request_ids)
         super().__init__(message)
+
+
+class CollectiveMismatchError(GraphrtError, RuntimeError):
+    """The ranks of one parallel group captured different collective sequences for the same key
+    (an op, group, shape or dtype differs, or one rank has more): replaying them would hang or
+    reduce unrelated tensors. Raised on every rank; the key is never replayed, and the engine
+    stops (an eager run of the same forward would meet the same mismatch).
+
+    ``key``: the key being captured; ``first``: per rank, its first collective that differs
+    from another rank's, as text (``"none (3 in all)"`` where a rank has fewer).
+    """
+
+    def __init__(self, message: str, key: object = None, first: dict[int, str] | None = None) -> None:
+        self.key = key
+        self.first = dict(first or {})
+        super().__init__(message)
+
+
+class RankLostError(GraphrtError, RuntimeError):
+    """A rank of a parallel group is gone (its process or node died, or it stopped answering)
+    while a call was in flight: ``rank`` names it. Every later call raises it again; the engine
+    must be rebuilt."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        self.rank = rank
+        super().__init__(message)
+
+
+class StepMismatchError(GraphrtError, RuntimeError):
+    """Multi-controller XLA: the ``jax.distributed`` processes of one engine were about to run
+    different steps (another key, other inputs) -- their requests or schedules differ. Raised on
+    every process before the step runs (running it would hang or mix the processes' data);
+    ``steps`` has each process's key and input checksums."""
+
+    def __init__(self, message: str, steps: list | None = None) -> None:
+        self.steps = list(steps or [])
+        super().__init__(message)

@@ -117,10 +117,11 @@ class XlaBackend(Backend):
                           cfg.hidden_size, int(getattr(cfg, "intermediate_size", 0)), cfg.vocab_size)
 
     def device_memory_bytes(self) -> int | None:
-        """The mesh devices' memory together (``memory_stats()['bytes_limit']``); None where a
-        device does not say (the CPU: its memory is the host's)."""
+        """This process's mesh devices' memory together (``memory_stats()['bytes_limit']``); None
+        where a device does not say (the CPU: its memory is the host's). Across ``jax.distributed``
+        processes only the addressable devices answer, and each process holds its own share."""
         total = 0
-        for device in self.mesh.devices.flat:
+        for device in self.mesh.local_devices:         # this process's (multi-controller: its share)
             stats = device.memory_stats() if hasattr(device, "memory_stats") else None
             if not stats or "bytes_limit" not in stats:
                 return None

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from graphrt.backends.base import Built, Executor, SamplingBatch
+from graphrt.backends.xla import multi_controller as mc
 from graphrt.backends.xla import extra_inputs as xla_extra, sharding as shd
 from graphrt.backends.xla.abstract_inputs import abstract_inputs
 from graphrt.backends.xla.batch import BATCH_FIELDS, XlaBatch, describe_change
@@ -85,6 +86,9 @@ class XlaExecutor(Executor[XlaEntry]):
         self.mesh = programs.mesh
         self.tp_size = programs.tp_size
         self.compile_workers = max(1, int(compile_workers))
+        #: Multi-controller (several jax.distributed processes): each step's agreement, and each
+        #: compile's collectives checked across the processes (backends/xla/multi_controller.py).
+        self._steps = mc.StepAgreement() if mc.process_count() > 1 else None
         self.model_config = programs.model_config
         self.vocab_size = int(self.model_config.vocab_size)
         self.weights = programs.weights
@@ -208,7 +212,7 @@ class XlaExecutor(Executor[XlaEntry]):
                        "every request's computed KV is gone")
 
     def memory_info(self) -> tuple[int, int] | None:
-        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+        stats = [d.memory_stats() for d in self.mesh.local_devices]      # addressable ones only
         if not all(s and "bytes_limit" in s for s in stats):
             return None
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
@@ -279,6 +283,8 @@ class XlaExecutor(Executor[XlaEntry]):
         if entry is None:
             lowered, seconds = lower(jitted, args)
             entry = self.compiles.compile(key, lowered, spec, seconds)
+        if self._steps is not None:
+            mc.check_built([entry])
         self._note_temp([entry])
         return entry, entry.nbytes
 
@@ -299,6 +305,8 @@ class XlaExecutor(Executor[XlaEntry]):
         workers = max(1, workers or self.compile_workers)
         self.compiles.plan(key for _, key in jobs)
         built = precompile(list(dict.fromkeys(jobs)), self._abstract_inputs, self.compiles, workers, progress)
+        if self._steps is not None:             # in the jobs' order: the same on every process
+            mc.check_built(built[key] for key in dict.fromkeys(key for _, key in jobs))
         self._note_temp(built.values())
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
 
@@ -339,6 +347,8 @@ class XlaExecutor(Executor[XlaEntry]):
         if not isinstance(entry, XlaEntry):
             raise self._missing(entry, key)
         _check_padded(entry, padded)
+        if self._steps is not None:
+            self._steps.check(key, padded)
         spec = entry.spec
         batch = XlaBatch(padded.input_ids.copy(), padded.positions.copy(), padded.slot_mapping.copy(),
                          padded.query_start_loc.copy(), padded.seq_lens.copy(), padded.state_slots.copy(),

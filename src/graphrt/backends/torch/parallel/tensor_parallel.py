@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.backends.torch.parallel import tp_protocol as p
+from graphrt.backends.torch.parallel.collective_log import CollectiveLog, agreed, gather_mismatch
 from graphrt.backends.torch.executor import TorchEntry, TorchExecutor
 from graphrt.backends.torch.parallel.tp_ranks import JoinedRanks, Ranks, SpawnedRanks
 from graphrt.config import GraphConfig
@@ -129,6 +130,9 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         self._run_arrays: list[Any] = [self._run_row] + [None] * len(ARRAY_FIELDS)
         self._row_only = [self._run_row]
         self._closer = weakref.finalize(self, ranks.close)
+        #: Builds send no collective (stand-ins) where the capture executes them: the CPU
+        #: recording graph (collective_log's module doc).
+        self._dry_builds = ranks.setup.device_type == "cpu"
 
     # ---- what stays on rank 0 ----------------------------------------------------------
     @property
@@ -262,8 +266,10 @@ class TensorParallelExecutor(Executor[TorchEntry]):
             else:
                 p.encode_key(row, mode, key)
             words += [int(isinstance(key, SamplerKey))] + row.tolist()
-        return self._everywhere(p.MEASURE, words, "measure_graph_memory",
-                                lambda: self.local.measure_graph_memory(jobs))
+        def measure() -> Any:
+            with CollectiveLog(dry=self._dry_builds):
+                return self.local.measure_graph_memory(jobs)
+        return self._everywhere(p.MEASURE, words, "measure_graph_memory", measure)
 
     def update_weights(self, source: Any, *, check_only: bool = False) -> WeightsUpdate:
         """Every rank refits its shard from one checkpoint (a path as it is, tensors staged in a
@@ -319,15 +325,27 @@ class TensorParallelExecutor(Executor[TorchEntry]):
             return self.local.build(mode, key)
         p.encode_key(self._key_row, mode, key)
         self._send(p.BUILD, [self._key_row], (p.BUILD, key))
+        log = CollectiveLog(dry=self._dry_builds)
         try:
-            entry, nbytes = self.local.build(mode, key)
+            with log:
+                entry, nbytes = self.local.build(mode, key)
         except Exception:
             self._agree(1, (p.BUILD, key))
             raise
         except BaseException as exc:    # KeyboardInterrupt: the ranks are out of step for good
             self._fail((p.BUILD, key), exc)
             raise
-        rows = self._agree(0, (p.BUILD, key))
+        rows = self._agree(0, (p.BUILD, key), log.signature(), len(log.entries))
+        if not agreed(rows):            # every rank saw the same rows: each raises the same error
+            try:
+                error = gather_mismatch(self.ranks.agreement.group, self.tp_size, key, log.entries)
+            except Exception as exc:  # noqa: BLE001 - a worker went while the lists were gathered
+                raise self._fail((p.BUILD, key), exc) from exc
+            logger.error("graphrt: %s", error)
+            self.ranks.fault_error = error
+            self.ranks.peers_left = True            # every worker raises it too, and exits
+            self.close()
+            raise error
         failed = [rank for rank, row in enumerate(rows) if row[0]]
         if failed:
             raise GraphCaptureError(f"capturing {key} failed on tensor-parallel rank(s) {failed} (see their "

@@ -12,6 +12,7 @@ deadline."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing as mp
 import signal
@@ -26,7 +27,9 @@ import torch.distributed as dist
 
 from graphrt.backends.torch.parallel import tp_protocol as p
 from graphrt.backends.torch.parallel import tp_rendezvous as rz
-from graphrt.core.errors import ConfigError, GraphrtError
+from graphrt.core import defaults
+from graphrt.backends.torch.parallel.tp_liveness import Heartbeat, default_store
+from graphrt.core.errors import ConfigError, GraphrtError, RankLostError
 from graphrt.backends.torch.parallel.tp_channel import StepChannel
 
 #: ... close() waits this long for workers to exit after the shutdown call, then terminates,
@@ -55,11 +58,16 @@ class Ranks:
     ready = False                        # every rank built its executor
     fault_error: GraphrtError | None = None
     closed = False
+    #: The workers left on their own (each raised the same fault): no shutdown call to send.
+    peers_left = False
 
     def check(self) -> None:
-        """Raise the fault already seen (a fresh error with its message), or refuse calls after close()."""
+        """Raise the fault already seen (a fresh error of its class, with its message and
+        fields), or refuse calls after close()."""
         if self.fault_error is not None:
-            raise GraphrtError(str(self.fault_error))
+            error = copy.copy(self.fault_error)
+            error.__traceback__ = error.__cause__ = error.__context__ = None
+            raise error
         if self.closed:
             raise GraphrtError("the tensor-parallel executor is closed")
 
@@ -210,7 +218,9 @@ class SpawnedRanks(Ranks):
             parts.append("every tensor-parallel worker is alive and finished its part; rank 0 failed")
         text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
         cause = "" if exc is None else f": {type(exc).__name__}" + (f": {text}" if text else "")
-        self.fault_error = GraphrtError(f"{'; '.join(parts)} during {doing}{cause}")
+        message = f"{'; '.join(parts)} during {doing}{cause}"
+        exited = self._exited()
+        self.fault_error = RankLostError(message, exited[0][0]) if exited else GraphrtError(message)
         return self.fault_error
 
     def close(self) -> None:
@@ -263,15 +273,27 @@ class JoinedRanks(Ranks):
         dist.broadcast_object_list([setup], 0, group=group)
         self.channel = p.BroadcastChannel(group, capacity=setup.step_bytes())
         self.agreement = p.Agreement(group, size)
+        self.heartbeat = Heartbeat(default_store(), 0, size, group.group_name)
 
     def connect(self) -> None:
         """Nothing to wait for: the setup went out with the constructor."""
 
     def fault(self, doing: str, exc: BaseException | None) -> GraphrtError:
-        if self.fault_error is None:
+        """Name the ranks whose heartbeat stopped (:class:`RankLostError`); where every rank
+        still beats, or the store does not answer, the call only."""
+        if self.fault_error is not None:
+            return self.fault_error
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        lost = self.heartbeat.lost() if exc is not None else None
+        if lost:
+            self.fault_error = RankLostError(
+                f"tensor-parallel rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (no heartbeat "
+                f"for {defaults.RANK_LOST_NAMING_S} s: its process or node is gone) during {doing} ({cause}); "
+                "every in-flight request failed and the engine stopped: rebuild it once the rank is back", lost[0])
+        else:
             self.fault_error = GraphrtError(
-                f"a tensor-parallel call failed during {doing} ({type(exc).__name__}: {exc}); the ranks were "
-                "launched outside graphrt (torchrun), so rank 0 cannot see which one: see their logs")
+                f"a tensor-parallel call failed during {doing} ({cause}); every rank still beats (or the store "
+                "did not answer), so rank 0 cannot name one: see the ranks' logs")
         return self.fault_error
 
     def close(self) -> None:
@@ -284,9 +306,12 @@ class JoinedRanks(Ranks):
         try:
             if not self.ready and self.fault_error is None:
                 self.wait(self.agreement.start(1), TP_WORKER_JOIN_TIMEOUT_S)
-            self.channel.send(p.SHUTDOWN, [], timeout=TP_WORKER_JOIN_TIMEOUT_S)
+            if not self.peers_left and not isinstance(self.fault_error, RankLostError):
+                self.channel.send(p.SHUTDOWN, [], timeout=TP_WORKER_JOIN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing anyway
             logger.warning("graphrt: the tensor-parallel shutdown call failed: %s", exc)
+        finally:
+            self.heartbeat.stop()
         dist.destroy_process_group(self.agreement.group)
 
 

@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 
 from graphrt.backends.torch.parallel import tp_protocol as p
+from graphrt.backends.torch.parallel.collective_log import CollectiveLog, agreed, gather_mismatch
 from graphrt.backends.torch.executor import TorchExecutor
 from graphrt.backends.torch.parallel.tp_rendezvous import worker_store
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import SamplerKey
-from graphrt.core.errors import ConfigError, GraphrtError
+from graphrt.backends.torch.parallel.tp_liveness import Heartbeat, default_store
+from graphrt.core.errors import CollectiveMismatchError, ConfigError, GraphrtError, RankLostError
 from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
 from graphrt.backends.torch.parallel.tp_channel import ChannelSpec, StepChannel
 from graphrt.core.graph_modes import RuntimeMode
@@ -123,17 +125,21 @@ class Follower:
         rank 0 decides what a failure means (a build runs eagerly, anything else stops the ranks)."""
         self.channel.acknowledge()
         ex, status, a, b = self.executor, 0, 0, 0
+        log = CollectiveLog(dry=self.setup.device_type == "cpu")
         try:
             if method == p.ALLOCATE:
                 ex.allocate_kv_cache(words[0], words[1])
             elif method == p.BUILD:
                 mode, key = p.decode_key(words)
-                entry, _ = ex.build(mode, key)
+                with log:
+                    entry, _ = ex.build(mode, key)
                 self.entries[tuple(words[:p.KEY_WORDS])] = (mode, key, entry)
+                a, b = log.signature(), len(log.entries)
             elif method == p.RECOVER:
                 ex.recover_kv_cache()
             elif method == p.MEASURE:
-                ex.measure_graph_memory(_jobs(words))
+                with log:
+                    ex.measure_graph_memory(_jobs(words))
             elif method == p.MEMORY:
                 a, b = ex.memory_info() or (0, 0)
             elif method == p.REFIT:          # this rank's shard of the checkpoint rank 0 names
@@ -145,6 +151,11 @@ class Follower:
                            p.METHOD_NAMES.get(method, method), exc, exc_info=True)
             status = 1
         self.agreement.start(status, a, b).wait()
+        if method == p.BUILD and not agreed(self.agreement.rows()):
+            self.entries.pop(tuple(words[:p.KEY_WORDS]), None)     # never replayed
+            error = gather_mismatch(self.agreement.group, self.setup.tp_size, p.decode_key(words)[1], log.entries)
+            logger.error("graphrt: tensor-parallel rank %d: %s", self.rank, error)
+            raise error
         if method == p.BUILD and any(row[0] for row in self.agreement.rows()):
             self.entries.pop(tuple(words[:p.KEY_WORDS]), None)     # eager on every rank
 
@@ -225,10 +236,23 @@ def serve() -> None:
     _configure(setup, rank)
     channel = p.BroadcastChannel(group, capacity=setup.step_bytes())
     follower = Follower(setup, rank, channel, p.Agreement(group, size))
+    heartbeat = Heartbeat(default_store(), rank, size, group.group_name)    # names a lost peer below
     try:
         follower.start()
         follower.loop()
+    except (CollectiveMismatchError, RankLostError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a peer gone is named; anything else is raised as it is
+        lost = heartbeat.lost()
+        if lost is None:                     # the store does not answer: it lived on rank 0's node
+            lost = [0]
+        if lost:
+            raise RankLostError(f"tensor-parallel rank {rank}: rank{'s' if len(lost) > 1 else ''} "
+                                f"{', '.join(map(str, lost))} lost during call {follower.calls} "
+                                f"({type(exc).__name__}: {str(exc).strip()[:200]}); this rank stops", lost[0]) from exc
+        raise
     finally:
+        heartbeat.stop()
         dist.destroy_process_group(group)
 
 
