@@ -33,13 +33,13 @@ DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torc
           "fp8": (torch.bfloat16, torch.float8_e4m3fn)}
 #: The planner's inputs compiled: phase -> (num_tokens, num_reqs) of a typical step, and per
 #: dtype the (head sizes, GQA groups) asked for. bf16: the common head sizes at MHA, GQA 4 / 8
-#: and MQA-like 32 groups, the small head sizes at GQA 4; fp8 caches at GQA 4 / 8; float32 (the
-#: IEEE dot) at one plan per phase. fp16 plans equal bf16's in every tile and are not compiled again.
+#: and MQA-like 32 groups, the small head sizes at GQA 4; fp8 caches and float32 (the IEEE dot, its
+#: own smaller tiles) at GQA 4 / 8. fp16 plans equal bf16's in every tile and are not compiled again.
 ATTENTION_DOMAIN: dict[str, Any] = {
     "phases": {"decode": (64, 64), "prefill": (512, 4)},
     "plans": {"bf16": [((64, 128, 256), (1, 4, 8, 32)), ((16, 32), (4,))],
               "fp8": [((64, 128, 256), (4, 8))],
-              "fp32": [((128,), (4,))]},
+              "fp32": [((64, 128, 256), (4, 8))]},
     "block_size": 16,
     "table_width": 256,
     "num_kv_heads": 8,

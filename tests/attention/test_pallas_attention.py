@@ -413,3 +413,52 @@ def test_one_parser_reads_the_kernel_variable_for_torch_and_xla(monkeypatch):
     monkeypatch.setenv("GRAPHRT_ATTENTION", "triton")
     with pytest.raises(ConfigError, match=r"GRAPHRT_ATTENTION='triton': graphrt's JAX decoder takes one of"):
         pa.choose_xla_attention(_cfg(), jax.devices(), jnp.bfloat16, jnp.bfloat16, own_decoder=True, tp_size=1)
+
+
+def _kernel_vmem_bytes(q, kv, num_kv_pages_per_block, num_queries_per_block):
+    """VMEM the TPU kernel allocates for these block sizes (its scratch and pipelined blocks, as
+    ``ragged_paged_attention`` lays them out): the double-buffered KV pages, the q and out blocks
+    (double-buffered), the float32 accumulator and the l / m rows (128 lanes each)."""
+    q_heads, kv_heads = rpa.kernel.get_min_heads_per_blk(q.shape[1], kv.shape[2], q.dtype, kv.dtype)
+    ratio = q.shape[1] // (kv.shape[2] // 2)
+    item, kv_item = jnp.dtype(q.dtype).itemsize, jnp.dtype(kv.dtype).itemsize
+    pages, queries = num_kv_pages_per_block, num_queries_per_block
+    return (2 * pages * kv.shape[1] * kv_heads * kv.shape[3] * kv_item
+            + 2 * 2 * queries * q_heads * q.shape[2] * item
+            + queries * q_heads * q.shape[2] * 4
+            + 2 * (kv_heads // 2) * queries * ratio * 128 * 4)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("num_tokens", [16, 256])
+def test_tpu_kernel_block_sizes_fit_v5e_scoped_vmem(monkeypatch, block_size, num_tokens):
+    """The TPU kernel gets block sizes whose VMEM fits v5e's 16 MiB scoped default at a
+    Qwen3-0.6B-shaped layer (16 query / 8 KV heads of 128, bf16, 2048-token context): jax's
+    untuned default (128 pages a block; the kernel's choice when graphrt passed none) took over
+    16 MiB and the program did not compile for v5e (``make compile-check``). The chip is v5e by
+    the same lookups the compile check points at a deviceless v5e."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tbs
+
+    monkeypatch.setattr(tbs, "get_tpu_version", lambda: 5)
+    monkeypatch.setattr(tbs, "get_device_name", lambda num_devices=None: "TPU v5")
+    seen = []
+
+    def kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
+        seen.append(options)
+        return jnp.zeros_like(q)
+    monkeypatch.setattr(pa, "_kernel", lambda attention: kernel)
+    reqs, layers, blocks, width = 16, 4, 256, 2048 // block_size
+    q = jax.ShapeDtypeStruct((num_tokens, 16, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((layers * (blocks + 1), block_size, 16, 128), jnp.bfloat16)
+    meta = AttentionMetadata(jax.ShapeDtypeStruct((num_tokens,), jnp.int32), jax.ShapeDtypeStruct((reqs + 1,), jnp.int32),
+                             jax.ShapeDtypeStruct((reqs,), jnp.int32), jax.ShapeDtypeStruct((reqs, width), jnp.int32))
+    jax.eval_shape(lambda q, kv, meta: pa.attend(q, kv, jnp.int32(1), None, meta, attention="pallas", windows=(),
+                                                 block_size=block_size, num_layers=layers, kv_scales=(1.0, 1.0)),
+                   q, kv, meta)
+    (options,) = seen
+    pages = options.get("num_kv_pages_per_block")
+    queries = options.get("num_queries_per_block")
+    if pages is None or queries is None:                       # the kernel's own choice
+        pages, queries = tbs.get_tuned_block_sizes(q.dtype, kv.dtype, 16, 8, 128, block_size, num_tokens, width)
+    assert 1 <= pages <= width and 1 <= queries <= num_tokens
+    assert _kernel_vmem_bytes(q, kv, pages, queries) <= 16 << 20, (pages, queries)

@@ -144,7 +144,7 @@ def test_kernel_choice_follows_graphrt_attention(monkeypatch: pytest.MonkeyPatch
 def test_graphrt_imports_and_the_reference_runs_without_triton() -> None:
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, graphrt\n"
-            "from graphrt.models.torch import attention, triton_attention\n"
+            "from graphrt.layers.torch.attention import paged as attention, triton_attention\n"
             "print(triton_attention.triton_unavailable_reason('cuda'))\n"
             "q = torch.zeros(1, 32); qsl = torch.tensor([0, 1], dtype=torch.int32)\n"
             "out = attention.run_paged_attention(q, q, q, torch.zeros(2, 17, 2, 16), torch.zeros(1, dtype=torch.int64),"

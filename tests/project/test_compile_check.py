@@ -213,6 +213,24 @@ def test_the_planted_triton_plan_is_compiled_and_caught_on_sm80(tmp_path):
     assert any("shared memory" in p for p in record["problems"])
 
 
+@pytest.mark.skipif(_bundled_ptxas() is not None, reason=str(_bundled_ptxas()))
+def test_float32_attention_plans_compile_without_spilling_on_sm90(monkeypatch):
+    """The float32 (IEEE dot) plans the planner picks, decode and prefill at head_dim 128 and GQA
+    4, compiled for sm_90 with Triton's bundled ptxas: within sm_90's limits, spills within the
+    budget. With the bf16-sized tiles (64 rows x 32 keys, 4 warps) the FMA dot's operands spilled
+    13-17 KB a thread at prefill and 1.3 KB at decode."""
+    from compilecheck import triton_jobs
+    from compilecheck.triton_part import run
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    jobs = [dict(j, target="sm_90") for j in triton_jobs.attention_jobs()
+            if " hd128 gqa4 fp32:" in j["plan"]]
+    assert len(jobs) == 2
+    records = run(jobs, 1, progress=False)
+    assert [r["problems"] for r in records] == [[], []], [(r["plan"], r["problems"]) for r in records]
+    assert all(r["spill_bytes"] <= limits.SPILL_BUDGET for r in records)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed here (make compile-check installs it into .venv-compile)")
 def test_the_planted_xla_forward_is_caught_on_a_deviceless_tpu(tmp_path):
@@ -223,6 +241,25 @@ def test_the_planted_xla_forward_is_caught_on_a_deviceless_tpu(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]
     [record] = json.loads(out.read_text())["records"]
     assert record["alias_bytes"] == 0 and record["copies"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed here (make compile-check installs it into .venv-compile)")
+def test_the_hybrid_forward_updates_its_kv_cache_in_place_on_a_deviceless_tpu(monkeypatch):
+    """A Granite-4-H-shaped hybrid's decode forward (its KV cache 4 heads of 64) compiled for a
+    deviceless v5e: the KV cache and the state arrays aliased, and no copy of the whole cache in
+    the optimised HLO. Left to choose the cache's entry layout, the TPU compiler laid it out
+    another way than the cache's gather and scatter read it and copied it in and out every step."""
+    from compilecheck import xla_part
+
+    monkeypatch.setenv("GRAPHRT_ATTENTION", "auto")               # run_group sets it; restored after
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    [record] = xla_part.run_group(dict(chip="v5e", topology=xla_part.CHIPS["v5e"], tp=1, config="hybrid",
+                                       attention="auto", role="forward", programs=("decode",), sizes=1))
+    assert not record.get("error"), record.get("error")
+    assert record["state_bytes"] > 0 and record["alias_bytes"] >= record["cache_bytes"]
+    assert record["copies"] == [], record["copies"]
+    assert xla_checks.check_program(record) == []
 
 
 def test_make_compile_check_is_wired():

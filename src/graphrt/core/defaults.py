@@ -75,6 +75,10 @@ DEFAULT_HOST_KV_CACHE_BYTES = 256 * 2**20
 #: Environment variable choosing graphrt's attention kernel (torch: auto / reference / triton;
 #: the JAX decoder: auto / reference / pallas).
 ATTENTION_ENV = "GRAPHRT_ATTENTION"
+#: Bytes of VMEM the Pallas ragged paged attention's double-buffered KV block may take: jax's
+#: default block (128 pages x 16 tokens x 16 combined heads x 128 in bf16, twice: 16 MiB) does
+#: not fit v5e's 16 MiB scoped VMEM (a compile error); graphrt halves the pages per block to fit.
+PALLAS_KV_VMEM_BYTES = 8 << 20
 #: Sampler rows with a temperature below this are greedy.
 SAMPLER_MIN_TEMPERATURE = 1e-5
 #: The random sampler finds each row's top-k threshold among its ``SAMPLER_TOP_K_CANDIDATES``

@@ -267,9 +267,11 @@ class XlaPrograms:
         self.keyed_host_values, self.attention_support = checked_attention(
             self.attention_backend, list(mesh.devices.flat), self.dtype, groups)
         repl = self.replicated
-        cache_sharding = self.kv_sharding
+        #: The KV cache's sharding and layout (``sharding.kv_cache_format``): the forward's and the allocation's.
+        self.kv_format = shd.kv_cache_format(self.kv_sharding, len(self.kv_shape(1, block_size)))
+        cache_sharding = self.kv_format
         if self.state_spec is not None:         # the cache pytree (kv, states), states replicated
-            cache_sharding = (self.kv_sharding, tuple(repl for _ in self.state_shapes()))
+            cache_sharding = (self.kv_format, tuple(repl for _ in self.state_shapes()))
         self.forward = jax.jit(step, donate_argnums=(1,),
                                in_shardings=(weight_shardings, cache_sharding, repl, repl, repl)
                                + ((repl,) if self.extra_inputs else ()),
@@ -346,7 +348,7 @@ class XlaPrograms:
 
     def zeros_kv_cache(self, shape: tuple[int, ...]) -> jax.Array:
         """A zeroed KV cache of ``shape``, laid out over the mesh as the forward expects it."""
-        return jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)()
+        return jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_format)()
 
 
 __all__ = ["XlaModel", "XlaPrograms", "model_program", "padded_tokens", "resolve_future_tokens", "xla_kv_dtypes",

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from graphrt.core.errors import ConfigError
@@ -109,6 +110,16 @@ def kv_cache_sharding(mesh: Mesh, config: JaxModelConfig) -> NamedSharding:
     """The KV cache ``[layers, 2, rows, kv_heads, head_dim]``: split on heads when they divide."""
     tp = mesh_size(mesh)
     return NamedSharding(mesh, P(None, None, None, AXIS, None) if kv_heads_sharded(config, tp) else P())
+
+
+def kv_cache_format(sharding: NamedSharding, ndim: int) -> Format:
+    """The KV cache's ``sharding`` with its layout fixed row-major (the last axis minor), for the
+    forward's cache argument and result and for the cache it allocates. Left to the compiler,
+    a TPU lays out an entry array of small minor axes (4 KV heads of 64) another way than the
+    cache's gather and scatter read it, and the forward then copied the whole cache in and out
+    every step (``make compile-check``); fixed, every executable and the allocation agree. It is
+    every backend's default layout for the shapes it does not pad (CPU, GPU: always)."""
+    return Format(Layout(tuple(range(ndim))), sharding)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

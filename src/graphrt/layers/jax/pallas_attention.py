@@ -197,6 +197,25 @@ def _kernel(attention: Any) -> Callable[..., jax.Array]:
     return ragged_paged_attention
 
 
+def kernel_block_sizes(q_dtype: Any, kv_dtype: Any, num_q_heads: int, num_combined_kv_heads: int, head_dim: int,
+                       page_size: int, num_tokens: int, pages_per_seq: int) -> dict[str, int]:
+    """The TPU kernel's ``num_kv_pages_per_block`` and ``num_queries_per_block``: jax's tuned sizes
+    for the chip, with the KV pages per block halved until the kernel's double-buffered KV block
+    takes at most :data:`~graphrt.core.defaults.PALLAS_KV_VMEM_BYTES` (jax's untuned default,
+    128 pages of 16 tokens, overran v5e's 16 MiB scoped VMEM at 8 KV heads of 128: the program
+    did not compile). Read when the program is traced, on the chip it is traced for."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes import get_tuned_block_sizes
+
+    q_heads_blk, kv_heads_blk = rpa.get_min_heads_per_blk(num_q_heads, num_combined_kv_heads, q_dtype, kv_dtype)
+    pages, queries = get_tuned_block_sizes(q_dtype, kv_dtype, q_heads_blk, kv_heads_blk // 2, head_dim, page_size,
+                                           num_tokens, pages_per_seq)
+    per_page = 2 * page_size * kv_heads_blk * head_dim * jnp.dtype(kv_dtype).itemsize    # two buffers
+    while pages > 1 and pages * per_page > defaults.PALLAS_KV_VMEM_BYTES:
+        pages //= 2
+    return {"num_kv_pages_per_block": int(pages), "num_queries_per_block": int(queries)}
+
+
 def attend(q: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any, meta: Any, *,
            attention: Any, windows: tuple[int, ...], block_size: int, num_layers: int,
            kv_scales: tuple[float, float]) -> jax.Array:
@@ -217,10 +236,14 @@ def attend(q: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, window: Any,
     page_indices = (meta.block_table.astype(jnp.int32)
                     + layer_idx.astype(jnp.int32) * layer_pages(kv_cache, num_layers, block_size))
     operands = (q, kv_cache, meta.seq_lens.astype(jnp.int32), page_indices, qsl, num_seqs.reshape(1))
+    # The TPU kernel's block sizes, fitted to VMEM (a stand-in kernel, tests', takes none).
+    sizes = {} if callable(attention) else kernel_block_sizes(
+        q.dtype, kv_cache.dtype, q.shape[1], kv_cache.shape[2], head_dim, kv_cache.shape[1], num_tokens,
+        page_indices.shape[1])
 
     def run(sliding: int, *args: jax.Array) -> jax.Array:
         return kernel(*args, sm_scale=head_dim ** -0.5, sliding_window=sliding or None,
-                      k_scale=k_scale, v_scale=v_scale)
+                      k_scale=k_scale, v_scale=v_scale, **sizes)
 
     distinct = sorted({int(w) for w in windows} or {0})
     if len(distinct) == 1 or window is None:
@@ -245,6 +268,6 @@ def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Arr
     return out, kv_cache
 
 
-__all__ = ["attend", "choose_xla_attention", "kernel_import_problem", "KERNEL_OVERRIDE", "pages_per_layer",
-           "pages_to_rows", "pallas_kv_shape", "pallas_problem", "PallasAttention", "rows_to_pages",
+__all__ = ["attend", "choose_xla_attention", "kernel_block_sizes", "kernel_import_problem", "KERNEL_OVERRIDE",
+           "pages_per_layer", "pages_to_rows", "pallas_kv_shape", "pallas_problem", "PallasAttention", "rows_to_pages",
            "trash_row", "write_and_attend", "write_kv", "XlaAttentionChoice"]

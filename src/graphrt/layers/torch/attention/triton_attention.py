@@ -47,6 +47,14 @@ MIN_TILE_KEYS, MAX_TILE_KEYS = 16, 64
 DECODE_LAUNCH = (4, 3)
 PREFILL_LAUNCH = (4, 2)
 FALLBACK_LAUNCH = (4, 1)
+#: A float32 dot (IEEE, the float32 cache's) runs on the FMA units with its operands in registers,
+#: not on tensor cores, so its tiles are smaller: K tiles of this many bytes, prefill tiles of these
+#: rows (head_dim <= 128, wider), and eight warps for every tile. The bf16 sizes spilled 13-17 KB
+#: a thread at prefill and 1.3 KB at decode on sm_89 / sm_90; these spill at most a few dozen bytes
+#: at head sizes 16-256 and GQA 1-32 on sm_80 / 89 / 90 (``make compile-check``).
+IEEE_KV_TILE_BYTES = 16 * 128 * 4
+IEEE_PREFILL_ROWS, IEEE_PREFILL_ROWS_WIDE = 32, 16
+IEEE_LAUNCH = (8, 2)
 #: Split-KV: aim for this many programs per SM before splitting; at most this many splits;
 #: no split shorter than this many keys of the block table's reach.
 PROGRAMS_PER_SM = 2
@@ -149,11 +157,15 @@ def plan_attention(num_tokens: int, num_reqs: int, num_kv_heads: int, groups: in
     """The tiling of one call, from shapes only (see the module docstring)."""
     groups_pad = _next_pow2(groups)
     decode = num_tokens <= DECODE_TOKENS_PER_REQUEST * num_reqs
+    ieee = dot_dtype == torch.float32
     rows = DECODE_ROWS if decode else (PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS_WIDE)
+    if ieee and not decode:
+        rows = IEEE_PREFILL_ROWS if head_dim <= 128 else IEEE_PREFILL_ROWS_WIDE
     block_m = max(rows, groups_pad)
     block_q = block_m // groups_pad
     itemsize = dot_dtype.itemsize
-    tile_n = min(MAX_TILE_KEYS, max(MIN_TILE_KEYS, _prev_pow2(KV_TILE_BYTES // (head_dim * itemsize))))
+    tile_bytes = IEEE_KV_TILE_BYTES if ieee else KV_TILE_BYTES
+    tile_n = min(MAX_TILE_KEYS, max(MIN_TILE_KEYS, _prev_pow2(tile_bytes // (head_dim * itemsize))))
     if num_splits is None:
         num_splits = 1
         device = torch.device(device)
@@ -166,7 +178,7 @@ def plan_attention(num_tokens: int, num_reqs: int, num_kv_heads: int, groups: in
                                  _prev_pow2(reach))
     if num_splits < 1:
         raise ConfigError(f"num_splits must be >= 1, got {num_splits}")
-    warps, stages = DECODE_LAUNCH if decode else PREFILL_LAUNCH
+    warps, stages = IEEE_LAUNCH if ieee else (DECODE_LAUNCH if decode else PREFILL_LAUNCH)
     return TritonPlan(block_q, block_m, tile_n, int(num_splits), warps, stages, dot_dtype)
 
 
