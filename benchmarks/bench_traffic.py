@@ -140,7 +140,7 @@ def refit(model_dir: str, phase_steps: int) -> dict[str, Any]:
     """4 running requests, then ``SHIFT``: re-fits every 50 steps; waste of the new traffic."""
     import graphrt
     from graphrt.core.buckets import BucketPolicy
-    from graphrt.traffic import padded, split_sizes
+    from graphrt.runner.traffic import padded, split_sizes
 
     engine = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512, block_size=16, refit_interval=50)
     llm = graphrt.LLM(model_dir, backend="cpu", **engine)

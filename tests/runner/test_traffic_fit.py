@@ -12,13 +12,13 @@ import pytest
 
 import graphrt
 from graphrt import ModelRunner
-from graphrt.background import BackgroundWarmup
+from graphrt.runner.background import BackgroundWarmup
 from graphrt.config import GraphConfig
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.defaults import MIN_REFIT_INTERVAL
 from graphrt.core.dp_agreement import DispatchShape
 from graphrt.core.errors import ConfigError
-from graphrt.traffic import TRAFFIC_MAX_SIZES, binned, fit_family, padded, split_sizes
+from graphrt.runner.traffic import TRAFFIC_MAX_SIZES, binned, fit_family, padded, split_sizes
 from support.runner_steps import Tables, greedy
 
 LIMITS = dict(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=128, block_size=16)
@@ -63,7 +63,7 @@ def test_a_traffic_shift_refits_adds_new_keys_and_retires_old_ones(model_dir, ma
         for step in decode_steps(tables, reqs, start, n):
             np.testing.assert_array_equal(step.run(live, greedy(reqs)), step.run(ref, greedy(reqs)))
 
-    with caplog.at_level(logging.INFO, logger="graphrt.traffic"):
+    with caplog.at_level(logging.INFO, logger="graphrt.runner.traffic"):
         serve(4, 0, 40)                               # batch 4; the step loop re-fits at step 40
     first = live.traffic.history[-1]
     assert first["step"] == 40 and first["installed"]   # nothing new to build: installed at once

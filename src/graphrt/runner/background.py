@@ -21,7 +21,7 @@ from graphrt.backends.base import Executor
 from graphrt.core.collector import collector_paused
 from graphrt.core.cache import FailedBuild, GraphCache, describe_key
 from graphrt.core.eager import EagerCause
-from graphrt.warmup import Job, build_one, job_target
+from graphrt.runner.warmup import Job, build_one, job_target
 
 #: After a step, the builder keeps building this long (at least one key) before the next step ...
 BACKGROUND_SLICE_S = 0.05

@@ -30,7 +30,7 @@ from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.warmup import Job, job_target
+from graphrt.runner.warmup import Job, job_target
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def read_runner_plan(runner: Any) -> SavedPlan | None:
 def save_runner_plan(runner: Any) -> Path | None:
     """Save a runner's plan: its dispatcher's buckets and keys, each key's demand (hits plus
     steps that wanted it while it was missing) and build cost. None when the plan is off."""
-    from graphrt.background import demand_of
+    from graphrt.runner.background import demand_of
 
     def cost(job: Job) -> tuple[int, float]:
         target, cache_key = job_target(job, runner.cache, runner.sampler_cache)

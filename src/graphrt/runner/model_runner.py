@@ -33,16 +33,16 @@ from graphrt.core.fields import ModelInputs
 from graphrt.core.lora import LoraOff, RunnerLora, lora_off
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
-from graphrt.background import BackgroundWarmup
-from graphrt.capture_plan import read_runner_plan
-from graphrt.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
+from graphrt.runner.background import BackgroundWarmup
+from graphrt.runner.capture_plan import read_runner_plan
+from graphrt.runner.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
                            plan_sampler, plan_step)
-from graphrt.runner_setup import open_executor
-from graphrt.runner_weights import RunnerWeights
-from graphrt.step_outputs import StepOutput, StepOutputs
-from graphrt.traffic import TrafficFit
-from graphrt.warmup import warm_up, warmup_mode
-from graphrt.warmup_plan import WarmupPlan
+from graphrt.runner.setup import open_executor
+from graphrt.runner.weights import RunnerWeights
+from graphrt.runner.outputs import StepOutput, StepOutputs
+from graphrt.runner.traffic import TrafficFit
+from graphrt.runner.warmup import warm_up, warmup_mode
+from graphrt.runner.warmup_plan import WarmupPlan
 
 #: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
 STEP_PLAN_MEMO_LIMIT = 1 << 16
@@ -334,7 +334,7 @@ class ModelRunner:
             self.outputs.last = LastStep(plan, 0, 0, 0.0)
 
     def _replan(self, shape: DispatchShape) -> StepPlan:
-        """Plan every step of this dispatch shape (:func:`~graphrt.plans.plan_step`), remembered
+        """Plan every step of this dispatch shape (:func:`~graphrt.runner.plans.plan_step`), remembered
         until either cache changes; each step still counts its hit."""
         plan = plan_step(shape, self.dispatcher, self.cache, self.sampler_cache,
                          None if self._eager_fallback else self._builds,
@@ -346,7 +346,7 @@ class ModelRunner:
 
     @property
     def last_step(self) -> StepInfo | None:
-        """What the last step ran as (:meth:`~graphrt.step_outputs.StepOutputs.last_step`)."""
+        """What the last step ran as (:meth:`~graphrt.runner.outputs.StepOutputs.last_step`)."""
         return self.outputs.last_step()
 
     # ---- weights and memory (runner_weights.py) ---------------------------------------

@@ -128,7 +128,7 @@ class OnDemandBuilds:
 
 
 class Pending(Protocol):
-    """What planning asks of background warm-up (:class:`~graphrt.background.BackgroundWarmup`)."""
+    """What planning asks of background warm-up (:class:`~graphrt.runner.background.BackgroundWarmup`)."""
 
     def cause_of(self, job: tuple[RuntimeMode, Any]) -> EagerCause | None:
         """Why ``job`` has no entry yet (``WARMING_UP``, ``GRAPH_MEMORY``), or None: not its job."""

@@ -17,7 +17,7 @@ from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.dp_agreement import DispatchShape
 from graphrt.core.errors import ConfigError
-from graphrt.warmup import Job
+from graphrt.runner.warmup import Job
 
 #: Traffic re-fit (graphrt/traffic.py): the step-size histogram of earlier windows is weighted
 #: by this at each re-fit (0: only the last window counts) ...

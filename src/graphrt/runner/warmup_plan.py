@@ -1,7 +1,7 @@
 """A runner's warm-up as one feature object: which keys it builds, when (upfront or in the
 background), the capture plan that remembers them across restarts, and the dispatcher it serves
-under. The pieces keep their own modules (:mod:`graphrt.warmup`, :mod:`graphrt.background`,
-:mod:`graphrt.capture_plan`, :mod:`graphrt.traffic`).
+under. The pieces keep their own modules (:mod:`graphrt.runner.warmup`, :mod:`graphrt.runner.background`,
+:mod:`graphrt.runner.capture_plan`, :mod:`graphrt.runner.traffic`).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from graphrt.background import BackgroundWarmup
-from graphrt.capture_plan import CapturePlanStore, SavedPlan, describe_device, save_runner_plan
+from graphrt.runner.background import BackgroundWarmup
+from graphrt.runner.capture_plan import CapturePlanStore, SavedPlan, describe_device, save_runner_plan
 from graphrt.core.errors import ConfigError
-from graphrt.warmup import Job, compile_host_kernels, job_target, warmup_keys, warmup_report
+from graphrt.runner.warmup import Job, compile_host_kernels, job_target, warmup_keys, warmup_report
 
 
 class WarmupPlan:
@@ -85,7 +85,7 @@ class WarmupPlan:
 
     def save(self) -> Path | None:
         """Write the capture plan (keys, order, demand) beside the compilation cache; its path, or
-        None without ``compilation_cache_dir`` (:func:`graphrt.capture_plan.save_runner_plan`)."""
+        None without ``compilation_cache_dir`` (:func:`graphrt.runner.capture_plan.save_runner_plan`)."""
         return save_runner_plan(self.runner) if self.store is not None else None
 
     def replace_dispatcher(self, dispatcher: Any, retire: Sequence[Job] = ()) -> int:
