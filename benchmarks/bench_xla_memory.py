@@ -3,7 +3,7 @@
 
 Each budget runs in a fresh process (``--child``): a random bfloat16 Qwen3 (8 layers, 4 KV heads
 of 128: 256 KiB a 16-token block), ``kv_cache_memory`` bytes for the cache and the executables,
-warm-up, then a few requests generated; the child prints its ``ru_maxrss``, the cache's bytes and
+warm-up, then a few requests generated; the child prints its peak RSS (``VmHWM``), the cache's bytes and
 the largest executable temp bytes. The parent prints each run and the growth of the peak between
 them over the growth of the cache. Run it once per source tree to compare:
 ``PYTHONPATH=<tree>/src python benchmarks/bench_xla_memory.py --budget-mib 256 768``.
@@ -52,7 +52,21 @@ def child(budget: int, quick: bool = False) -> dict:
     return {"cache_bytes": int(runner.num_kv_blocks * runner.executor.kv_cache_bytes_per_block(limits["block_size"])),
             "num_kv_blocks": int(runner.num_kv_blocks),
             "max_temp_bytes": max((r.get("temp_bytes", 0) for r in report), default=0),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak RSS: ``VmHWM`` of /proc/self/status, which exec resets. Not
+    ``ru_maxrss``: Linux carries it across fork and exec, so a child started by a large parent (a
+    pytest worker at 2.3 GB) reports the parent's peak whatever it uses itself."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def measure(budget_mib: int, quick: bool = False, env: dict | None = None) -> dict:
