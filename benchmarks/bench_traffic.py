@@ -150,14 +150,14 @@ def refit(model_dir: str, phase_steps: int) -> dict[str, Any]:
     prompts = iter(random_prompts(1000, 8, MODEL["vocab"], 4))
     phases = {}
     for batch in (4, SHIFT):
-        before = dict(runner.step_sizes)
+        before = dict(runner.traffic.step_sizes)
         for _ in range(batch):
             llm.add_request(next(prompts), params)
         deadline = time.perf_counter() + 600
         while llm.has_unfinished() and time.perf_counter() < deadline:
             llm.step()
         runner.background.wait(120)                       # the last re-fit's keys built and installed
-        delta = {s: n - before.get(s, 0) for s, n in runner.step_sizes.items() if n > before.get(s, 0)}
+        delta = {s: n - before.get(s, 0) for s, n in runner.traffic.step_sizes.items() if n > before.get(s, 0)}
         decode, _ = split_sizes(delta, 1)
         decode = {n: c for n, c in decode.items() if n == batch}   # the phase's steady decode steps
         real = sum(n * c for n, c in decode.items())

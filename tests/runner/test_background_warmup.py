@@ -17,7 +17,7 @@ from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.testing.conformance import check_property
 from graphrt.testing.runners import RunnerFactory
-from graphrt.runner.warmup import warmup_keys
+from graphrt.runner.keys import warmup_keys
 from support.fast_subset import examples
 from support.runner_steps import CONFIG, LIMITS, greedy, random_steps
 

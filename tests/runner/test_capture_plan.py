@@ -22,7 +22,7 @@ from graphrt.config import GraphConfig
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.runner.warmup import warmup_keys
+from graphrt.runner.keys import warmup_keys
 from support.runner_steps import LIMITS, greedy
 
 
