@@ -56,6 +56,8 @@ def test_a_traffic_shift_refits_adds_new_keys_and_retires_old_ones(model_dir, ma
     live = ModelRunner(model_dir, refit_interval=40, **kw)
     ref = ModelRunner(model_dir, enforce_eager=True, **kw)       # the tokens without graphs
     assert live.traffic is not None and live.background.complete
+    with pytest.raises(AttributeError):          # runner.keys is the dispatcher's one writer
+        live.dispatcher = live.dispatcher
     before = live.dispatcher.decode_buckets
     assert 44 not in before and 48 in before
 

@@ -134,7 +134,7 @@ class TrafficFit(StepFeature):
         d = keys.dispatcher              # the graph budget: the starting policy's sizes per family
         self.budget = {"decode": max_buckets or len(d.decode_buckets or ()),
                        "token": max_buckets or len(d.token_buckets or ())}
-        self.background.on_complete.append(self._install_pending)
+        warmup.when_complete(self._install_pending)
 
     @classmethod
     def attach(cls, keys: ServingKeys, warmup: WarmupPlan, config: GraphConfig,

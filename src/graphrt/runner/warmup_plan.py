@@ -48,6 +48,7 @@ class WarmupPlan:
         self.report: list[dict[str, Any]] = []
         #: Background warm-up (None: warm-up neither runs there nor re-fits build there).
         self.background: BackgroundWarmup | None = None
+        self._when_complete: list[Callable[[], None]] = []
 
     def jobs(self, dispatcher: Dispatcher | None = None) -> list[Job]:
         """Every key warm-up builds under ``dispatcher`` (default: the one served), largest first
@@ -116,10 +117,18 @@ class WarmupPlan:
         with self._lock:
             return self.background.plan(self.jobs(), prior, seal_if_none=True)
 
+    def when_complete(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (the lock held) each time background warm-up completes, after the
+        report and the plan are saved: a traffic re-fit installs its new keys then."""
+        self._when_complete.append(callback)
+
     def background_complete(self) -> None:
-        """Background warm-up completed (the lock held): the report, graph memory, the plan saved."""
+        """Background warm-up completed (the lock held): the report, graph memory, the plan saved,
+        then what waits for it (:meth:`when_complete`)."""
         self._built()
         self.save()
+        for callback in list(self._when_complete):
+            callback()
 
     def save(self) -> Path | None:
         """Write the capture plan (keys, order, demand) beside the compilation cache; its path, or
