@@ -183,8 +183,8 @@ def test_the_refit_decides_every_interval_under_continuous_stepping_the_same_bot
     made = decisions(first)
     assert [step for step, _, _ in made] == [MIN_REFIT_INTERVAL, 2 * MIN_REFIT_INTERVAL], made
     assert made[0][1] == [4, 8] and made[1][1] == [4, 6, 8]     # batch 4, then batch 6 gets a key
-    assert first.next_at == 3 * MIN_REFIT_INTERVAL and first.refits == 2
-    assert decisions(second) == made and second.next_at == first.next_at
+    assert first["next_at"] == 3 * MIN_REFIT_INTERVAL and first["refits"] == 2
+    assert decisions(second) == made and second["next_at"] == first["next_at"]
 
 
 def test_an_overlapped_loop_refits_at_the_same_steps_and_switches_once_nothing_is_in_flight(model_dir):

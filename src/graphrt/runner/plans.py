@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
 
 from graphrt.core.cache import FailedBuild, GraphCache
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, SamplerKey, logprobs_key
-from graphrt.core.dp_agreement import DispatchShape
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, DispatchShape, SamplerKey, logprobs_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.graph_modes import RuntimeMode
 
