@@ -35,10 +35,20 @@ from graphrt.runner.plans import SamplerChoice, StepArgs, StepPlan
 
 class Step:
     """One step on its way through the runner: the caller's arguments, the checked step, and
-    what check, plan and write decided (each field set by the phase that knows it)."""
+    what check, plan and write decided (each field set by the phase that knows it; until then
+    the class's default, so a step costs five assignments)."""
 
-    __slots__ = ("args", "wait", "num_tokens", "num_reqs", "shape", "plan", "padded", "choice", "lora_ids",
-                 "num_loras", "extras", "future_rows", "future", "previous", "logprobs", "prompt_logprobs")
+    shape: DispatchShape | None = None
+    plan: StepPlan | None = None
+    padded: ModelInputs | None = None
+    choice: SamplerChoice | None = None
+    lora_ids: np.ndarray | None = None
+    num_loras: int = 0
+    extras: dict[str, np.ndarray] | None = None
+    future_rows: np.ndarray | None = None
+    future: Any = None
+    logprobs: bool = False
+    prompt_logprobs: np.ndarray | None = None
 
     def __init__(self, args: StepArgs, wait: bool, num_tokens: int, num_reqs: int,
                  previous: tuple[Any, int] | None) -> None:
@@ -46,17 +56,6 @@ class Step:
         self.num_tokens, self.num_reqs = num_tokens, num_reqs
         #: The previous sampled step (sampler output, requests) future rows read; None: none.
         self.previous = previous
-        self.shape: DispatchShape | None = None
-        self.plan: StepPlan | None = None
-        self.padded: ModelInputs | None = None
-        self.choice: SamplerChoice | None = None
-        self.lora_ids: np.ndarray | None = None
-        self.num_loras = 0
-        self.extras: dict[str, np.ndarray] | None = None
-        self.future_rows: np.ndarray | None = None
-        self.future: Any = None
-        self.logprobs = False
-        self.prompt_logprobs: np.ndarray | None = None
 
 
 class StepFeature:
