@@ -140,7 +140,7 @@ def refit(model_dir: str, phase_steps: int) -> dict[str, Any]:
     """4 running requests, then ``SHIFT``: re-fits every 50 steps; waste of the new traffic."""
     import graphrt
     from graphrt.core.buckets import BucketPolicy
-    from graphrt.traffic import padded, split_sizes
+    from graphrt.runner.traffic import padded, split_sizes
 
     engine = dict(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=512, block_size=16, refit_interval=50)
     llm = graphrt.LLM(model_dir, backend="cpu", **engine)
@@ -150,14 +150,14 @@ def refit(model_dir: str, phase_steps: int) -> dict[str, Any]:
     prompts = iter(random_prompts(1000, 8, MODEL["vocab"], 4))
     phases = {}
     for batch in (4, SHIFT):
-        before = dict(runner.step_sizes)
+        before = dict(runner.traffic.step_sizes)
         for _ in range(batch):
             llm.add_request(next(prompts), params)
         deadline = time.perf_counter() + 600
         while llm.has_unfinished() and time.perf_counter() < deadline:
             llm.step()
         runner.background.wait(120)                       # the last re-fit's keys built and installed
-        delta = {s: n - before.get(s, 0) for s, n in runner.step_sizes.items() if n > before.get(s, 0)}
+        delta = {s: n - before.get(s, 0) for s, n in runner.traffic.step_sizes.items() if n > before.get(s, 0)}
         decode, _ = split_sizes(delta, 1)
         decode = {n: c for n, c in decode.items() if n == batch}   # the phase's steady decode steps
         real = sum(n * c for n, c in decode.items())

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
-from graphrt.cli_lint import lint_model
+from graphrt.cli.lint import lint_model
 from graphrt.models.random_checkpoint import write_random_checkpoint
 from graphrt.layers.torch.attention.paged import MAX_QUERY_TILE, TorchAttentionMetadata, paged_attention_kernel, query_tile
 from graphrt.layers.torch.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv

@@ -8,7 +8,7 @@ import pytest
 
 from graphrt.backends.torch.capture.capture_lint import FIXES
 from graphrt.cli import main
-from graphrt.cli_lint import lint_model
+from graphrt.cli.lint import lint_model
 from support.lint_models import moe_model
 
 

@@ -10,9 +10,21 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 #: Layer of each package or module, lowest first; a module may import its own layer or below.
-LAYERS = {"graphrt.core": 0, "graphrt.config": 1, "graphrt.layers": 1, "graphrt.models": 2, "graphrt.backends": 3,
-          "graphrt.registry": 4, "graphrt.plans": 5, "graphrt.warmup": 5, "graphrt.background": 5, "graphrt.traffic": 5, "graphrt.capture_plan": 5, "graphrt.runner": 5, "graphrt.runner_setup": 5, "graphrt.runner_weights": 5, "graphrt.step_outputs": 5, "graphrt.warmup_plan": 5, "graphrt.engine": 6, "graphrt.cli": 7, "graphrt.cli_lint": 7, "graphrt.testing": 7, "graphrt": 7,
-          "graphrt.integrations": 8}
+#: Layer 2 is graphrt.layers' (the attention and recurrent-state seams, between core and models).
+LAYERS = {
+    "graphrt.core": 0,
+    "graphrt.config": 1,
+    "graphrt.layers": 2,
+    "graphrt.models": 3,
+    "graphrt.backends": 4,
+    "graphrt.registry": 5,
+    "graphrt.runner": 5,
+    "graphrt.engine": 6,
+    "graphrt.cli": 7,
+    "graphrt.testing": 7,
+    "graphrt.integrations": 7,
+    "graphrt": 7,
+}
 FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "torch_npu", "safetensors", "transformers", "triton"}
 
 
@@ -103,6 +115,53 @@ def test_a_planted_cycle_and_an_upward_import_are_caught(monkeypatch: pytest.Mon
         test_imports_point_down("graphrt.core.cache")
     with pytest.raises(pytest.fail.Exception, match="import cycle"):
         test_no_import_cycles()
+
+
+# ---- the top-level picture -----------------------------------------------------------------
+
+def room(name: str) -> str:
+    """The top-level entry (a module or package of ``graphrt``) a module belongs to."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+ROOMS = {room(name): set() for name in MODULES}
+for _name, _targets in GRAPH.items():
+    ROOMS[room(_name)].update(room(t) for t in _targets if room(t) != room(_name))
+
+
+def floors(rooms: dict[str, set[str]]) -> dict[str, int]:
+    """Each room's floor: 1 + the highest floor it imports (1: it imports no other room); a
+    circle between rooms fails."""
+    floor: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(r: str) -> int:
+        if r in path:
+            pytest.fail("rooms import each other in a circle: " + " -> ".join(path[path.index(r):] + [r]))
+        if r not in floor:
+            path.append(r)
+            floor[r] = 1 + max((visit(t) for t in sorted(rooms[r])), default=0)
+            path.pop()
+        return floor[r]
+
+    for r in sorted(rooms):
+        visit(r)
+    return floor
+
+
+def test_the_top_level_picture_is_small_and_flat() -> None:
+    """src/graphrt holds at most 12 rooms (modules and packages) on at most 8 floors, with no
+    circle between rooms (issue 44; docs/architecture.md's table)."""
+    entries = sorted(p.stem if p.is_file() else p.name for p in (SRC / "graphrt").iterdir()
+                     if p.name != "__pycache__" and (p.suffix == ".py" or (p / "__init__.py").exists()))
+    assert entries == sorted(ROOMS) and len(entries) <= 12, entries
+    assert max(floors(ROOMS).values()) <= 8, floors(ROOMS)
+
+
+def test_a_circle_between_rooms_is_caught() -> None:
+    with pytest.raises(pytest.fail.Exception, match="circle: .*runner.*engine.*runner|circle: .*engine.*runner.*engine"):
+        floors({**ROOMS, "runner": ROOMS["runner"] | {"engine"}})
 
 
 # ---- private attributes stay in their module ----------------------------------------------

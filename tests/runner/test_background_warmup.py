@@ -9,7 +9,7 @@ import pytest
 
 import graphrt
 from graphrt import CacheMissError, GraphCaptureError, ModelRunner
-from graphrt.background import BackgroundWarmup
+from graphrt.runner.background import BackgroundWarmup
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.eager import EagerCause
@@ -17,7 +17,7 @@ from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.testing.conformance import check_property
 from graphrt.testing.runners import RunnerFactory
-from graphrt.warmup import warmup_keys
+from graphrt.runner.keys import warmup_keys
 from support.fast_subset import examples
 from support.runner_steps import CONFIG, LIMITS, greedy, random_steps
 

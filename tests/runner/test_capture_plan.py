@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 import graphrt
 from graphrt import ModelRunner
-from graphrt.background import BackgroundWarmup
-from graphrt.capture_plan import PLAN_DIR, CapturePlanStore, describe_device
+from graphrt.runner.background import BackgroundWarmup
+from graphrt.runner.capture_plan import PLAN_DIR, CapturePlanStore, describe_device
 from graphrt.config import GraphConfig
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.warmup import warmup_keys
+from graphrt.runner.keys import warmup_keys
 from support.runner_steps import LIMITS, greedy
 
 
@@ -152,11 +152,11 @@ class Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
     def __enter__(self) -> "Warnings":
-        logging.getLogger("graphrt.capture_plan").addHandler(self)
+        logging.getLogger("graphrt.runner.capture_plan").addHandler(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        logging.getLogger("graphrt.capture_plan").removeHandler(self)
+        logging.getLogger("graphrt.runner.capture_plan").removeHandler(self)
 
 
 PLAN_LIMITS = dict(backend="cpu", progress=False, warmup=False, **LIMITS, cudagraph_capture_sizes=[2, 4, 8])

@@ -12,13 +12,13 @@ import pytest
 
 import graphrt
 from graphrt import ModelRunner
-from graphrt.background import BackgroundWarmup
+from graphrt.runner.background import BackgroundWarmup
 from graphrt.config import GraphConfig
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.defaults import MIN_REFIT_INTERVAL
-from graphrt.core.dp_agreement import DispatchShape
+from graphrt.core.dispatch import DispatchShape
 from graphrt.core.errors import ConfigError
-from graphrt.traffic import TRAFFIC_MAX_SIZES, binned, fit_family, padded, split_sizes
+from graphrt.runner.traffic import TRAFFIC_MAX_SIZES, binned, fit_family, padded, split_sizes
 from support.runner_steps import Tables, greedy
 
 LIMITS = dict(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=128, block_size=16)
@@ -56,6 +56,8 @@ def test_a_traffic_shift_refits_adds_new_keys_and_retires_old_ones(model_dir, ma
     live = ModelRunner(model_dir, refit_interval=40, **kw)
     ref = ModelRunner(model_dir, enforce_eager=True, **kw)       # the tokens without graphs
     assert live.traffic is not None and live.background.complete
+    with pytest.raises(AttributeError):          # runner.keys is the dispatcher's one writer
+        live.dispatcher = live.dispatcher
     before = live.dispatcher.decode_buckets
     assert 44 not in before and 48 in before
 
@@ -63,21 +65,21 @@ def test_a_traffic_shift_refits_adds_new_keys_and_retires_old_ones(model_dir, ma
         for step in decode_steps(tables, reqs, start, n):
             np.testing.assert_array_equal(step.run(live, greedy(reqs)), step.run(ref, greedy(reqs)))
 
-    with caplog.at_level(logging.INFO, logger="graphrt.traffic"):
+    with caplog.at_level(logging.INFO, logger="graphrt.runner.traffic"):
         serve(4, 0, 40)                               # batch 4; the step loop re-fits at step 40
     first = live.traffic.history[-1]
-    assert first["step"] == 40 and first["installed"]   # nothing new to build: installed at once
-    assert live.dispatcher.decode_buckets.sizes == (4, 64) and first["retired"] > 0
-    assert live.stats.retired + live.sampler_stats.retired == first["retired"]
+    assert first.step == 40 and first.installed   # nothing new to build: installed at once
+    assert live.dispatcher.decode_buckets.sizes == (4, 64) and first.retired > 0
+    assert live.stats.retired + live.sampler_stats.retired == first.retired
     serve(4, 40, 5)                                   # still on graphs, tokens unchanged
     assert live.last_step.eager_cause is None
     serve(44, 45, 35)                                 # the shift: batch 44 pads to 64 now
     assert live.last_step.key.num_reqs == 64
     second = live.traffic.history[-1]                 # the re-fit of step 80
-    assert second["step"] == 80 and not second["installed"] and second["added"] >= 2   # the key and its sampler
+    assert second.step == 80 and not second.installed and second.added >= 2   # the key and its sampler
     assert live.dispatcher.decode_buckets.sizes == (4, 64)        # the old set serves while they build
     live.background.build_all()
-    assert second["installed"] and 44 in live.dispatcher.decode_buckets
+    assert second.installed and 44 in live.dispatcher.decode_buckets
     serve(44, 80, 5)
     assert live.last_step.key.num_reqs == 44 and live.last_step.eager_cause is None
     # padding waste of the new traffic within 2x of the offline exact fit with the same budget
@@ -124,12 +126,12 @@ def test_a_refit_plans_every_sampler_kind_warm_up_builds(model_dir, manual):
     for step in decode_steps(tables, 44, 0, 40):
         step.run(live, greedy(44))
     record = live.traffic.history[-1]                 # the step loop's re-fit of step 40
-    assert record["step"] == 40 and not record["installed"]
+    assert record.step == 40 and not record.installed
     new_samplers = {key for _, key in live.background.pending if getattr(key, "num_reqs", None) == 44
                     and not hasattr(key, "num_tokens")}
     assert any(key.penalties for key in new_samplers), new_samplers
     live.background.build_all()
-    assert record["installed"] and 44 in live.dispatcher.decode_buckets
+    assert record.installed and 44 in live.dispatcher.decode_buckets
     built = {key for key in live.sampler_cache if key.num_reqs == 44}
     assert {k for _, k in live.warmup_plan.jobs() if getattr(k, "num_reqs", None) == 44
             and not hasattr(k, "num_tokens")} <= built
@@ -158,7 +160,7 @@ def replay(model_dir: str, steps: int, overlap: bool = False, settle: int = 0) -
             llm.step()
         report = llm.stats["traffic"]
         for _ in range(settle):      # the loop overlaps again at the first step after the switch
-            if llm.runner.traffic.history[-1]["installed"] and llm.overlap == overlap:
+            if llm.runner.traffic.history[-1].installed and llm.overlap == overlap:
                 break
             llm.step()
             llm.runner.background.wait(5)

@@ -99,5 +99,5 @@ def pad_like(eager: Any, graph_runner: Any) -> Any:
     """Make ``eager`` (a runner on the eager backend, before its first step) pad each step
     to the key ``graph_runner`` replays for it; returns ``eager``."""
     assert not eager.executor.has_graphs and eager.last_step is None
-    eager.dispatcher = PaddedEagerDispatcher(graph_runner.dispatcher)
+    eager.keys.serve(PaddedEagerDispatcher(graph_runner.dispatcher))
     return eager

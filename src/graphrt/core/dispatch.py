@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
@@ -102,6 +102,18 @@ class Dispatch:
     key: BatchDescriptor  # the padded shape to run under (the real shape when eager)
     reason: str           # why this mode: shown in logs, statistics and CacheMissError
     cause: EagerCause | None = None   # when eager: the counted cause (mode, above the largest bucket)
+
+
+class DispatchShape(NamedTuple):
+    """The shape a step is dispatched as: its own, or the one its data-parallel group agreed on
+    (:class:`~graphrt.core.dp_agreement.StepAgreement`), looked up by :meth:`Dispatcher.dispatch`.
+    ``context`` is ``Dispatcher.context_bucket`` of its longest request (0 without buckets)."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_decode: bool
+    num_loras: int
+    context: int = 0
 
 
 class Dispatcher:

@@ -9,9 +9,11 @@ Independent engines (``graphrt.DataParallelLLM``, dense models) never need this.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from graphrt.core.dispatch import DispatchShape
 
 
 class StepAgreement(Protocol):
@@ -19,21 +21,10 @@ class StepAgreement(Protocol):
     ``graphrt.backends.torch.parallel.dp_agreement.TorchStepAgreement``)."""
 
     def agree(self, num_tokens: int, num_reqs: int, uniform_decode: bool, num_loras: int, context: int
-              ) -> tuple[int, int, bool, int, int]:
-        """(max tokens, max requests, every rank uniform, max adapters, largest context) over the
-        group; ``context`` is the dispatcher's context bucket (0: none; -1, above every bucket,
-        is the largest)."""
-
-
-class DispatchShape(NamedTuple):
-    """The shape a step is dispatched as: its own, or the one its data-parallel group agreed on.
-    ``context`` is ``Dispatcher.context_bucket`` of its longest request (0 without buckets)."""
-
-    num_tokens: int
-    num_reqs: int
-    uniform_decode: bool
-    num_loras: int
-    context: int = 0
+              ) -> DispatchShape:
+        """The group's shape: max tokens, max requests, every rank uniform, max adapters, largest
+        context (a :class:`DispatchShape`, or a tuple of those five fields); ``context`` is the
+        dispatcher's context bucket (0: none; -1, above every bucket, is the largest)."""
 
 
 class DataParallelStep:
@@ -58,4 +49,4 @@ class DataParallelStep:
         return None if shape.num_tokens == 0 else shape
 
 
-__all__ = ["DataParallelStep", "DispatchShape", "StepAgreement"]
+__all__ = ["DataParallelStep", "StepAgreement"]

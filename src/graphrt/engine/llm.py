@@ -33,7 +33,7 @@ from graphrt.engine.validation import params_per_prompt, validate_request
 from graphrt.engine.watchdog import engine_watchdog
 from graphrt.core.errors import GenerationError, GraphrtError, RequestsInFlightError
 from graphrt.runner import ModelRunner
-from graphrt.warmup import warmup_mode
+from graphrt.runner.warmup import warmup_mode
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_eos_token_ids
 

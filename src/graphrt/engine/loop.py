@@ -45,7 +45,7 @@ class Launched:
     prompt_starts: list[int] | None = None      # computed tokens at launch, if prompt logprobs were asked
 
 
-def overlap_enabled(runner: Any, disable_overlap_schedule: bool) -> bool:
+def overlap_enabled(runner: ModelRunner, disable_overlap_schedule: bool) -> bool:
     """Whether overlap is on by default: asked for, and the device runs ahead of the host (xla,
     cuda, npu); elsewhere it would hide nothing. ``llm.overlap = True`` still forces it."""
     check_flags(disable_overlap_schedule=disable_overlap_schedule)

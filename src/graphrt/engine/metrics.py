@@ -13,11 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphrt.core.errors import InputError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.telemetry import prometheus_text as core_prometheus_text
+
+if TYPE_CHECKING:
+    from graphrt.runner import ModelRunner
 
 logger = logging.getLogger("graphrt.engine")
 
@@ -94,7 +97,7 @@ class EngineMetrics:
         self._steps_mark = 0
         self._cached_seen = 0
 
-    def record(self, step: Any, scheduler: Any, runner: Any) -> None:
+    def record(self, step: Any, scheduler: Any, runner: ModelRunner) -> None:
         """After a step ran: log the prefill line if it had prefill work, and the decode line
         once ``decode_log_interval`` decode steps ran since the last one (the scheduler counts
         them). The engine calls this only when one of the two is due."""
@@ -143,7 +146,7 @@ class EngineMetrics:
                 "decode": asdict(self.last_decode) if self.last_decode else None,
                 "prefill_lines": self.num_prefill_lines, "decode_lines": self.num_decode_lines}
 
-def prometheus_text(runner: Any) -> str:
+def prometheus_text(runner: ModelRunner) -> str:
     """A runner's graph coverage in Prometheus' text format (:mod:`graphrt.core.telemetry`)."""
     return core_prometheus_text(runner.stats, runner.sampler_stats, backend=runner.backend.name,
                                 warmup=runner.background.report() if runner.background is not None else None,

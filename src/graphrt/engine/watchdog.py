@@ -22,10 +22,13 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError, GraphrtError, WatchdogTimeout
+
+if TYPE_CHECKING:
+    from graphrt.runner import ModelRunner
 
 #: The watchdog thread wakes this often (at most; timeout / 2 for shorter timeouts) to notice a
 #: new forward (arming only stores a timestamp), then sleeps until its deadline.
@@ -209,7 +212,7 @@ def check_watchdog_args(timeout: float | None, action: str) -> None:
         raise ConfigError(f"watchdog_timeout={timeout!r}: expected seconds > 0, or None / 0 for none")
 
 
-def engine_watchdog(runner: Any, timeout: float | None, action: str, *, owner: Any,
+def engine_watchdog(runner: ModelRunner, timeout: float | None, action: str, *, owner: Any,
                     lock: Any) -> Watchdog | NoWatchdog:
     """``graphrt.LLM``'s watchdog over ``runner``: stopped by ``owner.close()`` or when ``owner``
     is garbage collected (the thread holds no reference to it)."""
@@ -221,7 +224,7 @@ def engine_watchdog(runner: Any, timeout: float | None, action: str, *, owner: A
     return dog
 
 
-def describe_step(runner: Any, step: Any) -> str:
+def describe_step(runner: ModelRunner, step: Any) -> str:
     """A scheduled step's shape, and the mode and key the runner's dispatcher gives it."""
     sched = [int(n) for n in step.num_scheduled]
     t, r = sum(sched), len(sched)

@@ -8,7 +8,7 @@ stock transformers class, as a Transformers-backend model runs) or ``module:func
 protocol, docs/models.md) runs one mixed step of two requests through an eager
 :class:`~graphrt.ModelRunner` twice, a step of another shape between; any other module is
 called as ``model(input_ids=ids[None], use_cache=False)``, likewise. Each finding names the
-module, and the file and line that issued the op. Exit status (:mod:`graphrt.cli_usage`): 0 clean, 1 findings, 2 a usage
+module, and the file and line that issued the op. Exit status (:mod:`graphrt.cli.usage`): 0 clean, 1 findings, 2 a usage
 error, one line on stderr: a spec that does not load, a builder that raises or returns no
 ``torch.nn.Module``, a directory that does not load, a forward that raises.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from graphrt.cli_usage import EXIT_FINDINGS, EXIT_OK, UsageError, run_user_code
+from graphrt.cli.usage import EXIT_FINDINGS, EXIT_OK, UsageError, run_user_code
 
 #: The lint's steps: two requests with this many tokens each, their contexts swapped between runs;
 #: between the two runs, one request of LINT_BETWEEN tokens (another shape).
@@ -71,7 +71,7 @@ def _runner_steps(model: Any) -> tuple[Any, Any]:
 
 
 def _load(spec: str, transformers: bool) -> Any:
-    """The torch model ``spec`` names, or :class:`~graphrt.cli_usage.UsageError` saying what was
+    """The torch model ``spec`` names, or :class:`~graphrt.cli.usage.UsageError` saying what was
     wrong: the spec, the builder (what it raised or returned) or the directory."""
     import torch
 
@@ -108,7 +108,7 @@ def lint_args(parser: argparse.ArgumentParser) -> None:
 
 def lint_run(args: argparse.Namespace) -> int:
     """``graphrt lint``: the report on stdout; exit 0 clean, 1 findings; a
-    :class:`~graphrt.cli_usage.UsageError` (exit 2, one line on stderr) when there is no report:
+    :class:`~graphrt.cli.usage.UsageError` (exit 2, one line on stderr) when there is no report:
     the model could not be loaded or built, or its forward raised."""
     model = _load(args.model, args.transformers)
     report = run_user_code(f"one forward of {args.model} ({type(model).__name__})", lambda: lint_model(model))

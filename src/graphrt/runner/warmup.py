@@ -8,7 +8,6 @@ A failed build runs its key eagerly with a warning; in strict mode, or without a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Sequence
@@ -18,9 +17,10 @@ from tqdm.auto import tqdm
 from graphrt.backends.base import Executor
 from graphrt.core.cache import GraphCache, describe_key
 from graphrt.core.collector import objects_frozen
-from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
+from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import GraphMode, RuntimeMode
+from graphrt.runner.keys import Job
 
 #: ``warmup=`` values of ``graphrt.LLM`` / ``ModelRunner``, and the LLM's default (docs/api.md,
 #: "Warm-up": why).
@@ -28,48 +28,11 @@ WARMUP_MODES = ("upfront", "background")
 
 logger = logging.getLogger(__name__)
 
-Job = tuple[RuntimeMode, BatchDescriptor | SamplerKey]
-
-
-def warmup_keys(dispatcher: Dispatcher, logprobs: bool = False, penalties: bool = False) -> list[Job]:
-    """Every key warm-up builds, largest first: the dispatcher's, then a greedy and a random
-    sampler per FULL request count, plus the logprobs graph (``logprobs``) and the penalised
-    sampler (``penalties``) of that count."""
-    keys = dispatcher.keys()
-    sampler_reqs = sorted({k.num_reqs for m, k in keys if m is RuntimeMode.FULL}, reverse=True)
-    kinds = ([SamplerKey(0, True), SamplerKey(0, False)] + ([SamplerKey(0, False, True)] if logprobs else [])
-             + ([SamplerKey(0, False, penalties=True)] if penalties else []))
-    return list(keys) + [(RuntimeMode.FULL, dataclasses.replace(kind, num_reqs=r)) for r in sampler_reqs for kind in kinds]
-
-
 def compile_host_kernels(preparer: Any, padder: Any, executor: Executor) -> None:
     """Compile (or load from numba's disk cache) the host kernels before the first step."""
     seconds = preparer.compile_kernels(padder, out=executor.host_buffers)
     if seconds:
         logger.info("graphrt: host kernels (%s) ready in %.2f s", preparer.kernel, seconds)
-
-
-def warm_up(runner: Any) -> list[dict[str, Any]]:
-    """``ModelRunner.warmup``: the host kernels, then every key of ``runner.dispatcher`` built into
-    its caches (:func:`build_every_key`), logged with seconds, MiB and failures; the report."""
-    ex, cfg = runner.executor, runner.config
-    if not ex.eager_fallback and cfg.disable_precompile:
-        logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use", runner.backend.name)
-        return []
-    compile_host_kernels(runner.preparer, runner.padder, ex)
-    cache, sampler = runner.cache, runner.sampler_cache
-    keys = runner.warmup_plan.jobs()
-    total = build_every_key(ex, keys, cache, sampler,
-                            strict=cfg.strict, progress=runner.progress, label=runner.backend.name)
-    runner.warmup_report = warmup_report(ex, cache, sampler)
-    failed = cache.stats.failed_builds + sampler.stats.failed_builds
-    runner.graph_memory.built(cache.stats.build_bytes, sampler.stats.build_bytes, ex.sampler_buffer_bytes,
-                              ex.scratch_bytes)
-    logger.info("graphrt: %s warm-up built %d forward and %d sampler entries in %.2f s, %s%s",
-                runner.backend.name, len(cache), len(sampler), total, runner.graph_memory.split(),
-                f"; {failed} failed and run eagerly" if failed else "")
-    logger.info("graphrt: %s", runner.graph_memory.summary())
-    return runner.warmup_report
 
 
 def warmup_report(executor: Executor, *caches: GraphCache) -> list[dict[str, Any]]:
@@ -136,13 +99,6 @@ def build_one(executor: Executor, target: GraphCache, cache_key: Any, mode: Runt
     return True
 
 
-def job_target(job: Job, cache: GraphCache, sampler_cache: GraphCache) -> tuple[GraphCache, Any]:
-    """Where a job's entry is kept: ``(sampler_cache, key)`` for a sampler key, else
-    ``(cache, (mode, key))``."""
-    mode, key = job
-    return (sampler_cache, key) if isinstance(key, SamplerKey) else (cache, (mode, key))
-
-
 def warmup_mode(warmup: bool | str | None) -> str | None:
     """``"upfront"`` (True), ``"background"``, or None (False: deferred to ``runner.warmup()``);
     anything else is a ConfigError naming ``warmup``."""
@@ -161,5 +117,4 @@ def graphs_for(mode: GraphMode, uniform: bool) -> bool:
     return (mode.decode_mode() if uniform else mode.mixed_mode()) is not RuntimeMode.NONE
 
 
-__all__ = ["Job", "build_every_key", "build_one", "compile_host_kernels", "graphs_for", "job_target", "warm_up",
-           "warmup_keys", "warmup_mode", "warmup_report"]
+__all__ = ["build_every_key", "build_one", "compile_host_kernels", "graphs_for", "warmup_mode", "warmup_report"]

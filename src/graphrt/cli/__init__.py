@@ -2,7 +2,7 @@
 
 Every subcommand is one entry of :data:`SUBCOMMANDS` (help line, flag adder, runner returning
 the exit status: 0 done, 1 findings, 2 a usage error said in one line on stderr,
-:mod:`graphrt.cli_usage`): ``plan``, ``bench``, ``demo``, ``conformance``, ``lint``. To add
+:mod:`graphrt.cli.usage`): ``plan``, ``bench``, ``demo``, ``conformance``, ``lint``. To add
 one, write those two functions and add the entry.
 """
 
@@ -21,10 +21,10 @@ from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core.buckets import BucketPolicy
 from graphrt.config import GraphConfig, add_cli_args, from_cli_args
 from graphrt.core.errors import BackendUnavailableError, ConfigError
-from graphrt.cli_demo import demo_args, demo_run, add_engine_args, engine_kwargs
-from graphrt.cli_lint import lint_args, lint_run
-from graphrt.cli_usage import EXIT_FINDINGS, EXIT_OK, UsageError, run_user_code, usage_error
-from graphrt.plots import PolicyWaste, check_path, plot_plan, require_matplotlib
+from graphrt.cli.demo import demo_args, demo_run, add_engine_args, engine_kwargs
+from graphrt.cli.lint import lint_args, lint_run
+from graphrt.cli.usage import EXIT_FINDINGS, EXIT_OK, UsageError, run_user_code, usage_error
+from graphrt.cli.plots import PolicyWaste, check_path, plot_plan, require_matplotlib
 
 
 class Subcommand(NamedTuple):
@@ -301,6 +301,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["main", "build_parser", "add_engine_args", "engine_kwargs", "BENCHMARKS"]
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,16 +10,20 @@ while the old set serves. See docs/api.md, "Buckets that follow the traffic".
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
 
+from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.buckets import BucketPolicy
-from graphrt.core.dispatch import Dispatcher
-from graphrt.core.dp_agreement import DispatchShape
+from graphrt.core.dispatch import Dispatcher, DispatchShape
+from graphrt.core.dp_agreement import StepAgreement
 from graphrt.core.errors import ConfigError
-from graphrt.warmup import Job
+from graphrt.runner.features import Step, StepFeature
+from graphrt.runner.keys import Job, ServingKeys
+from graphrt.runner.warmup_plan import WarmupPlan
 
-#: Traffic re-fit (graphrt/traffic.py): the step-size histogram of earlier windows is weighted
+#: Traffic re-fit (graphrt/runner/traffic.py): the step-size histogram of earlier windows is weighted
 #: by this at each re-fit (0: only the last window counts) ...
 TRAFFIC_DECAY = 0.5
 #: ... a re-fit installs the new buckets only when they pad the window's steps by this fraction
@@ -74,55 +78,102 @@ def padded(hist: Histogram, policy: BucketPolicy | None) -> float:
     return sum(n * c for n, c in hist.items()) if policy is None else policy.padded_total(hist)
 
 
-class TrafficFit:
+@dataclass
+class Refit:
+    """One re-fit's record (``runner.traffic.history``): the step that decided, the new and old
+    bucket sizes, the window's padding waste under each, the keys queued to build and retired,
+    and whether the new set is served yet (the record is updated when it is installed)."""
+
+    step: int
+    decode_buckets: list[int]
+    token_buckets: list[int]
+    old_decode_buckets: list[int]
+    old_token_buckets: list[int]
+    waste_before: float
+    waste_after: float
+    added: int = 0
+    retired: int = 0
+    installed: bool = False
+
+
+class PendingSwitch(NamedTuple):
+    """A chosen bucket set not served yet: its dispatcher and the jobs it retires once installed."""
+
+    dispatcher: Dispatcher
+    retire: list[Job]
+
+
+class TrafficFit(StepFeature):
     """Step-size histograms of a runner and its bucket set re-fitted to them every ``interval`` steps.
 
-    Reads the runner's step sizes, dispatcher and caches. The runner's step loop counts steps and
-    calls :meth:`refit` every ``interval`` of them (the decision: a function of the traffic alone);
-    its :class:`BackgroundWarmup` builds the new keys, and switches key sets at a turn with no
-    launched step in flight when the step that decided had one.
+    Reads the serving ``keys`` (dispatcher and caches) and switches them through ``warmup``
+    (:meth:`WarmupPlan.replace_dispatcher`), whose :class:`BackgroundWarmup` builds the new keys
+    and switches key sets at a turn with no launched step in flight when the step that decided
+    had one. As a step feature it counts every step's dispatch shape (:attr:`step_sizes`) and
+    decides at the end of every ``interval``-th step (:meth:`finish`): a function of the traffic alone.
     """
 
-    def __init__(self, runner: Any, *, interval: int, max_buckets: int | None = None,
+    def __init__(self, keys: ServingKeys, warmup: WarmupPlan, *, interval: int, max_buckets: int | None = None,
                  decay: float = TRAFFIC_DECAY) -> None:
-        self.runner = runner
+        if warmup.background is None:
+            raise ConfigError("refit_interval: a traffic re-fit builds its keys in the background; the runner "
+                              "has no background warm-up")
+        self.keys, self.warmup, self.background = keys, warmup, warmup.background
         self.interval = int(interval)
         self.max_buckets = max_buckets
         self.decay = float(decay)
         self.decode: Histogram = {}
         self.mixed: Histogram = {}
+        #: Steps served per dispatch shape (what a re-fit reads).
+        self.step_sizes: dict[DispatchShape, int] = {}
         self._seen: dict[DispatchShape, int] = {}
+        self._until_refit = self.interval       # steps left before the step loop's next decision
         self.next_at = self.interval            # the step count of the next re-fit
-        self.history: list[dict[str, Any]] = []
-        self._next: tuple[Dispatcher, list[Job]] | None = None     # built in the background, then installed
-        d = runner.dispatcher            # the graph budget: the starting policy's sizes per family
+        self.history: list[Refit] = []
+        self._next: PendingSwitch | None = None     # built in the background, then installed
+        d = keys.dispatcher              # the graph budget: the starting policy's sizes per family
         self.budget = {"decode": max_buckets or len(d.decode_buckets or ()),
                        "token": max_buckets or len(d.token_buckets or ())}
-        runner.background.on_complete.append(self._install_pending)
+        warmup.when_complete(self._install_pending)
 
     @classmethod
-    def attach(cls, runner: Any, step_agreement: Any = None) -> "TrafficFit":
-        """The re-fit of ``runner`` (its config's ``refit_interval`` / ``refit_max_buckets``), called
-        by its step loop. Refused with data-parallel step agreement: every rank must keep one key
-        set, and re-fits are per runner."""
+    def attach(cls, keys: ServingKeys, warmup: WarmupPlan, config: GraphConfig,
+               step_agreement: StepAgreement | None = None) -> "TrafficFit":
+        """The re-fit of a runner's ``keys`` (``config``'s ``refit_interval`` / ``refit_max_buckets``),
+        called by its step loop. Refused with data-parallel step agreement: every rank must keep one
+        key set, and re-fits are per runner."""
         if step_agreement is not None:
             raise ConfigError("refit_interval: data-parallel ranks must keep one key set; re-fits are per "
                               "runner, so they cannot be combined with step_agreement")
-        cfg = runner.config
-        return cls(runner, interval=cfg.refit_interval, max_buckets=cfg.refit_max_buckets)
+        return cls(keys, warmup, interval=config.refit_interval, max_buckets=config.refit_max_buckets)
 
+    # ---- the step feature ----------------------------------------------------------------
+    def dispatched(self, step: Step) -> None:
+        """Count the step's dispatch shape (the histogram a re-fit reads)."""
+        sizes = self.step_sizes
+        sizes[step.shape] = sizes.get(step.shape, 0) + 1
+        self._until_refit -= 1
+
+    def finish(self, step: Step) -> None:
+        """After every ``interval``-th step: the re-fit decides, here (``step.wait``: nothing
+        launched is in flight, so keys may be retired now)."""
+        if self._until_refit <= 0:
+            self._until_refit = self.interval
+            self.refit(idle=step.wait)
+
+    # ---- the re-fit ----------------------------------------------------------------------
     @property
     def target(self) -> Dispatcher:
         """The bucket set the last re-fit chose (the served one once it is installed): a re-fit
         compares against it, so its decision never depends on how far the builds got."""
-        return self._next[0] if self._next is not None else self.runner.dispatcher
+        return self._next.dispatcher if self._next is not None else self.keys.dispatcher
 
     def window(self) -> int:
         """Fold the steps since the last look into the histograms; how many there were."""
-        counts = dict(self.runner.step_sizes)
+        counts = dict(self.step_sizes)
         delta = {s: n - self._seen.get(s, 0) for s, n in counts.items() if n > self._seen.get(s, 0)}
         self._seen = counts
-        decode, mixed = split_sizes(delta, self.runner.dispatcher.decode_query_len)
+        decode, mixed = split_sizes(delta, self.keys.dispatcher.decode_query_len)
         for hist, new in ((self.decode, decode), (self.mixed, mixed)):
             for size in list(hist):
                 hist[size] *= self.decay
@@ -132,13 +183,13 @@ class TrafficFit:
                 hist[size] = hist.get(size, 0.0) + n
         return sum(delta.values())
 
-    def refit(self, *, idle: bool = True) -> dict[str, Any] | None:
+    def refit(self, *, idle: bool = True) -> Refit | None:
         """Fit the bucket sets to the histograms and queue the new keys (or install at once);
         returns the re-fit's record, or None when nothing changed. The runner's step loop calls
         it every ``interval`` steps, its lock held; ``idle``: no launched step is in flight, so
         keys may be retired now (else the switch waits for the builder's next turn)."""
-        runner = self.runner
-        steps = runner.cache.stats.steps
+        keys, background = self.keys, self.background
+        steps = keys.cache.stats.steps
         self.next_at = steps + self.interval
         if self.window() < defaults.MIN_REFIT_INTERVAL:
             return None
@@ -156,31 +207,29 @@ class TrafficFit:
         fewer = len(new.keys()) < len(old.keys())       # keys that no longer pay, at no padding cost
         if not (after <= (1 - TRAFFIC_MIN_GAIN) * before or (fewer and after <= before)):
             return None
-        plan = runner.warmup_plan
-        jobs, served = plan.jobs(new), plan.jobs(runner.dispatcher)
+        jobs, served = keys.jobs(new), keys.jobs()
         kept, serving = set(jobs), set(served)
-        superseded = plan.jobs(old) if self._next is not None else []    # chosen, never installed
+        superseded = keys.jobs(old) if self._next is not None else []    # chosen, never installed
         retire = [job for job in dict.fromkeys(served + superseded) if job not in kept]
-        runner.background.drop(job for job in superseded if job not in kept and job not in serving)
+        background.drop(job for job in superseded if job not in kept and job not in serving)
         real = sum(n * c for n, c in self.decode.items()) + sum(n * c for n, c in self.mixed.items())
-        record = {"step": steps, "decode_buckets": list(new.decode_buckets or ()),
-                  "token_buckets": list(new.token_buckets or ()),
-                  "old_decode_buckets": list(old.decode_buckets or ()), "old_token_buckets": list(old.token_buckets or ()),
-                  "waste_before": round(1 - real / before, 4) if before else 0.0,
-                  "waste_after": round(1 - real / after, 4) if after else 0.0,
-                  "added": 0, "retired": 0, "installed": False}
+        record = Refit(step=steps, decode_buckets=list(new.decode_buckets or ()),
+                       token_buckets=list(new.token_buckets or ()),
+                       old_decode_buckets=list(old.decode_buckets or ()),
+                       old_token_buckets=list(old.token_buckets or ()),
+                       waste_before=round(1 - real / before, 4) if before else 0.0,
+                       waste_after=round(1 - real / after, 4) if after else 0.0)
         self.history.append(record)
-        background = runner.background
-        self._next = (new, retire)
+        self._next = PendingSwitch(new, retire)
         first = self._must_retire_first(jobs)      # the old keys go before the new ones are built
         if first and idle:
             self._install_pending()
-        record["added"] = background.plan(jobs)
+        record.added = background.plan(jobs)
         logger.info("graphrt: traffic re-fit at step %d: decode buckets %s -> %s, token buckets %s -> %s; "
                     "padding waste over the window %.1f%% -> %.1f%%; %d keys to build in the background, %s",
-                    steps, record["old_decode_buckets"], record["decode_buckets"], record["old_token_buckets"],
-                    record["token_buckets"], 100 * record["waste_before"], 100 * record["waste_after"],
-                    record["added"], f"{record['retired']} retired" if record["installed"]
+                    steps, record.old_decode_buckets, record.decode_buckets, record.old_token_buckets,
+                    record.token_buckets, 100 * record.waste_before, 100 * record.waste_after,
+                    record.added, f"{record.retired} retired" if record.installed
                     else f"{len(retire)} to retire once they are built")
         if self._next is not None and (first or not background.active):    # switch before any build
             if idle:
@@ -191,11 +240,11 @@ class TrafficFit:
 
     def _must_retire_first(self, jobs: list[Job]) -> bool:
         """Whether the new keys would not fit beside the old ones in the admitted graph memory."""
-        background = self.runner.background
+        background = self.background
         cap = background.memory_cap
         if cap is None:
             return False
-        cache = self.runner.cache
+        cache = self.keys.cache
         built = [cache.stats.per_key[k].build_bytes for k in cache if k in cache.stats.per_key]
         per_key = sum(built) / len(built) if built else 0
         missing = sum(1 for job in jobs if not background.has(job))
@@ -207,18 +256,18 @@ class TrafficFit:
             return
         new, retire = self._next
         self._next = None
-        retired = self.runner.warmup_plan.replace_dispatcher(new, retire)
+        retired = self.warmup.replace_dispatcher(new, retire)
         if self.history:
-            self.history[-1].update(installed=True, retired=retired)
+            self.history[-1].installed, self.history[-1].retired = True, retired
         logger.info("graphrt: traffic re-fit installed: decode buckets %s, token buckets %s; %d keys retired",
                     list(new.decode_buckets or ()), list(new.token_buckets or ()), retired)
 
     def report(self) -> dict[str, Any]:
-        """The re-fit schedule and history, for stats."""
-        d = self.runner.dispatcher
+        """The re-fit schedule and history (each :class:`Refit` as a dict), for stats."""
+        d = self.keys.dispatcher
         return {"interval": self.interval, "next_at": self.next_at, "refits": len(self.history),
                 "decode_buckets": list(d.decode_buckets or ()), "token_buckets": list(d.token_buckets or ()),
-                "history": list(self.history[-8:])}
+                "history": [asdict(record) for record in self.history[-8:]]}
 
 
-__all__ = ["TrafficFit", "binned", "fit_family", "padded", "split_sizes"]
+__all__ = ["PendingSwitch", "Refit", "TrafficFit", "binned", "fit_family", "padded", "split_sizes"]

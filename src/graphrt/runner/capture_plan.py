@@ -25,12 +25,15 @@ from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from graphrt.backends.base import Executor
+from graphrt.config import GraphConfig
 from graphrt.core import __version__
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.warmup import Job, job_target
+from graphrt.runner.background import BackgroundWarmup, demand_of
+from graphrt.runner.keys import Job, ServingKeys
 
 logger = logging.getLogger(__name__)
 
@@ -251,34 +254,42 @@ class CapturePlanStore:
         return self.path
 
 
-def read_runner_plan(runner: Any) -> SavedPlan | None:
-    """A runner's saved plan, with its bucket sizes installed in ``runner.dispatcher`` (None: no
-    store, no plan, or its buckets do not fit this config: logged, the config's kept)."""
-    store = runner.warmup_plan.store
+def open_plan_store(config: GraphConfig, *, backend: str, executor: Executor, model: Any) -> CapturePlanStore | None:
+    """A runner's capture plan store (with ``compilation_cache_dir``, one process, the plan not
+    disabled), or None: no plan kept, or its path is taken by something that is not a plan file
+    (logged)."""
+    if not config.compilation_cache_dir or config.disable_capture_plan or config.tensor_parallel_size != 1:
+        return None
+    store = CapturePlanStore(config.compilation_cache_dir, backend=backend, device=describe_device(executor),
+                             model=model, config=config)
+    return store if store.off is None else None
+
+
+def read_plan(store: CapturePlanStore | None, keys: ServingKeys) -> SavedPlan | None:
+    """The saved plan, with its bucket sizes served by ``keys`` (None: no store, no plan, or its
+    buckets do not fit this config: logged, the config's kept)."""
     saved = store.load() if store is not None else None
     if saved is not None and (saved.decode_buckets or saved.token_buckets):
         try:
-            runner.dispatcher = saved.dispatcher(runner.dispatcher)
+            keys.serve(saved.dispatcher(keys.dispatcher))
         except ConfigError as exc:
             logger.warning("graphrt: the capture plan's buckets do not fit this config (%s); using the "
                            "config's", exc)
     return saved
 
 
-def save_runner_plan(runner: Any) -> Path | None:
-    """Save a runner's plan: its dispatcher's buckets and keys, each key's demand (hits plus
-    steps that wanted it while it was missing) and build cost. None when the plan is off."""
-    from graphrt.background import demand_of
+def save_plan(store: CapturePlanStore, keys: ServingKeys, background: BackgroundWarmup | None = None) -> Path | None:
+    """Save the plan of ``keys``: its dispatcher's buckets and keys, each key's demand (hits plus
+    steps that wanted it while ``background`` warm-up lacked it) and build cost. None when the
+    plan is off."""
 
     def cost(job: Job) -> tuple[int, float]:
-        target, cache_key = job_target(job, runner.cache, runner.sampler_cache)
+        target, cache_key = keys.target(job)
         e = target.stats.per_key.get(cache_key)
         return (e.build_bytes, e.build_seconds) if e is not None else (0, 0.0)
 
-    return runner.warmup_plan.store.save(
-        runner.dispatcher, runner.warmup_plan.jobs(),
-        lambda job: demand_of(job, runner.background, runner.cache, runner.sampler_cache), cost)
+    return store.save(keys.dispatcher, keys.jobs(), lambda job: demand_of(job, background, keys), cost)
 
 
-__all__ = ["CapturePlanStore", "PlanFile", "read_runner_plan", "save_runner_plan", "PLAN_DIR", "SavedPlan",
-           "describe_device", "fingerprint"]
+__all__ = ["CapturePlanStore", "PlanFile", "PLAN_DIR", "SavedPlan", "describe_device", "fingerprint",
+           "open_plan_store", "read_plan", "save_plan"]

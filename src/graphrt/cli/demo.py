@@ -1,5 +1,5 @@
 """``graphrt demo``: a tiny model through graphrt.LLM step by step, and the engine's flags
-(``--plot FILE.png`` draws the warm-up report: :mod:`graphrt.plots`).
+(``--plot FILE.png`` draws the warm-up report: :mod:`graphrt.cli.plots`).
 
 ``add_engine_args`` / ``engine_kwargs`` are graphrt.LLM's scheduling flags for any parser
 (re-exported by :mod:`graphrt.cli`).
@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from graphrt.cli_usage import EXIT_OK, usage_error
+from graphrt.cli.usage import EXIT_OK, usage_error
 from graphrt.config import add_cli_args, from_cli_args
 from graphrt.core.errors import ConfigError, GraphrtError
-from graphrt.plots import check_path, plot_warmup, require_matplotlib
+from graphrt.cli.plots import check_path, plot_warmup, require_matplotlib
 
 
 def demo_args(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.logprobs import StepOutput, TokenLogprobs
 from graphrt.core.sampling import check_logprobs_limit, logprobs as logprobs_count
-from graphrt.plans import LOGPROBS, LastStep, SamplerEntry, StepArgs, StepInfo, StepPlan, plan_sampler
+from graphrt.runner.plans import LOGPROBS, LastStep, SamplerEntry, StepArgs, StepInfo, StepPlan, plan_sampler
 
 
 class StepOutputs:

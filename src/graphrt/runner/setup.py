@@ -18,7 +18,7 @@ from graphrt.core.dispatch import Dispatcher
 from graphrt.core.graph_memory import check_kv_args
 from graphrt.core.graph_modes import GraphMode, resolve_mode
 from graphrt.registry import select_backend
-from graphrt.warmup import graphs_for
+from graphrt.runner.warmup import graphs_for
 
 logger = logging.getLogger("graphrt.runner")
 

@@ -1,51 +1,52 @@
 """``ModelRunner``: the one front end every backend sits behind.
 
-Per step: prepare inputs -> dispatch -> pad into staging buffers -> replay / call / run eagerly
--> sample. See docs/architecture.md, 'One engine step, file by file'.
+Built as a recipe: open (backend, model, executor), keys (:mod:`graphrt.runner.keys`), size the
+caches, allocate, prepare (host side, step features), warm up. Per step: check, plan, write
+(padded into staging buffers), run (replay / call / eagerly), sample; the optional features
+(:mod:`graphrt.runner.features`) join at those points. See docs/architecture.md, 'One engine
+step, file by file'.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import inspect
 import logging
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from graphrt.backends.base import Backend, SamplingBatch
-from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
 from graphrt.config import GraphConfig, check_flags, check_unknown_fields
-from graphrt.core.dispatch import sampler_key
+from graphrt.core.cache import CacheStats, FailedBuild, GraphCache
+from graphrt.core.dispatch import Dispatcher, DispatchShape, sampler_key
+from graphrt.core.dp_agreement import DataParallelStep, StepAgreement
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
+from graphrt.core.extra_inputs import ExtraInputs
+from graphrt.core.fields import ModelInputs
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.inputs import InputPreparer
-from graphrt.core.dp_agreement import DataParallelStep, DispatchShape, StepAgreement
-from graphrt.core.extra_inputs import ExtraInputs
-from graphrt.core.fields import ModelInputs
-from graphrt.core.lora import LoraOff, RunnerLora, lora_off
+from graphrt.core.lora import LoraOff, RunnerLora
 from graphrt.core.padding import Padder
 from graphrt.core.sampling import sampling_batch
-from graphrt.background import BackgroundWarmup
-from graphrt.capture_plan import read_runner_plan
-from graphrt.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
-                           plan_sampler, plan_step)
-from graphrt.runner_setup import open_executor
-from graphrt.runner_weights import RunnerWeights
-from graphrt.step_outputs import StepOutput, StepOutputs
-from graphrt.traffic import TrafficFit
-from graphrt.warmup import warm_up, warmup_mode
-from graphrt.warmup_plan import WarmupPlan
-
-#: Distinct step shapes whose plan (dispatch + cache entries) a ModelRunner remembers.
-STEP_PLAN_MEMO_LIMIT = 1 << 16
+from graphrt.runner.background import BackgroundWarmup
+from graphrt.runner.capture_plan import open_plan_store, read_plan
+from graphrt.runner.features import Step, StepFeature, StepFeatures
+from graphrt.runner.keys import ServingKeys
+from graphrt.runner.outputs import StepOutput, StepOutputs
+from graphrt.runner.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
+                                  plan_sampler)
+from graphrt.runner.setup import open_executor
+from graphrt.runner.traffic import TrafficFit
+from graphrt.runner.warmup import warmup_mode
+from graphrt.runner.warmup_plan import WarmupPlan
+from graphrt.runner.weights import RunnerWeights
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,12 @@ class ModelRunner:
     :meth:`warmup`.
 
     Feature objects (None when off): ``lora`` (``LoraOff``, whose methods say how to turn it on,
-    with ``max_loras=0``), ``data_parallel``, ``background``, ``traffic``. Always there:
-    ``outputs`` (last step's readouts and logprobs), ``warmup_plan`` (keys built and served,
-    the capture plan store) and ``weights`` (in-place refit, sleep / wake, the live-buffer check).
+    with ``max_loras=0``), ``data_parallel``, ``background``, ``traffic``; ``features`` picks each
+    step's (:class:`~graphrt.runner.features.StepFeatures`). Always there: ``keys`` (the serving
+    keys: dispatcher, graph caches, plan memo; ``dispatcher``, ``cache`` and ``sampler_cache``
+    read them), ``outputs`` (last step's readouts and logprobs), ``warmup_plan`` (keys built,
+    background warm-up, the capture plan store) and ``weights`` (in-place refit, sleep / wake,
+    the live-buffer check).
 
     Threads: :meth:`execute` serializes its callers, but ``outputs`` and :attr:`last_step`
     describe whichever step ran last, so read them from the thread that drives the runner.
@@ -83,21 +87,31 @@ class ModelRunner:
         self.config = cfg = config if config is not None and not config_fields else GraphConfig.create(**fields)
         check_flags(progress=progress)
         warmup = warmup_mode(warmup)
+        self.progress = progress
+        self._lock = threading.Lock()
+        # 1. open: the backend, the model loaded and checked, the executor, its graph mode
         opened = open_executor(model, cfg, backend, dtype, num_kv_blocks=num_kv_blocks,
                                kv_cache_memory=kv_cache_memory)
         self.backend, self.executor, self.model = opened.backend, opened.executor, opened.model
         self.vocab_size = self.executor.vocab_size
         #: The graph mode served, and the step kinds the configured mode had graphs for and this
         #: one has not (their eager steps count as ``unsupported_by_attention``).
-        self.mode, self.degraded, self.dispatcher = opened.mode, opened.degraded, opened.dispatcher
-        self._plans: dict[DispatchShape, StepPlan] = {}
-        self._lock = threading.Lock()
-        #: Warm-up: the keys built and served, the capture plan, re-fits' dispatcher.
-        self.warmup_plan = WarmupPlan(self, self._plans, self._lock)
-        saved = read_runner_plan(self)       # its bucket sizes installed, where it has some
-        self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self.warmup_plan.jobs(),
+        self.mode, self.degraded = opened.mode, opened.degraded
+        # 2. keys: the dispatcher (a saved capture plan's buckets where there is one), the caches
+        self._builds = OnDemandBuilds(self.executor)
+        can = self.executor.capabilities
+        self._async, self._eager_fallback = can.async_execution, can.eager_fallback
+        #: The serving keys: dispatcher, forward and sampler caches, plan memo (keys.py).
+        self.keys = ServingKeys(opened.dispatcher, strict=cfg.strict, degraded=opened.degraded,
+                                build_missing=None if self._eager_fallback else self._builds,
+                                logprobs=cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
+        store = open_plan_store(cfg, backend=self.backend.name, executor=self.executor, model=self.model)
+        saved = read_plan(store, self.keys)
+        # 3. size the caches (KV blocks beside the graphs' memory) and allocate them
+        self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self.keys.jobs(),
                                                               num_kv_blocks, kv_cache_memory)
         self.executor.allocate_kv_cache(self.num_kv_blocks, cfg.block_size)
+        # 4. prepare: the host side of every step (checks, padding) and the step features
         self.preparer = InputPreparer(max_num_reqs=cfg.max_num_seqs,
                                       max_num_tokens=cfg.max_num_batched_tokens,
                                       block_size=cfg.block_size, vocab_size=self.vocab_size,
@@ -106,6 +120,24 @@ class ModelRunner:
                                       strict=cfg.strict, decode_query_len=cfg.decode_query_len,
                                       num_state_slots=self.executor.num_state_slots)
         self.padder = Padder(kernel=cfg.host_kernel)
+        self._host_buffers = self.executor.host_buffers
+        self._open_features(cfg, step_agreement)
+        # 5. warm up: upfront, in the background, or deferred
+        #: Warm-up: the keys built and served, the capture plan, background warm-up (warmup_plan.py).
+        self.warmup_plan = WarmupPlan(self.keys, self.executor, cfg, self._lock, store=store,
+                                      graph_memory=self.graph_memory, preparer=self.preparer,
+                                      padder=self.padder, label=self.backend.name, progress=progress)
+        self.background: BackgroundWarmup | None = self.warmup_plan.open_background(
+            warmup, lambda: not self._launched, data_parallel=step_agreement is not None)
+        self.traffic = (TrafficFit.attach(self.keys, self.warmup_plan, cfg, step_agreement)
+                        if cfg.refit_interval else None)
+        self.features = StepFeatures(lora=self.lora, extra=self.extra, futures=self._futures, outputs=self.outputs,
+                                     executor=self.executor, data_parallel=self.data_parallel, traffic=self.traffic)
+        self.warmup_plan.begin(warmup, saved)
+
+    def _open_features(self, cfg: GraphConfig, step_agreement: StepAgreement | None) -> None:
+        """The runner's feature objects: LoRA, data parallelism, extra inputs, weights, outputs,
+        future tokens (:class:`StepFeatures` picks each step's from them)."""
         slots = self.executor.lora
         if cfg.max_loras and slots is None:
             raise ConfigError(f"max_loras={cfg.max_loras}: backend {self.backend.name} has no LoRA support")
@@ -114,39 +146,43 @@ class ModelRunner:
         #: The model's declared per-step inputs, checked and written each step (None: it has none).
         self.extra = (ExtraInputs(self.executor.extra_inputs, self.executor.extra_buffers)
                       if self.executor.extra_inputs else None)
-        self.cache: GraphCache = GraphCache(strict=cfg.strict)
-        self.sampler_cache: GraphCache = GraphCache(strict=False)
-        #: In-place refit, sleep / wake and the live-buffer check (runner_weights.py).
-        self.weights = RunnerWeights(self.executor, self.cache, self.sampler_cache, self._lock,
+        #: In-place refit, sleep / wake and the live-buffer check (weights.py).
+        self.weights = RunnerWeights(self.executor, self.keys.cache, self.keys.sampler_cache, self._lock,
                                      lambda: self.background is not None and self.background.active)
         if isinstance(self.lora, RunnerLora):       # a LoRA load is checked first: no slot under stale graphs
             self.lora.before_load = self.weights.verify
-        #: Steps served per dispatch shape, with ``refit_interval`` (what a traffic re-fit reads).
-        self.step_sizes: dict[DispatchShape, int] = {}
         self._launched = False          # a step launched by execute_async may still run
         self._choice: SamplerChoice | None = None     # the last batch's sampler
-        self._host_buffers = self.executor.host_buffers
-        can = self.executor.capabilities
-        self._async, self._eager_fallback = can.async_execution, can.eager_fallback
-        self._builds = OnDemandBuilds(self.executor)
         self._futures = FutureTokens(on_device=self._async)
         #: Logprobs, and the last step's readouts (``outputs.logits()``, ``hidden_states()``, ...).
-        self.outputs = StepOutputs(self.executor, self.sampler_cache, cfg.max_logprobs, self._builds)
+        self.outputs = StepOutputs(self.executor, self.keys.sampler_cache, cfg.max_logprobs, self._builds)
         self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
-        self.warmup_report: list[dict[str, Any]] = []
-        self.progress = progress
-        self.background: BackgroundWarmup | None = self.warmup_plan.background(
-            warmup, lambda: not self._launched, data_parallel=step_agreement is not None)
-        self.traffic = TrafficFit.attach(self, step_agreement) if cfg.refit_interval else None
-        #: Steps left before the traffic re-fit decides (counted only with ``refit_interval``).
-        self._until_refit = cfg.refit_interval or 1
-        self.warmup_plan.begin(warmup, saved)
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The dispatcher served now (``keys.dispatcher``; only :meth:`ServingKeys.serve` replaces it)."""
+        return self.keys.dispatcher
+
+    @property
+    def cache(self) -> GraphCache:
+        """The forward graph cache (``keys.cache``)."""
+        return self.keys.cache
+
+    @property
+    def sampler_cache(self) -> GraphCache:
+        """The sampler graph cache (``keys.sampler_cache``)."""
+        return self.keys.sampler_cache
+
+    @property
+    def warmup_report(self) -> list[dict[str, Any]]:
+        """The last warm-up's rows: key, seconds, bytes, hits, failed (``warmup_plan.report``)."""
+        return self.warmup_plan.report
 
     # ---- setup ---------------------------------------------------------------------
     def warmup(self) -> list[dict[str, Any]]:
         """Capture / compile every key, largest first, then seal; a failed capture runs eagerly
         with a warning, or raises GraphCaptureError in strict mode / without an eager path."""
-        return warm_up(self)
+        return self.warmup_plan.warm_up()
 
     # ---- one step ------------------------------------------------------------------
     def execute(self, *, token_ids: np.ndarray, block_table: np.ndarray, req_rows: np.ndarray,
@@ -194,97 +230,97 @@ class ModelRunner:
         return PendingTokens(functools.partial(self.executor.fetch_tokens, out, num_reqs))
 
     def _execute(self, a: StepArgs, wait: bool = True) -> Any:
-        """Check, dispatch, write, run and sample one step (lock held): host tokens, the sampler's
+        """Check, plan, write, run and sample one step (lock held): host tokens, the sampler's
         device output with ``wait=False``, or None without ``sampling``."""
         t0 = time.perf_counter()
+        step, features = self._check(a, wait)
+        self._plan(step, features)
+        self._write(step, features)
+        logits = self._run(step.plan, step.padded, step.num_tokens, step.num_reqs, step.future, step.choice)
+        out = self._sample(step, logits)
+        self.outputs.last = LastStep(step.plan, step.num_tokens, step.num_reqs, time.perf_counter() - t0)
+        self._launched = not wait
+        for feature in features:
+            feature.finish(step)         # the traffic re-fit decides here, every refit_interval-th step
+        if wait and self.background is not None and self.background.active:
+            self.background.turn.set()       # between steps: the builder's turn
+        return out
+
+    def _check(self, a: StepArgs, wait: bool) -> tuple[Step, Sequence[StepFeature]]:
+        """Check: refused while the weights are (asleep, dropped, stale) or a background build
+        failed; every bound of the step, its sampling rows and each feature's argument checked
+        before anything is written. Returns the step and the features it runs."""
         if self.weights.blocked:            # asleep, weights dropped, or a buffer moved under the graphs
             raise self.weights.refusal()
         self.weights.verify_if_changed()     # re-bound / reallocated since the last check: check now
         if self.background is not None and self.background.error is not None:
             error, self.background.error = self.background.error, None
             raise error                      # a background build failed in strict mode / without an eager path
-        step = self.preparer.check(token_ids=a.token_ids, block_table=a.block_table,
-                                   req_rows=a.req_rows, num_computed_tokens=a.num_computed_tokens,
-                                   num_scheduled_tokens=a.num_scheduled_tokens, state_slots=a.state_slots)
-        t, r, sampling = step.num_tokens, step.num_reqs, a.sampling
-        if sampling is not None and sampling.num_reqs != r:
-            raise InputError("sampling", f"{sampling.num_reqs} rows for {r} requests")
-        prompt_logprobs = a.prompt_logprobs
-        logprobs = prompt_logprobs is not None or (sampling is not None and sampling.logprobs is not None)
-        if logprobs:
-            prompt_logprobs = self.outputs.check(sampling, prompt_logprobs, r)   # within max_logprobs
-        future_rows = a.future_rows
-        if future_rows is not None:
-            future_rows = self._futures.check(future_rows, r, self._sampled)
-        extras = None
-        if self.extra is not None or a.extra_inputs:
-            if self.extra is None:
-                raise InputError("extra_inputs", "the model declares no extra inputs (model.extra_inputs)")
-            extras = self.extra.check(a.extra_inputs, t, r)
-        ids, n = None, 0
-        if a.lora_ids is not None or self.lora.enabled:
-            if not self.lora.enabled:
-                raise lora_off()
-            ids, n = self.lora.check(a.lora_ids, r)
-        context, contexts = 0, self.dispatcher.context_sizes
-        if contexts:                                    # the key's context bucket (-1: above them)
-            i = bisect.bisect_left(contexts, step.max_seq_len)
-            context = contexts[i] if i < len(contexts) else -1
-        shape = DispatchShape(t, r, step.uniform_decode, n, context)
-        if self.data_parallel is not None:          # one key for every rank of the group
-            shape, ids = self.data_parallel.agree(shape, ids)
-        plan = self._plans.get(shape)           # remembered until either cache changes
-        if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
-            plan = self._replan(shape)
-        if self.traffic is not None:         # the step-size distribution a re-fit reads, and its schedule
-            sizes = self.step_sizes
-            sizes[shape] = sizes.get(shape, 0) + 1
-            self._until_refit -= 1
-        padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
-                                     out=self._host_buffers)
-        if n:
-            self.lora.write(ids, a.num_scheduled_tokens, t, plan.key.num_tokens)
-        if extras is not None:
-            self.extra.write(extras, t, r, plan.key.num_tokens, plan.padded_reqs)
-        future = (None if future_rows is None else
-                  self._futures.apply(future_rows, self._sampled, padded.input_ids, padded.query_start_loc))
-        self._sampled = None        # until this step's tokens are: a failed step has none
-        choice = None
-        if sampling is not None:    # the batch's sampler, remembered while the same batch samples
+        checked = self.preparer.check(token_ids=a.token_ids, block_table=a.block_table, req_rows=a.req_rows,
+                                      num_computed_tokens=a.num_computed_tokens,
+                                      num_scheduled_tokens=a.num_scheduled_tokens, state_slots=a.state_slots)
+        t, r = checked.num_tokens, checked.num_reqs
+        if a.sampling is not None and a.sampling.num_reqs != r:
+            raise InputError("sampling", f"{a.sampling.num_reqs} rows for {r} requests")
+        step = Step(a, wait, t, r, self._sampled)
+        features = self.features.for_step(a)
+        for feature in features:
+            feature.check(step)
+        step.shape = DispatchShape(t, r, checked.uniform_decode, step.num_loras,
+                                   self.keys.context(checked.max_seq_len))
+        return step, features
+
+    def _plan(self, step: Step, features: Sequence[StepFeature]) -> None:
+        """Plan: the shape's remembered :class:`StepPlan` (its key, entries, padded sizes) after
+        the features saw the shape (agreed across data-parallel ranks, counted for a re-fit), and
+        the batch's sampler, remembered while the same batch samples."""
+        for feature in features:
+            feature.dispatched(step)
+        step.plan = plan = self.keys.plan(step.shape, self.background)
+        sampling = step.args.sampling
+        if sampling is not None:
             choice = self._choice
             if choice is None or choice.batch is not sampling or choice.padded_reqs != plan.padded_reqs:
                 skey = sampler_key(sampling, plan.padded_reqs, self.vocab_size)
                 choice = self._choice = SamplerChoice(sampling, plan.padded_reqs, skey, skey.kind)
-            if choice.key.penalties:          # token counts planned before anything runs
-                self.executor.prepare_penalties(sampling, a.token_ids, a.req_rows, a.num_computed_tokens,
-                                                a.num_scheduled_tokens, plan.padded_reqs)
-        logits = self._run(plan, padded, t, r, future, choice)
-        out = None
-        if logprobs:
-            out, self._sampled = self.outputs.finish(plan, padded, logits, sampling, wait, prompt_logprobs, a)
-        elif choice is not None:
-            entry = (plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, self.sampler_cache)).entry
-            if wait or not self._async:
-                out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
-                                           key=choice.key)
-            else:
-                out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
-                                           key=choice.key, wait=False)
-            self._sampled = (out, r)
-        self.outputs.last = LastStep(plan, t, r, time.perf_counter() - t0)
-        self._launched = not wait
-        if self._until_refit <= 0:           # every refit_interval-th step: the re-fit decides, here
-            self._until_refit = self.traffic.interval
-            self.traffic.refit(idle=wait)
-        if wait and self.background is not None and self.background.active:
-            self.background.turn.set()       # between steps: the builder's turn
+            step.choice = choice
+
+    def _write(self, step: Step, features: Sequence[StepFeature]) -> None:
+        """Write: the step padded to its key into the executor's staging buffers, then each
+        feature's rows (adapters, extra inputs, future tokens, penalty counts)."""
+        plan = step.plan
+        step.padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
+                                          out=self._host_buffers)
+        for feature in features:
+            feature.write(step)
+        self._sampled = None        # until this step's tokens are: a failed step has none
+
+    def _sample(self, step: Step, logits: Any) -> Any:
+        """Sample: the step's tokens (with logprobs through ``outputs`` where asked); None
+        without a sampling batch."""
+        plan, choice, sampling, r = step.plan, step.choice, step.args.sampling, step.num_reqs
+        if step.logprobs:
+            out, self._sampled = self.outputs.finish(plan, step.padded, logits, sampling, step.wait,
+                                                     step.prompt_logprobs, step.args)
+            return out
+        if choice is None:
+            return None
+        entry = (plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, self.keys.sampler_cache)).entry
+        if step.wait or not self._async:
+            out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
+                                       key=choice.key)
+        else:
+            out = self.executor.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry,
+                                       key=choice.key, wait=False)
+        self._sampled = (out, r)
         return out
 
     def _run(self, plan: StepPlan, padded: ModelInputs, real_tokens: int, real_reqs: int,
              future: Any = None, choice: SamplerChoice | None = None) -> Any:
         """Count the step, then run ``plan`` on the written ``padded`` step (real or dummy).
         Counted before the forward, which evicts the host's caches on a CPU device."""
-        self.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
+        keys = self.keys
+        keys.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
                                padded_reqs=plan.padded_reqs, eager_reason=plan.eager_reason,
                                eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
         if plan.wanted is not None:          # its own key is not built yet: demand for it (and its sampler)
@@ -293,16 +329,16 @@ class ModelRunner:
             if choice is not None and mode is RuntimeMode.FULL:
                 demand[(mode, dataclasses.replace(choice.key, num_reqs=key.num_reqs))] += 1
         if choice is not None and plan.mode is RuntimeMode.FULL:
-            got = plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, self.sampler_cache,
+            got = plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, keys.sampler_cache,
                                                                 self.background)
             sampler_key, entry, eager, cause = got
             if entry is None and not self._eager_fallback:     # no eager sampler: build it now
-                entry = self._builds(self.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
+                entry = self._builds(keys.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
                 eager = cause = None
                 plan.sampler[choice.kind] = SamplerEntry(sampler_key, entry, None, None)
             elif cause is EagerCause.WARMING_UP:
                 self.background.demand[(RuntimeMode.FULL, sampler_key)] += 1
-            self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
+            keys.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
                                            padded_reqs=plan.padded_reqs, eager_reason=eager,
                                            eager_cause=cause, key=sampler_key, hit=entry is not None)
         if future is not None:
@@ -322,34 +358,19 @@ class ModelRunner:
             shape = self.data_parallel.agree_idle()
             if shape is None:
                 return
-            plan = self._plans.get(shape)
-            if plan is None or plan.version != self.cache.version + self.sampler_cache.version:
-                plan = self._replan(shape)
+            plan = self.keys.plan(shape, self.background)
             padded = self.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self._host_buffers)
-            if self.lora.enabled:
-                self.lora.write_padding(plan.key.num_tokens)
-            if self.extra is not None:
-                self.extra.write_padding(plan.key.num_tokens, plan.padded_reqs)
+            for feature in self.features.always:
+                feature.pad(plan)
             self._run(plan, padded, 0, 0)
             self.outputs.last = LastStep(plan, 0, 0, 0.0)
 
-    def _replan(self, shape: DispatchShape) -> StepPlan:
-        """Plan every step of this dispatch shape (:func:`~graphrt.plans.plan_step`), remembered
-        until either cache changes; each step still counts its hit."""
-        plan = plan_step(shape, self.dispatcher, self.cache, self.sampler_cache,
-                         None if self._eager_fallback else self._builds,
-                         pending=self.background, degraded=self.degraded)
-        if len(self._plans) >= STEP_PLAN_MEMO_LIMIT:
-            self._plans.clear()
-        self._plans[shape] = plan
-        return plan
-
     @property
     def last_step(self) -> StepInfo | None:
-        """What the last step ran as (:meth:`~graphrt.step_outputs.StepOutputs.last_step`)."""
+        """What the last step ran as (:meth:`~graphrt.runner.outputs.StepOutputs.last_step`)."""
         return self.outputs.last_step()
 
-    # ---- weights and memory (runner_weights.py) ---------------------------------------
+    # ---- weights and memory (weights.py) ---------------------------------------
     def update_weights(self, weights: Any) -> dict[str, Any]:
         """Copy new weights into the parameters in place, so every graph / executable built uses
         them with nothing rebuilt: ``weights`` is a checkpoint directory or ``.safetensors`` file,
@@ -380,14 +401,14 @@ class ModelRunner:
     def stats(self) -> CacheStats:
         """Forward cache statistics, with ``compiles``: every build the executor counted
         (sampler's and those no cache lookup saw included)."""
-        stats = self.cache.stats
+        stats = self.keys.cache.stats
         stats.compiles = self.executor.build_count
         return stats
 
     @property
     def sampler_stats(self) -> CacheStats:
         """Sampler graph statistics: hits, and eager steps after a failed capture."""
-        return self.sampler_cache.stats
+        return self.keys.sampler_cache.stats
 
     def free_request(self, request_id: int) -> None:
         """Drop per-request state (seeded sampler generators)."""

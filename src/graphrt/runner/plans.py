@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
 
 from graphrt.core.cache import FailedBuild, GraphCache
-from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, SamplerKey, logprobs_key
-from graphrt.core.dp_agreement import DispatchShape
+from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, DispatchShape, SamplerKey, logprobs_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.graph_modes import RuntimeMode
 
@@ -128,7 +127,7 @@ class OnDemandBuilds:
 
 
 class Pending(Protocol):
-    """What planning asks of background warm-up (:class:`~graphrt.background.BackgroundWarmup`)."""
+    """What planning asks of background warm-up (:class:`~graphrt.runner.background.BackgroundWarmup`)."""
 
     def cause_of(self, job: tuple[RuntimeMode, Any]) -> EagerCause | None:
         """Why ``job`` has no entry yet (``WARMING_UP``, ``GRAPH_MEMORY``), or None: not its job."""

@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from graphrt.backends.base import Executor
 from graphrt.core.collector import collector_paused
-from graphrt.core.cache import FailedBuild, GraphCache, describe_key
+from graphrt.core.cache import FailedBuild, describe_key
 from graphrt.core.eager import EagerCause
-from graphrt.warmup import Job, build_one, job_target
+from graphrt.runner.keys import Job, ServingKeys
+from graphrt.runner.warmup import build_one
 
 #: After a step, the builder keeps building this long (at least one key) before the next step ...
 BACKGROUND_SLICE_S = 0.05
@@ -39,18 +40,19 @@ logger = logging.getLogger(__name__)
 class BackgroundWarmup:
     """The jobs a runner still has to build, their demand, and the thread that builds them.
 
-    ``lock``: the runner's step lock (held while building). ``idle()``: nothing launched is in
+    ``keys``: the runner's serving keys (whose caches the builds fill). ``lock``: the runner's step lock (held while building). ``idle()``: nothing launched is in
     flight. ``memory_cap``: graph bytes the KV budget admitted (None: no budget). ``prior``:
     demand per job from a saved plan. ``raise_failures``: a failed build is kept in
     :attr:`error` and raised from the next step instead of running that key eagerly.
     """
 
-    def __init__(self, executor: Executor, cache: GraphCache, sampler_cache: GraphCache, lock: threading.Lock,
+    def __init__(self, executor: Executor, keys: ServingKeys, lock: threading.Lock,
                  idle: Callable[[], bool], *, memory_cap: int | None = None, raise_failures: bool = False,
                  label: str = "", on_complete: Callable[[], None] | None = None) -> None:
         self.executor = executor
-        self.cache = cache
-        self.sampler_cache = sampler_cache
+        self.keys = keys
+        self.cache = keys.cache
+        self.sampler_cache = keys.sampler_cache
         self.lock = lock
         self.idle = idle
         self.memory_cap = memory_cap
@@ -128,8 +130,7 @@ class BackgroundWarmup:
 
     def has(self, job: Job) -> bool:
         """Whether ``job`` has an entry (built, or failed)."""
-        target, cache_key = job_target(job, self.cache, self.sampler_cache)
-        return cache_key in target
+        return self.keys.has(job)
 
     def at_idle(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` (lock held) at the builder's next turn with no launched step in flight,
@@ -180,7 +181,7 @@ class BackgroundWarmup:
 
     def _build(self, job: Job) -> int:
         mode, key = job
-        target, cache_key = job_target(job, self.cache, self.sampler_cache)
+        target, cache_key = self.keys.target(job)
         t0 = time.perf_counter()
         try:
             with collector_paused():
@@ -307,9 +308,9 @@ def _stop_all() -> None:
         background.stop()
 
 
-def demand_of(job: Job, background: BackgroundWarmup | None, cache: GraphCache, sampler_cache: GraphCache) -> int:
+def demand_of(job: Job, background: BackgroundWarmup | None, keys: ServingKeys) -> int:
     """Steps that used or wanted ``job``: its hits so far plus its demand while missing."""
-    target, cache_key = job_target(job, cache, sampler_cache)
+    target, cache_key = keys.target(job)
     per_key = target.stats.per_key.get(cache_key)
     return (per_key.hits if per_key is not None else 0) + (background.demand[job] if background else 0)
 
