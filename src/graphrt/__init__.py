@@ -39,6 +39,8 @@ _LAZY = {
     "DataParallelLLM": "graphrt.engine.data_parallel",
     "RequestOutput": "graphrt.engine.outputs",
     "SamplingParams": "graphrt.engine.sampling_params",
+    "launch": "graphrt.engine.launch",
+    "detect_world": "graphrt.engine.launch",
 }
 
 
@@ -63,4 +65,4 @@ __all__ = [
     "Tolerance", "__version__", "available_backends", "from_cli_args", "prepare_inputs", "select_backend",
     "tolerance", "reduction_tolerance", "WatchdogTimeout",
 ]
-__all__ += ["CollectiveMismatchError", "RankLostError", "StepMismatchError"]
+__all__ += ["CollectiveMismatchError", "RankLostError", "StepMismatchError", "detect_world", "launch"]

@@ -1,4 +1,4 @@
-"""Issue 42: ``graphrt.launch`` reads torchrun's, SLURM's and a LeaderWorkerSet's environment
+"""Issue 42: ``graphrt.engine.launch`` reads torchrun's, SLURM's and a LeaderWorkerSet's environment
 (and SGLang's flags) into one World; the same job seen through each gives the same world, and
 a world read from SLURM's environment starts a real gloo group."""
 
@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from graphrt import ConfigError
 from graphrt.backends.torch.parallel.tp_protocol import free_port
-from graphrt.launch import World, add_launch_args, detect_world, expand_nodelist, launch, world_from_args
+from graphrt.engine.launch import World, add_launch_args, detect_world, expand_nodelist, launch, world_from_args
 
 #: Two nodes, two processes each; this process is the second on the second node (rank 3).
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",

@@ -1,7 +1,7 @@
 """Issue 42: TP=2 across two "hosts" -- two network namespaces joined by a veth pair, each rank
 with its own address and no loopback shortcut (``GLOO_SOCKET_IFNAME`` set to its end of the
 pair; each namespace's ``/etc/hosts`` maps the host name to its own address, which JAX's gloo
-transport binds to), the world given by SGLang-style flags through ``graphrt.launch`` -- gives
+transport binds to), the world given by SGLang-style flags through ``graphrt.engine.launch`` -- gives
 the single-process tokens (greedy, 8 concurrent requests, chunked prefill): torch (rank 0
 drives, rank 1 serves) against one torch process, XLA (multi-controller) against one process
 with two host devices. Skipped where network namespaces cannot be made (not root, no ``ip``)."""

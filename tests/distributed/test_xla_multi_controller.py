@@ -1,5 +1,5 @@
 """Issue 42: multi-controller XLA. Two ``jax.distributed`` processes on 127.0.0.1 (gloo CPU
-collectives, one CPU device each, the world from ``graphrt.launch``'s flags) each build the
+collectives, one CPU device each, the world from ``graphrt.engine.launch``'s flags) each build the
 engine over the two-process mesh and get the same requests: their tokens equal one process
 with two host devices (greedy, 8 concurrent requests, chunked prefill). Then the processes are
 given different requests: both raise ``StepMismatchError`` before the step runs -- no hang."""
@@ -35,7 +35,7 @@ def _child(role, port: int, model_dir: str, results) -> None:
         from graphrt.backends.xla.backend import XlaBackend
 
         if role != "single":
-            from graphrt.launch import launch
+            from graphrt.engine.launch import launch
             launch("xla", env={}, nnodes=2, node_rank=role, dist_init_addr=f"127.0.0.1:{port}", timeout=120)
         rng = np.random.default_rng(7)
         prompts = [[int(t) for t in rng.integers(3, 120, size=n)] for n in LENGTHS]

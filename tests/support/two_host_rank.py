@@ -1,6 +1,6 @@
 """One rank of a two-"host" tensor-parallel job (tests/distributed/test_two_hosts.py): run inside
 its own network namespace as ``python two_host_rank.py NODE_RANK ADDR:PORT MODEL_DIR OUT.json
-[BACKEND]``. The world comes from SGLang-style flags through ``graphrt.launch``. torch (``cpu``):
+[BACKEND]``. The world comes from SGLang-style flags through ``graphrt.engine.launch``. torch (``cpu``):
 rank 0 generates, rank 1 serves. ``xla``: both processes generate (multi-controller). NODE_RANK
 ``single``: one process with two host devices, no launcher (the XLA reference). Rank 0 writes the
 tokens to OUT.json."""
@@ -20,7 +20,7 @@ def main_xla(node_rank: str, addr: str, model_dir: str, out: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2" if node_rank == "single" else ""
     import graphrt
     from graphrt.backends.xla.backend import XlaBackend
-    from graphrt.launch import launch
+    from graphrt.engine.launch import launch
     from support.two_host_workload import ENGINE, GREEDY, prompts
 
     if node_rank != "single":
@@ -38,7 +38,7 @@ def main(node_rank: int, addr: str, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     import graphrt
-    from graphrt.launch import launch
+    from graphrt.engine.launch import launch
 
     torch.set_num_threads(1)
     world = launch("gloo", nnodes=2, node_rank=node_rank, dist_init_addr=addr, timeout=120)

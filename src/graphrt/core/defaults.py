@@ -208,10 +208,10 @@ DEFAULT_TENSOR_PARALLEL_SIZE = 1
 SHARED_MEMORY_DIR = "/dev/shm"
 
 
-#: graphrt.launch: the rendezvous port when the launcher names none (torchrun's default).
+#: graphrt.engine.launch: the rendezvous port when the launcher names none (torchrun's default).
 LAUNCH_MASTER_PORT = 29500
 
-#: Ranks of a tensor-parallel group launched outside graphrt (torchrun, graphrt.launch) each
+#: Ranks of a tensor-parallel group launched outside graphrt (torchrun, graphrt.engine.launch) each
 #: bump a counter in the job's store this often (seconds), so that after a failed collective
 #: the survivors can name the rank that is gone (backends/torch/parallel/tp_liveness.py) ...
 RANK_HEARTBEAT_S = 1.0

@@ -1,6 +1,6 @@
 """Which rank of a tensor-parallel group is gone: a heartbeat per rank in the job's store.
 
-Ranks launched outside graphrt (torchrun, :mod:`graphrt.launch`) share no process handles, so
+Ranks launched outside graphrt (torchrun, :mod:`graphrt.engine.launch`) share no process handles, so
 a survivor cannot ask the operating system which peer died. Instead each rank bumps its own
 counter in the process group's store every ``defaults.RANK_HEARTBEAT_S`` from a daemon
 thread; after a collective fails, :meth:`Heartbeat.lost` watches the counters for

@@ -1,4 +1,4 @@
-"""``graphrt.launch``: one world description from whatever started this process, and the
+"""``graphrt.engine.launch``: one world description from whatever started this process, and the
 process group started from it.
 
 A cluster says who a process is in its own words: torchrun (``RANK``, ``WORLD_SIZE``,
