@@ -303,9 +303,17 @@ def _dispatcher_with_extra_bucket(runner: ModelRunner) -> Dispatcher:
                       separate_decode=True, context_buckets=grid.contexts, max_context=cfg.max_model_len)
 
 
-def test_strict_forced_miss_raises(qwen, monkeypatch):
+def _serve_extra_bucket(runner: ModelRunner, request: pytest.FixtureRequest) -> None:
+    """Serve under the dispatcher with a never-compiled bucket until the test ends (the engines
+    are the module's: the served dispatcher is put back)."""
+    served = runner.dispatcher
+    runner.keys.serve(_dispatcher_with_extra_bucket(runner))
+    request.addfinalizer(lambda: runner.keys.serve(served))
+
+
+def test_strict_forced_miss_raises(qwen, request):
     runner = qwen[0].runner
-    monkeypatch.setattr(runner, "dispatcher", _dispatcher_with_extra_bucket(runner))
+    _serve_extra_bucket(runner, request)
     d = Driver(runner)
     d.add(0, random_prompts((20,), seed=5)[0])
     with CompileCounter() as counter, pytest.raises(CacheMissError) as err:
@@ -346,11 +354,11 @@ def test_strict_compile_during_run_raises(qwen, monkeypatch):
     assert err.value.key == key and "compile" in str(err.value) and "hot path" in str(err.value)
 
 
-def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, monkeypatch, caplog):
+def test_non_strict_unplanned_compiles_are_logged_and_counted(llama, request, monkeypatch, caplog):
     llm, hf = llama
     runner = llm.runner
     ex = runner.executor
-    monkeypatch.setattr(runner, "dispatcher", _dispatcher_with_extra_bucket(runner))
+    _serve_extra_bucket(runner, request)
     d = Driver(runner)
     d.add(0, random_prompts((20,), seed=6)[0])
     builds, unplanned = runner.stats.unplanned_builds, ex.compiles.stats.unplanned_builds

@@ -17,7 +17,7 @@ logprobs (and prompt logprobs), penalties. :class:`StepFeatures` picks a step's 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -182,11 +182,14 @@ class StepFeatures:
         sampling = a.sampling
         logprobs = a.prompt_logprobs is not None or (sampling is not None and sampling.logprobs is not None)
         penalties = sampling is not None and sampling.penalties is not None
-        if a.future_rows is None and not logprobs and not penalties and a.lora_ids is None and not a.extra_inputs:
+        # Given extra inputs: anything but None or an empty mapping (an array or a list is given, and
+        # refused by name by the extra-inputs check, not by Python's truth test of an array).
+        extra = a.extra_inputs is not None and not (isinstance(a.extra_inputs, Mapping) and not a.extra_inputs)
+        if a.future_rows is None and not logprobs and not penalties and a.lora_ids is None and not extra:
             return self.always
         if a.lora_ids is not None and not self.lora_enabled:
             raise lora_off()
-        if a.extra_inputs and not self.has_extra:
+        if extra and not self.has_extra:
             raise InputError("extra_inputs", "the model declares no extra inputs (model.extra_inputs)")
         asked = ([self.logprobs] if logprobs else []) + ([self.future_rows] if a.future_rows is not None else [])
         return [*asked, *self.always, *([self.penalties] if penalties else [])]
