@@ -308,19 +308,21 @@ def test_a_dead_worker_is_named_within_the_timeout():
     send but one names it within the step timeout."""
     ctx = mp.get_context("spawn")
     writer = StepChannel.create(2, ctx=ctx)
-    results = ctx.Queue()
-    workers = [ctx.Process(target=read_steps, args=(writer.spec, i, 3, results)) for i in range(2)]
+    # A queue per worker: a worker killed just after its put can still hold a shared queue's
+    # write lock (its data already readable), and the live worker's next put would wait forever.
+    results = [ctx.Queue() for _ in range(2)]
+    workers = [ctx.Process(target=read_steps, args=(writer.spec, i, 3, results[i])) for i in range(2)]
     for w in workers:
         w.start()
     alive, dies = workers
     try:
         writer.wait_ready(workers)
         writer.send(0, [np.ones(3, np.int32)], timeout=20)
-        assert sorted(results.get(timeout=60)[0] for _ in range(2)) == [0, 1]     # both read step 1
+        assert [q.get(timeout=60)[0] for q in results] == [0, 1]                # both read step 1
         dies.kill()
         dies.join(timeout=60)
         writer.send(1, [np.ones(3, np.int32)], timeout=20)       # step 1 was read by both
-        assert results.get(timeout=60)[:2] == (0, 1)              # the live worker has step 2
+        assert results[0].get(timeout=60)[:2] == (0, 1)           # the live worker has step 2
         start = time.monotonic()
         with pytest.raises(GraphrtError, match=r"workers \[1\] did not read step 2 within 1.0 s"):
             writer.send(2, [np.ones(3, np.int32)], timeout=1.0)
