@@ -38,6 +38,7 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 from compilecheck.report import PARTS, write_report  # noqa: E402
+from gpu_check import revision  # noqa: E402  (the same tree's description in both reports)
 
 #: Seconds each part may run before it is stopped (the whole check: 20 minutes on 2 cores).
 PART_TIMEOUT = {"triton": 900, "xla": 900, "export": 300}
@@ -79,15 +80,6 @@ def _quiet(stderr: str) -> str:
              "=== Source Location Trace", "libtpu_init_utils.cc", "Failed to find host bounds", "UserWarning: TRITON",
              "warn_once(")
     return "\n".join(line for line in stderr.splitlines() if not any(n in line for n in noise))
-
-
-def revision() -> str:
-    try:
-        rev = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        rev = ""
-    return rev or "unknown revision"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
