@@ -7,15 +7,9 @@ match, both get the same list."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
+from graphrt.backends.torch.parallel.tp_protocol import free_port
 from graphrt.backends.xla.collective_check import program_collectives
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _process(rank: int, port: int, diverge: bool, results) -> None:
@@ -50,7 +44,7 @@ def _process(rank: int, port: int, diverge: bool, results) -> None:
 
 def _run(diverge: bool) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
-    port, results = _port(), ctx.Queue()
+    port, results = free_port(), ctx.Queue()
     procs = [ctx.Process(target=_process, args=(rank, port, diverge, results), daemon=True) for rank in (0, 1)]
     for proc in procs:
         proc.start()

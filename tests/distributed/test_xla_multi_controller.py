@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 
+from graphrt.backends.torch.parallel.tp_protocol import free_port
 from support.hf_models import tiny_hf_model_dir
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=48, block_size=4, num_kv_blocks=96,
               precompile_token_paddings=[16], precompile_bs_paddings=[8])
 LENGTHS = (3, 21, 11, 30, 5, 17, 8, 26)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _child(role, port: int, model_dir: str, results) -> None:
@@ -61,7 +55,7 @@ def _child(role, port: int, model_dir: str, results) -> None:
 def test_two_processes_give_one_process_tokens_and_refuse_divergent_steps():
     model_dir = str(tiny_hf_model_dir("qwen3"))
     ctx = mp.get_context("spawn")
-    port, results = _port(), ctx.Queue()
+    port, results = free_port(), ctx.Queue()
     procs = [ctx.Process(target=_child, args=(role, port, model_dir, results), daemon=True)
              for role in ("single", 0, 1)]
     for proc in procs:
