@@ -39,7 +39,7 @@ import numpy as np
 from bench_common import summarise
 
 from graphrt import GraphConfig, InputPreparer, ModelInputs, Padder
-from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+from graphrt.core.inputs.fields import FIELD_DTYPES, buffer_shapes
 
 NUM_TABLE_ROWS = 512
 NUM_REQS = 256

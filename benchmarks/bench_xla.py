@@ -143,7 +143,7 @@ def run_plain_jit(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_bl
     import jax.numpy as jnp
 
     from graphrt.backends.xla.compile import CompileCounter
-    from graphrt.core.inputs import InputPreparer
+    from graphrt.core.inputs.preparer import InputPreparer
     from graphrt.layers.jax.paged_attention import AttentionMetadata
     from graphrt.models.jax.decoder import compute_logits, forward, init_kv_cache
     from graphrt.models.jax.loader import load_jax_params

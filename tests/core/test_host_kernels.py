@@ -8,7 +8,7 @@ import pytest
 
 from graphrt import ConfigError, GraphConfig, InputPreparer, Padder
 
-from graphrt.core import host_kernels
+from graphrt.core.inputs import host_kernels
 from graphrt.config import add_cli_args, from_cli_args
 
 
@@ -137,7 +137,7 @@ def test_the_loops_disk_cache_is_stamped_with_every_module_they_compile():
     core = Path(host_kernels.__file__).parent
     for name in host_kernels.LOOP_MODULES:
         tree = ast.parse((core / f"{name}.py").read_text())
-        imported = {node.module.rpartition(".")[2] for node in ast.walk(tree)
+        imported = {node.module.removeprefix("graphrt.core.").replace(".", "/") + ".py" for node in ast.walk(tree)
                     if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("graphrt.core.")}
         assert imported <= set(host_kernels.LOOP_SOURCES), (name, imported)
     locator = host_kernels.compiled("check_step")._cache._impl.locator

@@ -739,8 +739,8 @@ def _buffers(max_tokens: int, max_reqs: int, width: int) -> dict[str, np.ndarray
     return {name: np.full((max_reqs, width) if name == "block_table" else
                           (max_reqs + 1 if name == "query_start_loc" else
                            max_reqs if name in ("seq_lens", "num_computed_tokens") else max_tokens,),
-                          -77, dtype=graphrt.core.fields.FIELD_DTYPES[name])
-            for name in graphrt.core.fields.ARRAY_FIELDS}
+                          -77, dtype=graphrt.core.inputs.fields.FIELD_DTYPES[name])
+            for name in graphrt.core.inputs.fields.ARRAY_FIELDS}
 
 
 @SETTINGS
@@ -788,7 +788,7 @@ def test_write_below_the_real_size_is_an_error():
 
 @pytest.mark.parametrize("case_id,mutate,field", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_both_kernels_raise_the_same_error(case_id, mutate, field):
-    if graphrt.core.host_kernels.resolve_kernel("auto") != "numba":
+    if graphrt.core.inputs.host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
     messages = []
     for kernel in ("numba", "numpy"):
@@ -805,7 +805,7 @@ def test_both_kernels_raise_the_same_error(case_id, mutate, field):
 def test_both_kernels_agree_on_random_faults(scenario, data):
     """Corrupt one request value or one table entry at random (small values, and the ends of
     int32 / int64 and their neighbours): both kernels give the same result, or the same error."""
-    if graphrt.core.host_kernels.resolve_kernel("auto") != "numba":
+    if graphrt.core.inputs.host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
     tables, (step,) = scenario
     rows, computed, scheduled = [a.astype(np.int64) for a in step.arrays()]

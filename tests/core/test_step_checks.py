@@ -1,4 +1,4 @@
-"""One input-check path: the rules of ``core/host_loops.py``, compiled or interpreted.
+"""One input-check path: the rules of ``core/inputs/host_loops.py``, compiled or interpreted.
 
 * The numpy path has no checks of its own: it runs host_loops' ``check_step`` /
   ``check_requests`` in the interpreter, so numba-less installs check exactly what the
@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrt import InputError, InputPreparer
-from graphrt.core import host_kernels, host_loops
-from graphrt.core.prepare_numpy import NumpyPrepare
-from graphrt.core.step_codes import E_OK
+from graphrt.core.inputs import host_kernels, host_loops
+from graphrt.core.inputs.prepare_numpy import NumpyPrepare
+from graphrt.core.inputs.step_codes import E_OK
 from test_inputs import EXTREMES, assert_matches, ref_for, scenarios
 from support.fast_subset import examples
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import graphrt
 from graphrt import InputError, InputPreparer, ModelInputs
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, buffer_shapes
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, buffer_shapes
 from support.fast_subset import examples
 
 #: The preparer's tests run on both host kernels (numba and numpy); see conftest.py.

@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 import graphrt
 from graphrt import SamplingParams
 from graphrt.core.errors import InputError
-from graphrt.core.sampling import sampling_batch
+from graphrt.core.sampling.batch import sampling_batch
 from graphrt.engine.loop import PLACEHOLDER_TOKEN, drop_unresolved
 from graphrt.engine.request import Request
 from support.hf_models import tiny_hf_model_dir

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from graphrt import InputError, InputPreparer, Padder
-from graphrt.core.fields import ARRAY_FIELDS
+from graphrt.core.inputs.fields import ARRAY_FIELDS
 
 pytestmark = pytest.mark.usefixtures("host_kernel")
 
@@ -43,7 +43,7 @@ def test_slots_are_gathered_by_row_and_padded_with_minus_one(host_kernel):
 
 
 def _buffers():
-    from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+    from graphrt.core.inputs.fields import FIELD_DTYPES, buffer_shapes
     shapes = buffer_shapes(16, 4, 3)
     return [(name, shapes[name], FIELD_DTYPES[name]) for name in ARRAY_FIELDS]
 

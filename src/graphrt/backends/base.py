@@ -19,10 +19,10 @@ from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError, InputError
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.core.memory_bounds import ModelShape
-from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
+from graphrt.core.sampling.batch import SamplingBatch  # defined in core (numpy only), importable from here
 from graphrt.core.weight_reports import SleepReport, WakeReport, WeightsUpdate
 
 
@@ -131,7 +131,7 @@ class Executor(abc.ABC, Generic[EntryT]):
     kv_cache_resets: int = 0
     #: LoRA adapter slots where ``max_loras > 0`` and this executor supports them, else None.
     lora: LoraSlots | None = None
-    #: The extra inputs the model declares (``core.extra_inputs.ExtraInput`` by name) and their
+    #: The extra inputs the model declares (``core.inputs.extra_inputs.ExtraInput`` by name) and their
     #: host staging buffers, which the runner writes each step; empty where there are none.
     extra_inputs: Mapping[str, Any] = {}
     extra_buffers: Mapping[str, np.ndarray] = {}

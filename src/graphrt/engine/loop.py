@@ -20,7 +20,7 @@ from graphrt.config import GraphConfig, check_flags
 from graphrt.core.errors import GraphrtError, KVCacheLostError
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.engine.metrics import EngineMetrics
-from graphrt.core.logprobs import StepOutput
+from graphrt.core.sampling.logprobs import StepOutput
 from graphrt.engine.outputs import RequestOutput, collect_logprobs
 from graphrt.engine.sampling_params import without_seed
 from graphrt.engine.request import Request, Status

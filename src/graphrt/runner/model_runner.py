@@ -26,15 +26,15 @@ from graphrt.core.dispatch import Dispatcher, DispatchShape, sampler_key
 from graphrt.core.dp_agreement import DataParallelStep, StepAgreement
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.core.extra_inputs import ExtraInputs
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.extra_inputs import ExtraInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.core.inputs import InputPreparer
+from graphrt.core.inputs.preparer import InputPreparer
 from graphrt.core.lora import LoraOff, RunnerLora
-from graphrt.core.padding import Padder
-from graphrt.core.sampling import sampling_batch
+from graphrt.core.inputs.padding import Padder
+from graphrt.core.sampling.batch import sampling_batch
 from graphrt.runner.background import BackgroundWarmup
 from graphrt.runner.capture_plan import open_plan_store, read_plan
 from graphrt.runner.features import Step, StepFeature, StepFeatures

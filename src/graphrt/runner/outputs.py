@@ -16,11 +16,11 @@ from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import sampler_key
 from graphrt.core.errors import InputError
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.core.logprobs import StepOutput, TokenLogprobs
-from graphrt.core.sampling import check_logprobs_limit, logprobs as logprobs_count
+from graphrt.core.sampling.logprobs import StepOutput, TokenLogprobs
+from graphrt.core.sampling.batch import check_logprobs_limit, logprobs as logprobs_count
 from graphrt.runner.plans import LOGPROBS, LastStep, SamplerEntry, StepArgs, StepInfo, StepPlan, plan_sampler
 
 

@@ -17,8 +17,8 @@ from graphrt.config import GraphConfig
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_memory import GraphMemory
-from graphrt.core.inputs import InputPreparer
-from graphrt.core.padding import Padder
+from graphrt.core.inputs.preparer import InputPreparer
+from graphrt.core.inputs.padding import Padder
 from graphrt.runner.background import BackgroundWarmup
 from graphrt.runner.capture_plan import CapturePlanStore, SavedPlan, save_plan
 from graphrt.runner.keys import Job, ServingKeys

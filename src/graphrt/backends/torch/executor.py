@@ -31,8 +31,8 @@ from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.layers.torch.state.backend import RecurrentStateBackend
-from graphrt.core.extra_inputs import check_extra_specs
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.extra_inputs import check_extra_specs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.attention_decl import check_declarations, check_kv_dtypes
 from graphrt.layers.torch.attention.backend import (HostValues, RemovedPreReplayHooks, check_layers_read,
                                                     check_metadata, overrides_before_replay)

@@ -15,7 +15,7 @@ import torch
 
 from graphrt.core.attention_decl import backend_name, check_declarations, checked_keyed, least_support
 from graphrt.core.errors import ConfigError
-from graphrt.core.extra_inputs import check_extra_specs
+from graphrt.core.inputs.extra_inputs import check_extra_specs
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.layers.torch.attention.selector import select_attention
 

@@ -35,7 +35,7 @@ from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
-from graphrt.core.fields import ModelInputs, buffer_shapes
+from graphrt.core.inputs.fields import ModelInputs, buffer_shapes
 from graphrt.core.graph_modes import AttentionGraphSupport, RuntimeMode
 from graphrt.core.kv_spec import blocks_for
 from graphrt.core.weight_reports import SleepReport, WakeReport, WeightsUpdate, check_level

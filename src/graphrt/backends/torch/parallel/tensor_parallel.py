@@ -27,7 +27,7 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError, InputError
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.weight_reports import WeightsUpdate
 from graphrt.backends.torch.weights import staged_checkpoint

@@ -6,7 +6,7 @@ Token level: ``input_ids``, ``positions``, ``slot_mapping``; request level: ``se
 ``InputPreparer`` writes persistent buffers (valid until the next call); ``prepare_inputs``
 allocates. Every bad input raises :class:`~graphrt.core.errors.InputError` before any write.
 This module is the front: argument checks, the one array form, and the choice between the
-compiled loops (:mod:`graphrt.core.host_loops`) and the numpy path (:mod:`graphrt.core.prepare_numpy`)."""
+compiled loops (:mod:`graphrt.core.inputs.host_loops`) and the numpy path (:mod:`graphrt.core.inputs.prepare_numpy`)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from graphrt.core import defaults, host_kernels, host_loops
+from graphrt.core import defaults
+
+from graphrt.core.inputs import host_kernels, host_loops
 from graphrt.core.errors import GraphrtError, InputError
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, INDEX_MAX, ModelInputs, buffer_shapes, field_rows
-from graphrt.core.host_kernels import RequestArrays, as_int_array
-from graphrt.core.input_forms import compiled_table, shape_error
-from graphrt.core.padding import Padder
-from graphrt.core.prepare_numpy import NumpyPrepare
-from graphrt.core.step_codes import E_OK, StepArrays, StepLimits, StepReport, step_error
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, INDEX_MAX, ModelInputs, buffer_shapes, field_rows
+from graphrt.core.inputs.host_kernels import RequestArrays, as_int_array
+from graphrt.core.inputs.forms import compiled_table, shape_error
+from graphrt.core.inputs.padding import Padder
+from graphrt.core.inputs.prepare_numpy import NumpyPrepare
+from graphrt.core.inputs.step_codes import E_OK, StepArrays, StepLimits, StepReport, step_error
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _ARRAY = np.ndarray
@@ -287,7 +289,7 @@ class InputPreparer:
                      int64_requests: bool) -> tuple[np.ndarray, ...]:
         """The step's arrays in the one form both implementations take (tables int32 / int64
         C-contiguous; request arrays int32, or all three int64 when ``int64_requests``: see
-        :mod:`graphrt.core.host_kernels`), their shapes checked; sizes the row scratch."""
+        :mod:`graphrt.core.inputs.host_kernels`), their shapes checked; sizes the row scratch."""
         tokens, blocks = token_ids, block_table
         if not (type(tokens) is _ARRAY and type(blocks) is _ARRAY and tokens.ndim == 2 and blocks.ndim == 2
                 and (tokens.dtype is _INT32 or tokens.dtype is _INT64)
