@@ -211,7 +211,7 @@ def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, 
         key = runner.dispatcher.dispatch(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode).key
         entry = runner.cache.get((RuntimeMode.FULL, key))
         sampler_entry = runner.sampler_cache.get(SamplerKey(key.num_reqs, True))
-        padded = runner.padder.pad(inputs, num_tokens=key.num_tokens, num_reqs=key.num_reqs,
+        padded = runner.preparer.padder.pad(inputs, num_tokens=key.num_tokens, num_reqs=key.num_reqs,
                                    out=ex.host_buffers).copy()
         host = [getattr(padded, f) for f in BATCH_FIELDS]
         fwd, smp = entry.executable, sampler_entry.executable

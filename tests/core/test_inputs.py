@@ -757,7 +757,7 @@ def test_check_then_write_equals_prepare_then_pad(scenario, more_tokens, more_re
     assert shape == (t, r, max(step.scheduled), max(c + s for c, s in zip(step.computed, step.scheduled)),
                      max(step.scheduled) == 1)
     out = _buffers(8 * 48 + 9, 8 + 3, tables.block_table.shape[1])
-    got = prep.write(graphrt.Padder(), num_tokens=t + more_tokens, num_reqs=r + more_reqs, out=out)
+    got = prep.write(num_tokens=t + more_tokens, num_reqs=r + more_reqs, out=out)
     _assert_same_inputs(got, expected)
     assert got.input_ids.base is out["input_ids"] or got.input_ids.base is out["input_ids"].base
     # nothing past the bucket was written
@@ -768,21 +768,38 @@ def test_check_then_write_equals_prepare_then_pad(scenario, more_tokens, more_re
 def test_write_needs_a_successful_check():
     prep = _seed_preparer()
     with pytest.raises(graphrt.GraphrtError, match="check"):
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+        prep.write(num_tokens=10, num_reqs=3)
     prep.check(**_base_kwargs())
     bad = _base_kwargs()
     _null_block(bad)
     with pytest.raises(InputError):
         prep.check(**bad)
     with pytest.raises(graphrt.GraphrtError, match="check"):   # the failed check cleared it
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+        prep.write(num_tokens=10, num_reqs=3)
+
+
+def test_the_preparer_owns_its_padder(host_kernel):
+    """``write`` pads with the preparer's own padder (issue 44): ``Padder(kernel=kernel)`` by
+    default, or the one it was given, whose fills the padded rows then hold."""
+    kernel = host_kernel
+    default = _seed_preparer(kernel=kernel)
+    assert isinstance(default.padder, graphrt.Padder) and default.padder.kernel == kernel
+    padder = graphrt.Padder({"input_ids": 7, "seq_lens": 5}, kernel=kernel)
+    prep = _seed_preparer(kernel=kernel, padder=padder)
+    assert prep.padder is padder
+    prep.check(**_base_kwargs())
+    padded = prep.write(num_tokens=14, num_reqs=4)
+    assert padded.input_ids[10:].tolist() == [7] * 4 and padded.seq_lens[3] == 5
+    default.check(**_base_kwargs())
+    padded = default.write(num_tokens=14, num_reqs=4)
+    assert padded.input_ids[10:].tolist() == [0] * 4 and padded.seq_lens[3] == 0
 
 
 def test_write_below_the_real_size_is_an_error():
     prep = _seed_preparer()
     prep.check(**_base_kwargs())
     with pytest.raises(InputError) as excinfo:
-        prep.write(graphrt.Padder(), num_tokens=9, num_reqs=3)
+        prep.write(num_tokens=9, num_reqs=3)
     _check_error(excinfo, "num_tokens")
 
 
@@ -863,8 +880,8 @@ def test_write_refuses_a_step_changed_since_check(field, index, value):
     out = _buffers(10, 3, kw["block_table"].shape[1])
     before = {name: buf.copy() for name, buf in out.items()}
     with pytest.raises(graphrt.GraphrtError, match="changed between"):
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)
+        prep.write(num_tokens=10, num_reqs=3, out=out)
     for name, buf in out.items():
         assert np.array_equal(buf, before[name]), name
     with pytest.raises(graphrt.GraphrtError, match="check"):     # the refused write cleared it
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)
+        prep.write(num_tokens=10, num_reqs=3, out=out)

@@ -102,9 +102,7 @@ def test_the_numpy_path_runs_the_host_loops_checks(monkeypatch):
                 req_rows=np.array([1]), num_computed_tokens=np.array([2]), num_scheduled_tokens=np.array([3]))
     assert prep.prepare(**step).input_ids.tolist() == [8, 9, 10]
     prep.check(**step)
-    import graphrt
-
-    prep.write(graphrt.Padder(kernel="numpy"), num_tokens=4, num_reqs=2)
+    prep.write(num_tokens=4, num_reqs=2)
     assert calls.count("check_step") == 2 and "check_requests" in calls
     with pytest.raises(InputError, match="row 5 out of range"):
         prep.prepare(**{**step, "req_rows": np.array([5])})

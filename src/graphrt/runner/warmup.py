@@ -28,9 +28,9 @@ WARMUP_MODES = ("upfront", "background")
 
 logger = logging.getLogger(__name__)
 
-def compile_host_kernels(preparer: Any, padder: Any, executor: Executor) -> None:
+def compile_host_kernels(preparer: Any, executor: Executor) -> None:
     """Compile (or load from numba's disk cache) the host kernels before the first step."""
-    seconds = preparer.compile_kernels(padder, out=executor.host_buffers)
+    seconds = preparer.compile_kernels(out=executor.host_buffers)
     if seconds:
         logger.info("graphrt: host kernels (%s) ready in %.2f s", preparer.kernel, seconds)
 

@@ -132,7 +132,7 @@ def _write(runner: Any, step: Step, key: BatchDescriptor) -> Any:
     extras = args.pop("extra_inputs", None)
     runner.preparer.check(**args)
     r = key.num_reqs if key.num_reqs is not None else step.num_reqs
-    padded = runner.preparer.write(runner.padder, num_tokens=key.num_tokens, num_reqs=r,
+    padded = runner.preparer.write(num_tokens=key.num_tokens, num_reqs=r,
                                    out=runner.executor.host_buffers)
     if runner.extra is not None:
         checked = runner.extra.check(extras, step.num_tokens, step.num_reqs)

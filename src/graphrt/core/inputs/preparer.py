@@ -109,7 +109,7 @@ class InputPreparer:
                  vocab_size: int | None = None, num_blocks: int | None = None,
                  table_width: int | None = None, kernel: str | None = None,
                  strict: bool = False, decode_query_len: int = 1,
-                 num_state_slots: int | None = None) -> None:
+                 num_state_slots: int | None = None, padder: Padder | None = None) -> None:
         _check_block_size(block_size)
         if num_state_slots is not None and not 0 < num_state_slots < INDEX_MAX:
             raise InputError("num_state_slots", f"must be in [1, {INDEX_MAX}) (or None: no state), "
@@ -133,6 +133,8 @@ class InputPreparer:
         self.strict = bool(strict)
         self.decode_query_len = int(decode_query_len)
         self.kernel = host_kernels.resolve_kernel(kernel)
+        #: The padder :meth:`write` pads with (default: ``Padder(kernel=kernel)``, the default fills).
+        self.padder = padder if padder is not None else Padder(kernel=self.kernel)
         self._vocab_bound = min(self.vocab_size or _ID_LIMIT, _ID_LIMIT)
         self._block_bound = min(self.num_blocks or _ID_LIMIT, _ID_LIMIT)
         self.num_state_slots = int(num_state_slots) if num_state_slots is not None else None
@@ -225,10 +227,10 @@ class InputPreparer:
         self._pending = _CheckedStep(tokens, blocks, rows, computed, scheduled, bs, states, shape)
         return shape
 
-    def write(self, padder: Padder, *, num_tokens: int, num_reqs: int,
+    def write(self, *, num_tokens: int, num_reqs: int,
               out: Mapping[str, np.ndarray] | None = None) -> ModelInputs:
-        """Write the step of the last successful :meth:`check`, padded by ``padder`` to
-        ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would).
+        """Write the step of the last successful :meth:`check`, padded by the preparer's
+        :attr:`padder` to ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would).
 
         The step's tables are read again here: don't change them in between (the request
         check of :meth:`check`, ``host_loops.check_requests``, runs again, and a step that no
@@ -236,7 +238,7 @@ class InputPreparer:
         step = self._pending
         if step is None:
             raise GraphrtError("InputPreparer.write needs a successful check() of this step first")
-        shape = step.shape
+        shape, padder = step.shape, self.padder
         if num_tokens < shape.num_tokens or num_reqs < shape.num_reqs:
             padder.check_targets(shape.num_tokens, shape.num_reqs, num_tokens, num_reqs)
         width = self.table_width or step.block_table.shape[1]
@@ -261,7 +263,7 @@ class InputPreparer:
         return ModelInputs(*targets, shape.num_reqs, shape.num_tokens, shape.max_query_len,
                            shape.max_seq_len, shape.uniform_decode)
 
-    def compile_kernels(self, padder: Padder, out: Mapping[str, np.ndarray] | None = None) -> float:
+    def compile_kernels(self, out: Mapping[str, np.ndarray] | None = None) -> float:
         """Compile the loops of :meth:`check` / :meth:`write` (a runner's path) now, for every
         table variant the preparer passes them (token and block tables each int32 or int64;
         request arrays always reach them as int32, int64 ones through ``clamp_requests``), so no
@@ -279,7 +281,7 @@ class InputPreparer:
                            block_table=np.ones((1, width), dtype=block_dtype),
                            req_rows=np.zeros(1, token_dtype), num_computed_tokens=np.zeros(1, token_dtype),
                            num_scheduled_tokens=np.ones(1, token_dtype))
-                self.write(padder, num_tokens=1, num_reqs=1, out=out)
+                self.write(num_tokens=1, num_reqs=1, out=out)
         self._requests.compile()
         self._pending = None
         return time.perf_counter() - start
