@@ -162,7 +162,7 @@ def test_llm_greedy_parity_with_transformers(engine, request):
 def test_warmup_report_and_entries(qwen):
     runner = qwen[0].runner
     ex = runner.executor
-    assert not ex.eager_fallback and ex.has_graphs and ex.compiles.sealed
+    assert not ex.capabilities.eager_fallback and ex.capabilities.has_graphs and ex.compiles.sealed
     keys = {k for _, k in runner.cache}
     assert keys == {BatchDescriptor(32, 4, False, max_seq_len=CTX), BatchDescriptor(16, 4, False, max_seq_len=CTX), BatchDescriptor(4, 4, True, max_seq_len=CTX),
                     BatchDescriptor(2, 2, True, max_seq_len=CTX), BatchDescriptor(1, 1, True, max_seq_len=CTX)}

@@ -51,7 +51,7 @@ def overlap_enabled(runner: ModelRunner, disable_overlap_schedule: bool) -> bool
     check_flags(disable_overlap_schedule=disable_overlap_schedule)
     if disable_overlap_schedule:
         return False
-    if not runner.executor.device_runs_ahead:
+    if not runner.executor.capabilities.device_runs_ahead:
         logger.info("graphrt: overlap scheduling needs a backend that dispatches asynchronously; "
                     "%s runs each step to the end, so the engine runs the plain loop", runner.backend.name)
         return False

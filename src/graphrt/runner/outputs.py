@@ -134,7 +134,7 @@ class StepOutputs:
         result is a :class:`StepOutput`, or a :class:`PendingTokens` with ``wait=False``."""
         ex, r = self.executor, num_reqs
         entry = plan_sampler(plan, sampler_key(sampling, plan.padded_reqs, ex.vocab_size), self.sampler_cache).entry
-        on_device = ex.async_execution
+        on_device = ex.capabilities.async_execution
         sampled = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry, wait=not on_device)
         handle = None
         if sampling.logprobs is not None:
@@ -155,7 +155,7 @@ class StepOutputs:
         key, entry, eager, cause = plan.sampler[LOGPROBS]
         if plan.mode is not RuntimeMode.FULL:
             return entry
-        if entry is None and not self.executor.eager_fallback:
+        if entry is None and not self.executor.capabilities.eager_fallback:
             entry = self._build_missing(self.sampler_cache, key, RuntimeMode.FULL, key)
             eager = cause = None
             plan.sampler[LOGPROBS] = SamplerEntry(key, entry, None, None)

@@ -90,7 +90,7 @@ def build_one(executor: Executor, target: GraphCache, cache_key: Any, mode: Runt
         entry, nbytes = executor.build(mode, key)
     except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
         reason = executor.describe_build_failure(exc)
-        if strict or not executor.eager_fallback:
+        if strict or not executor.capabilities.eager_fallback:
             raise GraphCaptureError(f"building {describe_key(key)} failed: {reason}") from exc
         logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
         target.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)

@@ -85,7 +85,7 @@ class WarmupPlan:
         caches (:func:`~graphrt.runner.warmup.build_every_key`), logged with seconds, MiB and
         failures; the report."""
         ex, cfg, keys = self.executor, self.config, self.keys
-        if not ex.eager_fallback and cfg.disable_precompile:
+        if not ex.capabilities.eager_fallback and cfg.disable_precompile:
             logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use", self.label)
             return []
         compile_host_kernels(self.preparer, ex)
