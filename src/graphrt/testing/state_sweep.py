@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+_MAMBA1: dict[str, Any] = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4,
+                               expand=2, time_step_rank=8, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                               tie_word_embeddings=False)
 #: Tiny hybrid configs (transformers' own field names): Mamba2 only; Granite-4-H (Mamba2 +
 #: attention, shared MLP + experts); Qwen3-Next (gated delta nets + gated attention). Chunks
 #: of 4 tokens, so a prefill of a few tokens crosses several SSD / delta-rule chunks.
@@ -42,10 +45,20 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                        mlp_only_layers=[], partial_rotary_factor=0.25, max_position_embeddings=256,
                        linear_chunk_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                        tie_word_embeddings=False),
+    # Mamba1 (selective scan): Mamba, Falcon-Mamba (RMS-normed dt, B, C) and Jamba (Mamba1 layers 0
+    # and 2, attention at 1 with experts), all through the Transformers backend
+    "mamba": dict(_MAMBA1),
+    "falcon_mamba": dict(_MAMBA1, mixer_rms_eps=1e-6),
+    "jamba": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, tie_word_embeddings=False),
 }
 #: transformers' config class of each.
 HYBRID_CONFIG_CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig",
-                         "qwen3_next": "Qwen3NextConfig"}
+                         "qwen3_next": "Qwen3NextConfig", "mamba": "MambaConfig", "falcon_mamba": "FalconMambaConfig",
+                         "jamba": "JambaConfig"}
 
 #: (model, backend, graph mode, speculative tokens) and its share of the draws;
 #: FULL_AND_PIECEWISE breaks mixed steps at the recurrent layers.

@@ -1,24 +1,33 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
-A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next) keeps recurrent state in its own per-sequence
-``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
-recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
-(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`) sharing the transformers parameters; these read
+A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next, Jamba) or recurrent model (Mamba,
+Falcon-Mamba) keeps recurrent state in its own per-sequence ``Cache``, unusable for graphrt's
+packed rows. :func:`route_recurrent_mixers` replaces each recurrent mixer with a
+:class:`RoutedMixer` around graphrt's own module for that kind (:class:`Mamba2Mixer`,
+:class:`GatedDeltaNet`, :class:`Mamba1Mixer`) sharing the transformers parameters; these read
 their ``state_cache`` slots and are the PIECEWISE split points. Only classes whose computation
-graphrt reproduces are routed (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`); any other recurrent
-layer is refused by :func:`served_types`. See docs/hybrid.md.
+graphrt reproduces are routed (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`,
+:data:`MAMBA1_MIXERS`); any other recurrent layer is refused by :func:`served_types`.
+
+Most of these models' classes do not declare ``_supports_attention_backend``: the loader takes
+them all the same when their modeling module defines a routed mixer class
+(:func:`routed_mixer_classes`, logged), and :func:`check_attention_routed` then requires every
+layer that ``layer_types`` marks as attention to have called transformers' AttentionInterface in
+the layer probe -- what the flag would have promised. See docs/hybrid.md.
 """
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from graphrt.core.errors import ConfigError
 from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
+from graphrt.models.torch.mamba1 import Mamba1Mixer
 from graphrt.models.torch.mamba2 import Mamba2Mixer
 from graphrt.models.torch.qwen3_next import GatedDeltaNet
 
@@ -29,6 +38,11 @@ RECURRENT_TYPES = frozenset({"mamba", "linear_attention"})
 MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "BambaMixer"})
 #: transformers' gated delta nets of Qwen3-Next's layout (grouped q|k|v|z and b|a projections).
 DELTA_MIXERS = frozenset({"Qwen3NextGatedDeltaNet"})
+#: transformers' Mamba1 mixers (selective scan): Mamba's, Falcon-Mamba's (unweighted RMS norms of
+#: dt, B and C) and Jamba's (weighted ones).
+MAMBA1_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+#: The names of each kind's state tensors (the state spec's, in the module's ``state_shapes()`` order).
+STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm")}
 #: Class-name fragments of recurrent mixers graphrt does not route (for the refusal).
 RECURRENT_HINTS = ("Mamba", "Mixer", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent")
 
@@ -107,6 +121,40 @@ def _delta(path: str, hf: nn.Module) -> GatedDeltaNet:
     return _all_shared(path, mixer)
 
 
+def _mamba1(path: str, hf: nn.Module) -> Mamba1Mixer:
+    """graphrt's Mamba1Mixer over ``hf``'s parameters (Mamba's, Falcon-Mamba's or Jamba's)."""
+    _check_silu(path, hf)
+    norm, eps = "none", 1e-6
+    if hasattr(hf, "dt_layernorm"):
+        ln = hf.dt_layernorm
+        norm = "weighted" if isinstance(getattr(ln, "weight", None), nn.Parameter) else "unweighted"
+        eps = float(getattr(ln, "variance_epsilon", getattr(ln, "eps", eps)))
+    c = SimpleNamespace(hidden_size=int(hf.in_proj.in_features), intermediate=int(hf.intermediate_size),
+                        d_state=int(hf.ssm_state_size), dt_rank=int(hf.time_step_rank),
+                        conv_kernel=int(hf.conv_kernel_size), use_bias=hf.in_proj.bias is not None,
+                        conv_bias=hf.conv1d.bias is not None, norm=norm, norm_eps=eps)
+    if hf.x_proj.out_features != c.dt_rank + 2 * c.d_state or tuple(hf.A_log.shape) != (c.intermediate, c.d_state):
+        raise ConfigError(f"{path}: x_proj gives {hf.x_proj.out_features} features and A_log is "
+                          f"{tuple(hf.A_log.shape)}; graphrt's Mamba1 mixer needs dt|B|C = {c.dt_rank + 2 * c.d_state} "
+                          f"and A_log [{c.intermediate}, {c.d_state}]")
+    with torch.device("meta"):
+        mixer = Mamba1Mixer(c)
+    mixer.in_proj, mixer.conv1d, mixer.x_proj, mixer.dt_proj, mixer.out_proj = (hf.in_proj, hf.conv1d, hf.x_proj,
+                                                                                hf.dt_proj, hf.out_proj)
+    mixer.A_log, mixer.D = hf.A_log, hf.D
+    if norm == "weighted":
+        for name in ("dt_layernorm", "b_layernorm", "c_layernorm"):
+            getattr(mixer, name).weight = getattr(hf, name).weight
+    return _all_shared(path, mixer)
+
+
+def routed_kinds() -> dict[str, str]:
+    """Every routed class name -> the kind graphrt's module for it declares in the state spec
+    (read from the class sets at each call)."""
+    return {**{name: "mamba2" for name in MAMBA2_MIXERS}, **{name: "gated_delta_net" for name in DELTA_MIXERS},
+            **{name: "mamba1" for name in MAMBA1_MIXERS}}
+
+
 def _layer_of(path: str) -> int | None:
     """The decoder layer index in a module path (``model.layers.3.mamba`` -> 3)."""
     parts = path.split(".")
@@ -119,9 +167,9 @@ def _layer_of(path: str) -> int | None:
 def recurrent_mixers(hf_model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     """``(decoder layer, module path, module)`` of every routable recurrent mixer of ``hf_model``
     (transformers' own modules, not yet replaced), in layer order."""
-    found = []
+    found, kinds = [], routed_kinds()
     for name, module in hf_model.named_modules():
-        if type(module).__name__ in MAMBA2_MIXERS | DELTA_MIXERS:
+        if type(module).__name__ in kinds:
             layer = _layer_of(name)
             if layer is None:
                 raise ConfigError(f"{name} ({type(module).__name__}): cannot tell its decoder layer "
@@ -136,7 +184,8 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
     like a recurrent mixer is of no class graphrt routes."""
     types = list(getattr(config, "layer_types", None) or ())
     layers = {layer for layer, _, _ in found}
-    routes = sorted(MAMBA2_MIXERS | DELTA_MIXERS)
+    kinds = routed_kinds()
+    routes = sorted(kinds)
     unserved = [i for i, kind in enumerate(types) if kind in RECURRENT_TYPES and i not in layers]
     if unserved:
         raise ConfigError(f"{type(hf_model).__name__}: layer_types marks layers {unserved} recurrent "
@@ -144,7 +193,7 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
                           f"to its recurrent kernels ({routes})")
     left = [f"{name} ({type(m).__name__})" for name, m in hf_model.named_modules()
             if any(h in type(m).__name__ for h in RECURRENT_HINTS) and hasattr(m, "conv1d")
-            and type(m).__name__ not in MAMBA2_MIXERS | DELTA_MIXERS and not isinstance(m, (Mamba2Mixer, GatedDeltaNet))]
+            and type(m).__name__ not in kinds and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer))]
     if left:
         raise ConfigError(f"{type(hf_model).__name__}: recurrent mixers {left} are of no class graphrt routes to its "
                           f"recurrent kernels ({routes}): their state would live in transformers' own cache, which "
@@ -157,8 +206,8 @@ def route_recurrent_mixers(hf_model: nn.Module, found: list[tuple[int, str, nn.M
     :class:`RoutedMixer` over the same parameters; those, in layer order."""
     routed = []
     for _, name, module in found:
-        kind = "mamba2" if type(module).__name__ in MAMBA2_MIXERS else "gated_delta_net"
-        mixer = _mamba2(name, module) if kind == "mamba2" else _delta(name, module)
+        kind = routed_kinds()[type(module).__name__]
+        mixer = {"mamba2": _mamba2, "gated_delta_net": _delta, "mamba1": _mamba1}[kind](name, module)
         parent_name, _, child = name.rpartition(".")
         wrapper = RoutedMixer(mixer, kind, f"{name} ({type(module).__name__})")
         setattr(hf_model.get_submodule(parent_name), child, wrapper)
@@ -171,11 +220,41 @@ def state_spec_of(routed: list[RoutedMixer]) -> StateSpec:
     reference hybrids declare it: a convolution window and an SSM / delta-rule matrix each."""
     groups: dict[tuple, list[int]] = {}
     for i, wrapper in enumerate(routed):
-        names = ("conv", "ssm") if wrapper.kind == "mamba2" else ("conv", "delta")
-        tensors = tuple(StateTensor(name, shape) for name, shape in zip(names, wrapper.mixer.state_shapes()))
+        tensors = tuple(StateTensor(name, shape) for name, shape in zip(STATE_NAMES[wrapper.kind],
+                                                                        wrapper.mixer.state_shapes()))
         groups.setdefault((wrapper.kind, tensors), []).append(i)
     return StateSpec(tuple(StateGroup(tuple(layers), tensors, kind) for (kind, tensors), layers in groups.items()))
 
 
-__all__ = ["DELTA_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer", "recurrent_mixers",
-           "route_recurrent_mixers", "served_types", "state_spec_of"]
+def routed_mixer_classes(cls: type) -> list[str]:
+    """The routed mixer classes (:func:`routed_kinds`) that ``cls``'s modeling module defines: a model
+    class without ``_supports_attention_backend`` is loaded when there is one (module docstring)."""
+    module = sys.modules.get(getattr(cls, "__module__", ""))
+    return sorted(name for name in routed_kinds() if module is not None and isinstance(getattr(module, name, None), type))
+
+
+def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[int]) -> None:
+    """For a class that does not declare ``_supports_attention_backend``: every layer that
+    ``config.layer_types`` marks as attention is one of ``attended`` (the layers whose attention
+    called graphrt's in the layer probe), or a ConfigError naming the layers that attend on their
+    own (their attention would run without graphrt's KV cache)."""
+    if getattr(type(hf_model), "_supports_attention_backend", False):
+        return
+    from graphrt.models.torch.transformers_impl.facts import FULL_TYPES, SLIDING_TYPES
+
+    name = type(hf_model).__name__
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        raise ConfigError(f"{name} does not declare _supports_attention_backend and its config has no layer_types: "
+                          "graphrt cannot check that each of its attention layers goes through AttentionInterface")
+    want = [i for i, kind in enumerate(types) if kind in FULL_TYPES | SLIDING_TYPES]
+    missing = sorted(set(want) - set(attended))
+    if missing:
+        raise ConfigError(f"{name} does not declare _supports_attention_backend, and its layers {missing} (attention "
+                          "by layer_types) never called AttentionInterface in graphrt's layer probe: they attend on "
+                          "their own, without graphrt's paged KV cache")
+
+
+__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer",
+           "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds", "routed_mixer_classes",
+           "served_types", "state_spec_of"]
