@@ -127,8 +127,8 @@ def test_jax_kernel_matches_the_torch_reference():
                                  jnp.asarray(np.array([2, 0, 1, -1])), 13, num_slots=3, checkpoints=2)
     want = selective_scan(*args, meta)
     y, states = recurrent.selective_scan(*(jnp.asarray(a.numpy()) for a in args), jmeta, checkpoints=2, uniform=0)
-    _close(torch.from_numpy(np.asarray(y))[:10], want[0][:10], "JAX outputs")
-    _close(torch.from_numpy(np.asarray(states)), want[1], "JAX states")
+    _close(torch.from_numpy(np.array(y))[:10], want[0][:10], "JAX outputs")
+    _close(torch.from_numpy(np.array(states)), want[1], "JAX states")
     # uniform: 2 requests of 2 tokens
     qsl = torch.tensor([0, 2, 4], dtype=torch.int32)
     umeta = build_state_metadata(qsl, torch.tensor([3, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
@@ -138,8 +138,8 @@ def test_jax_kernel_matches_the_torch_reference():
                                  4, num_slots=2, checkpoints=2)
     want = selective_scan(*args, umeta)
     y, states = recurrent.selective_scan(*(jnp.asarray(a.numpy()) for a in args), jmeta, checkpoints=2, uniform=2)
-    _close(torch.from_numpy(np.asarray(y)), want[0], "JAX uniform outputs")
-    _close(torch.from_numpy(np.asarray(states)), want[1], "JAX uniform states")
+    _close(torch.from_numpy(np.array(y)), want[0], "JAX uniform outputs")
+    _close(torch.from_numpy(np.array(states)), want[1], "JAX uniform states")
 
 
 @pytest.fixture

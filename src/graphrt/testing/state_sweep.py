@@ -1,7 +1,8 @@
 """The state-isolation sweep: thousands of drawn steps on tiny hybrid models, one command.
 
 ``python -m graphrt.testing.state_sweep --steps 10000`` draws seeded steps for tiny random Mamba2,
-Granite-4-H and Qwen3-Next checkpoints and checks each with
+Granite-4-H, Qwen3-Next, Jamba, Mamba and Falcon-Mamba checkpoints (``--archs``: some of them)
+and checks each with
 :func:`~graphrt.testing.properties.state_writes_confined` (or ``--property state_isolated``, about
 7 runs a step). Draws span FULL, PIECEWISE and eager modes, XLA, speculative ``1 + k`` steps and
 restarts; one line per configuration, exit status 1 on any violation. docs/hybrid.md has figures.
@@ -68,6 +69,9 @@ SWEEP: tuple[tuple[str, str, str, int, int], ...] = (
     ("mamba2", "cpu", "FULL_AND_PIECEWISE", 2, 3), ("qwen3_next", "cpu", "FULL", 1, 3),
     ("qwen3_next", "cpu", "FULL_AND_PIECEWISE", 0, 3), ("granite", "eager", "NONE", 1, 1),
     ("granite", "xla", "FULL", 1, 1), ("mamba2", "xla", "FULL", 0, 1),
+    # Mamba1 through the Transformers backend (selective scan; Jamba with attention and experts)
+    ("jamba", "cpu", "FULL", 1, 2), ("jamba", "cpu", "FULL_AND_PIECEWISE", 0, 2),
+    ("mamba", "cpu", "FULL_AND_PIECEWISE", 2, 2), ("falcon_mamba", "cpu", "FULL", 0, 1),
 )
 #: XLA's token x batch-size grid for the sweep (every bucket is compiled at warm-up).
 XLA_GRID: dict[str, Any] = dict(precompile_token_paddings=[16, 32], precompile_bs_paddings=[4])
@@ -225,19 +229,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphrt.testing.state_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10_000, help="drawn steps in all (default 10000)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed of the first configuration")
+    parser.add_argument("--archs", nargs="+", choices=sorted(HYBRID_CONFIGS),
+                        help="only the configurations of these models (default: every one)")
     parser.add_argument("--property", choices=("state_writes_confined", "state_isolated"), default="state_writes_confined",
                         help="the check of each step: one run with NaN in unread entries (default), or the "
                              "whole state_isolated (about 7 runs a step)")
     args = parser.parse_args(argv)
     from graphrt.testing import properties
 
-    print(f"state sweep: {args.steps} drawn steps over {len(SWEEP)} configurations, {args.property} on each",
+    configs = [c for c in SWEEP if args.archs is None or c[0] in args.archs]
+    print(f"state sweep: {args.steps} drawn steps over {len(configs)} configurations, {args.property} on each",
           flush=True)
     from graphrt.testing.conformance import private_hypothesis_storage
 
     with private_hypothesis_storage():            # no .hypothesis/ in the current directory
         lines = run_sweep(args.steps, seed=args.seed, report=lambda s: print(s, flush=True),
-                          check=getattr(properties, args.property))
+                          check=getattr(properties, args.property), configs=configs)
     print(totals(lines))
     return 0 if all(x.violation is None for x in lines) else 1
 
