@@ -155,3 +155,18 @@ def test_interpret_triton_kernel_matches_the_reference(_interpret) -> None:
     got, want = triton_recurrent.triton_selective_scan(*args, meta), selective_scan(*args, meta)
     _close(got[0][:10], want[0][:10], "Triton outputs")
     _close(got[1], want[1], "Triton states")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_triton_kernel_matches_the_reference_on_cuda() -> None:
+    meta = _mixed()
+    args = _inputs(13, 5, meta)
+    cuda = [a.cuda() for a in args]
+    cmeta = build_state_metadata(torch.tensor([0, 3, 9, 10, 10], dtype=torch.int32, device="cuda"),
+                                 torch.tensor([5, 0, 7, 0], dtype=torch.int32, device="cuda"),
+                                 torch.tensor([2, 0, 1, -1], dtype=torch.int32, device="cuda"), 13, num_slots=3,
+                                 checkpoints=2)
+    got, want = triton_recurrent.triton_selective_scan(*cuda, cmeta), selective_scan(*args, meta)
+    _close(got[0][:10].cpu(), want[0][:10], "compiled outputs")
+    _close(got[1].cpu(), want[1], "compiled states")
