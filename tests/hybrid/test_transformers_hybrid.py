@@ -178,16 +178,6 @@ def test_tensor_parallel_routed_mixers_are_refused():
         wrap_transformers_model(_hf_with_graphrt_attention("granite"), tp_rank=0, tp_size=2)
 
 
-def test_a_class_without_attention_backend_support_is_refused_from_its_directory(tmp_path):
-    """Unless its modeling module defines a routed mixer class (Qwen3-Next, Bamba, the Mamba1
-    models: test_transformers_mamba1.py): BLOOM's attention is its own."""
-    from graphrt.testing.transformers_zoo import tiny_config
-
-    tiny_config("bloom", n_layer=1, n_head=2, hidden_size=16).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match="BloomForCausalLM does not declare _supports_attention_backend"):
-        graphrt.ModelRunner(str(tmp_path), backend="eager", model_impl="transformers", progress=False, **LIMITS)
-
-
 def test_a_stock_hybrid_of_an_unrouted_mixer_class_is_refused_naming_its_layers():
     """Nemotron-H's ``NemotronHMamba2Mixer`` is no routed class (its own norm and layout)."""
     from graphrt.testing.transformers_zoo import tiny_config

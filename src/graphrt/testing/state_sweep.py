@@ -1,7 +1,8 @@
 """The state-isolation sweep: thousands of drawn steps on tiny hybrid models, one command.
 
 ``python -m graphrt.testing.state_sweep --steps 10000`` draws seeded steps for tiny random Mamba2,
-Granite-4-H, Qwen3-Next, Jamba, Mamba and Falcon-Mamba checkpoints (``--archs``: some of them)
+Granite-4-H, Qwen3-Next, Jamba, Mamba, Falcon-Mamba and LFM2 checkpoints (``--archs``: some of
+them)
 and checks each with
 :func:`~graphrt.testing.properties.state_writes_confined` (or ``--property state_isolated``, about
 7 runs a step). Draws span FULL, PIECEWISE and eager modes, XLA, speculative ``1 + k`` steps and
@@ -55,11 +56,16 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
                   mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, tie_word_embeddings=False),
+    # LFM2: gated short convolutions (layers 0 and 2) beside attention, biased projections
+    "lfm2": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+                 conv_bias=True, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                 tie_word_embeddings=False),
 }
 #: transformers' config class of each.
 HYBRID_CONFIG_CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig",
                          "qwen3_next": "Qwen3NextConfig", "mamba": "MambaConfig", "falcon_mamba": "FalconMambaConfig",
-                         "jamba": "JambaConfig"}
+                         "jamba": "JambaConfig", "lfm2": "Lfm2Config"}
 
 #: (model, backend, graph mode, speculative tokens) and its share of the draws;
 #: FULL_AND_PIECEWISE breaks mixed steps at the recurrent layers.
@@ -72,6 +78,8 @@ SWEEP: tuple[tuple[str, str, str, int, int], ...] = (
     # Mamba1 through the Transformers backend (selective scan; Jamba with attention and experts)
     ("jamba", "cpu", "FULL", 1, 2), ("jamba", "cpu", "FULL_AND_PIECEWISE", 0, 2),
     ("mamba", "cpu", "FULL_AND_PIECEWISE", 2, 2), ("falcon_mamba", "cpu", "FULL", 0, 1),
+    # LFM2's short convolutions through the Transformers backend
+    ("lfm2", "cpu", "FULL", 1, 2), ("lfm2", "cpu", "FULL_AND_PIECEWISE", 0, 2),
 )
 #: XLA's token x batch-size grid for the sweep (every bucket is compiled at warm-up).
 XLA_GRID: dict[str, Any] = dict(precompile_token_paddings=[16, 32], precompile_bs_paddings=[4])

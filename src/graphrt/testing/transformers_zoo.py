@@ -46,6 +46,7 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "xmod": dict(default_language="en_XX"),
     "zaya": dict(num_experts_per_tok=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),      # its default layer_types are all attention
     # a Mamba2 layer beside an attention layer (its default layer_types are all Mamba2), SSD chunks of 4
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_chunk_size=4),
     "dots3_note_text": dict(num_key_value_heads=4),

@@ -116,9 +116,10 @@ def _rows(meta: StateMeta, index: jax.Array, num_tokens: int) -> tuple[jax.Array
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None, init: jax.Array, meta: StateMeta,
-                  checkpoints: int) -> tuple[jax.Array, jax.Array]:
-    """``x [T, D]``, ``weight [D, K]``, ``init [R + 1, D, K - 1]`` -> (``silu(conv) [T, D]``, the
-    window after each request's last C positions ``[R + 1, C, D, K - 1]``)."""
+                  checkpoints: int, activation: bool = True) -> tuple[jax.Array, jax.Array]:
+    """``x [T, D]``, ``weight [D, K]``, ``init [R + 1, D, K - 1]`` -> (``silu(conv) [T, D]`` --
+    ``conv`` without ``activation``: LFM2's short convolution --, the window after each
+    request's last C positions ``[R + 1, C, D, K - 1]``)."""
     t, d = x.shape
     k = weight.shape[1]
     xf, w = x.astype(jnp.float32), weight.astype(jnp.float32)
@@ -136,7 +137,7 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None, init:
     col = jnp.clip(src + (k - 1), 0, max(k - 2, 0))
     from_init = init_t[jnp.arange(init_t.shape[0])[:, None, None], col]
     window = jnp.where(valid[..., None], xf[rows], from_init)
-    return jax.nn.silu(acc).astype(x.dtype), jnp.swapaxes(window, 2, 3)
+    return (jax.nn.silu(acc) if activation else acc).astype(x.dtype), jnp.swapaxes(window, 2, 3)
 
 
 def ssd_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, init: jax.Array,

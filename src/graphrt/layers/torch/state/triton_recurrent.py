@@ -86,7 +86,7 @@ def _pow2(n: int) -> int:
 
 def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, init: torch.Tensor,
                          meta: StateMetadata, activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~graphrt.layers.torch.state.mamba_kernels.causal_conv1d` in Triton (SiLU always)."""
+    """:func:`~graphrt.layers.torch.state.mamba_kernels.causal_conv1d` in Triton (SiLU where ``activation``)."""
     from graphrt.layers.torch.state.mamba_kernels import conv_windows
 
     conv = _kernels(x.device.type != "cuda")[0]
@@ -97,7 +97,7 @@ def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     init_f = init.float().contiguous()
     conv[(t, -(-d // CONV_BLOCK))](xf, w, bias.float().contiguous() if bias is not None else w, init_f, out,
                                    meta.token_req, meta.token_index, d, K=k, HAS_BIAS=bias is not None,
-                                   BLOCK=CONV_BLOCK)
+                                   BLOCK=CONV_BLOCK, ACTIVATION=bool(activation))
     return out.to(x.dtype), conv_windows(xf, init_f, meta, k)
 
 

@@ -15,10 +15,11 @@ import triton.language as tl
 
 
 def conv1d_kernel(x, weight, bias, init, out, token_req, token_index, num_channels,
-                  K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                  K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ACTIVATION: tl.constexpr):
     """Token ``program_id(0)``, channels ``program_id(1) * BLOCK ..``: the depthwise causal
     convolution over its request's inputs and, before its first token, the request's window
-    (``init [R + 1, D, K - 1]``), then SiLU. ``x`` / ``out`` ``[T, D]``, ``weight [D, K]``."""
+    (``init [R + 1, D, K - 1]``), then SiLU where ``ACTIVATION`` (LFM2's short convolution has
+    none). ``x`` / ``out`` ``[T, D]``, ``weight [D, K]``."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = d < num_channels
@@ -37,7 +38,8 @@ def conv1d_kernel(x, weight, bias, init, out, token_req, token_index, num_channe
                      other=0.0)
         value = tl.where(from_tokens, xv.to(tl.float32), sv.to(tl.float32))
         acc += value * tl.load(weight + d * K + tap, mask=inside, other=0.0).to(tl.float32)
-    acc = acc * tl.sigmoid(acc)
+    if ACTIVATION:
+        acc = acc * tl.sigmoid(acc)
     tl.store(out + t * num_channels + d, acc, mask=inside)
 
 

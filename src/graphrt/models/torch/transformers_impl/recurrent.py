@@ -1,13 +1,13 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
 A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next, Jamba) or recurrent model (Mamba,
-Falcon-Mamba) keeps recurrent state in its own per-sequence ``Cache``, unusable for graphrt's
-packed rows. :func:`route_recurrent_mixers` replaces each recurrent mixer with a
+Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
+``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each recurrent mixer with a
 :class:`RoutedMixer` around graphrt's own module for that kind (:class:`Mamba2Mixer`,
-:class:`GatedDeltaNet`, :class:`Mamba1Mixer`) sharing the transformers parameters; these read
+:class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`) sharing the transformers parameters; these read
 their ``state_cache`` slots and are the PIECEWISE split points. Only classes whose computation
 graphrt reproduces are routed (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`,
-:data:`MAMBA1_MIXERS`); any other recurrent layer is refused by :func:`served_types`.
+:data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`); any other recurrent layer is refused by :func:`served_types`.
 
 Most of these models' classes do not declare ``_supports_attention_backend``: the loader takes
 them all the same when their modeling module defines a routed mixer class
@@ -30,9 +30,10 @@ from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 from graphrt.models.torch.mamba1 import Mamba1Mixer
 from graphrt.models.torch.mamba2 import Mamba2Mixer
 from graphrt.models.torch.qwen3_next import GatedDeltaNet
+from graphrt.models.torch.short_conv import ShortConvMixer
 
 #: ``layer_types`` entries of recurrent layers that a routed mixer can serve.
-RECURRENT_TYPES = frozenset({"mamba", "linear_attention"})
+RECURRENT_TYPES = frozenset({"mamba", "linear_attention", "conv"})
 #: transformers' Mamba2 mixers of the Granite-4-H / Bamba shape (x|B|C convolution, SSD scan,
 #: grouped gated RMSNorm): graphrt's Mamba2Mixer computes the same.
 MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "BambaMixer"})
@@ -41,8 +42,11 @@ DELTA_MIXERS = frozenset({"Qwen3NextGatedDeltaNet"})
 #: transformers' Mamba1 mixers (selective scan): Mamba's, Falcon-Mamba's (unweighted RMS norms of
 #: dt, B and C) and Jamba's (weighted ones).
 MAMBA1_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+#: LFM2's gated short convolutions (``conv`` layers): ``out_proj(C * conv(B * x))``, no activation.
+SHORT_CONV_MIXERS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv"})
 #: The names of each kind's state tensors (the state spec's, in the module's ``state_shapes()`` order).
-STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm")}
+STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm"),
+               "short_conv": ("conv",)}
 #: Class-name fragments of recurrent mixers graphrt does not route (for the refusal).
 RECURRENT_HINTS = ("Mamba", "Mixer", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent")
 
@@ -152,7 +156,24 @@ def routed_kinds() -> dict[str, str]:
     """Every routed class name -> the kind graphrt's module for it declares in the state spec
     (read from the class sets at each call)."""
     return {**{name: "mamba2" for name in MAMBA2_MIXERS}, **{name: "gated_delta_net" for name in DELTA_MIXERS},
-            **{name: "mamba1" for name in MAMBA1_MIXERS}}
+            **{name: "mamba1" for name in MAMBA1_MIXERS}, **{name: "short_conv" for name in SHORT_CONV_MIXERS}}
+
+
+def _short_conv(path: str, hf: nn.Module) -> ShortConvMixer:
+    """graphrt's ShortConvMixer over ``hf``'s parameters (LFM2's ``conv`` layers)."""
+    h = int(hf.in_proj.in_features)
+    if hf.in_proj.out_features != 3 * h or hf.conv.in_channels != h or hf.conv.groups != h:
+        raise ConfigError(f"{path}: in_proj gives {hf.in_proj.out_features} features and the convolution "
+                          f"{hf.conv.in_channels} channels in {hf.conv.groups} groups; graphrt's short convolution "
+                          f"needs B|C|x = {3 * h} and a depthwise convolution of {h} channels")
+    c = SimpleNamespace(hidden_size=h, conv_kernel=int(hf.conv.kernel_size[0]), bias=hf.in_proj.bias is not None)
+    if (hf.conv.bias is not None) != c.bias or (hf.out_proj.bias is not None) != c.bias:
+        raise ConfigError(f"{path}: its projections and convolution disagree on biases; graphrt's short convolution "
+                          "has all or none")
+    with torch.device("meta"):
+        mixer = ShortConvMixer(c)
+    mixer.in_proj, mixer.conv, mixer.out_proj = hf.in_proj, hf.conv, hf.out_proj
+    return _all_shared(path, mixer)
 
 
 def _layer_of(path: str) -> int | None:
@@ -193,7 +214,8 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
                           f"to its recurrent kernels ({routes})")
     left = [f"{name} ({type(m).__name__})" for name, m in hf_model.named_modules()
             if any(h in type(m).__name__ for h in RECURRENT_HINTS) and hasattr(m, "conv1d")
-            and type(m).__name__ not in kinds and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer))]
+            and type(m).__name__ not in kinds
+            and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer, ShortConvMixer))]
     if left:
         raise ConfigError(f"{type(hf_model).__name__}: recurrent mixers {left} are of no class graphrt routes to its "
                           f"recurrent kernels ({routes}): their state would live in transformers' own cache, which "
@@ -207,7 +229,8 @@ def route_recurrent_mixers(hf_model: nn.Module, found: list[tuple[int, str, nn.M
     routed = []
     for _, name, module in found:
         kind = routed_kinds()[type(module).__name__]
-        mixer = {"mamba2": _mamba2, "gated_delta_net": _delta, "mamba1": _mamba1}[kind](name, module)
+        mixer = {"mamba2": _mamba2, "gated_delta_net": _delta, "mamba1": _mamba1, "short_conv": _short_conv}[kind](
+            name, module)
         parent_name, _, child = name.rpartition(".")
         wrapper = RoutedMixer(mixer, kind, f"{name} ({type(module).__name__})")
         setattr(hf_model.get_submodule(parent_name), child, wrapper)
@@ -255,6 +278,6 @@ def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[
                           "their own, without graphrt's paged KV cache")
 
 
-__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer",
+__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer", "SHORT_CONV_MIXERS",
            "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds", "routed_mixer_classes",
            "served_types", "state_spec_of"]
