@@ -11,7 +11,7 @@ window in a state slot (kind ``short_conv``). Here:
   biased): 4 requests joining at different steps, chunked prefill, a preempted request
   recomputed, on ``eager`` and ``cpu`` FULL graphs;
 * the routed modules hold transformers' parameters and declare the ``short_conv`` state spec;
-  the kit's ``state_isolated``, ``kv_isolated`` and ``padding_invisible`` on LFM2.
+  the kit's ``state_isolated``, ``kv_isolated`` and ``padding_invisible`` on LFM2; a short state sweep.
 """
 
 from __future__ import annotations
@@ -155,3 +155,15 @@ def test_kit_state_isolation_on_lfm2():
     results = run_conformance(factory=factory, properties=["state_isolated", "kv_isolated", "padding_invisible"],
                               examples=6, report=None)
     assert [r.status for r in results] == ["PASS"] * 3, [r.line() for r in results]
+
+
+def test_a_short_state_sweep_of_lfm2():
+    """The state sweep's LFM2 configuration with FULL mixed and K+1 steps, 30 drawn steps: no
+    live slot touched; the 10,000-step run is in docs/hybrid.md."""
+    from graphrt.testing import state_sweep
+
+    config = ("lfm2", "cpu", "FULL", 1)
+    assert (*config, 2) in state_sweep.SWEEP
+    line = state_sweep.sweep_config(config, 30)
+    assert line.violation is None and line.steps == 30, line.line()
+    assert min(line.kinds["FULL mixed"], line.kinds["K+1"], line.kinds["padded"], line.kinds["restart"]) > 0
