@@ -95,7 +95,8 @@ def test_reference_uniform_steps_run_the_recurrent_form(q):
     which equals the loop and the segmented scan."""
     r, checkpoints = 3, 3
     qsl = torch.arange(0, (r + 1) * q, q, dtype=torch.int32)
-    meta = build_state_metadata(qsl, torch.tensor([4, 0, 2], dtype=torch.int32), torch.tensor([1, 0, 2], dtype=torch.int32),
+    meta = build_state_metadata(qsl, torch.tensor([4, 0, 2], dtype=torch.int32),
+                                torch.tensor([1, 0, 2], dtype=torch.int32),
                                 r * q, num_slots=3, checkpoints=checkpoints, uniform_query_len=q)
     assert meta.uniform_query_len == q
     args = _inputs(r * q, r + 1, meta, 3)

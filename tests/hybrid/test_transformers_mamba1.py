@@ -84,7 +84,8 @@ def _wrapped(arch: str, **kwargs):
 def test_routed_mixers_hold_transformers_weights_and_the_mamba1_state_spec(arch):
     model = _wrapped(arch)
     hf = load_hf_hybrid(hybrid_model_dir(arch))
-    layers = [i for i, layer in enumerate(model.body.layers) if isinstance(getattr(layer, MIXER[arch], None), RoutedMixer)]
+    layers = [i for i, layer in enumerate(model.body.layers)
+              if isinstance(getattr(layer, MIXER[arch], None), RoutedMixer)]
     assert [getattr(model.body.layers[i], MIXER[arch]).mixer for i in layers] == model.state_layers()
     for i in layers:
         own = dict(getattr(hf.get_submodule(model._body_name).layers[i], MIXER[arch]).named_parameters())
@@ -97,7 +98,7 @@ def test_routed_mixers_hold_transformers_weights_and_the_mamba1_state_spec(arch)
     kernel = config.conv_kernel if arch == "falcon_mamba" else config.mamba_d_conv
     assert model.state_spec().groups == (StateGroup((0, 1), (StateTensor("conv", (inner, kernel - 1)),
                                                              StateTensor("ssm", (inner, d_state))), "mamba1"),)
-    assert [layer for layer in layers] == ([0, 1] if arch == "falcon_mamba" else [0, 2])
+    assert layers == ([0, 1] if arch == "falcon_mamba" else [0, 2])
 
 
 def test_kit_state_isolation_on_jamba():
@@ -141,7 +142,7 @@ def test_an_unflagged_class_whose_attention_bypasses_the_interface_is_refused(mo
         _wrapped("jamba")
 
 
-def test_a_mixer_of_another_activation_is_refused_naming_it(tmp_path):
+def test_a_mixer_of_another_activation_is_refused_naming_it():
     hf = transformers.AutoModelForCausalLM.from_pretrained(hybrid_model_dir("mamba"), dtype=torch.float32)
     hf.backbone.layers[0].mixer.activation = "gelu"
     hf.config._attn_implementation = ATTENTION_NAME
@@ -149,7 +150,7 @@ def test_a_mixer_of_another_activation_is_refused_naming_it(tmp_path):
         wrap_transformers_model(hf)
 
 
-def test_an_unflagged_class_without_routed_mixers_is_still_refused_from_its_directory(tmp_path):
+def test_an_unflagged_class_without_routed_mixers_is_still_refused_from_its_directory():
     from graphrt.models.torch.transformers_impl.loader import causal_lm_class
 
     config = transformers.AutoConfig.for_model("mamba")

@@ -141,7 +141,8 @@ def test_routed_mixers_hold_transformers_weights_and_the_short_conv_state_spec()
     assert layers == [0, 2]
     assert [model.body.layers[i].conv.mixer for i in layers] == model.state_layers()
     for i in layers:
-        own, ours = dict(hf.model.layers[i].conv.named_parameters()), dict(model.body.layers[i].conv.mixer.named_parameters())
+        own = dict(hf.model.layers[i].conv.named_parameters())
+        ours = dict(model.body.layers[i].conv.mixer.named_parameters())
         assert sorted(own) == sorted(ours) and all(torch.equal(own[n], ours[n]) for n in own)
     assert model.state_spec().groups == (StateGroup((0, 1), (StateTensor("conv", (64, 2)),), "short_conv"),)
 

@@ -1,13 +1,14 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
-A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next, Jamba) or recurrent model (Mamba,
+A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next, Jamba), recurrent model (Mamba,
 Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
-``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each recurrent mixer with a
-:class:`RoutedMixer` around graphrt's own module for that kind (:class:`Mamba2Mixer`,
-:class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`) sharing the transformers parameters; these read
-their ``state_cache`` slots and are the PIECEWISE split points. Only classes whose computation
-graphrt reproduces are routed (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`,
-:data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`); any other recurrent layer is refused by :func:`served_types`.
+``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
+recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
+(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`)
+sharing the transformers parameters; these read their ``state_cache`` slots and are the
+PIECEWISE split points. Only classes whose computation graphrt reproduces are routed
+(:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`);
+any other recurrent layer is refused by :func:`served_types`.
 
 Most of these models' classes do not declare ``_supports_attention_backend``: the loader takes
 them all the same when their modeling module defines a routed mixer class
@@ -253,7 +254,8 @@ def routed_mixer_classes(cls: type) -> list[str]:
     """The routed mixer classes (:func:`routed_kinds`) that ``cls``'s modeling module defines: a model
     class without ``_supports_attention_backend`` is loaded when there is one (module docstring)."""
     module = sys.modules.get(getattr(cls, "__module__", ""))
-    return sorted(name for name in routed_kinds() if module is not None and isinstance(getattr(module, name, None), type))
+    return sorted(name for name in routed_kinds()
+                  if module is not None and isinstance(getattr(module, name, None), type))
 
 
 def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[int]) -> None:
@@ -279,5 +281,6 @@ def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[
 
 
 __all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer", "SHORT_CONV_MIXERS",
-           "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds", "routed_mixer_classes",
+           "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
+           "routed_mixer_classes",
            "served_types", "state_spec_of"]
