@@ -22,6 +22,7 @@ from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_tasks import capture_active
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.state_spec import StateSpec
+from graphrt.models.torch.transformers_impl.experts import unrouted_note
 from graphrt.models.torch.transformers_impl.facts import LayerFacts, innermost_module, module_paths, text_config
 from graphrt.models.torch.transformers_impl.interface import handling
 from graphrt.models.torch.transformers_impl.layer import HFPagedAttention, ReferencePagedBackend
@@ -189,7 +190,7 @@ class TransformersForCausalLM(nn.Module):
             where = self._where(exc)
             if where is None:
                 raise
-            raise GraphCaptureError(f"{exc} [in {where}]") from exc
+            raise GraphCaptureError(f"{exc} [in {where}]{unrouted_note(where)}") from exc
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         return hidden[0]
 
