@@ -26,8 +26,8 @@ pytest.importorskip("transformers")
 from graphrt.models.torch.transformers_impl import (ATTENTION_NAME, load_transformers_model,  # noqa: E402
                                                     register_attention, wrap_transformers_model)
 from graphrt.models.torch.transformers_impl.experts import LAYOUTS, route_experts  # noqa: E402
-from graphrt.testing.transformers_matrix import TIE_TOLERANCE  # noqa: E402
-from graphrt.testing.transformers_zoo import load_reference, reference_logits, tiny_checkpoint  # noqa: E402
+from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint  # noqa: E402
+from support.teacher_forced import assert_teacher_forced  # noqa: E402
 
 #: The tiny checkpoints: LongCat-Flash with 2 identity experts beside its 4 (so both kinds are hit).
 CHECKPOINTS = {"dbrx": {}, "jetmoe": {}, "longcat_flash": {"zero_expert_num": 2}}
@@ -36,8 +36,6 @@ KW = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_siz
 PROMPTS = [[5, 9, 17, 33, 65, 7, 11, 13, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61], [40, 41],
            [3, 4, 5, 6, 7, 8], [90, 12, 77], [100, 101, 102, 103, 104, 105, 106, 107, 108]]
 PARAMS = graphrt.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
-#: Logprobs: another summation order than transformers' (slots summed, not experts accumulated).
-ATOL = 2e-4
 
 
 def _path(arch):
@@ -108,17 +106,6 @@ def _llm(arch, mode, **kw):
     return graphrt.LLM(str(_path(arch)), model_impl="transformers", **backend, **KW, **kw)
 
 
-def _teacher_forced(reference, out):
-    """Each prompt and generated token's logprob against transformers' own (float32, eager attention)."""
-    seq = out.prompt_token_ids + out.token_ids
-    want = torch.log_softmax(reference_logits(reference, seq[:-1]), -1)
-    got = [lp[tok].logprob for lp, tok in zip(out.prompt_logprobs[1:] + out.logprobs, seq[1:])]
-    np.testing.assert_allclose(got, [float(want[i, tok]) for i, tok in enumerate(seq[1:])], atol=ATOL)
-    for j, tok in enumerate(out.token_ids):
-        row = want[len(out.prompt_token_ids) - 1 + j]
-        assert row[tok] >= row.max() - TIE_TOLERANCE, (j, tok, int(row.argmax()))
-
-
 @pytest.mark.parametrize("mode", ["eager", "FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"])
 @pytest.mark.parametrize("arch", list(CHECKPOINTS))
 def test_host_sync_experts_run_in_every_graph_mode(arch, mode, references):
@@ -130,7 +117,7 @@ def test_host_sync_experts_run_in_every_graph_mode(arch, mode, references):
         assert stats["hits"] > 0 and {k for k, v in stats["eager_by_cause"].items() if v["steps"]} <= {"mode"}
     for out in outs:
         assert len(out.token_ids) == 4
-        _teacher_forced(references(arch), out)
+        assert_teacher_forced(references(arch), out)
 
 
 # ---- what is not routed is refused with its host sync named -------------------------------------
