@@ -4,9 +4,11 @@
 attention function answers zeros and records each call: heads and head sizes (this rank's),
 ``scaling``, ``sliding_window``, ``softcap``, sinks. Each *call* is a call site with a KV cache of
 its own, keyed by its order within the forward: a module that attends twice (differential
-attention, a block shared by several layers, a stack run in loops) gets one per call. A layer
-disagreeing with ``layer_types``, a mask of the model's own, an unknown keyword or a layer without
-``layer_idx`` is refused with a :class:`ConfigError` naming the module path.
+attention, a block shared by several layers, a stack run in loops) gets one per call. A mask the
+model builds itself is read (:func:`mask_window_of`): causal, with or without a sliding window,
+runs; any other is refused naming what it does. A layer disagreeing with ``layer_types``, an
+unknown keyword or a layer without ``layer_idx`` is refused with a :class:`ConfigError` naming
+the module path.
 """
 
 from __future__ import annotations

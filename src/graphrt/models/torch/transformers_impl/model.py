@@ -2,8 +2,9 @@
 
 :class:`TransformersForCausalLM` wraps a loaded ``*ForCausalLM`` whose config routes attention to
 graphrt (``interface.py``): ``forward`` runs the decoder body on one packed row, each attention
-call reaching its layer's :class:`HFPagedAttention`; ``compute_logits`` runs the model's own head
-over a stand-in body, so soft-capping and logit scales are transformers' own. A known capture
+call reaching its call site's :class:`HFPagedAttention` (one per call, by order: facts.py);
+``compute_logits`` runs the model's own head over a stand-in body, so soft-capping and logit
+scales are transformers' own. A known capture
 blocker (``graph_blocker``) raises :class:`GraphCaptureError` when a capture reaches the forward;
 other capture failures are re-raised naming the module they came from.
 See docs/transformers-models.md.
