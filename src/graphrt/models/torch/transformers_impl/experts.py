@@ -13,9 +13,9 @@ parameters, their names and any tensor-parallel hooks stay) of each module in :d
 weights pass the layout's shape check with graphrt's grouped path over *views* of its own weights
 (no copy): the (token, slot) pairs sorted by expert on the device, group ends by ``searchsorted``
 (no host sync, static shapes), one grouped matmul per projection (``experts="grouped_mm"``, the
-default; ``"batched_mm"``: each pair's expert matrix gathered, then one batched matmul), rows of
-zero-computation experts (LongCat-Flash's identity experts) passed through, each pair weighted,
-the slots summed. ``experts="eager"`` keeps the module's own loop and its model runs eagerly
+default, where :func:`grouped_mm_runs`; ``"batched_mm"`` and elsewhere: each pair's expert matrix
+gathered, then one batched matmul), rows of zero-computation experts (LongCat-Flash's identity
+experts) passed through, each pair weighted, the slots summed. ``experts="eager"`` keeps the module's own loop and its model runs eagerly
 (:func:`routing_blocker` names the host sync). An experts module of any other class keeps its
 forward; when a capture reaches a host sync in it, the capture error (op, module, line) gets this
 rule appended (:func:`unrouted_note`).
@@ -34,6 +34,15 @@ from torch import nn
 ROUTED_IMPLS = ("grouped_mm", "batched_mm")
 #: Ends of class names that mark a module as part of a MoE's experts or routing (for the note).
 EXPERTS_NAME_ENDS = ("Expert", "Experts", "ExpertGLU", "Gating", "Router", "MoE", "MoA")
+
+
+def grouped_mm_runs(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes these on the device with no host sync: on CPU any
+    float dtype; on other devices bfloat16 (other dtypes may fall back to a loop that reads the
+    group ends on the host). Otherwise the batched matmul runs instead."""
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        return False
+    return rows.device.type == "cpu" or weight.dtype == torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ class Groups:
         ``transposed``) -> ``[S, out]``; rows of zero-computation experts are 0."""
         w = weight if transposed else weight.transpose(-2, -1)            # [E, in, out], a view
         x = rows.to(w.dtype)
-        if self.impl == "grouped_mm" and hasattr(torch.nn.functional, "grouped_mm"):
+        if self.impl == "grouped_mm" and grouped_mm_runs(x, w):
             out = torch.nn.functional.grouped_mm(x, w, offs=self.ends)   # rows past ends[-1] are not written
         else:
             out = torch.bmm(x[:, None, :], w[self.expert.clamp(max=self.num_experts - 1)])[:, 0]
@@ -276,4 +285,4 @@ def unrouted_note(where: str) -> str:
 
 
 __all__ = ["EXPERTS_NAME_ENDS", "GluWeights", "Groups", "LAYOUTS", "Layout", "ROUTED_IMPLS", "grouped_experts",
-           "route_experts", "routing_blocker", "unrouted_note"]
+           "grouped_mm_runs", "route_experts", "routing_blocker", "unrouted_note"]
