@@ -2,9 +2,13 @@
 
 :func:`layer_facts` reads them once at load, from the config and one probe forward in which the
 attention function answers zeros and records each call: heads and head sizes (this rank's),
-``scaling``, ``sliding_window``, ``softcap``, sinks. A layer disagreeing with ``layer_types``, a
-mask of the model's own, an unknown keyword, a layer without ``layer_idx`` or called twice is
-refused with a :class:`ConfigError` naming the module path.
+``scaling``, ``sliding_window``, ``softcap``, sinks. Each *call* is a call site with a KV cache of
+its own, keyed by its order within the forward: a module that attends twice (differential
+attention, a block shared by several layers, a stack run in loops) gets one per call. A mask the
+model builds itself is read (:func:`mask_window_of`): causal, with or without a sliding window,
+runs; any other is refused naming what it does. A layer disagreeing with ``layer_types``, an
+unknown keyword or a layer without ``layer_idx`` is refused with a :class:`ConfigError` naming
+the module path.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ PROBE_TOKENS = 5
 
 @dataclass(frozen=True)
 class LayerFacts:
-    """One attention layer as graphrt's paged attention runs it (this rank's heads)."""
+    """One attention call site as graphrt's paged attention runs it (this rank's heads):
+    ``layer_idx`` is the module's; ``call``: the site's order within the forward (its KV cache)."""
 
     layer_idx: int
     path: str                 # the transformers module's path, for errors
@@ -48,6 +53,47 @@ class LayerFacts:
     sliding_window: int = 0
     softcap: float = 0.0
     sinks: bool = False
+    call: int = 0
+    module_id: int = 0        # id() of the calling module: each forward's calls are checked against it
+
+
+def mask_window_of(path: str, mask: Any, tokens: int) -> int | None:
+    """The sliding window a mask the model built itself (the probe's ``tokens`` queries and keys)
+    shows: None for a causal mask (no window visible), ``w`` for causal plus a window of ``w``.
+    Any other mask is a ConfigError naming what it does that graphrt's paged attention cannot:
+    a bias added to the scores, keys after the query, per-head masks, chunks, other patterns."""
+    head = (f"{path} builds an attention mask of its own ({type(mask).__name__} "
+            f"{tuple(getattr(mask, 'shape', ()))})")
+    tail = "; graphrt's paged attention applies causal masks with or without a sliding window only"
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (tokens, tokens):
+        raise ConfigError(f"{head} that is no [.., queries, keys] tensor graphrt can read{tail}")
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if bool(((mask != 0) & ~blocked).any()):
+            raise ConfigError(f"{head}, adding a bias to the scores: values other than 0 and -inf where it lets a "
+                              f"query see a key (a learned or dynamic per-key bias, not a mask){tail}")
+        allowed = ~blocked
+    allowed = allowed.reshape(-1, tokens, tokens)
+    if bool((allowed != allowed[:1]).any()):
+        raise ConfigError(f"{head}, differing between heads or rows of the batch{tail}")
+    allowed = allowed[0].cpu()
+    pos = torch.arange(tokens)
+    causal = pos[None, :] <= pos[:, None]
+    if bool((allowed & ~causal).any()):
+        raise ConfigError(f"{head} that lets queries see later keys (not causal){tail}")
+    if bool(torch.equal(allowed, causal)):
+        return None
+    distance = pos[:, None] - pos[None, :]
+    for window in range(1, tokens):
+        if torch.equal(allowed, causal & (distance < window)):
+            return window
+    for chunk in range(1, tokens):
+        if torch.equal(allowed, causal & ((pos[:, None] // chunk) == (pos[None, :] // chunk))):
+            raise ConfigError(f"{head}: chunked attention, chunks of {chunk} tokens (a query sees only the keys of "
+                              f"its own chunk){tail}")
+    raise ConfigError(f"{head} that hides keys a causal mask shows, in no sliding-window pattern{tail}")
 
 
 def text_config(config: Any) -> Any:
@@ -78,7 +124,7 @@ class _Probe:
 
     def __init__(self, paths: dict[int, str]) -> None:
         self.paths = paths
-        self.calls: dict[int, dict[str, Any]] = {}
+        self.calls: list[dict[str, Any]] = []          # in call order: one per call site
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  mask: Any, kwargs: dict) -> tuple[torch.Tensor, None]:
@@ -87,16 +133,10 @@ class _Probe:
         if not isinstance(idx, int):
             raise ConfigError(f"{path} ({type(module).__name__}) has no integer layer_idx: graphrt finds each "
                               "attention layer's KV cache by it")
-        if idx in self.calls:
-            raise ConfigError(f"{path}: layer_idx {idx} attends twice in one forward (shared or repeated "
-                              "layers): each call needs its own KV cache")
         unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None))
         if unknown:
             raise ConfigError(f"{path} passes attention keywords graphrt's paged attention does not apply: {unknown}")
-        if mask is not None:
-            raise ConfigError(f"{path} builds an attention mask of its own ({type(mask).__name__} "
-                              f"{tuple(getattr(mask, 'shape', ()))}): graphrt's paged attention applies causal "
-                              "masks and sliding windows only")
+        mask_window = None if mask is None else mask_window_of(path, mask, int(query.shape[2]))
         if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
             raise ConfigError(f"{path} attends bidirectionally (is_causal=False): graphrt's paged attention is causal")
         if query.dim() != 4 or query.shape[0] != 1 or key.shape[-1] != query.shape[-1]:
@@ -107,11 +147,11 @@ class _Probe:
             raise ConfigError(f"{path}: {heads} query heads are not a multiple of {kv_heads} KV heads")
         scaling = kwargs.get("scaling", getattr(module, "scaling", None))
         sinks = kwargs.get("s_aux")
-        self.calls[idx] = dict(path=path, heads=heads, kv_heads=kv_heads, head_dim=int(query.shape[-1]),
+        self.calls.append(dict(layer_idx=idx, module_id=id(module), path=path, heads=heads, kv_heads=kv_heads, head_dim=int(query.shape[-1]),
                                head_dim_v=int(value.shape[-1]),
                                scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
-                               window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
-                               sinks=sinks is not None)
+                               window=kwargs.get("sliding_window") or mask_window, softcap=kwargs.get("softcap"),
+                               sinks=sinks is not None))
         t = query.shape[2]
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
 
@@ -142,8 +182,8 @@ def innermost_module(exc: BaseException, paths: dict[int, str]) -> str | None:
 
 def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
                 recurrent: frozenset[str] = frozenset()) -> list[LayerFacts]:
-    """Probe ``base`` (the decoder body of ``hf_model``) once and return its attention layers in
-    ``layer_idx`` order, checked against the config (module docstring). ``recurrent``: the
+    """Probe ``base`` (the decoder body of ``hf_model``) once and return its attention call sites
+    in call order, checked against the config (module docstring). ``recurrent``: the
     ``layer_types`` kinds of recurrent layers whose mixers graphrt routes (``recurrent.py``);
     any other kind that is not attention is refused."""
     config = text_config(hf_model.config)
@@ -171,17 +211,33 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     if not probe.calls:
         raise ConfigError(f"{type(hf_model).__name__} never called its attention implementation: its attention "
                           "does not go through transformers' AttentionInterface")
+    _refuse_shared_past(config)
     windows = config_windows(config, len(probe.calls))
     facts = []
-    for idx in sorted(probe.calls):
-        call = probe.calls[idx]
+    for site, call in enumerate(probe.calls):
+        idx = call["layer_idx"]
         window = _window(call, windows, idx)
         softcap = float(call["softcap"] or 0.0)
         if softcap < 0 or not math.isfinite(softcap) or not math.isfinite(call["scale"]):
             raise ConfigError(f"{call['path']}: softcap {call['softcap']} / scaling {call['scale']} must be finite")
         facts.append(LayerFacts(idx, call["path"], call["heads"], call["kv_heads"], call["head_dim"],
-                                call["head_dim_v"], call["scale"], window, softcap, call["sinks"]))
+                                call["head_dim_v"], call["scale"], window, softcap, call["sinks"], site,
+                                call["module_id"]))
     return facts
+
+
+#: Config settings under which a repeated call attends over *another* call's cached past (not its
+#: own): graphrt keeps a KV cache per call site, so it would compute something else.
+SHARED_PAST = {("recurrent_kv_cache_mode", "last_loop"): "its earlier recurrent loops attend over the last "
+                                                          "loop's cached keys and values instead of their own"}
+
+
+def _refuse_shared_past(config: Any) -> None:
+    for (key, value), what in SHARED_PAST.items():
+        if getattr(config, key, None) == value:
+            raise ConfigError(f"{type(config).__name__}: {key}={value!r}: {what}; graphrt keeps one KV cache per "
+                              "attention call (what a full forward computes); load it with another "
+                              f"{key} (e.g. 'per_loop')")
 
 
 def position_offset(hf_model: torch.nn.Module, base: torch.nn.Module) -> int:
@@ -235,6 +291,6 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
     return declared
 
 
-__all__ = ["FULL_TYPES", "HARMLESS_KWARGS", "LayerFacts", "SLIDING_TYPES", "config_windows", "layer_facts",
-           "innermost_module", "module_paths", "position_offset",
+__all__ = ["FULL_TYPES", "HARMLESS_KWARGS", "LayerFacts", "SHARED_PAST", "SLIDING_TYPES", "config_windows",
+           "layer_facts", "innermost_module", "mask_window_of", "module_paths", "position_offset",
            "text_config"]

@@ -25,6 +25,7 @@ from graphrt.core.errors import ConfigError, InputError
 from graphrt.models.checkpoint import NAMES_SHOWN, names_with_files, tensor_files
 from graphrt.models.model_impl import read_config_json
 from graphrt.models.torch.transformers_impl.facts import layer_facts, position_offset, text_config
+from graphrt.models.torch.transformers_impl.experts import route_experts, routing_blocker
 from graphrt.models.torch.transformers_impl.interface import ATTENTION_NAME, register_attention
 from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_of
 from graphrt.models.torch.transformers_impl.moe import experts_blocker, experts_implementation
@@ -166,9 +167,12 @@ def _no_padding_check(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> TransformersForCausalLM:
+def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1,
+                            experts: str | None = None) -> TransformersForCausalLM:
     """``hf_model`` (loaded with ``attn_implementation="graphrt"``) as a graphrt model: its layers
-    probed (``facts.py``), its recurrent mixers routed to graphrt's kernels (``recurrent.py``)
+    probed (``facts.py``), its recurrent mixers routed to graphrt's kernels (``recurrent.py``),
+    its experts modules of a known layout outside transformers' experts interface routed to
+    graphrt's grouped path (``experts.py``; ``experts``: as :func:`load_transformers_model`'s)
     and what keeps it out of graphs named."""
     if getattr(hf_model.config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ConfigError(f"{type(hf_model).__name__} attends with {hf_model.config._attn_implementation!r}; load it "
@@ -176,7 +180,8 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
     hf_model.eval().requires_grad_(False)
     silence_padding_check(hf_model)
     route_length_rope(hf_model)          # dynamic / longrope RoPE per token, not per step (rope.py)
-    blocker = experts_blocker(hf_model)
+    route_experts(hf_model, experts_implementation(experts))
+    blocker = experts_blocker(hf_model) or routing_blocker(hf_model)
     body = body_of(hf_model)
     found = recurrent_mixers(hf_model)
     _refuse_sharded_state(hf_model, found, tp_size)
@@ -202,7 +207,8 @@ def load_transformers_model(model_dir: str | os.PathLike, dtype: torch.dtype = t
     """``model_dir`` through transformers' ``from_pretrained`` in ``dtype`` on ``device``, as a
     :class:`TransformersForCausalLM`; ``tp_size > 1``: rank ``tp_rank``'s shard over ``group`` by
     the model's ``base_model_tp_plan``. ``experts``: transformers' experts implementation
-    (default :data:`moe.DEFAULT_EXPERTS`; "eager" runs, eagerly only). ``trust_remote_code``: run
+    (default :data:`moe.DEFAULT_EXPERTS`; "eager" runs, eagerly only), also for the experts
+    modules graphrt routes itself (``experts.py``). ``trust_remote_code``: run
     the checkpoint's own code where its ``auto_map`` names some (never asked on stdin).
 
     A checkpoint that is not the model its config describes -- a tensor missing, unexpected or of
@@ -236,10 +242,10 @@ def load_transformers_model(model_dir: str | os.PathLike, dtype: torch.dtype = t
         full = layer_facts(hf_model, body_of(hf_model))
         shard_by_plan(hf_model, tp_rank, tp_size, group)
         with without_collectives():      # rank 0 loads before the process group exists
-            model = wrap_transformers_model(hf_model, tp_rank, tp_size)
+            model = wrap_transformers_model(hf_model, tp_rank, tp_size, experts)
         check_head_shards(full, list(model.facts), tp_size)
     else:
-        model = wrap_transformers_model(hf_model)
+        model = wrap_transformers_model(hf_model, experts=experts)
     model.source_dir = path
     model.trust_remote_code = trust_remote_code      # tensor-parallel ranks load the same way
     return model

@@ -2,8 +2,9 @@
 
 :class:`TransformersForCausalLM` wraps a loaded ``*ForCausalLM`` whose config routes attention to
 graphrt (``interface.py``): ``forward`` runs the decoder body on one packed row, each attention
-call reaching its layer's :class:`HFPagedAttention`; ``compute_logits`` runs the model's own head
-over a stand-in body, so soft-capping and logit scales are transformers' own. A known capture
+call reaching its call site's :class:`HFPagedAttention` (one per call, by order: facts.py);
+``compute_logits`` runs the model's own head over a stand-in body, so soft-capping and logit
+scales are transformers' own. A known capture
 blocker (``graph_blocker``) raises :class:`GraphCaptureError` when a capture reaches the forward;
 other capture failures are re-raised naming the module they came from.
 See docs/transformers-models.md.
@@ -22,6 +23,7 @@ from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_tasks import capture_active
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.state_spec import StateSpec
+from graphrt.models.torch.transformers_impl.experts import unrouted_note
 from graphrt.models.torch.transformers_impl.facts import LayerFacts, innermost_module, module_paths, text_config
 from graphrt.models.torch.transformers_impl.interface import handling
 from graphrt.models.torch.transformers_impl.layer import HFPagedAttention, ReferencePagedBackend
@@ -70,15 +72,25 @@ class _Body(nn.Module):
             return self
 
 
-class _LayerDispatch:
-    """The attention handler while the model runs: each call to its layer's paged attention."""
+class _CallSites:
+    """The attention handler of one forward: its ``i``-th attention call to the ``i``-th call
+    site's paged attention (each site its own KV cache, facts.py), checked to come from the
+    module the probe saw there. One per forward, so forwards on two threads count apart."""
 
-    def __init__(self, layers: dict[int, HFPagedAttention]) -> None:
-        self.layers = layers
+    def __init__(self, sites: tuple[tuple[int, str, HFPagedAttention], ...]) -> None:
+        self.sites = sites
+        self.next = 0
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  mask: Any, kwargs: dict) -> tuple[torch.Tensor, None]:
-        layer = self.layers[module.layer_idx]
+        i = self.next
+        if i >= len(self.sites) or self.sites[i][0] != id(module):
+            want = self.sites[i][1] if i < len(self.sites) else "no call"
+            raise ConfigError(f"attention call {i} of this forward came from another module than at load ({want}): "
+                              "graphrt keys each call's KV cache by its order within the forward, which must "
+                              "not change from step to step")
+        self.next = i + 1
+        layer = self.sites[i][2]
         t = query.shape[2]
         q = query[0].transpose(0, 1).reshape(t, -1)
         k = key[0].transpose(0, 1).reshape(t, -1)
@@ -158,7 +170,7 @@ class TransformersForCausalLM(nn.Module):
         self.paged = nn.ModuleList(HFPagedAttention(f.num_heads, f.num_kv_heads, f.head_dim, f.scale,
                                                     f.sliding_window, f.softcap, f.sinks, f.head_dim_v)
                                    for f in facts)
-        self._dispatch = _LayerDispatch({f.layer_idx: layer for f, layer in zip(facts, self.paged)})
+        self._sites = tuple((f.module_id, f.path, layer) for f, layer in zip(facts, self.paged))
         self._body_name = body_name(hf_model)
         self._stand_in = _Body()
         if any(layer.extended for layer in self.paged):
@@ -180,7 +192,7 @@ class TransformersForCausalLM(nn.Module):
         if self.graph_blocker is not None and capture_active():
             raise GraphCaptureError(self.graph_blocker)
         try:
-            with handling(self._dispatch):
+            with handling(_CallSites(self._sites)):
                 position_ids = positions[None].long()
                 if self.position_offset:
                     position_ids = position_ids + self.position_offset
@@ -189,7 +201,7 @@ class TransformersForCausalLM(nn.Module):
             where = self._where(exc)
             if where is None:
                 raise
-            raise GraphCaptureError(f"{exc} [in {where}]") from exc
+            raise GraphCaptureError(f"{exc} [in {where}]{unrouted_note(where)}") from exc
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         return hidden[0]
 
@@ -207,7 +219,7 @@ class TransformersForCausalLM(nn.Module):
         return out.logits[0].float()
 
     def attention_layers(self) -> list[HFPagedAttention]:
-        """graphrt's paged layer of each attention layer, in ``layer_idx`` order."""
+        """graphrt's paged layer of each attention call site, in call order (facts.py)."""
         return list(self.paged)
 
     def kv_cache_spec(self) -> KVCacheSpec:
