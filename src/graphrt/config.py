@@ -179,6 +179,11 @@ class GraphConfig(BaseModel):
         "auto", description="how PIECEWISE graphs are captured: fx (split the traced model at attention), "
                             "breakable (capture the forward once, breaking at each attention call; no tracing), "
                             "or auto (fx when the model traces, else breakable)")
+    collectives: Literal["captured", "eager"] = Field(
+        "captured", description="tensor parallelism: collectives inside the captured graphs (captured), or run "
+                                "eagerly between PIECEWISE pieces, capture stopping and resuming around each one "
+                                "(eager: for fabrics whose collectives cannot be captured; no FULL graphs; torch "
+                                "backends with the fx split; the xla backend refuses it)")
     context_buckets: Optional[Sizes] = Field(
         None, description="context buckets (tokens) of the keys whose attention reads each step's longest "
                           "context as a host value (graphrt's reference kernels; not Triton): a step runs under "

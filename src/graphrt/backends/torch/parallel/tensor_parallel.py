@@ -28,7 +28,7 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError, InputError
 from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
-from graphrt.core.graph_modes import RuntimeMode
+from graphrt.core.graph_modes import AttentionGraphSupport, RuntimeMode
 from graphrt.core.weight_reports import WeightsUpdate
 from graphrt.backends.torch.weights import staged_checkpoint
 
@@ -113,6 +113,14 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         self.model = local.model
         self.has_graphs = local.has_graphs
         self.attention_support = local.attention_support
+        if local.config.collectives == "eager":
+            if local.config.piecewise_capture == "breakable":
+                raise ConfigError("collectives='eager' with piecewise_capture='breakable': only the fx split cuts "
+                                  "the forward at its collectives; use piecewise_capture='fx' or 'auto'")
+            # A FULL graph would hold the collectives: every graph is PIECEWISE, each collective a break.
+            self.attention_support = AttentionGraphSupport.NEVER
+            logger.info("graphrt: collectives='eager': PIECEWISE graphs only, each collective run eagerly between "
+                        "pieces (the warm-up report's eager_collectives counts them per step)")
         self.keyed_host_values = local.keyed_host_values
         if local.extra_inputs:
             raise ConfigError(f"the model declares extra inputs {sorted(local.extra_inputs)}: tensor parallelism "
@@ -184,6 +192,9 @@ class TensorParallelExecutor(Executor[TorchEntry]):
 
     def describe_build_failure(self, exc: BaseException) -> str:
         return self.local.describe_build_failure(exc)
+
+    def entry_memory(self, entry: Any) -> dict[str, Any]:
+        return self.local.entry_memory(entry)
 
     # ---- what every rank does ----------------------------------------------------------
     def _send(self, method: int, arrays: list[np.ndarray], doing: Any) -> None:
