@@ -227,8 +227,9 @@ class GraphConfig(BaseModel):
                                         "is a ConfigError saying so -- never a question on stdin")
     tensor_parallel_size: Count = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
-        description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "
-                    "docs/distributed.md); 1: unsharded")
+        description="ranks the model is sharded over (vLLM's tensor_parallel_size; docs/distributed.md): "
+                    "torch backends start or join that many ranks, xla a mesh of that many devices (across "
+                    "jax.distributed processes: process 0 leads, the others run follower.serve()); 1: unsharded")
 
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings", "context_buckets")(

@@ -142,12 +142,17 @@ def test_torchrun_flag_spelling_gives_the_dist_init_addr_world():
 def test_cli_demo_refuses_multinode_flags_it_cannot_honour(tmp_path, capsys):
     from graphrt.cli import main
 
+    from support.hf_models import tiny_hf_model_dir
+
+    model_dir = str(tiny_hf_model_dir("qwen3"))
     flags = ["demo", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:1", "--num-prompts", "1"]
-    assert main([*flags, "--backend", "auto", "--model-dir", str(tmp_path)]) == 2
+    assert main([*flags, "--backend", "auto", "--model-dir", model_dir]) == 2
     assert "need a named backend" in capsys.readouterr().err
     assert main([*flags, "--backend", "eager"]) == 2
     assert "--model-dir" in capsys.readouterr().err
-    assert main([*flags, "--backend", "eager", "--model-dir", str(tmp_path), "--tensor-parallel-size", "3"]) == 2
+    assert main([*flags, "--backend", "eager", "--model-dir", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert main([*flags, "--backend", "eager", "--model-dir", model_dir, "--tensor-parallel-size", "3"]) == 2
     assert "world has 2 ranks" in capsys.readouterr().err
 
 
@@ -156,7 +161,10 @@ def _cli_rank(node_rank: int, port: int, model_dir: str, backend: str) -> "objec
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")]),
+    import graphrt
+
+    here = os.path.dirname(os.path.dirname(graphrt.__file__))     # the graphrt this test imports
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
            "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "LWS_LEADER_ADDRESS"):
         env.pop(name, None)
@@ -168,10 +176,11 @@ def _cli_rank(node_rank: int, port: int, model_dir: str, backend: str) -> "objec
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.parametrize("backend", ["eager", "xla"])
-def test_cli_demo_runs_across_two_launched_ranks(backend):
+def test_cli_demo_runs_across_two_launched_ranks(backend="eager"):
     """``graphrt demo --nnodes 2 --node-rank r --master-addr ... --master-port ...`` as two
-    processes: rank 0 generates with tensor_parallel_size=2, rank 1 follows it and both exit 0."""
+    processes: rank 0 generates with tensor_parallel_size=2, rank 1 follows it and both exit 0.
+    (``--backend xla`` runs the same way, its follower ``graphrt.backends.xla.follower.serve()``:
+    tried by hand, left out of the suite for its time; test_xla_multi_controller.py covers it.)"""
     from support.hf_models import tiny_hf_model_dir
 
     port, model_dir = free_port(), str(tiny_hf_model_dir("qwen3"))
@@ -182,5 +191,6 @@ def test_cli_demo_runs_across_two_launched_ranks(backend):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    assert [proc.returncode for proc in procs] == [0, 0], outs
-    assert "statistics:" in outs[0] and "followed rank 0" in outs[1], outs
+    logs = "\n".join(f"--- rank {r}:\n{out[-3000:]}" for r, out in enumerate(outs))
+    assert [proc.returncode for proc in procs] == [0, 0], logs
+    assert "statistics:" in outs[0] and "followed rank 0" in outs[1], logs

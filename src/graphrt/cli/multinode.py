@@ -7,6 +7,7 @@ launcher: docs/distributed.md, "Launchers"."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from graphrt.core.errors import ConfigError
 
@@ -35,6 +36,8 @@ def start(args: argparse.Namespace) -> "object":
     if args.model_dir is None:
         raise ConfigError("--model-dir: the multi-node flags need a checkpoint every node can read at the same "
                           "path (the ranks load it from rank 0's path), not the demo's temporary one")
+    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):   # before any rank waits on rank 0
+        raise ConfigError(f"--model-dir: {args.model_dir} has no config.json")
     world = world_from_args(args)
     tp = getattr(args, "tensor_parallel_size", None)
     if tp not in (None, 1, world.world_size):

@@ -230,5 +230,7 @@ XLA_LOCKSTEP_GC_EVERY = 64
 #: ... and each side keeps the device results (logits, sampled tokens) of this many recent
 #: calls, the ones later calls may take as arguments.
 XLA_LOCKSTEP_RESULTS_KEPT = 4
+#: A follower's ``serve()`` waits this long for process 0's engine (its setup) before it fails.
+XLA_LOCKSTEP_SETUP_TIMEOUT_S = 600.0
 #: ``llm.close()`` on process 0 waits this long for every follower to read the close.
 XLA_LOCKSTEP_CLOSE_WAIT_S = 30.0

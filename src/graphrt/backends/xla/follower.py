@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphrt.backends.xla import lockstep as ls
+from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 
 
@@ -29,7 +30,7 @@ def serve() -> int:
                           "process 0 builds graphrt.LLM(..., backend='xla', tensor_parallel_size=N)")
     client = ls.client()
     prefix = ls.engine_prefix()
-    setup: ls.Setup = ls.receive(client, prefix, 0, rank)
+    setup: ls.Setup = ls.receive(client, prefix, 0, rank, timeout=defaults.XLA_LOCKSTEP_SETUP_TIMEOUT_S)
     config = GraphConfig(**setup.config)
     backend = XlaBackend(tp_size=setup.tp_size)
     executor = backend.open_lockstep(setup.model_dir, config, setup.dtype, setup.sampler_seed)

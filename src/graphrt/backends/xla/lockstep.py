@@ -209,7 +209,7 @@ class Leader:
 
     def close(self) -> None:
         """Tell the followers to return from ``serve()`` (once) and wait, up to
-        ``defaults.XLA_LOCKSTEPCLOSE_WAIT_S``, until each has read it: process 0 hosts the
+        ``defaults.XLA_LOCKSTEP_CLOSE_WAIT_S``, until each has read it: process 0 hosts the
         coordination service, and a follower still waiting on it when process 0 exits is
         terminated by jax instead of returning."""
         with self.lock:
@@ -222,7 +222,7 @@ class Leader:
             except Exception as exc:  # noqa: BLE001 - the followers may be gone already
                 logger.warning("multi-controller XLA: could not tell the followers to stop: %s", exc)
                 return
-            deadline = time.monotonic() + defaults.XLA_LOCKSTEPCLOSE_WAIT_S
+            deadline = time.monotonic() + defaults.XLA_LOCKSTEP_CLOSE_WAIT_S
             waiting = list(self.followers)
             while waiting and time.monotonic() < deadline:
                 waiting = [r for r in waiting if int(self._try_get(f"ack/{r}") or 0) <= self._number]
@@ -230,7 +230,7 @@ class Leader:
                     time.sleep(0.01)
             if waiting:
                 logger.warning("multi-controller XLA: processes %s did not read the close within %.0f s",
-                               waiting, defaults.XLA_LOCKSTEPCLOSE_WAIT_S)
+                               waiting, defaults.XLA_LOCKSTEP_CLOSE_WAIT_S)
 
 
 def engine_prefix() -> str:
@@ -254,9 +254,15 @@ def start_leader(config: Any, model_dir: str, dtype: Any, tp_size: int) -> tuple
     return Leader(setup), seed
 
 
-def receive(client: Any, prefix: str, number: int, rank: int) -> Any:
-    """Message ``number``, waiting in slices; rank 0's coordination service gone: RankLostError."""
+def receive(client: Any, prefix: str, number: int, rank: int, timeout: float | None = None) -> Any:
+    """Message ``number``, waiting in slices (at most ``timeout`` seconds: a GraphrtError
+    after); rank 0's coordination service gone: RankLostError."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            raise GraphrtError(f"multi-controller XLA: process 0 published no engine within {timeout:.0f} s; it builds "
+                               "graphrt.LLM(model_dir, backend='xla', tensor_parallel_size=N) while this process "
+                               "runs serve() (see its log: did it fail before?)")
         try:
             payload = client.blocking_key_value_get_bytes(f"{prefix}/{number}",
                                                           int(defaults.XLA_LOCKSTEP_POLL_S * 1000))
