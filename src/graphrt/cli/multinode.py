@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from graphrt.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from graphrt.engine.launch import World
 
 #: The process group each backend's ranks start (``--backend`` name -> graphrt.launch's).
 LAUNCH_BACKENDS = {"cpu": "gloo", "eager": "gloo", "cuda": "nccl", "npu": "hccl", "xla": "xla"}
@@ -26,7 +30,7 @@ def launch_backend(backend: str) -> str:
     return LAUNCH_BACKENDS[name]
 
 
-def start(args: argparse.Namespace) -> "object":
+def start(args: argparse.Namespace) -> "World":
     """Check the flags, start the process group and return this process's World; sets
     ``args.tensor_parallel_size`` to the world size (an explicit other value: ConfigError).
     ``--model-dir`` is required: every node loads the checkpoint from rank 0's path."""

@@ -42,7 +42,7 @@ def serve() -> int:
             return entries.get(value.key)
         if isinstance(value, ls.ResultRef):
             return results.by_number[value.call]
-        if isinstance(value, tuple):
+        if type(value) is tuple:
             return tuple(resolve(v) for v in value)
         return value
 

@@ -71,13 +71,15 @@ class ResultRef:
 
 
 def client() -> Any:
+    """This process's ``jax.distributed`` client (its coordination service's key-value store);
+    a ConfigError naming the fix where jax.distributed is not initialised."""
     from jax._src import distributed
 
-    client = distributed.global_state.client
-    if client is None:
+    found = distributed.global_state.client
+    if found is None:
         raise ConfigError("tensor_parallel_size across processes needs jax.distributed: call "
                           "graphrt.launch('xla', ...) (or jax.distributed.initialize) on every process first")
-    return client
+    return found
 
 
 def lockstep(method: F) -> F:
@@ -169,7 +171,7 @@ class Leader:
 
         if isinstance(value, XlaEntry):
             return EntryRef(value.key)
-        if isinstance(value, tuple):
+        if type(value) is tuple:                 # a plain tuple (future=(rows, tokens)); others by value
             return tuple(self._ref(v) for v in value)
         if isinstance(value, jax.Array):
             number = self._results.by_id.get(id(value))
