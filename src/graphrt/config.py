@@ -179,6 +179,11 @@ class GraphConfig(BaseModel):
         "auto", description="how PIECEWISE graphs are captured: fx (split the traced model at attention), "
                             "breakable (capture the forward once, breaking at each attention call; no tracing), "
                             "or auto (fx when the model traces, else breakable)")
+    collectives: Literal["captured", "eager"] = Field(
+        "captured", description="tensor parallelism: collectives inside the captured graphs (captured), or run "
+                                "eagerly between PIECEWISE pieces, capture stopping and resuming around each one "
+                                "(eager: for fabrics whose collectives cannot be captured; no FULL graphs; torch "
+                                "backends with the fx split; the xla backend refuses it)")
     context_buckets: Optional[Sizes] = Field(
         None, description="context buckets (tokens) of the keys whose attention reads each step's longest "
                           "context as a host value (graphrt's reference kernels; not Triton): a step runs under "
@@ -222,8 +227,9 @@ class GraphConfig(BaseModel):
                                         "is a ConfigError saying so -- never a question on stdin")
     tensor_parallel_size: Count = Field(
         defaults.DEFAULT_TENSOR_PARALLEL_SIZE, ge=1,
-        description="torch backends: ranks the model is sharded over (vLLM's tensor_parallel_size; "
-                    "docs/distributed.md); 1: unsharded")
+        description="ranks the model is sharded over (vLLM's tensor_parallel_size; docs/distributed.md): "
+                    "torch backends start or join that many ranks, xla a mesh of that many devices (across "
+                    "jax.distributed processes: process 0 leads, the others run follower.serve()); 1: unsharded")
 
     _check_sizes = field_validator("cudagraph_capture_sizes", "precompile_token_paddings",
                                    "precompile_bs_paddings", "context_buckets")(

@@ -356,3 +356,36 @@ def test_npu_capture_budget_counts_the_tensor_parallel_group(monkeypatch):
     model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3))
     NpuGraphBackend("cpu", npu=object()).dispatcher(config, GraphMode.FULL, model)
     assert seen["tp_size"] == 4 and seen["layers"] == 3
+
+
+def test_eager_collectives_break_the_pieces_and_give_the_captured_tokens():
+    """``collectives="eager"`` (issue 42): TP=2 on ``cpu`` captures PIECEWISE graphs only, cut at
+    every collective (run eagerly over gloo between the pieces), and gives the tokens of the
+    captured collectives; the warm-up report counts the breaks per step: the embedding's
+    all-reduce and two per layer (o_proj, down_proj)."""
+    from graphrt.models.hf_config import DecoderConfig
+
+    model_dir = str(tiny_hf_model_dir("qwen3"))
+    prompts = random_prompts(LENGTHS[:4], seed=1)
+    engine = dict(ENGINE, tensor_parallel_size=2, cudagraph_capture_sizes=[32])
+    reports, outs = {}, {}
+    for collectives in ("captured", "eager"):
+        llm = graphrt.LLM(model_dir, backend="cpu", collectives=collectives, **engine)
+        outs[collectives] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        reports[collectives] = (llm.runner.mode, llm.runner.warmup_report, llm.stats)
+        llm.close()
+    assert outs["eager"] == outs["captured"]
+    mode, report, stats = reports["eager"]
+    layers = DecoderConfig.from_dir(model_dir).num_hidden_layers
+    graphs = [row for row in report if not row["key"].startswith("sampler")]
+    assert mode is GraphMode.PIECEWISE and graphs and stats["hits"] > 0     # FULL graphs would hold them
+    assert all(row["key"].startswith("PIECEWISE") for row in graphs), graphs
+    assert {row.get("eager_collectives") for row in graphs} == {1 + 2 * layers}, graphs
+    assert reports["captured"][0] is GraphMode.FULL_AND_PIECEWISE
+    assert not any("eager_collectives" in row for row in reports["captured"][1])
+
+
+def test_xla_refuses_eager_collectives_naming_why():
+    with pytest.raises(ConfigError, match="collectives='eager': the xla backend compiles each step as one program"):
+        graphrt.LLM(str(tiny_hf_model_dir("qwen3")), backend="xla", collectives="eager", max_num_seqs=2,
+                    max_num_batched_tokens=16, max_model_len=32, num_kv_blocks=8)

@@ -336,10 +336,11 @@ class Executor(abc.ABC, Generic[EntryT]):
         (entries that take their buffers as arguments, XLA)."""
         return {}
 
-    def entry_memory(self, entry: Any) -> dict[str, int]:
-        """What the backend's compiler says one built entry takes, beside its ``bytes``, for the
-        warm-up report (XLA: ``temp_bytes``, ``alias_bytes``, ``code_bytes``); empty where it says
-        nothing (captured graphs are measured, not analysed)."""
+    def entry_memory(self, entry: Any) -> dict[str, Any]:
+        """What one built entry takes beside its ``bytes``, for the warm-up report: what the
+        backend's compiler says (XLA: ``temp_bytes``, ``alias_bytes``, ``code_bytes``), or the
+        collectives it runs eagerly per step (torch, ``collectives="eager"``: ``eager_collectives``);
+        empty where there is nothing to say (captured graphs are measured, not analysed)."""
         return {}
 
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, BatchDescriptor | SamplerKey]]
@@ -373,6 +374,11 @@ class Backend(abc.ABC):
         """Refuse, before anything is allocated, a model this backend cannot run: a missing or
         ill-typed member of its framework's model protocol named with what to implement, or a
         model of another framework (ConfigError). Default: no check."""
+
+    def for_tensor_parallel(self, tp: int) -> "Backend":
+        """This backend for ``tensor_parallel_size=tp`` (the torch backends start or join their
+        ranks in :meth:`create_executor`: themselves; xla: a backend over a ``tp``-device mesh)."""
+        return self
 
     @abc.abstractmethod
     def create_executor(self, model: Any, config: Any, dtype: Any = None) -> Executor:

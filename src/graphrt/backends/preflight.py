@@ -43,8 +43,8 @@ def check_before_loading(backend: Any, model: Any, config: GraphConfig, dtype: A
     ``dtype`` as its canonical name (returned; None stays None, "auto" stays "auto" for a model
     already loaded). Raises :class:`ConfigError` naming the field."""
     tp = config.tensor_parallel_size
-    if tp > 1 and backend.framework != "torch":
-        raise ConfigError(f"tensor_parallel_size={tp}: backend {backend.name} does not shard (torch ones do)")
+    if tp > 1 and backend.framework not in ("torch", "jax"):
+        raise ConfigError(f"tensor_parallel_size={tp}: backend {backend.name} does not shard (torch ones and xla do)")
     if config.compilation_cache_dir:
         check_cache_dir(config.compilation_cache_dir)
     path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None

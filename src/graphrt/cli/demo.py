@@ -17,6 +17,8 @@ from graphrt.cli.usage import EXIT_OK, usage_error
 from graphrt.config import add_cli_args, from_cli_args
 from graphrt.core.errors import ConfigError, GraphrtError
 from graphrt.cli.plots import check_path, plot_warmup, require_matplotlib
+from graphrt.cli import multinode
+from graphrt.engine.launch import add_launch_args, launch_requested
 
 
 def demo_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +39,7 @@ def demo_args(parser: argparse.ArgumentParser) -> None:
                              "(needs graphrt[plot]: matplotlib)")
     add_cli_args(parser)
     add_engine_args(parser)
+    add_launch_args(parser)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -98,9 +101,17 @@ def demo_run(args: argparse.Namespace) -> int:
                 raise ConfigError("--plot: the warm-up report is per engine; not with --data-parallel-size > 1")
             require_matplotlib()
             check_path(args.plot)
+        world = multinode.start(args) if launch_requested(args) else None   # the process group
     except (GraphrtError, ValueError) as e:
         return usage_error("demo", e)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if world is not None:
+        if world.rank != 0:
+            return multinode.follow(args)
+        try:
+            return _demo_on(args, args.model_dir, params)
+        finally:
+            multinode.finish(args)
     print("backends:")
     for name, reason in graphrt.available_backends().items():
         print(f"  {name:<6} {'available' if reason is None else reason}")
@@ -167,6 +178,7 @@ def _demo_on(args: argparse.Namespace, model_dir: str, params: Any) -> int:
         print(f"    {cause:<22} {n['steps']:>5} / {n['tokens']}")
     print(f"  {runner.stats.summary()}")
     print(f"  {runner.graph_memory.summary()}")
+    llm.close()                 # tensor parallel: the other ranks return
     return EXIT_OK
 
 

@@ -220,3 +220,17 @@ RANK_HEARTBEAT_S = 1.0
 #: (its connections close), so the error comes within about this bound; a node that goes
 #: silent without closing its connections is seen at the process group's timeout (TP_TIMEOUT_S).
 RANK_LOST_NAMING_S = 3.0
+
+#: Multi-controller XLA led by process 0 (backends/xla/lockstep.py): a follower waits for the
+#: next call in slices of this many seconds (between them it notices process 0's coordination
+#: service gone) ...
+XLA_LOCKSTEP_POLL_S = 1.0
+#: ... process 0 deletes the calls every follower has read once per this many calls ...
+XLA_LOCKSTEP_GC_EVERY = 64
+#: ... and each side keeps the device results (logits, sampled tokens) of this many recent
+#: calls, the ones later calls may take as arguments.
+XLA_LOCKSTEP_RESULTS_KEPT = 4
+#: A follower's ``serve()`` waits this long for process 0's engine (its setup) before it fails.
+XLA_LOCKSTEP_SETUP_TIMEOUT_S = 600.0
+#: ``llm.close()`` on process 0 waits this long for every follower to read the close.
+XLA_LOCKSTEP_CLOSE_WAIT_S = 30.0

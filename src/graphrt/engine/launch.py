@@ -114,15 +114,23 @@ def _make(source: Source, **fields: Any) -> World:
 
 
 def detect_world(env: Mapping[str, str] | None = None, *, nnodes: int | None = None, node_rank: int | None = None,
-                 dist_init_addr: str | None = None, nproc_per_node: int = 1, local_rank: int = 0) -> World:
+                 dist_init_addr: str | None = None, nproc_per_node: int = 1, local_rank: int = 0,
+                 master_addr: str | None = None, master_port: int | None = None) -> World:
     """This process's :class:`World`. Sources, first match wins: the flags (``dist_init_addr``
-    given: one node per ``node_rank`` with ``nproc_per_node`` processes, this one ``local_rank``),
+    given -- or torchrun's spelling ``master_addr`` / ``master_port``, never both: one node per
+    ``node_rank`` with ``nproc_per_node`` processes, this one ``local_rank``),
     torchrun (``RANK`` and ``WORLD_SIZE`` set), SLURM (``SLURM_PROCID``), LeaderWorkerSet
     (``LWS_LEADER_ADDRESS``; ``nproc_per_node`` processes per pod, ``LOCAL_RANK`` this one).
     ``MASTER_ADDR`` / ``MASTER_PORT`` override SLURM's and LWS's rendezvous where set. Nothing
     found is a :class:`ConfigError` naming the variables looked for."""
     env = os.environ if env is None else env
     port = _int(env, "MASTER_PORT", defaults.LAUNCH_MASTER_PORT)
+    if master_addr is not None or master_port is not None:
+        if dist_init_addr is not None:
+            raise ConfigError("--dist-init-addr and --master-addr / --master-port name the same rendezvous: give one")
+        if master_addr is None:
+            raise ConfigError("--master-port needs --master-addr (rank 0's host)")
+        dist_init_addr = f"{_bracket(master_addr)}:{defaults.LAUNCH_MASTER_PORT if master_port is None else master_port}"
     if dist_init_addr is not None:
         host, port = _split_addr(dist_init_addr, "--dist-init-addr")
         nodes, node = nnodes or 1, node_rank or 0
@@ -130,7 +138,8 @@ def detect_world(env: Mapping[str, str] | None = None, *, nnodes: int | None = N
                      local_rank=local_rank, local_world_size=nproc_per_node, node_rank=node, nnodes=nodes,
                      master_addr=host, master_port=port)
     if nnodes is not None or node_rank is not None:
-        raise ConfigError("--nnodes / --node-rank need --dist-init-addr host:port (rank 0's node)")
+        raise ConfigError("--nnodes / --node-rank need --dist-init-addr host:port (or --master-addr / --master-port: "
+                          "rank 0's node)")
     if "RANK" in env and "WORLD_SIZE" in env:
         world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK", 0)
         per_node = _int(env, "LOCAL_WORLD_SIZE", world)
@@ -189,16 +198,29 @@ def launch(backend: str = "gloo", env: Mapping[str, str] | None = None, timeout:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    """SGLang's multi-node flags: ``--nnodes``, ``--node-rank``, ``--dist-init-addr``."""
-    parser.add_argument("--nnodes", type=int, default=None, help="nodes in the job (with --dist-init-addr)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's index, 0 on rank 0's node")
-    parser.add_argument("--dist-init-addr", default=None, help="host:port of rank 0's rendezvous")
+    """The multi-node flags: SGLang's ``--nnodes``, ``--node-rank``, ``--dist-init-addr``, and
+    torchrun's ``--master-addr`` / ``--master-port`` for the same rendezvous."""
+    group = parser.add_argument_group("multi-node (graphrt.launch; docs/distributed.md, \"Launchers\")")
+    group.add_argument("--nnodes", type=int, default=None, help="nodes in the job (with --dist-init-addr)")
+    group.add_argument("--node-rank", type=int, default=None, help="this node's index, 0 on rank 0's node")
+    group.add_argument("--dist-init-addr", default=None, help="host:port of rank 0's rendezvous")
+    group.add_argument("--master-addr", default=None, help="torchrun's spelling: rank 0's host (with --master-port)")
+    group.add_argument("--master-port", type=int, default=None,
+                       help=f"torchrun's spelling: rank 0's port (default {defaults.LAUNCH_MASTER_PORT})")
+
+
+def launch_requested(args: argparse.Namespace) -> bool:
+    """Whether any :func:`add_launch_args` flag was given."""
+    return any(getattr(args, name, None) is not None
+               for name in ("nnodes", "node_rank", "dist_init_addr", "master_addr", "master_port"))
 
 
 def world_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> World:
-    """The :class:`World` of parsed :func:`add_launch_args` flags (or, without them, the env)."""
-    return detect_world(env, nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+    """The :class:`World` of parsed :func:`add_launch_args` flags (or, without them, the env);
+    ``--master-addr host --master-port p`` is ``--dist-init-addr host:p``."""
+    return detect_world(env, nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                        master_addr=getattr(args, "master_addr", None), master_port=getattr(args, "master_port", None))
 
 
 __all__ = ["World", "add_launch_args", "detect_world", "expand_nodelist", "init_distributed", "launch",
-           "world_from_args"]
+           "launch_requested", "world_from_args"]

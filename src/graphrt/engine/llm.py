@@ -90,6 +90,7 @@ class LLM:
             keywords=inspect.signature(LLM.__init__).parameters)
         warmup_mode(warmup if warmup is not True else "upfront")    # a bad value: ConfigError before loading
         backend_obj = select_backend(backend, model=model) if isinstance(backend, str) else backend
+        backend_obj = backend_obj.for_tensor_parallel(config.tensor_parallel_size)
         dtype = check_before_loading(backend_obj, model, config, dtype)
         if isinstance(model, str) or hasattr(model, "__fspath__"):   # tp > 1: each rank loads its shard
             model = str(model) if config.tensor_parallel_size > 1 else backend_obj.load_model(

@@ -46,6 +46,7 @@ def open_executor(model: Any, cfg: GraphConfig, backend: str | Backend, dtype: A
     check_kv_args(num_kv_blocks, kv_cache_memory)
     chosen = select_backend(backend, model=model) if isinstance(backend, str) else backend
     tp = cfg.tensor_parallel_size
+    chosen = chosen.for_tensor_parallel(tp)
     dtype = check_before_loading(chosen, model, cfg, dtype)   # sharding, dtype, max_model_len
     if isinstance(model, (str, os.PathLike)) and tp == 1:
         model = chosen.load_model(os.fspath(model), dtype, model_impl=cfg.model_impl,

@@ -339,6 +339,13 @@ class TorchExecutor(Executor[TorchEntry]):
         folds them in after the forward wrote the step's ``input_ids``)."""
         self.sampler.plan_penalties(sampling, token_ids, req_rows, num_computed_tokens, num_scheduled_tokens, rows)
 
+    def entry_memory(self, entry: Any) -> dict[str, Any]:
+        """With ``collectives="eager"``: the functional collectives a PIECEWISE entry runs
+        eagerly per replay (``eager_collectives``), the warm-up report's cost of the breaks."""
+        if self.config.collectives != "eager" or not isinstance(entry, PiecewiseEntry):
+            return {}
+        return {"eager_collectives": entry.eager_collectives}
+
     def describe_build_failure(self, exc: BaseException) -> str:
         return describe_capture_failure(exc)
 

@@ -139,19 +139,83 @@ class XlaBackend(Backend):
         get context buckets where the attention keys ``max_seq_len`` (graphrt's decoder does)."""
         return XlaBuckets.from_config(config).dispatcher(context="max_seq_len" in keyed_host_values)
 
+    def for_tensor_parallel(self, tp: int) -> "XlaBackend":
+        """This backend for ``tensor_parallel_size=tp``: itself where ``tp`` is 1 or its mesh has ``tp`` devices,
+        a backend over the first ``tp`` devices (every process's, under jax.distributed) where it
+        was made with the default single device; else a :class:`ConfigError` naming both. Across
+        processes only process 0 builds the engine (the others run
+        :func:`graphrt.backends.xla.follower.serve`), and the mesh must span every process."""
+        backend = self
+        if tp == 1:
+            return self                 # unset: the backend's own mesh (XlaBackend(tp_size=N): SPMD across processes)
+        if tp != self.tp_size:
+            if self.tp_size != 1:
+                raise ConfigError(f"tensor_parallel_size={tp}, but the xla backend's mesh has {self.tp_size} "
+                                  "devices: pass the same size to both, or only one of them")
+            backend = XlaBackend(tp_size=tp, dtype=self.dtype, compile_workers=self.compile_workers)
+        processes = jax.process_count()
+        if tp > 1 and processes > 1:
+            if jax.process_index() != 0:
+                raise ConfigError(f"tensor_parallel_size={tp} across {processes} jax.distributed processes: only "
+                                  f"process 0 builds the engine; process {jax.process_index()} runs "
+                                  "graphrt.backends.xla.follower.serve() (docs/distributed.md)")
+            spanned = {d.process_index for d in backend.mesh.devices.flat}
+            if len(spanned) != processes:
+                raise ConfigError(f"tensor_parallel_size={tp}: the mesh spans processes {sorted(spanned)} of "
+                                  f"{processes}; give every jax.distributed process devices in it (tp = all "
+                                  "processes' devices)")
+        return backend
+
+    def open_lockstep(self, model_dir: str, config: GraphConfig, dtype: Any, sampler_seed: int) -> "XlaExecutor":
+        """Load ``model_dir`` over the mesh and make its executor, as every process of a job led
+        by process 0 does, in the same order (the loads place the weights on every process's
+        devices). ``sampler_seed``: the random sampler's host seed, the same on every process."""
+        model = self.load_model(model_dir, dtype, model_impl=config.model_impl,
+                                trust_remote_code=config.trust_remote_code)
+        return self._executor(model, config, sampler_seed)
+
     def create_executor(self, model: Any, config: GraphConfig, dtype: Any = None) -> "XlaExecutor":
         """An executor for an :class:`XlaModel` (graphrt's decoder, or a model's own forward and
         config), a ``(DecoderConfig, params)`` pair or an nnx module (``dtype`` unused: the model
-        is loaded already, sharded by its mesh). LoRA (``max_loras > 0``) is refused with
-        :class:`ConfigError`."""
+        is loaded already, sharded by its mesh). With ``tensor_parallel_size > 1`` the model is a
+        directory (or a model loaded from one); across ``jax.distributed`` processes this is
+        process 0, whose executor then leads the others (:mod:`graphrt.backends.xla.lockstep`).
+        LoRA (``max_loras > 0``) is refused with :class:`ConfigError`."""
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            from graphrt.backends.xla import lockstep
+            if tp != self.tp_size:
+                raise ConfigError(f"tensor_parallel_size={tp}, but the xla backend's mesh has {self.tp_size} "
+                                  "devices (XlaBackend.for_tensor_parallel makes the matching backend)")
+            self.for_tensor_parallel(tp)                 # process 0 only; the mesh spans every process
+            if jax.process_count() > 1:
+                if not isinstance(model, (str, os.PathLike)):
+                    raise ConfigError(f"tensor_parallel_size={tp} across jax.distributed processes needs the model "
+                                      f"as a Hugging Face directory (every process loads it); got {type(model).__name__}")
+                self._check_lora(config)
+                leader, seed = lockstep.start_leader(config, os.fspath(model), dtype, tp)
+                executor = self.open_lockstep(os.fspath(model), config, dtype, seed)
+                executor.leader = leader
+                return executor
+            if isinstance(model, (str, os.PathLike)):
+                model = self.load_model(os.fspath(model), dtype, model_impl=config.model_impl,
+                                        trust_remote_code=config.trust_remote_code)
+        return self._executor(model, config, None)
+
+    @staticmethod
+    def _check_lora(config: GraphConfig) -> None:
         if config.max_loras > 0:
             raise ConfigError(f"max_loras={config.max_loras}: the xla backend has no LoRA support (its "
                               "executables take no adapter tables and the JAX reference model has no "
                               "LoRA-capable layer); use a torch backend (cuda, npu, cpu, eager) or max_loras=0")
+
+    def _executor(self, model: Any, config: GraphConfig, sampler_seed: int | None) -> "XlaExecutor":
+        self._check_lora(config)
         buckets = XlaBuckets.from_config(config)
         programs = XlaPrograms(model, config.block_size, self.mesh, config.decode_query_len,
                                max_reqs=buckets.max_reqs, config=config, max_logprobs=config.max_logprobs)
-        return XlaExecutor(programs, config, buckets, compile_workers=self.compile_workers)
+        return XlaExecutor(programs, config, buckets, compile_workers=self.compile_workers,
+                           sampler_seed=sampler_seed, model=model)
 
 
 __all__ = ["XlaBackend"]

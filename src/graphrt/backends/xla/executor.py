@@ -25,6 +25,7 @@ from graphrt.backends.xla.compile import enable_persistent_cache, install_listen
 from graphrt.backends.xla.compile_ledger import CompileLedger
 from graphrt.backends.xla.entries import XlaEntry
 from graphrt.backends.xla.executables import executable_store
+from graphrt.backends.xla.lockstep import Leader, lockstep
 from graphrt.backends.xla.precompile import lower, precompile
 from graphrt.backends.xla.programs import XlaPrograms
 from graphrt.backends.xla.prompt_logprobs import PromptLogprobs
@@ -67,8 +68,12 @@ class XlaExecutor(Executor[XlaEntry]):
     """Host staging buffers, the donated KV cache and the compiled executables of one model."""
 
 
+    #: Multi-controller XLA led by process 0 (backends/xla/lockstep.py): the leader that
+    #: publishes each ``@lockstep`` call to the other processes before it runs here; None: alone.
+    leader: Leader | None = None
+
     def __init__(self, programs: XlaPrograms, config: GraphConfig, buckets: XlaBuckets, *,
-                 compile_workers: int = 1) -> None:
+                 compile_workers: int = 1, sampler_seed: int | None = None, model: Any = None) -> None:
         install_listeners()
         if config.compilation_cache_dir:
             enable_persistent_cache(config.compilation_cache_dir)
@@ -82,9 +87,12 @@ class XlaExecutor(Executor[XlaEntry]):
         self.mesh = programs.mesh
         self.tp_size = programs.tp_size
         self.compile_workers = max(1, int(compile_workers))
-        #: Multi-controller (several jax.distributed processes): each step's agreement, and each
-        #: compile's collectives checked across the processes (backends/xla/multi_controller.py).
-        self._steps = mc.StepAgreement() if mc.process_count() > 1 else None
+        #: Multi-controller (several jax.distributed processes): each compile's collectives checked
+        #: across the processes, and (each process scheduling for itself) each step's agreement;
+        #: led by process 0 (``sampler_seed`` given) the steps come from it and cannot differ.
+        self._processes = mc.process_count()
+        self._steps = mc.StepAgreement() if self._processes > 1 and sampler_seed is None else None
+        self.model = model
         self.model_config = programs.model_config
         self.vocab_size = int(self.model_config.vocab_size)
         self.weights = programs.weights
@@ -100,6 +108,11 @@ class XlaExecutor(Executor[XlaEntry]):
         #: The model's declared extra inputs and their staging buffers (the runner writes them).
         self.extra_inputs = programs.extra_inputs
         self.extra_buffers = xla_extra.staging_buffers(self.extra_inputs, max_t, max_r)
+        if config.collectives == "eager":
+            raise ConfigError("collectives='eager': the xla backend compiles each step as one program, the "
+                              "collectives SPMD partitioning inserts scheduled by XLA inside it; splitting that "
+                              "program at its collectives is not built. Use collectives='captured' (XLA's own "
+                              "collectives), or a torch backend for eager collectives")
         if config.enable_penalties:
             raise ConfigError("enable_penalties: the xla backend has no penalised sampler (repetition / presence / "
                               "frequency penalties run on the torch backends)")
@@ -113,7 +126,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self._no_future = jax.device_put(np.zeros(programs.max_reqs, np.int32), programs.replicated)
         self._no_future_rows = np.full(max_r, -1, np.int32)
         #: The random sampler's host rows, generator and seeded requests' step counters.
-        self.sampling_rows = SamplingRows(max_r, self.vocab_size)
+        self.sampling_rows = SamplingRows(max_r, self.vocab_size, sampler_seed)
         #: Planned and compiled keys, the compile counters, strict mode and the on-disk store.
         self.compiles = CompileLedger(strict=config.strict, vocab_size=self.vocab_size,
                                       table_width=self._width, store=executable_store(programs, config))
@@ -163,6 +176,7 @@ class XlaExecutor(Executor[XlaEntry]):
             2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * self.dtype.itemsize)
         return total // self.tp_size if shd.kv_heads_sharded(c, self.tp_size) else total
 
+    @lockstep
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """A zeroed cache ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]`` in the KV
         cache spec's dtype (every layer group, sliding or not, in one array); the last row is the
@@ -176,6 +190,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self.state_caches = self.programs.zeros_states()
         self._kv_shape = shape
 
+    @lockstep
     def recover_kv_cache(self) -> bool:
         """After a failed step: if the KV cache was consumed (donated to a call that then
         failed), deleted or holds an execution error, re-create it zeroed and return True.
@@ -218,6 +233,7 @@ class XlaExecutor(Executor[XlaEntry]):
         """XLA's memory analysis of a built entry: temp, alias and code bytes."""
         return entry.memory() if isinstance(entry, XlaEntry) else {}
 
+    @lockstep
     def measure_graph_memory(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> tuple[dict[Any, int], str | None]:
         """Before the KV cache is sized: compile ``jobs`` against a throwaway
         ``defaults.SAMPLE_KV_BLOCKS``-block cache (abstract: nothing is allocated) and return each
@@ -237,6 +253,7 @@ class XlaExecutor(Executor[XlaEntry]):
         return {key: built[key].nbytes for _, key in jobs}, None
 
     # ---- weights and memory (backends/xla/weights.py) ----------------------------------------
+    @lockstep
     def update_weights(self, source: Any, *, check_only: bool = False) -> WeightsUpdate:
         """New parameter buffers of the same shapes, dtypes and shardings in place of the refit's:
         the executables take them as arguments, so nothing recompiles."""
@@ -247,6 +264,7 @@ class XlaExecutor(Executor[XlaEntry]):
     def weight_names(self) -> frozenset[str]:
         return self.refit.names()
 
+    @lockstep
     def sleep(self, level: int) -> SleepReport:
         """Delete the weights (kept on the host at level 1) and the KV and state caches; the
         executables stay, waiting for the same shapes at :meth:`wake`."""
@@ -258,6 +276,7 @@ class XlaExecutor(Executor[XlaEntry]):
         self._last_logits = self._last_hidden = self._last_positions = None
         return report
 
+    @lockstep
     def wake(self) -> WakeReport:
         """Weights back on their shardings (zeros after level 2), the caches re-created zeroed:
         the executables take them as arguments, so nothing recompiles and nothing moved."""
@@ -268,6 +287,7 @@ class XlaExecutor(Executor[XlaEntry]):
         return report
 
     # ---- build -------------------------------------------------------------------------
+    @lockstep
     def build(self, mode: RuntimeMode, key: BatchDescriptor | SamplerKey) -> tuple[XlaEntry, int]:
         """Compile the forward for a :class:`BatchDescriptor`, or the sampler for
         ``SamplerKey(num_reqs, greedy)``; returns (entry, bytes) for the caller to keep (the
@@ -279,16 +299,18 @@ class XlaExecutor(Executor[XlaEntry]):
         if entry is None:
             lowered, seconds = lower(jitted, args)
             entry = self.compiles.compile(key, lowered, spec, seconds)
-        if self._steps is not None:
+        if self._processes > 1:
             mc.check_built([entry])
         self._note_temp([entry])
         return entry, entry.nbytes
 
+    @lockstep
     def expect_builds(self, jobs: Sequence[tuple[RuntimeMode, Hashable]]) -> None:
         """Background warm-up will build ``jobs`` one at a time: they are planned (warm-up reopens
         until they are compiled; :meth:`CompileLedger.plan`)."""
         self.compiles.plan(key for _, key in jobs)
 
+    @lockstep
     def build_many(self, jobs: Sequence[tuple[RuntimeMode, Hashable]], *, workers: int | None = None,
                    progress: bool = False) -> list[Built[XlaEntry]]:
         """Warm-up: plan and compile ``jobs``, lowered one after another here and compiled by
@@ -301,7 +323,7 @@ class XlaExecutor(Executor[XlaEntry]):
         workers = max(1, workers or self.compile_workers)
         self.compiles.plan(key for _, key in jobs)
         built = precompile(list(dict.fromkeys(jobs)), self._abstract_inputs, self.compiles, workers, progress)
-        if self._steps is not None:             # in the jobs' order: the same on every process
+        if self._processes > 1:                 # in the jobs' order: the same on every process
             mc.check_built(built[key] for key in dict.fromkeys(key for _, key in jobs))
         self._note_temp(built.values())
         return [Built(built[key], built[key].nbytes, built[key].build_seconds) for _, key in jobs]
@@ -330,6 +352,7 @@ class XlaExecutor(Executor[XlaEntry]):
             return self._width
         return min(self._width, max(blocks_for(key.max_seq_len, self.config.block_size), 1))
 
+    @lockstep
     def run(self, mode: RuntimeMode, key: BatchDescriptor, entry: XlaEntry | None,
             padded: ModelInputs, future: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
         """Run the executable for ``key`` on the padded step; returns device logits ``[R_pad, V]``.
@@ -395,6 +418,7 @@ class XlaExecutor(Executor[XlaEntry]):
                                    f"recomputed") from exc
 
     # ---- sample ------------------------------------------------------------------------
+    @lockstep
     def sample(self, logits: Any, num_reqs: int, sampling: SamplingBatch, *,
                padded_reqs: int | None = None, entry: XlaEntry | None = None,
                wait: bool = True, key: SamplerKey | None = None) -> np.ndarray | jax.Array:
@@ -426,6 +450,7 @@ class XlaExecutor(Executor[XlaEntry]):
         waits for the device (an asynchronous execution error surfaces here)."""
         return np.asarray(tokens)[:num_reqs].astype(np.int64)
 
+    @lockstep
     def sample_logprobs(self, logits: Any, sampled: Any, num_reqs: int, *, padded_reqs: int | None = None,
                         entry: XlaEntry | None = None, wait: bool = True) -> Any:
         """The logprobs executable (``entry``, required) on the logits rows and the sampler's device
@@ -443,6 +468,7 @@ class XlaExecutor(Executor[XlaEntry]):
         """``(logprob, rank, top logprobs, top ids)`` of the first ``num_reqs`` rows, on the host."""
         return tuple(np.asarray(a)[:num_reqs] for a in handle)
 
+    @lockstep
     def prompt_logprobs(self, rows: np.ndarray, targets: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
         """Logprobs of ``targets`` at the last forward's hidden rows ``rows`` (:class:`PromptLogprobs`)."""
         return self.prompt(self._last_hidden, rows, targets)
@@ -451,8 +477,15 @@ class XlaExecutor(Executor[XlaEntry]):
         """The last forward's logits, the jax array itself (its padded rows; no host copy)."""
         return self._last_logits
 
+    @lockstep
     def free_request(self, request_id: int) -> None:
         self.sampling_rows.free(request_id)
+
+    def close(self) -> None:
+        """Led by process 0: tell the other processes' :func:`~graphrt.backends.xla.follower.serve`
+        to return (idempotent); alone: nothing to release."""
+        if self.leader is not None:
+            self.leader.close()
 
     # ---- introspection -----------------------------------------------------------------
     def hidden_states(self, num_tokens: int) -> np.ndarray:

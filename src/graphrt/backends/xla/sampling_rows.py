@@ -21,15 +21,16 @@ _U32_MASK = 0xFFFFFFFF
 
 
 class SamplingRows:
-    """Staging rows for ``max_reqs`` requests over a vocabulary of ``vocab_size``."""
+    """Staging rows for ``max_reqs`` requests over a vocabulary of ``vocab_size``; ``seed`` keys
+    the host generator (multi-controller XLA: the same on every process, so their rows agree)."""
 
-    def __init__(self, max_reqs: int, vocab_size: int) -> None:
+    def __init__(self, max_reqs: int, vocab_size: int, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
         self._host = {"temperature": np.zeros(max_reqs, np.float32), "top_k": np.zeros(max_reqs, np.int32),
                       "top_p": np.ones(max_reqs, np.float32), "min_p": np.zeros(max_reqs, np.float32),
                       "seeds": np.zeros((max_reqs, 2), np.uint32),
                       "steps": np.zeros(max_reqs, np.uint32)}
-        self._rng = np.random.default_rng(XLA_SAMPLER_HOST_SEED)
+        self._rng = np.random.default_rng(XLA_SAMPLER_HOST_SEED if seed is None else seed)
         self._seed_steps: dict[int, int] = {}
 
     def metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:

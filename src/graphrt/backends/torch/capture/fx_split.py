@@ -4,6 +4,9 @@
 it at every attention call (a module with ``graphrt_attention = True``, or the op
 ``torch.ops.graphrt.paged_attention``). Pieces see token shapes only, so one set per token
 bucket serves any request count; attention runs eagerly between them on the real metadata.
+With ``eager_collectives`` it also cuts at every functional collective (``_c10d_functional``
+ops, with the ops that wrap their result): they run eagerly between the pieces and are waited
+there (``GraphConfig.collectives="eager"``, for fabrics whose collectives cannot be captured).
 :class:`PiecewiseBuffers` gives every value crossing a cut a persistent buffer (token-major ones
 shared across buckets), which the captured pieces read and write inside the graph."""
 
@@ -21,6 +24,8 @@ from graphrt.core.errors import GraphrtError
 
 PIECE = "piece"
 ATTENTION = "attention"
+COLLECTIVE = "collective"
+_COLLECTIVE_NAMESPACE = "_c10d_functional"
 
 
 class SplitError(GraphrtError):
@@ -75,7 +80,7 @@ class SplitCall:
 class SplitModel:
     """``model`` as a sequence of pieces and attention calls over named values."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, eager_collectives: bool = False) -> None:
         try:
             graph = _AttentionLeafTracer().trace(model)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "cannot split"
@@ -86,28 +91,42 @@ class SplitModel:
         roots = dict(traced.named_modules())
         attention_ops = _attention_ops()
 
-        def is_split_point(node: torch.fx.Node) -> bool:
+        def split_kind(node: torch.fx.Node) -> str | None:
             if node.op == "call_module":
-                return is_attention_module(roots[node.target])
-            return node.op == "call_function" and node.target in attention_ops
+                return ATTENTION if is_attention_module(roots[node.target]) else None
+            if node.op != "call_function":
+                return None
+            if node.target in attention_ops:
+                return ATTENTION
+            if eager_collectives and getattr(node.target, "namespace", None) == _COLLECTIVE_NAMESPACE:
+                return COLLECTIVE
+            return None
 
-        # Piece k (id 2k) holds what follows attention call k-1; attention call k has id 2k+1.
+        # Partitions in graph order: pieces between the eager calls; a collective's result
+        # wrappers (they take it as their argument) stay in its partition.
+        kinds: dict[int, str] = {0: PIECE}
         partition_of: dict[torch.fx.Node, int] = {}
-        count = 0
+        current = 0
         for node in traced.graph.nodes:
-            if is_split_point(node):
-                partition_of[node] = 2 * count + 1
-                count += 1
-            else:
-                partition_of[node] = 2 * count
+            kind = split_kind(node) or PIECE
+            chained = kind == COLLECTIVE and kinds[current] == COLLECTIVE and any(
+                partition_of.get(a) == current for a in node.args if isinstance(a, torch.fx.Node))
+            if (kind != PIECE or kinds[current] != PIECE) and not chained:
+                current = len(kinds)
+                kinds[current] = kind
+            partition_of[node] = current
+        count = sum(kind == ATTENTION for kind in kinds.values())
         if count == 0:
             raise SplitError(f"{type(model).__name__} has no attention call to split at: mark the "
                              "attention module class with graphrt_attention = True or call "
                              "torch.ops.graphrt.paged_attention")
+        self._kinds = kinds
 
         split = split_module(traced, model, partition_of.__getitem__)
         self.graph_module = split
         self.num_attention = count
+        #: The functional collectives run eagerly between pieces (``eager_collectives``; else 0).
+        self.num_collectives = sum(kind == COLLECTIVE for kind in kinds.values())
         self.inputs: tuple[str, ...] = ()
         self.constants: dict[str, str] = {}  # value name -> attribute path (parameters, buffers)
         self.calls: list[SplitCall] = []
@@ -115,13 +134,13 @@ class SplitModel:
 
     def _parse(self, split: torch.fx.GraphModule) -> str:
         """Read the top-level split graph into calls; returns the output value's name."""
-        inputs, counts = [], {PIECE: 0, ATTENTION: 0}
+        inputs, counts = [], {PIECE: 0, ATTENTION: 0, COLLECTIVE: 0}
         output: str | None = None
         for node in split.graph.nodes:
             if node.op == "placeholder":
                 inputs.append(node.name)
             elif node.op == "call_module":
-                kind = ATTENTION if int(node.target.rsplit("_", 1)[1]) % 2 else PIECE
+                kind = self._kinds[int(node.target.rsplit("_", 1)[1])]
                 getitems = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
                 if getitems and len(getitems) != len(node.users):
                     raise SplitError(f"{node.target}: output used both whole and by index")
@@ -130,7 +149,8 @@ class SplitModel:
                 for arg in node.args:
                     if not isinstance(arg, torch.fx.Node):
                         raise SplitError(f"{node.target} takes a non-value argument {arg!r}")
-                self.calls.append(SplitCall(kind, getattr(split, node.target),
+                module = getattr(split, node.target)
+                self.calls.append(SplitCall(kind, _Waited(module) if kind == COLLECTIVE else module,
                                        tuple(a.name for a in node.args), outs, counts[kind]))
                 counts[kind] += 1
             elif node.op == "get_attr":
@@ -161,7 +181,7 @@ class SplitModel:
         env: dict[str, Any] = dict(zip(self.inputs, inputs))
         env.update((name, _attr(self.graph_module, path)) for name, path in self.constants.items())
         for step in self.calls:
-            fn = step.module if pieces is None or step.kind == ATTENTION else pieces[step.index]
+            fn = step.module if pieces is None or step.kind != PIECE else pieces[step.index]
             step.bind(env, fn(*[env[a] for a in step.args]))
         return env
 
@@ -183,6 +203,23 @@ class PiecewiseEntry:
     tasks: list[Any] = field(default_factory=list)
     #: The buffers its pieces read beyond their inputs, as captured (backends/torch/live_buffers.py).
     buffers: Any = None
+    #: Functional collectives each replay runs eagerly between its pieces (``collectives="eager"``).
+    eager_collectives: int = 0
+
+
+class _Waited:
+    """A collective partition run eagerly: its outputs waited before anything reads them (a
+    functional collective's result is ready only after ``wait_tensor``)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.module(*args)
+        wait = torch.ops._c10d_functional.wait_tensor
+        if isinstance(out, torch.Tensor):
+            return wait(out)
+        return type(out)(wait(o) if isinstance(o, torch.Tensor) else o for o in out)
 
 
 def _attr(module: torch.nn.Module, path: str) -> Any:
@@ -256,7 +293,7 @@ class PiecewiseBuffers:
         """
         calls: list[Callable[[], None]] = []
         for step in self.split.calls:
-            fn = step.module if step.kind == ATTENTION else pieces[step.index]
+            fn = step.module if step.kind != PIECE else pieces[step.index]
             args = [views[a] for a in step.args]
             outs = [(idx, views[name]) for idx, name in step.outs]
             calls.append(_bound(fn, args, outs))
@@ -295,9 +332,10 @@ def compile_piece(module: torch.fx.GraphModule, args: Sequence[Any], backend: st
     return call
 
 
-def split_or_reason(model: torch.nn.Module) -> tuple[SplitModel | None, str | None]:
-    """The split model, or None and why it cannot be split."""
+def split_or_reason(model: torch.nn.Module, eager_collectives: bool = False) -> tuple[SplitModel | None, str | None]:
+    """The split model (also at its collectives with ``eager_collectives``), or None and why it
+    cannot be split."""
     try:
-        return SplitModel(model), None
+        return SplitModel(model, eager_collectives), None
     except SplitError as exc:
         return None, str(exc)

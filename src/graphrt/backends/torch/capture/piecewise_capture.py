@@ -47,7 +47,7 @@ class PiecewiseCapture:
         """The model split at its attention calls (None if it cannot be split; see the log)."""
         if not self._split_tried:
             self._split_tried = True
-            self._split, self.split_reason = split_or_reason(self.model)
+            self._split, self.split_reason = split_or_reason(self.model, self.config.collectives == "eager")
             if self._split is None:
                 logger.info("graphrt: no fx-split pieces for this model: %s", self.split_reason)
         return self._split
@@ -59,6 +59,8 @@ class PiecewiseCapture:
         choice = self.config.piecewise_capture
         if self.graph_api is None:
             return None
+        if self.config.collectives == "eager":     # only the fx split cuts at collectives
+            return "fx" if self.split_model is not None else None
         if choice != "breakable" and self.split_model is not None:
             return "fx"
         if choice != "fx" and _break_layers(self.model):
@@ -143,7 +145,9 @@ class PiecewiseCapture:
                     replay_calls.append(graph.replay)
                 else:
                     replay_calls.append(call)
-        return PiecewiseEntry(num_tokens, replay_calls, graphs, output, self._input_ptrs(), compiled, tasks), nbytes
+        entry = PiecewiseEntry(num_tokens, replay_calls, graphs, output, self._input_ptrs(), compiled, tasks,
+                               eager_collectives=self.split_model.num_collectives)
+        return entry, nbytes
 
     def _build_breakable(self, key: BatchDescriptor, pool: GraphPool) -> tuple[PiecewiseEntry, int]:
         """Capture the forward broken at each attention call (:func:`capture_breakable`);

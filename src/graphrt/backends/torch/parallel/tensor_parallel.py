@@ -29,7 +29,7 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError, InputError
 from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
-from graphrt.core.graph_modes import RuntimeMode
+from graphrt.core.graph_modes import AttentionGraphSupport, RuntimeMode
 from graphrt.core.weight_reports import WeightsUpdate
 from graphrt.backends.torch.weights import staged_checkpoint
 
@@ -110,6 +110,12 @@ class TensorParallelExecutor(Executor[TorchEntry]):
     def __init__(self, local: TorchExecutor, ranks: Ranks) -> None:
         self.local, self.ranks = local, ranks
         self.model = local.model
+        if local.config.collectives == "eager":
+            if local.config.piecewise_capture == "breakable":
+                raise ConfigError("collectives='eager' with piecewise_capture='breakable': only the fx split cuts "
+                                  "the forward at its collectives; use piecewise_capture='fx' or 'auto'")
+            logger.info("graphrt: collectives='eager': PIECEWISE graphs only, each collective run eagerly between "
+                        "pieces (the warm-up report's eager_collectives counts them per step)")
         if local.extra_inputs:
             raise ConfigError(f"the model declares extra inputs {sorted(local.extra_inputs)}: tensor parallelism "
                               "sends graphrt's step fields to the workers only; run it with tensor_parallel_size=1")
@@ -136,7 +142,10 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         """Rank 0's graphs, attention and PIECEWISE support; steps run synchronously (each waits
         for the workers), with the eager fallback, outside a shared memory pool."""
         local = self.local.capabilities
-        return Capabilities(has_graphs=local.has_graphs, attention_support=local.attention_support,
+        # collectives='eager': a FULL graph would hold the collectives, so every graph is
+        # PIECEWISE, each collective a break between pieces.
+        attention = AttentionGraphSupport.NEVER if self.local.config.collectives == "eager" else local.attention_support
+        return Capabilities(has_graphs=local.has_graphs, attention_support=attention,
                             supports_piecewise=local.supports_piecewise, eager_fallback=True, async_execution=False,
                             keyed_host_values=local.keyed_host_values)
 
@@ -185,6 +194,9 @@ class TensorParallelExecutor(Executor[TorchEntry]):
 
     def describe_build_failure(self, exc: BaseException) -> str:
         return self.local.describe_build_failure(exc)
+
+    def entry_memory(self, entry: Any) -> dict[str, Any]:
+        return self.local.entry_memory(entry)
 
     # ---- what every rank does ----------------------------------------------------------
     def _send(self, method: int, arrays: list[np.ndarray], doing: Any) -> None:
