@@ -195,7 +195,7 @@ class XlaBackend(Backend):
                 self._check_lora(config)
                 leader, seed = lockstep.start_leader(config, os.fspath(model), dtype, tp)
                 executor = self.open_lockstep(os.fspath(model), config, dtype, seed)
-                executor.leader = leader
+                lockstep.lead(executor, leader)
                 return executor
             if isinstance(model, (str, os.PathLike)):
                 model = self.load_model(os.fspath(model), dtype, model_impl=config.model_impl,

@@ -83,19 +83,30 @@ def client() -> Any:
 
 
 def lockstep(method: F) -> F:
-    """Mark an executor method every process must call in the same order: on a leading
-    executor it is published (under the leader's lock) before it runs here."""
-    name = method.__name__
+    """Mark an executor method every process must call in the same order. Marking costs
+    nothing: an executor alone runs its methods as written; :func:`lead` wraps the marked ones of
+    a leading executor so that each call is published (under the leader's lock) before it runs."""
+    method.__lockstep__ = True  # type: ignore[attr-defined]
+    return method
 
-    @functools.wraps(method)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        leader = self.leader
-        if leader is None:
-            return method(self, *args, **kwargs)
+
+def lead(executor: Any, leader: Leader) -> None:
+    """Make ``executor`` process 0's: every :func:`lockstep` method of its class is replaced, on
+    this instance only, by one that publishes the call to the followers first."""
+    executor.leader = leader
+    cls = type(executor)
+    for name in dir(cls):
+        if getattr(getattr(cls, name, None), "__lockstep__", False):
+            setattr(executor, name, _published(leader, name, getattr(executor, name)))
+
+
+def _published(leader: Leader, name: str, bound: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(bound)
+    def call(*args: Any, **kwargs: Any) -> Any:
         with leader.lock:
             number = leader.publish(name, args, kwargs)
             try:
-                result = method(self, *args, **kwargs)
+                result = bound(*args, **kwargs)
             except Exception as exc:
                 named = leader.fault(name, exc)
                 if named is exc:
@@ -103,7 +114,7 @@ def lockstep(method: F) -> F:
                 raise named from exc
             leader.keep(number, result)
             return result
-    return call  # type: ignore[return-value]
+    return call
 
 
 class Results:
