@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.backends.base import BufferWatch, Executor, SamplingBatch
 from graphrt.backends.torch.capture.baked_values import BakedValueChecks
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.forward import TorchForward
@@ -172,7 +172,7 @@ class TorchExecutor(Executor[TorchEntry]):
         one layout: ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]``; the last row of
         each layer is the trash row padded tokens write into."""
         if self.kv_caches:                  # graphs captured before read the old tensors
-            self.live.reallocated = True
+            self.live.due = True
         self.kv_caches = self.kv.allocate(num_blocks, block_size)
         self.kv_cache = self.kv_caches[0] if len(self.kv_caches) == 1 else None
 
@@ -247,11 +247,11 @@ class TorchExecutor(Executor[TorchEntry]):
     def stale_buffers(self, entries: Any) -> dict[Any, list[str]]:
         return self.live.stale(entries)
 
-    def buffers_changed(self) -> bool:
-        """Whether the live-buffer check is due before the next replay: one comparison (a
-        re-binding anywhere, a cache allocated again); in strict mode also every parameter's,
-        buffer's and cache view's address (LiveBuffers.changed)."""
-        return self.builder is not None and self.live.changed(thorough=self.config.strict)
+    def buffer_watch(self) -> BufferWatch | None:
+        """The live buffers' watch (:meth:`LiveBuffers.watch`): due after a re-binding anywhere or
+        a cache allocated again; in strict mode also when a parameter's, buffer's or cache view's
+        address moved (a comparison per step). None without graphs (eager: nothing is captured)."""
+        return self.live.watch(thorough=self.config.strict) if self.builder is not None else None
 
     def _cache_tensors(self) -> dict[str, torch.Tensor]:
         """The KV and state cache tensors by name (what a sleep drops)."""
@@ -282,7 +282,10 @@ class TorchExecutor(Executor[TorchEntry]):
             self.lora.before_step(key, t)
         if self._copied is not None:
             self._copied.record()
-        host = self.fwd.step_host_values(self._host_values, padded, key)   # eager at a key: the key's context
+        # The step's host values: read by the refresh and by a forward that runs in Python (eager,
+        # PIECEWISE: at a key, the key's context); a full graph's replay without a refresh reads none.
+        replayed = entry is not None and not isinstance(entry, PiecewiseEntry)
+        host = None if replayed and not self._refresh else self.fwd.step_host_values(self._host_values, padded, key)
         if self._refresh:                 # the one refresh path, before every run
             self.attention.before_replay(self.buffers.tensors(t, r), host)
         if entry is not None and self.graph_api is not None and entry.tasks:
@@ -293,10 +296,10 @@ class TorchExecutor(Executor[TorchEntry]):
         with torch.no_grad():
             if entry is None:
                 self.fwd.run(t, r, host)
-            elif isinstance(entry, PiecewiseEntry):   # attention eager: the step's own values
-                self.fwd.run_split(entry.calls, entry.output, t, r, host)
-            else:
+            elif replayed:
                 entry.graph.replay()
+            else:                                     # PIECEWISE, attention eager: the step's own values
+                self.fwd.run_split(entry.calls, entry.output, t, r, host)
         if self._copied is not None:
             self._copied.synchronize()
         return self.logits_out[:r]
