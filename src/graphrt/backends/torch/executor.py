@@ -10,6 +10,7 @@ reaches the graph as a number."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Sequence
 
@@ -141,26 +142,37 @@ class TorchExecutor(Executor[TorchEntry]):
         own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
         checked = config.check_baked_values or config.strict or own_refresh
         self.refuse_baked = config.strict or own_refresh
-        checks = BakedValueChecks(self.buffers, self.attention, self.keyed_host_values, graph_api, forward=self.fwd,
-                                  refresh=self._refresh, refuse=self.refuse_baked, max_model_len=config.max_model_len,
-                                  vocab_size=self.vocab_size)
-        #: In-place refit, sleep / wake, and the buffers every graph reads (recorded at capture,
-        #: checked at refit, wake and LoRA load; before every replay with ``debug_check_addresses``).
-        self.refit = TorchWeights(model)
-        self.sleeper = TorchSleep(model, self._cache_tensors, self.device, graph_api, pin)
+        checks = (BakedValueChecks(self.buffers, self.attention, self.keyed_host_values, graph_api, forward=self.fwd,
+                                   refresh=self._refresh, refuse=self.refuse_baked,
+                                   max_model_len=config.max_model_len, vocab_size=self.vocab_size)
+                  if graph_api is not None and (checked or self._refresh) else None)   # only where captures ask
+        self._pin = pin
+        #: The buffers every graph reads (recorded at capture, checked at refit, wake and LoRA
+        #: load; before every replay with ``debug_check_addresses``). In-place refit and sleep /
+        #: wake are made on first use (:attr:`refit`, :attr:`sleeper`).
         self.live = LiveBuffers(model, self._cache_tensors, self.device_buffers)
         #: Captures every graph (None on the eager backend; ``builder.report``: the capture report per
         #: key, ``builder.pool``: the pool every graph shares); handed only what a capture uses.
         self.builder = GraphBuilder(
             graph_api, pieces=self.pieces, sampler=self.sampler, logits_out=self.logits_out, lora=self.lora,
             forward=self.fwd, input_ptrs=self.input_ptrs,
-            check_baked=checks.check_baked if checked else None,
-            check_refresh=checks.check_refresh if self._refresh else None,
-            refresh_for_capture=checks.refresh_for_capture if self._refresh else None,
+            check_baked=checks.check_baked if checks is not None and checked else None,
+            check_refresh=checks.check_refresh if checks is not None and self._refresh else None,
+            refresh_for_capture=checks.refresh_for_capture if checks is not None and self._refresh else None,
             live_buffers=self.live.snapshot,
         ) if graph_api is not None else None
         if (note := self.pieces.compile_note()) is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
+
+    @functools.cached_property
+    def refit(self) -> TorchWeights:
+        """In-place refit (``update_weights``, ``weight_names``), made on first use."""
+        return TorchWeights(self.model)
+
+    @functools.cached_property
+    def sleeper(self) -> TorchSleep:
+        """Sleep / wake, made on first use."""
+        return TorchSleep(self.model, self._cache_tensors, self.device, self.graph_api, self._pin)
 
     # ---- KV cache (backends/torch/kv_cache.py) -----------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
