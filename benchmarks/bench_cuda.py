@@ -119,7 +119,7 @@ def decode_step(runner: Any, batch: int, context: int) -> tuple[Any, Any, Any, A
         entry = runner.cache.get((mode, key))
         if entry is None or isinstance(entry, FailedBuild):
             raise RuntimeError(f"{key} has no graph ({getattr(entry, 'reason', 'not captured')})")
-    padded = runner.padder.pad(inputs, num_tokens=key.num_tokens,
+    padded = runner.preparer.padder.pad(inputs, num_tokens=key.num_tokens,
                                num_reqs=key.num_reqs if key.num_reqs is not None else inputs.num_reqs,
                                out=runner.executor.host_buffers)
     return mode, key, entry, padded

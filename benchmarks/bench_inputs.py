@@ -39,7 +39,7 @@ import numpy as np
 from bench_common import summarise
 
 from graphrt import GraphConfig, InputPreparer, ModelInputs, Padder
-from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+from graphrt.core.inputs.fields import FIELD_DTYPES, buffer_shapes
 
 NUM_TABLE_ROWS = 512
 NUM_REQS = 256
@@ -276,30 +276,28 @@ def time_calls(fns: dict[str, Callable[[], object]], iters: dict[str, int], warm
     return {name: np.asarray(v, dtype=np.float64) for name, v in samples.items()}
 
 
-def runner_path(preparer: InputPreparer, padder: Padder, staging: dict[str, np.ndarray],
-                step: Step) -> ModelInputs:
+def runner_path(preparer: InputPreparer, staging: dict[str, np.ndarray], step: Step) -> ModelInputs:
     """A runner's host work: check the step, then write it into its staging buffers."""
     shape = preparer.check(token_ids=step.token_ids, block_table=step.block_table,
                            req_rows=step.req_rows, num_computed_tokens=step.num_computed_tokens,
                            num_scheduled_tokens=step.num_scheduled_tokens)
-    return preparer.write(padder, num_tokens=shape.num_tokens, num_reqs=shape.num_reqs, out=staging)
+    return preparer.write(num_tokens=shape.num_tokens, num_reqs=shape.num_reqs, out=staging)
 
 
 def bench_step(step: Step, preparers: dict[str, InputPreparer], iters: int, warmup: int,
                rounds: int) -> dict[str, dict[str, float]]:
     """Check the implementations agree on ``step``, then time them."""
     lists = engine_lists(step)
-    padder = Padder()
     bounded = preparers["gr-bounded"]
     staging = {name: np.zeros(shape, FIELD_DTYPES[name]) for name, shape in
                buffer_shapes(bounded.max_num_tokens, bounded.max_num_reqs, step.block_table.shape[1]).items()}
     results = {name: outputs_of(prepare_graphrt(prep, step)) for name, prep in preparers.items()}
-    results.update({"gr-runner": outputs_of(runner_path(bounded, padder, staging, step)),
+    results.update({"gr-runner": outputs_of(runner_path(bounded, staging, step)),
                     "loop": prepare_loop(step), "loop_lists": prepare_loop_lists(step, lists),
                     "numpy": prepare_numpy(step)})
     check_identical(step, results)
     fns = {name: (lambda prep=prep: prepare_graphrt(prep, step)) for name, prep in preparers.items()}
-    fns.update({"gr-runner": lambda: runner_path(bounded, padder, staging, step),
+    fns.update({"gr-runner": lambda: runner_path(bounded, staging, step),
                 "loop": lambda: prepare_loop(step),
                 "loop_lists": lambda: prepare_loop_lists(step, lists),
                 "numpy": lambda: prepare_numpy(step)})

@@ -69,7 +69,7 @@ def build_model(root: Path, shape: str) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from graphrt.testing.transformers_zoo import randomize
+    from graphrt.testing.random_weights import randomize
 
     config_class, heads = SHAPES[shape]
     torch.manual_seed(0)

@@ -71,7 +71,7 @@ def build_model(sizes: dict) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from graphrt.testing.transformers_zoo import randomize
+    from graphrt.testing.random_weights import randomize
 
     torch.manual_seed(0)
     config = LlamaConfig(**sizes)

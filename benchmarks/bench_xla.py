@@ -143,7 +143,7 @@ def run_plain_jit(model_dir: Path, steps: list[dict[str, np.ndarray]], num_kv_bl
     import jax.numpy as jnp
 
     from graphrt.backends.xla.compile import CompileCounter
-    from graphrt.core.inputs import InputPreparer
+    from graphrt.core.inputs.preparer import InputPreparer
     from graphrt.layers.jax.paged_attention import AttentionMetadata
     from graphrt.models.jax.decoder import compute_logits, forward, init_kv_cache
     from graphrt.models.jax.loader import load_jax_params
@@ -211,7 +211,7 @@ def bench_overhead(runner: Any, steps: int, rounds: int) -> dict[int, dict[str, 
         key = runner.dispatcher.dispatch(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode).key
         entry = runner.cache.get((RuntimeMode.FULL, key))
         sampler_entry = runner.sampler_cache.get(SamplerKey(key.num_reqs, True))
-        padded = runner.padder.pad(inputs, num_tokens=key.num_tokens, num_reqs=key.num_reqs,
+        padded = runner.preparer.padder.pad(inputs, num_tokens=key.num_tokens, num_reqs=key.num_reqs,
                                    out=ex.host_buffers).copy()
         host = [getattr(padded, f) for f in BATCH_FIELDS]
         fwd, smp = entry.executable, sampler_entry.executable

@@ -16,7 +16,7 @@ from support import triton_interpreter  # noqa: F401  (first: Triton's interpret
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from graphrt.core import host_kernels  # noqa: E402
+from graphrt.core.inputs import host_kernels  # noqa: E402
 from support.fast_subset import CI_EXAMPLES, FAST_EXAMPLES, measured_slow_ids  # noqa: E402
 
 # ``make test`` runs the ``ci`` profile (the default), ``make test-fast`` the ``fast`` one

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -105,7 +106,8 @@ def run() -> tuple[list[dict[str, Any]], str]:
     from graphrt.core.dispatch import BatchDescriptor, SamplerKey
     from graphrt.core.graph_modes import RuntimeMode
     from graphrt.testing.state_sweep import hybrid_checkpoint
-    from graphrt.testing.transformers_zoo import tiny_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))     # the zoo: a developer tool
+    from transformers_zoo import tiny_checkpoint
 
     who = ensure_serializable()
     config = GraphConfig.create(**GRAPH)

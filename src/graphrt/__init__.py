@@ -22,13 +22,13 @@ from graphrt.core.errors import (BackendUnavailableError, CacheMissError, Config
                                  GenerationError, GraphCaptureError, GraphrtError, InputError, KVCacheLostError,
                                  RequestsInFlightError, StaleBufferError, WatchdogTimeout)
 from graphrt.core.errors import CollectiveMismatchError, RankLostError, StepMismatchError
-from graphrt.core.extra_inputs import ExtraInput
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.extra_inputs import ExtraInput
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
-from graphrt.core.inputs import InputPreparer, prepare_inputs
+from graphrt.core.inputs.preparer import InputPreparer, prepare_inputs
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.numerics import Tolerance, reduction_tolerance, tolerance
-from graphrt.core.padding import Padder
+from graphrt.core.inputs.padding import Padder
 from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 from graphrt.registry import available_backends, select_backend
 

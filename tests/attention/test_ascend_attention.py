@@ -23,10 +23,10 @@ from support.device_fakes import FakeNpu
 from support.fake_torch_npu import make_fake_torch_npu
 from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
-from graphrt.backends.torch.model_protocol import attention_backend
 from graphrt.backends.torch.npu import NpuGraphAPI, NpuGraphBackend, torch_npu_problem
 from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.core.graph_modes import RuntimeMode
+from graphrt.layers.torch.attention.selector import select_attention
 from graphrt.layers.torch.forward_context import forward_context
 from graphrt.layers.torch.attention.ascend_attention import AscendAttentionBackend, ascend_backend
 from graphrt.layers.torch.attention.paged import PagedAttention
@@ -85,8 +85,8 @@ def test_selection_follows_graphrt_attention(fake_npu: Any, monkeypatch: pytest.
     with pytest.raises(ConfigError, match="layer 1 has a sliding window"):
         ascend_backend([layers[0], PagedAttention(4, 2, 16, sliding_window=8)], "cpu", torch.float32)
     model = CpuGraphBackend().load_model(str(tiny_hf_model_dir("qwen3")))
-    assert isinstance(attention_backend(model, "cpu", torch.float32), AscendAttentionBackend)
-    assert isinstance(attention_backend(model), PagedAttentionBackend)          # no device: no choice
+    assert isinstance(select_attention(model, "cpu", torch.float32), AscendAttentionBackend)
+    assert isinstance(select_attention(model), PagedAttentionBackend)          # no device: no choice
 
 
 def test_forcing_ascend_without_torch_npu_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,7 +201,7 @@ def test_full_acl_graphs_refresh_the_host_lists_before_replay(fake_npu: Any, mon
     npu = FakeNpu()
     runner = acl_runner(monkeypatch, npu)
     assert isinstance(runner.executor.attention, AscendAttentionBackend)
-    assert runner.executor.keyed_host_values == ()                   # nothing keyed: no context buckets
+    assert runner.executor.capabilities.keyed_host_values == ()                   # nothing keyed: no context buckets
     seen: list = []
     fake_npu.calls.clear()
     for i, (got, want) in enumerate(zip(run_steps(runner, seen=seen), reference_logits)):

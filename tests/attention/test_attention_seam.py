@@ -39,7 +39,7 @@ def reference_tokens() -> list[list[int]]:
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "NONE"])
 def test_a_declared_host_integer_gives_the_right_tokens_in_every_mode(mode, reference_tokens):
     llm = graphrt.LLM(dense_model(declare=True), mode=mode, **ENGINE)
-    assert llm.runner.executor.keyed_host_values == ("max_seq_len",)
+    assert llm.runner.executor.capabilities.keyed_host_values == ("max_seq_len",)
     assert llm.runner.stats.failed_builds == 0
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference_tokens
@@ -261,10 +261,3 @@ def test_the_kits_line_for_an_undeclared_value_says_why_the_graph_was_not_built(
     assert not result.passed and "ran eagerly" in result.line() and "'max_seq_len'" in result.line()
     assert "misses" not in result.line()
 
-
-def test_the_old_pre_replay_hooks_name_their_replacement():
-    """One refresh path: executor.pre_replay_hooks is gone, and says where a hook goes now."""
-    limits = {k: v for k, v in ENGINE.items() if k not in ("backend", "enable_prefix_caching")}
-    r = ModelRunner(dense_model(), backend="cpu", warmup=False, **limits)
-    with pytest.raises(graphrt.GraphrtError, match=r"pre_replay_hooks is gone.*before_replay"):
-        r.executor.pre_replay_hooks.append(lambda padded: None)

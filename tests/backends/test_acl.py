@@ -21,7 +21,7 @@ from graphrt.backends.torch import acl
 from graphrt.backends.torch.cpu import CpuGraphBackend
 from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend, torch_npu_problem
-from graphrt.backends.torch.device_graphs import graph_task
+from graphrt.core.graph_tasks import graph_task
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.layers.torch.attention.backend import PagedAttentionBackend

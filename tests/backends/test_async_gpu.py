@@ -32,7 +32,7 @@ def test_execute_async_launches_and_resolves_from_an_event():
     runner = graphrt.ModelRunner(str(tiny_hf_model_dir("qwen3")), backend="cuda", num_kv_blocks=8 * 24 + 1,
                                  progress=False, **LIMITS)
     ex = runner.executor
-    assert ex.async_execution and ex.device_runs_ahead
+    assert ex.capabilities.async_execution and ex.capabilities.device_runs_ahead
     rng = np.random.default_rng(0)
     tok = rng.integers(3, 128, size=(8, 96), dtype=np.int32)
     blocks = (1 + np.arange(8 * 24, dtype=np.int32)).reshape(8, 24)

@@ -223,7 +223,7 @@ def test_select_backend_cpu(model_dir, tables):
     assert graphrt.available_backends()["cpu"] is None
     runner = ModelRunner(model_dir, backend=backend, num_kv_blocks=tables.num_kv_blocks, progress=False,
                          mode="FULL", cudagraph_capture_sizes=[8], **LIMITS)
-    assert runner.backend is backend and runner.executor.has_graphs
+    assert runner.backend is backend and runner.executor.capabilities.has_graphs
     assert runner.mode is graphrt.GraphMode.FULL
     assert len(runner.cache) == 1 and runner.cache.sealed
     tables.step([0], [0], [5]).run(runner)

@@ -181,7 +181,7 @@ def test_import_graphrt_imports_neither_torch_nor_jax():
     code = (
         "import json, sys\n"
         "import graphrt\n"
-        "import graphrt.core.inputs, graphrt.core.padding, graphrt.core.buckets, graphrt.core.dispatch\n"
+        "import graphrt.core.inputs.preparer, graphrt.core.inputs.padding, graphrt.core.buckets, graphrt.core.dispatch\n"
         "import graphrt.core.cache, graphrt.config, graphrt.registry, graphrt.layers.torch.forward_context\n"
         "heavy = ('torch', 'jax', 'jaxlib', 'torch_npu', 'flax')\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))\n"

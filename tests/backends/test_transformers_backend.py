@@ -21,7 +21,7 @@ from graphrt.core.errors import ConfigError, GraphCaptureError, InputError
 from graphrt.core.numerics import tolerance
 from graphrt.layers.torch.attention.paged import TorchAttentionMetadata, paged_attention_kernel
 from graphrt.models.torch.transformers_impl import ATTENTION_NAME, load_transformers_model
-from graphrt.testing.transformers_zoo import SLIDING_WINDOW, tiny_checkpoint
+from transformers_zoo import SLIDING_WINDOW, tiny_checkpoint
 
 pytest.importorskip("transformers")
 

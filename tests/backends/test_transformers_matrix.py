@@ -1,4 +1,4 @@
-"""The compatibility matrix of the transformers backend (graphrt.testing.transformers_matrix).
+"""The compatibility matrix of the transformers backend (tools/transformers_matrix.py).
 
 * A sample of architectures runs through the matrix's own :func:`check_mode` -- the workload
   with chunked prefill, preemption and prefix-cache hits, every token checked against
@@ -11,7 +11,7 @@
 * The kit's padding and KV-isolation properties hold on an MLA model (tests/test_transformers_backend.py
   runs them on Gemma 2 and Qwen2-MoE).
 
-The full matrix is one command: ``python -m graphrt.testing.transformers_matrix --docs
+The full matrix is one command: ``python tools/transformers_matrix.py --docs
 docs/transformers-models.md``.
 """
 
@@ -23,8 +23,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from graphrt.testing.transformers_matrix import MODES, check_mode, parse_page  # noqa: E402
-from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint  # noqa: E402
+from transformers_matrix import MODES, check_mode, parse_page  # noqa: E402
+from transformers_zoo import load_reference, tiny_checkpoint  # noqa: E402
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "transformers-models.md"
 #: Architectures every mode of which must pass (the matrix's promise).

@@ -16,7 +16,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import graphrt
 from graphrt.core.errors import ConfigError
-from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint
+from transformers_zoo import load_reference, tiny_checkpoint
 from support.fast_subset import examples
 from support.hf_greedy import argmax_problem
 from support.hf_models import random_prompts
@@ -72,7 +72,7 @@ def same_greedy_tokens(alone, packed) -> str | None:
     """None where the two runs chose the same tokens up to an exact tie (after which they may
     differ), else the first difference. The runs differ in shapes only, so logits may differ in
     their last bits: a tie is two tokens within TIE_TOLERANCE of each other in both runs."""
-    from graphrt.testing.transformers_matrix import TIE_TOLERANCE
+    from transformers_matrix import TIE_TOLERANCE
 
     for j, (a, p) in enumerate(zip(alone.token_ids, packed.token_ids)):
         if a == p:

@@ -162,7 +162,7 @@ def test_llm_greedy_parity_with_transformers(engine, request):
 def test_warmup_report_and_entries(qwen):
     runner = qwen[0].runner
     ex = runner.executor
-    assert not ex.eager_fallback and ex.has_graphs and ex.compiles.sealed
+    assert not ex.capabilities.eager_fallback and ex.capabilities.has_graphs and ex.compiles.sealed
     keys = {k for _, k in runner.cache}
     assert keys == {BatchDescriptor(32, 4, False, max_seq_len=CTX), BatchDescriptor(16, 4, False, max_seq_len=CTX), BatchDescriptor(4, 4, True, max_seq_len=CTX),
                     BatchDescriptor(2, 2, True, max_seq_len=CTX), BatchDescriptor(1, 1, True, max_seq_len=CTX)}
@@ -435,20 +435,20 @@ def test_bad_input_is_an_input_error_and_touches_nothing(qwen):
                                          num_scheduled_tokens=np.array([5]))
         key = BatchDescriptor(16, 4, False, max_seq_len=CTX)
         entry = runner.cache.get((RuntimeMode.FULL, key))
-        padded = runner.padder.pad(inputs, num_tokens=16, num_reqs=4)  # allocating: slot_mapping int64
+        padded = runner.preparer.padder.pad(inputs, num_tokens=16, num_reqs=4)  # allocating: slot_mapping int64
         with pytest.raises(InputError) as err:
             ex.run(RuntimeMode.FULL, key, entry, padded)
         assert err.value.field == "slot_mapping" and "int64" in str(err.value) and "int32" in str(err.value)
-        padded = runner.padder.pad(inputs, num_tokens=32, num_reqs=4, out=ex.host_buffers)
+        padded = runner.preparer.padder.pad(inputs, num_tokens=32, num_reqs=4, out=ex.host_buffers)
         with pytest.raises(InputError) as err:                    # padded for another bucket
             ex.run(RuntimeMode.FULL, key, entry, padded)
         assert err.value.field == "input_ids" and "(32,)" in str(err.value)
-        holed = runner.padder.pad(inputs, num_tokens=16, num_reqs=4, out=ex.host_buffers)
+        holed = runner.preparer.padder.pad(inputs, num_tokens=16, num_reqs=4, out=ex.host_buffers)
         holed.seq_lens = None
         with pytest.raises(InputError, match="pytree structure"):
             ex.run(RuntimeMode.FULL, key, entry, holed)
         with pytest.raises(graphrt.GraphrtError, match="no executable for"):   # no eager path, no store
-            ex.run(RuntimeMode.FULL, key, None, runner.padder.pad(inputs, num_tokens=16, num_reqs=4,
+            ex.run(RuntimeMode.FULL, key, None, runner.preparer.padder.pad(inputs, num_tokens=16, num_reqs=4,
                                                                   out=ex.host_buffers))
         with pytest.raises(InputError, match="logits"):
             ex.sample(np.zeros((3, VOCAB), np.float32), 3, sampling_batch([GREEDY] * 3, [1, 2, 3], VOCAB),

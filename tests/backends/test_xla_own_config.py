@@ -183,8 +183,8 @@ def test_an_xla_models_attention_is_declared_as_a_torch_models_is():
     buckets (one executable per token / batch padding serves any context), and the tokens stay."""
     narrow = ModelRunner(_neox(), backend="xla", warmup=False, progress=False, **LIMITS)
     wide = ModelRunner(_neox(_DevicesLengths()), backend="xla", warmup=False, progress=False, **LIMITS)
-    assert narrow.executor.keyed_host_values == ("max_seq_len",) and narrow.dispatcher.context_sizes
-    assert wide.executor.keyed_host_values == () and wide.dispatcher.context_sizes == ()
+    assert narrow.executor.capabilities.keyed_host_values == ("max_seq_len",) and narrow.dispatcher.context_sizes
+    assert wide.executor.capabilities.keyed_host_values == () and wide.dispatcher.context_sizes == ()
     assert all(key.max_seq_len is None for _, key in wide.dispatcher.keys())
     assert all(key.max_seq_len == 64 for _, key in narrow.dispatcher.keys())
     tokens = np.arange(1, 9, dtype=np.int32).reshape(1, 8)

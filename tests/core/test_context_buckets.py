@@ -144,7 +144,7 @@ def test_the_remembered_context_bucket_is_always_the_dispatchers(buckets, swap_a
 def test_cpu_graphs_and_eager_steps_attend_over_their_context(monkeypatch):
     tokens, blocks = _tables()
     graph, ref = _runner("cpu"), _runner("eager")
-    assert graph.executor.keyed_host_values == ("max_seq_len",) and graph.dispatcher.context_sizes == (256, 512)
+    assert graph.executor.capabilities.keyed_host_values == ("max_seq_len",) and graph.dispatcher.context_sizes == (256, 512)
     seen = _widths(monkeypatch, graph)
     tol = tolerance("float32")
     # a short decode: FULL at context 256 (16 blocks of 16, not the table's 64)

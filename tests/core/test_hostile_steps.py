@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import graphrt
 from graphrt import InputError, InputPreparer, ModelRunner
-from graphrt.core import host_kernels
+from graphrt.core.inputs import host_kernels
 from support.runner_steps import LIMITS, VOCAB, bits, greedy
 from support.fast_subset import examples
 
@@ -125,7 +125,7 @@ def test_extreme_integers_raise_an_input_error_naming_the_field(bounds, field, v
         assert str(value) in str(err.value), str(err.value)
     for k, v in kw.items():
         assert v.dtype == snap[k].dtype and np.array_equal(v, snap[k]), k
-    for name in graphrt.core.fields.ARRAY_FIELDS:
+    for name in graphrt.core.inputs.fields.ARRAY_FIELDS:
         assert np.array_equal(getattr(previous, name), getattr(kept, name)), name
     if field not in ("token_ids", "block_table") or not bounds:     # the allocating convenience too
         with pytest.raises(InputError) as err:

@@ -739,8 +739,8 @@ def _buffers(max_tokens: int, max_reqs: int, width: int) -> dict[str, np.ndarray
     return {name: np.full((max_reqs, width) if name == "block_table" else
                           (max_reqs + 1 if name == "query_start_loc" else
                            max_reqs if name in ("seq_lens", "num_computed_tokens") else max_tokens,),
-                          -77, dtype=graphrt.core.fields.FIELD_DTYPES[name])
-            for name in graphrt.core.fields.ARRAY_FIELDS}
+                          -77, dtype=graphrt.core.inputs.fields.FIELD_DTYPES[name])
+            for name in graphrt.core.inputs.fields.ARRAY_FIELDS}
 
 
 @SETTINGS
@@ -757,7 +757,7 @@ def test_check_then_write_equals_prepare_then_pad(scenario, more_tokens, more_re
     assert shape == (t, r, max(step.scheduled), max(c + s for c, s in zip(step.computed, step.scheduled)),
                      max(step.scheduled) == 1)
     out = _buffers(8 * 48 + 9, 8 + 3, tables.block_table.shape[1])
-    got = prep.write(graphrt.Padder(), num_tokens=t + more_tokens, num_reqs=r + more_reqs, out=out)
+    got = prep.write(num_tokens=t + more_tokens, num_reqs=r + more_reqs, out=out)
     _assert_same_inputs(got, expected)
     assert got.input_ids.base is out["input_ids"] or got.input_ids.base is out["input_ids"].base
     # nothing past the bucket was written
@@ -768,27 +768,44 @@ def test_check_then_write_equals_prepare_then_pad(scenario, more_tokens, more_re
 def test_write_needs_a_successful_check():
     prep = _seed_preparer()
     with pytest.raises(graphrt.GraphrtError, match="check"):
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+        prep.write(num_tokens=10, num_reqs=3)
     prep.check(**_base_kwargs())
     bad = _base_kwargs()
     _null_block(bad)
     with pytest.raises(InputError):
         prep.check(**bad)
     with pytest.raises(graphrt.GraphrtError, match="check"):   # the failed check cleared it
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3)
+        prep.write(num_tokens=10, num_reqs=3)
+
+
+def test_the_preparer_owns_its_padder(host_kernel):
+    """``write`` pads with the preparer's own padder (issue 44): ``Padder(kernel=kernel)`` by
+    default, or the one it was given, whose fills the padded rows then hold."""
+    kernel = host_kernel
+    default = _seed_preparer(kernel=kernel)
+    assert isinstance(default.padder, graphrt.Padder) and default.padder.kernel == kernel
+    padder = graphrt.Padder({"input_ids": 7, "seq_lens": 5}, kernel=kernel)
+    prep = _seed_preparer(kernel=kernel, padder=padder)
+    assert prep.padder is padder
+    prep.check(**_base_kwargs())
+    padded = prep.write(num_tokens=14, num_reqs=4)
+    assert padded.input_ids[10:].tolist() == [7] * 4 and padded.seq_lens[3] == 5
+    default.check(**_base_kwargs())
+    padded = default.write(num_tokens=14, num_reqs=4)
+    assert padded.input_ids[10:].tolist() == [0] * 4 and padded.seq_lens[3] == 0
 
 
 def test_write_below_the_real_size_is_an_error():
     prep = _seed_preparer()
     prep.check(**_base_kwargs())
     with pytest.raises(InputError) as excinfo:
-        prep.write(graphrt.Padder(), num_tokens=9, num_reqs=3)
+        prep.write(num_tokens=9, num_reqs=3)
     _check_error(excinfo, "num_tokens")
 
 
 @pytest.mark.parametrize("case_id,mutate,field", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_both_kernels_raise_the_same_error(case_id, mutate, field):
-    if graphrt.core.host_kernels.resolve_kernel("auto") != "numba":
+    if graphrt.core.inputs.host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
     messages = []
     for kernel in ("numba", "numpy"):
@@ -805,7 +822,7 @@ def test_both_kernels_raise_the_same_error(case_id, mutate, field):
 def test_both_kernels_agree_on_random_faults(scenario, data):
     """Corrupt one request value or one table entry at random (small values, and the ends of
     int32 / int64 and their neighbours): both kernels give the same result, or the same error."""
-    if graphrt.core.host_kernels.resolve_kernel("auto") != "numba":
+    if graphrt.core.inputs.host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
     tables, (step,) = scenario
     rows, computed, scheduled = [a.astype(np.int64) for a in step.arrays()]
@@ -863,8 +880,8 @@ def test_write_refuses_a_step_changed_since_check(field, index, value):
     out = _buffers(10, 3, kw["block_table"].shape[1])
     before = {name: buf.copy() for name, buf in out.items()}
     with pytest.raises(graphrt.GraphrtError, match="changed between"):
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)
+        prep.write(num_tokens=10, num_reqs=3, out=out)
     for name, buf in out.items():
         assert np.array_equal(buf, before[name]), name
     with pytest.raises(graphrt.GraphrtError, match="check"):     # the refused write cleared it
-        prep.write(graphrt.Padder(), num_tokens=10, num_reqs=3, out=out)
+        prep.write(num_tokens=10, num_reqs=3, out=out)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from graphrt import ConfigError, GraphConfig, InputError, ModelInputs, Padder, prepare_inputs
 from graphrt.core import defaults
-from graphrt.core.fields import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS, buffer_shapes
+from graphrt.core.inputs.fields import ARRAY_FIELDS, REQUEST_FIELDS, TOKEN_FIELDS, buffer_shapes
 from graphrt.testing.strategies import steps
 from support.fast_subset import examples
 

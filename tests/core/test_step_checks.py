@@ -1,4 +1,4 @@
-"""One input-check path: the rules of ``core/host_loops.py``, compiled or interpreted.
+"""One input-check path: the rules of ``core/inputs/host_loops.py``, compiled or interpreted.
 
 * The numpy path has no checks of its own: it runs host_loops' ``check_step`` /
   ``check_requests`` in the interpreter, so numba-less installs check exactly what the
@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphrt import InputError, InputPreparer
-from graphrt.core import host_kernels, host_loops
-from graphrt.core.prepare_numpy import NumpyPrepare
-from graphrt.core.step_codes import E_OK
+from graphrt.core.inputs import host_kernels, host_loops
+from graphrt.core.inputs.prepare_numpy import NumpyPrepare
+from graphrt.core.inputs.step_codes import E_OK
 from test_inputs import EXTREMES, assert_matches, ref_for, scenarios
 from support.fast_subset import examples
 
@@ -102,9 +102,7 @@ def test_the_numpy_path_runs_the_host_loops_checks(monkeypatch):
                 req_rows=np.array([1]), num_computed_tokens=np.array([2]), num_scheduled_tokens=np.array([3]))
     assert prep.prepare(**step).input_ids.tolist() == [8, 9, 10]
     prep.check(**step)
-    import graphrt
-
-    prep.write(graphrt.Padder(kernel="numpy"), num_tokens=4, num_reqs=2)
+    prep.write(num_tokens=4, num_reqs=2)
     assert calls.count("check_step") == 2 and "check_requests" in calls
     with pytest.raises(InputError, match="row 5 out of range"):
         prep.prepare(**{**step, "req_rows": np.array([5])})

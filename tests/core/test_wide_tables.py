@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import graphrt
 from graphrt import InputError, InputPreparer, ModelInputs
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, buffer_shapes
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, buffer_shapes
 from support.fast_subset import examples
 
 #: The preparer's tests run on both host kernels (numba and numpy); see conftest.py.
@@ -117,7 +117,7 @@ def test_a_wider_table_gives_the_trimmed_tables_outputs(step, more_tokens, more_
 
         def check_write():
             shape = prep.check(block_table=table, **kw)
-            return prep.write(graphrt.Padder(), num_tokens=shape.num_tokens + more_tokens,
+            return prep.write(num_tokens=shape.num_tokens + more_tokens,
                               num_reqs=shape.num_reqs + more_reqs, out=_staging(width))
 
         results[name] = (prepared, _outcome(check_write))

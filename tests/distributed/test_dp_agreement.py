@@ -12,7 +12,7 @@ import pytest
 import graphrt
 from support.gloo_ranks import run_ranks
 from graphrt.core.errors import ConfigError
-from graphrt.core.sampling import sampling_batch
+from graphrt.core.sampling.batch import sampling_batch
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_close_across_reductions
 

@@ -471,7 +471,7 @@ def test_a_broadcast_channel_holds_the_largest_step_of_a_large_engine():
     from graphrt import GraphConfig
     from graphrt.backends.torch.parallel.tp_protocol import WorkerSetup
     from graphrt.core import defaults
-    from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+    from graphrt.core.inputs.fields import FIELD_DTYPES, buffer_shapes
 
     def setup(**kw):
         return WorkerSetup("m:C", "cpu", None, "/nowhere", None, GraphConfig.create(**kw).model_dump(), 2, 1.0, 1)

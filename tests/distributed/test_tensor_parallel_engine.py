@@ -36,7 +36,7 @@ from graphrt.backends.torch import acl
 from graphrt.backends.torch.parallel.tp_protocol import RUN, free_port
 from graphrt.backends.torch.parallel import tp_ranks
 from graphrt.core import defaults
-from graphrt.core.fields import ARRAY_FIELDS
+from graphrt.core.inputs.fields import ARRAY_FIELDS
 from support.fast_subset import slow_except
 from support.hf_models import random_prompts, tiny_hf_model_dir
 from support.parity import assert_close_across_reductions

@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 import graphrt
 from graphrt import SamplingParams
 from graphrt.core.errors import InputError
-from graphrt.core.sampling import sampling_batch
+from graphrt.core.sampling.batch import sampling_batch
 from graphrt.engine.loop import PLACEHOLDER_TOKEN, drop_unresolved
 from graphrt.engine.request import Request
 from support.hf_models import tiny_hf_model_dir
@@ -47,7 +47,7 @@ def llm(request) -> graphrt.LLM:
         return engine
     engine = graphrt.LLM(str(tiny_hf_model_dir(**MODEL)), backend="cpu", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32],
                          **LIMITS)
-    assert engine.runner.executor.async_execution, "the cpu graphs launch like cuda's"
+    assert engine.runner.executor.capabilities.async_execution, "the cpu graphs launch like cuda's"
     assert not engine.overlap, "but finish on return: overlap hides nothing, so it is off by default"
     return engine
 
@@ -192,14 +192,14 @@ def small_runner(backend) -> graphrt.ModelRunner:
 
 def test_future_rows_resolve_on_the_device_for_the_cpu_graphs():
     runner = small_runner("cpu")
-    assert runner.executor.async_execution and not runner.executor.device_runs_ahead
+    assert runner.executor.capabilities.async_execution and not runner.executor.capabilities.device_runs_ahead
     future_rows_check(runner)
     assert runner.last_step.mode is not graphrt.RuntimeMode.NONE, "the decode replayed a graph"
 
 
 def test_future_rows_resolve_on_the_host_for_a_synchronous_backend():
     runner = small_runner("eager")
-    assert not runner.executor.async_execution
+    assert not runner.executor.capabilities.async_execution
     future_rows_check(runner)
 
 
@@ -219,7 +219,7 @@ def test_the_cuda_adapter_launches_and_waits_only_for_each_steps_event():
 
     backend = SimCuda()
     runner = small_runner(backend)
-    assert runner.executor.async_execution and runner.executor.device_runs_ahead
+    assert runner.executor.capabilities.async_execution and runner.executor.capabilities.device_runs_ahead
     future_rows_check(runner)
     calls = backend.fake.calls
     del calls[:]

@@ -27,7 +27,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 import graphrt  # noqa: E402
 from graphrt.core import defaults  # noqa: E402
 from graphrt.core.eager import EagerCause  # noqa: E402
-from graphrt.core.fields import BOUNDARY, REQUEST, TOKEN  # noqa: E402
+from graphrt.core.inputs.fields import BOUNDARY, REQUEST, TOKEN  # noqa: E402
 from graphrt.integrations.transformers_cb import activation  # noqa: E402
 from graphrt.integrations.transformers_cb.padding import KEY, KWARG_RULES, KwargPadder, RealSizes  # noqa: E402
 from graphrt.integrations.transformers_cb.runner import GraphrtCBRunner  # noqa: E402

@@ -65,7 +65,7 @@ def check_parity(backend: str, mode: str) -> None:
         assert_bitwise(breakable.executor.kv_cache, eager.executor.kv_cache, "KV cache")
     report = [r for r in breakable.executor.builder.report if r["mode"] == "PIECEWISE"]
     assert bool(report) == ("PIECEWISE" in mode)
-    if breakable.executor.graphs_share_memory:   # later graphs reuse the pool the first one grew
+    if breakable.executor.capabilities.graphs_share_memory:   # later graphs reuse the pool the first one grew
         assert not report or (max(r["bytes"] for r in report) > 0 and min(r["bytes"] for r in report) >= 0)
     else:                                        # the recording graph keeps every graph's own bytes
         assert all(r["bytes"] > 0 for r in report)

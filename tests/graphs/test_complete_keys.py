@@ -51,7 +51,7 @@ def steps(r: ModelRunner, graphs: bool = True) -> list[np.ndarray]:
     for computed, scheduled in (([0, 0], [5, 3]), ([5, 3], [1, 1]), ([6, 4], [1, 1])):
         r.execute(token_ids=TOKENS, block_table=BLOCKS, req_rows=np.array([0, 1]),
                   num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
-        assert r.last_step.mode is RuntimeMode.FULL or not r.executor.has_graphs or not graphs
+        assert r.last_step.mode is RuntimeMode.FULL or not r.executor.capabilities.has_graphs or not graphs
         out.append(r.outputs.logits())
     return out
 

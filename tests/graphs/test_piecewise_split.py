@@ -133,9 +133,9 @@ def test_unsplittable_model_degrades_piecewise_modes(caplog: pytest.LogCaptureFi
     from graphrt.core.graph_modes import resolve_mode
     executor = TorchExecutor(Branchy(), GraphConfig.create(**CONFIG), torch.device("cpu"), CpuGraphAPI())
     with caplog.at_level(logging.INFO, logger="graphrt"):
-        assert not executor.supports_piecewise
+        assert not executor.capabilities.supports_piecewise
     assert any("cannot trace" in r.getMessage() for r in caplog.records)
-    support = executor.attention_support
+    support = executor.capabilities.attention_support
     assert resolve_mode(GraphMode.FULL_AND_PIECEWISE, attention=support, piecewise=False)[0] is GraphMode.FULL
     assert resolve_mode(GraphMode.PIECEWISE, attention=support, piecewise=False)[0] is GraphMode.NONE
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphrt import InputError, InputPreparer, Padder
-from graphrt.core.fields import ARRAY_FIELDS
+from graphrt import InputError, InputPreparer
+from graphrt.core.inputs.fields import ARRAY_FIELDS
 
 pytestmark = pytest.mark.usefixtures("host_kernel")
 
@@ -37,13 +37,13 @@ def test_slots_are_gathered_by_row_and_padded_with_minus_one(host_kernel):
     assert prep.prepare(**STEP).state_slots.tolist() == [2, 0]                 # default: the row itself
     assert _prep(host_kernel, None).prepare(**STEP).state_slots.tolist() == [-1, -1]
     prep.check(**STEP, state_slots=[3, 1, 0, 2])
-    padded = prep.write(Padder(kernel=host_kernel), num_tokens=8, num_reqs=4,
+    padded = prep.write(num_tokens=8, num_reqs=4,
                         out={name: np.full(shape, 99, dtype) for name, shape, dtype in _buffers()})
     assert padded.state_slots.tolist() == [0, 3, -1, -1]
 
 
 def _buffers():
-    from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+    from graphrt.core.inputs.fields import FIELD_DTYPES, buffer_shapes
     shapes = buffer_shapes(16, 4, 3)
     return [(name, shapes[name], FIELD_DTYPES[name]) for name in ARRAY_FIELDS]
 

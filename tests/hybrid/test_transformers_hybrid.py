@@ -142,10 +142,10 @@ def test_kit_state_isolation_on_routed_hybrids(arch):
 
 @pytest.mark.slow
 def test_the_matrix_check_passes_granitemoehybrid():
-    """The compatibility matrix's workload (graphrt.testing.transformers_matrix): tokens equal
+    """The compatibility matrix's workload (tools/transformers_matrix.py): tokens equal
     transformers' argmax with chunked prefill and preemption; a hybrid runs without prefix
     caching (docs/hybrid.md), so the check does not ask it for prefix-cache hits."""
-    from graphrt.testing.transformers_matrix import check_mode
+    from transformers_matrix import check_mode
 
     result = check_mode("granitemoehybrid", "eager")
     assert result.passed, result.reason
@@ -186,7 +186,7 @@ def test_a_class_without_attention_backend_support_is_refused_from_its_directory
 
 def test_a_stock_hybrid_of_an_unrouted_mixer_class_is_refused_naming_its_layers():
     """Nemotron-H's ``NemotronHMamba2Mixer`` is no routed class (its own norm and layout)."""
-    from graphrt.testing.transformers_zoo import tiny_config
+    from transformers_zoo import tiny_config
 
     register_attention()
     hf = transformers.AutoModelForCausalLM.from_config(tiny_config("nemotron_h"), dtype=torch.float32,

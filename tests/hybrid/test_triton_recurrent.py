@@ -29,7 +29,7 @@ import torch
 import graphrt
 from graphrt import ConfigError
 from graphrt.layers.torch.state import mamba_kernels
-from graphrt.layers.torch.state import triton_recurrent
+from graphrt.layers.torch.state import kernels, triton_recurrent
 from graphrt.layers.torch.state.gated_delta import gated_delta_rule
 from graphrt.layers.torch.state.metadata import build_state_metadata
 from support.hybrid_models import hybrid_model_dir
@@ -98,7 +98,7 @@ def test_interpret_models_run_triton_when_asked(arch: str, monkeypatch: pytest.M
     table = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
     logits = {}
     for choice in ("reference", "triton"):
-        monkeypatch.setenv(triton_recurrent.RECURRENT_ENV, choice)
+        monkeypatch.setenv(kernels.RECURRENT_ENV, choice)
         runner = graphrt.ModelRunner(d, **kw)
         calls = []
         real = triton_recurrent._kernels
@@ -121,15 +121,15 @@ def test_interpret_models_run_triton_when_asked(arch: str, monkeypatch: pytest.M
 
 
 def test_triton_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(triton_recurrent.RECURRENT_ENV, "fast")
+    monkeypatch.setenv(kernels.RECURRENT_ENV, "fast")
     with pytest.raises(ConfigError, match="GRAPHRT_RECURRENT='fast' is not one of"):
-        triton_recurrent.recurrent_backend(torch.device("cpu"))
-    monkeypatch.setenv(triton_recurrent.RECURRENT_ENV, "triton")
+        kernels.select_recurrent_kernels("cpu")
+    monkeypatch.setenv(kernels.RECURRENT_ENV, "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="GRAPHRT_RECURRENT=triton: .*interpreter"):
-        triton_recurrent.recurrent_backend(torch.device("cpu"))
-    monkeypatch.setenv(triton_recurrent.RECURRENT_ENV, "auto")
-    assert triton_recurrent.recurrent_backend(torch.device("cpu")) == "reference"
+        kernels.select_recurrent_kernels("cpu")
+    monkeypatch.setenv(kernels.RECURRENT_ENV, "auto")
+    assert kernels.select_recurrent_kernels("cpu").name == "reference"
 
 
 def test_interpreter_suite_in_a_fresh_process() -> None:

@@ -23,7 +23,7 @@ from graphrt.core.errors import InputError
 from graphrt.models import decoder_fields
 from graphrt.models.hf_config import SUPPORTED_ARCHITECTURES, DecoderConfig
 from graphrt.models.model_impl import resolve_model_impl
-from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint
+from transformers_zoo import load_reference, tiny_checkpoint
 from support.fast_subset import examples
 from support.hf_greedy import argmax_problem
 from support.hf_models import SLIDING, load_hf_model, random_prompts, tiny_hf_config, tiny_hf_model_dir
@@ -155,7 +155,7 @@ def test_any_key_graphrt_has_not_classified_falls_through(arch, key, value):
 
 def test_the_suites_tiny_checkpoints_still_take_graphrts_own_decoder():
     from graphrt.models.random_checkpoint import write_random_checkpoint
-    from graphrt.testing.transformers_zoo import tiny_checkpoint
+    from transformers_zoo import tiny_checkpoint
 
     dirs = [tiny_hf_model_dir(a) for a in ("qwen3", "qwen3-tied", "llama", "mistral")]
     dirs += [tiny_hf_model_dir("qwen3", **SLIDING), tiny_hf_model_dir("mistral", sliding_window=5),

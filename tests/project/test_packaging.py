@@ -53,3 +53,18 @@ def test_bootstrap_pins_torch_through_the_constraints_file_only() -> None:
                 if "pip install" in line and ("torch" in line.split() or '".[dev]"' in line)]
     assert len(installs) >= 2 and all("-c constraints.txt" in line for line in installs), installs
     assert "torch==" not in makefile and "torch==" not in (ROOT / "pyproject.toml").read_text()
+
+
+#: Developer-only tools (issue 44): in the repository's tools/, not in the installed package.
+DEV_TOOLS = ("transformers_zoo", "transformers_matrix")
+
+
+def test_developer_tools_stay_out_of_the_installed_package() -> None:
+    """The matrix generator and the zoo live in tools/; no module of src/graphrt is one or
+    imports one (an installed graphrt would then fail to import it)."""
+    package = ROOT / "src" / "graphrt"
+    assert all((ROOT / "tools" / f"{name}.py").is_file() for name in DEV_TOOLS)
+    assert not [p for p in package.rglob("*.py") if p.stem in DEV_TOOLS]
+    importers = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if any(f"import {name}" in p.read_text() or f"{name} import" in p.read_text() for name in DEV_TOOLS)]
+    assert not importers, importers

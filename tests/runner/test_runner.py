@@ -457,7 +457,7 @@ def test_execute_result_is_not_overwritten_by_the_next_step(runners, tables, nam
 def test_host_kernels_agree_through_the_runner(model_dir, tables):
     """numba and numpy input preparation feed the same staging buffers, step after step
     (captured buckets, padding, eager steps above the largest bucket)."""
-    if graphrt.core.host_kernels.resolve_kernel("auto") != "numba":
+    if graphrt.core.inputs.host_kernels.resolve_kernel("auto") != "numba":
         pytest.skip("numba does not import here")
     pair = {kernel: make_runner(model_dir, "cpu", [8], tables, mode=None, host_kernel=kernel)
             for kernel in ("numba", "numpy")}

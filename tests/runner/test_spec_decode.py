@@ -24,7 +24,7 @@ from graphrt.backends.xla.buckets import XlaBuckets
 from graphrt.core.buckets import BucketPolicy
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher
 from graphrt.core.graph_modes import GraphMode
-from graphrt.core.inputs import InputPreparer
+from graphrt.core.inputs.preparer import InputPreparer
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
 from support.fast_subset import examples, slow_except

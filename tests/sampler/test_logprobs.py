@@ -22,7 +22,7 @@ import torch
 import graphrt
 from graphrt import InputError, ModelRunner, SamplingParams
 from graphrt.core.dispatch import SamplerKey
-from graphrt.core.logprobs import StepOutput
+from graphrt.core.sampling.logprobs import StepOutput
 from graphrt.runner import sampling_batch
 from support.hf_models import tiny_hf_model_dir
 from support.loop_outputs import assert_same

@@ -24,7 +24,7 @@ from graphrt.backends.torch.recording_graph import RecordingGraph, recording_gra
 from graphrt.backends.torch.sampling.sampler import SamplerState, greedy_sample, random_sample
 from graphrt.backends.torch.sampling.sampler_ops import Workspace, radix_threshold, sample_rows
 from graphrt.core.dispatch import sampler_key
-from graphrt.core.sampling import SamplingBatch
+from graphrt.core.sampling.batch import SamplingBatch
 from support.sampler_reference import chi_square_pvalue, filtered_probs, sort_sample
 from support.fast_subset import examples, slow_except
 

@@ -25,7 +25,7 @@ from graphrt import InputError, ModelRunner, SamplingParams
 from graphrt.backends.torch.sampling.penalties import PenaltyState
 from graphrt.backends.torch.sampling.sampler import SamplerState
 from graphrt.core.numerics import tolerance
-from graphrt.core.sampling import SamplingBatch
+from graphrt.core.sampling.batch import SamplingBatch
 from support.hf_models import hf_logits, load_hf_model, random_prompts, tiny_hf_model_dir
 from support.sampler_reference import chi_square_pvalue, filtered_probs, penalised_logits
 from support.fast_subset import examples

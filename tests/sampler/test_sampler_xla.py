@@ -68,7 +68,7 @@ def test_an_xla_runner_compiles_the_wide_sampler_on_first_use(monkeypatch):
     asked: XLA has no eager path) and only top-k tokens."""
     from graphrt import ModelRunner
     from graphrt.core import defaults
-    from graphrt.core.sampling import SamplingBatch
+    from graphrt.core.sampling.batch import SamplingBatch
     from support.hf_models import tiny_hf_model_dir
 
     monkeypatch.setattr(defaults, "SAMPLER_TOP_K_CANDIDATES", 8)

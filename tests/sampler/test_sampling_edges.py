@@ -29,8 +29,8 @@ import graphrt
 from graphrt import InputError, ModelRunner, SamplingParams
 from graphrt.backends.torch.sampling.sampler import SamplerState
 from graphrt.core import defaults
-from graphrt.core.sampling import SAMPLING_MAX_TEMPERATURE, SamplingBatch
-from graphrt.core.sampling_columns import SAMPLING_MAX_REPETITION_PENALTY, SAMPLING_MIN_REPETITION_PENALTY
+from graphrt.core.sampling.batch import SAMPLING_MAX_TEMPERATURE, SamplingBatch
+from graphrt.core.sampling.columns import SAMPLING_MAX_REPETITION_PENALTY, SAMPLING_MIN_REPETITION_PENALTY
 from support.fast_subset import examples
 from support.hf_models import hf_logits, load_hf_model, make_tiny_hf_model, random_prompts
 

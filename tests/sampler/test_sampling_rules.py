@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 import graphrt
 from graphrt import InputError, ModelRunner, SamplingParams
 from graphrt.backends.base import SamplingBatch
-from graphrt.core import sampling as core_sampling
-from graphrt.core.sampling import SAMPLING_MAX_TOP_K, SAMPLING_SEED_LIMIT
-from graphrt.core import sampling as rules
+from graphrt.core.sampling import batch as core_sampling
+from graphrt.core.sampling.batch import SAMPLING_MAX_TOP_K, SAMPLING_SEED_LIMIT
+from graphrt.core.sampling import batch as rules
 from graphrt.runner import sampling_batch
 from support.hf_models import tiny_hf_model_dir
 from support.fast_subset import examples

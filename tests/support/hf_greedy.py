@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from graphrt.testing.transformers_matrix import TIE_TOLERANCE
+from transformers_matrix import TIE_TOLERANCE
 
 
 def reset_rotary(model: torch.nn.Module) -> None:

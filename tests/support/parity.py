@@ -98,6 +98,6 @@ class PaddedEagerDispatcher:
 def pad_like(eager: Any, graph_runner: Any) -> Any:
     """Make ``eager`` (a runner on the eager backend, before its first step) pad each step
     to the key ``graph_runner`` replays for it; returns ``eager``."""
-    assert not eager.executor.has_graphs and eager.last_step is None
+    assert not eager.executor.capabilities.has_graphs and eager.last_step is None
     eager.keys.serve(PaddedEagerDispatcher(graph_runner.dispatcher))
     return eager

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from graphrt.backends.torch.cpu import CpuGraphBackend
-from graphrt.core.extra_inputs import ExtraInput
+from graphrt.core.inputs.extra_inputs import ExtraInput
 from graphrt.layers.torch.forward_context import get_forward_context
 from graphrt.layers.torch.attention.backend import AttentionBackend, HostValues, StepTensors
 from support.hf_models import tiny_hf_model_dir

@@ -100,7 +100,7 @@ def test_debug_mode_checks_every_replay() -> None:
         entries = dict(llm.runner.weights.entries())
         key, entry = next((k, e) for k, e in entries.items() if isinstance(k, tuple))
         with pytest.raises(StaleBufferError, match="model.layers.0.self_attn.qkv_proj.weight"):
-            llm.runner.executor.run(key[0], key[1], entry, llm.runner.padder.pad_empty(
+            llm.runner.executor.run(key[0], key[1], entry, llm.runner.preparer.padder.pad_empty(
                 key[1].num_tokens, key[1].num_reqs or 1, llm.runner.executor.host_buffers))
 
 

@@ -19,10 +19,10 @@ from graphrt.config import GraphConfig
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import BatchDescriptor, Dispatcher, SamplerKey
 from graphrt.core.errors import ConfigError, GraphrtError, InputError
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.graph_modes import AttentionGraphSupport, GraphMode, RuntimeMode
 from graphrt.core.memory_bounds import ModelShape
-from graphrt.core.sampling import SamplingBatch  # defined in core (numpy only), importable from here
+from graphrt.core.sampling.batch import SamplingBatch  # defined in core (numpy only), importable from here
 from graphrt.core.weight_reports import SleepReport, WakeReport, WeightsUpdate
 
 
@@ -75,27 +75,8 @@ class BufferWatch(Protocol):
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What an executor can do, as one record (:attr:`Executor.capabilities`): each field is the
-    executor attribute of that name, declared by its class (documented there)."""
-
-    has_graphs: bool
-    attention_support: AttentionGraphSupport
-    supports_piecewise: bool
-    eager_fallback: bool
-    async_execution: bool
-    device_runs_ahead: bool
-    keyed_host_values: tuple[str, ...]
-    graphs_share_memory: bool
-
-
-class Executor(abc.ABC, Generic[EntryT]):
-    """The device side of a ModelRunner, building and running entries of type ``EntryT``
-    (``TorchExecutor``: captured graphs; ``XlaExecutor``: compiled executables).
-
-    This class is the whole contract: the runner, warm-up, graph memory and
-    ``graphrt.testing`` use an executor only through the members declared here
-    (``tests/project/test_executor_contract.py`` checks it); callers read what it can do from
-    :attr:`capabilities`, not from the separate flags."""
+    """What an executor can do, as one record (:attr:`Executor.capabilities`, the only place it
+    is declared); the defaults are a plain synchronous executor's."""
 
     #: Whether this executor captures or compiles anything (False: every step is eager).
     has_graphs: bool = True
@@ -107,13 +88,14 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: when its capture failed. False (XLA): every step needs its executable, so the runner
     #: compiles a missing key (forward or sampler) on demand and a failed build raises.
     eager_fallback: bool = True
-    #: Whether :meth:`run` and :meth:`sample` return before the device finishes (XLA): such an
-    #: executor resolves ``run(..., future=)`` on the device and honours ``sample(..., wait=False)``;
-    #: the runner resolves future tokens on the host for the others (core/future_tokens.py).
+    #: Whether :meth:`Executor.run` and :meth:`Executor.sample` return before the device finishes
+    #: (XLA): such an executor resolves ``run(..., future=)`` on the device and honours
+    #: ``sample(..., wait=False)``; the runner resolves future tokens on the host for the others
+    #: (core/future_tokens.py).
     async_execution: bool = False
-    #: Whether the device keeps working after :meth:`run` and :meth:`sample` return (XLA, CUDA,
-    #: Ascend), so that overlapping steps hides the host's share: ``graphrt.LLM`` overlaps by
-    #: default only then. The CPU graph backend launches asynchronously but finishes on return.
+    #: Whether the device keeps working after ``run`` and ``sample`` return (XLA, CUDA, Ascend),
+    #: so that overlapping steps hides the host's share: ``graphrt.LLM`` overlaps by default only
+    #: then. The CPU graph backend launches asynchronously but finishes on return.
     device_runs_ahead: bool = False
     #: The step's host values its attention reads and its keys must hold (the seam's declaration,
     #: docs/attention.md): ``("max_seq_len",)`` for kernels that attend over a context length
@@ -124,6 +106,19 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: caching allocator), so that an entry built after a larger one adds only what it keeps;
     #: the graph-memory estimate does not draw a line through such entries' bytes.
     graphs_share_memory: bool = False
+
+
+class Executor(abc.ABC, Generic[EntryT]):
+    """The device side of a ModelRunner, building and running entries of type ``EntryT``
+    (``TorchExecutor``: captured graphs; ``XlaExecutor``: compiled executables).
+
+    This class is the whole contract: the runner, warm-up, graph memory and
+    ``graphrt.testing`` use an executor only through the members declared here
+    (``tests/project/test_executor_contract.py`` checks it); callers read what it can do from
+    :attr:`capabilities`, the one record of it."""
+
+    #: What this executor can do (:class:`Capabilities`; each class sets its own).
+    capabilities: Capabilities = Capabilities()
     #: Bytes of buffers the sampler entries share, allocated with the executor outside every
     #: entry (the torch sampler's noise and workspace); the warm-up report shows them.
     sampler_buffer_bytes: int = 0
@@ -140,7 +135,7 @@ class Executor(abc.ABC, Generic[EntryT]):
     kv_cache_resets: int = 0
     #: LoRA adapter slots where ``max_loras > 0`` and this executor supports them, else None.
     lora: LoraSlots | None = None
-    #: The extra inputs the model declares (``core.extra_inputs.ExtraInput`` by name) and their
+    #: The extra inputs the model declares (``core.inputs.extra_inputs.ExtraInput`` by name) and their
     #: host staging buffers, which the runner writes each step; empty where there are none.
     extra_inputs: Mapping[str, Any] = {}
     extra_buffers: Mapping[str, np.ndarray] = {}
@@ -153,13 +148,6 @@ class Executor(abc.ABC, Generic[EntryT]):
     #: / ``torch.dtype``, or jax's); what ``graphrt.testing`` reads to build comparable inputs.
     device: Any = None
     dtype: Any = None
-
-    @property
-    def capabilities(self) -> Capabilities:
-        """What this executor can do, read from its declared flags (one record for callers)."""
-        return Capabilities(bool(self.has_graphs), self.attention_support, bool(self.supports_piecewise),
-                            bool(self.eager_fallback), bool(self.async_execution), bool(self.device_runs_ahead),
-                            tuple(self.keyed_host_values), bool(self.graphs_share_memory))
 
     #: The devices of a sharded executor (a ``jax.sharding.Mesh``); None on a single device.
     mesh: Any = None

@@ -23,13 +23,13 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dtypes import model_dtype
 from graphrt.core.errors import ConfigError
-from graphrt.core.fields import FIELD_DTYPES, FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
+from graphrt.core.inputs.fields import FIELD_DTYPES, FIELDS, REQUEST_FIELDS, TOKEN_FIELDS
 from graphrt.core.graph_modes import GraphMode
 from graphrt.core.memory_bounds import Need, check_needs, physical_memory_bytes
 from graphrt.models.hf_config import model_max_len
 from graphrt.models.model_impl import checkpoint_limits, resolve_model_impl
 
-#: Bytes per token / request row of the step's staging buffers (core/fields.py's table).
+#: Bytes per token / request row of the step's staging buffers (core/inputs/fields.py's table).
 _TOKEN_BYTES = sum(np.dtype(FIELD_DTYPES[name]).itemsize for name in TOKEN_FIELDS)
 _REQUEST_BYTES = sum(np.dtype(FIELD_DTYPES[name]).itemsize for name in REQUEST_FIELDS if not FIELDS[name].per_block)
 _BLOCK_BYTES = np.dtype(FIELD_DTYPES["block_table"]).itemsize

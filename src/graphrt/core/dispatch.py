@@ -76,7 +76,7 @@ class SamplerKey:
 
 
 def sampler_key(sampling: Any, num_reqs: int, vocab_size: int, candidates: int | None = None) -> SamplerKey:
-    """The sampler a step's batch needs (a :class:`~graphrt.core.sampling.SamplingBatch`) at
+    """The sampler a step's batch needs (a :class:`~graphrt.core.sampling.batch.SamplingBatch`) at
     ``num_reqs`` padded rows: the penalised one when a row has penalties, the greedy one when
     every row is greedy, else the random one; wide where a random row's top_k lies between the
     ``candidates`` (``defaults.SAMPLER_TOP_K_CANDIDATES``) and ``vocab_size``."""

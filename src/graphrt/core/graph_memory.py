@@ -279,7 +279,8 @@ def size_kv_cache(executor: Any, config: Any, jobs: Sequence[Job], explicit: int
             budget = int(free - total * (1.0 - defaults.DEFAULT_GPU_MEMORY_UTILIZATION))
         elif state is not None:      # a budget in bytes holds the states too
             budget = check_state_fits(state, budget, per_block)
-        memory = estimate_graph_memory(jobs, executor.measure_graph_memory, executor.graphs_share_memory)
+        memory = estimate_graph_memory(jobs, executor.measure_graph_memory,
+                                       executor.capabilities.graphs_share_memory)
         memory.state = state
         if memory.reason is None and executor.scratch_bytes:
             memory.add_scratch(executor.scratch_bytes)

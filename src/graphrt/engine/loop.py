@@ -20,7 +20,7 @@ from graphrt.config import GraphConfig, check_flags
 from graphrt.core.errors import GraphrtError, KVCacheLostError
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.engine.metrics import EngineMetrics
-from graphrt.core.logprobs import StepOutput
+from graphrt.core.sampling.logprobs import StepOutput
 from graphrt.engine.outputs import RequestOutput, collect_logprobs
 from graphrt.engine.sampling_params import without_seed
 from graphrt.engine.request import Request, Status
@@ -51,7 +51,7 @@ def overlap_enabled(runner: ModelRunner, disable_overlap_schedule: bool) -> bool
     check_flags(disable_overlap_schedule=disable_overlap_schedule)
     if disable_overlap_schedule:
         return False
-    if not runner.executor.device_runs_ahead:
+    if not runner.executor.capabilities.device_runs_ahead:
         logger.info("graphrt: overlap scheduling needs a backend that dispatches asynchronously; "
                     "%s runs each step to the end, so the engine runs the plain loop", runner.backend.name)
         return False

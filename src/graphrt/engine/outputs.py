@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from graphrt.core.logprobs import StepOutput, TokenLogprobs
+from graphrt.core.sampling.logprobs import StepOutput, TokenLogprobs
 
 
 @dataclass(frozen=True)

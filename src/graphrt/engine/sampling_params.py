@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from graphrt.core import sampling as rules
+from graphrt.core.sampling import batch as rules
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class SamplingParams:
     the same for every prompt token after the first (vLLM's fields; None: none; ``k`` at most
     the engine's ``max_logprobs``, checked when the request is added).
     Every field is checked at construction by the rules a step's ``SamplingBatch`` uses
-    (:mod:`graphrt.core.sampling`); a bad one raises ``InputError`` naming it. Fields are
+    (:mod:`graphrt.core.sampling.batch`); a bad one raises ``InputError`` naming it. Fields are
     stored as Python ``float`` / ``int`` / ``bool``.
     """
 

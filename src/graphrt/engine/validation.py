@@ -11,7 +11,7 @@ from graphrt.backends.preflight import check_engine
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.errors import InputError
-from graphrt.core.sampling import check_logprobs_limit
+from graphrt.core.sampling.batch import check_logprobs_limit
 from graphrt.engine.sampling_params import SamplingParams
 from graphrt.models.hf_config import model_max_len
 from graphrt.models.model_impl import checkpoint_limits

@@ -8,7 +8,7 @@ background (``background.py``), re-fitted to traffic (``traffic.py``), remembere
 from __future__ import annotations
 
 from graphrt.core.cache import FailedBuild
-from graphrt.core.sampling import SamplingBatch, sampling_batch
+from graphrt.core.sampling.batch import SamplingBatch, sampling_batch
 from graphrt.runner.model_runner import ModelRunner
 from graphrt.runner.plans import StepInfo
 

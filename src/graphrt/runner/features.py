@@ -25,8 +25,8 @@ from graphrt.backends.base import Executor
 from graphrt.core.dispatch import DispatchShape
 from graphrt.core.dp_agreement import DataParallelStep
 from graphrt.core.errors import InputError
-from graphrt.core.extra_inputs import ExtraInputs
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.extra_inputs import ExtraInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.future_tokens import FutureTokens
 from graphrt.core.lora import RunnerLora, lora_off
 from graphrt.runner.outputs import StepOutputs

@@ -26,15 +26,14 @@ from graphrt.core.dispatch import Dispatcher, DispatchShape, sampler_key
 from graphrt.core.dp_agreement import DataParallelStep, StepAgreement
 from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.core.extra_inputs import ExtraInputs
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.extra_inputs import ExtraInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.future_tokens import FutureTokens, PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.core.inputs import InputPreparer
+from graphrt.core.inputs.preparer import InputPreparer
 from graphrt.core.lora import LoraOff, RunnerLora
-from graphrt.core.padding import Padder
-from graphrt.core.sampling import sampling_batch
+from graphrt.core.sampling.batch import sampling_batch
 from graphrt.runner.background import BackgroundWarmup
 from graphrt.runner.capture_plan import open_plan_store, read_plan
 from graphrt.runner.features import Step, StepFeature, StepFeatures
@@ -119,14 +118,13 @@ class ModelRunner:
                                       table_width=cfg.max_blocks_per_req, kernel=cfg.host_kernel,
                                       strict=cfg.strict, decode_query_len=cfg.decode_query_len,
                                       num_state_slots=self.executor.num_state_slots)
-        self.padder = Padder(kernel=cfg.host_kernel)
         self._host_buffers = self.executor.host_buffers
         self._open_features(cfg, step_agreement)
         # 5. warm up: upfront, in the background, or deferred
         #: Warm-up: the keys built and served, the capture plan, background warm-up (warmup_plan.py).
         self.warmup_plan = WarmupPlan(self.keys, self.executor, cfg, self._lock, store=store,
                                       graph_memory=self.graph_memory, preparer=self.preparer,
-                                      padder=self.padder, label=self.backend.name, progress=progress)
+                                      label=self.backend.name, progress=progress)
         self.background: BackgroundWarmup | None = self.warmup_plan.open_background(
             warmup, lambda: not self._launched, data_parallel=step_agreement is not None)
         self.traffic = (TrafficFit.attach(self.keys, self.warmup_plan, cfg, step_agreement)
@@ -293,7 +291,7 @@ class ModelRunner:
         """Write: the step padded to its key into the executor's staging buffers, then each
         feature's rows (adapters, extra inputs, future tokens, penalty counts)."""
         plan = step.plan
-        step.padded = self.preparer.write(self.padder, num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
+        step.padded = self.preparer.write(num_tokens=plan.key.num_tokens, num_reqs=plan.padded_reqs,
                                           out=self._host_buffers)
         for feature in features:
             feature.write(step)
@@ -363,7 +361,7 @@ class ModelRunner:
             if shape is None:
                 return
             plan = self.keys.plan(shape, self.background)
-            padded = self.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self._host_buffers)
+            padded = self.preparer.padder.pad_empty(plan.key.num_tokens, plan.padded_reqs, self._host_buffers)
             for feature in self.features.always:
                 feature.pad(plan)
             self._run(plan, padded, 0, 0)

@@ -16,11 +16,11 @@ from graphrt.backends.base import Executor, SamplingBatch
 from graphrt.core.cache import GraphCache
 from graphrt.core.dispatch import sampler_key
 from graphrt.core.errors import InputError
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.graph_modes import RuntimeMode
-from graphrt.core.logprobs import StepOutput, TokenLogprobs
-from graphrt.core.sampling import check_logprobs_limit, logprobs as logprobs_count
+from graphrt.core.sampling.logprobs import StepOutput, TokenLogprobs
+from graphrt.core.sampling.batch import check_logprobs_limit, logprobs as logprobs_count
 from graphrt.runner.plans import LOGPROBS, LastStep, SamplerEntry, StepArgs, StepInfo, StepPlan, plan_sampler
 
 
@@ -134,7 +134,7 @@ class StepOutputs:
         result is a :class:`StepOutput`, or a :class:`PendingTokens` with ``wait=False``."""
         ex, r = self.executor, num_reqs
         entry = plan_sampler(plan, sampler_key(sampling, plan.padded_reqs, ex.vocab_size), self.sampler_cache).entry
-        on_device = ex.async_execution
+        on_device = ex.capabilities.async_execution
         sampled = ex.sample(logits, r, sampling, padded_reqs=plan.padded_reqs, entry=entry, wait=not on_device)
         handle = None
         if sampling.logprobs is not None:
@@ -155,7 +155,7 @@ class StepOutputs:
         key, entry, eager, cause = plan.sampler[LOGPROBS]
         if plan.mode is not RuntimeMode.FULL:
             return entry
-        if entry is None and not self.executor.eager_fallback:
+        if entry is None and not self.executor.capabilities.eager_fallback:
             entry = self._build_missing(self.sampler_cache, key, RuntimeMode.FULL, key)
             eager = cause = None
             plan.sampler[LOGPROBS] = SamplerEntry(key, entry, None, None)

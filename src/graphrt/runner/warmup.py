@@ -28,9 +28,9 @@ WARMUP_MODES = ("upfront", "background")
 
 logger = logging.getLogger(__name__)
 
-def compile_host_kernels(preparer: Any, padder: Any, executor: Executor) -> None:
+def compile_host_kernels(preparer: Any, executor: Executor) -> None:
     """Compile (or load from numba's disk cache) the host kernels before the first step."""
-    seconds = preparer.compile_kernels(padder, out=executor.host_buffers)
+    seconds = preparer.compile_kernels(out=executor.host_buffers)
     if seconds:
         logger.info("graphrt: host kernels (%s) ready in %.2f s", preparer.kernel, seconds)
 
@@ -90,7 +90,7 @@ def build_one(executor: Executor, target: GraphCache, cache_key: Any, mode: Runt
         entry, nbytes = executor.build(mode, key)
     except Exception as exc:  # noqa: BLE001 - any capture failure degrades to eager
         reason = executor.describe_build_failure(exc)
-        if strict or not executor.eager_fallback:
+        if strict or not executor.capabilities.eager_fallback:
             raise GraphCaptureError(f"building {describe_key(key)} failed: {reason}") from exc
         logger.warning("graphrt: capture of %s failed, it will run eagerly: %s", key, reason)
         target.put_failed(cache_key, reason, seconds=time.perf_counter() - t0)

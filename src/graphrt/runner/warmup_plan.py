@@ -17,8 +17,7 @@ from graphrt.config import GraphConfig
 from graphrt.core.dispatch import Dispatcher
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_memory import GraphMemory
-from graphrt.core.inputs import InputPreparer
-from graphrt.core.padding import Padder
+from graphrt.core.inputs.preparer import InputPreparer
 from graphrt.runner.background import BackgroundWarmup
 from graphrt.runner.capture_plan import CapturePlanStore, SavedPlan, save_plan
 from graphrt.runner.keys import Job, ServingKeys
@@ -30,19 +29,19 @@ logger = logging.getLogger("graphrt.runner.warmup")
 class WarmupPlan:
     """What a runner builds and serves: ``keys`` (its dispatcher, caches and plan memo) filled by
     ``executor``; ``lock`` the runner's step lock; ``store`` the capture plan's file (None: no
-    plan kept); ``graph_memory`` the graph budget the KV cache was sized with; ``preparer`` /
-    ``padder`` the host kernels compiled before the first step. It makes :attr:`background`
+    plan kept); ``graph_memory`` the graph budget the KV cache was sized with; ``preparer`` (with its
+    padder) the host kernels compiled before the first step. It makes :attr:`background`
     (:meth:`open_background`) and keeps :attr:`report` (the rows of the last warm-up)."""
 
     def __init__(self, keys: ServingKeys, executor: Executor, config: GraphConfig, lock: threading.Lock, *,
                  store: CapturePlanStore | None, graph_memory: GraphMemory, preparer: InputPreparer,
-                 padder: Padder, label: str, progress: bool = True) -> None:
+                 label: str, progress: bool = True) -> None:
         self.keys, self.executor, self.config, self._lock = keys, executor, config, lock
         #: The capture plan's file (with ``compilation_cache_dir``; None: no plan kept, or its path
         #: is taken by something that is not a plan file: logged).
         self.store = store
         self.graph_memory = graph_memory
-        self.preparer, self.padder = preparer, padder
+        self.preparer = preparer
         self.label, self.progress = label, progress
         #: The last warm-up's rows (key, seconds, bytes, hits, failed; ``runner.warmup_report``).
         self.report: list[dict[str, Any]] = []
@@ -86,10 +85,10 @@ class WarmupPlan:
         caches (:func:`~graphrt.runner.warmup.build_every_key`), logged with seconds, MiB and
         failures; the report."""
         ex, cfg, keys = self.executor, self.config, self.keys
-        if not ex.eager_fallback and cfg.disable_precompile:
+        if not ex.capabilities.eager_fallback and cfg.disable_precompile:
             logger.info("graphrt: disable_precompile set: %s compiles each bucket on first use", self.label)
             return []
-        compile_host_kernels(self.preparer, self.padder, ex)
+        compile_host_kernels(self.preparer, ex)
         cache, sampler = keys.cache, keys.sampler_cache
         total = build_every_key(ex, self.jobs(), cache, sampler, strict=cfg.strict, progress=self.progress,
                                 label=self.label)
@@ -113,7 +112,7 @@ class WarmupPlan:
         demand); the host kernels compile now, the first step needs them. Returns how many."""
         if self.background is None:
             raise ConfigError("background warm-up needs a ModelRunner built with warmup='background'")
-        compile_host_kernels(self.preparer, self.padder, self.executor)
+        compile_host_kernels(self.preparer, self.executor)
         with self._lock:
             return self.background.plan(self.jobs(), prior, seal_if_none=True)
 

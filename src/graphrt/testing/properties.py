@@ -175,7 +175,7 @@ def no_build_after_warmup(factory: Factory, step: Step) -> None:
     why = f" (it ran eagerly: {info.eager_reason})" if info.eager_reason else ""
     if grew:
         raise AssertionError(f"built after warm-up for {info.mode.value} {info.key}: {', '.join(grew)}{why}")
-    if runner.executor.has_graphs and runner.dispatcher.keys() and covering_keys(runner, step) \
+    if runner.executor.capabilities.has_graphs and runner.dispatcher.keys() and covering_keys(runner, step) \
             and info.mode is RuntimeMode.NONE:
         raise AssertionError(f"a covered step ran eagerly: {info.eager_reason}")
 

@@ -132,7 +132,7 @@ def _write(runner: Any, step: Step, key: BatchDescriptor) -> Any:
     extras = args.pop("extra_inputs", None)
     runner.preparer.check(**args)
     r = key.num_reqs if key.num_reqs is not None else step.num_reqs
-    padded = runner.preparer.write(runner.padder, num_tokens=key.num_tokens, num_reqs=r,
+    padded = runner.preparer.write(num_tokens=key.num_tokens, num_reqs=r,
                                    out=runner.executor.host_buffers)
     if runner.extra is not None:
         checked = runner.extra.check(extras, step.num_tokens, step.num_reqs)
@@ -148,7 +148,7 @@ def run_at(runner: Any, step: Step, key: BatchDescriptor | None) -> Outputs:
         key = BatchDescriptor(t, r, step.uniform_decode)
     padded = _write(runner, step, key)
     ex = runner.executor
-    if ex.eager_fallback:
+    if ex.capabilities.eager_fallback:
         ex.run(RuntimeMode.NONE, key, None, padded)
         how = f"eager at {key}"
     else:
@@ -183,7 +183,7 @@ def replay_at(runner: Any, step: Step, key: BatchDescriptor) -> Outputs:
 
 def can_run_unpadded(runner: Any) -> bool:
     """Whether :func:`run_at` can run a step at its own shape (an eager path)."""
-    return bool(runner.executor.eager_fallback)
+    return bool(runner.executor.capabilities.eager_fallback)
 
 
 def bucket_keys(runner: Any) -> list[BatchDescriptor]:

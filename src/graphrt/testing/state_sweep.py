@@ -76,7 +76,7 @@ def _checkpoint(arch: str, seed: int, overrides_json: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from graphrt.testing.transformers_zoo import saved_random_model
+    from graphrt.testing.random_weights import saved_random_model
 
     config = hybrid_hf_config(arch, **json.loads(overrides_json))
     return saved_random_model(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32),

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from graphrt.config import GraphConfig
 from graphrt.core import defaults
-from graphrt.core.extra_inputs import ExtraInput
+from graphrt.core.inputs.extra_inputs import ExtraInput
 from graphrt.testing.step import BadStep, Split, Step
 
 _I32 = np.int32
@@ -173,7 +173,7 @@ def _bad(kind: str, field: str, step: Step, *, sampling_rows: int | None = None,
 
 def _break(draw: Callable[[Any], Any], kind: str, step: Step, config: GraphConfig,
            num_kv_blocks: int, vocab_size: int) -> BadStep:
-    """``step`` with the bound ``kind`` broken (the field each check of core/inputs.py names)."""
+    """``step`` with the bound ``kind`` broken (the field each check of core/inputs/preparer.py names)."""
     i = draw(st.integers(0, step.num_reqs - 1))
     rows, c, n = step.req_rows.copy(), step.num_computed_tokens.copy(), step.num_scheduled_tokens.copy()
     row, bs = int(rows[i]), step.block_size

@@ -130,12 +130,6 @@ class CapturedGraph:
     buffers: Any = None
 
 
-#: :func:`graph_task` lives in the framework-free core (:mod:`graphrt.core.graph_tasks`: model
-#: kernels mark their ops with it); :func:`_capturing` opens a capture's task collection.
-graph_task = graph_tasks.graph_task
-_capturing = graph_tasks.capturing
-
-
 def record(api: DeviceGraphAPI, pool: Any, fn: Callable[[], Any], *,
            collect: bool = False) -> tuple[Any, int, list[GraphTask]]:
     """Capture ``fn`` into a new graph of ``api`` in ``pool``: (graph, bytes it added, the
@@ -148,7 +142,7 @@ def record(api: DeviceGraphAPI, pool: Any, fn: Callable[[], Any], *,
     before = api.memory_in_use()
     if collect and api.collect_before_capture:
         gc.collect()
-    with collector_paused(), _capturing(api, tasks), api.capture(graph, pool):
+    with collector_paused(), graph_tasks.capturing(api, tasks), api.capture(graph, pool):
         fn()
     api.synchronize()
     return graph, max(api.memory_in_use() - before, 0), tasks

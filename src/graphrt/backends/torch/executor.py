@@ -10,6 +10,7 @@ reaches the graph as a number."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Sequence
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from graphrt.backends.base import BufferWatch, Executor, SamplingBatch
+from graphrt.backends.base import BufferWatch, Capabilities, Executor, SamplingBatch
 from graphrt.backends.torch.capture.baked_values import BakedValueChecks
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.forward import TorchForward
@@ -32,14 +33,15 @@ from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import GraphrtError
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.layers.torch.state.backend import RecurrentStateBackend
-from graphrt.core.extra_inputs import check_extra_specs
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.extra_inputs import check_extra_specs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.attention_decl import check_declarations, check_kv_dtypes
-from graphrt.layers.torch.attention.backend import (HostValues, RemovedPreReplayHooks, check_layers_read,
-                                                    check_metadata, overrides_before_replay)
+from graphrt.layers.torch.attention.backend import (HostValues, check_layers_read, check_metadata,
+                                                    overrides_before_replay)
+from graphrt.layers.torch.attention.selector import select_attention
 from graphrt.backends.torch.device_graphs import (CapturedGraph, DeviceGraphAPI, check_addresses,
                                                  describe_capture_failure)
-from graphrt.backends.torch.model_protocol import attention_support, choose_attention, keyed_host_values
+from graphrt.backends.torch.model_protocol import attention_support, keyed_host_values
 from graphrt.backends.torch.sampling.sampled_outputs import FutureInputs, SampledOutputs, device_event
 from graphrt.backends.torch.step_buffers import StepBuffers
 from graphrt.backends.torch.sampling.sampler import SamplerState
@@ -64,17 +66,15 @@ class TorchExecutor(Executor[TorchEntry]):
         self.config = config
         self.device = torch.device(device)
         self.graph_api = graph_api
-        self.has_graphs = graph_api is not None
-        self.graphs_share_memory = graph_api is not None and graph_api.graphs_share_memory
         param_dtype = next(model.parameters()).dtype
         self.kv = TorchKVCache(model, config, self.device, f"torch {self.device.type}")
         #: The model's one attention object (the seam, docs/attention.md), chosen here once: its
         #: kernel, its metadata, its refresh before every run, its declarations.
-        self.attention = choose_attention(model, self.device, param_dtype, config.block_size, self.kv.kv_dtype())
+        self.attention = select_attention(model, self.device, param_dtype, config.block_size, self.kv.kv_dtype())
         check_declarations(self.attention)
         check_kv_dtypes(self.attention, self.kv.group_dtypes())
-        self.attention_support = attention_support(model, self.attention)
-        self.keyed_host_values = keyed_host_values(self.attention, self.device, param_dtype)   # its setup, once
+        support = attention_support(model, self.attention)
+        keyed = keyed_host_values(self.attention, self.device, param_dtype)   # its setup, once
         #: The refresh path: the backend's own before_replay, run before every run when it has one.
         self._refresh = overrides_before_replay(self.attention)
         self._host_values = HostValues(0, 0, 0, 0, 0, 0, False)   # the running step's, reused
@@ -102,7 +102,7 @@ class TorchExecutor(Executor[TorchEntry]):
         self.state_memory = self.state.memory if self.state is not None else None
         #: The forward on the static buffers (host values, both backends' metadata, the model run,
         #: its outputs): one object this executor, the builder, PIECEWISE capture and the checks share.
-        self.fwd = TorchForward(model, config, self.buffers, self.attention, self.keyed_host_values,
+        self.fwd = TorchForward(model, config, self.buffers, self.attention, keyed,
                                 self.state_backend, self.device, param_dtype)
         probe = min(2, max_t), 1                      # the builder's metadata must fit a step
         probe_meta = self.attention.build(self.buffers.tensors(*probe), self.fwd.dummy_host(*probe))
@@ -119,8 +119,12 @@ class TorchExecutor(Executor[TorchEntry]):
         self._copied = None if self.buffers.same else device_event(self.device)
         # Graph backends launch steps without waiting (the CPU's events are complete at once);
         # the sampled outputs' host slots are made by the first such step.
-        self.async_execution = graph_api is not None
-        self.device_runs_ahead = graph_api is not None and graph_api.asynchronous
+        #: What it can do, PIECEWISE aside (:attr:`capabilities` adds it when first read).
+        self._declared = Capabilities(
+            has_graphs=graph_api is not None, attention_support=support,
+            eager_fallback=True, async_execution=graph_api is not None,
+            device_runs_ahead=graph_api is not None and graph_api.asynchronous, keyed_host_values=keyed,
+            graphs_share_memory=graph_api is not None and graph_api.graphs_share_memory)
         self.futures = FutureInputs(self.static["input_ids"], self.sampler.tokens, pin) if graph_api else None
         #: The step's outputs besides the tokens it waits for (steps that do not wait, logprobs).
         self.outputs = SampledOutputs(self.sampler, self.logits_out, self.hidden_out,
@@ -142,7 +146,7 @@ class TorchExecutor(Executor[TorchEntry]):
         own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
         checked = config.check_baked_values or config.strict or own_refresh
         self.refuse_baked = config.strict or own_refresh
-        checks = (BakedValueChecks(self.buffers, self.attention, self.keyed_host_values, graph_api, forward=self.fwd,
+        checks = (BakedValueChecks(self.buffers, self.attention, keyed, graph_api, forward=self.fwd,
                                    refresh=self._refresh, refuse=self.refuse_baked,
                                    max_model_len=config.max_model_len, vocab_size=self.vocab_size)
                   if graph_api is not None and (checked or self._refresh) else None)   # only where captures ask
@@ -200,13 +204,13 @@ class TorchExecutor(Executor[TorchEntry]):
         self.kv.release()
         self.kv_caches, self.kv_cache = [], None
 
-    @property
-    def supports_piecewise(self) -> bool:  # type: ignore[override]
-        """PIECEWISE graphs need a graph API and a model that splits at its attention calls
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """What it can do; ``supports_piecewise``, decided on the first read (it may need the fx
+        split): PIECEWISE graphs need a graph API and a model that splits at its attention calls
         (fx) or declares them (breakable)."""
-        return self.pieces.capture is not None
+        return dataclasses.replace(self._declared, supports_piecewise=self.pieces.capture is not None)
 
-    pre_replay_hooks = RemovedPreReplayHooks()     # issue 30: one refresh path, before_replay
 
     @property
     def sampler_buffer_bytes(self) -> int:

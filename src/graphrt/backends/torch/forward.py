@@ -23,7 +23,7 @@ from graphrt.backends.torch.step_buffers import StepBuffers
 from graphrt.config import GraphConfig
 from graphrt.core.attention_decl import backend_name
 from graphrt.core.dispatch import BatchDescriptor
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.layers.torch.attention.backend import CaptureHostValues, HostTensorsRefused, HostValues
 from graphrt.layers.torch.forward_context import forward_context, state_context
 

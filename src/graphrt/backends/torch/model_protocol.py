@@ -3,9 +3,9 @@
 A torch model (docs/models.md) has ``forward(input_ids, positions)``, ``compute_logits(hidden)``,
 ``attention_layers()``, ``kv_cache_spec()`` and a ``config`` with ``vocab_size`` and
 ``hidden_size``; optionally ``attention_backend`` and ``extra_inputs``.
-:func:`check_torch_model` names what is missing before anything is allocated.
-:func:`choose_attention` is the selector's (layers/torch/attention/selector.py: the one place a
-kernel is chosen); the attention's FULL-graph support is the least of its layers'."""
+:func:`check_torch_model` names what is missing before anything is allocated. The attention is
+chosen by the selector (layers/torch/attention/selector.py: the one place a kernel is chosen); its
+FULL-graph support is the least of its layers'."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import torch
 
 from graphrt.core.attention_decl import backend_name, check_declarations, checked_keyed, least_support
 from graphrt.core.errors import ConfigError
-from graphrt.core.extra_inputs import check_extra_specs
+from graphrt.core.inputs.extra_inputs import check_extra_specs
 from graphrt.core.graph_modes import AttentionGraphSupport
-from graphrt.layers.torch.attention.selector import select_attention
 
 #: Members every torch model has: name -> what it must be, for the error.
 REQUIRED = {"forward": "forward(input_ids [T] int32, positions [T] int32) -> hidden [T, hidden]",
@@ -64,15 +63,6 @@ def _check_backend(backend: Any) -> None:
     check_declarations(backend)
 
 
-#: The model's one attention object, chosen once when the runner is built: the selector's
-#: (layers/torch/attention/selector.py; the only place a kernel is chosen).
-choose_attention = select_attention
-
-
-#: The name engines used before the choice had one place (kept: same arguments, same result).
-attention_backend = choose_attention
-
-
 def keyed_host_values(backend: Any, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """``backend``'s setup phase (once): what it fixes when a graph is built, checked to be
     values a key holds."""
@@ -85,5 +75,4 @@ def attention_support(model: torch.nn.Module, backend: Any) -> AttentionGraphSup
     return least_support(backend, model.attention_layers() if hasattr(model, "attention_layers") else [])
 
 
-__all__ = ["REQUIRED", "attention_backend", "attention_support", "check_torch_model", "choose_attention",
-           "keyed_host_values"]
+__all__ = ["REQUIRED", "attention_support", "check_torch_model", "keyed_host_values"]

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from graphrt.core.extra_inputs import ExtraInput
-from graphrt.core.fields import FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
-from graphrt.core.padding import Padder
+from graphrt.core.inputs.extra_inputs import ExtraInput
+from graphrt.core.inputs.fields import FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
+from graphrt.core.inputs.padding import Padder
 from graphrt.layers.torch.attention.backend import StepTensors
 
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
@@ -45,7 +45,7 @@ class StepBuffers:
                                              dtype=torch.from_numpy(np.zeros(0, np.dtype(spec.dtype))).dtype,
                                              pin_memory=pin)
                            for name, spec in self.extra.items()}
-        #: The extra inputs' staging buffers as numpy arrays (``core.extra_inputs.ExtraInputs`` writes them).
+        #: The extra inputs' staging buffers as numpy arrays (``core.inputs.extra_inputs.ExtraInputs`` writes them).
         self.extra_arrays = {name: t.numpy() for name, t in self.extra_host.items()}
         self.extra_static = self.extra_host if self.same else {n: t.to(device) for n, t in self.extra_host.items()}
         self._padder = Padder(kernel="numpy")     # the default fills: pure padding

@@ -15,7 +15,7 @@ from typing import Any, Hashable, Sequence
 import jax
 import numpy as np
 
-from graphrt.backends.base import Built, Executor, SamplingBatch
+from graphrt.backends.base import Built, Capabilities, Executor, SamplingBatch
 from graphrt.backends.xla import multi_controller as mc
 from graphrt.backends.xla import extra_inputs as xla_extra, sharding as shd
 from graphrt.backends.xla.abstract_inputs import abstract_inputs
@@ -35,8 +35,8 @@ from graphrt.core import defaults
 from graphrt.core.cache import describe_key
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey, sampler_key
 from graphrt.core.errors import ConfigError, GraphrtError, InputError, KVCacheLostError
-from graphrt.core.fields import ModelInputs, buffer_shapes
-from graphrt.core.graph_modes import AttentionGraphSupport, RuntimeMode
+from graphrt.core.inputs.fields import ModelInputs, buffer_shapes
+from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.kv_spec import blocks_for
 from graphrt.core.weight_reports import SleepReport, WakeReport, WeightsUpdate, check_level
 
@@ -66,12 +66,6 @@ def _check_padded(entry: XlaEntry, padded: Any) -> None:
 class XlaExecutor(Executor[XlaEntry]):
     """Host staging buffers, the donated KV cache and the compiled executables of one model."""
 
-    has_graphs = True
-    async_execution = True          # executables are dispatched; the host waits only for tokens
-    device_runs_ahead = True
-    attention_support = AttentionGraphSupport.ALWAYS
-    supports_piecewise = False
-    eager_fallback = False
 
     def __init__(self, programs: XlaPrograms, config: GraphConfig, buckets: XlaBuckets, *,
                  compile_workers: int = 1) -> None:
@@ -81,8 +75,10 @@ class XlaExecutor(Executor[XlaEntry]):
         self.config = config
         self.programs = programs
         #: The attention's declarations (backends/xla/attention.py): what the keys hold, what runs.
-        self.keyed_host_values = programs.keyed_host_values
-        self.attention_support = programs.attention_support
+        #: Executables are dispatched (the host waits only for tokens) and always needed (no eager path).
+        self.capabilities = Capabilities(has_graphs=True, attention_support=programs.attention_support,
+                                         supports_piecewise=False, eager_fallback=False, async_execution=True,
+                                         device_runs_ahead=True, keyed_host_values=programs.keyed_host_values)
         self.mesh = programs.mesh
         self.tp_size = programs.tp_size
         self.compile_workers = max(1, int(compile_workers))

@@ -1,4 +1,4 @@
-"""Per-step extra inputs on the XLA backend (:mod:`graphrt.core.extra_inputs`).
+"""Per-step extra inputs on the XLA backend (:mod:`graphrt.core.inputs.extra_inputs`).
 
 The executor keeps one numpy staging buffer per declared input, sized for the grid's largest
 key; each forward key takes its first ``rows(tokens, requests)`` rows as one more pytree
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from graphrt.core.errors import ConfigError
-from graphrt.core.extra_inputs import ExtraInput, check_extra_specs
+from graphrt.core.inputs.extra_inputs import ExtraInput, check_extra_specs
 
 
 def model_extra_specs(model: Any) -> dict[str, ExtraInput]:

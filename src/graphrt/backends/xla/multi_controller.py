@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from graphrt.core.errors import StepMismatchError
-from graphrt.core.fields import ARRAY_FIELDS
+from graphrt.core.inputs.fields import ARRAY_FIELDS
 
 #: The step row's words: the key (tokens, requests, uniform decode, LoRAs, context bucket),
 #: the real counts, then one checksum per padded array field.

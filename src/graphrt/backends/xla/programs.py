@@ -21,7 +21,7 @@ from graphrt.backends.xla.batch import XlaBatch, batch_spec
 from graphrt.backends.xla.extra_inputs import abstract_args, model_extra_specs
 from graphrt.backends.xla.sampler import greedy_tokens, sample_tokens, sampled_logprobs, token_logprobs
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.core.extra_inputs import ExtraInput
+from graphrt.core.inputs.extra_inputs import ExtraInput
 from graphrt.core.kv_spec import KVCacheSpec, resolve_kv_spec
 from graphrt.core.state_spec import StateSpec, resolve_state_spec, state_array_names, state_memory
 from graphrt.models.hf_config import DecoderConfig, decoder_kv_spec

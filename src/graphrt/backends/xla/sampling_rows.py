@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from graphrt.backends.xla.batch import SAMPLING_FIELDS, SamplingMetadata
-from graphrt.core.sampling import SamplingBatch, write_sampling_rows
+from graphrt.core.sampling.batch import SamplingBatch, write_sampling_rows
 
 #: Seed of the XLA sampler's host generator that keys requests without their own seed
 #: (None: fresh entropy per executor, like the torch device RNG).
@@ -43,7 +43,7 @@ class SamplingRows:
         their own step counter (which this advances).
 
         A seed's threefry key is its low and high 32-bit halves: the batch holds seeds in
-        [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling`), so no value is
+        [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling.batch`), so no value is
         truncated into these uint32 / int32 buffers."""
         h, n = self._host, num_reqs
         written = self._written

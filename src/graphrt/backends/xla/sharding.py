@@ -22,12 +22,11 @@ from graphrt.models.jax.model_config import JaxModelConfig
 #: Name of the XLA backend's tensor-parallel mesh axis.
 XLA_TP_AXIS = "tp"
 
-AXIS = XLA_TP_AXIS
-
-_COLUMN = {"wq": P(None, None, AXIS), "bq": P(None, AXIS), "w_gate": P(None, None, AXIS),
-           "w_up": P(None, None, AXIS), "lm_head": P(None, AXIS)}
-_ROW = {"wo": P(None, AXIS, None), "w_down": P(None, AXIS, None)}
-_KV = {"wk": P(None, None, AXIS), "wv": P(None, None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS)}
+_COLUMN = {"wq": P(None, None, XLA_TP_AXIS), "bq": P(None, XLA_TP_AXIS), "w_gate": P(None, None, XLA_TP_AXIS),
+           "w_up": P(None, None, XLA_TP_AXIS), "lm_head": P(None, XLA_TP_AXIS)}
+_ROW = {"wo": P(None, XLA_TP_AXIS, None), "w_down": P(None, XLA_TP_AXIS, None)}
+_KV = {"wk": P(None, None, XLA_TP_AXIS), "wv": P(None, None, XLA_TP_AXIS), "bk": P(None, XLA_TP_AXIS),
+       "bv": P(None, XLA_TP_AXIS)}
 
 
 def make_mesh(tp_size: int, devices: Sequence[Any] | None = None) -> Mesh:
@@ -39,15 +38,15 @@ def make_mesh(tp_size: int, devices: Sequence[Any] | None = None) -> Mesh:
         raise ConfigError(f"tp_size={tp_size} needs {tp_size} devices; {len(devices)} visible "
                           f"({devices[0].platform}); on CPU set "
                           f"XLA_FLAGS=--xla_force_host_platform_device_count={tp_size} before jax starts")
-    return Mesh(np.asarray(devices[:tp_size]), (AXIS,))
+    return Mesh(np.asarray(devices[:tp_size]), (XLA_TP_AXIS,))
 
 
 def mesh_size(mesh: Mesh) -> int:
     """Devices along the tensor-parallel axis."""
-    if AXIS not in mesh.axis_names or len(mesh.axis_names) != 1:
-        raise ConfigError(f"the XLA backend shards over a 1-D mesh with axis {AXIS!r}; "
+    if XLA_TP_AXIS not in mesh.axis_names or len(mesh.axis_names) != 1:
+        raise ConfigError(f"the XLA backend shards over a 1-D mesh with axis {XLA_TP_AXIS!r}; "
                           f"got axes {mesh.axis_names}")
-    return int(mesh.shape[AXIS])
+    return int(mesh.shape[XLA_TP_AXIS])
 
 
 def kv_heads_sharded(config: JaxModelConfig, tp: int) -> bool:
@@ -109,7 +108,7 @@ def place(weights: Any, shardings: Any) -> Any:
 def kv_cache_sharding(mesh: Mesh, config: JaxModelConfig) -> NamedSharding:
     """The KV cache ``[layers, 2, rows, kv_heads, head_dim]``: split on heads when they divide."""
     tp = mesh_size(mesh)
-    return NamedSharding(mesh, P(None, None, None, AXIS, None) if kv_heads_sharded(config, tp) else P())
+    return NamedSharding(mesh, P(None, None, None, XLA_TP_AXIS, None) if kv_heads_sharded(config, tp) else P())
 
 
 def kv_cache_format(sharding: NamedSharding, ndim: int) -> Format:

@@ -30,7 +30,7 @@ import numpy as np
 
 from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
-from graphrt.core.sampling import TOP_K_DISABLED, SamplingBatch
+from graphrt.core.sampling.batch import TOP_K_DISABLED, SamplingBatch
 from graphrt.runner import ModelRunner
 
 #: graphrt's block id of nano-vllm's block 0: the one after graphrt's null block.

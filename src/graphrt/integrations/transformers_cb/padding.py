@@ -22,7 +22,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 from graphrt.core import defaults
-from graphrt.core.fields import BOUNDARY, REQUEST, TOKEN
+from graphrt.core.inputs.fields import BOUNDARY, REQUEST, TOKEN
 
 #: A level of transformers' own: one row per key the attention reads (each request's past and
 #: new tokens, then padding), ``read_index``'s length and the attention mask's columns.

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrt.core import defaults
 from graphrt.core.errors import ConfigError
 
 
@@ -101,8 +100,5 @@ def enable_lora(model: nn.Module, state: LoraState, max_loras: int, max_rank: in
     return layers
 
 
-#: Re-exported for the executor's tables.
-NO_LORA = defaults.NO_LORA
-LORA_GROUP_PAD = defaults.LORA_GROUP_PAD
 
-__all__ = ["LORA_GROUP_PAD", "LoRALinear", "LoraState", "NO_LORA", "enable_lora", "lora_slot_bytes", "lora_targets"]
+__all__ = ["LoRALinear", "LoraState", "enable_lora", "lora_slot_bytes", "lora_targets"]

@@ -25,7 +25,7 @@ from graphrt.core import graph_tasks
 from graphrt.core.attention_decl import backend_name
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import GraphCaptureError
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.layers.torch.attention.backend import CaptureHostValues, HostValues
 
 logger = logging.getLogger(__name__)

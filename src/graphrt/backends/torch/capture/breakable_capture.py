@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphrt.backends.torch.device_graphs import GraphPool, GraphTask, _capturing
+from graphrt.backends.torch.device_graphs import GraphPool, GraphTask
+from graphrt.core.graph_tasks import capturing
 from graphrt.core.collector import collector_paused
 
 
@@ -51,7 +52,7 @@ class _Segments:
     def begin(self) -> None:
         self.api.synchronize()
         graph, stack = self.api.new_graph(), contextlib.ExitStack()
-        stack.enter_context(_capturing(self.api, self.tasks))
+        stack.enter_context(capturing(self.api, self.tasks))
         stack.enter_context(self.api.capture(graph, self.pool.handle))
         self._open = (graph, stack)
 

@@ -24,7 +24,7 @@ from graphrt.backends.torch.sampling.sampler import SamplerState
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import GraphrtError
-from graphrt.core.fields import ModelInputs
+from graphrt.core.inputs.fields import ModelInputs
 from graphrt.core.graph_modes import RuntimeMode
 
 logger = logging.getLogger(__name__)

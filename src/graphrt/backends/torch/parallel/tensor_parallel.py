@@ -9,6 +9,7 @@ and call and stops every rank. docs/distributed.md, "Tensor-parallel engines".""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from graphrt.backends.base import Executor, SamplingBatch
+from graphrt.backends.base import Capabilities, Executor, SamplingBatch
 from graphrt.backends.torch.parallel import tp_protocol as p
 from graphrt.backends.torch.parallel.collective_log import CollectiveLog, agreed, gather_mismatch
 from graphrt.backends.torch.executor import TorchEntry, TorchExecutor
@@ -27,7 +28,7 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor, SamplerKey
 from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError, InputError
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, ModelInputs, buffer_shapes
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.weight_reports import WeightsUpdate
 from graphrt.backends.torch.weights import staged_checkpoint
@@ -104,16 +105,11 @@ def _pin(buffers: dict[str, np.ndarray]) -> int | None:
 class TensorParallelExecutor(Executor[TorchEntry]):
     """Rank 0's :class:`TorchExecutor` plus its workers, as one executor (see the module doc)."""
 
-    eager_fallback = True
-    async_execution = False
     lora = None
 
     def __init__(self, local: TorchExecutor, ranks: Ranks) -> None:
         self.local, self.ranks = local, ranks
         self.model = local.model
-        self.has_graphs = local.has_graphs
-        self.attention_support = local.attention_support
-        self.keyed_host_values = local.keyed_host_values
         if local.extra_inputs:
             raise ConfigError(f"the model declares extra inputs {sorted(local.extra_inputs)}: tensor parallelism "
                               "sends graphrt's step fields to the workers only; run it with tensor_parallel_size=1")
@@ -135,9 +131,14 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         self._dry_builds = ranks.setup.device_type == "cpu"
 
     # ---- what stays on rank 0 ----------------------------------------------------------
-    @property
-    def supports_piecewise(self) -> bool:  # type: ignore[override]
-        return self.local.supports_piecewise
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """Rank 0's graphs, attention and PIECEWISE support; steps run synchronously (each waits
+        for the workers), with the eager fallback, outside a shared memory pool."""
+        local = self.local.capabilities
+        return Capabilities(has_graphs=local.has_graphs, attention_support=local.attention_support,
+                            supports_piecewise=local.supports_piecewise, eager_fallback=True, async_execution=False,
+                            keyed_host_values=local.keyed_host_values)
 
     @property
     def kv_cache_resets(self) -> int:  # type: ignore[override]

@@ -19,7 +19,7 @@ from graphrt.config import GraphConfig
 from graphrt.core import defaults
 from graphrt.core.dispatch import BatchDescriptor
 from graphrt.core.errors import InputError
-from graphrt.core.fields import FIELD_DTYPES, buffer_shapes
+from graphrt.core.inputs.fields import FIELD_DTYPES, buffer_shapes
 from graphrt.backends.torch.parallel.tp_channel import (ALIGN, ENTRY_WORDS, HEADER_WORDS, aligned_nbytes, pack_entries,
                                        unpack_arrays)
 from graphrt.core.graph_modes import RuntimeMode

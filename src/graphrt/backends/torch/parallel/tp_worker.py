@@ -32,7 +32,7 @@ from graphrt.core import defaults
 from graphrt.core.dispatch import SamplerKey
 from graphrt.backends.torch.parallel.tp_liveness import Heartbeat, default_store
 from graphrt.core.errors import CollectiveMismatchError, ConfigError, GraphrtError, RankLostError
-from graphrt.core.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELDS, ModelInputs, field_rows
 from graphrt.backends.torch.parallel.tp_channel import ChannelSpec, StepChannel
 from graphrt.core.graph_modes import RuntimeMode
 

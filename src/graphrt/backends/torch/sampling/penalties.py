@@ -1,7 +1,7 @@
 """Repetition / presence / frequency penalties on the device (vLLM's meanings).
 
 Two persistent ``[max_reqs + 1, vocab]`` float32 planes, ``counts`` (output) and ``seen`` (prompt
-or output), row 0 zero; the host's :class:`~graphrt.core.penalty_ledger.PenaltyLedger` says which
+or output), row 0 zero; the host's :class:`~graphrt.core.sampling.penalty_ledger.PenaltyLedger` says which
 row is whose. :meth:`PenaltyState.update` adds a step's tokens eagerly before the sampler graph;
 :meth:`PenaltyState.apply` (captured) penalises a copy of the logits::
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from graphrt.core.penalty_ledger import PenaltyLedger, PenaltyStep
+from graphrt.core.sampling.penalty_ledger import PenaltyLedger, PenaltyStep
 
 #: Penalised logits are clamped to float32's finite range: a logit the penalties push past it
 #: keeps its place at the end of the order instead of becoming inf (and NaN in the sampler).

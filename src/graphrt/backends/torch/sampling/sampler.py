@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from graphrt.core.errors import GraphrtError
-from graphrt.core.sampling import write_sampling_rows
+from graphrt.core.sampling.batch import write_sampling_rows
 from graphrt.backends.torch.sampling.flashinfer_sampling import flashinfer_sampling
 from graphrt.backends.torch.sampling.penalties import PenaltyState
 from graphrt.backends.torch.sampling.sampler_ops import Workspace, sample_rows

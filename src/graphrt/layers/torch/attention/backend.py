@@ -18,7 +18,7 @@ import torch
 
 from graphrt.core.attention_decl import (FLOAT_KV_DTYPES, FP8_KV_DTYPES, HOST_VALUES, KEYABLE_HOST_VALUES,
                                          AttentionDeclarations, backend_name)
-from graphrt.core.errors import ConfigError, GraphCaptureError, GraphrtError
+from graphrt.core.errors import ConfigError, GraphCaptureError
 from graphrt.layers.torch.attention.paged import (PagedAttention, TorchAttentionMetadata, choose_attention_kernel,
                                                   paged_attend)
 
@@ -220,19 +220,6 @@ def overrides_before_replay(backend: Any) -> bool:
     """Whether ``backend`` overrides (or duck-types) :meth:`AttentionBackend.before_replay`."""
     method = getattr(type(backend), "before_replay", None)
     return method is not None and method is not AttentionBackend.before_replay
-
-
-class RemovedPreReplayHooks:
-    """``executor.pre_replay_hooks``, a second refresh path removed in issue 30: reading it raises
-    an error that names its replacement, this module's ``before_replay``."""
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        raise GraphrtError("executor.pre_replay_hooks is gone: what runs before a run is the attention backend's "
-                           "before_replay(step, host), which runs before every run, graph or eager, declares the "
-                           "host values it reads (refreshed_host_values) and goes through the capture guard and "
-                           "the baked-values check; move the hook there (docs/attention.md, 'The refresh path')")
 
 
 class PagedAttentionBackend(AttentionBackend):

@@ -10,10 +10,9 @@ kernels' signatures, and the choice between them.
 
 Lengths are read on the device, so they run inside FULL graphs of any step. On CUDA they are
 compiled with ``triton.jit``; CPU tensors go through Triton's interpreter (``TRITON_INTERPRET=1``
-set before triton is imported: the tests' way). :func:`recurrent_backend` chooses: the
-environment variable ``GRAPHRT_RECURRENT`` (``auto``: Triton on CUDA where triton imports, the
-reference elsewhere; ``reference``; ``triton``: required, a ConfigError saying why where it
-cannot run), read at every call, so set it before warm-up / capture.
+set before triton is imported: the tests' way). :func:`triton_problem` says why they cannot run
+on a device; the choice between them and the reference (``GRAPHRT_RECURRENT``) is
+:mod:`graphrt.layers.torch.state.kernels`'.
 """
 
 from __future__ import annotations
@@ -24,17 +23,13 @@ from typing import Any
 
 import torch
 
-from graphrt.core.errors import ConfigError
 from graphrt.layers.torch.state.metadata import StateMetadata
 
-#: Environment variable choosing the recurrent kernels: auto (default), reference, triton.
-RECURRENT_ENV = "GRAPHRT_RECURRENT"
-_CHOICES = ("auto", "reference", "triton")
 #: Channels per conv1d program; head features per scan program.
 CONV_BLOCK, SCAN_BLOCK = 128, 32
 
 
-def _triton_problem(device: torch.device) -> str | None:
+def triton_problem(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on ``device`` (None: they can)."""
     try:
         import triton  # noqa: F401
@@ -49,20 +44,6 @@ def _triton_problem(device: torch.device) -> str | None:
     if isinstance(tl.zeros, triton.runtime.jit.JITFunction):
         return "TRITON_INTERPRET=1 was set after triton was imported; set it before the first import"
     return None
-
-
-def recurrent_backend(device: torch.device) -> str:
-    """``"triton"`` or ``"reference"`` for tensors on ``device`` (``GRAPHRT_RECURRENT``)."""
-    choice = os.environ.get(RECURRENT_ENV, "auto")
-    if choice not in _CHOICES:
-        raise ConfigError(f"{RECURRENT_ENV}={choice!r} is not one of {_CHOICES}")
-    if choice == "reference":
-        return "reference"
-    problem = _triton_problem(torch.device(device))
-    if choice == "triton" and problem is not None:
-        raise ConfigError(f"{RECURRENT_ENV}=triton: {problem}")
-    return "triton" if problem is None and (choice == "triton" or torch.device(device).type == "cuda") \
-        else "reference"
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,5 +123,4 @@ def triton_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return y, states
 
 
-__all__ = ["RECURRENT_ENV", "recurrent_backend", "triton_causal_conv1d", "triton_gated_delta_rule",
-           "triton_ssd_scan"]
+__all__ = ["triton_causal_conv1d", "triton_gated_delta_rule", "triton_problem", "triton_ssd_scan"]

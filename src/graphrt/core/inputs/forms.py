@@ -1,4 +1,4 @@
-"""The forms :class:`~graphrt.core.inputs.InputPreparer` refuses or converts, and their words.
+"""The forms :class:`~graphrt.core.inputs.preparer.InputPreparer` refuses or converts, and their words.
 
 Off the hot path: :func:`compiled_table` runs only when a table is not already in a form the
 host loops have a compiled variant for, :func:`shape_error` only when a step's batch size or
@@ -11,12 +11,12 @@ import logging
 
 import numpy as np
 
-from graphrt.core import host_kernels
+from graphrt.core.inputs import host_kernels
 from graphrt.core.errors import InputError
-from graphrt.core.fields import INDEX_MAX
-from graphrt.core.host_kernels import as_int_array
+from graphrt.core.inputs.fields import INDEX_MAX
+from graphrt.core.inputs.host_kernels import as_int_array
 
-logger = logging.getLogger("graphrt.core.inputs")
+logger = logging.getLogger("graphrt.core.inputs.preparer")
 
 
 def compiled_table(name: str, value: object, strict: bool, warned: set[tuple[str, str]]) -> np.ndarray:

@@ -6,7 +6,7 @@ Token level: ``input_ids``, ``positions``, ``slot_mapping``; request level: ``se
 ``InputPreparer`` writes persistent buffers (valid until the next call); ``prepare_inputs``
 allocates. Every bad input raises :class:`~graphrt.core.errors.InputError` before any write.
 This module is the front: argument checks, the one array form, and the choice between the
-compiled loops (:mod:`graphrt.core.host_loops`) and the numpy path (:mod:`graphrt.core.prepare_numpy`)."""
+compiled loops (:mod:`graphrt.core.inputs.host_loops`) and the numpy path (:mod:`graphrt.core.inputs.prepare_numpy`)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from graphrt.core import defaults, host_kernels, host_loops
+from graphrt.core import defaults
+
+from graphrt.core.inputs import host_kernels, host_loops
 from graphrt.core.errors import GraphrtError, InputError
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, INDEX_MAX, ModelInputs, buffer_shapes, field_rows
-from graphrt.core.host_kernels import RequestArrays, as_int_array
-from graphrt.core.input_forms import compiled_table, shape_error
-from graphrt.core.padding import Padder
-from graphrt.core.prepare_numpy import NumpyPrepare
-from graphrt.core.step_codes import E_OK, StepArrays, StepLimits, StepReport, step_error
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, INDEX_MAX, ModelInputs, buffer_shapes, field_rows
+from graphrt.core.inputs.host_kernels import RequestArrays, as_int_array
+from graphrt.core.inputs.forms import compiled_table, shape_error
+from graphrt.core.inputs.padding import Padder
+from graphrt.core.inputs.prepare_numpy import NumpyPrepare
+from graphrt.core.inputs.step_codes import E_OK, StepArrays, StepLimits, StepReport, step_error
 
 _INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
 _ARRAY = np.ndarray
@@ -107,7 +109,7 @@ class InputPreparer:
                  vocab_size: int | None = None, num_blocks: int | None = None,
                  table_width: int | None = None, kernel: str | None = None,
                  strict: bool = False, decode_query_len: int = 1,
-                 num_state_slots: int | None = None) -> None:
+                 num_state_slots: int | None = None, padder: Padder | None = None) -> None:
         _check_block_size(block_size)
         if num_state_slots is not None and not 0 < num_state_slots < INDEX_MAX:
             raise InputError("num_state_slots", f"must be in [1, {INDEX_MAX}) (or None: no state), "
@@ -131,6 +133,8 @@ class InputPreparer:
         self.strict = bool(strict)
         self.decode_query_len = int(decode_query_len)
         self.kernel = host_kernels.resolve_kernel(kernel)
+        #: The padder :meth:`write` pads with (default: ``Padder(kernel=kernel)``, the default fills).
+        self.padder = padder if padder is not None else Padder(kernel=self.kernel)
         self._vocab_bound = min(self.vocab_size or _ID_LIMIT, _ID_LIMIT)
         self._block_bound = min(self.num_blocks or _ID_LIMIT, _ID_LIMIT)
         self.num_state_slots = int(num_state_slots) if num_state_slots is not None else None
@@ -223,10 +227,10 @@ class InputPreparer:
         self._pending = _CheckedStep(tokens, blocks, rows, computed, scheduled, bs, states, shape)
         return shape
 
-    def write(self, padder: Padder, *, num_tokens: int, num_reqs: int,
+    def write(self, *, num_tokens: int, num_reqs: int,
               out: Mapping[str, np.ndarray] | None = None) -> ModelInputs:
-        """Write the step of the last successful :meth:`check`, padded by ``padder`` to
-        ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would).
+        """Write the step of the last successful :meth:`check`, padded by the preparer's
+        :attr:`padder` to ``num_tokens`` / ``num_reqs``, into ``out`` (as :meth:`Padder.pad` would).
 
         The step's tables are read again here: don't change them in between (the request
         check of :meth:`check`, ``host_loops.check_requests``, runs again, and a step that no
@@ -234,7 +238,7 @@ class InputPreparer:
         step = self._pending
         if step is None:
             raise GraphrtError("InputPreparer.write needs a successful check() of this step first")
-        shape = step.shape
+        shape, padder = step.shape, self.padder
         if num_tokens < shape.num_tokens or num_reqs < shape.num_reqs:
             padder.check_targets(shape.num_tokens, shape.num_reqs, num_tokens, num_reqs)
         width = self.table_width or step.block_table.shape[1]
@@ -259,7 +263,7 @@ class InputPreparer:
         return ModelInputs(*targets, shape.num_reqs, shape.num_tokens, shape.max_query_len,
                            shape.max_seq_len, shape.uniform_decode)
 
-    def compile_kernels(self, padder: Padder, out: Mapping[str, np.ndarray] | None = None) -> float:
+    def compile_kernels(self, out: Mapping[str, np.ndarray] | None = None) -> float:
         """Compile the loops of :meth:`check` / :meth:`write` (a runner's path) now, for every
         table variant the preparer passes them (token and block tables each int32 or int64;
         request arrays always reach them as int32, int64 ones through ``clamp_requests``), so no
@@ -277,7 +281,7 @@ class InputPreparer:
                            block_table=np.ones((1, width), dtype=block_dtype),
                            req_rows=np.zeros(1, token_dtype), num_computed_tokens=np.zeros(1, token_dtype),
                            num_scheduled_tokens=np.ones(1, token_dtype))
-                self.write(padder, num_tokens=1, num_reqs=1, out=out)
+                self.write(num_tokens=1, num_reqs=1, out=out)
         self._requests.compile()
         self._pending = None
         return time.perf_counter() - start
@@ -287,7 +291,7 @@ class InputPreparer:
                      int64_requests: bool) -> tuple[np.ndarray, ...]:
         """The step's arrays in the one form both implementations take (tables int32 / int64
         C-contiguous; request arrays int32, or all three int64 when ``int64_requests``: see
-        :mod:`graphrt.core.host_kernels`), their shapes checked; sizes the row scratch."""
+        :mod:`graphrt.core.inputs.host_kernels`), their shapes checked; sizes the row scratch."""
         tokens, blocks = token_ids, block_table
         if not (type(tokens) is _ARRAY and type(blocks) is _ARRAY and tokens.ndim == 2 and blocks.ndim == 2
                 and (tokens.dtype is _INT32 or tokens.dtype is _INT64)

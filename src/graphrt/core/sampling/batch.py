@@ -15,9 +15,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from graphrt.core.errors import InputError
-from graphrt.core.sampling_columns import (FREQUENCY_PENALTY, MIN_P, PENALTY_RULES, PRESENCE_PENALTY, PROMPT_LENS,
+from graphrt.core.sampling.columns import (FREQUENCY_PENALTY, MIN_P, PENALTY_RULES, PRESENCE_PENALTY, PROMPT_LENS,
                                            REPETITION_PENALTY, filter_columns)
-from graphrt.core.sampling_rule import Rule, check_rows as _rows, is_integer as _is_integer
+from graphrt.core.sampling.rule import Rule, check_rows as _rows, is_integer as _is_integer
 
 #: A padded sampler row (request rows past a step's real ones): greedy, no top-k / top-p
 #: filter (its top_k is the vocabulary size). Its token is discarded.
@@ -152,7 +152,7 @@ def _bounds(t: np.ndarray, p: np.ndarray, k: np.ndarray) -> tuple[list, list]:
 class SamplingBatch:
     """Per-request sampling parameters of one step, as arrays (one row per real request).
 
-    Checked at construction by the rules of :mod:`graphrt.core.sampling` (the ones
+    Checked at construction by the rules of :mod:`graphrt.core.sampling.batch` (the ones
     ``SamplingParams`` uses); a bad field raises ``InputError`` naming it and its row. Fields
     are normalised (float32 / int64 arrays; seeds as Python ints), and a ``top_k`` of -1 is
     stored as ``SAMPLING_MAX_TOP_K``: at least the vocabulary, no filter. The batch is frozen,

@@ -1,7 +1,7 @@
 """One numeric sampling field's rule (:class:`Rule`) and the helpers every rule's message uses.
 
-The rules themselves live in :mod:`graphrt.core.sampling` (temperature, top-p, top-k, seeds,
-logprobs) and :mod:`graphrt.core.sampling_columns` (min-p, penalties, prompt lengths).
+The rules themselves live in :mod:`graphrt.core.sampling.batch` (temperature, top-p, top-k, seeds,
+logprobs) and :mod:`graphrt.core.sampling.columns` (min-p, penalties, prompt lengths).
 """
 
 from __future__ import annotations

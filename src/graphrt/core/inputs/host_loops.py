@@ -1,6 +1,6 @@
 """Every host loop of input preparation, written once: plain Python over numpy arrays in the
-subset numba compiles (:mod:`graphrt.core.host_kernels` compiles them; the numpy path runs the
-checks interpreted; both return :mod:`graphrt.core.step_codes` reports). The padding loops
+subset numba compiles (:mod:`graphrt.core.inputs.host_kernels` compiles them; the numpy path runs the
+checks interpreted; both return :mod:`graphrt.core.inputs.step_codes` reports). The padding loops
 apply the padder's rule table (``Padder.kernel_rules``): no fill or length is written here.
 ``check_requests`` runs first everywhere: it validates every index and clamps request values
 to int32 before any sum, so the other loops run without bounds checks."""
@@ -8,9 +8,9 @@ to int32 before any sum, so the other loops run without bounds checks."""
 from __future__ import annotations
 
 from graphrt.core.defaults import NULL_BLOCK
-from graphrt.core.loop_primitives import HIGH, LOW, block_of, block_shift, can_reach, clamp, highest, lowest
-from graphrt.core.pad_loops import copy_rows, holds, pad_rows
-from graphrt.core.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
+from graphrt.core.inputs.loop_primitives import HIGH, LOW, block_of, block_shift, can_reach, clamp, highest, lowest
+from graphrt.core.inputs.pad_loops import copy_rows, holds, pad_rows
+from graphrt.core.inputs.step_codes import (E_BLOCK_OUT_OF_CACHE, E_COMPUTED_NEGATIVE, E_COMPUTED_PAST_TABLE,
                                      E_NULL_BLOCK, E_OK, E_PAST_TOKEN_TABLE, E_ROW_OUT_OF_RANGE,
                                      E_ROW_REPEATED, E_SCHEDULED_NOT_POSITIVE, E_STATE_SLOT_OUT_OF_RANGE,
                                      E_STATE_SLOT_REPEATED, E_TABLE_TOO_NARROW, E_TOKEN_OUT_OF_VOCAB,

@@ -1,4 +1,4 @@
-"""The small primitives the host loops (:mod:`graphrt.core.host_loops`) are built from: the int32
+"""The small primitives the host loops (:mod:`graphrt.core.inputs.host_loops`) are built from: the int32
 clamp, row minima / maxima (numpy when interpreted, their compiled loops under numba:
 ``host_loops.COMPILED_FORMS``), block arithmetic by shift. Plain Python in numba's subset,
 compiled into the loops that call them (``host_kernels``)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphrt.core.fields import INDEX_MAX
+from graphrt.core.inputs.fields import INDEX_MAX
 
 LOW, HIGH = -INDEX_MAX - 1, INDEX_MAX
 

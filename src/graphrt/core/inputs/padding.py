@@ -1,6 +1,6 @@
 """Padding: every model input grown to a bucket's (tokens, requests) with safe fill values.
 
-One rule table (:func:`pad_rules`: level from ``graphrt.core.fields``, fill from
+One rule table (:func:`pad_rules`: level from ``graphrt.core.inputs.fields``, fill from
 ``defaults.PAD_FILL_VALUES``, overridable per attention backend): a padded token writes no real
 KV slot, a padded request attends to nothing and owns the trash state slot, ``query_start_loc``
 repeats its last value (docs/padding.md). ``num_tokens`` / ``num_reqs`` stay the real counts."""
@@ -11,9 +11,11 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from graphrt.core import defaults, host_kernels
+from graphrt.core import defaults
+
+from graphrt.core.inputs import host_kernels
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.core.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
+from graphrt.core.inputs.fields import ARRAY_FIELDS, FIELD_DTYPES, FIELDS, ModelInputs, buffer_shapes, field_rows
 
 
 class PadRule(NamedTuple):

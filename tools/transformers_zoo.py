@@ -9,20 +9,20 @@ config has ``layer_types``, windows of :data:`SLIDING_WINDOW` tokens so that tes
 transformers that declare ``_supports_attention_backend`` and have a text config of their own
 (a multimodal one is covered by its text model type, e.g. ``gemma3`` by ``gemma3_text``).
 
-The matrix (``graphrt.testing.transformers_matrix``) and the tests build their models here.
+The matrix (``tools/transformers_matrix.py``) and the tests build their models here. A developer
+tool, outside the installed package (tests put ``tools/`` on ``sys.path``); the seeded weights are
+:mod:`graphrt.testing.random_weights`' (the installed hybrid sweep builds its models with them too).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
-import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from graphrt.testing.random_weights import SEED, saved_random_model
 
 #: The shape every tiny model shares (keys a config does not have are left out).
 TINY: dict[str, Any] = dict(
@@ -54,8 +54,6 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 #: Windows of the tiny models' sliding layers: shorter than most test prompts.
 SLIDING_WINDOW = 8
-#: Seed of the weights.
-SEED = 0
 
 
 def _config_class(model_type: str) -> type:
@@ -129,48 +127,6 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     return cls(**kwargs)
 
 
-def randomize(model: Any, seed: int = SEED) -> None:
-    """Seeded weights with O(1) logits: 1-D weights near 1 (biases near 0), matrices and expert
-    stacks noise / sqrt(last dim), embeddings unit noise."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if param.dim() == 1:
-                value = 0.1 * noise if name.endswith("bias") or "sink" in name else 1.0 + 0.1 * noise
-            elif "embed" in name or "wte" in name or "wpe" in name:
-                value = noise
-            else:
-                value = noise / math.sqrt(param.shape[-1])
-            param.copy_(value.to(param.dtype))
-
-
-_ROOT: Path | None = None
-
-
-def saved_random_model(build: Callable[[], Any], prefix: str, seed: int) -> Path:
-    """``build()``'s model (built after ``torch.manual_seed(seed)``) with seeded random weights
-    (:func:`randomize`), saved to a new directory under this process's temporary root (removed
-    at exit): the tiny checkpoints of this zoo and of the hybrid sweep."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    global _ROOT
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    if _ROOT is None:
-        _ROOT = Path(tempfile.mkdtemp(prefix="graphrt-zoo-"))
-        atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
-    torch.manual_seed(seed)
-    model = build()
-    randomize(model, seed)
-    out = Path(tempfile.mkdtemp(prefix=prefix, dir=_ROOT))
-    model.save_pretrained(out)
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def _build(model_type: str, seed: int, overrides_json: str) -> Path:
     import transformers
@@ -217,5 +173,5 @@ def reference_offset(model: Any) -> int:
     return position_offset(model, body_of(model))
 
 
-__all__ = ["SEED", "SLIDING_WINDOW", "TINY", "architectures", "causal_lm_name", "load_reference", "randomize",
+__all__ = ["SEED", "SLIDING_WINDOW", "TINY", "architectures", "causal_lm_name", "load_reference",
            "reference_logits", "reference_offset", "tiny_checkpoint", "tiny_config"]

@@ -1,11 +1,11 @@
 """The padding loops' per-field helpers: a field's rows past the real ones filled or repeated
 by the padder's rule (``Padder.kernel_rules``), a field's real rows copied. The entry points
 that apply them to every field, ``fill_padding`` and ``pad_step``, are in
-:mod:`graphrt.core.host_loops`; plain Python in numba's subset (``host_kernels``)."""
+:mod:`graphrt.core.inputs.host_loops`; plain Python in numba's subset (``host_kernels``)."""
 
 from __future__ import annotations
 
-from graphrt.core.fields import field_rows
+from graphrt.core.inputs.fields import field_rows
 
 
 def copy_row(dst, i, src, j):

@@ -1,9 +1,9 @@
 """Compiled host kernels: the loops behind the fast path of input preparation and padding.
 
 A step needs 25-40 small numpy calls whose fixed cost outweighs the work at a few hundred
-requests; here each job is one numba-compiled loop (written once in :mod:`graphrt.core.host_loops`),
+requests; here each job is one numba-compiled loop (written once in :mod:`graphrt.core.inputs.host_loops`),
 one call per step, every check before the first write. ``kernel="numpy"``, or no numba, runs
-:mod:`graphrt.core.prepare_numpy` instead; ``GRAPHRT_HOST_KERNEL`` sets the default.
+:mod:`graphrt.core.inputs.prepare_numpy` instead; ``GRAPHRT_HOST_KERNEL`` sets the default.
 
 numba compiles a variant per argument dtype / layout (1.4-2.4 s each), so arrays come in one
 form: request arrays int32 (:class:`RequestArrays`), tables as compiled for
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.core.fields import INDEX_MAX
+from graphrt.core.inputs.fields import INDEX_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,12 @@ KERNEL_ENV = "GRAPHRT_HOST_KERNEL"
 ENTRY_POINTS = {"check_step": "host_loops", "prepare_step": "host_loops",
                 "write_checked_step": "host_loops", "clamp_requests": "host_loops",
                 "pad_step": "host_loops", "fill_padding": "host_loops"}
-#: The modules (``graphrt.core.<name>``) whose functions are compiled into the loops.
+#: The modules (``graphrt.core.inputs.<name>``) whose functions are compiled into the loops.
 LOOP_MODULES = ("loop_primitives", "pad_loops", "host_loops")
 #: Every module whose code or constants the compiled loops hold: the stamp of their disk cache
 #: (numba alone stamps an entry point's own file, so an edited helper would load stale code).
-LOOP_SOURCES = LOOP_MODULES + ("fields", "step_codes", "defaults")
+#: (paths relative to ``graphrt/core``).
+LOOP_SOURCES = tuple(f"inputs/{m}.py" for m in (*LOOP_MODULES, "fields", "step_codes")) + ("defaults.py",)
 
 _numba: types.ModuleType | None = None     # numba, once imported
 _numba_error: str | None = None
@@ -64,7 +65,7 @@ def _load() -> bool:
         logger.info("graphrt: %s; input preparation and padding use the numpy path", _numba_error)
         return False
     if not _registered:
-        from graphrt.core import fields, host_loops
+        from graphrt.core.inputs import fields, host_loops
 
         options = host_loops.JIT_OPTIONS
         register_jitable(**options)(fields.field_rows)
@@ -94,7 +95,7 @@ def compiled(name: str) -> Callable[..., Any]:
     if loop is None:
         if name not in ENTRY_POINTS:
             raise ConfigError(f"{name!r} is not a host-loop entry point: {sorted(ENTRY_POINTS)}")
-        from graphrt.core import host_loops
+        from graphrt.core.inputs import host_loops
 
         loop = _compiled[name] = _numba.njit(cache=_disk_cache, **host_loops.JIT_OPTIONS)(
             getattr(_loop_module(ENTRY_POINTS[name]), name))
@@ -102,7 +103,7 @@ def compiled(name: str) -> Callable[..., Any]:
 
 
 def _loop_module(name: str) -> types.ModuleType:
-    return importlib.import_module(f"graphrt.core.{name}")
+    return importlib.import_module(f"graphrt.core.inputs.{name}")
 
 
 @functools.cache
@@ -110,8 +111,9 @@ def loop_sources_stamp() -> str:
     """The loops' disk-cache stamp: a hash of the source of every module in :data:`LOOP_SOURCES`
     (read once per process: numba asks for it at every cache load and save of every variant)."""
     digest = hashlib.sha256()
+    core = Path(__file__).resolve().parents[1]
     for name in LOOP_SOURCES:
-        digest.update(Path(__file__).with_name(f"{name}.py").read_bytes())
+        digest.update((core / name).read_bytes())
     return digest.hexdigest()
 
 
@@ -139,7 +141,7 @@ def _stamp_loop_caches() -> bool:
         class LoopSources(base):  # type: ignore[misc, valid-type]
             @classmethod
             def from_function(cls, py_func: Any, py_file: str) -> Any:
-                if py_func.__module__ not in {f"graphrt.core.{m}" for m in LOOP_MODULES}:
+                if py_func.__module__ not in {f"graphrt.core.inputs.{m}" for m in LOOP_MODULES}:
                     return None
                 return super().from_function(py_func, py_file)
 

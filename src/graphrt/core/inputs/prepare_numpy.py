@@ -1,4 +1,4 @@
-"""The numpy path of input preparation: :mod:`graphrt.core.host_loops`' checks interpreted, then
+"""The numpy path of input preparation: :mod:`graphrt.core.inputs.host_loops`' checks interpreted, then
 vectorised numpy writes on persistent scratch.
 
 Its writes are independent of the compiled ``write_step`` (the oracle it is tested against);
@@ -11,8 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
-from graphrt.core import host_loops
-from graphrt.core.step_codes import E_OK
+from graphrt.core.inputs import host_loops
+from graphrt.core.inputs.step_codes import E_OK
 
 Report = tuple[int, int, int, int, int, int]
 

@@ -1,6 +1,6 @@
 """A sampling batch's optional columns: min-p, the penalties and the prompt lengths they need.
 
-Rules as :mod:`graphrt.core.sampling`'s (one :class:`~graphrt.core.sampling_rule.Rule` per
+Rules as :mod:`graphrt.core.sampling.batch`'s (one :class:`~graphrt.core.sampling.rule.Rule` per
 field, an ``InputError`` naming the field and the row); a column every row leaves neutral is
 kept as None, so a batch without them costs nothing more.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from graphrt.core.errors import InputError
-from graphrt.core.sampling_rule import Rule, check_rows
+from graphrt.core.sampling.rule import Rule, check_rows
 
 #: Presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (vLLM's and SGLang's bound).
 SAMPLING_PENALTY_LIMIT = 2.0

@@ -6,8 +6,9 @@ forces prefix hits, chunked prefill and preemption (and checks they happened); m
 ``eager``, the three ``cpu`` graph modes (strict) and ``TP=2``. ``pass``: every greedy token is
 transformers' own argmax (exact ties allowed), and TP=2's tokens are TP=1's.
 
-``python -m graphrt.testing.transformers_matrix`` runs every architecture (a subprocess each) and
-writes docs/transformers-models.md; tests/backends/test_transformers_matrix.py runs a sample.
+``python tools/transformers_matrix.py`` runs every architecture (a subprocess each) and writes
+docs/transformers-models.md; tests/backends/test_transformers_matrix.py runs a sample. A developer
+tool, outside the installed package (with :mod:`transformers_zoo` beside it).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def run_workload(model_dir: str, mode: str) -> tuple[list[list[int]], dict[str, 
 
 def check_tokens(reference: Any, prompts: Sequence[list[int]], tokens: Sequence[list[int]]) -> str | None:
     """None when every token is transformers' argmax of its sequence, else the first that is not."""
-    from graphrt.testing.transformers_zoo import reference_logits, reference_offset
+    from transformers_zoo import reference_logits, reference_offset
 
     offset = reference_offset(reference)
     for i, (prompt, generated) in enumerate(zip(prompts, tokens)):
@@ -126,7 +127,7 @@ def check_mode(arch: str, mode: str, reference: Any = None, tp1_tokens: Sequence
                ) -> ModeResult:
     """``arch`` in ``mode``: pass, or fail with the reason. ``reference``: transformers' model of the
     checkpoint (loaded here when None); ``tp1_tokens``: TP=2 must equal them (run here when None)."""
-    from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint
+    from transformers_zoo import load_reference, tiny_checkpoint
 
     start = time.perf_counter()
     tokens = None
@@ -148,7 +149,7 @@ def check_mode(arch: str, mode: str, reference: Any = None, tp1_tokens: Sequence
 
 def check_arch(arch: str, modes: Sequence[str] = MODES) -> list[ModeResult]:
     """Every mode of ``arch`` (one reference model for all); a build failure fails every mode with it."""
-    from graphrt.testing.transformers_zoo import load_reference, tiny_checkpoint
+    from transformers_zoo import load_reference, tiny_checkpoint
 
     try:
         reference = load_reference(str(tiny_checkpoint(arch)))
@@ -165,7 +166,7 @@ def check_arch(arch: str, modes: Sequence[str] = MODES) -> list[ModeResult]:
 
 def _run_one(arch: str, timeout: float) -> list[ModeResult]:
     """``check_arch`` in a fresh interpreter (isolation from crashes, leaks and hangs)."""
-    cmd = [sys.executable, "-m", "graphrt.testing.transformers_matrix", "--one", arch]
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", arch]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -181,7 +182,7 @@ def _run_one(arch: str, timeout: float) -> list[ModeResult]:
 def run_matrix(archs: Sequence[str] | None = None, jobs: int = 2, timeout: float = 900.0,
                progress: bool = True) -> tuple[dict[str, list[ModeResult]], dict[str, str]]:
     """(results by architecture, architectures not built and why) for ``archs`` (default: all)."""
-    from graphrt.testing.transformers_zoo import architectures
+    from transformers_zoo import architectures
 
     known = architectures()
     skipped = {a: why for a, why in known.items() if why and (archs is None or a in archs)}
@@ -226,7 +227,7 @@ def render_page(results: dict[str, list[ModeResult]], skipped: dict[str, str], c
         "transformers whose class declares `_supports_attention_backend` -- a tiny random model of each, "
         "built offline from its config class (2 layers, 64 wide; a sliding and a full layer where the "
         "config has `layer_types`; 4 experts, 2 routed, for MoE) -- through one workload in each mode "
-        "(`graphrt.testing.transformers_matrix`: prompts of 1 to 40 tokens, chunked prefill, preemption, "
+        "(`tools/transformers_matrix.py`: prompts of 1 to 40 tokens, chunked prefill, preemption, "
         "prefix-cache hits, greedy decoding).",
         "",
         "* **pass**: every generated token equals transformers' own argmax for the same sequence "
@@ -283,7 +284,7 @@ def merge_results(paths: Sequence[str]) -> tuple[dict[str, list[ModeResult]], di
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graphrt.testing.transformers_matrix",
+    parser = argparse.ArgumentParser(prog="python tools/transformers_matrix.py",
                                      description="graphrt's transformers backend, every architecture in every mode")
     parser.add_argument("--archs", nargs="+", help="architectures (model types) to run; default: all")
     parser.add_argument("--jobs", type=int, default=2, help="architectures checked at once (default 2)")
@@ -313,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump({"results": {a: [asdict(r) for r in rs] for a, rs in results.items()}, "skipped": skipped}, f,
                       indent=1)
     if args.docs:
-        command = "python -m graphrt.testing.transformers_matrix --docs " + args.docs
+        command = "python tools/transformers_matrix.py --docs " + args.docs
         if args.from_json:
             command += " --from-json " + " ".join(os.path.basename(p) for p in args.from_json)
         with open(args.docs, "w", encoding="utf-8") as f:
