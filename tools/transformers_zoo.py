@@ -6,7 +6,8 @@ config has ``layer_types``, windows of :data:`SLIDING_WINDOW` tokens so that tes
 :func:`tiny_checkpoint` builds the model from it, draws seeded weights whose logits are O(1)
 (norm weights near 1, matrices scaled by their fan-in), and saves it with
 ``save_pretrained``. :func:`architectures` lists the causal-LM model types of the installed
-transformers that declare ``_supports_attention_backend`` and have a text config of their own
+transformers that declare ``_supports_attention_backend`` (or whose recurrent mixers graphrt
+routes) and have a text config of their own
 (a multimodal one is covered by its text model type, e.g. ``gemma3`` by ``gemma3_text``).
 
 The matrix (``tools/transformers_matrix.py``) and the tests build their models here. A developer
@@ -45,10 +46,18 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "xmod": dict(default_language="en_XX"),
     "zaya": dict(num_experts_per_tok=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),      # its default layer_types are all attention
     # a Mamba2 layer beside an attention layer (its default layer_types are all Mamba2), SSD chunks of 4
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_chunk_size=4),
     "dots3_note_text": dict(num_key_value_heads=4),
     "recurrent_gemma": dict(layer_types=None, block_types=["recurrent", "attention"]),
+    # Mamba1 models: layer_types is derived (Jamba's from its periods: a Mamba1 layer, then attention with experts)
+    "mamba": dict(layer_types=None), "falcon_mamba": dict(layer_types=None),
+    "jamba": dict(layer_types=None, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1),
+    # Bamba: layers_block_type is derived from attn_layer_indices; Mamba2 heads of 32, SSD chunks of 4
+    "bamba": dict(layer_types=None, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+                  mamba_n_groups=2, mamba_chunk_size=4),
     "gemma3n_text": dict(num_kv_shared_layers=0, intermediate_size=[128, 128], activation_sparsity_pattern=[0.0, 0.0]),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
@@ -70,15 +79,19 @@ def causal_lm_name(model_type: str) -> str | None:
 
 
 def architectures() -> dict[str, str | None]:
-    """Every causal-LM model type whose class declares ``_supports_attention_backend``: None where
-    the matrix builds it, else why it does not (a multimodal config, a config that cannot be made)."""
+    """Every causal-LM model type whose class declares ``_supports_attention_backend`` or defines a
+    recurrent mixer graphrt routes (Mamba, Jamba, Qwen3-Next, ...: ``transformers_impl/recurrent.py``):
+    None where the matrix builds it, else why it does not (a multimodal config, a config that
+    cannot be made)."""
     import transformers
+
+    from graphrt.models.torch.transformers_impl.recurrent import routed_mixer_classes
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     out: dict[str, str | None] = {}
     for model_type, name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
         cls = getattr(transformers, name, None)
-        if cls is None or not getattr(cls, "_supports_attention_backend", False):
+        if cls is None or not (getattr(cls, "_supports_attention_backend", False) or routed_mixer_classes(cls)):
             continue
         try:
             config = _config_class(model_type)()

@@ -133,7 +133,6 @@ def test_a_window_the_config_contradicts_is_refused():
     ("doge", "attention mask of its own"),                   # a learned dynamic mask
     ("diffllama", "attends twice"),                          # differential attention: two calls per layer
     ("llama4_text", "chunked_attention"),                    # chunked local attention
-    ("lfm2_moe", "conv"),                                    # a hybrid with convolution layers
 ])
 def test_what_paged_attention_cannot_run_is_refused_by_name(arch, reason):
     with pytest.raises(ConfigError, match=reason):

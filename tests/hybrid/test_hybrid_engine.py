@@ -112,11 +112,14 @@ def _verify_then_continue(runner, prompt: list[int], drafts: list[int], accepted
     return runner.outputs.position_logits()[0]
 
 
-@pytest.mark.parametrize("backend", ["eager", "cpu", "xla"])
-def test_rejected_drafts_roll_the_state_back(backend):
+@pytest.mark.parametrize("arch,backend", [("granite", "eager"), ("granite", "cpu"), ("granite", "xla"),
+                                          ("jamba", "cpu"), ("lfm2", "cpu")])
+def test_rejected_drafts_roll_the_state_back(arch, backend):
+    """Granite-4-H (Mamba2), Jamba (Mamba1's selective scan) and LFM2 (short convolutions), the
+    last two through the Transformers backend."""
     if backend == "xla":
         pytest.importorskip("jax")
-    d = hybrid_model_dir("granite")
+    d = hybrid_model_dir(arch)
     shapes = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[3, 16]),
               "xla": dict(precompile_token_paddings=[8, 16], precompile_bs_paddings=[2])}[backend]
     runner = graphrt.ModelRunner(str(d), backend=backend, num_speculative_tokens=2, progress=False,

@@ -4,12 +4,13 @@ Interpreted on a CPU (``TRITON_INTERPRET=1`` before triton is imported: the atte
 tests' setup, reused; in a full-suite run where triton was imported earlier the interpreter
 tests run in a child pytest), compiled on a GPU (``gpu``-marked, skipped without one).
 
-* conv1d, the Mamba2 scan and the gated delta rule over a mixed step -- requests continuing a
+* conv1d, the Mamba2 scan and the gated delta rule over a mixed step (Mamba1's selective scan:
+  test_selective_scan.py) -- requests continuing a
   state and new ones, chunked prefill, a padded request and padded tokens, two checkpoints --
   equal the reference kernels' outputs and the states they store (within the float32 tolerance:
   the Triton scan runs token by token, the reference by chunks).
-* A model's mixers run Triton when ``GRAPHRT_RECURRENT=triton`` asks, and its step matches the
-  reference's; ``triton`` is refused with the reason where it cannot run; an unknown value too.
+* A model's mixers (Mamba's through the Transformers backend included) run Triton when
+  ``GRAPHRT_RECURRENT=triton`` asks, and its step matches the reference's; ``triton`` is refused with the reason where it cannot run; an unknown value too.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def test_interpret_kernels_match_the_reference() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("arch", ["granite", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["granite", "qwen3_next", "mamba"])
 def test_interpret_models_run_triton_when_asked(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     d = str(hybrid_model_dir(arch))
     kw = dict(backend="eager", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, block_size=4,

@@ -1,7 +1,9 @@
 """The state-isolation sweep: thousands of drawn steps on tiny hybrid models, one command.
 
 ``python -m graphrt.testing.state_sweep --steps 10000`` draws seeded steps for tiny random Mamba2,
-Granite-4-H and Qwen3-Next checkpoints and checks each with
+Granite-4-H, Qwen3-Next, Jamba, Mamba, Falcon-Mamba and LFM2 checkpoints (``--archs``: some of
+them)
+and checks each with
 :func:`~graphrt.testing.properties.state_writes_confined` (or ``--property state_isolated``, about
 7 runs a step). Draws span FULL, PIECEWISE and eager modes, XLA, speculative ``1 + k`` steps and
 restarts; one line per configuration, exit status 1 on any violation. docs/hybrid.md has figures.
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+_MAMBA1: dict[str, Any] = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8, conv_kernel=4,
+                               expand=2, time_step_rank=8, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                               tie_word_embeddings=False)
 #: Tiny hybrid configs (transformers' own field names): Mamba2 only; Granite-4-H (Mamba2 +
 #: attention, shared MLP + experts); Qwen3-Next (gated delta nets + gated attention). Chunks
 #: of 4 tokens, so a prefill of a few tokens crosses several SSD / delta-rule chunks.
@@ -42,10 +47,25 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                        mlp_only_layers=[], partial_rotary_factor=0.25, max_position_embeddings=256,
                        linear_chunk_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                        tie_word_embeddings=False),
+    # Mamba1 (selective scan): Mamba, Falcon-Mamba (RMS-normed dt, B, C) and Jamba (Mamba1 layers 0
+    # and 2, attention at 1 with experts), all through the Transformers backend
+    "mamba": dict(_MAMBA1),
+    "falcon_mamba": dict(_MAMBA1, mixer_rms_eps=1e-6),
+    "jamba": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, tie_word_embeddings=False),
+    # LFM2: gated short convolutions (layers 0 and 2) beside attention, biased projections
+    "lfm2": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+                 conv_bias=True, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                 tie_word_embeddings=False),
 }
 #: transformers' config class of each.
 HYBRID_CONFIG_CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig",
-                         "qwen3_next": "Qwen3NextConfig"}
+                         "qwen3_next": "Qwen3NextConfig", "mamba": "MambaConfig", "falcon_mamba": "FalconMambaConfig",
+                         "jamba": "JambaConfig", "lfm2": "Lfm2Config"}
 
 #: (model, backend, graph mode, speculative tokens) and its share of the draws;
 #: FULL_AND_PIECEWISE breaks mixed steps at the recurrent layers.
@@ -55,6 +75,11 @@ SWEEP: tuple[tuple[str, str, str, int, int], ...] = (
     ("mamba2", "cpu", "FULL_AND_PIECEWISE", 2, 3), ("qwen3_next", "cpu", "FULL", 1, 3),
     ("qwen3_next", "cpu", "FULL_AND_PIECEWISE", 0, 3), ("granite", "eager", "NONE", 1, 1),
     ("granite", "xla", "FULL", 1, 1), ("mamba2", "xla", "FULL", 0, 1),
+    # Mamba1 through the Transformers backend (selective scan; Jamba with attention and experts)
+    ("jamba", "cpu", "FULL", 1, 2), ("jamba", "cpu", "FULL_AND_PIECEWISE", 0, 2),
+    ("mamba", "cpu", "FULL_AND_PIECEWISE", 2, 2), ("falcon_mamba", "cpu", "FULL", 0, 1),
+    # LFM2's short convolutions through the Transformers backend
+    ("lfm2", "cpu", "FULL", 1, 2), ("lfm2", "cpu", "FULL_AND_PIECEWISE", 0, 2),
 )
 #: XLA's token x batch-size grid for the sweep (every bucket is compiled at warm-up).
 XLA_GRID: dict[str, Any] = dict(precompile_token_paddings=[16, 32], precompile_bs_paddings=[4])
@@ -212,19 +237,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphrt.testing.state_sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10_000, help="drawn steps in all (default 10000)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed of the first configuration")
+    parser.add_argument("--archs", nargs="+", choices=sorted(HYBRID_CONFIGS),
+                        help="only the configurations of these models (default: every one)")
     parser.add_argument("--property", choices=("state_writes_confined", "state_isolated"), default="state_writes_confined",
                         help="the check of each step: one run with NaN in unread entries (default), or the "
                              "whole state_isolated (about 7 runs a step)")
     args = parser.parse_args(argv)
     from graphrt.testing import properties
 
-    print(f"state sweep: {args.steps} drawn steps over {len(SWEEP)} configurations, {args.property} on each",
+    configs = [c for c in SWEEP if args.archs is None or c[0] in args.archs]
+    print(f"state sweep: {args.steps} drawn steps over {len(configs)} configurations, {args.property} on each",
           flush=True)
     from graphrt.testing.conformance import private_hypothesis_storage
 
     with private_hypothesis_storage():            # no .hypothesis/ in the current directory
         lines = run_sweep(args.steps, seed=args.seed, report=lambda s: print(s, flush=True),
-                          check=getattr(properties, args.property))
+                          check=getattr(properties, args.property), configs=configs)
     print(totals(lines))
     return 0 if all(x.violation is None for x in lines) else 1
 

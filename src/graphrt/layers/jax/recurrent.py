@@ -1,6 +1,7 @@
 """Recurrent layers of hybrid models in JAX (docs/hybrid.md): the step's state metadata, the
-causal conv1d with state, Mamba2's SSD scan and the gated delta rule -- the torch reference
-kernels (:mod:`graphrt.layers.torch.state.mamba_kernels`, ``gated_delta``) in ``jnp``, jit-able with
+causal conv1d with state, Mamba2's SSD scan, the gated delta rule and Mamba1's selective scan --
+the torch reference kernels (:mod:`graphrt.layers.torch.state.mamba_kernels`, ``gated_delta``,
+``selective_scan``) in ``jnp``, jit-able with
 static shapes: lengths come from the batch's arrays, chunks are a ``lax.fori_loop`` (the
 ``k``-th chunk of every request at once), uniform decode / verification steps one update per
 token. Padded requests and the padding request (the tokens past the last real one) read zeros
@@ -115,9 +116,10 @@ def _rows(meta: StateMeta, index: jax.Array, num_tokens: int) -> tuple[jax.Array
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None, init: jax.Array, meta: StateMeta,
-                  checkpoints: int) -> tuple[jax.Array, jax.Array]:
-    """``x [T, D]``, ``weight [D, K]``, ``init [R + 1, D, K - 1]`` -> (``silu(conv) [T, D]``, the
-    window after each request's last C positions ``[R + 1, C, D, K - 1]``)."""
+                  checkpoints: int, activation: bool = True) -> tuple[jax.Array, jax.Array]:
+    """``x [T, D]``, ``weight [D, K]``, ``init [R + 1, D, K - 1]`` -> (``silu(conv) [T, D]`` --
+    ``conv`` without ``activation``: LFM2's short convolution --, the window after each
+    request's last C positions ``[R + 1, C, D, K - 1]``)."""
     t, d = x.shape
     k = weight.shape[1]
     xf, w = x.astype(jnp.float32), weight.astype(jnp.float32)
@@ -135,7 +137,7 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None, init:
     col = jnp.clip(src + (k - 1), 0, max(k - 2, 0))
     from_init = init_t[jnp.arange(init_t.shape[0])[:, None, None], col]
     window = jnp.where(valid[..., None], xf[rows], from_init)
-    return jax.nn.silu(acc).astype(x.dtype), jnp.swapaxes(window, 2, 3)
+    return (jax.nn.silu(acc) if activation else acc).astype(x.dtype), jnp.swapaxes(window, 2, 3)
 
 
 def ssd_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array, init: jax.Array,
@@ -274,5 +276,46 @@ def _delta_chunked(q, k, v, g, beta, init, meta, size, checkpoints):
     return _chunked_scan(init, meta, t, size, checkpoints, (h, dv), step)
 
 
-__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "naming_states", "read_states", "ssd_scan", "state_meta",
-           "write_states"]
+def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, D: jax.Array | None,
+                   init: jax.Array, meta: StateMeta, *, checkpoints: int, uniform: int) -> tuple[jax.Array, jax.Array]:
+    """Mamba1's scan (see the torch ``selective_scan``): ``x`` / ``dt [T, D]`` (dt after softplus),
+    ``A [D, N]``, ``B`` / ``C [T, N]``, ``init [R + 1, D, N]`` -> (y ``[T, D]`` float32, states
+    ``[R + 1, C, D, N]``): a segmented scan by doubling over the packed tokens, or one update per
+    token for uniform steps."""
+    xf, dtf, Af = x.astype(jnp.float32), dt.astype(jnp.float32), A.astype(jnp.float32)
+    Bf, Cf, init = B.astype(jnp.float32), C.astype(jnp.float32), init.astype(jnp.float32)
+    t, d = xf.shape
+    if uniform:
+        r = t // uniform
+        xs, dts, Bs, Cs = (a.reshape(r, uniform, *a.shape[1:]) for a in (xf, dtf, Bf, Cf))
+        state, ys = init[:r], []
+        states = jnp.zeros((init.shape[0], checkpoints) + init.shape[1:], jnp.float32)
+        for j in range(uniform):
+            state = jnp.exp(dts[:, j, :, None] * Af) * state + (dts[:, j] * xs[:, j])[..., None] * Bs[:, j, None, :]
+            ys.append(jnp.einsum("rdn,rn->rd", state, Cs[:, j]))
+            if uniform - 1 - j < checkpoints:
+                states = states.at[:r, uniform - 1 - j].set(state)
+        y = jnp.stack(ys, 1).reshape(t, d)
+    else:
+        a = jnp.exp(dtf[..., None] * Af)
+        b = (dtf * xf)[..., None] * Bf[:, None, :]
+        b = jnp.where((meta.token_index == 0)[:, None, None], a * init[meta.token_req] + b, b)
+        tokens = jnp.arange(t)
+        span = 1
+        while span < t:
+            back = jnp.clip(tokens - span, 0, None)
+            same = ((tokens >= span) & (meta.token_req[back] == meta.token_req))[:, None, None]
+            b = jnp.where(same, a * b[back] + b, b)
+            a = jnp.where(same, a * a[back], a)
+            span *= 2
+        y = jnp.einsum("tdn,tn->td", b, Cf)
+        last = meta.query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
+        rows, valid = _rows(meta, last, t)
+        states = jnp.where(valid[..., None, None], b[rows], 0.0)
+    if D is not None:
+        y = y + D.astype(jnp.float32) * xf
+    return y, states
+
+
+__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "naming_states", "read_states", "selective_scan",
+           "ssd_scan", "state_meta", "write_states"]

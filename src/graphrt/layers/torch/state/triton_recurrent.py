@@ -4,7 +4,8 @@ kernels' signatures, and the choice between them.
 * :func:`triton_causal_conv1d` -- one program per token and channel block (the windows to store
   are gathered in torch, as the reference does).
 * :func:`triton_ssd_scan` / :func:`triton_gated_delta_rule` -- one program per request, head and
-  feature block, running the recurrence over the request's tokens in order. Prefill is
+  feature block, running the recurrence over the request's tokens in order;
+  :func:`triton_selective_scan` (Mamba1) -- one program per request and channel block, the same way. Prefill is
   therefore a sequential scan per request (exact, capturable; not the chunked SSD / WY form of
   the reference kernels, which parallelises long prompts better).
 
@@ -47,10 +48,10 @@ def triton_problem(device: torch.device) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
+def _kernels(interpret: bool) -> tuple[Any, ...]:
     from graphrt.layers.torch.state import triton_recurrent_kernels as src
 
-    fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel)
+    fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel, src.selective_kernel)
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -66,10 +67,10 @@ def _pow2(n: int) -> int:
 
 def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, init: torch.Tensor,
                          meta: StateMetadata, activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~graphrt.layers.torch.state.mamba_kernels.causal_conv1d` in Triton (SiLU always)."""
+    """:func:`~graphrt.layers.torch.state.mamba_kernels.causal_conv1d` in Triton (SiLU where ``activation``)."""
     from graphrt.layers.torch.state.mamba_kernels import conv_windows
 
-    conv, _, _ = _kernels(x.device.type != "cuda")
+    conv = _kernels(x.device.type != "cuda")[0]
     t, d = x.shape
     k = weight.shape[1]
     out = torch.empty(t, d, dtype=torch.float32, device=x.device)
@@ -77,7 +78,7 @@ def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     init_f = init.float().contiguous()
     conv[(t, -(-d // CONV_BLOCK))](xf, w, bias.float().contiguous() if bias is not None else w, init_f, out,
                                    meta.token_req, meta.token_index, d, K=k, HAS_BIAS=bias is not None,
-                                   BLOCK=CONV_BLOCK)
+                                   BLOCK=CONV_BLOCK, ACTIVATION=bool(activation))
     return out.to(x.dtype), conv_windows(xf, init_f, meta, k)
 
 
@@ -85,7 +86,7 @@ def triton_ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
                     D: torch.Tensor | None, init: torch.Tensor, meta: StateMetadata,
                     chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~graphrt.layers.torch.state.mamba_kernels.ssd_scan` in Triton (a sequential scan per request)."""
-    _, scan, _ = _kernels(x.device.type != "cuda")
+    scan = _kernels(x.device.type != "cuda")[1]
     t, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
     rows = meta.starts.shape[0]
@@ -106,7 +107,7 @@ def triton_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """:func:`~graphrt.layers.torch.state.gated_delta.gated_delta_rule` in Triton (sequential per request)."""
     from graphrt.layers.torch.state.gated_delta import l2norm
 
-    _, _, delta = _kernels(q.device.type != "cuda")
+    delta = _kernels(q.device.type != "cuda")[2]
     t, hv, dv = v.shape
     rep = hv // k.shape[1]
     dk = q.shape[-1]
@@ -123,4 +124,25 @@ def triton_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return y, states
 
 
-__all__ = ["triton_causal_conv1d", "triton_gated_delta_rule", "triton_problem", "triton_ssd_scan"]
+def triton_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          D: torch.Tensor | None, init: torch.Tensor, meta: StateMetadata,
+                          chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~graphrt.layers.torch.state.selective_scan.selective_scan` in Triton (a sequential
+    scan per request and channel block)."""
+    scan = _kernels(x.device.type != "cuda")[3]
+    t, d = x.shape
+    n = A.shape[1]
+    rows = meta.starts.shape[0]
+    y = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    states = torch.zeros(rows, meta.checkpoints, d, n, dtype=torch.float32, device=x.device)
+    skip = D.float() if D is not None else torch.zeros(d, device=x.device)
+    block_d = min(SCAN_BLOCK, _pow2(d))
+    scan[(rows, -(-d // block_d))](x.float().contiguous(), dt.float().contiguous(), A.float().contiguous(),
+                                   B.float().contiguous(), C.float().contiguous(), skip.contiguous(),
+                                   init.float().contiguous(), y, states, meta.starts, meta.query_lens, d, n,
+                                   CHECKPOINTS=meta.checkpoints, BLOCK_D=block_d, BLOCK_N=_pow2(n))
+    return y, states
+
+
+__all__ = ["triton_causal_conv1d", "triton_gated_delta_rule", "triton_problem", "triton_selective_scan",
+           "triton_ssd_scan"]

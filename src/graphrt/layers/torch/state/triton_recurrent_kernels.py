@@ -15,10 +15,11 @@ import triton.language as tl
 
 
 def conv1d_kernel(x, weight, bias, init, out, token_req, token_index, num_channels,
-                  K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                  K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ACTIVATION: tl.constexpr):
     """Token ``program_id(0)``, channels ``program_id(1) * BLOCK ..``: the depthwise causal
     convolution over its request's inputs and, before its first token, the request's window
-    (``init [R + 1, D, K - 1]``), then SiLU. ``x`` / ``out`` ``[T, D]``, ``weight [D, K]``."""
+    (``init [R + 1, D, K - 1]``), then SiLU where ``ACTIVATION`` (LFM2's short convolution has
+    none). ``x`` / ``out`` ``[T, D]``, ``weight [D, K]``."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = d < num_channels
@@ -37,7 +38,8 @@ def conv1d_kernel(x, weight, bias, init, out, token_req, token_index, num_channe
                      other=0.0)
         value = tl.where(from_tokens, xv.to(tl.float32), sv.to(tl.float32))
         acc += value * tl.load(weight + d * K + tap, mask=inside, other=0.0).to(tl.float32)
-    acc = acc * tl.sigmoid(acc)
+    if ACTIVATION:
+        acc = acc * tl.sigmoid(acc)
     tl.store(out + t * num_channels + d, acc, mask=inside)
 
 
@@ -108,3 +110,35 @@ def delta_kernel(q, k, v, g, beta, init, y, states, starts, query_lens, value_he
         if back < CHECKPOINTS:
             where = (((r * CHECKPOINTS + back) * value_heads + h) * key_dim + kk[:, None]) * value_dim + vv[None, :]
             tl.store(states + where, state, mask=both)
+
+
+def selective_kernel(x, dt, A, B, C, D, init, y, states, starts, query_lens, channels, d_state,
+                     CHECKPOINTS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ..``: Mamba1's selective scan
+    over the request's tokens in order (``h <- exp(dt A) * h + dt x B``, ``y = h . C + D x``), the
+    state after each of its last ``CHECKPOINTS`` positions into ``states [R + 1, C, D, N]``.
+    ``x`` / ``dt [T, D]`` (dt after softplus), ``A [D, N]``, ``B`` / ``C [T, N]``, ``init [R + 1,
+    D, N]``; everything float32."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    dm, nm = d < channels, n < d_state
+    both = dm[:, None] & nm[None, :]
+    plane = d[:, None] * d_state + n[None, :]
+    state = tl.load(init + r * channels * d_state + plane, mask=both, other=0.0)
+    a = tl.load(A + plane, mask=both, other=0.0)
+    skip = tl.load(D + d, mask=dm, other=0.0)
+    start = tl.load(starts + r).to(tl.int64)
+    count = tl.load(query_lens + r).to(tl.int64)
+    for i in range(0, count):
+        tok = start + i
+        step = tl.load(dt + tok * channels + d, mask=dm, other=0.0)
+        xv = tl.load(x + tok * channels + d, mask=dm, other=0.0)
+        bv = tl.load(B + tok * d_state + n, mask=nm, other=0.0)
+        cv = tl.load(C + tok * d_state + n, mask=nm, other=0.0)
+        state = state * tl.exp(step[:, None] * a) + (step * xv)[:, None] * bv[None, :]
+        out = tl.sum(state * cv[None, :], axis=1) + skip * xv
+        tl.store(y + tok * channels + d, out, mask=dm)
+        back = count - 1 - i
+        if back < CHECKPOINTS:
+            tl.store(states + (r * CHECKPOINTS + back) * channels * d_state + plane, state, mask=both)

@@ -14,6 +14,7 @@ when this backend is used (``pip install graphrt[transformers]``).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -27,9 +28,13 @@ from graphrt.models.torch.transformers_impl.facts import layer_facts, position_o
 from graphrt.models.torch.transformers_impl.interface import ATTENTION_NAME, register_attention
 from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_of
 from graphrt.models.torch.transformers_impl.moe import experts_blocker, experts_implementation
-from graphrt.models.torch.transformers_impl.recurrent import recurrent_mixers, route_recurrent_mixers, served_types
+from graphrt.models.torch.transformers_impl.recurrent import (check_attention_routed, recurrent_mixers,
+                                                                route_recurrent_mixers, routed_mixer_classes,
+                                                                served_types)
 from graphrt.models.torch.transformers_impl.rope import route_length_rope
 from graphrt.models.torch.weight_check import warn_non_finite
+
+logger = logging.getLogger(__name__)
 
 #: Tested range of the optional dependency (pyproject's ``transformers`` extra says the same).
 TRANSFORMERS_RANGE = ">=5.0,<6"
@@ -52,7 +57,9 @@ def import_transformers() -> Any:
 def causal_lm_class(config: Any, model_dir: str | None = None, trust_remote_code: bool = False) -> type:
     """The ``*ForCausalLM`` class transformers maps ``config`` to -- with ``trust_remote_code``,
     the class the checkpoint's ``auto_map`` names in ``model_dir``'s own code, as transformers'
-    ``AutoModelForCausalLM`` takes it -- checked to support attention backends."""
+    ``AutoModelForCausalLM`` takes it -- checked to support attention backends, or to be a
+    recurrent or hybrid model whose mixers graphrt routes (``recurrent.py``: its attention layers
+    are then checked in the layer probe, and the choice is logged)."""
     transformers = import_transformers()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -70,7 +77,12 @@ def causal_lm_class(config: Any, model_dir: str | None = None, trust_remote_code
                           f"{transformers.__version__}: model_impl='transformers' runs causal LMs only")
     else:
         cls = getattr(transformers, name)
-    if not getattr(cls, "_supports_attention_backend", False):
+    mixers = routed_mixer_classes(cls)
+    if not getattr(cls, "_supports_attention_backend", False) and mixers:
+        logger.info("graphrt: %s does not declare _supports_attention_backend; loading it anyway: graphrt routes its "
+                    "recurrent mixers (%s) to its own kernels and checks that every attention layer of its "
+                    "layer_types calls AttentionInterface", name, ", ".join(mixers))
+    elif not getattr(cls, "_supports_attention_backend", False):
         raise ConfigError(f"{name} does not declare _supports_attention_backend in transformers "
                           f"{transformers.__version__}: its attention does not go through AttentionInterface, so "
                           "graphrt cannot give it a paged KV cache")
@@ -169,6 +181,7 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
     found = recurrent_mixers(hf_model)
     _refuse_sharded_state(hf_model, found, tp_size)
     facts = layer_facts(hf_model, body, served_types(hf_model, text_config(hf_model.config), found))
+    check_attention_routed(hf_model, text_config(hf_model.config), [f.layer_idx for f in facts])
     offset = position_offset(hf_model, body)
     routed = route_recurrent_mixers(hf_model, found)
     return TransformersForCausalLM(hf_model, facts, blocker, tp_rank, tp_size, offset, routed)

@@ -1,34 +1,53 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
-A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next) keeps recurrent state in its own per-sequence
+A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next, Jamba), recurrent model (Mamba,
+Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
 ``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
 recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
-(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`) sharing the transformers parameters; these read
-their ``state_cache`` slots and are the PIECEWISE split points. Only classes whose computation
-graphrt reproduces are routed (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`); any other recurrent
-layer is refused by :func:`served_types`. See docs/hybrid.md.
+(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`)
+sharing the transformers parameters; these read their ``state_cache`` slots and are the
+PIECEWISE split points. Only classes whose computation graphrt reproduces are routed
+(:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`);
+any other recurrent layer is refused by :func:`served_types`.
+
+Most of these models' classes do not declare ``_supports_attention_backend``: the loader takes
+them all the same when their modeling module defines a routed mixer class
+(:func:`routed_mixer_classes`, logged), and :func:`check_attention_routed` then requires every
+layer that ``layer_types`` marks as attention to have called transformers' AttentionInterface in
+the layer probe -- what the flag would have promised. See docs/hybrid.md.
 """
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from graphrt.core.errors import ConfigError
 from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
+from graphrt.models.torch.mamba1 import Mamba1Mixer
 from graphrt.models.torch.mamba2 import Mamba2Mixer
 from graphrt.models.torch.qwen3_next import GatedDeltaNet
+from graphrt.models.torch.short_conv import ShortConvMixer
 
 #: ``layer_types`` entries of recurrent layers that a routed mixer can serve.
-RECURRENT_TYPES = frozenset({"mamba", "linear_attention"})
+RECURRENT_TYPES = frozenset({"mamba", "linear_attention", "conv"})
 #: transformers' Mamba2 mixers of the Granite-4-H / Bamba shape (x|B|C convolution, SSD scan,
 #: grouped gated RMSNorm): graphrt's Mamba2Mixer computes the same.
 MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "BambaMixer"})
 #: transformers' gated delta nets of Qwen3-Next's layout (grouped q|k|v|z and b|a projections).
 DELTA_MIXERS = frozenset({"Qwen3NextGatedDeltaNet"})
+#: transformers' Mamba1 mixers (selective scan): Mamba's, Falcon-Mamba's (unweighted RMS norms of
+#: dt, B and C) and Jamba's (weighted ones).
+MAMBA1_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+#: LFM2's gated short convolutions (``conv`` layers): ``out_proj(C * conv(B * x))``, no activation.
+SHORT_CONV_MIXERS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv"})
+#: The names of each kind's state tensors (the state spec's, in the module's ``state_shapes()`` order).
+STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm"),
+               "short_conv": ("conv",)}
 #: Class-name fragments of recurrent mixers graphrt does not route (for the refusal).
 RECURRENT_HINTS = ("Mamba", "Mixer", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent")
 
@@ -107,6 +126,57 @@ def _delta(path: str, hf: nn.Module) -> GatedDeltaNet:
     return _all_shared(path, mixer)
 
 
+def _mamba1(path: str, hf: nn.Module) -> Mamba1Mixer:
+    """graphrt's Mamba1Mixer over ``hf``'s parameters (Mamba's, Falcon-Mamba's or Jamba's)."""
+    _check_silu(path, hf)
+    norm, eps = "none", 1e-6
+    if hasattr(hf, "dt_layernorm"):
+        ln = hf.dt_layernorm
+        norm = "weighted" if isinstance(getattr(ln, "weight", None), nn.Parameter) else "unweighted"
+        eps = float(getattr(ln, "variance_epsilon", getattr(ln, "eps", eps)))
+    c = SimpleNamespace(hidden_size=int(hf.in_proj.in_features), intermediate=int(hf.intermediate_size),
+                        d_state=int(hf.ssm_state_size), dt_rank=int(hf.time_step_rank),
+                        conv_kernel=int(hf.conv_kernel_size), use_bias=hf.in_proj.bias is not None,
+                        conv_bias=hf.conv1d.bias is not None, norm=norm, norm_eps=eps)
+    if hf.x_proj.out_features != c.dt_rank + 2 * c.d_state or tuple(hf.A_log.shape) != (c.intermediate, c.d_state):
+        raise ConfigError(f"{path}: x_proj gives {hf.x_proj.out_features} features and A_log is "
+                          f"{tuple(hf.A_log.shape)}; graphrt's Mamba1 mixer needs dt|B|C = {c.dt_rank + 2 * c.d_state} "
+                          f"and A_log [{c.intermediate}, {c.d_state}]")
+    with torch.device("meta"):
+        mixer = Mamba1Mixer(c)
+    mixer.in_proj, mixer.conv1d, mixer.x_proj, mixer.dt_proj, mixer.out_proj = (hf.in_proj, hf.conv1d, hf.x_proj,
+                                                                                hf.dt_proj, hf.out_proj)
+    mixer.A_log, mixer.D = hf.A_log, hf.D
+    if norm == "weighted":
+        for name in ("dt_layernorm", "b_layernorm", "c_layernorm"):
+            getattr(mixer, name).weight = getattr(hf, name).weight
+    return _all_shared(path, mixer)
+
+
+def routed_kinds() -> dict[str, str]:
+    """Every routed class name -> the kind graphrt's module for it declares in the state spec
+    (read from the class sets at each call)."""
+    return {**{name: "mamba2" for name in MAMBA2_MIXERS}, **{name: "gated_delta_net" for name in DELTA_MIXERS},
+            **{name: "mamba1" for name in MAMBA1_MIXERS}, **{name: "short_conv" for name in SHORT_CONV_MIXERS}}
+
+
+def _short_conv(path: str, hf: nn.Module) -> ShortConvMixer:
+    """graphrt's ShortConvMixer over ``hf``'s parameters (LFM2's ``conv`` layers)."""
+    h = int(hf.in_proj.in_features)
+    if hf.in_proj.out_features != 3 * h or hf.conv.in_channels != h or hf.conv.groups != h:
+        raise ConfigError(f"{path}: in_proj gives {hf.in_proj.out_features} features and the convolution "
+                          f"{hf.conv.in_channels} channels in {hf.conv.groups} groups; graphrt's short convolution "
+                          f"needs B|C|x = {3 * h} and a depthwise convolution of {h} channels")
+    c = SimpleNamespace(hidden_size=h, conv_kernel=int(hf.conv.kernel_size[0]), bias=hf.in_proj.bias is not None)
+    if (hf.conv.bias is not None) != c.bias or (hf.out_proj.bias is not None) != c.bias:
+        raise ConfigError(f"{path}: its projections and convolution disagree on biases; graphrt's short convolution "
+                          "has all or none")
+    with torch.device("meta"):
+        mixer = ShortConvMixer(c)
+    mixer.in_proj, mixer.conv, mixer.out_proj = hf.in_proj, hf.conv, hf.out_proj
+    return _all_shared(path, mixer)
+
+
 def _layer_of(path: str) -> int | None:
     """The decoder layer index in a module path (``model.layers.3.mamba`` -> 3)."""
     parts = path.split(".")
@@ -119,9 +189,9 @@ def _layer_of(path: str) -> int | None:
 def recurrent_mixers(hf_model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     """``(decoder layer, module path, module)`` of every routable recurrent mixer of ``hf_model``
     (transformers' own modules, not yet replaced), in layer order."""
-    found = []
+    found, kinds = [], routed_kinds()
     for name, module in hf_model.named_modules():
-        if type(module).__name__ in MAMBA2_MIXERS | DELTA_MIXERS:
+        if type(module).__name__ in kinds:
             layer = _layer_of(name)
             if layer is None:
                 raise ConfigError(f"{name} ({type(module).__name__}): cannot tell its decoder layer "
@@ -136,7 +206,8 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
     like a recurrent mixer is of no class graphrt routes."""
     types = list(getattr(config, "layer_types", None) or ())
     layers = {layer for layer, _, _ in found}
-    routes = sorted(MAMBA2_MIXERS | DELTA_MIXERS)
+    kinds = routed_kinds()
+    routes = sorted(kinds)
     unserved = [i for i, kind in enumerate(types) if kind in RECURRENT_TYPES and i not in layers]
     if unserved:
         raise ConfigError(f"{type(hf_model).__name__}: layer_types marks layers {unserved} recurrent "
@@ -144,7 +215,8 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
                           f"to its recurrent kernels ({routes})")
     left = [f"{name} ({type(m).__name__})" for name, m in hf_model.named_modules()
             if any(h in type(m).__name__ for h in RECURRENT_HINTS) and hasattr(m, "conv1d")
-            and type(m).__name__ not in MAMBA2_MIXERS | DELTA_MIXERS and not isinstance(m, (Mamba2Mixer, GatedDeltaNet))]
+            and type(m).__name__ not in kinds
+            and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer, ShortConvMixer))]
     if left:
         raise ConfigError(f"{type(hf_model).__name__}: recurrent mixers {left} are of no class graphrt routes to its "
                           f"recurrent kernels ({routes}): their state would live in transformers' own cache, which "
@@ -157,8 +229,9 @@ def route_recurrent_mixers(hf_model: nn.Module, found: list[tuple[int, str, nn.M
     :class:`RoutedMixer` over the same parameters; those, in layer order."""
     routed = []
     for _, name, module in found:
-        kind = "mamba2" if type(module).__name__ in MAMBA2_MIXERS else "gated_delta_net"
-        mixer = _mamba2(name, module) if kind == "mamba2" else _delta(name, module)
+        kind = routed_kinds()[type(module).__name__]
+        mixer = {"mamba2": _mamba2, "gated_delta_net": _delta, "mamba1": _mamba1, "short_conv": _short_conv}[kind](
+            name, module)
         parent_name, _, child = name.rpartition(".")
         wrapper = RoutedMixer(mixer, kind, f"{name} ({type(module).__name__})")
         setattr(hf_model.get_submodule(parent_name), child, wrapper)
@@ -171,11 +244,43 @@ def state_spec_of(routed: list[RoutedMixer]) -> StateSpec:
     reference hybrids declare it: a convolution window and an SSM / delta-rule matrix each."""
     groups: dict[tuple, list[int]] = {}
     for i, wrapper in enumerate(routed):
-        names = ("conv", "ssm") if wrapper.kind == "mamba2" else ("conv", "delta")
-        tensors = tuple(StateTensor(name, shape) for name, shape in zip(names, wrapper.mixer.state_shapes()))
+        tensors = tuple(StateTensor(name, shape) for name, shape in zip(STATE_NAMES[wrapper.kind],
+                                                                        wrapper.mixer.state_shapes()))
         groups.setdefault((wrapper.kind, tensors), []).append(i)
     return StateSpec(tuple(StateGroup(tuple(layers), tensors, kind) for (kind, tensors), layers in groups.items()))
 
 
-__all__ = ["DELTA_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer", "recurrent_mixers",
-           "route_recurrent_mixers", "served_types", "state_spec_of"]
+def routed_mixer_classes(cls: type) -> list[str]:
+    """The routed mixer classes (:func:`routed_kinds`) that ``cls``'s modeling module defines: a model
+    class without ``_supports_attention_backend`` is loaded when there is one (module docstring)."""
+    module = sys.modules.get(getattr(cls, "__module__", ""))
+    return sorted(name for name in routed_kinds()
+                  if module is not None and isinstance(getattr(module, name, None), type))
+
+
+def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[int]) -> None:
+    """For a class that does not declare ``_supports_attention_backend``: every layer that
+    ``config.layer_types`` marks as attention is one of ``attended`` (the layers whose attention
+    called graphrt's in the layer probe), or a ConfigError naming the layers that attend on their
+    own (their attention would run without graphrt's KV cache)."""
+    if getattr(type(hf_model), "_supports_attention_backend", False):
+        return
+    from graphrt.models.torch.transformers_impl.facts import FULL_TYPES, SLIDING_TYPES
+
+    name = type(hf_model).__name__
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        raise ConfigError(f"{name} does not declare _supports_attention_backend and its config has no layer_types: "
+                          "graphrt cannot check that each of its attention layers goes through AttentionInterface")
+    want = [i for i, kind in enumerate(types) if kind in FULL_TYPES | SLIDING_TYPES]
+    missing = sorted(set(want) - set(attended))
+    if missing:
+        raise ConfigError(f"{name} does not declare _supports_attention_backend, and its layers {missing} (attention "
+                          "by layer_types) never called AttentionInterface in graphrt's layer probe: they attend on "
+                          "their own, without graphrt's paged KV cache")
+
+
+__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer", "SHORT_CONV_MIXERS",
+           "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
+           "routed_mixer_classes",
+           "served_types", "state_spec_of"]
