@@ -119,6 +119,28 @@ def _widths(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[int]:
     return seen
 
 
+@settings(max_examples=examples(100), deadline=None)
+@given(buckets=st.lists(st.integers(1, 600), min_size=0, max_size=4, unique=True), swap_at=st.integers(0, 30),
+       data=st.data())
+def test_the_remembered_context_bucket_is_always_the_dispatchers(buckets, swap_at, data):
+    """``ServingKeys.context`` remembers the last bucket with its range (issue 44): whatever the
+    lengths, each step gets ``Dispatcher.context_bucket``'s answer, across a served dispatcher
+    with other buckets (or none) too."""
+    from graphrt.runner.keys import ServingKeys
+
+    cfg = GraphConfig.create(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=4096,
+                             **({"context_buckets": sorted(buckets)} if buckets else {}))
+    first = cfg.graph_dispatcher(GraphMode.FULL_AND_PIECEWISE, keyed_context=bool(buckets))
+    second = cfg.graph_dispatcher(GraphMode.FULL_AND_PIECEWISE, keyed_context=not buckets)
+    keys = ServingKeys(first, strict=False)
+    edges = sorted({e + d for e in (*first.context_sizes, *second.context_sizes, 256, 512) for d in (-1, 0, 1)})
+    lengths = data.draw(st.lists(st.one_of(st.integers(0, 5000), st.sampled_from(edges)), min_size=1, max_size=30))
+    for i, n in enumerate(lengths):
+        if i == swap_at:
+            keys.serve(second)
+        assert keys.context(n) == keys.dispatcher.context_bucket(n), (n, keys.dispatcher.context_sizes)
+
+
 def test_cpu_graphs_and_eager_steps_attend_over_their_context(monkeypatch):
     tokens, blocks = _tables()
     graph, ref = _runner("cpu"), _runner("eager")

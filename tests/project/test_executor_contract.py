@@ -64,5 +64,5 @@ def test_the_contract_declares_what_the_runner_uses() -> None:
     """The members the runner and the kit rely on are declared, with the capabilities as one record."""
     for name in ("capabilities", "build_count", "input_ptrs", "kv_views", "dtype", "device", "run", "sample",
                  "host_buffers", "kv_cache", "state_caches", "device_buffers", "update_weights", "weight_names",
-                 "sleep", "wake", "stale_buffers", "buffers_changed"):
+                 "sleep", "wake", "stale_buffers", "buffer_watch"):
         assert name in CONTRACT, name

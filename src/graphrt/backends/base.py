@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Generic, Hashable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -62,6 +62,15 @@ class LoraSlots(abc.ABC):
     @abc.abstractmethod
     def remove(self, slot: int) -> bool:
         """Empty ``slot``; False when it held nothing."""
+
+
+class BufferWatch(Protocol):
+    """Tells the runner before each step, without a call, whether the live-buffer check is due:
+    ``due`` is true from an event after which a buffer the built entries read may have moved
+    (a parameter re-bound, a cache allocated again) until the next
+    :meth:`Executor.stale_buffers` (:meth:`Executor.buffer_watch`)."""
+
+    due: bool
 
 
 @dataclass(frozen=True)
@@ -324,11 +333,11 @@ class Executor(abc.ABC, Generic[EntryT]):
         that came back at another address (``moved``: the entries reading them are stale)."""
         raise ConfigError(f"{type(self).__name__} cannot sleep")
 
-    def buffers_changed(self) -> bool:
-        """Whether something may have moved under the built entries since the last
-        :meth:`stale_buffers` (cheap: the runner asks before every step and runs the check when
-        True). Default: never (entries take their buffers as arguments)."""
-        return False
+    def buffer_watch(self) -> BufferWatch | None:
+        """What tells the runner, before each step, that the live-buffer check is due (asked once,
+        at setup: the runner reads its ``due`` per step, with no call); None where nothing can move
+        under the built entries. Default: None (entries take their buffers as arguments)."""
+        return None
 
     def stale_buffers(self, entries: Iterable[tuple[Hashable, Any]]) -> dict[Hashable, list[str]]:
         """For each ``(cache key, entry)`` whose captured buffers (parameters, caches, LoRA slots,

@@ -10,6 +10,7 @@ re-fit and the capture plan store read the keys here, never through the runner.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Sequence
 
 from graphrt.core.cache import GraphCache
@@ -66,6 +67,10 @@ class ServingKeys:
         self.build_missing = build_missing
         self.logprobs, self.penalties = logprobs, penalties
         self._plans: dict[DispatchShape, StepPlan] = {}
+        #: The last context bucket asked for and the lengths it covers: ``(low, high, bucket)``, a
+        #: step whose longest request reads ``low < n <= high`` tokens is in it (a decode's context
+        #: grows one token a step, so it leaves its bucket rarely).
+        self._context = (0, -1, 0)
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -78,6 +83,7 @@ class ServingKeys:
         how many were dropped."""
         self._dispatcher = dispatcher
         self._plans.clear()
+        self._context = (0, -1, 0)
         return sum(target.retire(cache_key) for target, cache_key in map(self.target, retire))
 
     def jobs(self, dispatcher: Dispatcher | None = None) -> list[Job]:
@@ -110,9 +116,22 @@ class ServingKeys:
 
     def context(self, max_seq_len: int) -> int:
         """The context bucket of a step whose longest request reads ``max_seq_len`` tokens (0
-        without context buckets; -1 above them)."""
-        dispatcher = self._dispatcher
-        return dispatcher.context_bucket(max_seq_len) if dispatcher.context_sizes else 0
+        without context buckets; -1 above them): the last one while the step is in its range,
+        else the dispatcher's (:meth:`Dispatcher.context_bucket`), remembered with its range."""
+        low, high, bucket = self._context
+        if low < max_seq_len <= high:
+            return bucket
+        sizes = self._dispatcher.context_sizes
+        if not sizes:
+            self._context = (-1, math.inf, 0)
+            return 0
+        bucket = self._dispatcher.context_bucket(max_seq_len)
+        if bucket < 0:
+            self._context = (sizes[-1], math.inf, bucket)
+        else:
+            i = sizes.index(bucket)
+            self._context = (sizes[i - 1] if i else -1, bucket, bucket)
+        return bucket
 
 
 __all__ = ["Job", "STEP_PLAN_MEMO_LIMIT", "ServingKeys", "job_target", "warmup_keys"]

@@ -147,6 +147,8 @@ class ModelRunner:
         #: In-place refit, sleep / wake and the live-buffer check (weights.py).
         self.weights = RunnerWeights(self.executor, self.keys.cache, self.keys.sampler_cache, self._lock,
                                      lambda: self.background is not None and self.background.active)
+        #: The live-buffer check's watch, read before each step (None: nothing can move under the entries).
+        self._buffer_watch = self.weights.watch
         if isinstance(self.lora, RunnerLora):       # a LoRA load is checked first: no slot under stale graphs
             self.lora.before_load = self.weights.verify
         self._launched = False          # a step launched by execute_async may still run
@@ -250,7 +252,9 @@ class ModelRunner:
         before anything is written. Returns the step and the features it runs."""
         if self.weights.blocked:            # asleep, weights dropped, or a buffer moved under the graphs
             raise self.weights.refusal()
-        self.weights.verify_if_changed()     # re-bound / reallocated since the last check: check now
+        watch = self._buffer_watch
+        if watch is not None and watch.due:  # re-bound / reallocated since the last check: check now
+            self.weights.verify()
         if self.background is not None and self.background.error is not None:
             error, self.background.error = self.background.error, None
             raise error                      # a background build failed in strict mode / without an eager path

@@ -68,6 +68,9 @@ class RunnerWeights:
                  building: Callable[[], bool] = lambda: False) -> None:
         """``building()``: whether background warm-up still builds keys (a sleep waits for it)."""
         self.executor, self.cache, self.sampler_cache = executor, cache, sampler_cache
+        #: The executor's buffer watch, asked for once (``Executor.buffer_watch``): before each step
+        #: the runner reads its ``due`` and runs :meth:`verify` when set; None: nothing can move.
+        self.watch = executor.buffer_watch()
         self._lock = lock
         self._building = building
         #: The sleep level while asleep, else None.
@@ -129,9 +132,9 @@ class RunnerWeights:
             self.verify()
 
     def verify_if_changed(self) -> None:
-        """Before a step (the runner's lock held): :meth:`verify` when the executor says something
-        may have moved since the last check (``buffers_changed``: one comparison by default)."""
-        if self.executor.buffers_changed():
+        """Before a step (the runner's lock held): :meth:`verify` when the executor's watch says
+        something may have moved since the last check (:attr:`watch`)."""
+        if self.watch is not None and self.watch.due:
             self.verify()
 
     def ready(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from graphrt.backends.base import Capabilities, Executor, SamplingBatch
+from graphrt.backends.base import BufferWatch, Capabilities, Executor, SamplingBatch
 from graphrt.backends.torch.capture.baked_values import BakedValueChecks
 from graphrt.backends.torch.kv_cache import TorchKVCache
 from graphrt.backends.torch.forward import TorchForward
@@ -146,26 +146,37 @@ class TorchExecutor(Executor[TorchEntry]):
         own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
         checked = config.check_baked_values or config.strict or own_refresh
         self.refuse_baked = config.strict or own_refresh
-        checks = BakedValueChecks(self.buffers, self.attention, keyed, graph_api, forward=self.fwd,
-                                  refresh=self._refresh, refuse=self.refuse_baked, max_model_len=config.max_model_len,
-                                  vocab_size=self.vocab_size)
-        #: In-place refit, sleep / wake, and the buffers every graph reads (recorded at capture,
-        #: checked at refit, wake and LoRA load; before every replay with ``debug_check_addresses``).
-        self.refit = TorchWeights(model)
-        self.sleeper = TorchSleep(model, self._cache_tensors, self.device, graph_api, pin)
+        checks = (BakedValueChecks(self.buffers, self.attention, keyed, graph_api, forward=self.fwd,
+                                   refresh=self._refresh, refuse=self.refuse_baked,
+                                   max_model_len=config.max_model_len, vocab_size=self.vocab_size)
+                  if graph_api is not None and (checked or self._refresh) else None)   # only where captures ask
+        self._pin = pin
+        #: The buffers every graph reads (recorded at capture, checked at refit, wake and LoRA
+        #: load; before every replay with ``debug_check_addresses``). In-place refit and sleep /
+        #: wake are made on first use (:attr:`refit`, :attr:`sleeper`).
         self.live = LiveBuffers(model, self._cache_tensors, self.device_buffers)
         #: Captures every graph (None on the eager backend; ``builder.report``: the capture report per
         #: key, ``builder.pool``: the pool every graph shares); handed only what a capture uses.
         self.builder = GraphBuilder(
             graph_api, pieces=self.pieces, sampler=self.sampler, logits_out=self.logits_out, lora=self.lora,
             forward=self.fwd, input_ptrs=self.input_ptrs,
-            check_baked=checks.check_baked if checked else None,
-            check_refresh=checks.check_refresh if self._refresh else None,
-            refresh_for_capture=checks.refresh_for_capture if self._refresh else None,
+            check_baked=checks.check_baked if checks is not None and checked else None,
+            check_refresh=checks.check_refresh if checks is not None and self._refresh else None,
+            refresh_for_capture=checks.refresh_for_capture if checks is not None and self._refresh else None,
             live_buffers=self.live.snapshot,
         ) if graph_api is not None else None
         if (note := self.pieces.compile_note()) is not None:
             logger.warning("graphrt: compile_model is ignored: %s", note)
+
+    @functools.cached_property
+    def refit(self) -> TorchWeights:
+        """In-place refit (``update_weights``, ``weight_names``), made on first use."""
+        return TorchWeights(self.model)
+
+    @functools.cached_property
+    def sleeper(self) -> TorchSleep:
+        """Sleep / wake, made on first use."""
+        return TorchSleep(self.model, self._cache_tensors, self.device, self.graph_api, self._pin)
 
     # ---- KV cache (backends/torch/kv_cache.py) -----------------------------------------
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -177,7 +188,7 @@ class TorchExecutor(Executor[TorchEntry]):
         one layout: ``[layers, 2, blocks * block_size + 1, kv_heads, head_dim]``; the last row of
         each layer is the trash row padded tokens write into."""
         if self.kv_caches:                  # graphs captured before read the old tensors
-            self.live.reallocated = True
+            self.live.due = True
         self.kv_caches = self.kv.allocate(num_blocks, block_size)
         self.kv_cache = self.kv_caches[0] if len(self.kv_caches) == 1 else None
 
@@ -252,11 +263,11 @@ class TorchExecutor(Executor[TorchEntry]):
     def stale_buffers(self, entries: Any) -> dict[Any, list[str]]:
         return self.live.stale(entries)
 
-    def buffers_changed(self) -> bool:
-        """Whether the live-buffer check is due before the next replay: one comparison (a
-        re-binding anywhere, a cache allocated again); in strict mode also every parameter's,
-        buffer's and cache view's address (LiveBuffers.changed)."""
-        return self.builder is not None and self.live.changed(thorough=self.config.strict)
+    def buffer_watch(self) -> BufferWatch | None:
+        """The live buffers' watch (:meth:`LiveBuffers.watch`): due after a re-binding anywhere or
+        a cache allocated again; in strict mode also when a parameter's, buffer's or cache view's
+        address moved (a comparison per step). None without graphs (eager: nothing is captured)."""
+        return self.live.watch(thorough=self.config.strict) if self.builder is not None else None
 
     def _cache_tensors(self) -> dict[str, torch.Tensor]:
         """The KV and state cache tensors by name (what a sleep drops)."""
@@ -287,7 +298,10 @@ class TorchExecutor(Executor[TorchEntry]):
             self.lora.before_step(key, t)
         if self._copied is not None:
             self._copied.record()
-        host = self.fwd.step_host_values(self._host_values, padded, key)   # eager at a key: the key's context
+        # The step's host values: read by the refresh and by a forward that runs in Python (eager,
+        # PIECEWISE: at a key, the key's context); a full graph's replay without a refresh reads none.
+        replayed = entry is not None and not isinstance(entry, PiecewiseEntry)
+        host = None if replayed and not self._refresh else self.fwd.step_host_values(self._host_values, padded, key)
         if self._refresh:                 # the one refresh path, before every run
             self.attention.before_replay(self.buffers.tensors(t, r), host)
         if entry is not None and self.graph_api is not None and entry.tasks:
@@ -298,10 +312,10 @@ class TorchExecutor(Executor[TorchEntry]):
         with torch.no_grad():
             if entry is None:
                 self.fwd.run(t, r, host)
-            elif isinstance(entry, PiecewiseEntry):   # attention eager: the step's own values
-                self.fwd.run_split(entry.calls, entry.output, t, r, host)
-            else:
+            elif replayed:
                 entry.graph.replay()
+            else:                                     # PIECEWISE, attention eager: the step's own values
+                self.fwd.run_split(entry.calls, entry.output, t, r, host)
         if self._copied is not None:
             self._copied.synchronize()
         return self.logits_out[:r]

@@ -8,11 +8,13 @@ each capture -- a :class:`Snapshot` of (address, storage bytes, dtype, shape) by
 every graph captured while nothing moved -- and says which buffers of a graph moved since: a
 parameter re-bound by its module (``model.lm_head.weight = nn.Parameter(...)``,
 ``load_state_dict(assign=True)``), converted by ``.to()``, a reallocated cache. The runner asks
-at every refit, wake and LoRA load; ``debug_check_addresses`` asks before every replay.
+at every refit, wake and LoRA load, and before a step whose :meth:`LiveBuffers.watch` is
+``due``; ``debug_check_addresses`` asks before every replay.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, NamedTuple
 
@@ -21,20 +23,21 @@ from torch.nn.modules import module as nn_module
 
 from graphrt.core.weight_reports import stale_error
 
-#: Parameters, buffers and submodules registered on any module of the process since import: a
-#: re-binding (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``) counts,
-#: so a step can tell for one comparison whether a full check is due.
-_REGISTRATIONS = [0]
+#: Every live :class:`LiveBuffers`: a parameter, buffer or submodule registered on any module of
+#: the process (a re-binding: ``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``)
+#: makes each one's check due, so a step tells by reading one flag whether a full check is.
+_LIVE: "weakref.WeakSet[LiveBuffers]" = weakref.WeakSet()
 
 
-def _count(*args: Any) -> None:
-    _REGISTRATIONS[0] += 1
+def _registered(*args: Any) -> None:
+    for live in _LIVE:
+        live.due = True
 
 
 for _register in (nn_module.register_module_parameter_registration_hook,
                   nn_module.register_module_buffer_registration_hook,
                   nn_module.register_module_module_registration_hook):
-    _register(_count)
+    _register(_registered)
 
 
 class BufferId(NamedTuple):
@@ -68,23 +71,27 @@ class LiveBuffers:
         self.model = model
         self._caches, self._device_buffers = caches, device_buffers
         self._last: dict[bool, Snapshot] = {}
-        #: Set by the executor when it allocates its caches again (graphs hold the old ones).
-        self.reallocated = False
-        self._seen = _REGISTRATIONS[0]
+        #: Whether a full check is due: a module anywhere registered a parameter, buffer or
+        #: submodule, or the executor allocated its caches again (graphs hold the old ones), since
+        #: the last check or capture.
+        self.due = False
+        _LIVE.add(self)
         self._watch: list[tuple[torch.Tensor, int]] = []     # (tensor, address) of the last check
 
-    def changed(self, thorough: bool = False) -> bool:
-        """Whether a full check is due before the next replay: a module anywhere registered a
-        parameter, buffer or submodule, or the caches were allocated again, since the last check
-        (one comparison); ``thorough`` also compares the address of every parameter, buffer and
-        cache view seen then (a ``.to()`` of a submodule moves them without registering)."""
-        if _REGISTRATIONS[0] != self._seen or self.reallocated:
-            return True
-        return thorough and any(t.data_ptr() != ptr for t, ptr in self._watch)
+    def watch(self, thorough: bool = False) -> Any:
+        """What the runner reads before each step (a ``BufferWatch``): these buffers, whose ``due``
+        is a flag; ``thorough`` (strict mode), a watch that also compares the address of every
+        parameter, buffer and cache view seen at the last check (a ``.to()`` of a submodule moves
+        them without registering anything)."""
+        return ThoroughWatch(self) if thorough else self
+
+    def moved_in_place(self) -> bool:
+        """Whether a parameter, buffer or cache view seen at the last check is at another address."""
+        return any(t.data_ptr() != ptr for t, ptr in self._watch)
 
     def _checked(self) -> None:
         """A full check (or a capture) read every buffer: remember what it saw."""
-        self._seen, self.reallocated = _REGISTRATIONS[0], False
+        self.due = False
         model = self.model
         tensors = [t for _, t in model.named_parameters(remove_duplicate=False)]
         tensors += [t for _, t in model.named_buffers(remove_duplicate=False)]
@@ -186,6 +193,17 @@ class LiveBuffers:
                 raise stale_error({key: moved})
 
 
+class ThoroughWatch:
+    """Strict mode's watch over ``live``: due when its flag is, or when a buffer it saw moved."""
+
+    def __init__(self, live: LiveBuffers) -> None:
+        self.live = live
+
+    @property
+    def due(self) -> bool:
+        return self.live.due or self.live.moved_in_place()
+
+
 def _layers(model: torch.nn.Module, method: str) -> list[Any]:
     get = getattr(model, method, None)
     return list(get()) if callable(get) else []
@@ -195,4 +213,4 @@ def _is_sampler(snapshot: Snapshot) -> bool:
     return all(m == "sampler" for m in snapshot.modules.values())
 
 
-__all__ = ["BufferId", "LiveBuffers", "Snapshot", "buffer_id"]
+__all__ = ["BufferId", "LiveBuffers", "Snapshot", "ThoroughWatch", "buffer_id"]

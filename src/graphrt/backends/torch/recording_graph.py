@@ -8,8 +8,9 @@ value-dependent shapes, process-group collectives, nested capture) raises
 (:attr:`RecordingGraph.captured_bytes`, an upper bound of a device's: CPU graphs share no
 memory). Limits: aten ops only (not host reads inside opaque custom kernels, ``.cpu()`` copies
 or Python side effects); a few CPU kernels check values on the host where CUDA's do not
-(``F.one_hot``). Which ops are refused and how each replays:
-:mod:`graphrt.backends.torch.recording_ops`."""
+(``F.one_hot``). Which ops are refused: :mod:`graphrt.backends.torch.recording_ops`; how
+each recorded op replays is decided once, at capture (:func:`plan_step`, below): a replay
+re-runs only the planned steps, all of them in this module."""
 
 from __future__ import annotations
 
@@ -27,11 +28,9 @@ from graphrt.backends.torch.recording_ops import (
     DYNAMIC_SHAPE_OPS,
     HOST_SYNC_OPS,
     TENSOR_HOST_READS,
-    ReplayStep,
     capture_violation,
     host_sync_message,
-    plan_step,
-    storage_key,
+    packet_set,
 )
 from graphrt.core.errors import GraphCaptureError
 
@@ -361,3 +360,175 @@ class recording_graph:
             self.graph.capture_end()
         else:
             self.graph._cancel(f"{exc_type.__name__} raised inside the capture block")
+
+# ---- replay planning: what replaying each recorded op means, decided once at capture ----------
+
+_EMPTY_OPS = packet_set("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                        "new_empty_strided", "_resize_output_")
+_FACTORY_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory"})
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The storage behind ``t``, shared by its views: its data pointer, else ``id(t)``."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two tensors hold the same bits (NaNs and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if as_int is not None and a.dtype != torch.bool and (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a.view(as_int), b.view(as_int))
+    return torch.equal(a, b)
+
+
+_OUT_CACHE: dict[Any, tuple[Any, tuple[str, ...], frozenset[str]] | None] = {}
+
+
+def _out_overload(func: Any) -> tuple[Any, tuple[str, ...], frozenset[str]] | None:
+    """Find the ``.out`` overload taking the same arguments as ``func`` plus its outputs.
+
+    Returns (overload, names of the out arguments in return order, factory kwargs the
+    out overload drops because ``out`` fixes them), or None. Cached per overload.
+    """
+    if func in _OUT_CACHE:
+        return _OUT_CACHE[func]
+    found = None
+    base = [(a.name, str(a.type), a.kwarg_only) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for overload_name in packet.overloads():
+        candidate = getattr(packet, overload_name)
+        arguments = candidate._schema.arguments
+        outs = tuple(a.name for a in arguments if a.is_out)
+        if not outs or len(outs) != len(func._schema.returns):
+            continue
+        rest = [(a.name, str(a.type), a.kwarg_only) for a in arguments if not a.is_out]
+        rest_names = {r[0] for r in rest}
+        dropped = frozenset(b[0] for b in base
+                            if b[2] and b[0] in _FACTORY_KWARGS and b[0] not in rest_names)
+        if [b for b in base if b[0] not in dropped] == rest:
+            found = (candidate, outs, dropped)
+            break
+    _OUT_CACHE[func] = found
+    return found
+
+
+def _fast(op: Any) -> Callable[..., Any]:
+    """The C++ callable behind an OpOverload: skips one Python frame per replayed op."""
+    return getattr(op, "_op", op)
+
+
+#: One replay step: a callable and the arguments it is called with.
+ReplayStep = tuple[Callable[..., Any], tuple, dict]
+
+
+def _copy_step(func: Any, args: tuple, kwargs: dict,
+               fresh: list[tuple[int, torch.Tensor]]) -> ReplayStep:
+    """A replay step that recomputes ``func`` and copies its new outputs into the captured ones."""
+    op = _fast(func)
+    single = len(func._schema.returns) == 1 and str(func._schema.returns[0].type) == "Tensor"
+
+    def check(src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.shape != dst.shape:
+            raise GraphCaptureError(
+                f"{func} returned shape {tuple(src.shape)} on replay but {tuple(dst.shape)} "
+                "at capture: its output shape depends on tensor values, which a graph "
+                "cannot follow")
+
+    if single:
+        dst = fresh[0][1]
+
+        def run_single() -> None:
+            src = op(*args, **kwargs)
+            check(src, dst)
+            dst.copy_(src)
+        return run_single, (), {}
+
+    def run_many() -> None:
+        leaves = tree_leaves(op(*args, **kwargs))
+        for index, captured in fresh:
+            check(leaves[index], captured)
+            captured.copy_(leaves[index])
+    return run_many, (), {}
+
+
+def _collective_step(func: Any, args: tuple, kwargs: dict, leaves: list[Any],
+                     fresh: list[tuple[int, torch.Tensor]]) -> ReplayStep:
+    """A functional collective (``torch.distributed._functional_collectives``): re-issue it,
+    wait for its result (the recorded ``wait_tensor`` waited on the capture's, which replay
+    does not re-run), then copy the new outputs into the captured ones."""
+    op, wait = _fast(func), _fast(torch.ops._c10d_functional.wait_tensor.default)
+    tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+
+    def run() -> None:
+        result = tree_leaves(op(*args, **kwargs))
+        for i in tensors:
+            wait(result[i])
+        for index, captured in fresh:
+            captured.copy_(result[index])
+    return run, (), {}
+
+
+def _out_step(func: Any, args: tuple, kwargs: dict, out: Any,
+              leaves: list[Any]) -> ReplayStep | None:
+    """A replay step writing through ``func``'s ``.out`` overload, if it reproduces ``func``.
+
+    The overload is tried once on scratch tensors laid out like the captured outputs;
+    it is used only if it neither raises, reallocates nor differs by a single bit.
+    """
+    found = _out_overload(func)
+    if found is None:
+        return None
+    overload, out_names, dropped = found
+    values = list(out) if len(out_names) > 1 else [out]
+    base_kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
+    scratch_values = []
+    for value in values:
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        scratch = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                   for t in tensors]
+        scratch_values.append(scratch if isinstance(value, (list, tuple)) else scratch[0])
+    scratch_leaves = tree_leaves(scratch_values)
+    layout = [(t.data_ptr(), t.shape, t.stride()) for t in scratch_leaves]
+    try:
+        overload(*args, **base_kwargs, **dict(zip(out_names, scratch_values)))
+    except Exception:
+        return None
+    if layout != [(t.data_ptr(), t.shape, t.stride()) for t in scratch_leaves]:
+        return None
+    if not all(_bits_equal(s, t) for s, t in zip(scratch_leaves, leaves)):
+        return None
+    return _fast(overload), args, {**base_kwargs, **dict(zip(out_names, values))}
+
+
+def plan_step(func: Any, args: tuple, kwargs: dict, out: Any, leaves: list[Any],
+              fresh: list[tuple[int, torch.Tensor]]) -> ReplayStep | None:
+    """Decide once, at capture, what replaying this op means; None when nothing.
+
+    ``leaves`` are the op's flattened outputs and ``fresh`` the (index, tensor) pairs of
+    those that do not share storage with any input (newly allocated by the op). An op
+    without fresh outputs (a view, ``func.is_view`` or not) is not re-run; a "maybe
+    view" op such as ``reshape`` that had to copy at capture is re-run like any other.
+    """
+    if func.overloadpacket in _EMPTY_OPS or torch.Tag.inplace_view in func.tags:
+        return None
+    if func.namespace == "_c10d_functional" and func.overloadpacket.__name__ != "wait_tensor":
+        return _collective_step(func, args, kwargs, leaves, fresh)
+    mutates = any(a.alias_info is not None and a.alias_info.is_write
+                  for a in func._schema.arguments)
+    if mutates:
+        return _copy_step(func, args, kwargs, fresh) if fresh else (_fast(func), args, kwargs)
+    if not func._schema.returns:
+        return _fast(func), args, kwargs
+    if not fresh:
+        return None
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return _copy_step(func, args, kwargs, fresh)
+    all_fresh = len(fresh) == len(leaves)
+    distinct = len({storage_key(t) for _, t in fresh}) == len(fresh)
+    step = _out_step(func, args, kwargs, out, leaves) if all_fresh and distinct else None
+    return step if step is not None else _copy_step(func, args, kwargs, fresh)

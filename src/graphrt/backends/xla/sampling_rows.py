@@ -8,6 +8,8 @@ has sampled (:mod:`graphrt.backends.xla.sampler` folds the two).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from graphrt.backends.xla.batch import SAMPLING_FIELDS, SamplingMetadata
@@ -32,6 +34,9 @@ class SamplingRows:
                       "steps": np.zeros(max_reqs, np.uint32)}
         self._rng = np.random.default_rng(XLA_SAMPLER_HOST_SEED if seed is None else seed)
         self._seed_steps: dict[int, int] = {}
+        #: The (frozen) batch and row counts whose parameters the host rows hold: a step of the
+        #: same batch writes only its keys.
+        self._written: tuple[Any, int, int] | None = None
 
     def metadata(self, num_reqs: int, rows: int, sampling: SamplingBatch) -> SamplingMetadata:
         """The sampling metadata of one step, as host copies the executable transfers: padded
@@ -42,7 +47,10 @@ class SamplingRows:
         [0, 2**64) and top_k at most 2**31 - 1 (:mod:`graphrt.core.sampling.batch`), so no value is
         truncated into these uint32 / int32 buffers."""
         h, n = self._host, num_reqs
-        write_sampling_rows(sampling, n, rows, self.vocab_size, h)
+        written = self._written
+        if written is None or written[0] is not sampling or written[1] != n or written[2] != rows:
+            write_sampling_rows(sampling, n, rows, self.vocab_size, h)
+            self._written = (sampling, n, rows)
         seeds, steps = h["seeds"], h["steps"]
         seeds[:n] = self._rng.integers(0, 2**32, size=(n, 2), dtype=np.uint32)
         seeds[n:rows] = 0

@@ -300,8 +300,8 @@ class TensorParallelExecutor(Executor[TorchEntry]):
         """Rank 0's graphs (the runner's entries) checked on rank 0; each worker's mirror them."""
         return self.local.stale_buffers(entries)
 
-    def buffers_changed(self) -> bool:
-        return self.local.buffers_changed()
+    def buffer_watch(self) -> Any:
+        return self.local.buffer_watch()
 
     def sleep(self, level: int) -> Any:
         """Not implemented: every rank would release and take back its shard (and recapture the

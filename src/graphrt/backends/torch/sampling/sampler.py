@@ -85,6 +85,9 @@ class SamplerState:
                       "top_p": torch.ones(max_reqs, dtype=torch.float32, pin_memory=pin_memory),
                       "min_p": torch.zeros(max_reqs, dtype=torch.float32, pin_memory=pin_memory)}
         self._host_np = {k: t.numpy() for k, t in self._host.items()}
+        #: The (frozen) batch and row counts whose parameters the buffers hold: a step of the same
+        #: batch writes only its noise.
+        self._written: tuple[Any, int, int] | None = None
         self.static = (self._host if device.type == "cpu" else
                        {k: t.to(device) for k, t in self._host.items()})
         self.noise = torch.ones(max_reqs, vocab_size, dtype=torch.float32, device=device)
@@ -165,12 +168,16 @@ class SamplerState:
             out[:rows].copy_(value)
 
     def write(self, sampling: Any, num_reqs: int, rows: int) -> None:
-        """A random step's parameters into the buffers (padded rows greedy, filters off),
-        then fresh Exp(1) noise: the device RNG, or the request's own seeded generator."""
-        write_sampling_rows(sampling, num_reqs, rows, self.vocab_size, self._host_np)
-        if self.static is not self._host:
-            for k, t in self.static.items():
-                t[:rows].copy_(self._host[k][:rows], non_blocking=True)
+        """A random step's parameters into the buffers (padded rows greedy, filters off; not
+        again while the same batch samples at the same rows), then fresh Exp(1) noise: the device
+        RNG, or the request's own seeded generator."""
+        written = self._written
+        if written is None or written[0] is not sampling or written[1] != num_reqs or written[2] != rows:
+            write_sampling_rows(sampling, num_reqs, rows, self.vocab_size, self._host_np)
+            if self.static is not self._host:
+                for k, t in self.static.items():
+                    t[:rows].copy_(self._host[k][:rows], non_blocking=True)
+            self._written = (sampling, num_reqs, rows)
         self.noise[:num_reqs].exponential_()
         for i, seed in enumerate(sampling.seeds):
             if seed is None:
