@@ -1,7 +1,7 @@
 """KV cache specs: what each group of attention layers keeps per token slot.
 
 ``kv_cache_spec()`` returns a :class:`KVCacheSpec` of :class:`KVCacheGroup` layer groups (KV
-heads, K / V head sizes, dtype, sliding window, or MLA's latent). Groups share the runner's one
+heads, K / V head sizes, dtype, sliding window or attention chunk, or MLA's latent). Groups share the runner's one
 block table and block size. The cache is sized from :meth:`KVCacheSpec.bytes_per_block`
 without torch or JAX; layer shapes are tabled in docs/attention.md, "KV cache specs". The old
 ``(num_layers, num_kv_heads, head_dim)`` tuple is still accepted (:func:`as_kv_spec`)."""
@@ -34,7 +34,9 @@ class KVCacheGroup:
 
     ``head_size_v`` None: K's. ``dtype`` "auto": the config's ``kv_cache_dtype``, else the
     weights'. ``block_size`` None: the config's (no other value). ``sliding_window`` W > 0: a
-    token at p sees p - W + 1 .. p. ``latent_dim`` > 0: an MLA group (:meth:`mla`).
+    token at p sees p - W + 1 .. p. ``attention_chunk`` C > 0 (chunked local attention, Llama 4's
+    ``attention_chunk_size``): a token at p sees (p // C) * C .. p, the tokens of its own chunk of
+    the absolute positions (not with a window). ``latent_dim`` > 0: an MLA group (:meth:`mla`).
     """
 
     layers: tuple[int, ...]
@@ -45,6 +47,7 @@ class KVCacheGroup:
     block_size: int | None = None
     sliding_window: int = 0
     latent_dim: int = 0
+    attention_chunk: int = 0
 
     @classmethod
     def mla(cls, layers: Iterable[int], latent_dim: int, *, dtype: Any = "auto", block_size: int | None = None,
@@ -77,7 +80,7 @@ class KVCacheGroup:
 
     def storage_key(self) -> tuple[Any, ...]:
         """What the stored tensors depend on: layers of equal keys share one allocation (the
-        window and the layer indices do not change what is stored)."""
+        window, the chunk and the layer indices do not change what is stored)."""
         return (self.latent_dim, self.num_kv_heads, self.head_size, self.v_head_size, self.dtype)
 
 
@@ -112,6 +115,11 @@ class KVCacheSpec:
     def sliding_windows(self) -> tuple[int, ...]:
         """Each layer's sliding window in layer order (0: full attention)."""
         return tuple(self.group_of(i).sliding_window for i in range(self.num_layers))
+
+    @property
+    def attention_chunks(self) -> tuple[int, ...]:
+        """Each layer's attention chunk in layer order (0: not chunked)."""
+        return tuple(self.group_of(i).attention_chunk for i in range(self.num_layers))
 
     def bytes_per_token(self) -> int:
         """Bytes of one token slot over every layer (a resolved spec)."""
@@ -191,7 +199,7 @@ def resolve_kv_spec(declared: Any, *, block_size: int, model_dtype: Any, support
                               f"{block_size}: every layer group shares one block table")
         dtype = _group_dtype(group.dtype, f"{field}.dtype", config_dtype, model_dtype, supported, backend)
         groups.append(replace(group, layers=layers, dtype=dtype, block_size=int(block_size),
-                              sliding_window=int(group.sliding_window)))
+                              sliding_window=int(group.sliding_window), attention_chunk=int(group.attention_chunk)))
     if groups:
         check_covered(seen, num_layers, SPEC_FIELD, "attention layers")
     return KVCacheSpec(tuple(groups), bool(spec.owned_by_model))
@@ -261,6 +269,12 @@ def _check_sizes(group: KVCacheGroup, field: str) -> None:
     if not is_int(group.sliding_window) or group.sliding_window < 0:
         raise ConfigError(f"{field}.sliding_window: must be an int >= 0 (0: full attention), "
                           f"got {group.sliding_window!r}")
+    if not is_int(group.attention_chunk) or group.attention_chunk < 0:
+        raise ConfigError(f"{field}.attention_chunk: must be an int >= 0 (0: not chunked), "
+                          f"got {group.attention_chunk!r}")
+    if group.attention_chunk and group.sliding_window:
+        raise ConfigError(f"{field}: sliding_window {group.sliding_window} and attention_chunk "
+                          f"{group.attention_chunk}: a layer either slides or attends within its chunk; set one to 0")
 
 
 def _group_dtype(declared: Any, field: str, config_dtype: str, model_dtype: Any, supported: Collection[str],

@@ -2,7 +2,9 @@
 
 :func:`layer_facts` reads them once at load, from the config and one probe forward in which the
 attention function answers zeros and records each call: heads and head sizes (this rank's),
-``scaling``, ``sliding_window``, ``softcap``, sinks. A layer disagreeing with ``layer_types``, a
+``scaling``, ``sliding_window``, ``softcap``, sinks; the config adds each ``chunked_attention``
+layer's chunk (``attention_chunk_size``, Llama 4) and a NoPE layer's query temperature (Llama 4's
+``attn_temperature_tuning``, which graphrt applies from each token's own position). A layer disagreeing with ``layer_types``, a
 mask of the model's own, an unknown keyword, a layer without ``layer_idx`` or called twice is
 refused with a :class:`ConfigError` naming the module path.
 """
@@ -30,6 +32,10 @@ NONE_KWARGS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "tok
 #: ``layer_types`` entries of full and of sliding-window attention.
 FULL_TYPES = frozenset({"full_attention", "global_attention", "attention"})
 SLIDING_TYPES = frozenset({"sliding_attention", "local_attention", "sliding_window_attention"})
+#: ``layer_types`` entries of chunked local attention (a token sees its own chunk of the positions).
+CHUNKED_TYPES = frozenset({"chunked_attention"})
+#: Where :func:`own_temperature` keeps a module's query temperature it turned off.
+TEMPERATURE_ATTR = "_graphrt_temperature"
 #: Tokens of the probe forward.
 PROBE_TOKENS = 5
 
@@ -48,6 +54,9 @@ class LayerFacts:
     sliding_window: int = 0
     softcap: float = 0.0
     sinks: bool = False
+    attention_chunk: int = 0
+    #: Llama 4's NoPE-layer query temperature ``(floor_scale, attn_scale)``, or None.
+    temperature: tuple[float, float] | None = None
 
 
 def text_config(config: Any) -> Any:
@@ -66,11 +75,52 @@ def config_windows(config: Any, num_layers: int) -> dict[int, int] | None:
     for i, kind in enumerate(types):
         if kind in SLIDING_TYPES:
             windows[i] = window
-        elif kind in FULL_TYPES:
+        elif kind in FULL_TYPES or kind in CHUNKED_TYPES:
             windows[i] = 0
         else:
             windows[i] = -1           # a kind graphrt's attention does not run (chunked, linear, ...)
     return windows
+
+
+def config_chunks(config: Any) -> dict[int, int]:
+    """Each ``chunked_attention`` layer's chunk (``attention_chunk_size``); a chunked layer
+    without a positive chunk is a ConfigError naming the field."""
+    types = getattr(config, "layer_types", None) or ()
+    chunked = [i for i, kind in enumerate(types) if kind in CHUNKED_TYPES]
+    if not chunked:
+        return {}
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        raise ConfigError(f"attention_chunk_size: {chunk!r}, but layer_types has chunked_attention layers "
+                          f"{chunked}; it must be a positive int")
+    return {i: chunk for i in chunked}
+
+
+def temperature_of(module: torch.nn.Module) -> tuple[float, float] | None:
+    """Llama 4's query temperature of a NoPE layer (``attn_temperature_tuning`` and not
+    ``use_rope``): ``(floor_scale, attn_scale)``, else None. transformers computes it from
+    ``arange(tokens)`` plus its own cache's length, which on graphrt's packed row is not each
+    token's position: graphrt turns it off on the module and applies it itself."""
+    own = getattr(module, TEMPERATURE_ATTR, None)
+    if own is not None:                                   # turned off by graphrt already (own_temperature)
+        return own
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    return float(module.floor_scale), float(module.attn_scale)
+
+
+def own_temperature(hf_model: torch.nn.Module, facts: list[LayerFacts]) -> list[str]:
+    """Turn transformers' query temperature off on each layer whose facts carry one (graphrt's
+    :class:`~graphrt.models.torch.transformers_impl.layer.HFPagedAttention` applies it per token
+    position instead); the module paths patched."""
+    patched = []
+    for f in facts:
+        if f.temperature is not None:
+            module = hf_model.get_submodule(f.path)
+            setattr(module, TEMPERATURE_ATTR, f.temperature)
+            module.attn_temperature_tuning = False
+            patched.append(f.path)
+    return patched
 
 
 class _Probe:
@@ -111,7 +161,7 @@ class _Probe:
                                head_dim_v=int(value.shape[-1]),
                                scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
                                window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
-                               sinks=sinks is not None)
+                               sinks=sinks is not None, temperature=temperature_of(module))
         t = query.shape[2]
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
 
@@ -151,12 +201,14 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     device = next(hf_model.parameters()).device
     vocab = int(config.vocab_size)
     ids = (torch.arange(PROBE_TOKENS, device=device) * 7 + 3) % vocab
-    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in FULL_TYPES | SLIDING_TYPES | recurrent})
+    served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | recurrent
+    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in served})
     if kinds:
         raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, which graphrt's paged attention "
-                          "does not run (it runs full and sliding-window causal attention, and routes the recurrent "
-                          "mixers of docs/hybrid.md to its own kernels; other recurrent, convolutional, chunked and "
+                          "does not run (it runs full, sliding-window and chunked causal attention, and routes the "
+                          "recurrent mixers of docs/hybrid.md to its own kernels; other recurrent, convolutional and "
                           "sparse layers are not this backend's)")
+    chunks = config_chunks(config)
     try:
         with torch.no_grad(), handling(probe):
             base(input_ids=ids[None], position_ids=torch.arange(PROBE_TOKENS, device=device)[None], use_cache=False)
@@ -180,7 +232,8 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
         if softcap < 0 or not math.isfinite(softcap) or not math.isfinite(call["scale"]):
             raise ConfigError(f"{call['path']}: softcap {call['softcap']} / scaling {call['scale']} must be finite")
         facts.append(LayerFacts(idx, call["path"], call["heads"], call["kv_heads"], call["head_dim"],
-                                call["head_dim_v"], call["scale"], window, softcap, call["sinks"]))
+                                call["head_dim_v"], call["scale"], window, softcap, call["sinks"],
+                                chunks.get(idx, 0), call["temperature"]))
     return facts
 
 
@@ -235,6 +288,6 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
     return declared
 
 
-__all__ = ["FULL_TYPES", "HARMLESS_KWARGS", "LayerFacts", "SLIDING_TYPES", "config_windows", "layer_facts",
-           "innermost_module", "module_paths", "position_offset",
+__all__ = ["CHUNKED_TYPES", "FULL_TYPES", "HARMLESS_KWARGS", "LayerFacts", "SLIDING_TYPES", "config_chunks", "config_windows", "layer_facts",
+           "innermost_module", "module_paths", "own_temperature", "position_offset", "temperature_of",
            "text_config"]

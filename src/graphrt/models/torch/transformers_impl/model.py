@@ -156,7 +156,8 @@ class TransformersForCausalLM(nn.Module):
         #: Added to graphrt's positions: the ``position_ids`` the model numbers tokens with (facts.py).
         self.position_offset = int(position_offset)
         self.paged = nn.ModuleList(HFPagedAttention(f.num_heads, f.num_kv_heads, f.head_dim, f.scale,
-                                                    f.sliding_window, f.softcap, f.sinks, f.head_dim_v)
+                                                    f.sliding_window, f.softcap, f.sinks, f.head_dim_v,
+                                                    f.attention_chunk, f.temperature)
                                    for f in facts)
         self._dispatch = _LayerDispatch({f.layer_idx: layer for f, layer in zip(facts, self.paged)})
         self._body_name = body_name(hf_model)
@@ -211,12 +212,15 @@ class TransformersForCausalLM(nn.Module):
         return list(self.paged)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """One group per KV layout (heads, K / V head sizes, sliding window), this rank's heads."""
-        groups: dict[tuple[int, int, int, int], list[int]] = {}
+        """One group per KV layout (heads, K / V head sizes, sliding window, attention chunk), this
+        rank's heads."""
+        groups: dict[tuple[int, int, int, int, int], list[int]] = {}
         for i, f in enumerate(self.facts):
-            groups.setdefault((f.num_kv_heads, f.head_dim, f.head_dim_v, f.sliding_window), []).append(i)
-        return KVCacheSpec(tuple(KVCacheGroup(tuple(layers), heads, d, None if dv == d else dv, sliding_window=w)
-                                 for (heads, d, dv, w), layers in groups.items()))
+            key = (f.num_kv_heads, f.head_dim, f.head_dim_v, f.sliding_window, f.attention_chunk)
+            groups.setdefault(key, []).append(i)
+        return KVCacheSpec(tuple(KVCacheGroup(tuple(layers), heads, d, None if dv == d else dv, sliding_window=w,
+                                              attention_chunk=c)
+                                 for (heads, d, dv, w, c), layers in groups.items()))
 
     def state_layers(self) -> list[nn.Module]:
         """graphrt's module of each routed recurrent mixer, in layer order (each gets ``state_cache``)."""
