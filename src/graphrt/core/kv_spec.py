@@ -37,6 +37,8 @@ class KVCacheGroup:
     token at p sees p - W + 1 .. p. ``attention_chunk`` C > 0 (chunked local attention, Llama 4's
     ``attention_chunk_size``): a token at p sees (p // C) * C .. p, the tokens of its own chunk of
     the absolute positions (not with a window). ``latent_dim`` > 0: an MLA group (:meth:`mla`).
+    ``index_head_size`` Di > 0: indexed sparse attention (DeepSeek-V3.2's DSA): each layer also
+    keeps its indexer's key, one ``[rows, Di]`` tensor after K and V (which are then kept apart).
     """
 
     layers: tuple[int, ...]
@@ -48,6 +50,7 @@ class KVCacheGroup:
     sliding_window: int = 0
     latent_dim: int = 0
     attention_chunk: int = 0
+    index_head_size: int = 0
 
     @classmethod
     def mla(cls, layers: Iterable[int], latent_dim: int, *, dtype: Any = "auto", block_size: int | None = None,
@@ -68,7 +71,10 @@ class KVCacheGroup:
     def layer_shapes(self, rows: int) -> tuple[tuple[int, ...], ...]:
         """The tensor shapes one layer of this group holds for ``rows`` slots (module docstring)."""
         if self.is_mla:
-            return ((rows, self.latent_dim),)
+            return ((rows, self.latent_dim),) + (((rows, self.index_head_size),) if self.index_head_size else ())
+        if self.index_head_size:
+            return ((rows, self.num_kv_heads, self.head_size), (rows, self.num_kv_heads, self.v_head_size),
+                    (rows, self.index_head_size))
         if self.v_head_size == self.head_size:
             return ((2, rows, self.num_kv_heads, self.head_size),)
         return ((rows, self.num_kv_heads, self.head_size), (rows, self.num_kv_heads, self.v_head_size))
@@ -76,12 +82,12 @@ class KVCacheGroup:
     def row_bytes(self) -> int:
         """Bytes of one token slot of one layer (a resolved group: ``dtype`` a known name)."""
         elements = self.latent_dim if self.is_mla else self.num_kv_heads * (self.head_size + self.v_head_size)
-        return elements * KV_CACHE_DTYPE_BYTES[self.dtype]
+        return (elements + self.index_head_size) * KV_CACHE_DTYPE_BYTES[self.dtype]
 
     def storage_key(self) -> tuple[Any, ...]:
         """What the stored tensors depend on: layers of equal keys share one allocation (the
         window, the chunk and the layer indices do not change what is stored)."""
-        return (self.latent_dim, self.num_kv_heads, self.head_size, self.v_head_size, self.dtype)
+        return (self.latent_dim, self.num_kv_heads, self.head_size, self.v_head_size, self.dtype, self.index_head_size)
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,9 @@ def resolve_kv_spec(declared: Any, *, block_size: int, model_dtype: Any, support
             raise ConfigError(f"{field}.block_size: {group.block_size!r}, but the config's block_size is "
                               f"{block_size}: every layer group shares one block table")
         dtype = _group_dtype(group.dtype, f"{field}.dtype", config_dtype, model_dtype, supported, backend)
+        if group.index_head_size and dtype.startswith("float8"):
+            raise ConfigError(f"kv_cache_dtype: {dtype}, but {field} keeps an indexer's keys (index_head_size "
+                              f"{group.index_head_size}): indexed sparse attention keeps float caches only")
         groups.append(replace(group, layers=layers, dtype=dtype, block_size=int(block_size),
                               sliding_window=int(group.sliding_window), attention_chunk=int(group.attention_chunk)))
     if groups:
@@ -272,6 +281,9 @@ def _check_sizes(group: KVCacheGroup, field: str) -> None:
     if not is_int(group.attention_chunk) or group.attention_chunk < 0:
         raise ConfigError(f"{field}.attention_chunk: must be an int >= 0 (0: not chunked), "
                           f"got {group.attention_chunk!r}")
+    if not is_int(group.index_head_size) or group.index_head_size < 0:
+        raise ConfigError(f"{field}.index_head_size: must be an int >= 0 (0: no indexer), "
+                          f"got {group.index_head_size!r}")
     if group.attention_chunk and group.sliding_window:
         raise ConfigError(f"{field}: sliding_window {group.sliding_window} and attention_chunk "
                           f"{group.attention_chunk}: a layer either slides or attends within its chunk; set one to 0")

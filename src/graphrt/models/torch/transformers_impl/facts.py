@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from graphrt.core.errors import ConfigError
+from graphrt.models.torch.transformers_impl.indexer import MASK_PLACEHOLDER, index_facts, route_indexers
 from graphrt.models.torch.transformers_impl.interface import handling
 
 #: Keywords a transformers layer passes that change nothing for a causal paged attention
@@ -34,6 +35,8 @@ FULL_TYPES = frozenset({"full_attention", "global_attention", "attention"})
 SLIDING_TYPES = frozenset({"sliding_attention", "local_attention", "sliding_window_attention"})
 #: ``layer_types`` entries of chunked local attention (a token sees its own chunk of the positions).
 CHUNKED_TYPES = frozenset({"chunked_attention"})
+#: ``layer_types`` entries of indexed sparse attention (DSA), served where the indexers are routed.
+INDEXED_TYPES = frozenset({"indexed_attention"})
 #: Where :func:`own_temperature` keeps a module's query temperature it turned off.
 TEMPERATURE_ATTR = "_graphrt_temperature"
 #: Tokens of the probe forward.
@@ -57,6 +60,8 @@ class LayerFacts:
     attention_chunk: int = 0
     #: Llama 4's NoPE-layer query temperature ``(floor_scale, attn_scale)``, or None.
     temperature: tuple[float, float] | None = None
+    #: A DSA layer's indexer ``(heads, head size, top-k, score scale)`` (indexer.py), or None.
+    index: tuple[int, int, int, float] | None = None
 
 
 def text_config(config: Any) -> Any:
@@ -75,7 +80,7 @@ def config_windows(config: Any, num_layers: int) -> dict[int, int] | None:
     for i, kind in enumerate(types):
         if kind in SLIDING_TYPES:
             windows[i] = window
-        elif kind in FULL_TYPES or kind in CHUNKED_TYPES:
+        elif kind in FULL_TYPES or kind in CHUNKED_TYPES or kind in INDEXED_TYPES:
             windows[i] = 0
         else:
             windows[i] = -1           # a kind graphrt's attention does not run (chunked, linear, ...)
@@ -123,6 +128,11 @@ def own_temperature(hf_model: torch.nn.Module, facts: list[LayerFacts]) -> list[
     return patched
 
 
+def _is_placeholder(mask: Any) -> bool:
+    """Whether ``mask`` is the DSA placeholder (indexer.py) or a slice of it: it holds nothing."""
+    return mask is MASK_PLACEHOLDER or (isinstance(mask, torch.Tensor) and mask._base is MASK_PLACEHOLDER)
+
+
 class _Probe:
     """The attention handler of the probe forward: record each call, answer zeros."""
 
@@ -140,10 +150,12 @@ class _Probe:
         if idx in self.calls:
             raise ConfigError(f"{path}: layer_idx {idx} attends twice in one forward (shared or repeated "
                               "layers): each call needs its own KV cache")
-        unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None))
+        index = index_facts(module, kwargs)
+        unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None)
+                         and not (k == "indices" and index is not None))
         if unknown:
             raise ConfigError(f"{path} passes attention keywords graphrt's paged attention does not apply: {unknown}")
-        if mask is not None:
+        if mask is not None and not (index is not None and _is_placeholder(mask)):
             raise ConfigError(f"{path} builds an attention mask of its own ({type(mask).__name__} "
                               f"{tuple(getattr(mask, 'shape', ()))}): graphrt's paged attention applies causal "
                               "masks and sliding windows only")
@@ -161,7 +173,7 @@ class _Probe:
                                head_dim_v=int(value.shape[-1]),
                                scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
                                window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
-                               sinks=sinks is not None, temperature=temperature_of(module))
+                               sinks=sinks is not None, temperature=temperature_of(module), index=index)
         t = query.shape[2]
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
 
@@ -201,7 +213,8 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     device = next(hf_model.parameters()).device
     vocab = int(config.vocab_size)
     ids = (torch.arange(PROBE_TOKENS, device=device) * 7 + 3) % vocab
-    served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | recurrent
+    indexed = INDEXED_TYPES if route_indexers(hf_model) else frozenset()
+    served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | indexed | recurrent
     kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in served})
     if kinds:
         raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, which graphrt's paged attention "
@@ -228,12 +241,16 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     for idx in sorted(probe.calls):
         call = probe.calls[idx]
         window = _window(call, windows, idx)
+        kinds = getattr(config, "layer_types", None) or ()
+        if idx < len(kinds) and kinds[idx] in INDEXED_TYPES and call["index"] is None:
+            raise ConfigError(f"{call['path']}: layer_types[{idx}] is indexed_attention, but its attention call "
+                              "carries no routed indexer's inputs (transformers_impl/indexer.py)")
         softcap = float(call["softcap"] or 0.0)
         if softcap < 0 or not math.isfinite(softcap) or not math.isfinite(call["scale"]):
             raise ConfigError(f"{call['path']}: softcap {call['softcap']} / scaling {call['scale']} must be finite")
         facts.append(LayerFacts(idx, call["path"], call["heads"], call["kv_heads"], call["head_dim"],
                                 call["head_dim_v"], call["scale"], window, softcap, call["sinks"],
-                                chunks.get(idx, 0), call["temperature"]))
+                                chunks.get(idx, 0), call["temperature"], call["index"]))
     return facts
 
 
@@ -288,6 +305,6 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
     return declared
 
 
-__all__ = ["CHUNKED_TYPES", "FULL_TYPES", "HARMLESS_KWARGS", "LayerFacts", "SLIDING_TYPES", "config_chunks", "config_windows", "layer_facts",
+__all__ = ["CHUNKED_TYPES", "FULL_TYPES", "HARMLESS_KWARGS", "INDEXED_TYPES", "LayerFacts", "SLIDING_TYPES", "config_chunks", "config_windows", "layer_facts",
            "innermost_module", "module_paths", "own_temperature", "position_offset", "temperature_of",
            "text_config"]

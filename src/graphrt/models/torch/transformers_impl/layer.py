@@ -42,13 +42,17 @@ class HFPagedAttention(PagedAttention):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int = 0, softcap: float = 0.0, sinks: bool = False,
                  head_dim_v: int | None = None, attention_chunk: int = 0,
-                 temperature: tuple[float, float] | None = None) -> None:
+                 temperature: tuple[float, float] | None = None,
+                 index: tuple[int, int, int, float] | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale=scale, sliding_window=sliding_window,
                          attention_chunk=attention_chunk)
         self.softcap = float(softcap or 0.0)
         self.sinks = bool(sinks)
         self.head_dim_v = int(head_dim_v or head_dim)
         self.temperature = None if temperature is None else (float(temperature[0]), float(temperature[1]))
+        #: DSA (indexed sparse attention): the indexer's heads, key size (kept in the KV cache
+        #: beside K and V), top-k and score scale; 0 / None without an indexer.
+        self.index_heads, self.index_head_size, self.index_topk, self.index_scale = index or (0, 0, 0, 0.0)
 
     @property
     def head_size_v(self) -> int:
@@ -59,10 +63,10 @@ class HFPagedAttention(PagedAttention):
     def extended(self) -> bool:
         """Whether this layer needs the reference kernel's additions (not graphrt's plain kernels)."""
         return bool(self.softcap or self.sinks or self.head_dim_v != self.head_dim or self.attention_chunk
-                    or self.temperature)
+                    or self.temperature or self.index_head_size)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, index: Any = None) -> torch.Tensor:
         """The step's ``attend`` (the backend's kernel); ``sinks`` (a layer with sinks only)
         passed on to it, which only :class:`ReferencePagedBackend`'s takes."""
         if self.kv_cache is None:
@@ -71,6 +75,10 @@ class HFPagedAttention(PagedAttention):
         if self.temperature is not None:
             q = self._tempered(q, meta)
         attend = meta.attend
+        if self.index_head_size:            # a DSA layer: the step's indexer projections (indexer.py)
+            if index is None:
+                raise RuntimeError(f"{type(self).__name__}: an indexed layer was called without its indexer's inputs")
+            return attend(self, q, k, v, index=index)
         return attend(self, q, k, v) if sinks is None else attend(self, q, k, v, sinks=sinks)
 
     def _tempered(self, q: torch.Tensor, meta: Any) -> torch.Tensor:
