@@ -192,7 +192,7 @@ def _gather_heads(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.view(cache.dtype) if is_fp8(cache.dtype) else out
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+def attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
             compute: torch.dtype, k_scale: float, v_scale: float, softcap: float,
             sinks: torch.Tensor | None) -> torch.Tensor:
     """The tiles' attention -> ``[N, tile, Hq, Dv]``: each tile's context gathered once,
@@ -256,7 +256,7 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     A fixed few ops per call, whatever the head count (docs/attention.md, "The reference
     kernel"): the queries are cut into tiles of :func:`query_tile` tokens of one request
     (:func:`attention_plan`), each tile's context is gathered once for all its tokens and heads,
-    and every query head attends in one batched matmul (:func:`_attend`).
+    and every query head attends in one batched matmul (:func:`attend_tiles`).
     """
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_tokens, out_dtype = q.shape[0], q.dtype
@@ -272,7 +272,7 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
 
     plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size, sliding_window,
                           attention_chunk)
-    out = _attend(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks)
+    out = attend_tiles(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks)
     if plan.tile == 1:
         out = out.reshape(num_tokens, num_heads * dv)
     else:

@@ -23,7 +23,7 @@ import torch
 from graphrt.core.errors import ConfigError
 from graphrt.layers.torch.attention.backend import PagedAttentionBackend
 from graphrt.layers.torch.attention.kv_quant import is_fp8, write_kv_rows
-from graphrt.layers.torch.attention.paged import _attend, attention_plan, paged_attention_kernel
+from graphrt.layers.torch.attention.paged import attend_tiles, attention_plan, paged_attention_kernel
 from graphrt.layers.torch.forward_context import get_forward_context
 
 
@@ -77,7 +77,7 @@ def indexed_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size)
     selected = index_selection(index, index_cache, plan, index_topk, index_scale)
     plan = plan._replace(masked=plan.masked | ~selected)
-    out = _attend(q, k_cache, v_cache, plan, scale, k_cache.dtype, 1.0, 1.0, softcap, None)
+    out = attend_tiles(q, k_cache, v_cache, plan, scale, k_cache.dtype, 1.0, 1.0, softcap, None)
     num_heads = q.shape[1] // d
     if plan.tile == 1:
         out = out.reshape(num_tokens, num_heads * dv)

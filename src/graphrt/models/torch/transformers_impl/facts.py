@@ -130,7 +130,9 @@ def own_temperature(hf_model: torch.nn.Module, facts: list[LayerFacts]) -> list[
 
 def _is_placeholder(mask: Any) -> bool:
     """Whether ``mask`` is the DSA placeholder (indexer.py) or a slice of it: it holds nothing."""
-    return mask is MASK_PLACEHOLDER or (isinstance(mask, torch.Tensor) and mask._base is MASK_PLACEHOLDER)
+    return mask is MASK_PLACEHOLDER or (isinstance(mask, torch.Tensor) and mask.device == MASK_PLACEHOLDER.device
+                                        and mask.untyped_storage().data_ptr()
+                                        == MASK_PLACEHOLDER.untyped_storage().data_ptr())
 
 
 class _Probe:
