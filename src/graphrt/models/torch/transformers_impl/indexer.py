@@ -25,9 +25,13 @@ import torch
 from graphrt.core.errors import ConfigError
 from graphrt.layers.torch.attention.sparse import IndexerInputs
 
-#: Indexer classes graphrt routes, and the function of their module that applies their RoPE
-#: (DeepSeek-V3.2's indexer rotates the halves, GLM-MoE-DSA's interleaved pairs).
-INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
+#: Indexer classes graphrt routes: the function of their module that applies their RoPE
+#: (DeepSeek-V3.2's and A.X-K2's indexers rotate the halves, GLM-MoE-DSA's interleaved pairs) and
+#: whether the rotated dimensions come last of each head rather than first (HY-V4's indexer does,
+#: but HY-V4 does not match transformers through graphrt even with every key selected: not routed).
+INDEXER_ROPE: dict[str, tuple[str, bool]] = {
+    "DeepseekV32Indexer": ("apply_rotary_pos_emb", False), "AXK2Indexer": ("apply_rotary_pos_emb", False),
+    "GlmMoeDsaIndexer": ("apply_rotary_pos_emb_interleave", False)}
 #: What a DSA attention module gets as its mask under graphrt (it slices ``[:, 0]`` and passes the
 #: result on; nothing reads its values).
 MASK_PLACEHOLDER = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
@@ -35,19 +39,21 @@ MASK_PLACEHOLDER = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
 ROUTED_ATTR = "_graphrt_indexer"
 
 
-def _indexer_forward(indexer: torch.nn.Module, rope: Any):
+def _indexer_forward(indexer: torch.nn.Module, rope: Any, rope_last: bool):
     """``indexer``'s forward under graphrt: the step's :class:`IndexerInputs`, no selection."""
 
     def forward(hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings: Any, attention_mask: Any,
                 position_ids: Any = None, cache: Any = None, **_: Any) -> IndexerInputs:
         t = hidden_states.shape[1]
         cos, sin = position_embeddings
-        rot = indexer.qk_rope_head_dim
-        q = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, indexer.head_dim)
-        k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
-        q_rot, q_rot_k = rope(q[..., :rot], k[..., :rot], cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q[..., rot:]], dim=-1)
-        k = torch.cat([q_rot_k, k[..., rot:]], dim=-1)
+        dim = indexer.head_dim
+        lo, hi = (dim - indexer.qk_rope_head_dim, dim) if rope_last else (0, indexer.qk_rope_head_dim)
+        q = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, dim)
+        k = indexer.wk(hidden_states)       # the norm in its own dtype (HY-V4 keeps it in float32)
+        k = indexer.k_norm(k.to(indexer.k_norm.weight.dtype)).to(hidden_states.dtype).unsqueeze(2)
+        q_rot, k_rot = rope(q[..., lo:hi], k[..., lo:hi], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q[..., :lo], q_rot, q[..., hi:]], dim=-1)
+        k = torch.cat([k[..., :lo], k_rot, k[..., hi:]], dim=-1)
         weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
         return IndexerInputs(q[0], k[0, :, 0], weights[0] * indexer.n_heads ** -0.5)
 
@@ -79,8 +85,8 @@ def route_indexers(hf_model: torch.nn.Module) -> list[str]:
             raise ConfigError(f"{name}.indexer is a {kind}, which graphrt's indexed sparse attention has not checked "
                               f"(it routes {sorted(INDEXER_ROPE)})")
         if getattr(indexer, ROUTED_ATTR, None) is None:
-            rope = getattr(sys.modules[type(indexer).__module__], INDEXER_ROPE[kind])
-            indexer.forward = _indexer_forward(indexer, rope)
+            name, rope_last = INDEXER_ROPE[kind]
+            indexer.forward = _indexer_forward(indexer, getattr(sys.modules[type(indexer).__module__], name), rope_last)
             module.register_forward_pre_hook(_placeholder_mask, with_kwargs=True)
             setattr(indexer, ROUTED_ATTR, (int(indexer.index_topk), float(indexer.softmax_scale)))
         patched.append(f"{name}.indexer")
