@@ -75,7 +75,7 @@ def test_the_jax_kernel_masks_chunks_as_the_reference_does():
 
     gen = torch.Generator().manual_seed(3)
     bs, width = 4, 4
-    computed, scheduled = [9, 0], [3, 11]                      # a continuing request and a prefill, both crossing chunks
+    computed, scheduled = [9, 0], [3, 11]           # a continuing request and a prefill, both crossing chunks
     lens = [c + n for c, n in zip(computed, scheduled)]
     table = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 0]], dtype=torch.int32)
     slots = [int(table[r, p // bs]) * bs + p % bs for r in range(2) for p in range(computed[r], lens[r])]

@@ -4,8 +4,9 @@
 attention function answers zeros and records each call: heads and head sizes (this rank's),
 ``scaling``, ``sliding_window``, ``softcap``, sinks; the config adds each ``chunked_attention``
 layer's chunk (``attention_chunk_size``, Llama 4) and a NoPE layer's query temperature (Llama 4's
-``attn_temperature_tuning``, which graphrt applies from each token's own position). A layer disagreeing with ``layer_types``, a
-mask of the model's own, an unknown keyword, a layer without ``layer_idx`` or called twice is
+``attn_temperature_tuning``, which graphrt applies from each token's own position); a DSA layer's
+indexer (``indexer.py``). A layer disagreeing with ``layer_types``, a mask of the model's own, an
+unknown keyword, a layer without ``layer_idx`` or called twice is
 refused with a :class:`ConfigError` naming the module path.
 """
 
@@ -307,6 +308,6 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
     return declared
 
 
-__all__ = ["CHUNKED_TYPES", "FULL_TYPES", "HARMLESS_KWARGS", "INDEXED_TYPES", "LayerFacts", "SLIDING_TYPES", "config_chunks", "config_windows", "layer_facts",
-           "innermost_module", "module_paths", "own_temperature", "position_offset", "temperature_of",
-           "text_config"]
+__all__ = ["CHUNKED_TYPES", "FULL_TYPES", "HARMLESS_KWARGS", "INDEXED_TYPES", "LayerFacts", "SLIDING_TYPES",
+           "config_chunks", "config_windows", "layer_facts", "innermost_module", "module_paths", "own_temperature",
+           "position_offset", "temperature_of", "text_config"]
