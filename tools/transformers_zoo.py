@@ -59,6 +59,14 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": dict(layer_types=None, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
                   mamba_n_groups=2, mamba_chunk_size=4),
     "gemma3n_text": dict(num_kv_shared_layers=0, intermediate_size=[128, 128], activation_sparsity_pattern=[0.0, 0.0]),
+    # chunked local attention: RoPE layers in chunks of SLIDING_WINDOW tokens, NoPE layers full (Llama 4's pattern)
+    "llama4_text": dict(layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0],
+                        attention_chunk_size=8),
+    # DSA: a top-k shorter than the prompts; 16 indexer heads (an exact tie of two keys' scores is unlikely)
+    "deepseek_v32": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
+    "glm_moe_dsa": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
+    "axk2": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
+    "hy_v4": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 #: Windows of the tiny models' sliding layers: shorter than most test prompts.

@@ -46,7 +46,9 @@ def steps(draw: st.DrawFn) -> dict:
     return dict(reqs=reqs, kv_heads=draw(st.sampled_from([1, 2, 4])), groups=draw(st.sampled_from([1, 2, 3, 4])),
                 d=d, dv=draw(st.sampled_from([d, d // 2])), block_size=draw(st.sampled_from([4, 16])),
                 pad_reqs=draw(st.integers(0, 2)), pad_tokens=draw(st.integers(0, 5)),
-                window=draw(st.sampled_from([0, 0, 1, 5, 24])), softcap=draw(st.sampled_from([0.0, 0.0, 3.0])),
+                window=(window := draw(st.sampled_from([0, 0, 1, 5, 24]))),
+                chunk=0 if window else draw(st.sampled_from([0, 0, 1, 4, 7])),     # a layer slides or is chunked
+                softcap=draw(st.sampled_from([0.0, 0.0, 3.0])),
                 sinks=draw(st.booleans()), cache=getattr(torch, cache), seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -94,7 +96,7 @@ def build(s: dict) -> tuple:
 
 def dense(s: dict, q, cache, sinks, req_slots) -> torch.Tensor:
     """Each request's attention written out in float64 over its own rows of the written cache:
-    scaled scores, soft-capping, the causal (and window) mask, sinks joining the softmax."""
+    scaled scores, soft-capping, the causal (and window or chunk) mask, sinks joining the softmax."""
     hkv, g, d, dv = s["kv_heads"], s["groups"], s["d"], s["dv"]
     outs, start = [], 0
     for (computed, scheduled), where in zip(s["reqs"], req_slots):
@@ -108,6 +110,8 @@ def dense(s: dict, q, cache, sinks, req_slots) -> torch.Tensor:
         pos = torch.arange(computed, computed + scheduled)[:, None]
         ctx = torch.arange(len(where))[None, :]
         allowed = (ctx <= pos) & ((ctx > pos - s["window"]) if s["window"] else True)
+        if s.get("chunk"):                       # chunked local attention: the token's own chunk only
+            allowed = allowed & (ctx // s["chunk"] == pos // s["chunk"])
         scores = scores.masked_fill(~allowed, -math.inf)
         if sinks is not None:
             scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, scheduled, 1)], -1)
@@ -124,7 +128,7 @@ def test_the_kernel_is_dense_attention(s: dict) -> None:
     before = [c.clone() for c in cache]
     out = paged_attention_kernel(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                                  meta.block_table, meta.token_req_idx, s["block_size"], s["d"] ** -0.5,
-                                 s["window"], softcap=s["softcap"], sinks=sinks)
+                                 s["window"], softcap=s["softcap"], sinks=sinks, attention_chunk=s["chunk"])
     assert out.shape == (q.shape[0], s["kv_heads"] * s["groups"] * s["dv"]) and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "NaN in unread rows reached the output"
     assert torch.equal(out[real:], torch.zeros_like(out[real:])), "padded tokens must get zeros"

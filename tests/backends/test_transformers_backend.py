@@ -131,7 +131,7 @@ def test_a_window_the_config_contradicts_is_refused():
 
 @pytest.mark.parametrize("arch, reason", [
     ("doge", "attention mask of its own.*adding a bias"),   # a learned dynamic mask (a per-key bias)
-    ("llama4_text", "chunked_attention"),                    # chunked local attention
+    ("deepseek_v4", "compressed_sparse_attention"),          # compressed sparse attention: no kernel yet
 ])
 def test_what_paged_attention_cannot_run_is_refused_by_name(arch, reason):
     with pytest.raises(ConfigError, match=reason):

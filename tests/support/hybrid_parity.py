@@ -48,7 +48,8 @@ def run_schedule(runner: graphrt.ModelRunner, seqs: list[list[int]], refs: list[
         tokens[i, :len(s)] = s
         table[i] = np.arange(1 + i * width, 1 + (i + 1) * width)
     reqs = [_Req(list(s), i, (joins or [0] * rows)[i], max(1, len(s) // 2)) for i, s in enumerate(seqs)]
-    free = list(range(runner.executor.num_state_slots))[::-1]
+    stateless = runner.executor.num_state_slots is None          # attention only: slots only bound the batch
+    free = list(range(cfg.max_num_seqs if stateless else runner.executor.num_state_slots))[::-1]
     slots = np.full(rows, -1, np.int32)
     step = 0
     while any(r.computed < len(r.seq) for r in reqs):
@@ -75,7 +76,8 @@ def run_schedule(runner: graphrt.ModelRunner, seqs: list[list[int]], refs: list[
             continue
         runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([r.row for r, _ in batch], np.int32),
                        num_computed_tokens=np.array([r.computed for r, _ in batch], np.int32),
-                       num_scheduled_tokens=np.array([n for _, n in batch], np.int32), state_slots=slots)
+                       num_scheduled_tokens=np.array([n for _, n in batch], np.int32),
+                       **({} if stateless else dict(state_slots=slots)))
         logits = runner.outputs.logits()
         for k, (r, n) in enumerate(batch):
             r.computed += n

@@ -1,7 +1,7 @@
 """KV cache specs: what each group of attention layers keeps per token slot.
 
 ``kv_cache_spec()`` returns a :class:`KVCacheSpec` of :class:`KVCacheGroup` layer groups (KV
-heads, K / V head sizes, dtype, sliding window, or MLA's latent). Groups share the runner's one
+heads, K / V head sizes, dtype, sliding window or attention chunk, or MLA's latent). Groups share the runner's one
 block table and block size. The cache is sized from :meth:`KVCacheSpec.bytes_per_block`
 without torch or JAX; layer shapes are tabled in docs/attention.md, "KV cache specs". The old
 ``(num_layers, num_kv_heads, head_dim)`` tuple is still accepted (:func:`as_kv_spec`)."""
@@ -34,7 +34,11 @@ class KVCacheGroup:
 
     ``head_size_v`` None: K's. ``dtype`` "auto": the config's ``kv_cache_dtype``, else the
     weights'. ``block_size`` None: the config's (no other value). ``sliding_window`` W > 0: a
-    token at p sees p - W + 1 .. p. ``latent_dim`` > 0: an MLA group (:meth:`mla`).
+    token at p sees p - W + 1 .. p. ``attention_chunk`` C > 0 (chunked local attention, Llama 4's
+    ``attention_chunk_size``): a token at p sees (p // C) * C .. p, the tokens of its own chunk of
+    the absolute positions (not with a window). ``latent_dim`` > 0: an MLA group (:meth:`mla`).
+    ``index_head_size`` Di > 0: indexed sparse attention (DeepSeek-V3.2's DSA): each layer also
+    keeps its indexer's key, one ``[rows, Di]`` tensor after K and V (which are then kept apart).
     """
 
     layers: tuple[int, ...]
@@ -45,6 +49,8 @@ class KVCacheGroup:
     block_size: int | None = None
     sliding_window: int = 0
     latent_dim: int = 0
+    attention_chunk: int = 0
+    index_head_size: int = 0
 
     @classmethod
     def mla(cls, layers: Iterable[int], latent_dim: int, *, dtype: Any = "auto", block_size: int | None = None,
@@ -65,7 +71,10 @@ class KVCacheGroup:
     def layer_shapes(self, rows: int) -> tuple[tuple[int, ...], ...]:
         """The tensor shapes one layer of this group holds for ``rows`` slots (module docstring)."""
         if self.is_mla:
-            return ((rows, self.latent_dim),)
+            return ((rows, self.latent_dim),) + (((rows, self.index_head_size),) if self.index_head_size else ())
+        if self.index_head_size:
+            return ((rows, self.num_kv_heads, self.head_size), (rows, self.num_kv_heads, self.v_head_size),
+                    (rows, self.index_head_size))
         if self.v_head_size == self.head_size:
             return ((2, rows, self.num_kv_heads, self.head_size),)
         return ((rows, self.num_kv_heads, self.head_size), (rows, self.num_kv_heads, self.v_head_size))
@@ -73,12 +82,12 @@ class KVCacheGroup:
     def row_bytes(self) -> int:
         """Bytes of one token slot of one layer (a resolved group: ``dtype`` a known name)."""
         elements = self.latent_dim if self.is_mla else self.num_kv_heads * (self.head_size + self.v_head_size)
-        return elements * KV_CACHE_DTYPE_BYTES[self.dtype]
+        return (elements + self.index_head_size) * KV_CACHE_DTYPE_BYTES[self.dtype]
 
     def storage_key(self) -> tuple[Any, ...]:
         """What the stored tensors depend on: layers of equal keys share one allocation (the
-        window and the layer indices do not change what is stored)."""
-        return (self.latent_dim, self.num_kv_heads, self.head_size, self.v_head_size, self.dtype)
+        window, the chunk and the layer indices do not change what is stored)."""
+        return (self.latent_dim, self.num_kv_heads, self.head_size, self.v_head_size, self.dtype, self.index_head_size)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,11 @@ class KVCacheSpec:
     def sliding_windows(self) -> tuple[int, ...]:
         """Each layer's sliding window in layer order (0: full attention)."""
         return tuple(self.group_of(i).sliding_window for i in range(self.num_layers))
+
+    @property
+    def attention_chunks(self) -> tuple[int, ...]:
+        """Each layer's attention chunk in layer order (0: not chunked)."""
+        return tuple(self.group_of(i).attention_chunk for i in range(self.num_layers))
 
     def bytes_per_token(self) -> int:
         """Bytes of one token slot over every layer (a resolved spec)."""
@@ -190,8 +204,11 @@ def resolve_kv_spec(declared: Any, *, block_size: int, model_dtype: Any, support
             raise ConfigError(f"{field}.block_size: {group.block_size!r}, but the config's block_size is "
                               f"{block_size}: every layer group shares one block table")
         dtype = _group_dtype(group.dtype, f"{field}.dtype", config_dtype, model_dtype, supported, backend)
+        if group.index_head_size and dtype.startswith("float8"):
+            raise ConfigError(f"kv_cache_dtype: {dtype}, but {field} keeps an indexer's keys (index_head_size "
+                              f"{group.index_head_size}): indexed sparse attention keeps float caches only")
         groups.append(replace(group, layers=layers, dtype=dtype, block_size=int(block_size),
-                              sliding_window=int(group.sliding_window)))
+                              sliding_window=int(group.sliding_window), attention_chunk=int(group.attention_chunk)))
     if groups:
         check_covered(seen, num_layers, SPEC_FIELD, "attention layers")
     return KVCacheSpec(tuple(groups), bool(spec.owned_by_model))
@@ -261,6 +278,15 @@ def _check_sizes(group: KVCacheGroup, field: str) -> None:
     if not is_int(group.sliding_window) or group.sliding_window < 0:
         raise ConfigError(f"{field}.sliding_window: must be an int >= 0 (0: full attention), "
                           f"got {group.sliding_window!r}")
+    if not is_int(group.attention_chunk) or group.attention_chunk < 0:
+        raise ConfigError(f"{field}.attention_chunk: must be an int >= 0 (0: not chunked), "
+                          f"got {group.attention_chunk!r}")
+    if not is_int(group.index_head_size) or group.index_head_size < 0:
+        raise ConfigError(f"{field}.index_head_size: must be an int >= 0 (0: no indexer), "
+                          f"got {group.index_head_size!r}")
+    if group.attention_chunk and group.sliding_window:
+        raise ConfigError(f"{field}: sliding_window {group.sliding_window} and attention_chunk "
+                          f"{group.attention_chunk}: a layer either slides or attends within its chunk; set one to 0")
 
 
 def _group_dtype(declared: Any, field: str, config_dtype: str, model_dtype: Any, supported: Collection[str],

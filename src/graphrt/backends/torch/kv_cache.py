@@ -67,10 +67,11 @@ def layer_kv_shape(layer: Any) -> dict[str, int]:
     ``head_size`` (``head_size`` or ``head_dim``), ``head_size_v`` (``head_size_v`` or
     ``v_head_dim``; a ``PagedAttention`` that names neither stores K and V of one size), ``latent_dim``
     (MLA: a layer that reads one latent row per token says so with ``latent_dim``, whatever
-    heads it has), ``sliding_window``."""
+    heads it has), ``sliding_window``, ``attention_chunk``, ``index_head_size`` (a DSA indexer's key)."""
     shape = {"num_kv_heads": _int(layer, "num_kv_heads"), "head_size": _int(layer, "head_size", "head_dim"),
              "head_size_v": _int(layer, "head_size_v", "v_head_dim"), "latent_dim": _int(layer, "latent_dim"),
-             "sliding_window": _int(layer, "sliding_window")}
+             "sliding_window": _int(layer, "sliding_window"), "attention_chunk": _int(layer, "attention_chunk"),
+             "index_head_size": _int(layer, "index_head_size")}
     if isinstance(layer, PagedAttention) and shape["head_size_v"] is None:
         shape["head_size_v"] = shape["head_size"]
     return {name: value for name, value in shape.items() if value is not None}
@@ -104,8 +105,10 @@ def check_against_layers(spec: KVCacheSpec, layers: list[Any], *, windows: bool 
                                       "KVCacheGroup.mla")
                 expected = {"num_kv_heads": group.num_kv_heads, "head_size": group.head_size,
                             "head_size_v": group.v_head_size}
+            expected["index_head_size"] = group.index_head_size
             if windows:
                 expected["sliding_window"] = group.sliding_window
+                expected["attention_chunk"] = group.attention_chunk
             for name, value in expected.items():
                 if name in own and own[name] != value:
                     noun = "slides over" if name == "sliding_window" else f"has {name}"

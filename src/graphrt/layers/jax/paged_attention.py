@@ -111,14 +111,15 @@ def dequantize_kv(stored: jax.Array, dtype: Any, scale: float = 1.0) -> jax.Arra
 
 def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positions: jax.Array,
                     meta: AttentionMetadata, block_size: int, sliding_window: Any = 0,
-                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> jax.Array:
+                    kv_scales: tuple[float, float] = (1.0, 1.0), attention_chunk: int = 0) -> jax.Array:
     """Causal attention of ``q`` [T, Hq, D] over one layer's paged cache ``layer_k/v`` [rows, Hkv, D].
 
     Token t reads keys j < seq_len, j <= positions[t] and, with ``sliding_window`` W > 0 (int or
-    traced), j > positions[t] - W; zeros where none is visible. fp8: stored * ``kv_scales``.
+    traced), j > positions[t] - W; with ``attention_chunk`` C > 0 (chunked local attention, a
+    static int), j >= (positions[t] // C) * C; zeros where none is visible. fp8: stored * ``kv_scales``.
     """
     return _attend_rows(q, lambda rows: (layer_k[rows], layer_v[rows]), layer_k.shape[1], positions, meta,
-                        block_size, sliding_window, kv_scales)
+                        block_size, sliding_window, kv_scales, attention_chunk)
 
 
 def cache_paged_attention(q: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, positions: jax.Array,
@@ -135,7 +136,7 @@ def cache_paged_attention(q: jax.Array, kv_cache: jax.Array, layer_idx: jax.Arra
 
 def _attend_rows(q: jax.Array, read: Callable[[jax.Array], tuple[jax.Array, jax.Array]], num_kv_heads: int,
                  positions: jax.Array, meta: AttentionMetadata, block_size: int, sliding_window: Any,
-                 kv_scales: tuple[float, float]) -> jax.Array:
+                 kv_scales: tuple[float, float], attention_chunk: int = 0) -> jax.Array:
     """:func:`paged_attention` with the stored K / V rows ``[T, S, Hkv, D]`` of row indices
     ``[T, S]`` given by ``read``: each token's request's block-table columns only, so what is
     gathered is bounded by the key's context (its table width), never by the cache."""
@@ -152,6 +153,8 @@ def _attend_rows(q: jax.Array, read: Callable[[jax.Array], tuple[jax.Array, jax.
                & in_batch[:, None])  # [T, S]
     if not isinstance(sliding_window, int) or sliding_window:
         visible = visible & ((sliding_window <= 0) | (j > positions[:, None] - sliding_window))
+    if attention_chunk:
+        visible = visible & (j >= (positions[:, None] // attention_chunk) * attention_chunk)
     stored_k, stored_v = read(rows)
     k = dequantize_kv(stored_k, q.dtype, kv_scales[0])  # [T, S, Hkv, D]
     v = jnp.where(visible[:, :, None, None], dequantize_kv(stored_v, q.dtype, kv_scales[1]), 0)

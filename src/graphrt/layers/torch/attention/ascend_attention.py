@@ -86,6 +86,8 @@ def layers_problem(layers: Sequence[torch.nn.Module]) -> str | None:
             return f"attention layer {i} is a {type(layer).__name__}, not graphrt's PagedAttention"
         if layer.sliding_window:
             return f"attention layer {i} has a sliding window ({layer.sliding_window}), which is not wired to the op"
+        if getattr(layer, "attention_chunk", 0):
+            return f"attention layer {i} attends within chunks ({layer.attention_chunk}), which is not wired to the op"
     return None
 
 

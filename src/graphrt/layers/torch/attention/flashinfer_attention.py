@@ -109,6 +109,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         if not self.layers or missing:
             raise ConfigError(f"{ATTENTION_ENV}=flashinfer runs graphrt's PagedAttention layers; the model's "
                               f"attention layers are {missing or 'none'}")
+        chunked = [i for i, m in enumerate(self.layers) if getattr(m, "attention_chunk", 0)]
+        if chunked:
+            raise ConfigError(f"{ATTENTION_ENV}=flashinfer: attention layers {chunked} attend within chunks "
+                              f"(attention_chunk), which graphrt's FlashInfer plans do not express; use "
+                              f"{ATTENTION_ENV}=reference or auto")
         self.signatures = sorted({plan_signature(m.num_heads, m.num_kv_heads, m.head_dim, m.scale,
                                                  m.sliding_window) for m in self.layers})
         self.workspace_bytes = int(workspace_bytes)

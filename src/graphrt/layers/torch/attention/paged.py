@@ -126,12 +126,13 @@ class AttentionPlan(NamedTuple):
 
 def attention_plan(rows: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                    block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
-                   sliding_window: int | None = None) -> AttentionPlan:
+                   sliding_window: int | None = None, attention_chunk: int = 0) -> AttentionPlan:
     """The step's :class:`AttentionPlan` (device ops only; every shape from the tensors' shapes).
 
     ``rows [T]``: each token's cache row this step (the trash row for padding). Request ``r``'s
     tiles are numbered from ``query_start_loc[r] // tile + r``, so ``T // tile + R`` tiles hold
     them all; tokens past the last request (padding) fall to the last request's tiles, not live.
+    ``attention_chunk`` C > 0: a token at p reads only (p // C) * C .. p (its chunk).
     """
     num_tokens, num_reqs = rows.shape[0], seq_lens.shape[0]
     tile = query_tile(num_tokens, num_reqs)
@@ -165,6 +166,10 @@ def attention_plan(rows: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: 
     if sliding_window:
         valid = valid & (ctx_pos > pos - int(sliding_window))
         readable = readable & (ctx_pos > pos[:, 0] - int(sliding_window))
+    if attention_chunk:           # a tile's first token starts the earliest chunk of the tile
+        chunk = int(attention_chunk)
+        valid = valid & (ctx_pos >= pos.div(chunk, rounding_mode="floor") * chunk)
+        readable = readable & (ctx_pos >= pos[:, 0].div(chunk, rounding_mode="floor") * chunk)
     if tile == 1:
         readable = valid[:, 0]
     key_rows = torch.where(readable, key_rows, rows.index_select(0, tokens[:, 0]).unsqueeze(1))
@@ -187,7 +192,7 @@ def _gather_heads(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.view(cache.dtype) if is_fp8(cache.dtype) else out
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+def attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
             compute: torch.dtype, k_scale: float, v_scale: float, softcap: float,
             sinks: torch.Tensor | None) -> torch.Tensor:
     """The tiles' attention -> ``[N, tile, Hq, Dv]``: each tile's context gathered once,
@@ -237,20 +242,21 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
                            token_req_idx: torch.Tensor, block_size: int, scale: float,
                            sliding_window: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, *, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, attention_chunk: int = 0) -> torch.Tensor:
     """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
     ``q [T, Hq*D]``, ``k`` / ``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
     A float cache computes in its dtype; fp8 is dequantized (``k_scale`` / ``v_scale``) to
     float32. For transformers' decoders: ``softcap`` (``cap * tanh(scores / cap)``), ``sinks
     [Hq]`` (a per-head logit joining each softmax), and a V head size ``Dv`` with ``kv_cache`` a
-    ``(k [rows, Hkv, D], v [rows, Hkv, Dv])`` pair (-> ``[T, Hq*Dv]``). Padded tokens (past the
-    last request's queries) get zeros.
+    ``(k [rows, Hkv, D], v [rows, Hkv, Dv])`` pair (-> ``[T, Hq*Dv]``). ``attention_chunk`` C >
+    0: chunked local attention (Llama 4), a token at p attends to (p // C) * C .. p only. Padded
+    tokens (past the last request's queries) get zeros.
 
     A fixed few ops per call, whatever the head count (docs/attention.md, "The reference
     kernel"): the queries are cut into tiles of :func:`query_tile` tokens of one request
     (:func:`attention_plan`), each tile's context is gathered once for all its tokens and heads,
-    and every query head attends in one batched matmul (:func:`_attend`).
+    and every query head attends in one batched matmul (:func:`attend_tiles`).
     """
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_tokens, out_dtype = q.shape[0], q.dtype
@@ -264,8 +270,9 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     write_kv_rows(k_cache, rows, quantize_kv(k.reshape(num_tokens, hkv, d), k_cache.dtype, k_scale))
     write_kv_rows(v_cache, rows, quantize_kv(v.reshape(num_tokens, hkv, dv), v_cache.dtype, v_scale))
 
-    plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size, sliding_window)
-    out = _attend(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks)
+    plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size, sliding_window,
+                          attention_chunk)
+    out = attend_tiles(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks)
     if plan.tile == 1:
         out = out.reshape(num_tokens, num_heads * dv)
     else:
@@ -344,9 +351,17 @@ def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
                         slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int, scale: float,
                         sliding_window: int | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, kernel: str = "reference") -> torch.Tensor:
+                        v_scale: float = 1.0, kernel: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
     """:func:`paged_attention_kernel`'s contract, run by ``kernel``: the one of
-    :data:`PAGED_KERNELS` its attention backend fixed when it was set up (never chosen here)."""
+    :data:`PAGED_KERNELS` its attention backend fixed when it was set up (never chosen here).
+    Chunked layers (``attention_chunk``) run the reference kernel only (the selector fixes it)."""
+    if attention_chunk:
+        if kernel != "reference":
+            raise ConfigError(f"attention_chunk {attention_chunk}: chunked local attention runs on graphrt's "
+                              f"reference kernel only, not {kernel!r} ({ATTENTION_ENV}=reference)")
+        return paged_attention_kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
+                                      token_req_idx, block_size, scale, sliding_window, k_scale, v_scale,
+                                      attention_chunk=attention_chunk)
     return PAGED_KERNELS[kernel](q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                                  token_req_idx, block_size, scale, sliding_window, k_scale, v_scale)
 
@@ -356,10 +371,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
                     scale: float, sliding_window: int = 0, k_scale: float = 1.0,
-                    v_scale: float = 1.0, kernel: str = "reference") -> torch.Tensor:
+                    v_scale: float = 1.0, kernel: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
     """``torch.ops.graphrt.paged_attention``: :func:`run_paged_attention` as one opaque op."""
     return run_paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
-                               token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, kernel)
+                               token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, kernel,
+                               attention_chunk)
 
 
 @paged_attention.register_fake
@@ -368,7 +384,7 @@ def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                           seq_lens: torch.Tensor, block_table: torch.Tensor,
                           token_req_idx: torch.Tensor, block_size: int, scale: float,
                           sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                          kernel: str = "reference") -> torch.Tensor:
+                          kernel: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -387,7 +403,7 @@ def paged_attend(kernel: str, layer: "PagedAttention", q: torch.Tensor, k: torch
     run = paged_attention if torch.compiler.is_compiling() else run_paged_attention
     return run(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table,
                meta.token_req_idx, meta.block_size, layer.scale, layer.sliding_window, layer.k_scale,
-               layer.v_scale, kernel)
+               layer.v_scale, kernel, getattr(layer, "attention_chunk", 0))
 
 
 def reference_attend(layer: "PagedAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -407,17 +423,23 @@ class PagedAttention(nn.Module):
     graphrt_attention: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                 attention_chunk: int = 0) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ConfigError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         if sliding_window is not None and sliding_window < 0:
             raise ConfigError(f"sliding_window must be None or >= 0, got {sliding_window}")
+        if attention_chunk < 0 or (attention_chunk and sliding_window):
+            raise ConfigError(f"attention_chunk must be >= 0 and not beside a sliding window, got "
+                              f"{attention_chunk} (sliding_window {sliding_window})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = int(sliding_window or 0)
+        #: Chunked local attention (0: none): a token at p attends to (p // C) * C .. p.
+        self.attention_chunk = int(attention_chunk)
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.kv_cache: torch.Tensor | None = None
 

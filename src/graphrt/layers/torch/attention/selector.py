@@ -115,6 +115,13 @@ def _paged(site: AttentionSite) -> Any:
     if site.device is not None and site.dtype is not None:
         kernel = choose_attention_kernel(site.device, site.head_dim or 64, site.dtype, site.kv_dtype or site.dtype,
                                          site.requested).kernel
+    chunked = [i for i, layer in enumerate(site.layers) if getattr(layer, "attention_chunk", 0)]
+    if chunked and kernel not in (None, "reference"):      # chunked local attention: the reference kernel's only
+        if site.requested == kernel:
+            raise ConfigError(f"{ATTENTION_ENV}={kernel}, but attention layers {chunked} attend within chunks "
+                              f"(attention_chunk), which only graphrt's reference kernel runs; use "
+                              f"{ATTENTION_ENV}=reference or auto")
+        kernel = "reference"
     paged = PagedAttentionBackend(site.head_dim, kernel)
     foreign = [layer for layer in site.layers if not isinstance(layer, PagedAttention)]
     if foreign:

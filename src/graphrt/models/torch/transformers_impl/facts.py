@@ -2,13 +2,15 @@
 
 :func:`layer_facts` reads them once at load, from the config and one probe forward in which the
 attention function answers zeros and records each call: heads and head sizes (this rank's),
-``scaling``, ``sliding_window``, ``softcap``, sinks. Each *call* is a call site with a KV cache of
-its own, keyed by its order within the forward: a module that attends twice (differential
-attention, a block shared by several layers, a stack run in loops) gets one per call. A mask the
-model builds itself is read (:func:`mask_window_of`): causal, with or without a sliding window,
-runs; any other is refused naming what it does. A layer disagreeing with ``layer_types``, an
-unknown keyword or a layer without ``layer_idx`` is refused with a :class:`ConfigError` naming
-the module path.
+``scaling``, ``sliding_window``, ``softcap``, sinks; the config adds each ``chunked_attention``
+layer's chunk (``attention_chunk_size``, Llama 4) and a NoPE layer's query temperature (Llama 4's
+``attn_temperature_tuning``, which graphrt applies from each token's own position); a DSA layer's
+indexer (``indexer.py``). Each *call* is a call site with a KV cache of its own, keyed by its
+order within the forward: a module that attends twice (differential attention, a block shared by
+several layers, a stack run in loops) gets one per call. A mask the model builds itself is read
+(:func:`mask_window_of`): causal, with or without a sliding window, runs; any other is refused
+naming what it does. A layer disagreeing with ``layer_types``, an unknown keyword or a layer
+without ``layer_idx`` is refused with a :class:`ConfigError` naming the module path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from graphrt.core.errors import ConfigError
+from graphrt.models.torch.transformers_impl.indexer import MASK_PLACEHOLDER, index_facts, route_indexers
 from graphrt.models.torch.transformers_impl.interface import handling
 
 #: Keywords a transformers layer passes that change nothing for a causal paged attention
@@ -34,6 +37,12 @@ NONE_KWARGS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "tok
 #: ``layer_types`` entries of full and of sliding-window attention.
 FULL_TYPES = frozenset({"full_attention", "global_attention", "attention"})
 SLIDING_TYPES = frozenset({"sliding_attention", "local_attention", "sliding_window_attention"})
+#: ``layer_types`` entries of chunked local attention (a token sees its own chunk of the positions).
+CHUNKED_TYPES = frozenset({"chunked_attention"})
+#: ``layer_types`` entries of indexed sparse attention (DSA), served where the indexers are routed.
+INDEXED_TYPES = frozenset({"indexed_attention"})
+#: Where :func:`own_temperature` keeps a module's query temperature it turned off.
+TEMPERATURE_ATTR = "_graphrt_temperature"
 #: Tokens of the probe forward.
 PROBE_TOKENS = 5
 
@@ -55,6 +64,12 @@ class LayerFacts:
     sinks: bool = False
     call: int = 0
     module_id: int = 0        # id() of the calling module: each forward's calls are checked against it
+
+    attention_chunk: int = 0
+    #: Llama 4's NoPE-layer query temperature ``(floor_scale, attn_scale)``, or None.
+    temperature: tuple[float, float] | None = None
+    #: A DSA layer's indexer ``(heads, head size, top-k, score scale)`` (indexer.py), or None.
+    index: tuple[int, int, int, float] | None = None
 
 
 def mask_window_of(path: str, mask: Any, tokens: int) -> int | None:
@@ -112,11 +127,59 @@ def config_windows(config: Any, num_layers: int) -> dict[int, int] | None:
     for i, kind in enumerate(types):
         if kind in SLIDING_TYPES:
             windows[i] = window
-        elif kind in FULL_TYPES:
+        elif kind in FULL_TYPES or kind in CHUNKED_TYPES or kind in INDEXED_TYPES:
             windows[i] = 0
         else:
             windows[i] = -1           # a kind graphrt's attention does not run (chunked, linear, ...)
     return windows
+
+
+def config_chunks(config: Any) -> dict[int, int]:
+    """Each ``chunked_attention`` layer's chunk (``attention_chunk_size``); a chunked layer
+    without a positive chunk is a ConfigError naming the field."""
+    types = getattr(config, "layer_types", None) or ()
+    chunked = [i for i, kind in enumerate(types) if kind in CHUNKED_TYPES]
+    if not chunked:
+        return {}
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+        raise ConfigError(f"attention_chunk_size: {chunk!r}, but layer_types has chunked_attention layers "
+                          f"{chunked}; it must be a positive int")
+    return {i: chunk for i in chunked}
+
+
+def temperature_of(module: torch.nn.Module) -> tuple[float, float] | None:
+    """Llama 4's query temperature of a NoPE layer (``attn_temperature_tuning`` and not
+    ``use_rope``): ``(floor_scale, attn_scale)``, else None. transformers computes it from
+    ``arange(tokens)`` plus its own cache's length, which on graphrt's packed row is not each
+    token's position: graphrt turns it off on the module and applies it itself."""
+    own = getattr(module, TEMPERATURE_ATTR, None)
+    if own is not None:                                   # turned off by graphrt already (own_temperature)
+        return own
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    return float(module.floor_scale), float(module.attn_scale)
+
+
+def own_temperature(hf_model: torch.nn.Module, facts: list[LayerFacts]) -> list[str]:
+    """Turn transformers' query temperature off on each layer whose facts carry one (graphrt's
+    :class:`~graphrt.models.torch.transformers_impl.layer.HFPagedAttention` applies it per token
+    position instead); the module paths patched."""
+    patched = []
+    for f in facts:
+        if f.temperature is not None:
+            module = hf_model.get_submodule(f.path)
+            setattr(module, TEMPERATURE_ATTR, f.temperature)
+            module.attn_temperature_tuning = False
+            patched.append(f.path)
+    return patched
+
+
+def _is_placeholder(mask: Any) -> bool:
+    """Whether ``mask`` is the DSA placeholder (indexer.py) or a slice of it: it holds nothing."""
+    return mask is MASK_PLACEHOLDER or (isinstance(mask, torch.Tensor) and mask.device == MASK_PLACEHOLDER.device
+                                        and mask.untyped_storage().data_ptr()
+                                        == MASK_PLACEHOLDER.untyped_storage().data_ptr())
 
 
 class _Probe:
@@ -133,10 +196,14 @@ class _Probe:
         if not isinstance(idx, int):
             raise ConfigError(f"{path} ({type(module).__name__}) has no integer layer_idx: graphrt finds each "
                               "attention layer's KV cache by it")
-        unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None))
+        index = index_facts(module, kwargs)
+        unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None)
+                         and not (k == "indices" and index is not None))
         if unknown:
             raise ConfigError(f"{path} passes attention keywords graphrt's paged attention does not apply: {unknown}")
-        mask_window = None if mask is None else mask_window_of(path, mask, int(query.shape[2]))
+        # A DSA layer's placeholder mask (indexer.py) is graphrt's own, not the model's.
+        own_mask = mask is not None and not (index is not None and _is_placeholder(mask))
+        mask_window = mask_window_of(path, mask, int(query.shape[2])) if own_mask else None
         if kwargs.get("is_causal", True) is False or getattr(module, "is_causal", True) is False:
             raise ConfigError(f"{path} attends bidirectionally (is_causal=False): graphrt's paged attention is causal")
         if query.dim() != 4 or query.shape[0] != 1 or key.shape[-1] != query.shape[-1]:
@@ -151,7 +218,7 @@ class _Probe:
                                head_dim_v=int(value.shape[-1]),
                                scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
                                window=kwargs.get("sliding_window") or mask_window, softcap=kwargs.get("softcap"),
-                               sinks=sinks is not None))
+                               sinks=sinks is not None, temperature=temperature_of(module), index=index))
         t = query.shape[2]
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
 
@@ -191,12 +258,15 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     device = next(hf_model.parameters()).device
     vocab = int(config.vocab_size)
     ids = (torch.arange(PROBE_TOKENS, device=device) * 7 + 3) % vocab
-    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in FULL_TYPES | SLIDING_TYPES | recurrent})
+    indexed = INDEXED_TYPES if route_indexers(hf_model) else frozenset()
+    served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | indexed | recurrent
+    kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in served})
     if kinds:
         raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, which graphrt's paged attention "
-                          "does not run (it runs full and sliding-window causal attention, and routes the recurrent "
-                          "mixers of docs/hybrid.md to its own kernels; other recurrent, convolutional, chunked and "
+                          "does not run (it runs full, sliding-window and chunked causal attention, and routes the "
+                          "recurrent mixers of docs/hybrid.md to its own kernels; other recurrent, convolutional and "
                           "sparse layers are not this backend's)")
+    chunks = config_chunks(config)
     try:
         with torch.no_grad(), handling(probe):
             base(input_ids=ids[None], position_ids=torch.arange(PROBE_TOKENS, device=device)[None], use_cache=False)
@@ -217,12 +287,17 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     for site, call in enumerate(probe.calls):
         idx = call["layer_idx"]
         window = _window(call, windows, idx)
+        kinds = getattr(config, "layer_types", None) or ()
+        if idx < len(kinds) and kinds[idx] in INDEXED_TYPES and call["index"] is None:
+            raise ConfigError(f"{call['path']}: layer_types[{idx}] is indexed_attention, but its attention call "
+                              "carries no routed indexer's inputs (transformers_impl/indexer.py)")
         softcap = float(call["softcap"] or 0.0)
         if softcap < 0 or not math.isfinite(softcap) or not math.isfinite(call["scale"]):
             raise ConfigError(f"{call['path']}: softcap {call['softcap']} / scaling {call['scale']} must be finite")
         facts.append(LayerFacts(idx, call["path"], call["heads"], call["kv_heads"], call["head_dim"],
                                 call["head_dim_v"], call["scale"], window, softcap, call["sinks"], site,
-                                call["module_id"]))
+                                call["module_id"], attention_chunk=chunks.get(idx, 0),
+                                temperature=call["temperature"], index=call["index"]))
     return facts
 
 
@@ -291,6 +366,6 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
     return declared
 
 
-__all__ = ["FULL_TYPES", "HARMLESS_KWARGS", "LayerFacts", "SHARED_PAST", "SLIDING_TYPES", "config_windows",
-           "layer_facts", "innermost_module", "mask_window_of", "module_paths", "position_offset",
-           "text_config"]
+__all__ = ["CHUNKED_TYPES", "FULL_TYPES", "HARMLESS_KWARGS", "INDEXED_TYPES", "LayerFacts", "SHARED_PAST",
+           "SLIDING_TYPES", "config_chunks", "config_windows", "layer_facts", "innermost_module", "mask_window_of",
+           "module_paths", "own_temperature", "position_offset", "temperature_of", "text_config"]

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.models.checkpoint import NAMES_SHOWN, names_with_files, tensor_files
 from graphrt.models.model_impl import read_config_json
-from graphrt.models.torch.transformers_impl.facts import layer_facts, position_offset, text_config
+from graphrt.models.torch.transformers_impl.facts import layer_facts, own_temperature, position_offset, text_config
 from graphrt.models.torch.transformers_impl.experts import route_experts, routing_blocker
 from graphrt.models.torch.transformers_impl.interface import ATTENTION_NAME, register_attention
 from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_of
@@ -188,6 +188,13 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
     facts = layer_facts(hf_model, body, served_types(hf_model, text_config(hf_model.config), found))
     check_attention_routed(hf_model, text_config(hf_model.config), [f.layer_idx for f in facts])
     offset = position_offset(hf_model, body)
+    if indexed := [f.path for f in facts if f.index]:
+        logger.info("%s: the DSA indexers of %s return their projections to graphrt, which keeps their keys in the "
+                    "paged cache and selects the top-k on the device (transformers_impl/indexer.py)",
+                    type(hf_model).__name__, indexed)
+    if patched := own_temperature(hf_model, facts):
+        logger.info("%s: query temperature of %s applied by graphrt at each token's position (transformers' "
+                    "numbers the packed row from 0)", type(hf_model).__name__, patched)
     routed = route_recurrent_mixers(hf_model, found)
     return TransformersForCausalLM(hf_model, facts, blocker, tp_rank, tp_size, offset, routed)
 

@@ -26,6 +26,7 @@ from graphrt.core.state_spec import StateSpec
 from graphrt.models.torch.transformers_impl.experts import unrouted_note
 from graphrt.models.torch.transformers_impl.facts import LayerFacts, innermost_module, module_paths, text_config
 from graphrt.models.torch.transformers_impl.interface import handling
+from graphrt.layers.torch.attention.sparse import IndexedPagedBackend
 from graphrt.models.torch.transformers_impl.layer import HFPagedAttention, ReferencePagedBackend
 from graphrt.models.torch.transformers_impl.recurrent import RoutedMixer, state_spec_of
 
@@ -95,7 +96,10 @@ class _CallSites:
         q = query[0].transpose(0, 1).reshape(t, -1)
         k = key[0].transpose(0, 1).reshape(t, -1)
         v = value[0].transpose(0, 1).reshape(t, -1)
-        out = layer(q, k, v, kwargs.get("s_aux")) if layer.sinks else layer(q, k, v)
+        if layer.index_head_size:
+            out = layer(q, k, v, index=kwargs.get("indices"))
+        else:
+            out = layer(q, k, v, kwargs.get("s_aux")) if layer.sinks else layer(q, k, v)
         return out.view(1, t, layer.num_heads, layer.head_dim_v), None
 
 
@@ -168,12 +172,16 @@ class TransformersForCausalLM(nn.Module):
         #: Added to graphrt's positions: the ``position_ids`` the model numbers tokens with (facts.py).
         self.position_offset = int(position_offset)
         self.paged = nn.ModuleList(HFPagedAttention(f.num_heads, f.num_kv_heads, f.head_dim, f.scale,
-                                                    f.sliding_window, f.softcap, f.sinks, f.head_dim_v)
+                                                    f.sliding_window, f.softcap, f.sinks, f.head_dim_v,
+                                                    f.attention_chunk, f.temperature, f.index)
                                    for f in facts)
         self._sites = tuple((f.module_id, f.path, layer) for f, layer in zip(facts, self.paged))
         self._body_name = body_name(hf_model)
         self._stand_in = _Body()
-        if any(layer.extended for layer in self.paged):
+        if any(layer.index_head_size for layer in self.paged):
+            #: DSA: indexed layers run graphrt's sparse kernel, the others the extended reference one
+            self.attention_backend = IndexedPagedBackend(facts[0].head_dim)
+        elif any(layer.extended for layer in self.paged):
             #: soft-capping, sinks or a V head size of its own: graphrt's reference algorithm, extended
             self.attention_backend = ReferencePagedBackend(facts[0].head_dim)
         self._paths: dict[int, str] | None = None
@@ -223,12 +231,16 @@ class TransformersForCausalLM(nn.Module):
         return list(self.paged)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """One group per KV layout (heads, K / V head sizes, sliding window), this rank's heads."""
-        groups: dict[tuple[int, int, int, int], list[int]] = {}
+        """One group per KV layout (heads, K / V head sizes, sliding window, attention chunk), this
+        rank's heads."""
+        groups: dict[tuple[int, int, int, int, int], list[int]] = {}
         for i, f in enumerate(self.facts):
-            groups.setdefault((f.num_kv_heads, f.head_dim, f.head_dim_v, f.sliding_window), []).append(i)
-        return KVCacheSpec(tuple(KVCacheGroup(tuple(layers), heads, d, None if dv == d else dv, sliding_window=w)
-                                 for (heads, d, dv, w), layers in groups.items()))
+            key = (f.num_kv_heads, f.head_dim, f.head_dim_v, f.sliding_window, f.attention_chunk,
+                   f.index[1] if f.index else 0)
+            groups.setdefault(key, []).append(i)
+        return KVCacheSpec(tuple(KVCacheGroup(tuple(layers), heads, d, None if dv == d else dv, sliding_window=w,
+                                              attention_chunk=c, index_head_size=di)
+                                 for (heads, d, dv, w, c, di), layers in groups.items()))
 
     def state_layers(self) -> list[nn.Module]:
         """graphrt's module of each routed recurrent mixer, in layer order (each gets ``state_cache``)."""

@@ -1,0 +1,114 @@
+"""Indexed sparse attention (DeepSeek-V3.2's DSA and its relatives): a lightning indexer scores
+each token's context, and attention reads only the ``index_topk`` best-scored keys of it.
+
+The indexer's keys live beside the layer's K / V in the paged cache (``KVCacheGroup.index_head_size``:
+the layer's ``kv_cache`` is ``(k [rows, Hkv, D], v [rows, Hkv, Dv], index_k [rows, Di])``), written
+by the same slots. The indexer's score of key j for token t is
+
+    score[t, j] = sum_h weights[t, h] * relu(index_scale * q_index[t, h] . index_k[j])
+
+over the keys the causal mask lets t read; the ``min(index_topk, L)`` best (``L``: the gathered
+context's width, fixed by the step's shapes -- the graph key's context bucket) are selected on
+the device with ``torch.topk`` (no host sync), and the reference kernel's attention runs with
+every other key masked. A token with fewer readable keys than ``k`` reads all of them (the rest
+of its selection is masked keys). Capture-safe as the reference kernel: shapes only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from graphrt.core.errors import ConfigError
+from graphrt.layers.torch.attention.backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.kv_quant import is_fp8, write_kv_rows
+from graphrt.layers.torch.attention.paged import attend_tiles, attention_plan, paged_attention_kernel
+from graphrt.layers.torch.forward_context import get_forward_context
+
+
+class IndexerInputs(NamedTuple):
+    """One step's indexer projections: ``q [T, Hi, Di]`` and ``k [T, Di]`` (positions applied),
+    ``weights [T, Hi]`` (each head's weight, any scaling of the model's applied)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+
+
+def index_selection(index: IndexerInputs, index_cache: torch.Tensor, plan: Any, index_topk: int,
+                    index_scale: float) -> torch.Tensor:
+    """Which context columns each tile row of ``plan`` reads: ``[N, tile, L]`` bool, the
+    ``min(index_topk, L)`` best indexer scores among the readable columns (module docstring)."""
+    num_tiles, tile = plan.tokens.shape
+    ctx_len = plan.key_rows.shape[1]
+    heads, dim = index.q.shape[1], index.q.shape[2]
+    keys = index_cache.index_select(0, plan.key_rows.reshape(-1)).view(num_tiles, ctx_len, dim).float()
+    q = index.q.float()
+    weights = index.weights.float()
+    if tile > 1:
+        q = q.index_select(0, plan.tokens.reshape(-1))
+        weights = weights.index_select(0, plan.tokens.reshape(-1))
+    scores = torch.relu(torch.bmm(q.reshape(num_tiles, tile * heads, dim), keys.transpose(1, 2)) * index_scale)
+    scores = torch.matmul(weights.view(num_tiles, tile, 1, heads), scores.view(num_tiles, tile, heads, ctx_len))
+    scores = scores.view(num_tiles, tile, ctx_len).masked_fill(plan.masked, float("-inf"))
+    top = scores.topk(min(int(index_topk), ctx_len), dim=-1).indices
+    return torch.zeros_like(plan.masked).scatter_(-1, top, True)
+
+
+def indexed_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, index: IndexerInputs,
+                             slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                             block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int, scale: float,
+                             index_topk: int, index_scale: float, *, softcap: float = 0.0) -> torch.Tensor:
+    """Write the step's K, V and indexer keys, select each token's top-k keys, attend over them.
+
+    ``q [T, Hq*D]``, ``k`` / ``v`` ``[T, Hkv*D]`` / ``[T, Hkv*Dv]``, ``kv_cache`` the ``(k, v,
+    index_k)`` triple (module docstring), ``index`` the step's :class:`IndexerInputs` -> ``[T,
+    Hq*Dv]``; padded tokens get zeros. Float caches only."""
+    k_cache, v_cache, index_cache = kv_cache
+    if is_fp8(k_cache.dtype):
+        raise ConfigError("kv_cache_dtype: indexed sparse attention keeps float caches only; use 'auto'")
+    num_tokens, out_dtype = q.shape[0], q.dtype
+    hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
+    rows = torch.where(slot_mapping < 0, k_cache.shape[0] - 1, slot_mapping)      # negative: the trash row
+    write_kv_rows(k_cache, rows, k.reshape(num_tokens, hkv, d).to(k_cache.dtype))
+    write_kv_rows(v_cache, rows, v.reshape(num_tokens, hkv, dv).to(v_cache.dtype))
+    index_cache.index_copy_(0, rows, index.k.to(index_cache.dtype))
+    plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size)
+    selected = index_selection(index, index_cache, plan, index_topk, index_scale)
+    plan = plan._replace(masked=plan.masked | ~selected)
+    out = attend_tiles(q, k_cache, v_cache, plan, scale, k_cache.dtype, 1.0, 1.0, softcap, None)
+    num_heads = q.shape[1] // d
+    if plan.tile == 1:
+        out = out.reshape(num_tokens, num_heads * dv)
+    else:
+        out = out.reshape(-1, num_heads * dv).index_select(0, plan.rows_of_tokens)
+    return torch.where(plan.token_live.unsqueeze(1), out, 0.0).to(out_dtype)
+
+
+class IndexedPagedBackend(PagedAttentionBackend):
+    """graphrt's paged metadata (the table narrowed to the keyed context, as the reference kernel
+    needs) with a kernel for both kinds of layer a DSA model has: an indexed layer (``index``
+    given) runs :func:`indexed_attention_kernel`, any other the reference kernel with its
+    additions (soft-capping, sinks, its own V head size, a chunk)."""
+
+    name = "graphrt-indexed-sparse"
+    attends_extended = True
+
+    def __init__(self, head_dim: int | None = None) -> None:
+        super().__init__(head_dim, kernel="reference")
+
+    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None, index: IndexerInputs | None = None) -> torch.Tensor:
+        meta = get_forward_context()
+        args = (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table, meta.token_req_idx,
+                meta.block_size, layer.scale)
+        if index is not None:
+            return indexed_attention_kernel(q, k, v, layer.kv_cache, index, *args, layer.index_topk,
+                                            layer.index_scale, softcap=getattr(layer, "softcap", 0.0))
+        return paged_attention_kernel(q, k, v, layer.kv_cache, *args, layer.sliding_window, layer.k_scale,
+                                      layer.v_scale, softcap=getattr(layer, "softcap", 0.0), sinks=sinks,
+                                      attention_chunk=getattr(layer, "attention_chunk", 0))
+
+
+__all__ = ["IndexedPagedBackend", "IndexerInputs", "index_selection", "indexed_attention_kernel"]

@@ -1,0 +1,106 @@
+"""DeepSeek-V3.2's sparse attention (DSA) through graphrt's paged cache (issue 45).
+
+transformers' DSA attention (``DeepseekV32Attention``, ``GlmMoeDsaAttention``) asks its lightning
+indexer for each token's top-k keys over transformers' own cache and mask, then passes them to the
+attention function as ``indices``. On graphrt's packed row there is neither: graphrt patches
+each indexer instance's ``forward`` (:func:`route_indexers`, logged) to return the step's indexer
+projections (:class:`~graphrt.layers.torch.attention.sparse.IndexerInputs`: the query heads and the
+key with the model's RoPE applied, each head's weight) instead of indices, and gives the
+attention module a placeholder mask (:data:`MASK_PLACEHOLDER`, which only its ``[:, 0]`` slicing
+reads). graphrt's layer writes the key into the paged indexer cache and selects and attends on
+the device (``layers/torch/attention/sparse.py``).
+
+Checked indexer classes only (:data:`INDEXER_ROPE`: which RoPE layout each applies); any other
+indexer, and a layer reusing another layer's selection (GLM's ``indexer_types`` "shared"), is
+refused with a ConfigError naming it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from graphrt.core.errors import ConfigError
+from graphrt.layers.torch.attention.sparse import IndexerInputs
+
+#: Indexer classes graphrt routes: the function of their module that applies their RoPE
+#: (DeepSeek-V3.2's and A.X-K2's indexers rotate the halves, GLM-MoE-DSA's interleaved pairs) and
+#: whether the rotated dimensions come last of each head rather than first (HY-V4's indexer does,
+#: but HY-V4 does not match transformers through graphrt even with every key selected: not routed).
+INDEXER_ROPE: dict[str, tuple[str, bool]] = {
+    "DeepseekV32Indexer": ("apply_rotary_pos_emb", False), "AXK2Indexer": ("apply_rotary_pos_emb", False),
+    "GlmMoeDsaIndexer": ("apply_rotary_pos_emb_interleave", False)}
+#: What a DSA attention module gets as its mask under graphrt (it slices ``[:, 0]`` and passes the
+#: result on; nothing reads its values).
+MASK_PLACEHOLDER = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+#: The attribute a routed indexer keeps its ``(index_topk, index_scale)`` in (the probe reads it).
+ROUTED_ATTR = "_graphrt_indexer"
+
+
+def _indexer_forward(indexer: torch.nn.Module, rope: Any, rope_last: bool):
+    """``indexer``'s forward under graphrt: the step's :class:`IndexerInputs`, no selection."""
+
+    def forward(hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings: Any, attention_mask: Any,
+                position_ids: Any = None, cache: Any = None, **_: Any) -> IndexerInputs:
+        t = hidden_states.shape[1]
+        cos, sin = position_embeddings
+        dim = indexer.head_dim
+        lo, hi = (dim - indexer.qk_rope_head_dim, dim) if rope_last else (0, indexer.qk_rope_head_dim)
+        q = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, dim)
+        k = indexer.wk(hidden_states)       # the norm in its own dtype (HY-V4 keeps it in float32)
+        k = indexer.k_norm(k.to(indexer.k_norm.weight.dtype)).to(hidden_states.dtype).unsqueeze(2)
+        q_rot, k_rot = rope(q[..., lo:hi], k[..., lo:hi], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q[..., :lo], q_rot, q[..., hi:]], dim=-1)
+        k = torch.cat([k[..., :lo], k_rot, k[..., hi:]], dim=-1)
+        weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+        return IndexerInputs(q[0], k[0, :, 0], weights[0] * indexer.n_heads ** -0.5)
+
+    return forward
+
+
+def _placeholder_mask(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook: the attention module's ``attention_mask`` None -> :data:`MASK_PLACEHOLDER`."""
+    if kwargs.get("attention_mask") is None:
+        kwargs["attention_mask"] = MASK_PLACEHOLDER
+    return args, kwargs
+
+
+def dsa_attention_modules(hf_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every attention module of ``hf_model`` with an ``indexer`` attribute (DSA), with its path."""
+    return [(name, m) for name, m in hf_model.named_modules() if hasattr(m, "indexer") and hasattr(m, "layer_idx")]
+
+
+def route_indexers(hf_model: torch.nn.Module) -> list[str]:
+    """Patch each DSA attention module's indexer (module docstring); the paths patched. Idempotent."""
+    patched = []
+    for name, module in dsa_attention_modules(hf_model):
+        indexer = module.indexer
+        if indexer is None:
+            raise ConfigError(f"{name}: this layer reuses another layer's top-k selection (indexer_types 'shared'), "
+                              "which graphrt's indexed sparse attention does not keep across layers")
+        kind = type(indexer).__name__
+        if kind not in INDEXER_ROPE:
+            raise ConfigError(f"{name}.indexer is a {kind}, which graphrt's indexed sparse attention has not checked "
+                              f"(it routes {sorted(INDEXER_ROPE)})")
+        if getattr(indexer, ROUTED_ATTR, None) is None:
+            name, rope_last = INDEXER_ROPE[kind]
+            indexer.forward = _indexer_forward(indexer, getattr(sys.modules[type(indexer).__module__], name), rope_last)
+            module.register_forward_pre_hook(_placeholder_mask, with_kwargs=True)
+            setattr(indexer, ROUTED_ATTR, (int(indexer.index_topk), float(indexer.softmax_scale)))
+        patched.append(f"{name}.indexer")
+    return patched
+
+
+def index_facts(module: torch.nn.Module, kwargs: dict) -> tuple[int, int, int, float] | None:
+    """What a routed DSA layer's attention call says of its indexer: ``(heads, head size, top-k,
+    score scale)``, or None for a layer without one."""
+    index = kwargs.get("indices")
+    if not isinstance(index, IndexerInputs):
+        return None
+    topk, scale = getattr(module.indexer, ROUTED_ATTR)
+    return int(index.q.shape[1]), int(index.q.shape[2]), topk, scale
+
+
+__all__ = ["INDEXER_ROPE", "MASK_PLACEHOLDER", "dsa_attention_modules", "index_facts", "route_indexers"]

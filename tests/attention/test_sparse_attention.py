@@ -1,0 +1,174 @@
+"""Indexed sparse attention (DeepSeek-V3.2's DSA, GLM-MoE-DSA) through graphrt (issue 45).
+
+The indexer's keys are kept beside K and V (``KVCacheGroup.index_head_size``); graphrt's kernel
+(``layers/torch/attention/sparse.py``) scores each token's readable context, takes the top-k on
+the device (k fixed by the step's shapes) and attends over those keys only. Here:
+
+* the kernel against a dense float64 oracle per request (prefill tiles and decode, padded
+  tokens and requests, NaN in every row no request reads): outputs and the cache rows written;
+* the spec's checks (an indexer key size is an int >= 0, float caches only) and layout;
+* teacher-forced parity with transformers' own forward for tiny ``deepseek_v32`` and
+  ``glm_moe_dsa`` (top-4 of up to 18 keys): 4 requests joining at different steps, chunked
+  prefill, a preempted request recomputed, on ``eager`` and ``cpu`` FULL graphs (mixed and
+  decode steps captured);
+* the kit's ``kv_isolated`` and ``padding_invisible`` on DeepSeek-V3.2 (padded rows of the
+  top-k included); the refusal of a layer reusing another layer's selection.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import graphrt
+from graphrt.core.errors import ConfigError
+from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec, resolve_kv_spec
+from graphrt.layers.torch.attention.paged import TorchAttentionMetadata
+from graphrt.layers.torch.attention.sparse import IndexerInputs, indexed_attention_kernel
+from support.hybrid_parity import run_schedule
+from support.parity import assert_close_across_reductions
+
+transformers = pytest.importorskip("transformers")
+
+from transformers_zoo import load_reference, reference_logits, tiny_checkpoint  # noqa: E402
+
+#: A tiny DSA model whose top-k (4) is shorter than the test prompts; 16 indexer heads make an
+#: exact tie of two keys' scores (every head's ReLU at 0) unlikely.
+DSA = dict(index_topk=4, index_n_heads=16, index_head_dim=16)
+LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block_size=4, num_kv_blocks=33)
+SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16])}
+HKV, GROUPS, D, DV, HI, DI, BS = 2, 2, 8, 4, 16, 8, 4     # 16 indexer heads: no exact ties
+
+
+def _step(reqs, topk, pad_tokens, pad_reqs, seed):
+    """A step of ``reqs`` ``(computed, scheduled)``: distinct random blocks, NaN in unread rows."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [c + n for c, n in reqs]
+    width = max(-(-n // BS) for n in lens) + 1
+    num_blocks = 2 + sum(-(-n // BS) for n in lens)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(reqs) + pad_reqs, width, dtype=torch.int32)
+    qsl, slots, where_all = [0], [], []
+    for r, ((computed, scheduled), n) in enumerate(zip(reqs, lens)):
+        blocks = [order.pop() for _ in range(-(-n // BS))]
+        table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        where = [blocks[p // BS] * BS + p % BS for p in range(n)]
+        where_all.append(where)
+        slots += where[computed:]
+        qsl.append(qsl[-1] + scheduled)
+    qsl += [qsl[-1]] * pad_reqs
+    real = len(slots)
+    slots += [-1] * pad_tokens
+    t, rows = len(slots), num_blocks * BS + 1
+    cache = (torch.randn(rows, HKV, D, generator=gen), torch.randn(rows, HKV, DV, generator=gen),
+             torch.randn(rows, DI, generator=gen))
+    unread = torch.ones(rows, dtype=torch.bool)
+    unread[torch.tensor([x for w in where_all for x in w])] = False
+    for c in cache:
+        c[unread] = float("nan")
+    q, k, v = (torch.randn(t, HKV * GROUPS * D, generator=gen), torch.randn(t, HKV * D, generator=gen),
+               torch.randn(t, HKV * DV, generator=gen))
+    index = IndexerInputs(torch.randn(t, HI, DI, generator=gen), torch.randn(t, DI, generator=gen),
+                          torch.randn(t, HI, generator=gen))
+    meta = TorchAttentionMetadata.build(torch.tensor(slots), torch.tensor(qsl, dtype=torch.int32),
+                                        torch.tensor(lens + [0] * pad_reqs, dtype=torch.int32), table, BS)
+    return q, k, v, cache, index, meta, where_all, real
+
+
+def _dense(reqs, q, cache, index, where_all, topk, scale, index_scale):
+    """Per request in float64: each token's indexer scores over its causal keys, the top-k of
+    them (all where fewer), softmax attention over those only."""
+    outs, start = [], 0
+    for (computed, scheduled), where in zip(reqs, where_all):
+        rows = torch.tensor(where)
+        keys = cache[0][rows].double().repeat_interleave(GROUPS, 1)
+        values = cache[1][rows].double().repeat_interleave(GROUPS, 1)
+        ikeys = cache[2][rows].double()
+        for t in range(start, start + scheduled):
+            pos = computed + t - start
+            scores = torch.relu(index.q[t].double() @ ikeys[:pos + 1].T * index_scale)      # [Hi, pos + 1]
+            iscore = index.weights[t].double() @ scores
+            ranked = torch.sort(iscore, descending=True).values
+            if pos + 1 > topk:
+                gap = float(ranked[topk - 1] - ranked[topk])
+                assert gap > 1e-6 * float(ranked.abs().max()), "a near tie at the top-k boundary: draw another seed"
+            chosen = iscore.topk(min(topk, pos + 1)).indices
+            att = torch.einsum("hd,nhd->hn", q[t].double().view(HKV * GROUPS, D), keys[chosen]) * scale
+            outs.append(torch.einsum("hn,nhd->hd", torch.softmax(att, -1), values[chosen]).reshape(-1))
+        start += scheduled
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("reqs,topk,pad_tokens,pad_reqs,seed", [
+    ([(0, 13), (5, 9), (20, 1)], 4, 3, 1, 0),       # prefill tiles: a new prompt, a continued one, a decode
+    ([(7, 1), (12, 1), (0, 1), (30, 1)], 5, 2, 2, 1),  # decode (one token per tile), fewer keys than k at first
+    ([(3, 6), (0, 20)], 50, 0, 0, 2),               # k above every context: dense causal attention
+])
+def test_the_sparse_kernel_is_dense_attention_over_the_top_k(reqs, topk, pad_tokens, pad_reqs, seed):
+    q, k, v, cache, index, meta, where_all, real = _step(reqs, topk, pad_tokens, pad_reqs, seed)
+    before = [c.clone() for c in cache]
+    out = indexed_attention_kernel(q, k, v, cache, index, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_table, meta.token_req_idx, BS, D ** -0.5, topk, DI ** -0.5)
+    assert torch.isfinite(out).all() and torch.equal(out[real:], torch.zeros_like(out[real:]))
+    want = _dense(reqs, q, cache, index, where_all, topk, D ** -0.5, DI ** -0.5)
+    assert_close_across_reductions(out[:real].double(), want, width=max(len(w) for w in where_all), dtype=q.dtype)
+    slots = meta.slot_mapping[:real]
+    for new, old, x in zip(cache, before, (k, v, index.k)):
+        assert torch.equal(new[slots], x[:real].view(new[slots].shape)), "the step's rows are not in its slots"
+        untouched = torch.ones(new.shape[0] - 1, dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(new[:-1][untouched].nan_to_num(), old[:-1][untouched].nan_to_num()), "foreign rows written"
+
+
+def test_the_spec_keeps_the_indexer_keys_beside_k_and_v():
+    def resolve(*groups, kv="auto"):
+        return resolve_kv_spec(KVCacheSpec(groups), block_size=4, model_dtype="float32", kv_cache_dtype=kv,
+                               supported={"float32", "float8_e4m3fn"}, backend="eager")
+
+    group = resolve(KVCacheGroup((0, 1), 2, 24, 16, index_head_size=8)).groups[0]
+    assert group.layer_shapes(9) == ((9, 2, 24), (9, 2, 16), (9, 8))
+    assert group.row_bytes() == (2 * (24 + 16) + 8) * 4
+    with pytest.raises(ConfigError, match=r"groups\[0\]\.index_head_size: must be an int >= 0"):
+        resolve(KVCacheGroup((0,), 2, 16, index_head_size=-2))
+    with pytest.raises(ConfigError, match="indexed sparse attention keeps float caches only"):
+        resolve(KVCacheGroup((0,), 2, 16, index_head_size=8), kv="fp8")
+
+
+@pytest.mark.parametrize("arch,backend,mode", [("deepseek_v32", "eager", "NONE"), ("deepseek_v32", "cpu", "FULL"),
+                                               ("glm_moe_dsa", "eager", "NONE"), ("glm_moe_dsa", "cpu", "FULL")])
+def test_teacher_forced_parity_with_transformers_dsa(arch, backend, mode):
+    d = tiny_checkpoint(arch, **DSA)
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in (13, 7, 18, 9)]
+    runner = graphrt.ModelRunner(str(d), backend=backend, mode=mode, model_impl="transformers", progress=False,
+                                 **SHAPES[backend], **LIMITS)
+    assert [g.index_head_size for g in runner.model.kv_cache_spec().groups] == [16]
+    assert [layer.index_topk for layer in runner.model.paged] == [4, 4]
+    ref = load_reference(d)
+    refs = [reference_logits(ref, s).numpy() for s in seqs]
+    assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
+    if backend == "cpu":
+        assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+
+
+def test_kit_kv_isolation_and_padding_on_deepseek_v32():
+    from graphrt.models.torch.transformers_impl import load_transformers_model
+    from graphrt.testing.conformance import run_conformance
+    from graphrt.testing.runners import RunnerFactory
+
+    d = tiny_checkpoint("deepseek_v32", **DSA)
+    factory = RunnerFactory(lambda: load_transformers_model(d), "cpu", mode="FULL_AND_PIECEWISE",
+                            cudagraph_capture_sizes=[2, 4, 8, 16])
+    results = run_conformance(factory=factory, properties=["kv_isolated", "padding_invisible"], examples=6,
+                              report=None)
+    assert [r.status for r in results] == ["PASS"] * 2, [r.line() for r in results]
+
+
+def test_a_layer_reusing_another_layers_selection_is_refused_by_name():
+    from graphrt.models.torch.transformers_impl import load_transformers_model
+
+    d = tiny_checkpoint("glm_moe_dsa", indexer_types=["full", "shared"], **DSA)
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn: this layer reuses another layer's top-k"):
+        load_transformers_model(d)
+
