@@ -57,7 +57,8 @@ def test_ray_backend_without_ray_raises_naming_the_extra(model_dir, monkeypatch)
     (dict(data_parallel_backend="ray", device_ids=[0, 1]), "device_ids is for data_parallel_backend='mp'"),
     (dict(data_parallel_backend="ray", ray_placement_strategy="ANYWHERE"), "ray_placement_strategy must be"),
     (dict(data_parallel_backend="ray", ray_resources={"CPU": -1}), "ray_resources must map"),
-], ids=["backend", "resources-mp", "strategy-mp", "device-ids-ray", "strategy", "resources"])
+    (dict(data_parallel_backend="ray", ray_resources={"CPU": 0}), "one at least > 0"),
+], ids=["backend", "resources-mp", "strategy-mp", "device-ids-ray", "strategy", "resources", "empty-bundle"])
 def test_bad_ray_options_raise_before_any_worker_starts(model_dir, monkeypatch, bad, match):
     started = no_worker_may_start(monkeypatch)
     with pytest.raises(ConfigError, match=match):

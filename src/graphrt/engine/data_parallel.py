@@ -20,8 +20,9 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, InputError
 from graphrt.engine.dp_processes import DP_WORKER_KILL_TIMEOUT_S, LIVE, Worker, new_key, shutdown
@@ -96,11 +97,12 @@ def check_ray_args(backend: str, device_ids: Sequence[int | str] | None,
     if strategy is not None and strategy not in RAY_PLACEMENT_STRATEGIES:
         raise ConfigError(f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
                           f"got {strategy!r}")
-    if resources is not None and (not isinstance(resources, Mapping) or not resources or any(
+    if resources is not None and (not isinstance(resources, Mapping) or any(
             not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
-            for k, v in resources.items())):
-        raise ConfigError(f"ray_resources must map Ray resource names to amounts >= 0 (one "
-                          f"replica's bundle, e.g. {{'CPU': 1, 'GPU': 1}}), got {resources!r}")
+            for k, v in resources.items()) or not any(v > 0 for v in resources.values())):
+        raise ConfigError(f"ray_resources must map Ray resource names to amounts >= 0, one at "
+                          f"least > 0 (one replica's bundle, e.g. {{'CPU': 1, 'GPU': 1}}), "
+                          f"got {resources!r}")
 
 
 class DataParallelLLM:

@@ -23,7 +23,8 @@ DP_WORKER_KILL_TIMEOUT_S = 5.0
 
 
 class Worker:
-    """One engine process and its two pipes, as the front sees it."""
+    """One engine process (or a Ray replica standing for one: engine/dp_ray.py) and its two
+    pipes, as the front sees it."""
 
     def __init__(self, rank: int, process: Any, requests: Any, replies: Connection, *,
                  where: str | None = None) -> None:
