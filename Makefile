@@ -4,7 +4,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.graphrt-installed
 
-.PHONY: venv test test-fast bench plan gpu-check compile-check clean test-engines test-engine-nanovllm test-engine-transformers-cb test-engine-vllm
+.PHONY: venv test test-fast bench plan gpu-check compile-check clean test-engines test-engine-nanovllm test-engine-transformers-cb test-engine-vllm test-ray
 
 venv: $(STAMP)
 
@@ -109,5 +109,21 @@ test-engine-nanovllm: $(ENGINES)/nanovllm/.graphrt-installed
 test-engine-transformers-cb: $(STAMP)
 	$(VPY) -m pytest -q tests/engines/test_transformers_cb.py
 
+# Ray (docs/distributed.md, "Ray"): DataParallelLLM's replicas as Ray actors against local worker
+# processes, on a Ray cluster the test starts on this machine (ray.init(num_cpus=2)). Its own venv:
+# ray never enters .venv, where the Ray tests skip (the one that needs no Ray still runs).
+RAY_VENV := .venv-ray
+RAY_PY := $(RAY_VENV)/bin/python
+
+$(RAY_VENV)/.graphrt-installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch
+	$(RAY_PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[ray,torch]" \
+		"transformers>=4.51" "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3"
+	touch $@
+
+test-ray: $(RAY_VENV)/.graphrt-installed
+	$(RAY_PY) -m pytest -q tests/distributed/test_ray_data_parallel.py
+
 clean:
-	rm -rf $(VENV) $(ENGINES) $(COMPILE_VENV) .pytest_cache .hypothesis build src/*.egg-info
+	rm -rf $(VENV) $(ENGINES) $(COMPILE_VENV) $(RAY_VENV) .pytest_cache .hypothesis build src/*.egg-info

@@ -12,7 +12,7 @@ tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The versions graphrt has run on (docs/benchmarks.md): the extras must admit them.
-RUN_ON = {"torch": ["2.11.0", "2.13.0"], "jax": ["0.10.2", "0.11.2"]}
+RUN_ON = {"torch": ["2.11.0", "2.13.0"], "jax": ["0.10.2", "0.11.2"], "ray": ["2.60.0"]}
 HEAVY = {"torch", "jax", "jaxlib", "flax", "torch-npu", "torch_npu"}
 
 
@@ -26,7 +26,7 @@ def test_core_install_pulls_no_framework() -> None:
     assert not names & HEAVY
 
 
-@pytest.mark.parametrize("extra", ["torch", "jax", "flax", "npu", "plot", "dev"])
+@pytest.mark.parametrize("extra", ["torch", "jax", "flax", "npu", "plot", "ray", "dev"])
 def test_extras_give_ranges_that_admit_the_versions_run_on(extra: str) -> None:
     for line in project()["optional-dependencies"][extra]:
         req = Requirement(line)

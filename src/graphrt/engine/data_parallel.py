@@ -3,10 +3,11 @@
     with graphrt.DataParallelLLM(model_dir, data_parallel_size=2, backend="cpu") as dp:
         outs = dp.generate(prompts, graphrt.SamplingParams(max_tokens=8))   # prompt order
 
-Each worker is a spawned process holding a whole :class:`~graphrt.LLM`; the front validates
+Each worker is a spawned process (or, with ``data_parallel_backend="ray"``, a Ray actor on a
+cluster's node: engine/dp_ray.py) holding a whole :class:`~graphrt.LLM`; the front validates
 requests, spreads them by SGLang's ``load_balance_method`` and gathers outputs. A dead worker is
 seen at once through its sentinel, and every call then raises a ``GraphrtError`` naming it. See
-docs/api.md, "Data parallelism".
+docs/api.md, "Data parallelism", and docs/distributed.md, "Ray".
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
@@ -48,6 +50,15 @@ DP_STEP_WAIT_S = 0.05
 
 #: SGLang's ``--load-balance-method`` values that graphrt implements.
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+#: Where the workers run (vLLM's ``--data-parallel-backend``, same names and default): ``mp``
+#: spawned processes on this machine; ``ray`` Ray actors on a connected cluster (engine/dp_ray.py).
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+DEFAULT_DATA_PARALLEL_BACKEND = "mp"
+#: ``ray``: each replica's bundle (Ray resource names) and how the bundles are placed (Ray's
+#: placement-group strategies; SPREAD: replicas on different nodes where there is room).
+DEFAULT_RAY_RESOURCES = {"CPU": 1}
+DEFAULT_RAY_PLACEMENT_STRATEGY = "SPREAD"
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def check_worker_args(model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> None:
@@ -60,13 +71,51 @@ def check_worker_args(model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> N
                       keywords=inspect.signature(LLM.__init__).parameters, **{name: args[name] for name in ENGINE_ARGS})
 
 
+def ray_replicas() -> Any:
+    """engine/dp_ray.py, or the ConfigError saying how to get Ray when it does not import."""
+    try:
+        from graphrt.engine import dp_ray
+    except ImportError as exc:
+        raise ConfigError(f"data_parallel_backend='ray' needs Ray, which does not import here "
+                          f"({type(exc).__name__}: {exc}): pip install 'graphrt[ray]'") from exc
+    return dp_ray
+
+
+def check_ray_args(backend: str, device_ids: Sequence[int | str] | None,
+                   resources: Mapping[str, float] | None, strategy: str | None) -> None:
+    """Refuse Ray options without ``data_parallel_backend='ray'``, and bad ones with it."""
+    if backend not in DATA_PARALLEL_BACKENDS:
+        raise ConfigError(f"data_parallel_backend must be one of {DATA_PARALLEL_BACKENDS}, got {backend!r}")
+    if backend != "ray":
+        for name, value in (("ray_resources", resources), ("ray_placement_strategy", strategy)):
+            if value is not None:
+                raise ConfigError(f"{name} is for data_parallel_backend='ray', got backend {backend!r}")
+        return
+    if device_ids is not None:
+        raise ConfigError("device_ids is for data_parallel_backend='mp': Ray gives each replica "
+                          "its devices, ask for them with ray_resources={'CPU': 1, 'GPU': 1}")
+    if strategy is not None and strategy not in RAY_PLACEMENT_STRATEGIES:
+        raise ConfigError(f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
+                          f"got {strategy!r}")
+    if resources is not None and (not isinstance(resources, Mapping) or any(
+            not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+            for k, v in resources.items()) or not any(v > 0 for v in resources.values())):
+        raise ConfigError(f"ray_resources must map Ray resource names to amounts >= 0, one at "
+                          f"least > 0 (one replica's bundle, e.g. {{'CPU': 1, 'GPU': 1}}), "
+                          f"got {resources!r}")
+
+
 class DataParallelLLM:
-    """``data_parallel_size`` :class:`~graphrt.LLM` worker processes behind one front.
+    """``data_parallel_size`` :class:`~graphrt.LLM` workers behind one front.
 
     ``model`` must be a directory (each worker loads it); other keywords go to each worker's
-    ``LLM`` and are checked here first. ``device_ids[i]``, if given, is put in worker i's
-    ``device_env`` variable (``CUDA_VISIBLE_DEVICES`` by default; ``ASCEND_RT_VISIBLE_DEVICES``
-    on Ascend) before it imports a framework; without it every worker sees every device.
+    ``LLM`` and are checked here first. ``data_parallel_backend="mp"`` (default): workers are
+    processes spawned here; ``device_ids[i]``, if given, is put in worker i's ``device_env``
+    variable (``CUDA_VISIBLE_DEVICES`` by default; ``ASCEND_RT_VISIBLE_DEVICES`` on Ascend)
+    before it imports a framework; without it every worker sees every device.
+    ``data_parallel_backend="ray"``: workers are Ray actors on the cluster this process joined
+    with ``ray.init``, one per bundle of ``ray_resources`` (default ``{"CPU": 1}``) in a
+    placement group of ``ray_placement_strategy`` (default ``SPREAD``); docs/distributed.md.
     """
 
     def __init__(self, model: str | os.PathLike, *,
@@ -75,6 +124,9 @@ class DataParallelLLM:
                  device_ids: Sequence[int | str] | None = None,
                  device_env: str = DP_DEVICE_ENV,
                  start_timeout: float = DP_WORKER_START_TIMEOUT_S,
+                 data_parallel_backend: str = DEFAULT_DATA_PARALLEL_BACKEND,
+                 ray_resources: Mapping[str, float] | None = None,
+                 ray_placement_strategy: str | None = None,
                  **llm_kwargs: Any) -> None:
         if not (isinstance(model, str) or hasattr(model, "__fspath__")):
             raise InputError("model", f"pass the model's directory (each worker process loads it), "
@@ -88,9 +140,14 @@ class DataParallelLLM:
         if device_ids is not None and len(device_ids) != data_parallel_size:
             raise ConfigError(f"device_ids has {len(device_ids)} entries for "
                               f"data_parallel_size={data_parallel_size}")
+        check_ray_args(data_parallel_backend, device_ids, ray_resources, ray_placement_strategy)
         check_worker_args(model, llm_kwargs)
+        dp_ray = ray_replicas() if data_parallel_backend == "ray" else None
+        if dp_ray is not None:
+            dp_ray.check_connected()
         self.data_parallel_size = data_parallel_size
         self.load_balance_method = load_balance_method
+        self.data_parallel_backend = data_parallel_backend
         self._workers: list[Worker] = []
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -105,18 +162,14 @@ class DataParallelLLM:
         LIVE[self._key] = self._workers
         self._finalizer = weakref.finalize(self, shutdown, self._key)   # when collected
         self._finalizer.atexit = False              # at exit: dp_processes.shutdown_all
-        ctx = multiprocessing.get_context("spawn")
         try:
-            for rank in range(data_parallel_size):
-                env = {} if device_ids is None else {device_env: str(device_ids[rank])}
-                req_out, req_in = ctx.Pipe(duplex=False)
-                rep_out, rep_in = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=worker_main, name=f"graphrt-dp-worker-{rank}",
-                                   args=(rank, os.fspath(model), llm_kwargs, env, req_out, rep_in))
-                proc.start()
-                req_out.close()     # the child has its own copies: EOF now tracks the child
-                rep_in.close()
-                self._workers.append(Worker(rank, proc, req_in, rep_out))
+            if dp_ray is not None:
+                dp_ray.start_workers(os.fspath(model), llm_kwargs, data_parallel_size,
+                                     ray_resources or DEFAULT_RAY_RESOURCES,
+                                     ray_placement_strategy or DEFAULT_RAY_PLACEMENT_STRATEGY,
+                                     start_timeout, self._workers)
+            else:
+                self._start_processes(os.fspath(model), llm_kwargs, device_ids, device_env)
             self._await(lambda: all(w.info is not None for w in self._workers), start_timeout,
                         "to start")
         except BaseException:
@@ -126,6 +179,21 @@ class DataParallelLLM:
         self.config = infos[0]["config"]
         self._vocab_size = infos[0]["vocab_size"]
         self._kv_capacity = min(i["kv_capacity"] for i in infos)
+
+    def _start_processes(self, model: str, llm_kwargs: dict[str, Any],
+                         device_ids: Sequence[int | str] | None, device_env: str) -> None:
+        """``mp``: spawn the workers here, each with its two pipes."""
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(self.data_parallel_size):
+            env = {} if device_ids is None else {device_env: str(device_ids[rank])}
+            req_out, req_in = ctx.Pipe(duplex=False)
+            rep_out, rep_in = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, name=f"graphrt-dp-worker-{rank}",
+                               args=(rank, model, llm_kwargs, env, req_out, rep_in))
+            proc.start()
+            req_out.close()     # the child has its own copies: EOF now tracks the child
+            rep_in.close()
+            self._workers.append(Worker(rank, proc, req_in, rep_out))
 
     # ---- requests ---------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
@@ -198,8 +266,9 @@ class DataParallelLLM:
     # ---- state ------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
-        """Per worker: rank, pid, alive, ``requests`` sent, ``queue_length`` and ``engine`` (its
-        LLM.stats plus ``waiting`` / ``running``; None for a dead worker)."""
+        """Per worker: rank, pid, where (``pid N``, or a Ray actor's node and pid), alive,
+        ``requests`` sent, ``queue_length`` and ``engine`` (its LLM.stats plus ``waiting`` /
+        ``running``; None for a dead worker)."""
         with self._lock:
             if self._closed:
                 raise GraphrtError("DataParallelLLM is closed")
@@ -214,7 +283,8 @@ class DataParallelLLM:
                         DP_STATS_TIMEOUT_S, "to report stats", raise_dead=False)
             return {"data_parallel_size": self.data_parallel_size,
                     "load_balance_method": self.load_balance_method,
-                    "workers": [{"rank": w.rank, "pid": w.pid, "alive": w.dead is None,
+                    "data_parallel_backend": self.data_parallel_backend,
+                    "workers": [{"rank": w.rank, "pid": w.pid, "where": w.where, "alive": w.dead is None,
                                  "requests": w.num_requests, "queue_length": len(w.in_flight),
                                  "engine": w.stats if w.dead is None else None}
                                 for w in self._workers]}
@@ -330,4 +400,4 @@ class DataParallelLLM:
             self._broken = w.dead
 
 
-__all__ = ["DataParallelLLM", "LOAD_BALANCE_METHODS"]
+__all__ = ["DATA_PARALLEL_BACKENDS", "DataParallelLLM", "LOAD_BALANCE_METHODS"]

@@ -23,11 +23,16 @@ DP_WORKER_KILL_TIMEOUT_S = 5.0
 
 
 class Worker:
-    """One engine process and its two pipes, as the front sees it."""
+    """One engine process (or a Ray replica standing for one: engine/dp_ray.py) and its two
+    pipes, as the front sees it."""
 
-    def __init__(self, rank: int, process: Any, requests: Connection, replies: Connection) -> None:
+    def __init__(self, rank: int, process: Any, requests: Any, replies: Connection, *,
+                 where: str | None = None) -> None:
+        # process: a multiprocessing.Process, or what stands for one (dp_ray.RayReplica);
+        # requests: its pipe's sending Connection, or anything with send / close
         self.rank, self.process, self.requests, self.replies = rank, process, requests, replies
         self.pid: int = process.pid
+        self.where = where or f"pid {self.pid}"
         self.in_flight: set[int] = set()       # sent, output not received yet
         self.num_requests = 0                   # ever sent
         self.info: dict[str, Any] | None = None  # the worker's "ready" report
@@ -37,7 +42,7 @@ class Worker:
 
     @property
     def name(self) -> str:
-        return f"data-parallel worker {self.rank} (pid {self.pid})"
+        return f"data-parallel worker {self.rank} ({self.where})"
 
 
 LIVE: dict[int, list[Worker]] = {}      # key -> workers of every front not yet shut down

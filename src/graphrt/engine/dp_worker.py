@@ -17,7 +17,7 @@ import signal
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from graphrt.engine.outputs import RequestOutput
 
@@ -42,15 +42,28 @@ def thread_lock_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
+class Replies(Protocol):
+    """Where a worker's replies go: a pipe's ``Connection``, or a Ray replica's outbox."""
+
+    def send(self, msg: tuple) -> None: ...
+
+
 def worker_main(rank: int, model: str, llm_kwargs: dict[str, Any], env: dict[str, str],
                 requests: Connection, replies: Connection) -> None:
     """A worker process: one ``graphrt.LLM`` serving the requests the front sends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the front's: it stops the workers
     os.environ.update(env)                          # before any framework sees the devices
-    thread_lock_for_progress_bars()                 # before the engine's warm-up makes a bar
     inbox: queue.Queue[tuple] = queue.Queue()
     threading.Thread(target=read_requests, args=(requests, inbox), daemon=True,
                      name=f"graphrt-dp-reader-{rank}").start()
+    run_worker(model, llm_kwargs, inbox, replies)
+
+
+def run_worker(model: str, llm_kwargs: dict[str, Any], inbox: "queue.Queue[tuple]",
+               replies: Replies) -> None:
+    """Build the worker's ``graphrt.LLM``, say ``ready`` (or ``failed``), then serve ``inbox``
+    until ``stop``: the body of a worker process, and of a Ray replica's thread."""
+    thread_lock_for_progress_bars()                 # before the engine's warm-up makes a bar
     try:
         from graphrt.engine.llm import LLM
         llm = LLM(model, **llm_kwargs)
@@ -70,7 +83,7 @@ def worker_main(rank: int, model: str, llm_kwargs: dict[str, Any], env: dict[str
         raise
 
 
-def serve(llm: Any, inbox: "queue.Queue[tuple]", replies: Connection) -> None:
+def serve(llm: Any, inbox: "queue.Queue[tuple]", replies: Replies) -> None:
     """The worker's loop: take every message, run one step if there is work, send outputs."""
     front_ids: dict[int, int] = {}      # the LLM's request id -> the front's
     while True:
@@ -100,4 +113,4 @@ def serve(llm: Any, inbox: "queue.Queue[tuple]", replies: Connection) -> None:
             replies.send(("outs", outs))
 
 
-__all__ = ["read_requests", "serve", "thread_lock_for_progress_bars", "worker_main"]
+__all__ = ["Replies", "read_requests", "run_worker", "serve", "thread_lock_for_progress_bars", "worker_main"]
