@@ -141,9 +141,7 @@ def _delta(path: str, hf: nn.Module) -> GatedDeltaNet:
                         delta_key_dim=int(hf.head_k_dim), delta_value_dim=int(hf.head_v_dim),
                         chunk_size=int(getattr(hf, "chunk_size", 64)), delta_conv_dim=int(hf.conv_dim),
                         conv_kernel=int(hf.conv_kernel_size), hidden_size=int(hf.hidden_size),
-                        mamba_norm_eps=eps, mamba_gate=gate,
-                        mamba_in_scale=float(getattr(hf, "ssm_in_multiplier", 1.0)),
-                        mamba_proj_scaled=mup is not None)
+                        mamba_norm_eps=float(hf.norm.variance_epsilon))
     with torch.device("meta"):
         mixer = GatedDeltaNet(c, torch.float32)
     mixer.conv1d, mixer.in_proj_qkvz, mixer.in_proj_ba, mixer.out_proj = (hf.conv1d, hf.in_proj_qkvz, hf.in_proj_ba,
