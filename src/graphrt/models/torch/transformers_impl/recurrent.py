@@ -1,14 +1,15 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
-A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next, Jamba), recurrent model (Mamba,
-Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
+A transformers hybrid (Granite-4-H, Bamba, Nemotron-H, Falcon-H1, Zamba2, Qwen3-Next, Jamba),
+recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
 ``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
 recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
 (:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`)
 sharing the transformers parameters; these read their ``state_cache`` slots and are the
 PIECEWISE split points. Only classes whose computation graphrt reproduces are routed
 (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`);
-any other recurrent layer is refused by :func:`served_types`.
+any other recurrent layer is refused by :func:`served_types` (naming the kernel graphrt lacks for
+the stock classes of :data:`MISSING_KERNELS`).
 
 Most of these models' classes do not declare ``_supports_attention_backend``: the loader takes
 them all the same when their modeling module defines a routed mixer class
@@ -51,6 +52,11 @@ SHORT_CONV_MIXERS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv"})
 #: The names of each kind's state tensors (the state spec's, in the module's ``state_shapes()`` order).
 STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm"),
                "short_conv": ("conv",)}
+#: Stock recurrent mixers graphrt does not route yet -> the kernel it lacks (named in the refusal).
+MISSING_KERNELS = {
+    "RecurrentGemmaRecurrentBlock": "the RG-LRU scan (a gated diagonal recurrence of width lru_width after a "
+                                    "convolution without activation; no graphrt state kind or kernel yet)",
+}
 #: Class-name fragments of recurrent mixers graphrt does not route (for the refusal).
 RECURRENT_HINTS = ("Mamba", "Mixer", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent")
 
@@ -226,9 +232,12 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
     routes = sorted(kinds)
     unserved = [i for i, kind in enumerate(types) if kind in RECURRENT_TYPES and i not in layers]
     if unserved:
+        lacking = sorted({f"{type(m).__name__} needs {MISSING_KERNELS[type(m).__name__]}"
+                          for name, m in hf_model.named_modules()
+                          if type(m).__name__ in MISSING_KERNELS and layer_of_path(name) in unserved})
         raise ConfigError(f"{type(hf_model).__name__}: layer_types marks layers {unserved} recurrent "
                           f"({sorted({types[i] for i in unserved})}), but their mixers are of no class graphrt routes "
-                          f"to its recurrent kernels ({routes})")
+                          f"to its recurrent kernels ({routes})" + (f": {'; '.join(lacking)}" if lacking else ""))
     left = [f"{name} ({type(m).__name__})" for name, m in hf_model.named_modules()
             if any(h in type(m).__name__ for h in RECURRENT_HINTS) and hasattr(m, "conv1d")
             and type(m).__name__ not in kinds
@@ -294,7 +303,6 @@ def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[
                           "their own, without graphrt's paged KV cache")
 
 
-__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer", "SHORT_CONV_MIXERS",
-           "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
-           "routed_mixer_classes",
-           "served_types", "state_spec_of"]
+__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "MISSING_KERNELS", "RECURRENT_TYPES", "RoutedMixer",
+           "SHORT_CONV_MIXERS", "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
+           "routed_mixer_classes", "served_types", "state_spec_of"]
