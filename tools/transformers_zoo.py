@@ -58,6 +58,18 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     # Bamba: layers_block_type is derived from attn_layer_indices; Mamba2 heads of 32, SSD chunks of 4
     "bamba": dict(layer_types=None, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
                   mamba_n_groups=2, mamba_chunk_size=4),
+    # Mamba2 hybrids outside the attention-backend flag: Mamba2 heads of 32, SSD chunks of 4. Nemotron-H: one layer
+    # of each kind (Mamba2, experts, attention, MLP); Falcon-H1: attention beside a Mamba2 mixer in every layer;
+    # Zamba2: two hybrid layers (a Mamba2 mixer each, after the shared attention block, whose adapters need KV
+    # heads = heads and heads of 2 * hidden / heads); its head stays tied (untying unties the shared block too)
+    "nemotron_h": dict(layer_types=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=4,
+                       mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=4,
+                       moe_shared_expert_intermediate_size=32),
+    "falcon_h1": dict(layer_types=None, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                      mamba_d_state=16, mamba_chunk_size=4),
+    "zamba2": dict(layer_types=None, layers_block_type=["hybrid", "hybrid"], num_hidden_layers=2,
+                   num_key_value_heads=4, head_dim=32, n_mamba_heads=4, mamba_d_state=16, mamba_ngroups=2, chunk_size=4,
+                   use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True),
     "gemma3n_text": dict(num_kv_shared_layers=0, intermediate_size=[128, 128], activation_sparsity_pattern=[0.0, 0.0]),
     # chunked local attention: RoPE layers in chunks of SLIDING_WINDOW tokens, NoPE layers full (Llama 4's pattern)
     "llama4_text": dict(layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0],

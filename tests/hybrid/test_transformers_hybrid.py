@@ -179,13 +179,15 @@ def test_tensor_parallel_routed_mixers_are_refused():
 
 
 def test_a_stock_hybrid_of_an_unrouted_mixer_class_is_refused_naming_its_layers():
-    """Nemotron-H's ``NemotronHMamba2Mixer`` is no routed class (its own norm and layout)."""
+    """RecurrentGemma's RG-LRU block is no routed class, and the refusal names the kernel it lacks
+    (Nemotron-H's Mamba2 mixer, refused here before, is routed now: test_transformers_mamba2_hybrids.py)."""
     from transformers_zoo import tiny_config
 
     register_attention()
-    hf = transformers.AutoModelForCausalLM.from_config(tiny_config("nemotron_h"), dtype=torch.float32,
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config("recurrent_gemma"), dtype=torch.float32,
                                                        attn_implementation=ATTENTION_NAME)
-    with pytest.raises(ConfigError, match=r"NemotronHForCausalLM: layer_types marks layers \[1\] recurrent"):
+    with pytest.raises(ConfigError, match=r"RecurrentGemmaForCausalLM: layer_types marks layers \[0\] recurrent.*"
+                                          r"RecurrentGemmaRecurrentBlock needs the RG-LRU scan"):
         wrap_transformers_model(hf)
 
 

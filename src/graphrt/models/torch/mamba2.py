@@ -30,18 +30,22 @@ from graphrt.layers.torch.state.metadata import StateMetadata, read_states, writ
 
 class GatedRMSNorm(nn.Module):
     """``weight * rmsnorm(x * silu(gate))`` over ``groups`` equal slices of the features, in
-    float32 (transformers' ``MambaRMSNormGated`` with ``norm_before_gate=False``)."""
+    float32 (transformers' ``MambaRMSNormGated`` with ``norm_before_gate=False``); with
+    ``gate_after``, ``weight * rmsnorm(x) * silu(gate)`` (Falcon-H1's ``norm_before_gate=True``)."""
 
-    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype = torch.float32,
+                 gate_after: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.gate_after = groups, eps, gate_after
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float() * F.silu(gate.float())
+        h = x.float() if self.gate_after else x.float() * F.silu(gate.float())
         grouped = h.view(*h.shape[:-1], self.groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gate_after:
+            return (self.weight.float() * grouped.view_as(h) * F.silu(gate.float())).to(dtype)
         return self.weight * grouped.view_as(h).to(dtype)
 
 
@@ -72,9 +76,18 @@ def mamba2_mixer_step(xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Te
     return y.reshape(t, intermediate)
 
 
+#: How a Mamba2 variant gates the scan's output ``y`` with ``z``: ``rmsnorm(y * silu(z))`` (Mamba2,
+#: Granite-4-H, Bamba, Nemotron-H, Zamba2), ``rmsnorm(y) * silu(z)`` or ``y * silu(z)`` without a
+#: norm (Falcon-H1's ``mamba_norm_before_gate`` / ``mamba_rms_norm=False``).
+GATES = ("norm_gated", "gate_after_norm", "gate")
+
+
 class Mamba2Mixer(nn.Module):
-    """transformers' ``Mamba2Mixer`` / ``GraniteMoeHybridMambaLayer`` over graphrt's state cache:
-    ``hidden [T, hidden]`` -> ``[T, hidden]``."""
+    """transformers' ``Mamba2Mixer`` / ``GraniteMoeHybridMambaLayer`` (and their relatives) over
+    graphrt's state cache: ``hidden [T, hidden]`` -> ``[T, hidden]``. Optional config fields:
+    ``mamba_gate`` (one of :data:`GATES`, default the first), ``mamba_in_scale`` (a factor on
+    the input, default 1) and ``mamba_proj_scaled`` (a ``proj_scale [projection]`` buffer
+    multiplying the input projection, Falcon-H1's µP vector; assigned by whoever builds it)."""
 
     graphrt_attention: ClassVar[bool] = True          # a PIECEWISE split point (see the module docstring)
     graph_support: ClassVar[AttentionGraphSupport] = AttentionGraphSupport.ALWAYS
@@ -92,7 +105,13 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.heads, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.heads, dtype=dtype))
         self.D = nn.Parameter(torch.ones(self.heads, dtype=dtype))
-        self.norm = GatedRMSNorm(self.intermediate, self.groups, c.mamba_norm_eps, dtype)
+        self.gate, self.in_scale = getattr(c, "mamba_gate", GATES[0]), float(getattr(c, "mamba_in_scale", 1.0))
+        if self.gate not in GATES:
+            raise ValueError(f"gate {self.gate!r} is none of {GATES}")
+        self.norm = (GatedRMSNorm(self.intermediate, self.groups, c.mamba_norm_eps, dtype,
+                                  gate_after=self.gate == "gate_after_norm") if self.gate != "gate" else None)
+        self.register_buffer("proj_scale", torch.ones(self.intermediate + self.conv_dim + self.heads, dtype=dtype)
+                             if getattr(c, "mamba_proj_scaled", False) else None, persistent=False)
         self.out_proj = nn.Linear(self.intermediate, c.hidden_size, bias=c.mamba_bias, dtype=dtype)
         #: (conv, ssm), assigned by the executor from the model's state_spec().
         self.state_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -105,13 +124,17 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.state_cache is None:
             raise RuntimeError("Mamba2Mixer.state_cache is not set: the runner assigns it from state_spec()")
-        gate, xbc, dt = self.in_proj(hidden).split([self.intermediate, self.conv_dim, self.heads], dim=-1)
+        projected = self.in_proj(hidden * self.in_scale if self.in_scale != 1.0 else hidden)
+        if self.proj_scale is not None:
+            projected = projected * self.proj_scale
+        gate, xbc, dt = projected.split([self.intermediate, self.conv_dim, self.heads], dim=-1)
         conv_state, ssm_state = self.state_cache
         y = mamba2_mixer_step(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log,
                               self.D, conv_state, ssm_state, get_state_context(), heads=self.heads,
                               head_dim=self.head_dim, groups=self.groups, d_state=self.d_state,
                               chunk_size=self.chunk_size, dt_limit=self.dt_limit)
-        return self.out_proj(self.norm(y, gate).to(hidden.dtype))
+        gated = y * F.silu(gate.float()) if self.norm is None else self.norm(y, gate)
+        return self.out_proj(gated.to(hidden.dtype))
 
 
-__all__ = ["GatedRMSNorm", "Mamba2Mixer", "mamba2_mixer_step"]
+__all__ = ["GATES", "GatedRMSNorm", "Mamba2Mixer", "mamba2_mixer_step"]

@@ -43,6 +43,14 @@ CHUNKED_TYPES = frozenset({"chunked_attention"})
 INDEXED_TYPES = frozenset({"indexed_attention"})
 #: Where :func:`own_temperature` keeps a module's query temperature it turned off.
 TEMPERATURE_ATTR = "_graphrt_temperature"
+#: ``layer_types`` entries of layers holding full attention beside a recurrent mixer (Falcon-H1's,
+#: Zamba2's ``hybrid``): attention layers where graphrt routes their mixer (``recurrent.py``).
+HYBRID_TYPES = frozenset({"hybrid"})
+#: ``layer_types`` entries of layers that neither attend nor keep state (Nemotron-H's ``mlp`` / ``moe``).
+FEED_FORWARD_TYPES = frozenset({"mlp", "moe"})
+#: Attention classes that take their layer from the caller (``layer_idx=-1`` on the module):
+#: :func:`number_attention_by_layer` numbers them by the decoder layer holding them.
+CALLER_NUMBERED = frozenset({"Zamba2Attention"})
 #: Tokens of the probe forward.
 PROBE_TOKENS = 5
 
@@ -127,7 +135,7 @@ def config_windows(config: Any, num_layers: int) -> dict[int, int] | None:
     for i, kind in enumerate(types):
         if kind in SLIDING_TYPES:
             windows[i] = window
-        elif kind in FULL_TYPES or kind in CHUNKED_TYPES or kind in INDEXED_TYPES:
+        elif kind in FULL_TYPES or kind in HYBRID_TYPES or kind in CHUNKED_TYPES or kind in INDEXED_TYPES:
             windows[i] = 0
         else:
             windows[i] = -1           # a kind graphrt's attention does not run (chunked, linear, ...)
@@ -223,6 +231,42 @@ class _Probe:
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
 
 
+def layer_of_path(path: str) -> int | None:
+    """The decoder layer index in a module path (``model.layers.3.mamba`` -> 3), or None."""
+    parts = path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def number_attention_by_layer(hf_model: torch.nn.Module) -> list[str]:
+    """Give each attention module of :data:`CALLER_NUMBERED` the index of the decoder layer that
+    holds it as its ``layer_idx`` (graphrt keys a layer's KV cache by it); the paths patched.
+
+    Zamba2's shared attention blocks (one block's weights used by several layers, each layer an
+    instance of its own over the tied parameters) say ``layer_idx=-1`` and take the layer from their
+    caller; numbered by their layer, each use gets a KV cache of its own. A module that is truly one
+    object in several layers has no one layer to be numbered by: refused naming its paths."""
+    patched: list[str] = []
+    seen: dict[int, str] = {}
+    for path, module in hf_model.named_modules(remove_duplicate=False):
+        if type(module).__name__ in CALLER_NUMBERED:
+            if id(module) in seen:
+                raise ConfigError(f"{seen[id(module)]} and {path} are one {type(module).__name__} object in two decoder "
+                                  "layers, and it takes its layer from its caller: graphrt numbers such a module by the "
+                                  "layer holding it; give each layer an instance of its own (over tied weights, as "
+                                  "transformers builds Zamba2)")
+            seen[id(module)] = path
+            layer = layer_of_path(path)
+            if layer is None:
+                raise ConfigError(f"{path} ({type(module).__name__}) takes its layer from its caller, and graphrt "
+                                  "cannot tell its decoder layer (no 'layers.<i>' in its path) to key its KV cache by")
+            module.layer_idx = layer
+            patched.append(path)
+    return patched
+
+
 def module_paths(model: torch.nn.Module) -> dict[int, str]:
     """``id(module) -> its qualified name`` for every submodule of ``model``."""
     return {id(m): name or type(m).__name__ for name, m in model.named_modules()}
@@ -251,15 +295,16 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
                 recurrent: frozenset[str] = frozenset()) -> list[LayerFacts]:
     """Probe ``base`` (the decoder body of ``hf_model``) once and return its attention call sites
     in call order, checked against the config (module docstring). ``recurrent``: the
-    ``layer_types`` kinds of recurrent layers whose mixers graphrt routes (``recurrent.py``);
-    any other kind that is not attention is refused."""
+    ``layer_types`` kinds of recurrent layers whose mixers graphrt routes (``recurrent.py``, a
+    ``hybrid`` kind among them where those layers attend too); any other kind that is not
+    attention or a feed-forward layer is refused."""
     config = text_config(hf_model.config)
     probe = _Probe(module_paths(hf_model))
     device = next(hf_model.parameters()).device
     vocab = int(config.vocab_size)
     ids = (torch.arange(PROBE_TOKENS, device=device) * 7 + 3) % vocab
     indexed = INDEXED_TYPES if route_indexers(hf_model) else frozenset()
-    served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | indexed | recurrent
+    served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | FEED_FORWARD_TYPES | indexed | recurrent
     kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in served})
     if kinds:
         raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, which graphrt's paged attention "
@@ -366,6 +411,7 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
     return declared
 
 
-__all__ = ["CHUNKED_TYPES", "FULL_TYPES", "HARMLESS_KWARGS", "INDEXED_TYPES", "LayerFacts", "SHARED_PAST",
-           "SLIDING_TYPES", "config_chunks", "config_windows", "layer_facts", "innermost_module", "mask_window_of",
-           "module_paths", "own_temperature", "position_offset", "temperature_of", "text_config"]
+__all__ = ["CALLER_NUMBERED", "CHUNKED_TYPES", "FEED_FORWARD_TYPES", "FULL_TYPES", "HARMLESS_KWARGS",
+           "HYBRID_TYPES", "INDEXED_TYPES", "LayerFacts", "SHARED_PAST", "SLIDING_TYPES", "config_chunks",
+           "config_windows", "innermost_module", "layer_facts", "layer_of_path", "mask_window_of", "module_paths",
+           "number_attention_by_layer", "own_temperature", "position_offset", "temperature_of", "text_config"]

@@ -24,7 +24,8 @@ from safetensors import SafetensorError
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.models.checkpoint import NAMES_SHOWN, names_with_files, tensor_files
 from graphrt.models.model_impl import read_config_json
-from graphrt.models.torch.transformers_impl.facts import layer_facts, own_temperature, position_offset, text_config
+from graphrt.models.torch.transformers_impl.facts import (layer_facts, number_attention_by_layer, own_temperature,
+                                                           position_offset, text_config)
 from graphrt.models.torch.transformers_impl.experts import route_experts, routing_blocker
 from graphrt.models.torch.transformers_impl.interface import ATTENTION_NAME, register_attention
 from graphrt.models.torch.transformers_impl.model import TransformersForCausalLM, body_of
@@ -183,6 +184,11 @@ def wrap_transformers_model(hf_model: torch.nn.Module, tp_rank: int = 0, tp_size
     route_experts(hf_model, experts_implementation(experts))
     blocker = experts_blocker(hf_model) or routing_blocker(hf_model)
     body = body_of(hf_model)
+    numbered = number_attention_by_layer(hf_model)
+    if numbered:
+        logger.info("graphrt: %s's attention modules %s take their layer from their caller; each is numbered by the "
+                    "decoder layer holding it, so that each use keeps a KV cache of its own", type(hf_model).__name__,
+                    numbered)
     found = recurrent_mixers(hf_model)
     _refuse_sharded_state(hf_model, found, tp_size)
     facts = layer_facts(hf_model, body, served_types(hf_model, text_config(hf_model.config), found))

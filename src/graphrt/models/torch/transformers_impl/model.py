@@ -55,11 +55,14 @@ class _BodyOutput:
 
 class _Body(nn.Module):
     """Stands in for the decoder body while the model's head runs: any call of it, or of any of
-    its attributes (``self.model.decoder(...)``), returns the given hidden states."""
+    its attributes (``self.model.decoder(...)``), returns the given hidden states; a number the
+    real ``body`` holds (Falcon-H1's ``lm_head_multiplier``, read by its head) is the body's."""
 
-    def __init__(self) -> None:
+    def __init__(self, body: nn.Module) -> None:
         super().__init__()
         self.hidden: torch.Tensor | None = None
+        self._numbers = {k: v for k, v in vars(body).items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("_")}
 
     def forward(self, *args: Any, **kwargs: Any) -> _BodyOutput:
         return _BodyOutput(self.hidden)
@@ -70,7 +73,8 @@ class _Body(nn.Module):
         except AttributeError:
             if name.startswith("_"):
                 raise
-            return self
+            numbers = self.__dict__["_numbers"]
+            return numbers[name] if name in numbers else self
 
 
 class _CallSites:
@@ -177,7 +181,7 @@ class TransformersForCausalLM(nn.Module):
                                    for f in facts)
         self._sites = tuple((f.module_id, f.path, layer) for f, layer in zip(facts, self.paged))
         self._body_name = body_name(hf_model)
-        self._stand_in = _Body()
+        self._stand_in = _Body(hf_model._modules[self._body_name])
         if any(layer.index_head_size for layer in self.paged):
             #: DSA: indexed layers run graphrt's sparse kernel, the others the extended reference one
             self.attention_backend = IndexedPagedBackend(facts[0].head_dim)

@@ -1,14 +1,15 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
-A transformers hybrid (Granite-4-H, Bamba, Qwen3-Next, Jamba), recurrent model (Mamba,
-Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
+A transformers hybrid (Granite-4-H, Bamba, Nemotron-H, Falcon-H1, Zamba2, Qwen3-Next, Jamba),
+recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
 ``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
 recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
 (:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`)
 sharing the transformers parameters; these read their ``state_cache`` slots and are the
 PIECEWISE split points. Only classes whose computation graphrt reproduces are routed
 (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`);
-any other recurrent layer is refused by :func:`served_types`.
+any other recurrent layer is refused by :func:`served_types` (naming the kernel graphrt lacks for
+the stock classes of :data:`MISSING_KERNELS`).
 
 Most of these models' classes do not declare ``_supports_attention_backend``: the loader takes
 them all the same when their modeling module defines a routed mixer class
@@ -29,6 +30,7 @@ from torch import nn
 from graphrt.core.errors import ConfigError
 from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 from graphrt.models.torch.mamba1 import Mamba1Mixer
+from graphrt.models.torch.transformers_impl.facts import FULL_TYPES, HYBRID_TYPES, SLIDING_TYPES, layer_of_path
 from graphrt.models.torch.mamba2 import Mamba2Mixer
 from graphrt.models.torch.qwen3_next import GatedDeltaNet
 from graphrt.models.torch.short_conv import ShortConvMixer
@@ -36,8 +38,10 @@ from graphrt.models.torch.short_conv import ShortConvMixer
 #: ``layer_types`` entries of recurrent layers that a routed mixer can serve.
 RECURRENT_TYPES = frozenset({"mamba", "linear_attention", "conv"})
 #: transformers' Mamba2 mixers of the Granite-4-H / Bamba shape (x|B|C convolution, SSD scan,
-#: grouped gated RMSNorm): graphrt's Mamba2Mixer computes the same.
-MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "BambaMixer"})
+#: grouped gated RMSNorm): graphrt's Mamba2Mixer computes the same; Nemotron-H's and Zamba2's
+#: are of that shape too, Falcon-H1's adds µP multipliers and its own gating (:func:`_mamba2`).
+MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "BambaMixer", "NemotronHMamba2Mixer", "Zamba2MambaMixer",
+                           "FalconH1Mixer"})
 #: transformers' gated delta nets of Qwen3-Next's layout (grouped q|k|v|z and b|a projections).
 DELTA_MIXERS = frozenset({"Qwen3NextGatedDeltaNet"})
 #: transformers' Mamba1 mixers (selective scan): Mamba's, Falcon-Mamba's (unweighted RMS norms of
@@ -48,6 +52,11 @@ SHORT_CONV_MIXERS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv"})
 #: The names of each kind's state tensors (the state spec's, in the module's ``state_shapes()`` order).
 STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm"),
                "short_conv": ("conv",)}
+#: Stock recurrent mixers graphrt does not route yet -> the kernel it lacks (named in the refusal).
+MISSING_KERNELS = {
+    "RecurrentGemmaRecurrentBlock": "the RG-LRU scan (a gated diagonal recurrence of width lru_width after a "
+                                    "convolution without activation; no graphrt state kind or kernel yet)",
+}
 #: Class-name fragments of recurrent mixers graphrt does not route (for the refusal).
 RECURRENT_HINTS = ("Mamba", "Mixer", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent")
 
@@ -71,29 +80,51 @@ def _check_silu(path: str, module: nn.Module) -> None:
                           "graphrt's recurrent kernels apply SiLU")
 
 
+def _mamba2_gate(path: str, hf: nn.Module) -> tuple[str, float]:
+    """How ``hf`` gates its scan's output (one of ``mamba2.GATES``) and its norm's epsilon: a
+    grouped norm of ``y * silu(z)``, Falcon-H1's ``mamba_norm_before_gate`` norm of ``y`` times
+    ``silu(z)``, or Falcon-H1's ``y * silu(z)`` without a norm (``mamba_rms_norm=False``)."""
+    if isinstance(hf.norm, nn.Identity) and not getattr(hf, "mamba_rms_norm", True):
+        return "gate", 1e-6
+    eps = float(hf.norm.variance_epsilon)
+    return ("gate_after_norm" if getattr(hf.norm, "norm_before_gate", False) else "norm_gated"), eps
+
+
 def _mamba2(path: str, hf: nn.Module) -> Mamba2Mixer:
-    """graphrt's Mamba2Mixer over ``hf``'s parameters."""
+    """graphrt's Mamba2Mixer over ``hf``'s parameters; Falcon-H1's input multiplier
+    (``ssm_in_multiplier``) and µP vector (``mup_vector``, a buffer) carried over."""
     _check_silu(path, hf)
     groups = int(hf.n_groups)
+    gate, eps = _mamba2_gate(path, hf)
+    mup = getattr(hf, "mup_vector", None)
     c = SimpleNamespace(mamba_heads=int(hf.num_heads), mamba_head_dim=int(hf.head_dim), mamba_groups=groups,
                         mamba_state=int(hf.ssm_state_size), mamba_intermediate=int(hf.intermediate_size),
                         conv_dim=int(hf.conv_dim), chunk_size=int(hf.chunk_size),
                         time_step_limit=tuple(hf.time_step_limit or (0.0, float("inf"))),
                         hidden_size=int(hf.in_proj.in_features), mamba_bias=hf.in_proj.bias is not None,
                         conv_kernel=int(hf.conv_kernel_size), conv_bias=hf.conv1d.bias is not None,
-                        mamba_norm_eps=float(hf.norm.variance_epsilon))
+                        mamba_norm_eps=eps, mamba_gate=gate,
+                        mamba_in_scale=float(getattr(hf, "ssm_in_multiplier", 1.0)),
+                        mamba_proj_scaled=mup is not None)
     want = c.mamba_intermediate + c.conv_dim + c.mamba_heads
     if hf.in_proj.out_features != want or c.mamba_heads * c.mamba_head_dim != c.mamba_intermediate:
         raise ConfigError(f"{path}: in_proj gives {hf.in_proj.out_features} features and {c.mamba_heads} heads x "
                           f"{c.mamba_head_dim}; graphrt's Mamba2 mixer needs gate|x|B|C|dt = {want} and heads x "
                           f"head_dim = intermediate ({c.mamba_intermediate})")
-    if getattr(hf.norm, "group_size", c.mamba_intermediate // groups) * groups != c.mamba_intermediate:
+    if gate != "gate" and (getattr(hf.norm, "group_size", c.mamba_intermediate // groups) * groups
+                           != c.mamba_intermediate or getattr(hf.norm, "n_groups", groups) != groups):
         raise ConfigError(f"{path}: its gated norm's groups are not the mixer's {groups} groups")
     with torch.device("meta"):
         mixer = Mamba2Mixer(c)
     mixer.in_proj, mixer.conv1d, mixer.out_proj = hf.in_proj, hf.conv1d, hf.out_proj
     mixer.dt_bias, mixer.A_log, mixer.D = hf.dt_bias, hf.A_log, hf.D
-    mixer.norm.weight = hf.norm.weight
+    if mixer.norm is not None:
+        mixer.norm.weight = hf.norm.weight
+    if mup is not None:
+        if mup.numel() != hf.in_proj.out_features:
+            raise ConfigError(f"{path}: its mup_vector has {mup.numel()} entries, its in_proj "
+                              f"{hf.in_proj.out_features} features")
+        mixer.proj_scale = mup.detach().reshape(-1).clone()
     return _all_shared(path, mixer)
 
 
@@ -177,22 +208,13 @@ def _short_conv(path: str, hf: nn.Module) -> ShortConvMixer:
     return _all_shared(path, mixer)
 
 
-def _layer_of(path: str) -> int | None:
-    """The decoder layer index in a module path (``model.layers.3.mamba`` -> 3)."""
-    parts = path.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == "layers" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
-
-
 def recurrent_mixers(hf_model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     """``(decoder layer, module path, module)`` of every routable recurrent mixer of ``hf_model``
     (transformers' own modules, not yet replaced), in layer order."""
     found, kinds = [], routed_kinds()
     for name, module in hf_model.named_modules():
         if type(module).__name__ in kinds:
-            layer = _layer_of(name)
+            layer = layer_of_path(name)
             if layer is None:
                 raise ConfigError(f"{name} ({type(module).__name__}): cannot tell its decoder layer "
                                   "(no 'layers.<i>' in its path), which graphrt numbers its state slots by")
@@ -210,9 +232,12 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
     routes = sorted(kinds)
     unserved = [i for i, kind in enumerate(types) if kind in RECURRENT_TYPES and i not in layers]
     if unserved:
+        lacking = sorted({f"{type(m).__name__} needs {MISSING_KERNELS[type(m).__name__]}"
+                          for name, m in hf_model.named_modules()
+                          if type(m).__name__ in MISSING_KERNELS and layer_of_path(name) in unserved})
         raise ConfigError(f"{type(hf_model).__name__}: layer_types marks layers {unserved} recurrent "
                           f"({sorted({types[i] for i in unserved})}), but their mixers are of no class graphrt routes "
-                          f"to its recurrent kernels ({routes})")
+                          f"to its recurrent kernels ({routes})" + (f": {'; '.join(lacking)}" if lacking else ""))
     left = [f"{name} ({type(m).__name__})" for name, m in hf_model.named_modules()
             if any(h in type(m).__name__ for h in RECURRENT_HINTS) and hasattr(m, "conv1d")
             and type(m).__name__ not in kinds
@@ -265,14 +290,12 @@ def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[
     own (their attention would run without graphrt's KV cache)."""
     if getattr(type(hf_model), "_supports_attention_backend", False):
         return
-    from graphrt.models.torch.transformers_impl.facts import FULL_TYPES, SLIDING_TYPES
-
     name = type(hf_model).__name__
     types = getattr(config, "layer_types", None)
     if types is None:
         raise ConfigError(f"{name} does not declare _supports_attention_backend and its config has no layer_types: "
                           "graphrt cannot check that each of its attention layers goes through AttentionInterface")
-    want = [i for i, kind in enumerate(types) if kind in FULL_TYPES | SLIDING_TYPES]
+    want = [i for i, kind in enumerate(types) if kind in FULL_TYPES | SLIDING_TYPES | HYBRID_TYPES]
     missing = sorted(set(want) - set(attended))
     if missing:
         raise ConfigError(f"{name} does not declare _supports_attention_backend, and its layers {missing} (attention "
@@ -280,7 +303,6 @@ def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[
                           "their own, without graphrt's paged KV cache")
 
 
-__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "RECURRENT_TYPES", "RoutedMixer", "SHORT_CONV_MIXERS",
-           "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
-           "routed_mixer_classes",
-           "served_types", "state_spec_of"]
+__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "MISSING_KERNELS", "RECURRENT_TYPES", "RoutedMixer",
+           "SHORT_CONV_MIXERS", "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
+           "routed_mixer_classes", "served_types", "state_spec_of"]
