@@ -5,7 +5,7 @@ then the RG-LRU: ``h <- a h + sqrt(1 - a^2) (x * input_gate)``, reset at positio
 ``act(linear_y(h))``) is routed to graphrt's ``RGLRUMixer`` (``models/torch/rg_lru.py``) over the
 same parameters, its convolution window and recurrent state in a state slot (kind ``rg_lru``). Here:
 
-* the scan (torch reference, JAX) against a per-request loop over drawn step layouts (hypothesis),
+* the scan (torch reference, Triton interpreted, JAX) against a per-request loop over drawn step layouts (hypothesis),
   and the states it stores (only written slots' rows compared);
 * teacher-forced parity with transformers' own forward for a tiny RecurrentGemma (RG-LRU, local
   attention of a window shorter than the prompts, RG-LRU; soft-capped logits): 4 requests joining
@@ -21,8 +21,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from support.triton_interpreter import INTERPRETER_PROBLEM  # sets TRITON_INTERPRET first
+
 import graphrt
 from graphrt.core.state_spec import StateGroup, StateTensor
+from graphrt.layers.torch.state import triton_recurrent
 from graphrt.layers.torch.state.metadata import build_state_metadata
 from graphrt.layers.torch.state.rg_lru import rg_lru_scan
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
@@ -38,6 +41,7 @@ from graphrt.models.torch.transformers_impl.recurrent import RoutedMixer  # noqa
 LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block_size=4, num_kv_blocks=33)
 SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16])}
 SLOTS, CHECKPOINTS, WIDTH = 4, 2, 6
+interpreted = pytest.mark.skipif(INTERPRETER_PROBLEM is not None, reason=f"Triton interpreter: {INTERPRETER_PROBLEM}")
 
 
 @st.composite
@@ -97,6 +101,23 @@ def test_the_rg_lru_scan_matches_a_per_request_loop(layout):
     written = meta.write_slot < SLOTS
     torch.testing.assert_close(states[written], want_states[written], rtol=1e-5, atol=1e-5)
     assert not states[written].isnan().any()
+
+
+@interpreted
+@settings(max_examples=8, deadline=None)
+@given(_layouts())
+def test_interpret_triton_rg_lru_scan_matches_the_reference(layout):
+    reqs, pad, seed = layout
+    meta, total = _meta(reqs, pad)
+    a, b, init = _inputs(meta, total, seed)
+    with pytest.MonkeyPatch.context() as patch:       # the interpreter reads it at each launch
+        patch.setenv("TRITON_INTERPRET", "1")
+        h, states = triton_recurrent.triton_rg_lru_scan(a, b, init, meta)
+    want_h, want_states = rg_lru_scan(a, b, init, meta)
+    real = int(meta.starts[-1])
+    torch.testing.assert_close(h[:real], want_h[:real], rtol=1e-5, atol=1e-5)
+    written = meta.write_slot < SLOTS
+    torch.testing.assert_close(states[written], want_states[written], rtol=1e-5, atol=1e-5)
 
 
 def test_uniform_steps_match_the_segmented_scan_and_the_jax_kernel():

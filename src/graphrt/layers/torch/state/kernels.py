@@ -3,8 +3,7 @@
 :class:`RecurrentKernels` is a set of the kernels with the reference ones' signatures
 (``causal_conv1d``, ``ssd_scan``, ``gated_delta_rule``, ``selective_scan``, ``rg_lru_scan``);
 graphrt's two sets are registered here, the reference (``mamba_kernels``, ``gated_delta``,
-``selective_scan``, ``rg_lru``) and Triton (``triton_recurrent``; its RG-LRU scan is still the
-reference one).
+``selective_scan``, ``rg_lru``) and Triton (``triton_recurrent``).
 :func:`select_recurrent_kernels` picks one when the runner is built (``GRAPHRT_RECURRENT``, read
 and checked by :func:`requested_recurrent_kernels` alone: ``auto``, Triton on CUDA where it runs,
 else the reference; ``reference``; ``triton``; or a set registered with
@@ -29,7 +28,7 @@ from graphrt.layers.torch.state.selective_scan import selective_scan
 class RecurrentKernels(NamedTuple):
     """One set of the recurrent kernels, each with the reference kernel's signature
     (``selective_scan``, Mamba1's, and ``rg_lru_scan``, RecurrentGemma's, default to the
-    reference: a set made before they existed; Triton has no RG-LRU kernel yet)."""
+    reference: a set made before they existed)."""
 
     name: str
     causal_conv1d: Callable
@@ -52,10 +51,11 @@ REFERENCE_KERNELS = RecurrentKernels("reference", causal_conv1d, ssd_scan, gated
 
 def _triton(device: torch.device) -> RecurrentKernels:
     from graphrt.layers.torch.state.triton_recurrent import (triton_causal_conv1d, triton_gated_delta_rule,
-                                                               triton_selective_scan, triton_ssd_scan)
+                                                               triton_rg_lru_scan, triton_selective_scan,
+                                                               triton_ssd_scan)
 
     return RecurrentKernels("triton", triton_causal_conv1d, triton_ssd_scan, triton_gated_delta_rule,
-                            triton_selective_scan)
+                            triton_selective_scan, triton_rg_lru_scan)
 
 
 _KERNELS: dict[str, Callable[[torch.device], RecurrentKernels]] = {"reference": lambda device: REFERENCE_KERNELS,
