@@ -113,10 +113,10 @@ def _verify_then_continue(runner, prompt: list[int], drafts: list[int], accepted
 
 
 @pytest.mark.parametrize("arch,backend", [("granite", "eager"), ("granite", "cpu"), ("granite", "xla"),
-                                          ("jamba", "cpu"), ("lfm2", "cpu")])
+                                          ("jamba", "cpu"), ("lfm2", "cpu"), ("recurrent_gemma", "cpu")])
 def test_rejected_drafts_roll_the_state_back(arch, backend):
-    """Granite-4-H (Mamba2), Jamba (Mamba1's selective scan) and LFM2 (short convolutions), the
-    last two through the Transformers backend."""
+    """Granite-4-H (Mamba2), Jamba (Mamba1's selective scan), LFM2 (short convolutions) and
+    RecurrentGemma (RG-LRU), the last three through the Transformers backend."""
     if backend == "xla":
         pytest.importorskip("jax")
     d = hybrid_model_dir(arch)

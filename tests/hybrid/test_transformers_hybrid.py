@@ -178,11 +178,16 @@ def test_tensor_parallel_routed_mixers_are_refused():
         wrap_transformers_model(_hf_with_graphrt_attention("granite"), tp_rank=0, tp_size=2)
 
 
-def test_a_stock_hybrid_of_an_unrouted_mixer_class_is_refused_naming_its_layers():
-    """RecurrentGemma's RG-LRU block is no routed class, and the refusal names the kernel it lacks
-    (Nemotron-H's Mamba2 mixer, refused here before, is routed now: test_transformers_mamba2_hybrids.py)."""
+def test_a_stock_hybrid_of_an_unrouted_mixer_class_is_refused_naming_its_layers(monkeypatch):
+    """A stock mixer class that is not routed is refused naming its layers and the kernel it
+    lacks (MISSING_KERNELS): RecurrentGemma's RG-LRU block with its route taken away (it is
+    routed since issue 45: test_transformers_rg_lru.py)."""
     from transformers_zoo import tiny_config
 
+    from graphrt.models.torch.transformers_impl import recurrent
+
+    monkeypatch.setattr(recurrent, "RG_LRU_MIXERS", frozenset())
+    monkeypatch.setitem(recurrent.MISSING_KERNELS, "RecurrentGemmaRecurrentBlock", "the RG-LRU scan")
     register_attention()
     hf = transformers.AutoModelForCausalLM.from_config(tiny_config("recurrent_gemma"), dtype=torch.float32,
                                                        attn_implementation=ATTENTION_NAME)

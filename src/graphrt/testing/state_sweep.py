@@ -61,11 +61,19 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
                  conv_bias=True, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                  tie_word_embeddings=False),
+    # RecurrentGemma: RG-LRU blocks (layers 0 and 2, lru_width 48 != hidden) beside local attention of
+    # a window of 6 (shorter than the prompts), half-rotary, logits soft-capped
+    "recurrent_gemma": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, lru_width=48,
+                            attention_window_size=6, conv1d_width=4, logits_soft_cap=30.0,
+                            block_types=["recurrent", "attention", "recurrent"], bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0, tie_word_embeddings=False),
 }
 #: transformers' config class of each.
 HYBRID_CONFIG_CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig",
                          "qwen3_next": "Qwen3NextConfig", "mamba": "MambaConfig", "falcon_mamba": "FalconMambaConfig",
-                         "jamba": "JambaConfig", "lfm2": "Lfm2Config"}
+                         "jamba": "JambaConfig", "lfm2": "Lfm2Config",
+                         "recurrent_gemma": "RecurrentGemmaConfig"}
 
 #: (model, backend, graph mode, speculative tokens) and its share of the draws;
 #: FULL_AND_PIECEWISE breaks mixed steps at the recurrent layers.
@@ -80,6 +88,8 @@ SWEEP: tuple[tuple[str, str, str, int, int], ...] = (
     ("mamba", "cpu", "FULL_AND_PIECEWISE", 2, 2), ("falcon_mamba", "cpu", "FULL", 0, 1),
     # LFM2's short convolutions through the Transformers backend
     ("lfm2", "cpu", "FULL", 1, 2), ("lfm2", "cpu", "FULL_AND_PIECEWISE", 0, 2),
+    # RecurrentGemma's RG-LRU blocks through the Transformers backend
+    ("recurrent_gemma", "cpu", "FULL", 1, 2), ("recurrent_gemma", "cpu", "FULL_AND_PIECEWISE", 0, 2),
 )
 #: XLA's token x batch-size grid for the sweep (every bucket is compiled at warm-up).
 XLA_GRID: dict[str, Any] = dict(precompile_token_paddings=[16, 32], precompile_bs_paddings=[4])

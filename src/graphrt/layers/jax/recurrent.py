@@ -1,7 +1,8 @@
 """Recurrent layers of hybrid models in JAX (docs/hybrid.md): the step's state metadata, the
-causal conv1d with state, Mamba2's SSD scan, the gated delta rule and Mamba1's selective scan --
-the torch reference kernels (:mod:`graphrt.layers.torch.state.mamba_kernels`, ``gated_delta``,
-``selective_scan``) in ``jnp``, jit-able with
+causal conv1d with state, Mamba2's SSD scan, the gated delta rule, Mamba1's selective scan and
+RecurrentGemma's RG-LRU scan -- the torch reference kernels
+(:mod:`graphrt.layers.torch.state.mamba_kernels`, ``gated_delta``, ``selective_scan``,
+``rg_lru``) in ``jnp``, jit-able with
 static shapes: lengths come from the batch's arrays, chunks are a ``lax.fori_loop`` (the
 ``k``-th chunk of every request at once), uniform decode / verification steps one update per
 token. Padded requests and the padding request (the tokens past the last real one) read zeros
@@ -317,5 +318,37 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
     return y, states
 
 
-__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "naming_states", "read_states", "selective_scan",
-           "ssd_scan", "state_meta", "write_states"]
+def rg_lru_scan(a: jax.Array, b: jax.Array, init: jax.Array, meta: StateMeta, *, checkpoints: int,
+                uniform: int) -> tuple[jax.Array, jax.Array]:
+    """RecurrentGemma's RG-LRU recurrence (see the torch ``rg_lru_scan``): ``h_t = a_t h_{t-1} +
+    b_t`` per request, ``a`` / ``b [T, D]``, ``init [R + 1, D]`` -> (h ``[T, D]`` float32, states
+    ``[R + 1, C, D]``): a segmented scan by doubling, or one update per token for uniform steps."""
+    af, bf, init = a.astype(jnp.float32), b.astype(jnp.float32), init.astype(jnp.float32)
+    t, d = af.shape
+    if uniform:
+        r = t // uniform
+        a_s, b_s = af.reshape(r, uniform, d), bf.reshape(r, uniform, d)
+        state, ys = init[:r], []
+        states = jnp.zeros((init.shape[0], checkpoints, d), jnp.float32)
+        for j in range(uniform):
+            state = a_s[:, j] * state + b_s[:, j]
+            ys.append(state)
+            if uniform - 1 - j < checkpoints:
+                states = states.at[:r, uniform - 1 - j].set(state)
+        return jnp.stack(ys, 1).reshape(t, d), states
+    bf = jnp.where((meta.token_index == 0)[:, None], af * init[meta.token_req] + bf, bf)
+    tokens = jnp.arange(t)
+    span = 1
+    while span < t:
+        back = jnp.clip(tokens - span, 0, None)
+        same = ((tokens >= span) & (meta.token_req[back] == meta.token_req))[:, None]
+        bf = jnp.where(same, af * bf[back] + bf, bf)
+        af = jnp.where(same, af * af[back], af)
+        span *= 2
+    last = meta.query_lens[:, None] - 1 - jnp.arange(checkpoints)[None, :]
+    rows, valid = _rows(meta, last, t)
+    return bf, jnp.where(valid[..., None], bf[rows], 0.0)
+
+
+__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "naming_states", "read_states", "rg_lru_scan",
+           "selective_scan", "ssd_scan", "state_meta", "write_states"]

@@ -5,7 +5,8 @@ kernels' signatures, and the choice between them.
   are gathered in torch, as the reference does).
 * :func:`triton_ssd_scan` / :func:`triton_gated_delta_rule` -- one program per request, head and
   feature block, running the recurrence over the request's tokens in order;
-  :func:`triton_selective_scan` (Mamba1) -- one program per request and channel block, the same way. Prefill is
+  :func:`triton_selective_scan` (Mamba1) and :func:`triton_rg_lru_scan` (RecurrentGemma) -- one
+  program per request and channel block, the same way. Prefill is
   therefore a sequential scan per request (exact, capturable; not the chunked SSD / WY form of
   the reference kernels, which parallelises long prompts better).
 
@@ -51,7 +52,7 @@ def triton_problem(device: torch.device) -> str | None:
 def _kernels(interpret: bool) -> tuple[Any, ...]:
     from graphrt.layers.torch.state import triton_recurrent_kernels as src
 
-    fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel, src.selective_kernel)
+    fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel, src.selective_kernel, src.rg_lru_kernel)
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -144,5 +145,21 @@ def triton_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     return y, states
 
 
-__all__ = ["triton_causal_conv1d", "triton_gated_delta_rule", "triton_problem", "triton_selective_scan",
-           "triton_ssd_scan"]
+def triton_rg_lru_scan(a: torch.Tensor, b: torch.Tensor, init: torch.Tensor,
+                       meta: StateMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~graphrt.layers.torch.state.rg_lru.rg_lru_scan` in Triton (a sequential scan per
+    request and channel block)."""
+    scan = _kernels(a.device.type != "cuda")[4]
+    t, d = a.shape
+    rows = meta.starts.shape[0]
+    h = torch.zeros(t, d, dtype=torch.float32, device=a.device)
+    states = torch.zeros(rows, meta.checkpoints, d, dtype=torch.float32, device=a.device)
+    block_d = min(CONV_BLOCK, _pow2(d))
+    scan[(rows, -(-d // block_d))](a.float().contiguous(), b.float().contiguous(), init.float().contiguous(), h,
+                                   states, meta.starts, meta.query_lens, d, CHECKPOINTS=meta.checkpoints,
+                                   BLOCK_D=block_d)
+    return h, states
+
+
+__all__ = ["triton_causal_conv1d", "triton_gated_delta_rule", "triton_problem", "triton_rg_lru_scan",
+           "triton_selective_scan", "triton_ssd_scan"]

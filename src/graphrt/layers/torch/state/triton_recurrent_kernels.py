@@ -142,3 +142,25 @@ def selective_kernel(x, dt, A, B, C, D, init, y, states, starts, query_lens, cha
         back = count - 1 - i
         if back < CHECKPOINTS:
             tl.store(states + (r * CHECKPOINTS + back) * channels * d_state + plane, state, mask=both)
+
+
+def rg_lru_kernel(a, b, init, h, states, starts, query_lens, channels,
+                  CHECKPOINTS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Request ``program_id(0)``, channels ``program_id(1) * BLOCK_D ..``: RecurrentGemma's RG-LRU
+    recurrence over the request's tokens in order (``h <- a h + b``, each token's ``h`` stored),
+    the state after each of its last ``CHECKPOINTS`` positions into ``states [R + 1, C, D]``.
+    ``a`` / ``b [T, D]``, ``init [R + 1, D]``; everything float32."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < channels
+    state = tl.load(init + r * channels + d, mask=dm, other=0.0)
+    start = tl.load(starts + r).to(tl.int64)
+    count = tl.load(query_lens + r).to(tl.int64)
+    for i in range(0, count):
+        tok = start + i
+        state = tl.load(a + tok * channels + d, mask=dm, other=0.0) * state + \
+            tl.load(b + tok * channels + d, mask=dm, other=0.0)
+        tl.store(h + tok * channels + d, state, mask=dm)
+        back = count - 1 - i
+        if back < CHECKPOINTS:
+            tl.store(states + (r * CHECKPOINTS + back) * channels + d, state, mask=dm)

@@ -1,13 +1,15 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
-A transformers hybrid (Granite-4-H, Bamba, Nemotron-H, Falcon-H1, Zamba2, Qwen3-Next, Jamba),
-recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
+A transformers hybrid (Granite-4-H, Bamba, Nemotron-H, Falcon-H1, Zamba2, Qwen3-Next, Jamba,
+RecurrentGemma), recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
 ``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
 recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
-(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`)
+(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`,
+:class:`RGLRUMixer`)
 sharing the transformers parameters; these read their ``state_cache`` slots and are the
 PIECEWISE split points. Only classes whose computation graphrt reproduces are routed
-(:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`);
+(:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`,
+:data:`RG_LRU_MIXERS`);
 any other recurrent layer is refused by :func:`served_types` (naming the kernel graphrt lacks for
 the stock classes of :data:`MISSING_KERNELS`).
 
@@ -33,6 +35,7 @@ from graphrt.models.torch.mamba1 import Mamba1Mixer
 from graphrt.models.torch.transformers_impl.facts import FULL_TYPES, HYBRID_TYPES, SLIDING_TYPES, layer_of_path
 from graphrt.models.torch.mamba2 import Mamba2Mixer
 from graphrt.models.torch.qwen3_next import GatedDeltaNet
+from graphrt.models.torch.rg_lru import ACTIVATIONS, RGLRUMixer
 from graphrt.models.torch.short_conv import ShortConvMixer
 
 #: ``layer_types`` entries of recurrent layers that a routed mixer can serve.
@@ -49,14 +52,14 @@ DELTA_MIXERS = frozenset({"Qwen3NextGatedDeltaNet"})
 MAMBA1_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
 #: LFM2's gated short convolutions (``conv`` layers): ``out_proj(C * conv(B * x))``, no activation.
 SHORT_CONV_MIXERS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv"})
+#: RecurrentGemma's recurrent blocks (``linear_attention`` layers): a convolution without
+#: activation then the RG-LRU, gated by ``act(linear_y(h))``; they return ``(hidden, None)``.
+RG_LRU_MIXERS = frozenset({"RecurrentGemmaRecurrentBlock"})
 #: The names of each kind's state tensors (the state spec's, in the module's ``state_shapes()`` order).
 STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm"),
-               "short_conv": ("conv",)}
+               "short_conv": ("conv",), "rg_lru": ("conv", "lru")}
 #: Stock recurrent mixers graphrt does not route yet -> the kernel it lacks (named in the refusal).
-MISSING_KERNELS = {
-    "RecurrentGemmaRecurrentBlock": "the RG-LRU scan (a gated diagonal recurrence of width lru_width after a "
-                                    "convolution without activation; no graphrt state kind or kernel yet)",
-}
+MISSING_KERNELS: dict[str, str] = {}
 #: Class-name fragments of recurrent mixers graphrt does not route (for the refusal).
 RECURRENT_HINTS = ("Mamba", "Mixer", "DeltaNet", "LinearAttention", "ShortConv", "Recurrent")
 
@@ -64,14 +67,16 @@ RECURRENT_HINTS = ("Mamba", "Mixer", "DeltaNet", "LinearAttention", "ShortConv",
 class RoutedMixer(nn.Module):
     """Stands where transformers' mixer stood: ``hidden_states [1, T, hidden]`` (one packed row
     of the step's requests) -> ``[1, T, hidden]`` through graphrt's ``mixer``; transformers'
-    cache and mask arguments are ignored (the state lives in graphrt's slots, the mask is None)."""
+    cache and mask arguments are ignored (the state lives in graphrt's slots, the mask is None).
+    ``pair``: return ``(hidden, None)``, as RecurrentGemma's blocks do."""
 
-    def __init__(self, mixer: nn.Module, kind: str, source: str) -> None:
+    def __init__(self, mixer: nn.Module, kind: str, source: str, pair: bool = False) -> None:
         super().__init__()
-        self.mixer, self.kind, self.source = mixer, kind, source
+        self.mixer, self.kind, self.source, self.pair = mixer, kind, source, pair
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.mixer(hidden_states[0])[None]
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = self.mixer(hidden_states[0])[None]
+        return (out, None) if self.pair else out
 
 
 def _check_silu(path: str, module: nn.Module) -> None:
@@ -188,7 +193,8 @@ def routed_kinds() -> dict[str, str]:
     """Every routed class name -> the kind graphrt's module for it declares in the state spec
     (read from the class sets at each call)."""
     return {**{name: "mamba2" for name in MAMBA2_MIXERS}, **{name: "gated_delta_net" for name in DELTA_MIXERS},
-            **{name: "mamba1" for name in MAMBA1_MIXERS}, **{name: "short_conv" for name in SHORT_CONV_MIXERS}}
+            **{name: "mamba1" for name in MAMBA1_MIXERS}, **{name: "short_conv" for name in SHORT_CONV_MIXERS},
+            **{name: "rg_lru" for name in RG_LRU_MIXERS}}
 
 
 def _short_conv(path: str, hf: nn.Module) -> ShortConvMixer:
@@ -206,6 +212,37 @@ def _short_conv(path: str, hf: nn.Module) -> ShortConvMixer:
         mixer = ShortConvMixer(c)
     mixer.in_proj, mixer.conv, mixer.out_proj = hf.in_proj, hf.conv, hf.out_proj
     return _all_shared(path, mixer)
+
+
+def _rg_lru(path: str, hf: nn.Module) -> RGLRUMixer:
+    """graphrt's RGLRUMixer over ``hf``'s parameters (RecurrentGemma's recurrent blocks)."""
+    lru, conv = hf.rg_lru, hf.conv_1d
+    w = int(hf.linear_x.out_features)
+    act = getattr(getattr(hf, "config", None), "hidden_activation", None) or _activation_name(hf.act_fn)
+    if conv.in_channels != w or conv.groups != w or conv.bias is None or tuple(lru.recurrent_param.shape) != (w,):
+        raise ConfigError(f"{path}: its convolution has {conv.in_channels} channels in {conv.groups} groups (bias: "
+                          f"{conv.bias is not None}) and recurrent_param {tuple(lru.recurrent_param.shape)}; graphrt's "
+                          f"RG-LRU block needs a biased depthwise convolution of lru_width = {w} channels")
+    c = SimpleNamespace(hidden_size=int(hf.linear_x.in_features), lru_width=w, heads=int(lru.num_attention_heads),
+                        conv_kernel=int(conv.kernel_size[0]), activation=act)
+    with torch.device("meta"):
+        mixer = RGLRUMixer(c)
+    mixer.linear_y, mixer.linear_x, mixer.linear_out, mixer.conv_1d = hf.linear_y, hf.linear_x, hf.linear_out, conv
+    for name in ("recurrent_param", "input_gate_weight", "input_gate_bias", "recurrent_gate_weight",
+                 "recurrent_gate_bias"):
+        setattr(mixer.rg_lru, name, getattr(lru, name))
+    return _all_shared(path, mixer)
+
+
+def _activation_name(act: nn.Module) -> str:
+    """transformers' name of the activation module ``act`` (a ConfigError for one graphrt lacks)."""
+    names = {"PytorchGELUTanh": "gelu_pytorch_tanh", "GELUTanh": "gelu_pytorch_tanh", "GELUActivation": "gelu",
+             "SiLUActivation": "silu", "SiLU": "silu", "ReLU": "relu"}
+    name = names.get(type(act).__name__)
+    if name is None or name not in ACTIVATIONS:
+        raise ConfigError(f"RG-LRU block: activation {type(act).__name__} is not one graphrt applies "
+                          f"({sorted(ACTIVATIONS)})")
+    return name
 
 
 def recurrent_mixers(hf_model: nn.Module) -> list[tuple[int, str, nn.Module]]:
@@ -241,7 +278,7 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
     left = [f"{name} ({type(m).__name__})" for name, m in hf_model.named_modules()
             if any(h in type(m).__name__ for h in RECURRENT_HINTS) and hasattr(m, "conv1d")
             and type(m).__name__ not in kinds
-            and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer, ShortConvMixer))]
+            and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer, ShortConvMixer, RGLRUMixer))]
     if left:
         raise ConfigError(f"{type(hf_model).__name__}: recurrent mixers {left} are of no class graphrt routes to its "
                           f"recurrent kernels ({routes}): their state would live in transformers' own cache, which "
@@ -255,10 +292,10 @@ def route_recurrent_mixers(hf_model: nn.Module, found: list[tuple[int, str, nn.M
     routed = []
     for _, name, module in found:
         kind = routed_kinds()[type(module).__name__]
-        mixer = {"mamba2": _mamba2, "gated_delta_net": _delta, "mamba1": _mamba1, "short_conv": _short_conv}[kind](
-            name, module)
+        mixer = {"mamba2": _mamba2, "gated_delta_net": _delta, "mamba1": _mamba1, "short_conv": _short_conv,
+                 "rg_lru": _rg_lru}[kind](name, module)
         parent_name, _, child = name.rpartition(".")
-        wrapper = RoutedMixer(mixer, kind, f"{name} ({type(module).__name__})")
+        wrapper = RoutedMixer(mixer, kind, f"{name} ({type(module).__name__})", pair=kind == "rg_lru")
         setattr(hf_model.get_submodule(parent_name), child, wrapper)
         routed.append(wrapper)
     return routed
@@ -303,6 +340,6 @@ def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[
                           "their own, without graphrt's paged KV cache")
 
 
-__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "MISSING_KERNELS", "RECURRENT_TYPES", "RoutedMixer",
-           "SHORT_CONV_MIXERS", "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
+__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "MISSING_KERNELS", "RECURRENT_TYPES", "RG_LRU_MIXERS",
+           "RoutedMixer", "SHORT_CONV_MIXERS", "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
            "routed_mixer_classes", "served_types", "state_spec_of"]
