@@ -273,11 +273,17 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size, sliding_window,
                           attention_chunk)
     out = attend_tiles(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks)
+    return tokens_out(out, plan, num_tokens, num_heads * dv, out_dtype)
+
+
+def tokens_out(out: torch.Tensor, plan: AttentionPlan, num_tokens: int, width: int,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`attend_tiles`' output as one ``[num_tokens, width]`` row per token, in ``out_dtype``;
+    padded tokens read nothing: zeros (finite, whatever their masked rows computed)."""
     if plan.tile == 1:
-        out = out.reshape(num_tokens, num_heads * dv)
+        out = out.reshape(num_tokens, width)
     else:
-        out = out.reshape(-1, num_heads * dv).index_select(0, plan.rows_of_tokens)
-    # Padded tokens read nothing: zeros (finite, whatever their masked rows computed).
+        out = out.reshape(-1, width).index_select(0, plan.rows_of_tokens)
     return torch.where(plan.token_live.unsqueeze(1), out, 0.0).to(out_dtype)
 
 

@@ -23,7 +23,7 @@ import torch
 from graphrt.core.errors import ConfigError
 from graphrt.layers.torch.attention.backend import PagedAttentionBackend
 from graphrt.layers.torch.attention.kv_quant import is_fp8, write_kv_rows
-from graphrt.layers.torch.attention.paged import attend_tiles, attention_plan, paged_attention_kernel
+from graphrt.layers.torch.attention.paged import attend_tiles, attention_plan, paged_attention_kernel, tokens_out
 from graphrt.layers.torch.forward_context import get_forward_context
 
 
@@ -78,12 +78,7 @@ def indexed_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     selected = index_selection(index, index_cache, plan, index_topk, index_scale)
     plan = plan._replace(masked=plan.masked | ~selected)
     out = attend_tiles(q, k_cache, v_cache, plan, scale, k_cache.dtype, 1.0, 1.0, softcap, None)
-    num_heads = q.shape[1] // d
-    if plan.tile == 1:
-        out = out.reshape(num_tokens, num_heads * dv)
-    else:
-        out = out.reshape(-1, num_heads * dv).index_select(0, plan.rows_of_tokens)
-    return torch.where(plan.token_live.unsqueeze(1), out, 0.0).to(out_dtype)
+    return tokens_out(out, plan, num_tokens, q.shape[1] // d * dv, out_dtype)
 
 
 class IndexedPagedBackend(PagedAttentionBackend):
