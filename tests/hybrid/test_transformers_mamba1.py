@@ -24,7 +24,7 @@ import torch
 import graphrt
 from graphrt import ConfigError
 from support.hybrid_models import load_hf_hybrid, hybrid_model_dir
-from support.hybrid_parity import reference_logits, run_schedule
+from support.hybrid_parity import reference_logits, routed_runner, run_routed_schedule
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,9 +34,7 @@ from graphrt.models.torch.transformers_impl import (ATTENTION_NAME, register_att
                                                     wrap_transformers_model)
 from graphrt.models.torch.transformers_impl.recurrent import RoutedMixer  # noqa: E402
 
-LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block_size=4, num_kv_blocks=33)
 LENGTHS = (13, 7, 18, 9)
-SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16])}
 #: Each architecture's mixer attribute in its decoder layers.
 MIXER = {"mamba": "mixer", "falcon_mamba": "mixer", "jamba": "mamba"}
 
@@ -64,13 +62,9 @@ def test_teacher_forced_parity_with_transformers(references, arch, backend, mode
     """From the checkpoint directory (``model_impl="transformers"``), though the class does not
     declare ``_supports_attention_backend``; FULL graphs hold the decode and the mixed steps."""
     d, seqs, refs = references(arch)
-    runner = graphrt.ModelRunner(str(d), backend=backend, mode=mode, model_impl="transformers", progress=False,
-                                 **SHAPES[backend], **LIMITS)
+    runner = routed_runner(d, backend, mode)
     assert [type(m) for m in runner.model.state_layers()] == [Mamba1Mixer] * 2
-    steps = run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0})
-    assert steps >= 8
-    if backend == "cpu":
-        assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+    run_routed_schedule(runner, seqs, refs, backend)
 
 
 def _wrapped(arch: str, **kwargs):

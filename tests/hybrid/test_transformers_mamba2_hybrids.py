@@ -30,7 +30,7 @@ import torch
 
 import graphrt
 from graphrt import ConfigError
-from support.hybrid_parity import reference_logits, run_schedule
+from support.hybrid_parity import reference_logits, routed_runner, run_routed_schedule
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,9 +40,7 @@ from graphrt.models.torch.transformers_impl import (ATTENTION_NAME, register_att
 from graphrt.models.torch.transformers_impl.recurrent import RoutedMixer  # noqa: E402
 from transformers_zoo import load_reference, tiny_checkpoint, tiny_config  # noqa: E402
 
-LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block_size=4, num_kv_blocks=33)
 LENGTHS = (13, 7, 18, 9)
-SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16])}
 #: Falcon-H1 with every multiplier away from 1 and its gated norm (``rmsnorm(y) * silu(z)``); the
 #: zoo's model has the defaults (``y * silu(z)``, no norm).
 FALCON_MUP = dict(mamba_rms_norm=True, mamba_norm_before_gate=True, ssm_in_multiplier=0.7, ssm_out_multiplier=1.3,
@@ -108,15 +106,11 @@ def test_teacher_forced_parity_with_transformers(references, name, backend, mode
     """From the checkpoint directory (``model_impl="transformers"``), though no class declares
     ``_supports_attention_backend``; FULL graphs hold the decode and the mixed steps."""
     d, seqs, refs = references(name)
-    runner = graphrt.ModelRunner(str(d), backend=backend, mode=mode, model_impl="transformers", progress=False,
-                                 **SHAPES[backend], **LIMITS)
+    runner = routed_runner(d, backend, mode)
     states, attends = ROUTED[MODELS[name][0]]
     assert [type(m) for m in runner.model.state_layers()] == [Mamba2Mixer] * len(states)
     assert [f.layer_idx for f in runner.model.facts] == attends
-    steps = run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0})
-    assert steps >= 8
-    if backend == "cpu":
-        assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+    run_routed_schedule(runner, seqs, refs, backend)
 
 
 def _wrapped(name: str, **kwargs):

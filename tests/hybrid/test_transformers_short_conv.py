@@ -29,7 +29,7 @@ from graphrt.layers.torch.state import triton_recurrent
 from graphrt.layers.torch.state.mamba_kernels import causal_conv1d
 from graphrt.layers.torch.state.metadata import build_state_metadata
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
-from support.hybrid_parity import reference_logits, run_schedule
+from support.hybrid_parity import reference_logits, routed_runner, run_routed_schedule
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,8 +38,6 @@ from graphrt.models.torch.transformers_impl import (ATTENTION_NAME, register_att
                                                     wrap_transformers_model)
 from graphrt.models.torch.transformers_impl.recurrent import RoutedMixer  # noqa: E402
 
-LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block_size=4, num_kv_blocks=33)
-SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16])}
 interpreted = pytest.mark.skipif(INTERPRETER_PROBLEM is not None, reason=f"Triton interpreter: {INTERPRETER_PROBLEM}")
 
 
@@ -118,13 +116,10 @@ def test_teacher_forced_parity_with_transformers(backend, mode):
     d = hybrid_model_dir("lfm2")
     rng = np.random.default_rng(5)
     seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in (13, 7, 18, 9)]
-    runner = graphrt.ModelRunner(str(d), backend=backend, mode=mode, model_impl="transformers", progress=False,
-                                 **SHAPES[backend], **LIMITS)
+    runner = routed_runner(d, backend, mode)
     assert [type(m) for m in runner.model.state_layers()] == [ShortConvMixer] * 2
     refs = reference_logits(load_hf_hybrid(d), seqs)
-    assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
-    if backend == "cpu":
-        assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+    run_routed_schedule(runner, seqs, refs, backend)
 
 
 def _wrapped():

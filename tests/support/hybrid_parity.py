@@ -29,6 +29,28 @@ class _Req:
     positions: list[int] = field(default_factory=list)
 
 
+#: The routed mixers' parity runs (tests/hybrid/test_transformers_*.py): 3 requests at a time, 16
+#: tokens a step, blocks of 4; FULL graphs of 4 and 16 tokens on ``cpu``.
+ROUTED_LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block_size=4, num_kv_blocks=33)
+ROUTED_SHAPES = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[4, 16])}
+
+
+def routed_runner(model_dir, backend: str, mode: str) -> graphrt.ModelRunner:
+    """A runner of ``model_dir`` through the Transformers backend at :data:`ROUTED_LIMITS`."""
+    return graphrt.ModelRunner(str(model_dir), backend=backend, mode=mode, model_impl="transformers", progress=False,
+                               **ROUTED_SHAPES[backend], **ROUTED_LIMITS)
+
+
+def run_routed_schedule(runner: graphrt.ModelRunner, seqs: list[list[int]], refs: list[np.ndarray],
+                        backend: str) -> None:
+    """The routed mixers' schedule: 4 requests joining at steps 0, 0, 1 and 3, chunks of 5 tokens,
+    request 2 preempted at step 0; every step's logits checked (:func:`run_schedule`). On ``cpu``
+    FULL graphs hold every step (hits, no eager step)."""
+    assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
+    if backend == "cpu":
+        assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+
+
 def reference_logits(hf_model, seqs: list[list[int]]) -> list[np.ndarray]:
     """transformers' float32 logits of each whole sequence, every position."""
     return [hf_sequence_logits(hf_model, s).numpy() for s in seqs]
