@@ -123,6 +123,21 @@ def test_interpret_triton_lightning_kernel_matches_the_reference(layout):
     _check(got, lightning_attention(q, k, v, slope, init, meta, CHUNK), meta, total)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_triton_lightning_kernel_matches_the_reference_on_cuda():
+    """Compiled with ``triton.jit``: a long prefill, a decode, a padded request and padded tokens."""
+    reqs = [(40, 0, 2), (1, 9, 0), (0, 0, -1), (6, 3, 1)]
+    meta, total = _meta(reqs, 3)
+    q, k, v, slope, init = _inputs(meta, total, 11)
+    lens = torch.tensor(np.concatenate([[0], np.cumsum([n for n, _, _ in reqs])]), dtype=torch.int32, device="cuda")
+    cuda_meta = build_state_metadata(lens, torch.tensor([c for _, c, _ in reqs], dtype=torch.int32, device="cuda"),
+                                     torch.tensor([s for _, _, s in reqs], dtype=torch.int32, device="cuda"), total,
+                                     num_slots=SLOTS, checkpoints=CHECKPOINTS)
+    y, states = triton_recurrent.triton_lightning_attention(*(t.cuda() for t in (q, k, v, slope, init)), cuda_meta)
+    _check((y.cpu(), states.cpu()), lightning_attention(q, k, v, slope, init, meta, CHUNK), meta, total)
+
+
 def test_uniform_steps_match_the_chunked_kernel_and_the_jax_kernel():
     jnp = pytest.importorskip("jax.numpy")
     from graphrt.layers.jax import recurrent
