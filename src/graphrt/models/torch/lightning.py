@@ -26,22 +26,8 @@ from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.layers.torch.forward_context import get_state_context
 from graphrt.layers.torch.state.kernels import REFERENCE_KERNELS
 from graphrt.layers.torch.state.metadata import read_states, write_states
+from graphrt.models.torch.decoder import RMSNorm
 from graphrt.models.torch.rg_lru import ACTIVATIONS
-
-
-class HeadsRMSNorm(nn.Module):
-    """The RMS norm over every head's output at once (``[T, heads * head_dim]``), computed in
-    float32 and scaled in the input's dtype, as transformers' ``MiniMaxRMSNorm``."""
-
-    def __init__(self, width: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class LightningAttentionMixer(nn.Module):
@@ -61,7 +47,7 @@ class LightningAttentionMixer(nn.Module):
         self.qkv_proj = nn.Linear(h, 3 * heads * d, bias=False, dtype=dtype)
         self.output_gate = nn.Linear(h, heads * d, bias=False, dtype=dtype)
         self.out_proj = nn.Linear(heads * d, h, bias=False, dtype=dtype)
-        self.norm = HeadsRMSNorm(heads * d, config.norm_eps, dtype)
+        self.norm = RMSNorm(heads * d, config.norm_eps, dtype)      # over every head's output at once
         #: Each head's decay rate (transformers' ``slope_rate`` buffer, flattened).
         self.register_buffer("slope_rate", torch.zeros(heads, dtype=torch.float32))
         #: (kv,), assigned by the executor from the model's state_spec().
@@ -88,4 +74,4 @@ class LightningAttentionMixer(nn.Module):
         return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * out)
 
 
-__all__ = ["HeadsRMSNorm", "LightningAttentionMixer"]
+__all__ = ["LightningAttentionMixer"]
