@@ -201,8 +201,8 @@ def test_kit_state_isolation_on_minimax():
     from graphrt.testing.conformance import run_conformance
     from graphrt.testing.runners import RunnerFactory
 
-    factory = RunnerFactory(lambda: _wrapped(experts_implementation="batched_mm"), "cpu", mode="FULL_AND_PIECEWISE", num_speculative_tokens=1,
-                            cudagraph_capture_sizes=[2, 4, 8, 16])
+    factory = RunnerFactory(lambda: _wrapped(experts_implementation="batched_mm"), "cpu", mode="FULL_AND_PIECEWISE",
+                            num_speculative_tokens=1, cudagraph_capture_sizes=[2, 4, 8, 16])
     results = run_conformance(factory=factory, properties=["state_isolated"], examples=6, report=None)
     assert [r.status for r in results] == ["PASS"], [r.line() for r in results]
 

@@ -1,11 +1,11 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
 A transformers hybrid (Granite-4-H, Bamba, Nemotron-H, Falcon-H1, Zamba2, Qwen3-Next, Jamba,
-RecurrentGemma, MiniMax), recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
-``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
-recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
-(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`,
-:class:`RGLRUMixer`, :class:`LightningAttentionMixer`)
+RecurrentGemma, MiniMax), recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2)
+keeps recurrent state in its own per-sequence ``Cache``, unusable for graphrt's packed rows.
+:func:`route_recurrent_mixers` replaces each recurrent mixer with a :class:`RoutedMixer` around
+graphrt's own module for that kind (:class:`Mamba2Mixer`, :class:`GatedDeltaNet`,
+:class:`Mamba1Mixer`, :class:`ShortConvMixer`, :class:`RGLRUMixer`, :class:`LightningAttentionMixer`)
 sharing the transformers parameters; these read their ``state_cache`` slots and are the
 PIECEWISE split points. Only classes whose computation graphrt reproduces are routed
 (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`,
