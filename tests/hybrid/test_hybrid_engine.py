@@ -113,10 +113,12 @@ def _verify_then_continue(runner, prompt: list[int], drafts: list[int], accepted
 
 
 @pytest.mark.parametrize("arch,backend", [("granite", "eager"), ("granite", "cpu"), ("granite", "xla"),
-                                          ("jamba", "cpu"), ("lfm2", "cpu"), ("recurrent_gemma", "cpu")])
+                                          ("jamba", "cpu"), ("lfm2", "cpu"), ("recurrent_gemma", "cpu"),
+                                          ("minimax", "cpu")])
 def test_rejected_drafts_roll_the_state_back(arch, backend):
-    """Granite-4-H (Mamba2), Jamba (Mamba1's selective scan), LFM2 (short convolutions) and
-    RecurrentGemma (RG-LRU), the last three through the Transformers backend."""
+    """Granite-4-H (Mamba2), Jamba (Mamba1's selective scan), LFM2 (short convolutions),
+    RecurrentGemma (RG-LRU) and MiniMax (lightning attention), the last four through the
+    Transformers backend."""
     if backend == "xla":
         pytest.importorskip("jax")
     d = hybrid_model_dir(arch)

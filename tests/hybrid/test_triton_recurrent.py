@@ -9,7 +9,7 @@ tests run in a child pytest), compiled on a GPU (``gpu``-marked, skipped without
   state and new ones, chunked prefill, a padded request and padded tokens, two checkpoints --
   equal the reference kernels' outputs and the states they store (within the float32 tolerance:
   the Triton scan runs token by token, the reference by chunks).
-* A model's mixers (Mamba's and RecurrentGemma's through the Transformers backend included) run Triton when
+* A model's mixers (Mamba's, RecurrentGemma's and MiniMax's through the Transformers backend included) run Triton when
   ``GRAPHRT_RECURRENT=triton`` asks, and its step matches the reference's; ``triton`` is refused with the reason where it cannot run; an unknown value too.
 """
 
@@ -90,7 +90,7 @@ def test_interpret_kernels_match_the_reference() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("arch", ["granite", "qwen3_next", "mamba", "recurrent_gemma"])
+@pytest.mark.parametrize("arch", ["granite", "qwen3_next", "mamba", "recurrent_gemma", "minimax"])
 def test_interpret_models_run_triton_when_asked(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     d = str(hybrid_model_dir(arch))
     kw = dict(backend="eager", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, block_size=4,

@@ -1,7 +1,7 @@
 """The state-isolation sweep: thousands of drawn steps on tiny hybrid models, one command.
 
 ``python -m graphrt.testing.state_sweep --steps 10000`` draws seeded steps for tiny random Mamba2,
-Granite-4-H, Qwen3-Next, Jamba, Mamba, Falcon-Mamba and LFM2 checkpoints (``--archs``: some of
+Granite-4-H, Qwen3-Next, Jamba, Mamba, Falcon-Mamba, LFM2, RecurrentGemma and MiniMax checkpoints (``--archs``: some of
 them)
 and checks each with
 :func:`~graphrt.testing.properties.state_writes_confined` (or ``--property state_isolated``, about
@@ -68,12 +68,19 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
                             attention_window_size=6, conv1d_width=4, logits_soft_cap=30.0,
                             block_types=["recurrent", "attention", "recurrent"], bos_token_id=1, eos_token_id=2,
                             pad_token_id=0, tie_word_embeddings=False),
+    # MiniMax: lightning (linear) attention at layers 0 and 2 beside full attention, experts in every
+    # layer; transformers' blocks of 4 tokens, so its own prefill crosses several
+    "minimax": dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"], block_size=4,
+                    num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),
 }
 #: transformers' config class of each.
 HYBRID_CONFIG_CLASSES = {"mamba2": "Mamba2Config", "granite": "GraniteMoeHybridConfig",
                          "qwen3_next": "Qwen3NextConfig", "mamba": "MambaConfig", "falcon_mamba": "FalconMambaConfig",
                          "jamba": "JambaConfig", "lfm2": "Lfm2Config",
-                         "recurrent_gemma": "RecurrentGemmaConfig"}
+                         "recurrent_gemma": "RecurrentGemmaConfig", "minimax": "MiniMaxConfig"}
 
 #: (model, backend, graph mode, speculative tokens) and its share of the draws;
 #: FULL_AND_PIECEWISE breaks mixed steps at the recurrent layers.
@@ -90,6 +97,8 @@ SWEEP: tuple[tuple[str, str, str, int, int], ...] = (
     ("lfm2", "cpu", "FULL", 1, 2), ("lfm2", "cpu", "FULL_AND_PIECEWISE", 0, 2),
     # RecurrentGemma's RG-LRU blocks through the Transformers backend
     ("recurrent_gemma", "cpu", "FULL", 1, 2), ("recurrent_gemma", "cpu", "FULL_AND_PIECEWISE", 0, 2),
+    # MiniMax's lightning attention through the Transformers backend
+    ("minimax", "cpu", "FULL", 1, 2), ("minimax", "cpu", "FULL_AND_PIECEWISE", 0, 2),
 )
 #: XLA's token x batch-size grid for the sweep (every bucket is compiled at warm-up).
 XLA_GRID: dict[str, Any] = dict(precompile_token_paddings=[16, 32], precompile_bs_paddings=[4])

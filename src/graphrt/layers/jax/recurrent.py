@@ -350,5 +350,53 @@ def rg_lru_scan(a: jax.Array, b: jax.Array, init: jax.Array, meta: StateMeta, *,
     return bf, jnp.where(valid[..., None], bf[rows], 0.0)
 
 
-__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "naming_states", "read_states", "rg_lru_scan",
-           "selective_scan", "ssd_scan", "state_meta", "write_states"]
+def lightning_attention(q: jax.Array, k: jax.Array, v: jax.Array, slope: jax.Array, init: jax.Array,
+                        meta: StateMeta, *, chunk_size: int, checkpoints: int,
+                        uniform: int) -> tuple[jax.Array, jax.Array]:
+    """MiniMax's lightning attention (see the torch ``lightning_attention``): ``S <- exp(-s) S + k
+    v^T``, ``y = q S`` per request and head; ``q`` / ``k [T, H, Dk]``, ``v [T, H, Dv]``, ``slope
+    [H]``, ``init [R + 1, H, Dk, Dv]`` -> (y ``[T, H, Dv]`` float32, states ``[R + 1, C, H, Dk,
+    Dv]``): by chunks, or one update per token for uniform steps."""
+    qf, kf, vf = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    sf, init = slope.astype(jnp.float32).reshape(-1), init.astype(jnp.float32)
+    t, h, dv = vf.shape
+    if uniform:
+        r = t // uniform
+        qs, ks, vs = (a.reshape(r, uniform, *a.shape[1:]) for a in (qf, kf, vf))
+        ratio = jnp.exp(-sf)[None, :, None, None]
+        state, ys = init[:r], []
+        states = jnp.zeros((init.shape[0], checkpoints) + init.shape[1:], jnp.float32)
+        for j in range(uniform):
+            state = ratio * state + ks[:, j, :, :, None] * vs[:, j, :, None, :]
+            ys.append(jnp.einsum("rhkv,rhk->rhv", state, qs[:, j]))
+            if uniform - 1 - j < checkpoints:
+                states = states.at[:r, uniform - 1 - j].set(state)
+        return jnp.stack(ys, 1).reshape(t, h, dv), states
+    return _lightning_chunked(qf, kf, vf, sf, init, meta, max(1, min(chunk_size, t)), checkpoints)
+
+
+def _lightning_chunked(q, k, v, slope, init, meta, size, checkpoints):
+    t, h, dv = v.shape
+    lane = jnp.arange(size)
+    lower = lane[:, None] >= lane[None, :]
+
+    def step(rows, valid, lane, at, state):
+        m = valid[..., None, None]
+        qh, kh, vh = (jnp.swapaxes(jnp.where(m, a[rows], 0.0), 1, 2) for a in (q, k, v))   # [R + 1, H, L, D]
+        cum = jnp.cumsum(jnp.where(valid[:, None, :], -slope[None, :, None], 0.0), axis=-1)   # [R + 1, H, L]
+        decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+        yk = (qh * jnp.exp(cum)[..., None]) @ state + ((qh @ jnp.swapaxes(kh, -1, -2)) * decay) @ vh
+        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[:, None, :], (at.shape[0], h, checkpoints)), axis=2)
+        weights = jnp.exp(jnp.where(lane[None, None, None, :] <= at[:, None, :, None],
+                                    cum_at[..., None] - cum[:, :, None, :], -jnp.inf))   # [R+1, H, C, L]
+        at_state = jnp.einsum("rhcs,rhsk,rhsv->rchkv", weights, kh, vh) + \
+            jnp.swapaxes(jnp.exp(cum_at), 1, 2)[..., None, None] * state[:, None]
+        to_end = jnp.exp(cum[..., -1:] - cum)
+        end = jnp.exp(cum[..., -1])[..., None, None] * state + jnp.swapaxes(kh * to_end[..., None], -1, -2) @ vh
+        return jnp.swapaxes(yk, 1, 2), at_state, end
+
+    return _chunked_scan(init, meta, t, size, checkpoints, (h, dv), step)
+
+
+__all__ = ["StateMeta", "causal_conv1d", "gated_delta_rule", "lightning_attention", "naming_states", "read_states",
+           "rg_lru_scan", "selective_scan", "ssd_scan", "state_meta", "write_states"]

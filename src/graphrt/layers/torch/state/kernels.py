@@ -1,9 +1,10 @@
 """The recurrent kernels a hybrid model's layers run, chosen once (docs/hybrid.md).
 
 :class:`RecurrentKernels` is a set of the kernels with the reference ones' signatures
-(``causal_conv1d``, ``ssd_scan``, ``gated_delta_rule``, ``selective_scan``, ``rg_lru_scan``);
-graphrt's two sets are registered here, the reference (``mamba_kernels``, ``gated_delta``,
-``selective_scan``, ``rg_lru``) and Triton (``triton_recurrent``).
+(``causal_conv1d``, ``ssd_scan``, ``gated_delta_rule``, ``selective_scan``, ``rg_lru_scan``,
+``lightning_attention``); graphrt's two sets are registered here, the reference
+(``mamba_kernels``, ``gated_delta``, ``selective_scan``, ``rg_lru``, ``lightning``) and Triton
+(``triton_recurrent``).
 :func:`select_recurrent_kernels` picks one when the runner is built (``GRAPHRT_RECURRENT``, read
 and checked by :func:`requested_recurrent_kernels` alone: ``auto``, Triton on CUDA where it runs,
 else the reference; ``reference``; ``triton``; or a set registered with
@@ -20,6 +21,7 @@ import torch
 
 from graphrt.core.errors import ConfigError
 from graphrt.layers.torch.state.gated_delta import gated_delta_rule
+from graphrt.layers.torch.state.lightning import lightning_attention
 from graphrt.layers.torch.state.mamba_kernels import causal_conv1d, ssd_scan
 from graphrt.layers.torch.state.rg_lru import rg_lru_scan
 from graphrt.layers.torch.state.selective_scan import selective_scan
@@ -27,8 +29,8 @@ from graphrt.layers.torch.state.selective_scan import selective_scan
 
 class RecurrentKernels(NamedTuple):
     """One set of the recurrent kernels, each with the reference kernel's signature
-    (``selective_scan``, Mamba1's, and ``rg_lru_scan``, RecurrentGemma's, default to the
-    reference: a set made before they existed)."""
+    (``selective_scan``, Mamba1's, ``rg_lru_scan``, RecurrentGemma's, and ``lightning_attention``,
+    MiniMax's, default to the reference: a set made before they existed)."""
 
     name: str
     causal_conv1d: Callable
@@ -36,6 +38,7 @@ class RecurrentKernels(NamedTuple):
     gated_delta_rule: Callable
     selective_scan: Callable = selective_scan
     rg_lru_scan: Callable = rg_lru_scan
+    lightning_attention: Callable = lightning_attention
 
 
 #: Environment variable choosing the recurrent kernels (:func:`requested_recurrent_kernels`).
@@ -46,16 +49,16 @@ AUTO = "auto"
 
 #: graphrt's reference kernels: what metadata built without a backend runs.
 REFERENCE_KERNELS = RecurrentKernels("reference", causal_conv1d, ssd_scan, gated_delta_rule, selective_scan,
-                                     rg_lru_scan)
+                                     rg_lru_scan, lightning_attention)
 
 
 def _triton(device: torch.device) -> RecurrentKernels:
     from graphrt.layers.torch.state.triton_recurrent import (triton_causal_conv1d, triton_gated_delta_rule,
-                                                               triton_rg_lru_scan, triton_selective_scan,
-                                                               triton_ssd_scan)
+                                                               triton_lightning_attention, triton_rg_lru_scan,
+                                                               triton_selective_scan, triton_ssd_scan)
 
     return RecurrentKernels("triton", triton_causal_conv1d, triton_ssd_scan, triton_gated_delta_rule,
-                            triton_selective_scan, triton_rg_lru_scan)
+                            triton_selective_scan, triton_rg_lru_scan, triton_lightning_attention)
 
 
 _KERNELS: dict[str, Callable[[torch.device], RecurrentKernels]] = {"reference": lambda device: REFERENCE_KERNELS,

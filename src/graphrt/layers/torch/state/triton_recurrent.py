@@ -6,7 +6,8 @@ kernels' signatures, and the choice between them.
 * :func:`triton_ssd_scan` / :func:`triton_gated_delta_rule` -- one program per request, head and
   feature block, running the recurrence over the request's tokens in order;
   :func:`triton_selective_scan` (Mamba1) and :func:`triton_rg_lru_scan` (RecurrentGemma) -- one
-  program per request and channel block, the same way. Prefill is
+  program per request and channel block, the same way; :func:`triton_lightning_attention`
+  (MiniMax) -- one program per request, head and value block, as the gated delta rule. Prefill is
   therefore a sequential scan per request (exact, capturable; not the chunked SSD / WY form of
   the reference kernels, which parallelises long prompts better).
 
@@ -52,7 +53,8 @@ def triton_problem(device: torch.device) -> str | None:
 def _kernels(interpret: bool) -> tuple[Any, ...]:
     from graphrt.layers.torch.state import triton_recurrent_kernels as src
 
-    fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel, src.selective_kernel, src.rg_lru_kernel)
+    fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel, src.selective_kernel, src.rg_lru_kernel,
+           src.lightning_kernel)
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -161,5 +163,24 @@ def triton_rg_lru_scan(a: torch.Tensor, b: torch.Tensor, init: torch.Tensor,
     return h, states
 
 
-__all__ = ["triton_causal_conv1d", "triton_gated_delta_rule", "triton_problem", "triton_rg_lru_scan",
-           "triton_selective_scan", "triton_ssd_scan"]
+def triton_lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
+                               init: torch.Tensor, meta: StateMetadata,
+                               chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~graphrt.layers.torch.state.lightning.lightning_attention` in Triton (a sequential
+    scan per request, head and value block)."""
+    scan = _kernels(q.device.type != "cuda")[5]
+    t, h, dv = v.shape
+    dk = q.shape[-1]
+    rows = meta.starts.shape[0]
+    y = torch.zeros(t, h, dv, dtype=torch.float32, device=v.device)
+    states = torch.zeros(rows, meta.checkpoints, h, dk, dv, dtype=torch.float32, device=v.device)
+    block_v = min(SCAN_BLOCK, _pow2(dv))
+    scan[(rows, h, -(-dv // block_v))](q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
+                                       slope.float().reshape(-1).contiguous(), init.float().contiguous(), y, states,
+                                       meta.starts, meta.query_lens, h, dk, dv, CHECKPOINTS=meta.checkpoints,
+                                       BLOCK_K=_pow2(dk), BLOCK_V=block_v)
+    return y, states
+
+
+__all__ = ["triton_causal_conv1d", "triton_gated_delta_rule", "triton_lightning_attention", "triton_problem",
+           "triton_rg_lru_scan", "triton_selective_scan", "triton_ssd_scan"]

@@ -164,3 +164,34 @@ def rg_lru_kernel(a, b, init, h, states, starts, query_lens, channels,
         back = count - 1 - i
         if back < CHECKPOINTS:
             tl.store(states + (r * CHECKPOINTS + back) * channels + d, state, mask=dm)
+
+
+def lightning_kernel(q, k, v, slope, init, y, states, starts, query_lens, heads, key_dim, value_dim,
+                     CHECKPOINTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Request ``program_id(0)``, head ``program_id(1)``, value features ``program_id(2) * BLOCK_V
+    ..``: MiniMax's lightning attention over the request's tokens in order (``S <- exp(-s) S + k
+    v^T``, ``y = S^T q``, ``s`` the head's decay rate). ``q`` / ``k [T, H, Dk]``, ``v [T, H,
+    Dv]``, ``slope [H]``, ``init [R + 1, H, Dk, Dv]``; the state after each of the last
+    ``CHECKPOINTS`` positions into ``states [R + 1, C, H, Dk, Dv]``; everything float32."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    kk = tl.arange(0, BLOCK_K)
+    km, vm = kk < key_dim, vv < value_dim
+    both = km[:, None] & vm[None, :]
+    plane = ((r * heads + h) * key_dim + kk[:, None]) * value_dim + vv[None, :]
+    state = tl.load(init + plane, mask=both, other=0.0)
+    ratio = tl.exp(-tl.load(slope + h))
+    start = tl.load(starts + r).to(tl.int64)
+    count = tl.load(query_lens + r).to(tl.int64)
+    for i in range(0, count):
+        row = (start + i) * heads + h
+        qv = tl.load(q + row * key_dim + kk, mask=km, other=0.0)
+        kv = tl.load(k + row * key_dim + kk, mask=km, other=0.0)
+        vx = tl.load(v + row * value_dim + vv, mask=vm, other=0.0)
+        state = state * ratio + kv[:, None] * vx[None, :]
+        tl.store(y + row * value_dim + vv, tl.sum(state * qv[:, None], axis=0), mask=vm)
+        back = count - 1 - i
+        if back < CHECKPOINTS:
+            where = (((r * CHECKPOINTS + back) * heads + h) * key_dim + kk[:, None]) * value_dim + vv[None, :]
+            tl.store(states + where, state, mask=both)

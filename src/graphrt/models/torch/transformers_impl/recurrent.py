@@ -1,15 +1,15 @@
 """Stock transformers hybrid mixers routed to graphrt's recurrent kernels and state slots.
 
 A transformers hybrid (Granite-4-H, Bamba, Nemotron-H, Falcon-H1, Zamba2, Qwen3-Next, Jamba,
-RecurrentGemma), recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2) keeps recurrent state in its own per-sequence
-``Cache``, unusable for graphrt's packed rows. :func:`route_recurrent_mixers` replaces each
-recurrent mixer with a :class:`RoutedMixer` around graphrt's own module for that kind
-(:class:`Mamba2Mixer`, :class:`GatedDeltaNet`, :class:`Mamba1Mixer`, :class:`ShortConvMixer`,
-:class:`RGLRUMixer`)
+RecurrentGemma, MiniMax), recurrent model (Mamba, Falcon-Mamba) or short-convolution model (LFM2)
+keeps recurrent state in its own per-sequence ``Cache``, unusable for graphrt's packed rows.
+:func:`route_recurrent_mixers` replaces each recurrent mixer with a :class:`RoutedMixer` around
+graphrt's own module for that kind (:class:`Mamba2Mixer`, :class:`GatedDeltaNet`,
+:class:`Mamba1Mixer`, :class:`ShortConvMixer`, :class:`RGLRUMixer`, :class:`LightningAttentionMixer`)
 sharing the transformers parameters; these read their ``state_cache`` slots and are the
 PIECEWISE split points. Only classes whose computation graphrt reproduces are routed
 (:data:`MAMBA2_MIXERS`, :data:`DELTA_MIXERS`, :data:`MAMBA1_MIXERS`, :data:`SHORT_CONV_MIXERS`,
-:data:`RG_LRU_MIXERS`);
+:data:`RG_LRU_MIXERS`, :data:`LIGHTNING_MIXERS`);
 any other recurrent layer is refused by :func:`served_types` (naming the kernel graphrt lacks for
 the stock classes of :data:`MISSING_KERNELS`).
 
@@ -31,6 +31,7 @@ from torch import nn
 
 from graphrt.core.errors import ConfigError
 from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
+from graphrt.models.torch.lightning import LightningAttentionMixer
 from graphrt.models.torch.mamba1 import Mamba1Mixer
 from graphrt.models.torch.transformers_impl.facts import FULL_TYPES, HYBRID_TYPES, SLIDING_TYPES, layer_of_path
 from graphrt.models.torch.mamba2 import Mamba2Mixer
@@ -55,9 +56,14 @@ SHORT_CONV_MIXERS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv"})
 #: RecurrentGemma's recurrent blocks (``linear_attention`` layers): a convolution without
 #: activation then the RG-LRU, gated by ``act(linear_y(h))``; they return ``(hidden, None)``.
 RG_LRU_MIXERS = frozenset({"RecurrentGemmaRecurrentBlock"})
+#: MiniMax's lightning attention (``linear_attention`` layers): linear attention with a fixed decay
+#: per head, an RMS norm over the heads and an output gate; they return ``(hidden, kv)``.
+LIGHTNING_MIXERS = frozenset({"MiniMaxLightningAttention"})
+#: Kinds whose transformers modules return ``(hidden, second)`` (:class:`RoutedMixer`'s ``pair``).
+PAIRED_KINDS = frozenset({"rg_lru", "lightning_attention"})
 #: The names of each kind's state tensors (the state spec's, in the module's ``state_shapes()`` order).
 STATE_NAMES = {"mamba2": ("conv", "ssm"), "gated_delta_net": ("conv", "delta"), "mamba1": ("conv", "ssm"),
-               "short_conv": ("conv",), "rg_lru": ("conv", "lru")}
+               "short_conv": ("conv",), "rg_lru": ("conv", "lru"), "lightning_attention": ("kv",)}
 #: Stock recurrent mixers graphrt does not route yet -> the kernel it lacks (named in the refusal).
 MISSING_KERNELS: dict[str, str] = {}
 #: Class-name fragments of recurrent mixers graphrt does not route (for the refusal).
@@ -68,7 +74,8 @@ class RoutedMixer(nn.Module):
     """Stands where transformers' mixer stood: ``hidden_states [1, T, hidden]`` (one packed row
     of the step's requests) -> ``[1, T, hidden]`` through graphrt's ``mixer``; transformers'
     cache and mask arguments are ignored (the state lives in graphrt's slots, the mask is None).
-    ``pair``: return ``(hidden, None)``, as RecurrentGemma's blocks do."""
+    ``pair``: return ``(hidden, None)``, as RecurrentGemma's blocks and MiniMax's lightning
+    attention do (the second item, unused by their decoder layers)."""
 
     def __init__(self, mixer: nn.Module, kind: str, source: str, pair: bool = False) -> None:
         super().__init__()
@@ -194,7 +201,8 @@ def routed_kinds() -> dict[str, str]:
     (read from the class sets at each call)."""
     return {**{name: "mamba2" for name in MAMBA2_MIXERS}, **{name: "gated_delta_net" for name in DELTA_MIXERS},
             **{name: "mamba1" for name in MAMBA1_MIXERS}, **{name: "short_conv" for name in SHORT_CONV_MIXERS},
-            **{name: "rg_lru" for name in RG_LRU_MIXERS}}
+            **{name: "rg_lru" for name in RG_LRU_MIXERS},
+            **{name: "lightning_attention" for name in LIGHTNING_MIXERS}}
 
 
 def _short_conv(path: str, hf: nn.Module) -> ShortConvMixer:
@@ -234,13 +242,35 @@ def _rg_lru(path: str, hf: nn.Module) -> RGLRUMixer:
     return _all_shared(path, mixer)
 
 
-def _activation_name(act: nn.Module) -> str:
+def _lightning(path: str, hf: nn.Module) -> LightningAttentionMixer:
+    """graphrt's LightningAttentionMixer over ``hf``'s parameters and decay rates (MiniMax's
+    ``linear_attention`` layers)."""
+    heads, d = int(hf.num_attention_heads), int(hf.head_dim)
+    slope = hf.slope_rate
+    if (hf.qkv_proj.out_features != 3 * heads * d or hf.output_gate.out_features != heads * d
+            or slope.numel() != heads or any(m.bias is not None for m in (hf.qkv_proj, hf.output_gate, hf.out_proj))):
+        raise ConfigError(f"{path}: qkv_proj gives {hf.qkv_proj.out_features} features, output_gate "
+                          f"{hf.output_gate.out_features}, slope_rate has {slope.numel()} entries; graphrt's lightning "
+                          f"attention needs q|k|v = {3 * heads * d}, heads x head_dim = {heads * d}, one decay rate "
+                          f"per head ({heads}) and unbiased projections")
+    c = SimpleNamespace(hidden_size=int(hf.qkv_proj.in_features), heads=heads, head_dim=d,
+                        activation=_activation_name(hf.act_fn, "lightning attention"),
+                        norm_eps=float(hf.norm.variance_epsilon), chunk_size=int(hf.block_size))
+    with torch.device("meta"):
+        mixer = LightningAttentionMixer(c)
+    mixer.qkv_proj, mixer.output_gate, mixer.out_proj = hf.qkv_proj, hf.output_gate, hf.out_proj
+    mixer.norm.weight = hf.norm.weight
+    mixer.slope_rate = slope.detach().reshape(heads)
+    return _all_shared(path, mixer)
+
+
+def _activation_name(act: nn.Module, what: str = "RG-LRU block") -> str:
     """transformers' name of the activation module ``act`` (a ConfigError for one graphrt lacks)."""
     names = {"PytorchGELUTanh": "gelu_pytorch_tanh", "GELUTanh": "gelu_pytorch_tanh", "GELUActivation": "gelu",
              "SiLUActivation": "silu", "SiLU": "silu", "ReLU": "relu"}
     name = names.get(type(act).__name__)
     if name is None or name not in ACTIVATIONS:
-        raise ConfigError(f"RG-LRU block: activation {type(act).__name__} is not one graphrt applies "
+        raise ConfigError(f"{what}: activation {type(act).__name__} is not one graphrt applies "
                           f"({sorted(ACTIVATIONS)})")
     return name
 
@@ -278,7 +308,8 @@ def served_types(hf_model: nn.Module, config: Any, found: list[tuple[int, str, n
     left = [f"{name} ({type(m).__name__})" for name, m in hf_model.named_modules()
             if any(h in type(m).__name__ for h in RECURRENT_HINTS) and hasattr(m, "conv1d")
             and type(m).__name__ not in kinds
-            and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer, ShortConvMixer, RGLRUMixer))]
+            and not isinstance(m, (Mamba2Mixer, GatedDeltaNet, Mamba1Mixer, ShortConvMixer, RGLRUMixer,
+                                   LightningAttentionMixer))]
     if left:
         raise ConfigError(f"{type(hf_model).__name__}: recurrent mixers {left} are of no class graphrt routes to its "
                           f"recurrent kernels ({routes}): their state would live in transformers' own cache, which "
@@ -293,9 +324,9 @@ def route_recurrent_mixers(hf_model: nn.Module, found: list[tuple[int, str, nn.M
     for _, name, module in found:
         kind = routed_kinds()[type(module).__name__]
         mixer = {"mamba2": _mamba2, "gated_delta_net": _delta, "mamba1": _mamba1, "short_conv": _short_conv,
-                 "rg_lru": _rg_lru}[kind](name, module)
+                 "rg_lru": _rg_lru, "lightning_attention": _lightning}[kind](name, module)
         parent_name, _, child = name.rpartition(".")
-        wrapper = RoutedMixer(mixer, kind, f"{name} ({type(module).__name__})", pair=kind == "rg_lru")
+        wrapper = RoutedMixer(mixer, kind, f"{name} ({type(module).__name__})", pair=kind in PAIRED_KINDS)
         setattr(hf_model.get_submodule(parent_name), child, wrapper)
         routed.append(wrapper)
     return routed
@@ -340,6 +371,7 @@ def check_attention_routed(hf_model: nn.Module, config: Any, attended: Sequence[
                           "their own, without graphrt's paged KV cache")
 
 
-__all__ = ["DELTA_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "MISSING_KERNELS", "RECURRENT_TYPES", "RG_LRU_MIXERS",
-           "RoutedMixer", "SHORT_CONV_MIXERS", "check_attention_routed", "recurrent_mixers", "route_recurrent_mixers", "routed_kinds",
-           "routed_mixer_classes", "served_types", "state_spec_of"]
+__all__ = ["DELTA_MIXERS", "LIGHTNING_MIXERS", "MAMBA1_MIXERS", "MAMBA2_MIXERS", "MISSING_KERNELS", "PAIRED_KINDS",
+           "RECURRENT_TYPES", "RG_LRU_MIXERS", "RoutedMixer", "SHORT_CONV_MIXERS", "check_attention_routed",
+           "recurrent_mixers", "route_recurrent_mixers", "routed_kinds", "routed_mixer_classes", "served_types",
+           "state_spec_of"]
