@@ -180,3 +180,28 @@ def test_a_prefill_graph_keeps_memory_of_its_context_not_tokens_times_context() 
     # scores and probabilities are [17 tiles, Hq, 32, n]: about 60 contexts in all. One copy per
     # token (what the kernel did before) keeps n = 512 copies, over 600 contexts.
     assert graph.captured_bytes < 128 * context, f"{graph.captured_bytes} bytes kept for a {context}-byte context"
+
+
+def test_the_opaque_op_lowers_through_inductor() -> None:
+    """``torch.compile`` (Inductor, fullgraph) of a forward that calls ``graphrt::paged_attention``
+    with every keyword: what ``reduce-overhead`` compiles in bench_cuda.py. An op argument named
+    ``kernel`` made Inductor's lowering fail (``FallbackKernel.create() got multiple values for
+    argument 'kernel'``); the compiled call writes the same cache and returns the eager values."""
+    from graphrt.layers.torch.attention.paged import paged_attention, run_paged_attention
+
+    s = dict(reqs=[(3, 1), (0, 5)], kv_heads=2, groups=2, d=16, dv=16, block_size=4, pad_reqs=0, pad_tokens=0,
+             window=0, chunk=0, softcap=0.0, sinks=False, cache=torch.float32, seed=7)
+    q, k, v, cache, meta, _, _, _ = build(s)
+    cache = torch.nan_to_num(cache)
+    args = (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table, meta.token_req_idx, 4, 0.25)
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return paged_attention(q, k, v, kv, *args, sliding_window=0, k_scale=1.0, v_scale=1.0, impl="reference",
+                               attention_chunk=0) * 2.0
+
+    torch._dynamo.reset()
+    compiled_cache, eager_cache = cache.clone(), cache.clone()
+    got = torch.compile(forward, backend="inductor", fullgraph=True, dynamic=False)(q, k, v, compiled_cache)
+    want = run_paged_attention(q, k, v, eager_cache, *args) * 2.0
+    assert_close_across_reductions(got, want, width=s["d"])
+    assert torch.equal(compiled_cache, eager_cache)

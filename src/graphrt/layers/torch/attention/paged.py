@@ -377,10 +377,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
                     scale: float, sliding_window: int = 0, k_scale: float = 1.0,
-                    v_scale: float = 1.0, kernel: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
-    """``torch.ops.graphrt.paged_attention``: :func:`run_paged_attention` as one opaque op."""
+                    v_scale: float = 1.0, impl: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
+    """``torch.ops.graphrt.paged_attention``: :func:`run_paged_attention` as one opaque op. The
+    kernel's name is ``impl``: an op argument named ``kernel`` breaks Inductor's lowering of the
+    op (``FallbackKernel.create`` takes a ``kernel`` of its own)."""
     return run_paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
-                               token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, kernel,
+                               token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, impl,
                                attention_chunk)
 
 
@@ -390,7 +392,7 @@ def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                           seq_lens: torch.Tensor, block_table: torch.Tensor,
                           token_req_idx: torch.Tensor, block_size: int, scale: float,
                           sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                          kernel: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
+                          impl: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
     return torch.empty_like(q)
 
 
