@@ -205,3 +205,29 @@ def test_the_opaque_op_lowers_through_inductor() -> None:
     want = run_paged_attention(q, k, v, eager_cache, *args) * 2.0
     assert_close_across_reductions(got, want, width=s["d"])
     assert torch.equal(compiled_cache, eager_cache)
+
+
+def test_a_graphrt_model_traces_whole_under_torch_compile(tmp_path) -> None:
+    """``torch.compile(model, fullgraph=True)`` of a graphrt model inside a forward context (what
+    bench_cuda.py's reduce-overhead column compiles): the attention layers find the thread's
+    context while Dynamo traces, and the compiled forward gives the eager logits. On the H200's
+    torch 2.11 a ``threading.local`` subclass holding the context traced as unset ("no forward
+    context is set"); the context is now a plain ``threading.local`` read with defaults."""
+    from graphrt import ModelRunner
+    from graphrt.layers.torch.forward_context import forward_context
+
+    write_random_checkpoint(tmp_path, "qwen3", seed=0)
+    runner = ModelRunner(str(tmp_path), backend="eager", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32,
+                         block_size=4, progress=False, warmup=False)
+    executor, model = runner.executor, runner.executor.model
+    t, r = 2, 2
+    static = executor.static
+    static["input_ids"][:t] = torch.tensor([5, 7])
+    static["positions"][:t] = 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad(), forward_context(executor.fwd.metadata(t, r, executor.fwd.dummy_host(t, r))):
+        want = model(static["input_ids"][:t], static["positions"][:t]).clone()
+        got = compiled(static["input_ids"][:t], static["positions"][:t])
+    assert_close_across_reductions(got, want, width=int(model.config.hidden_size))
+    runner.close()

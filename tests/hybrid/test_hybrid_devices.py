@@ -93,8 +93,25 @@ def test_padded_verification_rows_never_touch_a_live_slot_on_npu():
     assert factory().last_step.mode is graphrt.RuntimeMode.FULL and factory().last_step.key.num_reqs == 4
 
 
+#: The oldest transformers whose GraniteMoeHybrid forward this parity was checked against. On the
+#: H200 (2026-11-29) transformers 5.17.0's forward of the same tiny checkpoint gave other logits
+#: from the first prefill on (0.19 apart), while graphrt's CUDA graphs gave, to 1e-6, the logits
+#: transformers 5.24 gives on the CPU: the oracle differs between releases, not the graphs.
+ORACLE_TRANSFORMERS = (5, 24)
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(_transformers_version() < ORACLE_TRANSFORMERS,
+                    reason="the GraniteMoeHybrid oracle was checked with transformers>=5.24 (5.17 computes other "
+                           "logits for the same checkpoint)")
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
 def test_cuda_graphs_match_transformers(granite, mode):
     runner = _parity(granite, "cuda", mode)

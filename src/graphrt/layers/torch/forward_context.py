@@ -22,19 +22,16 @@ import threading
 from typing import Any, Iterator
 
 
-class _Contexts(threading.local):
-    """The running forward's attention metadata (``forward``) and its recurrent layers'
-    metadata (``state``, docs/hybrid.md) on this thread; None outside a forward."""
-
-    forward: Any = None
-    state: Any = None
-
-
-_CONTEXTS = _Contexts()
+#: This thread's running forward's attention metadata (``forward``) and its recurrent layers'
+#: metadata (``state``, docs/hybrid.md); unset (None) outside a forward. A plain
+#: ``threading.local`` read with ``getattr`` defaults: torch.compile traces that on every torch
+#: graphrt supports, where a ``threading.local`` subclass with class-level defaults made torch
+#: 2.11's Dynamo see only the defaults ("no forward context is set") inside a compiled model.
+_CONTEXTS = threading.local()
 
 
 def _get(which: str, setter: str, what: str) -> Any:
-    ctx = getattr(_CONTEXTS, which)
+    ctx = getattr(_CONTEXTS, which, None)
     if ctx is None:
         raise RuntimeError(f"no {what} is set on this thread: call the model through graphrt's runner or wrap "
                            f"the call in graphrt.layers.torch.forward_context.{setter}(...)")
@@ -43,7 +40,7 @@ def _get(which: str, setter: str, what: str) -> Any:
 
 @contextlib.contextmanager
 def _scoped(which: str, ctx: Any) -> Iterator[Any]:
-    previous = getattr(_CONTEXTS, which)
+    previous = getattr(_CONTEXTS, which, None)
     setattr(_CONTEXTS, which, ctx)
     try:
         yield ctx

@@ -27,22 +27,25 @@ ATTENTION_NAME = "graphrt"
 Handler = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Any, dict], tuple]
 
 
-class _Handlers(threading.local):
-    """This thread's stack of handlers: each engine's forward (its main thread's, its background
-    builder's) routes the attention calls it makes to its own paged layers, never to those of
-    another engine's forward running on another thread at the same time."""
-
-    def __init__(self) -> None:
-        self.stack: list[Handler] = []
+#: This thread's stack of handlers (``stack``): each engine's forward (its main thread's, its
+#: background builder's) routes the attention calls it makes to its own paged layers, never to
+#: those of another engine's forward running on another thread at the same time. A plain
+#: ``threading.local`` (torch 2.11's Dynamo does not see a subclass's per-thread attributes).
+_HANDLERS = threading.local()
 
 
-_HANDLERS = _Handlers()
+def _stack() -> list[Handler]:
+    """This thread's handler stack, made on first use."""
+    stack = getattr(_HANDLERS, "stack", None)
+    if stack is None:
+        stack = _HANDLERS.stack = []
+    return stack
 
 
 def graphrt_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature, dispatched to the innermost handler."""
-    handlers = _HANDLERS.stack
+    handlers = getattr(_HANDLERS, "stack", None)
     if not handlers:
         raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} called outside graphrt: this model's "
                            "attention runs over graphrt's paged KV cache; run it through graphrt (ModelRunner, "
@@ -53,7 +56,7 @@ def graphrt_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 @contextlib.contextmanager
 def handling(handler: Handler) -> Iterator[None]:
     """Route the registered attention function to ``handler`` inside the block, on this thread."""
-    handlers = _HANDLERS.stack
+    handlers = _stack()
     handlers.append(handler)
     try:
         yield
