@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from graphrt.core.errors import ConfigError
+from graphrt.layers.torch.attention.sparse import IndexerInputs
 from graphrt.models.torch.transformers_impl.indexer import MASK_PLACEHOLDER, index_facts, route_indexers
 from graphrt.models.torch.transformers_impl.interface import handling
 
@@ -78,6 +79,9 @@ class LayerFacts:
     temperature: tuple[float, float] | None = None
     #: A DSA layer's indexer ``(heads, head size, top-k, score scale)`` (indexer.py), or None.
     index: tuple[int, int, int, float] | None = None
+    #: A DSA layer without an indexer (``indexer_types`` "shared"): the call site whose selection
+    #: of the step it reuses (the one whose indexer inputs the model handed it), else -1.
+    index_from: int = -1
 
 
 def mask_window_of(path: str, mask: Any, tokens: int) -> int | None:
@@ -205,8 +209,9 @@ class _Probe:
             raise ConfigError(f"{path} ({type(module).__name__}) has no integer layer_idx: graphrt finds each "
                               "attention layer's KV cache by it")
         index = index_facts(module, kwargs)
+        index_from = self._selection_source(path, module, kwargs.get("indices")) if index is None else -1
         unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None)
-                         and not (k == "indices" and index is not None))
+                         and not (k == "indices" and (index is not None or index_from >= 0)))
         if unknown:
             raise ConfigError(f"{path} passes attention keywords graphrt's paged attention does not apply: {unknown}")
         # A DSA layer's placeholder mask (indexer.py) is graphrt's own, not the model's.
@@ -226,9 +231,21 @@ class _Probe:
                                head_dim_v=int(value.shape[-1]),
                                scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
                                window=kwargs.get("sliding_window") or mask_window, softcap=kwargs.get("softcap"),
-                               sinks=sinks is not None, temperature=temperature_of(module), index=index))
+                               sinks=sinks is not None, temperature=temperature_of(module), index=index,
+                               index_from=index_from, indices=kwargs.get("indices") if index is not None else None))
         t = query.shape[2]
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
+
+    def _selection_source(self, path: str, module: torch.nn.Module, indices: Any) -> int:
+        """The call site whose indexer inputs a layer without an indexer of its own was handed
+        (the earlier layer's selection it reuses), or -1 where it was handed none."""
+        if not isinstance(indices, IndexerInputs) or getattr(module, "indexer", True) is not None:
+            return -1
+        for site in range(len(self.calls) - 1, -1, -1):
+            if self.calls[site]["indices"] is indices:
+                return site
+        raise ConfigError(f"{path} reuses a top-k selection (indexer_types 'shared') whose indexer graphrt did not "
+                          "see called earlier in the forward")
 
 
 def layer_of_path(path: str) -> int | None:
@@ -333,16 +350,20 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
         idx = call["layer_idx"]
         window = _window(call, windows, idx)
         kinds = getattr(config, "layer_types", None) or ()
-        if idx < len(kinds) and kinds[idx] in INDEXED_TYPES and call["index"] is None:
+        if idx < len(kinds) and kinds[idx] in INDEXED_TYPES and call["index"] is None and call["index_from"] < 0:
             raise ConfigError(f"{call['path']}: layer_types[{idx}] is indexed_attention, but its attention call "
                               "carries no routed indexer's inputs (transformers_impl/indexer.py)")
+        if (call["index"] is not None or call["index_from"] >= 0) and (window or chunks.get(idx, 0)):
+            raise ConfigError(f"{call['path']}: an indexed sparse attention layer with a sliding window or chunk "
+                              f"({window or chunks[idx]}); graphrt's sparse kernel selects over causal context only")
         softcap = float(call["softcap"] or 0.0)
         if softcap < 0 or not math.isfinite(softcap) or not math.isfinite(call["scale"]):
             raise ConfigError(f"{call['path']}: softcap {call['softcap']} / scaling {call['scale']} must be finite")
         facts.append(LayerFacts(idx, call["path"], call["heads"], call["kv_heads"], call["head_dim"],
                                 call["head_dim_v"], call["scale"], window, softcap, call["sinks"], site,
                                 call["module_id"], attention_chunk=chunks.get(idx, 0),
-                                temperature=call["temperature"], index=call["index"]))
+                                temperature=call["temperature"], index=call["index"],
+                                index_from=call["index_from"]))
     return facts
 
 

@@ -11,8 +11,11 @@ reads). graphrt's layer writes the key into the paged indexer cache and selects 
 the device (``layers/torch/attention/sparse.py``).
 
 Checked indexer classes only (:data:`INDEXER_ROPE`: which RoPE layout each applies); any other
-indexer, and a layer reusing another layer's selection (GLM's ``indexer_types`` "shared"), is
-refused with a ConfigError naming it.
+indexer is refused with a ConfigError naming it. A layer without an indexer of its own (HY-V4's
+and GLM-MoE-DSA's ``indexer_types`` "shared") is handed the earlier layer's return value by the
+model itself (``prev_topk_indices``): under graphrt that is the earlier layer's
+:class:`IndexerInputs`, by which the probe (``facts.py``) finds the call site whose selection it
+reuses.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from graphrt.core.errors import ConfigError
 from graphrt.layers.torch.attention.sparse import IndexerInputs
 
 #: Indexer classes graphrt routes: the function of their module that applies their RoPE
-#: (DeepSeek-V3.2's and A.X-K2's indexers rotate the halves, GLM-MoE-DSA's interleaved pairs) and
-#: whether the rotated dimensions come last of each head rather than first (HY-V4's indexer does,
-#: but HY-V4 does not match transformers through graphrt even with every key selected: not routed).
+#: (DeepSeek-V3.2's, A.X-K2's and HY-V4's indexers rotate the halves, GLM-MoE-DSA's interleaved
+#: pairs) and whether the rotated dimensions come last of each head rather than first (HY-V4's
+#: "flipped" RoPE). Each scores ``sum_h w_h * relu(q_h . k) * softmax_scale`` (HY-V4 folds the
+#: scale into ``w``: the same, the scale being positive).
 INDEXER_ROPE: dict[str, tuple[str, bool]] = {
     "DeepseekV32Indexer": ("apply_rotary_pos_emb", False), "AXK2Indexer": ("apply_rotary_pos_emb", False),
-    "GlmMoeDsaIndexer": ("apply_rotary_pos_emb_interleave", False)}
+    "GlmMoeDsaIndexer": ("apply_rotary_pos_emb_interleave", False), "HYV4Indexer": ("apply_rotary_pos_emb", True)}
 #: What a DSA attention module gets as its mask under graphrt (it slices ``[:, 0]`` and passes the
 #: result on; nothing reads its values).
 MASK_PLACEHOLDER = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
@@ -77,16 +81,16 @@ def route_indexers(hf_model: torch.nn.Module) -> list[str]:
     patched = []
     for name, module in dsa_attention_modules(hf_model):
         indexer = module.indexer
-        if indexer is None:
-            raise ConfigError(f"{name}: this layer reuses another layer's top-k selection (indexer_types 'shared'), "
-                              "which graphrt's indexed sparse attention does not keep across layers")
+        if indexer is None:         # reuses an earlier layer's selection: found by the probe (facts.py)
+            continue
         kind = type(indexer).__name__
         if kind not in INDEXER_ROPE:
             raise ConfigError(f"{name}.indexer is a {kind}, which graphrt's indexed sparse attention has not checked "
                               f"(it routes {sorted(INDEXER_ROPE)})")
         if getattr(indexer, ROUTED_ATTR, None) is None:
-            name, rope_last = INDEXER_ROPE[kind]
-            indexer.forward = _indexer_forward(indexer, getattr(sys.modules[type(indexer).__module__], name), rope_last)
+            rope_name, rope_last = INDEXER_ROPE[kind]
+            rope = getattr(sys.modules[type(indexer).__module__], rope_name)
+            indexer.forward = _indexer_forward(indexer, rope, rope_last)
             module.register_forward_pre_hook(_placeholder_mask, with_kwargs=True)
             setattr(indexer, ROUTED_ATTR, (int(indexer.index_topk), float(indexer.softmax_scale)))
         patched.append(f"{name}.indexer")
@@ -94,10 +98,11 @@ def route_indexers(hf_model: torch.nn.Module) -> list[str]:
 
 
 def index_facts(module: torch.nn.Module, kwargs: dict) -> tuple[int, int, int, float] | None:
-    """What a routed DSA layer's attention call says of its indexer: ``(heads, head size, top-k,
-    score scale)``, or None for a layer without one."""
+    """What a routed DSA layer's attention call says of its own indexer: ``(heads, head size,
+    top-k, score scale)``, or None for a layer without one (a layer reusing another's selection
+    gets that layer's :class:`IndexerInputs` and has no indexer)."""
     index = kwargs.get("indices")
-    if not isinstance(index, IndexerInputs):
+    if not isinstance(index, IndexerInputs) or getattr(module, "indexer", None) is None:
         return None
     topk, scale = getattr(module.indexer, ROUTED_ATTR)
     return int(index.q.shape[1]), int(index.q.shape[2]), topk, scale
