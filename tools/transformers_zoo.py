@@ -78,7 +78,7 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v32": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
     "glm_moe_dsa": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
     "axk2": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
-    "hy_v4": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
+    "hy_v4": dict(index_topk=4, index_n_heads=16, index_head_dim=16, indexer_types=["full", "shared"]),  # 2nd reuses
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 #: Windows of the tiny models' sliding layers: shorter than most test prompts.

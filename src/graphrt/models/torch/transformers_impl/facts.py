@@ -56,6 +56,39 @@ CALLER_NUMBERED = frozenset({"Zamba2Attention"})
 PROBE_TOKENS = 5
 
 
+def _csa(m: torch.nn.Module) -> str:
+    return (f"compressed sparse attention, which needs a cache graphrt's KV spec has no kind for: compressed KV "
+            f"entries, one per {m.compress_rate} tokens (a softmax-gated sum over an overlapping window of "
+            f"{2 * m.compress_rate} tokens, RoPE at the window's position), written by a compressor kernel when a "
+            "request's window closes, with per-request compressor state (the open window's tokens, the previous "
+            "window's half); a lightning indexer over its own compressed keys with a device top-k "
+            f"({m.indexer.index_topk}) of the entries; and a kernel attending over the sliding window's raw keys "
+            "plus the selected entries, with sinks")
+
+
+def _hca(m: torch.nn.Module) -> str:
+    return (f"heavily compressed attention, which needs a cache graphrt's KV spec has no kind for: compressed KV "
+            f"entries, one per {m.compress_rate} tokens (a softmax-gated sum over each non-overlapping window), "
+            "written by a compressor kernel when a request's window closes, with per-request compressor state (the "
+            "open window's tokens); and a kernel attending over the sliding window's raw keys plus every compressed "
+            "entry before the token, with sinks")
+
+
+def _cca(m: torch.nn.Module) -> str:
+    return ("compressed convolutional attention (CCA), which needs a per-request state kind graphrt's state seam "
+            f"lacks: the last {m.conv_kernel_size} rows of the concatenated q|k projections (a depthwise causal "
+            f"convolution of {m.depthwise_kernel_size} taps, then a grouped one of {m.grouped_kernel_size} taps "
+            "mixing each head's channels) and the previous token's delayed value projection (half of each value "
+            "head is the previous token's); and a kernel running both convolutions and the one-token delay over "
+            "packed ragged steps (reset at position 0) before the paged attention")
+
+
+#: Stock attention-side classes of layer kinds graphrt does not run -> what it lacks for them
+#: (named in the refusal: a missing kernel or cache kind, not a missing route).
+MISSING_ATTENTION_KERNELS = {"DeepseekV4CSACompressor": _csa, "DeepseekV4HCACompressor": _hca,
+                             "ZayaCCAProjection": _cca}
+
+
 @dataclass(frozen=True)
 class LayerFacts:
     """One attention call site as graphrt's paged attention runs it (this rank's heads):
@@ -324,6 +357,10 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | FEED_FORWARD_TYPES | indexed | recurrent
     kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in served})
     if kinds:
+        lacking = _lacking(hf_model, config, kinds)
+        if lacking:
+            raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, for which graphrt lacks "
+                              f"a kernel: {lacking}")
         raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, which graphrt's paged attention "
                           "does not run (it runs full, sliding-window and chunked causal attention, and routes the "
                           "recurrent mixers of docs/hybrid.md to its own kernels; other recurrent, convolutional and "
@@ -365,6 +402,20 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
                                 temperature=call["temperature"], index=call["index"],
                                 index_from=call["index_from"]))
     return facts
+
+
+def _lacking(hf_model: torch.nn.Module, config: Any, kinds: list[str]) -> str:
+    """What graphrt lacks for the layers of ``kinds`` (:data:`MISSING_ATTENTION_KERNELS`, the first
+    such module of each class), '; '-joined; '' when it knows none."""
+    types = getattr(config, "layer_types", None) or ()
+    found: dict[str, str] = {}
+    for name, module in hf_model.named_modules():
+        cls = type(module).__name__
+        layer = layer_of_path(name)
+        if cls in MISSING_ATTENTION_KERNELS and cls not in found and layer is not None and layer < len(types) \
+                and types[layer] in kinds:
+            found[cls] = f"{name} ({cls}, layer_types[{layer}] {types[layer]!r}) is {MISSING_ATTENTION_KERNELS[cls](module)}"
+    return "; ".join(found.values())
 
 
 #: Config settings under which a repeated call attends over *another* call's cached past (not its
@@ -433,6 +484,6 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
 
 
 __all__ = ["CALLER_NUMBERED", "CHUNKED_TYPES", "FEED_FORWARD_TYPES", "FULL_TYPES", "HARMLESS_KWARGS",
-           "HYBRID_TYPES", "INDEXED_TYPES", "LayerFacts", "SHARED_PAST", "SLIDING_TYPES", "config_chunks",
+           "HYBRID_TYPES", "INDEXED_TYPES", "LayerFacts", "MISSING_ATTENTION_KERNELS", "SHARED_PAST", "SLIDING_TYPES", "config_chunks",
            "config_windows", "innermost_module", "layer_facts", "layer_of_path", "mask_window_of", "module_paths",
            "number_attention_by_layer", "own_temperature", "position_offset", "temperature_of", "text_config"]
