@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from graphrt.core.errors import ConfigError
-from graphrt.layers.torch.attention.sparse import IndexerInputs
-from graphrt.models.torch.transformers_impl.indexer import MASK_PLACEHOLDER, index_facts, route_indexers
+from graphrt.layers.torch.attention.sparse import BlockIndexerInputs, IndexerInputs
+from graphrt.models.torch.transformers_impl.indexer import (INDEX_KWARGS, MASK_PLACEHOLDER, index_blocks, index_facts,
+                                                            passed_index, route_indexers)
 from graphrt.models.torch.transformers_impl.interface import handling
 
 #: Keywords a transformers layer passes that change nothing for a causal paged attention
@@ -34,14 +35,16 @@ HARMLESS_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", 
                              "past_key_values", "past_key_value", "layer_idx", "is_causal", "head_mask",
                              "attention_type", "output_hidden_states", "return_dict"})
 #: Keywords that are harmless when None (cross-attention inputs of a decoder used on its own).
-NONE_KWARGS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "token_type_ids"})
+NONE_KWARGS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "token_type_ids",
+                         "block_indices"})     # MiniMax-M3's dense layers pass no block selection
 #: ``layer_types`` entries of full and of sliding-window attention.
 FULL_TYPES = frozenset({"full_attention", "global_attention", "attention"})
 SLIDING_TYPES = frozenset({"sliding_attention", "local_attention", "sliding_window_attention"})
 #: ``layer_types`` entries of chunked local attention (a token sees its own chunk of the positions).
 CHUNKED_TYPES = frozenset({"chunked_attention"})
-#: ``layer_types`` entries of indexed sparse attention (DSA), served where the indexers are routed.
-INDEXED_TYPES = frozenset({"indexed_attention"})
+#: ``layer_types`` entries of indexed sparse attention (DSA; MiniMax-M3's block-sparse layers),
+#: served where the indexers are routed.
+INDEXED_TYPES = frozenset({"indexed_attention", "minimax_m3_sparse"})
 #: Where :func:`own_temperature` keeps a module's query temperature it turned off.
 TEMPERATURE_ATTR = "_graphrt_temperature"
 #: ``layer_types`` entries of layers holding full attention beside a recurrent mixer (Falcon-H1's,
@@ -115,6 +118,8 @@ class LayerFacts:
     #: A DSA layer without an indexer (``indexer_types`` "shared"): the call site whose selection
     #: of the step it reuses (the one whose indexer inputs the model handed it), else -1.
     index_from: int = -1
+    #: A block indexer's ``(block size, local blocks)`` (MiniMax-M3: ``index`` counts blocks), else (0, 0).
+    index_block: tuple[int, int] = (0, 0)
 
 
 def mask_window_of(path: str, mask: Any, tokens: int) -> int | None:
@@ -242,9 +247,9 @@ class _Probe:
             raise ConfigError(f"{path} ({type(module).__name__}) has no integer layer_idx: graphrt finds each "
                               "attention layer's KV cache by it")
         index = index_facts(module, kwargs)
-        index_from = self._selection_source(path, module, kwargs.get("indices")) if index is None else -1
+        index_from = self._selection_source(path, module, passed_index(kwargs)) if index is None else -1
         unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None)
-                         and not (k == "indices" and (index is not None or index_from >= 0)))
+                         and not (k in INDEX_KWARGS and (index is not None or index_from >= 0)))
         if unknown:
             raise ConfigError(f"{path} passes attention keywords graphrt's paged attention does not apply: {unknown}")
         # A DSA layer's placeholder mask (indexer.py) is graphrt's own, not the model's.
@@ -258,6 +263,9 @@ class _Probe:
         heads, kv_heads = int(query.shape[1]), int(key.shape[1])
         if kv_heads == 0 or heads % kv_heads:
             raise ConfigError(f"{path}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+        if isinstance(passed_index(kwargs), BlockIndexerInputs) and index is not None and index[0] != kv_heads:
+            raise ConfigError(f"{path}: its block indexer has {index[0]} heads for {kv_heads} KV heads; graphrt's "
+                              "block-sparse attention selects per KV head (index_n_heads = num_key_value_heads)")
         scaling = kwargs.get("scaling", getattr(module, "scaling", None))
         sinks = kwargs.get("s_aux")
         self.calls.append(dict(layer_idx=idx, module_id=id(module), path=path, heads=heads, kv_heads=kv_heads, head_dim=int(query.shape[-1]),
@@ -265,14 +273,15 @@ class _Probe:
                                scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
                                window=kwargs.get("sliding_window") or mask_window, softcap=kwargs.get("softcap"),
                                sinks=sinks is not None, temperature=temperature_of(module), index=index,
-                               index_from=index_from, indices=kwargs.get("indices") if index is not None else None))
+                               index_from=index_from, index_block=index_blocks(module) if index else (0, 0),
+                               indices=passed_index(kwargs) if index is not None else None))
         t = query.shape[2]
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
 
     def _selection_source(self, path: str, module: torch.nn.Module, indices: Any) -> int:
         """The call site whose indexer inputs a layer without an indexer of its own was handed
         (the earlier layer's selection it reuses), or -1 where it was handed none."""
-        if not isinstance(indices, IndexerInputs) or getattr(module, "indexer", True) is not None:
+        if not isinstance(indices, (IndexerInputs, BlockIndexerInputs)) or getattr(module, "indexer", True) is not None:
             return -1
         for site in range(len(self.calls) - 1, -1, -1):
             if self.calls[site]["indices"] is indices:
@@ -400,7 +409,7 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
                                 call["head_dim_v"], call["scale"], window, softcap, call["sinks"], site,
                                 call["module_id"], attention_chunk=chunks.get(idx, 0),
                                 temperature=call["temperature"], index=call["index"],
-                                index_from=call["index_from"]))
+                                index_from=call["index_from"], index_block=call["index_block"]))
     return facts
 
 

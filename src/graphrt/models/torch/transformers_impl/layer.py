@@ -43,7 +43,8 @@ class HFPagedAttention(PagedAttention):
                  sliding_window: int = 0, softcap: float = 0.0, sinks: bool = False,
                  head_dim_v: int | None = None, attention_chunk: int = 0,
                  temperature: tuple[float, float] | None = None,
-                 index: tuple[int, int, int, float] | None = None, index_from: int = -1) -> None:
+                 index: tuple[int, int, int, float] | None = None, index_from: int = -1,
+                 index_block: tuple[int, int] = (0, 0)) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale=scale, sliding_window=sliding_window,
                          attention_chunk=attention_chunk)
         self.softcap = float(softcap or 0.0)
@@ -53,6 +54,8 @@ class HFPagedAttention(PagedAttention):
         #: DSA (indexed sparse attention): the indexer's heads, key size (kept in the KV cache
         #: beside K and V), top-k and score scale; 0 / None without an indexer.
         self.index_heads, self.index_head_size, self.index_topk, self.index_scale = index or (0, 0, 0, 0.0)
+        #: A block indexer's ``(block size, local blocks)`` (MiniMax-M3; ``index_topk`` counts blocks).
+        self.index_block = (int(index_block[0]), int(index_block[1]))
         #: A layer reusing another's selection (``indexer_types`` "shared"): that call site, else -1.
         self.index_from = int(index_from)
         #: Whether a later layer reuses this indexed layer's selection (it then keeps ``selection``).
