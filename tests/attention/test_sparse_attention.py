@@ -1,4 +1,5 @@
-"""Indexed sparse attention (DeepSeek-V3.2's DSA, GLM-MoE-DSA, HY-V4) through graphrt (issue 45).
+"""Indexed sparse attention (DeepSeek-V3.2's DSA, GLM-MoE-DSA, HY-V4; MiniMax-M3's block-sparse
+attention) through graphrt (issue 45).
 
 The indexer's keys are kept beside K and V (``KVCacheGroup.index_head_size``); graphrt's kernel
 (``layers/torch/attention/sparse.py``) scores each token's readable context, takes the top-k on
@@ -12,8 +13,9 @@ the device (k fixed by the step's shapes) and attends over those keys only. Here
   prefill, a preempted request recomputed, on ``eager`` and ``cpu`` FULL graphs (mixed and
   decode steps captured);
 * HY-V4 (its indexer's RoPE on the later dimensions, sinks, a gated output, its second layer
-  reusing the first's selection: ``indexer_types`` "shared") in the same parity run; the kernel
-  with sinks and with a reused selection against the oracle;
+  reusing the first's selection: ``indexer_types`` "shared") and MiniMax-M3 (block-sparse: the
+  top blocks of keys per KV head) in the same parity run; the kernel with sinks, with a reused
+  selection and with block selections against the oracle;
 * the kit's ``kv_isolated`` and ``padding_invisible`` on DeepSeek-V3.2 (padded rows of the
   top-k included); GLM-MoE-DSA's "shared" layer wired to the earlier call site.
 """
@@ -28,7 +30,8 @@ import graphrt
 from graphrt.core.errors import ConfigError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec, resolve_kv_spec
 from graphrt.layers.torch.attention.paged import TorchAttentionMetadata
-from graphrt.layers.torch.attention.sparse import IndexerInputs, indexed_attention_kernel, sparse_attention_kernel
+from graphrt.layers.torch.attention.sparse import (BlockIndexerInputs, IndexerInputs, indexed_attention_kernel,
+                                                   sparse_attention_kernel)
 from support.hybrid_parity import run_schedule
 from support.parity import assert_close_across_reductions
 
@@ -154,6 +157,49 @@ def test_sinks_join_the_softmax_and_a_shared_layer_attends_over_the_same_selecti
         sparse_attention_kernel(q2, k, v, pair, *args, selection=selection[:1])
 
 
+def _dense_blocks(reqs, q, cache, index, where_all, topk_blocks, block, local, scale):
+    """MiniMax-M3's block-sparse attention per request in float64: per KV head, each key's score
+    ``q_h . k`` max-pooled over blocks of ``block`` positions (future keys left out), the token's
+    block and the ``local - 1`` before it kept, the best ``topk_blocks`` read."""
+    outs, start = [], 0
+    for (computed, scheduled), where in zip(reqs, where_all):
+        rows = torch.tensor(where)
+        keys, values, ikeys = (c[rows].double() for c in cache)
+        for t in range(start, start + scheduled):
+            pos = computed + t - start
+            out = []
+            for h in range(HKV):
+                scores = index.q[t, h].double() @ ikeys[:pos + 1].T
+                nb = pos // block + 1
+                best = torch.stack([scores[b * block:(b + 1) * block].max() for b in range(nb)])
+                best[max(0, pos // block - local + 1):pos // block + 1] = float("inf")
+                chosen = best.topk(min(topk_blocks, nb)).indices
+                cols = torch.cat([torch.arange(b * block, min((b + 1) * block, pos + 1)) for b in chosen.tolist()])
+                qh = q[t].double().view(HKV, GROUPS, D)[h]
+                att = torch.softmax(qh @ keys[cols, h].T * scale, -1)
+                out.append(att @ values[cols, h])
+            outs.append(torch.cat(out).reshape(-1))
+        start += scheduled
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("reqs,topk_blocks,block,local,seed", [
+    ([(0, 13), (5, 9), (20, 1)], 2, 4, 1, 4),       # prefill tiles and a decode; blocks of the KV block size
+    ([(7, 1), (12, 1), (0, 1), (30, 1)], 3, 3, 2, 5),  # decode; blocks of 3 (the context padded to whole blocks)
+])
+def test_block_sparse_attention_reads_each_kv_heads_best_blocks(reqs, topk_blocks, block, local, seed):
+    """MiniMax-M3: one selection per KV head (the per-head mask of the reference kernel)."""
+    q, k, v, cache, _, meta, where_all, real = _step(reqs, 4, 2, 1, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    index = BlockIndexerInputs(torch.randn(q.shape[0], HKV, DI, generator=gen), torch.randn(q.shape[0], DI, generator=gen))
+    out, selection = sparse_attention_kernel(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                             meta.block_table, meta.token_req_idx, BS, D ** -0.5, index=index,
+                                             index_topk=topk_blocks, index_block=(block, local))
+    assert selection.shape[1] == HKV and torch.isfinite(out).all()
+    want = _dense_blocks(reqs, q, cache, index, where_all, topk_blocks, block, local, D ** -0.5)
+    assert_close_across_reductions(out[:real].double(), want, width=max(len(w) for w in where_all), dtype=q.dtype)
+
+
 def test_the_spec_keeps_the_indexer_keys_beside_k_and_v():
     def resolve(*groups, kv="auto"):
         return resolve_kv_spec(KVCacheSpec(groups), block_size=4, model_dtype="float32", kv_cache_dtype=kv,
@@ -175,12 +221,16 @@ DSA_CASES = {
     "deepseek_v32": (dict(DSA), [(4, -1), (4, -1)], [16]),
     "glm_moe_dsa": (dict(DSA), [(4, -1), (4, -1)], [16]),
     "hy_v4": (dict(DSA, indexer_types=["full", "shared"]), [(4, -1), (0, 0)], [16, 0]),
+    # block-sparse: the zoo's tiny model (a sparse layer: top-2 blocks of 4 keys per KV head, then a dense one)
+    "minimax_m3_vl_text": ({}, [(2, -1), (0, -1)], [16, 0]),
 }
 
 
 @pytest.mark.parametrize("arch,backend,mode", [("deepseek_v32", "eager", "NONE"), ("deepseek_v32", "cpu", "FULL"),
                                                ("glm_moe_dsa", "eager", "NONE"), ("glm_moe_dsa", "cpu", "FULL"),
-                                               ("hy_v4", "eager", "NONE"), ("hy_v4", "cpu", "FULL")])
+                                               ("hy_v4", "eager", "NONE"), ("hy_v4", "cpu", "FULL"),
+                                               ("minimax_m3_vl_text", "eager", "NONE"),
+                                               ("minimax_m3_vl_text", "cpu", "FULL")])
 def test_teacher_forced_parity_with_transformers_dsa(arch, backend, mode):
     overrides, layers, index_sizes = DSA_CASES[arch]
     d = tiny_checkpoint(arch, **overrides)
@@ -220,3 +270,10 @@ def test_a_layer_reusing_another_layers_selection_reads_it_on_the_device():
     assert [g.index_head_size for g in model.kv_cache_spec().groups] == [16, 0]
     full, shared = model.paged
     assert full.keeps_selection and not shared.keeps_selection
+
+
+def test_a_block_indexer_with_other_heads_than_kv_heads_is_refused():
+    from graphrt.models.torch.transformers_impl import load_transformers_model
+
+    with pytest.raises(ConfigError, match=r"its block indexer has 4 heads for 2 KV heads.*selects per KV head"):
+        load_transformers_model(tiny_checkpoint("minimax_m3_vl_text", index_n_heads=4))
