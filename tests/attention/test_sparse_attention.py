@@ -157,6 +157,37 @@ def test_sinks_join_the_softmax_and_a_shared_layer_attends_over_the_same_selecti
         sparse_attention_kernel(q2, k, v, pair, *args, selection=selection[:1])
 
 
+def test_a_kept_selection_is_the_threads_own():
+    """The selection a layer keeps for a later one is per thread, as each forward's call sites are:
+    a graph built on a background thread never hands its selection to a step on this one."""
+    import threading
+
+    from graphrt.layers.torch.attention.sparse import IndexedPagedBackend, kept_selection
+    from graphrt.layers.torch.forward_context import forward_context
+
+    class Layer:                         # what the backend reads of a layer
+        scale, index_topk, index_scale, softcap, keeps_selection = D ** -0.5, 4, DI ** -0.5, 0.0, True
+
+    q, k, v, cache, index, meta, _, _ = _step([(0, 13), (5, 9), (20, 1)], 4, 3, 1, 0)
+    layer = Layer()
+    layer.kv_cache = cache
+    seen = {}
+
+    def run():
+        with forward_context(meta):
+            IndexedPagedBackend().attend(layer, q, k, v, index=index)
+        seen["there"] = kept_selection(layer)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    there = seen["there"]
+    assert there is not None and kept_selection(layer) is None
+    run()
+    here = kept_selection(layer)
+    assert here is not there and torch.equal(here, there)       # its own, computed from the same step
+
+
 def _dense_blocks(reqs, q, cache, index, where_all, topk_blocks, block, local, scale):
     """MiniMax-M3's block-sparse attention per request in float64: per KV head, each key's score
     ``q_h . k`` max-pooled over blocks of ``block`` positions (future keys left out), the token's

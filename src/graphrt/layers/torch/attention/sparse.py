@@ -20,13 +20,15 @@ always kept, the ``index_topk_blocks`` best blocks read (:func:`block_selection`
 
 A layer without an indexer of its own (HY-V4's and GLM-MoE-DSA's ``indexer_types`` "shared")
 attends over the selection the last indexed layer before it computed in the same forward: that
-layer keeps it (a device tensor, ``layer.selection``) and the later one reads it, in call order,
+layer keeps it (a device tensor, per thread: :func:`kept_selection`) and the later one reads it, in call order,
 in an eager step, a FULL graph (both kernels in one capture) and a PIECEWISE one (the attention
 calls re-run in order between the segments).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -166,13 +168,30 @@ def indexed_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                    index_scale=index_scale, softcap=softcap, sinks=sinks)[0]
 
 
+class _KeptSelections(threading.local):
+    """This thread's selections kept for later layers, by layer (weakly: a dropped model's go with
+    it). Per thread, as each forward's call sites are: a graph built on a background thread never
+    hands its selection to a step running on the main thread."""
+
+    def __init__(self) -> None:
+        self.by_layer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+_KEPT = _KeptSelections()
+
+
+def kept_selection(layer: Any) -> torch.Tensor | None:
+    """The selection ``layer`` computed last on this thread (``keeps_selection`` layers), or None."""
+    return _KEPT.by_layer.get(layer)
+
+
 class IndexedPagedBackend(PagedAttentionBackend):
     """graphrt's paged metadata (the table narrowed to the keyed context, as the reference kernel
     needs) with a kernel for every kind of layer a DSA model has: an indexed layer (``index``
     given) and a layer reusing another's selection (``selection`` given) run
     :func:`sparse_attention_kernel`, any other the reference kernel with its additions
     (soft-capping, sinks, its own V head size, a chunk). A layer whose ``keeps_selection`` is true
-    (a later layer reuses it) keeps this step's selection as ``layer.selection``."""
+    (a later layer reuses it) keeps this step's selection (:func:`kept_selection`)."""
 
     name = "graphrt-indexed-sparse"
     attends_extended = True
@@ -193,12 +212,12 @@ class IndexedPagedBackend(PagedAttentionBackend):
                                                   index_block=getattr(layer, "index_block", (0, 0)),
                                                   selection=selection, softcap=softcap, sinks=sinks)
             if getattr(layer, "keeps_selection", False):
-                layer.selection = chosen
+                _KEPT.by_layer[layer] = chosen
             return out
         return paged_attention_kernel(q, k, v, layer.kv_cache, *args, layer.sliding_window, layer.k_scale,
                                       layer.v_scale, softcap=softcap, sinks=sinks,
                                       attention_chunk=getattr(layer, "attention_chunk", 0))
 
 
-__all__ = ["BlockIndexerInputs", "IndexedPagedBackend", "IndexerInputs", "block_selection", "index_selection", "indexed_attention_kernel",
-           "sparse_attention_kernel"]
+__all__ = ["BlockIndexerInputs", "IndexedPagedBackend", "IndexerInputs", "block_selection", "index_selection",
+           "indexed_attention_kernel", "kept_selection", "sparse_attention_kernel"]

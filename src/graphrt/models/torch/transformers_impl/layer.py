@@ -32,6 +32,7 @@ import torch
 from graphrt.layers.torch.forward_context import get_forward_context
 from graphrt.layers.torch.attention.paged import PagedAttention, paged_attention_kernel
 from graphrt.layers.torch.attention.backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.sparse import kept_selection
 
 
 class HFPagedAttention(PagedAttention):
@@ -58,9 +59,8 @@ class HFPagedAttention(PagedAttention):
         self.index_block = (int(index_block[0]), int(index_block[1]))
         #: A layer reusing another's selection (``indexer_types`` "shared"): that call site, else -1.
         self.index_from = int(index_from)
-        #: Whether a later layer reuses this indexed layer's selection (it then keeps ``selection``).
+        #: Whether a later layer reuses this indexed layer's selection (the backend then keeps it).
         self.keeps_selection = False
-        self.selection: torch.Tensor | None = None
         self._selection_source: tuple[HFPagedAttention, ...] = ()
 
     def share_selection_of(self, source: "HFPagedAttention") -> None:
@@ -97,7 +97,7 @@ class HFPagedAttention(PagedAttention):
                 raise RuntimeError(f"{type(self).__name__}: an indexed layer was called without its indexer's inputs")
             return attend(self, q, k, v, index=index, **extra)
         if self._selection_source:          # a DSA layer reusing an earlier layer's selection of this step
-            selection = self._selection_source[0].selection
+            selection = kept_selection(self._selection_source[0])
             if selection is None:
                 raise RuntimeError(f"{type(self).__name__}: the layer whose selection this one reuses has not run")
             return attend(self, q, k, v, selection=selection, **extra)
