@@ -245,13 +245,16 @@ def test_the_spec_keeps_the_indexer_keys_beside_k_and_v():
         resolve(KVCacheGroup((0,), 2, 16, index_head_size=8), kv="fp8")
 
 
+#: YaRN RoPE with ``mscale_all_dim``: HY-V4's attention scales its scores by mscale squared.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale_all_dim": 1.0, "mscale": 1.0}
 #: Per architecture: the tiny config's indexer layers, and what graphrt's layers say of them
 #: (each call site's top-k and the call site whose selection it reuses). HY-V4's second layer
-#: reuses the first's selection (``indexer_types`` "shared"), and HY-V4 has sinks and a gate.
+#: reuses the first's selection (``indexer_types`` "shared"), and HY-V4 has sinks, a gate and YaRN's mscale.
 DSA_CASES = {
     "deepseek_v32": (dict(DSA), [(4, -1), (4, -1)], [16]),
     "glm_moe_dsa": (dict(DSA), [(4, -1), (4, -1)], [16]),
-    "hy_v4": (dict(DSA, indexer_types=["full", "shared"]), [(4, -1), (0, 0)], [16, 0]),
+    "hy_v4": (dict(DSA, indexer_types=["full", "shared"], rope_parameters=YARN), [(4, -1), (0, 0)], [16, 0]),
     # block-sparse: the zoo's tiny model (a sparse layer: top-2 blocks of 4 keys per KV head, then a dense one)
     "minimax_m3_vl_text": ({}, [(2, -1), (0, -1)], [16, 0]),
 }
