@@ -16,8 +16,8 @@ the device (k fixed by the step's shapes) and attends over those keys only. Here
   reusing the first's selection: ``indexer_types`` "shared") and MiniMax-M3 (block-sparse: the
   top blocks of keys per KV head) in the same parity run; the kernel with sinks, with a reused
   selection and with block selections against the oracle;
-* the kit's ``kv_isolated`` and ``padding_invisible`` on DeepSeek-V3.2 (padded rows of the
-  top-k included); GLM-MoE-DSA's "shared" layer wired to the earlier call site.
+* the kit's ``kv_isolated`` and ``padding_invisible`` on DeepSeek-V3.2, HY-V4 and MiniMax-M3
+  (padded rows of the top-k, of a reused selection and of block selections included); GLM-MoE-DSA's "shared" layer wired to the earlier call site.
 """
 
 from __future__ import annotations
@@ -281,12 +281,15 @@ def test_teacher_forced_parity_with_transformers_dsa(arch, backend, mode):
         assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
 
 
-def test_kit_kv_isolation_and_padding_on_deepseek_v32():
+@pytest.mark.parametrize("arch", ["deepseek_v32", "hy_v4", "minimax_m3_vl_text"])
+def test_kit_kv_isolation_and_padding_on_sparse_models(arch):
+    """Padded rows in the top-k (DeepSeek-V3.2), in a reused selection (HY-V4's shared layer) and
+    in per-KV-head block selections (MiniMax-M3) change no live token and no other request's KV."""
     from graphrt.models.torch.transformers_impl import load_transformers_model
     from graphrt.testing.conformance import run_conformance
     from graphrt.testing.runners import RunnerFactory
 
-    d = tiny_checkpoint("deepseek_v32", **DSA)
+    d = tiny_checkpoint(arch, **DSA_CASES[arch][0])
     factory = RunnerFactory(lambda: load_transformers_model(d), "cpu", mode="FULL_AND_PIECEWISE",
                             cudagraph_capture_sizes=[2, 4, 8, 16])
     results = run_conformance(factory=factory, properties=["kv_isolated", "padding_invisible"], examples=6,
