@@ -78,7 +78,10 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v32": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
     "glm_moe_dsa": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
     "axk2": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
-    "hy_v4": dict(index_topk=4, index_n_heads=16, index_head_dim=16),
+    "hy_v4": dict(index_topk=4, index_n_heads=16, index_head_dim=16, indexer_types=["full", "shared"]),  # 2nd reuses
+    # block-sparse attention: a sparse layer then a dense one; blocks of 4 keys, the own block and the best other
+    "minimax_m3_vl_text": dict(layer_types=["minimax_m3_sparse", "full_attention"], index_n_heads=2, index_head_dim=16,
+                               index_block_size=4, index_topk_blocks=2, index_local_blocks=1),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 #: Windows of the tiny models' sliding layers: shorter than most test prompts.

@@ -131,7 +131,15 @@ def test_a_window_the_config_contradicts_is_refused():
 
 @pytest.mark.parametrize("arch, reason", [
     ("doge", "attention mask of its own.*adding a bias"),   # a learned dynamic mask (a per-key bias)
-    ("deepseek_v4", "compressed_sparse_attention"),          # compressed sparse attention: no kernel yet
+    # compressed sparse / heavily compressed attention and ZAYA's CCA: the refusal names the kernel graphrt lacks
+    ("deepseek_v4", r"graphrt lacks a kernel: .*\(DeepseekV4HCACompressor, layer_types\[0\] "
+                    r"'heavily_compressed_attention'\) is heavily compressed attention, which needs a cache "
+                    r"graphrt's KV spec has no kind for: compressed KV entries, one per 128 tokens.*"
+                    r"\(DeepseekV4CSACompressor, layer_types\[1\] 'compressed_sparse_attention'\) is compressed "
+                    r"sparse attention.* one per 4 tokens .*overlapping window of 8 tokens.*lightning indexer"),
+    ("zaya", r"ZayaForCausalLM: layer_types has \['hybrid'\] layers, for which graphrt lacks a kernel: "
+             r"model\.layers\.0\.self_attn\.qkv_proj \(ZayaCCAProjection.*per-request state kind graphrt's state "
+             r"seam lacks: the last 2 rows of the concatenated q\|k projections.*delayed value projection"),
 ])
 def test_what_paged_attention_cannot_run_is_refused_by_name(arch, reason):
     with pytest.raises(ConfigError, match=reason):

@@ -110,7 +110,8 @@ class AttentionPlan(NamedTuple):
     tile]``: whether it is a token of the tile's request; ``key_rows [N, L]``: the cache row of
     each context column (a column no row of the tile may read points at the tile's first
     token's row, written this step, so stale or NaN rows are never read); ``masked [N, tile,
-    L]``: what the causal (and window) mask hides; ``rows_of_tokens [T]``: each token's row of
+    L]``: what the causal (and window) mask hides (``[N, Hkv, tile, L]`` where block-sparse
+    attention's selection differs between KV heads: ``sparse.py``); ``rows_of_tokens [T]``: each token's row of
     the flattened tiles (None when ``tile`` is 1: the identity); ``token_live [T]``: whether
     each token of the step belongs to a request (padding does not).
     """
@@ -218,7 +219,9 @@ def attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     scores = scores.view(num_tiles, hkv, tile, groups, ctx_len)
     # Masked scores are the least finite float, not -inf: exp gives exactly 0 beside any real
     # score, and a row with none (a padded token) stays finite (the caller zeroes it).
-    scores = scores.masked_fill_(plan.masked[:, None, :, None, :], torch.finfo(torch.float32).min)
+    # a mask per KV head [N, Hkv, tile, L] where a block-sparse selection differs between them
+    masked = plan.masked[:, None, :, None, :] if plan.masked.dim() == 3 else plan.masked.unsqueeze(3)
+    scores = scores.masked_fill_(masked, torch.finfo(torch.float32).min)
     if sinks is not None:
         sink = sinks.float().reshape(1, hkv, 1, groups, 1).expand(num_tiles, hkv, tile, groups, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 
 from graphrt.core.errors import ConfigError
-from graphrt.models.torch.transformers_impl.indexer import MASK_PLACEHOLDER, index_facts, route_indexers
+from graphrt.layers.torch.attention.sparse import BlockIndexerInputs, IndexerInputs
+from graphrt.models.torch.transformers_impl.indexer import (INDEX_KWARGS, MASK_PLACEHOLDER, index_blocks, index_facts,
+                                                            passed_index, route_indexers)
 from graphrt.models.torch.transformers_impl.interface import handling
 
 #: Keywords a transformers layer passes that change nothing for a causal paged attention
@@ -33,14 +35,16 @@ HARMLESS_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", 
                              "past_key_values", "past_key_value", "layer_idx", "is_causal", "head_mask",
                              "attention_type", "output_hidden_states", "return_dict"})
 #: Keywords that are harmless when None (cross-attention inputs of a decoder used on its own).
-NONE_KWARGS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "token_type_ids"})
+NONE_KWARGS = frozenset({"encoder_hidden_states", "encoder_attention_mask", "token_type_ids",
+                         "block_indices"})     # MiniMax-M3's dense layers pass no block selection
 #: ``layer_types`` entries of full and of sliding-window attention.
 FULL_TYPES = frozenset({"full_attention", "global_attention", "attention"})
 SLIDING_TYPES = frozenset({"sliding_attention", "local_attention", "sliding_window_attention"})
 #: ``layer_types`` entries of chunked local attention (a token sees its own chunk of the positions).
 CHUNKED_TYPES = frozenset({"chunked_attention"})
-#: ``layer_types`` entries of indexed sparse attention (DSA), served where the indexers are routed.
-INDEXED_TYPES = frozenset({"indexed_attention"})
+#: ``layer_types`` entries of indexed sparse attention (DSA; MiniMax-M3's block-sparse layers),
+#: served where the indexers are routed.
+INDEXED_TYPES = frozenset({"indexed_attention", "minimax_m3_sparse"})
 #: Where :func:`own_temperature` keeps a module's query temperature it turned off.
 TEMPERATURE_ATTR = "_graphrt_temperature"
 #: ``layer_types`` entries of layers holding full attention beside a recurrent mixer (Falcon-H1's,
@@ -53,6 +57,39 @@ FEED_FORWARD_TYPES = frozenset({"mlp", "moe"})
 CALLER_NUMBERED = frozenset({"Zamba2Attention"})
 #: Tokens of the probe forward.
 PROBE_TOKENS = 5
+
+
+def _csa(m: torch.nn.Module) -> str:
+    return (f"compressed sparse attention, which needs a cache graphrt's KV spec has no kind for: compressed KV "
+            f"entries, one per {m.compress_rate} tokens (a softmax-gated sum over an overlapping window of "
+            f"{2 * m.compress_rate} tokens, RoPE at the window's position), written by a compressor kernel when a "
+            "request's window closes, with per-request compressor state (the open window's tokens, the previous "
+            "window's half); a lightning indexer over its own compressed keys with a device top-k "
+            f"({m.indexer.index_topk}) of the entries; and a kernel attending over the sliding window's raw keys "
+            "plus the selected entries, with sinks")
+
+
+def _hca(m: torch.nn.Module) -> str:
+    return (f"heavily compressed attention, which needs a cache graphrt's KV spec has no kind for: compressed KV "
+            f"entries, one per {m.compress_rate} tokens (a softmax-gated sum over each non-overlapping window), "
+            "written by a compressor kernel when a request's window closes, with per-request compressor state (the "
+            "open window's tokens); and a kernel attending over the sliding window's raw keys plus every compressed "
+            "entry before the token, with sinks")
+
+
+def _cca(m: torch.nn.Module) -> str:
+    return ("compressed convolutional attention (CCA), which needs a per-request state kind graphrt's state seam "
+            f"lacks: the last {m.conv_kernel_size} rows of the concatenated q|k projections (a depthwise causal "
+            f"convolution of {m.depthwise_kernel_size} taps, then a grouped one of {m.grouped_kernel_size} taps "
+            "mixing each head's channels) and the previous token's delayed value projection (half of each value "
+            "head is the previous token's); and a kernel running both convolutions and the one-token delay over "
+            "packed ragged steps (reset at position 0) before the paged attention")
+
+
+#: Stock attention-side classes of layer kinds graphrt does not run -> what it lacks for them
+#: (named in the refusal: a missing kernel or cache kind, not a missing route).
+MISSING_ATTENTION_KERNELS = {"DeepseekV4CSACompressor": _csa, "DeepseekV4HCACompressor": _hca,
+                             "ZayaCCAProjection": _cca}
 
 
 @dataclass(frozen=True)
@@ -78,6 +115,11 @@ class LayerFacts:
     temperature: tuple[float, float] | None = None
     #: A DSA layer's indexer ``(heads, head size, top-k, score scale)`` (indexer.py), or None.
     index: tuple[int, int, int, float] | None = None
+    #: A DSA layer without an indexer (``indexer_types`` "shared"): the call site whose selection
+    #: of the step it reuses (the one whose indexer inputs the model handed it), else -1.
+    index_from: int = -1
+    #: A block indexer's ``(block size, local blocks)`` (MiniMax-M3: ``index`` counts blocks), else (0, 0).
+    index_block: tuple[int, int] = (0, 0)
 
 
 def mask_window_of(path: str, mask: Any, tokens: int) -> int | None:
@@ -205,8 +247,9 @@ class _Probe:
             raise ConfigError(f"{path} ({type(module).__name__}) has no integer layer_idx: graphrt finds each "
                               "attention layer's KV cache by it")
         index = index_facts(module, kwargs)
+        index_from = self._selection_source(path, module, passed_index(kwargs)) if index is None else -1
         unknown = sorted(k for k in set(kwargs) - HARMLESS_KWARGS if not (k in NONE_KWARGS and kwargs[k] is None)
-                         and not (k == "indices" and index is not None))
+                         and not (k in INDEX_KWARGS and (index is not None or index_from >= 0)))
         if unknown:
             raise ConfigError(f"{path} passes attention keywords graphrt's paged attention does not apply: {unknown}")
         # A DSA layer's placeholder mask (indexer.py) is graphrt's own, not the model's.
@@ -220,15 +263,31 @@ class _Probe:
         heads, kv_heads = int(query.shape[1]), int(key.shape[1])
         if kv_heads == 0 or heads % kv_heads:
             raise ConfigError(f"{path}: {heads} query heads are not a multiple of {kv_heads} KV heads")
+        if isinstance(passed_index(kwargs), BlockIndexerInputs) and index is not None and index[0] != kv_heads:
+            raise ConfigError(f"{path}: its block indexer has {index[0]} heads for {kv_heads} KV heads; graphrt's "
+                              "block-sparse attention selects per KV head (index_n_heads = num_key_value_heads)")
         scaling = kwargs.get("scaling", getattr(module, "scaling", None))
         sinks = kwargs.get("s_aux")
         self.calls.append(dict(layer_idx=idx, module_id=id(module), path=path, heads=heads, kv_heads=kv_heads, head_dim=int(query.shape[-1]),
                                head_dim_v=int(value.shape[-1]),
                                scale=float(scaling) if scaling is not None else query.shape[-1] ** -0.5,
                                window=kwargs.get("sliding_window") or mask_window, softcap=kwargs.get("softcap"),
-                               sinks=sinks is not None, temperature=temperature_of(module), index=index))
+                               sinks=sinks is not None, temperature=temperature_of(module), index=index,
+                               index_from=index_from, index_block=index_blocks(module) if index else (0, 0),
+                               indices=passed_index(kwargs) if index is not None else None))
         t = query.shape[2]
         return query.new_zeros(1, t, heads, int(value.shape[-1])), None
+
+    def _selection_source(self, path: str, module: torch.nn.Module, indices: Any) -> int:
+        """The call site whose indexer inputs a layer without an indexer of its own was handed
+        (the earlier layer's selection it reuses), or -1 where it was handed none."""
+        if not isinstance(indices, (IndexerInputs, BlockIndexerInputs)) or getattr(module, "indexer", True) is not None:
+            return -1
+        for site in range(len(self.calls) - 1, -1, -1):
+            if self.calls[site]["indices"] is indices:
+                return site
+        raise ConfigError(f"{path} reuses a top-k selection (indexer_types 'shared') whose indexer graphrt did not "
+                          "see called earlier in the forward")
 
 
 def layer_of_path(path: str) -> int | None:
@@ -307,6 +366,10 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
     served = FULL_TYPES | SLIDING_TYPES | CHUNKED_TYPES | FEED_FORWARD_TYPES | indexed | recurrent
     kinds = sorted({k for k in (getattr(config, "layer_types", None) or ()) if k not in served})
     if kinds:
+        lacking = _lacking(hf_model, config, kinds)
+        if lacking:
+            raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, for which graphrt lacks "
+                              f"a kernel: {lacking}")
         raise ConfigError(f"{type(hf_model).__name__}: layer_types has {kinds} layers, which graphrt's paged attention "
                           "does not run (it runs full, sliding-window and chunked causal attention, and routes the "
                           "recurrent mixers of docs/hybrid.md to its own kernels; other recurrent, convolutional and "
@@ -333,17 +396,35 @@ def layer_facts(hf_model: torch.nn.Module, base: torch.nn.Module,
         idx = call["layer_idx"]
         window = _window(call, windows, idx)
         kinds = getattr(config, "layer_types", None) or ()
-        if idx < len(kinds) and kinds[idx] in INDEXED_TYPES and call["index"] is None:
+        if idx < len(kinds) and kinds[idx] in INDEXED_TYPES and call["index"] is None and call["index_from"] < 0:
             raise ConfigError(f"{call['path']}: layer_types[{idx}] is indexed_attention, but its attention call "
                               "carries no routed indexer's inputs (transformers_impl/indexer.py)")
+        if (call["index"] is not None or call["index_from"] >= 0) and (window or chunks.get(idx, 0)):
+            raise ConfigError(f"{call['path']}: an indexed sparse attention layer with a sliding window or chunk "
+                              f"({window or chunks[idx]}); graphrt's sparse kernel selects over causal context only")
         softcap = float(call["softcap"] or 0.0)
         if softcap < 0 or not math.isfinite(softcap) or not math.isfinite(call["scale"]):
             raise ConfigError(f"{call['path']}: softcap {call['softcap']} / scaling {call['scale']} must be finite")
         facts.append(LayerFacts(idx, call["path"], call["heads"], call["kv_heads"], call["head_dim"],
                                 call["head_dim_v"], call["scale"], window, softcap, call["sinks"], site,
                                 call["module_id"], attention_chunk=chunks.get(idx, 0),
-                                temperature=call["temperature"], index=call["index"]))
+                                temperature=call["temperature"], index=call["index"],
+                                index_from=call["index_from"], index_block=call["index_block"]))
     return facts
+
+
+def _lacking(hf_model: torch.nn.Module, config: Any, kinds: list[str]) -> str:
+    """What graphrt lacks for the layers of ``kinds`` (:data:`MISSING_ATTENTION_KERNELS`, the first
+    such module of each class), '; '-joined; '' when it knows none."""
+    types = getattr(config, "layer_types", None) or ()
+    found: dict[str, str] = {}
+    for name, module in hf_model.named_modules():
+        cls = type(module).__name__
+        layer = layer_of_path(name)
+        if cls in MISSING_ATTENTION_KERNELS and cls not in found and layer is not None and layer < len(types) \
+                and types[layer] in kinds:
+            found[cls] = f"{name} ({cls}, layer_types[{layer}] {types[layer]!r}) is {MISSING_ATTENTION_KERNELS[cls](module)}"
+    return "; ".join(found.values())
 
 
 #: Config settings under which a repeated call attends over *another* call's cached past (not its
@@ -412,6 +493,6 @@ def _window(call: dict[str, Any], windows: dict[int, int] | None, idx: int) -> i
 
 
 __all__ = ["CALLER_NUMBERED", "CHUNKED_TYPES", "FEED_FORWARD_TYPES", "FULL_TYPES", "HARMLESS_KWARGS",
-           "HYBRID_TYPES", "INDEXED_TYPES", "LayerFacts", "SHARED_PAST", "SLIDING_TYPES", "config_chunks",
+           "HYBRID_TYPES", "INDEXED_TYPES", "LayerFacts", "MISSING_ATTENTION_KERNELS", "SHARED_PAST", "SLIDING_TYPES", "config_chunks",
            "config_windows", "innermost_module", "layer_facts", "layer_of_path", "mask_window_of", "module_paths",
            "number_attention_by_layer", "own_temperature", "position_offset", "temperature_of", "text_config"]

@@ -32,6 +32,7 @@ import torch
 from graphrt.layers.torch.forward_context import get_forward_context
 from graphrt.layers.torch.attention.paged import PagedAttention, paged_attention_kernel
 from graphrt.layers.torch.attention.backend import PagedAttentionBackend
+from graphrt.layers.torch.attention.sparse import kept_selection
 
 
 class HFPagedAttention(PagedAttention):
@@ -43,7 +44,8 @@ class HFPagedAttention(PagedAttention):
                  sliding_window: int = 0, softcap: float = 0.0, sinks: bool = False,
                  head_dim_v: int | None = None, attention_chunk: int = 0,
                  temperature: tuple[float, float] | None = None,
-                 index: tuple[int, int, int, float] | None = None) -> None:
+                 index: tuple[int, int, int, float] | None = None, index_from: int = -1,
+                 index_block: tuple[int, int] = (0, 0)) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale=scale, sliding_window=sliding_window,
                          attention_chunk=attention_chunk)
         self.softcap = float(softcap or 0.0)
@@ -53,6 +55,20 @@ class HFPagedAttention(PagedAttention):
         #: DSA (indexed sparse attention): the indexer's heads, key size (kept in the KV cache
         #: beside K and V), top-k and score scale; 0 / None without an indexer.
         self.index_heads, self.index_head_size, self.index_topk, self.index_scale = index or (0, 0, 0, 0.0)
+        #: A block indexer's ``(block size, local blocks)`` (MiniMax-M3; ``index_topk`` counts blocks).
+        self.index_block = (int(index_block[0]), int(index_block[1]))
+        #: A layer reusing another's selection (``indexer_types`` "shared"): that call site, else -1.
+        self.index_from = int(index_from)
+        #: Whether a later layer reuses this indexed layer's selection (the backend then keeps it).
+        self.keeps_selection = False
+        self._selection_source: tuple[HFPagedAttention, ...] = ()
+
+    def share_selection_of(self, source: "HFPagedAttention") -> None:
+        """Attend over ``source``'s selection of each step (``source`` runs first in the forward)."""
+        if not source.index_head_size:
+            raise ValueError("share_selection_of: the source layer has no indexer")
+        source.keeps_selection = True
+        self._selection_source = (source,)        # a tuple: not registered as a submodule
 
     @property
     def head_size_v(self) -> int:
@@ -63,7 +79,7 @@ class HFPagedAttention(PagedAttention):
     def extended(self) -> bool:
         """Whether this layer needs the reference kernel's additions (not graphrt's plain kernels)."""
         return bool(self.softcap or self.sinks or self.head_dim_v != self.head_dim or self.attention_chunk
-                    or self.temperature or self.index_head_size)
+                    or self.temperature or self.index_head_size or self.index_from >= 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None, index: Any = None) -> torch.Tensor:
@@ -75,11 +91,17 @@ class HFPagedAttention(PagedAttention):
         if self.temperature is not None:
             q = self._tempered(q, meta)
         attend = meta.attend
+        extra = {} if sinks is None else dict(sinks=sinks)
         if self.index_head_size:            # a DSA layer: the step's indexer projections (indexer.py)
             if index is None:
                 raise RuntimeError(f"{type(self).__name__}: an indexed layer was called without its indexer's inputs")
-            return attend(self, q, k, v, index=index)
-        return attend(self, q, k, v) if sinks is None else attend(self, q, k, v, sinks=sinks)
+            return attend(self, q, k, v, index=index, **extra)
+        if self._selection_source:          # a DSA layer reusing an earlier layer's selection of this step
+            selection = kept_selection(self._selection_source[0])
+            if selection is None:
+                raise RuntimeError(f"{type(self).__name__}: the layer whose selection this one reuses has not run")
+            return attend(self, q, k, v, selection=selection, **extra)
+        return attend(self, q, k, v, **extra)
 
     def _tempered(self, q: torch.Tensor, meta: Any) -> torch.Tensor:
         """``q`` scaled by Llama 4's temperature at each token's position (device ops; a padded
@@ -96,7 +118,7 @@ class HFPagedAttention(PagedAttention):
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"head_dim_v={self.head_dim_v}, scale={self.scale:.6g}, window={self.sliding_window}, "
                 f"softcap={self.softcap}, sinks={self.sinks}, chunk={self.attention_chunk}, "
-                f"temperature={self.temperature}")
+                f"temperature={self.temperature}, index_topk={self.index_topk}, index_from={self.index_from}")
 
 
 class ReferencePagedBackend(PagedAttentionBackend):

@@ -25,6 +25,7 @@ from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.state_spec import StateSpec
 from graphrt.models.torch.transformers_impl.experts import unrouted_note
 from graphrt.models.torch.transformers_impl.facts import LayerFacts, innermost_module, module_paths, text_config
+from graphrt.models.torch.transformers_impl.indexer import passed_index
 from graphrt.models.torch.transformers_impl.interface import handling
 from graphrt.layers.torch.attention.sparse import IndexedPagedBackend
 from graphrt.models.torch.transformers_impl.layer import HFPagedAttention, ReferencePagedBackend
@@ -100,8 +101,8 @@ class _CallSites:
         q = query[0].transpose(0, 1).reshape(t, -1)
         k = key[0].transpose(0, 1).reshape(t, -1)
         v = value[0].transpose(0, 1).reshape(t, -1)
-        if layer.index_head_size:
-            out = layer(q, k, v, index=kwargs.get("indices"))
+        if layer.index_head_size or layer.index_from >= 0:
+            out = layer(q, k, v, kwargs.get("s_aux") if layer.sinks else None, index=passed_index(kwargs))
         else:
             out = layer(q, k, v, kwargs.get("s_aux")) if layer.sinks else layer(q, k, v)
         return out.view(1, t, layer.num_heads, layer.head_dim_v), None
@@ -177,12 +178,16 @@ class TransformersForCausalLM(nn.Module):
         self.position_offset = int(position_offset)
         self.paged = nn.ModuleList(HFPagedAttention(f.num_heads, f.num_kv_heads, f.head_dim, f.scale,
                                                     f.sliding_window, f.softcap, f.sinks, f.head_dim_v,
-                                                    f.attention_chunk, f.temperature, f.index)
+                                                    f.attention_chunk, f.temperature, f.index, f.index_from,
+                                                    f.index_block)
                                    for f in facts)
+        for layer in self.paged:
+            if layer.index_from >= 0:          # indexer_types "shared": the earlier call site's selection
+                layer.share_selection_of(self.paged[layer.index_from])
         self._sites = tuple((f.module_id, f.path, layer) for f, layer in zip(facts, self.paged))
         self._body_name = body_name(hf_model)
         self._stand_in = _Body(hf_model._modules[self._body_name])
-        if any(layer.index_head_size for layer in self.paged):
+        if any(layer.index_head_size or layer.index_from >= 0 for layer in self.paged):
             #: DSA: indexed layers run graphrt's sparse kernel, the others the extended reference one
             self.attention_backend = IndexedPagedBackend(facts[0].head_dim)
         elif any(layer.extended for layer in self.paged):
