@@ -1,13 +1,14 @@
-"""Mamba, Falcon-Mamba and LFM2 as graphrt's JAX hybrid models on ``backend="xla"`` (issue 45).
+"""Mamba, Falcon-Mamba, LFM2 and Jamba as graphrt's JAX hybrid models on ``backend="xla"`` (issue 45).
 
 Their JAX layers (``models/jax/hybrid.py``) call the JAX reference kernels of
-``layers/jax/recurrent.py`` -- Mamba1's selective scan, LFM2's short convolution -- over graphrt's
-state cache (state slots, the trash slot for padded rows). Here:
+``layers/jax/recurrent.py`` -- Mamba1's selective scan (Jamba's beside attention and experts),
+LFM2's short convolution -- over graphrt's state cache (state slots, the trash slot for padded
+rows). Here:
 
 * teacher-forced parity with transformers' own forward: 4 requests of 7-18 tokens joining at
   steps 0, 0, 1 and 3, chunked prefill (chunks of 5), request 2 preempted and recomputed in
   another slot (support/hybrid_parity.run_schedule, the torch parity tests' schedule);
-* the kit's ``state_isolated`` (with ``kv_isolated`` and ``padding_invisible``) on xla;
+* the kit's ``state_isolated``, ``kv_isolated`` and ``padding_invisible`` on Jamba on xla;
 * the configs graphrt reads and the state specs they declare; on the torch backends the same
   checkpoints still run transformers' model (graphrt's own torch models do not implement them),
   and an architecture with no JAX model is refused on xla with a ConfigError naming it.
@@ -32,7 +33,7 @@ XLA = dict(precompile_token_paddings=[16], precompile_bs_paddings=[4], max_num_s
            max_model_len=32, block_size=4, num_kv_blocks=33)
 
 
-@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "lfm2"])
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "lfm2", "jamba"])
 def test_teacher_forced_parity_with_transformers_on_xla(arch):
     d = hybrid_model_dir(arch)
     rng = np.random.default_rng(5)
@@ -44,14 +45,14 @@ def test_teacher_forced_parity_with_transformers_on_xla(arch):
 
 
 def test_kit_state_isolation_on_xla():
-    """Falcon-Mamba (the Mamba1 layers with their dt / B / C norms) on xla, with speculative
-    decoding's K+1 checkpoints: no request's state reaches another's, padded rows write the
-    trash slot only."""
+    """Jamba (Mamba1 layers, attention, experts) on xla, with speculative decoding's K+1
+    checkpoints: no request's state or KV reaches another's, padded rows write the trash slot
+    and the trash block only."""
     from graphrt.testing import state_sweep
     from graphrt.testing.conformance import run_conformance
     from graphrt.testing.runners import RunnerFactory
 
-    factory = RunnerFactory(str(hybrid_model_dir("falcon_mamba")), "xla", num_speculative_tokens=1,
+    factory = RunnerFactory(str(hybrid_model_dir("jamba")), "xla", num_speculative_tokens=1,
                             **state_sweep.XLA_GRID)
     results = run_conformance(factory=factory, properties=["state_isolated", "kv_isolated", "padding_invisible"],
                               examples=4, report=None)
@@ -72,11 +73,15 @@ def test_configs_state_specs_and_where_each_backend_runs_them():
     assert lfm2.layer_kinds == ("short_conv", "attention", "short_conv") and lfm2.intermediate_size == 256
     assert lfm2.state_spec().groups == (StateGroup((0, 1), (StateTensor("conv", (64, 2)),), "short_conv"),)
     assert len(lfm2.kv_cache_spec().groups[0].layers) == 1
-    for arch in ("mamba", "falcon_mamba", "lfm2"):
+    jamba = DecoderConfig.from_dir(hybrid_model_dir("jamba"))
+    assert jamba.layer_kinds == ("mamba1", "attention", "mamba1") and jamba.moe_layers == (1,)
+    assert (jamba.scan_norm, jamba.rope_theta) == ("weighted", None)
+    for arch in ("mamba", "falcon_mamba", "lfm2", "jamba"):
         d = hybrid_model_dir(arch)
         assert resolve_model_impl(d, "auto", framework="torch") == "transformers"
         assert resolve_model_impl(d, "auto", framework="jax") == "graphrt"
         with pytest.raises(graphrt.InputError, match="graphrt's own torch models do not implement .*ForCausalLM"):
             resolve_model_impl(d, "graphrt", framework="torch")
-    with pytest.raises(ConfigError, match=r"architectures: \['JambaForCausalLM'\] has no jax model in graphrt"):
-        graphrt.ModelRunner(str(hybrid_model_dir("jamba")), backend="xla", progress=False, **XLA)
+    with pytest.raises(ConfigError, match=r"architectures: \['RecurrentGemmaForCausalLM'\] has no jax model in "
+                                          r"graphrt \(its jax models: .*'JambaForCausalLM'\]"):
+        graphrt.ModelRunner(str(hybrid_model_dir("recurrent_gemma")), backend="xla", progress=False, **XLA)

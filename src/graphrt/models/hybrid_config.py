@@ -6,8 +6,9 @@ Hybrid models mix attention with recurrent layers (docs/hybrid.md): Mamba2
 experts, Granite's multipliers), Qwen3-Next (``Qwen3NextForCausalLM``: gated delta-net and
 gated attention layers, experts with a shared expert), Mamba and Falcon-Mamba
 (``MambaForCausalLM``, ``FalconMambaForCausalLM``: every layer a Mamba1 mixer; Falcon-Mamba
-RMS-normalises dt, B and C) and LFM2 (``Lfm2ForCausalLM``: short convolutions and attention
-layers, a SwiGLU MLP). Shared by the torch and the JAX models (graphrt's torch models implement
+RMS-normalises dt, B and C), LFM2 (``Lfm2ForCausalLM``: short convolutions and attention
+layers, a SwiGLU MLP) and Jamba (``JambaForCausalLM``: Mamba1 layers with weighted dt / B / C
+norms, attention without rotary, experts every ``expert_layer_period``-th layer). Shared by the torch and the JAX models (graphrt's torch models implement
 :data:`TORCH_HYBRID_ARCHITECTURES`; the others run on xla only: on the torch backends they go
 through the Transformers backend); framework-free.
 """
@@ -25,7 +26,8 @@ from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 #: The hybrid architectures graphrt's own torch models implement.
 TORCH_HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM")
 #: Every hybrid architecture of graphrt's own models (the JAX models implement all of them).
-HYBRID_ARCHITECTURES = TORCH_HYBRID_ARCHITECTURES + ("MambaForCausalLM", "FalconMambaForCausalLM", "Lfm2ForCausalLM")
+HYBRID_ARCHITECTURES = TORCH_HYBRID_ARCHITECTURES + ("MambaForCausalLM", "FalconMambaForCausalLM", "Lfm2ForCausalLM",
+                                                     "JambaForCausalLM")
 MAMBA, ATTENTION, DELTA = "mamba", "attention", "gated_delta_net"
 MAMBA1, SHORT_CONV = "mamba1", "short_conv"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
@@ -75,16 +77,17 @@ class HybridConfig:
     delta_value_dim: int = 0
     # Mamba1 layers (their width, state, kernel and biases are the Mamba2 fields above)
     dt_rank: int = 0
-    scan_norm: str = "none"                       # "unweighted": Falcon-Mamba's RMS norms of dt, B and C
+    scan_norm: str = "none"                       # RMS norms of dt, B and C: "unweighted" (Falcon-Mamba), "weighted" (Jamba)
     scan_norm_eps: float = 1e-6
     # the MLP after each mixer: "none" (Mamba, Mamba2), "granite" (shared MLP + experts), "qwen3_next",
-    # "lfm2" (SwiGLU: w1, w3, w2)
+    # "lfm2" (SwiGLU: w1, w3, w2), "jamba" (SwiGLU, or experts in ``moe_layers``)
     mlp: str = "none"
     intermediate_size: int = 0
     shared_intermediate_size: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()               # Jamba: the layers whose MLP is experts
     # multipliers (Granite)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -158,6 +161,8 @@ class HybridConfig:
             return cls(**common, **_mamba1(raw, falcon=arch == "FalconMambaForCausalLM"))
         if arch == "Lfm2ForCausalLM":
             return cls(**common, **_lfm2(raw))
+        if arch == "JambaForCausalLM":
+            return cls(**common, **_jamba(raw))
         from graphrt.models.qwen3_next_config import qwen3_next_fields
         return cls(**common, **qwen3_next_fields(raw))
 
@@ -232,6 +237,29 @@ def _lfm2(raw: dict[str, Any]) -> dict[str, Any]:
                 rope_theta=_rope_theta(raw), rotary_dim=head_dim, qk_norm=True,
                 conv_kernel=int(raw.get("conv_L_cache", 3)), conv_bias=bool(raw.get("conv_bias", False)),
                 mlp="lfm2", intermediate_size=ff)
+
+
+def _jamba(raw: dict[str, Any]) -> dict[str, Any]:
+    """Jamba's fields: attention where ``i % attn_layer_period == attn_layer_offset`` (else
+    Mamba1), experts where ``i % expert_layer_period == expert_layer_offset``."""
+    layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    if raw.get("hidden_act", "silu") != "silu":
+        raise InputError("hidden_act", f"{raw['hidden_act']!r} not supported (graphrt's Jamba layers use silu)")
+    every, at = int(raw.get("attn_layer_period", 8)), int(raw.get("attn_layer_offset", 4))
+    e_every, e_at = int(raw.get("expert_layer_period", 2)), int(raw.get("expert_layer_offset", 1))
+    experts = int(raw.get("num_experts", 16))
+    heads = int(raw["num_attention_heads"])
+    rank = raw.get("mamba_dt_rank", "auto")
+    eps = float(raw.get("rms_norm_eps", 1e-6))
+    return dict(layer_kinds=tuple(ATTENTION if i % every == at else MAMBA1 for i in range(layers)), rms_norm_eps=eps,
+                num_attention_heads=heads, num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=hidden // heads, mamba_intermediate=int(raw.get("mamba_expand", 2)) * hidden,
+                mamba_state=int(raw.get("mamba_d_state", 16)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+                conv_bias=bool(raw.get("mamba_conv_bias", True)), mamba_bias=bool(raw.get("mamba_proj_bias", False)),
+                dt_rank=math.ceil(hidden / 16) if rank in (None, "auto") else int(rank), scan_norm="weighted",
+                scan_norm_eps=eps, mlp="jamba", intermediate_size=int(raw.get("intermediate_size", 14336)),
+                num_experts=experts, num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+                moe_layers=tuple(i for i in range(layers) if experts > 1 and i % e_every == e_at))
 
 
 def _granite(raw: dict[str, Any]) -> dict[str, Any]:

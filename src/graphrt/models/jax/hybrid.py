@@ -1,5 +1,5 @@
-"""Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba
-and LFM2 over graphrt's paged KV cache and recurrent-state cache, for the xla backend.
+"""Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba,
+LFM2 and Jamba over graphrt's paged KV cache and recurrent-state cache, for the xla backend.
 
 Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
 kind, so they are not stacked). :func:`forward` follows :class:`graphrt.backends.xla.programs.XlaModel`'s
@@ -48,7 +48,8 @@ class _Names:
 _BACKBONE = _Names(root="backbone", embed="embeddings", final_norm="norm_f", input_norm="norm")
 _NAMES = {"Mamba2ForCausalLM": _BACKBONE, "MambaForCausalLM": _BACKBONE, "FalconMambaForCausalLM": _BACKBONE,
           "Lfm2ForCausalLM": _Names(final_norm="embedding_norm", input_norm="operator_norm", post_norm="ffn_norm",
-                                    out_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm")}
+                                    out_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm"),
+          "JambaForCausalLM": _Names(final_norm="final_layernorm", post_norm="pre_ff_layernorm")}
 #: Each recurrent kind's module in a decoder layer (backbone blocks: ``mixer``).
 _MIXER_NAMES = {DELTA: "linear_attn", SHORT_CONV: "conv"}
 
@@ -143,15 +144,17 @@ def _rms(x: jax.Array, eps: float) -> jax.Array:
 
 def _mamba1(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
             c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Mamba / Falcon-Mamba's mixer: the causal convolution and the selective scan of the step's
-    requests over their (conv, ssm) states."""
+    """Mamba / Falcon-Mamba / Jamba's mixer: the causal convolution and the selective scan of the
+    step's requests over their (conv, ssm) states."""
     x, gate = jnp.split(_linear(p, f"{pre}.in_proj", h), 2, axis=-1)
     conv, ssm = caches
     x, window = rec.causal_conv1d(x, _get(p, f"{pre}.conv1d.weight")[:, 0], p.get(f"{pre}.conv1d.bias"),
                                   rec.read_states(conv, sm), sm, s["checkpoints"])
     dt, B, C = jnp.split(x @ _get(p, f"{pre}.x_proj.weight").T, [c.dt_rank, c.dt_rank + c.mamba_state], axis=-1)
-    if c.scan_norm == "unweighted":
+    if c.scan_norm != "none":
         dt, B, C = (_rms(v, c.scan_norm_eps) for v in (dt, B, C))
+    if c.scan_norm == "weighted":
+        dt, B, C = (_get(p, f"{pre}.{n}_layernorm.weight") * v for n, v in (("dt", dt), ("b", B), ("c", C)))
     dt = jax.nn.softplus((dt @ _get(p, f"{pre}.dt_proj.weight").T).astype(jnp.float32)
                          + _get(p, f"{pre}.dt_proj.bias").astype(jnp.float32))
     y, states = rec.selective_scan(x, dt, -jnp.exp(_get(p, f"{pre}.A_log").astype(jnp.float32)), B, C,
@@ -226,7 +229,7 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
     return _linear(p, f"{pre}.{names.out_proj}", out), kv
 
 
-def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig) -> jax.Array:
+def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig, layer: int) -> jax.Array:
     if c.mlp == "granite":
         gate, up = jnp.split(_linear(p, f"{pre}.shared_mlp.input_linear", x), 2, axis=-1)
         out = _linear(p, f"{pre}.shared_mlp.output_linear", jax.nn.silu(gate) * up)
@@ -246,6 +249,17 @@ def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig) -> jax.Array:
 
     def mlp(name: str) -> jax.Array:
         return _linear(p, f"{name}.down_proj", jax.nn.silu(_linear(p, f"{name}.gate_proj", x)) * _linear(p, f"{name}.up_proj", x))
+
+    if c.mlp == "jamba":
+        ff = f"{pre}.feed_forward"
+        if layer not in c.moe_layers:
+            return mlp(ff)
+        # softmax over the router's logits, the top k weights left unnormalised; every expert
+        # computed for every token (static shapes), the unrouted ones weighted 0
+        probs = jax.nn.softmax((x @ _get(p, f"{ff}.router.weight").T).astype(jnp.float32), axis=-1)
+        top, index = jax.lax.top_k(probs, c.num_experts_per_tok)
+        weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], index].set(top).astype(x.dtype)
+        return sum(weights[:, e:e + 1] * mlp(f"{ff}.experts.{e}") for e in range(c.num_experts))
 
     probs = jax.nn.softmax((x @ _get(p, f"{pre}.mlp.gate.weight").T).astype(jnp.float32), axis=-1)
     top, index = jax.lax.top_k(probs, c.num_experts_per_tok)
@@ -296,7 +310,7 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
         if backbone:
             continue
         h = _norm(params, f"{pre}.{names.post_norm}.weight", x, c)
-        x = x + _mlp(params, pre, h, c) * c.residual_multiplier
+        x = x + _mlp(params, pre, h, c, i) * c.residual_multiplier
     return _norm(params, f"{names.root}.{names.final_norm}.weight", x, c), (kv, tuple(states))
 
 
