@@ -1,9 +1,10 @@
-"""Mamba, Falcon-Mamba, LFM2 and Jamba as graphrt's JAX hybrid models on ``backend="xla"`` (issue 45).
+"""Mamba, Falcon-Mamba, LFM2, Jamba and RecurrentGemma as graphrt's JAX hybrid models on
+``backend="xla"`` (issue 45).
 
 Their JAX layers (``models/jax/hybrid.py``) call the JAX reference kernels of
 ``layers/jax/recurrent.py`` -- Mamba1's selective scan (Jamba's beside attention and experts),
-LFM2's short convolution -- over graphrt's state cache (state slots, the trash slot for padded
-rows). Here:
+LFM2's short convolution, RecurrentGemma's RG-LRU (beside local attention of a window shorter than
+the prompts) -- over graphrt's state cache (state slots, the trash slot for padded rows). Here:
 
 * teacher-forced parity with transformers' own forward: 4 requests of 7-18 tokens joining at
   steps 0, 0, 1 and 3, chunked prefill (chunks of 5), request 2 preempted and recomputed in
@@ -15,6 +16,8 @@ rows). Here:
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -33,7 +36,7 @@ XLA = dict(precompile_token_paddings=[16], precompile_bs_paddings=[4], max_num_s
            max_model_len=32, block_size=4, num_kv_blocks=33)
 
 
-@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "lfm2", "jamba"])
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "lfm2", "jamba", "recurrent_gemma"])
 def test_teacher_forced_parity_with_transformers_on_xla(arch):
     d = hybrid_model_dir(arch)
     rng = np.random.default_rng(5)
@@ -60,7 +63,7 @@ def test_kit_state_isolation_on_xla():
     assert [r.status for r in results] == ["PASS"] * 3, [r.line() for r in results]
 
 
-def test_configs_state_specs_and_where_each_backend_runs_them():
+def test_configs_state_specs_and_where_each_backend_runs_them(tmp_path):
     """What HybridConfig reads of each checkpoint and the state it declares; torch backends keep
     transformers' model for them (``model_impl="graphrt"`` refused naming the architecture);
     xla refuses an architecture it has no JAX model of with a ConfigError naming it."""
@@ -77,12 +80,19 @@ def test_configs_state_specs_and_where_each_backend_runs_them():
     jamba = DecoderConfig.from_dir(hybrid_model_dir("jamba"))
     assert jamba.layer_kinds == ("mamba1", "attention", "mamba1") and jamba.moe_layers == (1,)
     assert (jamba.scan_norm, jamba.rope_theta) == ("weighted", None)
-    for arch in ("mamba", "falcon_mamba", "lfm2", "jamba"):
+    gemma = DecoderConfig.from_dir(hybrid_model_dir("recurrent_gemma"))
+    assert gemma.layer_kinds == ("rg_lru", "attention", "rg_lru") and gemma.sliding_window == 6
+    assert (gemma.rotary_dim, gemma.embedding_multiplier, gemma.logits_soft_cap) == (8, 8.0, 30.0)
+    assert gemma.state_spec().groups == (StateGroup((0, 1), (StateTensor("conv", (48, 3)),
+                                                             StateTensor("lru", (48,))), "rg_lru"),)
+    for arch in ("mamba", "falcon_mamba", "lfm2", "jamba", "recurrent_gemma"):
         d = hybrid_model_dir(arch)
         assert resolve_model_impl(d, "auto", framework="torch") == "transformers"
         assert resolve_model_impl(d, "auto", framework="jax") == "graphrt"
         with pytest.raises(graphrt.InputError, match="graphrt's own torch models do not implement .*ForCausalLM"):
             resolve_model_impl(d, "graphrt", framework="torch")
-    with pytest.raises(ConfigError, match=r"architectures: \['RecurrentGemmaForCausalLM'\] has no jax model in "
-                                          r"graphrt \(its jax models: .*'JambaForCausalLM'\]"):
-        graphrt.ModelRunner(str(hybrid_model_dir("recurrent_gemma")), backend="xla", progress=False, **XLA)
+    raw = json.loads((hybrid_model_dir("lfm2") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": ["Lfm2MoeForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"architectures: \['Lfm2MoeForCausalLM'\] has no jax model in "
+                                          r"graphrt \(its jax models: .*'RecurrentGemmaForCausalLM'\]"):
+        graphrt.ModelRunner(str(tmp_path), backend="xla", progress=False, **XLA)

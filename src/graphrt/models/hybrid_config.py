@@ -8,7 +8,9 @@ gated attention layers, experts with a shared expert), Mamba and Falcon-Mamba
 (``MambaForCausalLM``, ``FalconMambaForCausalLM``: every layer a Mamba1 mixer; Falcon-Mamba
 RMS-normalises dt, B and C), LFM2 (``Lfm2ForCausalLM``: short convolutions and attention
 layers, a SwiGLU MLP) and Jamba (``JambaForCausalLM``: Mamba1 layers with weighted dt / B / C
-norms, attention without rotary, experts every ``expert_layer_period``-th layer). Shared by the torch and the JAX models (graphrt's torch models implement
+norms, attention without rotary, experts every ``expert_layer_period``-th layer) and
+RecurrentGemma (``RecurrentGemmaForCausalLM``: RG-LRU blocks and local attention, soft-capped
+logits). Shared by the torch and the JAX models (graphrt's torch models implement
 :data:`TORCH_HYBRID_ARCHITECTURES`; the others run on xla only: on the torch backends they go
 through the Transformers backend); framework-free.
 """
@@ -19,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
@@ -27,16 +31,16 @@ from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 TORCH_HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM")
 #: Every hybrid architecture of graphrt's own models (the JAX models implement all of them).
 HYBRID_ARCHITECTURES = TORCH_HYBRID_ARCHITECTURES + ("MambaForCausalLM", "FalconMambaForCausalLM", "Lfm2ForCausalLM",
-                                                     "JambaForCausalLM")
+                                                     "JambaForCausalLM", "RecurrentGemmaForCausalLM")
 MAMBA, ATTENTION, DELTA = "mamba", "attention", "gated_delta_net"
-MAMBA1, SHORT_CONV = "mamba1", "short_conv"
+MAMBA1, SHORT_CONV, RG_LRU = "mamba1", "short_conv", "rg_lru"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
 
 
 @dataclass(frozen=True)
 class HybridConfig:
     """A hybrid decoder as graphrt's reference models see it. ``layer_kinds``: per layer
-    ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1`` or ``short_conv``."""
+    ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1``, ``short_conv`` or ``rg_lru``."""
 
     architecture: str
     vocab_size: int
@@ -88,6 +92,11 @@ class HybridConfig:
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()               # Jamba: the layers whose MLP is experts
+    # RecurrentGemma: RG-LRU blocks of lru_width channels, local attention, GeLU branches
+    lru_width: int = 0
+    sliding_window: int = 0                        # > 0: attention sees the last W positions
+    activation: str = "silu"
+    logits_soft_cap: float = 0.0                   # > 0: logits = cap * tanh(logits / cap)
     # multipliers (Granite)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -132,6 +141,7 @@ class HybridConfig:
             MAMBA1: (StateTensor("conv", (self.mamba_intermediate, window)),
                      StateTensor("ssm", (self.mamba_intermediate, self.mamba_state))),
             SHORT_CONV: (StateTensor("conv", (self.hidden_size, window)),),
+            RG_LRU: (StateTensor("conv", (self.lru_width, window)), StateTensor("lru", (self.lru_width,))),
         }
         groups = []
         for kind, layout in tensors.items():
@@ -163,6 +173,8 @@ class HybridConfig:
             return cls(**common, **_lfm2(raw))
         if arch == "JambaForCausalLM":
             return cls(**common, **_jamba(raw))
+        if arch == "RecurrentGemmaForCausalLM":
+            return cls(**common, **_recurrent_gemma(raw))
         from graphrt.models.qwen3_next_config import qwen3_next_fields
         return cls(**common, **qwen3_next_fields(raw))
 
@@ -262,6 +274,46 @@ def _jamba(raw: dict[str, Any]) -> dict[str, Any]:
                 moe_layers=tuple(i for i in range(layers) if experts > 1 and i % e_every == e_at))
 
 
+#: The MLP / branch activations of RecurrentGemma graphrt implements (transformers' names).
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu", "relu")
+
+
+def _bfloat16(x: float) -> float:
+    """``x`` rounded to bfloat16 (round to nearest even): RecurrentGemma keeps its embedding
+    normaliser ``sqrt(hidden_size)`` as a bfloat16 buffer."""
+    bits = int(np.float32(x).view(np.uint32))
+    return float(np.uint32((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32))
+
+
+def _recurrent_gemma(raw: dict[str, Any]) -> dict[str, Any]:
+    """RecurrentGemma's fields: ``block_types`` ("recurrent" / "attention") cycled over the
+    layers, attention of ``attention_window_size`` positions rotating ``partial_rotary_factor``
+    of each head, norms scaling by ``1 + weight``, the embeddings times bfloat16 ``sqrt(hidden)``."""
+    layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    blocks = list(raw.get("block_types") or ["recurrent", "recurrent", "attention"])
+    kinds = tuple({"recurrent": RG_LRU, "attention": ATTENTION}.get(b, "") for b in (blocks * layers)[:layers])
+    if "" in kinds:
+        raise InputError("block_types", f"{blocks}: 'recurrent' or 'attention' each")
+    act = raw.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ACTIVATIONS:
+        raise InputError("hidden_activation", f"{act!r} is not one of {list(ACTIVATIONS)}")
+    heads = int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    width = int(raw.get("lru_width") or hidden)
+    if width % heads:
+        raise InputError("lru_width", f"{width} is not a multiple of num_attention_heads {heads} (the RG-LRU's gate blocks)")
+    rope = raw.get("rope_parameters") or {}
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)))
+    return dict(layer_kinds=kinds, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+                attention_bias=bool(raw.get("attention_bias", False)), rope_theta=_rope_theta(raw),
+                rotary_dim=int(head_dim * partial), conv_kernel=int(raw.get("conv1d_width", 4)), lru_width=width,
+                sliding_window=int(raw.get("attention_window_size", 2048)), activation=act,
+                logits_soft_cap=float(raw.get("logits_soft_cap") or 0.0), mlp="recurrent_gemma",
+                intermediate_size=int(raw.get("intermediate_size", 3 * hidden)) // 2,
+                embedding_multiplier=_bfloat16(hidden ** 0.5), zero_centered_norm=True)
+
+
 def _granite(raw: dict[str, Any]) -> dict[str, Any]:
     layers = int(raw["num_hidden_layers"])
     names = raw.get("layer_types") or raw.get("layers_block_type") or ["linear_attention"] * layers
@@ -293,5 +345,5 @@ def _granite(raw: dict[str, Any]) -> dict[str, Any]:
                 logits_scaling=float(raw.get("logits_scaling", 1.0)))
 
 
-__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "MAMBA", "MAMBA1", "SHORT_CONV",
+__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "MAMBA", "MAMBA1", "RG_LRU", "SHORT_CONV",
            "TORCH_HYBRID_ARCHITECTURES"]

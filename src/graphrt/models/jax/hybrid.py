@@ -1,5 +1,5 @@
 """Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba,
-LFM2 and Jamba over graphrt's paged KV cache and recurrent-state cache, for the xla backend.
+LFM2, Jamba and RecurrentGemma over graphrt's paged KV cache and recurrent-state cache, for the xla backend.
 
 Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
 kind, so they are not stacked). :func:`forward` follows :class:`graphrt.backends.xla.programs.XlaModel`'s
@@ -22,7 +22,7 @@ import numpy as np
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
-from graphrt.models.hybrid_config import ATTENTION, DELTA, MAMBA, MAMBA1, SHORT_CONV, HybridConfig
+from graphrt.models.hybrid_config import ATTENTION, DELTA, MAMBA, MAMBA1, RG_LRU, SHORT_CONV, HybridConfig
 from graphrt.layers.jax import recurrent as rec
 from graphrt.layers.jax.paged_attention import AttentionMetadata, cache_paged_attention, write_kv_rows
 from graphrt.models.jax.decoder import apply_rotary, rms_norm, rotary_cos_sin
@@ -40,6 +40,7 @@ class _Names:
     final_norm: str = "norm"
     input_norm: str = "input_layernorm"
     post_norm: str = "post_attention_layernorm"
+    attention: str = "self_attn"
     out_proj: str = "o_proj"
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
@@ -49,9 +50,14 @@ _BACKBONE = _Names(root="backbone", embed="embeddings", final_norm="norm_f", inp
 _NAMES = {"Mamba2ForCausalLM": _BACKBONE, "MambaForCausalLM": _BACKBONE, "FalconMambaForCausalLM": _BACKBONE,
           "Lfm2ForCausalLM": _Names(final_norm="embedding_norm", input_norm="operator_norm", post_norm="ffn_norm",
                                     out_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm"),
-          "JambaForCausalLM": _Names(final_norm="final_layernorm", post_norm="pre_ff_layernorm")}
+          "JambaForCausalLM": _Names(final_norm="final_layernorm", post_norm="pre_ff_layernorm"),
+          "RecurrentGemmaForCausalLM": _Names(final_norm="final_norm", input_norm="temporal_pre_norm",
+                                              post_norm="channel_pre_norm", attention="temporal_block")}
 #: Each recurrent kind's module in a decoder layer (backbone blocks: ``mixer``).
-_MIXER_NAMES = {DELTA: "linear_attn", SHORT_CONV: "conv"}
+_MIXER_NAMES = {DELTA: "linear_attn", SHORT_CONV: "conv", RG_LRU: "temporal_block"}
+#: RecurrentGemma's activations (``HybridConfig.activation``, transformers' names).
+_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                "gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu, "relu": jax.nn.relu}
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,35 @@ def _short_conv(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...]
     return _linear(p, f"{pre}.out_proj", C * out), (rec.write_states(conv, sm, window),)
 
 
+def _rg_lru(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
+            c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """RecurrentGemma's recurrent block: ``linear_out(rg_lru(conv(linear_x h)) * act(linear_y h))``;
+    the RG-LRU gates per block of channels, the recurrence reset at a request's first position."""
+    conv, lru = caches
+    y = _ACTIVATIONS[c.activation](_linear(p, f"{pre}.linear_y", h))
+    x, window = rec.causal_conv1d(_linear(p, f"{pre}.linear_x", h), _get(p, f"{pre}.conv_1d.weight")[:, 0],
+                                  p.get(f"{pre}.conv_1d.bias"), rec.read_states(conv, sm), sm, s["checkpoints"],
+                                  activation=False)
+    t, width = x.shape
+    g = f"{pre}.rg_lru"
+    blocks = x.reshape(t, c.num_attention_heads, -1)
+
+    def gate(name: str) -> jax.Array:
+        out = jnp.einsum("thi,hij->thj", blocks, _get(p, f"{g}.{name}_gate_weight")) + _get(p, f"{g}.{name}_gate_bias")
+        return jax.nn.sigmoid(out).reshape(t, width)
+
+    log_a = -8.0 * gate("recurrent").astype(jnp.float32) * jax.nn.softplus(
+        _get(p, f"{g}.recurrent_param").astype(jnp.float32))
+    reset = ((sm.token_index == 0) & ~sm.has_initial[sm.token_req])[:, None]
+    a = jnp.where(reset, 0.0, jnp.exp(log_a))
+    scale = jnp.where(reset, 1.0, jnp.sqrt(1.0 - jnp.exp(2.0 * log_a)))
+    b = x * gate("input") * scale.astype(x.dtype)
+    out, states = rec.rg_lru_scan(a, b, rec.read_states(lru, sm), sm, checkpoints=s["checkpoints"],
+                                  uniform=s["uniform"])
+    return (_linear(p, f"{pre}.linear_out", out.astype(h.dtype) * y),
+            (rec.write_states(conv, sm, window), rec.write_states(lru, sm, states)))
+
+
 def _delta(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array], sm: rec.StateMeta,
            c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     t = h.shape[0]
@@ -223,7 +258,8 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
     rows = jnp.where(meta.slot_mapping < 0, kv.shape[2] - 1, meta.slot_mapping)
     kv = write_kv_rows(kv, jnp.asarray(index, jnp.int32), rows.astype(jnp.int32), k.astype(kv.dtype),
                        v.astype(kv.dtype))
-    out = cache_paged_attention(q, kv, index, positions, meta, block_size).reshape(t, -1)
+    out = cache_paged_attention(q, kv, index, positions, meta, block_size,
+                                sliding_window=c.sliding_window).reshape(t, -1)
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)
     return _linear(p, f"{pre}.{names.out_proj}", out), kv
@@ -250,6 +286,10 @@ def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig, layer: int) -> jax.
     def mlp(name: str) -> jax.Array:
         return _linear(p, f"{name}.down_proj", jax.nn.silu(_linear(p, f"{name}.gate_proj", x)) * _linear(p, f"{name}.up_proj", x))
 
+    if c.mlp == "recurrent_gemma":
+        m = f"{pre}.mlp_block"
+        return _linear(p, f"{m}.down_proj", _ACTIVATIONS[c.activation](_linear(p, f"{m}.gate_proj", x))
+                       * _linear(p, f"{m}.up_proj", x))
     if c.mlp == "jamba":
         ff = f"{pre}.feed_forward"
         if layer not in c.moe_layers:
@@ -273,7 +313,7 @@ def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig, layer: int) -> jax.
 
 
 #: The recurrent mixer of each layer kind.
-_MIXERS = {MAMBA: _mamba, DELTA: _delta, MAMBA1: _mamba1, SHORT_CONV: _short_conv}
+_MIXERS = {MAMBA: _mamba, DELTA: _delta, MAMBA1: _mamba1, SHORT_CONV: _short_conv, RG_LRU: _rg_lru}
 
 
 def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Array, meta: AttentionMetadata, *,
@@ -297,7 +337,7 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
         pre = f"{names.root}.layers.{i}"
         h = _norm(params, f"{pre}.{names.input_norm}.weight", x, c)
         if kind == ATTENTION:
-            out, kv = _attention(params, f"{pre}.self_attn", h, positions, kv, a, meta, c, block_size)
+            out, kv = _attention(params, f"{pre}.{names.attention}", h, positions, kv, a, meta, c, block_size)
             a += 1
         else:
             mixer = _MIXERS[kind]
@@ -315,13 +355,15 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, config: JaxHybridConfig) -> jax.Array:
-    """float32 logits ``[N, V]`` (Granite divides by ``logits_scaling``)."""
+    """float32 logits ``[N, V]`` (Granite divides by ``logits_scaling``; RecurrentGemma soft-caps)."""
     c = config.hybrid
     head = params.get("lm_head.weight")
     if head is None or c.tie_word_embeddings:
         names = _NAMES.get(c.architecture, _Names())
         head = params[f"{names.root}.{names.embed}.weight"]
     logits = (hidden @ head.T).astype(jnp.float32)
+    if c.logits_soft_cap > 0:
+        logits = jnp.tanh(logits / c.logits_soft_cap) * c.logits_soft_cap
     return logits / c.logits_scaling if c.logits_scaling != 1.0 else logits
 
 
