@@ -81,7 +81,7 @@ class HybridConfig:
     delta_value_dim: int = 0
     # Mamba1 layers (their width, state, kernel and biases are the Mamba2 fields above)
     dt_rank: int = 0
-    scan_norm: str = "none"                       # RMS norms of dt, B and C: "unweighted" (Falcon-Mamba), "weighted" (Jamba)
+    scan_norm: str = "none"              # RMS norms of dt, B, C: "unweighted" (Falcon-Mamba), "weighted" (Jamba)
     scan_norm_eps: float = 1e-6
     # the MLP after each mixer: "none" (Mamba, Mamba2), "granite" (shared MLP + experts), "qwen3_next",
     # "lfm2" (SwiGLU: w1, w3, w2), "jamba" (SwiGLU, or experts in ``moe_layers``)
@@ -301,7 +301,8 @@ def _recurrent_gemma(raw: dict[str, Any]) -> dict[str, Any]:
     head_dim = int(raw.get("head_dim") or hidden // heads)
     width = int(raw.get("lru_width") or hidden)
     if width % heads:
-        raise InputError("lru_width", f"{width} is not a multiple of num_attention_heads {heads} (the RG-LRU's gate blocks)")
+        raise InputError("lru_width", f"{width} is not a multiple of num_attention_heads {heads} (the RG-LRU's gate "
+                                      "blocks)")
     rope = raw.get("rope_parameters") or {}
     partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)))
     return dict(layer_kinds=kinds, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), num_attention_heads=heads,
