@@ -3,9 +3,16 @@
 Hybrid models mix attention with recurrent layers (docs/hybrid.md): Mamba2
 (``Mamba2ForCausalLM``, every layer a Mamba2 mixer, no attention), Granite-4-H
 (``GraniteMoeHybridForCausalLM``: Mamba2 and attention layers, a shared MLP and optional
-experts, Granite's multipliers) and Qwen3-Next (``Qwen3NextForCausalLM``: gated delta-net and
-gated attention layers, experts with a shared expert). Shared by the torch and the JAX models;
-framework-free.
+experts, Granite's multipliers), Qwen3-Next (``Qwen3NextForCausalLM``: gated delta-net and
+gated attention layers, experts with a shared expert), Mamba and Falcon-Mamba
+(``MambaForCausalLM``, ``FalconMambaForCausalLM``: every layer a Mamba1 mixer; Falcon-Mamba
+RMS-normalises dt, B and C), LFM2 (``Lfm2ForCausalLM``: short convolutions and attention
+layers, a SwiGLU MLP) and Jamba (``JambaForCausalLM``: Mamba1 layers with weighted dt / B / C
+norms, attention without rotary, experts every ``expert_layer_period``-th layer) and
+RecurrentGemma (``RecurrentGemmaForCausalLM``: RG-LRU blocks and local attention, soft-capped
+logits). Shared by the torch and the JAX models (graphrt's torch models implement
+:data:`TORCH_HYBRID_ARCHITECTURES`; the others run on xla only: on the torch backends they go
+through the Transformers backend); framework-free.
 """
 
 from __future__ import annotations
@@ -14,19 +21,26 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 
-HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM")
+#: The hybrid architectures graphrt's own torch models implement.
+TORCH_HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM")
+#: Every hybrid architecture of graphrt's own models (the JAX models implement all of them).
+HYBRID_ARCHITECTURES = TORCH_HYBRID_ARCHITECTURES + ("MambaForCausalLM", "FalconMambaForCausalLM", "Lfm2ForCausalLM",
+                                                     "JambaForCausalLM", "RecurrentGemmaForCausalLM")
 MAMBA, ATTENTION, DELTA = "mamba", "attention", "gated_delta_net"
+MAMBA1, SHORT_CONV, RG_LRU = "mamba1", "short_conv", "rg_lru"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
 
 
 @dataclass(frozen=True)
 class HybridConfig:
     """A hybrid decoder as graphrt's reference models see it. ``layer_kinds``: per layer
-    ``mamba``, ``attention`` or ``gated_delta_net``."""
+    ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1``, ``short_conv`` or ``rg_lru``."""
 
     architecture: str
     vocab_size: int
@@ -65,13 +79,24 @@ class HybridConfig:
     delta_value_heads: int = 0
     delta_key_dim: int = 0
     delta_value_dim: int = 0
-    # the MLP after each mixer: "none" (Mamba2), "granite" (shared MLP + experts), "qwen3_next"
+    # Mamba1 layers (their width, state, kernel and biases are the Mamba2 fields above)
+    dt_rank: int = 0
+    scan_norm: str = "none"              # RMS norms of dt, B, C: "unweighted" (Falcon-Mamba), "weighted" (Jamba)
+    scan_norm_eps: float = 1e-6
+    # the MLP after each mixer: "none" (Mamba, Mamba2), "granite" (shared MLP + experts), "qwen3_next",
+    # "lfm2" (SwiGLU: w1, w3, w2), "jamba" (SwiGLU, or experts in ``moe_layers``)
     mlp: str = "none"
     intermediate_size: int = 0
     shared_intermediate_size: int = 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()               # Jamba: the layers whose MLP is experts
+    # RecurrentGemma: RG-LRU blocks of lru_width channels, local attention, GeLU branches
+    lru_width: int = 0
+    sliding_window: int = 0                        # > 0: attention sees the last W positions
+    activation: str = "silu"
+    logits_soft_cap: float = 0.0                   # > 0: logits = cap * tanh(logits / cap)
     # multipliers (Granite)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -107,18 +132,22 @@ class HybridConfig:
         """Per recurrent layer (indices into ``state_layers()``): its convolution window and its
         SSM / delta-rule matrix, in the weights' dtype."""
         kinds = [self.layer_kinds[i] for i in self.state_layer_ids]
+        window = self.conv_kernel - 1
+        tensors = {
+            MAMBA: (StateTensor("conv", (self.conv_dim, window)),
+                    StateTensor("ssm", (self.mamba_heads, self.mamba_head_dim, self.mamba_state))),
+            DELTA: (StateTensor("conv", (self.delta_conv_dim, window)),
+                    StateTensor("delta", (self.delta_value_heads, self.delta_key_dim, self.delta_value_dim))),
+            MAMBA1: (StateTensor("conv", (self.mamba_intermediate, window)),
+                     StateTensor("ssm", (self.mamba_intermediate, self.mamba_state))),
+            SHORT_CONV: (StateTensor("conv", (self.hidden_size, window)),),
+            RG_LRU: (StateTensor("conv", (self.lru_width, window)), StateTensor("lru", (self.lru_width,))),
+        }
         groups = []
-        for kind in (MAMBA, DELTA):
+        for kind, layout in tensors.items():
             layers = tuple(j for j, k in enumerate(kinds) if k == kind)
-            if not layers:
-                continue
-            if kind == MAMBA:
-                tensors = (StateTensor("conv", (self.conv_dim, self.conv_kernel - 1)),
-                           StateTensor("ssm", (self.mamba_heads, self.mamba_head_dim, self.mamba_state)))
-            else:
-                tensors = (StateTensor("conv", (self.delta_conv_dim, self.conv_kernel - 1)),
-                           StateTensor("delta", (self.delta_value_heads, self.delta_key_dim, self.delta_value_dim)))
-            groups.append(StateGroup(layers, tensors, kind))
+            if layers:
+                groups.append(StateGroup(layers, layout, kind))
         return StateSpec(tuple(groups))
 
     @classmethod
@@ -138,6 +167,14 @@ class HybridConfig:
             return cls(**common, **_mamba2(raw))
         if arch == "GraniteMoeHybridForCausalLM":
             return cls(**common, **_granite(raw))
+        if arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
+            return cls(**common, **_mamba1(raw, falcon=arch == "FalconMambaForCausalLM"))
+        if arch == "Lfm2ForCausalLM":
+            return cls(**common, **_lfm2(raw))
+        if arch == "JambaForCausalLM":
+            return cls(**common, **_jamba(raw))
+        if arch == "RecurrentGemmaForCausalLM":
+            return cls(**common, **_recurrent_gemma(raw))
         from graphrt.models.qwen3_next_config import qwen3_next_fields
         return cls(**common, **qwen3_next_fields(raw))
 
@@ -172,6 +209,112 @@ def _mamba2(raw: dict[str, Any]) -> dict[str, Any]:
                 time_step_limit=_limit(raw), mamba_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)))
 
 
+def _mamba1(raw: dict[str, Any], falcon: bool) -> dict[str, Any]:
+    """Mamba's and Falcon-Mamba's fields (transformers' defaults where the file omits one)."""
+    hidden, layers = int(raw["hidden_size"]), int(raw["num_hidden_layers"])
+    if raw.get("hidden_act", "silu") != "silu":
+        raise InputError("hidden_act", f"{raw['hidden_act']!r} not supported (graphrt's Mamba1 layers gate with silu)")
+    rank = raw.get("time_step_rank", "auto")
+    eps = float(raw.get("layer_norm_epsilon", 1e-5))
+    return dict(layer_kinds=(MAMBA1,) * layers, rms_norm_eps=eps,
+                mamba_intermediate=int(raw.get("intermediate_size") or int(raw.get("expand", 2)) * hidden),
+                mamba_state=int(raw.get("state_size", 16)), conv_kernel=int(raw.get("conv_kernel", 4)),
+                conv_bias=bool(raw.get("use_conv_bias", True)), mamba_bias=bool(raw.get("use_bias", False)),
+                dt_rank=math.ceil(hidden / 16) if rank in (None, "auto") else int(rank),
+                scan_norm="unweighted" if falcon else "none", scan_norm_eps=float(raw.get("mixer_rms_eps", 1e-6)))
+
+
+def _lfm2(raw: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's fields: ``layer_types`` ("conv" / "full_attention"; else ``full_attn_idxs``), the
+    feed-forward width as transformers derives it (``block_auto_adjust_ff_dim``)."""
+    layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    names = raw.get("layer_types")
+    if names is None:
+        full = raw.get("full_attn_idxs")
+        full = range(layers) if full is None else full
+        names = ["full_attention" if i in full else "conv" for i in range(layers)]
+    kinds = tuple({"conv": SHORT_CONV, "full_attention": ATTENTION}.get(name, "") for name in names)
+    if len(kinds) != layers or "" in kinds:
+        raise InputError("layer_types", f"{names}: 'conv' or 'full_attention' per layer ({layers})")
+    ff = int(raw.get("intermediate_size", 12288))
+    if raw.get("block_auto_adjust_ff_dim", True):
+        ff = int(2 * ff / 3)
+        if raw.get("block_ffn_dim_multiplier", 1.0) is not None:
+            multiple = int(raw.get("block_multiple_of", 256))
+            ff = multiple * -(-int(float(raw.get("block_ffn_dim_multiplier", 1.0)) * ff) // multiple)
+    heads = int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    return dict(layer_kinds=kinds, rms_norm_eps=float(raw.get("norm_eps", 1e-5)), num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+                rope_theta=_rope_theta(raw), rotary_dim=head_dim, qk_norm=True,
+                conv_kernel=int(raw.get("conv_L_cache", 3)), conv_bias=bool(raw.get("conv_bias", False)),
+                mlp="lfm2", intermediate_size=ff)
+
+
+def _jamba(raw: dict[str, Any]) -> dict[str, Any]:
+    """Jamba's fields: attention where ``i % attn_layer_period == attn_layer_offset`` (else
+    Mamba1), experts where ``i % expert_layer_period == expert_layer_offset``."""
+    layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    if raw.get("hidden_act", "silu") != "silu":
+        raise InputError("hidden_act", f"{raw['hidden_act']!r} not supported (graphrt's Jamba layers use silu)")
+    every, at = int(raw.get("attn_layer_period", 8)), int(raw.get("attn_layer_offset", 4))
+    e_every, e_at = int(raw.get("expert_layer_period", 2)), int(raw.get("expert_layer_offset", 1))
+    experts = int(raw.get("num_experts", 16))
+    heads = int(raw["num_attention_heads"])
+    rank = raw.get("mamba_dt_rank", "auto")
+    eps = float(raw.get("rms_norm_eps", 1e-6))
+    return dict(layer_kinds=tuple(ATTENTION if i % every == at else MAMBA1 for i in range(layers)), rms_norm_eps=eps,
+                num_attention_heads=heads, num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=hidden // heads, mamba_intermediate=int(raw.get("mamba_expand", 2)) * hidden,
+                mamba_state=int(raw.get("mamba_d_state", 16)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+                conv_bias=bool(raw.get("mamba_conv_bias", True)), mamba_bias=bool(raw.get("mamba_proj_bias", False)),
+                dt_rank=math.ceil(hidden / 16) if rank in (None, "auto") else int(rank), scan_norm="weighted",
+                scan_norm_eps=eps, mlp="jamba", intermediate_size=int(raw.get("intermediate_size", 14336)),
+                num_experts=experts, num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+                moe_layers=tuple(i for i in range(layers) if experts > 1 and i % e_every == e_at))
+
+
+#: The MLP / branch activations of RecurrentGemma graphrt implements (transformers' names).
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu", "relu")
+
+
+def _bfloat16(x: float) -> float:
+    """``x`` rounded to bfloat16 (round to nearest even): RecurrentGemma keeps its embedding
+    normaliser ``sqrt(hidden_size)`` as a bfloat16 buffer."""
+    bits = int(np.float32(x).view(np.uint32))
+    return float(np.uint32((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32))
+
+
+def _recurrent_gemma(raw: dict[str, Any]) -> dict[str, Any]:
+    """RecurrentGemma's fields: ``block_types`` ("recurrent" / "attention") cycled over the
+    layers, attention of ``attention_window_size`` positions rotating ``partial_rotary_factor``
+    of each head, norms scaling by ``1 + weight``, the embeddings times bfloat16 ``sqrt(hidden)``."""
+    layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    blocks = list(raw.get("block_types") or ["recurrent", "recurrent", "attention"])
+    kinds = tuple({"recurrent": RG_LRU, "attention": ATTENTION}.get(b, "") for b in (blocks * layers)[:layers])
+    if "" in kinds:
+        raise InputError("block_types", f"{blocks}: 'recurrent' or 'attention' each")
+    act = raw.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ACTIVATIONS:
+        raise InputError("hidden_activation", f"{act!r} is not one of {list(ACTIVATIONS)}")
+    heads = int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    width = int(raw.get("lru_width") or hidden)
+    if width % heads:
+        raise InputError("lru_width", f"{width} is not a multiple of num_attention_heads {heads} (the RG-LRU's gate "
+                                      "blocks)")
+    rope = raw.get("rope_parameters") or {}
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)))
+    return dict(layer_kinds=kinds, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+                attention_bias=bool(raw.get("attention_bias", False)), rope_theta=_rope_theta(raw),
+                rotary_dim=int(head_dim * partial), conv_kernel=int(raw.get("conv1d_width", 4)), lru_width=width,
+                sliding_window=int(raw.get("attention_window_size", 2048)), activation=act,
+                logits_soft_cap=float(raw.get("logits_soft_cap") or 0.0), mlp="recurrent_gemma",
+                intermediate_size=int(raw.get("intermediate_size", 3 * hidden)) // 2,
+                embedding_multiplier=_bfloat16(hidden ** 0.5), zero_centered_norm=True)
+
+
 def _granite(raw: dict[str, Any]) -> dict[str, Any]:
     layers = int(raw["num_hidden_layers"])
     names = raw.get("layer_types") or raw.get("layers_block_type") or ["linear_attention"] * layers
@@ -203,4 +346,5 @@ def _granite(raw: dict[str, Any]) -> dict[str, Any]:
                 logits_scaling=float(raw.get("logits_scaling", 1.0)))
 
 
-__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "MAMBA"]
+__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "MAMBA", "MAMBA1", "RG_LRU", "SHORT_CONV",
+           "TORCH_HYBRID_ARCHITECTURES"]

@@ -21,7 +21,8 @@ import os
 from typing import Any
 
 from graphrt.core.errors import ConfigError, InputError
-from graphrt.models.hf_config import DecoderConfig
+from graphrt.models.hf_config import SUPPORTED_ARCHITECTURES, DecoderConfig
+from graphrt.models.hybrid_config import HYBRID_ARCHITECTURES, TORCH_HYBRID_ARCHITECTURES, HybridConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,30 @@ def resolve_model_impl(model_dir: str | os.PathLike, model_impl: str = "auto", f
                               f"on a {framework} backend")
         return "transformers"
     try:
-        DecoderConfig.from_dir(model_dir)
+        config = DecoderConfig.from_dir(model_dir)
+        if framework == "torch":
+            torch_only(config)
     except InputError as exc:
+        if framework != "torch" and exc.field == "architectures":
+            raise ConfigError(f"architectures: {read_config_json(model_dir).get('architectures')} has no {framework} "
+                              f"model in graphrt (its {framework} models: {list(SUPPORTED_ARCHITECTURES)} and the "
+                              f"hybrids {list(HYBRID_ARCHITECTURES)}, docs/hybrid.md); the torch backends run it "
+                              "through transformers' model") from None
         if model_impl == "graphrt" or framework != "torch":
             raise
         logger.info("graphrt: model_impl=auto runs %s with transformers' model: graphrt's own decoder does not "
                     "implement its config (%s)", model_dir, exc)
         return "transformers"
     return "graphrt"
+
+
+def torch_only(config: "DecoderConfig | HybridConfig") -> None:
+    """InputError for a hybrid architecture graphrt's own torch models do not implement (its JAX
+    model runs on xla; on a torch backend transformers' model runs, with ``model_impl="auto"``)."""
+    if isinstance(config, HybridConfig) and config.architecture not in TORCH_HYBRID_ARCHITECTURES:
+        raise InputError("architectures", f"graphrt's own torch models do not implement {config.architecture} "
+                                          f"(they implement {list(TORCH_HYBRID_ARCHITECTURES)}; its JAX model runs "
+                                          f"on backend='xla'): use model_impl='auto' or 'transformers'")
 
 
 __all__ = ["MODEL_IMPLS", "checkpoint_limits", "read_config_json", "resolve_model_impl"]

@@ -1,11 +1,12 @@
-"""Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H and Qwen3-Next over graphrt's
-paged KV cache and recurrent-state cache, for the xla backend.
+"""Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba,
+LFM2, Jamba and RecurrentGemma over graphrt's paged KV cache and recurrent-state cache, for the xla backend.
 
 Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
 kind, so they are not stacked). :func:`forward` follows :class:`graphrt.backends.xla.programs.XlaModel`'s
 signature with a cache pytree ``(kv, states)``: ``kv [attention layers, 2, rows, kv_heads,
-head_dim]`` (empty for a pure Mamba2) and per recurrent layer its two state arrays ``[slots + 1,
-C, ...]``; the step's ``state_slots`` and its uniform-decode form come as keywords.
+head_dim]`` (empty for a model without attention) and per recurrent layer its state arrays
+``[slots + 1, C, ...]`` (two; one for LFM2's short convolutions); the step's ``state_slots`` and
+its uniform-decode form come as keywords.
 """
 
 from __future__ import annotations
@@ -21,12 +22,42 @@ import numpy as np
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
-from graphrt.models.hybrid_config import ATTENTION, DELTA, HybridConfig
+from graphrt.models.hybrid_config import ATTENTION, DELTA, MAMBA, MAMBA1, RG_LRU, SHORT_CONV, HybridConfig
 from graphrt.layers.jax import recurrent as rec
 from graphrt.layers.jax.paged_attention import AttentionMetadata, cache_paged_attention, write_kv_rows
 from graphrt.models.jax.decoder import apply_rotary, rms_norm, rotary_cos_sin
 
 Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Names:
+    """Where an architecture keeps its tensors: ``backbone`` models (Mamba, Mamba2) are blocks of
+    a norm and a mixer; the others decoder layers of a mixer and an MLP."""
+
+    root: str = "model"
+    embed: str = "embed_tokens"
+    final_norm: str = "norm"
+    input_norm: str = "input_layernorm"
+    post_norm: str = "post_attention_layernorm"
+    attention: str = "self_attn"
+    out_proj: str = "o_proj"
+    q_norm: str = "q_norm"
+    k_norm: str = "k_norm"
+
+
+_BACKBONE = _Names(root="backbone", embed="embeddings", final_norm="norm_f", input_norm="norm")
+_NAMES = {"Mamba2ForCausalLM": _BACKBONE, "MambaForCausalLM": _BACKBONE, "FalconMambaForCausalLM": _BACKBONE,
+          "Lfm2ForCausalLM": _Names(final_norm="embedding_norm", input_norm="operator_norm", post_norm="ffn_norm",
+                                    out_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm"),
+          "JambaForCausalLM": _Names(final_norm="final_layernorm", post_norm="pre_ff_layernorm"),
+          "RecurrentGemmaForCausalLM": _Names(final_norm="final_norm", input_norm="temporal_pre_norm",
+                                              post_norm="channel_pre_norm", attention="temporal_block")}
+#: Each recurrent kind's module in a decoder layer (backbone blocks: ``mixer``).
+_MIXER_NAMES = {DELTA: "linear_attn", SHORT_CONV: "conv", RG_LRU: "temporal_block"}
+#: RecurrentGemma's activations (``HybridConfig.activation``, transformers' names).
+_ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+                "gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu, "relu": jax.nn.relu}
 
 
 @dataclass(frozen=True)
@@ -111,6 +142,73 @@ def _mamba(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array
     return _linear(p, f"{pre}.out_proj", y), (rec.write_states(conv, sm, window), rec.write_states(ssm, sm, states))
 
 
+def _rms(x: jax.Array, eps: float) -> jax.Array:
+    """An RMS norm without weight, in float32, in ``x``'s dtype (Falcon-Mamba's dt / B / C norms)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _mamba1(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
+            c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Mamba / Falcon-Mamba / Jamba's mixer: the causal convolution and the selective scan of the
+    step's requests over their (conv, ssm) states."""
+    x, gate = jnp.split(_linear(p, f"{pre}.in_proj", h), 2, axis=-1)
+    conv, ssm = caches
+    x, window = rec.causal_conv1d(x, _get(p, f"{pre}.conv1d.weight")[:, 0], p.get(f"{pre}.conv1d.bias"),
+                                  rec.read_states(conv, sm), sm, s["checkpoints"])
+    dt, B, C = jnp.split(x @ _get(p, f"{pre}.x_proj.weight").T, [c.dt_rank, c.dt_rank + c.mamba_state], axis=-1)
+    if c.scan_norm != "none":
+        dt, B, C = (_rms(v, c.scan_norm_eps) for v in (dt, B, C))
+    if c.scan_norm == "weighted":
+        dt, B, C = (_get(p, f"{pre}.{n}_layernorm.weight") * v for n, v in (("dt", dt), ("b", B), ("c", C)))
+    dt = jax.nn.softplus((dt @ _get(p, f"{pre}.dt_proj.weight").T).astype(jnp.float32)
+                         + _get(p, f"{pre}.dt_proj.bias").astype(jnp.float32))
+    y, states = rec.selective_scan(x, dt, -jnp.exp(_get(p, f"{pre}.A_log").astype(jnp.float32)), B, C,
+                                   _get(p, f"{pre}.D"), rec.read_states(ssm, sm), sm, checkpoints=s["checkpoints"],
+                                   uniform=s["uniform"])
+    y = (y * jax.nn.silu(gate.astype(jnp.float32))).astype(h.dtype)
+    return _linear(p, f"{pre}.out_proj", y), (rec.write_states(conv, sm, window), rec.write_states(ssm, sm, states))
+
+
+def _short_conv(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
+                c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """LFM2's gated short convolution: ``out_proj(C * conv(B * x))``, no activation."""
+    B, C, x = jnp.split(_linear(p, f"{pre}.in_proj", h), 3, axis=-1)
+    (conv,) = caches
+    out, window = rec.causal_conv1d(B * x, _get(p, f"{pre}.conv.weight")[:, 0], p.get(f"{pre}.conv.bias"),
+                                    rec.read_states(conv, sm), sm, s["checkpoints"], activation=False)
+    return _linear(p, f"{pre}.out_proj", C * out), (rec.write_states(conv, sm, window),)
+
+
+def _rg_lru(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
+            c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """RecurrentGemma's recurrent block: ``linear_out(rg_lru(conv(linear_x h)) * act(linear_y h))``;
+    the RG-LRU gates per block of channels, the recurrence reset at a request's first position."""
+    conv, lru = caches
+    y = _ACTIVATIONS[c.activation](_linear(p, f"{pre}.linear_y", h))
+    x, window = rec.causal_conv1d(_linear(p, f"{pre}.linear_x", h), _get(p, f"{pre}.conv_1d.weight")[:, 0],
+                                  p.get(f"{pre}.conv_1d.bias"), rec.read_states(conv, sm), sm, s["checkpoints"],
+                                  activation=False)
+    t, width = x.shape
+    g = f"{pre}.rg_lru"
+    blocks = x.reshape(t, c.num_attention_heads, -1)
+
+    def gate(name: str) -> jax.Array:
+        out = jnp.einsum("thi,hij->thj", blocks, _get(p, f"{g}.{name}_gate_weight")) + _get(p, f"{g}.{name}_gate_bias")
+        return jax.nn.sigmoid(out).reshape(t, width)
+
+    log_a = -8.0 * gate("recurrent").astype(jnp.float32) * jax.nn.softplus(
+        _get(p, f"{g}.recurrent_param").astype(jnp.float32))
+    reset = ((sm.token_index == 0) & ~sm.has_initial[sm.token_req])[:, None]
+    a = jnp.where(reset, 0.0, jnp.exp(log_a))
+    scale = jnp.where(reset, 1.0, jnp.sqrt(1.0 - jnp.exp(2.0 * log_a)))
+    b = x * gate("input") * scale.astype(x.dtype)
+    out, states = rec.rg_lru_scan(a, b, rec.read_states(lru, sm), sm, checkpoints=s["checkpoints"],
+                                  uniform=s["uniform"])
+    return (_linear(p, f"{pre}.linear_out", out.astype(h.dtype) * y),
+            (rec.write_states(conv, sm, window), rec.write_states(lru, sm, states)))
+
+
 def _delta(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array], sm: rec.StateMeta,
            c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     t = h.shape[0]
@@ -147,8 +245,9 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
         q = _linear(p, f"{pre}.q_proj", h).reshape(t, c.num_attention_heads, hd)
     k = _linear(p, f"{pre}.k_proj", h).reshape(t, c.num_key_value_heads, hd)
     v = _linear(p, f"{pre}.v_proj", h).reshape(t, c.num_key_value_heads, hd)
+    names = _NAMES.get(c.architecture, _Names())
     if c.qk_norm:
-        q, k = _norm(p, f"{pre}.q_norm.weight", q, c), _norm(p, f"{pre}.k_norm.weight", k, c)
+        q, k = _norm(p, f"{pre}.{names.q_norm}.weight", q, c), _norm(p, f"{pre}.{names.k_norm}.weight", k, c)
     if c.rope_theta is not None and c.rotary_dim:
         cos, sin = rotary_cos_sin(positions, c.rotary_dim, c.rope_theta)
         r = c.rotary_dim
@@ -159,13 +258,14 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
     rows = jnp.where(meta.slot_mapping < 0, kv.shape[2] - 1, meta.slot_mapping)
     kv = write_kv_rows(kv, jnp.asarray(index, jnp.int32), rows.astype(jnp.int32), k.astype(kv.dtype),
                        v.astype(kv.dtype))
-    out = cache_paged_attention(q, kv, index, positions, meta, block_size).reshape(t, -1)
+    out = cache_paged_attention(q, kv, index, positions, meta, block_size,
+                                sliding_window=c.sliding_window).reshape(t, -1)
     if gate is not None:
         out = out * jax.nn.sigmoid(gate)
-    return _linear(p, f"{pre}.o_proj", out), kv
+    return _linear(p, f"{pre}.{names.out_proj}", out), kv
 
 
-def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig) -> jax.Array:
+def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig, layer: int) -> jax.Array:
     if c.mlp == "granite":
         gate, up = jnp.split(_linear(p, f"{pre}.shared_mlp.input_linear", x), 2, axis=-1)
         out = _linear(p, f"{pre}.shared_mlp.output_linear", jax.nn.silu(gate) * up)
@@ -179,9 +279,27 @@ def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig) -> jax.Array:
             experts = jnp.einsum("tei,ehi->teh", jax.nn.silu(g) * u, _get(p, f"{pre}.block_sparse_moe.output_linear.weight"))
             out = jnp.einsum("te,teh->th", weights, experts) + out
         return out
+    if c.mlp == "lfm2":
+        ff = f"{pre}.feed_forward"
+        return _linear(p, f"{ff}.w2", jax.nn.silu(_linear(p, f"{ff}.w1", x)) * _linear(p, f"{ff}.w3", x))
 
     def mlp(name: str) -> jax.Array:
         return _linear(p, f"{name}.down_proj", jax.nn.silu(_linear(p, f"{name}.gate_proj", x)) * _linear(p, f"{name}.up_proj", x))
+
+    if c.mlp == "recurrent_gemma":
+        m = f"{pre}.mlp_block"
+        return _linear(p, f"{m}.down_proj", _ACTIVATIONS[c.activation](_linear(p, f"{m}.gate_proj", x))
+                       * _linear(p, f"{m}.up_proj", x))
+    if c.mlp == "jamba":
+        ff = f"{pre}.feed_forward"
+        if layer not in c.moe_layers:
+            return mlp(ff)
+        # softmax over the router's logits, the top k weights left unnormalised; every expert
+        # computed for every token (static shapes), the unrouted ones weighted 0
+        probs = jax.nn.softmax((x @ _get(p, f"{ff}.router.weight").T).astype(jnp.float32), axis=-1)
+        top, index = jax.lax.top_k(probs, c.num_experts_per_tok)
+        weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], index].set(top).astype(x.dtype)
+        return sum(weights[:, e:e + 1] * mlp(f"{ff}.experts.{e}") for e in range(c.num_experts))
 
     probs = jax.nn.softmax((x @ _get(p, f"{pre}.mlp.gate.weight").T).astype(jnp.float32), axis=-1)
     top, index = jax.lax.top_k(probs, c.num_experts_per_tok)
@@ -192,6 +310,10 @@ def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig) -> jax.Array:
     for e in range(c.num_experts):
         out = out + weights[:, e:e + 1] * mlp(f"{pre}.mlp.experts.{e}")
     return out
+
+
+#: The recurrent mixer of each layer kind.
+_MIXERS = {MAMBA: _mamba, DELTA: _delta, MAMBA1: _mamba1, SHORT_CONV: _short_conv, RG_LRU: _rg_lru}
 
 
 def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Array, meta: AttentionMetadata, *,
@@ -206,42 +328,42 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
     sm = rec.state_meta(meta.query_start_loc, meta.seq_lens, state_slots, t, num_slots=num_slots,
                         checkpoints=checkpoints)
     s = {"checkpoints": checkpoints, "uniform": uniform if uniform and t == state_slots.shape[0] * uniform else 0}
-    mamba2 = c.architecture == "Mamba2ForCausalLM"
-    root = "backbone" if mamba2 else "model"
-    x = _get(params, f"{root}.embeddings.weight" if mamba2 else f"{root}.embed_tokens.weight")[input_ids]
+    names = _NAMES.get(c.architecture, _Names())
+    backbone = names is _BACKBONE
+    x = _get(params, f"{names.root}.{names.embed}.weight")[input_ids]
     x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
-    a = r = 0
+    a = o = 0                                        # attention layers, state arrays so far
     for i, kind in enumerate(c.layer_kinds):
-        pre = f"{root}.layers.{i}"
-        if mamba2:
-            out, pair = _mamba(params, f"{pre}.mixer", _norm(params, f"{pre}.norm.weight", x, c), tuple(states[2 * r:2 * r + 2]), sm, c, s)
-            states[2 * r:2 * r + 2] = pair
-            x, r = x + out, r + 1
-            continue
-        h = _norm(params, f"{pre}.input_layernorm.weight", x, c)
+        pre = f"{names.root}.layers.{i}"
+        h = _norm(params, f"{pre}.{names.input_norm}.weight", x, c)
         if kind == ATTENTION:
-            out, kv = _attention(params, f"{pre}.self_attn", h, positions, kv, a, meta, c, block_size)
+            out, kv = _attention(params, f"{pre}.{names.attention}", h, positions, kv, a, meta, c, block_size)
             a += 1
         else:
-            mixer = _delta if kind == DELTA else _mamba
-            name = f"{pre}.linear_attn" if kind == DELTA else f"{pre}.mamba"
-            out, pair = mixer(params, name, h, tuple(states[2 * r:2 * r + 2]), sm, c, s)
-            states[2 * r:2 * r + 2] = pair
-            r += 1
+            mixer = _MIXERS[kind]
+            name = f"{pre}.mixer" if backbone else f"{pre}.{_MIXER_NAMES.get(kind, 'mamba')}"
+            n = 1 if kind == SHORT_CONV else 2
+            out, arrays = mixer(params, name, h, tuple(states[o:o + n]), sm, c, s)
+            states[o:o + n] = arrays
+            o += n
         x = x + out * c.residual_multiplier
-        h = _norm(params, f"{pre}.post_attention_layernorm.weight", x, c)
-        x = x + _mlp(params, pre, h, c) * c.residual_multiplier
-    norm = f"{root}.norm_f.weight" if mamba2 else f"{root}.norm.weight"
-    return _norm(params, norm, x, c), (kv, tuple(states))
+        if backbone:
+            continue
+        h = _norm(params, f"{pre}.{names.post_norm}.weight", x, c)
+        x = x + _mlp(params, pre, h, c, i) * c.residual_multiplier
+    return _norm(params, f"{names.root}.{names.final_norm}.weight", x, c), (kv, tuple(states))
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, config: JaxHybridConfig) -> jax.Array:
-    """float32 logits ``[N, V]`` (Granite divides by ``logits_scaling``)."""
+    """float32 logits ``[N, V]`` (Granite divides by ``logits_scaling``; RecurrentGemma soft-caps)."""
     c = config.hybrid
     head = params.get("lm_head.weight")
     if head is None or c.tie_word_embeddings:
-        head = params["backbone.embeddings.weight" if c.architecture == "Mamba2ForCausalLM" else "model.embed_tokens.weight"]
+        names = _NAMES.get(c.architecture, _Names())
+        head = params[f"{names.root}.{names.embed}.weight"]
     logits = (hidden @ head.T).astype(jnp.float32)
+    if c.logits_soft_cap > 0:
+        logits = jnp.tanh(logits / c.logits_soft_cap) * c.logits_soft_cap
     return logits / c.logits_scaling if c.logits_scaling != 1.0 else logits
 
 

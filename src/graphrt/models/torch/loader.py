@@ -26,7 +26,7 @@ from graphrt.core.errors import InputError
 from graphrt.models.checkpoint import names_with_files, safetensors_files, tensor_files
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.hybrid_config import HybridConfig
-from graphrt.models.model_impl import read_config_json
+from graphrt.models.model_impl import read_config_json, torch_only
 from graphrt.models.torch.decoder import DecoderForCausalLM
 from graphrt.models.torch.weight_check import warn_non_finite
 
@@ -188,6 +188,7 @@ def load_torch_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.fl
     Weights holding NaN or inf are named in a warning (``weight_check``)."""
     read_config_json(model_dir)                    # a config.json that is not JSON: InputError naming it
     config = DecoderConfig.from_dir(model_dir)
+    torch_only(config)                             # Mamba1 / LFM2: JAX models only (transformers' on torch)
     if isinstance(config, HybridConfig):           # Mamba2, Granite-4-H, Qwen3-Next (docs/hybrid.md)
         if tp_size > 1:
             raise InputError("tensor_parallel_size", f"graphrt's hybrid {config.architecture} runs on one rank; "
