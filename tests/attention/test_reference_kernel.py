@@ -180,3 +180,33 @@ def test_a_prefill_graph_keeps_memory_of_its_context_not_tokens_times_context() 
     # scores and probabilities are [17 tiles, Hq, 32, n]: about 60 contexts in all. One copy per
     # token (what the kernel did before) keeps n = 512 copies, over 600 contexts.
     assert graph.captured_bytes < 128 * context, f"{graph.captured_bytes} bytes kept for a {context}-byte context"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_float_cache_never_enters_the_quantization_module(kv_cache_dtype, monkeypatch):
+    """An eager step over a float KV cache writes and reads it with plain torch ops: the
+    reference kernel asks once per call whether the cache is fp8 and quantizes nothing
+    (issue 44: the eager step entered kv_quant 28 times for 2 layers); an fp8 cache still does."""
+    from graphrt import LLM, SamplingParams
+    from graphrt.layers.torch.attention import paged
+    from support.hf_models import tiny_hf_model_dir
+
+    calls: dict[str, int] = {}
+    for name in ("quantize_kv", "dequantize_kv", "write_kv_rows"):
+        real = getattr(paged, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(paged, name, counted)
+    llm = LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", max_num_seqs=2, max_num_batched_tokens=16,
+              max_model_len=32, block_size=4, kv_cache_dtype=kv_cache_dtype, progress=False)
+    try:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        llm.close()
+    assert len(out[0].token_ids) == 3
+    if kv_cache_dtype == "auto":
+        assert calls == {}, f"a float cache called {calls}"
+    else:
+        assert calls.get("quantize_kv", 0) > 0 and calls.get("write_kv_rows", 0) > 0 and calls.get("dequantize_kv", 0) > 0
