@@ -231,3 +231,33 @@ def test_a_graphrt_model_traces_whole_under_torch_compile(tmp_path) -> None:
         got = compiled(static["input_ids"][:t], static["positions"][:t])
     assert_close_across_reductions(got, want, width=int(model.config.hidden_size))
     runner.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_float_cache_never_enters_the_quantization_module(kv_cache_dtype, monkeypatch):
+    """An eager step over a float KV cache writes and reads it with plain torch ops: the
+    reference kernel asks once per call whether the cache is fp8 and quantizes nothing
+    (issue 44: the eager step entered kv_quant 28 times for 2 layers); an fp8 cache still does."""
+    from graphrt import LLM, SamplingParams
+    from graphrt.layers.torch.attention import paged
+    from support.hf_models import tiny_hf_model_dir
+
+    calls: dict[str, int] = {}
+    for name in ("quantize_kv", "dequantize_kv", "write_kv_rows"):
+        real = getattr(paged, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(paged, name, counted)
+    llm = LLM(str(tiny_hf_model_dir("qwen3")), backend="eager", max_num_seqs=2, max_num_batched_tokens=16,
+              max_model_len=32, block_size=4, kv_cache_dtype=kv_cache_dtype, progress=False)
+    try:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        llm.close()
+    assert len(out[0].token_ids) == 3
+    if kv_cache_dtype == "auto":
+        assert calls == {}, f"a float cache called {calls}"
+    else:
+        assert calls.get("quantize_kv", 0) > 0 and calls.get("write_kv_rows", 0) > 0 and calls.get("dequantize_kv", 0) > 0

@@ -221,7 +221,7 @@ def test_no_watchdog_thread_when_disabled_and_identical_tokens_when_enabled(refe
     assert isinstance(llm.watchdog, Watchdog) and llm.watchdog.timeout == 300.0
     (thread,) = new_threads()
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    assert llm.watchdog.num_fires == 0 and llm.watchdog._count > 0
+    assert llm.watchdog.num_fires == 0 and llm.watchdog.count > 0
     llm.close()
     llm.close()                                  # idempotent
     assert not thread.is_alive() and not new_threads()
@@ -261,9 +261,18 @@ def spin(seconds: float) -> None:
         pass
 
 
-def test_the_exception_never_lands_outside_an_armed_forward():
+def heartbeat_return(dog: Watchdog) -> None:
+    """A forward's return as the engine's loop writes it: ``armed`` cleared, then disarm() only
+    while a fire is being decided or happened for it (docs/architecture.md: no call per step)."""
+    dog.armed = False
+    if dog.deciding or dog.fired == dog.count:
+        dog.disarm()
+
+
+@pytest.mark.parametrize("returned", [Watchdog.disarm, heartbeat_return], ids=["disarm", "heartbeat"])
+def test_the_exception_never_lands_outside_an_armed_forward(returned):
     """Forwards ending around the deadline: the exception is raised from inside the forward or
-    by disarm(), never after disarm() has returned."""
+    when it returns (disarm(), or the heartbeat's test), never after that."""
     dog = Watchdog(0.02, poll_interval=0.002)
     rng = random.Random(0)
     fired = 0
@@ -274,7 +283,7 @@ def test_the_exception_never_lands_outside_an_armed_forward():
                 try:
                     spin(rng.uniform(0.005, 0.06))
                 finally:
-                    dog.disarm()
+                    returned(dog)
             except WatchdogTimeout:
                 fired += 1
                 dog.reset()
@@ -303,7 +312,7 @@ def test_a_pending_exception_is_drained_without_clearing_it_through_the_c_api(mo
             try:
                 time.sleep(0.4)             # one C call: the injected exception stays pending
             finally:
-                dog.disarm()
+                heartbeat_return(dog)       # as the loop returns: the fire seen, disarm() raises
         assert err.value is dog.error       # disarm's own error, the pending one drained
         spin(0.01)                          # nothing left pending to land here
     finally:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from threading import get_ident
+from time import monotonic
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from graphrt.engine.outputs import RequestOutput, collect_logprobs
 from graphrt.engine.sampling_params import without_seed
 from graphrt.engine.request import Request, Status
 from graphrt.engine.scheduler import ScheduledStep, Scheduler
+from graphrt.engine.watchdog import NoWatchdog, Watchdog
 from graphrt.runner import ModelRunner, SamplingBatch, sampling_batch
 
 logger = logging.getLogger("graphrt.engine.llm")
@@ -73,7 +76,8 @@ class StepLoop:
     undelivered faults. ``lock`` is the engine's, held by every caller of :meth:`step`."""
 
     def __init__(self, *, runner: ModelRunner, scheduler: Scheduler, config: GraphConfig,
-                 eos_token_ids: frozenset[int], metrics: EngineMetrics, watchdog: Any, depth: int) -> None:
+                 eos_token_ids: frozenset[int], metrics: EngineMetrics, watchdog: Watchdog | NoWatchdog,
+                 depth: int) -> None:
         self.runner, self.scheduler, self.config = runner, scheduler, config
         self.eos_token_ids, self.metrics, self.watchdog = eos_token_ids, metrics, watchdog
         self.depth = depth                          # launched steps left unresolved after a step
@@ -173,7 +177,10 @@ class StepLoop:
         tokens = pending = starts = None
         if self._prompt_logprobs:
             starts = self._prompt_inputs(step, inputs)
-        self.watchdog.arm(step)
+        dog = self.watchdog                 # its heartbeat written inline (engine/watchdog.py, Watchdog)
+        dog.context, dog.thread, dog.started = step, get_ident(), monotonic()
+        dog.count += 1
+        dog.armed = True
         try:
             if self.depth:
                 future = np.full(len(reqs), -1, dtype=np.int32)
@@ -184,7 +191,9 @@ class StepLoop:
             else:
                 tokens = self.runner.execute(**inputs)
         finally:
-            self.watchdog.disarm()          # raises WatchdogTimeout if it fired for this forward
+            dog.armed = False
+            if dog.deciding or dog.fired == dog.count:
+                dog.disarm()                # raises WatchdogTimeout if it fired for this forward
         limit = self.config.max_model_len
         for i, (req, n, sampled) in enumerate(zip(reqs, step.num_scheduled, samples)):
             req.num_computed_tokens += n
@@ -259,14 +268,19 @@ class StepLoop:
         step = launched.step
         tokens = launched.tokens
         if tokens is None and launched.pending is not None:
-            self.watchdog.arm(step)
+            dog = self.watchdog             # the heartbeat, as in _launch
+            dog.context, dog.thread, dog.started = step, get_ident(), monotonic()
+            dog.count += 1
+            dog.armed = True
             try:
                 tokens = launched.pending.result()
             except Exception as exc:  # noqa: BLE001 - the step's requests fail, like a failed run
                 self.inflight.remove(launched)
                 return self._fail([r for r in step.requests if r.status is not Status.FINISHED], exc)
             finally:
-                self.watchdog.disarm()
+                dog.armed = False
+                if dog.deciding or dog.fired == dog.count:
+                    dog.disarm()
         self.inflight.remove(launched)      # resolved: out of flight
         if type(tokens) is StepOutput:      # logprobs asked: filed before any request finishes
             collect_logprobs(step.requests, launched.samples, launched.prompt_starts, tokens, Status.FINISHED)

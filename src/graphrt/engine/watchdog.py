@@ -48,6 +48,13 @@ class Watchdog:
     ``describe(context)`` (on the watchdog thread, when it fires) says what the forward was
     running. ``lock``: the engine's lock; :meth:`reset` takes it, so it fails while the timed-out
     forward has not returned.
+
+    The heartbeat: arming is plain attribute writes the thread polls (``context``, ``thread``,
+    ``count += 1``, ``started``, then ``armed = True``), and so is a return (``armed = False``);
+    only when :attr:`deciding` is set or :attr:`fired` is the forward's ``count`` must the
+    stepping thread call :meth:`disarm` (it raises; calling it always is correct too, and takes
+    the lock). The engine's loop writes them itself, with no call into this module per step
+    (:meth:`arm` makes the same writes).
     """
 
     enabled = True
@@ -67,31 +74,36 @@ class Watchdog:
         self._describe = describe
         self._engine_lock = lock
         self._lock = threading.Lock()   # a fire's decision + injection vs. disarm
-        self._armed = False
-        self._count = 0                 # forwards armed so far
-        self._fired = -1                # the count of the forward it fired for
-        self._started = 0.0
-        self._target = 0                # the stepping thread's ident
-        self._context: Any = None
+        # The heartbeat (see the class): written by the stepping thread, polled by the watchdog's.
+        self.armed = False
+        self.count = 0                  # forwards armed so far
+        self.started = 0.0              # time.monotonic() when the armed forward started
+        self.thread = 0                 # the stepping thread's ident
+        self.context: Any = None
+        #: Set by the watchdog's thread while it decides whether to raise (before it reads ``armed``).
+        self.deciding = False
+        #: The count of the forward it fired for.
+        self.fired = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
         self._thread.start()
 
     # ---- the stepping thread ---------------------------------------------------------
     def arm(self, context: Any) -> None:
-        """A forward starts on this thread; ``context`` is what a dump describes."""
-        self._context = context
-        self._target = threading.get_ident()
-        self._count += 1
-        self._started = time.monotonic()
-        self._armed = True
+        """A forward starts on this thread; ``context`` is what a dump describes (the heartbeat's
+        writes, which the engine's loop makes itself)."""
+        self.context = context
+        self.thread = threading.get_ident()
+        self.count += 1
+        self.started = time.monotonic()
+        self.armed = True
 
     def disarm(self) -> None:
         """The forward returned (or raised). If the watchdog fired for it, raise its
         :class:`WatchdogTimeout` here (a still pending one dropped first), so the step fails."""
-        self._armed = False
+        self.armed = False
         with self._lock:    # a fire in progress completes first; none can start after this
-            if self._fired != self._count or self.error is None:
+            if self.fired != self.count or self.error is None:
                 return
             try:
                 _bytecode_boundary()        # an injected exception still pending is raised here
@@ -134,47 +146,53 @@ class Watchdog:
     def _watch(self) -> None:
         stop = self._stop
         while not stop.is_set():
-            if not self._armed:
+            if not self.armed:
                 stop.wait(self.poll_interval)
                 continue
-            count = self._count
-            left = self._started + self.timeout - time.monotonic()
+            count = self.count
+            left = self.started + self.timeout - time.monotonic()
             if left > 0:
                 stop.wait(left)             # the deadline of the forward it saw (or a newer one's)
-            elif self._fired == count:
+            elif self.fired == count:
                 stop.wait(self.poll_interval)   # fired already; that forward has not returned yet
             else:
                 try:
                     self._fire(count)
                 except Exception:  # noqa: BLE001 - the watchdog must outlive a failed dump
                     logger.exception("graphrt watchdog: firing failed")
-                    self._fired = count
+                    self.fired = count
 
     def _fire(self, count: int) -> None:
         """Dump and log (before deciding: the stacks are the hang's), then, if the same forward
         still runs, raise in its thread (or kill the process)."""
-        elapsed = time.monotonic() - self._started
+        elapsed = time.monotonic() - self.started
         try:
-            step = self._describe(self._context)
+            step = self._describe(self.context)
         except Exception as exc:  # noqa: BLE001 - a description is best effort
             step = f"(describing the step failed: {exc!r})"
         message = (f"graphrt watchdog: a forward has not finished after {elapsed:.2f} s "
                    f"(watchdog_timeout={self.timeout:g} s): {step}")
         logger.error("%s; action=%s. Every thread's stack (the forward runs in thread %d):\n%s",
-                     message, self.action, self._target, thread_stacks(self._target))
+                     message, self.action, self.thread, thread_stacks(self.thread))
         if self.action == "kill":
             _kill_own_process()
-        with self._lock:
-            if not (self._armed and self._count == count):
-                logger.error("graphrt watchdog: that forward returned after all; nothing raised")
-                return
-            self.error = WatchdogTimeout(message, step, elapsed)
-            self._fired = count
-            self.num_fires += 1
-            injected = _set_async_exc(self._target, _injectable(message, step, elapsed))
+        # Set before ``armed`` is read: a forward returning now either reads it set (and waits in
+        # disarm()) or cleared ``armed`` before that read (and is not raised in).
+        self.deciding = True
+        try:
+            with self._lock:
+                if not (self.armed and self.count == count):
+                    logger.error("graphrt watchdog: that forward returned after all; nothing raised")
+                    return
+                self.error = WatchdogTimeout(message, step, elapsed)
+                self.fired = count          # before ``deciding`` is cleared
+                self.num_fires += 1
+                injected = _set_async_exc(self.thread, _injectable(message, step, elapsed))
+        finally:
+            self.deciding = False
         if not injected:
             logger.error("graphrt watchdog: could not raise in thread %d; the step fails when its "
-                         "forward returns", self._target)
+                         "forward returns", self.thread)
 
 
 class NoWatchdog:
@@ -186,6 +204,8 @@ class NoWatchdog:
     error = None
     num_fires = 0
     alive = False
+    # The heartbeat's fields (:class:`Watchdog`): written, never read; never fired.
+    armed, count, started, thread, context, deciding, fired = False, 0, 0.0, 0, None, False, -1
 
     def arm(self, context: Any) -> None:
         pass

@@ -1,6 +1,8 @@
 """How K/V values are stored in a KV cache of a given dtype: one definition for every kernel.
 
-A float cache (bf16 / fp16 / fp32) stores ``x.to(cache dtype)``. An fp8 cache
+A float cache (bf16 / fp16 / fp32) stores ``x.to(cache dtype)``: a kernel that asked
+:func:`is_fp8` once per call writes and reads it with those plain torch ops (the reference
+kernel's float path calls nothing here). An fp8 cache
 (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) stores ``x / scale`` with a per-tensor float
 scale, computed in float32 and clamped to the format's largest finite value (saturating, as
 fp8 hardware conversions do), and reads back ``stored * scale``. Scales apply to fp8 caches

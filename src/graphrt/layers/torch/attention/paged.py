@@ -183,22 +183,24 @@ def attention_plan(rows: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: 
                          live.reshape(-1).index_select(0, rows_of_tokens))
 
 
-def _gather_heads(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _gather_heads(cache: torch.Tensor, index: torch.Tensor, fp8: bool) -> torch.Tensor:
     """``cache [rows, H, D]`` at ``index [N, H, L]`` (``row * H + head``) -> ``[N * H, L, D]``,
-    head-major (the layout the batched matmuls read), one ``index_select`` (fp8 as bytes)."""
+    head-major (the layout the batched matmuls read), one ``index_select`` (``fp8``: as bytes)."""
     rows, heads, dim = cache.shape
-    source = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+    source = cache.view(torch.uint8) if fp8 else cache
     out = source.reshape(rows * heads, dim).index_select(0, index.reshape(-1))
     out = out.view(index.shape[0] * heads, index.shape[2], dim)
-    return out.view(cache.dtype) if is_fp8(cache.dtype) else out
+    return out.view(cache.dtype) if fp8 else out
 
 
 def attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
             compute: torch.dtype, k_scale: float, v_scale: float, softcap: float,
-            sinks: torch.Tensor | None) -> torch.Tensor:
+            sinks: torch.Tensor | None, fp8: bool | None = None) -> torch.Tensor:
     """The tiles' attention -> ``[N, tile, Hq, Dv]``: each tile's context gathered once,
     head-major, and every query head of a KV head's group in one batched matmul (GQA by
-    reshaping the queries, never repeating K/V); scores and softmax in float32.
+    reshaping the queries, never repeating K/V); scores and softmax in float32. ``fp8``:
+    whether the cache is scaled fp8, as the caller decided it (None: asked here); a float
+    cache is read in its own dtype, never through the quantization module.
 
     With one token per tile (decode) on a CPU and a float cache, ``P @ V`` is one
     ``embedding_bag`` (a weighted sum of cache rows) straight from the cache: the gathered V,
@@ -206,8 +208,11 @@ def attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_tiles, tile = plan.tokens.shape
     hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     groups = q.shape[1] // d // hkv
+    if fp8 is None:
+        fp8 = is_fp8(k_cache.dtype)
     index = plan.key_rows.unsqueeze(1) * hkv + torch.arange(hkv, device=q.device, dtype=torch.int64)[:, None]
-    keys = dequantize_kv(_gather_heads(k_cache, index), compute, k_scale)              # [N*Hkv, L, D]
+    keys = _gather_heads(k_cache, index, fp8)                                            # [N*Hkv, L, D]
+    keys = dequantize_kv(keys, compute, k_scale) if fp8 else keys.to(compute)
     ctx_len = keys.shape[1]
     qt = q.reshape(q.shape[0], hkv, groups, d).to(compute)
     if tile > 1:      # [N, tile, Hkv, g, D] -> [N, Hkv, tile, g, D]
@@ -227,13 +232,14 @@ def attend_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    if tile == 1 and q.device.type == "cpu" and not is_fp8(v_cache.dtype):
+    if tile == 1 and q.device.type == "cpu" and not fp8:
         bags = index.view(num_tiles, hkv, 1, ctx_len).expand(num_tiles, hkv, groups, ctx_len)
         out = torch.nn.functional.embedding_bag(
             bags.reshape(-1, ctx_len), v_cache.reshape(-1, dv),
             per_sample_weights=probs.to(v_cache.dtype).reshape(-1, ctx_len), mode="sum")
         return out.view(num_tiles, 1, hkv * groups, dv)
-    values = dequantize_kv(_gather_heads(v_cache, index), compute, v_scale)            # [N*Hkv, L, Dv]
+    values = _gather_heads(v_cache, index, fp8)                                          # [N*Hkv, L, Dv]
+    values = dequantize_kv(values, compute, v_scale) if fp8 else values.to(compute)
     probs = probs.to(values.dtype).reshape(num_tiles * hkv, tile * groups, ctx_len)
     out = torch.bmm(probs, values)                                                       # [N*Hkv, tile*g, Dv]
     return out.view(num_tiles, hkv, tile, groups * dv).transpose(1, 2)
@@ -270,12 +276,17 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     compute = torch.float32 if fp8 else k_cache.dtype
 
     rows = torch.where(slot_mapping < 0, k_cache.shape[0] - 1, slot_mapping)      # negative: the trash row
-    write_kv_rows(k_cache, rows, quantize_kv(k.reshape(num_tokens, hkv, d), k_cache.dtype, k_scale))
-    write_kv_rows(v_cache, rows, quantize_kv(v.reshape(num_tokens, hkv, dv), v_cache.dtype, v_scale))
+    k, v = k.reshape(num_tokens, hkv, d), v.reshape(num_tokens, hkv, dv)
+    if fp8:                     # scaled and written as bytes (kv_quant.py)
+        write_kv_rows(k_cache, rows, quantize_kv(k, k_cache.dtype, k_scale))
+        write_kv_rows(v_cache, rows, quantize_kv(v, v_cache.dtype, v_scale))
+    else:                       # a float cache stores the values in its dtype: nothing to quantize
+        k_cache.index_copy_(0, rows, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, rows, v.to(v_cache.dtype))
 
     plan = attention_plan(rows, query_start_loc, seq_lens, block_table, token_req_idx, block_size, sliding_window,
                           attention_chunk)
-    out = attend_tiles(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks)
+    out = attend_tiles(q, k_cache, v_cache, plan, scale, compute, k_scale, v_scale, softcap, sinks, fp8)
     return tokens_out(out, plan, num_tokens, num_heads * dv, out_dtype)
 
 
