@@ -24,6 +24,7 @@ from graphrt.core.graph_tasks import capture_active, graph_task
 from graphrt.layers.torch.forward_context import get_forward_context
 from graphrt.layers.torch.attention.paged import ATTENTION_ENV, PagedAttention, requested_attention
 from graphrt.layers.torch.attention.backend import AttentionBackend, HostValues, StepTensors
+from graphrt.layers.torch.attention.selector import device_type
 from graphrt.layers.torch.attention.kv_quant import is_fp8, quantize_kv, write_kv_rows
 
 #: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, layers/torch/attention/ascend_attention.py),
@@ -48,11 +49,6 @@ _LOGGED: set[str] = set()
 def import_torch_npu() -> Any:
     """``torch_npu`` (imported on first use; a test may install a stand-in in ``sys.modules``)."""
     return importlib.import_module("torch_npu")
-
-
-def device_type(device: torch.device | str) -> str:
-    """``"npu"`` for ``"npu:0"`` too, without ``torch.device`` (which needs torch_npu for ``npu``)."""
-    return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
 
 
 def fia_problem(device: torch.device | str, head_dim: int, dtype: torch.dtype,
