@@ -220,11 +220,11 @@ class TorchExecutor(Executor[TorchEntry]):
 
     @functools.cached_property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
-        """What it can do; ``supports_piecewise``, decided on the first read (it may need the fx
-        split): PIECEWISE graphs need a graph API and a model that splits at its attention calls
-        (fx) or declares them (breakable)."""
-        return dataclasses.replace(self._declared,
-                                   supports_piecewise=self.graph_api is not None and self.pieces.capture is not None)
+        """What it can do; ``supports_piecewise``, decided on the first read (the fx split is
+        traced here only where breakable capture is not an option): PIECEWISE graphs need a graph
+        API and a model that splits at its attention calls (fx) or declares them (breakable)."""
+        piecewise = self.graph_api is not None and self.pieces.available
+        return dataclasses.replace(self._declared, supports_piecewise=piecewise)
 
 
     @property

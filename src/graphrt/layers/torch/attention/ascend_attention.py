@@ -17,14 +17,13 @@ from typing import Any, Sequence
 
 import torch
 
-from graphrt.core.attention_decl import FLOAT_KV_DTYPES
+from graphrt.core.attention_decl import FLOAT_KV_DTYPES, device_type
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.graph_tasks import capture_active, graph_task
 from graphrt.layers.torch.forward_context import get_forward_context
 from graphrt.layers.torch.attention.paged import ATTENTION_ENV, PagedAttention, requested_attention
 from graphrt.layers.torch.attention.backend import AttentionBackend, HostValues, StepTensors
-from graphrt.layers.torch.attention.selector import device_type
 from graphrt.layers.torch.attention.kv_quant import is_fp8, quantize_kv, write_kv_rows
 
 #: Ascend fused attention (``torch_npu.npu_fused_infer_attention_score``, layers/torch/attention/ascend_attention.py),

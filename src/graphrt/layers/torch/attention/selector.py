@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from graphrt.core.attention_decl import FLOAT_KV_DTYPES, requested_kernel
+from graphrt.core.attention_decl import FLOAT_KV_DTYPES, device_type, requested_kernel
 from graphrt.core.defaults import ATTENTION_ENV
 from graphrt.core.errors import ConfigError
 
@@ -48,6 +48,7 @@ class AttentionSite:
 #: (a kernel requested by name that cannot run raises ConfigError saying why).
 AttentionMaker = Callable[[AttentionSite], Any]
 
+
 @dataclass(frozen=True)
 class _Kernel:
     """A registered kernel: its maker, whether ``auto`` tries it, and the device types it serves
@@ -59,11 +60,6 @@ class _Kernel:
 
 
 _KERNELS: dict[str, _Kernel] = {}
-
-
-def device_type(device: torch.device | str) -> str:
-    """``"npu"`` for ``"npu:0"`` too, without ``torch.device`` (which needs torch_npu for ``npu``)."""
-    return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
 
 
 def register_attention_kernel(name: str, maker: AttentionMaker, *, auto: bool = False,
@@ -160,5 +156,5 @@ register_attention_kernel("triton", _paged)                    # triton_attentio
 register_attention_kernel("reference", _paged, auto=True)      # paged.py: Triton first where it runs
 
 
-__all__ = ["AttentionMaker", "AttentionSite", "attention_kernels", "device_type", "register_attention_kernel",
-           "requested_attention", "select_attention", "unregister_attention_kernel"]
+__all__ = ["AttentionMaker", "AttentionSite", "attention_kernels", "register_attention_kernel", "requested_attention",
+           "select_attention", "unregister_attention_kernel"]
