@@ -139,6 +139,12 @@ def check_kv_dtypes(backend: Any, group_dtypes: Iterable[tuple[int, str]]) -> No
                               "kv_cache_dtypes if its kernels handle it")
 
 
+def device_type(device: Any) -> str:
+    """A device's type (what a kernel declares it serves): ``"npu"`` for ``torch.device("npu:0")``
+    and for the string ``"npu:0"`` (read without ``torch.device``, which needs torch_npu for it)."""
+    return str(getattr(device, "type", device)).split(":")[0]
+
+
 __all__ = ["AttentionDeclarations", "CONTEXT_VALUE", "FLOAT_KV_DTYPES", "FP8_KV_DTYPES", "HOST_VALUES",
            "KEYABLE_HOST_VALUES", "backend_name", "check_declarations", "check_kv_dtypes", "checked_keyed",
-           "least_support", "narrows_context", "requested_kernel", "supported_kv_dtypes"]
+           "device_type", "least_support", "narrows_context", "requested_kernel", "supported_kv_dtypes"]

@@ -153,7 +153,8 @@ class Dispatcher:
         if max_loras < 0:
             raise ConfigError(f"max_loras must be >= 0, got {max_loras}")
         self.max_loras = int(max_loras)
-        self.lora_buckets = lora_buckets(self.max_loras)
+        #: The adapter-count buckets (None: LoRA off, and core/lora.py is not asked).
+        self.lora_buckets = lora_buckets(self.max_loras) if self.max_loras else None
         if decode_query_len < 1:
             raise ConfigError(f"decode_query_len must be >= 1, got {decode_query_len}")
         self.decode_query_len = q = int(decode_query_len)

@@ -23,11 +23,11 @@ LORA_GROUP_PAD = defaults.LORA_GROUP_PAD
 LORA_INDEX, LORA_GROUPS = "lora_index", "lora_groups"
 
 
-def lora_buckets(max_loras: int) -> BucketPolicy | None:
-    """The adapter counts keys are captured for besides 0: powers of two, then ``max_loras``
-    (as vLLM's ``cudagraph_specialize_lora``, which counts the no-adapter group too); None
-    when LoRA is off."""
-    return BucketPolicy.powers_of_two(max_loras) if max_loras > 0 else None
+def lora_buckets(max_loras: int) -> BucketPolicy:
+    """The adapter counts keys are captured for besides 0 (``max_loras > 0``: LoRA on): powers
+    of two, then ``max_loras`` (as vLLM's ``cudagraph_specialize_lora``, which counts the
+    no-adapter group too)."""
+    return BucketPolicy.powers_of_two(max_loras)
 
 
 def _as_ids(lora_ids: Any, num_reqs: int) -> np.ndarray:

@@ -17,6 +17,7 @@ logprobs (and prompt logprobs), penalties. :class:`StepFeatures` picks a step's 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -165,16 +166,23 @@ class StepFeatures:
     """A runner's step features: :attr:`always` (on for every step, in the order they run) and
     those a step's arguments turn on (:meth:`for_step`)."""
 
-    def __init__(self, *, lora: Any, extra: ExtraInputs | None, futures: FutureTokens, outputs: StepOutputs,
+    def __init__(self, *, lora: Any, extra: ExtraInputs | None, on_device: bool, outputs: StepOutputs,
                  executor: Executor, data_parallel: DataParallelStep | None = None,
                  traffic: StepFeature | None = None) -> None:
+        """``on_device``: the backend resolves future rows on the device (:class:`FutureTokens`)."""
         self.lora_enabled = bool(lora.enabled)
         self.has_extra = extra is not None
         on = [ExtraInputsStep(extra) if extra is not None else None, LoraStep(lora) if self.lora_enabled else None,
               DataParallelAgreement(data_parallel) if data_parallel is not None else None, traffic]
         #: The features every step of this runner runs.
         self.always: tuple[StepFeature, ...] = tuple(f for f in on if f is not None)
-        self.future_rows, self.logprobs, self.penalties = FutureRows(futures), Logprobs(outputs), Penalties(executor)
+        self.logprobs, self.penalties = Logprobs(outputs), Penalties(executor)
+        self._on_device = on_device
+
+    @functools.cached_property
+    def future_rows(self) -> FutureRows:
+        """The future-rows feature, made for the first step that gives ``future_rows``."""
+        return FutureRows(FutureTokens(on_device=self._on_device))
 
     def for_step(self, a: StepArgs) -> Sequence[StepFeature]:
         """The features step ``a`` runs: :attr:`always`, plus future rows, logprobs and penalties

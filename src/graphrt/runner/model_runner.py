@@ -28,7 +28,7 @@ from graphrt.core.eager import EagerCause
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.core.inputs.extra_inputs import ExtraInputs
 from graphrt.core.inputs.fields import ModelInputs
-from graphrt.core.future_tokens import FutureTokens, PendingTokens
+from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.graph_memory import size_kv_cache
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.inputs.preparer import InputPreparer
@@ -104,8 +104,10 @@ class ModelRunner:
         self.keys = ServingKeys(opened.dispatcher, strict=cfg.strict, degraded=opened.degraded,
                                 build_missing=None if self._eager_fallback else self._builds,
                                 logprobs=cfg.max_logprobs > 0, penalties=cfg.enable_penalties)
-        store = open_plan_store(cfg, backend=self.backend.name, executor=self.executor, model=self.model)
-        saved = read_plan(store, self.keys)
+        # the capture plan, kept beside the compilation cache (none configured: nothing to read)
+        store = (open_plan_store(cfg, backend=self.backend.name, executor=self.executor, model=self.model)
+                 if cfg.compilation_cache_dir else None)
+        saved = read_plan(store, self.keys) if store is not None else None
         # 3. size the caches (KV blocks beside the graphs' memory) and allocate them
         self.num_kv_blocks, self.graph_memory = size_kv_cache(self.executor, cfg, self.keys.jobs(),
                                                               num_kv_blocks, kv_cache_memory)
@@ -120,18 +122,19 @@ class ModelRunner:
                                       num_state_slots=self.executor.num_state_slots)
         self._host_buffers = self.executor.host_buffers
         self._open_features(cfg, step_agreement)
-        # 5. warm up: upfront, in the background, or deferred
-        #: Warm-up: the keys built and served, the capture plan, background warm-up (warmup_plan.py).
-        self.warmup_plan = WarmupPlan(self.keys, self.executor, cfg, self._lock, store=store,
-                                      graph_memory=self.graph_memory, preparer=self.preparer,
-                                      label=self.backend.name, progress=progress)
-        self.background: BackgroundWarmup | None = self.warmup_plan.open_background(
-            warmup, lambda: not self._launched, data_parallel=step_agreement is not None)
+        # 5. warm up: upfront, in the background, or deferred (the warm-up plan made when first
+        # used where nothing warms up now, no plan is kept and no re-fit runs)
+        self._store, self._warmup_plan = store, None
+        self.background: BackgroundWarmup | None = None
+        if warmup is not None or store is not None or cfg.refit_interval:
+            self.background = self.warmup_plan.open_background(
+                warmup, lambda: not self._launched, data_parallel=step_agreement is not None)
         self.traffic = (TrafficFit.attach(self.keys, self.warmup_plan, cfg, step_agreement)
                         if cfg.refit_interval else None)
-        self.features = StepFeatures(lora=self.lora, extra=self.extra, futures=self._futures, outputs=self.outputs,
+        self.features = StepFeatures(lora=self.lora, extra=self.extra, on_device=self._async, outputs=self.outputs,
                                      executor=self.executor, data_parallel=self.data_parallel, traffic=self.traffic)
-        self.warmup_plan.begin(warmup, saved)
+        if self._warmup_plan is not None:
+            self._warmup_plan.begin(warmup, saved)
 
     def _open_features(self, cfg: GraphConfig, step_agreement: StepAgreement | None) -> None:
         """The runner's feature objects: LoRA, data parallelism, extra inputs, weights, outputs,
@@ -153,10 +156,20 @@ class ModelRunner:
             self.lora.before_load = self.weights.verify
         self._launched = False          # a step launched by execute_async may still run
         self._choice: SamplerChoice | None = None     # the last batch's sampler
-        self._futures = FutureTokens(on_device=self._async)
         #: Logprobs, and the last step's readouts (``outputs.logits()``, ``hidden_states()``, ...).
         self.outputs = StepOutputs(self.executor, self.keys.sampler_cache, cfg.max_logprobs, self._builds)
         self._sampled: tuple[Any, int] | None = None   # the last sampled step: (sampler output, requests)
+
+    @property
+    def warmup_plan(self) -> WarmupPlan:
+        """Warm-up: the keys built and served, the capture plan, background warm-up
+        (warmup_plan.py); made by the constructor where it warms up, keeps a plan or re-fits,
+        else on first use (:meth:`warmup`)."""
+        if self._warmup_plan is None:
+            self._warmup_plan = WarmupPlan(self.keys, self.executor, self.config, self._lock, store=self._store,
+                                           graph_memory=self.graph_memory, preparer=self.preparer,
+                                           label=self.backend.name, progress=self.progress)
+        return self._warmup_plan
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -430,7 +443,8 @@ class ModelRunner:
     def close(self) -> None:
         """Stop background warm-up, save the capture plan, stop what the executor started
         (tensor-parallel workers; docs/distributed.md). Idempotent."""
-        self.warmup_plan.close()
+        if self._warmup_plan is not None:
+            self._warmup_plan.close()
         self.executor.close()
 
     def __enter__(self) -> "ModelRunner":

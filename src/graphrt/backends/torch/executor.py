@@ -84,9 +84,9 @@ class TorchExecutor(Executor[TorchEntry]):
         max_t, max_r = config.max_num_batched_tokens, config.max_num_seqs
         pin = graph_api is not None and graph_api.pin_memory and self.device.type != "cpu"
         #: Host staging and static device buffers of every field and extra input.
+        declared = getattr(model, "extra_inputs", None)       # the model's per-step inputs (none: most models)
         self.buffers = StepBuffers(max_t, max_r, config.max_blocks_per_req, config.block_size, self.device, pin,
-                                   host_arrays, check_extra_specs(getattr(model, "extra_inputs", None) or {},
-                                                                  type(model).__name__))
+                                   host_arrays, check_extra_specs(declared, type(model).__name__) if declared else {})
         self.host_buffers, self.static = self.buffers.host_arrays, self.buffers.static
         # A hybrid model's recurrent states (docs/hybrid.md): a slot per running request and the
         # trash slot, allocated now (their size does not depend on the KV cache's).
@@ -136,37 +136,51 @@ class TorchExecutor(Executor[TorchEntry]):
         self.kv_cache: torch.Tensor | None = None
         # LoRA-capable linears swapped in (max_loras > 0) before the model is split or traced.
         self.lora = TorchLora(model, config, self.device, pin) if config.max_loras else None
-        #: PIECEWISE capture (``pieces.split_model``: the fx split; ``pieces.capture``: fx, breakable or None).
-        self.pieces = PiecewiseCapture(model, config, graph_api, self.static, forward=self.fwd,
-                                       input_ptrs=self.input_ptrs)
-        #: Check the host values each FULL capture bakes in (off while graph memory is sampled:
-        #: warm-up captures, and checks, the same keys again); refuse the capture where they vary.
-        #: A model's own backend with a refresh gets the check at every FULL capture, in every
-        #: mode, and a key whose forward bakes a value that varies is refused (it runs eagerly).
-        own_refresh = self._refresh and getattr(model, "attention_backend", None) is not None
-        checked = config.check_baked_values or config.strict or own_refresh
-        self.refuse_baked = config.strict or own_refresh
-        checks = (BakedValueChecks(self.buffers, self.attention, keyed, graph_api, forward=self.fwd,
-                                   refresh=self._refresh, refuse=self.refuse_baked,
-                                   max_model_len=config.max_model_len, vocab_size=self.vocab_size)
-                  if graph_api is not None and (checked or self._refresh) else None)   # only where captures ask
         self._pin = pin
         #: The buffers every graph reads (recorded at capture, checked at refit, wake and LoRA
         #: load; before every replay with ``debug_check_addresses``). In-place refit and sleep /
         #: wake are made on first use (:attr:`refit`, :attr:`sleeper`).
         self.live = LiveBuffers(model, self._cache_tensors, self.device_buffers)
-        #: Captures every graph (None on the eager backend; ``builder.report``: the capture report per
-        #: key, ``builder.pool``: the pool every graph shares); handed only what a capture uses.
-        self.builder = GraphBuilder(
+        self._builder: GraphBuilder | None = None       # made by the first capture (:attr:`builder`)
+        if config.compile_model and (note := self.pieces.compile_note()) is not None:
+            logger.warning("graphrt: compile_model is ignored: %s", note)
+
+    @functools.cached_property
+    def pieces(self) -> PiecewiseCapture:
+        """PIECEWISE capture (``pieces.split_model``: the fx split; ``pieces.capture``: fx,
+        breakable or None), made on first use: the graph mode's resolution or a capture."""
+        return PiecewiseCapture(self.model, self.config, self.graph_api, self.static, forward=self.fwd,
+                                input_ptrs=self.input_ptrs)
+
+    @property
+    def builder(self) -> GraphBuilder | None:
+        """Captures every graph (None on the eager backend; ``builder.report``: the capture report
+        per key, ``builder.pool``: the pool every graph shares), made by the first capture or
+        graph-memory sample and handed only what a capture uses."""
+        if self._builder is None and self.graph_api is not None:
+            self._builder = self._make_builder()
+        return self._builder
+
+    def _make_builder(self) -> GraphBuilder:
+        # Check the host values each FULL capture bakes in (off while graph memory is sampled:
+        # warm-up captures, and checks, the same keys again); refuse the capture where they vary.
+        # A model's own backend with a refresh gets the check at every FULL capture, in every
+        # mode, and a key whose forward bakes a value that varies is refused (it runs eagerly).
+        config, graph_api = self.config, self.graph_api
+        own_refresh = self._refresh and getattr(self.model, "attention_backend", None) is not None
+        checked = config.check_baked_values or config.strict or own_refresh
+        checks = (BakedValueChecks(self.buffers, self.attention, self._declared.keyed_host_values, graph_api,
+                                   forward=self.fwd, refresh=self._refresh, refuse=config.strict or own_refresh,
+                                   max_model_len=config.max_model_len, vocab_size=self.vocab_size)
+                  if checked or self._refresh else None)   # only where captures ask
+        return GraphBuilder(
             graph_api, pieces=self.pieces, sampler=self.sampler, logits_out=self.logits_out, lora=self.lora,
             forward=self.fwd, input_ptrs=self.input_ptrs,
             check_baked=checks.check_baked if checks is not None and checked else None,
             check_refresh=checks.check_refresh if checks is not None and self._refresh else None,
             refresh_for_capture=checks.refresh_for_capture if checks is not None and self._refresh else None,
             live_buffers=self.live.snapshot,
-        ) if graph_api is not None else None
-        if (note := self.pieces.compile_note()) is not None:
-            logger.warning("graphrt: compile_model is ignored: %s", note)
+        )
 
     @functools.cached_property
     def refit(self) -> TorchWeights:
@@ -206,10 +220,11 @@ class TorchExecutor(Executor[TorchEntry]):
 
     @functools.cached_property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
-        """What it can do; ``supports_piecewise``, decided on the first read (it may need the fx
-        split): PIECEWISE graphs need a graph API and a model that splits at its attention calls
-        (fx) or declares them (breakable)."""
-        return dataclasses.replace(self._declared, supports_piecewise=self.pieces.capture is not None)
+        """What it can do; ``supports_piecewise``, decided on the first read (the fx split is
+        traced here only where breakable capture is not an option): PIECEWISE graphs need a graph
+        API and a model that splits at its attention calls (fx) or declares them (breakable)."""
+        piecewise = self.graph_api is not None and self.pieces.available
+        return dataclasses.replace(self._declared, supports_piecewise=piecewise)
 
 
     @property
@@ -221,7 +236,7 @@ class TorchExecutor(Executor[TorchEntry]):
     @property
     def build_count(self) -> int:
         """Graphs captured so far (one row each of ``builder.report``, the capture report)."""
-        return len(self.builder.report) if self.builder is not None else 0
+        return len(self._builder.report) if self._builder is not None else 0
 
     @property
     def kv_owned_by_model(self) -> bool:  # type: ignore[override]
@@ -267,7 +282,7 @@ class TorchExecutor(Executor[TorchEntry]):
         """The live buffers' watch (:meth:`LiveBuffers.watch`): due after a re-binding anywhere or
         a cache allocated again; in strict mode also when a parameter's, buffer's or cache view's
         address moved (a comparison per step). None without graphs (eager: nothing is captured)."""
-        return self.live.watch(thorough=self.config.strict) if self.builder is not None else None
+        return self.live.watch(thorough=self.config.strict) if self.graph_api is not None else None
 
     def _cache_tensors(self) -> dict[str, torch.Tensor]:
         """The KV and state cache tensors by name (what a sleep drops)."""

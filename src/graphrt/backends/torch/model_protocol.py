@@ -48,7 +48,8 @@ def check_torch_model(model: Any, backend: str) -> None:
                           f"{type(layers).__name__}")
     # kv_cache_spec()'s value is resolved and checked field by field in preflight
     # (backends/torch/kv_cache.model_kv_spec), also before anything is allocated.
-    check_extra_specs(getattr(model, "extra_inputs", None) or {}, type(model).__name__)
+    if extra := getattr(model, "extra_inputs", None):      # declared per-step inputs (none: nothing to check)
+        check_extra_specs(extra, type(model).__name__)
     backend_obj = getattr(model, "attention_backend", None)
     if backend_obj is not None:
         _check_backend(backend_obj)

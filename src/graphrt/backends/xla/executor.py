@@ -9,6 +9,7 @@ work: numpy copies of the padded rows, one call each for forward and sampler, on
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Hashable, Sequence
 
@@ -96,8 +97,6 @@ class XlaExecutor(Executor[XlaEntry]):
         self.model_config = programs.model_config
         self.vocab_size = int(self.model_config.vocab_size)
         self.weights = programs.weights
-        #: In-place refit and sleep / wake of ``weights`` (backends/xla/weights.py).
-        self.refit = XlaWeights(self.model_config, programs.weights, programs.own_code)
         self.dtype = programs.dtype
         self._width = config.max_blocks_per_req
         # Sized for the largest key of the grid: a decode key (b, b) or a mixed key (t, largest b).
@@ -130,7 +129,6 @@ class XlaExecutor(Executor[XlaEntry]):
         #: Planned and compiled keys, the compile counters, strict mode and the on-disk store.
         self.compiles = CompileLedger(strict=config.strict, vocab_size=self.vocab_size,
                                       table_width=self._width, store=executable_store(programs, config))
-        self.prompt = PromptLogprobs(programs, self.compiles)
         self.kv_cache: jax.Array | None = None
         #: A hybrid model's recurrent-state arrays (docs/hybrid.md; allocated with the KV cache,
         #: donated with it each step), its slots and their memory; empty / None without state.
@@ -143,6 +141,16 @@ class XlaExecutor(Executor[XlaEntry]):
         self._last_hidden: jax.Array | None = None
         #: The largest temp bytes of a forward (False) and of a sampler (True) compiled so far.
         self._largest_temp = {False: 0, True: 0}
+
+    @functools.cached_property
+    def refit(self) -> XlaWeights:
+        """In-place refit and sleep / wake of ``weights`` (backends/xla/weights.py), made on first use."""
+        return XlaWeights(self.model_config, self.weights, self.programs.own_code)
+
+    @functools.cached_property
+    def prompt(self) -> PromptLogprobs:
+        """Prompt logprobs' program (compiled once; backends/xla/prompt_logprobs.py), made on first use."""
+        return PromptLogprobs(self.programs, self.compiles)
 
     @property
     def scratch_bytes(self) -> int:

@@ -19,7 +19,10 @@ from graphrt.core.inputs.extra_inputs import ExtraInput, check_extra_specs
 def model_extra_specs(model: Any) -> dict[str, ExtraInput]:
     """The extra inputs ``model`` declares (its ``extra_inputs``, checked), or ``{}``; graphrt's
     own decoder reads none, so declaring them for it is a ConfigError."""
-    specs = check_extra_specs(getattr(model, "extra_inputs", None) or {}, "model")
+    declared = getattr(model, "extra_inputs", None)
+    if not declared:                        # most models: nothing to check
+        return {}
+    specs = check_extra_specs(declared, "model")
     if specs and getattr(model, "own_code", False):
         raise ConfigError(f"model.extra_inputs {sorted(specs)}: graphrt's JAX decoder reads no extra inputs; "
                           "pass XlaModel(config, params, forward=..., compute_logits=..., extra_inputs=...) "

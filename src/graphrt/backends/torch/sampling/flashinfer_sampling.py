@@ -17,6 +17,9 @@ from graphrt.core.errors import ConfigError
 
 SAMPLER_ENV = "GRAPHRT_SAMPLER"
 CHOICES = ("auto", "torch", "flashinfer")
+#: The device types FlashInfer's kernels serve: the sampler asks :func:`flashinfer_sampling`
+#: only there (or where ``GRAPHRT_SAMPLER`` is set: a wrong choice is refused on any device).
+DEVICE_TYPES = frozenset({"cuda"})
 
 
 def flashinfer_sampling(device: torch.device) -> Any | None:
@@ -26,7 +29,7 @@ def flashinfer_sampling(device: torch.device) -> Any | None:
         raise ConfigError(f"{SAMPLER_ENV}={choice!r}: must be one of {', '.join(CHOICES)}")
     if choice == "torch":
         return None
-    reason = None if device.type == "cuda" else f"FlashInfer samples on CUDA devices, not {device.type}"
+    reason = None if device.type in DEVICE_TYPES else f"FlashInfer samples on CUDA devices, not {device.type}"
     module = None
     if reason is None:
         try:

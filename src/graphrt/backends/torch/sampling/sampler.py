@@ -8,6 +8,7 @@ generator), so the graph holds no RNG state and seeding is exact. The draw is
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from graphrt.core.errors import GraphrtError
 from graphrt.core.sampling.batch import write_sampling_rows
-from graphrt.backends.torch.sampling.flashinfer_sampling import flashinfer_sampling
+from graphrt.backends.torch.sampling.flashinfer_sampling import DEVICE_TYPES, SAMPLER_ENV, flashinfer_sampling
 from graphrt.backends.torch.sampling.penalties import PenaltyState
 from graphrt.backends.torch.sampling.sampler_ops import Workspace, sample_rows
 
@@ -96,7 +97,8 @@ class SamplerState:
         self.work = Workspace(max_reqs, vocab_size, device)
         #: FlashInfer's sampling module where the top-k / top-p filters run on its kernels (CUDA
         #: with graphrt[flashinfer]; :mod:`~graphrt.backends.torch.sampling.flashinfer_sampling`), else None.
-        self.flashinfer = flashinfer_sampling(device)
+        self.flashinfer = (flashinfer_sampling(device) if device.type in DEVICE_TYPES or SAMPLER_ENV in os.environ
+                           else None)
         #: The logprobs graph's outputs (``max_logprobs > 0``): each row's sampled-token logprob and
         #: rank, and its top logprobs and their ids (:func:`token_logprobs`).
         self.top_k = min(max_logprobs, vocab_size)

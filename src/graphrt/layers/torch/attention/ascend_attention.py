@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from graphrt.core.attention_decl import FLOAT_KV_DTYPES
+from graphrt.core.attention_decl import FLOAT_KV_DTYPES, device_type
 from graphrt.core.errors import ConfigError
 from graphrt.core.graph_modes import AttentionGraphSupport
 from graphrt.core.graph_tasks import capture_active, graph_task
@@ -48,11 +48,6 @@ _LOGGED: set[str] = set()
 def import_torch_npu() -> Any:
     """``torch_npu`` (imported on first use; a test may install a stand-in in ``sys.modules``)."""
     return importlib.import_module("torch_npu")
-
-
-def device_type(device: torch.device | str) -> str:
-    """``"npu"`` for ``"npu:0"`` too, without ``torch.device`` (which needs torch_npu for ``npu``)."""
-    return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
 
 
 def fia_problem(device: torch.device | str, head_dim: int, dtype: torch.dtype,

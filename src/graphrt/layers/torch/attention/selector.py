@@ -3,7 +3,8 @@ attention runs, chosen once when the runner is built.
 
 A kernel is one module holding its backend (the phases and ``attend``, backend.py) and a maker,
 registered here by name (:func:`register_attention_kernel`): ``GRAPHRT_ATTENTION=<name>`` selects
-it, and ``auto`` (the default) tries the kernels registered ``auto=True`` in order. A model's own
+it, and ``auto`` (the default) tries the kernels registered ``auto=True`` in order, each only on
+the device types it declares (its module is not asked elsewhere). A model's own
 ``attention_backend`` is kept. docs/attention.md, "Adding a kernel".
 """
 
@@ -14,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from graphrt.core.attention_decl import FLOAT_KV_DTYPES, requested_kernel
+from graphrt.core.attention_decl import FLOAT_KV_DTYPES, device_type, requested_kernel
 from graphrt.core.defaults import ATTENTION_ENV
 from graphrt.core.errors import ConfigError
 
@@ -33,6 +34,11 @@ class AttentionSite:
     requested: str
 
     @property
+    def device_type(self) -> str | None:
+        """The device's type (None: not known yet)."""
+        return None if self.device is None else device_type(self.device)
+
+    @property
     def head_dim(self) -> int | None:
         """The first layer's head size (None: no layer declares one)."""
         return next((getattr(layer, "head_dim", None) for layer in self.layers), None)
@@ -42,13 +48,26 @@ class AttentionSite:
 #: (a kernel requested by name that cannot run raises ConfigError saying why).
 AttentionMaker = Callable[[AttentionSite], Any]
 
-_KERNELS: dict[str, tuple[AttentionMaker, bool]] = {}
+
+@dataclass(frozen=True)
+class _Kernel:
+    """A registered kernel: its maker, whether ``auto`` tries it, and the device types it serves
+    under ``auto`` (None: any)."""
+
+    maker: AttentionMaker
+    auto: bool
+    devices: frozenset[str] | None
 
 
-def register_attention_kernel(name: str, maker: AttentionMaker, *, auto: bool = False) -> None:
+_KERNELS: dict[str, _Kernel] = {}
+
+
+def register_attention_kernel(name: str, maker: AttentionMaker, *, auto: bool = False,
+                              devices: Sequence[str] | None = None) -> None:
     """Register kernel ``name`` (a ``GRAPHRT_ATTENTION`` value): ``maker(site)`` makes its backend;
-    ``auto``: tried, in registration order, when the variable is ``auto`` or unset."""
-    _KERNELS[name.strip().lower()] = (maker, auto)
+    ``auto``: tried, in registration order, when the variable is ``auto`` or unset, on the device
+    types ``devices`` names (None: any device)."""
+    _KERNELS[name.strip().lower()] = _Kernel(maker, auto, frozenset(devices) if devices is not None else None)
 
 
 def unregister_attention_kernel(name: str) -> None:
@@ -78,9 +97,10 @@ def select_attention(model: torch.nn.Module, device: torch.device | str | None =
         return own
     layers = tuple(model.attention_layers()) if hasattr(model, "attention_layers") else ()
     site = AttentionSite(layers, device, dtype, kv_dtype, block_size, requested_attention())
-    makers = [m for m, auto in _KERNELS.values() if auto]     # a named kernel first (None: not here, e.g. no device)
-    if site.requested != "auto":
-        makers.insert(0, _KERNELS[site.requested][0])
+    makers = [k.maker for k in _KERNELS.values()           # auto's kernels that serve this device type
+              if k.auto and (k.devices is None or site.device_type in k.devices)]
+    if site.requested != "auto":                              # a named kernel first (None: not here, e.g. no device)
+        makers.insert(0, _KERNELS[site.requested].maker)
     for maker in makers:
         if (backend := maker(site)) is not None:
             return backend
@@ -130,7 +150,7 @@ def _paged(site: AttentionSite) -> Any:
     return paged
 
 
-register_attention_kernel("ascend", _ascend, auto=True)        # ascend_attention.py: NPUs under auto
+register_attention_kernel("ascend", _ascend, auto=True, devices=("npu",))   # ascend_attention.py: NPUs under auto
 register_attention_kernel("flashinfer", _flashinfer)           # flashinfer_attention.py: by name only
 register_attention_kernel("triton", _paged)                    # triton_attention.py, in graphrt's paged backend
 register_attention_kernel("reference", _paged, auto=True)      # paged.py: Triton first where it runs
