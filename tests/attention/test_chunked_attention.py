@@ -128,3 +128,30 @@ def test_kit_kv_isolation_and_padding_on_llama4():
     results = run_conformance(factory=factory, properties=["kv_isolated", "padding_invisible"], examples=6,
                               report=None)
     assert [r.status for r in results] == ["PASS"] * 2, [r.line() for r in results]
+
+
+def test_teacher_forced_parity_with_transformers_llama4_on_xla():
+    """graphrt's JAX Llama 4 (models/jax/llama4.py) on xla: layer 0 chunked with interleaved
+    rotary, the q / k L2 norm and experts with a shared expert, layer 1 full and NoPE with the
+    query temperature and a dense MLP; the schedule's every step against transformers' forward
+    (prompts longer than a chunk). The config it reads, its KV spec, and the torch backends
+    still running transformers' model for it."""
+    from graphrt.models.hf_config import DecoderConfig
+    from graphrt.models.model_impl import resolve_model_impl
+
+    d = tiny_checkpoint("llama4_text", **LLAMA4, moe_layers=[0], intermediate_size_mlp=96)
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in (13, 7, 18, 9)]
+    ref = load_reference(d)
+    refs = [reference_logits(ref, s).numpy() for s in seqs]
+    runner = graphrt.ModelRunner(str(d), backend="xla", progress=False, precompile_token_paddings=[16],
+                                 precompile_bs_paddings=[4], **LIMITS)
+    assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
+    assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+    config = DecoderConfig.from_dir(d)
+    assert (config.rope_layers, config.chunked_layers, config.moe_layers) == ((True, False), (0,), (0,))
+    assert config.temperature == (4.0, 0.5) and config.qk_norm
+    assert [(g.layers, g.attention_chunk) for g in config.kv_cache_spec().groups] == [((0,), CHUNK), ((1,), 0)]
+    assert resolve_model_impl(d, "auto", framework="torch") == "transformers"
+    with pytest.raises(graphrt.InputError, match="graphrt's own torch models do not implement Llama4ForCausalLM"):
+        resolve_model_impl(d, "graphrt", framework="torch")
