@@ -130,16 +130,23 @@ def test_kit_kv_isolation_and_padding_on_llama4():
     assert [r.status for r in results] == ["PASS"] * 2, [r.line() for r in results]
 
 
+#: Llama 4 checkpoints' rotary (Llama 3's scaling), its original context short enough that the
+#: test positions turn the scaled frequencies visibly.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+
+
 def test_teacher_forced_parity_with_transformers_llama4_on_xla():
     """graphrt's JAX Llama 4 (models/jax/llama4.py) on xla: layer 0 chunked with interleaved
-    rotary, the q / k L2 norm and experts with a shared expert, layer 1 full and NoPE with the
-    query temperature and a dense MLP; the schedule's every step against transformers' forward
-    (prompts longer than a chunk). The config it reads, its KV spec, and the torch backends
-    still running transformers' model for it."""
+    Llama-3-scaled rotary, the q / k L2 norm and experts with a shared expert, layer 1 full and
+    NoPE with the query temperature and a dense MLP; the schedule's every step against
+    transformers' forward (prompts longer than a chunk). The config it reads (its rotary
+    frequencies transformers'), its KV spec, and the torch backends still running transformers'
+    model for it."""
     from graphrt.models.hf_config import DecoderConfig
     from graphrt.models.model_impl import resolve_model_impl
 
-    d = tiny_checkpoint("llama4_text", **LLAMA4, moe_layers=[0], intermediate_size_mlp=96)
+    d = tiny_checkpoint("llama4_text", **LLAMA4, moe_layers=[0], intermediate_size_mlp=96, rope_parameters=LLAMA3_ROPE)
     rng = np.random.default_rng(5)
     seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in (13, 7, 18, 9)]
     ref = load_reference(d)
@@ -152,6 +159,7 @@ def test_teacher_forced_parity_with_transformers_llama4_on_xla():
     assert (config.rope_layers, config.chunked_layers, config.moe_layers) == ((True, False), (0,), (0,))
     assert config.temperature == (4.0, 0.5) and config.qk_norm
     assert [(g.layers, g.attention_chunk) for g in config.kv_cache_spec().groups] == [((0,), CHUNK), ((1,), 0)]
+    np.testing.assert_allclose(config.inv_freq(), ref.model.rotary_emb.inv_freq.numpy(), rtol=1e-6)
     assert resolve_model_impl(d, "auto", framework="torch") == "transformers"
     with pytest.raises(graphrt.InputError, match="graphrt's own torch models do not implement Llama4ForCausalLM"):
         resolve_model_impl(d, "graphrt", framework="torch")

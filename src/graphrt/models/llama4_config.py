@@ -14,8 +14,11 @@ backends run transformers' model through the Transformers backend); the xla back
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
@@ -42,6 +45,9 @@ class Llama4Config:
     intermediate_size_mlp: int          # the dense layers' SwiGLU width
     rms_norm_eps: float
     rope_theta: float
+    #: Llama 3's rotary scaling (``rope_type`` "llama3", as Llama 4's checkpoints set it):
+    #: ``(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)``; None: default.
+    rope_scaling: tuple[float, float, float, int] | None
     rope_layers: tuple[bool, ...]       # per layer: rotary (and the q / k L2 norm) or NoPE
     chunked_layers: tuple[int, ...]     # the layers attending within chunks
     attention_chunk: int
@@ -56,6 +62,23 @@ class Llama4Config:
     torch_dtype: str
     max_position_embeddings: int
     eos_token_id: tuple[int, ...]
+
+    def inv_freq(self) -> np.ndarray:
+        """The rotary frequencies ``[head_dim / 2]`` (float32) as transformers computes them:
+        ``theta ** (-2j / head_dim)``; with Llama 3's scaling the long wavelengths divided by
+        ``factor``, the middle ones smoothly between."""
+        d = self.head_dim
+        inv = (1.0 / (np.float32(self.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
+        inv = inv.astype(np.float32)
+        if self.rope_scaling is None:
+            return inv
+        factor, low, high, old = self.rope_scaling
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / low, inv / np.float32(factor), inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One group of the chunked layers (their chunk), one of the others."""
@@ -76,8 +99,17 @@ class Llama4Config:
         layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise InputError("rope_parameters", f"{rope} not supported (graphrt's JAX Llama 4 runs default rotary)")
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in (None, "default", "llama3"):
+            raise InputError("rope_parameters", f"{rope} not supported (graphrt's JAX Llama 4 runs default or "
+                                                "llama3 rotary)")
+        scaling = None
+        if kind == "llama3":
+            try:
+                scaling = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                           int(rope.get("original_max_position_embeddings") or raw["max_position_embeddings"]))
+            except KeyError as exc:
+                raise InputError("rope_parameters", f"{rope}: llama3 rotary needs {exc.args[0]!r}") from None
         uses_rope = raw.get("no_rope_layers") or [int((i + 1) % int(raw.get("no_rope_layer_interval", 4)) != 0)
                                                    for i in range(layers)]
         chunk = raw.get("attention_chunk_size", 8192)
@@ -106,7 +138,7 @@ class Llama4Config:
                    intermediate_size_mlp=int(raw.get("intermediate_size_mlp", 16384)),
                    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
                    rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 500000.0))),
-                   rope_layers=tuple(bool(r) for r in uses_rope), chunked_layers=chunked,
+                   rope_scaling=scaling, rope_layers=tuple(bool(r) for r in uses_rope), chunked_layers=chunked,
                    attention_chunk=int(chunk) if chunked else 0, qk_norm=bool(raw.get("use_qk_norm", True)),
                    temperature=((float(raw.get("floor_scale", 8192)), float(raw.get("attn_scale", 0.1)))
                                 if raw.get("attn_temperature_tuning", True) else None),

@@ -49,11 +49,10 @@ def _linear(p: Params, name: str, x: jax.Array) -> jax.Array:
     return out + p[f"{name}.bias"] if f"{name}.bias" in p else out
 
 
-def interleaved_rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def interleaved_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """``x [T, heads, D]`` rotated as Llama 4 does: features ``(2j, 2j + 1)`` a complex number
-    turned by ``positions * theta ** (-2j / D)``, in float32, back in ``x``'s dtype."""
+    turned by ``positions * inv_freq[j]``, in float32, back in ``x``'s dtype."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
     angle = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], d // 2, 2)
@@ -74,7 +73,7 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
     k = _linear(p, f"{pre}.k_proj", h).reshape(t, c.num_key_value_heads, d)
     v = _linear(p, f"{pre}.v_proj", h).reshape(t, c.num_key_value_heads, d)
     if c.rope_layers[layer]:
-        q, k = interleaved_rotary(q, positions, c.rope_theta), interleaved_rotary(k, positions, c.rope_theta)
+        q, k = interleaved_rotary(q, positions, c.inv_freq()), interleaved_rotary(k, positions, c.inv_freq())
         if c.qk_norm:
             q, k = _l2(q, c.rms_norm_eps), _l2(k, c.rms_norm_eps)
     elif c.temperature is not None:            # NoPE: the query temperature at each token's position
