@@ -11,7 +11,9 @@ chunks too) and the JAX kernel's. Here:
   tokens; layer 0 chunked with RoPE, layer 1 full and NoPE with the query temperature at each
   token's position): 4 requests joining at different steps, prompts longer than a chunk, chunked
   prefill, a preempted request recomputed, on ``eager`` and ``cpu`` FULL graphs;
-* the kit's ``kv_isolated`` and ``padding_invisible`` on it.
+* the kit's ``kv_isolated`` and ``padding_invisible`` on it;
+* graphrt's own JAX Llama 4 on ``xla`` (Llama 3's rotary scaling, experts with a shared expert
+  beside a dense layer): the same parity, and the config fields it refuses by name.
 """
 
 from __future__ import annotations
@@ -163,3 +165,24 @@ def test_teacher_forced_parity_with_transformers_llama4_on_xla():
     assert resolve_model_impl(d, "auto", framework="torch") == "transformers"
     with pytest.raises(graphrt.InputError, match="graphrt's own torch models do not implement Llama4ForCausalLM"):
         resolve_model_impl(d, "graphrt", framework="torch")
+
+
+def test_the_jax_llama4_config_names_what_it_does_not_implement():
+    """Llama4Config.from_dict: transformers' defaults (NoPE every 4th layer, the others chunked,
+    experts everywhere) and an InputError naming the field for what graphrt's JAX model lacks."""
+    from graphrt.models.llama4_config import Llama4Config
+
+    raw = dict(architectures=["Llama4ForCausalLM"], vocab_size=128, hidden_size=64, num_hidden_layers=4,
+               num_attention_heads=4)
+    c = Llama4Config.from_dict(raw)
+    assert (c.rope_layers, c.chunked_layers, c.attention_chunk) == ((True, True, True, False), (0, 1, 2), 8192)
+    assert c.moe_layers == (0, 1, 2, 3) and c.temperature == (8192.0, 0.1) and c.rope_scaling is None
+    with pytest.raises(graphrt.InputError, match=r"rope_parameters: .*'yarn'.* default or llama3 rotary"):
+        Llama4Config.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(graphrt.InputError, match="rope_parameters: .*llama3 rotary needs 'low_freq_factor'"):
+        Llama4Config.from_dict({**raw, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(graphrt.InputError, match="layer_types: .*'chunked_attention' or 'full_attention'"):
+        Llama4Config.from_dict({**raw, "layer_types": ["sliding_attention"] * 4})
+    with pytest.raises(graphrt.InputError, match=r"attention_chunk_size: 0, but layers \[0\] are chunked"):
+        Llama4Config.from_dict({**raw, "attention_chunk_size": 0,
+                                "layer_types": ["chunked_attention"] + ["full_attention"] * 3})
