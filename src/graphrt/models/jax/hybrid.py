@@ -1,13 +1,13 @@
 """Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba,
-LFM2, Jamba, RecurrentGemma and MiniMax over graphrt's paged KV cache and recurrent-state cache, for the xla backend.
+LFM2, Jamba, RecurrentGemma and MiniMax over graphrt's paged KV cache and recurrent-state cache,
+for the xla backend.
 
 Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
 kind, so they are not stacked). :func:`forward` follows :class:`graphrt.backends.xla.programs.XlaModel`'s
 signature with a cache pytree ``(kv, states)``: ``kv [attention layers, 2, rows, kv_heads,
 head_dim]`` (empty for a model without attention) and per recurrent layer its state arrays
 ``[slots + 1, C, ...]`` (two; one for LFM2's short convolutions and MiniMax's lightning
-attention); the step's ``state_slots`` and
-its uniform-decode form come as keywords.
+attention); the step's ``state_slots`` and its uniform-decode form come as keywords.
 """
 
 from __future__ import annotations
