@@ -11,7 +11,9 @@ chunks too) and the JAX kernel's. Here:
   tokens; layer 0 chunked with RoPE, layer 1 full and NoPE with the query temperature at each
   token's position): 4 requests joining at different steps, prompts longer than a chunk, chunked
   prefill, a preempted request recomputed, on ``eager`` and ``cpu`` FULL graphs;
-* the kit's ``kv_isolated`` and ``padding_invisible`` on it.
+* the kit's ``kv_isolated`` and ``padding_invisible`` on it;
+* graphrt's own JAX Llama 4 on ``xla`` (Llama 3's rotary scaling, experts with a shared expert
+  beside a dense layer): the same parity, and the config fields it refuses by name.
 """
 
 from __future__ import annotations
@@ -128,3 +130,59 @@ def test_kit_kv_isolation_and_padding_on_llama4():
     results = run_conformance(factory=factory, properties=["kv_isolated", "padding_invisible"], examples=6,
                               report=None)
     assert [r.status for r in results] == ["PASS"] * 2, [r.line() for r in results]
+
+
+#: Llama 4 checkpoints' rotary (Llama 3's scaling), its original context short enough that the
+#: test positions turn the scaled frequencies visibly.
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+
+
+def test_teacher_forced_parity_with_transformers_llama4_on_xla():
+    """graphrt's JAX Llama 4 (models/jax/llama4.py) on xla: layer 0 chunked with interleaved
+    Llama-3-scaled rotary, the q / k L2 norm and experts with a shared expert, layer 1 full and
+    NoPE with the query temperature and a dense MLP; the schedule's every step against
+    transformers' forward (prompts longer than a chunk). The config it reads (its rotary
+    frequencies transformers'), its KV spec, and the torch backends still running transformers'
+    model for it."""
+    from graphrt.models.hf_config import DecoderConfig
+    from graphrt.models.model_impl import resolve_model_impl
+
+    d = tiny_checkpoint("llama4_text", **LLAMA4, moe_layers=[0], intermediate_size_mlp=96, rope_parameters=LLAMA3_ROPE)
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in (13, 7, 18, 9)]
+    ref = load_reference(d)
+    refs = [reference_logits(ref, s).numpy() for s in seqs]
+    runner = graphrt.ModelRunner(str(d), backend="xla", progress=False, precompile_token_paddings=[16],
+                                 precompile_bs_paddings=[4], **LIMITS)
+    assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
+    assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+    config = DecoderConfig.from_dir(d)
+    assert (config.rope_layers, config.chunked_layers, config.moe_layers) == ((True, False), (0,), (0,))
+    assert config.temperature == (4.0, 0.5) and config.qk_norm
+    assert [(g.layers, g.attention_chunk) for g in config.kv_cache_spec().groups] == [((0,), CHUNK), ((1,), 0)]
+    np.testing.assert_allclose(config.inv_freq(), ref.model.rotary_emb.inv_freq.numpy(), rtol=1e-6)
+    assert resolve_model_impl(d, "auto", framework="torch") == "transformers"
+    with pytest.raises(graphrt.InputError, match="graphrt's own torch models do not implement Llama4ForCausalLM"):
+        resolve_model_impl(d, "graphrt", framework="torch")
+
+
+def test_the_jax_llama4_config_names_what_it_does_not_implement():
+    """Llama4Config.from_dict: transformers' defaults (NoPE every 4th layer, the others chunked,
+    experts everywhere) and an InputError naming the field for what graphrt's JAX model lacks."""
+    from graphrt.models.llama4_config import Llama4Config
+
+    raw = dict(architectures=["Llama4ForCausalLM"], vocab_size=128, hidden_size=64, num_hidden_layers=4,
+               num_attention_heads=4)
+    c = Llama4Config.from_dict(raw)
+    assert (c.rope_layers, c.chunked_layers, c.attention_chunk) == ((True, True, True, False), (0, 1, 2), 8192)
+    assert c.moe_layers == (0, 1, 2, 3) and c.temperature == (8192.0, 0.1) and c.rope_scaling is None
+    with pytest.raises(graphrt.InputError, match=r"rope_parameters: .*'yarn'.* default or llama3 rotary"):
+        Llama4Config.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(graphrt.InputError, match="rope_parameters: .*llama3 rotary needs 'low_freq_factor'"):
+        Llama4Config.from_dict({**raw, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(graphrt.InputError, match="layer_types: .*'chunked_attention' or 'full_attention'"):
+        Llama4Config.from_dict({**raw, "layer_types": ["sliding_attention"] * 4})
+    with pytest.raises(graphrt.InputError, match=r"attention_chunk_size: 0, but layers \[0\] are chunked"):
+        Llama4Config.from_dict({**raw, "attention_chunk_size": 0,
+                                "layer_types": ["chunked_attention"] + ["full_attention"] * 3})

@@ -1,10 +1,11 @@
-"""Mamba, Falcon-Mamba, LFM2, Jamba and RecurrentGemma as graphrt's JAX hybrid models on
+"""Mamba, Falcon-Mamba, LFM2, Jamba, RecurrentGemma and MiniMax as graphrt's JAX hybrid models on
 ``backend="xla"`` (issue 45).
 
 Their JAX layers (``models/jax/hybrid.py``) call the JAX reference kernels of
 ``layers/jax/recurrent.py`` -- Mamba1's selective scan (Jamba's beside attention and experts),
 LFM2's short convolution, RecurrentGemma's RG-LRU (beside local attention of a window shorter than
-the prompts) -- over graphrt's state cache (state slots, the trash slot for padded rows). Here:
+the prompts), MiniMax's lightning attention (beside attention and experts, residual factors) --
+over graphrt's state cache (state slots, the trash slot for padded rows). Here:
 
 * teacher-forced parity with transformers' own forward: 4 requests of 7-18 tokens joining at
   steps 0, 0, 1 and 3, chunked prefill (chunks of 5), request 2 preempted and recomputed in
@@ -94,5 +95,34 @@ def test_configs_state_specs_and_where_each_backend_runs_them(tmp_path):
     raw = json.loads((hybrid_model_dir("lfm2") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": ["Lfm2MoeForCausalLM"]}))
     with pytest.raises(ConfigError, match=r"architectures: \['Lfm2MoeForCausalLM'\] has no jax model in "
-                                          r"graphrt \(its jax models: .*'RecurrentGemmaForCausalLM'\]"):
+                                          r"graphrt \(its jax models: .*'RecurrentGemmaForCausalLM'.*\]"):
         graphrt.ModelRunner(str(tmp_path), backend="xla", progress=False, **XLA)
+
+
+#: MiniMax with residual factors other than 1 (each part's own alpha and beta).
+MINIMAX = dict(full_attn_alpha_factor=1.25, full_attn_beta_factor=0.75, linear_attn_alpha_factor=0.8,
+               linear_attn_beta_factor=1.5, mlp_alpha_factor=1.1, mlp_beta_factor=0.9)
+
+
+def test_minimax_teacher_forced_parity_with_transformers_on_xla():
+    """MiniMax (lightning attention at layers 0 and 2, full attention at 1, experts in every
+    layer, transformers' blocks of 4 tokens, residual factors other than 1) on xla: the
+    schedule's every step against transformers' forward; the state it declares; the decay rates
+    graphrt derives for a checkpoint without them are the ones transformers stores."""
+    d = hybrid_model_dir("minimax", **MINIMAX)
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in LENGTHS]
+    hf = load_hf_hybrid(d)
+    refs = reference_logits(hf, seqs)
+    runner = graphrt.ModelRunner(str(d), backend="xla", progress=False, **XLA)
+    assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
+    assert runner.stats.hits > 0 and runner.stats.eager_steps == 0
+    config = DecoderConfig.from_dir(d)
+    assert config.layer_kinds == ("lightning_attention", "attention", "lightning_attention")
+    assert config.state_spec().groups == (StateGroup((0, 1), (StateTensor("kv", (4, 16, 16)),),
+                                                     "lightning_attention"),)
+    assert resolve_model_impl(d, "auto", framework="torch") == "transformers"
+    from graphrt.models.jax.hybrid import _lightning_slopes
+    for i in (0, 2):
+        np.testing.assert_allclose(_lightning_slopes(config)[f"model.layers.{i}.self_attn.slope_rate"],
+                                   hf.model.layers[i].self_attn.slope_rate.reshape(-1).numpy(), rtol=1e-6)

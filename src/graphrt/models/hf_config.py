@@ -18,6 +18,7 @@ from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheGroup, KVCacheSpec
 from graphrt.models.decoder_fields import unimplemented_field
 from graphrt.models.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig
+from graphrt.models.llama4_config import LLAMA4_ARCHITECTURES, Llama4Config
 
 #: A Qwen3 config.json without ``max_window_layers`` slides (with ``use_sliding_window``) the layers
 #: from this one on: transformers' Qwen3Config default, read by models/hf_config.py.
@@ -107,11 +108,12 @@ class DecoderConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "DecoderConfig | HybridConfig":
+    def from_dir(cls, model_dir: str | os.PathLike) -> "DecoderConfig | HybridConfig | Llama4Config":
         """The checkpoint's config: a :class:`DecoderConfig`, or for a hybrid architecture
-        (Mamba2, Granite-4-H, Qwen3-Next: docs/hybrid.md) a :class:`HybridConfig`, which has the
-        fields every caller of this reads (``architecture``, ``torch_dtype``,
-        ``max_position_embeddings``, ``vocab_size``, ``eos_token_id``)."""
+        (Mamba2, Granite-4-H, Qwen3-Next: docs/hybrid.md) a :class:`HybridConfig`, for Llama 4's
+        text model a :class:`Llama4Config`; each has the fields every caller of this reads
+        (``architecture``, ``torch_dtype``, ``max_position_embeddings``, ``vocab_size``,
+        ``eos_token_id``)."""
         path = os.path.join(os.fspath(model_dir), "config.json")
         if not os.path.exists(path):
             raise InputError("model_dir", f"{model_dir!s} has no config.json")
@@ -119,6 +121,8 @@ class DecoderConfig:
             raw = json.load(f)
         if any(a in HYBRID_ARCHITECTURES for a in raw.get("architectures") or []):
             return HybridConfig.from_dict(raw)
+        if any(a in LLAMA4_ARCHITECTURES for a in raw.get("architectures") or []):
+            return Llama4Config.from_dict(raw)
         return cls.from_dict(raw)
 
 

@@ -10,9 +10,11 @@ RMS-normalises dt, B and C), LFM2 (``Lfm2ForCausalLM``: short convolutions and a
 layers, a SwiGLU MLP) and Jamba (``JambaForCausalLM``: Mamba1 layers with weighted dt / B / C
 norms, attention without rotary, experts every ``expert_layer_period``-th layer) and
 RecurrentGemma (``RecurrentGemmaForCausalLM``: RG-LRU blocks and local attention, soft-capped
-logits). Shared by the torch and the JAX models (graphrt's torch models implement
-:data:`TORCH_HYBRID_ARCHITECTURES`; the others run on xla only: on the torch backends they go
-through the Transformers backend); framework-free.
+logits) and MiniMax (``MiniMaxForCausalLM``: lightning attention and attention layers, every
+MLP experts, residuals from the normed hidden states with per-part factors). Shared by the
+torch and the JAX models (graphrt's torch models implement :data:`TORCH_HYBRID_ARCHITECTURES`;
+the others run on xla only: on the torch backends they go through the Transformers backend);
+framework-free.
 """
 
 from __future__ import annotations
@@ -31,16 +33,19 @@ from graphrt.core.state_spec import StateGroup, StateSpec, StateTensor
 TORCH_HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "Qwen3NextForCausalLM")
 #: Every hybrid architecture of graphrt's own models (the JAX models implement all of them).
 HYBRID_ARCHITECTURES = TORCH_HYBRID_ARCHITECTURES + ("MambaForCausalLM", "FalconMambaForCausalLM", "Lfm2ForCausalLM",
-                                                     "JambaForCausalLM", "RecurrentGemmaForCausalLM")
+                                                     "JambaForCausalLM", "RecurrentGemmaForCausalLM",
+                                                     "MiniMaxForCausalLM")
 MAMBA, ATTENTION, DELTA = "mamba", "attention", "gated_delta_net"
 MAMBA1, SHORT_CONV, RG_LRU = "mamba1", "short_conv", "rg_lru"
+LIGHTNING = "lightning_attention"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
 
 
 @dataclass(frozen=True)
 class HybridConfig:
     """A hybrid decoder as graphrt's reference models see it. ``layer_kinds``: per layer
-    ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1``, ``short_conv`` or ``rg_lru``."""
+    ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1``, ``short_conv``, ``rg_lru`` or
+    ``lightning_attention``."""
 
     architecture: str
     vocab_size: int
@@ -103,6 +108,9 @@ class HybridConfig:
     logits_scaling: float = 1.0
     #: Qwen3-Next's norms scale by ``1 + weight`` (weights stored around 0).
     zero_centered_norm: bool = False
+    #: MiniMax: the residual of each part is its normed input, ``alpha * normed + beta * out``
+    #: with ``(part, alpha, beta)`` per part (a layer kind or "mlp"); empty: ``x + out``.
+    residual_factors: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -142,6 +150,7 @@ class HybridConfig:
                      StateTensor("ssm", (self.mamba_intermediate, self.mamba_state))),
             SHORT_CONV: (StateTensor("conv", (self.hidden_size, window)),),
             RG_LRU: (StateTensor("conv", (self.lru_width, window)), StateTensor("lru", (self.lru_width,))),
+            LIGHTNING: (StateTensor("kv", (self.num_attention_heads, self.head_dim, self.head_dim)),),
         }
         groups = []
         for kind, layout in tensors.items():
@@ -175,6 +184,8 @@ class HybridConfig:
             return cls(**common, **_jamba(raw))
         if arch == "RecurrentGemmaForCausalLM":
             return cls(**common, **_recurrent_gemma(raw))
+        if arch == "MiniMaxForCausalLM":
+            return cls(**common, **_minimax(raw))
         from graphrt.models.qwen3_next_config import qwen3_next_fields
         return cls(**common, **qwen3_next_fields(raw))
 
@@ -315,6 +326,36 @@ def _recurrent_gemma(raw: dict[str, Any]) -> dict[str, Any]:
                 embedding_multiplier=_bfloat16(hidden ** 0.5), zero_centered_norm=True)
 
 
+def _minimax(raw: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax's fields: ``layer_types`` ("linear_attention" / "full_attention"; transformers'
+    default alternates, full first), lightning attention of ``block_size`` chunks over the
+    attention heads, experts in every layer, the residual factors of each part."""
+    layers, hidden = int(raw["num_hidden_layers"]), int(raw["hidden_size"])
+    names = raw.get("layer_types") or ["full_attention" if i % 2 == 0 else "linear_attention" for i in range(layers)]
+    kinds = tuple({"linear_attention": LIGHTNING, "full_attention": ATTENTION}.get(n, "") for n in names)
+    if len(kinds) != layers or "" in kinds:
+        raise InputError("layer_types", f"{names}: 'linear_attention' or 'full_attention' per layer ({layers})")
+    act = raw.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise InputError("hidden_act", f"{act!r} is not one of {list(ACTIVATIONS)}")
+    heads = int(raw["num_attention_heads"])
+
+    def factors(part: str, prefix: str) -> tuple[str, float, float]:
+        return part, float(raw.get(f"{prefix}_alpha_factor", 1.0)), float(raw.get(f"{prefix}_beta_factor", 1.0))
+
+    return dict(layer_kinds=kinds, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads), rope_theta=_rope_theta(raw),
+                rotary_dim=int(raw.get("head_dim") or hidden // heads), chunk_size=int(raw.get("block_size", 256)),
+                sliding_window=int(raw.get("sliding_window") or 0), activation=act, mlp="minimax",
+                mamba_norm_eps=1e-6,         # the lightning output's norm: transformers' default eps
+                intermediate_size=int(raw.get("intermediate_size", 14336)),
+                num_experts=int(raw.get("num_local_experts", 8)),
+                num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+                residual_factors=(factors(ATTENTION, "full_attn"), factors(LIGHTNING, "linear_attn"),
+                                  factors("mlp", "mlp")))
+
+
 def _granite(raw: dict[str, Any]) -> dict[str, Any]:
     layers = int(raw["num_hidden_layers"])
     names = raw.get("layer_types") or raw.get("layers_block_type") or ["linear_attention"] * layers
@@ -346,5 +387,6 @@ def _granite(raw: dict[str, Any]) -> dict[str, Any]:
                 logits_scaling=float(raw.get("logits_scaling", 1.0)))
 
 
-__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "MAMBA", "MAMBA1", "RG_LRU", "SHORT_CONV",
+__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "LIGHTNING", "MAMBA", "MAMBA1", "RG_LRU",
+           "SHORT_CONV",
            "TORCH_HYBRID_ARCHITECTURES"]

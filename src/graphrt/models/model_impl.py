@@ -23,6 +23,7 @@ from typing import Any
 from graphrt.core.errors import ConfigError, InputError
 from graphrt.models.hf_config import SUPPORTED_ARCHITECTURES, DecoderConfig
 from graphrt.models.hybrid_config import HYBRID_ARCHITECTURES, TORCH_HYBRID_ARCHITECTURES, HybridConfig
+from graphrt.models.llama4_config import LLAMA4_ARCHITECTURES, Llama4Config
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,9 @@ def resolve_model_impl(model_dir: str | os.PathLike, model_impl: str = "auto", f
     except InputError as exc:
         if framework != "torch" and exc.field == "architectures":
             raise ConfigError(f"architectures: {read_config_json(model_dir).get('architectures')} has no {framework} "
-                              f"model in graphrt (its {framework} models: {list(SUPPORTED_ARCHITECTURES)} and the "
-                              f"hybrids {list(HYBRID_ARCHITECTURES)}, docs/hybrid.md); the torch backends run it "
+                              f"model in graphrt (its {framework} models: {list(SUPPORTED_ARCHITECTURES)}, "
+                              f"{list(LLAMA4_ARCHITECTURES)} and the hybrids {list(HYBRID_ARCHITECTURES)}, "
+                              "docs/hybrid.md); the torch backends run it "
                               "through transformers' model") from None
         if model_impl == "graphrt" or framework != "torch":
             raise
@@ -89,9 +91,14 @@ def resolve_model_impl(model_dir: str | os.PathLike, model_impl: str = "auto", f
     return "graphrt"
 
 
-def torch_only(config: "DecoderConfig | HybridConfig") -> None:
-    """InputError for a hybrid architecture graphrt's own torch models do not implement (its JAX
-    model runs on xla; on a torch backend transformers' model runs, with ``model_impl="auto"``)."""
+def torch_only(config: "DecoderConfig | HybridConfig | Llama4Config") -> None:
+    """InputError for an architecture graphrt's own torch models do not implement, a hybrid or
+    Llama 4 (its JAX model runs on xla; on a torch backend transformers' model runs, with
+    ``model_impl="auto"``)."""
+    if isinstance(config, Llama4Config):
+        raise InputError("architectures", f"graphrt's own torch models do not implement {config.architecture} "
+                                          "(its JAX model runs on backend='xla'): use model_impl='auto' or "
+                                          "'transformers'")
     if isinstance(config, HybridConfig) and config.architecture not in TORCH_HYBRID_ARCHITECTURES:
         raise InputError("architectures", f"graphrt's own torch models do not implement {config.architecture} "
                                           f"(they implement {list(TORCH_HYBRID_ARCHITECTURES)}; its JAX model runs "

@@ -79,12 +79,13 @@ class XlaBackend(Backend):
     def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto",
                    trust_remote_code: bool = False) -> "XlaModel":
         """The JAX reference Llama / Mistral / Qwen3 -- or hybrid Mamba2 / Granite-4-H / Qwen3-Next /
-        Mamba / Falcon-Mamba / LFM2
+        Mamba / Falcon-Mamba / LFM2 / Jamba / RecurrentGemma / MiniMax, or Llama 4's text model
         (docs/hybrid.md) -- of a Hugging Face directory (``model_impl`` "auto" or "graphrt";
         "transformers" runs on torch backends only: ConfigError). graphrt's own models run no
         code of the checkpoint: ``trust_remote_code`` changes nothing here."""
         from graphrt.models.hf_config import DecoderConfig
         from graphrt.models.hybrid_config import HybridConfig
+        from graphrt.models.llama4_config import Llama4Config
         from graphrt.models.model_impl import resolve_model_impl
         resolve_model_impl(model_dir, model_impl, framework="jax")
         from graphrt.models.jax.loader import load_jax_params
@@ -95,6 +96,10 @@ class XlaBackend(Backend):
             return XlaModel(jax_hybrid.JaxHybridConfig.of(hybrid), jax_hybrid.load_hybrid_params(model_dir, hybrid, jdtype),
                             forward=jax_hybrid.forward, compute_logits=jax_hybrid.compute_logits,
                             state=hybrid.state_spec())
+        if isinstance(hybrid, Llama4Config):          # layers of their own kinds: a flat-params model
+            from graphrt.models.jax import llama4
+            return XlaModel(hybrid, llama4.load_llama4_params(model_dir, jdtype), forward=llama4.forward,
+                            compute_logits=llama4.compute_logits)
         config, params = load_jax_params(model_dir, jdtype)
         return XlaModel(config, params)
 

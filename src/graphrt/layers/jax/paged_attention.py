@@ -124,14 +124,15 @@ def paged_attention(q: jax.Array, layer_k: jax.Array, layer_v: jax.Array, positi
 
 def cache_paged_attention(q: jax.Array, kv_cache: jax.Array, layer_idx: jax.Array, positions: jax.Array,
                           meta: AttentionMetadata, block_size: int, sliding_window: Any = 0,
-                          kv_scales: tuple[float, float] = (1.0, 1.0)) -> jax.Array:
+                          kv_scales: tuple[float, float] = (1.0, 1.0), attention_chunk: int = 0) -> jax.Array:
     """:func:`paged_attention` over layer ``layer_idx`` of the whole cache ``[layers, 2, rows, Hkv,
     D]``, gathering the rows of the step's block-table columns straight from the cache: no slice
     of the layer is made (XLA:CPU materialized one for a bfloat16 cache, a copy that grew with
     ``num_blocks``), so temp memory is bounded by the tokens and the key's context."""
     def read(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         return kv_cache[layer_idx, 0, rows], kv_cache[layer_idx, 1, rows]
-    return _attend_rows(q, read, kv_cache.shape[3], positions, meta, block_size, sliding_window, kv_scales)
+    return _attend_rows(q, read, kv_cache.shape[3], positions, meta, block_size, sliding_window, kv_scales,
+                        attention_chunk)
 
 
 def _attend_rows(q: jax.Array, read: Callable[[jax.Array], tuple[jax.Array, jax.Array]], num_kv_heads: int,

@@ -1,12 +1,13 @@
 """Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba,
-LFM2, Jamba and RecurrentGemma over graphrt's paged KV cache and recurrent-state cache, for the xla backend.
+LFM2, Jamba, RecurrentGemma and MiniMax over graphrt's paged KV cache and recurrent-state cache,
+for the xla backend.
 
 Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
 kind, so they are not stacked). :func:`forward` follows :class:`graphrt.backends.xla.programs.XlaModel`'s
 signature with a cache pytree ``(kv, states)``: ``kv [attention layers, 2, rows, kv_heads,
 head_dim]`` (empty for a model without attention) and per recurrent layer its state arrays
-``[slots + 1, C, ...]`` (two; one for LFM2's short convolutions); the step's ``state_slots`` and
-its uniform-decode form come as keywords.
+``[slots + 1, C, ...]`` (two; one for LFM2's short convolutions and MiniMax's lightning
+attention); the step's ``state_slots`` and its uniform-decode form come as keywords.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import numpy as np
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
-from graphrt.models.hybrid_config import ATTENTION, DELTA, MAMBA, MAMBA1, RG_LRU, SHORT_CONV, HybridConfig
+from graphrt.models.hybrid_config import (ATTENTION, DELTA, LIGHTNING, MAMBA, MAMBA1, RG_LRU, SHORT_CONV,
+                                          HybridConfig)
 from graphrt.layers.jax import recurrent as rec
 from graphrt.layers.jax.paged_attention import AttentionMetadata, cache_paged_attention, write_kv_rows
 from graphrt.models.jax.decoder import apply_rotary, rms_norm, rotary_cos_sin
@@ -54,7 +56,9 @@ _NAMES = {"Mamba2ForCausalLM": _BACKBONE, "MambaForCausalLM": _BACKBONE, "Falcon
           "RecurrentGemmaForCausalLM": _Names(final_norm="final_norm", input_norm="temporal_pre_norm",
                                               post_norm="channel_pre_norm", attention="temporal_block")}
 #: Each recurrent kind's module in a decoder layer (backbone blocks: ``mixer``).
-_MIXER_NAMES = {DELTA: "linear_attn", SHORT_CONV: "conv", RG_LRU: "temporal_block"}
+_MIXER_NAMES = {DELTA: "linear_attn", SHORT_CONV: "conv", RG_LRU: "temporal_block", LIGHTNING: "self_attn"}
+#: The state arrays of each recurrent kind (others: two).
+_STATE_ARRAYS = {SHORT_CONV: 1, LIGHTNING: 1}
 #: RecurrentGemma's activations (``HybridConfig.activation``, transformers' names).
 _ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                 "gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu, "relu": jax.nn.relu}
@@ -96,7 +100,21 @@ def load_hybrid_params(model_dir: str | os.PathLike, config: HybridConfig, dtype
     missing one is an InputError naming it, at trace time)."""
     from graphrt.models.jax.loader import read_checkpoint
     tensors = read_checkpoint(model_dir)
-    return {name: jnp.asarray(np.asarray(t).astype(np.float32)).astype(dtype) for name, t in tensors.items()}
+    params = {name: jnp.asarray(np.asarray(t).astype(np.float32)).astype(dtype) for name, t in tensors.items()}
+    params.update({name: jnp.asarray(rate) for name, rate in _lightning_slopes(config).items()
+                   if name not in params})
+    return params
+
+
+def _lightning_slopes(c: HybridConfig) -> dict[str, np.ndarray]:
+    """Each lightning attention layer's per-head decay rates, as transformers computes its
+    ``slope_rate`` buffer (for a checkpoint that does not store it): ``base ** (h + 1)`` with
+    ``base = 2 ** (-8 / heads)``, scaled down linearly with the layer's depth."""
+    heads, layers = c.num_attention_heads, c.num_hidden_layers
+    base = 1.0 / (2.0 ** (8.0 / max(heads, 1)))
+    rates = base ** np.arange(1, heads + 1, dtype=np.float32)
+    return {f"model.layers.{i}.self_attn.slope_rate": (rates * (1 - i / (layers - 1 + 1e-5) + 1e-5)).astype(np.float32)
+            for i, kind in enumerate(c.layer_kinds) if kind == LIGHTNING}
 
 
 def _get(p: Params, name: str) -> jax.Array:
@@ -209,6 +227,22 @@ def _rg_lru(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm
             (rec.write_states(conv, sm, window), rec.write_states(lru, sm, states)))
 
 
+def _lightning(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
+               c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """MiniMax's lightning attention: ``q, k, v = act(qkv_proj h)`` (q | k | v in each head's
+    slice), the decayed linear attention per head over the request's ``[heads, d, d]`` state, an
+    RMS norm over every head's output, the gate ``sigmoid(output_gate h)``, ``out_proj``."""
+    t, heads, d = h.shape[0], c.num_attention_heads, c.head_dim
+    qkv = _ACTIVATIONS[c.activation](_linear(p, f"{pre}.qkv_proj", h)).reshape(t, heads, 3 * d)
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    (kv,) = caches
+    y, states = rec.lightning_attention(q, k, v, _get(p, f"{pre}.slope_rate").reshape(-1), rec.read_states(kv, sm), sm,
+                                        chunk_size=c.chunk_size, checkpoints=s["checkpoints"], uniform=s["uniform"])
+    y = rms_norm(y.astype(h.dtype).reshape(t, -1), _get(p, f"{pre}.norm.weight"), c.mamba_norm_eps)
+    return _linear(p, f"{pre}.out_proj", jax.nn.sigmoid(_linear(p, f"{pre}.output_gate", h)) * y), \
+        (rec.write_states(kv, sm, states),)
+
+
 def _delta(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array], sm: rec.StateMeta,
            c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     t = h.shape[0]
@@ -265,7 +299,35 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
     return _linear(p, f"{pre}.{names.out_proj}", out), kv
 
 
+def _minimax_experts(p: Params, pre: str, x: jax.Array, c: HybridConfig) -> jax.Array:
+    """MiniMax's experts (Mixtral's): softmax over the router's logits, the top k renormalised;
+    every expert computed for every token (static shapes), the unrouted ones weighted 0."""
+    moe = f"{pre}.block_sparse_moe"
+    probs = jax.nn.softmax((x @ _get(p, f"{moe}.gate.weight").T).astype(jnp.float32), axis=-1)
+    top, index = jax.lax.top_k(probs, c.num_experts_per_tok)
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+    weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], index].set(top).astype(x.dtype)
+    act = _ACTIVATIONS[c.activation]
+    out = jnp.zeros_like(x)
+    for e in range(c.num_experts):
+        ex = f"{moe}.experts.{e}"
+        up = act(_linear(p, f"{ex}.w1", x)) * _linear(p, f"{ex}.w3", x)
+        out = out + weights[:, e:e + 1] * _linear(p, f"{ex}.w2", up)
+    return out
+
+
+def _residual(c: HybridConfig, part: str, x: jax.Array, h: jax.Array, out: jax.Array) -> jax.Array:
+    """The stream after a layer's ``part`` (a layer kind or "mlp") whose input ``x`` was normed
+    to ``h``: ``x + out * residual_multiplier``, or MiniMax's ``alpha * h + beta * out``."""
+    if not c.residual_factors:
+        return x + out * c.residual_multiplier
+    alpha, beta = next((a, b) for name, a, b in c.residual_factors if name == part)
+    return h * alpha + out * beta
+
+
 def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig, layer: int) -> jax.Array:
+    if c.mlp == "minimax":
+        return _minimax_experts(p, pre, x, c)
     if c.mlp == "granite":
         gate, up = jnp.split(_linear(p, f"{pre}.shared_mlp.input_linear", x), 2, axis=-1)
         out = _linear(p, f"{pre}.shared_mlp.output_linear", jax.nn.silu(gate) * up)
@@ -313,7 +375,8 @@ def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig, layer: int) -> jax.
 
 
 #: The recurrent mixer of each layer kind.
-_MIXERS = {MAMBA: _mamba, DELTA: _delta, MAMBA1: _mamba1, SHORT_CONV: _short_conv, RG_LRU: _rg_lru}
+_MIXERS = {MAMBA: _mamba, DELTA: _delta, MAMBA1: _mamba1, SHORT_CONV: _short_conv, RG_LRU: _rg_lru,
+           LIGHTNING: _lightning}
 
 
 def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Array, meta: AttentionMetadata, *,
@@ -342,15 +405,15 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
         else:
             mixer = _MIXERS[kind]
             name = f"{pre}.mixer" if backbone else f"{pre}.{_MIXER_NAMES.get(kind, 'mamba')}"
-            n = 1 if kind == SHORT_CONV else 2
+            n = _STATE_ARRAYS.get(kind, 2)
             out, arrays = mixer(params, name, h, tuple(states[o:o + n]), sm, c, s)
             states[o:o + n] = arrays
             o += n
-        x = x + out * c.residual_multiplier
+        x = _residual(c, kind, x, h, out)
         if backbone:
             continue
         h = _norm(params, f"{pre}.{names.post_norm}.weight", x, c)
-        x = x + _mlp(params, pre, h, c, i) * c.residual_multiplier
+        x = _residual(c, "mlp", x, h, _mlp(params, pre, h, c, i))
     return _norm(params, f"{names.root}.{names.final_norm}.weight", x, c), (kv, tuple(states))
 
 
