@@ -99,6 +99,33 @@ def test_interpret_paged_attention_module_runs_triton_when_asked(monkeypatch: py
     assert torch.equal(bytes_of(outs["triton cache"])[:, :-1], bytes_of(outs["reference cache"])[:, :-1])
 
 
+@interpreted
+def test_interpret_kernels_replay_in_a_recording_graph() -> None:
+    """Captured in graphrt's CPU recording graph (the ``cpu`` backend's), the interpreted kernels
+    (K/V store, attention, split-KV combine) run again at each replay on the step then in the
+    captured buffers, bit for bit as an eager call on it (before: no aten op, nothing recorded, the
+    capture's output left in place)."""
+    from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
+
+    spec = Spec(kv_heads=1, groups=2, head_dim=16, block_size=16, q_dtype=torch.float32, cache_dtype=torch.float32,
+                reqs=[(20, 2), (5, 1)], pad_reqs=1, pad_tokens=1, num_splits=2, seed=1)
+    step, then = build_step(spec, "cpu"), build_step(Spec(**{**spec.__dict__, "seed": 2}), "cpu")
+    cache = step.cache.clone()
+    graph = RecordingGraph()
+    with recording_graph(graph):
+        out = run_kernel(triton_paged_attention, step, spec, cache, num_splits=2)
+    for name in ("q", "k", "v"):                                   # the next step, in the same buffers
+        getattr(step, name).copy_(getattr(then, name))
+    for name, value in vars(step.meta).items():
+        if isinstance(value, torch.Tensor):
+            value.copy_(getattr(then.meta, name))
+    cache.copy_(then.cache)
+    graph.replay()
+    want_cache = then.cache.clone()
+    want = run_kernel(triton_paged_attention, then, spec, want_cache, num_splits=2)
+    assert torch.equal(out, want) and torch.equal(bytes_of(cache), bytes_of(want_cache))
+
+
 def test_interpreter_suite_in_a_fresh_process() -> None:
     """Where triton was imported before this module (a full-suite run), the interpreter tests
     run in a child pytest that sets ``TRITON_INTERPRET=1`` first."""

@@ -11,6 +11,9 @@ tests run in a child pytest), compiled on a GPU (``gpu``-marked, skipped without
   the Triton scan runs token by token, the reference by chunks).
 * A model's mixers (Mamba's, RecurrentGemma's and MiniMax's through the Transformers backend included) run Triton when
   ``GRAPHRT_RECURRENT=triton`` asks, and its step matches the reference's; ``triton`` is refused with the reason where it cannot run; an unknown value too.
+* Interpreted, every kernel replays in graphrt's CPU recording graph (each launch is the op
+  ``graphrt::interpreted_triton``), and a hybrid's FULL ``cpu`` graphs with the Triton kernels
+  give the reference's logits.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 import graphrt
 from graphrt import ConfigError
+from graphrt.core import defaults
 from graphrt.layers.torch.state import mamba_kernels
 from graphrt.layers.torch.state import kernels, triton_recurrent
 from graphrt.layers.torch.state.gated_delta import gated_delta_rule
@@ -89,6 +93,62 @@ def test_interpret_kernels_match_the_reference() -> None:
     _close(got[1], want[1], "delta rule states")
 
 
+def _kernel_inputs(t: int, rows: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Inputs of every Triton kernel (conv1d with and without SiLU, Mamba2, the gated delta rule,
+    Mamba1, RG-LRU, lightning attention) over ``t`` tokens and ``rows`` state rows."""
+    return {"conv": (torch.randn(t, 24), torch.randn(24, 4), torch.randn(24), torch.randn(rows, 24, 3)),
+            "ssd": (torch.randn(t, 2, 8), torch.rand(t, 2) * 0.5, -torch.rand(2) - 0.1, torch.randn(t, 1, 16),
+                    torch.randn(t, 1, 16), torch.randn(2), torch.randn(rows, 2, 8, 16)),
+            "delta": (torch.randn(t, 1, 8), torch.randn(t, 1, 8), torch.randn(t, 2, 8), -torch.rand(t, 2),
+                      torch.rand(t, 2), torch.randn(rows, 2, 8, 8)),
+            "selective": (torch.randn(t, 24), torch.rand(t, 24) * 0.5, -torch.rand(24, 8) - 0.1, torch.randn(t, 8),
+                          torch.randn(t, 8), torch.randn(24), torch.randn(rows, 24, 8)),
+            "rg_lru": (torch.rand(t, 24), torch.randn(t, 24), torch.randn(rows, 24)),
+            "lightning": (torch.randn(t, 2, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8), torch.rand(2) + 0.1,
+                          torch.randn(rows, 2, 8, 8))}
+
+
+@interpreted
+def test_interpret_kernels_replay_in_a_recording_graph() -> None:
+    """Every Triton kernel captured in graphrt's CPU recording graph (the ``cpu`` backend's) runs
+    again at each replay, on the step then in the captured buffers -- not the capture's outputs
+    left in place (an interpreted launch is no aten op: it is recorded as
+    ``graphrt::interpreted_triton``). The replay equals an eager call on the new step bit for bit."""
+    from graphrt.backends.torch.recording_graph import RecordingGraph, recording_graph
+
+    torch.manual_seed(0)
+    t, rows = 8, 5                 # 3 requests and a padded one, a padded token; then another layout
+    qsl = torch.tensor([0, 3, 6, 7, 7], dtype=torch.int32)
+    computed = torch.tensor([5, 0, 7, 0], dtype=torch.int32)
+    slots = torch.tensor([2, 0, 1, -1], dtype=torch.int32)
+    inputs = _kernel_inputs(t, rows)
+
+    def step() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        meta = build_state_metadata(qsl, computed, slots, t, num_slots=3, checkpoints=2)
+        conv = inputs["conv"]
+        return {"conv": triton_recurrent.triton_causal_conv1d(*conv, meta),
+                "short conv": triton_recurrent.triton_causal_conv1d(*conv[:2], None, conv[3], meta, activation=False),
+                "ssd": triton_recurrent.triton_ssd_scan(*inputs["ssd"], meta),
+                "delta": triton_recurrent.triton_gated_delta_rule(*inputs["delta"], meta),
+                "selective": triton_recurrent.triton_selective_scan(*inputs["selective"], meta),
+                "rg_lru": triton_recurrent.triton_rg_lru_scan(*inputs["rg_lru"], meta),
+                "lightning": triton_recurrent.triton_lightning_attention(*inputs["lightning"], meta)}
+
+    graph = RecordingGraph()
+    with recording_graph(graph):
+        captured = step()
+    for old, new in zip(inputs.values(), _kernel_inputs(t, rows).values()):   # the next step, in place
+        for a, b in zip(old, new):
+            a.copy_(b)
+    qsl.copy_(torch.tensor([0, 1, 5, 7, 7])), computed.copy_(torch.tensor([9, 4, 0, 0]))
+    slots.copy_(torch.tensor([1, 2, 0, -1]))
+    graph.replay()
+    want = step()
+    for name, outputs in want.items():
+        for got, expected, what in zip(captured[name], outputs, ("outputs", "states")):
+            assert torch.equal(got, expected), f"{name} {what}: the replay is not the kernel on the new step"
+
+
 @interpreted
 @pytest.mark.parametrize("arch", ["granite", "qwen3_next", "mamba", "recurrent_gemma", "minimax"])
 def test_interpret_models_run_triton_when_asked(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,6 +177,34 @@ def test_interpret_models_run_triton_when_asked(arch: str, monkeypatch: pytest.M
         logits[choice] = np.stack(out)
         assert bool(calls) == (choice == "triton")
         monkeypatch.setattr(triton_recurrent, "_kernels", real)
+    tol = graphrt.reduction_tolerance("float32", magnitude=float(np.abs(logits["reference"]).max()), width=64)
+    np.testing.assert_allclose(logits["triton"], logits["reference"], rtol=tol.rtol, atol=tol.atol)
+
+
+@interpreted
+def test_interpret_full_cpu_graphs_replay_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid's FULL graphs on the ``cpu`` backend with the Triton recurrent and attention
+    kernels (interpreted) give the eager reference kernels' logits at every step: each step a
+    replay of the graph captured at warm-up (before: the capture's outputs, silently)."""
+    d = str(hybrid_model_dir("granite"))
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=16, block_size=4, num_kv_blocks=9,
+              progress=False)
+    tokens = np.arange(32, dtype=np.int32).reshape(2, 16) % 120 + 3
+    table = np.arange(1, 9, dtype=np.int32).reshape(2, 4)
+    steps = (((0, 0), (5, 3)), ((5, 3), (1, 1)))                 # a mixed step, then decodes padded to 8
+    logits = {}
+    for choice, extra in (("reference", dict(backend="eager")),
+                          ("triton", dict(backend="cpu", mode="FULL", cudagraph_capture_sizes=[8]))):
+        monkeypatch.setenv(kernels.RECURRENT_ENV, choice)
+        monkeypatch.setenv(defaults.ATTENTION_ENV, choice)
+        runner = graphrt.ModelRunner(d, **kw, **extra)
+        out = []
+        for computed, scheduled in steps:
+            runner.execute(token_ids=tokens, block_table=table, req_rows=np.array([0, 1]),
+                           num_computed_tokens=np.array(computed), num_scheduled_tokens=np.array(scheduled))
+            out.append(runner.outputs.logits())
+        logits[choice] = np.stack(out)
+    assert runner.stats.hits == len(steps) and {m for m, _ in runner.dispatcher.keys()} == {graphrt.RuntimeMode.FULL}
     tol = graphrt.reduction_tolerance("float32", magnitude=float(np.abs(logits["reference"]).max()), width=64)
     np.testing.assert_allclose(logits["triton"], logits["reference"], rtol=tol.rtol, atol=tol.atol)
 

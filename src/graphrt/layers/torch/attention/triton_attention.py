@@ -7,7 +7,8 @@ and host-side choices follow tensor shapes only, so the call is capturable and r
 
 Kernels in :mod:`graphrt.layers.torch.attention.triton_attention_kernels`; their design (GQA tiles,
 split-KV, fp8) is on docs/attention.md, "The Triton kernel's design". CPU tensors run through
-Triton's interpreter only when ``TRITON_INTERPRET=1`` was set before importing triton.
+Triton's interpreter only when ``TRITON_INTERPRET=1`` was set before importing triton, each launch
+one op that recording graphs replay (:func:`graphrt.layers.torch.triton_launch.interpreted`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from graphrt.core.errors import ConfigError
 from graphrt.layers.torch.attention.kv_quant import KV_CACHE_DTYPES, is_fp8, quantize_kv
+from graphrt.layers.torch.triton_launch import interpreted
 
 try:  # optional: graphrt imports, and the reference kernel runs, without triton
     import triton
@@ -189,9 +191,7 @@ def _kernels(interpret: bool) -> tuple[Any, Any, Any]:
 
     fns = (src.kv_store_kernel, src.attention_kernel, src.combine_kernel)
     if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return tuple(InterpretedFunction(fn) for fn in fns)
+        return tuple(interpreted(fn) for fn in fns)
     dynamic = lambda fn: [a for a in _DYNAMIC_ARGS if a in fn.__code__.co_varnames]  # noqa: E731
     return tuple(triton.jit(fn, do_not_specialize=dynamic(fn)) for fn in fns)
 

@@ -13,7 +13,8 @@ kernels' signatures, and the choice between them.
 
 Lengths are read on the device, so they run inside FULL graphs of any step. On CUDA they are
 compiled with ``triton.jit``; CPU tensors go through Triton's interpreter (``TRITON_INTERPRET=1``
-set before triton is imported: the tests' way). :func:`triton_problem` says why they cannot run
+set before triton is imported: the tests' way), each launch one op that recording graphs replay
+(:func:`graphrt.layers.torch.triton_launch.interpreted`). :func:`triton_problem` says why they cannot run
 on a device; the choice between them and the reference (``GRAPHRT_RECURRENT``) is
 :mod:`graphrt.layers.torch.state.kernels`'.
 """
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from graphrt.layers.torch.state.metadata import StateMetadata
+from graphrt.layers.torch.triton_launch import interpreted
 
 #: Channels per conv1d program; head features per scan program.
 CONV_BLOCK, SCAN_BLOCK = 128, 32
@@ -56,9 +58,7 @@ def _kernels(interpret: bool) -> tuple[Any, ...]:
     fns = (src.conv1d_kernel, src.ssd_kernel, src.delta_kernel, src.selective_kernel, src.rg_lru_kernel,
            src.lightning_kernel)
     if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return tuple(InterpretedFunction(fn) for fn in fns)
+        return tuple(interpreted(fn) for fn in fns)
     import triton
 
     return tuple(triton.jit(fn) for fn in fns)
