@@ -12,7 +12,9 @@ norms, attention without rotary, experts every ``expert_layer_period``-th layer)
 RecurrentGemma (``RecurrentGemmaForCausalLM``: RG-LRU blocks and local attention, soft-capped
 logits), and -- with Mamba2 mixers -- Nemotron-H (``NemotronHForCausalLM``: Mamba2, attention
 without rotary, relu² MLP and sigmoid-routed relu² expert blocks, each its own layer) and Falcon-H1
-(``FalconH1ForCausalLM``: attention beside a Mamba2 mixer in every layer, µP multipliers).
+(``FalconH1ForCausalLM``: attention beside a Mamba2 mixer in every layer, µP multipliers) and
+Zamba2 (``Zamba2ForCausalLM``: Mamba2 layers, some of them first running a shared attention + MLP
+block on the hidden state beside the embeddings, each use with its own KV cache and adapters).
 Shared by the torch and the JAX models (graphrt's torch models implement
 :data:`TORCH_HYBRID_ARCHITECTURES`; the others run on xla only: on the torch backends they go
 through the Transformers backend); framework-free.
@@ -36,7 +38,7 @@ TORCH_HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM"
 HYBRID_ARCHITECTURES = TORCH_HYBRID_ARCHITECTURES + ("MambaForCausalLM", "FalconMambaForCausalLM", "Lfm2ForCausalLM",
                                                      "JambaForCausalLM", "RecurrentGemmaForCausalLM")
 #: The Mamba2 hybrids with JAX models only (on torch backends transformers' model runs, its mixers routed).
-MAMBA2_JAX_ARCHITECTURES = ("NemotronHForCausalLM", "FalconH1ForCausalLM")
+MAMBA2_JAX_ARCHITECTURES = ("NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM")
 HYBRID_ARCHITECTURES += MAMBA2_JAX_ARCHITECTURES
 MAMBA, ATTENTION, DELTA = "mamba", "attention", "gated_delta_net"
 MAMBA1, SHORT_CONV, RG_LRU = "mamba1", "short_conv", "rg_lru"
@@ -50,7 +52,7 @@ class HybridConfig:
     """A hybrid decoder as graphrt's reference models see it. ``layer_kinds``: per layer
     ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1``, ``short_conv``, ``rg_lru``, ``mlp`` or
     ``moe`` (Nemotron-H's feed-forward layers); ``mamba_attention_layers``: Mamba2 layers that attend
-    too (Falcon-H1's)."""
+    too (Falcon-H1's beside the mixer; Zamba2's hybrid layers through their shared block first)."""
 
     architecture: str
     vocab_size: int
@@ -128,6 +130,8 @@ class HybridConfig:
     routed_scaling_factor: float = 1.0            # Nemotron-H's router: sigmoid scores, grouped top-k
     expert_groups: int = 1
     topk_groups: int = 1
+    shared_blocks: int = 0                        # Zamba2: its shared blocks (num_mem_blocks), used in turn
+    shared_attention_adapters: bool = False       # Zamba2: per-use LoRA adapters on q / k / v
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -206,6 +210,8 @@ class HybridConfig:
             return cls(**{**common, "num_hidden_layers": len(fields["layer_kinds"])}, **fields)
         if arch == "FalconH1ForCausalLM":
             return cls(**common, **_falcon_h1(raw))
+        if arch == "Zamba2ForCausalLM":
+            return cls(**common, **_zamba2(raw))
         from graphrt.models.qwen3_next_config import qwen3_next_fields
         return cls(**common, **qwen3_next_fields(raw))
 
@@ -458,6 +464,42 @@ def _falcon_h1(raw: dict[str, Any]) -> dict[str, Any]:
                 intermediate_size=int(raw.get("intermediate_size", 0)), mlp_multipliers=mlp_scales,
                 embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
                 lm_head_multiplier=float(raw.get("lm_head_multiplier", 1.0)))
+
+
+
+def _zamba2(raw: dict[str, Any]) -> dict[str, Any]:
+    """Zamba2's fields: every layer a Mamba2 mixer (``mamba_expand * hidden`` channels, dt clamped
+    at ``time_step_min``, its gated norm's epsilon fixed at 1e-5); the ``hybrid`` layers (of
+    ``layers_block_type``) run shared block ``k % num_mem_blocks`` at their k-th use first: attention
+    over ``[hidden, embeddings]`` (heads of ``2 * hidden / heads``, scaled by ``(head_dim / 2) ** -0.5``,
+    rotary with ``use_mem_rope``) and a gated MLP (``hidden_act``)."""
+    layers, hidden, heads = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    names = list(raw.get("layers_block_type") or [])
+    kinds = [{"mamba": MAMBA, "linear_attention": MAMBA, "hybrid": "hybrid"}.get(n, "") for n in names]
+    if len(kinds) != layers or "" in kinds:
+        raise InputError("layers_block_type", f"{names}: 'mamba' (or 'linear_attention') or 'hybrid' per layer "
+                                              f"({layers})")
+    act = raw.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise InputError("hidden_act", f"{act!r} is not one of {list(ACTIVATIONS)}")
+    inner = int(raw.get("mamba_expand", 2)) * hidden
+    m_heads = int(raw.get("n_mamba_heads", 8))
+    head_dim = 2 * hidden // heads
+    rope = bool(raw.get("use_mem_rope", False))
+    return dict(layer_kinds=(MAMBA,) * layers, mamba_attention_layers=tuple(i for i, k in enumerate(kinds)
+                                                                            if k == "hybrid"),
+                shared_blocks=int(raw.get("num_mem_blocks", 1)),
+                shared_attention_adapters=bool(raw.get("use_shared_attention_adapter", False)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+                attention_scale=(head_dim / 2) ** -0.5, rope_theta=_rope_theta(raw) if rope else None,
+                rotary_dim=head_dim if rope else 0, mamba_heads=m_heads, mamba_head_dim=inner // m_heads,
+                mamba_state=int(raw.get("mamba_d_state", 64)), mamba_groups=int(raw.get("mamba_ngroups", 1)),
+                conv_kernel=int(raw.get("mamba_d_conv", 4)), mamba_intermediate=inner,
+                chunk_size=int(raw.get("chunk_size", 256)), conv_bias=True,
+                mamba_bias=bool(raw.get("add_bias_linear", False)),
+                time_step_limit=(float(raw.get("time_step_min", 0.001)), math.inf), mamba_norm_eps=1e-5,
+                mlp="zamba2", activation=act, intermediate_size=int(raw.get("intermediate_size") or 4 * hidden))
 
 
 __all__ = ["ATTENTION", "DELTA", "FFN", "HYBRID_ARCHITECTURES", "HybridConfig", "MAMBA", "MAMBA1",

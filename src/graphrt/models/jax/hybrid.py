@@ -1,5 +1,5 @@
 """Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba,
-LFM2, Jamba, RecurrentGemma, Nemotron-H and Falcon-H1 over graphrt's paged KV cache and
+LFM2, Jamba, RecurrentGemma, Nemotron-H, Falcon-H1 and Zamba2 over graphrt's paged KV cache and
 recurrent-state cache, for the xla backend.
 
 Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
@@ -245,7 +245,9 @@ def _delta(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array
 
 
 def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.Array, index: int,
-               meta: AttentionMetadata, c: HybridConfig, block_size: int) -> tuple[jax.Array, jax.Array]:
+               meta: AttentionMetadata, c: HybridConfig, block_size: int, use: int = -1) -> tuple[jax.Array, jax.Array]:
+    """One attention layer over the paged cache (``use``: Zamba2's use of a shared block, whose
+    q / k / v adapters it adds)."""
     t, hd = h.shape[0], c.head_dim
     gate = None
     if c.attention_output_gate:
@@ -256,6 +258,9 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
     k = _linear(p, f"{pre}.k_proj", h).reshape(t, c.num_key_value_heads, hd)
     v = _linear(p, f"{pre}.v_proj", h).reshape(t, c.num_key_value_heads, hd)
     k = k * c.key_multiplier if c.key_multiplier != 1.0 else k          # Falcon-H1
+    if use >= 0 and c.shared_attention_adapters:
+        q, k, v = (x + _adapter(p, f"{pre}.linear_{n}_adapter_list.{use}", h).reshape(x.shape)
+                   for n, x in (("q", q), ("k", k), ("v", v)))
     names = _NAMES.get(c.architecture, _Names())
     if c.qk_norm:
         q, k = _norm(p, f"{pre}.{names.q_norm}.weight", q, c), _norm(p, f"{pre}.{names.k_norm}.weight", k, c)
@@ -386,6 +391,41 @@ def _falcon_h1_mlp(p: Params, ff: str, x: jax.Array, c: HybridConfig) -> jax.Arr
 
 
 _MIXERS.update({FFN: _nemotron_mlp, MOE: _nemotron_moe})
+_NAMES["Zamba2ForCausalLM"] = _Names(final_norm="final_layernorm")
+
+
+def _adapter(p: Params, name: str, x: jax.Array) -> jax.Array:
+    """Zamba2's per-use adapter ``up(down x)``; where the checkpoint has none for a use (a block's
+    list holds transformers' ``nn.Identity`` at other blocks' uses), ``x`` itself."""
+    if f"{name}.0.weight" not in p:
+        return x
+    return _linear(p, f"{name}.1", _linear(p, f"{name}.0", x))
+
+
+def _zamba2_layer(p: Params, i: int, x: jax.Array, embeds: jax.Array, positions: jax.Array, kv: jax.Array, a: int,
+                  caches: tuple[jax.Array, ...], meta: AttentionMetadata, sm: rec.StateMeta, c: HybridConfig,
+                  s: dict[str, int], block_size: int) -> tuple[jax.Array, jax.Array, int, tuple[jax.Array, ...]]:
+    """Zamba2's layer ``i``: a hybrid layer's k-th use of shared block ``k % shared_blocks`` (the
+    weights of the layer that first used it: tied) -- attention (KV layer ``a``, the use's
+    adapters) on the normed ``[x, embeddings]``, its gated MLP, the layer's ``linear`` -- added to
+    the Mamba2 mixer's input; the mixer's output added to ``x``. Returns (x, kv, next a, states)."""
+    pre = f"model.layers.{i}"
+    if i in c.mamba_attention_layers:
+        use = c.mamba_attention_layers.index(i)
+        blk = f"model.layers.{c.mamba_attention_layers[use % c.shared_blocks]}.shared_transformer"
+        h = _norm(p, f"{blk}.input_layernorm.weight", jnp.concatenate([x, embeds], axis=-1), c)
+        out, kv = _attention(p, f"{blk}.self_attn", h, positions, kv, a, meta, c, block_size, use=use)
+        h = _norm(p, f"{blk}.pre_ff_layernorm.weight", out, c)
+        ff = f"{blk}.feed_forward"
+        gate_up = _linear(p, f"{ff}.gate_up_proj", h) + _adapter(p, f"{ff}.gate_up_proj_adapter_list.{use}", h)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        shared = _linear(p, f"{pre}.linear", _linear(p, f"{ff}.down_proj", _ACTIVATIONS[c.activation](gate) * up))
+        pre, a = f"{pre}.mamba_decoder", a + 1
+        h = _norm(p, f"{pre}.input_layernorm.weight", x + shared, c)
+    else:
+        h = _norm(p, f"{pre}.input_layernorm.weight", x, c)
+    out, caches = _mamba(p, f"{pre}.mamba", h, caches, sm, c, s)
+    return x + out, kv, a, caches
 
 
 def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Array, meta: AttentionMetadata, *,
@@ -404,9 +444,15 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
     backbone = names.blocks
     x = _get(params, f"{names.root}.{names.embed}.weight")[input_ids]
     x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
+    embeds = x
     a = o = 0                                        # attention layers, state arrays so far
     for i, kind in enumerate(c.layer_kinds):
         pre = f"{names.root}.layers.{i}"
+        if c.shared_blocks:                          # Zamba2
+            x, kv, a, states[o:o + 2] = _zamba2_layer(params, i, x, embeds, positions, kv, a, tuple(states[o:o + 2]),
+                                                      meta, sm, c, s, block_size)
+            o += 2
+            continue
         h = _norm(params, f"{pre}.{names.input_norm}.weight", x, c)
         if kind == ATTENTION:
             out, kv = _attention(params, f"{pre}.{names.attention}", h, positions, kv, a, meta, c, block_size)
