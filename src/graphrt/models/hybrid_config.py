@@ -10,11 +10,16 @@ RMS-normalises dt, B and C), LFM2 (``Lfm2ForCausalLM``: short convolutions and a
 layers, a SwiGLU MLP) and Jamba (``JambaForCausalLM``: Mamba1 layers with weighted dt / B / C
 norms, attention without rotary, experts every ``expert_layer_period``-th layer) and
 RecurrentGemma (``RecurrentGemmaForCausalLM``: RG-LRU blocks and local attention, soft-capped
-logits) and MiniMax (``MiniMaxForCausalLM``: lightning attention and attention layers, every
-MLP experts, residuals from the normed hidden states with per-part factors). Shared by the
-torch and the JAX models (graphrt's torch models implement :data:`TORCH_HYBRID_ARCHITECTURES`;
-the others run on xla only: on the torch backends they go through the Transformers backend);
-framework-free.
+logits), MiniMax (``MiniMaxForCausalLM``: lightning attention and attention layers, every
+MLP experts, residuals from the normed hidden states with per-part factors), and -- with Mamba2
+mixers -- Nemotron-H (``NemotronHForCausalLM``: Mamba2, attention without rotary, relu² MLP and
+sigmoid-routed relu² expert blocks, each its own layer) and Falcon-H1 (``FalconH1ForCausalLM``:
+attention beside a Mamba2 mixer in every layer, µP multipliers) and Zamba2
+(``Zamba2ForCausalLM``: Mamba2 layers, some of them first running a shared attention + MLP block
+on the hidden state beside the embeddings, each use with its own KV cache and adapters).
+Shared by the torch and the JAX models (graphrt's torch models implement
+:data:`TORCH_HYBRID_ARCHITECTURES`; the others run on xla only: on the torch backends they go
+through the Transformers backend); framework-free.
 """
 
 from __future__ import annotations
@@ -35,17 +40,24 @@ TORCH_HYBRID_ARCHITECTURES = ("Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM"
 HYBRID_ARCHITECTURES = TORCH_HYBRID_ARCHITECTURES + ("MambaForCausalLM", "FalconMambaForCausalLM", "Lfm2ForCausalLM",
                                                      "JambaForCausalLM", "RecurrentGemmaForCausalLM",
                                                      "MiniMaxForCausalLM")
+#: The Mamba2 hybrids with JAX models only (on torch backends transformers' model runs, its mixers routed).
+MAMBA2_JAX_ARCHITECTURES = ("NemotronHForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM")
+HYBRID_ARCHITECTURES += MAMBA2_JAX_ARCHITECTURES
 MAMBA, ATTENTION, DELTA = "mamba", "attention", "gated_delta_net"
 MAMBA1, SHORT_CONV, RG_LRU = "mamba1", "short_conv", "rg_lru"
 LIGHTNING = "lightning_attention"
+#: Nemotron-H's feed-forward layers (a norm and an MLP / experts block; no attention, no state).
+FFN, MOE = "mlp", "moe"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
 
 
 @dataclass(frozen=True)
 class HybridConfig:
     """A hybrid decoder as graphrt's reference models see it. ``layer_kinds``: per layer
-    ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1``, ``short_conv``, ``rg_lru`` or
-    ``lightning_attention``."""
+    ``mamba``, ``attention``, ``gated_delta_net``, ``mamba1``, ``short_conv``, ``rg_lru``,
+    ``lightning_attention``, ``mlp`` or ``moe`` (Nemotron-H's feed-forward layers);
+    ``mamba_attention_layers``: Mamba2 layers that attend too (Falcon-H1's beside the mixer;
+    Zamba2's hybrid layers through their shared block first)."""
 
     architecture: str
     vocab_size: int
@@ -111,14 +123,32 @@ class HybridConfig:
     #: MiniMax: the residual of each part is its normed input, ``alpha * normed + beta * out``
     #: with ``(part, alpha, beta)`` per part (a layer kind or "mlp"); empty: ``x + out``.
     residual_factors: tuple[tuple[str, float, float], ...] = ()
+    # Mamba2 hybrids of JAX models only (Nemotron-H, Falcon-H1)
+    mamba_attention_layers: tuple[int, ...] = ()  # Mamba2 layers with attention beside the mixer (Falcon-H1)
+    mamba_gate: str = "norm_gated"                # rmsnorm(y * silu(z)); "gate_after_norm": rmsnorm(y) * silu(z);
+    #                                               "gate": y * silu(z) without norm (Falcon-H1's two options)
+    mamba_in_scale: float = 1.0                   # Falcon-H1's ssm_in_multiplier (on the mixer's input)
+    mamba_proj_scales: tuple[float, ...] = ()     # Falcon-H1's ssm_multipliers: z, x, B, C, dt of in_proj
+    ssm_out_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # Falcon-H1: on the gate's input, on the MLP's output
+    lm_head_multiplier: float = 1.0
+    routed_scaling_factor: float = 1.0            # Nemotron-H's router: sigmoid scores, grouped top-k
+    expert_groups: int = 1
+    topk_groups: int = 1
+    shared_blocks: int = 0                        # Zamba2: its shared blocks (num_mem_blocks), used in turn
+    shared_attention_adapters: bool = False       # Zamba2: per-use LoRA adapters on q / k / v
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == ATTENTION)
+        return tuple(i for i, kind in enumerate(self.layer_kinds)
+                     if kind == ATTENTION or i in self.mamba_attention_layers)
 
     @property
     def state_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind != ATTENTION)
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind not in (ATTENTION, FFN, MOE))
 
     @property
     def conv_dim(self) -> int:
@@ -167,7 +197,7 @@ class HybridConfig:
             raise InputError("architectures", f"{archs} is not one of graphrt's hybrid models {list(HYBRID_ARCHITECTURES)}")
         eos = raw.get("eos_token_id")
         common = dict(architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
-                      num_hidden_layers=int(raw["num_hidden_layers"]),
+                      num_hidden_layers=int(raw.get("num_hidden_layers") or 0),
                       tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                       torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                       max_position_embeddings=int(raw.get("max_position_embeddings") or 1 << 20),
@@ -186,6 +216,13 @@ class HybridConfig:
             return cls(**common, **_recurrent_gemma(raw))
         if arch == "MiniMaxForCausalLM":
             return cls(**common, **_minimax(raw))
+        if arch == "NemotronHForCausalLM":           # its layer count is its block list's length
+            fields = _nemotron_h(raw)
+            return cls(**{**common, "num_hidden_layers": len(fields["layer_kinds"])}, **fields)
+        if arch == "FalconH1ForCausalLM":
+            return cls(**common, **_falcon_h1(raw))
+        if arch == "Zamba2ForCausalLM":
+            return cls(**common, **_zamba2(raw))
         from graphrt.models.qwen3_next_config import qwen3_next_fields
         return cls(**common, **qwen3_next_fields(raw))
 
@@ -387,6 +424,124 @@ def _granite(raw: dict[str, Any]) -> dict[str, Any]:
                 logits_scaling=float(raw.get("logits_scaling", 1.0)))
 
 
-__all__ = ["ATTENTION", "DELTA", "HYBRID_ARCHITECTURES", "HybridConfig", "LIGHTNING", "MAMBA", "MAMBA1", "RG_LRU",
-           "SHORT_CONV",
-           "TORCH_HYBRID_ARCHITECTURES"]
+def _nemotron_h(raw: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's fields: ``layers_block_type`` (or the legacy ``hybrid_override_pattern``,
+    ``M`` / ``*`` / ``-`` / ``E``) gives each layer's one block; its Mamba2 mixers clamp dt below
+    at ``time_step_min`` (transformers' mixer does, whatever ``time_step_limit`` says)."""
+    names = raw.get("layers_block_type") or raw.get("layer_types")
+    if names is None and raw.get("hybrid_override_pattern") is not None:
+        legend = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+        names = [legend.get(ch, ch) for ch in raw["hybrid_override_pattern"]]
+    kinds = tuple({"linear_attention": MAMBA, "mamba": MAMBA, "full_attention": ATTENTION, "attention": ATTENTION,
+                   "mlp": FFN, "moe": MOE}.get(n, "") for n in names or ())
+    if not kinds or "" in kinds:
+        raise InputError("layers_block_type", f"{names}: 'linear_attention', 'full_attention', 'mlp' or 'moe' "
+                                              "per layer")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if raw.get(key, want) != want:
+            raise InputError(key, f"{raw[key]!r} not supported (graphrt's Nemotron-H layers use {want})")
+    if raw.get("moe_latent_size") is not None:
+        raise InputError("moe_latent_size", f"{raw['moe_latent_size']}: latent expert projections are not "
+                                            "implemented in graphrt's Nemotron-H (null only)")
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    m_heads, m_head_dim = int(raw.get("mamba_num_heads", 128)), int(raw.get("mamba_head_dim", 64))
+    eps = float(raw.get("layer_norm_epsilon", 1e-5))
+    experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 0)
+    groups = int(raw.get("n_group") or 1)
+    if MOE in kinds and (experts % groups or experts // groups < 2):
+        raise InputError("n_group", f"{groups} expert groups of {experts} experts: each group needs 2+ experts")
+    return dict(layer_kinds=kinds, rms_norm_eps=eps, num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                mamba_heads=m_heads, mamba_head_dim=m_head_dim, mamba_state=int(raw.get("ssm_state_size", 128)),
+                mamba_groups=int(raw.get("n_groups", 8)), conv_kernel=int(raw.get("conv_kernel", 4)),
+                mamba_intermediate=m_heads * m_head_dim, chunk_size=int(raw.get("chunk_size", 128)),
+                conv_bias=bool(raw.get("use_conv_bias", True)), mamba_bias=bool(raw.get("use_bias", False)),
+                time_step_limit=(float(raw.get("time_step_min", 0.001)), math.inf), mamba_norm_eps=eps,
+                mlp="nemotron_h", activation="relu2", intermediate_size=int(raw.get("intermediate_size", 21504)),
+                shared_intermediate_size=int(raw.get("moe_shared_expert_intermediate_size", 7688)),
+                num_experts=experts, num_experts_per_tok=int(raw.get("num_experts_per_tok", 2)),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)), expert_groups=groups,
+                topk_groups=int(raw.get("topk_group") or 1))
+
+
+def _falcon_h1(raw: dict[str, Any]) -> dict[str, Any]:
+    """Falcon-H1's fields: every layer a Mamba2 mixer with attention beside it, ``mamba_d_ssm``
+    channels (else ``mamba_expand * hidden``), the gated norm's two options, every µP multiplier."""
+    layers, hidden, heads = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    if raw.get("hidden_act", "silu") != "silu":
+        raise InputError("hidden_act", f"{raw['hidden_act']!r} not supported (graphrt's Falcon-H1 layers use silu)")
+    inner = raw.get("mamba_d_ssm")
+    inner = int(inner) if inner is not None else int(raw.get("mamba_expand", 2)) * hidden
+    m_heads = int(raw.get("mamba_n_heads", 128))
+    m_head_dim = int(raw.get("mamba_d_head") or inner // m_heads)
+    if m_heads * m_head_dim != inner:
+        raise InputError("mamba_n_heads", f"{m_heads} heads of {m_head_dim} != mamba_d_ssm {inner}")
+    scales = tuple(float(v) for v in raw.get("ssm_multipliers") or (1.0,) * 5)
+    mlp_scales = tuple(float(v) for v in raw.get("mlp_multipliers") or (1.0, 1.0))
+    if len(scales) != 5 or len(mlp_scales) != 2:
+        raise InputError("ssm_multipliers", f"{scales} / mlp_multipliers {mlp_scales}: 5 and 2 values")
+    gate = ("gate" if not raw.get("mamba_rms_norm", False) else
+            "gate_after_norm" if raw.get("mamba_norm_before_gate", True) else "norm_gated")
+    eps = float(raw.get("rms_norm_eps", 1e-5))
+    return dict(layer_kinds=(MAMBA,) * layers, mamba_attention_layers=tuple(range(layers)), rms_norm_eps=eps,
+                num_attention_heads=heads, num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                attention_bias=bool(raw.get("attention_bias", False)), rope_theta=_rope_theta(raw),
+                rotary_dim=int(raw.get("head_dim") or hidden // heads),
+                mamba_heads=m_heads, mamba_head_dim=m_head_dim, mamba_state=int(raw.get("mamba_d_state", 256)),
+                mamba_groups=int(raw.get("mamba_n_groups", 1)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+                mamba_intermediate=inner, chunk_size=int(raw.get("mamba_chunk_size", 256)),
+                conv_bias=bool(raw.get("mamba_conv_bias", True)), mamba_bias=bool(raw.get("mamba_proj_bias", False)),
+                time_step_limit=_limit(raw), mamba_norm_eps=eps, mamba_gate=gate,
+                mamba_in_scale=float(raw.get("ssm_in_multiplier", 1.0)),
+                mamba_proj_scales=() if scales == (1.0,) * 5 else scales,
+                ssm_out_multiplier=float(raw.get("ssm_out_multiplier", 1.0)),
+                attention_in_multiplier=float(raw.get("attention_in_multiplier", 1.0)),
+                attention_out_multiplier=float(raw.get("attention_out_multiplier", 1.0)),
+                key_multiplier=float(raw.get("key_multiplier", 1.0)), mlp="falcon_h1",
+                intermediate_size=int(raw.get("intermediate_size", 0)), mlp_multipliers=mlp_scales,
+                embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+                lm_head_multiplier=float(raw.get("lm_head_multiplier", 1.0)))
+
+
+
+def _zamba2(raw: dict[str, Any]) -> dict[str, Any]:
+    """Zamba2's fields: every layer a Mamba2 mixer (``mamba_expand * hidden`` channels, dt clamped
+    at ``time_step_min``, its gated norm's epsilon fixed at 1e-5); the ``hybrid`` layers (of
+    ``layers_block_type``) run shared block ``k % num_mem_blocks`` at their k-th use first: attention
+    over ``[hidden, embeddings]`` (heads of ``2 * hidden / heads``, scaled by ``(head_dim / 2) ** -0.5``,
+    rotary with ``use_mem_rope``) and a gated MLP (``hidden_act``)."""
+    layers, hidden, heads = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    names = list(raw.get("layers_block_type") or [])
+    kinds = [{"mamba": MAMBA, "linear_attention": MAMBA, "hybrid": "hybrid"}.get(n, "") for n in names]
+    if len(kinds) != layers or "" in kinds:
+        raise InputError("layers_block_type", f"{names}: 'mamba' (or 'linear_attention') or 'hybrid' per layer "
+                                              f"({layers})")
+    act = raw.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise InputError("hidden_act", f"{act!r} is not one of {list(ACTIVATIONS)}")
+    inner = int(raw.get("mamba_expand", 2)) * hidden
+    m_heads = int(raw.get("n_mamba_heads", 8))
+    head_dim = 2 * hidden // heads
+    rope = bool(raw.get("use_mem_rope", False))
+    return dict(layer_kinds=(MAMBA,) * layers, mamba_attention_layers=tuple(i for i, k in enumerate(kinds)
+                                                                            if k == "hybrid"),
+                shared_blocks=int(raw.get("num_mem_blocks", 1)),
+                shared_attention_adapters=bool(raw.get("use_shared_attention_adapter", False)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+                attention_scale=(head_dim / 2) ** -0.5, rope_theta=_rope_theta(raw) if rope else None,
+                rotary_dim=head_dim if rope else 0, mamba_heads=m_heads, mamba_head_dim=inner // m_heads,
+                mamba_state=int(raw.get("mamba_d_state", 64)), mamba_groups=int(raw.get("mamba_ngroups", 1)),
+                conv_kernel=int(raw.get("mamba_d_conv", 4)), mamba_intermediate=inner,
+                chunk_size=int(raw.get("chunk_size", 256)), conv_bias=True,
+                mamba_bias=bool(raw.get("add_bias_linear", False)),
+                time_step_limit=(float(raw.get("time_step_min", 0.001)), math.inf), mamba_norm_eps=1e-5,
+                mlp="zamba2", activation=act, intermediate_size=int(raw.get("intermediate_size") or 4 * hidden))
+
+
+__all__ = ["ATTENTION", "DELTA", "FFN", "HYBRID_ARCHITECTURES", "HybridConfig", "LIGHTNING", "MAMBA", "MAMBA1",
+           "MAMBA2_JAX_ARCHITECTURES", "MOE", "RG_LRU", "SHORT_CONV", "TORCH_HYBRID_ARCHITECTURES"]

@@ -1,6 +1,6 @@
 """Hybrid decoders in JAX (docs/hybrid.md): Mamba2, Granite-4-H, Qwen3-Next, Mamba, Falcon-Mamba,
-LFM2, Jamba, RecurrentGemma and MiniMax over graphrt's paged KV cache and recurrent-state cache,
-for the xla backend.
+LFM2, Jamba, RecurrentGemma, MiniMax, Nemotron-H, Falcon-H1 and Zamba2 over graphrt's paged KV
+cache and recurrent-state cache, for the xla backend.
 
 Params are the checkpoint's tensors by their transformers names (a flat dict; layers differ in
 kind, so they are not stacked). :func:`forward` follows :class:`graphrt.backends.xla.programs.XlaModel`'s
@@ -23,7 +23,7 @@ import numpy as np
 from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
-from graphrt.models.hybrid_config import (ATTENTION, DELTA, LIGHTNING, MAMBA, MAMBA1, RG_LRU, SHORT_CONV,
+from graphrt.models.hybrid_config import (ATTENTION, DELTA, FFN, LIGHTNING, MAMBA, MAMBA1, MOE, RG_LRU, SHORT_CONV,
                                           HybridConfig)
 from graphrt.layers.jax import recurrent as rec
 from graphrt.layers.jax.paged_attention import AttentionMetadata, cache_paged_attention, write_kv_rows
@@ -34,8 +34,8 @@ Params = dict[str, Any]
 
 @dataclass(frozen=True)
 class _Names:
-    """Where an architecture keeps its tensors: ``backbone`` models (Mamba, Mamba2) are blocks of
-    a norm and a mixer; the others decoder layers of a mixer and an MLP."""
+    """Where an architecture keeps its tensors: ``blocks`` models (Mamba, Mamba2, Nemotron-H) are
+    blocks of a norm and a mixer (named ``mixer``); the others decoder layers of a mixer and an MLP."""
 
     root: str = "model"
     embed: str = "embed_tokens"
@@ -46,9 +46,10 @@ class _Names:
     out_proj: str = "o_proj"
     q_norm: str = "q_norm"
     k_norm: str = "k_norm"
+    blocks: bool = False
 
 
-_BACKBONE = _Names(root="backbone", embed="embeddings", final_norm="norm_f", input_norm="norm")
+_BACKBONE = _Names(root="backbone", embed="embeddings", final_norm="norm_f", input_norm="norm", blocks=True)
 _NAMES = {"Mamba2ForCausalLM": _BACKBONE, "MambaForCausalLM": _BACKBONE, "FalconMambaForCausalLM": _BACKBONE,
           "Lfm2ForCausalLM": _Names(final_norm="embedding_norm", input_norm="operator_norm", post_norm="ffn_norm",
                                     out_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm"),
@@ -57,8 +58,9 @@ _NAMES = {"Mamba2ForCausalLM": _BACKBONE, "MambaForCausalLM": _BACKBONE, "Falcon
                                               post_norm="channel_pre_norm", attention="temporal_block")}
 #: Each recurrent kind's module in a decoder layer (backbone blocks: ``mixer``).
 _MIXER_NAMES = {DELTA: "linear_attn", SHORT_CONV: "conv", RG_LRU: "temporal_block", LIGHTNING: "self_attn"}
-#: The state arrays of each recurrent kind (others: two).
-_STATE_ARRAYS = {SHORT_CONV: 1, LIGHTNING: 1}
+#: The state arrays of each layer kind that is not attention (others: two; Nemotron-H's
+#: feed-forward layers: none).
+_STATE_ARRAYS = {SHORT_CONV: 1, LIGHTNING: 1, FFN: 0, MOE: 0}
 #: RecurrentGemma's activations (``HybridConfig.activation``, transformers' names).
 _ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                 "gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu, "relu": jax.nn.relu}
@@ -140,7 +142,11 @@ def _norm(p: Params, name: str, x: jax.Array, c: HybridConfig, eps: float | None
 def _mamba(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array], sm: rec.StateMeta,
            c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     t = h.shape[0]
-    proj = _linear(p, f"{pre}.in_proj", h)
+    proj = _linear(p, f"{pre}.in_proj", h * c.mamba_in_scale if c.mamba_in_scale != 1.0 else h)
+    if c.mamba_proj_scales:                          # Falcon-H1's µP vector over z | x | B | C | dt
+        widths = (c.mamba_intermediate,) * 2 + (c.mamba_groups * c.mamba_state,) * 2 + (c.mamba_heads,)
+        proj = proj * jnp.repeat(jnp.asarray(c.mamba_proj_scales, proj.dtype), np.asarray(widths),
+                                 total_repeat_length=proj.shape[-1])
     gate, xbc, dt = jnp.split(proj, [c.mamba_intermediate, c.mamba_intermediate + c.conv_dim], axis=-1)
     conv, ssm = caches
     xbc, window = rec.causal_conv1d(xbc, _get(p, f"{pre}.conv1d.weight")[:, 0], p.get(f"{pre}.conv1d.bias"),
@@ -153,10 +159,14 @@ def _mamba(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array
                              -jnp.exp(_get(p, f"{pre}.A_log").astype(jnp.float32)), B.reshape(t, g, n),
                              C.reshape(t, g, n), _get(p, f"{pre}.D"), rec.read_states(ssm, sm), sm,
                              chunk_size=c.chunk_size, checkpoints=s["checkpoints"], uniform=s["uniform"])
-    y = y.reshape(t, -1) * jax.nn.silu(gate.astype(jnp.float32))
-    grouped = y.reshape(t, g, -1)
-    grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + c.mamba_norm_eps)
-    y = _get(p, f"{pre}.norm.weight") * grouped.reshape(t, -1).astype(h.dtype)
+    y, z = y.reshape(t, -1), jax.nn.silu(gate.astype(jnp.float32))
+    if c.mamba_gate == "gate":                       # Falcon-H1 without its norm
+        y = (y * z).astype(h.dtype)
+    else:
+        grouped = (y * z if c.mamba_gate == "norm_gated" else y).reshape(t, g, -1)
+        grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + c.mamba_norm_eps)
+        y = _get(p, f"{pre}.norm.weight") * grouped.reshape(t, -1).astype(h.dtype)
+        y = (y * z).astype(h.dtype) if c.mamba_gate == "gate_after_norm" else y
     return _linear(p, f"{pre}.out_proj", y), (rec.write_states(conv, sm, window), rec.write_states(ssm, sm, states))
 
 
@@ -269,7 +279,9 @@ def _delta(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, jax.Array
 
 
 def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.Array, index: int,
-               meta: AttentionMetadata, c: HybridConfig, block_size: int) -> tuple[jax.Array, jax.Array]:
+               meta: AttentionMetadata, c: HybridConfig, block_size: int, use: int = -1) -> tuple[jax.Array, jax.Array]:
+    """One attention layer over the paged cache (``use``: Zamba2's use of a shared block, whose
+    q / k / v adapters it adds)."""
     t, hd = h.shape[0], c.head_dim
     gate = None
     if c.attention_output_gate:
@@ -279,6 +291,10 @@ def _attention(p: Params, pre: str, h: jax.Array, positions: jax.Array, kv: jax.
         q = _linear(p, f"{pre}.q_proj", h).reshape(t, c.num_attention_heads, hd)
     k = _linear(p, f"{pre}.k_proj", h).reshape(t, c.num_key_value_heads, hd)
     v = _linear(p, f"{pre}.v_proj", h).reshape(t, c.num_key_value_heads, hd)
+    k = k * c.key_multiplier if c.key_multiplier != 1.0 else k          # Falcon-H1
+    if use >= 0 and c.shared_attention_adapters:
+        q, k, v = (x + _adapter(p, f"{pre}.linear_{n}_adapter_list.{use}", h).reshape(x.shape)
+                   for n, x in (("q", q), ("k", k), ("v", v)))
     names = _NAMES.get(c.architecture, _Names())
     if c.qk_norm:
         q, k = _norm(p, f"{pre}.{names.q_norm}.weight", q, c), _norm(p, f"{pre}.{names.k_norm}.weight", k, c)
@@ -328,6 +344,8 @@ def _residual(c: HybridConfig, part: str, x: jax.Array, h: jax.Array, out: jax.A
 def _mlp(p: Params, pre: str, x: jax.Array, c: HybridConfig, layer: int) -> jax.Array:
     if c.mlp == "minimax":
         return _minimax_experts(p, pre, x, c)
+    if c.mlp == "falcon_h1":
+        return _falcon_h1_mlp(p, f"{pre}.feed_forward", x, c)
     if c.mlp == "granite":
         gate, up = jnp.split(_linear(p, f"{pre}.shared_mlp.input_linear", x), 2, axis=-1)
         out = _linear(p, f"{pre}.shared_mlp.output_linear", jax.nn.silu(gate) * up)
@@ -379,6 +397,98 @@ _MIXERS = {MAMBA: _mamba, DELTA: _delta, MAMBA1: _mamba1, SHORT_CONV: _short_con
            LIGHTNING: _lightning}
 
 
+# ---- Nemotron-H and Falcon-H1 (Mamba2 hybrids) ---------------------------------------------------
+
+_NAMES.update({"NemotronHForCausalLM": _Names(root="backbone", embed="embeddings", final_norm="norm_f",
+                                              input_norm="norm", attention="mixer", blocks=True),
+               "FalconH1ForCausalLM": _Names(final_norm="final_layernorm", post_norm="pre_ff_layernorm")})
+_ACTIVATIONS["relu2"] = lambda x: jnp.square(jax.nn.relu(x))
+
+
+def _nemotron_mlp(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
+                  c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Nemotron-H's MLP block: ``down(relu(up x)²)``, no gate, no state."""
+    return _linear(p, f"{pre}.down_proj", _ACTIVATIONS[c.activation](_linear(p, f"{pre}.up_proj", h))), ()
+
+
+def _expert_weights(p: Params, pre: str, name: str, experts: int) -> jax.Array:
+    """``[E, out, in]``: the checkpoint's stacked tensor, or its per-expert ones stacked."""
+    if f"{pre}.experts.{name}" in p:
+        return p[f"{pre}.experts.{name}"]
+    return jnp.stack([_get(p, f"{pre}.experts.{e}.{name}.weight") for e in range(experts)])
+
+
+def _nemotron_moe(p: Params, pre: str, h: jax.Array, caches: tuple[jax.Array, ...], sm: rec.StateMeta,
+                  c: HybridConfig, s: dict[str, int]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Nemotron-H's experts block: sigmoid scores (plus the correction bias for the choice) in
+    ``expert_groups`` groups, the top groups by their two best scores, the top k experts of them
+    weighted by their scores (normalised, times ``routed_scaling_factor``); relu² experts computed
+    densely (static shapes, unrouted ones weighted 0), plus the shared expert."""
+    t, e = h.shape[0], c.num_experts
+    scores = jax.nn.sigmoid(h.astype(jnp.float32) @ _get(p, f"{pre}.gate.weight").astype(jnp.float32).T)
+    choice = scores + p.get(f"{pre}.gate.e_score_correction_bias", jnp.zeros((e,))).astype(jnp.float32)
+    rows = jnp.arange(t)[:, None]
+    if c.expert_groups > 1:
+        best = jax.lax.top_k(choice.reshape(t, c.expert_groups, -1), 2)[0].sum(-1)
+        keep = jnp.zeros_like(best).at[rows, jax.lax.top_k(best, c.topk_groups)[1]].set(1.0)
+        choice = jnp.where(jnp.repeat(keep, e // c.expert_groups, axis=1) > 0, choice, -jnp.inf)
+    index = jax.lax.top_k(choice, c.num_experts_per_tok)[1]
+    top = jnp.take_along_axis(scores, index, axis=1)
+    if c.norm_topk_prob:
+        top = top / (jnp.sum(top, axis=-1, keepdims=True) + 1e-20)
+    weights = jnp.zeros_like(scores).at[rows, index].set(top * c.routed_scaling_factor)
+    act = _ACTIVATIONS[c.activation]
+    hidden = act(jnp.einsum("th,eih->tei", h, _expert_weights(p, pre, "up_proj", e)))
+    experts = jnp.einsum("tei,ehi->teh", hidden, _expert_weights(p, pre, "down_proj", e))
+    out = jnp.einsum("te,teh->th", weights, experts.astype(jnp.float32)).astype(h.dtype)
+    return out + _nemotron_mlp(p, f"{pre}.shared_experts", h, caches, sm, c, s)[0], ()
+
+
+def _falcon_h1_mlp(p: Params, ff: str, x: jax.Array, c: HybridConfig) -> jax.Array:
+    """Falcon-H1's SwiGLU with its two multipliers: ``down(up x * silu(gate_mult * gate x)) * down_mult``."""
+    gate_scale, down_scale = c.mlp_multipliers
+    y = _linear(p, f"{ff}.up_proj", x) * jax.nn.silu(_linear(p, f"{ff}.gate_proj", x) * gate_scale)
+    return _linear(p, f"{ff}.down_proj", y) * down_scale
+
+
+_MIXERS.update({FFN: _nemotron_mlp, MOE: _nemotron_moe})
+_NAMES["Zamba2ForCausalLM"] = _Names(final_norm="final_layernorm")
+
+
+def _adapter(p: Params, name: str, x: jax.Array) -> jax.Array:
+    """Zamba2's per-use adapter ``up(down x)``; where the checkpoint has none for a use (a block's
+    list holds transformers' ``nn.Identity`` at other blocks' uses), ``x`` itself."""
+    if f"{name}.0.weight" not in p:
+        return x
+    return _linear(p, f"{name}.1", _linear(p, f"{name}.0", x))
+
+
+def _zamba2_layer(p: Params, i: int, x: jax.Array, embeds: jax.Array, positions: jax.Array, kv: jax.Array, a: int,
+                  caches: tuple[jax.Array, ...], meta: AttentionMetadata, sm: rec.StateMeta, c: HybridConfig,
+                  s: dict[str, int], block_size: int) -> tuple[jax.Array, jax.Array, int, tuple[jax.Array, ...]]:
+    """Zamba2's layer ``i``: a hybrid layer's k-th use of shared block ``k % shared_blocks`` (the
+    weights of the layer that first used it: tied) -- attention (KV layer ``a``, the use's
+    adapters) on the normed ``[x, embeddings]``, its gated MLP, the layer's ``linear`` -- added to
+    the Mamba2 mixer's input; the mixer's output added to ``x``. Returns (x, kv, next a, states)."""
+    pre = f"model.layers.{i}"
+    if i in c.mamba_attention_layers:
+        use = c.mamba_attention_layers.index(i)
+        blk = f"model.layers.{c.mamba_attention_layers[use % c.shared_blocks]}.shared_transformer"
+        h = _norm(p, f"{blk}.input_layernorm.weight", jnp.concatenate([x, embeds], axis=-1), c)
+        out, kv = _attention(p, f"{blk}.self_attn", h, positions, kv, a, meta, c, block_size, use=use)
+        h = _norm(p, f"{blk}.pre_ff_layernorm.weight", out, c)
+        ff = f"{blk}.feed_forward"
+        gate_up = _linear(p, f"{ff}.gate_up_proj", h) + _adapter(p, f"{ff}.gate_up_proj_adapter_list.{use}", h)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        shared = _linear(p, f"{pre}.linear", _linear(p, f"{ff}.down_proj", _ACTIVATIONS[c.activation](gate) * up))
+        pre, a = f"{pre}.mamba_decoder", a + 1
+        h = _norm(p, f"{pre}.input_layernorm.weight", x + shared, c)
+    else:
+        h = _norm(p, f"{pre}.input_layernorm.weight", x, c)
+    out, caches = _mamba(p, f"{pre}.mamba", h, caches, sm, c, s)
+    return x + out, kv, a, caches
+
+
 def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Array, meta: AttentionMetadata, *,
             config: JaxHybridConfig, block_size: int, state_slots: jax.Array, uniform: int, num_slots: int,
             checkpoints: int) -> tuple[jax.Array, Any]:
@@ -392,12 +502,18 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
                         checkpoints=checkpoints)
     s = {"checkpoints": checkpoints, "uniform": uniform if uniform and t == state_slots.shape[0] * uniform else 0}
     names = _NAMES.get(c.architecture, _Names())
-    backbone = names is _BACKBONE
+    backbone = names.blocks
     x = _get(params, f"{names.root}.{names.embed}.weight")[input_ids]
     x = x * c.embedding_multiplier if c.embedding_multiplier != 1.0 else x
+    embeds = x
     a = o = 0                                        # attention layers, state arrays so far
     for i, kind in enumerate(c.layer_kinds):
         pre = f"{names.root}.layers.{i}"
+        if c.shared_blocks:                          # Zamba2
+            x, kv, a, states[o:o + 2] = _zamba2_layer(params, i, x, embeds, positions, kv, a, tuple(states[o:o + 2]),
+                                                      meta, sm, c, s, block_size)
+            o += 2
+            continue
         h = _norm(params, f"{pre}.{names.input_norm}.weight", x, c)
         if kind == ATTENTION:
             out, kv = _attention(params, f"{pre}.{names.attention}", h, positions, kv, a, meta, c, block_size)
@@ -409,6 +525,11 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
             out, arrays = mixer(params, name, h, tuple(states[o:o + n]), sm, c, s)
             states[o:o + n] = arrays
             o += n
+            if i in c.mamba_attention_layers:         # Falcon-H1: attention beside the mixer, on the same input
+                att, kv = _attention(params, f"{pre}.{names.attention}", h * c.attention_in_multiplier, positions,
+                                     kv, a, meta, c, block_size)
+                out = out * c.ssm_out_multiplier + att * c.attention_out_multiplier
+                a += 1
         x = _residual(c, kind, x, h, out)
         if backbone:
             continue
@@ -418,7 +539,8 @@ def forward(params: Params, cache: Any, input_ids: jax.Array, positions: jax.Arr
 
 
 def compute_logits(params: Params, hidden: jax.Array, *, config: JaxHybridConfig) -> jax.Array:
-    """float32 logits ``[N, V]`` (Granite divides by ``logits_scaling``; RecurrentGemma soft-caps)."""
+    """float32 logits ``[N, V]`` (Granite divides by ``logits_scaling``; RecurrentGemma soft-caps;
+    Falcon-H1 multiplies by ``lm_head_multiplier``)."""
     c = config.hybrid
     head = params.get("lm_head.weight")
     if head is None or c.tie_word_embeddings:
@@ -427,6 +549,7 @@ def compute_logits(params: Params, hidden: jax.Array, *, config: JaxHybridConfig
     logits = (hidden @ head.T).astype(jnp.float32)
     if c.logits_soft_cap > 0:
         logits = jnp.tanh(logits / c.logits_soft_cap) * c.logits_soft_cap
+    logits = logits * c.lm_head_multiplier if c.lm_head_multiplier != 1.0 else logits      # Falcon-H1
     return logits / c.logits_scaling if c.logits_scaling != 1.0 else logits
 
 
