@@ -79,7 +79,8 @@ class XlaBackend(Backend):
     def load_model(self, model_dir: str, dtype: Any = None, *, model_impl: str = "auto",
                    trust_remote_code: bool = False) -> "XlaModel":
         """The JAX reference Llama / Mistral / Qwen3 -- or hybrid Mamba2 / Granite-4-H / Qwen3-Next /
-        Mamba / Falcon-Mamba / LFM2 / Jamba / RecurrentGemma / MiniMax, or Llama 4's text model
+        Mamba / Falcon-Mamba / LFM2 / Jamba / RecurrentGemma / MiniMax / Nemotron-H / Falcon-H1 /
+        Zamba2, or Llama 4's text model
         (docs/hybrid.md) -- of a Hugging Face directory (``model_impl`` "auto" or "graphrt";
         "transformers" runs on torch backends only: ConfigError). graphrt's own models run no
         code of the checkpoint: ``trust_remote_code`` changes nothing here."""
