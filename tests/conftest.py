@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from graphrt.core.inputs import host_kernels  # noqa: E402
+from support import xla_test_cache  # noqa: E402
 from support.fast_subset import CI_EXAMPLES, FAST_EXAMPLES, measured_slow_ids  # noqa: E402
 
 # ``make test`` runs the ``ci`` profile (the default), ``make test-fast`` the ``fast`` one
@@ -24,6 +25,21 @@ from support.fast_subset import CI_EXAMPLES, FAST_EXAMPLES, measured_slow_ids  #
 settings.register_profile("ci", max_examples=CI_EXAMPLES)
 settings.register_profile("fast", max_examples=FAST_EXAMPLES)
 settings.load_profile("ci")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's shared JAX compilation cache (support/xla_test_cache.py)."""
+    xla_test_cache.configure(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    xla_test_cache.unconfigure(config)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture: JAX's cache at the run's directory, whatever the last test did."""
+    xla_test_cache.apply(item)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

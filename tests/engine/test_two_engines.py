@@ -278,6 +278,7 @@ def test_two_xla_engines_generating_at_once_count_only_their_own_compiles():
             llm.close()
 
 
+@pytest.mark.no_session_xla_cache
 def test_a_second_xla_engine_with_another_cache_directory_says_it_moves_the_process_wide_cache(tmp_path, caplog):
     jax = pytest.importorskip("jax")
     from jax.experimental.compilation_cache import compilation_cache as cc

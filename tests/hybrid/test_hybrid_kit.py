@@ -19,7 +19,7 @@ from graphrt.layers.torch.state import backend as state_cache   # where the stat
 from graphrt.testing import state_sweep
 from graphrt.testing.conformance import run_conformance
 from graphrt.testing.runners import RunnerFactory
-from support.hybrid_models import hybrid_model_dir
+from support.hybrid_models import HYBRID_ARCHS, hybrid_model_dir
 
 #: (model, backend, graph mode, speculative tokens): FULL graphs of uniform decode and mixed
 #: steps (FULL), PIECEWISE mixed steps (FULL_AND_PIECEWISE), K+1 verification padding.
@@ -32,10 +32,36 @@ EXAMPLES = 4
 
 
 def _factory(arch: str, backend: str, mode: str, k: int) -> RunnerFactory:
+    """A configuration's runner factory: this module's checkpoints (support/hybrid_models.py) with
+    the sweep's capture sizes and XLA grid; the sweep's other architectures, the sweep's own."""
+    if arch not in HYBRID_ARCHS:
+        return sweep_factory_for(arch, backend, mode, k)
     if backend == "xla":
         return RunnerFactory(str(hybrid_model_dir(arch)), backend, num_speculative_tokens=k, **state_sweep.XLA_GRID)
     return RunnerFactory(str(hybrid_model_dir(arch)), backend, mode=mode, num_speculative_tokens=k,
                          cudagraph_capture_sizes=state_sweep.CAPTURE_SIZES)
+
+
+#: The sweep's own factory (the sweep tests point ``state_sweep.factory_for`` at the shared ones).
+sweep_factory_for = state_sweep.factory_for
+
+
+@pytest.fixture(scope="module")
+def factories():
+    """One runner factory per configuration for the module: the properties' tests and the
+    in-suite sweeps draw on the same warmed-up runners (the kit runs every property and every
+    drawn step of a configuration on one runner anyway) instead of building and warming up each
+    configuration twice. The sweep's state property is exact (which state entries a step wrote),
+    so it holds on any weights; ``python -m graphrt.testing.state_sweep`` keeps its own."""
+    made: dict[tuple, RunnerFactory] = {}
+
+    def get(arch: str, backend: str, mode: str, k: int) -> RunnerFactory:
+        key = (arch, backend, mode, k)
+        if key not in made:
+            made[key] = _factory(*key)
+        return made[key]
+    yield get
+    made.clear()
 
 
 def _run(factory: RunnerFactory, examples: int, seed: int = 0) -> list:
@@ -47,8 +73,8 @@ def _run(factory: RunnerFactory, examples: int, seed: int = 0) -> list:
 
 
 @pytest.mark.parametrize("arch,backend,mode,k", CONFIGS)
-def test_every_property_holds_on_hybrid_models(arch, backend, mode, k):
-    results = _run(_factory(arch, backend, mode, k), EXAMPLES)
+def test_every_property_holds_on_hybrid_models(arch, backend, mode, k, factories):
+    results = _run(factories(arch, backend, mode, k), EXAMPLES)
     status = {r.name: r.status for r in results}
     assert status["state_isolated"] == "PASS" and status["kv_isolated"] == "PASS"
 
@@ -57,7 +83,8 @@ def test_every_property_holds_on_hybrid_models(arch, backend, mode, k):
 SAMPLE = ("mamba2", "cpu", "FULL_AND_PIECEWISE", 2)
 
 
-def test_the_state_sweep_draws_every_kind_and_finds_no_violation():
+def test_the_state_sweep_draws_every_kind_and_finds_no_violation(factories, monkeypatch):
+    monkeypatch.setattr(state_sweep, "factory_for", factories)
     lines = state_sweep.run_sweep(40, configs=[(*SAMPLE, 1)], report=None)
     assert [x.violation for x in lines] == [None] and lines[0].steps == 40
     kinds = lines[0].kinds
@@ -79,9 +106,11 @@ def test_the_state_sweep_finds_padded_writes_into_a_live_slot(monkeypatch):
 
 
 @pytest.mark.slow
-def test_state_sweep_400_steps():
+def test_state_sweep_400_steps(factories, monkeypatch):
     """400 drawn steps (``GRAPHRT_HYBRID_SWEEP``: more) over every sweep configuration;
-    docs/hybrid.md records the 10,000-step run of ``python -m graphrt.testing.state_sweep``."""
+    docs/hybrid.md records the 10,000-step run of ``python -m graphrt.testing.state_sweep``.
+    The configurations the properties' tests above share run on their runners."""
+    monkeypatch.setattr(state_sweep, "factory_for", factories)
     total = int(os.environ.get("GRAPHRT_HYBRID_SWEEP", "400"))
     lines = state_sweep.run_sweep(total, report=None)
     assert [x.line() for x in lines if x.violation] == []
