@@ -53,7 +53,7 @@ def test_a_step_crosses_the_documented_files(model_dir: str, backend: str, sampl
 #: kernels of other devices (docs/architecture.md, 'One engine step, file by file').
 NOT_AT_CONSTRUCTION = {"core/lora.py", "core/inputs/extra_inputs.py", "core/future_tokens.py",
                        "runner/capture_plan.py", "runner/warmup_plan.py", "backends/torch/capture/graph_builder.py",
-                       "backends/torch/capture/fx_split.py", "backends/torch/recording_graph.py",
+                       "backends/torch/recording_graph.py",
                        "layers/torch/attention/ascend_attention.py", "backends/torch/sampling/flashinfer_sampling.py",
                        "backends/xla/weights.py", "backends/xla/prompt_logprobs.py"}
 

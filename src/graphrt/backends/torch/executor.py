@@ -220,10 +220,12 @@ class TorchExecutor(Executor[TorchEntry]):
 
     @functools.cached_property
     def capabilities(self) -> Capabilities:  # type: ignore[override]
-        """What it can do; ``supports_piecewise``, decided on the first read (the fx split is
-        traced here only where breakable capture is not an option): PIECEWISE graphs need a graph
-        API and a model that splits at its attention calls (fx) or declares them (breakable)."""
-        piecewise = self.graph_api is not None and self.pieces.available
+        """What it can do; ``supports_piecewise``, decided on the first read (it may need the fx
+        split): PIECEWISE graphs need a graph API and a model that splits at its attention calls
+        (fx) or declares them (breakable). The fx trace runs here, on the thread building the
+        runner, never later on a background capture thread: tracing patches ``nn.Module.__call__``
+        process-wide, so another engine's forward on another thread would run through the tracer."""
+        piecewise = self.graph_api is not None and self.pieces.capture is not None
         return dataclasses.replace(self._declared, supports_piecewise=piecewise)
 
 

@@ -67,17 +67,6 @@ class PiecewiseCapture:
             return "breakable"
         return None
 
-    @property
-    def available(self) -> bool:
-        """Whether PIECEWISE graphs can be captured here at all (what the graph mode is resolved
-        with): without tracing where a breakable capture is allowed and the model has layers to
-        break at, since then :attr:`capture` is fx or breakable; the first capture decides which."""
-        cfg = self.config
-        if self.graph_api is not None and cfg.collectives != "eager" and cfg.piecewise_capture != "fx" \
-                and _break_layers(self.model):
-            return True
-        return self.capture is not None
-
     def compiles(self, num_tokens: int) -> bool:
         """Whether a graph of ``num_tokens`` tokens is captured from compiled pieces."""
         return self.compile_note() is None and self.config.compile_model \
