@@ -19,17 +19,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 from support.triton_interpreter import INTERPRETER_PROBLEM  # sets TRITON_INTERPRET first
 
 import graphrt
 from graphrt.core.state_spec import StateGroup, StateTensor
 from graphrt.layers.torch.state import triton_recurrent
-from graphrt.layers.torch.state.metadata import build_state_metadata
 from graphrt.layers.torch.state.rg_lru import rg_lru_scan
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
 from support.hybrid_parity import reference_logits, routed_runner, run_routed_schedule
+from support.state_steps import state_layouts, state_meta
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,24 +42,12 @@ SLOTS, CHECKPOINTS, WIDTH = 4, 2, 6
 interpreted = pytest.mark.skipif(INTERPRETER_PROBLEM is not None, reason=f"Triton interpreter: {INTERPRETER_PROBLEM}")
 
 
-@st.composite
-def _layouts(draw):
-    """A step: per request (new tokens, computed tokens, slot or -1 for padded), padded tokens after."""
-    n = draw(st.integers(1, 4))
-    slots = draw(st.permutations(range(SLOTS)))[:n]
-    reqs = [(draw(st.integers(0, 5)), draw(st.integers(0, 9)), s if draw(st.booleans()) or i == 0 else -1)
-            for i, s in enumerate(slots)]
-    reqs = [(max(q, i == 0) if s >= 0 else 0, c if s >= 0 else 0, s) for i, (q, c, s) in enumerate(reqs)]
-    return reqs, draw(st.integers(0, 3)), draw(st.integers(0, 2**16))
+def _layouts():
+    return state_layouts(SLOTS, 5)
 
 
 def _meta(reqs, pad, uniform=0):
-    lens = [q for q, _, _ in reqs]
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
-    total = int(qsl[-1]) + pad
-    return build_state_metadata(qsl, torch.tensor([c for _, c, _ in reqs], dtype=torch.int32),
-                                torch.tensor([s for _, _, s in reqs], dtype=torch.int32), total,
-                                num_slots=SLOTS, checkpoints=CHECKPOINTS, uniform_query_len=uniform), total
+    return state_meta(reqs, pad, slots=SLOTS, checkpoints=CHECKPOINTS, uniform=uniform)
 
 
 def _loop(a, b, init, meta):
