@@ -166,6 +166,23 @@ def ssd_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Arr
     return y + D.astype(jnp.float32)[None, :, None] * xf, states
 
 
+def _decayed_states(cum: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, at: jax.Array,
+                    lane: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A chunk's states of ``S <- exp(g) S + k v^T`` (gated delta rule: ``v`` its corrected
+    values; lightning attention: its values): at each checkpoint position ``at [R + 1, C]`` and
+    at the chunk's end, from the state before it and the cumulative log decay ``cum [R + 1, H, L]``
+    (``k [R + 1, H, L, Dk]``, ``v [R + 1, H, L, Dv]``, ``state [R + 1, H, Dk, Dv]``)."""
+    heads, checkpoints = cum.shape[1], at.shape[1]
+    cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[:, None, :], (at.shape[0], heads, checkpoints)), axis=2)
+    weights = jnp.exp(jnp.where(lane[None, None, None, :] <= at[:, None, :, None],
+                                cum_at[..., None] - cum[:, :, None, :], -jnp.inf))   # [R+1, H, C, L]
+    at_state = jnp.einsum("rhcs,rhsk,rhsv->rchkv", weights, k, v) + \
+        jnp.swapaxes(jnp.exp(cum_at), 1, 2)[..., None, None] * state[:, None]
+    to_end = jnp.exp(cum[..., -1:] - cum)
+    end = jnp.exp(cum[..., -1])[..., None, None] * state + jnp.swapaxes(k * to_end[..., None], -1, -2) @ v
+    return at_state, end
+
+
 def _chunked_scan(init: jax.Array, meta: StateMeta, num_tokens: int, size: int, checkpoints: int,
                   y_shape: tuple[int, ...], step: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
                   ) -> tuple[jax.Array, jax.Array]:
@@ -265,13 +282,7 @@ def _delta_chunked(q, k, v, g, beta, init, meta, size, checkpoints):
                                                           unit_diagonal=True)
         fresh = solve(vh * bk[..., None]) - solve(kb * jnp.exp(cum)[..., None]) @ state
         yk = (qh * jnp.exp(cum)[..., None]) @ state + ((qh @ jnp.swapaxes(kh, -1, -2)) * decay) @ fresh
-        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[:, None, :], (at.shape[0], h, checkpoints)), axis=2)
-        weights = jnp.exp(jnp.where(lane[None, None, None, :] <= at[:, None, :, None],
-                                    cum_at[..., None] - cum[:, :, None, :], -jnp.inf))   # [R+1, H, C, L]
-        at_state = jnp.einsum("rhcs,rhsk,rhsv->rchkv", weights, kh, fresh) + \
-            jnp.swapaxes(jnp.exp(cum_at), 1, 2)[..., None, None] * state[:, None]
-        to_end = jnp.exp(cum[..., -1:] - cum)
-        end = jnp.exp(cum[..., -1])[..., None, None] * state + jnp.swapaxes(kh * to_end[..., None], -1, -2) @ fresh
+        at_state, end = _decayed_states(cum, kh, fresh, state, at, lane)
         return jnp.swapaxes(yk, 1, 2), at_state, end
 
     return _chunked_scan(init, meta, t, size, checkpoints, (h, dv), step)
@@ -386,13 +397,7 @@ def _lightning_chunked(q, k, v, slope, init, meta, size, checkpoints):
         cum = jnp.cumsum(jnp.where(valid[:, None, :], -slope[None, :, None], 0.0), axis=-1)   # [R + 1, H, L]
         decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
         yk = (qh * jnp.exp(cum)[..., None]) @ state + ((qh @ jnp.swapaxes(kh, -1, -2)) * decay) @ vh
-        cum_at = jnp.take_along_axis(cum, jnp.broadcast_to(at[:, None, :], (at.shape[0], h, checkpoints)), axis=2)
-        weights = jnp.exp(jnp.where(lane[None, None, None, :] <= at[:, None, :, None],
-                                    cum_at[..., None] - cum[:, :, None, :], -jnp.inf))   # [R+1, H, C, L]
-        at_state = jnp.einsum("rhcs,rhsk,rhsv->rchkv", weights, kh, vh) + \
-            jnp.swapaxes(jnp.exp(cum_at), 1, 2)[..., None, None] * state[:, None]
-        to_end = jnp.exp(cum[..., -1:] - cum)
-        end = jnp.exp(cum[..., -1])[..., None, None] * state + jnp.swapaxes(kh * to_end[..., None], -1, -2) @ vh
+        at_state, end = _decayed_states(cum, kh, vh, state, at, lane)
         return jnp.swapaxes(yk, 1, 2), at_state, end
 
     return _chunked_scan(init, meta, t, size, checkpoints, (h, dv), step)
