@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphrt.core.errors import InputError
 from graphrt.core.kv_spec import KVCacheSpec
 from graphrt.core.state_spec import StateSpec
 from graphrt.models.hybrid_config import (ATTENTION, DELTA, FFN, LIGHTNING, MAMBA, MAMBA1, MOE, RG_LRU, SHORT_CONV,
                                           HybridConfig)
 from graphrt.layers.jax import recurrent as rec
 from graphrt.layers.jax.paged_attention import AttentionMetadata, cache_paged_attention, write_kv_rows
+from graphrt.models.jax.loader import flat_linear as _linear, flat_param as _get, read_flat_params
 from graphrt.models.jax.decoder import apply_rotary, rms_norm, rotary_cos_sin
 
 Params = dict[str, Any]
@@ -100,9 +100,7 @@ class JaxHybridConfig:
 def load_hybrid_params(model_dir: str | os.PathLike, config: HybridConfig, dtype: Any) -> Params:
     """Every checkpoint tensor, by name, as a ``dtype`` array (the forward reads what it needs; a
     missing one is an InputError naming it, at trace time)."""
-    from graphrt.models.jax.loader import read_checkpoint
-    tensors = read_checkpoint(model_dir)
-    params = {name: jnp.asarray(np.asarray(t).astype(np.float32)).astype(dtype) for name, t in tensors.items()}
+    params = read_flat_params(model_dir, dtype)
     params.update({name: jnp.asarray(rate) for name, rate in _lightning_slopes(config).items()
                    if name not in params})
     return params
@@ -117,17 +115,6 @@ def _lightning_slopes(c: HybridConfig) -> dict[str, np.ndarray]:
     rates = base ** np.arange(1, heads + 1, dtype=np.float32)
     return {f"model.layers.{i}.self_attn.slope_rate": (rates * (1 - i / (layers - 1 + 1e-5) + 1e-5)).astype(np.float32)
             for i, kind in enumerate(c.layer_kinds) if kind == LIGHTNING}
-
-
-def _get(p: Params, name: str) -> jax.Array:
-    if name not in p:
-        raise InputError(name, "missing from checkpoint")
-    return p[name]
-
-
-def _linear(p: Params, name: str, x: jax.Array) -> jax.Array:
-    out = x @ _get(p, f"{name}.weight").T
-    return out + p[f"{name}.bias"] if f"{name}.bias" in p else out
 
 
 def _norm(p: Params, name: str, x: jax.Array, c: HybridConfig, eps: float | None = None) -> jax.Array:

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphrt.core.errors import InputError
 from graphrt.layers.jax.paged_attention import AttentionMetadata, cache_paged_attention, write_kv_rows
+from graphrt.models.jax.loader import flat_linear as _linear, flat_param as _get, read_flat_params
 from graphrt.models.jax.decoder import rms_norm
 from graphrt.models.llama4_config import Llama4Config
 
@@ -33,20 +33,7 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximat
 def load_llama4_params(model_dir: str | os.PathLike, dtype: Any) -> Params:
     """Every checkpoint tensor, by name, as a ``dtype`` array (a missing one the forward reads is
     an InputError naming it, at trace time)."""
-    from graphrt.models.jax.loader import read_checkpoint
-    return {name: jnp.asarray(np.asarray(t).astype(np.float32)).astype(dtype)
-            for name, t in read_checkpoint(model_dir).items()}
-
-
-def _get(p: Params, name: str) -> jax.Array:
-    if name not in p:
-        raise InputError(name, "missing from checkpoint")
-    return p[name]
-
-
-def _linear(p: Params, name: str, x: jax.Array) -> jax.Array:
-    out = x @ _get(p, f"{name}.weight").T
-    return out + p[f"{name}.bias"] if f"{name}.bias" in p else out
+    return read_flat_params(model_dir, dtype)
 
 
 def interleaved_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:

@@ -276,3 +276,24 @@ def load_jax_params(model_dir: str | os.PathLike, dtype: Any = jnp.float32) -> t
     config = DecoderConfig.from_dir(model_dir)
     files = tensor_files(model_dir)
     return config, params_from_hf_tensors(config, read_checkpoint(model_dir), dtype, files)
+
+
+def read_flat_params(model_dir: str | os.PathLike, dtype: Any) -> Params:
+    """Every checkpoint tensor, by its name, as a ``dtype`` array: the params of graphrt's JAX
+    models whose layers differ in kind (hybrid, Llama 4), read by name in the forward."""
+    return {name: jnp.asarray(np.asarray(t).astype(np.float32)).astype(dtype)
+            for name, t in read_checkpoint(model_dir).items()}
+
+
+def flat_param(p: Params, name: str) -> jax.Array:
+    """``p[name]``, or an InputError naming the tensor the checkpoint lacks (at trace time)."""
+    if name not in p:
+        raise InputError(name, "missing from checkpoint")
+    return p[name]
+
+
+def flat_linear(p: Params, name: str, x: jax.Array) -> jax.Array:
+    """``x @ W^T (+ b)`` with ``name``'s weight and, where the checkpoint has one, its bias."""
+    out = x @ flat_param(p, f"{name}.weight").T
+    return out + p[f"{name}.bias"] if f"{name}.bias" in p else out
+
