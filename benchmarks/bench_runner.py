@@ -15,8 +15,8 @@ Runner overhead per decode step at batch 64 = (time of ``execute``) - (time of t
 executor's forward and sampler work, ``executor.run`` + ``executor.sample``), taken per
 step from ``perf_counter_ns`` stamps around those two calls inside ``execute`` and
 reported as the median over many steps. A second, fully instrumented pass times every
-stage of ``execute`` (check, write + pad, run, record, sample; dispatch and cache lookup
-are planned once per step shape) to
+stage of ``execute`` (check, write + pad, run, sample; dispatch, cache lookup and the step's
+statistics are planned once per step shape) to
 show where the host time goes. Target: the runner adds at most 50 us per decode step.
 
 Run: ``python benchmarks/bench_runner.py [--quick]`` or ``graphrt bench``.
@@ -63,8 +63,6 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("preparer.check", "preparer", "check"),
     ("preparer.write (+ pad)", "preparer", "write"),
     ("executor.run", "executor", "run"),
-    ("record_step", "cache", "record_step"),
-    ("sampler_cache.record_step", "sampler_cache", "record_step"),
     ("executor.sample", "executor", "sample"),
 )
 EXECUTOR_STAGES = ("executor.run", "executor.sample")

@@ -67,9 +67,10 @@ def test_building_a_runner_crosses_the_documented_files(model_dir: str, backend:
 
 
 #: Above the bounds today (docs/architecture.md names the files that put them there): every
-#: step and construction. The bounds stay targets; this list says which are met and fails the
-#: day one is met without being taken off it, or a met one is lost.
-OVER_STEP = {(b, s) for b in BACKENDS for s in SAMPLINGS}
+#: step but a greedy one on ``cpu`` and ``xla``, and every construction. The bounds stay targets;
+#: this list says which are met and fails the day one is met without being taken off it, or a
+#: met one is lost.
+OVER_STEP = {(b, s) for b in BACKENDS for s in SAMPLINGS} - {("cpu", "greedy"), ("xla", "greedy")}
 OVER_CONSTRUCTION = set(BACKENDS)
 
 

@@ -5,6 +5,11 @@ executable); the cache counts hits and misses, warm-up cost per key, real versus
 tokens, eager steps and tokens by cause (:class:`~graphrt.core.eager.EagerCause`) and their
 reasons, and enforces strict mode: once warm-up is over, a
 miss raises :class:`~graphrt.core.errors.CacheMissError` naming the key and why.
+
+A step is counted with :meth:`GraphCache.record_step`, or, where every step of a kind records
+the same figures (a runner's remembered plan), with a :class:`StepTally` made once by
+:meth:`GraphCache.tally`: the step adds one to its ``steps`` and the cache folds the tallies
+into its :class:`CacheStats` whenever ``stats`` is read.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Hashable, Iterable, Iterator, TypeVar
 
@@ -145,6 +151,24 @@ class CacheStats:
                 f"of tokens, padding waste {100 * self.padding_waste:.1f}%")
 
 
+@dataclass(eq=False, slots=True)
+class StepTally:
+    """The figures every step of one kind records (what :meth:`GraphCache.record_step` takes),
+    made and checked once by :meth:`GraphCache.tally`; a step of that kind only adds one to
+    ``steps``, and the cache folds ``steps - folded`` into its statistics when they are read."""
+
+    real_tokens: int
+    padded_tokens: int
+    real_reqs: int
+    padded_reqs: int
+    eager_reason: str | None
+    eager_cause: EagerCause | None
+    key: Hashable | None
+    hit: bool
+    steps: int = 0                     # steps of this kind counted (the step's one write)
+    folded: int = 0                    # of which the cache's statistics hold
+
+
 class GraphCache(Generic[E]):
     """Entries by key. ``strict``: after :meth:`seal`, a miss raises ``CacheMissError``.
 
@@ -154,12 +178,22 @@ class GraphCache(Generic[E]):
     def __init__(self, *, strict: bool = False) -> None:
         self.strict = strict
         self.sealed = False
-        self.stats = CacheStats()
+        self._stats = CacheStats()
+        #: The step tallies (:meth:`tally`) by their figures, folded into ``_stats`` under ``_lock``.
+        self._tallies: dict[tuple, StepTally] = {}
+        self._lock = threading.RLock()
         #: Bumped by every change of the entries or of ``sealed`` (for callers that memoise lookups).
         self.version = 0
         self._entries: dict[Hashable, E] = {}
         #: The keys warm-up was asked to build (:meth:`plan`; empty: sealing is :meth:`seal`'s alone).
         self.planned: frozenset[Hashable] = frozenset()
+
+    @property
+    def stats(self) -> CacheStats:
+        """The statistics, every step counted so far included (the tallies folded in first)."""
+        if self._tallies:
+            self.fold()
+        return self._stats
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -176,9 +210,11 @@ class GraphCache(Generic[E]):
     def put(self, key: Hashable, entry: E, *, seconds: float = 0.0, nbytes: int = 0) -> None:
         """Store a built entry and what it cost; after warm-up it counts as unplanned."""
         if self.sealed:
-            self.stats.unplanned_builds += 1
+            self._stats.unplanned_builds += 1
+        if self._tallies:
+            self.fold()                 # the hits so far go to the entry this one replaces
         self._entries[key] = entry
-        self.stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
+        self._stats.per_key[key] = EntryStats(build_seconds=seconds, build_bytes=int(nbytes))
         self.version += 1
         self._seal_if_planned()
 
@@ -210,7 +246,7 @@ class GraphCache(Generic[E]):
         strict mode, else logged and counted in ``stats.unplanned_builds``."""
         if self.sealed:
             self.check_build(key, reason)
-            self.stats.unplanned_builds += 1
+            self._stats.unplanned_builds += 1
 
     def put_failed(self, key: Hashable, reason: str, *, seconds: float = 0.0) -> FailedBuild:
         """Record that ``key``'s build failed: its entry is a :class:`FailedBuild` (the step
@@ -218,8 +254,8 @@ class GraphCache(Generic[E]):
         the report and ``stats.failed_builds`` show it."""
         entry = FailedBuild(reason)
         self.put(key, entry, seconds=seconds)  # type: ignore[arg-type]
-        self.stats.per_key[key].failed = reason
-        self.stats.failed_builds += 1
+        self._stats.per_key[key].failed = reason
+        self._stats.failed_builds += 1
         return entry
 
     def get(self, key: Hashable, *, reason: str | Callable[[], str] = "") -> E | None:
@@ -245,14 +281,15 @@ class GraphCache(Generic[E]):
 
     def count(self, key: Hashable, hit: bool) -> None:
         """Count one use of ``key``: a hit (it has an entry) or a miss."""
-        if hit:
-            per_key = self.stats.per_key.get(key)
-            if per_key is None:
-                raise GraphrtError(f"GraphCache.count: a hit on {describe_key(key)}, which has no entry")
-            self.stats.hits += 1
-            per_key.hits += 1
-        else:
-            self.stats.misses += 1
+        with self._lock:
+            if hit:
+                per_key = self._stats.per_key.get(key)
+                if per_key is None:
+                    raise GraphrtError(f"GraphCache.count: a hit on {describe_key(key)}, which has no entry")
+                self._stats.hits += 1
+                per_key.hits += 1
+            else:
+                self._stats.misses += 1
 
     def seal(self) -> None:
         """Warm-up is over: from now on a build is unplanned, and strict mode raises on a miss."""
@@ -271,7 +308,7 @@ class GraphCache(Generic[E]):
         it had no entry."""
         if self._entries.pop(key, None) is None:
             return False
-        self.stats.retired += 1
+        self._stats.retired += 1
         self.version += 1
         return True
 
@@ -281,10 +318,10 @@ class GraphCache(Generic[E]):
         if key not in self._entries:
             raise GraphrtError(f"GraphCache.replace: {describe_key(key)} has no entry")
         self._entries[key] = entry
-        stats = self.stats.per_key.setdefault(key, EntryStats())
+        stats = self._stats.per_key.setdefault(key, EntryStats())
         stats.build_seconds += seconds
         stats.build_bytes = int(nbytes)
-        self.stats.recaptured += 1
+        self._stats.recaptured += 1
         self.version += 1
 
     def record_step(self, *, real_tokens: int, padded_tokens: int, real_reqs: int,
@@ -294,33 +331,89 @@ class GraphCache(Generic[E]):
         """Account one step's padding (and, if it ran eagerly, why: ``eager_reason`` in words,
         ``eager_cause`` its :class:`EagerCause`, which an eager step must have; its real tokens
         count as eager); with ``key``, also count the step's lookup of it (see :meth:`count`) --
-        except a key whose capture failed, which is counted under ``capture_failed``, not as a miss."""
+        except a key whose capture failed, which is counted under ``capture_failed``, not as a miss.
+        Steps that all record the same figures count faster through a :meth:`tally`."""
+        figures = (real_tokens, padded_tokens, real_reqs, padded_reqs, eager_reason, eager_cause, key, hit)
+        with self._lock:
+            self._check_step(*figures)
+            self._account(1, *figures)
+
+    def tally(self, *, real_tokens: int, padded_tokens: int, real_reqs: int, padded_reqs: int,
+              eager_reason: str | None = None, eager_cause: EagerCause | None = None,
+              key: Hashable | None = None, hit: bool = False) -> StepTally:
+        """A :class:`StepTally` of steps that each record these figures (:meth:`record_step`'s,
+        checked now as it checks them): a step adds one to its ``steps``, nothing else. Tallies
+        of equal figures are one object, so there are no more of them than kinds of step."""
+        figures = (real_tokens, padded_tokens, real_reqs, padded_reqs, eager_reason, eager_cause, key, hit)
+        with self._lock:
+            found = self._tallies.get(figures)
+            if found is None:
+                self._check_step(*figures)
+                found = self._tallies[figures] = StepTally(*figures)
+            return found
+
+    def record_as(self, tally: StepTally, *, real_tokens: int, real_reqs: int) -> None:
+        """Account one step of ``tally``'s kind that had other real sizes (:meth:`record_step`
+        with the tally's figures but these): a dummy step, a data-parallel step run at the group's
+        agreed shape."""
+        self.record_step(real_tokens=real_tokens, padded_tokens=tally.padded_tokens, real_reqs=real_reqs,
+                         padded_reqs=tally.padded_reqs, eager_reason=tally.eager_reason,
+                         eager_cause=tally.eager_cause, key=tally.key, hit=tally.hit)
+
+    def fold(self) -> None:
+        """Add every tally's steps since the last fold to the statistics (``stats`` does, when read).
+        A step counting while this runs is never lost: what a tally counted after its read here
+        is folded next time."""
+        with self._lock:
+            for t in self._tallies.values():
+                n = t.steps
+                if n != t.folded:
+                    self._account(n - t.folded, t.real_tokens, t.padded_tokens, t.real_reqs, t.padded_reqs,
+                                  t.eager_reason, t.eager_cause, t.key, t.hit)
+                    t.folded = n
+
+    def release_tallies(self) -> None:
+        """Fold the tallies and forget them: for their maker, once nothing counts on them any more
+        (a runner's plan memo dropped its plans), so their number stays bounded like its memo."""
+        with self._lock:
+            self.fold()
+            self._tallies.clear()
+
+    def _check_step(self, real_tokens: int, padded_tokens: int, real_reqs: int, padded_reqs: int,
+                    eager_reason: str | None, eager_cause: EagerCause | None, key: Hashable | None,
+                    hit: bool) -> None:
+        """Refuse a step's figures that cannot be counted: an eager step without a cause, a hit
+        on a key without an entry."""
         if eager_reason is not None and eager_cause is None:
             raise GraphrtError(f"an eager step without a cause ({eager_reason}): every eager step is "
                                "counted under one EagerCause (graphrt.core.eager)")
-        s = self.stats
-        s.steps += 1
-        s.real_tokens += real_tokens
-        s.padded_tokens += padded_tokens
-        s.real_reqs += real_reqs
-        s.padded_reqs += padded_reqs
+        if key is not None and hit and key not in self._stats.per_key:
+            raise GraphrtError(f"GraphCache.count: a hit on {describe_key(key)}, which has no entry")
+
+    def _account(self, n: int, real_tokens: int, padded_tokens: int, real_reqs: int, padded_reqs: int,
+                 eager_reason: str | None, eager_cause: EagerCause | None, key: Hashable | None,
+                 hit: bool) -> None:
+        """Add ``n`` steps of these (checked) figures to the statistics (the lock held)."""
+        s = self._stats
+        s.steps += n
+        s.real_tokens += n * real_tokens
+        s.padded_tokens += n * padded_tokens
+        s.real_reqs += n * real_reqs
+        s.padded_reqs += n * padded_reqs
         if eager_reason is not None:
-            s.eager_steps += 1
-            s.eager_tokens += real_tokens
-            s.eager_reasons[eager_reason] += 1
+            s.eager_steps += n
+            s.eager_tokens += n * real_tokens
+            s.eager_reasons[eager_reason] += n
             by_cause = s.eager_by_cause[eager_cause]
-            by_cause.steps += 1
-            by_cause.tokens += real_tokens
+            by_cause.steps += n
+            by_cause.tokens += n * real_tokens
         if key is None:
             return
-        if hit:                         # :meth:`count`, inline: every step counts its lookup here
-            per_key = s.per_key.get(key)
-            if per_key is None:
-                raise GraphrtError(f"GraphCache.count: a hit on {describe_key(key)}, which has no entry")
-            s.hits += 1
-            per_key.hits += 1
+        if hit:                         # :meth:`count`'s, for n steps
+            s.hits += n
+            s.per_key[key].hits += n
         elif eager_reason is None or eager_cause is not EagerCause.CAPTURE_FAILED:
-            s.misses += 1               # a failed capture is no miss: it counts under its cause
+            s.misses += n               # a failed capture is no miss: it counts under its cause
 
     def record_call(self, key: Hashable, *, hit: bool | None, num_tokens: int | None = None,
                     num_reqs: int | None = None, eager_cause: EagerCause | None = None,

@@ -82,7 +82,7 @@ class ServingKeys:
         memo is cleared and the entries of ``retire`` (keys it no longer has) dropped; returns
         how many were dropped."""
         self._dispatcher = dispatcher
-        self._plans.clear()
+        self._forget_plans()
         self._context = (0, -1, 0)
         return sum(target.retire(cache_key) for target, cache_key in map(self.target, retire))
 
@@ -107,12 +107,19 @@ class ServingKeys:
         plan = self._plans.get(shape)
         if plan is not None and plan.version == self.cache.version + self.sampler_cache.version:
             return plan
+        if len(self._plans) >= STEP_PLAN_MEMO_LIMIT:
+            self._forget_plans()
         plan = plan_step(shape, self._dispatcher, self.cache, self.sampler_cache, self.build_missing,
                          pending=pending, degraded=self.degraded)
-        if len(self._plans) >= STEP_PLAN_MEMO_LIMIT:
-            self._plans.clear()
         self._plans[shape] = plan
         return plan
+
+    def _forget_plans(self) -> None:
+        """Drop the remembered plans and, with them, the caches' step tallies they counted on
+        (folded into the statistics first): no more tallies than remembered kinds of step."""
+        self._plans.clear()
+        self.cache.release_tallies()
+        self.sampler_cache.release_tallies()
 
     def context(self, max_seq_len: int) -> int:
         """The context bucket of a step whose longest request reads ``max_seq_len`` tokens (0

@@ -39,8 +39,8 @@ from graphrt.runner.capture_plan import open_plan_store, read_plan
 from graphrt.runner.features import Step, StepFeature, StepFeatures
 from graphrt.runner.keys import ServingKeys
 from graphrt.runner.outputs import StepOutput, StepOutputs
-from graphrt.runner.plans import (LastStep, OnDemandBuilds, SamplerChoice, SamplerEntry, StepArgs, StepInfo, StepPlan,
-                                  plan_sampler)
+from graphrt.runner.plans import (LastStep, OnDemandBuilds, SamplerChoice, StepArgs, StepInfo, StepPlan, plan_sampler,
+                                  sampler_entry)
 from graphrt.runner.setup import open_executor
 from graphrt.runner.traffic import TrafficFit
 from graphrt.runner.warmup import warmup_mode
@@ -333,11 +333,15 @@ class ModelRunner:
     def _run(self, plan: StepPlan, padded: ModelInputs, real_tokens: int, real_reqs: int,
              future: Any = None, choice: SamplerChoice | None = None) -> Any:
         """Count the step, then run ``plan`` on the written ``padded`` step (real or dummy).
-        Counted before the forward, which evicts the host's caches on a CPU device."""
+        Counted before the forward, which evicts the host's caches on a CPU device: a step of
+        the plan's shape adds one to the plan's tallies, decided with the plan; one of other real
+        sizes (a dummy step, a data-parallel step run at the group's shape) records its own."""
         keys = self.keys
-        keys.cache.record_step(real_tokens=real_tokens, padded_tokens=plan.key.num_tokens, real_reqs=real_reqs,
-                               padded_reqs=plan.padded_reqs, eager_reason=plan.eager_reason,
-                               eager_cause=plan.eager_cause, key=plan.cache_key, hit=plan.hit)
+        tally = plan.tally
+        if real_tokens == tally.real_tokens and real_reqs == tally.real_reqs:
+            tally.steps += 1
+        else:
+            keys.cache.record_as(tally, real_tokens=real_tokens, real_reqs=real_reqs)
         if plan.wanted is not None:          # its own key is not built yet: demand for it (and its sampler)
             demand, (mode, key) = self.background.demand, plan.wanted
             demand[plan.wanted] += 1
@@ -346,16 +350,16 @@ class ModelRunner:
         if choice is not None and plan.mode is RuntimeMode.FULL:
             got = plan.sampler.get(choice.kind) or plan_sampler(plan, choice.key, keys.sampler_cache,
                                                                 self.background)
-            sampler_key, entry, eager, cause = got
-            if entry is None and not self._eager_fallback:     # no eager sampler: build it now
-                entry = self._builds(keys.sampler_cache, sampler_key, RuntimeMode.FULL, sampler_key)
-                eager = cause = None
-                plan.sampler[choice.kind] = SamplerEntry(sampler_key, entry, None, None)
-            elif cause is EagerCause.WARMING_UP:
-                self.background.demand[(RuntimeMode.FULL, sampler_key)] += 1
-            keys.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=real_reqs,
-                                           padded_reqs=plan.padded_reqs, eager_reason=eager,
-                                           eager_cause=cause, key=sampler_key, hit=entry is not None)
+            if got.entry is None and not self._eager_fallback:     # no eager sampler: build it now
+                entry = self._builds(keys.sampler_cache, got.key, RuntimeMode.FULL, got.key)
+                got = plan.sampler[choice.kind] = sampler_entry(keys.sampler_cache, got.key, entry, None, None,
+                                                                tally.real_reqs)
+            elif got.eager_cause is EagerCause.WARMING_UP:
+                self.background.demand[(RuntimeMode.FULL, got.key)] += 1
+            if real_reqs == got.tally.real_reqs:
+                got.tally.steps += 1
+            else:
+                keys.sampler_cache.record_as(got.tally, real_tokens=0, real_reqs=real_reqs)
         if future is not None:
             return self.executor.run(plan.mode, plan.key, plan.entry, padded, future=future)
         return self.executor.run(plan.mode, plan.key, plan.entry, padded)

@@ -21,7 +21,8 @@ from graphrt.core.future_tokens import PendingTokens
 from graphrt.core.graph_modes import RuntimeMode
 from graphrt.core.sampling.logprobs import StepOutput, TokenLogprobs
 from graphrt.core.sampling.batch import check_logprobs_limit, logprobs as logprobs_count
-from graphrt.runner.plans import LOGPROBS, LastStep, SamplerEntry, StepArgs, StepInfo, StepPlan, plan_sampler
+from graphrt.runner.plans import (LOGPROBS, LastStep, StepArgs, StepInfo, StepPlan, plan_sampler,
+                                  sampler_entry)
 
 
 class StepOutputs:
@@ -152,17 +153,18 @@ class StepOutputs:
     def _logprobs_entry(self, plan: StepPlan, num_reqs: int) -> Any:
         """The plan's logprobs graph (built now where the executor has no eager path), its use
         counted like the sampler's."""
-        key, entry, eager, cause = plan.sampler[LOGPROBS]
+        got = plan.sampler[LOGPROBS]
         if plan.mode is not RuntimeMode.FULL:
-            return entry
-        if entry is None and not self.executor.capabilities.eager_fallback:
-            entry = self._build_missing(self.sampler_cache, key, RuntimeMode.FULL, key)
-            eager = cause = None
-            plan.sampler[LOGPROBS] = SamplerEntry(key, entry, None, None)
-        self.sampler_cache.record_step(real_tokens=0, padded_tokens=0, real_reqs=num_reqs,
-                                       padded_reqs=plan.padded_reqs, eager_reason=eager,
-                                       eager_cause=cause, key=key, hit=entry is not None)
-        return entry
+            return got.entry
+        if got.entry is None and not self.executor.capabilities.eager_fallback:
+            entry = self._build_missing(self.sampler_cache, got.key, RuntimeMode.FULL, got.key)
+            got = plan.sampler[LOGPROBS] = sampler_entry(self.sampler_cache, got.key, entry, None, None,
+                                                         plan.tally.real_reqs)
+        if num_reqs == got.tally.real_reqs:
+            got.tally.steps += 1            # counted like the sampler's (ModelRunner._run)
+        else:
+            self.sampler_cache.record_as(got.tally, real_tokens=0, real_reqs=num_reqs)
+        return got.entry
 
 
 __all__ = ["StepOutput", "StepOutputs"]

@@ -2,7 +2,8 @@
 
 A plan holds the dispatcher's mode and key, the cache entry (or why the step runs eagerly), the
 padded request count and the sampler entries; it is reused until either cache changes
-(``version``), each step still counting its hit or miss.
+(``version``). What a step of the plan records in a cache's statistics (its sizes, hit or miss,
+eager cause) is decided with it, as a :class:`~graphrt.core.cache.StepTally` each step adds one to.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Protocol
 
-from graphrt.core.cache import FailedBuild, GraphCache
+from graphrt.core.cache import FailedBuild, GraphCache, StepTally
 from graphrt.core.dispatch import BatchDescriptor, Dispatch, Dispatcher, DispatchShape, SamplerKey, logprobs_key
 from graphrt.core.eager import EagerCause
 from graphrt.core.graph_modes import RuntimeMode
@@ -25,12 +26,14 @@ LOGPROBS = "logprobs"
 
 class SamplerEntry(NamedTuple):
     """A plan's sampler for one :attr:`SamplerKey.kind`: the key looked up, its entry (None: it
-    runs eagerly), and if so why (in words, and the counted cause)."""
+    runs eagerly), and if so why (in words, and the counted cause); ``tally``: what each FULL step
+    of the plan that samples with it records in the sampler cache (:func:`sampler_entry`)."""
 
     key: SamplerKey
     entry: Any
     eager_reason: str | None
     eager_cause: EagerCause | None
+    tally: StepTally
 
 #: ``build_missing(cache, cache_key, mode, key) -> entry``: builds a key warm-up did not
 #: (backends without an eager path, XLA); None where a missing key runs eagerly.
@@ -73,6 +76,10 @@ class StepPlan:
     eager_cause: EagerCause | None = None
     #: The job the step wants built and lacks (it ran eagerly or under a larger key); None: none.
     wanted: tuple[RuntimeMode, BatchDescriptor] | None = None
+    #: What each step of the shape records in the forward cache (:func:`plan_step` sets it; its
+    #: real sizes are the shape's: a step of other real sizes, a dummy or data-parallel one,
+    #: records its own with ``GraphCache.record_step``).
+    tally: StepTally | None = None
 
 
 class StepArgs(NamedTuple):
@@ -173,25 +180,37 @@ def plan_step(shape: DispatchShape, dispatcher: Dispatcher, cache: GraphCache, s
             eager_cause = (EagerCause.CAPTURE_FAILED if entry is not None else waiting or EagerCause.MISS)
             mode, key, entry = RuntimeMode.NONE, BatchDescriptor(t, r, uniform, n), None
     padded_reqs = key.num_reqs if key.num_reqs is not None else r
+    tally = cache.tally(real_tokens=t, padded_tokens=key.num_tokens, real_reqs=r, padded_reqs=padded_reqs,
+                        eager_reason=eager_reason, eager_cause=eager_cause, key=cache_key, hit=hit)
     sampler: dict[str, SamplerEntry] = {}
     for sampler_key in (SamplerKey(padded_reqs, True), SamplerKey(padded_reqs, False), logprobs_key(padded_reqs)):
-        sampler[sampler_key.kind] = _sampler_lookup(sampler_cache, sampler_key, pending)
+        sampler[sampler_key.kind] = _sampler_lookup(sampler_cache, sampler_key, r, pending)
     return StepPlan(d, mode, key, entry, eager_reason, padded_reqs, cache_key, hit, sampler,
-                    cache.version + sampler_cache.version, eager_cause, wanted)
+                    cache.version + sampler_cache.version, eager_cause, wanted, tally)
 
 
-def _sampler_lookup(sampler_cache: GraphCache, key: SamplerKey,
+def sampler_entry(sampler_cache: GraphCache, key: SamplerKey, entry: Any, eager_reason: str | None,
+                  eager_cause: EagerCause | None, real_reqs: int) -> SamplerEntry:
+    """The :class:`SamplerEntry` of ``key`` for steps of ``real_reqs`` requests, with the tally
+    each of them adds one to (a hit where it has an entry, else an eager step of that cause)."""
+    tally = sampler_cache.tally(real_tokens=0, padded_tokens=0, real_reqs=real_reqs, padded_reqs=key.num_reqs,
+                                eager_reason=eager_reason, eager_cause=eager_cause, key=key, hit=entry is not None)
+    return SamplerEntry(key, entry, eager_reason, eager_cause, tally)
+
+
+def _sampler_lookup(sampler_cache: GraphCache, key: SamplerKey, real_reqs: int,
                     pending: Pending | None = None) -> SamplerEntry:
-    """The :class:`SamplerEntry` of a sampler key."""
+    """The :class:`SamplerEntry` of a sampler key for steps of ``real_reqs`` requests."""
     entry = sampler_cache.lookup(key)
     if isinstance(entry, FailedBuild):
-        return SamplerEntry(key, None, f"sampler capture failed: {entry.reason}", EagerCause.CAPTURE_FAILED)
+        return sampler_entry(sampler_cache, key, None, f"sampler capture failed: {entry.reason}",
+                             EagerCause.CAPTURE_FAILED, real_reqs)
     if entry is None:
         why = pending.cause_of((RuntimeMode.FULL, key)) if pending is not None else None
         built_ahead = key.kind in ("greedy", "random", "logprobs")
         reason = f"{key} was not captured" if built_ahead else f"the {key.kind} sampler is not built at warm-up"
-        return SamplerEntry(key, None, reason, why or EagerCause.MISS)
-    return SamplerEntry(key, entry, None, None)
+        return sampler_entry(sampler_cache, key, None, reason, why or EagerCause.MISS, real_reqs)
+    return sampler_entry(sampler_cache, key, entry, None, None, real_reqs)
 
 
 def plan_sampler(plan: StepPlan, key: SamplerKey, sampler_cache: GraphCache,
@@ -201,10 +220,10 @@ def plan_sampler(plan: StepPlan, key: SamplerKey, sampler_cache: GraphCache,
     kind = key.kind
     got = plan.sampler.get(kind)
     if got is None:
-        got = plan.sampler[kind] = _sampler_lookup(sampler_cache, key, pending)
+        got = plan.sampler[kind] = _sampler_lookup(sampler_cache, key, plan.tally.real_reqs, pending)
     return got
 
 
 __all__ = ["BuildMissing", "LOGPROBS", "LastStep", "OnDemandBuilds", "Pending", "SamplerChoice", "SamplerEntry",
-           "StepArgs", "StepInfo", "StepPlan", "plan_sampler",
+           "StepArgs", "StepInfo", "StepPlan", "plan_sampler", "sampler_entry",
            "plan_step"]

@@ -70,7 +70,8 @@ class TorchExecutor(Executor[TorchEntry]):
         self.kv = TorchKVCache(model, config, self.device, f"torch {self.device.type}")
         #: The model's one attention object (the seam, docs/attention.md), chosen here once: its
         #: kernel, its metadata, its refresh before every run, its declarations.
-        self.attention = select_attention(model, self.device, param_dtype, config.block_size, self.kv.kv_dtype())
+        self.attention = select_attention(model, self.device, param_dtype, config.block_size, self.kv.kv_dtype(),
+                                          self.kv.kv_dtypes())
         check_declarations(self.attention)
         check_kv_dtypes(self.attention, self.kv.group_dtypes())
         support = attention_support(model, self.attention)

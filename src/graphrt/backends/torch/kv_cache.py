@@ -149,6 +149,10 @@ class TorchKVCache:
         groups = self._groups()
         return TORCH_KV_DTYPES[groups[0].dtype] if groups else None
 
+    def kv_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The torch dtype of every group's cache (empty where the model owns an undeclared cache)."""
+        return tuple(TORCH_KV_DTYPES[group.dtype] for group in self._groups())
+
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block over every layer: the spec's, or the model's own where it owns the cache."""
         if self.spec.owned_by_model:

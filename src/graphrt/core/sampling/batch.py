@@ -178,6 +178,9 @@ class SamplingBatch:
     penalties: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     #: int64 prompt length per request (where its generated tokens begin); given with penalties.
     prompt_lens: np.ndarray | None = None
+    #: ``(row, seed, request id)`` of each seeded row, in row order (empty: no row has a seed):
+    #: what a sampler's per-step loop over seeded generators walks, found once per batch.
+    seeded: tuple[tuple[int, int, Any], ...] = field(init=False)
 
     def __init__(self, temperature: Any, top_k: Any, top_p: Any, seeds: Sequence[Any],
                  request_ids: Sequence[Any], logprobs: Sequence[Any] | None = None, *,
@@ -207,8 +210,10 @@ class SamplingBatch:
             unseeded = seeds.count(None)
         except ValueError:   # an element whose == is an array: not a seed
             unseeded = -1
+        seeded: tuple[tuple[int, int, Any], ...] = ()
         if unseeded != n:
             _seeds(seeds, request_ids)
+            seeded = tuple((i, s, request_ids[i]) for i, s in enumerate(seeds) if s is not None)
         counts, most = _logprob_rows(logprobs, n)
         setattr_ = object.__setattr__   # frozen: each field is set once, here
         if min_p is not None or repetition_penalty is not None or presence_penalty is not None \
@@ -223,6 +228,7 @@ class SamplingBatch:
         setattr_(self, "top_k", k)
         setattr_(self, "top_p", p)
         setattr_(self, "seeds", seeds)
+        setattr_(self, "seeded", seeded)
         setattr_(self, "request_ids", request_ids)
         setattr_(self, "all_greedy", greedy)   # computed once: runner and executor both ask
         setattr_(self, "num_reqs", n)

@@ -181,10 +181,7 @@ class SamplerState:
                     t[:rows].copy_(self._host[k][:rows], non_blocking=True)
             self._written = (sampling, num_reqs, rows)
         self.noise[:num_reqs].exponential_()
-        for i, seed in enumerate(sampling.seeds):
-            if seed is None:
-                continue
-            rid = sampling.request_ids[i]
+        for i, seed, rid in sampling.seeded:       # the seeded rows only (found once per batch)
             gen = self._generators.get(rid)
             if gen is None:
                 gen = self._generators[rid] = self._seeded_generator(seed)

@@ -228,14 +228,18 @@ class PagedAttentionBackend(AttentionBackend):
     composed in another backend) chosen once at :meth:`setup` the selector's way; never set up,
     it runs the reference kernel over the whole table. The reference kernel attends over every
     table column, so a set-up one narrows the table to ``max_seq_len`` (keyed); Triton reads
-    lengths on the device and keys nothing."""
+    lengths on the device and keys nothing. ``kv_fp8``: whether the KV caches are scaled fp8,
+    decided once by the selector from every cache's dtype (their dtypes are fixed when the runner
+    is built): False, every cache is float and the kernel never asks; None (not known, or
+    caches of both kinds), the kernel asks each cache's dtype per call."""
 
     name = "graphrt-paged"
     kv_cache_dtypes = FLOAT_KV_DTYPES + FP8_KV_DTYPES
 
-    def __init__(self, head_dim: int | None = None, kernel: str | None = None) -> None:
+    def __init__(self, head_dim: int | None = None, kernel: str | None = None, kv_fp8: bool | None = None) -> None:
         self.head_dim = head_dim
         self.kernel = kernel
+        self.kv_fp8 = kv_fp8
         self._narrow = False           # set up: the table narrowed to the keyed context
 
     def setup(self, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
@@ -257,7 +261,7 @@ class PagedAttentionBackend(AttentionBackend):
 
     def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``layer``'s attention by the kernel :meth:`setup` fixed (the reference one if never set up)."""
-        return paged_attend(self.kernel or "reference", layer, q, k, v)
+        return paged_attend(self.kernel or "reference", layer, q, k, v, self.kv_fp8)
 
 
 def check_metadata(backend: Any, metadata: Any, num_tokens: int, num_reqs: int) -> None:

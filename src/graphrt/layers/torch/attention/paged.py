@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -251,7 +251,8 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
                            token_req_idx: torch.Tensor, block_size: int, scale: float,
                            sliding_window: int | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, *, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None, attention_chunk: int = 0) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, attention_chunk: int = 0,
+                           fp8: bool | None = None) -> torch.Tensor:
     """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
     ``q [T, Hq*D]``, ``k`` / ``v`` ``[T, Hkv*D]``, ``kv_cache [2, rows, Hkv, D]`` -> ``[T, Hq*D]``.
@@ -260,7 +261,8 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     [Hq]`` (a per-head logit joining each softmax), and a V head size ``Dv`` with ``kv_cache`` a
     ``(k [rows, Hkv, D], v [rows, Hkv, Dv])`` pair (-> ``[T, Hq*Dv]``). ``attention_chunk`` C >
     0: chunked local attention (Llama 4), a token at p attends to (p // C) * C .. p only. Padded
-    tokens (past the last request's queries) get zeros.
+    tokens (past the last request's queries) get zeros. ``fp8``: whether the cache is scaled fp8,
+    as its attention backend decided once from the KV cache's dtypes (None: asked here, per call).
 
     A fixed few ops per call, whatever the head count (docs/attention.md, "The reference
     kernel"): the queries are cut into tiles of :func:`query_tile` tokens of one request
@@ -271,7 +273,8 @@ def paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     num_tokens, out_dtype = q.shape[0], q.dtype
     hkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     num_heads = q.shape[1] // d
-    fp8 = is_fp8(k_cache.dtype)
+    if fp8 is None:
+        fp8 = is_fp8(k_cache.dtype)
     k_scale, v_scale = (k_scale, v_scale) if fp8 else (1.0, 1.0)
     compute = torch.float32 if fp8 else k_cache.dtype
 
@@ -349,13 +352,15 @@ def choose_attention_kernel(device: torch.device | str, head_dim: int, q_dtype: 
     return AttentionChoice("reference", problem)
 
 
-def _triton(*args: Any) -> torch.Tensor:
+def _triton(*args: Any, fp8: bool | None = None) -> torch.Tensor:
+    """The Triton kernel (it checks the cache's dtype with the rest of its launch, per call)."""
     from graphrt.layers.torch.attention.triton_attention import triton_paged_attention
 
     return triton_paged_attention(*args)
 
 
-def _flashinfer(*args: Any) -> torch.Tensor:
+def _flashinfer(*args: Any, fp8: bool | None = None) -> torch.Tensor:
+    """The FlashInfer kernel (float caches only: it refuses an fp8 one per call)."""
     from graphrt.layers.torch.attention.flashinfer_kernel import flashinfer_paged_attention
 
     return flashinfer_paged_attention(*args)
@@ -371,19 +376,21 @@ def run_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
                         slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int, scale: float,
                         sliding_window: int | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0, kernel: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
+                        v_scale: float = 1.0, kernel: str = "reference", attention_chunk: int = 0,
+                        fp8: bool | None = None) -> torch.Tensor:
     """:func:`paged_attention_kernel`'s contract, run by ``kernel``: the one of
     :data:`PAGED_KERNELS` its attention backend fixed when it was set up (never chosen here).
-    Chunked layers (``attention_chunk``) run the reference kernel only (the selector fixes it)."""
+    Chunked layers (``attention_chunk``) run the reference kernel only (the selector fixes it).
+    ``fp8``: whether the cache is scaled fp8, as the backend decided it (None: the kernel asks)."""
     if attention_chunk:
         if kernel != "reference":
             raise ConfigError(f"attention_chunk {attention_chunk}: chunked local attention runs on graphrt's "
                               f"reference kernel only, not {kernel!r} ({ATTENTION_ENV}=reference)")
         return paged_attention_kernel(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                                       token_req_idx, block_size, scale, sliding_window, k_scale, v_scale,
-                                      attention_chunk=attention_chunk)
+                                      attention_chunk=attention_chunk, fp8=fp8)
     return PAGED_KERNELS[kernel](q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
-                                 token_req_idx, block_size, scale, sliding_window, k_scale, v_scale)
+                                 token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, fp8=fp8)
 
 
 @torch.library.custom_op("graphrt::paged_attention", mutates_args=("kv_cache",))
@@ -391,13 +398,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_table: torch.Tensor, token_req_idx: torch.Tensor, block_size: int,
                     scale: float, sliding_window: int = 0, k_scale: float = 1.0,
-                    v_scale: float = 1.0, impl: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
+                    v_scale: float = 1.0, impl: str = "reference", attention_chunk: int = 0,
+                    fp8: Optional[bool] = None) -> torch.Tensor:
     """``torch.ops.graphrt.paged_attention``: :func:`run_paged_attention` as one opaque op. The
     kernel's name is ``impl``: an op argument named ``kernel`` breaks Inductor's lowering of the
     op (``FallbackKernel.create`` takes a ``kernel`` of its own)."""
     return run_paged_attention(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_table,
                                token_req_idx, block_size, scale, sliding_window, k_scale, v_scale, impl,
-                               attention_chunk)
+                               attention_chunk, fp8)
 
 
 @paged_attention.register_fake
@@ -406,7 +414,8 @@ def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                           seq_lens: torch.Tensor, block_table: torch.Tensor,
                           token_req_idx: torch.Tensor, block_size: int, scale: float,
                           sliding_window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                          impl: str = "reference", attention_chunk: int = 0) -> torch.Tensor:
+                          impl: str = "reference", attention_chunk: int = 0,
+                          fp8: Optional[bool] = None) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -415,9 +424,10 @@ PAGED_ATTENTION_OP = torch.ops.graphrt.paged_attention.default
 
 
 def paged_attend(kernel: str, layer: "PagedAttention", q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+                 v: torch.Tensor, fp8: bool | None = None) -> torch.Tensor:
     """``layer``'s attention by graphrt's paged ``kernel`` (a :data:`PAGED_KERNELS` name) over the
-    step's metadata (the forward context); under torch.compile as the opaque op."""
+    step's metadata (the forward context); under torch.compile as the opaque op. ``fp8``: whether
+    the KV caches are scaled fp8, as the backend decided once (None: the kernel asks per call)."""
     meta = get_forward_context()
     cache = layer.kv_cache
     if cache is None:
@@ -425,7 +435,7 @@ def paged_attend(kernel: str, layer: "PagedAttention", q: torch.Tensor, k: torch
     run = paged_attention if torch.compiler.is_compiling() else run_paged_attention
     return run(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table,
                meta.token_req_idx, meta.block_size, layer.scale, layer.sliding_window, layer.k_scale,
-               layer.v_scale, kernel, getattr(layer, "attention_chunk", 0))
+               layer.v_scale, kernel, getattr(layer, "attention_chunk", 0), fp8)
 
 
 def reference_attend(layer: "PagedAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

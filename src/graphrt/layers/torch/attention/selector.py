@@ -23,8 +23,9 @@ from graphrt.core.errors import ConfigError
 @dataclass(frozen=True)
 class AttentionSite:
     """What a kernel is selected for: the model's attention layers, their device (None: not
-    known yet), the weights' and the KV cache's dtypes, the block size, and the requested name
-    (``auto`` or a registered kernel's)."""
+    known yet), the weights' and the KV cache's dtypes (``kv_dtype``: the first group's, the one
+    a kernel is chosen for; ``kv_dtypes``: every group's, empty where not known), the block size,
+    and the requested name (``auto`` or a registered kernel's)."""
 
     layers: Sequence[torch.nn.Module]
     device: torch.device | str | None
@@ -32,6 +33,7 @@ class AttentionSite:
     kv_dtype: torch.dtype | None
     block_size: int | None
     requested: str
+    kv_dtypes: tuple[torch.dtype, ...] = ()
 
     @property
     def device_type(self) -> str | None:
@@ -88,15 +90,16 @@ def requested_attention() -> str:
 
 def select_attention(model: torch.nn.Module, device: torch.device | str | None = None,
                      dtype: torch.dtype | None = None, block_size: int | None = None,
-                     kv_dtype: torch.dtype | None = None) -> Any:
+                     kv_dtype: torch.dtype | None = None, kv_dtypes: Sequence[torch.dtype] = ()) -> Any:
     """The model's one attention backend: ``model.attention_backend`` where it declares one, else
     the requested kernel's, else (``auto``, or a kernel that makes none here: no device given)
-    the first registered ``auto`` kernel that runs here."""
+    the first registered ``auto`` kernel that runs here. ``kv_dtypes``: every KV cache group's
+    dtype (``kv_dtype`` is the first one's), where known."""
     own = getattr(model, "attention_backend", None)
     if own is not None:
         return own
     layers = tuple(model.attention_layers()) if hasattr(model, "attention_layers") else ()
-    site = AttentionSite(layers, device, dtype, kv_dtype, block_size, requested_attention())
+    site = AttentionSite(layers, device, dtype, kv_dtype, block_size, requested_attention(), tuple(kv_dtypes))
     makers = [k.maker for k in _KERNELS.values()           # auto's kernels that serve this device type
               if k.auto and (k.devices is None or site.device_type in k.devices)]
     if site.requested != "auto":                              # a named kernel first (None: not here, e.g. no device)
@@ -127,8 +130,10 @@ def _paged(site: AttentionSite) -> Any:
     """graphrt's paged backend with Triton or the reference kernel (Triton where ``auto`` or
     ``triton`` and it runs; ``triton`` where it cannot run raises). A model whose layers are not
     all graphrt's gets float KV caches only (its layers may not quantize fp8) unless they
-    declare ``kv_cache_dtypes``."""
+    declare ``kv_cache_dtypes``. Whether the caches are fp8 is decided here, once: False where
+    every group's cache is float (the kernel then never asks), else asked per call."""
     from graphrt.layers.torch.attention.backend import PagedAttentionBackend
+    from graphrt.layers.torch.attention.kv_quant import is_fp8
     from graphrt.layers.torch.attention.paged import PagedAttention, choose_attention_kernel
 
     kernel = None
@@ -142,7 +147,8 @@ def _paged(site: AttentionSite) -> Any:
                               f"(attention_chunk), which only graphrt's reference kernel runs; use "
                               f"{ATTENTION_ENV}=reference or auto")
         kernel = "reference"
-    paged = PagedAttentionBackend(site.head_dim, kernel)
+    float_kv = bool(site.kv_dtypes) and not any(is_fp8(d) for d in site.kv_dtypes)
+    paged = PagedAttentionBackend(site.head_dim, kernel, kv_fp8=False if float_kv else None)
     foreign = [layer for layer in site.layers if not isinstance(layer, PagedAttention)]
     if foreign:
         declared = [set(getattr(layer, "kv_cache_dtypes", FLOAT_KV_DTYPES)) for layer in foreign]
