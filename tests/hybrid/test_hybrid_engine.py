@@ -122,11 +122,13 @@ def test_rejected_drafts_roll_the_state_back(arch, backend):
     if backend == "xla":
         pytest.importorskip("jax")
     d = hybrid_model_dir(arch)
+    # Every step here is one request of at most 6 tokens (a 5-token prefill, 3-token verifications):
+    # xla compiles one 8-token program (its paddings must reach max_num_batched_tokens).
     shapes = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[3, 16]),
-              "xla": dict(precompile_token_paddings=[8, 16], precompile_bs_paddings=[2])}[backend]
+              "xla": dict(precompile_token_paddings=[8], precompile_bs_paddings=[2], max_num_batched_tokens=8)}[backend]
     runner = graphrt.ModelRunner(str(d), backend=backend, num_speculative_tokens=2, progress=False,
-                                 num_kv_blocks=13, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48,
-                                 block_size=4, **shapes)
+                                 num_kv_blocks=13, max_num_seqs=2, max_model_len=48, block_size=4,
+                                 **{"max_num_batched_tokens": 16, **shapes})
     hf = load_hf_hybrid(d)
     prompt = [40, 41, 42, 43, 44, 45]
     greedy = hf_sequence_logits(hf, prompt).argmax(-1).tolist()
