@@ -29,6 +29,7 @@ from graphrt.engine.request import Request
 from support.hf_models import tiny_hf_model_dir
 from support.loop_outputs import assert_same
 from support.fast_subset import examples
+from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 VOCAB = 128
 MODEL = dict(arch="qwen3", vocab_size=VOCAB)
@@ -42,7 +43,10 @@ LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96, block
 def llm(request) -> graphrt.LLM:
     if request.param == "xla":
         pytest.importorskip("jax")
-        engine = graphrt.LLM(str(tiny_hf_model_dir(**MODEL)), backend="xla", **LIMITS)
+        # One token padding and one batch padding (the default grid is powers of two of both):
+        # the tests compare the overlapped loop with the plain one on this same engine.
+        engine = graphrt.LLM(str(tiny_hf_model_dir(**MODEL)), backend="xla", precompile_token_paddings=[32],
+                             precompile_bs_paddings=[8], **LIMITS)
         assert engine.overlap, "the xla backend dispatches asynchronously: overlap is on by default"
         return engine
     engine = graphrt.LLM(str(tiny_hf_model_dir(**MODEL)), backend="cpu", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32],

@@ -23,6 +23,7 @@ from graphrt.engine.prefix_cache import HYBRID_PREFIX_REASON
 from graphrt.engine.request import Status
 from support.hybrid_models import hf_sequence_logits, hybrid_model_dir, load_hf_hybrid
 from support.parity import assert_close_across_shapes
+from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50, 51],
            [60, 61, 62, 63, 64]]
@@ -122,11 +123,13 @@ def test_rejected_drafts_roll_the_state_back(arch, backend):
     if backend == "xla":
         pytest.importorskip("jax")
     d = hybrid_model_dir(arch)
+    # Every step here is one request of at most 6 tokens (a 5-token prefill, 3-token verifications):
+    # xla compiles one 8-token program (its paddings must reach max_num_batched_tokens).
     shapes = {"eager": {}, "cpu": dict(cudagraph_capture_sizes=[3, 16]),
-              "xla": dict(precompile_token_paddings=[8, 16], precompile_bs_paddings=[2])}[backend]
+              "xla": dict(precompile_token_paddings=[8], precompile_bs_paddings=[2], max_num_batched_tokens=8)}[backend]
     runner = graphrt.ModelRunner(str(d), backend=backend, num_speculative_tokens=2, progress=False,
-                                 num_kv_blocks=13, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=48,
-                                 block_size=4, **shapes)
+                                 num_kv_blocks=13, max_num_seqs=2, max_model_len=48, block_size=4,
+                                 **{"max_num_batched_tokens": 16, **shapes})
     hf = load_hf_hybrid(d)
     prompt = [40, 41, 42, 43, 44, 45]
     greedy = hf_sequence_logits(hf, prompt).argmax(-1).tolist()
