@@ -35,11 +35,28 @@ LAYERS, WIDTH, T, R = 2, 4, 24, 4      # layers, block-table width, padded token
 ON_TPU = jax.devices()[0].platform == "tpu"
 
 
+@functools.lru_cache(maxsize=None)
+def _sequence_reference(q_len: int, kv_len: int, options: tuple):
+    """``ref_ragged_paged_attention`` on one sequence of ``q_len`` queries over ``kv_len`` keys,
+    jitted with those lengths as constants (it slices by them; the pages and the page row stay
+    arguments). The reference computes each sequence alone and concatenates them, so calling it
+    per sequence is the same computation; one small compile per (q_len, kv_len), shared by every
+    layer, step and test that meets it, instead of one eager compile per op (~10x faster)."""
+    lengths = [np.asarray(v, np.int32) for v in ([kv_len], [0, q_len], [1])]
+    return jax.jit(lambda q, pages, row: rpa.ref_ragged_paged_attention(
+        q, pages, lengths[0], row, lengths[1], lengths[2], **dict(options)))
+
+
 def _host_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-    out = np.asarray(rpa.ref_ragged_paged_attention(*map(jnp.asarray, (q, kv_pages, kv_lens, page_indices,
-                                                                        cu_q_lens, num_seqs)), **options))
-    pad = np.zeros((q.shape[0] - out.shape[0],) + out.shape[1:], out.dtype)   # the reference stops at
-    return np.concatenate([out, pad])                                         # cu_q_lens[num_seqs]
+    kv_lens, page_indices, cu_q_lens = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
+    q, pages, key = np.asarray(q), jnp.asarray(kv_pages), tuple(sorted(options.items()))
+    out = np.zeros(q.shape, q.dtype)            # rows past cu_q_lens[num_seqs]: the reference stops there
+    for i in range(int(np.asarray(num_seqs)[0])):
+        start, end = int(cu_q_lens[i]), int(cu_q_lens[i + 1])
+        if end > start:
+            out[start:end] = np.asarray(_sequence_reference(end - start, int(kv_lens[i]), key)(
+                jnp.asarray(q[start:end]), pages, jnp.asarray(page_indices[i:i + 1])))
+    return out
 
 
 def reference_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):

@@ -22,6 +22,8 @@ the device (k fixed by the step's shapes) and attends over those keys only. Here
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -260,6 +262,17 @@ DSA_CASES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _dsa_sequences_and_references(arch: str) -> tuple[list[list[int]], list[np.ndarray]]:
+    """The four teacher-forced sequences and transformers' logits on them, once per checkpoint:
+    the eager and the cpu case of an architecture compare with the same (deterministic) oracle."""
+    d = tiny_checkpoint(arch, **DSA_CASES[arch][0])
+    rng = np.random.default_rng(5)
+    seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in (13, 7, 18, 9)]
+    ref = load_reference(d)
+    return seqs, [reference_logits(ref, s).numpy() for s in seqs]
+
+
 @pytest.mark.parametrize("arch,backend,mode", [("deepseek_v32", "eager", "NONE"), ("deepseek_v32", "cpu", "FULL"),
                                                ("glm_moe_dsa", "eager", "NONE"), ("glm_moe_dsa", "cpu", "FULL"),
                                                ("hy_v4", "eager", "NONE"), ("hy_v4", "cpu", "FULL"),
@@ -268,14 +281,12 @@ DSA_CASES = {
 def test_teacher_forced_parity_with_transformers_dsa(arch, backend, mode):
     overrides, layers, index_sizes = DSA_CASES[arch]
     d = tiny_checkpoint(arch, **overrides)
-    rng = np.random.default_rng(5)
-    seqs = [[int(t) for t in rng.integers(3, 128, size=n)] for n in (13, 7, 18, 9)]
+    seqs, refs = _dsa_sequences_and_references(arch)
     runner = graphrt.ModelRunner(str(d), backend=backend, mode=mode, model_impl="transformers", progress=False,
                                  **SHAPES[backend], **LIMITS)
     assert [g.index_head_size for g in runner.model.kv_cache_spec().groups] == index_sizes
     assert [(layer.index_topk, layer.index_from) for layer in runner.model.paged] == layers
-    ref = load_reference(d)
-    refs = [reference_logits(ref, s).numpy() for s in seqs]
+    seqs, refs = [list(q) for q in seqs], [r.copy() for r in refs]     # the cached ones stay as built
     assert run_schedule(runner, seqs, refs, chunk=5, joins=[0, 0, 1, 3], preempt={2: 0}) >= 8
     if backend == "cpu":
         assert runner.stats.hits > 0 and runner.stats.eager_steps == 0

@@ -50,9 +50,22 @@ def references():
     return get
 
 
+@pytest.fixture(scope="module")
+def single_rank(references):
+    """``check_mode(arch, mode, reference)`` once per (arch, mode) in this module: the sample and
+    the TP=2 test's TP=1 baseline are the same call (same arguments, same workload)."""
+    cache = {}
+
+    def get(arch, mode):
+        if (arch, mode) not in cache:
+            cache[arch, mode] = check_mode(arch, mode, references(arch))
+        return cache[arch, mode]
+    return get
+
+
 @pytest.mark.parametrize("arch, mode", [(a, m) for a, modes in SAMPLE for m in modes])
-def test_sample_passes_the_matrix_check(arch, mode, references):
-    result = check_mode(arch, mode, references(arch))
+def test_sample_passes_the_matrix_check(arch, mode, single_rank):
+    result = single_rank(arch, mode)
     _FOUND[(arch, mode)] = result.passed
     assert result.passed, result.reason
     assert result.tokens is not None and len(result.tokens) > 0
@@ -68,8 +81,8 @@ def test_a_refused_model_fails_with_the_module_and_the_reason():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
-def test_tp2_over_gloo_equals_tp1(arch, references):
-    tp1 = check_mode(arch, "FULL_AND_PIECEWISE", references(arch))
+def test_tp2_over_gloo_equals_tp1(arch, references, single_rank):
+    tp1 = single_rank(arch, "FULL_AND_PIECEWISE")
     assert tp1.passed, tp1.reason
     tp2 = check_mode(arch, "TP=2", references(arch), tp1.tokens)
     assert tp2.passed, tp2.reason

@@ -118,8 +118,8 @@ from support.hf_models import tiny_hf_model_dir
 d = str(tiny_hf_model_dir('qwen3'))
 with CompileCounter() as c:
     llm = graphrt.LLM(d, backend='xla', warmup='background', compilation_cache_dir={str(tmp_path)!r},
-                      precompile_token_paddings=[16, 32], precompile_bs_paddings=[1, 2, 4],
-                      max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
+                      precompile_token_paddings=[16], precompile_bs_paddings=[1, 2],
+                      max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, block_size=4)
     out = llm.generate([[1, 2, 3], [4, 5]], graphrt.SamplingParams(temperature=0.0, max_tokens=4))
     assert llm.runner.background.wait(300)
     llm.close()
