@@ -18,6 +18,7 @@ from hypothesis import settings  # noqa: E402
 
 from graphrt.core.inputs import host_kernels  # noqa: E402
 from support import xla_test_cache  # noqa: E402
+from support.frozen_heap import hold_for_module  # noqa: E402
 from support.fast_subset import CI_EXAMPLES, FAST_EXAMPLES, measured_slow_ids  # noqa: E402
 
 # ``make test`` runs the ``ci`` profile (the default), ``make test-fast`` the ``fast`` one
@@ -48,6 +49,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def frozen_heap(request: pytest.FixtureRequest):
+    """The module's tests on a heap collected and frozen once (support/frozen_heap.py): a warm-up's
+    own collection then walks only what the module made, not the whole worker's heap."""
+    with hold_for_module(request.node):
+        yield
 
 
 @pytest.fixture(scope="module", params=("numba", "numpy"), autouse=False)

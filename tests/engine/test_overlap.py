@@ -29,7 +29,6 @@ from graphrt.engine.request import Request
 from support.hf_models import tiny_hf_model_dir
 from support.loop_outputs import assert_same
 from support.fast_subset import examples
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 VOCAB = 128
 MODEL = dict(arch="qwen3", vocab_size=VOCAB)

@@ -36,7 +36,6 @@ from graphrt.engine.request import Request, Status
 from graphrt.engine.scheduler import Scheduler
 from graphrt.models.random_checkpoint import write_random_checkpoint
 from support.fast_subset import examples, slow_except
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 # ---- the tree and the allocator ------------------------------------------------------------
 

@@ -33,6 +33,9 @@ from graphrt.backends.torch.cuda import CudaGraphAPI, CudaGraphBackend
 from support.device_fakes import FakeCuda
 from support.hf_models import random_prompts, tiny_hf_model_dir
 
+#: No frozen heap (it checks the collector's switches and freeze count): tests/support/frozen_heap.py.
+pytestmark = pytest.mark.live_heap
+
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4)
 #: Few graphs, so the background builder is still capturing while both engines serve.
 CPU_GRAPHS = dict(cudagraph_capture_sizes=[1, 2, 4], progress=False)

@@ -30,6 +30,9 @@ from graphrt.core.errors import ConfigError, GenerationError, GraphrtError, Watc
 from graphrt.engine.watchdog import NoWatchdog, Watchdog
 from support.hf_models import tiny_hf_model_dir
 
+#: No frozen heap (it checks that a dropped engine's collection joins its thread): tests/support/frozen_heap.py.
+pytestmark = pytest.mark.live_heap
+
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4,
               num_kv_blocks=32)
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)

@@ -21,7 +21,6 @@ import torch
 from graphrt import RuntimeMode
 from graphrt.backends.torch.cpu import CpuGraphBackend
 from support.hf_models import tiny_hf_model_dir
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 from support.parity import assert_bitwise
 from test_conformance import (BACKENDS, CONFIG, MIXED_STEPS, NUM_KV_BLOCKS, assert_across_shapes, make_backend,
                               make_runner, padded_reference, reference, run_schedule, step_kwargs)

@@ -27,7 +27,6 @@ from graphrt.backends.torch.recording_graph import RecordingGraph, recording_gra
 from support.hf_models import tiny_hf_model_dir
 from support.planned_backend import planned_model
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 LIMITS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4,
               cudagraph_capture_sizes=[4, 8, 16], mode="FULL")

@@ -39,7 +39,6 @@ from graphrt.backends.torch.eager import EagerBackend
 from graphrt.backends.torch.npu import NpuGraphBackend
 from graphrt.runner import ModelRunner
 from support.fast_subset import matrix
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
 

@@ -20,7 +20,6 @@ from graphrt.layers.torch.attention.paged import PagedAttention, TorchAttentionM
 from graphrt.runner import ModelRunner
 from support.hf_models import tiny_hf_model_dir
 from support.parity import assert_bitwise, assert_close_across_shapes, assert_same_tokens, pad_like
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block_size=4,
               cudagraph_capture_sizes=[1, 2, 4, 8, 16])

@@ -28,7 +28,6 @@ from graphrt.testing.runners import RunnerFactory
 from graphrt.testing.step import Step
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
 from support.hybrid_parity import reference_logits, run_schedule
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 LIMITS = dict(max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32, block_size=4,
               cudagraph_capture_sizes=[4, 8, 16])

@@ -28,7 +28,6 @@ import graphrt
 from graphrt import ConfigError, StateSpec, StateTensor
 from support.hybrid_models import hybrid_model_dir
 from support.parity import assert_close_across_shapes
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "hybrid.md"
 OWN = "## A recurrent layer of your own"

@@ -23,7 +23,6 @@ from graphrt.engine.prefix_cache import HYBRID_PREFIX_REASON
 from graphrt.engine.request import Status
 from support.hybrid_models import hf_sequence_logits, hybrid_model_dir, load_hf_hybrid
 from support.parity import assert_close_across_shapes
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40], [50, 51],
            [60, 61, 62, 63, 64]]

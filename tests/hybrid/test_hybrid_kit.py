@@ -20,7 +20,6 @@ from graphrt.testing import state_sweep
 from graphrt.testing.conformance import run_conformance
 from graphrt.testing.runners import RunnerFactory
 from support.hybrid_models import HYBRID_ARCHS, hybrid_model_dir
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 #: (model, backend, graph mode, speculative tokens): FULL graphs of uniform decode and mixed
 #: steps (FULL), PIECEWISE mixed steps (FULL_AND_PIECEWISE), K+1 verification padding.

@@ -25,7 +25,6 @@ from graphrt.models.hybrid_config import HybridConfig
 from graphrt.models.model_impl import read_config_json
 from support.hybrid_models import hybrid_hf_config, hybrid_model_dir, load_hf_hybrid
 from support.hybrid_parity import reference_logits, run_schedule
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 transformers = pytest.importorskip("transformers")
 

@@ -33,7 +33,6 @@ from graphrt.layers.torch.state.metadata import build_state_metadata
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
 from support.hybrid_parity import reference_logits, routed_runner, run_routed_schedule
 from support.state_steps import state_layouts, state_meta
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 transformers = pytest.importorskip("transformers")
 

@@ -31,7 +31,6 @@ import torch
 import graphrt
 from graphrt import ConfigError
 from support.hybrid_parity import reference_logits, routed_runner, run_routed_schedule
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 transformers = pytest.importorskip("transformers")
 

@@ -30,7 +30,6 @@ from graphrt.layers.torch.state.mamba_kernels import causal_conv1d
 from graphrt.layers.torch.state.metadata import build_state_metadata
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
 from support.hybrid_parity import reference_logits, routed_runner, run_routed_schedule
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 transformers = pytest.importorskip("transformers")
 

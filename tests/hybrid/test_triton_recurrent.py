@@ -38,7 +38,6 @@ from graphrt.layers.torch.state import kernels, triton_recurrent
 from graphrt.layers.torch.state.gated_delta import gated_delta_rule
 from graphrt.layers.torch.state.metadata import build_state_metadata
 from support.hybrid_models import hybrid_model_dir
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 ROOT = Path(__file__).resolve().parents[2]
 interpreted = pytest.mark.skipif(INTERPRETER_PROBLEM is not None, reason=f"Triton interpreter: {INTERPRETER_PROBLEM}")

@@ -29,7 +29,6 @@ from graphrt.core.state_spec import StateGroup, StateTensor
 from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.model_impl import resolve_model_impl
 from support.hybrid_parity import reference_logits, run_schedule
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 pytest.importorskip("transformers")
 

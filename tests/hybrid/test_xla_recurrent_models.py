@@ -30,7 +30,6 @@ from graphrt.models.hf_config import DecoderConfig
 from graphrt.models.model_impl import resolve_model_impl
 from support.hybrid_models import hybrid_model_dir, load_hf_hybrid
 from support.hybrid_parity import reference_logits, run_schedule
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 LENGTHS = (13, 7, 18, 9)
 #: The xla runs: one token bucket of 16 and one of 4 requests hold every step of the schedule.

@@ -14,7 +14,6 @@ import torch
 
 from graphrt.testing.conformance import run_conformance
 from support.kit_models import THREADS_SEEN, docs_example_code, model_dir
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,7 +22,6 @@ from support.hf_models import tiny_hf_model_dir
 from support.seam_bugs import SimCuda, apart_executor, planted_model
 from support.planned_backend import planned_model
 from support.user_attention import DenseBackend, dense_model, extra_input_model
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 
 def _lying_spec() -> torch.nn.Module:

@@ -17,7 +17,6 @@ from graphrt.testing.refit import RefitTraffic, refit_traffic, refit_under_traff
 from support.fast_subset import examples
 from support.hf_models import tiny_hf_model_dir
 from support.refit_models import ENGINE, backend
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 MODEL = str(tiny_hf_model_dir("qwen3"))
 KIT = dict(ENGINE, max_num_batched_tokens=16, cudagraph_capture_sizes=[4, 16])

@@ -30,7 +30,6 @@ from graphrt.testing.runners import RunnerFactory
 from support.fast_subset import examples
 from support.kit_models import model_dir
 from support.own_mixer import BUGS, own_hybrid
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -30,7 +30,6 @@ from graphrt.testing.runners import KIT_LIMITS, RunnerFactory
 from graphrt.testing.strategies import steps
 from support.fast_subset import slow_except
 from support.kit_models import hf_reference, model_dir
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 EXAMPLES = 6
 #: A small XLA grid: every compile costs about a second here.

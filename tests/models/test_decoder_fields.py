@@ -27,7 +27,6 @@ from transformers_zoo import load_reference, tiny_checkpoint
 from support.fast_subset import examples
 from support.hf_greedy import argmax_problem
 from support.hf_models import SLIDING, load_hf_model, random_prompts, tiny_hf_config, tiny_hf_model_dir
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 pytest.importorskip("transformers")
 

@@ -16,7 +16,6 @@ import graphrt
 from graphrt import SamplingParams
 from support.fast_subset import slow_except
 from support.hf_models import hf_logits, load_hf_model, random_prompts, tiny_hf_model_dir
-from support.frozen_heap import frozen_heap  # noqa: F401  (autouse: one collection per module)
 
 ARCHS = ("qwen3", "qwen3-tied", "llama")
 BACKENDS = ("eager", "cpu")
