@@ -20,12 +20,17 @@ def _rank(fn: Callable[[int], Any], rank: int, world_size: int, port: int, resul
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        results.put((rank, fn(rank), None))
+        value = fn(rank)
     except BaseException as err:                           # report, do not hang the parent
         results.put((rank, None, f"rank {rank} raised {err!r}"))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    # Every rank past its last collective before any tears the group down: a rank that closed its
+    # sockets while a peer still read from them made gloo abort that peer at exit (exit code -6,
+    # seen once under a full suite's load).
+    results.put((rank, value, None))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[[int], Any], world_size: int = 2, timeout: float = 120.0) -> dict[int, Any]:
