@@ -76,7 +76,8 @@ class SamplingRows:
             steps = self._no_steps.get(rows)
             if steps is None:
                 steps = self._no_steps[rows] = np.zeros(rows, np.uint32)
-        return SamplingMetadata(temperature, top_k, top_p, seeds, steps, min_p)
+        return SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps,
+                                min_p=min_p)
 
     def free(self, request_id: int) -> None:
         """Forget a finished request's step counter."""
